@@ -1,0 +1,11 @@
+// The list of fngen subcommands. Each register_<name> lives in apps/cmd_<name>.cpp.
+#include "apps/command.h"
+
+namespace fn {
+
+void register_commands(CLI::App& app, CommandList& commands) {
+  (void)app;
+  (void)commands;
+}
+
+}  // namespace fn

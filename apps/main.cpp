@@ -1,0 +1,74 @@
+// fngen entry point: CLI11 parsing, MPI start-up and the one error funnel of the process
+// (STYLE.md "Errors and logs"): an fn::Error is logged once with the rank prefix and every
+// rank ends with the exit code of its kind (MPI_Abort when several ranks run).
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "apps/command.h"
+#include "comm/mpi_context.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace {
+
+// The launcher's rank before MPI_Init (so that only rank 0 prints usage errors).
+int launcher_rank() {
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "fngen: tensor-parallel NVFP4 decode for Qwen3.8-Flash-Next (qwen4_exp).\n"
+      "Run multi-rank commands as: mpirun -np N fngen <command> ..."};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "fngen 0.1.0");
+  std::string log_level = "info";
+  bool log_all_ranks = false;
+  app.add_option("--log-level", log_level, "error|warn|info|debug|trace (env FN_LOG_LEVEL)");
+  app.add_flag("--log-all-ranks", log_all_ranks, "print INFO messages of every rank");
+
+  fn::CommandList commands;
+  fn::register_commands(app, commands);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const bool quiet = launcher_rank() != 0;
+    if (e.get_exit_code() == 0) {
+      if (!quiet) app.exit(e);
+      return 0;
+    }
+    if (!quiet) app.exit(e, std::cout, std::cerr);
+    return fn::exit_code(fn::ErrorKind::Usage);
+  }
+
+  int code = 0;
+  // Not destroyed on the error path: MPI_Finalize on one failing rank could wait for the others.
+  std::unique_ptr<fn::MpiContext> mpi;
+  try {
+    fn::set_log_level(fn::parse_log_level(log_level));
+    fn::set_log_all_ranks(log_all_ranks);
+    mpi = std::make_unique<fn::MpiContext>(&argc, &argv);
+    for (auto& cmd : commands) {
+      if (cmd.app->parsed()) code = cmd.run(*mpi);
+    }
+    mpi.reset();
+    return code;
+  } catch (const fn::Error& e) {
+    FN_LOG_ERROR("{} error: {}", fn::error_kind_name(e.kind()), e.what());
+    FN_LOG_DEBUG("raised at {}", e.where());
+    code = fn::exit_code(e.kind());
+  } catch (const std::exception& e) {
+    FN_LOG_ERROR("internal error: {}", e.what());
+    code = 1;
+  }
+  mpi.release();  // abort_all ends the process; MPI_Finalize must not run first
+  fn::MpiContext::abort_all(code);
+}

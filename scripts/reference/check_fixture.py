@@ -151,6 +151,16 @@ def check(d):
         row = np.frombuffer(raw, dtype=np.uint8)[(r % rows_per) * cols:(r % rows_per + 1) * cols]
         got = decode_e4m3(row) * scale
         assert np.array_equal(got, np.array(want, dtype=np.float32)), f"n-gram row {r} differs"
+    # the n-gram hash buffers of decoder layer 1 against MODEL.md G.3 (same vocab 512 and seed 1234)
+    if tc["vocab_size"] == 512 and tc.get("seed", 1234) == 1234 and 2 in tc["ple_layer_ids"]:
+        name = "model.language_model.layers.1.ple.ple_embedding.layer_multipliers"
+        st, e = where[name]
+        assert e["dtype"] == "I64" and e["shape"] == [3]
+        mult = np.frombuffer(st.raw(name)[0], dtype="<i8").tolist()
+        assert mult == [4295158889763781, 17440218147737327, 1270917961434445], mult
+        name = "model.language_model.layers.1.ple.ple_embedding.ngram_heads_vocab_sizes"
+        sizes = np.frombuffer(where[name][0].raw(name)[0], dtype="<i8").tolist()
+        assert sizes == [1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049], sizes
     # a BF16 tensor
     bc = meta["bf16_check"]
     st, e = where[bc["tensor"]]

@@ -1,0 +1,43 @@
+// The collectives interface through which the CPU backend (and anything else in core/) reaches
+// its tensor-parallel peers without seeing MPI (DESIGN.md "Layout"). comm/mpi_collectives.h
+// implements it over MPI; LocalCollectives below is the one-rank case used by TP=1 runs and tests.
+// Invariant: every rank calls the same collectives in the same order with the same sizes, and a
+// collective's result is bit-identical on every rank (MODEL.md §E.3).
+#pragma once
+
+#include <cstddef>
+
+namespace fn {
+
+/// Collective operations over the ranks of one tensor-parallel group.
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  /// This process's rank in the group, 0 <= rank() < size().
+  virtual int rank() const = 0;
+  /// Number of ranks in the group (the TP size).
+  virtual int size() const = 0;
+  /// In place: data[i] = sum over ranks of data[i], n floats. Implementations must give every
+  /// rank the bit-identical result (the MPI one sums in rank order 0..size-1 on every rank).
+  /// Throws fn::Error(Mpi) on a communication failure.
+  virtual void all_reduce_sum(float* data, std::size_t n) = 0;
+  /// out[r * n_per_rank + i] = rank r's in[i]; out holds size() * n_per_rank floats and must not
+  /// alias in. Throws fn::Error(Mpi) on a communication failure.
+  virtual void all_gather(const float* in, std::size_t n_per_rank, float* out) = 0;
+  /// Copies `bytes` bytes at data from rank `root` to every rank. Throws fn::Error(Mpi) on a
+  /// communication failure, fn::Error(Internal) for a root outside the group.
+  virtual void broadcast(void* data, std::size_t bytes, int root) = 0;
+};
+
+/// The single-rank group: rank 0 of 1; all_reduce_sum and broadcast leave the data as is,
+/// all_gather copies in to out.
+class LocalCollectives final : public Collectives {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void all_reduce_sum(float* data, std::size_t n) override;
+  void all_gather(const float* in, std::size_t n_per_rank, float* out) override;
+  void broadcast(void* data, std::size_t bytes, int root) override;
+};
+
+}  // namespace fn

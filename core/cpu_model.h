@@ -1,0 +1,91 @@
+// CpuModel: the FP32 CPU reference backend of MODEL.md §C — one decode step at a time, tensor-
+// parallel over a Collectives group exactly per the shard plan (MODEL.md §E.2). Called by the
+// generation loop (`fngen generate --backend cpu`), `fngen eval` and the golden tests; it is the
+// oracle the CUDA backend is compared with. Invariants: weights stay in their checkpoint dtypes
+// (BF16 as uint16, NVFP4 packed codes + E4M3 block scales + FP32 global scale, FP8 n-gram rows)
+// and are dequantised one row at a time on use; small 1-D weights (norms, conv taps, A_log,
+// dt_bias) are converted to FP32 at load. All activations, caches and states are FP32 (no BF16
+// rounding anywhere; see core/cpu_ops.h). Every rank performs the same collectives in the same
+// order; forward() returns the same full-vocabulary logits on every rank.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/collectives.h"
+#include "core/config.h"
+
+namespace fn {
+
+class Checkpoint;
+class ShardPlan;
+
+/// The loaded model of one TP rank plus the per-sequence state of MODEL.md §C.0.
+class CpuModel {
+ public:
+  /// Loads the checkpoint directory `dir` (config.json, quantization config, safetensors via the
+  /// index) for rank coll.rank() of coll.size(): builds the shard plan, validates every text
+  /// tensor's name, dtype and shape against MODEL.md §B.2 (skipping vision/MTP; the bare
+  /// `model.*` layout is accepted as well as `model.language_model.*`), checks the stored n-gram
+  /// I64 buffers against the config, then reads only this rank's slices. Throws fn::Error:
+  /// Io/Format for unreadable or invalid files (naming file and tensor), Usage when the TP size
+  /// does not divide the model (naming the constraint), Format for ple_embed_dim != hidden_size
+  /// (unsupported). Collective-free: ranks load independently. `coll` must outlive the model.
+  static std::unique_ptr<CpuModel> load(const std::filesystem::path& dir, Collectives& coll);
+
+  ~CpuModel();
+  CpuModel(const CpuModel&) = delete;
+  CpuModel& operator=(const CpuModel&) = delete;
+
+  /// One decode step (MODEL.md §C.10) for `token` at position position(): updates every state
+  /// (KV and indexer caches, pooled block keys, GDN conv + recurrent states, PLE conv state,
+  /// n-gram context), advances the position, and returns the vocab_size FP32 logits (no masking
+  /// of padding rows), identical on every rank. The span stays valid until the next forward() or
+  /// reset(). Prefill is forward() over the prompt tokens in order (MODEL.md §D: the same
+  /// function, token by token). Collectives per call at TP > 1: one all-reduce per PLE layer
+  /// (2560), two per decoder layer (2560 each), one all-gather of the logits.
+  /// Throws fn::Error(Usage) for a token outside [0, vocab_size).
+  std::span<const float> forward(int32_t token);
+
+  /// Forgets the sequence: position 0, empty caches, zero GDN/PLE states, n-gram context all EOS.
+  void reset();
+
+  /// Number of tokens processed since load()/reset() (the position of the next token).
+  int64_t position() const noexcept { return position_; }
+  const ModelConfig& config() const noexcept { return cfg_; }
+  int tp_rank() const noexcept { return tp_rank_; }
+  int tp_size() const noexcept { return tp_size_; }
+  /// Bytes of weights this rank holds in memory (checkpoint dtypes).
+  uint64_t weight_bytes() const noexcept { return weight_bytes_; }
+  /// Bytes of per-sequence state this rank holds now (caches grow with position()).
+  uint64_t state_bytes() const noexcept;
+
+ private:
+  struct Layer;
+  struct Hc;
+  CpuModel(ModelConfig cfg, Collectives& coll);
+  void load_weights(const Checkpoint& ck, const ShardPlan& plan, bool bare_layout,
+                    bool experts_nvfp4, bool ngram_fp8);
+  void ple_step(Layer& L, int32_t token, float* H);
+  void gdn_step(Layer& L, const float* m, float* y);
+  void qsa_step(Layer& L, const float* m, float* y);
+  void moe_step(Layer& L, const float* m, float* y);
+
+  ModelConfig cfg_;
+  Collectives& coll_;
+  int tp_rank_ = 0;
+  int tp_size_ = 1;
+  int64_t position_ = 0;
+  uint64_t weight_bytes_ = 0;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::unique_ptr<Hc> final_mixer_;
+  struct Matrices;
+  std::unique_ptr<Matrices> top_;  // embedding, lm_head
+  std::vector<float> logits_local_;
+  std::vector<float> logits_;
+};
+
+}  // namespace fn

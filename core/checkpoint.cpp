@@ -66,10 +66,10 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
                  "checkpoint index '{}': weight_map entry '{}' is a JSON {}, not a file name",
                  index_path.string(), name, file.type_name());
       const std::string& fname = file.get_ref<const std::string&>();
-      FN_REQUIRE(
-          !fname.empty() && fname.find('/') == std::string::npos && fname != "." && fname != "..",
-          Format, "checkpoint index '{}': tensor '{}' names file '{}', not a file name",
-          index_path.string(), name, fname);
+      FN_REQUIRE(!fname.empty() && fname.find('/') == std::string::npos &&
+                     fname.find('\0') == std::string::npos && fname != "." && fname != "..",
+                 Format, "checkpoint index '{}': tensor '{}' names file '{}', not a file name",
+                 index_path.string(), name, fname);
       if (seen_files.insert(fname).second) file_names.push_back(fname);
       weight_map.emplace(name, fname);
     }

@@ -23,8 +23,8 @@ class Checkpoint {
   /// Opens `dir`. Throws fn::Error(Io) if dir is not a directory, a file cannot be opened, the
   /// index names a missing file (naming the index and the file), or no safetensors file exists;
   /// fn::Error(Format) for an index that is not JSON or has wrong types (`weight_map` an object
-  /// of name -> file-name strings, `metadata` an object if present), a file name with a '/', a
-  /// tensor of the index absent from its file, a file tensor missing from the index, the same
+  /// of name -> file-name strings, `metadata` an object if present), a file name with a '/' or NUL,
+  /// a tensor of the index absent from its file, a file tensor missing from the index, the same
   /// tensor in two files (naming both), and every error of SafetensorsFile::open.
   static Checkpoint open(const std::filesystem::path& dir);
 

@@ -17,12 +17,13 @@
 
 namespace fn::testing {
 
-/// A fresh directory under the system temp dir, removed with its contents on destruction.
+/// A fresh directory, removed with its contents on destruction.
 class TempDir {
  public:
-  TempDir() {
+  /// Under `base`, or the system temp dir when base is empty.
+  explicit TempDir(const std::filesystem::path& base = {}) {
     static std::atomic<int> counter{0};
-    path_ = std::filesystem::temp_directory_path() /
+    path_ = (base.empty() ? std::filesystem::temp_directory_path() : base) /
             ("fn_ckpt_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
@@ -39,6 +40,16 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+/// /dev/shm when it is a writable directory (RAM-backed: tests that rewrite files thousands of
+/// times run 20x faster there than on a disk-backed /tmp), else empty (the system temp dir).
+inline std::filesystem::path fast_temp_base() {
+  std::error_code ec;
+  if (std::filesystem::is_directory("/dev/shm", ec) && ::access("/dev/shm", W_OK) == 0) {
+    return "/dev/shm";
+  }
+  return {};
+}
 
 inline void write_file(const std::filesystem::path& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

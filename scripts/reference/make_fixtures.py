@@ -122,12 +122,10 @@ def ngram_constants(spec, ple_layer_index):
         return all(x % d for d in range(3, math.isqrt(x) + 1, 2))
 
     sizes, p = [], spec["ngram_vocab_size_base"] - 1
-    count = 0
     while len(sizes) < (ple_layer_index + 1) * heads:
         p += 1
         if is_prime(p):
             sizes.append(p)
-            count += 1
     sizes = sizes[ple_layer_index * heads:]
     offsets = [int(x) for x in np.cumsum([0] + sizes[:-1])]
     div = spec["make_ngram_vocab_size_divisible_by"]

@@ -11,7 +11,7 @@ packages=(
   libopenmpi-dev openmpi-bin
   libsentencepiece-dev sentencepiece
   libfmt-dev doctest-dev nlohmann-json3-dev libcli11-dev
-  libpcre2-dev libutf8proc-dev
+  libpcre2-dev libutf8proc-dev zlib1g-dev
   libclang-rt-14-dev clang-format
   python3 python3-jinja2 python3-numpy
 )

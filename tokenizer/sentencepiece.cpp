@@ -1,0 +1,125 @@
+// SentencePiece tokenizer.model behind fn::Tokenizer (libsentencepiece 0.1.97). SentencePiece
+// has no added-token matching of its own beyond user-defined pieces, so Raw and Plain encode
+// alike; control pieces (<s>, </s>) never come out of encode.
+#include <sentencepiece_processor.h>
+
+#include "core/error.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/unicode.h"
+
+namespace fn {
+namespace {
+
+class SentencePieceTokenizer final : public Tokenizer {
+ public:
+  explicit SentencePieceTokenizer(const std::filesystem::path& file) : name_(file.string()) {
+    FN_REQUIRE(std::filesystem::exists(file), Io, "cannot open tokenizer file {}", name_);
+    const auto status = sp_.Load(name_);
+    FN_REQUIRE(status.ok(), Format, "{}: not a SentencePiece model: {}", name_, status.ToString());
+  }
+
+  std::vector<int32_t> encode(std::string_view text, EncodeMode) const override {
+    unicode::require_valid_utf8(text, "text to encode");
+    std::vector<int> ids;
+    const auto status = sp_.Encode(text, &ids);
+    FN_REQUIRE(status.ok(), Format, "{}: encode failed: {}", name_, status.ToString());
+    return {ids.begin(), ids.end()};
+  }
+
+  std::string decode(std::span<const int32_t> ids) const override {
+    for (int32_t id : ids) check_id(id);
+    std::string out;
+    const auto status = sp_.Decode(std::vector<int>(ids.begin(), ids.end()), &out);
+    FN_REQUIRE(status.ok(), Format, "{}: decode failed: {}", name_, status.ToString());
+    return out;
+  }
+
+  // SentencePiece's decoder per piece: control pieces vanish, byte pieces <0xNN> are one byte,
+  // U+2581 is a space, unknown pieces print " \u2047 ", and the first piece loses the dummy
+  // prefix space.
+  std::string token_bytes(int32_t id, bool first) const override {
+    check_id(id);
+    if (sp_.IsControl(id)) return {};
+    if (sp_.IsUnknown(id)) return first ? "\xE2\x81\x87 " : " \xE2\x81\x87 ";
+    std::string piece = sp_.IdToPiece(id);
+    if (sp_.IsByte(id))
+      return std::string(1, static_cast<char>(std::stoi(piece.substr(3, 2), nullptr, 16)));
+    std::string out;
+    for (size_t i = 0; i < piece.size();) {
+      if (piece.compare(i, 3, "\xE2\x96\x81") == 0) {
+        out += ' ';
+        i += 3;
+      } else {
+        out += piece[i++];
+      }
+    }
+    if (first && !out.empty() && out[0] == ' ') out.erase(0, 1);
+    return out;
+  }
+
+  std::optional<int32_t> token_to_id(std::string_view token) const override {
+    const int id = sp_.PieceToId(token);
+    if (id == sp_.unk_id() && sp_.IdToPiece(id) != token) return std::nullopt;
+    return id;
+  }
+
+  std::string id_to_token(int32_t id) const override {
+    check_id(id);
+    return sp_.IdToPiece(id);
+  }
+
+  int32_t vocab_size() const override { return sp_.GetPieceSize(); }
+
+  bool is_special(int32_t id) const override {
+    return id >= 0 && id < vocab_size() && sp_.IsControl(id);
+  }
+
+ private:
+  void check_id(int32_t id) const {
+    FN_REQUIRE(id >= 0 && id < vocab_size(), Format,
+               "token id {} is not in the vocabulary of {} (size {})", id, name_, vocab_size());
+  }
+
+  std::string name_;
+  sentencepiece::SentencePieceProcessor sp_;
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_sentencepiece(const std::filesystem::path& file) {
+  return std::make_unique<SentencePieceTokenizer>(file);
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer_file(const std::filesystem::path& file) {
+  if (file.extension() == ".json") return load_tokenizer_json(file);
+  return load_sentencepiece(file);
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& model_dir) {
+  FN_REQUIRE(std::filesystem::is_directory(model_dir), Io, "model directory {} does not exist",
+             model_dir.string());
+  const auto json_file = model_dir / "tokenizer.json";
+  if (std::filesystem::exists(json_file)) return load_tokenizer_json(json_file);
+  const auto spm_file = model_dir / "tokenizer.model";
+  if (std::filesystem::exists(spm_file)) return load_sentencepiece(spm_file);
+  FN_THROW(Io, "{} has neither tokenizer.json nor tokenizer.model", model_dir.string());
+}
+
+std::string StreamingDetokenizer::feed(int32_t id) {
+  pending_ += tokenizer_.token_bytes(id, first_);
+  first_ = false;
+  const size_t hold = unicode::incomplete_utf8_tail(pending_);
+  std::string out =
+      unicode::utf8_lossy(std::string_view(pending_).substr(0, pending_.size() - hold));
+  pending_.erase(0, pending_.size() - hold);
+  return out;
+}
+
+std::string StreamingDetokenizer::finish() {
+  std::string out = unicode::utf8_lossy(pending_);
+  pending_.clear();
+  first_ = true;
+  return out;
+}
+
+}  // namespace fn

@@ -1,0 +1,93 @@
+// fn::Tokenizer: text <-> token ids for fngen's prompt and output paths (apps/, eval).
+// Two implementations behind one interface: tokenizer.json byte-level BPE (identical to HF
+// `tokenizers` encode with add_special_tokens=False; MODEL.md A.5) and SentencePiece
+// tokenizer.model. Invalid UTF-8 input is rejected (fn::Error Format naming the byte offset);
+// decode never fails on valid ids and replaces broken UTF-8 with U+FFFD like HF.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fn {
+
+/// How encode() treats added-token strings in the text.
+enum class EncodeMode {
+  Raw,    ///< every added token (special or not) is recognised, as HF `encode` does
+  Plain,  ///< special-token strings are ordinary text (HF encode_special_tokens=True); used for
+          ///< chat content so user text cannot forge <|im_start|>. Non-special added tokens
+          ///< (e.g. Qwen3's <think>) are still recognised, as in HF.
+};
+
+/// A loaded tokenizer. Thread-safe for concurrent const calls.
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+
+  /// Encodes UTF-8 text to ids (no BOS/EOS added). Throws fn::Error(Format) naming the byte
+  /// offset of the first invalid UTF-8 sequence (policy: reject, never guess).
+  virtual std::vector<int32_t> encode(std::string_view text,
+                                      EncodeMode mode = EncodeMode::Raw) const = 0;
+
+  /// Decodes ids to UTF-8 text, special tokens included; invalid byte sequences become U+FFFD
+  /// (HF's from_utf8_lossy). Throws fn::Error(Format) for an id outside [0, vocab_size()).
+  virtual std::string decode(std::span<const int32_t> ids) const = 0;
+
+  /// The raw bytes one token contributes to the decoded text (first: it opens the text, which
+  /// matters for SentencePiece's dummy prefix). Concatenating token_bytes of a sequence and
+  /// replacing broken UTF-8 gives decode(). Throws fn::Error(Format) for an unknown id.
+  virtual std::string token_bytes(int32_t id, bool first) const = 0;
+
+  /// Id of a token given in the model's own spelling (byte-level "Ġthe", added-token content,
+  /// SentencePiece piece); nullopt when absent.
+  virtual std::optional<int32_t> token_to_id(std::string_view token) const = 0;
+
+  /// The model's own spelling of an id. Throws fn::Error(Format) when out of range.
+  virtual std::string id_to_token(int32_t id) const = 0;
+
+  /// Number of ids (largest id + 1, added tokens included).
+  virtual int32_t vocab_size() const = 0;
+
+  /// True for ids of special added tokens (<|im_end|> ...) and SentencePiece control pieces.
+  virtual bool is_special(int32_t id) const = 0;
+};
+
+/// Loads <model_dir>/tokenizer.json (preferred) or <model_dir>/tokenizer.model. Throws
+/// fn::Error(Io) when neither exists, fn::Error(Format) for a malformed or unsupported file.
+std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& model_dir);
+
+/// Loads a tokenizer.json (byte-level BPE; other components are rejected by name).
+std::unique_ptr<Tokenizer> load_tokenizer_json(const std::filesystem::path& file);
+
+/// Loads a tokenizer.json from memory; `name` is used in error messages.
+std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view json, const std::string& name);
+
+/// Loads a SentencePiece tokenizer.model through libsentencepiece.
+std::unique_ptr<Tokenizer> load_sentencepiece(const std::filesystem::path& file);
+
+/// Loads a tokenizer file by kind: *.json -> BPE, anything else -> SentencePiece.
+std::unique_ptr<Tokenizer> load_tokenizer_file(const std::filesystem::path& file);
+
+/// Incremental decode for generation output: feed ids one at a time, get back only complete
+/// UTF-8 (an emoji split over three tokens comes out once, never as U+FFFD). The concatenation
+/// of all feed() results and finish() equals tokenizer.decode(all ids).
+class StreamingDetokenizer {
+ public:
+  explicit StreamingDetokenizer(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
+  /// Adds one id; returns the text that became complete (possibly empty).
+  std::string feed(int32_t id);
+  /// Ends the stream: returns what is held back (an incomplete sequence becomes U+FFFD).
+  std::string finish();
+
+ private:
+  const Tokenizer& tokenizer_;
+  std::string pending_;
+  bool first_ = true;
+};
+
+}  // namespace fn

@@ -6,3 +6,5 @@ fn_add_test(NAME test_cpu_model SOURCES test_cpu_model.cpp LABEL cpu)
 fn_add_test(NAME test_cpu_model_tp SOURCES test_cpu_model_tp.cpp LIBS fngen_comm LABEL mpi)
 # CpuModel loading: bare layout, missing tensor, n-gram constant drift.
 fn_add_test(NAME test_cpu_model_load SOURCES test_cpu_model_load.cpp LABEL cpu)
+# CpuModel: fused BF16 experts + BF16 n-gram table == NVFP4 + FP8 with the same values (TP 1, 2).
+fn_add_test(NAME test_cpu_model_bf16 SOURCES test_cpu_model_bf16.cpp LIBS fngen_comm LABEL mpi)

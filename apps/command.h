@@ -23,4 +23,8 @@ using CommandList = std::vector<Command>;
 /// Adds every subcommand (apps/commands.cpp lists them).
 void register_commands(CLI::App& app, CommandList& commands);
 
+// One per apps/cmd_<name>.cpp: adds the subcommand to `app` and its entry to `commands`.
+void register_inspect(CLI::App& app, CommandList& commands);
+void register_synth(CLI::App& app, CommandList& commands);
+
 }  // namespace fn

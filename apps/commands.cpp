@@ -4,8 +4,8 @@
 namespace fn {
 
 void register_commands(CLI::App& app, CommandList& commands) {
-  (void)app;
-  (void)commands;
+  register_inspect(app, commands);
+  register_synth(app, commands);
 }
 
 }  // namespace fn

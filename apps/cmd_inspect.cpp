@@ -1,0 +1,38 @@
+// `fngen inspect DIR [--tp N] [--ctx-size T] [--json]`: checkpoint validation and summary.
+#include <cstdio>
+#include <memory>
+
+#include "apps/command.h"
+#include "comm/mpi_context.h"
+#include "core/inspect.h"
+
+namespace fn {
+
+void register_inspect(CLI::App& app, CommandList& commands) {
+  struct Options {
+    std::string dir;
+    int tp = 1;
+    int64_t ctx_size = 8192;
+    bool json = false;
+  };
+  auto opt = std::make_shared<Options>();
+  CLI::App* sub = app.add_subcommand(
+      "inspect", "validate a checkpoint against its config and print its summary, weights per "
+                 "TP rank and bytes read per decoded token");
+  sub->add_option("dir,-m,--model", opt->dir, "checkpoint directory")->required();
+  sub->add_option("--tp", opt->tp, "tensor-parallel size for the per-rank figures (1, 2, 4, 8)");
+  sub->add_option("-c,--ctx-size", opt->ctx_size, "context length (tokens) for bytes per token");
+  sub->add_flag("--json", opt->json, "print JSON instead of tables");
+  commands.push_back({sub, [opt](MpiContext& mpi) {
+                        const InspectReport report =
+                            inspect_checkpoint(opt->dir, opt->tp, opt->ctx_size);
+                        if (mpi.world_rank() == 0) {
+                          const std::string text = opt->json ? inspect_json(report).dump(2) + "\n"
+                                                             : format_inspect_text(report);
+                          std::fwrite(text.data(), 1, text.size(), stdout);
+                        }
+                        return 0;
+                      }});
+}
+
+}  // namespace fn

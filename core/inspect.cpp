@@ -1,0 +1,208 @@
+#include "core/inspect.h"
+
+#include <algorithm>
+#include <cstring>
+#include <iterator>
+
+#include "core/checkpoint.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/ngram.h"
+
+namespace fn {
+namespace {
+
+std::string human_bytes(uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.3f} GiB", b / (1024.0 * 1024 * 1024));
+  if (b >= 1024.0 * 1024) return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
+  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{} B", bytes);
+}
+
+// The PLE I64 buffers must hold what the config implies (MODEL.md §B.2: catches config drift).
+void check_ple_buffers(const Checkpoint& ckpt, const ModelConfig& cfg,
+                       const std::vector<ExpectedTensor>& expected, ValidationReport& report) {
+  for (const auto& t : expected) {
+    if (t.role != TensorRole::PleMultipliers && t.role != TensorRole::PleHeadSizes &&
+        t.role != TensorRole::PleHeadOffsets) {
+      continue;
+    }
+    const TensorInfo* info = ckpt.find(t.name);
+    if (info == nullptr || info->dtype != DType::I64 || info->numel() != t.numel()) continue;
+    std::vector<int64_t> stored(static_cast<std::size_t>(t.numel()));
+    ckpt.read_all(t.name, stored.data());
+    const NgramConstants k = ngram_constants(cfg, cfg.ple_rank(t.layer));
+    const auto& want = t.role == TensorRole::PleMultipliers ? k.multipliers
+                       : t.role == TensorRole::PleHeadSizes ? k.head_sizes
+                                                            : k.head_offsets;
+    if (stored != want) {
+      report.problems.push_back(fmt::format(
+          "{}: stored values [{}] differ from those computed from config.json [{}]", t.name,
+          fmt::join(stored, ", "), fmt::join(want, ", ")));
+    }
+  }
+}
+
+}  // namespace
+
+InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size,
+                                 int64_t ctx_size) {
+  FN_REQUIRE(ctx_size >= 1, Usage, "--ctx-size must be >= 1, got {}", ctx_size);
+  InspectReport r;
+  r.dir = dir.string();
+  r.config = load_model_config(dir);
+  const QuantConfig quant = load_quant_config(dir);
+  r.quant_algo = quant.quantized() ? quant.quant_algo : "none";
+  const Checkpoint ckpt = Checkpoint::open(dir);
+  r.files = ckpt.file_count();
+  r.checkpoint_bytes = ckpt.total_bytes();
+
+  const std::vector<ExpectedTensor> expected = expected_tensors(r.config, quant);
+  const std::vector<std::string> names = ckpt.tensor_names();
+  std::vector<FoundTensor> found;
+  found.reserve(names.size());
+  for (const auto& name : names) {
+    const TensorInfo& info = ckpt.info(name);
+    found.push_back({info.name, info.dtype, info.shape});
+  }
+  r.validation = validate_tensors(expected, found);
+  check_ple_buffers(ckpt, r.config, expected, r.validation);
+  if (!r.validation.ok()) {
+    for (const auto& p : r.validation.problems) FN_LOG_ERROR("{}: {}", r.dir, p);
+  }
+  require_valid(r.validation, r.dir);
+
+  std::unordered_map<std::string_view, const ExpectedTensor*> by_name;
+  for (const auto& t : expected) by_name.emplace(t.name, &t);
+  for (const auto& name : names) {
+    const TensorInfo& info = ckpt.info(name);
+    std::string family;
+    switch (skipped_tensor(name)) {
+      case SkipReason::Vision: family = "skipped.vision"; break;
+      case SkipReason::Mtp: family = "skipped.mtp"; break;
+      case SkipReason::None: family = std::string(tensor_family(by_name.at(name)->role)); break;
+    }
+    auto& g = r.groups[fmt::format("{}/{}", family, dtype_name(info.dtype))];
+    g.tensors += 1;
+    g.bytes += info.nbytes();
+  }
+
+  const ShardPlan plan = ShardPlan::build(r.config, quant, tp_size);
+  r.tp_size = tp_size;
+  r.ctx_size = ctx_size;
+  for (int rank = 0; rank < tp_size; ++rank) {
+    r.weight_bytes_per_rank.push_back(plan.weight_bytes(rank));
+    r.weight_bytes_by_family.push_back(plan.weight_bytes_by_family(rank));
+    r.token_bytes.push_back(bytes_per_token(plan, r.config, rank, ctx_size));
+  }
+  return r;
+}
+
+std::string format_inspect_text(const InspectReport& r) {
+  const ModelConfig& c = r.config;
+  std::string s;
+  auto it_out = std::back_inserter(s);
+  fmt::format_to(it_out, "checkpoint  {}\n", r.dir);
+  fmt::format_to(it_out, "files       {} safetensors, {} of tensors, quantization {}\n", r.files,
+      human_bytes(r.checkpoint_bytes), r.quant_algo);
+  std::vector<int64_t> ple;
+  for (int64_t l : c.ple_layer_indices()) ple.push_back(l);
+  fmt::format_to(it_out, "layers      {} ({} Gated DeltaNet, {} QSA; PLE at layer index {})\n", c.num_hidden_layers,
+      c.num_gdn_layers(), c.num_qsa_layers(), ple.empty() ? "none" : fmt::format("{}", fmt::join(ple, ", ")));
+  fmt::format_to(it_out, "geometry    hidden_size {}, vocab_size {}, experts {} (top-{}), hc_count {}, "
+      "ngram table rows {}\n",
+      c.hidden_size, c.vocab_size, c.num_experts, c.num_experts_per_tok, c.hc_count,
+      c.has_ple() ? c.ngram_table_rows() : 0);
+  const auto& v = r.validation;
+  fmt::format_to(it_out, "validation  ok: {} text tensors matched, {} vision and {} MTP tensors skipped\n\n",
+      v.matched, v.skipped_vision, v.skipped_mtp);
+
+  fmt::format_to(it_out, "{:<24} {:>9} {:>14}\n", "family/dtype", "tensors", "bytes");
+  for (const auto& [key, g] : r.groups) fmt::format_to(it_out, "{:<24} {:>9} {:>14}\n", key, g.tensors, human_bytes(g.bytes));
+
+  fmt::format_to(it_out, "\nweights per rank at TP={}\n", r.tp_size);
+  std::vector<std::string> families;
+  for (const auto& [f, b] : r.weight_bytes_by_family.at(0)) families.push_back(f);
+  fmt::format_to(it_out, "{:<14}", "family");
+  for (int rank = 0; rank < r.tp_size; ++rank) fmt::format_to(it_out, " {:>14}", fmt::format("rank {}", rank));
+  fmt::format_to(it_out, "\n");
+  for (const auto& f : families) {
+    fmt::format_to(it_out, "{:<14}", f);
+    for (int rank = 0; rank < r.tp_size; ++rank) {
+      const auto& m = r.weight_bytes_by_family[rank];
+      auto it = m.find(f);
+      fmt::format_to(it_out, " {:>14}", human_bytes(it == m.end() ? 0 : it->second));
+    }
+    fmt::format_to(it_out, "\n");
+  }
+  fmt::format_to(it_out, "{:<14}", "total");
+  for (int rank = 0; rank < r.tp_size; ++rank) fmt::format_to(it_out, " {:>14}", human_bytes(r.weight_bytes_per_rank[rank]));
+
+  fmt::format_to(it_out, "\n\nbytes read per decoded token per rank at ctx-size {} (TP={}, batch 1)\n", r.ctx_size,
+      r.tp_size);
+  std::vector<std::string> token_families;
+  for (const auto& [f, b] : r.token_bytes.at(0).weights) token_families.push_back(f);
+  auto row = [&](const std::string& name, auto get) {
+    fmt::format_to(it_out, "{:<14}", name);
+    for (int rank = 0; rank < r.tp_size; ++rank) fmt::format_to(it_out, " {:>14}", human_bytes(get(r.token_bytes[rank])));
+    fmt::format_to(it_out, "\n");
+  };
+  for (const auto& f : token_families) {
+    row(f, [&](const TokenBytes& t) {
+      auto it = t.weights.find(f);
+      return it == t.weights.end() ? uint64_t{0} : it->second;
+    });
+  }
+  row("kv_cache", [](const TokenBytes& t) { return t.kv_cache; });
+  row("indexer_cache", [](const TokenBytes& t) { return t.indexer_cache; });
+  row("gdn_state", [](const TokenBytes& t) { return t.gdn_state; });
+  row("conv_state", [](const TokenBytes& t) { return t.conv_state; });
+  row("total", [](const TokenBytes& t) { return t.total(); });
+  return s;
+}
+
+nlohmann::json inspect_json(const InspectReport& r) {
+  using nlohmann::json;
+  const ModelConfig& c = r.config;
+  json groups = json::object();
+  for (const auto& [key, g] : r.groups) groups[key] = {{"tensors", g.tensors}, {"bytes", g.bytes}};
+  json ranks = json::array();
+  for (int rank = 0; rank < r.tp_size; ++rank) {
+    const TokenBytes& t = r.token_bytes[rank];
+    ranks.push_back({{"rank", rank},
+                     {"weight_bytes", r.weight_bytes_per_rank[rank]},
+                     {"weight_bytes_by_family", r.weight_bytes_by_family[rank]},
+                     {"token_bytes",
+                      {{"weights", t.weights},
+                       {"kv_cache", t.kv_cache},
+                       {"indexer_cache", t.indexer_cache},
+                       {"gdn_state", t.gdn_state},
+                       {"conv_state", t.conv_state},
+                       {"total", t.total()}}}});
+  }
+  const auto& v = r.validation;
+  return {{"dir", r.dir},
+          {"config",
+           {{"num_hidden_layers", c.num_hidden_layers},
+            {"gdn_layers", c.num_gdn_layers()},
+            {"qsa_layers", c.num_qsa_layers()},
+            {"ple_layer_indices", c.ple_layer_indices()},
+            {"hidden_size", c.hidden_size},
+            {"vocab_size", c.vocab_size},
+            {"num_experts", c.num_experts},
+            {"num_experts_per_tok", c.num_experts_per_tok},
+            {"quant_algo", r.quant_algo}}},
+          {"files", r.files},
+          {"checkpoint_bytes", r.checkpoint_bytes},
+          {"validation",
+           {{"matched", v.matched},
+            {"skipped_vision", v.skipped_vision},
+            {"skipped_mtp", v.skipped_mtp}}},
+          {"groups", groups},
+          {"tp_size", r.tp_size},
+          {"ctx_size", r.ctx_size},
+          {"ranks", ranks}};
+}
+
+}  // namespace fn

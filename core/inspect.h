@@ -1,0 +1,59 @@
+// `fngen inspect`: validates a checkpoint directory against its config (every text tensor of
+// MODEL.md §B.2 present with the right dtype and shape, nothing unexpected, the PLE I64 buffers
+// equal to the values recomputed from the config) and summarizes it: layers by type, tensors
+// and bytes per module family and dtype, weights per TP rank and bytes read per decoded token
+// per rank — the input to every roofline figure. Called by apps/cmd_inspect.cpp.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/shard_plan.h"
+
+namespace fn {
+
+/// Tensors and bytes of one (family, dtype) group.
+struct TensorGroupStats {
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+};
+
+/// Everything `fngen inspect` prints.
+struct InspectReport {
+  std::string dir;
+  ModelConfig config;
+  std::string quant_algo;  ///< "NVFP4", "MIXED_PRECISION" or "none"
+  uint64_t files = 0;
+  uint64_t checkpoint_bytes = 0;  ///< all tensor bytes in the files (skipped ones included)
+  ValidationReport validation;
+  /// key "family/dtype", e.g. "moe.experts/U8"; skipped tensors under "skipped.mtp/..." etc.
+  std::map<std::string, TensorGroupStats> groups;
+  int tp_size = 1;
+  int64_t ctx_size = 8192;
+  std::vector<uint64_t> weight_bytes_per_rank;                          ///< [tp_size]
+  std::vector<std::map<std::string, uint64_t>> weight_bytes_by_family;  ///< [tp_size]
+  std::vector<TokenBytes> token_bytes;                                  ///< [tp_size]
+};
+
+/// Opens `dir` (config.json, quantization, index or single file), validates every tensor and the
+/// PLE I64 buffers, and computes the report for `tp_size` ranks at `ctx_size` tokens.
+/// Throws Format listing the problems when the checkpoint does not match its config (every
+/// problem is also logged at ERROR), Usage for a TP size the model cannot use or ctx_size < 1,
+/// Io when files are missing or unreadable.
+InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, int64_t ctx_size);
+
+/// Human-readable summary (several aligned tables; sizes in GiB/MiB).
+std::string format_inspect_text(const InspectReport& report);
+
+/// Machine-readable summary: {dir, config: {...}, files, checkpoint_bytes, validation: {...},
+/// groups: {"family/dtype": {tensors, bytes}}, tp_size, ctx_size, ranks: [{rank,
+/// weight_bytes, weight_bytes_by_family, token_bytes: {weights, kv_cache, indexer_cache,
+/// gdn_state, conv_state, total}}]}. Byte counts are integers (bytes).
+nlohmann::json inspect_json(const InspectReport& report);
+
+}  // namespace fn

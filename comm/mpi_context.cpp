@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "comm/abort_hooks.h"
 #include "comm/mpi_check.h"
 #include "core/log.h"
 
@@ -22,8 +23,8 @@ MpiContext::MpiContext(int* argc, char*** argv) {
   FN_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
   FN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_));
   FN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size_));
-  FN_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_,
-                                   MPI_INFO_NULL, &node_comm_));
+  FN_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_, MPI_INFO_NULL,
+                                   &node_comm_));
   FN_MPI_CHECK(MPI_Comm_rank(node_comm_, &local_rank_));
   FN_MPI_CHECK(MPI_Comm_size(node_comm_, &local_size_));
   set_log_rank(world_rank_, world_size_);
@@ -37,6 +38,7 @@ MpiContext::~MpiContext() {
 }
 
 void MpiContext::abort_all(int code) noexcept {
+  run_abort_hooks();  // e.g. ncclCommAbort, before the peers are killed
   int initialized = 0;
   MPI_Initialized(&initialized);
   int finalized = 0;

@@ -24,7 +24,8 @@ class MpiContext {
   int local_size() const noexcept { return local_size_; }
   MPI_Comm world() const noexcept { return MPI_COMM_WORLD; }
 
-  /// Ends every rank with `code` (MPI_Abort); used only by main()'s error funnel.
+  /// Runs the abort hooks (comm/abort_hooks.h: ncclCommAbort), then ends every rank with
+  /// `code` (MPI_Abort); used only by main()'s error funnel.
   [[noreturn]] static void abort_all(int code) noexcept;
 
  private:

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fmt/ranges.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -23,6 +24,31 @@ constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;  // safetensors' own 
 bool mul_fits(int64_t a, int64_t b, int64_t* out) {
   return !__builtin_mul_overflow(a, b, out) && *out >= 0;
 }
+
+// SAX handler that records the first key repeated at the top level of a JSON object.
+struct TopLevelKeys : nlohmann::json_sax<nlohmann::json> {
+  int depth = 0;
+  std::set<std::string, std::less<>> seen;
+  std::string duplicate;
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return ++depth, true; }
+  bool end_object() override { return --depth, true; }
+  bool start_array(std::size_t) override { return ++depth, true; }
+  bool end_array() override { return --depth, true; }
+  bool key(string_t& k) override {
+    if (depth == 1 && !seen.insert(k).second && duplicate.empty()) duplicate = k;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return false;
+  }
+};
 
 std::string shape_str(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
@@ -75,22 +101,18 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   f.data_start_ = 8 + header_len;
   f.data_size_ = f.file_size_ - f.data_start_;
 
-  // Parse, noting duplicate top-level keys (JSON allows them; safetensors must not).
+  // Parse. A DOM object keeps only the last of duplicate keys, so a SAX pre-pass finds them
+  // (nlohmann's parser_callback_t would do it too, but costs O(n^2) in the number of keys).
   const char* text = reinterpret_cast<const char*>(f.map_ + 8);
-  std::set<std::string> seen;
-  std::string duplicate;
-  nlohmann::json::parser_callback_t cb = [&](int depth, nlohmann::json::parse_event_t event,
-                                             nlohmann::json& parsed) {
-    if (depth == 1 && event == nlohmann::json::parse_event_t::key && parsed.is_string()) {
-      if (!seen.insert(parsed.get<std::string>()).second && duplicate.empty()) {
-        duplicate = parsed.get<std::string>();
-      }
-    }
-    return true;
-  };
   nlohmann::json header;
+  std::string duplicate;
   try {
-    header = nlohmann::json::parse(text, text + header_len, cb);
+    header = nlohmann::json::parse(text, text + header_len);
+    if (header.is_object()) {
+      TopLevelKeys keys;
+      nlohmann::json::sax_parse(text, text + header_len, &keys);
+      duplicate = keys.duplicate;
+    }
   } catch (const nlohmann::json::exception& e) {
     FN_THROW(Format, "safetensors file '{}': header is not valid JSON: {}", file, e.what());
   }

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <fmt/ranges.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -64,6 +65,11 @@ void SafetensorsWriter::add(std::string name, DType dtype, std::vector<int64_t> 
   FN_REQUIRE(!name.empty(), Usage, "safetensors writer: empty tensor name");
   FN_REQUIRE(name != "__metadata__", Usage, "safetensors writer: '__metadata__' is reserved");
   FN_REQUIRE(!names_.count(name), Usage, "safetensors writer: tensor '{}' added twice", name);
+  try {
+    (void)nlohmann::json(name).dump();
+  } catch (const nlohmann::json::exception&) {
+    FN_THROW(Usage, "safetensors writer: tensor name '{}' is not valid UTF-8", name);
+  }
   int64_t n = static_cast<int64_t>(dtype_size(dtype));
   for (int64_t d : shape) {
     FN_REQUIRE(d >= 0, Usage, "safetensors writer: tensor '{}' has negative dimension {}", name, d);
@@ -80,16 +86,19 @@ void SafetensorsWriter::set_metadata(std::string key, std::string value) {
 }
 
 uint64_t SafetensorsWriter::write(const std::filesystem::path& path) {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  // The header is assembled as text, entry by entry, in insertion order (nlohmann's
+  // ordered_json would keep the order too, but finds keys by linear search: O(n^2)).
+  std::string text = "{";
+  if (!metadata_.empty()) text += "\"__metadata__\":" + nlohmann::json(metadata_).dump();
   uint64_t offset = 0;
   for (const Entry& e : entries_) {
-    header[e.name] = {{"dtype", std::string(dtype_name(e.dtype))},
-                      {"shape", e.shape},
-                      {"data_offsets", {offset, offset + e.nbytes}}};
+    if (text.size() > 1) text += ',';
+    text += nlohmann::json(e.name).dump();
+    text += fmt::format(R"(:{{"dtype":"{}","shape":[{}],"data_offsets":[{},{}]}})",
+                        dtype_name(e.dtype), fmt::join(e.shape, ","), offset, offset + e.nbytes);
     offset += e.nbytes;
   }
-  std::string text = header.dump();
+  text += '}';
   text.append((8 - text.size() % 8) % 8, ' ');
 
   std::filesystem::path tmp_path = path;

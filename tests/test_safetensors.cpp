@@ -147,17 +147,30 @@ TEST_CASE("safetensors: a shape whose element count overflows is rejected") {
       {"tensor 'w'", "overflows"});
 }
 
-TEST_CASE("safetensors: data_offsets that are not a pair of non-negative integers are rejected") {
+TEST_CASE("safetensors: missing data_offsets or data_offsets that are not a pair are rejected") {
   expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2]}})", "ab",
                     {"tensor 'w'", "no data_offsets"});
   expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 1, 2]}})", "ab",
                     {"tensor 'w'", "not a pair"});
-  expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [-1, 1]}})", "ab",
-                    {"tensor 'w'", "negative"});
-  expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2.5]}})", "ab",
-                    {"tensor 'w'", "not an integer"});
   expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": "0,2"}})", "ab",
                     {"tensor 'w'", "not a pair"});
+}
+
+TEST_CASE("safetensors: negative data_offsets are rejected") {
+  expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [-1, 1]}})", "ab",
+                    {"tensor 'w'", "negative"});
+  expect_bad_header(R"({"w": {"dtype": "U8", "shape": [0], "data_offsets": [0, -0]}})", "",
+                    {"tensor 'w'", "negative"});
+}
+
+TEST_CASE("safetensors: data_offsets that are not integers are rejected") {
+  expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2.5]}})", "ab",
+                    {"tensor 'w'", "not an integer"});
+  expect_bad_header(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, "2"]}})", "ab",
+                    {"tensor 'w'", "not an integer"});
+  expect_bad_header(
+      R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 18446744073709551616]}})", "ab",
+      {"tensor 'w'", "not an integer"});
 }
 
 TEST_CASE("safetensors: data_offsets out of order are rejected") {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <iterator>
 
 #include "core/checkpoint.h"
@@ -37,21 +38,55 @@ void check_ple_buffers(const Checkpoint& ckpt, const ModelConfig& cfg,
                        : t.role == TensorRole::PleHeadSizes ? k.head_sizes
                                                             : k.head_offsets;
     if (stored != want) {
-      report.problems.push_back(fmt::format(
-          "{}: stored values [{}] differ from those computed from config.json [{}]", t.name,
-          fmt::join(stored, ", "), fmt::join(want, ", ")));
+      report.problems.push_back(
+          fmt::format("{}: stored values [{}] differ from those computed from config.json [{}]",
+                      t.name, fmt::join(stored, ", "), fmt::join(want, ", ")));
     }
   }
 }
 
+void add_rank_figures(InspectReport& r, const QuantConfig& quant, int tp_size, int64_t ctx_size) {
+  const ShardPlan plan = ShardPlan::build(r.config, quant, tp_size);
+  r.tp_size = tp_size;
+  r.ctx_size = ctx_size;
+  for (int rank = 0; rank < tp_size; ++rank) {
+    r.weight_bytes_per_rank.push_back(plan.weight_bytes(rank));
+    r.weight_bytes_by_family.push_back(plan.weight_bytes_by_family(rank));
+    r.token_bytes.push_back(bytes_per_token(plan, r.config, rank, ctx_size));
+  }
+}
+
+// A config file alone: the figures of the checkpoint it describes, nothing validated.
+InspectReport plan_only_report(InspectReport r, const std::filesystem::path& config_file,
+                               int tp_size, int64_t ctx_size) {
+  using nlohmann::json;
+  QuantConfig quant;
+  std::ifstream in(config_file);
+  const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_object() && j.contains("quantization_config")) {
+    quant = parse_quantization_config(j["quantization_config"], config_file.string());
+  }
+  r.quant_algo = quant.quantized() ? quant.quant_algo : "none";
+  r.plan_only = true;
+  for (const auto& t : expected_tensors(r.config, quant)) {
+    auto& g = r.groups[fmt::format("{}/{}", tensor_family(t.role), dtype_name(t.dtype))];
+    g.tensors += 1;
+    g.bytes += t.nbytes();
+    r.checkpoint_bytes += t.nbytes();
+  }
+  add_rank_figures(r, quant, tp_size, ctx_size);
+  return r;
+}
+
 }  // namespace
 
-InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size,
-                                 int64_t ctx_size) {
+InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, int64_t ctx_size) {
   FN_REQUIRE(ctx_size >= 1, Usage, "--ctx-size must be >= 1, got {}", ctx_size);
   InspectReport r;
   r.dir = dir.string();
   r.config = load_model_config(dir);
+  if (!std::filesystem::is_directory(dir))
+    return plan_only_report(std::move(r), dir, tp_size, ctx_size);
   const QuantConfig quant = load_quant_config(dir);
   r.quant_algo = quant.quantized() ? quant.quant_algo : "none";
   const Checkpoint ckpt = Checkpoint::open(dir);
@@ -79,23 +114,22 @@ InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size,
     const TensorInfo& info = ckpt.info(name);
     std::string family;
     switch (skipped_tensor(name)) {
-      case SkipReason::Vision: family = "skipped.vision"; break;
-      case SkipReason::Mtp: family = "skipped.mtp"; break;
-      case SkipReason::None: family = std::string(tensor_family(by_name.at(name)->role)); break;
+      case SkipReason::Vision:
+        family = "skipped.vision";
+        break;
+      case SkipReason::Mtp:
+        family = "skipped.mtp";
+        break;
+      case SkipReason::None:
+        family = std::string(tensor_family(by_name.at(name)->role));
+        break;
     }
     auto& g = r.groups[fmt::format("{}/{}", family, dtype_name(info.dtype))];
     g.tensors += 1;
     g.bytes += info.nbytes();
   }
 
-  const ShardPlan plan = ShardPlan::build(r.config, quant, tp_size);
-  r.tp_size = tp_size;
-  r.ctx_size = ctx_size;
-  for (int rank = 0; rank < tp_size; ++rank) {
-    r.weight_bytes_per_rank.push_back(plan.weight_bytes(rank));
-    r.weight_bytes_by_family.push_back(plan.weight_bytes_by_family(rank));
-    r.token_bytes.push_back(bytes_per_token(plan, r.config, rank, ctx_size));
-  }
+  add_rank_figures(r, quant, tp_size, ctx_size);
   return r;
 }
 
@@ -105,27 +139,38 @@ std::string format_inspect_text(const InspectReport& r) {
   auto it_out = std::back_inserter(s);
   fmt::format_to(it_out, "checkpoint  {}\n", r.dir);
   fmt::format_to(it_out, "files       {} safetensors, {} of tensors, quantization {}\n", r.files,
-      human_bytes(r.checkpoint_bytes), r.quant_algo);
+                 human_bytes(r.checkpoint_bytes), r.quant_algo);
   std::vector<int64_t> ple;
   for (int64_t l : c.ple_layer_indices()) ple.push_back(l);
-  fmt::format_to(it_out, "layers      {} ({} Gated DeltaNet, {} QSA; PLE at layer index {})\n", c.num_hidden_layers,
-      c.num_gdn_layers(), c.num_qsa_layers(), ple.empty() ? "none" : fmt::format("{}", fmt::join(ple, ", ")));
-  fmt::format_to(it_out, "geometry    hidden_size {}, vocab_size {}, experts {} (top-{}), hc_count {}, "
-      "ngram table rows {}\n",
-      c.hidden_size, c.vocab_size, c.num_experts, c.num_experts_per_tok, c.hc_count,
-      c.has_ple() ? c.ngram_table_rows() : 0);
+  fmt::format_to(it_out, "layers      {} ({} Gated DeltaNet, {} QSA; PLE at layer index {})\n",
+                 c.num_hidden_layers, c.num_gdn_layers(), c.num_qsa_layers(),
+                 ple.empty() ? "none" : fmt::format("{}", fmt::join(ple, ", ")));
+  fmt::format_to(it_out,
+                 "geometry    hidden_size {}, vocab_size {}, experts {} (top-{}), hc_count {}, "
+                 "ngram table rows {}\n",
+                 c.hidden_size, c.vocab_size, c.num_experts, c.num_experts_per_tok, c.hc_count,
+                 c.has_ple() ? c.ngram_table_rows() : 0);
   const auto& v = r.validation;
-  fmt::format_to(it_out, "validation  ok: {} text tensors matched, {} vision and {} MTP tensors skipped\n\n",
-      v.matched, v.skipped_vision, v.skipped_mtp);
+  if (r.plan_only) {
+    fmt::format_to(
+        it_out,
+        "validation  none: a config file alone (figures of the checkpoint it describes)\n\n");
+  } else {
+    fmt::format_to(
+        it_out, "validation  ok: {} text tensors matched, {} vision and {} MTP tensors skipped\n\n",
+        v.matched, v.skipped_vision, v.skipped_mtp);
+  }
 
   fmt::format_to(it_out, "{:<24} {:>9} {:>14}\n", "family/dtype", "tensors", "bytes");
-  for (const auto& [key, g] : r.groups) fmt::format_to(it_out, "{:<24} {:>9} {:>14}\n", key, g.tensors, human_bytes(g.bytes));
+  for (const auto& [key, g] : r.groups)
+    fmt::format_to(it_out, "{:<24} {:>9} {:>14}\n", key, g.tensors, human_bytes(g.bytes));
 
   fmt::format_to(it_out, "\nweights per rank at TP={}\n", r.tp_size);
   std::vector<std::string> families;
   for (const auto& [f, b] : r.weight_bytes_by_family.at(0)) families.push_back(f);
   fmt::format_to(it_out, "{:<14}", "family");
-  for (int rank = 0; rank < r.tp_size; ++rank) fmt::format_to(it_out, " {:>14}", fmt::format("rank {}", rank));
+  for (int rank = 0; rank < r.tp_size; ++rank)
+    fmt::format_to(it_out, " {:>14}", fmt::format("rank {}", rank));
   fmt::format_to(it_out, "\n");
   for (const auto& f : families) {
     fmt::format_to(it_out, "{:<14}", f);
@@ -137,15 +182,18 @@ std::string format_inspect_text(const InspectReport& r) {
     fmt::format_to(it_out, "\n");
   }
   fmt::format_to(it_out, "{:<14}", "total");
-  for (int rank = 0; rank < r.tp_size; ++rank) fmt::format_to(it_out, " {:>14}", human_bytes(r.weight_bytes_per_rank[rank]));
+  for (int rank = 0; rank < r.tp_size; ++rank)
+    fmt::format_to(it_out, " {:>14}", human_bytes(r.weight_bytes_per_rank[rank]));
 
-  fmt::format_to(it_out, "\n\nbytes read per decoded token per rank at ctx-size {} (TP={}, batch 1)\n", r.ctx_size,
-      r.tp_size);
+  fmt::format_to(it_out,
+                 "\n\nbytes read per decoded token per rank at ctx-size {} (TP={}, batch 1)\n",
+                 r.ctx_size, r.tp_size);
   std::vector<std::string> token_families;
   for (const auto& [f, b] : r.token_bytes.at(0).weights) token_families.push_back(f);
   auto row = [&](const std::string& name, auto get) {
     fmt::format_to(it_out, "{:<14}", name);
-    for (int rank = 0; rank < r.tp_size; ++rank) fmt::format_to(it_out, " {:>14}", human_bytes(get(r.token_bytes[rank])));
+    for (int rank = 0; rank < r.tp_size; ++rank)
+      fmt::format_to(it_out, " {:>14}", human_bytes(get(r.token_bytes[rank])));
     fmt::format_to(it_out, "\n");
   };
   for (const auto& f : token_families) {
@@ -195,6 +243,7 @@ nlohmann::json inspect_json(const InspectReport& r) {
             {"quant_algo", r.quant_algo}}},
           {"files", r.files},
           {"checkpoint_bytes", r.checkpoint_bytes},
+          {"plan_only", r.plan_only},
           {"validation",
            {{"matched", v.matched},
             {"skipped_vision", v.skipped_vision},

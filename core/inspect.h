@@ -38,10 +38,13 @@ struct InspectReport {
   std::vector<uint64_t> weight_bytes_per_rank;                          ///< [tp_size]
   std::vector<std::map<std::string, uint64_t>> weight_bytes_by_family;  ///< [tp_size]
   std::vector<TokenBytes> token_bytes;                                  ///< [tp_size]
+  bool plan_only = false;  ///< true when given a config file: nothing was validated
 };
 
 /// Opens `dir` (config.json, quantization, index or single file), validates every tensor and the
-/// PLE I64 buffers, and computes the report for `tp_size` ranks at `ctx_size` tokens.
+/// PLE I64 buffers, and computes the report for `tp_size` ranks at `ctx_size` tokens. When `dir`
+/// is a config.json file instead, reports the figures of the checkpoint it describes (from
+/// expected_tensors; plan_only is set and nothing is validated) — e.g. the full real geometry.
 /// Throws Format listing the problems when the checkpoint does not match its config (every
 /// problem is also logged at ERROR), Usage for a TP size the model cannot use or ctx_size < 1,
 /// Io when files are missing or unreadable.

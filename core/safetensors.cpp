@@ -85,8 +85,10 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   FN_REQUIRE(m != MAP_FAILED, Io, "safetensors file '{}': mmap of {} bytes failed: {}", file,
              f.file_size_, std::strerror(errno));
   f.map_ = static_cast<const std::byte*>(m);
-  // Loads read scattered slices: no read-ahead of pages nobody asked for.
+  // Loads read scattered slices: no read-ahead of pages nobody asked for, through the mapping
+  // or through pread on the descriptor.
   ::madvise(m, f.file_size_, MADV_RANDOM);
+  ::posix_fadvise(f.fd_, 0, 0, POSIX_FADV_RANDOM);
 
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) {

@@ -33,7 +33,8 @@ struct TensorInfo {
 };
 
 /// A validated, memory-mapped safetensors file. Move-only; the mapping and file descriptor live
-/// as long as the object.
+/// as long as the object. The const read functions may be called from several threads at once
+/// (pread has no shared file position).
 class SafetensorsFile {
  public:
   /// Opens, maps (PROT_READ, MAP_PRIVATE) and validates `path`. Throws fn::Error(Io) if the file

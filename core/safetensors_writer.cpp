@@ -131,7 +131,11 @@ uint64_t SafetensorsWriter::write(const std::filesystem::path& path) {
     } else {
       flush();
       big.resize(e.nbytes);
-      if (e.fill) e.fill(std::span<std::byte>(big.data(), big.size()));
+      if (e.fill) {
+        e.fill(std::span<std::byte>(big.data(), big.size()));
+      } else {
+        std::fill(big.begin(), big.end(), std::byte{0});
+      }
       out.write_all(big.data(), big.size());
     }
   }

@@ -21,7 +21,8 @@ namespace fn {
 /// Collects tensor declarations and writes them as one safetensors file.
 class SafetensorsWriter {
  public:
-  /// Fills the tensor's bytes (little-endian, row-major); the span has exactly nbytes bytes.
+  /// Fills the tensor's bytes (little-endian, row-major); the span has exactly nbytes bytes and
+  /// must be written in full (its prior contents are unspecified). An empty Fill writes zeros.
   using Fill = std::function<void(std::span<std::byte>)>;
 
   /// Declares a tensor. Throws fn::Error(Usage) for an empty or duplicate name, the name

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 
@@ -294,6 +295,8 @@ TEST_CASE("safetensors: a tensor larger than the write buffer is written whole")
   w.add("small", DType::U8, {3}, pattern(5));
   w.add("big", DType::U8, {9 << 20}, pattern(6));  // 9 MB > the 8 MB staging buffer
   w.add("tail", DType::U8, {5}, pattern(7));
+  w.add("big_zero", DType::U8, {(9 << 20) - 8}, nullptr);  // reuses the big buffer: still zeros
+  w.add("small_zero", DType::U8, {16}, nullptr);
   w.write(path);
   const auto f = SafetensorsFile::open(path);
   const auto big = f.bytes(*f.find("big"));
@@ -304,6 +307,10 @@ TEST_CASE("safetensors: a tensor larger than the write buffer is written whole")
   }
   CHECK(ok);
   CHECK(std::to_integer<int>(f.bytes(*f.find("tail"))[4]) == int((4 * 7 + 7) & 0xFF));
+  for (const char* name : {"big_zero", "small_zero"}) {
+    const auto z = f.bytes(*f.find(name));
+    CHECK(std::all_of(z.begin(), z.end(), [](std::byte b) { return b == std::byte{0}; }));
+  }
 }
 
 TEST_CASE("safetensors: row, block and expert slices equal the same bytes of a full read") {

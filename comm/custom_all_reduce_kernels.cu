@@ -310,12 +310,14 @@ __global__ void __launch_bounds__(kLlThreads) ar_oneshot_kernel(ArParams p) {
 // ---- two-shot -------------------------------------------------------------------------------
 
 // After this CTA's stores of `phase`: tell every rank in [0, world) except `skip` that they
-// arrived (one thread per destination rank; release at system scope after a CTA barrier).
+// arrived. Every thread fences its own stores at system scope before the CTA barrier, then one
+// thread per destination rank publishes the flag with a release store (the flag can never
+// overtake the data, whatever the cumulativity of a single fence).
 __device__ void signal_ranks(const ArParams& p, uint32_t e, uint32_t par, int phase, int skip) {
+  __threadfence_system();
   __syncthreads();
   const int r = threadIdx.x;
   if (r < p.world && r != skip) {
-    __threadfence_system();
     st_release_sys(flag_at(p, p.bases[r], par, phase, p.rank, blockIdx.x), e);
   }
 }

@@ -301,7 +301,7 @@ TEST_CASE("custom all-reduce: correct while another stream runs a busy kernel") 
   auto* checks = reinterpret_cast<unsigned long long*>(counters.as<char>() + 24);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   FN_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
-  fn::test::launch_busy(busy_buf.as<float>(), busy_n, 20, busy.s);  // tens of ms of traffic
+  fn::test::launch_busy(busy_buf.as<float>(), busy_n, 100, busy.s);  // ~50 GB: ~15 ms
   for (int k = 0; k < 500; ++k) {
     fn::test::launch_fill_pattern(in.ptr, 2560, false, gpu().rank(), salt, 0, stream.s);
     ar.all_reduce_sum(in.ptr, out.ptr, 2560, fn::DType::F32, stream.s);

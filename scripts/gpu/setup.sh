@@ -4,13 +4,14 @@
 # can be downloaded there. Unpacks the Debian .deb files carried in .deps/ (fetched on the dev
 # machine, see below) with `dpkg -x` into .deps/root inside the work tree (never into /),
 # rewrites their pkg-config prefixes and exports CMAKE_PREFIX_PATH, PKG_CONFIG_PATH,
-# LD_LIBRARY_PATH. Also exports the no-multicast environment every GPU process must run with.
+# LD_LIBRARY_PATH (FN_DEPS_DIR / FN_DEPS_ROOT override the two folders). Also exports the
+# no-multicast environment every GPU process must run with.
 # Fetch on the dev machine (once):
 #   mkdir -p .deps && cd .deps && apt-get download libpcre2-dev libpcre2-8-0 libpcre2-16-0 \
 #     libpcre2-32-0 libpcre2-posix3 libutf8proc-dev libutf8proc2 doctest-dev
 fn_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-fn_deps="$fn_repo/.deps"
-fn_root="$fn_deps/root"
+fn_deps="${FN_DEPS_DIR:-$fn_repo/.deps}"
+fn_root="${FN_DEPS_ROOT:-$fn_deps/root}"
 if ! ls "$fn_deps"/*.deb >/dev/null 2>&1; then
   echo "gpu/setup: no .deb files in $fn_deps (carry .deps with the run)" >&2
   return 1 2>/dev/null || exit 1

@@ -456,6 +456,19 @@ ModelConfig load_model_config(const std::filesystem::path& dir_or_file) {
 // ---------------------------------------------------------------- quantization
 
 bool glob_match(std::string_view p, std::string_view s) {
+  // Fast paths for the shapes exclude lists use ("lm_head", "mtp.*", "*.ple.*", "*x"); checked
+  // for every routed expert module at load, so they matter.
+  const std::size_t first_wild = p.find_first_of("*?");
+  if (first_wild == std::string_view::npos) return p == s;
+  const std::string_view inner = p.substr(1, p.size() >= 2 ? p.size() - 2 : 0);
+  if (p.size() >= 2 && p.front() == '*' && p.back() == '*' &&
+      inner.find_first_of("*?") == std::string_view::npos) {
+    return s.find(inner) != std::string_view::npos;
+  }
+  if (first_wild == p.size() - 1 && p.back() == '*') return s.starts_with(p.substr(0, first_wild));
+  if (first_wild == 0 && p.front() == '*' && p.find_first_of("*?", 1) == std::string_view::npos) {
+    return s.ends_with(p.substr(1));
+  }
   std::size_t pi = 0, si = 0, star = std::string_view::npos, mark = 0;
   while (si < s.size()) {
     if (pi < p.size() && (p[pi] == '?' || p[pi] == s[si])) {

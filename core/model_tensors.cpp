@@ -195,6 +195,8 @@ std::vector<ExpectedTensor> expected_tensors(const ModelConfig& c, const QuantCo
     FN_CHECK(static_cast<std::size_t>(kRoles[i].role) == i, "role table out of order at {}", i);
   }
   std::vector<ExpectedTensor> out;
+  out.reserve(static_cast<std::size_t>(8 + c.num_hidden_layers * (32 + 12 * c.num_experts) +
+                                       c.split_ngram_parts * c.ple_layer_ids.size()));
   Builder b(out);
   const std::string p(kPrefix);
   const int64_t d = c.hidden_size, v = c.vocab_size;

@@ -101,6 +101,23 @@ ShardPlan ShardPlan::build(const ModelConfig& cfg, const QuantConfig& quant, int
     plan.splits_.push_back(split_of(plan.tensors_[i], plan.kv_heads_, tp));
     plan.by_name_.emplace(plan.tensors_[i].name, i);
   }
+  // Per-rank bytes by family, summed per role first (families of roles that occur only).
+  const std::size_t n_roles = static_cast<std::size_t>(TensorRole::PleNgramScale) + 1;
+  std::vector<bool> present(n_roles, false);
+  for (const auto& t : plan.tensors_) present[static_cast<std::size_t>(t.role)] = true;
+  plan.family_bytes_.resize(static_cast<std::size_t>(tp));
+  for (int r = 0; r < tp; ++r) {
+    std::vector<uint64_t> by_role(n_roles, 0);
+    for (std::size_t i = 0; i < plan.tensors_.size(); ++i) {
+      const ExpectedTensor& t = plan.tensors_[i];
+      by_role[static_cast<std::size_t>(t.role)] +=
+          static_cast<uint64_t>(plan.shard_elements(i, r)) * dtype_size(t.dtype);
+    }
+    auto& fam = plan.family_bytes_[static_cast<std::size_t>(r)];
+    for (std::size_t k = 0; k < n_roles; ++k) {
+      if (present[k]) fam[std::string(tensor_family(static_cast<TensorRole>(k)))] += by_role[k];
+    }
+  }
   return plan;
 }
 
@@ -167,13 +184,29 @@ uint64_t ShardPlan::weight_bytes(int r) const {
 }
 
 std::map<std::string, uint64_t> ShardPlan::weight_bytes_by_family(int r) const {
-  std::map<std::string, uint64_t> out;
-  for (std::size_t i = 0; i < tensors_.size(); ++i) {
-    const ExpectedTensor& t = tensors_[i];
-    out[std::string(tensor_family(t.role))] +=
-        static_cast<uint64_t>(shard(i, r).elements()) * dtype_size(t.dtype);
+  FN_CHECK(r >= 0 && r < tp_size_, "tp_rank {} of tp_size {}", r, tp_size_);
+  return family_bytes_[static_cast<std::size_t>(r)];
+}
+
+int64_t ShardPlan::shard_elements(std::size_t i, int r) const {
+  FN_CHECK(i < tensors_.size(), "tensor index {} of {}", i, tensors_.size());
+  FN_CHECK(r >= 0 && r < tp_size_, "tp_rank {} of tp_size {}", r, tp_size_);
+  const ExpectedTensor& t = tensors_[i];
+  const auto [rows, cols] = view_2d(t.shape);
+  switch (splits_[i]) {
+    case SplitKind::Replicated:
+      return rows * cols;
+    case SplitKind::Rows:
+    case SplitKind::Cols:
+    case SplitKind::GdnQkvRows:
+    case SplitKind::FusedGateUpRows:
+      return rows * cols / tp_size_;
+    case SplitKind::KvHeadRows:
+      return head_dim_ * cols;
+    case SplitKind::NgramShard:
+      return t.shard / (ngram_parts_ / tp_size_) == r ? rows * cols : 0;
   }
-  return out;
+  return 0;
 }
 
 uint64_t TokenBytes::weight_total() const {
@@ -191,11 +224,11 @@ TokenBytes bytes_per_token(const ShardPlan& plan, const ModelConfig& cfg, int r,
   uint64_t ngram_row_bytes = 0;
   for (std::size_t i = 0; i < plan.tensors().size(); ++i) {
     const ExpectedTensor& t = plan.tensors()[i];
-    const uint64_t bytes = static_cast<uint64_t>(plan.shard(i, r).elements()) * dtype_size(t.dtype);
-    const std::string family(tensor_family(t.role));
+    const uint64_t bytes = static_cast<uint64_t>(plan.shard_elements(i, r)) * dtype_size(t.dtype);
     switch (t.role) {
       case TensorRole::Embedding:
-        tb.weights[family] += static_cast<uint64_t>(t.shape[1]) * dtype_size(t.dtype);
+        tb.weights[std::string(tensor_family(t.role))] +=
+            static_cast<uint64_t>(t.shape[1]) * dtype_size(t.dtype);
         break;
       case TensorRole::ExpertWeight:
       case TensorRole::ExpertBlockScale:
@@ -210,7 +243,7 @@ TokenBytes bytes_per_token(const ShardPlan& plan, const ModelConfig& cfg, int r,
         ngram_row_bytes = static_cast<uint64_t>(t.shape[1]) * dtype_size(t.dtype);
         break;
       default:
-        tb.weights[family] += bytes;
+        tb.weights[std::string(tensor_family(t.role))] += bytes;
     }
   }
   // Experts are identical in size, so the top-k share of the rank's expert bytes is exact.

@@ -72,6 +72,8 @@ class ShardPlan {
   TensorShard shard(std::string_view name, int tp_rank) const {
     return shard(index(name), tp_rank);
   }
+  /// shard(tensor_index, tp_rank).elements(), without building the blocks.
+  int64_t shard_elements(std::size_t tensor_index, int tp_rank) const;
   /// Bytes of weights rank `tp_rank` holds.
   uint64_t weight_bytes(int tp_rank) const;
   /// The same, by tensor_family() ("hc", "gdn", "moe.experts", ...).
@@ -89,6 +91,7 @@ class ShardPlan {
   std::vector<ExpectedTensor> tensors_;
   std::vector<SplitKind> splits_;
   std::unordered_map<std::string_view, std::size_t> by_name_;
+  std::vector<std::map<std::string, uint64_t>> family_bytes_;  ///< per rank, computed in build
 };
 
 /// Bytes one rank reads (and writes, for states) per decoded token (batch 1), by family.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include "core/config.h"
@@ -29,6 +30,21 @@ Model load(const char* path) {
   json j = json::parse(in);
   return {fn::parse_model_config(j, path),
           fn::parse_quantization_config(j["quantization_config"], path)};
+}
+
+const Model& real_model() {
+  static const Model m = load(kReal);
+  return m;
+}
+
+/// Plans of the real model, built once per TP size (building one takes a few seconds in Debug).
+const fn::ShardPlan& real_plan(int tp) {
+  static std::map<int, fn::ShardPlan> plans;
+  auto it = plans.find(tp);
+  if (it == plans.end()) {
+    it = plans.emplace(tp, fn::ShardPlan::build(real_model().cfg, real_model().quant, tp)).first;
+  }
+  return it->second;
 }
 
 /// [rows, cols] view of a shape, computed here independently of the plan.
@@ -94,6 +110,10 @@ std::string tiling_problem(const fn::ShardPlan& plan, std::size_t i, int want) {
         s.split != fn::SplitKind::KvHeadRows) {
       return fmt::format("{}: replicated flag {}", t.name, s.replicated);
     }
+    if (plan.shard_elements(i, r) != s.elements()) {
+      return fmt::format("{}: shard_elements {} != {}", t.name, plan.shard_elements(i, r),
+                         s.elements());
+    }
     blocks.insert(blocks.end(), s.blocks.begin(), s.blocks.end());
   }
   std::vector<int64_t> rb{0, rows}, cb{0, cols};
@@ -133,8 +153,7 @@ std::string tiling_problem(const fn::ShardPlan& plan, std::size_t i, int want) {
   return "";
 }
 
-void check_all_tilings(const Model& m, int tp) {
-  const fn::ShardPlan plan = fn::ShardPlan::build(m.cfg, m.quant, tp);
+void check_all_tilings(const fn::ShardPlan& plan, const Model& m, int tp) {
   std::size_t bad = 0;
   for (std::size_t i = 0; i < plan.tensors().size(); ++i) {
     const std::string p = tiling_problem(plan, i, expected_count(plan.tensors()[i], m.cfg, tp));
@@ -147,8 +166,8 @@ std::string gib(uint64_t b) {
   return fmt::format("{:.3f} GiB", static_cast<double>(b) / (1ull << 30));
 }
 
-void print_bytes(const char* label, const Model& m, int tp, int64_t ctx) {
-  const fn::ShardPlan plan = fn::ShardPlan::build(m.cfg, m.quant, tp);
+void print_bytes(const char* label, const fn::ShardPlan& plan, const Model& m, int tp,
+                 int64_t ctx) {
   for (int r = 0; r < tp; ++r) {
     const fn::TokenBytes tb = fn::bytes_per_token(plan, m.cfg, r, ctx);
     std::string fam;
@@ -169,10 +188,9 @@ bool same(const fn::SliceBlock& b, int64_t r0, int64_t rn, int64_t c0, int64_t c
 
 TEST_CASE(
     "shard plan: every real-geometry tensor is tiled exactly once (or tp times if replicated)") {
-  const Model m = load(kReal);
   for (int tp : {1, 2, 4, 8}) {
     CAPTURE(tp);
-    check_all_tilings(m, tp);
+    check_all_tilings(real_plan(tp), real_model(), tp);
   }
 }
 
@@ -182,7 +200,7 @@ TEST_CASE("shard plan: the BF16 layout (fused experts, BF16 n-gram table) tiles 
   m.quant = fn::QuantConfig{};
   for (int tp : {1, 2, 4, 8}) {
     CAPTURE(tp);
-    check_all_tilings(m, tp);
+    check_all_tilings(fn::ShardPlan::build(m.cfg, m.quant, tp), m, tp);
   }
   const fn::ShardPlan plan = fn::ShardPlan::build(m.cfg, m.quant, 4);
   const fn::TensorShard s = plan.shard(kP + "layers.0.mlp.experts.gate_up_proj", 1);
@@ -218,13 +236,12 @@ TEST_CASE("shard plan: the tiny config tiles exactly, counted element by element
       const bool all = std::all_of(count.begin(), count.end(), [&](int c) { return c == want; });
       if (!all) FAIL_CHECK(t.name << " not covered " << want << " times");
     }
-    check_all_tilings(m, tp);
+    check_all_tilings(plan, m, tp);
   }
 }
 
 TEST_CASE("shard plan: hand-checked slices of the real model at TP=4 (MODEL.md E.2)") {
-  const Model m = load(kReal);
-  const fn::ShardPlan plan = fn::ShardPlan::build(m.cfg, m.quant, 4);
+  const fn::ShardPlan& plan = real_plan(4);
   auto blocks = [&](const std::string& name, int r) { return plan.shard(kP + name, r).blocks; };
   auto qkv = blocks("layers.0.linear_attn.in_proj_qkv.weight", 1);
   REQUIRE(qkv.size() == 3);
@@ -261,7 +278,7 @@ TEST_CASE("shard plan: hand-checked slices of the real model at TP=4 (MODEL.md E
   CHECK(blocks(ng + "shard_127.weight", 3).size() == 1);
   CHECK(plan.shard(kP + ng + "weight_scale", 0).replicated);
   // TP=8: rank 5 uses KV head ⌊2·5/8⌋ = 1, shared by 4 ranks.
-  const fn::ShardPlan p8 = fn::ShardPlan::build(m.cfg, m.quant, 8);
+  const fn::ShardPlan& p8 = real_plan(8);
   const fn::TensorShard k8 = p8.shard(kP + "layers.3.self_attn.k_proj.weight", 5);
   CHECK(same(k8.blocks.at(0), 256, 256, 0, 2560));
   CHECK(k8.replication == 4);
@@ -269,8 +286,8 @@ TEST_CASE("shard plan: hand-checked slices of the real model at TP=4 (MODEL.md E
 }
 
 TEST_CASE("shard plan: weights and bytes per token per rank match hand computation (real, TP=4)") {
-  const Model m = load(kReal);
-  const fn::ShardPlan plan = fn::ShardPlan::build(m.cfg, m.quant, 4);
+  const Model& m = real_model();
+  const fn::ShardPlan& plan = real_plan(4);
   // One expert: 3 × (codes 640·1280 + scales 640·160) bytes + 6 F32 scalars; TP=4 holds a quarter
   // of the codes and scales and all scalars.
   const uint64_t expert_rank = 3ull * (640 * 1280 + 640 * 160) / 4 + 6 * 4;
@@ -309,26 +326,27 @@ TEST_CASE("shard plan: weights and bytes per token per rank match hand computati
 }
 
 TEST_CASE("shard plan: bytes per rank for the real geometry at TP 1, 2, 4, 8 (printed)") {
-  const Model m = load(kReal);
+  const Model& m = real_model();
   uint64_t previous = 0;
   for (int tp : {1, 2, 4, 8}) {
-    print_bytes("real", m, tp, 8192);
-    const fn::ShardPlan plan = fn::ShardPlan::build(m.cfg, m.quant, tp);
+    const fn::ShardPlan& plan = real_plan(tp);
+    print_bytes("real", plan, m, tp, 8192);
     const uint64_t w = plan.weight_bytes(0);
     for (int r = 1; r < tp; ++r) CHECK(plan.weight_bytes(r) == w);  // the plan is balanced
     if (previous) CHECK(w < previous);
     previous = w;
   }
-  const fn::ShardPlan p1 = fn::ShardPlan::build(m.cfg, m.quant, 1);
+  const fn::ShardPlan& p1 = real_plan(1);
   // TP=1 holds the whole text checkpoint.
   uint64_t all = 0;
   for (const auto& t : p1.tensors()) all += t.nbytes();
   CHECK(p1.weight_bytes(0) == all);
-  print_bytes("tiny", load(kTiny), 2, 64);
+  const Model tiny = load(kTiny);
+  print_bytes("tiny", fn::ShardPlan::build(tiny.cfg, tiny.quant, 2), tiny, 2, 64);
 }
 
 TEST_CASE("shard plan: unsupported TP sizes are usage errors naming the constraint") {
-  const Model real = load(kReal);
+  const Model& real = real_model();
   const Model tiny = load(kTiny);
   auto usage = [](const Model& m, int tp) -> std::string {
     try {

@@ -27,7 +27,9 @@ int main(int argc, char** argv) {
   CLI::App app{
       "fngen: tensor-parallel NVFP4 decode for Qwen3.8-Flash-Next (qwen4_exp).\n"
       "Run multi-rank commands as: mpirun -np N fngen <command> ..."};
-  app.require_subcommand(1);
+  // At most one subcommand; "none given" is checked after parsing so that an unknown flag is
+  // reported by name first.
+  app.require_subcommand(0, 1);
   app.set_version_flag("--version", "fngen 0.1.0");
   std::string log_level = "info";
   bool log_all_ranks = false;
@@ -39,6 +41,9 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    if (app.get_subcommands().empty()) {
+      throw CLI::RequiredError("A subcommand (inspect, synth, ...; see --help)");
+    }
   } catch (const CLI::ParseError& e) {
     const bool quiet = launcher_rank() != 0;
     if (e.get_exit_code() == 0) {

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# CLI-level bad input: each case must exit with its documented code (2 usage, 3 input/format),
+# print one clear message naming the culprit on stderr, and leave no partial output.
+# Usage: cli_errors.sh FNGEN SOURCE_DIR
+set -u
+fngen=$1
+src=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+expect() {  # expect CODE PATTERN -- command...
+  local code=$1 pattern=$2
+  shift 3
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
+    echo "FAIL: '$*' exited $got (want $code), stderr: $(cat "$tmp/err")"
+    failures=$((failures + 1))
+  else
+    echo "ok: '$*' -> $got: $(head -n1 "$tmp/err")"
+  fi
+}
+
+expect 2 "subcommand" -- "$fngen"
+expect 2 "bogus" -- "$fngen" --bogus
+expect 2 "bogus" -- "$fngen" inspect "$tmp" --bogus
+expect 2 "tp" -- "$fngen" inspect "$tmp" --tp notanumber
+expect 3 "$tmp/nonexistent" -- "$fngen" inspect "$tmp/nonexistent"
+expect 2 "got 3" -- "$fngen" inspect "$src/configs/tiny.json" --tp 3
+expect 2 "ctx-size" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size 0
+printf 'not json' >"$tmp/bad.json"
+expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
+[ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }
+expect 2 "layers" -- "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o2" --layers 9
+[ -e "$tmp/o2" ] && { echo "FAIL: partial output left in $tmp/o2"; failures=$((failures + 1)); }
+# A truncated shard: inspect must name the file.
+"$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/ck" 2>/dev/null || failures=$((failures + 1))
+truncate -s 100 "$tmp/ck/model-bf16-00002.safetensors"
+expect 3 "model-bf16-00002.safetensors" -- "$fngen" inspect "$tmp/ck"
+[ -s "$tmp/out" ] && { echo "FAIL: inspect printed results for a bad checkpoint"; failures=$((failures + 1)); }
+
+echo "cli_errors: $failures failure(s)"
+[ "$failures" = 0 ]

@@ -17,8 +17,9 @@ void register_inspect(CLI::App& app, CommandList& commands) {
   };
   auto opt = std::make_shared<Options>();
   CLI::App* sub = app.add_subcommand(
-      "inspect", "validate a checkpoint against its config and print its summary, weights per "
-                 "TP rank and bytes read per decoded token");
+      "inspect",
+      "validate a checkpoint against its config and print its summary, weights per "
+      "TP rank and bytes read per decoded token");
   sub->add_option("dir,-m,--model", opt->dir, "checkpoint directory")->required();
   sub->add_option("--tp", opt->tp, "tensor-parallel size for the per-rank figures (1, 2, 4, 8)");
   sub->add_option("-c,--ctx-size", opt->ctx_size, "context length (tokens) for bytes per token");

@@ -21,7 +21,8 @@ void register_synth(CLI::App& app, CommandList& commands) {
   auto opt = std::make_shared<Options>();
   CLI::App* sub = app.add_subcommand(
       "synth", "write a random-weight checkpoint of a config's geometry in the real NVFP4 layout");
-  sub->add_option("--config", opt->config, "config.json to synthesize (configs/*.json)")->required();
+  sub->add_option("--config", opt->config, "config.json to synthesize (configs/*.json)")
+      ->required();
   sub->add_option("-o,--out", opt->out, "output directory (absent or empty)")->required();
   sub->add_option("--seed", opt->seed, "random seed (default 0)");
   sub->add_option("--layers", opt->layers, "keep only the first N decoder layers (real widths)");
@@ -41,10 +42,11 @@ void register_synth(CLI::App& app, CommandList& commands) {
                         o.ngram_vocab_base = opt->ngram_vocab_base;
                         if (!opt->tokenizer.empty()) o.tokenizer_dir = opt->tokenizer;
                         const SynthResult r = synth_checkpoint(o);
-                        FN_LOG_INFO("synth: wrote {} tensors in {} files, {:.1f} MB in {:.2f} s "
-                                    "({:.0f} MB/s) to {}",
-                                    r.tensors, r.files, r.bytes / 1e6, r.seconds,
-                                    r.bytes / 1e6 / std::max(r.seconds, 1e-9), opt->out);
+                        FN_LOG_INFO(
+                            "synth: wrote {} tensors in {} files, {:.1f} MB in {:.2f} s "
+                            "({:.0f} MB/s) to {}",
+                            r.tensors, r.files, r.bytes / 1e6, r.seconds,
+                            r.bytes / 1e6 / std::max(r.seconds, 1e-9), opt->out);
                         return 0;
                       }});
 }

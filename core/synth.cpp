@@ -49,7 +49,9 @@ struct Rng {
     return z ^ (z >> 31);
   }
   // Uniform in [-1, 1).
-  float symmetric() { return static_cast<float>(static_cast<double>(next() >> 40) * 0x1p-23 - 1.0); }
+  float symmetric() {
+    return static_cast<float>(static_cast<double>(next() >> 40) * 0x1p-23 - 1.0);
+  }
 };
 
 // How one tensor's values are drawn.
@@ -60,11 +62,15 @@ struct Draw {
   std::vector<int64_t> i64;  // I64: the values
 };
 
-Draw uniform_sigma(double sigma) { return {Draw::Kind::Uniform, 0.0, std::sqrt(3.0) * sigma, {}}; }
+Draw uniform_sigma(double sigma) {
+  return {Draw::Kind::Uniform, 0.0, std::sqrt(3.0) * sigma, {}};
+}
 Draw uniform_around(double center, double half_width) {
   return {Draw::Kind::Uniform, center, half_width, {}};
 }
-Draw constant(double value) { return {Draw::Kind::Constant, value, 0.0, {}}; }
+Draw constant(double value) {
+  return {Draw::Kind::Constant, value, 0.0, {}};
+}
 
 double last_dim(const ExpectedTensor& t) {
   return t.shape.empty() ? 1.0 : static_cast<double>(t.shape.back());
@@ -72,8 +78,10 @@ double last_dim(const ExpectedTensor& t) {
 
 Draw draw_for(const ExpectedTensor& t, const ModelConfig& cfg) {
   switch (t.role) {
-    case TensorRole::Embedding: return uniform_sigma(1.0);
-    case TensorRole::LmHead: return uniform_sigma(4.0 / std::sqrt(last_dim(t)));
+    case TensorRole::Embedding:
+      return uniform_sigma(1.0);
+    case TensorRole::LmHead:
+      return uniform_sigma(4.0 / std::sqrt(last_dim(t)));
     case TensorRole::HcNorm:
     case TensorRole::PleNormKey:
     case TensorRole::PleNormQuery:
@@ -81,14 +89,21 @@ Draw draw_for(const ExpectedTensor& t, const ModelConfig& cfg) {
     case TensorRole::QsaQNorm:
     case TensorRole::QsaKNorm:
     case TensorRole::IndexerQNorm:
-    case TensorRole::IndexerKNorm: return uniform_around(0.0, 0.1);  // (1 + w) norms
-    case TensorRole::GdnNorm: return uniform_around(1.0, 0.1);       // plain weight
-    case TensorRole::GdnALog: return {Draw::Kind::ALog, 0, 0, {}};
-    case TensorRole::GdnDtBias: return uniform_around(0.0, 0.5);
+    case TensorRole::IndexerKNorm:
+      return uniform_around(0.0, 0.1);  // (1 + w) norms
+    case TensorRole::GdnNorm:
+      return uniform_around(1.0, 0.1);  // plain weight
+    case TensorRole::GdnALog:
+      return {Draw::Kind::ALog, 0, 0, {}};
+    case TensorRole::GdnDtBias:
+      return uniform_around(0.0, 0.5);
     case TensorRole::GdnConv:
-    case TensorRole::PleConv: return uniform_sigma(1.0 / std::sqrt(last_dim(t)));
-    case TensorRole::ExpertWeight: return {Draw::Kind::Bytes, 0, 0, {}};
-    case TensorRole::ExpertBlockScale: return {Draw::Kind::E4m3BlockScale, 0, 0, {}};
+    case TensorRole::PleConv:
+      return uniform_sigma(1.0 / std::sqrt(last_dim(t)));
+    case TensorRole::ExpertWeight:
+      return {Draw::Kind::Bytes, 0, 0, {}};
+    case TensorRole::ExpertBlockScale:
+      return {Draw::Kind::E4m3BlockScale, 0, 0, {}};
     case TensorRole::ExpertGlobalScale: {
       // K = 2 codes per packed byte of the matching weight: gate/up read hidden_size inputs,
       // down reads moe_intermediate_size.
@@ -96,11 +111,13 @@ Draw draw_for(const ExpectedTensor& t, const ModelConfig& cfg) {
                                                    : static_cast<double>(cfg.hidden_size);
       return constant(1.0 / (kE2m1CodeRms * std::sqrt(k)));
     }
-    case TensorRole::ExpertInputScale: return constant(1.0 / 448.0);
+    case TensorRole::ExpertInputScale:
+      return constant(1.0 / 448.0);
     case TensorRole::PleNgramShard:
       if (t.dtype == DType::F8_E4M3) return {Draw::Kind::Fp8Table, 0, 0, {}};
       return uniform_sigma(1.0);
-    case TensorRole::PleNgramScale: return constant(std::sqrt(3.0) / 448.0);
+    case TensorRole::PleNgramScale:
+      return constant(std::sqrt(3.0) / 448.0);
     case TensorRole::PleMultipliers:
     case TensorRole::PleHeadSizes:
     case TensorRole::PleHeadOffsets: {
@@ -134,8 +151,11 @@ void store(std::byte* dst, DType dtype, double value) {
       std::memcpy(dst, &f, 4);
       return;
     }
-    case DType::F8_E4M3: *dst = static_cast<std::byte>(float_to_e4m3(static_cast<float>(value))); return;
-    default: FN_THROW(Internal, "synth: no float encoder for dtype {}", dtype_name(dtype));
+    case DType::F8_E4M3:
+      *dst = static_cast<std::byte>(float_to_e4m3(static_cast<float>(value)));
+      return;
+    default:
+      FN_THROW(Internal, "synth: no float encoder for dtype {}", dtype_name(dtype));
   }
 }
 
@@ -146,17 +166,25 @@ void fill_chunk(const Draw& d, DType dtype, std::byte* data, int64_t begin, int6
   for (int64_t i = begin; i < end; ++i) {
     std::byte* p = data + static_cast<std::size_t>(i) * es;
     switch (d.kind) {
-      case Draw::Kind::Uniform: store(p, dtype, d.center + d.half_width * rng.symmetric()); break;
+      case Draw::Kind::Uniform:
+        store(p, dtype, d.center + d.half_width * rng.symmetric());
+        break;
       case Draw::Kind::ALog:
         store(p, dtype, std::log(8.5 + 7.5 * rng.symmetric()));  // log(U[1, 16])
         break;
-      case Draw::Kind::Bytes: *p = static_cast<std::byte>(rng.next() >> 56); break;
+      case Draw::Kind::Bytes:
+        *p = static_cast<std::byte>(rng.next() >> 56);
+        break;
       case Draw::Kind::E4m3BlockScale:
         // E4M3 codes 0x36..0x39 = 0.875, 0.9375, 1.0, 1.125.
         *p = static_cast<std::byte>(0x36 + (rng.next() >> 62));
         break;
-      case Draw::Kind::Fp8Table: *p = static_cast<std::byte>(fp8_lut[rng.next() >> 56]); break;
-      case Draw::Kind::Constant: store(p, dtype, d.center); break;
+      case Draw::Kind::Fp8Table:
+        *p = static_cast<std::byte>(fp8_lut[rng.next() >> 56]);
+        break;
+      case Draw::Kind::Constant:
+        store(p, dtype, d.center);
+        break;
       case Draw::Kind::I64: {
         const int64_t v = d.i64.at(static_cast<std::size_t>(i));
         std::memcpy(p, &v, 8);
@@ -169,7 +197,8 @@ void fill_chunk(const Draw& d, DType dtype, std::byte* data, int64_t begin, int6
 // E4M3 codes of 256 values evenly spread over [-448, 448]: a random byte picks one.
 std::array<uint8_t, 256> make_fp8_lut() {
   std::array<uint8_t, 256> lut{};
-  for (int i = 0; i < 256; ++i) lut[i] = float_to_e4m3(static_cast<float>(-448.0 + (i + 0.5) * 3.5));
+  for (int i = 0; i < 256; ++i)
+    lut[i] = float_to_e4m3(static_cast<float>(-448.0 + (i + 0.5) * 3.5));
   return lut;
 }
 
@@ -306,62 +335,68 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
   FN_REQUIRE(!ec, Io, "cannot create '{}': {}", out.string(), ec.message());
   SynthResult result;
   try {
-  auto files = assign_files(tensors, cfg);
-  // A few tensors a text-only loader must skip (MODEL.md §B.3).
-  std::vector<ExpectedTensor> skipped = {
-      {"mtp.pre_fc_norm_embedding.weight", TensorRole::HcNorm, -1, -1, -1, "", DType::BF16,
-       {cfg.hidden_size}},
-      {"model.visual.merger.ln_q.weight", TensorRole::HcNorm, -1, -1, -1, "", DType::BF16, {16}},
-  };
-  for (const auto& t : skipped) files["model-bf16-00001.safetensors"].push_back(&t);
+    auto files = assign_files(tensors, cfg);
+    // A few tensors a text-only loader must skip (MODEL.md §B.3).
+    std::vector<ExpectedTensor> skipped = {
+        {"mtp.pre_fc_norm_embedding.weight",
+         TensorRole::HcNorm,
+         -1,
+         -1,
+         -1,
+         "",
+         DType::BF16,
+         {cfg.hidden_size}},
+        {"model.visual.merger.ln_q.weight", TensorRole::HcNorm, -1, -1, -1, "", DType::BF16, {16}},
+    };
+    for (const auto& t : skipped) files["model-bf16-00001.safetensors"].push_back(&t);
 
-  json weight_map = json::object();
-  for (const auto& [file, list] : files) {
-    SafetensorsWriter writer;
-    writer.set_metadata("format", "pt");
-    for (const ExpectedTensor* t : list) {
-      writer.add(t->name, t->dtype, t->shape, make_fill(*t, cfg, options.seed));
-      weight_map[t->name] = file;
+    json weight_map = json::object();
+    for (const auto& [file, list] : files) {
+      SafetensorsWriter writer;
+      writer.set_metadata("format", "pt");
+      for (const ExpectedTensor* t : list) {
+        writer.add(t->name, t->dtype, t->shape, make_fill(*t, cfg, options.seed));
+        weight_map[t->name] = file;
+      }
+      result.bytes += writer.write(out / file);
+      result.tensors += list.size();
+      result.files += 1;
+      FN_LOG_DEBUG("synth: wrote {} ({} tensors)", file, list.size());
     }
-    result.bytes += writer.write(out / file);
-    result.tensors += list.size();
-    result.files += 1;
-    FN_LOG_DEBUG("synth: wrote {} ({} tensors)", file, list.size());
-  }
 
-  json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
-  write_text(out / "model.safetensors.index.json", index.dump(2) + "\n");
-  write_text(out / "config.json", j.dump(2) + "\n");
-  if (quant.quantized()) {
-    json q = {{"producer", {{"name", "modelopt"}, {"version", "0.46.0"}}},
-              {"quantization",
-               {{"quant_algo", quant.quant_algo},
-                {"group_size", quant.group_size},
-                {"exclude_modules", quant.exclude_modules}}}};
-    write_text(out / "hf_quant_config.json", q.dump(2) + "\n");
-  }
-  // generation_config.json: a sidecar "<config>.generation_config.json" when shipped, else the
-  // model's eos ids.
-  fs::path gen_sidecar = options.config;
-  gen_sidecar.replace_extension(".generation_config.json");
-  if (fs::exists(gen_sidecar)) {
-    write_text(out / "generation_config.json", read_json_file(gen_sidecar).dump(2) + "\n");
-  } else {
-    json gen = {{"eos_token_id", cfg.eos_token_id}};
-    write_text(out / "generation_config.json", gen.dump(2) + "\n");
-  }
-  if (options.tokenizer_dir) {
-    int copied = 0;
-    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
-      const fs::path src = *options.tokenizer_dir / name;
-      if (!fs::exists(src)) continue;
-      fs::copy_file(src, out / name, fs::copy_options::overwrite_existing, ec);
-      FN_REQUIRE(!ec, Io, "cannot copy '{}': {}", src.string(), ec.message());
-      ++copied;
+    json index = {{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}};
+    write_text(out / "model.safetensors.index.json", index.dump(2) + "\n");
+    write_text(out / "config.json", j.dump(2) + "\n");
+    if (quant.quantized()) {
+      json q = {{"producer", {{"name", "modelopt"}, {"version", "0.46.0"}}},
+                {"quantization",
+                 {{"quant_algo", quant.quant_algo},
+                  {"group_size", quant.group_size},
+                  {"exclude_modules", quant.exclude_modules}}}};
+      write_text(out / "hf_quant_config.json", q.dump(2) + "\n");
     }
-    FN_REQUIRE(copied > 0, Io, "--tokenizer '{}' holds no tokenizer.json or tokenizer.model",
-               options.tokenizer_dir->string());
-  }
+    // generation_config.json: a sidecar "<config>.generation_config.json" when shipped, else the
+    // model's eos ids.
+    fs::path gen_sidecar = options.config;
+    gen_sidecar.replace_extension(".generation_config.json");
+    if (fs::exists(gen_sidecar)) {
+      write_text(out / "generation_config.json", read_json_file(gen_sidecar).dump(2) + "\n");
+    } else {
+      json gen = {{"eos_token_id", cfg.eos_token_id}};
+      write_text(out / "generation_config.json", gen.dump(2) + "\n");
+    }
+    if (options.tokenizer_dir) {
+      int copied = 0;
+      for (const char* name : {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
+        const fs::path src = *options.tokenizer_dir / name;
+        if (!fs::exists(src)) continue;
+        fs::copy_file(src, out / name, fs::copy_options::overwrite_existing, ec);
+        FN_REQUIRE(!ec, Io, "cannot copy '{}': {}", src.string(), ec.message());
+        ++copied;
+      }
+      FN_REQUIRE(copied > 0, Io, "--tokenizer '{}' holds no tokenizer.json or tokenizer.model",
+                 options.tokenizer_dir->string());
+    }
   } catch (...) {
     fs::remove_all(out, ec);
     throw;
@@ -370,8 +405,7 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
   fs::rename(out, options.out, ec);
   FN_REQUIRE(!ec, Io, "cannot rename '{}' to '{}': {}", out.string(), options.out.string(),
              ec.message());
-  result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
 }
 

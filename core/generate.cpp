@@ -1,0 +1,231 @@
+// Generation loop: prefill, sample/decode with stop handling and timing (core/generate.h).
+#include "core/generate.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace fn {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// Wire codes of the per-step broadcast: {token, kContinue or 1 + FinishReason}.
+constexpr int32_t kContinue = 0;
+
+// Rank 0's stop-string matcher over the streamed text: keeps the whole generated text, emits
+// everything that can no longer be the start of a stop string, and cuts the text at the first
+// stop string (which is never emitted, even when it spans several tokens).
+class StopText {
+ public:
+  StopText(const std::vector<std::string>& stops, const TextHooks& hooks)
+      : stops_(stops), hooks_(hooks) {
+    for (const auto& s : stops_) max_len_ = std::max(max_len_, s.size());
+  }
+
+  // Appends `piece`; returns true when a stop string completed (text cut before it).
+  bool add(std::string_view piece) {
+    const std::size_t old_len = text_.size();
+    text_.append(piece);
+    if (!stops_.empty()) {
+      // A new match must end inside the new piece, so it starts at most max_len-1 bytes earlier.
+      const std::size_t from = old_len >= max_len_ ? old_len - max_len_ + 1 : 0;
+      std::size_t best = std::string::npos;
+      for (const auto& s : stops_) {
+        if (s.empty()) continue;
+        const std::size_t pos = text_.find(s, from);
+        if (pos != std::string::npos && pos < best) best = pos;
+      }
+      if (best != std::string::npos) {
+        text_.resize(best);
+        emit_upto(best);
+        return true;
+      }
+    }
+    emit_upto(text_.size() - held_suffix());
+    return false;
+  }
+
+  // Emits everything held back (end of generation without a stop string).
+  void flush() { emit_upto(text_.size()); }
+
+  std::string take_text() { return std::move(text_); }
+
+ private:
+  // Length of the longest suffix of the unemitted text that is a proper prefix of a stop string.
+  std::size_t held_suffix() const {
+    std::size_t held = 0;
+    const std::size_t avail = text_.size() - emitted_;
+    for (const auto& s : stops_) {
+      for (std::size_t len = std::min(s.size() - (s.empty() ? 0 : 1), avail); len > held; --len) {
+        if (text_.compare(text_.size() - len, len, s, 0, len) == 0) {
+          held = len;
+          break;
+        }
+      }
+    }
+    return held;
+  }
+
+  void emit_upto(std::size_t end) {
+    if (end > emitted_) {
+      if (hooks_.emit) hooks_.emit(std::string_view(text_).substr(emitted_, end - emitted_));
+      emitted_ = end;
+    }
+  }
+
+  const std::vector<std::string>& stops_;
+  const TextHooks& hooks_;
+  std::string text_;
+  std::size_t emitted_ = 0;
+  std::size_t max_len_ = 0;
+};
+
+}  // namespace
+
+const char* finish_reason_name(FinishReason r) noexcept {
+  switch (r) {
+    case FinishReason::Eos:
+      return "eos";
+    case FinishReason::Stop:
+      return "stop";
+    case FinishReason::Length:
+      return "length";
+  }
+  return "?";
+}
+
+LatencyStats latency_stats(std::span<const double> ms) {
+  LatencyStats s;
+  s.count = static_cast<int64_t>(ms.size());
+  if (ms.empty()) return s;
+  std::vector<double> x(ms.begin(), ms.end());
+  std::sort(x.begin(), x.end());
+  double sum = 0;
+  for (double v : x) sum += v;
+  s.mean = sum / static_cast<double>(x.size());
+  auto pct = [&x](double q) {
+    const double h = static_cast<double>(x.size() - 1) * q;
+    const auto lo = static_cast<std::size_t>(std::floor(h));
+    const std::size_t hi = std::min(lo + 1, x.size() - 1);
+    return x[lo] + (h - static_cast<double>(lo)) * (x[hi] - x[lo]);
+  };
+  s.p50 = pct(0.50);
+  s.p90 = pct(0.90);
+  s.p99 = pct(0.99);
+  s.max = x.back();
+  return s;
+}
+
+void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size) {
+  FN_REQUIRE(prompt_len > 0, Usage, "the prompt is empty (0 tokens): give at least one token");
+  FN_REQUIRE(max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}", max_new_tokens);
+  FN_REQUIRE(prompt_len + max_new_tokens <= ctx_size, Usage,
+             "the prompt ({} tokens) plus -n/--max-new-tokens ({}) is {} tokens, more than the "
+             "context size -c/--ctx-size {}",
+             prompt_len, max_new_tokens, prompt_len + max_new_tokens, ctx_size);
+}
+
+std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t> prompt) {
+  FN_REQUIRE(!prompt.empty(), Usage, "the prompt is empty (0 tokens): give at least one token");
+  std::span<const float> logits;
+  for (int32_t t : prompt) logits = forward(t);
+  return logits;
+}
+
+GenerationResult generate(const ForwardFn& forward, Collectives& coll,
+                          std::span<const int32_t> prompt, const GenerateOptions& options,
+                          const TextHooks& hooks) {
+  check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
+  const bool root = coll.rank() == 0;
+  FN_REQUIRE(options.stop_strings.empty() || !root || hooks.feed, Usage,
+             "--stop needs a tokenizer to match text; this model directory has none");
+  GenerationResult r;
+  r.n_prompt_tokens = static_cast<int64_t>(prompt.size());
+  Sampler sampler(options.sampling);
+  for (int32_t t : prompt) sampler.accept(t);
+  StopText stop_text(options.stop_strings, hooks);
+  auto is_stop_id = [&options](int32_t t) {
+    return std::find(options.stop_token_ids.begin(), options.stop_token_ids.end(),
+                     static_cast<int64_t>(t)) != options.stop_token_ids.end();
+  };
+
+  const auto t0 = Clock::now();
+  std::span<const float> logits = prefill(forward, prompt);
+  const auto t_prefill = Clock::now();
+  r.prefill_ms = ms_between(t0, t_prefill);
+  auto t_prev = t0;
+  FinishReason finish = FinishReason::Length;
+  for (;;) {
+    int32_t msg[2] = {sampler.sample(logits), kContinue};
+    if (root) {
+      const int32_t tok = msg[0];
+      const auto n_after = static_cast<int64_t>(r.token_ids.size()) + 1;
+      if (!options.ignore_eos && is_stop_id(tok)) {
+        msg[1] = 1 + static_cast<int32_t>(FinishReason::Eos);
+      } else {
+        if (hooks.feed && stop_text.add(hooks.feed(tok))) {
+          msg[1] = 1 + static_cast<int32_t>(FinishReason::Stop);
+        } else if (n_after >= options.max_new_tokens) {
+          msg[1] = 1 + static_cast<int32_t>(FinishReason::Length);
+        }
+      }
+    }
+    coll.broadcast(msg, sizeof(msg), 0);
+    const auto t_tok = Clock::now();
+    if (r.token_ids.empty()) {
+      r.ttft_ms = ms_between(t0, t_tok);
+    } else {
+      r.itl_ms.push_back(ms_between(t_prev, t_tok));
+    }
+    t_prev = t_tok;
+    r.token_ids.push_back(msg[0]);
+    if (msg[1] != kContinue) {
+      finish = static_cast<FinishReason>(msg[1] - 1);
+      break;
+    }
+    sampler.accept(msg[0]);
+    logits = forward(msg[0]);
+  }
+  r.finish = finish;
+  r.e2e_ms = ms_between(t0, t_prev);
+  if (root) {
+    if (finish != FinishReason::Stop) {
+      if (hooks.finish && !stop_text.add(hooks.finish())) stop_text.flush();
+      if (!hooks.finish) stop_text.flush();
+    }
+    r.text = stop_text.take_text();
+  }
+  r.tpot = latency_stats(r.itl_ms);
+  double itl_sum = 0;
+  for (double v : r.itl_ms) itl_sum += v;
+  r.decode_tokens_per_s = itl_sum > 0 ? static_cast<double>(r.itl_ms.size()) * 1e3 / itl_sum : 0;
+  r.prefill_tokens_per_s =
+      r.prefill_ms > 0 ? static_cast<double>(r.n_prompt_tokens) * 1e3 / r.prefill_ms : 0;
+  return r;
+}
+
+double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: kilobytes
+}
+
+std::vector<double> gather_peak_rss_mib(Collectives& coll) {
+  // MiB as float: exact to 1/64 MiB below 256 GiB, plenty for a report.
+  const float mine = static_cast<float>(peak_rss_mib());
+  std::vector<float> all(static_cast<std::size_t>(coll.size()));
+  coll.all_gather(&mine, 1, all.data());
+  return {all.begin(), all.end()};
+}
+
+}  // namespace fn

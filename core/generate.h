@@ -1,0 +1,106 @@
+// The generation loop of `fngen generate` (DESIGN.md "The main job", steps 7-9), independent of
+// the backend: prefill token by token through a forward function, then sample and decode until a
+// stop id, a stop string, max_new_tokens or the context end, with per-token timing. Called by
+// apps/cmd_generate.cpp on every rank of the TP group with the same prompt. Invariant: every rank
+// takes the same decision at every step (MODEL.md §E.3): the logits and the sampler state are
+// identical on all ranks, and rank 0's token and stop decision are broadcast anyway, so that a
+// divergence can never leave the ranks running different sequences (and stop strings, matched on
+// text only rank 0 has, need it).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/collectives.h"
+#include "core/sampler.h"
+
+namespace fn {
+
+/// One step of a backend: feeds `token` at the next position, returns the full-vocabulary FP32
+/// logits (identical on every rank). CpuModel::forward, later the CUDA backend's step.
+using ForwardFn = std::function<std::span<const float>(int32_t token)>;
+
+/// Rank 0's text side (core does not see the tokenizer; apps adapts StreamingDetokenizer).
+/// Every member may be empty: no text is produced then.
+struct TextHooks {
+  /// Incremental detokenizer: the text that became complete with this id (UTF-8 safe).
+  std::function<std::string(int32_t)> feed;
+  /// End of stream: the held-back text.
+  std::function<std::string()> finish;
+  /// Streams text as it becomes final (stop strings already removed). Called on rank 0 only.
+  std::function<void(std::string_view)> emit;
+};
+
+enum class FinishReason {
+  Eos,     ///< a stop id was generated (kept in token_ids, not in the text)
+  Stop,    ///< a --stop string appeared in the text (cut from the text)
+  Length,  ///< max_new_tokens reached
+};
+/// "eos", "stop", "length".
+const char* finish_reason_name(FinishReason r) noexcept;
+
+/// Settings of one generation.
+struct GenerateOptions {
+  SamplingParams sampling;
+  int64_t max_new_tokens = 256;           ///< > 0
+  int64_t ctx_size = 4096;                ///< prompt + max_new_tokens must not exceed it
+  std::vector<int64_t> stop_token_ids;    ///< config eos ∪ generation_config eos_token_id
+  std::vector<std::string> stop_strings;  ///< matched on the detokenized text (rank 0)
+  bool ignore_eos = false;                ///< do not stop on stop_token_ids
+};
+
+/// Latency distribution in milliseconds: mean, p50/p90/p99 (linear interpolation between order
+/// statistics, numpy's default), max. All zero for no samples.
+struct LatencyStats {
+  double mean = 0, p50 = 0, p90 = 0, p99 = 0, max = 0;
+  int64_t count = 0;
+};
+/// Stats of `ms`. Percentile q: sorted x, h = (n-1)·q, x[⌊h⌋] + (h-⌊h⌋)(x[⌊h⌋+1] - x[⌊h⌋]).
+LatencyStats latency_stats(std::span<const double> ms);
+
+/// What one generation produced; identical on every rank except `text` (rank 0 only).
+struct GenerationResult {
+  int64_t n_prompt_tokens = 0;
+  std::vector<int32_t> token_ids;  ///< generated ids, a final stop id included
+  std::string text;                ///< streamed text (rank 0; empty without TextHooks)
+  FinishReason finish = FinishReason::Length;
+  double prefill_ms = 0;       ///< first prompt token in -> last prompt logits out
+  double ttft_ms = 0;          ///< prompt start -> first token chosen and broadcast
+  std::vector<double> itl_ms;  ///< gap before each later token (token_ids.size() - 1)
+  LatencyStats tpot;           ///< of itl_ms (TPOT = (E2E - TTFT) / (n - 1) = its mean)
+  double e2e_ms = 0;           ///< prompt start -> last token
+  /// Decode rate: itl count / sum of itl (tokens/s); 0 with fewer than 2 tokens.
+  double decode_tokens_per_s = 0;
+  /// Prefill rate: prompt tokens / prefill_ms (tokens/s).
+  double prefill_tokens_per_s = 0;
+};
+
+/// Throws fn::Error(Usage) unless 0 < prompt_len, max_new_tokens > 0 and prompt_len +
+/// max_new_tokens <= ctx_size; the message names both numbers and the flags (-c/--ctx-size,
+/// -n/--max-new-tokens).
+void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size);
+
+/// Feeds `prompt` through `forward` in order and returns the last position's logits (the span
+/// forward returned last). Throws fn::Error(Usage) for an empty prompt.
+std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t> prompt);
+
+/// Generates from `prompt` on a freshly reset backend (the caller resets it). Runs on every rank
+/// of `coll` with the same arguments; `hooks` matter on rank 0 only. Per step: sample (every
+/// rank), rank 0 checks stop ids / stop strings / length and broadcasts {token, stop} (8 bytes),
+/// every rank accepts the broadcast token. Throws check_context's Usage error before any
+/// forward; fn::Error(Usage) when stop_strings are given without hooks.feed on rank 0.
+GenerationResult generate(const ForwardFn& forward, Collectives& coll,
+                          std::span<const int32_t> prompt, const GenerateOptions& options,
+                          const TextHooks& hooks = {});
+
+/// Peak resident memory of this process in MiB (getrusage ru_maxrss).
+double peak_rss_mib();
+
+/// Every rank's peak_rss_mib(), gathered (a collective: all ranks call it). Index = rank.
+std::vector<double> gather_peak_rss_mib(Collectives& coll);
+
+}  // namespace fn

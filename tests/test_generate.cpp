@@ -1,0 +1,274 @@
+// Generation loop (core/generate.h) on a scripted fake backend (stop ids, --ignore-eos, length,
+// stop strings across token boundaries, the context check, latency statistics) and on the tp4
+// and g3_tiny reference fixtures at TP = 1 (greedy ids = the reference's 32 decode ids;
+// prefill(T) = prefill(T-1) + one decode step).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/collectives.h"
+#include "core/cpu_model.h"
+#include "core/error.h"
+#include "core/generate.h"
+#include "test_cpu_fixture.h"
+
+namespace {
+
+// A backend whose greedy continuation is `script`: after n forward calls the logits put 1 on
+// script[n - 1] (0 elsewhere), so the prompt's last token decides the first generated one.
+struct ScriptedModel {
+  explicit ScriptedModel(std::vector<int32_t> s) : script(std::move(s)) {}
+  std::vector<int32_t> script;
+  int64_t vocab = 16;
+  std::vector<float> logits;
+  std::vector<int32_t> fed;
+  std::span<const float> forward(int32_t t) {
+    fed.push_back(t);
+    logits.assign(static_cast<std::size_t>(vocab), 0.0f);
+    const std::size_t i = std::min(fed.size() - 1, script.size() - 1);
+    logits[static_cast<std::size_t>(script[i])] = 1.0f;
+    return logits;
+  }
+  fn::ForwardFn fn() {
+    return [this](int32_t t) { return forward(t); };
+  }
+};
+
+fn::GenerateOptions greedy(int64_t n) {
+  fn::GenerateOptions o;
+  o.sampling.temperature = 0.0;
+  o.max_new_tokens = n;
+  o.ctx_size = 1000;
+  return o;
+}
+
+// Text hooks over a fixed id -> text table, recording every emitted chunk.
+struct FakeText {
+  explicit FakeText(std::map<int32_t, std::string> p) : pieces(std::move(p)) {}
+  std::map<int32_t, std::string> pieces;
+  std::vector<std::string> emitted;
+  fn::TextHooks hooks() {
+    fn::TextHooks h;
+    h.feed = [this](int32_t id) { return pieces.at(id); };
+    h.finish = [] { return std::string(); };
+    h.emit = [this](std::string_view s) { emitted.emplace_back(s); };
+    return h;
+  }
+  std::string joined() const {
+    std::string s;
+    for (const auto& e : emitted) s += e;
+    return s;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("generate: stops at a stop id (kept in the ids, not in the text) unless --ignore-eos") {
+  fn::LocalCollectives coll;
+  ScriptedModel m{{3, 4, 9, 5, 6}};
+  FakeText t{{{3, "a"}, {4, "b"}, {9, "<eos>"}, {5, "c"}, {6, "d"}}};
+  auto o = greedy(10);
+  o.stop_token_ids = {9, 12};
+  const std::vector<int32_t> prompt = {1, 2};
+  // Prompt [1, 2]: the logits after token 2 give script[1] = 4 first.
+  auto r = fn::generate(m.fn(), coll, prompt, o, t.hooks());
+  CHECK(r.token_ids == std::vector<int32_t>{4, 9});
+  CHECK(r.finish == fn::FinishReason::Eos);
+  CHECK(r.text == "b");
+  CHECK(t.joined() == "b");
+  CHECK(r.n_prompt_tokens == 2);
+  CHECK(r.itl_ms.size() == 1);
+  CHECK(m.fed == std::vector<int32_t>{1, 2, 4});  // the stop id is never fed back
+
+  ScriptedModel m2{{3, 4, 9, 5, 6}};
+  FakeText t2{{{3, "a"}, {4, "b"}, {9, "<eos>"}, {5, "c"}, {6, "d"}}};
+  o.ignore_eos = true;
+  o.max_new_tokens = 4;
+  r = fn::generate(m2.fn(), coll, prompt, o, t2.hooks());
+  CHECK(r.token_ids == std::vector<int32_t>{4, 9, 5, 6});
+  CHECK(r.finish == fn::FinishReason::Length);
+  CHECK(r.text == "b<eos>cd");
+  CHECK(r.itl_ms.size() == 3);
+  CHECK(r.tpot.count == 3);
+}
+
+TEST_CASE("generate: max_new_tokens ends the run with finish reason length") {
+  fn::LocalCollectives coll;
+  ScriptedModel m{{5, 5, 5, 5, 5, 5, 5, 5}};
+  const std::vector<int32_t> prompt = {1};
+  auto r = fn::generate(m.fn(), coll, prompt, greedy(3));
+  CHECK(r.token_ids == std::vector<int32_t>{5, 5, 5});
+  CHECK(r.finish == fn::FinishReason::Length);
+  CHECK(m.fed.size() == 3);  // prompt + 2 fed back; the last token is never fed
+  CHECK(r.text.empty());
+  CHECK(r.ttft_ms > 0.0);
+  CHECK(r.e2e_ms >= r.ttft_ms);
+}
+
+TEST_CASE("generate: a stop string across token boundaries is cut and never printed") {
+  fn::LocalCollectives coll;
+  ScriptedModel m{{1, 2, 3, 4, 5}};
+  FakeText t{{{1, "Hel"}, {2, "lo w"}, {3, "or"}, {4, "ld!"}, {5, "zz"}}};
+  auto o = greedy(10);
+  o.stop_strings = {"world", "xyz"};
+  const std::vector<int32_t> prompt = {0};
+  const auto r = fn::generate(m.fn(), coll, prompt, o, t.hooks());
+  CHECK(r.finish == fn::FinishReason::Stop);
+  CHECK(r.token_ids == std::vector<int32_t>{1, 2, 3, 4});
+  CHECK(r.text == "Hello ");
+  CHECK(t.joined() == "Hello ");
+  // "w" and "or" were held back while they could still start "world".
+  for (const auto& e : t.emitted) CHECK(e.find('w') == std::string::npos);
+  // A held-back partial match that fails is released: "wo" + "x" is not "world".
+  ScriptedModel m2{{1, 2, 3}};
+  FakeText t2{{{1, "a w"}, {2, "o"}, {3, "x"}}};
+  o.stop_strings = {"world"};
+  o.max_new_tokens = 3;
+  const auto r2 = fn::generate(m2.fn(), coll, prompt, o, t2.hooks());
+  CHECK(r2.finish == fn::FinishReason::Length);
+  CHECK(r2.text == "a wox");
+  CHECK(t2.joined() == "a wox");
+  // Held text is flushed at the end of a run that stopped on length.
+  ScriptedModel m3{{1, 2}};
+  FakeText t3{{{1, "x"}, {2, "wor"}}};
+  o.max_new_tokens = 2;
+  const auto r3 = fn::generate(m3.fn(), coll, prompt, o, t3.hooks());
+  CHECK(t3.joined() == "xwor");
+  CHECK(r3.text == "xwor");
+  // A stop string inside one token cuts that token's text.
+  ScriptedModel m4{{1, 2}};
+  FakeText t4{{{1, "ab"}, {2, "c\n\nd"}}};
+  o.stop_strings = {"\n\n"};
+  const auto r4 = fn::generate(m4.fn(), coll, prompt, o, t4.hooks());
+  CHECK(r4.finish == fn::FinishReason::Stop);
+  CHECK(t4.joined() == "abc");
+}
+
+TEST_CASE("generate: --stop without a tokenizer is a usage error") {
+  fn::LocalCollectives coll;
+  ScriptedModel m{{1}};
+  auto o = greedy(2);
+  o.stop_strings = {"x"};
+  const std::vector<int32_t> prompt = {0};
+  CHECK_THROWS_AS(fn::generate(m.fn(), coll, prompt, o), fn::Error);
+  CHECK(m.fed.empty());
+}
+
+TEST_CASE("generate: a prompt longer than the context is a usage error naming both numbers") {
+  fn::LocalCollectives coll;
+  ScriptedModel m{{1}};
+  auto o = greedy(8);
+  o.ctx_size = 10;
+  const std::vector<int32_t> prompt(5, 1);
+  try {
+    fn::generate(m.fn(), coll, prompt, o);
+    FAIL("no error");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Usage);
+    const std::string w = e.what();
+    CHECK(w.find("5 tokens") != std::string::npos);
+    CHECK(w.find("(8)") != std::string::npos);
+    CHECK(w.find("ctx-size 10") != std::string::npos);
+  }
+  CHECK(m.fed.empty());  // checked before any forward
+  o.max_new_tokens = 5;  // exactly fills the context: fine
+  CHECK(fn::generate(m.fn(), coll, prompt, o).token_ids.size() == 5);
+}
+
+TEST_CASE("generate: an empty prompt is a usage error") {
+  fn::LocalCollectives coll;
+  ScriptedModel m{{1}};
+  const std::vector<int32_t> prompt;
+  try {
+    fn::generate(m.fn(), coll, prompt, greedy(4));
+    FAIL("no error");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Usage);
+    CHECK(std::string(e.what()).find("empty") != std::string::npos);
+  }
+}
+
+TEST_CASE("generate: latency statistics (numpy's linear percentiles)") {
+  const std::vector<double> x = {10, 1, 9, 2, 8, 3, 7, 4, 6, 5};
+  const auto s = fn::latency_stats(x);
+  CHECK(s.count == 10);
+  CHECK(s.mean == doctest::Approx(5.5));
+  CHECK(s.p50 == doctest::Approx(5.5));
+  CHECK(s.p90 == doctest::Approx(9.1));
+  CHECK(s.p99 == doctest::Approx(9.91));
+  CHECK(s.max == 10);
+  const auto one = fn::latency_stats(std::vector<double>{3.0});
+  CHECK(one.p99 == 3.0);
+  CHECK(fn::latency_stats(std::vector<double>{}).count == 0);
+}
+
+TEST_CASE("generate: sampling with a seed is reproducible through the loop") {
+  fn::LocalCollectives coll;
+  // Uniform logits over 16 ids: the draw alone decides.
+  struct Flat {
+    std::vector<float> l = std::vector<float>(16, 0.0f);
+  } flat;
+  fn::ForwardFn f = [&flat](int32_t) { return std::span<const float>(flat.l); };
+  auto o = greedy(20);
+  o.sampling.temperature = 1.0;
+  o.sampling.seed = 99;
+  const std::vector<int32_t> prompt = {0};
+  const auto a = fn::generate(f, coll, prompt, o);
+  const auto b = fn::generate(f, coll, prompt, o);
+  CHECK(a.token_ids == b.token_ids);
+  std::map<int32_t, int> distinct;
+  for (int32_t t : a.token_ids) ++distinct[t];
+  CHECK(distinct.size() > 4);  // not stuck on one id
+}
+
+TEST_CASE("generate: greedy on the reference fixtures reproduces the 32 decode ids (TP=1)") {
+  for (const char* name : {"tp4", "g3_tiny", "ple2_long"}) {
+    CAPTURE(name);
+    const auto f = fn::test::load_ref_fixture(name);
+    fn::LocalCollectives coll;
+    auto model = fn::CpuModel::load(f.dir, coll);
+    auto o = greedy(32);
+    o.ignore_eos = true;
+    o.ctx_size = 4096;
+    o.stop_token_ids = {7, 8};
+    const auto r =
+        fn::generate([&](int32_t t) { return model->forward(t); }, coll, f.prompt_ids, o);
+    const std::vector<int32_t> want(f.generated_ids.begin(), f.generated_ids.begin() + 32);
+    CHECK(r.token_ids == want);
+    CHECK(r.finish == fn::FinishReason::Length);
+    // Without --ignore-eos the run ends at the first stop id of the reference stream.
+    model->reset();
+    o.ignore_eos = false;
+    const auto r2 =
+        fn::generate([&](int32_t t) { return model->forward(t); }, coll, f.prompt_ids, o);
+    std::size_t first_stop = 0;
+    while (first_stop < want.size() && want[first_stop] != 7 && want[first_stop] != 8) ++first_stop;
+    REQUIRE(first_stop < want.size());  // the README says each stream contains a stop id
+    CHECK(r2.finish == fn::FinishReason::Eos);
+    CHECK(r2.token_ids ==
+          std::vector<int32_t>(want.begin(), want.begin() + static_cast<long>(first_stop) + 1));
+  }
+}
+
+TEST_CASE("generate: prefill(T) equals prefill(T-1) plus one decode step") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  fn::LocalCollectives coll;
+  auto model = fn::CpuModel::load(f.dir, coll);
+  const fn::ForwardFn fwd = [&](int32_t t) { return model->forward(t); };
+  const std::span<const int32_t> all(f.prompt_ids);
+  const auto a = fn::prefill(fwd, all);
+  const std::vector<float> full(a.begin(), a.end());
+  CHECK(model->position() == static_cast<int64_t>(all.size()));
+  model->reset();
+  fn::prefill(fwd, all.first(all.size() - 1));
+  const auto b = model->forward(all.back());
+  const double scale = fn::test::max_abs(full.data(), f.vocab);
+  const double diff = fn::test::max_abs_diff(full.data(), b.data(), f.vocab);
+  MESSAGE("max |prefill(T) - (prefill(T-1) + step)| = " << diff << " (scale " << scale << ")");
+  CHECK(diff <= 1e-5 * scale);
+  // And both match the reference's last prompt row.
+  CHECK(fn::test::max_abs_diff(full.data(), f.row(all.size() - 1), f.vocab) <= 1e-4 * scale);
+}

@@ -2,8 +2,9 @@
 // pointers with explicit sizes. Called by CpuModel (core/cpu_model.h) and by the unit tests; the
 // CUDA kernels are checked against the model built from these. Invariants: every op is plain FP32
 // storage with FP64 accumulation in dot products and norm statistics (more exact than the FP32
-// reference, never less); no op rounds to BF16 (numerics contract below); no op allocates per call
-// except where documented; outputs may not alias inputs unless documented.
+// reference, never less); no op rounds to BF16 (numerics contract below); every op is deterministic
+// (fixed summation order); scratch is plain std::vector (clarity over speed); outputs may not alias
+// inputs unless documented.
 #pragma once
 
 #include <cstdint>
@@ -59,7 +60,8 @@ class DenseMatrix final : public RowMatrix {
   int64_t rows_, cols_, ld_;
 };
 
-/// Dot product of n floats, accumulated in FP64, returned as float.
+/// Dot product of n floats in four interleaved FP64 partial sums (elements i mod 4, combined as
+/// (s0 + s1) + (s2 + s3)), returned as float.
 float dot(const float* a, const float* b, int64_t n) noexcept;
 
 /// y = W x for a dense FP32 matrix: y[r] = sum_c W[r*ld + c] * x[c], r < rows, c < cols.

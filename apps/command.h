@@ -26,5 +26,7 @@ void register_commands(CLI::App& app, CommandList& commands);
 // One per apps/cmd_<name>.cpp: adds the subcommand to `app` and its entry to `commands`.
 void register_inspect(CLI::App& app, CommandList& commands);
 void register_synth(CLI::App& app, CommandList& commands);
+void register_generate(CLI::App& app, CommandList& commands);
+void register_tokenize(CLI::App& app, CommandList& commands);
 
 }  // namespace fn

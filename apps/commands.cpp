@@ -6,6 +6,8 @@ namespace fn {
 void register_commands(CLI::App& app, CommandList& commands) {
   register_inspect(app, commands);
   register_synth(app, commands);
+  register_generate(app, commands);
+  register_tokenize(app, commands);
 }
 
 }  // namespace fn

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -55,8 +56,10 @@ class Regex {
   Regex(const Regex&) = delete;
   Regex& operator=(const Regex&) = delete;
 
-  /// Appends the [begin, end) byte ranges of all non-overlapping matches in s (valid UTF-8).
-  void find_all(std::string_view s, std::vector<std::pair<size_t, size_t>>& out) const {
+  /// Calls on_match(begin, end) for every non-overlapping non-empty match in s (valid UTF-8), in
+  /// order.
+  template <class F>
+  void for_each_match(std::string_view s, F&& on_match) const {
     struct Scratch {
       pcre2_match_data* md = nullptr;
       pcre2_match_context* mc = nullptr;
@@ -91,7 +94,7 @@ class Regex {
         while (pos < s.size() && (static_cast<unsigned char>(s[pos]) & 0xC0) == 0x80) ++pos;
         continue;
       }
-      out.emplace_back(b, e);
+      on_match(b, e);
       pos = e;
     }
   }
@@ -99,6 +102,63 @@ class Regex {
  private:
   pcre2_code* code_ = nullptr;
   bool jit_ = false;
+};
+
+// (left id, right id) -> (rank, merged id): open addressing, linear probing, load <= 1/2.
+class MergeTable {
+ public:
+  struct Value {
+    int32_t rank, new_id;
+  };
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    slots_.assign(cap, Slot{kEmpty, {0, 0}});
+    shift_ = 64 - static_cast<int>(std::countr_zero(cap));
+  }
+  void insert_or_assign(uint64_t key, Value v) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    Slot& s = probe(key);
+    if (s.key == kEmpty) ++size_;
+    s = Slot{key, v};
+  }
+  const Value* find(uint64_t key) const {
+    if (slots_.empty()) return nullptr;
+    size_t i = index(key);
+    const size_t mask = slots_.size() - 1;
+    while (true) {
+      const Slot& s = slots_[i];
+      if (s.key == key) return &s.value;
+      if (s.key == kEmpty) return nullptr;
+      i = (i + 1) & mask;
+    }
+  }
+
+ private:
+  static constexpr uint64_t kEmpty = ~uint64_t{0};
+  struct Slot {
+    uint64_t key;
+    Value value;
+  };
+  size_t index(uint64_t key) const {
+    return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+  Slot& probe(uint64_t key) {
+    size_t i = index(key);
+    const size_t mask = slots_.size() - 1;
+    while (slots_[i].key != kEmpty && slots_[i].key != key) i = (i + 1) & mask;
+    return slots_[i];
+  }
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    reserve(std::max<size_t>(16, old.size()));
+    size_ = 0;
+    for (const Slot& s : old)
+      if (s.key != kEmpty) insert_or_assign(s.key, s.value);
+  }
+  std::vector<Slot> slots_;
+  int shift_ = 60;
+  size_t size_ = 0;
 };
 
 struct AddedToken {
@@ -293,7 +353,7 @@ class BpeTokenizer final : public Tokenizer {
       }
     }
     const json& merges = m["merges"];
-    merges_.reserve(merges.size() * 2);
+    merges_.reserve(merges.size());
     for (size_t rank = 0; rank < merges.size(); ++rank) {
       const json& e = merges[rank];
       std::string a, b;
@@ -318,7 +378,8 @@ class BpeTokenizer final : public Tokenizer {
       FN_REQUIRE(iab != vocab_.end(), Format,
                  "{}: merge {} ('{}', '{}') makes '{}', which is not in the vocabulary", name_,
                  rank, a, b, a + b);
-      merges_[pair_key(ia->second, ib->second)] = {static_cast<int32_t>(rank), iab->second};
+      merges_.insert_or_assign(pair_key(ia->second, ib->second),
+                               {static_cast<int32_t>(rank), iab->second});
     }
   }
 
@@ -498,32 +559,34 @@ class BpeTokenizer final : public Tokenizer {
   }
 
   void pre_tokenize_and_encode(std::string_view text, std::vector<int32_t>& ids) const {
-    if (text.empty()) return;
-    // Each step splits every current piece (Isolated: matches and the gaps between them).
-    std::vector<std::string> pieces{std::string(text)};
-    std::vector<std::pair<size_t, size_t>> matches;
-    for (const auto& step : steps_) {
-      std::vector<std::string> next;
-      next.reserve(pieces.size() * 2);
-      for (auto& p : pieces) {
-        if (step.add_prefix_space && (p.empty() || p[0] != ' ')) p.insert(p.begin(), ' ');
-        if (!step.regex) {
-          next.push_back(std::move(p));
-          continue;
-        }
-        matches.clear();
-        step.regex->find_all(p, matches);
-        size_t last = 0;
-        for (auto [b, e] : matches) {
-          if (b > last) next.emplace_back(p.substr(last, b - last));
-          next.emplace_back(p.substr(b, e - b));
-          last = e;
-        }
-        if (last < p.size()) next.emplace_back(p.substr(last));
-      }
-      pieces = std::move(next);
+    if (!text.empty()) pre_tokenize(text, 0, ids);
+  }
+
+  // Applies pre-tokenizer steps [step, end) to one piece (Isolated: matches and the gaps between
+  // them become pieces), then BPE-encodes the final pieces; no piece is copied unless a
+  // ByteLevel step has to prepend its prefix space.
+  void pre_tokenize(std::string_view piece, size_t step, std::vector<int32_t>& ids) const {
+    if (step == steps_.size()) {
+      encode_word(piece, ids);
+      return;
     }
-    for (const auto& p : pieces) encode_word(p, ids);
+    const SplitStep& st = steps_[step];
+    std::string with_space;
+    if (st.add_prefix_space && (piece.empty() || piece[0] != ' ')) {
+      with_space = " " + std::string(piece);
+      piece = with_space;
+    }
+    if (!st.regex) {
+      pre_tokenize(piece, step + 1, ids);
+      return;
+    }
+    size_t last = 0;
+    st.regex->for_each_match(piece, [&](size_t b, size_t e) {
+      if (b > last) pre_tokenize(piece.substr(last, b - last), step + 1, ids);
+      pre_tokenize(piece.substr(b, e - b), step + 1, ids);
+      last = e;
+    });
+    if (last < piece.size()) pre_tokenize(piece.substr(last), step + 1, ids);
   }
 
   void encode_word(std::string_view w, std::vector<int32_t>& ids) const {
@@ -580,8 +643,8 @@ class BpeTokenizer final : public Tokenizer {
     std::vector<Merge> heap;
     heap.reserve(syms.size());
     for (size_t i = 0; i + 1 < syms.size(); ++i) {
-      if (auto it = merges_.find(pair_key(syms[i].id, syms[i + 1].id)); it != merges_.end())
-        heap.push_back({it->second.first, static_cast<int32_t>(i), it->second.second});
+      if (const auto* m = merges_.find(pair_key(syms[i].id, syms[i + 1].id)))
+        heap.push_back({m->rank, static_cast<int32_t>(i), m->new_id});
     }
     std::make_heap(heap.begin(), heap.end(), cmp);
     while (!heap.empty()) {
@@ -591,24 +654,24 @@ class BpeTokenizer final : public Tokenizer {
       Sym& cur = syms[static_cast<size_t>(top.pos)];
       if (cur.len == 0 || cur.next < 0) continue;
       Sym& right = syms[static_cast<size_t>(cur.next)];
-      auto it = merges_.find(pair_key(cur.id, right.id));
-      if (it == merges_.end() || it->second.second != top.new_id) continue;
+      const auto* check = merges_.find(pair_key(cur.id, right.id));
+      if (!check || check->new_id != top.new_id) continue;
       cur.id = top.new_id;
       cur.len += right.len;
       right.len = 0;
       cur.next = right.next;
       if (cur.next >= 0) syms[static_cast<size_t>(cur.next)].prev = top.pos;
       if (cur.prev >= 0) {
-        if (auto m = merges_.find(pair_key(syms[static_cast<size_t>(cur.prev)].id, cur.id));
-            m != merges_.end()) {
-          heap.push_back({m->second.first, cur.prev, m->second.second});
+        if (const auto* m =
+                merges_.find(pair_key(syms[static_cast<size_t>(cur.prev)].id, cur.id))) {
+          heap.push_back({m->rank, cur.prev, m->new_id});
           std::push_heap(heap.begin(), heap.end(), cmp);
         }
       }
       if (cur.next >= 0) {
-        if (auto m = merges_.find(pair_key(cur.id, syms[static_cast<size_t>(cur.next)].id));
-            m != merges_.end()) {
-          heap.push_back({m->second.first, top.pos, m->second.second});
+        if (const auto* m =
+                merges_.find(pair_key(cur.id, syms[static_cast<size_t>(cur.next)].id))) {
+          heap.push_back({m->rank, top.pos, m->new_id});
           std::push_heap(heap.begin(), heap.end(), cmp);
         }
       }
@@ -624,7 +687,7 @@ class BpeTokenizer final : public Tokenizer {
   std::vector<std::string> id_to_token_;
   std::vector<std::string> id_bytes_;
   std::vector<uint8_t> special_, present_;
-  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges_;  // (a, b) -> (rank, merged id)
+  MergeTable merges_;  // (a, b) -> (rank, merged id)
   std::array<int32_t, 256> byte_id_{};
   std::array<int32_t, 256> fallback_id_ = [] {
     std::array<int32_t, 256> a{};

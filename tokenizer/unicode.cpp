@@ -152,10 +152,10 @@ std::string nfc_utf8proc(std::string_view s) {
   return utf8proc_nfc_segment(s);
 }
 
-std::string nfc(std::string_view s) {
-  if (is_ascii(s)) return std::string(s);
-  std::string out;
-  out.reserve(s.size());
+namespace {
+
+// NFC of one segment with the HF rule (see kHfCompatNote).
+void nfc_hf_segment(std::string_view s, std::string& out) {
   size_t seg = 0, i = 0;
   while (i < s.size()) {
     const size_t at = i;
@@ -167,6 +167,32 @@ std::string nfc(std::string_view s) {
     }
   }
   out += utf8proc_nfc_segment(s.substr(seg));
+}
+
+}  // namespace
+
+std::string nfc(std::string_view s) {
+  // NFC(a + b) == NFC(a) + NFC(b) when b starts with an ASCII character (a starter that no
+  // composition takes as its second element), so only the runs of non-ASCII characters, with
+  // the one ASCII character before each (it may compose with a following mark), go to utf8proc.
+  std::string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  const size_t n = s.size();
+  while (i < n) {
+    size_t j = i;
+    while (j < n && static_cast<unsigned char>(s[j]) < 0x80) ++j;
+    if (j == n) {
+      out.append(s.substr(i));
+      break;
+    }
+    const size_t seg = j > i ? j - 1 : j;
+    out.append(s.substr(i, seg - i));
+    size_t k = j;
+    while (k < n && static_cast<unsigned char>(s[k]) >= 0x80) ++k;
+    nfc_hf_segment(s.substr(seg, k - seg), out);
+    i = k;
+  }
   return out;
 }
 

@@ -1,0 +1,340 @@
+// `fngen tokenize`: text -> ids, ids -> text (--ids), ChatML prompts (--chat), JSON output
+// (--json), JSONL batches (-i in.jsonl -o out.jsonl, one {"text"} or {"messages"} per line in,
+// one {"ids"} or {"error"} per line out, in order) and a throughput benchmark (--bench).
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "apps/command.h"
+#include "comm/mpi_context.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
+
+namespace fn {
+namespace {
+
+using nlohmann::json;
+
+struct TokenizeOptions {
+  std::string model, tokenizer_file, prompt, file, ids, input, output, system_prompt, chat_mode;
+  bool chat = false, think = false, no_think = false, json_out = false, plain = false,
+       bench = false;
+};
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  FN_REQUIRE(in.good(), Io, "cannot open {}", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_out(const std::string& s) {
+  std::fwrite(s.data(), 1, s.size(), stdout);
+}
+
+ChatMode default_chat_mode(const TokenizeOptions& o) {
+  if (!o.chat_mode.empty()) return parse_chat_mode(o.chat_mode);
+  if (!o.model.empty()) {
+    std::ifstream in(std::filesystem::path(o.model) / "config.json");
+    if (in.good()) {
+      const json cfg = json::parse(in, nullptr, /*allow_exceptions=*/false);
+      const std::string type = cfg.is_object() ? cfg.value("model_type", "") : "";
+      if (type.rfind("qwen3", 0) == 0) return ChatMode::Qwen3;
+    }
+  }
+  return ChatMode::Qwen38;  // DESIGN.md: the default for qwen4_exp models
+}
+
+ChatOptions chat_options(const TokenizeOptions& o) {
+  ChatOptions c;
+  c.mode = default_chat_mode(o);
+  c.add_generation_prompt = true;
+  if (o.think) c.enable_thinking = true;
+  if (o.no_think) c.enable_thinking = false;
+  return c;
+}
+
+std::vector<ChatMessage> messages_from_json(const json& arr) {
+  FN_REQUIRE(arr.is_array(), Format, "\"messages\" is not an array");
+  std::vector<ChatMessage> out;
+  for (const auto& m : arr) {
+    FN_REQUIRE(m.is_object() && m.contains("role") && m.contains("content") &&
+                   m["role"].is_string() && m["content"].is_string(),
+               Format, "a message lacks string \"role\" and \"content\"");
+    ChatMessage msg{m["role"].get<std::string>(), m["content"].get<std::string>(), std::nullopt};
+    if (m.contains("reasoning_content") && m["reasoning_content"].is_string())
+      msg.reasoning_content = m["reasoning_content"].get<std::string>();
+    out.push_back(std::move(msg));
+  }
+  return out;
+}
+
+std::vector<ChatMessage> prompt_messages(const TokenizeOptions& o, const std::string& text) {
+  std::vector<ChatMessage> m;
+  if (!o.system_prompt.empty()) m.push_back({"system", o.system_prompt, std::nullopt});
+  m.push_back({"user", text, std::nullopt});
+  return m;
+}
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  std::string cur;
+  auto flush = [&] {
+    if (cur.empty()) return;
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(cur, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    FN_REQUIRE(used == cur.size() && v >= 0 && v <= INT32_MAX, Usage,
+               "--ids: '{}' is not a token id", cur);
+    ids.push_back(static_cast<int32_t>(v));
+    cur.clear();
+  };
+  for (char c : s) {
+    if (c == ',' || c == ' ' || c == '\n' || c == '\t' || c == '[' || c == ']') {
+      flush();
+    } else {
+      cur += c;
+    }
+  }
+  flush();
+  return ids;
+}
+
+std::string ids_line(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) s += ' ';
+    s += std::to_string(ids[i]);
+  }
+  return s + "\n";
+}
+
+int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
+  std::ifstream in(o.input, std::ios::binary);
+  FN_REQUIRE(in.good(), Io, "cannot open -i/--input {}", o.input);
+  std::ofstream file_out;
+  if (!o.output.empty()) {
+    file_out.open(o.output, std::ios::binary);
+    FN_REQUIRE(file_out.good(), Io, "cannot open -o/--output {}", o.output);
+  }
+  std::ostream& out = o.output.empty() ? std::cout : file_out;
+  const ChatOptions copt = chat_options(o);
+  const EncodeMode mode = o.plain ? EncodeMode::Plain : EncodeMode::Raw;
+  size_t n = 0, errors = 0, tokens = 0;
+  std::string line;
+  while (std::getline(in, line)) {
+    ++n;
+    json rec;
+    try {
+      const json j = json::parse(line);
+      FN_REQUIRE(j.is_object(), Format, "the record is not a JSON object");
+      std::vector<int32_t> ids;
+      if (j.contains("messages")) {
+        ids = encode_chat(tok, messages_from_json(j["messages"]), copt);
+      } else {
+        FN_REQUIRE(j.contains("text") && j["text"].is_string(), Format,
+                   "the record has no string \"text\"");
+        const auto& text = j["text"].get_ref<const std::string&>();
+        ids = o.chat ? encode_chat(tok, prompt_messages(o, text), copt) : tok.encode(text, mode);
+      }
+      tokens += ids.size();
+      rec["ids"] = std::move(ids);
+    } catch (const json::exception& e) {
+      ++errors;
+      rec = {{"error", fmt::format("line {}: not valid JSON: {}", n, e.what())}};
+    } catch (const Error& e) {
+      ++errors;
+      rec = {{"error", fmt::format("line {}: {}", n, e.what())}};
+    }
+    out << rec.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
+  }
+  out.flush();
+  FN_REQUIRE(out.good(), Io, "cannot write {}", o.output.empty() ? "stdout" : o.output);
+  FN_LOG_INFO("tokenize: {} records, {} tokens, {} records with errors", n, tokens, errors);
+  if (errors)
+    FN_LOG_WARN("tokenize: {} of {} records had errors (see their \"error\" fields)", errors, n);
+  return 0;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// CPU seconds of this thread (the benchmark also prints these: the dev machine is shared).
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// Wall and CPU seconds of f().
+template <class F>
+std::pair<double, double> timed(F&& f) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const double c0 = thread_cpu_seconds();
+  f();
+  return {seconds_since(t0), thread_cpu_seconds() - c0};
+}
+
+int run_bench(const Tokenizer& tok, const TokenizeOptions& o) {
+  FN_REQUIRE(!o.file.empty(), Usage,
+             "--bench needs -f/--file with English prose (scripts/tokenizer/bench.sh)");
+  const std::string prose = read_all(o.file);
+  const double mb = static_cast<double>(prose.size()) / 1e6;
+  size_t n_tokens = 0;
+  const auto cold = timed([&] { n_tokens = tok.encode(prose).size(); });
+  const auto warm = timed([&] { n_tokens = tok.encode(prose).size(); });
+  // Line by line (dataset-style records).
+  std::vector<std::string> lines;
+  {
+    std::istringstream ss(prose);
+    for (std::string l; std::getline(ss, l);) lines.push_back(l);
+  }
+  const auto per_line = timed([&] {
+    for (const auto& l : lines) tok.encode(l);
+  });
+  // Adversarial inputs: 1 MiB without whitespace, 1 MiB of one character, 1 MiB of one CJK
+  // character.
+  std::string nows;
+  uint32_t x = 12345;
+  const char* alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:-_";
+  while (nows.size() < (1u << 20)) {
+    x = x * 1664525u + 1013904223u;
+    nows += alphabet[(x >> 16) % 68];
+  }
+  const std::string same(1u << 20, 'a');
+  std::string cjk;
+  while (cjk.size() < (1u << 20)) cjk += "\xE4\xB8\xAD";
+  size_t n_nows = 0, n_same = 0, n_cjk = 0;
+  const auto t_nows = timed([&] { n_nows = tok.encode(nows).size(); });
+  const auto t_same = timed([&] { n_same = tok.encode(same).size(); });
+  const auto t_cjk = timed([&] { n_cjk = tok.encode(cjk).size(); });
+  if (o.json_out) {
+    write_out(json{{"prose_bytes", prose.size()},
+                   {"prose_tokens", n_tokens},
+                   {"prose_mb_per_s_first", mb / cold.first},
+                   {"prose_mb_per_s_second", mb / warm.first},
+                   {"prose_mb_per_s_per_line", mb / per_line.first},
+                   {"prose_mb_per_cpu_s_first", mb / cold.second},
+                   {"no_whitespace_1mib_s", t_nows.first},
+                   {"repeated_char_1mib_s", t_same.first},
+                   {"repeated_cjk_1mib_s", t_cjk.first},
+                   {"no_whitespace_1mib_cpu_s", t_nows.second},
+                   {"repeated_char_1mib_cpu_s", t_same.second},
+                   {"repeated_cjk_1mib_cpu_s", t_cjk.second}}
+                  .dump(2) +
+              "\n");
+  } else {
+    write_out(fmt::format("prose {} ({:.2f} MB, {} tokens)\n", o.file, mb, n_tokens));
+    write_out(fmt::format("  whole text, first pass: {:.1f} MB/s ({:.1f} MB per CPU second)\n",
+                          mb / cold.first, mb / cold.second));
+    write_out(fmt::format("  whole text, second pass: {:.1f} MB/s ({:.1f} MB per CPU second)\n",
+                          mb / warm.first, mb / warm.second));
+    write_out(fmt::format("  line by line ({} lines): {:.1f} MB/s ({:.1f} MB per CPU second)\n",
+                          lines.size(), mb / per_line.first, mb / per_line.second));
+    write_out(fmt::format("1 MiB without whitespace: {:.3f} s wall, {:.3f} s CPU ({} tokens)\n",
+                          t_nows.first, t_nows.second, n_nows));
+    write_out(fmt::format("1 MiB of 'a': {:.3f} s wall, {:.3f} s CPU ({} tokens)\n", t_same.first,
+                          t_same.second, n_same));
+    write_out(fmt::format("1 MiB of U+4E2D: {:.3f} s wall, {:.3f} s CPU ({} tokens)\n", t_cjk.first,
+                          t_cjk.second, n_cjk));
+  }
+  return 0;
+}
+
+int run_tokenize(const TokenizeOptions& o) {
+  FN_REQUIRE(o.model.empty() != o.tokenizer_file.empty(), Usage,
+             "give exactly one of -m/--model DIR and --tokenizer FILE");
+  FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto tok =
+      o.model.empty() ? load_tokenizer_file(o.tokenizer_file) : load_tokenizer(o.model);
+  FN_LOG_DEBUG("tokenizer loaded in {:.3f} s ({} ids)", seconds_since(t0), tok->vocab_size());
+  if (o.bench) return run_bench(*tok, o);
+  if (!o.input.empty()) return run_batch(*tok, o);
+  if (!o.ids.empty()) {
+    FN_REQUIRE(o.prompt.empty() && o.file.empty() && !o.chat, Usage,
+               "--ids decodes ids: it takes no -p/-f/--chat");
+    const auto ids = parse_ids(o.ids);
+    const std::string text = tok->decode(ids);
+    write_out(o.json_out
+                  ? json{{"text", text}}.dump(-1, ' ', false, json::error_handler_t::replace) + "\n"
+                  : text);
+    return 0;
+  }
+  FN_REQUIRE(o.prompt.empty() || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
+  std::string text;
+  if (!o.prompt.empty()) {
+    text = o.prompt;
+  } else if (!o.file.empty()) {
+    text = read_all(o.file);
+  } else {
+    std::stringstream ss;
+    ss << std::cin.rdbuf();
+    text = ss.str();
+  }
+  std::vector<int32_t> ids;
+  std::string rendered;
+  if (o.chat) {
+    const auto msgs = prompt_messages(o, text);
+    const ChatOptions copt = chat_options(o);
+    rendered = render_chat(msgs, copt);
+    ids = encode_chat(*tok, msgs, copt);
+  } else {
+    ids = tok->encode(text, o.plain ? EncodeMode::Plain : EncodeMode::Raw);
+  }
+  if (o.json_out) {
+    json j{{"ids", ids}, {"n_tokens", ids.size()}};
+    if (o.chat) j["text"] = rendered;
+    json toks = json::array();
+    for (int32_t id : ids) toks.push_back(tok->id_to_token(id));
+    j["tokens"] = std::move(toks);
+    write_out(j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n");
+  } else {
+    write_out(ids_line(ids));
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_tokenize(CLI::App& app, CommandList& commands) {
+  auto o = std::make_shared<TokenizeOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "tokenize", "text -> token ids (or ids -> text with --ids); JSONL batches");
+  sub->add_option("-m,--model", o->model, "model directory (tokenizer.json, else tokenizer.model)");
+  sub->add_option("--tokenizer", o->tokenizer_file,
+                  "a tokenizer.json or SentencePiece .model file");
+  sub->add_option("-p,--prompt", o->prompt, "text to encode (default: stdin)");
+  sub->add_option("-f,--file", o->file, "file whose text to encode (with --bench: English prose)");
+  sub->add_option("--ids", o->ids, "decode these ids (\"1 2 3\" or \"1,2,3\") to text");
+  sub->add_flag("--chat", o->chat, "wrap the text as a user turn of the chat template");
+  sub->add_option("--system-prompt", o->system_prompt, "system turn for --chat");
+  sub->add_flag("--think", o->think, "chat: thinking on (the default)");
+  sub->add_flag("--no-think", o->no_think, "chat: thinking off (empty think block)");
+  sub->add_option("--chat-mode", o->chat_mode,
+                  "qwen3 | qwen3.8 (default: from config.json, else qwen3.8)");
+  sub->add_flag("--plain", o->plain, "special-token strings in the text are ordinary text");
+  sub->add_flag("--json", o->json_out,
+                "print JSON ({\"ids\", \"n_tokens\", \"tokens\"} or {\"text\"})");
+  sub->add_option("-i,--input", o->input, "JSONL input: one {\"text\"} or {\"messages\"} per line");
+  sub->add_option("-o,--output", o->output,
+                  "JSONL output for -i (default stdout): {\"ids\"} or {\"error\"}");
+  sub->add_flag("--bench", o->bench, "benchmark: MB/s on -f prose, 1 MiB adversarial inputs");
+  commands.push_back(
+      {sub, [o](MpiContext& mpi) { return mpi.world_rank() == 0 ? run_tokenize(*o) : 0; }});
+}
+
+}  // namespace fn

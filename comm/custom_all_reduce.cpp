@@ -15,9 +15,9 @@ namespace fn {
 
 namespace {
 
-constexpr int64_t kDefaultTimeoutMs = 10000;
-constexpr int kOneshotBlocksCap = 128;  // LL: one packet per thread up to 32K packets
-constexpr int kTwoshotBlocksCap = 32;   // vLLM found ~36 CTAs enough to fill NVLink
+constexpr int64_t kDefaultTimeoutMs = 5000;  // a stuck peer is reported within ~6 s
+constexpr int kOneshotBlocksCap = 128;       // LL: one packet per thread up to 32K packets
+constexpr int kTwoshotBlocksCap = 32;        // vLLM found ~36 CTAs enough to fill NVLink
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
@@ -239,19 +239,27 @@ bool CustomAllReduce::self_test(DeviceAllReduce& reference, cudaStream_t stream,
           std::memcpy(bytes + 2 * i, &h, 2);
         }
       }
-      FN_CUDA_CHECK(cudaMemcpy(in, host_in.data(), count * esize, cudaMemcpyHostToDevice));
-      FN_CUDA_CHECK(cudaMemset(out_custom, 0xff, count * esize));
-      FN_CUDA_CHECK(cudaMemset(out_ref, 0xee, count * esize));
+      // Stream-ordered copies: a pageable cudaMemcpy or a cudaMemset on the legacy stream may
+      // still be in flight when work on a non-blocking stream starts.
+      FN_CUDA_CHECK(
+          cudaMemcpyAsync(in, host_in.data(), count * esize, cudaMemcpyHostToDevice, stream));
+      FN_CUDA_CHECK(cudaMemsetAsync(out_custom, 0xff, count * esize, stream));
+      FN_CUDA_CHECK(cudaMemsetAsync(out_ref, 0xee, count * esize, stream));
       all_reduce_sum(in, out_custom, count, dtype, stream);
       reference.all_reduce_sum(in, out_ref, count, dtype, stream);
+      FN_CUDA_CHECK(cudaMemcpyAsync(host_a.data(), out_custom, count * esize,
+                                    cudaMemcpyDeviceToHost, stream));
+      FN_CUDA_CHECK(
+          cudaMemcpyAsync(host_b.data(), out_ref, count * esize, cudaMemcpyDeviceToHost, stream));
       FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      // Every rank runs every case whatever it saw (leaving early on one rank would leave the
+      // others waiting in NCCL); the first problem is kept.
+      if (!problem.empty()) continue;
       if (failed()) {
         problem =
             fmt::format("rank {}: a wait timed out ({} x {})", rank, count, dtype_name(dtype));
-        break;
+        continue;
       }
-      FN_CUDA_CHECK(cudaMemcpy(host_a.data(), out_custom, count * esize, cudaMemcpyDeviceToHost));
-      FN_CUDA_CHECK(cudaMemcpy(host_b.data(), out_ref, count * esize, cudaMemcpyDeviceToHost));
       if (options_.corrupt_self_test && rank == 0) host_a[0] ^= 1u;
       if (std::memcmp(host_a.data(), host_b.data(), count * esize) != 0) {
         std::size_t bad = 0;
@@ -260,10 +268,8 @@ bool CustomAllReduce::self_test(DeviceAllReduce& reference, cudaStream_t stream,
         while (bad < count * esize && a[bad] == b[bad]) ++bad;
         problem = fmt::format("rank {}: {} x {} differs from NCCL at element {}", rank, count,
                               dtype_name(dtype), bad / esize);
-        break;
       }
     }
-    if (!problem.empty()) break;
   }
   FN_CUDA_CHECK(cudaStreamSynchronize(stream));
   stream_bound_ = was_bound;

@@ -26,7 +26,7 @@ struct CustomAllReduceOptions {
   std::size_t oneshot_max_bytes = std::size_t{1} << 20;
   /// Largest payload of one two-shot launch (bytes); bigger calls are split into launches.
   std::size_t twoshot_max_bytes = std::size_t{8} << 20;
-  /// Bound on every wait, ms; <= 0 means env FN_ALLREDUCE_TIMEOUT_MS, else 10000.
+  /// Bound on every wait, ms; <= 0 means env FN_ALLREDUCE_TIMEOUT_MS, else 5000.
   int64_t timeout_ms = 0;
   /// Epoch the counters start from (tests start just below the 32-bit wrap).
   uint32_t initial_epoch = 0;

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs comm_dead_peer under mpirun and checks the "no hang" promise of the custom all-reduce:
 # the job must end non-zero within BOUND seconds of wall time (start-up included), and in
-# `stuck` mode the surviving rank must say which rank it waited for.
+# `stuck` mode the surviving rank must say which rank it waited for. The wait bound is the
+# default (5 s) unless FN_ALLREDUCE_TIMEOUT_MS is set.
 # Usage: comm_dead_peer.sh MPIEXEC BINARY stuck|kill BOUND_S
 set -u
 mpiexec=$1 binary=$2 mode=$3 bound=$4
-export FN_ALLREDUCE_TIMEOUT_MS=${FN_ALLREDUCE_TIMEOUT_MS:-3000}
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 start=$(date +%s%N)
 out=$(timeout 120 "$mpiexec" -np 2 --oversubscribe --allow-run-as-root --bind-to none \

@@ -123,7 +123,9 @@ TEST_CASE("gpu comm: every rank drives its own GPU and NCCL sums integer data ex
   std::vector<float> host(count);
   for (std::size_t i = 0; i < count; ++i) host[i] = static_cast<float>(i % 13) + g.rank();
   DeviceBuffer buf(count * 4);
-  FN_CUDA_CHECK(cudaMemcpy(buf.ptr, host.data(), count * 4, cudaMemcpyHostToDevice));
+  // Stream-ordered: a pageable cudaMemcpy may return before its DMA lands, and a non-blocking
+  // stream does not wait for the legacy stream.
+  FN_CUDA_CHECK(cudaMemcpyAsync(buf.ptr, host.data(), count * 4, cudaMemcpyHostToDevice, stream.s));
   nccl.all_reduce_sum(buf.ptr, buf.ptr, count, fn::DType::F32, stream.s);
   FN_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   FN_CUDA_CHECK(cudaMemcpy(host.data(), buf.ptr, count * 4, cudaMemcpyDeviceToHost));
@@ -170,7 +172,8 @@ TEST_CASE(
         bool same = false;
         const long long wrong =
             run_and_count_wrong(ar, stream.s, count, bf16, algo, ++salt, false, &same);
-        INFO(algo_name(algo) << " " << (bf16 ? "BF16" : "F32") << " count " << count);
+        INFO(std::string(algo_name(algo))
+             << " " << std::string(bf16 ? "BF16" : "F32") << " count " << count);
         CHECK(wrong == 0);
         CHECK(same);
       }
@@ -180,7 +183,7 @@ TEST_CASE(
   for (std::size_t count : {std::size_t{2560}, std::size_t{77777}, std::size_t{1} << 20}) {
     for (fn::AllReduceAlgo algo : {fn::AllReduceAlgo::OneShot, fn::AllReduceAlgo::TwoShot}) {
       bool same = false;
-      INFO("in place " << algo_name(algo) << " count " << count);
+      INFO("in place " << std::string(algo_name(algo)) << " count " << count);
       CHECK(run_and_count_wrong(ar, stream.s, count, false, algo, ++salt, true, &same) == 0);
       CHECK(same);
     }
@@ -203,7 +206,8 @@ TEST_CASE(
       host[i] = fn::test::bf16_from_float(v);
     }
     DeviceBuffer in(count * 2), a(count * 2), b(count * 2);
-    FN_CUDA_CHECK(cudaMemcpy(in.ptr, host.data(), count * 2, cudaMemcpyHostToDevice));
+    FN_CUDA_CHECK(
+        cudaMemcpyAsync(in.ptr, host.data(), count * 2, cudaMemcpyHostToDevice, stream.s));
     ar.all_reduce_sum(in.ptr, a.ptr, count, fn::DType::BF16, stream.s);
     nccl.all_reduce_sum(in.ptr, b.ptr, count, fn::DType::BF16, stream.s);
     FN_CUDA_CHECK(cudaStreamSynchronize(stream.s));
@@ -222,7 +226,7 @@ static void graph_loop(std::size_t count, bool bf16, fn::AllReduceAlgo algo, int
   Stream stream;
   const std::size_t esize = bf16 ? 2 : 4;
   DeviceBuffer in(count * esize), out(count * esize), counters(64);
-  FN_CUDA_CHECK(cudaMemset(counters.ptr, 0, 64));
+  FN_CUDA_CHECK(cudaMemsetAsync(counters.ptr, 0, 64, stream.s));
   auto* salt = counters.as<uint32_t>();
   auto* wrong = reinterpret_cast<unsigned long long*>(counters.as<char>() + 16);
   auto* checks = reinterpret_cast<unsigned long long*>(counters.as<char>() + 24);
@@ -253,8 +257,8 @@ static void graph_loop(std::size_t count, bool bf16, fn::AllReduceAlgo algo, int
   FN_CUDA_CHECK(cudaMemcpy(&host_wrong, wrong, 8, cudaMemcpyDeviceToHost));
   FN_CUDA_CHECK(cudaMemcpy(&host_checks, checks, 8, cudaMemcpyDeviceToHost));
   const unsigned long long total = static_cast<unsigned long long>(kPerGraph) * replays;
-  MESSAGE("graph: " << total << " all-reduces of " << count << (bf16 ? " BF16" : " F32") << " ("
-                    << algo_name(algo) << "), wrong elements: " << host_wrong);
+  MESSAGE("graph: " << total << " all-reduces of " << count << std::string(bf16 ? " BF16" : " F32")
+                    << " (" << std::string(algo_name(algo)) << "), wrong elements: " << host_wrong);
   CHECK(host_salt == total);
   CHECK(host_checks == total);
   CHECK(host_wrong == 0);

@@ -124,7 +124,8 @@ int run(fn::MpiContext& mpi, int argc, char** argv) {
     const std::size_t count = c.bytes / esize;
     const auto payload = make_payload(count, c.dtype, rank, world, false);
     const auto expected = make_payload(count, c.dtype, rank, world, true);
-    FN_CUDA_CHECK(cudaMemcpy(in, payload.data(), c.bytes, cudaMemcpyHostToDevice));
+    FN_CUDA_CHECK(cudaMemcpyAsync(in, payload.data(), c.bytes, cudaMemcpyHostToDevice, stream));
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
     auto enqueue = [&] {
       if (c.method == "nccl") {
         nccl.all_reduce_sum(in, out, count, c.dtype, stream);

@@ -1,0 +1,318 @@
+// cuda_kernel_bench: microbenchmark of the decode kernels in cuda/ on the real shapes (issue 6).
+// For each kernel and shape: µs per call (CUDA graph of back-to-back calls, weights rotated over
+// enough copies that L2 never serves a repeat), bytes per call, achieved GB/s, and the floor
+// bytes / copy bandwidth, with the device-to-device copy bandwidth measured in the same run.
+// Usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N]. Table on stdout; not a test.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/cuda_check.h"
+#include "cuda/gemv_bf16.h"
+#include "cuda/moe_nvfp4.h"
+
+namespace {
+
+constexpr double kAnchorBandwidth = 4.3e12;       // measured D2D copy, performance-anchors.md §2.3
+constexpr size_t kRotateBytes = size_t(1) << 30;  // >= 20x the 50 MB L2
+
+struct Timer {
+  cudaStream_t stream;
+  int reps;
+  // Captures `calls` invocations of launch(i) into one graph; returns the median µs per call.
+  template <typename F>
+  double time_per_call(int calls, F&& launch) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < calls; ++i) launch(i);
+    FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t a, b;
+    FN_CUDA_CHECK(cudaEventCreate(&a));
+    FN_CUDA_CHECK(cudaEventCreate(&b));
+    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+    std::vector<double> us;
+    for (int r = 0; r < reps; ++r) {
+      FN_CUDA_CHECK(cudaEventRecord(a, stream));
+      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      FN_CUDA_CHECK(cudaEventRecord(b, stream));
+      FN_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      us.push_back(1000.0 * ms / calls);
+    }
+    FN_CUDA_CHECK(cudaEventDestroy(a));
+    FN_CUDA_CHECK(cudaEventDestroy(b));
+    FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    FN_CUDA_CHECK(cudaGraphDestroy(graph));
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  }
+};
+
+void fill_random(void* dev, size_t bytes, uint64_t seed) {
+  // BF16 values in a harmless range (exponent bits limited) for any bytes: random mantissas,
+  // sign and a small exponent so no NaN/Inf appears whatever the element type.
+  std::vector<uint16_t> host(std::min<size_t>(bytes, size_t(64) << 20) / 2);
+  std::mt19937_64 rng(seed);
+  for (auto& v : host) v = uint16_t((rng() & 0x807f) | 0x3c00);
+  for (size_t off = 0; off < bytes; off += host.size() * 2) {
+    const size_t n = std::min(bytes - off, host.size() * 2);
+    FN_CUDA_CHECK(
+        cudaMemcpy(static_cast<char*>(dev) + off, host.data(), n, cudaMemcpyHostToDevice));
+  }
+}
+
+struct Row {
+  std::string kernel, shape, plan;
+  double bytes, us, copy_bw;
+};
+
+nlohmann::json report(const Row& r) {
+  const double gbs = r.bytes / (r.us * 1e-6) / 1e9;
+  const double floor_copy = r.bytes / r.copy_bw * 1e6,
+               floor_anchor = r.bytes / kAnchorBandwidth * 1e6;
+  std::printf(
+      "%-22s %-18s %-10s %10.3f MB %9.2f us %8.1f GB/s %6.1f%% | floor %7.2f us (copy), %7.2f us "
+      "(4.3 TB/s)\n",
+      r.kernel.c_str(), r.shape.c_str(), r.plan.c_str(), r.bytes / 1e6, r.us, gbs,
+      100.0 * gbs * 1e9 / r.copy_bw, floor_copy, floor_anchor);
+  std::fflush(stdout);
+  return {{"kernel", r.kernel},
+          {"shape", r.shape},
+          {"plan", r.plan},
+          {"bytes_per_call", r.bytes},
+          {"us", r.us},
+          {"GBps", gbs},
+          {"fraction_of_copy_bw", gbs * 1e9 / r.copy_bw},
+          {"floor_us_copy_bw", floor_copy},
+          {"floor_us_4p3TBps", floor_anchor}};
+}
+
+double copy_bandwidth(Timer& t) {
+  const size_t bytes = size_t(1) << 30;
+  void *a, *b;
+  FN_CUDA_CHECK(cudaMalloc(&a, bytes));
+  FN_CUDA_CHECK(cudaMalloc(&b, bytes));
+  FN_CUDA_CHECK(cudaMemset(a, 1, bytes));
+  const double us = t.time_per_call(10, [&](int i) {
+    FN_CUDA_CHECK(
+        cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, t.stream));
+  });
+  FN_CUDA_CHECK(cudaFree(a));
+  FN_CUDA_CHECK(cudaFree(b));
+  return 2.0 * bytes / (us * 1e-6);  // read + write
+}
+
+struct GemvShape {
+  const char* name;
+  int64_t rows, cols;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string json_path;
+  bool sweep = false;
+  int reps = 7;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
+      json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--sweep"))
+      sweep = true;
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N]\n");
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  FN_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  Timer t{nullptr, reps};
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&t.stream, cudaStreamNonBlocking));
+  nlohmann::json out;
+  out["device"] = prop.name;
+  out["sm_count"] = prop.multiProcessorCount;
+  const double bw = copy_bandwidth(t);
+  out["copy_bandwidth_Bps"] = bw;
+  std::printf("device %s, %d SMs, D2D copy %.0f GB/s (read + write)\n", prop.name,
+              prop.multiProcessorCount, bw / 1e9);
+  nlohmann::json rows = nlohmann::json::array();
+
+  // ---- BF16 GEMV ------------------------------------------------------------------------------
+  const std::vector<GemvShape> shapes = {
+      {"gdn_in_qkv", 10240, 2560},   {"gdn_out", 2560, 6144},       {"qsa_q", 12288, 2560},
+      {"lm_head_tp2", 124160, 2560}, {"lm_head_tp1", 248320, 2560}, {"hc_down", 320, 10240},
+      {"hc_up", 10240, 320},         {"router", 512, 2560},         {"shared_gate_up", 1280, 2560},
+      {"shared_down", 2560, 640},    {"gdn_in_fused", 16480, 2560}, {"gdn_in_tp4", 4120, 2560},
+      {"gdn_out_tp4", 2560, 1536}};
+  void* x;
+  void* y;
+  FN_CUDA_CHECK(cudaMalloc(&x, 10240 * 4));
+  FN_CUDA_CHECK(cudaMalloc(&y, 248320 * 4));
+  fill_random(x, 10240 * 4, 7);
+  for (const GemvShape& s : shapes) {
+    const size_t wbytes = size_t(s.rows) * s.cols * 2;
+    const int copies = int(std::max<size_t>(1, (kRotateBytes + wbytes - 1) / wbytes));
+    const size_t total = wbytes * copies;
+    uint16_t* w;
+    FN_CUDA_CHECK(cudaMalloc(&w, total));
+    fill_random(w, total, 11);
+    const int calls = std::max(copies, 20);
+    auto run_plan = [&](fn::GemvBf16Plan plan, fn::DType xd, fn::DType yd, const char* label) {
+      fn::GemvBf16Params p;
+      p.rows = s.rows;
+      p.cols = s.cols;
+      p.ld = s.cols;
+      p.x = x;
+      p.x_dtype = xd;
+      p.y = y;
+      p.y_dtype = yd;
+      p.plan = plan;
+      const double us = t.time_per_call(calls, [&](int i) {
+        p.weight = w + size_t(i % copies) * s.rows * s.cols;
+        fn::launch_gemv_bf16(p, t.stream);
+      });
+      const double bytes =
+          double(wbytes) + s.cols * fn::dtype_size(xd) + s.rows * fn::dtype_size(yd);
+      const fn::GemvBf16Plan used =
+          plan.team_threads ? plan : fn::plan_gemv_bf16(s.rows, s.cols, prop.multiProcessorCount);
+      auto j = report(
+          {std::string("gemv_bf16") + label,
+           std::string(s.name) + " " + std::to_string(s.rows) + "x" + std::to_string(s.cols),
+           std::to_string(used.rows_per_team) + "r/" + std::to_string(used.team_threads) + "t",
+           bytes, us, bw});
+      j["x_dtype"] = fn::dtype_name(xd);
+      j["y_dtype"] = fn::dtype_name(yd);
+      j["planned"] = plan.team_threads == 0;
+      rows.push_back(j);
+      return us;
+    };
+    run_plan({}, fn::DType::BF16, fn::DType::F32, "");
+    if (std::string(s.name) == "hc_up" || std::string(s.name) == "gdn_in_qkv")
+      run_plan({}, fn::DType::F32, fn::DType::BF16, " x32/y16");
+    if (sweep) {
+      for (int r : {1, 2, 4})
+        for (int tt = 8; tt <= 256; tt *= 2) {
+          if ((s.cols / 8 + tt - 1) / tt > 64) continue;  // > 64 vectors per lane: pointless
+          const int64_t rpb = int64_t(r) * (256 / tt);
+          run_plan({r, tt, (s.rows + rpb - 1) / rpb}, fn::DType::BF16, fn::DType::F32, " sweep");
+        }
+    }
+    FN_CUDA_CHECK(cudaFree(w));
+  }
+
+  // ---- NVFP4 experts --------------------------------------------------------------------------
+  const int num_experts = 512, top_k = 10;
+  const int64_t hidden = 2560;
+  const int calls = 64;
+  std::vector<int32_t> ids(size_t(calls) * top_k);
+  std::mt19937_64 rng(5);
+  for (int c = 0; c < calls; ++c) {
+    std::vector<int32_t> all(num_experts);
+    for (int e = 0; e < num_experts; ++e) all[e] = e;
+    std::shuffle(all.begin(), all.end(), rng);
+    std::copy(all.begin(), all.begin() + top_k, ids.begin() + size_t(c) * top_k);
+  }
+  int32_t* d_ids;
+  float* d_rw;
+  FN_CUDA_CHECK(cudaMalloc(&d_ids, ids.size() * 4));
+  FN_CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<float> rw(top_k, 0.1f);
+  FN_CUDA_CHECK(cudaMalloc(&d_rw, top_k * 4));
+  FN_CUDA_CHECK(cudaMemcpy(d_rw, rw.data(), top_k * 4, cudaMemcpyHostToDevice));
+  for (int64_t inter : {640, 320, 160}) {
+    const std::string tp = "tp" + std::to_string(640 / inter);
+    uint8_t *gu_p, *gu_s, *dn_p, *dn_s, *h;
+    float *gu_g, *dn_g;
+    const size_t gu_pb = size_t(num_experts) * 2 * inter * hidden / 2;
+    const size_t dn_pb = size_t(num_experts) * hidden * inter / 2;
+    FN_CUDA_CHECK(cudaMalloc(&gu_p, gu_pb));
+    FN_CUDA_CHECK(cudaMalloc(&gu_s, gu_pb / 8));
+    FN_CUDA_CHECK(cudaMalloc(&dn_p, dn_pb));
+    FN_CUDA_CHECK(cudaMalloc(&dn_s, dn_pb / 8));
+    FN_CUDA_CHECK(cudaMalloc(&gu_g, num_experts * 2 * 4));
+    FN_CUDA_CHECK(cudaMalloc(&dn_g, num_experts * 4));
+    FN_CUDA_CHECK(cudaMalloc(&h, top_k * inter * 2));
+    fill_random(gu_p, gu_pb, 1);
+    fill_random(gu_s, gu_pb / 8, 2);
+    fill_random(dn_p, dn_pb, 3);
+    fill_random(dn_s, dn_pb / 8, 4);
+    fill_random(gu_g, num_experts * 2 * 4, 5);
+    fill_random(dn_g, num_experts * 4, 6);
+    fill_random(h, top_k * inter * 2, 8);
+
+    fn::MoeGateUpParams g;
+    g.experts = {gu_p, gu_s, gu_g, num_experts, 2 * inter, hidden};
+    g.top_k = top_k;
+    g.x = static_cast<const uint16_t*>(x);
+    g.h = reinterpret_cast<uint16_t*>(h);
+    const double gu_us = t.time_per_call(calls, [&](int i) {
+      g.expert_ids = d_ids + size_t(i) * top_k;
+      fn::launch_moe_gate_up_nvfp4(g, t.stream);
+    });
+    const double gu_bytes =
+        double(top_k) * 2 * inter * (hidden / 2 + hidden / 16) + hidden * 2 + top_k * inter * 2;
+    const int gu_team = fn::plan_moe_gate_up_team(top_k, inter, hidden, prop.multiProcessorCount);
+    rows.push_back(report({"moe_gate_up_nvfp4", tp + " 10x" + std::to_string(2 * inter) + "x2560",
+                           std::to_string(gu_team) + "t", gu_bytes, gu_us, bw}));
+
+    fn::MoeDownParams d;
+    d.experts = {dn_p, dn_s, dn_g, num_experts, hidden, inter};
+    d.top_k = top_k;
+    d.routing_weights = d_rw;
+    d.h = reinterpret_cast<const uint16_t*>(h);
+    d.y = static_cast<float*>(y);
+    const double dn_us = t.time_per_call(calls, [&](int i) {
+      d.expert_ids = d_ids + size_t(i) * top_k;
+      fn::launch_moe_down_nvfp4(d, t.stream);
+    });
+    const double dn_bytes =
+        double(top_k) * hidden * (inter / 2 + inter / 16) + top_k * inter * 2 + hidden * 4;
+    const int dn_team = fn::plan_moe_down_team(top_k, inter, hidden, prop.multiProcessorCount);
+    rows.push_back(report({"moe_down_nvfp4", tp + " 10x2560x" + std::to_string(inter),
+                           std::to_string(dn_team) + "t", dn_bytes, dn_us, bw}));
+    if (sweep) {
+      for (int tt = 8; tt <= 256; tt *= 2) {
+        g.team_threads = tt;
+        d.team_threads = tt;
+        const double a = t.time_per_call(calls, [&](int i) {
+          g.expert_ids = d_ids + size_t(i) * top_k;
+          fn::launch_moe_gate_up_nvfp4(g, t.stream);
+        });
+        rows.push_back(
+            report({"moe_gate_up_nvfp4 sweep", tp, std::to_string(tt) + "t", gu_bytes, a, bw}));
+        const double b = t.time_per_call(calls, [&](int i) {
+          d.expert_ids = d_ids + size_t(i) * top_k;
+          fn::launch_moe_down_nvfp4(d, t.stream);
+        });
+        rows.push_back(
+            report({"moe_down_nvfp4 sweep", tp, std::to_string(tt) + "t", dn_bytes, b, bw}));
+      }
+    }
+    for (void* p :
+         {(void*)gu_p, (void*)gu_s, (void*)dn_p, (void*)dn_s, (void*)gu_g, (void*)dn_g, (void*)h})
+      FN_CUDA_CHECK(cudaFree(p));
+  }
+  out["results"] = rows;
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  FN_CUDA_CHECK(cudaFree(x));
+  FN_CUDA_CHECK(cudaFree(y));
+  FN_CUDA_CHECK(cudaFree(d_ids));
+  FN_CUDA_CHECK(cudaFree(d_rw));
+  FN_CUDA_CHECK(cudaStreamDestroy(t.stream));
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "cuda_kernel_bench: %s\n", e.what());
+  return 1;
+}

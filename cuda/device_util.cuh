@@ -1,0 +1,79 @@
+// Small device helpers shared by the decode kernels in cuda/*.cu: streaming 16-byte loads, exact
+// BF16/FP16-bit unpacking, SiLU. Device code only; included by .cu files, never by host headers.
+// Every helper is exact bit manipulation except silu (expf).
+#pragma once
+
+#include <cstdint>
+
+namespace fn::dev {
+
+/// 16-byte load of data read exactly once per kernel (weights): non-coherent path, no L1
+/// allocation so the L1 keeps the activations every row re-reads. The data must not change while
+/// the kernel runs. PTX ISA 7.4, sm_70+.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+/// 16-byte read-only load that may stay in L1 (activations re-read by many rows).
+__device__ __forceinline__ uint4 ld_cached16(const void* p) {
+  return __ldg(static_cast<const uint4*>(p));
+}
+
+/// The low BF16 of a packed pair as float (exact).
+__device__ __forceinline__ float bf16_lo(uint32_t v) {
+  return __uint_as_float(v << 16);
+}
+/// The high BF16 of a packed pair as float (exact).
+__device__ __forceinline__ float bf16_hi(uint32_t v) {
+  return __uint_as_float(v & 0xffff0000u);
+}
+
+/// float -> BF16 bits, round to nearest even, NaN kept quiet (matches fn::float_to_bf16).
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+/// x * sigmoid(x) in FP32 (MODEL.md §C.7 SwiGLU). expf, not __expf: ~2 ulp.
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.0f + expf(-x));
+}
+
+/// Sums acc[] over the `team` lanes (a power of two, 8..kBlockThreads) of each team, teams being
+/// aligned groups of consecutive threads. The result is valid in the team's lane 0. Fixed order
+/// (butterfly inside a warp, then the team's warps ascending), so bitwise reproducible. Every
+/// thread of the block must call it (it may __syncthreads when team > 32).
+template <int kN, int kBlockThreads>
+__device__ __forceinline__ void team_reduce(float (&acc)[kN], int team, int lane_in_team) {
+  const int width = team < 32 ? team : 32;
+#pragma unroll
+  for (int r = 0; r < kN; ++r)
+    for (int off = width >> 1; off > 0; off >>= 1)
+      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+  if (team > 32) {  // uniform over the block: team is a launch parameter
+    __shared__ float partial[kBlockThreads / 32][kN];
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int r = 0; r < kN; ++r) partial[warp][r] = acc[r];
+    }
+    __syncthreads();
+    if (lane_in_team == 0) {
+      const int count = team >> 5;
+#pragma unroll
+      for (int r = 0; r < kN; ++r) {
+        float s = partial[warp][r];
+        for (int i = 1; i < count; ++i) s += partial[warp + i][r];
+        acc[r] = s;
+      }
+    }
+  }
+}
+
+}  // namespace fn::dev

@@ -1,0 +1,211 @@
+// BF16 GEMV kernels (see gemv_bf16.h). One kernel template, instantiated for rows per team
+// {1, 2, 4} x input {BF16, FP32} x output {FP32, BF16}: 12 variants, chosen at launch from the
+// params (the plan is fixed per shape, so a decode step always runs the same variant).
+#include "cuda/gemv_bf16.h"
+
+#include <cuda_runtime.h>
+
+#include "comm/cuda_check.h"
+#include "cuda/device_util.cuh"
+#include "cuda/launch_check.h"
+
+namespace fn {
+namespace {
+
+constexpr int kBlockThreads = 256;  // 8 warps: enough resident warps per SM at 2+ blocks/SM
+
+struct GemvArgs {
+  const uint16_t* weight;
+  int64_t rows;
+  int64_t ld;
+  int nvec;  // cols / 8: 16-byte vectors per row
+  int team_log2;
+  const void* x;
+  void* y;
+};
+
+// Eight x values of 16-byte vector v (columns 8v .. 8v+7) as floats.
+template <bool kXF32>
+__device__ __forceinline__ void load_x8(const void* x, int v, float (&xf)[8]) {
+  if constexpr (kXF32) {
+    const float4* p = static_cast<const float4*>(x) + 2 * v;
+    const float4 a = __ldg(p), b = __ldg(p + 1);
+    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
+    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+  } else {
+    const uint4 u = dev::ld_cached16(static_cast<const uint4*>(x) + v);
+    xf[0] = dev::bf16_lo(u.x), xf[1] = dev::bf16_hi(u.x);
+    xf[2] = dev::bf16_lo(u.y), xf[3] = dev::bf16_hi(u.y);
+    xf[4] = dev::bf16_lo(u.z), xf[5] = dev::bf16_hi(u.z);
+    xf[6] = dev::bf16_lo(u.w), xf[7] = dev::bf16_hi(u.w);
+  }
+}
+
+// acc += dot(8 BF16 weights, 8 x values), ascending column order (deterministic).
+__device__ __forceinline__ float fma8(uint4 w, const float (&xf)[8], float acc) {
+  acc = fmaf(dev::bf16_lo(w.x), xf[0], acc);
+  acc = fmaf(dev::bf16_hi(w.x), xf[1], acc);
+  acc = fmaf(dev::bf16_lo(w.y), xf[2], acc);
+  acc = fmaf(dev::bf16_hi(w.y), xf[3], acc);
+  acc = fmaf(dev::bf16_lo(w.z), xf[4], acc);
+  acc = fmaf(dev::bf16_hi(w.z), xf[5], acc);
+  acc = fmaf(dev::bf16_lo(w.w), xf[6], acc);
+  acc = fmaf(dev::bf16_hi(w.w), xf[7], acc);
+  return acc;
+}
+
+// One team of (1 << team_log2) lanes computes kRows consecutive rows. Lane l reads vectors
+// l, l + T, l + 2T, ... of each row (coalesced: a team reads T * 16 contiguous bytes per row per
+// step), kUnroll steps at a time so that kRows * kUnroll = 8 independent 16-byte weight loads are
+// in flight per thread before the first FMA (latency hiding at batch 1, HOPPER.md).
+template <int kRows, bool kXF32, bool kYBf16>
+__global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
+  constexpr int kUnroll = 8 / kRows;
+  const int team = 1 << a.team_log2;
+  const int lane = threadIdx.x & (team - 1);
+  const int team_in_block = threadIdx.x >> a.team_log2;
+  const int teams_per_block = kBlockThreads >> a.team_log2;
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * teams_per_block + team_in_block) * kRows;
+  const uint4* wrow[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    // Rows past the end re-read the last row (in bounds, never stored) so the loop stays uniform.
+    const int64_t row = min(row0 + r, a.rows - 1);
+    wrow[r] = reinterpret_cast<const uint4*>(a.weight + row * a.ld);
+  }
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
+
+  for (int base = lane; base < a.nvec; base += kUnroll * team) {
+    uint4 w[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = base + u * team;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        w[u][r] = v < a.nvec ? dev::ld_stream16(wrow[r] + v) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = base + u * team;
+      if (v < a.nvec) {
+        float xf[8];
+        load_x8<kXF32>(a.x, v, xf);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) acc[r] = fma8(w[u][r], xf, acc[r]);
+      }
+    }
+  }
+
+  dev::team_reduce<kRows, kBlockThreads>(acc, team, lane);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r;
+    if (row < a.rows) {
+      if constexpr (kYBf16)
+        static_cast<uint16_t*>(a.y)[row] = dev::float_to_bf16_bits(acc[r]);
+      else
+        static_cast<float*>(a.y)[row] = acc[r];
+    }
+  }
+}
+
+template <int kRows>
+void dispatch_dtypes(const GemvArgs& a, bool x_f32, bool y_bf16, int64_t blocks,
+                     cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(blocks)), block(kBlockThreads);
+  if (x_f32) {
+    if (y_bf16)
+      gemv_bf16_kernel<kRows, true, true><<<grid, block, 0, stream>>>(a);
+    else
+      gemv_bf16_kernel<kRows, true, false><<<grid, block, 0, stream>>>(a);
+  } else {
+    if (y_bf16)
+      gemv_bf16_kernel<kRows, false, true><<<grid, block, 0, stream>>>(a);
+    else
+      gemv_bf16_kernel<kRows, false, false><<<grid, block, 0, stream>>>(a);
+  }
+}
+
+int cached_sm_count() {
+  int device = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&device));
+  int sms = 0;
+  FN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+int64_t blocks_for(int64_t rows, int rows_per_team, int team_threads) {
+  const int64_t rows_per_block =
+      static_cast<int64_t>(rows_per_team) * (kBlockThreads / team_threads);
+  return (rows + rows_per_block - 1) / rows_per_block;
+}
+
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+}  // namespace
+
+GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count) {
+  const int64_t nvec = cols / 8;
+  const int64_t target = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
+  GemvBf16Plan plan{};
+  for (int rows_per_team : {4, 2, 1}) {
+    // Narrowest team with at most 16 vectors per lane per row.
+    int team = 8;
+    while (team < kBlockThreads && static_cast<int64_t>(team) * 16 < nvec) team *= 2;
+    // Widen while the grid is too small, keeping at least 2 vectors per lane.
+    while (blocks_for(rows, rows_per_team, team) < target && team < kBlockThreads &&
+           nvec >= 4 * static_cast<int64_t>(team))
+      team *= 2;
+    plan = {rows_per_team, team, blocks_for(rows, rows_per_team, team)};
+    if (plan.blocks >= target) break;
+  }
+  return plan;
+}
+
+void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_gemv_bf16";
+  FN_LAUNCH_REQUIRE(p.weight != nullptr && p.x != nullptr && p.y != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.rows >= 1 && p.cols >= 8 && p.cols % 8 == 0, kOp);
+  FN_LAUNCH_REQUIRE(p.ld >= p.cols && p.ld % 8 == 0, kOp);
+  FN_LAUNCH_REQUIRE(p.cols / 8 <= INT32_MAX, kOp);
+  FN_LAUNCH_REQUIRE(aligned16(p.weight) && aligned16(p.x), kOp);
+  FN_LAUNCH_REQUIRE(p.x_dtype == DType::BF16 || p.x_dtype == DType::F32, kOp);
+  FN_LAUNCH_REQUIRE(p.y_dtype == DType::F32 || p.y_dtype == DType::BF16, kOp);
+  GemvBf16Plan plan = p.plan;
+  if (plan.team_threads == 0) plan = plan_gemv_bf16(p.rows, p.cols, cached_sm_count());
+  const int t = plan.team_threads;
+  FN_LAUNCH_REQUIRE(t >= 8 && t <= kBlockThreads && (t & (t - 1)) == 0, kOp);
+  FN_LAUNCH_REQUIRE(plan.rows_per_team == 1 || plan.rows_per_team == 2 || plan.rows_per_team == 4,
+                    kOp);
+  FN_LAUNCH_REQUIRE(plan.blocks == blocks_for(p.rows, plan.rows_per_team, t), kOp);
+  FN_LAUNCH_REQUIRE(plan.blocks <= INT32_MAX, kOp);
+
+  GemvArgs a{};
+  a.weight = p.weight;
+  a.rows = p.rows;
+  a.ld = p.ld;
+  a.nvec = static_cast<int>(p.cols / 8);
+  a.team_log2 = __builtin_ctz(static_cast<unsigned>(t));
+  a.x = p.x;
+  a.y = p.y;
+  const bool x_f32 = p.x_dtype == DType::F32, y_bf16 = p.y_dtype == DType::BF16;
+  switch (plan.rows_per_team) {
+    case 4:
+      dispatch_dtypes<4>(a, x_f32, y_bf16, plan.blocks, stream);
+      break;
+    case 2:
+      dispatch_dtypes<2>(a, x_f32, y_bf16, plan.blocks, stream);
+      break;
+    default:
+      dispatch_dtypes<1>(a, x_f32, y_bf16, plan.blocks, stream);
+      break;
+  }
+  FN_CUDA_LAUNCH_CHECK("gemv_bf16_kernel");
+}
+
+}  // namespace fn

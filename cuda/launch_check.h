@@ -1,0 +1,18 @@
+// Precondition checks for the kernel launchers in cuda/*.cu. nvcc cannot compile fmt's
+// compile-time format strings in C++20 mode, so .cu files throw through this non-template entry
+// point (defined in launch_check.cpp, compiled by the host compiler) instead of FN_CHECK.
+// Called before a launch, so it is legal during stream capture (no CUDA call).
+#pragma once
+
+namespace fn::detail {
+/// Throws fn::Error(Internal): "<op>: precondition failed: <cond> (<file>:<line>)".
+[[noreturn]] void throw_launch_precondition(const char* op, const char* cond, const char* file,
+                                            int line);
+}  // namespace fn::detail
+
+/// Throws fn::Error(Internal) naming the launcher `op` and the failed condition unless cond holds.
+#define FN_LAUNCH_REQUIRE(cond, op)                                           \
+  do {                                                                        \
+    if (!(cond)) [[unlikely]]                                                 \
+      ::fn::detail::throw_launch_precondition(op, #cond, __FILE__, __LINE__); \
+  } while (0)

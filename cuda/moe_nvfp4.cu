@@ -1,0 +1,309 @@
+// NVFP4 W4A16 routed-expert kernels (see moe_nvfp4.h): one gate+up+SwiGLU kernel and one
+// weighted down-projection kernel, no template variants.
+//
+// Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): an E2M1
+// code s|e1 e0|m becomes the FP16 bit pattern s<<15 | (e1 e0 m)<<9, whose value is exactly
+// e2m1 * 2^-14 for all 16 codes (e = 0 lands on the FP16 subnormal m * 2^-15 = 0.5 m * 2^-14; e > 0
+// on 2^(e-15) (1 + m/2) = 2^(e-1) (1 + m/2) * 2^-14). Likewise an E4M3 scale byte s|eeee|mmm
+// becomes the FP16 pattern s<<15 | (eeee mmm)<<7 = e4m3 * 2^-8 exactly (subnormals included; the
+// NaN codes 0x7F/0xFF are mapped to NaN explicitly). The two powers of two are put back once per
+// row (kUnscale = 2^22). FP16 -> FP32 conversion is exact and every e2m1 * bf16 product is exact
+// in FP32; only the FP32 sums round.
+#include "cuda/moe_nvfp4.h"
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "comm/cuda_check.h"
+#include "cuda/device_util.cuh"
+#include "cuda/launch_check.h"
+
+namespace fn {
+namespace {
+
+constexpr int kBlockThreads = 256;
+constexpr int kUnroll = 4;              // 16-byte vectors per row in flight per lane
+constexpr float kUnscale = 4194304.0f;  // 2^22 = 2^14 (E2M1 as FP16) * 2^8 (E4M3 as FP16)
+
+__device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+}
+
+// E4M3 scale byte -> float value * 2^-8 (exact; NaN codes stay NaN).
+__device__ __forceinline__ float e4m3_scaled(uint32_t s) {
+  if ((s & 0x7fu) == 0x7fu) return __int_as_float(0x7fc00000);
+  return half_bits_to_float(((s & 0x7fu) << 7) | ((s & 0x80u) << 8));
+}
+
+// sum_{i<8} e2m1(code i of w) * 2^-14 * x_i for the 8 codes of a 32-bit word (byte k: element 2k
+// in the low nibble, 2k+1 in the high one) and 8 BF16 x values packed in xv (element order).
+__device__ __forceinline__ float dot8_e2m1(uint32_t w, uint4 xv, float acc) {
+  const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t byte = (w >> (8 * k)) & 0xffu;
+    // low nibble -> bits 0..3, high nibble -> bits 16..19: one FP16 pair per byte
+    const uint32_t pair = (byte & 0x0fu) | ((byte & 0xf0u) << 12);
+    const uint32_t h = ((pair & 0x00070007u) << 9) | ((pair & 0x00080008u) << 12);
+    acc = fmaf(half_bits_to_float(h & 0xffffu), dev::bf16_lo(xw[k]), acc);
+    acc = fmaf(half_bits_to_float(h >> 16), dev::bf16_hi(xw[k]), acc);
+  }
+  return acc;
+}
+
+// Dot of one 16-byte weight vector (32 codes = 2 scale blocks) with the 32 x values starting at
+// xp (BF16, 16-byte aligned), scale bytes s (low byte: block 0, high byte: block 1); returns the
+// contribution * 2^-22.
+__device__ __forceinline__ float dot32(uint4 w, uint32_t s, const uint4* xp) {
+  const uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1), x2 = __ldg(xp + 2), x3 = __ldg(xp + 3);
+  float b0 = dot8_e2m1(w.x, x0, 0.0f);
+  b0 = dot8_e2m1(w.y, x1, b0);
+  float b1 = dot8_e2m1(w.z, x2, 0.0f);
+  b1 = dot8_e2m1(w.w, x3, b1);
+  return b0 * e4m3_scaled(s & 0xffu) + b1 * e4m3_scaled(s >> 8);
+}
+
+struct GateUpArgs {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  const float* global_scale;
+  const int32_t* ids;
+  int num_experts;
+  int top_k;
+  int inter;  // I
+  int nvec;   // K / 32
+  int64_t k;  // K
+  const uint16_t* x;
+  uint16_t* h;
+  float* gate_up_out;
+  int team_log2;
+};
+
+// One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j].
+__global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUpArgs a) {
+  const int team = 1 << a.team_log2;
+  const int lane = threadIdx.x & (team - 1);
+  const int64_t pair = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
+                       (threadIdx.x >> a.team_log2);
+  const bool in_range = pair < static_cast<int64_t>(a.top_k) * a.inter;
+  const int j = in_range ? static_cast<int>(pair / a.inter) : 0;
+  const int i = in_range ? static_cast<int>(pair % a.inter) : 0;
+  const int e = __ldg(a.ids + j);
+  const bool ok = in_range && e >= 0 && e < a.num_experts;
+
+  float acc[2] = {0.0f, 0.0f};
+  if (ok) {
+    const int64_t rows = 2 * static_cast<int64_t>(a.inter);
+    const int64_t g_row = static_cast<int64_t>(e) * rows + i, u_row = g_row + a.inter;
+    const uint4* wg = reinterpret_cast<const uint4*>(a.packed + g_row * (a.k / 2));
+    const uint4* wu = reinterpret_cast<const uint4*>(a.packed + u_row * (a.k / 2));
+    const uint16_t* sg = reinterpret_cast<const uint16_t*>(a.scales + g_row * (a.k / 16));
+    const uint16_t* su = reinterpret_cast<const uint16_t*>(a.scales + u_row * (a.k / 16));
+    const uint4* xv = reinterpret_cast<const uint4*>(a.x);
+    for (int base = lane; base < a.nvec; base += kUnroll * team) {
+      uint4 w[kUnroll][2];
+      uint32_t s[kUnroll][2];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * team;
+        const bool live = v < a.nvec;
+        w[u][0] = live ? dev::ld_stream16(wg + v) : make_uint4(0, 0, 0, 0);
+        w[u][1] = live ? dev::ld_stream16(wu + v) : make_uint4(0, 0, 0, 0);
+        s[u][0] = live ? __ldg(sg + v) : 0u;
+        s[u][1] = live ? __ldg(su + v) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * team;
+        if (v < a.nvec) {
+          acc[0] += dot32(w[u][0], s[u][0], xv + 4 * v);
+          acc[1] += dot32(w[u][1], s[u][1], xv + 4 * v);
+        }
+      }
+    }
+  }
+  dev::team_reduce<2, kBlockThreads>(acc, team, lane);
+  if (lane != 0 || !in_range) return;
+  float g = 0.0f, u = 0.0f;
+  if (ok) {
+    g = acc[0] * kUnscale * __ldg(a.global_scale + 2 * e);
+    u = acc[1] * kUnscale * __ldg(a.global_scale + 2 * e + 1);
+  }
+  const float hv = ok ? dev::silu(g) * u : 0.0f;
+  a.h[pair] = dev::float_to_bf16_bits(hv);
+  if (a.gate_up_out != nullptr) {
+    a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + i] = g;
+    a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + i] = u;
+  }
+}
+
+struct DownArgs {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  const float* global_scale;
+  const int32_t* ids;
+  const float* weights;
+  int num_experts;
+  int top_k;
+  int64_t hidden;  // D (rows per expert)
+  int inter;       // I (cols)
+  int nvec;        // I / 32
+  const uint16_t* h;
+  float* y;
+  bool accumulate;
+  int team_log2;
+};
+
+// One team per output row d: lanes stride over the flattened (expert j, vector v) pairs.
+__global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs a) {
+  const int team = 1 << a.team_log2;
+  const int lane = threadIdx.x & (team - 1);
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
+                    (threadIdx.x >> a.team_log2);
+  const bool in_range = d < a.hidden;
+  const int nflat = a.top_k * a.nvec;
+  float acc[1] = {0.0f};
+  if (in_range) {
+    for (int base = lane; base < nflat; base += kUnroll * team) {
+      uint4 w[kUnroll];
+      uint32_t s[kUnroll];
+      float f[kUnroll];
+      int hoff[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * team;
+        const int j = idx / a.nvec, v = idx - j * a.nvec;
+        const int e = idx < nflat ? __ldg(a.ids + j) : -1;
+        const bool live = e >= 0 && e < a.num_experts;
+        const int64_t row = static_cast<int64_t>(live ? e : 0) * a.hidden + d;
+        w[u] = live ? dev::ld_stream16(a.packed + row * (a.inter / 2) + 16 * v)
+                    : make_uint4(0, 0, 0, 0);
+        s[u] = live ? __ldg(reinterpret_cast<const uint16_t*>(a.scales + row * (a.inter / 16)) + v)
+                    : 0u;
+        f[u] = live ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
+        hoff[u] = live ? j * a.inter + 32 * v : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (hoff[u] >= 0)
+          acc[0] += dot32(w[u], s[u], reinterpret_cast<const uint4*>(a.h + hoff[u])) * f[u];
+    }
+  }
+  dev::team_reduce<1, kBlockThreads>(acc, team, lane);
+  if (lane != 0 || !in_range) return;
+  const float v = acc[0] * kUnscale;
+  a.y[d] = a.accumulate ? a.y[d] + v : v;
+}
+
+int current_sm_count() {
+  int device = 0, sms = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&device));
+  FN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// Narrowest team with at most `per_lane` vectors per lane, widened while the grid has fewer than
+// 2 blocks per SM and each lane keeps at least 4 vectors... of work (>= 2 loads in flight).
+int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count) {
+  const int64_t target = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
+  auto blocks = [&](int t) { return (teams + (kBlockThreads / t) - 1) / (kBlockThreads / t); };
+  int team = 8;
+  while (team < kBlockThreads && static_cast<int64_t>(team) * per_lane < work_vectors) team *= 2;
+  while (blocks(team) < target && team < kBlockThreads &&
+         work_vectors >= 4 * static_cast<int64_t>(team))
+    team *= 2;
+  return team;
+}
+
+bool aligned(const void* p, uintptr_t n) {
+  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
+}
+
+void check_experts(const Nvfp4Experts& w, const char* op) {
+  FN_LAUNCH_REQUIRE(w.packed != nullptr && w.scales != nullptr && w.global_scale != nullptr, op);
+  FN_LAUNCH_REQUIRE(w.num_experts >= 1 && w.rows >= 1, op);
+  FN_LAUNCH_REQUIRE(w.cols >= 32 && w.cols % 32 == 0 && w.cols <= (int64_t{1} << 30), op);
+  FN_LAUNCH_REQUIRE(aligned(w.packed, 16) && aligned(w.scales, 2), op);
+}
+
+bool valid_team(int t) {
+  return t >= 8 && t <= kBlockThreads && (t & (t - 1)) == 0;
+}
+
+}  // namespace
+
+int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
+  // Two rows (gate, up) per team: at most 8 vectors per lane per row keeps 16 loads per lane.
+  return plan_team(hidden / 32, static_cast<int64_t>(top_k) * intermediate, 8, sm_count);
+}
+
+int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
+  return plan_team(static_cast<int64_t>(top_k) * (intermediate / 32), hidden, 16, sm_count);
+}
+
+void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
+  check_experts(p.experts, kOp);
+  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.x != nullptr && p.h != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.experts.rows % 2 == 0, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
+  const int64_t inter = p.experts.rows / 2;
+  const int team = p.team_threads != 0
+                       ? p.team_threads
+                       : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols, current_sm_count());
+  FN_LAUNCH_REQUIRE(valid_team(team), kOp);
+  GateUpArgs a{};
+  a.packed = p.experts.packed;
+  a.scales = p.experts.scales;
+  a.global_scale = p.experts.global_scale;
+  a.ids = p.expert_ids;
+  a.num_experts = p.experts.num_experts;
+  a.top_k = p.top_k;
+  a.inter = static_cast<int>(inter);
+  a.nvec = static_cast<int>(p.experts.cols / 32);
+  a.k = p.experts.cols;
+  a.x = p.x;
+  a.h = p.h;
+  a.gate_up_out = p.gate_up_out;
+  a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
+  const int64_t teams_per_block = kBlockThreads / team;
+  const int64_t blocks =
+      (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
+  moe_gate_up_nvfp4_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+  FN_CUDA_LAUNCH_CHECK("moe_gate_up_nvfp4_kernel");
+}
+
+void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_down_nvfp4";
+  check_experts(p.experts, kOp);
+  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.routing_weights != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
+  const int team = p.team_threads != 0 ? p.team_threads
+                                       : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
+                                                            current_sm_count());
+  FN_LAUNCH_REQUIRE(valid_team(team), kOp);
+  DownArgs a{};
+  a.packed = p.experts.packed;
+  a.scales = p.experts.scales;
+  a.global_scale = p.experts.global_scale;
+  a.ids = p.expert_ids;
+  a.weights = p.routing_weights;
+  a.num_experts = p.experts.num_experts;
+  a.top_k = p.top_k;
+  a.hidden = p.experts.rows;
+  a.inter = static_cast<int>(p.experts.cols);
+  a.nvec = static_cast<int>(p.experts.cols / 32);
+  a.h = p.h;
+  a.y = p.y;
+  a.accumulate = p.accumulate;
+  a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
+  const int64_t teams_per_block = kBlockThreads / team;
+  const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
+  moe_down_nvfp4_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+  FN_CUDA_LAUNCH_CHECK("moe_down_nvfp4_kernel");
+}
+
+}  // namespace fn

@@ -1,0 +1,73 @@
+// NVFP4 W4A16 routed-expert GEMVs for one decode token (MODEL.md §B.4, §C.7): gate+up with SwiGLU,
+// and the down projection summed over the selected experts with their routing weights. Called by
+// the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
+// device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
+// conversion); FP32 accumulation; 16-byte weight loads; deterministic (no atomics).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fn {
+
+/// Device layout of one layer's routed experts (the loader stacks the per-expert checkpoint
+/// tensors, MODEL.md §B.2, in expert order). For gate+up, rows [0, I) of an expert are gate_proj
+/// and rows [I, 2I) are up_proj (TP: the rank's I rows of each). Packed codes: byte j of a row
+/// holds element 2j in its low nibble, 2j+1 in its high nibble; block scales F8_E4M3, one per 16
+/// elements of a row, linear row-major (not swizzled).
+struct Nvfp4Experts {
+  const uint8_t* packed = nullptr;  ///< [num_experts, rows, cols/2] U8, 16-byte aligned
+  const uint8_t* scales = nullptr;  ///< [num_experts, rows, cols/16] F8_E4M3, 2-byte aligned
+  /// weight_scale_2 (FP32 multipliers): gate+up: [num_experts, 2] = (gate, up); down:
+  /// [num_experts].
+  const float* global_scale = nullptr;
+  int num_experts = 0;  ///< experts stored (512 for the real model)
+  int64_t rows = 0;     ///< rows per expert: 2 * I for gate+up, hidden_size for down
+  int64_t cols = 0;     ///< input length: hidden_size for gate+up, I for down; multiple of 32
+};
+
+/// Gate+up with SwiGLU for the selected experts:
+///   g = (W_gate[e_j] x) * gs_gate[e_j], u = (W_up[e_j] x) * gs_up[e_j],
+///   h[j, i] = silu(g_i) * u_i  (FP32, rounded to BF16 on store), j < top_k, i < I.
+/// An expert id outside [0, num_experts) contributes h[j, :] = 0 (no read out of bounds).
+struct MoeGateUpParams {
+  Nvfp4Experts experts;                 ///< rows = 2 * I, cols = hidden_size (K)
+  const int32_t* expert_ids = nullptr;  ///< [top_k] device, the router's choice
+  int top_k = 0;                        ///< num_experts_per_tok (10), >= 1
+  const uint16_t* x = nullptr;  ///< [K] BF16 bits (the MLP-side HC read m'), 16-byte aligned
+  uint16_t* h = nullptr;        ///< [top_k, I] BF16 bits
+  /// Optional [top_k, 2 * I] FP32: g and u before SwiGLU (gate rows then up rows), for tests and
+  /// debugging; nullptr in production.
+  float* gate_up_out = nullptr;
+  int team_threads = 0;  ///< lanes per output row pair (8..256, power of 2); 0 = planned
+};
+
+/// Down projection summed over the selected experts:
+///   y[d] (+)= sum_{j < top_k, in order} routing_weights[j] * gs[e_j] * (W_down[e_j] h[j, :])[d]
+/// (MODEL.md §C.7 step 4, FP32 accumulation). Ids outside [0, num_experts) contribute 0.
+struct MoeDownParams {
+  Nvfp4Experts experts;                    ///< rows = hidden_size (D), cols = I
+  const int32_t* expert_ids = nullptr;     ///< [top_k] device
+  const float* routing_weights = nullptr;  ///< [top_k] FP32 device (renormalised top-k probs)
+  int top_k = 0;                           ///< >= 1
+  const uint16_t* h = nullptr;             ///< [top_k, I] BF16 bits (MoeGateUpParams::h)
+  float* y = nullptr;                      ///< [D] FP32
+  bool accumulate = false;                 ///< true: y += sum (e.g. onto the shared expert's y)
+  int team_threads = 0;  ///< lanes per output row (8..256, power of 2); 0 = planned
+};
+
+/// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
+/// multiple of 32, odd rows, misalignment or a bad team size; fn::Error(Cuda) on a failed launch.
+/// Legal during stream capture.
+void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream);
+
+/// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4.
+void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
+
+/// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers
+/// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).
+int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count);
+int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count);
+
+}  // namespace fn

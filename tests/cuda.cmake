@@ -1,0 +1,6 @@
+# cuda/ kernel tests (label gpu: the GPU machine only). Each compares a kernel with a host
+# reference built from core/codecs.h and core/cpu_ops.h.
+if(TARGET fngen_cuda)
+  fn_add_test(NAME test_cuda_gemv SOURCES test_cuda_gemv.cpp LIBS fngen_cuda LABEL gpu)
+  fn_add_test(NAME test_cuda_moe_nvfp4 SOURCES test_cuda_moe_nvfp4.cpp LIBS fngen_cuda LABEL gpu)
+endif()

@@ -1,0 +1,96 @@
+// Helpers for the GPU kernel tests (tests/test_cuda_*.cpp): RAII device buffers, seeded random
+// fills, and the one numeric comparator with per-element error bounds derived from the kernel's
+// summation depth (no hand-picked tolerances). Host C++ only (CUDA runtime API).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+
+namespace fn::test {
+
+/// FP32 unit roundoff (2^-24): one rounding of a value x errs by at most kFp32Unit * |x|.
+inline constexpr double kFp32Unit = 5.9604644775390625e-08;
+/// BF16 round-to-nearest: at most 2^-9 relative (8 significant bits).
+inline constexpr double kBf16Unit = 1.0 / 512.0;
+
+/// gamma_h of Higham: the bound factor for a sum (or dot) whose every term passes through at most
+/// h FP32 roundings: |computed - exact| <= gamma_h * sum |terms|.
+inline double gamma_fp32(int h) {
+  const double hu = h * kFp32Unit;
+  return hu / (1.0 - hu);
+}
+
+/// A device allocation of n elements of T, freed on scope exit.
+template <typename T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DeviceArray(size_t count) : n(count) {
+    FN_CUDA_CHECK(cudaMalloc(&ptr, (count > 0 ? count : 1) * sizeof(T)));
+  }
+  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) { upload(host); }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  void upload(const std::vector<T>& host) {
+    REQUIRE(host.size() == n);
+    FN_CUDA_CHECK(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(n);
+    FN_CUDA_CHECK(cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+};
+
+/// Result of compare_bounded: how many elements broke their bound and the worst one.
+struct Comparison {
+  int64_t wrong = 0;
+  int64_t worst = -1;      ///< index with the largest |got - want| / bound
+  double worst_ratio = 0;  ///< that ratio (<= 1 passes)
+  double got = 0, want = 0, bound = 0;
+  std::string describe() const {
+    return "wrong " + std::to_string(wrong) + ", worst at " + std::to_string(worst) + ": got " +
+           std::to_string(got) + " want " + std::to_string(want) + " bound " +
+           std::to_string(bound) + " (ratio " + std::to_string(worst_ratio) + ")";
+  }
+};
+
+/// The comparator: element i passes when |got[i] - want[i]| <= bound[i] (bound 0 means bitwise
+/// equal values), NaN only where want is NaN, infinities only equal to the same infinity.
+inline Comparison compare_bounded(const std::vector<float>& got, const std::vector<double>& want,
+                                  const std::vector<double>& bound) {
+  REQUIRE(got.size() == want.size());
+  REQUIRE(bound.size() == want.size());
+  Comparison c;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    double ratio;
+    if (std::isnan(w) || std::isnan(g)) {
+      ratio = (std::isnan(w) && std::isnan(g)) ? 0.0 : INFINITY;
+    } else if (std::isinf(w) || std::isinf(g)) {
+      ratio = g == w ? 0.0 : INFINITY;
+    } else {
+      const double err = std::fabs(g - w);
+      ratio = err == 0.0 ? 0.0 : (bound[i] > 0 ? err / bound[i] : INFINITY);
+    }
+    if (ratio > 1.0) ++c.wrong;
+    if (c.worst < 0 || ratio > c.worst_ratio) {
+      c.worst = static_cast<int64_t>(i);
+      c.worst_ratio = ratio;
+      c.got = g;
+      c.want = w;
+      c.bound = bound[i];
+    }
+  }
+  return c;
+}
+
+}  // namespace fn::test

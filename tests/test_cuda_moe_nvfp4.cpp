@@ -1,0 +1,442 @@
+// GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h) against host references built
+// from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with power-of-two
+// scales, random codes within the FP32 bound, real shapes at TP=1 and TP=2, invalid expert ids,
+// and graph replay with expert ids changed in device memory.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/codecs.h"
+#include "core/cpu_ops.h"
+#include "core/error.h"
+#include "cuda/moe_nvfp4.h"
+#include "tests/cuda_test_util.h"
+
+namespace {
+
+using fn::test::DeviceArray;
+
+// One projection of a stack of experts in host memory (the device layout of Nvfp4Experts).
+struct HostExperts {
+  int num_experts;
+  int64_t rows, cols;
+  std::vector<uint8_t> packed;  // [E, rows, cols/2]
+  std::vector<uint8_t> scales;  // [E, rows, cols/16]
+  std::vector<float> gscale;    // [E, per_expert]
+  int per_expert;               // 2 for gate+up, 1 for down
+};
+
+// Random codes (all 16 E2M1 codes), block scales and global scales. `exact`: block scales in
+// {0.5, 1, 2} and global scales powers of two, so every dot of small-integer inputs is exact.
+HostExperts make_experts(int num_experts, int64_t rows, int64_t cols, int per_expert, bool exact,
+                         uint64_t seed) {
+  HostExperts h{num_experts, rows, cols, {}, {}, {}, per_expert};
+  std::mt19937_64 rng(seed);
+  h.packed.resize(size_t(num_experts) * rows * cols / 2);
+  h.scales.resize(size_t(num_experts) * rows * cols / 16);
+  h.gscale.resize(size_t(num_experts) * per_expert);
+  for (auto& b : h.packed) b = uint8_t(rng());
+  const uint8_t pow2[] = {0x30, 0x38, 0x40};  // E4M3 0.5, 1, 2
+  for (auto& s : h.scales) {
+    if (exact) {
+      s = pow2[rng() % 3];
+    } else {
+      const unsigned r = rng() % 64;
+      // Mostly normal scales 2^-3 .. 2^3 (both signs of mantissa), a few subnormal codes.
+      s = r == 0 ? uint8_t(1 + rng() % 7) : uint8_t(0x20 + rng() % 0x30);
+    }
+  }
+  for (auto& g : h.gscale)
+    g = exact ? std::ldexp(1.0f, int(rng() % 3) - 1)
+              : std::ldexp(1.0f + float(rng() % 1000) / 1000.0f, -8);
+  return h;
+}
+
+struct DeviceExperts {
+  DeviceArray<uint8_t> packed, scales;
+  DeviceArray<float> gscale;
+  fn::Nvfp4Experts view;
+  explicit DeviceExperts(const HostExperts& h)
+      : packed(h.packed), scales(h.scales), gscale(h.gscale) {
+    view.packed = packed.ptr;
+    view.scales = scales.ptr;
+    view.global_scale = gscale.ptr;
+    view.num_experts = h.num_experts;
+    view.rows = h.rows;
+    view.cols = h.cols;
+  }
+};
+
+// Dequantized row (exact FP32 values: e2m1 * e4m3 block scale; the global scale is applied by the
+// caller) through the CPU codec, independent of the GPU's bit tricks.
+std::vector<float> dequant_row(const HostExperts& h, int e, int64_t r) {
+  std::vector<float> out(h.cols);
+  const size_t row = size_t(e) * h.rows + r;
+  fn::dequant_nvfp4_row(h.packed.data() + row * h.cols / 2, h.scales.data() + row * h.cols / 16,
+                        1.0f, h.cols, out.data());
+  return out;
+}
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = fn::float_to_bf16(v[i]);
+  return b;
+}
+
+int log2i(int t) {
+  int l = 0;
+  while ((1 << l) < t) ++l;
+  return l;
+}
+
+// Rounding depth of one product in the kernels: 16-term block chain, the block scale multiply and
+// the two-block add, the lane's chain over its vectors, the team reduction, the final multiplies.
+int depth(int64_t vectors_per_lane, int team) {
+  return 16 + 3 + int(vectors_per_lane) + std::min(log2i(team), 5) + (team > 32 ? team / 32 : 0) +
+         3;
+}
+
+struct GateUpRef {
+  std::vector<double> gu, gu_bound, h, h_bound;  // gu: [top_k, 2I]; h: [top_k, I]
+};
+
+GateUpRef gate_up_reference(const HostExperts& w, const std::vector<int32_t>& ids,
+                            const std::vector<float>& x, int team) {
+  const int64_t inter = w.rows / 2;
+  const int k = int(ids.size());
+  GateUpRef r;
+  r.gu.assign(size_t(k) * 2 * inter, 0.0);
+  r.gu_bound.assign(r.gu.size(), 0.0);
+  r.h.assign(size_t(k) * inter, 0.0);
+  r.h_bound.assign(r.h.size(), 0.0);
+  const int64_t per_lane = (w.cols / 32 + team - 1) / team;
+  const double gamma = fn::test::gamma_fp32(depth(per_lane, team));
+  for (int j = 0; j < k; ++j) {
+    const int e = ids[j];
+    if (e < 0 || e >= w.num_experts) continue;  // contributes zeros
+    for (int64_t row = 0; row < 2 * inter; ++row) {
+      const auto wr = dequant_row(w, e, row);
+      const double gs = w.gscale[size_t(e) * 2 + (row < inter ? 0 : 1)];
+      double s = 0, a = 0;
+      for (int64_t c = 0; c < w.cols; ++c) {
+        s += double(wr[c]) * x[c];
+        a += std::fabs(double(wr[c]) * x[c]);
+      }
+      r.gu[size_t(j) * 2 * inter + row] = s * gs;
+      r.gu_bound[size_t(j) * 2 * inter + row] = gamma * a * gs;
+    }
+    for (int64_t i = 0; i < inter; ++i) {
+      const double g = r.gu[size_t(j) * 2 * inter + i], u = r.gu[size_t(j) * 2 * inter + inter + i];
+      const double eg = r.gu_bound[size_t(j) * 2 * inter + i];
+      const double eu = r.gu_bound[size_t(j) * 2 * inter + inter + i];
+      const double sg = g / (1.0 + std::exp(-g));
+      const double hv = sg * u;
+      // |silu'| <= 1.1; expf + divide + multiply in FP32: <= 8 roundings of h; then BF16.
+      const double e32 = 1.1 * eg * std::fabs(u) + (std::fabs(sg) + 1.1 * eg) * eu +
+                         8 * fn::test::kFp32Unit * std::fabs(hv);
+      r.h[size_t(j) * inter + i] = hv;
+      r.h_bound[size_t(j) * inter + i] = e32 + fn::test::kBf16Unit * (std::fabs(hv) + e32);
+    }
+  }
+  return r;
+}
+
+struct GateUpOut {
+  std::vector<float> gu, h;
+};
+
+GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
+                      const std::vector<float>& x, int team = 0) {
+  const int64_t inter = w.view.rows / 2;
+  DeviceArray<int32_t> d_ids(ids);
+  DeviceArray<uint16_t> d_x(to_bf16(x));
+  DeviceArray<uint16_t> d_h(ids.size() * inter);
+  DeviceArray<float> d_gu(ids.size() * 2 * inter);
+  FN_CUDA_CHECK(cudaMemset(d_h.ptr, 0xff, d_h.n * 2));
+  FN_CUDA_CHECK(cudaMemset(d_gu.ptr, 0xff, d_gu.n * 4));
+  fn::MoeGateUpParams p;
+  p.experts = w.view;
+  p.expert_ids = d_ids.ptr;
+  p.top_k = int(ids.size());
+  p.x = d_x.ptr;
+  p.h = d_h.ptr;
+  p.gate_up_out = d_gu.ptr;
+  p.team_threads = team;
+  fn::launch_moe_gate_up_nvfp4(p, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  GateUpOut out{d_gu.download(), {}};
+  for (uint16_t b : d_h.download()) out.h.push_back(fn::bf16_to_float(b));
+  return out;
+}
+
+// y[d] = sum_j rw[j] * gs[e_j] * (W_down[e_j] h_j)[d] in FP64, plus its bound.
+void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
+                    const std::vector<float>& rw, const std::vector<float>& h, int team,
+                    const std::vector<float>* y0, std::vector<double>& y,
+                    std::vector<double>& bound) {
+  const int k = int(ids.size());
+  const int64_t inter = w.cols;
+  y.assign(w.rows, 0.0);
+  bound.assign(w.rows, 0.0);
+  const int64_t per_lane = (k * (inter / 32) + team - 1) / team;
+  const double gamma = fn::test::gamma_fp32(depth(per_lane, team) + 2);  // + weight * gs, * f
+  for (int j = 0; j < k; ++j) {
+    const int e = ids[j];
+    if (e < 0 || e >= w.num_experts) continue;
+    const double f = double(rw[j]) * w.gscale[e];
+    for (int64_t d = 0; d < w.rows; ++d) {
+      const auto wr = dequant_row(w, e, d);
+      double s = 0, a = 0;
+      for (int64_t c = 0; c < inter; ++c) {
+        s += double(wr[c]) * h[size_t(j) * inter + c];
+        a += std::fabs(double(wr[c]) * h[size_t(j) * inter + c]);
+      }
+      y[d] += s * f;
+      bound[d] += gamma * a * std::fabs(f);
+    }
+  }
+  if (y0 != nullptr)
+    for (int64_t d = 0; d < w.rows; ++d) {
+      y[d] += (*y0)[d];
+      bound[d] += fn::test::kFp32Unit * (std::fabs(y[d]) + bound[d]);
+    }
+}
+
+std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& ids,
+                            const std::vector<float>& rw, const std::vector<float>& h, int team,
+                            const std::vector<float>* y0) {
+  DeviceArray<int32_t> d_ids(ids);
+  DeviceArray<float> d_rw(rw);
+  DeviceArray<uint16_t> d_h(to_bf16(h));
+  DeviceArray<float> d_y(w.view.rows);
+  if (y0 != nullptr)
+    d_y.upload(*y0);
+  else
+    FN_CUDA_CHECK(cudaMemset(d_y.ptr, 0xff, d_y.n * 4));
+  fn::MoeDownParams p;
+  p.experts = w.view;
+  p.expert_ids = d_ids.ptr;
+  p.routing_weights = d_rw.ptr;
+  p.top_k = int(ids.size());
+  p.h = d_h.ptr;
+  p.y = d_y.ptr;
+  p.accumulate = y0 != nullptr;
+  p.team_threads = team;
+  fn::launch_moe_down_nvfp4(p, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  return d_y.download();
+}
+
+std::vector<float> random_ints(size_t n, int lo, int hi, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> d(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = float(d(rng));
+  return v;
+}
+
+std::vector<float> random_bf16(size_t n, float sigma, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = fn::bf16_to_float(fn::float_to_bf16(d(rng)));
+  return v;
+}
+
+int sm_count() {
+  int dev = 0, sms = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&dev));
+  FN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+}  // namespace
+
+TEST_CASE("cuda moe nvfp4: gate and up sums are exact with power-of-two scales, every team width") {
+  const HostExperts w = make_experts(12, 2 * 96, 2560, 2, true, 1);
+  const DeviceExperts dw(w);
+  const std::vector<int32_t> ids = {11, 0, 5, 5, 7};  // repeated and extreme ids
+  const auto x = random_ints(2560, -4, 4, 2);
+  const GateUpRef ref = gate_up_reference(w, ids, x, 8);
+  for (int team = 8; team <= 256; team *= 2) {
+    const auto got = run_gate_up(dw, ids, x, team);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "team ", team, ": ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "team ", team, " h: ", ch.describe());
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1 and TP=2) within the bound") {
+  for (int64_t inter : {640, 320}) {
+    const HostExperts w = make_experts(64, 2 * inter, 2560, 2, false, 10 + inter);
+    const DeviceExperts dw(w);
+    const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
+    const auto x = random_bf16(2560, 1.0f, 3 + inter);
+    const int team = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count());
+    const GateUpRef ref = gate_up_reference(w, ids, x, team);
+    const auto got = run_gate_up(dw, ids, x);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
+    CHECK_MESSAGE(c.wrong == 0, "I ", inter, " gate/up: ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "I ", inter, " h: ", ch.describe());
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-of-two weights") {
+  const HostExperts w = make_experts(9, 2560, 640, 1, true, 20);
+  const DeviceExperts dw(w);
+  const std::vector<int32_t> ids = {8, 3, 0, 3};
+  const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f};
+  const auto h = random_ints(ids.size() * 640, -4, 4, 21);
+  for (int team = 8; team <= 256; team *= 2) {
+    std::vector<double> want, bound;
+    down_reference(w, ids, rw, h, team, nullptr, want, bound);
+    const auto got = run_down(dw, ids, rw, h, team, nullptr);
+    const auto c = fn::test::compare_bounded(got, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "team ", team, ": ", c.describe());
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1 and TP=2), accumulating") {
+  for (int64_t inter : {640, 320}) {
+    const HostExperts w = make_experts(64, 2560, inter, 1, false, 30 + inter);
+    const DeviceExperts dw(w);
+    const std::vector<int32_t> ids = {5, 63, 0, 22, 41, 7, 19, 36, 50, 11};
+    std::vector<float> rw = {0.21f, 0.15f, 0.12f, 0.1f, 0.09f, 0.08f, 0.07f, 0.06f, 0.06f, 0.06f};
+    const auto h = random_bf16(ids.size() * inter, 0.5f, 31 + inter);
+    const auto y0 = random_bf16(2560, 0.3f, 32 + inter);
+    const int team = fn::plan_moe_down_team(10, inter, 2560, sm_count());
+    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+      std::vector<double> want, bound;
+      down_reference(w, ids, rw, h, team, init, want, bound);
+      const auto got = run_down(dw, ids, rw, h, 0, init);
+      const auto c = fn::test::compare_bounded(got, want, bound);
+      CHECK_MESSAGE(c.wrong == 0, "I ", inter, " accumulate ", init != nullptr, ": ", c.describe());
+    }
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: expert ids outside [0, num_experts) contribute zero") {
+  const HostExperts gu = make_experts(4, 2 * 32, 64, 2, true, 40);
+  const HostExperts dn = make_experts(4, 96, 32, 1, true, 41);
+  const DeviceExperts dgu(gu), ddn(dn);
+  const std::vector<int32_t> ids = {-1, 2, 4, 1 << 30};
+  const auto x = random_ints(64, -3, 3, 42);
+  const auto got = run_gate_up(dgu, ids, x, 8);
+  for (int j : {0, 2, 3})
+    for (int i = 0; i < 32; ++i) CHECK(got.h[size_t(j) * 32 + i] == 0.0f);
+  const GateUpRef ref = gate_up_reference(gu, ids, x, 8);
+  CHECK(fn::test::compare_bounded(got.h, ref.h, ref.h_bound).wrong == 0);
+  const std::vector<float> rw = {1.0f, 0.5f, 1.0f, 1.0f};
+  const auto h = random_ints(ids.size() * 32, -3, 3, 43);
+  std::vector<double> want, bound;
+  down_reference(dn, ids, rw, h, 8, nullptr, want, bound);
+  const auto y = run_down(ddn, ids, rw, h, 8, nullptr);
+  CHECK(fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0)).wrong == 0);
+}
+
+TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device memory, bitwise") {
+  const HostExperts gu = make_experts(32, 2 * 320, 2560, 2, false, 50);
+  const HostExperts dn = make_experts(32, 2560, 320, 1, false, 51);
+  const DeviceExperts dgu(gu), ddn(dn);
+  const auto x = random_bf16(2560, 1.0f, 52);
+  DeviceArray<uint16_t> d_x(to_bf16(x));
+  DeviceArray<int32_t> d_ids(10);
+  DeviceArray<float> d_rw(10);
+  DeviceArray<uint16_t> d_h(10 * 320);
+  DeviceArray<float> d_y(2560);
+  fn::MoeGateUpParams pg;
+  pg.experts = dgu.view;
+  pg.expert_ids = d_ids.ptr;
+  pg.top_k = 10;
+  pg.x = d_x.ptr;
+  pg.h = d_h.ptr;
+  fn::MoeDownParams pd;
+  pd.experts = ddn.view;
+  pd.expert_ids = d_ids.ptr;
+  pd.routing_weights = d_rw.ptr;
+  pd.top_k = 10;
+  pd.h = d_h.ptr;
+  pd.y = d_y.ptr;
+
+  cudaStream_t stream;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  fn::launch_moe_gate_up_nvfp4(pg, stream);
+  fn::launch_moe_down_nvfp4(pd, stream);
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  const std::vector<std::vector<int32_t>> id_sets = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
+                                                     {31, 30, 7, 19, 3, 22, 14, 9, 27, 1}};
+  const std::vector<float> rw = {0.3f, 0.2f, 0.1f, 0.1f, 0.06f, 0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
+  d_rw.upload(rw);
+  for (const auto& ids : id_sets) {
+    d_ids.upload(ids);
+    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto y_graph = d_y.download();
+    std::vector<float> h_graph;
+    for (uint16_t b : d_h.download()) h_graph.push_back(fn::bf16_to_float(b));
+    // Eager launches with the same ids: bitwise the same.
+    fn::launch_moe_gate_up_nvfp4(pg, stream);
+    fn::launch_moe_down_nvfp4(pd, stream);
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto y_eager = d_y.download();
+    CHECK(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0);
+    // And right: the down reference on the graph's own h.
+    std::vector<double> want, bound;
+    down_reference(dn, ids, rw, h_graph, fn::plan_moe_down_team(10, 320, 2560, sm_count()), nullptr,
+                   want, bound);
+    const auto c = fn::test::compare_bounded(y_graph, want, bound);
+    CHECK_MESSAGE(c.wrong == 0, c.describe());
+  }
+  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team sizes") {
+  const HostExperts gu = make_experts(2, 64, 64, 2, true, 60);
+  const DeviceExperts dgu(gu);
+  DeviceArray<int32_t> ids(std::vector<int32_t>{0});
+  DeviceArray<uint16_t> x(64), h(32);
+  fn::MoeGateUpParams p;
+  p.experts = dgu.view;
+  p.expert_ids = ids.ptr;
+  p.top_k = 1;
+  p.x = x.ptr;
+  p.h = h.ptr;
+  fn::launch_moe_gate_up_nvfp4(p, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  auto bad = p;
+  bad.experts.cols = 48;  // not a multiple of 32
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
+  bad = p;
+  bad.experts.rows = 63;  // gate and up must pair up
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
+  bad = p;
+  bad.x = x.ptr + 1;
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
+  bad = p;
+  bad.team_threads = 12;
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
+  bad = p;
+  bad.top_k = 0;
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
+  fn::MoeDownParams d;
+  d.experts = dgu.view;
+  d.expert_ids = ids.ptr;
+  d.routing_weights = nullptr;  // missing
+  d.top_k = 1;
+  d.h = h.ptr;
+  DeviceArray<float> y(64);
+  d.y = y.ptr;
+  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
+}

@@ -7,6 +7,7 @@ void register_commands(CLI::App& app, CommandList& commands) {
   register_inspect(app, commands);
   register_synth(app, commands);
   register_generate(app, commands);
+  register_generate(app, commands);
   register_tokenize(app, commands);
 }
 

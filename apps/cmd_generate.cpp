@@ -1,0 +1,572 @@
+// `fngen generate`: the main job (DESIGN.md "The main job, end to end"), launched as
+// `mpirun -np N fngen generate -m DIR -p "..."`. TP size = world size; the model is loaded with
+// MpiCollectives over MPI_COMM_WORLD. Rank 0 reads the tokenizer and the prompt(s) and
+// broadcasts the token ids; every rank runs the generation loop (core/generate.h); rank 0
+// streams the text and prints the summary (stderr) or JSON (--json, stdout). Batch mode
+// (-i in.jsonl [-o out.jsonl]): one output record per input record, in order; a bad record gets
+// an "error" and the run goes on.
+//
+// Sampling defaults: generation_config.json's temperature, top_k, top_p, min_p,
+// repetition_penalty and presence_penalty when present (do_sample false means greedy), as HF and
+// vLLM do; without a value the neutral setting (temperature 1, no top-k/top-p/min-p cut, no
+// penalty). Flags override both. Context: -c/--ctx-size, default min(max_position_embeddings,
+// 4096) (llama.cpp's default size).
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <sstream>
+
+#include "apps/command.h"
+#include "comm/mpi_collectives.h"
+#include "comm/mpi_context.h"
+#include "core/config.h"
+#include "core/cpu_model.h"
+#include "core/error.h"
+#include "core/generate.h"
+#include "core/log.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
+
+namespace fn {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+struct GenerateCli {
+  std::string model, prompt, file, prompt_ids, input, output, system_prompt;
+  std::string chat_template, backend = "auto";
+  int64_t max_new_tokens = 256, ctx_size = 0, tp = 0;
+  double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0,
+         frequency = 0.0;
+  int64_t top_k = 0, repeat_last_n = 64, seed = -1;
+  std::vector<std::string> stop;
+  bool ignore_eos = false, chat = false, think = false, no_think = false, json_out = false;
+  // Set when the flag was given (CLI11 count), so that it overrides generation_config.json.
+  CLI::Option *o_temp = nullptr, *o_top_k = nullptr, *o_top_p = nullptr, *o_min_p = nullptr,
+              *o_repeat_penalty = nullptr, *o_presence = nullptr, *o_prompt = nullptr,
+              *o_model = nullptr;
+};
+
+std::string read_file(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file", flag, path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_stdout(std::string_view s) {
+  std::fwrite(s.data(), 1, s.size(), stdout);
+  std::fflush(stdout);
+}
+
+bool has_tokenizer(const fs::path& dir) {
+  return fs::exists(dir / "tokenizer.json") || fs::exists(dir / "tokenizer.model");
+}
+
+// "1,2,3" (commas and/or spaces) -> ids in [0, vocab). Errors name --prompt-ids and the item.
+std::vector<int32_t> parse_id_list(const std::string& text, int64_t vocab) {
+  std::vector<int32_t> ids;
+  std::size_t i = 0, index = 0;
+  while (i < text.size()) {
+    while (i < text.size() && (text[i] == ',' || text[i] == ' ' || text[i] == '\t')) ++i;
+    if (i >= text.size()) break;
+    std::size_t j = i;
+    while (j < text.size() && text[j] != ',' && text[j] != ' ' && text[j] != '\t') ++j;
+    const std::string item = text.substr(i, j - i);
+    int64_t v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    FN_REQUIRE(ec == std::errc() && end == item.data() + item.size(), Usage,
+               "--prompt-ids: item {} \"{}\" is not an integer", index, item);
+    FN_REQUIRE(v >= 0 && v < vocab, Usage,
+               "--prompt-ids: item {} = {} is outside the vocabulary [0, {})", index, v, vocab);
+    ids.push_back(static_cast<int32_t>(v));
+    i = j;
+    ++index;
+  }
+  return ids;
+}
+
+// Rank 0's view of the model directory's text side.
+struct TextSide {
+  fs::path dir;
+  std::unique_ptr<Tokenizer> tokenizer;  // null when the directory has none
+  ChatOptions chat;
+  std::string system_prompt;
+
+  void require_tokenizer(const char* what) const {
+    FN_REQUIRE(tokenizer != nullptr, Usage,
+               "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
+               "tokenizer.model); give token ids instead (--prompt-ids, or \"prompt_ids\" in "
+               "JSONL)",
+               what, dir.string());
+  }
+
+  std::vector<int32_t> encode_text(const std::string& text, bool as_chat, const char* what) const {
+    require_tokenizer(what);
+    if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
+    std::vector<ChatMessage> msgs;
+    if (!system_prompt.empty()) msgs.push_back({"system", system_prompt, std::nullopt});
+    msgs.push_back({"user", text, std::nullopt});
+    return encode_chat(*tokenizer, msgs, chat);
+  }
+};
+
+// One JSONL record -> prompt ids; throws fn::Error naming the field on bad input.
+std::vector<int32_t> record_ids(const json& rec, const TextSide& ts, bool chat, int64_t vocab) {
+  FN_REQUIRE(rec.is_object(), Format, "a record must be a JSON object, got {}", rec.type_name());
+  const int given = static_cast<int>(rec.contains("prompt")) +
+                    static_cast<int>(rec.contains("prompt_ids")) +
+                    static_cast<int>(rec.contains("messages"));
+  FN_REQUIRE(given == 1, Format,
+             "a record needs exactly one of \"prompt\", \"prompt_ids\" or \"messages\" (got {})",
+             given);
+  if (rec.contains("prompt_ids")) {
+    const json& a = rec["prompt_ids"];
+    FN_REQUIRE(a.is_array(), Format, "\"prompt_ids\" must be a list of integers, got {}",
+               a.type_name());
+    std::vector<int32_t> ids;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      FN_REQUIRE(a[i].is_number_integer(), Format, "\"prompt_ids\"[{}] is not an integer: {}", i,
+                 a[i].dump());
+      const int64_t v = a[i].get<int64_t>();
+      FN_REQUIRE(v >= 0 && v < vocab, Format,
+                 "\"prompt_ids\"[{}] = {} is outside the vocabulary [0, {})", i, v, vocab);
+      ids.push_back(static_cast<int32_t>(v));
+    }
+    return ids;
+  }
+  if (rec.contains("prompt")) {
+    FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string, got {}",
+               rec["prompt"].type_name());
+    return ts.encode_text(rec["prompt"].get<std::string>(), chat, "\"prompt\"");
+  }
+  const json& m = rec["messages"];
+  FN_REQUIRE(m.is_array(), Format,
+             "\"messages\" must be a list of {{\"role\", \"content\"}} objects, got {}",
+             m.type_name());
+  std::vector<ChatMessage> msgs;
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    FN_REQUIRE(m[i].is_object(), Format, "\"messages\"[{}] must be an object, got {}", i,
+               m[i].type_name());
+    FN_REQUIRE(m[i].contains("role") && m[i]["role"].is_string(), Format,
+               "\"messages\"[{}].role must be a string", i);
+    const std::string role = m[i]["role"].get<std::string>();
+    FN_REQUIRE(role == "system" || role == "user" || role == "assistant" || role == "tool", Format,
+               "\"messages\"[{}].role \"{}\" is not one of system, user, assistant, tool", i, role);
+    FN_REQUIRE(m[i].contains("content") && m[i]["content"].is_string(), Format,
+               "\"messages\"[{}].content must be a string", i);
+    ChatMessage msg{role, m[i]["content"].get<std::string>(), std::nullopt};
+    if (m[i].contains("reasoning_content")) {
+      FN_REQUIRE(m[i]["reasoning_content"].is_string(), Format,
+                 "\"messages\"[{}].reasoning_content must be a string", i);
+      msg.reasoning_content = m[i]["reasoning_content"].get<std::string>();
+    }
+    msgs.push_back(std::move(msg));
+  }
+  FN_REQUIRE(!msgs.empty(), Format, "\"messages\" is empty");
+  ts.require_tokenizer("\"messages\"");
+  if (!ts.system_prompt.empty() && msgs.front().role != "system") {
+    msgs.insert(msgs.begin(), ChatMessage{"system", ts.system_prompt, std::nullopt});
+  }
+  return encode_chat(*ts.tokenizer, msgs, ts.chat);
+}
+
+json sampling_json(const SamplingParams& s) {
+  return {{"temperature", s.temperature},
+          {"top_k", s.top_k},
+          {"top_p", s.top_p},
+          {"min_p", s.min_p},
+          {"repetition_penalty", s.repetition_penalty},
+          {"repeat_last_n", s.repeat_last_n},
+          {"presence_penalty", s.presence_penalty},
+          {"frequency_penalty", s.frequency_penalty},
+          {"seed", s.seed}};
+}
+
+json tpot_json(const LatencyStats& s) {
+  return {{"mean", s.mean}, {"p50", s.p50}, {"p90", s.p90},
+          {"p99", s.p99},   {"max", s.max}, {"count", s.count}};
+}
+
+// The result fields shared by --json and the JSONL records.
+json result_json(const GenerationResult& r, bool chat) {
+  json j = {{"n_prompt_tokens", r.n_prompt_tokens},
+            {"n_gen_tokens", r.token_ids.size()},
+            {"text", r.text},
+            {"token_ids", r.token_ids},
+            {"finish_reason", finish_reason_name(r.finish)},
+            {"ttft_ms", r.ttft_ms},
+            {"prefill_ms", r.prefill_ms},
+            {"per_token_ms", r.itl_ms},
+            {"tpot_ms", tpot_json(r.tpot)},
+            {"e2e_ms", r.e2e_ms},
+            {"decode_tokens_per_s", r.decode_tokens_per_s},
+            {"prefill_tokens_per_s", r.prefill_tokens_per_s}};
+  if (chat) {
+    const ReasoningSplit split = split_reasoning(r.text);
+    j["content"] = split.content;
+    if (split.has_reasoning) j["reasoning"] = split.reasoning;
+  }
+  return j;
+}
+
+std::string sampling_text(const SamplingParams& s) {
+  if (s.temperature <= 0.0) {
+    return fmt::format("greedy (temp 0), repeat-penalty {} over {}, presence {}, frequency {}",
+                       s.repetition_penalty, s.repeat_last_n, s.presence_penalty,
+                       s.frequency_penalty);
+  }
+  return fmt::format(
+      "temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {} over {}, presence {}, "
+      "frequency {}, seed {}",
+      s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.repeat_last_n,
+      s.presence_penalty, s.frequency_penalty, s.seed);
+}
+
+std::string memory_text(const std::vector<double>& mib) {
+  std::string s;
+  for (std::size_t r = 0; r < mib.size(); ++r) s += fmt::format("  r{} {:.1f}", r, mib[r]);
+  return s;
+}
+
+// Human summary of one generation on stderr (llama.cpp-style lines that scripts can grep).
+void print_summary(const GenerationResult& r, const std::vector<double>& mem, double load_ms,
+                   int tp, int64_t ctx, const SamplingParams& s) {
+  std::string out;
+  out += fmt::format("\n--- fngen generate: backend cpu, TP {}, ctx {}, {}\n", tp, ctx,
+                     sampling_text(s));
+  out += fmt::format("load time        = {:10.2f} ms\n", load_ms);
+  out += fmt::format(
+      "prompt eval time = {:10.2f} ms / {:5} tokens ({:8.2f} ms per token, {:8.2f} tokens per "
+      "second)\n",
+      r.prefill_ms, r.n_prompt_tokens,
+      r.n_prompt_tokens > 0 ? r.prefill_ms / static_cast<double>(r.n_prompt_tokens) : 0.0,
+      r.prefill_tokens_per_s);
+  out += fmt::format("TTFT             = {:10.2f} ms\n", r.ttft_ms);
+  out += fmt::format(
+      "eval time        = {:10.2f} ms / {:5} tokens ({:8.2f} ms per token, {:8.2f} tokens per "
+      "second)\n",
+      r.e2e_ms - r.ttft_ms, r.itl_ms.size(), r.tpot.mean, r.decode_tokens_per_s);
+  out += fmt::format(
+      "TPOT ms          = mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}\n",
+      r.tpot.mean, r.tpot.p50, r.tpot.p90, r.tpot.p99, r.tpot.max);
+  std::string per;
+  const std::size_t shown = std::min<std::size_t>(r.itl_ms.size(), 64);
+  for (std::size_t i = 0; i < shown; ++i) per += fmt::format(" {:.2f}", r.itl_ms[i]);
+  if (shown < r.itl_ms.size()) per += fmt::format(" ... ({} more)", r.itl_ms.size() - shown);
+  out += fmt::format("per-token ms     ={}\n", per);
+  out += fmt::format("total time       = {:10.2f} ms / {:5} tokens generated (finish: {})\n",
+                     r.e2e_ms, r.token_ids.size(), finish_reason_name(r.finish));
+  out += fmt::format("peak host memory (MiB, per rank):{}\n", memory_text(mem));
+  std::fwrite(out.data(), 1, out.size(), stderr);
+  std::fflush(stderr);
+}
+
+// Broadcasts a vector of ids from rank 0 (size first).
+std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) {
+  int64_t n = static_cast<int64_t>(ids.size());
+  coll.broadcast(&n, sizeof(n), 0);
+  ids.resize(static_cast<std::size_t>(n));
+  if (n > 0) coll.broadcast(ids.data(), ids.size() * sizeof(int32_t), 0);
+  return ids;
+}
+
+int run_generate(GenerateCli& o, MpiContext& mpi) {
+  const bool root = mpi.world_rank() == 0;
+  FN_REQUIRE(o.backend != "cuda", Usage,
+             "--backend cuda: the CUDA backend is not available yet in this build; use "
+             "--backend cpu (or auto)");
+  FN_REQUIRE(o.tp == 0 || o.tp == mpi.world_size(), Usage,
+             "--tp {} must equal the number of MPI ranks ({}): the TP size is the world size", o.tp,
+             mpi.world_size());
+  const int sources = static_cast<int>(o.o_prompt->count() > 0) +
+                      static_cast<int>(!o.file.empty()) + static_cast<int>(!o.prompt_ids.empty()) +
+                      static_cast<int>(!o.input.empty());
+  FN_REQUIRE(sources == 1, Usage,
+             "give exactly one of -p/--prompt, -f/--file, --prompt-ids or -i/--input (got {})",
+             sources);
+  FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
+             "-o/--output needs -i/--input (batch mode)");
+  FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+
+  const fs::path dir = o.model;
+  const ModelConfig cfg = load_model_config(dir);
+  const GenerationConfig gen = load_generation_config(dir);
+  const int64_t ctx =
+      o.ctx_size > 0 ? o.ctx_size : std::min<int64_t>(cfg.max_position_embeddings, 4096);
+  FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be > 0 (0 = default), got {}", o.ctx_size);
+  FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
+             "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
+             cfg.max_position_embeddings);
+  FN_REQUIRE(o.max_new_tokens > 0 || o.max_new_tokens == -1, Usage,
+             "-n/--max-new-tokens must be > 0 or -1 (until the context is full), got {}",
+             o.max_new_tokens);
+
+  // Sampling: generation_config.json, then flags.
+  SamplingParams sp;
+  if (gen.temperature) sp.temperature = *gen.temperature;
+  if (gen.do_sample && !*gen.do_sample) sp.temperature = 0.0;
+  if (gen.top_k) sp.top_k = *gen.top_k;
+  if (gen.top_p) sp.top_p = *gen.top_p;
+  if (gen.min_p) sp.min_p = *gen.min_p;
+  if (gen.repetition_penalty) sp.repetition_penalty = *gen.repetition_penalty;
+  if (gen.presence_penalty) sp.presence_penalty = *gen.presence_penalty;
+  if (o.o_temp->count()) sp.temperature = o.temp;
+  if (o.o_top_k->count()) sp.top_k = o.top_k;
+  if (o.o_top_p->count()) sp.top_p = o.top_p;
+  if (o.o_min_p->count()) sp.min_p = o.min_p;
+  if (o.o_repeat_penalty->count()) sp.repetition_penalty = o.repeat_penalty;
+  if (o.o_presence->count()) sp.presence_penalty = o.presence;
+  sp.frequency_penalty = o.frequency;
+  sp.repeat_last_n = o.repeat_last_n;
+  FN_REQUIRE(o.seed >= -1, Usage, "--seed must be >= 0 or -1 (random), got {}", o.seed);
+  validate_sampling_params(sp);
+
+  MpiCollectives coll(mpi.world());
+  uint64_t seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : 0;
+  if (o.seed < 0) {
+    if (root) seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    coll.broadcast(&seed, sizeof(seed), 0);
+  }
+  sp.seed = seed;
+
+  GenerateOptions go;
+  go.sampling = sp;
+  go.ctx_size = ctx;
+  go.stop_token_ids = stop_token_ids(cfg, gen);
+  go.stop_strings = o.stop;
+  go.ignore_eos = o.ignore_eos;
+
+  // Rank 0: tokenizer and prompts (before the model load, so that bad input fails fast).
+  TextSide ts;
+  ts.dir = dir;
+  ts.system_prompt = o.system_prompt;
+  ts.chat.mode = o.chat_template.empty() ? ChatMode::Qwen38 : parse_chat_mode(o.chat_template);
+  if (o.think) ts.chat.enable_thinking = true;
+  if (o.no_think) ts.chat.enable_thinking = false;
+  const bool batch = !o.input.empty();
+  std::vector<int32_t> single_ids;
+  std::vector<std::string> lines;
+  if (root) {
+    if (has_tokenizer(dir)) ts.tokenizer = load_tokenizer(dir);
+    FN_REQUIRE(o.stop.empty() || ts.tokenizer, Usage,
+               "--stop needs a tokenizer to match text, and {} has none", dir.string());
+    if (batch) {
+      std::istringstream in(read_file(o.input, "-i/--input"));
+      for (std::string line; std::getline(in, line);) lines.push_back(line);
+    } else {
+      if (!o.prompt_ids.empty()) {
+        single_ids = parse_id_list(o.prompt_ids, cfg.vocab_size);
+      } else {
+        std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
+        if (!o.file.empty() && !text.empty() && text.back() == '\n') text.pop_back();
+        single_ids =
+            ts.encode_text(text, o.chat, o.o_prompt->count() ? "-p/--prompt" : "-f/--file");
+      }
+      const int64_t n = static_cast<int64_t>(single_ids.size());
+      check_context(n, o.max_new_tokens > 0 ? o.max_new_tokens : std::max<int64_t>(ctx - n, 1),
+                    ctx);
+    }
+  }
+
+  const auto t_load = std::chrono::steady_clock::now();
+  auto model = CpuModel::load(dir, coll);
+  const double load_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_load).count();
+  FN_LOG_INFO(
+      "generate: cpu backend, TP {}, model loaded in {:.0f} ms ({:.1f} MiB of weights per rank)",
+      coll.size(), load_ms, static_cast<double>(model->weight_bytes()) / (1 << 20));
+  const ForwardFn forward = [&model](int32_t t) { return model->forward(t); };
+  const auto max_new_for = [&](int64_t n_prompt) {
+    return o.max_new_tokens > 0 ? o.max_new_tokens : std::max<int64_t>(ctx - n_prompt, 1);
+  };
+
+  if (!batch) {
+    const std::vector<int32_t> ids = broadcast_ids(coll, single_ids);
+    go.max_new_tokens = max_new_for(static_cast<int64_t>(ids.size()));
+    std::optional<StreamingDetokenizer> detok;
+    TextHooks hooks;
+    if (root && ts.tokenizer) {
+      detok.emplace(*ts.tokenizer);
+      hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
+      hooks.finish = [&detok] { return detok->finish(); };
+    }
+    if (root && !o.json_out) {
+      if (ts.tokenizer) {
+        hooks.emit = [](std::string_view s) { write_stdout(s); };
+      } else {
+        // No tokenizer: stream the ids (stop strings are refused above).
+        hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
+        hooks.emit = [](std::string_view s) { write_stdout(s); };
+      }
+    }
+    GenerationResult r = generate(forward, coll, ids, go, hooks);
+    const std::vector<double> mem = gather_peak_rss_mib(coll);
+    if (root) {
+      if (o.json_out) {
+        if (!ts.tokenizer) r.text.clear();
+        json j = result_json(r, o.chat);
+        j["model"] = dir.string();
+        j["backend"] = "cpu";
+        j["tp_size"] = coll.size();
+        j["ctx_size"] = ctx;
+        j["load_ms"] = load_ms;
+        j["sampling"] = sampling_json(sp);
+        j["peak_rss_mib"] = mem;
+        write_stdout(j.dump() + "\n");
+      } else {
+        write_stdout("\n");
+        print_summary(r, mem, load_ms, coll.size(), ctx, sp);
+      }
+    }
+    return 0;
+  }
+
+  // Batch: rank 0 decides each record's ids (or its error), every rank runs the valid ones.
+  std::FILE* out = stdout;
+  if (root && !o.output.empty()) {
+    out = std::fopen(o.output.c_str(), "wb");
+    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing", o.output);
+  }
+  int64_t n_lines = static_cast<int64_t>(lines.size());
+  coll.broadcast(&n_lines, sizeof(n_lines), 0);
+  int64_t n_records = 0, n_errors = 0, n_tokens = 0;
+  std::vector<double> ttfts, itls;
+  for (int64_t li = 0; li < n_lines; ++li) {
+    int32_t status = 0;  // 0 skip (blank line), 1 run, 2 error
+    json rec_id = li + 1;
+    std::string error;
+    std::vector<int32_t> ids;
+    bool rec_chat = o.chat;
+    if (root) {
+      const std::string& line = lines[static_cast<std::size_t>(li)];
+      if (line.find_first_not_of(" \t\r") != std::string::npos) {
+        status = 1;
+        try {
+          json rec;
+          try {
+            rec = json::parse(line);
+          } catch (const json::parse_error& e) {
+            FN_THROW(Format, "not valid JSON ({})", e.what());
+          }
+          if (rec.is_object() && rec.contains("id")) rec_id = rec["id"];
+          if (rec.is_object() && rec.contains("messages")) rec_chat = true;
+          ids = record_ids(rec, ts, o.chat, cfg.vocab_size);
+          const int64_t n = static_cast<int64_t>(ids.size());
+          check_context(n, max_new_for(n), ctx);
+        } catch (const Error& e) {
+          status = 2;
+          error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
+        }
+      }
+    }
+    coll.broadcast(&status, sizeof(status), 0);
+    if (status == 0) continue;
+    ++n_records;
+    if (status == 2) {
+      ++n_errors;
+      if (root) {
+        FN_LOG_WARN("{}", error);
+        const json j = {{"id", rec_id}, {"finish_reason", "error"}, {"error", error}};
+        const std::string s = j.dump() + "\n";
+        std::fwrite(s.data(), 1, s.size(), out);
+        std::fflush(out);
+      }
+      continue;
+    }
+    ids = broadcast_ids(coll, ids);
+    go.max_new_tokens = max_new_for(static_cast<int64_t>(ids.size()));
+    model->reset();
+    std::optional<StreamingDetokenizer> detok;
+    TextHooks hooks;
+    if (root && ts.tokenizer) {
+      detok.emplace(*ts.tokenizer);
+      hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
+      hooks.finish = [&detok] { return detok->finish(); };
+    }
+    const GenerationResult r = generate(forward, coll, ids, go, hooks);
+    n_tokens += static_cast<int64_t>(r.token_ids.size());
+    ttfts.push_back(r.ttft_ms);
+    itls.insert(itls.end(), r.itl_ms.begin(), r.itl_ms.end());
+    if (root) {
+      json j = result_json(r, rec_chat);
+      j["id"] = rec_id;
+      j["sampling"] = sampling_json(sp);
+      const std::string s = j.dump() + "\n";
+      std::fwrite(s.data(), 1, s.size(), out);
+      std::fflush(out);
+    }
+  }
+  const std::vector<double> mem = gather_peak_rss_mib(coll);
+  if (root) {
+    if (out != stdout) std::fclose(out);
+    const LatencyStats tt = latency_stats(ttfts), it = latency_stats(itls);
+    const std::string s = fmt::format(
+        "\n--- fngen generate (batch): backend cpu, TP {}, ctx {}, {}\n"
+        "records {}, errors {}, generated tokens {}\n"
+        "TTFT ms: p50 {:.2f}  p90 {:.2f}  p99 {:.2f}\n"
+        "TPOT ms: mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}\n"
+        "peak host memory (MiB, per rank):{}\n",
+        coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, tt.p50, tt.p90, tt.p99,
+        it.mean, it.p50, it.p90, it.p99, it.max, memory_text(mem));
+    std::fwrite(s.data(), 1, s.size(), stderr);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_generate(CLI::App& app, CommandList& commands) {
+  auto o = std::make_shared<GenerateCli>();
+  CLI::App* sub = app.add_subcommand(
+      "generate",
+      "generate text from a prompt (mpirun -np N: tensor-parallel over N ranks); sampling "
+      "defaults come from generation_config.json, flags override them");
+  o->o_model = sub->add_option("-m,--model", o->model, "model directory")->required();
+  o->o_prompt = sub->add_option("-p,--prompt", o->prompt, "prompt text");
+  sub->add_option("-f,--file", o->file, "file holding the prompt text (one final newline dropped)");
+  sub->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");
+  sub->add_option("-i,--input", o->input,
+                  "JSONL batch: one {\"prompt\"}, {\"prompt_ids\"} or {\"messages\"} per line "
+                  "(optional \"id\")");
+  sub->add_option("-o,--output", o->output, "JSONL results of -i (default: stdout)");
+  sub->add_option("-n,--max-new-tokens,--n-predict", o->max_new_tokens,
+                  "tokens to generate (-1: until the context is full)");
+  sub->add_option("-c,--ctx-size", o->ctx_size,
+                  "context size in tokens (default min(max_position_embeddings, 4096))");
+  o->o_temp = sub->add_option("--temp", o->temp, "temperature (0 = greedy)");
+  o->o_top_k = sub->add_option("--top-k", o->top_k, "top-k (0 = off)");
+  o->o_top_p = sub->add_option("--top-p", o->top_p, "top-p (1 = off)");
+  o->o_min_p = sub->add_option("--min-p", o->min_p, "min-p (0 = off)");
+  o->o_repeat_penalty =
+      sub->add_option("--repeat-penalty", o->repeat_penalty, "repetition penalty (1 = off)");
+  sub->add_option("--repeat-last-n", o->repeat_last_n,
+                  "tokens the penalties look back on (0 = off, -1 = all)");
+  o->o_presence = sub->add_option("--presence-penalty", o->presence, "presence penalty (0 = off)");
+  sub->add_option("--frequency-penalty", o->frequency, "frequency penalty (0 = off)");
+  sub->add_option("-s,--seed", o->seed, "RNG seed (-1 = random, printed in the summary)");
+  sub->add_option("--stop", o->stop, "stop string (repeatable; not printed)")
+      ->allow_extra_args(false);
+  sub->add_flag("--ignore-eos", o->ignore_eos, "do not stop on the EOS ids");
+  sub->add_flag("--chat", o->chat, "render text prompts as a user turn of the chat template");
+  sub->add_option("--system-prompt", o->system_prompt, "system turn for chat prompts");
+  sub->add_flag("--think", o->think, "chat: thinking on (the template's default)");
+  sub->add_flag("--no-think", o->no_think, "chat: thinking off (empty think block)");
+  sub->add_option("--chat-template", o->chat_template, "qwen3 | qwen3.8 (default qwen3.8)")
+      ->check(CLI::IsMember({"qwen3", "qwen3.8"}));
+  sub->add_option("--backend", o->backend, "cpu | cuda | auto (auto = cpu for now)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  sub->add_option("--tp", o->tp, "tensor-parallel size; must equal the number of MPI ranks");
+  sub->add_flag("--json", o->json_out, "print the result as one JSON object on stdout");
+  commands.push_back({sub, [o](MpiContext& mpi) { return run_generate(*o, mpi); }});
+}
+
+}  // namespace fn

@@ -3,4 +3,5 @@
 if(TARGET fngen_cuda)
   fn_add_test(NAME test_cuda_gemv SOURCES test_cuda_gemv.cpp LIBS fngen_cuda LABEL gpu)
   fn_add_test(NAME test_cuda_moe_nvfp4 SOURCES test_cuda_moe_nvfp4.cpp LIBS fngen_cuda LABEL gpu)
+  fn_add_test(NAME test_cuda_hc SOURCES test_cuda_hc.cpp LIBS fngen_cuda LABEL gpu)
 endif()

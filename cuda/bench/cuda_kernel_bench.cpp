@@ -17,6 +17,7 @@
 
 #include "comm/cuda_check.h"
 #include "cuda/gemv_bf16.h"
+#include "cuda/hc.h"
 #include "cuda/moe_nvfp4.h"
 
 namespace {
@@ -155,7 +156,7 @@ int main(int argc, char** argv) try {
       {"lm_head_tp2", 124160, 2560}, {"lm_head_tp1", 248320, 2560}, {"hc_down", 320, 10240},
       {"hc_up", 10240, 320},         {"router", 512, 2560},         {"shared_gate_up", 1280, 2560},
       {"shared_down", 2560, 640},    {"gdn_in_fused", 16480, 2560}, {"gdn_in_tp4", 4120, 2560},
-      {"gdn_out_tp4", 2560, 1536}};
+      {"gdn_out_tp4", 2560, 1536},   {"hc_down_inj", 324, 10240}};
   void* x;
   void* y;
   FN_CUDA_CHECK(cudaMalloc(&x, 10240 * 4));
@@ -210,6 +211,52 @@ int main(int argc, char** argv) try {
         }
     }
     FN_CUDA_CHECK(cudaFree(w));
+  }
+
+  // ---- HC read: grouped RMSNorm and mix ------------------------------------------------------
+  {
+    const int64_t D = 2560, r = 320;
+    const size_t wbytes = size_t(4 * D * r) * 2;
+    const int copies = int((kRotateBytes + wbytes - 1) / wbytes);
+    uint16_t *w_up, *n, *m, *nw;
+    float *h, *tv, *iota;
+    FN_CUDA_CHECK(cudaMalloc(&w_up, wbytes * copies));
+    FN_CUDA_CHECK(cudaMalloc(&n, 4 * D * 2));
+    FN_CUDA_CHECK(cudaMalloc(&m, D * 2));
+    FN_CUDA_CHECK(cudaMalloc(&nw, 4 * D * 2));
+    FN_CUDA_CHECK(cudaMalloc(&h, 4 * D * 4));
+    FN_CUDA_CHECK(cudaMalloc(&tv, (r + 4) * 4));
+    FN_CUDA_CHECK(cudaMalloc(&iota, 16));
+    fill_random(w_up, wbytes * copies, 21);
+    fill_random(n, 4 * D * 2, 23);
+    fill_random(nw, 4 * D * 2, 24);
+    fill_random(h, 4 * D * 4, 25);
+    fill_random(tv, (r + 4) * 4, 26);
+    fn::HcMixParams mp;
+    mp.t = tv;
+    mp.n = n;
+    mp.m = m;
+    mp.iota = iota;
+    mp.hidden = D;
+    mp.rank = r;
+    const double mix_us = t.time_per_call(std::max(copies, 20), [&](int i) {
+      mp.w_up = w_up + size_t(i % copies) * 4 * D * r;
+      fn::launch_hc_mix(mp, t.stream);
+    });
+    rows.push_back(report({"hc_mix", "10240x320 +N,m", "planned",
+                           double(wbytes) + (r + 4) * 4 + 4 * D * 2 + D * 2 + 16, mix_us, bw}));
+    fn::GroupRmsNormParams np;
+    np.x = h;
+    np.weight = nw;
+    np.out = n;
+    np.num_groups = 4;
+    np.group_size = D;
+    const double norm_us =
+        t.time_per_call(20, [&](int) { fn::launch_group_rms_norm_1p(np, t.stream); });
+    rows.push_back(report(
+        {"group_rms_norm_1p", "4x2560", "1blk/grp", double(4 * D) * (4 + 2 + 2), norm_us, bw}));
+    for (void* p : {(void*)w_up, (void*)n, (void*)m, (void*)nw, (void*)h, (void*)tv, (void*)iota})
+      FN_CUDA_CHECK(cudaFree(p));
   }
 
   // ---- NVFP4 experts --------------------------------------------------------------------------

@@ -378,7 +378,14 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   }
 
   const auto t_load = std::chrono::steady_clock::now();
-  auto model = CpuModel::load(dir, coll);
+  std::unique_ptr<CpuModel> model;
+  try {
+    model = CpuModel::load(dir, coll);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Usage) throw;
+    FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
+             coll.size(), e.what());
+  }
   const double load_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_load).count();
   FN_LOG_INFO(

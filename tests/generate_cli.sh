@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# `mpirun -np N fngen generate` end to end (CTest generate_cli, label mpi): greedy ids of the tp4
+# reference fixture at -np 1, 2 and 4 (--ignore-eos, and the stop at the first EOS without it),
+# text prompts, chat and --stop on a synthesized Qwen3-vocab model, and the bad-input cases of
+# issue 4: prompt over the context, empty prompt, unknown flag, bad JSONL records (the run goes
+# on), a text prompt without a tokenizer, a world size that does not divide the heads, --backend
+# cuda, and a rank killed with SIGKILL mid-generation (mpirun must end non-zero within 10 s).
+# Usage: generate_cli.sh FNGEN MPIEXEC SOURCE_DIR
+set -u
+fngen=$1
+mpiexec=$2
+src=$3
+py=/usr/bin/python3
+fx=$src/tests/data/fixtures
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+failures=0
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+mpi() {  # mpi NP generate-args...
+  local np=$1
+  shift
+  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" \
+    generate "$@"
+}
+
+expect() {  # expect CODE PATTERN -- command...
+  local code=$1 pattern=$2
+  shift 3
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
+    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
+  else
+    echo "ok: exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
+  fi
+}
+
+# JSON field checks: check_json FILE PYTHON-EXPRESSION-ON-j DESCRIPTION
+check_json() {
+  if $py -c "import json,sys; j=json.load(open(sys.argv[1])); sys.exit(0 if ($2) else 1)" "$1"; then
+    echo "ok: $3"
+  else
+    fail "$3: $(head -c 600 "$1")"
+  fi
+}
+
+# ---- acceptance: greedy ids of the tp4 fixture at -np 1, 2, 4 ----
+ids=$($py -c "import json;print(','.join(map(str,json.load(open('$fx/tp4/expected.json'))['prompt_ids'])))")
+want=$($py -c "import json;print(json.load(open('$fx/tp4/expected.json'))['generated_ids'][:32])")
+for np in 1 2 4; do
+  if mpi $np -m "$fx/tp4" --prompt-ids "$ids" --temp 0 --ignore-eos -n 32 --json \
+    >"$tmp/tp4_$np.json" 2>"$tmp/err"; then
+    check_json "$tmp/tp4_$np.json" "j['token_ids'] == $want and j['finish_reason'] == 'length' \
+      and j['n_prompt_tokens'] == 40 and j['tp_size'] == $np and len(j['per_token_ms']) == 31 \
+      and len(j['peak_rss_mib']) == $np and j['ttft_ms'] > 0" \
+      "tp4 at -np $np: the reference's 32 greedy ids"
+  else
+    fail "tp4 at -np $np exited non-zero: $(tail -n 5 "$tmp/err")"
+  fi
+done
+# Without --ignore-eos: stop at the first stop id (8 = generation_config's <|im_end|> stand-in).
+mpi 4 -m "$fx/tp4" --prompt-ids "$ids" --temp 0 -n 32 --json >"$tmp/eos.json" 2>"$tmp/err" ||
+  fail "tp4 eos run exited non-zero"
+check_json "$tmp/eos.json" "j['finish_reason'] == 'eos' and j['token_ids'] == \
+  ($want)[:($want).index(8) + 1]" "tp4 stops at the first stop id without --ignore-eos"
+# Seeded sampling is reproducible and identical across TP sizes' decisions (same seed, TP 1 vs 4
+# logits differ only in rounding, so compare two runs at the same TP).
+mpi 2 -m "$fx/tp4" --prompt-ids "$ids" --seed 5 -n 16 --ignore-eos --json >"$tmp/s1.json" 2>/dev/null
+mpi 2 -m "$fx/tp4" --prompt-ids "$ids" --seed 5 -n 16 --ignore-eos --json >"$tmp/s2.json" 2>/dev/null
+$py -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); \
+  sys.exit(0 if a['token_ids']==b['token_ids'] and a['sampling']['top_k']==20 \
+  and a['sampling']['seed']==5 else 1)" "$tmp/s1.json" "$tmp/s2.json" &&
+  echo "ok: --seed 5 reproduces; top_k 20 came from generation_config.json" ||
+  fail "seeded runs differ or generation_config defaults not applied"
+
+# ---- bad input: CLI ----
+expect 2 "bogus" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 --bogus
+expect 2 "ctx-size 50" -- mpi 2 -m "$fx/tp4" --prompt-ids "$ids" -n 32 -c 50
+grep -q "40 tokens" "$tmp/err" || fail "the context error does not name the prompt length"
+expect 2 "max_position_embeddings 1024" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 -c 5000
+expect 2 "empty" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids ","
+expect 2 "item 1 = 512 is outside the vocabulary" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,512
+expect 2 "no tokenizer" -- mpi 2 -m "$fx/g3_tiny" -p "hello"
+expect 2 "exactly one of" -- mpi 2 -m "$fx/g3_tiny"
+expect 2 "not available" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1 --backend cuda
+expect 2 "must divide linear_num_key_heads" -- mpi 4 -m "$fx/g3_tiny" --prompt-ids 1,2
+grep -q "mpirun -np 4" "$tmp/err" || fail "the TP error does not name the world size"
+expect 2 "got 3" -- mpi 3 -m "$fx/tp4" --prompt-ids 1,2
+expect 2 "--tp 2 must equal the number of MPI ranks" -- mpi 4 -m "$fx/tp4" --prompt-ids 1 --tp 2
+# Id prompts work on the tokenizer-less fixture (and print the ids).
+mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 --temp 0 -n 4 >"$tmp/out" 2>"$tmp/err" &&
+  grep -qE '^[0-9]+ [0-9]+ [0-9]+ [0-9]+ $' "$tmp/out" && echo "ok: id prompt without tokenizer" ||
+  fail "id prompt on g3_tiny: $(cat "$tmp/out") $(tail -n 3 "$tmp/err")"
+
+# ---- bad input: JSONL records (each gets an error naming the field, the run goes on) ----
+cat >"$tmp/in.jsonl" <<'EOF'
+{"id": "a", "prompt_ids": [1, 2, 3]}
+this is not json
+{"messages": {"role": "user", "content": "hi"}}
+{"messages": [{"role": "robot", "content": "hi"}]}
+{"prompt_ids": [1, "x", 3]}
+{"prompt_ids": [1, 512]}
+{"prompt": "hello"}
+
+{"prompt_ids": []}
+{"id": 10, "prompt_ids": [5, 6]}
+EOF
+if mpi 2 -m "$fx/g3_tiny" -i "$tmp/in.jsonl" -o "$tmp/out.jsonl" --temp 0 -n 4 \
+  >/dev/null 2>"$tmp/err"; then
+  $py - "$tmp/out.jsonl" <<'EOF' && echo "ok: JSONL errors per record, valid records ran" || fail "JSONL batch: $(cat "$tmp/out.jsonl")"
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+assert len(recs) == 9, len(recs)
+want = {1: "not valid JSON", 2: '"messages" must be a list', 3: 'role "robot"',
+        4: '"prompt_ids"[1] is not an integer', 5: '"prompt_ids"[1] = 512 is outside',
+        6: "no tokenizer", 7: "empty"}
+for i, r in enumerate(recs):
+    if i in want:
+        assert r["finish_reason"] == "error" and want[i] in r["error"], (i, r)
+        assert "line" in r["error"], r
+    else:
+        assert "error" not in r and len(r["token_ids"]) == 4 and r["finish_reason"] == "length", r
+        assert len(r["per_token_ms"]) == 3 and set(r["tpot_ms"]) >= {"mean", "p50", "p90", "p99"}
+assert recs[0]["id"] == "a" and recs[8]["id"] == 10 and recs[1]["id"] == 2
+EOF
+  grep -q "errors 7" "$tmp/err" || fail "batch summary does not count 7 errors: $(tail -n 5 "$tmp/err")"
+  # The batch record equals the single-prompt run (the model is reset between records).
+  mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 --temp 0 -n 4 --json >"$tmp/single.json" 2>/dev/null
+  $py -c "import json,sys; a=json.loads(open(sys.argv[1]).readline()); \
+    b=json.load(open(sys.argv[2])); sys.exit(0 if a['token_ids']==b['token_ids'] else 1)" \
+    "$tmp/out.jsonl" "$tmp/single.json" && echo "ok: batch record == single run" ||
+    fail "batch record differs from the single run"
+else
+  fail "JSONL batch exited non-zero: $(tail -n 5 "$tmp/err")"
+fi
+
+# ---- text, chat and --stop on a Qwen3-vocab model with a tokenizer ----
+tok=$src/third_party/qwen3-tokenizer
+if [ -f "$tok/tokenizer.json" ]; then
+  "$fngen" synth --config "$src/configs/demo.json" --out "$tmp/demo" --seed 1 --tokenizer "$tok" \
+    >/dev/null 2>&1 || fail "synth of the demo model"
+  mpi 4 -m "$tmp/demo" -p "The capital of France is" --temp 0 -n 8 --json >"$tmp/t.json" \
+    2>"$tmp/err" || fail "demo text prompt: $(tail -n 3 "$tmp/err")"
+  check_json "$tmp/t.json" "len(j['token_ids']) == 8 and len(j['text']) > 0 and \
+    j['n_prompt_tokens'] == 5" "demo: text prompt gives text"
+  stop=$($py -c "import json,sys; t=json.load(open(sys.argv[1]))['text']; print(t[2:5])" "$tmp/t.json")
+  mpi 4 -m "$tmp/demo" -p "The capital of France is" --temp 0 -n 8 --stop "$stop" --stop "zzzz" \
+    --json >"$tmp/s.json" 2>/dev/null
+  $py -c "import json,sys; t=json.load(open(sys.argv[1]))['text']; s=json.load(open(sys.argv[2])); \
+    sys.exit(0 if s['finish_reason']=='stop' and s['text']==t[:t.find(sys.argv[3])] else 1)" \
+    "$tmp/t.json" "$tmp/s.json" "$stop" && echo "ok: --stop cuts the text before the stop string" ||
+    fail "--stop: $(cat "$tmp/s.json")"
+  mpi 4 -m "$tmp/demo" -p "Hi" --chat --no-think --system-prompt "Be brief." --temp 0 -n 3 \
+    --json >"$tmp/c.json" 2>/dev/null
+  # system turn + user turn + generation prompt with the empty think block:
+  # <|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n
+  check_json "$tmp/c.json" "j['n_prompt_tokens'] > 15 and 'content' in j" "demo: --chat prompt"
+  expect 2 "empty" -- mpi 2 -m "$tmp/demo" -p ""
+
+  # ---- a rank killed with SIGKILL mid-generation ----
+  "$mpiexec" -np 4 --oversubscribe --allow-run-as-root --bind-to none "$fngen" generate \
+    -m "$tmp/demo" -p "x" -n 4000 --ignore-eos >"$tmp/k.out" 2>"$tmp/k.err" &
+  mpipid=$!
+  for _ in $(seq 1 600); do  # wait (up to 60 s) for the first streamed text
+    [ -s "$tmp/k.out" ] && break
+    sleep 0.1
+  done
+  victim=$(pgrep -P "$mpipid" -f "generate" | tail -n 1)
+  if [ -z "$victim" ] || ! [ -s "$tmp/k.out" ]; then
+    fail "kill test: no rank pid or no output (victim '$victim')"
+    kill -9 "$mpipid" 2>/dev/null
+  else
+    start=$(date +%s%N)
+    kill -9 "$victim"
+    rc=124
+    for _ in $(seq 1 300); do  # up to 30 s
+      if ! kill -0 "$mpipid" 2>/dev/null; then
+        wait "$mpipid"
+        rc=$?
+        break
+      fi
+      sleep 0.05
+    done
+    elapsed_ms=$((($(date +%s%N) - start) / 1000000))
+    if [ "$rc" = 124 ]; then
+      fail "kill test: mpirun still running 30 s after SIGKILL of rank pid $victim"
+      kill -9 "$mpipid" 2>/dev/null
+    elif [ "$rc" = 0 ] || [ "$elapsed_ms" -ge 10000 ]; then
+      fail "kill test: mpirun exited $rc after $elapsed_ms ms"
+    elif ! grep -qiE "signal 9|killed" "$tmp/k.err"; then
+      fail "kill test: no message about the killed rank: $(tail -n 5 "$tmp/k.err")"
+    else
+      echo "ok: SIGKILL of rank pid $victim -> mpirun exit $rc after $elapsed_ms ms: $(grep -m1 -iE 'signal 9|killed' "$tmp/k.err")"
+    fi
+    # No rank may survive.
+    sleep 0.5
+    left=$(pgrep -f "$tmp/demo" || true)
+    [ -z "$left" ] || { fail "processes left after the kill: $left"; kill -9 $left 2>/dev/null; }
+  fi
+else
+  fail "no tokenizer at $tok (run scripts/setup.sh)"
+fi
+
+echo "generate_cli: $failures failure(s)"
+[ "$failures" = 0 ]

@@ -1,0 +1,106 @@
+// `fngen tokenize` end to end: text -> ids, --ids -> text, --chat --json, JSONL batches with bad
+// records (an "error" field, the run goes on), and the exit codes of bad invocations.
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tests/tokenizer_test_util.h"
+#include "tokenizer/chat.h"
+
+namespace {
+
+struct Run {
+  int code;
+  std::string out;
+};
+
+Run fngen(const std::string& args) {
+  const std::string cmd = std::string(FN_BINARY_DIR) + "/fngen tokenize " + args + " 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+const std::string kModel = std::string("-m ") + FN_TOKENIZER_DIR;
+
+}  // namespace
+
+TEST_CASE("tokenize cli: text to ids and ids back to text") {
+  fn::test::qwen3();  // fails clearly when the tokenizer files are absent
+  auto r = fngen(kModel + " -p 'Hello world'");
+  CHECK(r.code == 0);
+  CHECK(r.out == "9707 1879\n");
+  r = fngen(kModel + " --ids '9707, 1879'");
+  CHECK(r.code == 0);
+  CHECK(r.out == "Hello world");
+  r = fngen("--tokenizer " + fn::test::qwen3_json_path() + " --json --ids '[9707,1879]'");
+  CHECK(nlohmann::json::parse(r.out)["text"] == "Hello world");
+}
+
+TEST_CASE("tokenize cli: --chat --json gives the chat ids, the rendered text and the tokens") {
+  const auto r = fngen(
+      kModel + " --chat --chat-mode qwen3 --no-think --system-prompt 'Be brief.' --json -p 'Hi!'");
+  REQUIRE(r.code == 0);
+  const auto j = nlohmann::json::parse(r.out);
+  const std::vector<fn::ChatMessage> msgs = {{"system", "Be brief.", std::nullopt},
+                                             {"user", "Hi!", std::nullopt}};
+  fn::ChatOptions o;
+  o.mode = fn::ChatMode::Qwen3;
+  o.enable_thinking = false;
+  CHECK(j["ids"].get<std::vector<int32_t>>() == fn::encode_chat(fn::test::qwen3(), msgs, o));
+  CHECK(j["text"] == fn::render_chat(msgs, o));
+  CHECK(j["n_tokens"] == j["ids"].size());
+  CHECK(j["tokens"][0] == "<|im_start|>");
+}
+
+TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an error field") {
+  const std::string in = std::string(FN_BINARY_DIR) + "/test_tokenize_cli_in.jsonl";
+  const std::string out = std::string(FN_BINARY_DIR) + "/test_tokenize_cli_out.jsonl";
+  {
+    std::ofstream f(in, std::ios::binary);
+    f << R"({"text": "Hello world"})"
+      << "\n"
+      << "not json\n"
+      << R"({"prompt": "wrong field"})"
+      << "\n"
+      << "{\"text\": \"bad \xFF utf8\"}\n"
+      << R"({"text": "<|im_end|>"})"
+      << "\n"
+      << R"({"messages": [{"role": "user", "content": "x"}]})"
+      << "\n"
+      << R"({"messages": [{"role": "robot", "content": "x"}]})"
+      << "\n";
+  }
+  const auto r = fngen(kModel + " --chat-mode qwen3 -i " + in + " -o " + out);
+  CHECK(r.code == 0);
+  std::ifstream f(out);
+  std::vector<nlohmann::json> recs;
+  for (std::string l; std::getline(f, l);) recs.push_back(nlohmann::json::parse(l));
+  REQUIRE(recs.size() == 7);
+  CHECK(recs[0]["ids"] == std::vector<int32_t>{9707, 1879});
+  CHECK(recs[1]["error"].get<std::string>().find("line 2: not valid JSON") == 0);
+  CHECK(recs[2]["error"] == "line 3: the record has no string \"text\"");
+  CHECK(recs[3]["error"].get<std::string>().find("line 4: not valid JSON") == 0);
+  CHECK(recs[4]["ids"] == std::vector<int32_t>{151645});
+  fn::ChatOptions o;
+  o.mode = fn::ChatMode::Qwen3;
+  const std::vector<fn::ChatMessage> msgs = {{"user", "x", std::nullopt}};
+  CHECK(recs[5]["ids"].get<std::vector<int32_t>>() == fn::encode_chat(fn::test::qwen3(), msgs, o));
+  CHECK(recs[6]["error"].get<std::string>().find("role 'robot'") != std::string::npos);
+}
+
+TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
+  CHECK(fngen("-m /nonexistent -p x").code == 3);
+  CHECK(fngen(kModel + " --tokenizer " + fn::test::qwen3_json_path() + " -p x").code == 2);
+  CHECK(fngen(kModel + " --ids '1 x'").code == 2);
+  CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
+  CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
+}

@@ -2,6 +2,7 @@
 #include "core/cpu_model.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -47,10 +48,16 @@ class StoredMatrix final : public cpu::RowMatrix {
       std::memcpy(out, p, sizeof(float) * static_cast<std::size_t>(cols_));
       return;
     }
-    for (int64_t c = 0; c < cols_; ++c) {
-      uint16_t bits;
-      std::memcpy(&bits, p + 2 * c, 2);
-      out[c] = dtype_ == DType::BF16 ? bf16_to_float(bits) : fp16_to_float(bits);
+    // Copy the 16-bit codes out first (no aliasing through the byte buffer), then widen.
+    thread_local std::vector<uint16_t> bits;
+    bits.resize(static_cast<std::size_t>(cols_));
+    std::memcpy(bits.data(), p, 2 * static_cast<std::size_t>(cols_));
+    if (dtype_ == DType::BF16) {
+      // bfloat16 is the top half of a float: exact, the same as bf16_to_float (codecs.h).
+      for (int64_t c = 0; c < cols_; ++c)
+        out[c] = std::bit_cast<float>(static_cast<uint32_t>(bits[c]) << 16);
+    } else {
+      for (int64_t c = 0; c < cols_; ++c) out[c] = fp16_to_float(bits[c]);
     }
   }
 
@@ -169,8 +176,26 @@ class Loader {
     }
     auto buf =
         std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(s.rows * s.cols) * es);
-    const std::span<const std::byte> src = file.bytes(info);
     std::byte* dst = buf->data();
+    const int64_t total_rows = total_cols > 0 ? info.numel() / total_cols : 0;
+    if (blocks.size() == 1 && s.rows == total_rows && s.cols == total_cols) {
+      ck_.read_all(stored, dst);  // the whole tensor: one pread
+      bytes_ += buf->size();
+      s.bytes = std::move(buf);
+      return s;
+    }
+    if (info.shape.size() == 2) {  // 2-D blocks: one pread per block row
+      for (const SliceBlock& b : blocks) {
+        ck_.read_block(stored, b.row_begin, b.row_count, b.col_begin, b.col_count, dst);
+        dst += static_cast<std::size_t>(b.row_count * b.col_count) * es;
+      }
+      bytes_ += buf->size();
+      s.bytes = std::move(buf);
+      return s;
+    }
+    // Other ranks ([C, 1, K] convs, fused [E, R, C] experts): copy the block rows of the 2-D view
+    // out of the read-only mapping (only those pages are touched).
+    const std::span<const std::byte> src = file.bytes(info);
     for (const SliceBlock& b : blocks) {
       for (int64_t r = 0; r < b.row_count; ++r) {
         const std::size_t off =
@@ -561,6 +586,13 @@ std::span<const float> CpuModel::forward(int32_t token) {
   coll_.all_gather(logits_local_.data(), static_cast<std::size_t>(V_l), logits_.data());
   ++position_;
   return logits_;
+}
+
+std::span<const float> CpuModel::prefill(std::span<const int32_t> tokens) {
+  FN_REQUIRE(!tokens.empty(), Usage, "prefill: the prompt has no tokens");
+  std::span<const float> logits;
+  for (int32_t t : tokens) logits = forward(t);
+  return logits;
 }
 
 void CpuModel::ple_step(Layer& L, int32_t token, float* H) {

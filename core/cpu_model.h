@@ -50,6 +50,12 @@ class CpuModel {
   /// Throws fn::Error(Usage) for a token outside [0, vocab_size).
   std::span<const float> forward(int32_t token);
 
+  /// Prefill: forward() over `tokens` in order (MODEL.md §D; token by token, so prefill(T) is
+  /// prefill(T-1) followed by one decode step by construction). Returns the logits of the last
+  /// token (valid until the next call). Throws fn::Error(Usage) for an empty span or a bad id
+  /// (the tokens before a bad id have been processed).
+  std::span<const float> prefill(std::span<const int32_t> tokens);
+
   /// Forgets the sequence: position 0, empty caches, zero GDN/PLE states, n-gram context all EOS.
   void reset();
 

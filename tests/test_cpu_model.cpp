@@ -66,3 +66,23 @@ TEST_CASE("cpu model: a token outside the vocabulary is a usage error") {
   CHECK_THROWS_AS(model->forward(-1), fn::Error);
   CHECK(model->position() == 0);
 }
+
+TEST_CASE("cpu model: prefill(T) equals prefill(T-1) followed by one decode step") {
+  const RefFixture f = fn::test::load_ref_fixture("ple2_long");
+  fn::LocalCollectives local;
+  auto a = fn::CpuModel::load(f.dir, local);
+  auto b = fn::CpuModel::load(f.dir, local);
+  const std::span<const int32_t> prompt(f.prompt_ids);
+  const auto la = a->prefill(prompt);
+  const std::vector<float> full(la.begin(), la.end());
+  b->prefill(prompt.first(prompt.size() - 1));
+  const auto lb = b->forward(prompt.back());
+  CHECK(std::vector<float>(lb.begin(), lb.end()) == full);
+  CHECK(a->position() == b->position());
+  // and both continue identically
+  const auto na = a->forward(f.generated_ids[0]);
+  const std::vector<float> next_a(na.begin(), na.end());
+  const auto nb = b->forward(f.generated_ids[0]);
+  CHECK(std::vector<float>(nb.begin(), nb.end()) == next_a);
+  CHECK_THROWS_AS(a->prefill({}), fn::Error);
+}

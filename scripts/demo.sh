@@ -8,14 +8,15 @@ cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 bash scripts/setup.sh
 bash scripts/build.sh
+fngen=./${FN_BUILD_DIR:-build}/fngen
 model=demo-model
 if [ ! -f "$model/model.safetensors.index.json" ]; then
   rm -rf "$model"
-  ./build/fngen synth --config configs/demo.json --out "$model" --seed 1 \
+  "$fngen" synth --config configs/demo.json --out "$model" --seed 1 \
     --tokenizer third_party/qwen3-tokenizer
 fi
-./build/fngen inspect "$model" --tp 4
-if ./build/fngen generate --help >/dev/null 2>&1; then
-  mpirun -np 4 --oversubscribe --bind-to none ./build/fngen generate --model "$model" \
-    --backend cpu --prompt "The capital of France is" --max-new-tokens 16 "$@"
-fi
+"$fngen" inspect "$model" --tp 4
+# Streams the text on stdout, then the timing summary (TTFT, per-token ms, TPOT percentiles,
+# tokens/s, peak memory per rank) on stderr. Extra arguments go to generate (e.g. --json).
+mpirun -np 4 --oversubscribe --bind-to none "$fngen" generate --model "$model" \
+  --backend cpu --prompt "The capital of France is" --max-new-tokens 16 "$@"

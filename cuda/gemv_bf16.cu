@@ -129,14 +129,6 @@ void dispatch_dtypes(const GemvArgs& a, bool x_f32, bool y_bf16, int64_t blocks,
   }
 }
 
-int cached_sm_count() {
-  int device = 0;
-  FN_CUDA_CHECK(cudaGetDevice(&device));
-  int sms = 0;
-  FN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 int64_t blocks_for(int64_t rows, int rows_per_team, int team_threads) {
   const int64_t rows_per_block =
       static_cast<int64_t>(rows_per_team) * (kBlockThreads / team_threads);
@@ -177,7 +169,7 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.x_dtype == DType::BF16 || p.x_dtype == DType::F32, kOp);
   FN_LAUNCH_REQUIRE(p.y_dtype == DType::F32 || p.y_dtype == DType::BF16, kOp);
   GemvBf16Plan plan = p.plan;
-  if (plan.team_threads == 0) plan = plan_gemv_bf16(p.rows, p.cols, cached_sm_count());
+  if (plan.team_threads == 0) plan = plan_gemv_bf16(p.rows, p.cols, detail::current_sm_count());
   const int t = plan.team_threads;
   FN_LAUNCH_REQUIRE(t >= 8 && t <= kBlockThreads && (t & (t - 1)) == 0, kOp);
   FN_LAUNCH_REQUIRE(plan.rows_per_team == 1 || plan.rows_per_team == 2 || plan.rows_per_team == 4,

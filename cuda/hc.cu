@@ -124,13 +124,6 @@ bool aligned(const void* p, uintptr_t n) {
   return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
 }
 
-int sm_count() {
-  int device = 0, sms = 0;
-  FN_CUDA_CHECK(cudaGetDevice(&device));
-  FN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 }  // namespace
 
 void launch_group_rms_norm_1p(const GroupRmsNormParams& p, cudaStream_t stream) {
@@ -151,7 +144,7 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(aligned(p.w_up, 16) && aligned(p.t, 16), kOp);
   // Team: the narrowest power of two with <= 16 vectors per lane, widened while the grid has
   // fewer than 2 blocks per SM and lanes keep >= 4 vectors (as plan_gemv_bf16).
-  const int64_t nvec = p.rank / 8, target = 2 * static_cast<int64_t>(sm_count());
+  const int64_t nvec = p.rank / 8, target = 2 * static_cast<int64_t>(detail::current_sm_count());
   auto blocks = [&](int t) { return (p.hidden + (kBlockThreads / t) - 1) / (kBlockThreads / t); };
   int team = 8;
   while (team < kBlockThreads && team * 16 < nvec) team *= 2;

@@ -195,15 +195,8 @@ __global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs 
   a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
-int current_sm_count() {
-  int device = 0, sms = 0;
-  FN_CUDA_CHECK(cudaGetDevice(&device));
-  FN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // Narrowest team with at most `per_lane` vectors per lane, widened while the grid has fewer than
-// 2 blocks per SM and each lane keeps at least 4 vectors... of work (>= 2 loads in flight).
+// 2 blocks per SM and each lane keeps at least 2 vectors after doubling.
 int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count) {
   const int64_t target = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
   auto blocks = [&](int t) { return (teams + (kBlockThreads / t) - 1) / (kBlockThreads / t); };
@@ -249,9 +242,9 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, kOp);
   FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
   const int64_t inter = p.experts.rows / 2;
-  const int team = p.team_threads != 0
-                       ? p.team_threads
-                       : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols, current_sm_count());
+  const int team = p.team_threads != 0 ? p.team_threads
+                                       : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols,
+                                                               detail::current_sm_count());
   FN_LAUNCH_REQUIRE(valid_team(team), kOp);
   GateUpArgs a{};
   a.packed = p.experts.packed;
@@ -283,7 +276,7 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
-                                                            current_sm_count());
+                                                            detail::current_sm_count());
   FN_LAUNCH_REQUIRE(valid_team(team), kOp);
   DownArgs a{};
   a.packed = p.experts.packed;

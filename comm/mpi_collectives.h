@@ -26,6 +26,7 @@ class MpiCollectives final : public Collectives {
   void all_gather(const float* in, std::size_t n_per_rank, float* out) override;
   /// MPI_Bcast (in chunks below INT_MAX bytes).
   void broadcast(void* data, std::size_t bytes, int root) override;
+  /// The communicator given at construction.
   MPI_Comm comm() const noexcept { return comm_; }
 
  private:

@@ -146,8 +146,8 @@ int main(int argc, char** argv) try {
   out["sm_count"] = prop.multiProcessorCount;
   const double bw = copy_bandwidth(t);
   out["copy_bandwidth_Bps"] = bw;
-  std::printf("device %s, %d SMs, D2D copy %.0f GB/s (read + write)\n", prop.name,
-              prop.multiProcessorCount, bw / 1e9);
+  std::printf("device %s, %d SMs, cudaMemcpyAsync D2D graph node %.0f GB/s (read + write)\n",
+              prop.name, prop.multiProcessorCount, bw / 1e9);
   nlohmann::json rows = nlohmann::json::array();
 
   // ---- BF16 GEMV ------------------------------------------------------------------------------

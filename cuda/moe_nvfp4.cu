@@ -1,14 +1,12 @@
 // NVFP4 W4A16 routed-expert kernels (see moe_nvfp4.h): one gate+up+SwiGLU kernel and one
 // weighted down-projection kernel, no template variants.
 //
-// Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): an E2M1
-// code s|e1 e0|m becomes the FP16 bit pattern s<<15 | (e1 e0 m)<<9, whose value is exactly
-// e2m1 * 2^-14 for all 16 codes (e = 0 lands on the FP16 subnormal m * 2^-15 = 0.5 m * 2^-14; e > 0
-// on 2^(e-15) (1 + m/2) = 2^(e-1) (1 + m/2) * 2^-14). Likewise an E4M3 scale byte s|eeee|mmm
-// becomes the FP16 pattern s<<15 | (eeee mmm)<<7 = e4m3 * 2^-8 exactly (subnormals included; the
-// NaN codes 0x7F/0xFF are mapped to NaN explicitly). The two powers of two are put back once per
-// row (kUnscale = 2^22). FP16 -> FP32 conversion is exact and every e2m1 * bf16 product is exact
-// in FP32; only the FP32 sums round.
+// Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): E2M1
+// codes and E4M3 scale bytes become FP16 bit patterns worth exactly code * 2^-14 and
+// scale * 2^-8 (cuda/nvfp4_bits.h, checked for every code on the host; the E4M3 NaN codes are
+// mapped to NaN explicitly). The two powers of two are put back once per row (kUnscale = 2^22).
+// FP16 -> FP32 conversion is exact and every e2m1 * bf16 product is exact in FP32; only the FP32
+// sums round.
 #include "cuda/moe_nvfp4.h"
 
 #include <cuda_fp16.h>
@@ -17,6 +15,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
+#include "cuda/nvfp4_bits.h"
 
 namespace fn {
 namespace {
@@ -31,8 +30,8 @@ __device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {
 
 // E4M3 scale byte -> float value * 2^-8 (exact; NaN codes stay NaN).
 __device__ __forceinline__ float e4m3_scaled(uint32_t s) {
-  if ((s & 0x7fu) == 0x7fu) return __int_as_float(0x7fc00000);
-  return half_bits_to_float(((s & 0x7fu) << 7) | ((s & 0x80u) << 8));
+  if (nvfp4::e4m3_is_nan(s)) return __int_as_float(0x7fc00000);
+  return half_bits_to_float(nvfp4::e4m3_fp16_bits(s));
 }
 
 // sum_{i<8} e2m1(code i of w) * 2^-14 * x_i for the 8 codes of a 32-bit word (byte k: element 2k
@@ -42,9 +41,7 @@ __device__ __forceinline__ float dot8_e2m1(uint32_t w, uint4 xv, float acc) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const uint32_t byte = (w >> (8 * k)) & 0xffu;
-    // low nibble -> bits 0..3, high nibble -> bits 16..19: one FP16 pair per byte
-    const uint32_t pair = (byte & 0x0fu) | ((byte & 0xf0u) << 12);
-    const uint32_t h = ((pair & 0x00070007u) << 9) | ((pair & 0x00080008u) << 12);
+    const uint32_t h = nvfp4::e2m1_fp16_pair(byte);  // element 2k low half, 2k+1 high half
     acc = fmaf(half_bits_to_float(h & 0xffffu), dev::bf16_lo(xw[k]), acc);
     acc = fmaf(half_bits_to_float(h >> 16), dev::bf16_hi(xw[k]), acc);
   }

@@ -15,6 +15,8 @@
 #include <fstream>
 #include <map>
 
+#include <unistd.h>
+
 #include "comm/mpi_check.h"
 #include "comm/mpi_collectives.h"
 #include "core/codecs.h"
@@ -101,7 +103,8 @@ TEST_CASE(
   const std::string p = "model.language_model.layers.";
   int world_rank = 0;
   FN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
-  const fs::path base = fs::temp_directory_path() / ("fn_cpu_bf16_r" + std::to_string(world_rank));
+  const fs::path base = fs::temp_directory_path() / ("fn_cpu_bf16_" + std::to_string(::getpid()) +
+                                                     "_r" + std::to_string(world_rank));
 
   // Variant A: NVFP4 experts with power-of-two global scales, FP8 table (as in the fixture).
   TensorMap a = read_all(f.dir);

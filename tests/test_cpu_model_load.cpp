@@ -12,6 +12,8 @@
 #include <optional>
 #include <string>
 
+#include <unistd.h>
+
 #include "core/collectives.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
@@ -30,7 +32,8 @@ using Mutate = std::function<void(const std::string&, std::span<std::byte>)>;
 // Copies the fixture checkpoint `src` to a fresh temp folder with every tensor renamed/mutated.
 fs::path rewrite_checkpoint(const std::string& src, const std::string& tag, const Rename& rename,
                             const Mutate& mutate) {
-  const fs::path dst = fs::temp_directory_path() / ("fn_cpu_model_load_" + tag);
+  const fs::path dst =
+      fs::temp_directory_path() / ("fn_cpu_model_load_" + std::to_string(::getpid()) + "_" + tag);
   fs::remove_all(dst);
   fs::create_directories(dst);
   for (const char* f : {"config.json", "hf_quant_config.json", "generation_config.json"})

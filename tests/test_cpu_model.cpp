@@ -86,3 +86,17 @@ TEST_CASE("cpu model: prefill(T) equals prefill(T-1) followed by one decode step
   CHECK(std::vector<float>(nb.begin(), nb.end()) == next_a);
   CHECK_THROWS_AS(a->prefill({}), fn::Error);
 }
+
+TEST_CASE("cpu model: the per-sequence state has the sizes of MODEL.md §C.0 at TP=1") {
+  // g3_tiny: 3 GDN layers (conv_dim 2*2*16 + 6*16 = 160, 3-deep conv state, 6 x 16 x 16 FP32
+  // recurrent state), 1 QSA layer (K and V: 2 KV heads x 32 per token, raw indexer keys 16 per
+  // token, one pooled key of 16 per 4 tokens), 1 PLE layer (4 x 64 channels x 9 taps, 2 context
+  // ids of 8 bytes).
+  const RefFixture f = fn::test::load_ref_fixture("g3_tiny");
+  fn::LocalCollectives local;
+  auto model = fn::CpuModel::load(f.dir, local);
+  const uint64_t fixed = 3 * (160 * 3 + 6 * 16 * 16) * 4 + 256 * 9 * 4 + 2 * 8;
+  CHECK(model->state_bytes() == fixed);
+  for (int t = 0; t < 10; ++t) model->forward(f.tokens[static_cast<std::size_t>(t)]);
+  CHECK(model->state_bytes() == fixed + (10 * (2 * 64 + 16) + 2 * 16) * 4);
+}

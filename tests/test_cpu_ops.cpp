@@ -2,6 +2,7 @@
 // comment next to it) or by an independent, straightforward formula written in the test.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -359,4 +360,27 @@ TEST_CASE("cpu ops: PLE adds Gv plus the conv of the normed gated values to the 
   }
   check_close(H, want, 1e-5);
   CHECK(state[8] == Approx(0.5 / std::sqrt(0.625 + 1e-6)));  // the newest history entry is Nc
+}
+
+TEST_CASE("cpu ops: QSA with the real budget is exactly dense up to 2051 visible tokens") {
+  // indexer_budget 2048, ratio 4: block_topk 512. Every complete block is selected while
+  // B = n/4 <= 512, i.e. n <= 2051; from n = 2052 on, some block must drop out.
+  for (int64_t n : {100, 1000, 2047, 2048, 2049, 2051, 2052, 2100}) {
+    CAPTURE(n);
+    const int64_t t = n - 1, B = n / 4;
+    std::vector<float> scores(static_cast<std::size_t>(B));
+    for (int64_t b = 0; b < B; ++b) scores[b] = std::sin(0.37f * static_cast<float>(b));
+    const std::vector<int64_t> sel = qsa_selected_tokens(scores.data(), t, 4, 512);
+    if (n <= 2051) {
+      REQUIRE(sel.size() == static_cast<std::size_t>(n));
+      for (int64_t i = 0; i < n; ++i) CHECK(sel[i] == i);
+    } else {
+      CHECK(sel.size() == static_cast<std::size_t>(512 * 4 + (n - 4 * B)));
+      // the lowest-scoring block is the one left out
+      int64_t worst = 0;
+      for (int64_t b = 1; b < B; ++b)
+        if (scores[b] < scores[worst]) worst = b;
+      CHECK(std::find(sel.begin(), sel.end(), 4 * worst) == sel.end());
+    }
+  }
 }

@@ -161,6 +161,14 @@ if [ -f "$tok/tokenizer.json" ]; then
   # <|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n
   check_json "$tmp/c.json" "j['n_prompt_tokens'] > 15 and 'content' in j" "demo: --chat prompt"
   expect 2 "empty" -- mpi 2 -m "$tmp/demo" -p ""
+  # -f/--file: the same prompt from a file (one final newline dropped, as llama.cpp does).
+  printf 'The capital of France is\n' >"$tmp/prompt.txt"
+  mpi 4 -m "$tmp/demo" -f "$tmp/prompt.txt" --temp 0 -n 8 --json >"$tmp/f.json" 2>/dev/null
+  $py -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); \
+    sys.exit(0 if a['token_ids']==b['token_ids'] and b['n_prompt_tokens']==5 else 1)" \
+    "$tmp/t.json" "$tmp/f.json" && echo "ok: -f gives the -p result" ||
+    fail "-f: $(head -c 300 "$tmp/f.json")"
+  expect 3 "nonexistent.txt" -- mpi 2 -m "$tmp/demo" -f "$tmp/nonexistent.txt"
 
   # ---- a rank killed with SIGKILL mid-generation ----
   "$mpiexec" -np 4 --oversubscribe --allow-run-as-root --bind-to none "$fngen" generate \

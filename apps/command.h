@@ -27,7 +27,7 @@ void register_commands(CLI::App& app, CommandList& commands);
 void register_inspect(CLI::App& app, CommandList& commands);
 void register_synth(CLI::App& app, CommandList& commands);
 void register_generate(CLI::App& app, CommandList& commands);
-void register_generate(CLI::App& app, CommandList& commands);
 void register_tokenize(CLI::App& app, CommandList& commands);
+void register_eval(CLI::App& app, CommandList& commands);
 
 }  // namespace fn

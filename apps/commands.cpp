@@ -7,8 +7,8 @@ void register_commands(CLI::App& app, CommandList& commands) {
   register_inspect(app, commands);
   register_synth(app, commands);
   register_generate(app, commands);
-  register_generate(app, commands);
   register_tokenize(app, commands);
+  register_eval(app, commands);
 }
 
 }  // namespace fn

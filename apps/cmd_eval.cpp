@@ -1,0 +1,738 @@
+// `fngen eval`: scripted quality evaluation (DESIGN.md "Same engine, other front ends";
+// background/ecosystem-cli-and-libraries.md §a.7), launched like generate: `mpirun -np N fngen
+// eval <ppl|dump-logits|kld|score> -m DIR ...`, TP = world size, rank 0 reads every input and
+// broadcasts the token ids, every rank runs the backend, rank 0 prints. The math and the
+// reference-logits file format live in core/eval.h; this file is wiring only.
+//   ppl          llama-perplexity: -f TEXT (or --ids-file) -c N [--chunks K] [--save-logits F]
+//   dump-logits  teacher-forced logits of every position of prompt ++ --continuation-ids -> -o F
+//   kld          --base F: llama.cpp's three statistic blocks of KL(base ‖ this model)
+//   score        -i tasks.jsonl: greedy generation per task, <think> stripped, exact or regex
+//                answer match, per-task and total accuracy, JSONL records
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <regex>
+#include <sstream>
+
+#include "apps/command.h"
+#include "comm/mpi_collectives.h"
+#include "comm/mpi_context.h"
+#include "core/config.h"
+#include "core/cpu_model.h"
+#include "core/error.h"
+#include "core/eval.h"
+#include "core/generate.h"
+#include "core/log.h"
+#include "tokenizer/chat.h"
+#include "tokenizer/tokenizer.h"
+
+namespace fn {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+// Options every eval subcommand has.
+struct CommonCli {
+  std::string model, backend = "auto";
+  int64_t tp = 0;
+  bool json_out = false;
+};
+
+struct EvalCli {
+  CommonCli ppl_c, dump_c, kld_c, score_c;
+  // ppl
+  std::string ppl_file, ppl_ids_file, save_logits, save_dtype = "float32";
+  int64_t ctx = 512, chunks = -1, save_top_k = 0;
+  // dump-logits
+  std::string prompt, file, prompt_ids, ids_file, continuation_ids, output, dtype = "float32",
+                                                                            values;
+  int64_t top_k = 0;
+  CLI::Option* o_prompt = nullptr;
+  // kld
+  std::string base;
+  // score
+  std::string input, score_output, system_prompt;
+  int64_t max_new_tokens = 256, score_ctx = 0;
+  double temp = 0.0;
+  bool chat = false, think = false, no_think = false, ignore_eos = false;
+  CLI::App *ppl = nullptr, *dump = nullptr, *kld = nullptr, *score = nullptr;
+};
+
+std::string read_file(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file", flag, path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_stdout(std::string_view s) {
+  std::fwrite(s.data(), 1, s.size(), stdout);
+  std::fflush(stdout);
+}
+
+bool has_tokenizer(const fs::path& dir) {
+  return fs::exists(dir / "tokenizer.json") || fs::exists(dir / "tokenizer.model");
+}
+
+std::unique_ptr<Tokenizer> require_tokenizer(const fs::path& dir, const char* what) {
+  FN_REQUIRE(has_tokenizer(dir), Usage,
+             "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
+             "tokenizer.model); give token ids instead (--ids-file or --prompt-ids)",
+             what, dir.string());
+  return load_tokenizer(dir);
+}
+
+// Checks --backend/--tp; loads the CPU backend for this rank (TP = world size).
+struct Loaded {
+  std::unique_ptr<MpiCollectives> coll;
+  std::unique_ptr<CpuModel> model;
+  EvalBackend backend;
+};
+
+void check_common(const CommonCli& c, MpiContext& mpi) {
+  FN_REQUIRE(c.backend != "cuda", Usage,
+             "--backend cuda: the CUDA backend is not available yet in this build; use "
+             "--backend cpu (or auto)");
+  FN_REQUIRE(c.tp == 0 || c.tp == mpi.world_size(), Usage,
+             "--tp {} must equal the number of MPI ranks ({}): the TP size is the world size", c.tp,
+             mpi.world_size());
+}
+
+void load_backend(Loaded& l, const fs::path& dir) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    l.model = CpuModel::load(dir, *l.coll);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Usage) throw;
+    FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
+             l.coll->size(), e.what());
+  }
+  FN_LOG_INFO(
+      "eval: cpu backend, TP {}, model loaded in {:.0f} ms", l.coll->size(),
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  CpuModel* m = l.model.get();
+  l.backend.forward = [m](int32_t t) { return m->forward(t); };
+  l.backend.reset = [m] { m->reset(); };
+  l.backend.vocab_size = m->config().vocab_size;
+}
+
+std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) {
+  int64_t n = static_cast<int64_t>(ids.size());
+  coll.broadcast(&n, sizeof(n), 0);
+  ids.resize(static_cast<std::size_t>(n));
+  if (n > 0) coll.broadcast(ids.data(), ids.size() * sizeof(int32_t), 0);
+  return ids;
+}
+
+LogitsDtype parse_dtype(const std::string& s) {
+  return s == "float16" ? LogitsDtype::Float16 : LogitsDtype::Float32;
+}
+
+// ---------------------------------------------------------------- ppl
+
+int run_ppl(EvalCli& o, MpiContext& mpi) {
+  const CommonCli& c = o.ppl_c;
+  check_common(c, mpi);
+  const bool root = mpi.world_rank() == 0;
+  FN_REQUIRE(o.ppl_file.empty() != o.ppl_ids_file.empty(), Usage,
+             "give exactly one of -f/--file (text) or --ids-file (token ids)");
+  FN_REQUIRE(o.save_top_k >= 0, Usage, "--save-top-k must be >= 0, got {}", o.save_top_k);
+  const fs::path dir = c.model;
+  const ModelConfig cfg = load_model_config(dir);
+  FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
+             "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", o.ctx,
+             cfg.max_position_embeddings);
+  std::vector<int32_t> tokens;
+  std::string tok_id = "ids-only";
+  if (root) {
+    if (!o.ppl_file.empty()) {
+      const std::string text = read_file(o.ppl_file, "-f/--file");
+      FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
+      tokens = require_tokenizer(dir, "-f/--file")->encode(text, EncodeMode::Raw);
+      tok_id = tokenizer_id(dir);
+    } else {
+      const std::string text = read_file(o.ppl_ids_file, "--ids-file");
+      tokens = parse_token_ids(text, cfg.vocab_size, "--ids-file " + o.ppl_ids_file);
+      FN_REQUIRE(!tokens.empty(), Format, "--ids-file {}: the file holds no token ids",
+                 o.ppl_ids_file);
+    }
+    perplexity_sequences(tokens, o.ctx, o.chunks);  // checks the window sizes before loading
+  }
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  load_backend(l, dir);
+  tokens = broadcast_ids(*l.coll, std::move(tokens));
+
+  std::unique_ptr<LogitsWriter> writer;
+  if (root && !o.save_logits.empty()) {
+    LogitsHeader h;
+    h.vocab_size = cfg.vocab_size;
+    h.tokenizer = tok_id;
+    h.dtype = parse_dtype(o.save_dtype);
+    h.mode = o.save_top_k > 0 ? LogitsMode::TopK : LogitsMode::Full;
+    h.top_k = o.save_top_k;
+    h.values_are_logprobs = h.mode == LogitsMode::TopK || h.dtype == LogitsDtype::Float16;
+    h.sequences = perplexity_sequences(tokens, o.ctx, o.chunks);
+    h.source = {{"producer", "fngen eval ppl"},
+                {"model", dir.string()},
+                {"backend", "cpu"},
+                {"tp_size", l.coll->size()},
+                {"n_ctx", o.ctx}};
+    writer = std::make_unique<LogitsWriter>(o.save_logits, std::move(h));
+  }
+  if (root) {
+    FN_LOG_INFO("perplexity: tokenized {} tokens; calculating perplexity over {} chunks, n_ctx={}",
+                tokens.size(), perplexity_sequences(tokens, o.ctx, o.chunks).size(), o.ctx);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const PerplexityResult r = perplexity(
+      l.backend, tokens, o.ctx, o.chunks,
+      [&](int64_t i, const PerplexityResult& p) {
+        if (root && !c.json_out)
+          write_stdout(fmt::format("[{}]{:.4f},", i + 1, p.running_ppl.back()));
+      },
+      writer.get());
+  if (writer) writer->close();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (root) {
+    if (c.json_out) {
+      const json j = {{"model", dir.string()},
+                      {"backend", "cpu"},
+                      {"tp_size", l.coll->size()},
+                      {"tokenizer", tok_id},
+                      {"n_tokens", r.n_tokens},
+                      {"n_ctx", r.n_ctx},
+                      {"n_chunks", r.n_chunks},
+                      {"n_scored", r.count},
+                      {"mean_nll", r.sum_nll / static_cast<double>(r.count)},
+                      {"ppl", r.ppl()},
+                      {"ppl_err", r.ppl_err()},
+                      {"running_ppl", r.running_ppl},
+                      {"seconds", secs}};
+      write_stdout(j.dump() + "\n");
+    } else {
+      write_stdout(
+          fmt::format("\nFinal estimate: PPL = {:.4f} +/- {:.5f}\n", r.ppl(), r.ppl_err()));
+      FN_LOG_INFO("perplexity: {} scored tokens in {} chunks, {:.2f} s", r.count, r.n_chunks, secs);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- dump-logits
+
+int run_dump(EvalCli& o, MpiContext& mpi) {
+  const CommonCli& c = o.dump_c;
+  check_common(c, mpi);
+  const bool root = mpi.world_rank() == 0;
+  const int sources = static_cast<int>(o.o_prompt->count() > 0) +
+                      static_cast<int>(!o.file.empty()) + static_cast<int>(!o.prompt_ids.empty()) +
+                      static_cast<int>(!o.ids_file.empty());
+  FN_REQUIRE(sources == 1, Usage,
+             "give exactly one of -p/--prompt, -f/--file, --prompt-ids or --ids-file (got {})",
+             sources);
+  FN_REQUIRE(o.top_k >= 0, Usage, "--top-k must be >= 0 (0 = full rows), got {}", o.top_k);
+  FN_REQUIRE(!(o.top_k > 0 && o.values == "logits"), Usage,
+             "--values logits needs full rows: --top-k stores log-probs");
+  const fs::path dir = c.model;
+  const ModelConfig cfg = load_model_config(dir);
+  FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
+             cfg.vocab_size);
+  LogitsHeader h;
+  if (root) {
+    std::vector<int32_t> ids;
+    h.tokenizer = "ids-only";
+    if (!o.prompt_ids.empty()) {
+      ids = parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
+    } else if (!o.ids_file.empty()) {
+      ids = parse_token_ids(read_file(o.ids_file, "--ids-file"), cfg.vocab_size,
+                            "--ids-file " + o.ids_file);
+    } else {
+      std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
+      FN_REQUIRE(!text.empty(), Format, "{}: the prompt is empty",
+                 o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file);
+      ids = require_tokenizer(dir, "the prompt")->encode(text, EncodeMode::Raw);
+      h.tokenizer = tokenizer_id(dir);
+    }
+    FN_REQUIRE(!ids.empty(), Format, "the prompt has no tokens");
+    const std::vector<int32_t> cont =
+        parse_token_ids(o.continuation_ids, cfg.vocab_size, "--continuation-ids");
+    const int64_t prompt_len = static_cast<int64_t>(ids.size());
+    ids.insert(ids.end(), cont.begin(), cont.end());
+    FN_REQUIRE(static_cast<int64_t>(ids.size()) <= cfg.max_position_embeddings, Usage,
+               "{} tokens exceed the model's max_position_embeddings {}", ids.size(),
+               cfg.max_position_embeddings);
+    LogitsSequence s;
+    s.tokens = std::move(ids);
+    s.first = 0;
+    s.n_rows = static_cast<int64_t>(s.tokens.size());
+    h.sequences.push_back(std::move(s));
+    h.vocab_size = cfg.vocab_size;
+    h.dtype = parse_dtype(o.dtype);
+    h.mode = o.top_k > 0 ? LogitsMode::TopK : LogitsMode::Full;
+    h.top_k = o.top_k;
+    h.values_are_logprobs = o.values.empty()
+                                ? (h.mode == LogitsMode::TopK || h.dtype == LogitsDtype::Float16)
+                                : o.values == "logprobs";
+    h.source = {{"producer", "fngen eval dump-logits"},
+                {"model", dir.string()},
+                {"backend", "cpu"},
+                {"tp_size", mpi.world_size()},
+                {"prompt_len", prompt_len}};
+  }
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  load_backend(l, dir);
+  LogitsSequence seq;
+  if (root) seq = h.sequences[0];
+  seq.tokens = broadcast_ids(*l.coll, seq.tokens);
+  seq.first = 0;
+  seq.n_rows = static_cast<int64_t>(seq.tokens.size());
+  std::unique_ptr<LogitsWriter> writer;
+  if (root) writer = std::make_unique<LogitsWriter>(o.output, h);
+  dump_logits(l.backend, {seq}, writer.get());
+  if (root) {
+    const json j = {{"output", o.output},
+                    {"n_positions", seq.n_rows},
+                    {"vocab_size", cfg.vocab_size},
+                    {"tokenizer", h.tokenizer},
+                    {"dtype", o.dtype},
+                    {"mode", o.top_k > 0 ? "topk" : "full"},
+                    {"top_k", o.top_k},
+                    {"values", h.values_are_logprobs ? "logprobs" : "logits"}};
+    if (c.json_out) {
+      write_stdout(j.dump() + "\n");
+    } else {
+      FN_LOG_INFO("dump-logits: wrote {} rows of {} to {}", seq.n_rows, cfg.vocab_size, o.output);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- kld
+
+int run_kld(EvalCli& o, MpiContext& mpi) {
+  const CommonCli& c = o.kld_c;
+  check_common(c, mpi);
+  const bool root = mpi.world_rank() == 0;
+  const fs::path dir = c.model;
+  const ModelConfig cfg = load_model_config(dir);
+  std::unique_ptr<LogitsReader> reader;
+  if (root) {
+    reader = std::make_unique<LogitsReader>(o.base);
+    const LogitsHeader& h = reader->header();
+    FN_REQUIRE(h.vocab_size == cfg.vocab_size, Format,
+               "--base {}: vocab_size {} but the model {} has vocab_size {}: the file was made "
+               "for another model",
+               o.base, h.vocab_size, dir.string(), cfg.vocab_size);
+    const std::string model_tok = tokenizer_id(dir);
+    if (h.tokenizer != "ids-only" && model_tok != "ids-only") {
+      FN_REQUIRE(h.tokenizer == model_tok, Format,
+                 "--base {}: made with tokenizer {} but the model {} has tokenizer {}: token ids "
+                 "are not comparable",
+                 o.base, h.tokenizer, dir.string(), model_tok);
+    } else if (h.tokenizer != model_tok) {
+      FN_LOG_WARN("--base {}: tokenizer {} vs model {}: comparing token ids as they are", o.base,
+                  h.tokenizer, model_tok);
+    }
+    for (const auto& s : h.sequences) {
+      FN_REQUIRE(s.first + s.n_rows <= cfg.max_position_embeddings, Format,
+                 "--base {}: a sequence of {} positions exceeds max_position_embeddings {}", o.base,
+                 s.first + s.n_rows, cfg.max_position_embeddings);
+    }
+    FN_LOG_INFO("kld: {} sequences, {} positions, mode {}, {} ({})", h.sequences.size(),
+                h.n_positions(), h.mode == LogitsMode::Full ? "full" : "topk",
+                h.dtype == LogitsDtype::Float32 ? "float32" : "float16", h.tokenizer);
+  }
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  load_backend(l, dir);
+  if (root && !c.json_out) write_stdout(KldStats::chunk_header());
+  const KldStats st =
+      kl_divergence(l.backend, *l.coll, reader.get(), [&](int64_t i, const KldStats& s) {
+        if (!c.json_out) write_stdout(s.chunk_line(i));
+      });
+  if (root) {
+    if (c.json_out) {
+      json j = st.to_json();
+      j["model"] = dir.string();
+      j["base"] = o.base;
+      j["backend"] = "cpu";
+      j["tp_size"] = l.coll->size();
+      write_stdout(j.dump() + "\n");
+    } else {
+      write_stdout("\n" + st.report());
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- score
+
+// The answer a generated content string gives: the last regex match (group 1 when the pattern
+// has a group), else the whole content; surrounding whitespace trimmed.
+std::string trim(std::string s) {
+  const auto ws = [](unsigned char ch) { return std::isspace(ch) != 0; };
+  while (!s.empty() && ws(static_cast<unsigned char>(s.back()))) s.pop_back();
+  std::size_t i = 0;
+  while (i < s.size() && ws(static_cast<unsigned char>(s[i]))) ++i;
+  return s.substr(i);
+}
+
+std::optional<std::string> extract_answer(const std::string& content, const std::string& pattern) {
+  if (pattern.empty()) return trim(content);
+  const std::regex re(pattern);
+  std::optional<std::string> last;
+  for (auto it = std::sregex_iterator(content.begin(), content.end(), re);
+       it != std::sregex_iterator(); ++it) {
+    const std::smatch& m = *it;
+    last = trim(m.size() > 1 && m[1].matched ? m[1].str() : m[0].str());
+  }
+  return last;
+}
+
+// One task record: prompt ids (rank 0), answers, pattern. Throws fn::Error naming the field.
+struct Task {
+  json id;
+  std::string task = "default";
+  std::vector<int32_t> ids;
+  std::vector<std::string> answers;
+  std::string regex;
+  bool chat = false;
+};
+
+Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t vocab) {
+  FN_REQUIRE(rec.is_object(), Format, "a record must be a JSON object, got {}", rec.type_name());
+  Task t;
+  if (rec.contains("task")) {
+    FN_REQUIRE(rec["task"].is_string(), Format, "\"task\" must be a string");
+    t.task = rec["task"].get<std::string>();
+  }
+  FN_REQUIRE(rec.contains("answer"), Format, "the record has no \"answer\"");
+  const json& a = rec["answer"];
+  const auto as_text = [](const json& v) {
+    return v.is_string() ? v.get<std::string>() : v.dump();
+  };
+  if (a.is_array()) {
+    for (const json& v : a) t.answers.push_back(trim(as_text(v)));
+  } else {
+    t.answers.push_back(trim(as_text(a)));
+  }
+  FN_REQUIRE(!t.answers.empty(), Format, "\"answer\" is an empty list");
+  if (rec.contains("regex")) {
+    FN_REQUIRE(rec["regex"].is_string(), Format, "\"regex\" must be a string");
+    t.regex = rec["regex"].get<std::string>();
+    try {
+      std::regex check(t.regex);
+    } catch (const std::regex_error& e) {
+      FN_THROW(Format, "\"regex\" {} is not a valid ECMAScript regex: {}", t.regex, e.what());
+    }
+  }
+  const int given = static_cast<int>(rec.contains("prompt")) +
+                    static_cast<int>(rec.contains("prompt_ids")) +
+                    static_cast<int>(rec.contains("messages"));
+  FN_REQUIRE(given == 1, Format,
+             "a record needs exactly one of \"prompt\", \"prompt_ids\" or \"messages\" (got {})",
+             given);
+  ChatOptions co;
+  if (o.think) co.enable_thinking = true;
+  if (o.no_think) co.enable_thinking = false;
+  if (rec.contains("prompt_ids")) {
+    FN_REQUIRE(rec["prompt_ids"].is_array(), Format, "\"prompt_ids\" must be a list of integers");
+    for (std::size_t i = 0; i < rec["prompt_ids"].size(); ++i) {
+      const json& v = rec["prompt_ids"][i];
+      FN_REQUIRE(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < vocab, Format,
+                 "\"prompt_ids\"[{}] = {} is not an id in [0, {})", i, v.dump(), vocab);
+      t.ids.push_back(v.get<int32_t>());
+    }
+    return t;
+  }
+  FN_REQUIRE(tok != nullptr, Format,
+             "the record is text but the model has no tokenizer; use \"prompt_ids\"");
+  std::vector<ChatMessage> msgs;
+  if (rec.contains("prompt")) {
+    FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string");
+    if (!o.chat) {
+      t.ids = tok->encode(rec["prompt"].get<std::string>(), EncodeMode::Raw);
+      return t;
+    }
+    if (!o.system_prompt.empty()) msgs.push_back({"system", o.system_prompt, std::nullopt});
+    msgs.push_back({"user", rec["prompt"].get<std::string>(), std::nullopt});
+  } else {
+    FN_REQUIRE(rec["messages"].is_array() && !rec["messages"].empty(), Format,
+               "\"messages\" must be a non-empty list");
+    for (const json& m : rec["messages"]) {
+      FN_REQUIRE(m.is_object() && m.contains("role") && m["role"].is_string() &&
+                     m.contains("content") && m["content"].is_string(),
+                 Format, "every message needs string \"role\" and \"content\"");
+      msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>(), std::nullopt});
+    }
+  }
+  t.chat = true;
+  t.ids = encode_chat(*tok, msgs, co);
+  return t;
+}
+
+int run_score(EvalCli& o, MpiContext& mpi) {
+  const CommonCli& c = o.score_c;
+  check_common(c, mpi);
+  const bool root = mpi.world_rank() == 0;
+  FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+  FN_REQUIRE(o.max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}",
+             o.max_new_tokens);
+  FN_REQUIRE(o.temp >= 0, Usage, "--temp must be >= 0, got {}", o.temp);
+  const fs::path dir = c.model;
+  const ModelConfig cfg = load_model_config(dir);
+  const GenerationConfig gen = load_generation_config(dir);
+  const int64_t ctx =
+      o.score_ctx > 0 ? o.score_ctx : std::min<int64_t>(cfg.max_position_embeddings, 4096);
+  FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
+             "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
+             cfg.max_position_embeddings);
+  std::unique_ptr<Tokenizer> tok;
+  std::vector<std::string> lines;
+  if (root) {
+    if (has_tokenizer(dir)) tok = load_tokenizer(dir);
+    std::istringstream in(read_file(o.input, "-i/--input"));
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+  }
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  Collectives& coll = *l.coll;
+  load_backend(l, dir);
+  GenerateOptions go;
+  go.sampling.temperature = o.temp;
+  go.sampling.seed = 0;
+  go.max_new_tokens = o.max_new_tokens;
+  go.ctx_size = ctx;
+  go.stop_token_ids = stop_token_ids(cfg, gen);
+  go.ignore_eos = o.ignore_eos;
+
+  std::FILE* out = stdout;
+  if (root && !o.score_output.empty()) {
+    out = std::fopen(o.score_output.c_str(), "wb");
+    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing", o.score_output);
+  }
+  const auto emit = [&](const json& j) {
+    const std::string s = j.dump() + "\n";
+    std::fwrite(s.data(), 1, s.size(), out);
+    std::fflush(out);
+  };
+  struct Tally {
+    int64_t n = 0, correct = 0, errors = 0;
+  };
+  std::map<std::string, Tally> tally;
+  Tally total;
+  int64_t n_lines = static_cast<int64_t>(lines.size());
+  coll.broadcast(&n_lines, sizeof(n_lines), 0);
+  for (int64_t li = 0; li < n_lines; ++li) {
+    int32_t status = 0;  // 0 blank, 1 run, 2 error
+    Task t;
+    std::string error;
+    if (root) {
+      const std::string& line = lines[static_cast<std::size_t>(li)];
+      t.id = li + 1;
+      if (line.find_first_not_of(" \t\r") != std::string::npos) {
+        status = 1;
+        try {
+          json rec;
+          try {
+            rec = json::parse(line);
+          } catch (const json::parse_error& e) {
+            FN_THROW(Format, "not valid JSON ({})", e.what());
+          }
+          if (rec.is_object() && rec.contains("id")) t.id = rec["id"];
+          if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
+            t.task = rec["task"].get<std::string>();
+          Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
+          parsed.id = t.id;
+          t = std::move(parsed);
+          FN_REQUIRE(!t.ids.empty(), Format, "the prompt has no tokens");
+          check_context(static_cast<int64_t>(t.ids.size()), o.max_new_tokens, ctx);
+        } catch (const Error& e) {
+          status = 2;
+          error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
+        }
+      }
+    }
+    coll.broadcast(&status, sizeof(status), 0);
+    if (status == 0) continue;
+    if (status == 2) {
+      if (root) {
+        FN_LOG_WARN("{}", error);
+        ++tally[t.task].errors;
+        ++tally[t.task].n;
+        ++total.errors;
+        ++total.n;
+        emit({{"id", t.id}, {"task", t.task}, {"correct", false}, {"error", error}});
+      }
+      continue;
+    }
+    t.ids = broadcast_ids(coll, t.ids);
+    l.backend.reset();
+    std::optional<StreamingDetokenizer> detok;
+    TextHooks hooks;
+    if (root && tok) {
+      detok.emplace(*tok);
+      hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
+      hooks.finish = [&detok] { return detok->finish(); };
+    } else if (root) {
+      hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
+    }
+    const GenerationResult r = generate(l.backend.forward, coll, t.ids, go, hooks);
+    if (!root) continue;
+    std::string text = r.text;
+    if (!tok) {
+      // ids-only model: the text is the generated ids without the stop id, space separated.
+      text.clear();
+      for (const int32_t id : r.token_ids) {
+        if (r.finish == FinishReason::Eos && &id == &r.token_ids.back()) break;
+        text += std::to_string(id) + " ";
+      }
+    }
+    const ReasoningSplit split = split_reasoning(text);
+    const std::optional<std::string> got = extract_answer(split.content, t.regex);
+    const bool ok =
+        got.has_value() && std::find(t.answers.begin(), t.answers.end(), *got) != t.answers.end();
+    Tally& tt = tally[t.task];
+    ++tt.n;
+    ++total.n;
+    tt.correct += ok;
+    total.correct += ok;
+    json j = {{"id", t.id},
+              {"task", t.task},
+              {"correct", ok},
+              {"extracted", got ? json(*got) : json(nullptr)},
+              {"answer", t.answers.size() == 1 ? json(t.answers[0]) : json(t.answers)},
+              {"content", split.content},
+              {"finish_reason", finish_reason_name(r.finish)},
+              {"n_prompt_tokens", r.n_prompt_tokens},
+              {"n_gen_tokens", r.token_ids.size()},
+              {"e2e_ms", r.e2e_ms}};
+    if (split.has_reasoning) j["reasoning"] = split.reasoning;
+    if (!t.regex.empty()) j["regex"] = t.regex;
+    emit(j);
+  }
+  if (root) {
+    if (out != stdout) std::fclose(out);
+    const auto acc = [](const Tally& x) {
+      return x.n > 0 ? static_cast<double>(x.correct) / static_cast<double>(x.n) : 0.0;
+    };
+    std::string s = fmt::format("\n--- fngen eval score: backend cpu, TP {}, {}\n", coll.size(),
+                                o.temp > 0 ? fmt::format("temp {}", o.temp) : "greedy");
+    s += fmt::format("{:<24} {:>6} {:>8} {:>7} {:>9}\n", "task", "n", "correct", "errors",
+                     "accuracy");
+    json per = json::object();
+    for (const auto& [name, x] : tally) {
+      s += fmt::format("{:<24} {:>6} {:>8} {:>7} {:>8.2f}%\n", name, x.n, x.correct, x.errors,
+                       100.0 * acc(x));
+      per[name] = {{"n", x.n}, {"correct", x.correct}, {"errors", x.errors}, {"accuracy", acc(x)}};
+    }
+    s += fmt::format("{:<24} {:>6} {:>8} {:>7} {:>8.2f}%\n", "TOTAL", total.n, total.correct,
+                     total.errors, 100.0 * acc(total));
+    std::fwrite(s.data(), 1, s.size(), stderr);
+    if (c.json_out) {
+      const json j = {{"summary",
+                       {{"tasks", per},
+                        {"total",
+                         {{"n", total.n},
+                          {"correct", total.correct},
+                          {"errors", total.errors},
+                          {"accuracy", acc(total)}}}}}};
+      write_stdout(j.dump() + "\n");
+    }
+  }
+  return 0;
+}
+
+void add_common(CLI::App* sub, CommonCli& c) {
+  sub->add_option("-m,--model", c.model, "model directory")->required();
+  sub->add_option("--backend", c.backend, "cpu | cuda | auto (auto = cpu for now)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  sub->add_option("--tp", c.tp, "tensor-parallel size; must equal the number of MPI ranks");
+  sub->add_flag("--json", c.json_out, "print the result as JSON on stdout");
+}
+
+}  // namespace
+
+void register_eval(CLI::App& app, CommandList& commands) {
+  auto o = std::make_shared<EvalCli>();
+  CLI::App* ev = app.add_subcommand(
+      "eval", "quality evaluation: ppl, dump-logits, kld --base FILE, score (mpirun -np N: TP N)");
+  ev->require_subcommand(1);
+
+  o->ppl = ev->add_subcommand("ppl",
+                              "llama-perplexity: windows of -c tokens, the second half of "
+                              "each scored; running PPL per chunk, final estimate ± error");
+  add_common(o->ppl, o->ppl_c);
+  o->ppl->add_option("-f,--file", o->ppl_file, "raw text file (tokenized whole, no BOS)");
+  o->ppl->add_option("--ids-file", o->ppl_ids_file,
+                     "token ids instead of text (comma/whitespace separated)");
+  o->ppl->add_option("-c,--ctx-size", o->ctx, "window size in tokens (default 512)");
+  o->ppl->add_option("--chunks", o->chunks, "score at most this many windows (default: all)");
+  o->ppl->add_option("--save-logits", o->save_logits,
+                     "also write the scored rows as a reference-logits file (a kld --base)");
+  o->ppl->add_option("--save-dtype", o->save_dtype, "float32 | float16 (default float32)")
+      ->check(CLI::IsMember({"float32", "float16"}));
+  o->ppl->add_option("--save-top-k", o->save_top_k, "store only the top K log-probs + residual");
+
+  o->dump = ev->add_subcommand(
+      "dump-logits", "teacher-forced logits of every position of the prompt (+ continuation)");
+  add_common(o->dump, o->dump_c);
+  o->o_prompt = o->dump->add_option("-p,--prompt", o->prompt, "prompt text");
+  o->dump->add_option("-f,--file", o->file, "file holding the prompt text");
+  o->dump->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");
+  o->dump->add_option("--ids-file", o->ids_file, "file of prompt token ids");
+  o->dump->add_option("--continuation-ids", o->continuation_ids,
+                      "token ids fed after the prompt (teacher-forced)");
+  o->dump->add_option("-o,--output", o->output, "reference-logits file to write")->required();
+  o->dump->add_option("--dtype", o->dtype, "float32 | float16 (default float32)")
+      ->check(CLI::IsMember({"float32", "float16"}));
+  o->dump->add_option("--top-k", o->top_k, "store only the top K log-probs + residual (0 = all)");
+  o->dump
+      ->add_option("--values", o->values,
+                   "logits | logprobs (default: logits for full float32, else logprobs)")
+      ->check(CLI::IsMember({"logits", "logprobs"}));
+
+  o->kld = ev->add_subcommand("kld", "KL divergence of this model against a reference-logits file");
+  add_common(o->kld, o->kld_c);
+  o->kld
+      ->add_option("--base", o->base,
+                   "reference-logits file (dump-logits, ppl --save-logits, "
+                   "scripts/reference/dump_reference_logits.py)")
+      ->required();
+
+  o->score = ev->add_subcommand(
+      "score",
+      "generate per task (JSONL: prompt|prompt_ids|messages, answer, optional regex, "
+      "task, id) and score the answer after stripping <think>...</think>");
+  add_common(o->score, o->score_c);
+  o->score->add_option("-i,--input", o->input, "tasks JSONL")->required();
+  o->score->add_option("-o,--output", o->score_output, "JSONL records (default: stdout)");
+  o->score->add_option("-n,--max-new-tokens,--n-predict", o->max_new_tokens,
+                       "tokens to generate per task (default 256)");
+  o->score->add_option("-c,--ctx-size", o->score_ctx,
+                       "context size (default min(max_position_embeddings, 4096))");
+  o->score->add_option("--temp", o->temp, "temperature (default 0 = greedy)");
+  o->score->add_flag("--chat", o->chat, "render \"prompt\" as a user turn of the chat template");
+  o->score->add_option("--system-prompt", o->system_prompt, "system turn for chat prompts");
+  o->score->add_flag("--think", o->think, "chat: thinking on");
+  o->score->add_flag("--no-think", o->no_think, "chat: thinking off");
+  o->score->add_flag("--ignore-eos", o->ignore_eos, "do not stop on the EOS ids");
+
+  commands.push_back({ev, [o](MpiContext& mpi) {
+                        if (o->ppl->parsed()) return run_ppl(*o, mpi);
+                        if (o->dump->parsed()) return run_dump(*o, mpi);
+                        if (o->kld->parsed()) return run_kld(*o, mpi);
+                        return run_score(*o, mpi);
+                      }});
+}
+
+}  // namespace fn

@@ -1,0 +1,280 @@
+// Scripted quality evaluation for `fngen eval` (DESIGN.md "Same engine, other front ends";
+// background/ecosystem-cli-and-libraries.md §a.7): llama-perplexity windows, llama.cpp's
+// KL-divergence statistics, and the reference-logits file (reader/writer). Called by
+// apps/cmd_eval.cpp on every rank of the TP group and by tests. Backend-independent: the model is
+// reached only through EvalBackend (forward + reset), so the CUDA backend plugs in unchanged.
+// Invariant: all statistics are accumulated in double on rank 0's copy of the logits (identical on
+// every rank, MODEL.md §E.3); the file reader checks every size before it reads a byte of data.
+//
+// ---- Reference-logits file, version 1 (".fnlogits"; scripts/reference/dump_reference_logits.py
+//      writes the same format from transformers) ----
+//   bytes [0, 8)        header length H, uint64 little-endian
+//   bytes [8, 8+H)      JSON header (UTF-8), padded with spaces so that 8+H is a multiple of 64
+//   bytes [8+H, end)    the arrays, raw little-endian, row-major, at header["arrays"][name]
+//                       ["offset"] (bytes from 8+H); the file ends exactly after the last array.
+// Header fields (all required unless marked):
+//   "magic": "fngen.reference_logits", "version": 1
+//   "vocab_size": V      (columns of a full row; every token id is < V)
+//   "tokenizer": "ids-only" (ids came from the user) or "fnv1a64:<file name>:<16 hex digits>"
+//                (64-bit FNV-1a of the tokenizer.json / tokenizer.model bytes; see tokenizer_id())
+//   "dtype": "float32" | "float16"   (of the value array)
+//   "mode": "full" | "topk", "top_k": K (topk only)
+//   "values": "logits" (raw, full mode only) | "logprobs" (natural-log softmax over all V)
+//   "n_positions": N     (recorded rows = sum of the sequences' n_rows)
+//   "sequences": [{"tokens": [ids fed in order from a fresh state], "first": f, "n_rows": r,
+//                  "next_token": id or -1}]   rows are positions f..f+r-1 in order, f+r <= len;
+//                the row of position p predicts tokens[p+1], or next_token for the last token
+//                (-1: unknown; such a row counts for KLD and top-1 but has no NLL).
+//   "arrays": {name: {"dtype", "shape", "offset"}}:
+//       full: "values" dtype [N, V]
+//       topk: "topk_ids" int32 [N, K] (descending probability), "topk_logprobs" dtype [N, K],
+//             "residual_mass" float32 [N] (1 - sum of the top-K probabilities, computed in double),
+//             "target_logprob" float32 [N] (log-prob of the row's target; NaN without target)
+//   "source" (optional): free provenance object (producer, model, command).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/generate.h"
+
+namespace fn {
+
+/// The "magic" value of a reference-logits header and the version this build reads and writes.
+inline constexpr const char* kLogitsMagic = "fngen.reference_logits";
+inline constexpr int kLogitsVersion = 1;
+
+/// The model as eval sees it: forward(token) -> full-vocabulary FP32 logits (CpuModel::forward,
+/// later the CUDA backend's step), reset() -> a fresh sequence at position 0.
+struct EvalBackend {
+  ForwardFn forward;
+  std::function<void()> reset;
+  int64_t vocab_size = 0;
+};
+
+/// 64-bit FNV-1a of `bytes` (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
+uint64_t fnv1a64(std::string_view bytes) noexcept;
+
+/// Tokenizer identity of a model directory: "fnv1a64:tokenizer.json:<hex>" over that file's bytes
+/// (tokenizer.model when there is no tokenizer.json), "ids-only" when it has neither. Throws
+/// fn::Error(Io) when the file exists but cannot be read.
+std::string tokenizer_id(const std::filesystem::path& model_dir);
+
+/// Parses token ids separated by commas and/or whitespace (newlines included); each must lie in
+/// [0, vocab_size). `what` names the flag or file in errors (fn::Error Usage).
+std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
+                                     const std::string& what);
+
+// ---------------------------------------------------------------- per-row math
+
+/// Natural-log softmax of `logits` in double: out[i] = l[i] - max - log(sum_j exp(l[j] - max)).
+void log_softmax(std::span<const float> logits, std::vector<double>& out);
+
+/// -log softmax(logits)[target] in double. Throws fn::Error(Internal) for a target out of range.
+double token_nll(std::span<const float> logits, int32_t target);
+
+/// Index of the largest value, ties to the lowest index.
+int64_t argmax(std::span<const float> values) noexcept;
+
+/// Mean and standard error as llama.cpp's mean_and_uncertainty: f = sum/n,
+/// err = sqrt((sum2/n - f²)/(n-1)) when that variance is > 0 and n > 10, else 0.
+struct MeanErr {
+  double mean = 0, err = 0;
+};
+MeanErr mean_and_uncertainty(double sum, double sum2, int64_t count) noexcept;
+
+/// Percentile with linear interpolation between order statistics (llama.cpp's and numpy's
+/// default): sorted x, h = (n-1)q, x[⌊h⌋] + (h-⌊h⌋)(x[⌊h⌋+1]-x[⌊h⌋]). `sorted` must be ascending
+/// and non-empty (fn::Error Internal otherwise).
+double percentile(std::span<const double> sorted, double q);
+
+// ---------------------------------------------------------------- perplexity
+
+/// llama-perplexity over `tokens`: windows (chunks) of n_ctx tokens, window i = tokens[i·n_ctx,
+/// (i+1)·n_ctx), each run from a fresh state; the logits of window positions n_ctx/2 .. n_ctx-2
+/// score the next token (n_ctx - 1 - n_ctx/2 tokens per window). chunks = min(max_chunks,
+/// ⌊len/n_ctx⌋) (max_chunks <= 0: all). PPL = exp(mean NLL); uncertainty = PPL · standard error
+/// of the NLL (llama.cpp's "Final estimate: PPL = x +/- e").
+struct PerplexityResult {
+  int64_t n_ctx = 0, n_chunks = 0, n_tokens = 0;
+  int64_t count = 0;                 ///< scored tokens
+  double sum_nll = 0, sum_nll2 = 0;  ///< over scored tokens
+  std::vector<double> running_ppl;   ///< after each chunk: exp(mean NLL so far), llama.cpp's [i]
+  double ppl() const;                ///< exp(sum_nll / count)
+  double ppl_err() const;            ///< ppl() · standard error of the NLL (0 when undefined)
+};
+
+class LogitsWriter;
+
+/// Runs the windows on `backend` (every rank of the TP group calls it with the same tokens).
+/// `on_chunk(i, partial)` runs after chunk i (0-based). When `save` is non-null (rank 0) each
+/// scored row is appended to it (its header must come from perplexity_sequences()). Throws
+/// fn::Error(Usage) when n_ctx < 4 or tokens hold fewer than n_ctx tokens (naming both numbers and
+/// -c/--ctx-size).
+PerplexityResult perplexity(const EvalBackend& backend, std::span<const int32_t> tokens,
+                            int64_t n_ctx, int64_t max_chunks,
+                            const std::function<void(int64_t, const PerplexityResult&)>& on_chunk,
+                            LogitsWriter* save = nullptr);
+
+// ---------------------------------------------------------------- the reference-logits file
+
+enum class LogitsDtype { Float32, Float16 };
+enum class LogitsMode { Full, TopK };
+
+/// One teacher-forced sequence of a reference file (see the format above).
+struct LogitsSequence {
+  std::vector<int32_t> tokens;
+  int64_t first = 0;
+  int64_t n_rows = 0;
+  int32_t next_token = -1;
+  /// The token row `p` (a position, first <= p < first+n_rows) predicts, or -1.
+  int32_t target(int64_t p) const {
+    return p + 1 < static_cast<int64_t>(tokens.size()) ? tokens[static_cast<std::size_t>(p + 1)]
+                                                       : next_token;
+  }
+};
+
+/// The parsed header. `values_are_logprobs` is false only for full mode with "values": "logits".
+struct LogitsHeader {
+  int64_t vocab_size = 0;
+  std::string tokenizer = "ids-only";
+  LogitsDtype dtype = LogitsDtype::Float32;
+  LogitsMode mode = LogitsMode::Full;
+  int64_t top_k = 0;
+  bool values_are_logprobs = false;
+  std::vector<LogitsSequence> sequences;
+  nlohmann::json source = nlohmann::json::object();
+  /// Sum of n_rows.
+  int64_t n_positions() const;
+};
+
+/// The windows perplexity() scores, as sequences of a header (first = n_ctx/2,
+/// n_rows = n_ctx-1-first, next_token -1 since every row's target lies inside the window).
+std::vector<LogitsSequence> perplexity_sequences(std::span<const int32_t> tokens, int64_t n_ctx,
+                                                 int64_t max_chunks);
+
+/// One reference row as eval uses it: full mode -> logprobs (V values, double); topk mode ->
+/// ids/logprobs of the top K, the residual mass and the target's log-prob.
+struct RefRow {
+  std::vector<double> logprobs;  ///< full mode: all V
+  std::vector<int32_t> topk_ids;
+  std::vector<double> topk_logprobs;
+  double residual_mass = 0;
+  double target_logprob = 0;  ///< topk mode (NaN without target); full mode: from logprobs
+  int64_t top1 = 0;           ///< reference argmax
+};
+
+/// Writes a reference-logits file row by row. Rows must come in the header's order.
+class LogitsWriter {
+ public:
+  /// Validates the header (vocab_size > 0, top_k in [1, V] for topk, sequences' ranges and ids),
+  /// creates `path` and writes the header. Throws fn::Error(Usage) for a bad header, Io when the
+  /// file cannot be created.
+  LogitsWriter(const std::filesystem::path& path, LogitsHeader header);
+  ~LogitsWriter();
+  LogitsWriter(const LogitsWriter&) = delete;
+  LogitsWriter& operator=(const LogitsWriter&) = delete;
+  /// Appends the next row: `logits` are the raw FP32 logits (V values) of that position; the
+  /// writer converts to the header's values/dtype/mode. Throws fn::Error(Internal) past the last
+  /// row or for a wrong length, Io on a write failure.
+  void append(std::span<const float> logits);
+  /// Checks that every row was written and closes the file (Io on failure). Called by the
+  /// destructor too (errors then only logged).
+  void close();
+  const LogitsHeader& header() const noexcept { return header_; }
+
+ private:
+  LogitsHeader header_;
+  std::filesystem::path path_;
+  std::FILE* file_ = nullptr;
+  uint64_t data_start_ = 0;
+  int64_t n_written_ = 0;
+  int64_t seq_ = 0, pos_ = 0;  // sequence and position of the next row
+  std::vector<uint64_t> offsets_;
+};
+
+/// Reads a reference-logits file. The constructor parses and validates the header and checks the
+/// file size against it; rows are read on demand.
+class LogitsReader {
+ public:
+  /// Throws fn::Error(Io) when `path` cannot be opened, Format naming the path and the field for
+  /// a bad magic/version/field, an array whose offset or shape disagrees with the header, or a
+  /// file size other than the one the header implies ("truncated" when shorter).
+  explicit LogitsReader(const std::filesystem::path& path);
+  ~LogitsReader();
+  LogitsReader(const LogitsReader&) = delete;
+  LogitsReader& operator=(const LogitsReader&) = delete;
+  const LogitsHeader& header() const noexcept { return header_; }
+  /// Row `i` (0 <= i < n_positions) whose target is `target` (-1 none). Throws Io on a read
+  /// failure, Internal for i out of range.
+  void read_row(int64_t i, int32_t target, RefRow& row);
+
+ private:
+  LogitsHeader header_;
+  std::filesystem::path path_;
+  std::FILE* file_ = nullptr;
+  uint64_t data_start_ = 0;
+  std::vector<uint64_t> offsets_;  // per array in header order
+  std::vector<char> buf_;
+};
+
+/// Serialises a header to its JSON form (as written to the file; "arrays" excluded).
+nlohmann::json header_to_json(const LogitsHeader& h);
+
+// ---------------------------------------------------------------- KL divergence
+
+/// llama.cpp's kl_divergence statistics of a test model Q against a reference ("base"), one row
+/// at a time: per row KL(base ‖ Q) = Σ p_i (log p_i − log q_i) in double over all V (full mode,
+/// no cut-off) or, in topk mode, Σ_{i∈topK} p_i (log p_i − log q_i) + r_p (log r_p − log r_q) with
+/// r_q = 1 − Σ_{i∈topK} q_i (the top-K + residual approximation, a lower bound of the full KL);
+/// NLLs and Δp = q(target) − p(target) on rows with a target; same top-1 = argmax agreement.
+class KldStats {
+ public:
+  /// Adds one row: `q_logits` are the test model's raw logits (V values).
+  void add(std::span<const float> q_logits, const RefRow& ref, int32_t target);
+  int64_t count() const noexcept { return static_cast<int64_t>(kld_.size()); }
+  int64_t count_nll() const noexcept { return count_nll_; }
+  /// The three blocks of llama.cpp's output (perplexity, KL divergence, token probability), one
+  /// text, lines as llama.cpp prints them.
+  std::string report() const;
+  /// The same numbers, machine-readable (keys: ppl_q, ppl_base, ..., kld {mean, err, max, p99_9,
+  /// p99, p95, p90, median, p10, p5, p1, p0_1, min}, delta_p {...}, same_top1, counts).
+  nlohmann::json to_json() const;
+  /// One llama.cpp-style running line (PPL, ln ratio, KLD, Δp RMS, same top p) after a chunk.
+  std::string chunk_line(int64_t chunk) const;
+  /// Header of chunk_line's table.
+  static std::string chunk_header();
+  double mean_kld() const;
+  double same_top1() const;  ///< fraction in [0, 1]
+  double ppl_q() const;      ///< exp(mean NLL of Q)
+  double ppl_base() const;   ///< exp(mean NLL of the reference)
+
+ private:
+  double sum_nll_ = 0, sum_nll2_ = 0, sum_nll_base_ = 0, sum_nll_base2_ = 0, sum_nll_nll_base_ = 0;
+  double sum_kld_ = 0, sum_kld2_ = 0, sum_dp_ = 0, sum_dp2_ = 0, sum_dp4_ = 0;
+  int64_t count_nll_ = 0, same_top_ = 0;
+  std::vector<double> kld_, dp_;
+  std::vector<double> lq_;  // scratch
+};
+
+/// Runs every sequence of `reader`'s header on `backend` and accumulates KldStats. Every rank of
+/// the TP group calls it; `reader` is non-null on rank 0 only, which broadcasts the header's
+/// sequences through `coll` first. `on_sequence(i, stats)` runs on rank 0 after sequence i.
+/// Throws fn::Error(Format) when the backend's vocab_size differs from the file's (naming both).
+KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsReader* reader,
+                       const std::function<void(int64_t, const KldStats&)>& on_sequence);
+
+/// Feeds each sequence of `header` (identical on every rank) and appends its rows to `writer`
+/// (non-null on rank 0 only): the engine side of `fngen eval dump-logits`.
+void dump_logits(const EvalBackend& backend, const std::vector<LogitsSequence>& sequences,
+                 LogitsWriter* writer);
+
+}  // namespace fn

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "core/error.h"
 #include "tests/tokenizer_test_util.h"
@@ -306,4 +307,27 @@ TEST_CASE("tokenizer: decoding an id outside the vocabulary is a format error na
   CHECK_THROWS_WITH_AS(t.decode(Ids{9707, 151669}),
                        doctest::Contains("token id 151669 is not in the vocabulary"), fn::Error);
   CHECK_THROWS_AS(t.decode(Ids{-1}), fn::Error);
+}
+
+TEST_CASE("tokenizer: concurrent encodes from several threads give the single-threaded ids") {
+  const auto& t = fn::test::qwen3();
+  std::vector<std::string> texts;
+  for (int i = 0; i < 400; ++i)
+    texts.push_back("Sample " + std::to_string(i * 7919) +
+                    " caf\xC3\xA9 \xE4\xB8\xAD\xE6\x96\x87 word" +
+                    std::string(static_cast<size_t>(i % 13), 'x') + " <|im_end|>\n");
+  std::vector<Ids> expect;
+  for (const auto& s : texts) expect.push_back(t.encode(s));
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&, k] {
+      for (size_t i = 0; i < texts.size(); ++i) {
+        const size_t j = (i * 31 + static_cast<size_t>(k) * 97) % texts.size();
+        wrong[static_cast<size_t>(k)] += t.encode(texts[j]) != expect[j];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(wrong == std::vector<int>{0, 0, 0, 0});
 }

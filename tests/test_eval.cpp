@@ -1,0 +1,387 @@
+// core/eval: per-row math, llama-perplexity windows, llama.cpp KLD statistics and the
+// reference-logits file, against hand-computed values (label cpu).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <numeric>
+
+#include "core/collectives.h"
+#include "core/error.h"
+#include "core/eval.h"
+
+namespace fs = std::filesystem;
+using fn::ErrorKind;
+
+namespace {
+
+// A backend whose logits are always [0, ln 3] (p = [1/4, 3/4]); counts resets and forwards.
+struct FixedBackend {
+  std::vector<float> row{0.0f, static_cast<float>(std::log(3.0))};
+  int resets = 0, forwards = 0;
+  fn::EvalBackend get() {
+    fn::EvalBackend b;
+    b.forward = [this](int32_t) {
+      ++forwards;
+      return std::span<const float>(row);
+    };
+    b.reset = [this] { ++resets; };
+    b.vocab_size = 2;
+    return b;
+  }
+};
+
+fs::path tmp_path(const std::string& name) {
+  return fs::temp_directory_path() / ("fn_test_eval_" + std::to_string(::getpid()) + "_" + name);
+}
+
+ErrorKind kind_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const fn::Error& e) {
+    return e.kind();
+  }
+  return ErrorKind::Internal;  // "did not throw" is reported as a mismatch by the caller
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const fn::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+fn::LogitsHeader one_sequence_header(int64_t vocab, std::vector<int32_t> tokens, int32_t next) {
+  fn::LogitsHeader h;
+  h.vocab_size = vocab;
+  fn::LogitsSequence s;
+  s.tokens = std::move(tokens);
+  s.first = 0;
+  s.n_rows = static_cast<int64_t>(s.tokens.size());
+  s.next_token = next;
+  h.sequences.push_back(s);
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("eval: token_nll and log_softmax give the hand-computed values") {
+  const std::vector<float> l = {0.0f, static_cast<float>(std::log(3.0))};
+  CHECK(fn::token_nll(l, 0) == doctest::Approx(std::log(4.0)).epsilon(1e-7));
+  CHECK(fn::token_nll(l, 1) == doctest::Approx(std::log(4.0 / 3.0)).epsilon(1e-7));
+  std::vector<double> lp;
+  fn::log_softmax(l, lp);
+  CHECK(std::exp(lp[0]) == doctest::Approx(0.25).epsilon(1e-7));
+  CHECK(std::exp(lp[1]) == doctest::Approx(0.75).epsilon(1e-7));
+  // Large logits do not overflow (max subtracted first).
+  const std::vector<float> big = {1000.0f, 1000.0f};
+  CHECK(fn::token_nll(big, 1) == doctest::Approx(std::log(2.0)));
+}
+
+TEST_CASE("eval: percentile interpolates between order statistics like numpy") {
+  const std::vector<double> v = {1, 2, 3, 4};
+  CHECK(fn::percentile(v, 0.5) == doctest::Approx(2.5));
+  CHECK(fn::percentile(v, 0.999) == doctest::Approx(3.997));
+  CHECK(fn::percentile(v, 0.1) == doctest::Approx(1.3));
+  CHECK(fn::percentile(v, 0.0) == 1);
+  CHECK(fn::percentile(v, 1.0) == 4);
+}
+
+TEST_CASE("eval: mean_and_uncertainty is llama.cpp's (no error below 11 samples)") {
+  // 12 samples: six 1s and six 3s: mean 2, population variance 1, error sqrt(1/11).
+  const fn::MeanErr a = fn::mean_and_uncertainty(24.0, 60.0, 12);
+  CHECK(a.mean == doctest::Approx(2.0));
+  CHECK(a.err == doctest::Approx(std::sqrt(1.0 / 11.0)));
+  const fn::MeanErr b = fn::mean_and_uncertainty(20.0, 50.0, 10);
+  CHECK(b.mean == doctest::Approx(2.0));
+  CHECK(b.err == 0.0);
+}
+
+TEST_CASE("eval: perplexity scores positions n_ctx/2 .. n_ctx-2 of each fresh window") {
+  FixedBackend fb;
+  // 20 tokens, n_ctx 8: 2 windows ([0,8), [8,16)); each scores positions 4, 5, 6 -> targets
+  // tokens[5..7] and tokens[13..15]. Target 0 costs ln 4, target 1 costs ln(4/3).
+  const std::vector<int32_t> t = {1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0};
+  std::vector<double> seen;
+  const fn::PerplexityResult r =
+      fn::perplexity(fb.get(), t, 8, -1, [&](int64_t i, const fn::PerplexityResult& p) {
+        CHECK(i == static_cast<int64_t>(seen.size()));
+        seen.push_back(p.ppl());
+      });
+  // The row holds float(ln 3) = a: p0 = 1/(1+e^a), p1 = e^a/(1+e^a).
+  const double a = static_cast<double>(static_cast<float>(std::log(3.0)));
+  const double l4 = std::log1p(std::exp(a)), l43 = std::log1p(std::exp(a)) - a;
+  const double c1 = l4 + l43 + l43;  // targets 0, 1, 1
+  const double c2 = l4 + l4 + l43;   // targets 0, 0, 1
+  CHECK(r.n_chunks == 2);
+  CHECK(r.count == 6);
+  CHECK(fb.resets == 2);
+  CHECK(fb.forwards == 2 * 7);  // positions 0..6 of each window
+  REQUIRE(r.running_ppl.size() == 2);
+  CHECK(r.running_ppl[0] == doctest::Approx(std::exp(c1 / 3)).epsilon(1e-12));
+  CHECK(r.ppl() == doctest::Approx(std::exp((c1 + c2) / 6)).epsilon(1e-12));
+  CHECK(seen == r.running_ppl);
+  // Uncertainty: PPL * sqrt(var/(n-1)), var over the six NLLs.
+  const std::vector<double> x = {l4, l43, l43, l4, l4, l43};
+  const double mean = (c1 + c2) / 6;
+  double var = 0;
+  for (double v : x) var += v * v / 6;
+  var -= mean * mean;
+  CHECK(r.ppl_err() == doctest::Approx(r.ppl() * std::sqrt(var / 5)).epsilon(1e-9));
+  // --chunks 1 keeps the first window only.
+  FixedBackend fb1;
+  CHECK(fn::perplexity(fb1.get(), t, 8, 1, {}).count == 3);
+}
+
+TEST_CASE("eval: perplexity rejects a text shorter than one window, naming -c/--ctx-size") {
+  FixedBackend fb;
+  const std::vector<int32_t> t(7, 1);
+  CHECK(kind_of([&] { fn::perplexity(fb.get(), t, 8, -1, {}); }) == ErrorKind::Usage);
+  CHECK(message_of([&] { fn::perplexity(fb.get(), t, 8, -1, {}); }).find("-c/--ctx-size 8") !=
+        std::string::npos);
+  CHECK(fb.forwards == 0);
+}
+
+TEST_CASE("eval: parse_token_ids accepts commas, spaces and newlines and rejects bad items") {
+  CHECK(fn::parse_token_ids("1, 2,3\n4\t5\r\n", 10, "--ids-file x") ==
+        std::vector<int32_t>{1, 2, 3, 4, 5});
+  CHECK(fn::parse_token_ids("  \n", 10, "x").empty());
+  CHECK(kind_of([] { fn::parse_token_ids("1,x", 10, "--ids-file f"); }) == ErrorKind::Usage);
+  CHECK(message_of([] {
+          fn::parse_token_ids("1 10", 10, "--ids-file f");
+        }).find("--ids-file f: item 1 = 10 is outside the vocabulary [0, 10)") !=
+        std::string::npos);
+}
+
+TEST_CASE("eval: fnv1a64 gives the published FNV-1a test vectors") {
+  CHECK(fn::fnv1a64("") == 0xcbf29ce484222325ull);
+  CHECK(fn::fnv1a64("a") == 0xaf63dc4c8601ec8cull);
+  CHECK(fn::fnv1a64("foobar") == 0x85944171f73967e8ull);
+}
+
+TEST_CASE("eval: KLD, NLL, Δp and top-1 of one row equal the hand-computed values") {
+  // base p = [1/4, 3/4], Q q = [1/2, 1/2]: KL = 1/4 ln(1/2) + 3/4 ln(3/2).
+  fn::RefRow ref;
+  ref.logprobs = {std::log(0.25), std::log(0.75)};
+  ref.top1 = 1;
+  ref.target_logprob = std::log(0.75);
+  const std::vector<float> q = {0.0f, 0.0f};
+  fn::KldStats s;
+  s.add(q, ref, 1);
+  const double kl = 0.25 * std::log(0.5) + 0.75 * std::log(1.5);
+  const nlohmann::json j = s.to_json();
+  CHECK(j["kld"]["mean"].get<double>() == doctest::Approx(kl).epsilon(1e-7));
+  CHECK(j["same_top1"].get<double>() == 0.0);  // argmax q = 0 (tie, lowest index), base = 1
+  CHECK(j["delta_p"]["mean"].get<double>() == doctest::Approx(0.5 - 0.75).epsilon(1e-7));
+  CHECK(s.ppl_q() == doctest::Approx(2.0).epsilon(1e-7));
+  CHECK(s.ppl_base() == doctest::Approx(4.0 / 3.0).epsilon(1e-7));
+  // A row without target counts for KLD and top-1 only.
+  s.add(std::vector<float>{0.0f, 1.0f}, ref, -1);
+  CHECK(s.count() == 2);
+  CHECK(s.count_nll() == 1);
+  CHECK(s.same_top1() == 0.5);
+  const std::string rep = s.report();
+  for (const char* line :
+       {"====== Perplexity statistics ======", "Mean PPL(Q)                   :",
+        "====== KL divergence statistics ======", "Mean    KLD:", "Maximum KLD:", "99.9%   KLD:",
+        "99.0%   KLD:", "95.0%   KLD:", "90.0%   KLD:", "Median  KLD:", "Minimum KLD:",
+        "====== Token probability statistics ======", "Mean    Δp:", "RMS Δp    :",
+        "Same top p: 50.000"}) {
+    CHECK_MESSAGE(rep.find(line) != std::string::npos, std::string(line));
+  }
+}
+
+TEST_CASE("eval: top-K KLD with the residual mass equals the hand-computed approximation") {
+  // base p = [0.5, 0.3, 0.2], K = 1: ids {0}, residual 0.5. Q q = [0.25, 0.25, 0.5]:
+  // KL ≈ 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75).
+  fn::RefRow ref;
+  ref.topk_ids = {0};
+  ref.topk_logprobs = {std::log(0.5)};
+  ref.residual_mass = 0.5;
+  ref.target_logprob = std::log(0.2);
+  ref.top1 = 0;
+  const std::vector<float> q = {static_cast<float>(std::log(0.25)),
+                                static_cast<float>(std::log(0.25)),
+                                static_cast<float>(std::log(0.5))};
+  fn::KldStats s;
+  s.add(q, ref, 2);
+  CHECK(s.mean_kld() ==
+        doctest::Approx(0.5 * std::log(2.0) + 0.5 * std::log(0.5 / 0.75)).epsilon(1e-6));
+  CHECK(s.same_top1() == 0.0);
+  CHECK(s.ppl_base() == doctest::Approx(5.0).epsilon(1e-6));
+  // K = V (no residual) gives the full KL.
+  fn::RefRow full;
+  full.topk_ids = {0, 1, 2};
+  full.topk_logprobs = {std::log(0.5), std::log(0.3), std::log(0.2)};
+  full.residual_mass = 0;
+  full.target_logprob = std::log(0.2);
+  fn::KldStats s2;
+  s2.add(q, full, 2);
+  const double kl = 0.5 * std::log(2.0) + 0.3 * std::log(0.3 / 0.25) + 0.2 * std::log(0.2 / 0.5);
+  CHECK(s2.mean_kld() == doctest::Approx(kl).epsilon(1e-6));
+}
+
+TEST_CASE("eval: a full float32 logits file round-trips bit for bit and reads as log-probs") {
+  const fs::path p = tmp_path("full.fnl");
+  fn::LogitsHeader h = one_sequence_header(3, {0, 2}, 1);
+  h.source = {{"producer", "test"}};
+  const std::vector<float> r0 = {1.0f, 2.0f, 3.0f}, r1 = {-1.5f, 0.25f, 7.0f};
+  {
+    fn::LogitsWriter w(p, h);
+    w.append(r0);
+    w.append(r1);
+    w.close();
+  }
+  CHECK((fs::file_size(p) - 2 * 3 * 4) % 64 == 0);
+  fn::LogitsReader rd(p);
+  CHECK(rd.header().vocab_size == 3);
+  CHECK(rd.header().n_positions() == 2);
+  CHECK(rd.header().sequences[0].tokens == std::vector<int32_t>{0, 2});
+  CHECK(rd.header().sequences[0].target(0) == 2);
+  CHECK(rd.header().sequences[0].target(1) == 1);
+  CHECK(rd.header().source["producer"] == "test");
+  fn::RefRow row;
+  rd.read_row(1, 1, row);
+  std::vector<double> lp;
+  fn::log_softmax(r1, lp);
+  for (int i = 0; i < 3; ++i)
+    CHECK(row.logprobs[static_cast<std::size_t>(i)] ==
+          doctest::Approx(lp[static_cast<std::size_t>(i)]).epsilon(1e-12));
+  CHECK(row.top1 == 2);
+  CHECK(row.target_logprob == doctest::Approx(lp[1]).epsilon(1e-12));
+  // The raw bytes hold the logits exactly.
+  std::ifstream in(p, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(fs::file_size(p) - 12));
+  float back[3];
+  in.read(reinterpret_cast<char*>(back), 12);
+  CHECK(std::vector<float>(back, back + 3) == r1);
+  fs::remove(p);
+}
+
+TEST_CASE("eval: float16 log-probs and top-K rows read back within FP16 rounding") {
+  const std::vector<float> r0 = {0.0f, 1.0f, 2.0f, 3.0f};
+  std::vector<double> lp;
+  fn::log_softmax(r0, lp);
+  {
+    const fs::path p = tmp_path("f16.fnl");
+    fn::LogitsHeader h = one_sequence_header(4, {3}, -1);
+    h.dtype = fn::LogitsDtype::Float16;
+    h.values_are_logprobs = true;
+    fn::LogitsWriter(p, h).append(r0);
+    fn::LogitsReader rd(p);
+    fn::RefRow row;
+    rd.read_row(0, -1, row);
+    for (std::size_t i = 0; i < 4; ++i) {
+      CHECK(std::abs(row.logprobs[i] - lp[i]) <= std::abs(lp[i]) * std::ldexp(1.0, -11));
+    }
+    CHECK(std::isnan(row.target_logprob));
+    fs::remove(p);
+  }
+  {
+    const fs::path p = tmp_path("topk.fnl");
+    fn::LogitsHeader h = one_sequence_header(4, {3, 1}, 0);
+    h.mode = fn::LogitsMode::TopK;
+    h.top_k = 2;
+    h.values_are_logprobs = true;
+    {
+      fn::LogitsWriter w(p, h);
+      w.append(r0);
+      w.append(r0);
+    }
+    fn::LogitsReader rd(p);
+    fn::RefRow row;
+    rd.read_row(0, 1, row);
+    CHECK(row.topk_ids == std::vector<int32_t>{3, 2});
+    CHECK(row.topk_logprobs[0] == doctest::Approx(lp[3]).epsilon(1e-6));
+    CHECK(row.residual_mass == doctest::Approx(std::exp(lp[0]) + std::exp(lp[1])).epsilon(1e-6));
+    CHECK(row.target_logprob == doctest::Approx(lp[1]).epsilon(1e-6));
+    CHECK(row.top1 == 3);
+    rd.read_row(1, 0, row);
+    CHECK(row.target_logprob == doctest::Approx(lp[0]).epsilon(1e-6));  // next_token 0
+    fs::remove(p);
+  }
+}
+
+TEST_CASE("eval: a truncated, foreign or inconsistent logits file is rejected as a format error") {
+  const fs::path p = tmp_path("bad.fnl");
+  fn::LogitsHeader h = one_sequence_header(3, {0, 1}, -1);
+  {
+    fn::LogitsWriter w(p, h);
+    w.append(std::vector<float>{1, 2, 3});
+    w.append(std::vector<float>{1, 2, 3});
+  }
+  const uint64_t size = fs::file_size(p);
+  SUBCASE("one byte missing") {
+    fs::resize_file(p, size - 1);
+    CHECK(kind_of([&] { fn::LogitsReader r(p); }) == ErrorKind::Format);
+    CHECK(message_of([&] { fn::LogitsReader r(p); }).find("truncated") != std::string::npos);
+  }
+  SUBCASE("cut inside the header") {
+    fs::resize_file(p, 20);
+    CHECK(message_of([&] { fn::LogitsReader r(p); }).find("truncated") != std::string::npos);
+  }
+  SUBCASE("a trailing byte") {
+    std::ofstream(p, std::ios::binary | std::ios::app).put('x');
+    CHECK(kind_of([&] { fn::LogitsReader r(p); }) == ErrorKind::Format);
+  }
+  SUBCASE("not a logits file") {
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << "hello world, this is text";
+    CHECK(kind_of([&] { fn::LogitsReader r(p); }) == ErrorKind::Format);
+  }
+  SUBCASE("a missing file") {
+    fs::remove(p);
+    CHECK(kind_of([&] { fn::LogitsReader r(p); }) == ErrorKind::Io);
+  }
+  SUBCASE("a base file for another vocabulary size") {
+    FixedBackend fb;  // vocab 2, the file's is 3
+    fn::LocalCollectives coll;
+    fn::LogitsReader r(p);
+    CHECK(kind_of([&] { fn::kl_divergence(fb.get(), coll, &r, {}); }) == ErrorKind::Format);
+    CHECK(message_of([&] {
+            fn::kl_divergence(fb.get(), coll, &r, {});
+          }).find("vocab_size 3 but the model has 2") != std::string::npos);
+    CHECK(fb.forwards == 0);
+  }
+  fs::remove(p);
+}
+
+TEST_CASE("eval: the writer refuses headers it could not read back") {
+  const fs::path p = tmp_path("w.fnl");
+  fn::LogitsHeader h = one_sequence_header(3, {0, 5}, -1);  // 5 >= vocab 3
+  CHECK(kind_of([&] { fn::LogitsWriter w(p, h); }) == ErrorKind::Usage);
+  h = one_sequence_header(3, {0, 1}, -1);
+  h.mode = fn::LogitsMode::TopK;
+  h.top_k = 4;
+  h.values_are_logprobs = true;
+  CHECK(kind_of([&] { fn::LogitsWriter w(p, h); }) == ErrorKind::Usage);
+  fs::remove(p);
+}
+
+TEST_CASE(
+    "eval: kl_divergence over a file written from the same backend is zero with all top-1 equal") {
+  const fs::path p = tmp_path("self.fnl");
+  FixedBackend fb;
+  fn::LogitsHeader h;
+  h.vocab_size = 2;
+  h.sequences = fn::perplexity_sequences(std::vector<int32_t>{1, 0, 1, 1, 0, 1, 0, 0, 1}, 4, -1);
+  {
+    fn::LogitsWriter w(p, h);
+    fn::dump_logits(fb.get(), h.sequences, &w);
+  }
+  fn::LogitsReader rd(p);
+  fn::LocalCollectives coll;
+  int64_t calls = 0;
+  const fn::KldStats s =
+      fn::kl_divergence(fb.get(), coll, &rd, [&](int64_t, const fn::KldStats&) { ++calls; });
+  CHECK(calls == 2);
+  CHECK(s.count() == 2);  // windows of 4: position 2 of each
+  CHECK(s.mean_kld() == doctest::Approx(0.0).epsilon(1e-15));
+  CHECK(s.same_top1() == 1.0);
+  CHECK(s.ppl_q() == doctest::Approx(s.ppl_base()).epsilon(1e-12));
+  fs::remove(p);
+}

@@ -77,6 +77,17 @@ void write_stdout(std::string_view s) {
   std::fflush(stdout);
 }
 
+// Token ids a tokenizer produced must index the model's logits (a tokenizer of another model may
+// not); fn::Error(Format) naming the first offending id.
+void check_ids_in_vocab(const std::vector<int32_t>& ids, int64_t vocab, const std::string& what) {
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    FN_REQUIRE(ids[i] < vocab, Format,
+               "{}: the tokenizer gave id {} (token {}), outside the model's vocabulary [0, {}): "
+               "tokenizer and model do not belong together",
+               what, ids[i], i, vocab);
+  }
+}
+
 bool has_tokenizer(const fs::path& dir) {
   return fs::exists(dir / "tokenizer.json") || fs::exists(dir / "tokenizer.model");
 }
@@ -156,6 +167,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
       tokens = require_tokenizer(dir, "-f/--file")->encode(text, EncodeMode::Raw);
+      check_ids_in_vocab(tokens, cfg.vocab_size, "-f/--file " + o.ppl_file);
       tok_id = tokenizer_id(dir);
     } else {
       const std::string text = read_file(o.ppl_ids_file, "--ids-file");
@@ -259,6 +271,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       FN_REQUIRE(!text.empty(), Format, "{}: the prompt is empty",
                  o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file);
       ids = require_tokenizer(dir, "the prompt")->encode(text, EncodeMode::Raw);
+      check_ids_in_vocab(ids, cfg.vocab_size, "the prompt");
       h.tokenizer = tokenizer_id(dir);
     }
     FN_REQUIRE(!ids.empty(), Format, "the prompt has no tokens");

@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# `fngen eval` end to end (CTest eval_cli, label mpi). Acceptance of issue 9 on the CPU backend:
+# every reference fixture converted to a base file by scripts/reference/dump_reference_logits.py,
+# `eval kld` at -np 1 and 2 (and 4 for tp4): KL(ref ‖ fngen) mean <= 1e-5, same top-1 100 %,
+# PPL(Q) = exp(mean NLL) of the reference logits within 1e-4 (recomputed in tests/eval_check.py);
+# `eval ppl` on the fixture tokens against the same recomputation; dump-logits read by the python
+# reader; float16 and top-K base files written by python, every statistic recomputed; ppl
+# --save-logits read back by kld; score on the tp4 greedy ids; and the bad-input cases: a base for
+# another vocabulary size or tokenizer, a truncated base, an empty text file, unknown flags.
+# Usage: eval_cli.sh FNGEN MPIEXEC SOURCE_DIR
+set -u
+fngen=$1
+mpiexec=$2
+src=$3
+py=/usr/bin/python3
+fx=$src/tests/data/fixtures
+drl=$src/scripts/reference/dump_reference_logits.py
+chk=$src/tests/eval_check.py
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+failures=0
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+mpi() {  # mpi NP eval-args...
+  local np=$1
+  shift
+  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" \
+    eval "$@"
+}
+
+check() {  # check CHECK-NAME ARGS... (tests/eval_check.py)
+  $py "$chk" "$@" || fail "eval_check.py $*"
+}
+
+expect() {  # expect CODE PATTERN -- command...
+  local code=$1 pattern=$2
+  shift 3
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
+    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
+  else
+    echo "ok: exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
+  fi
+}
+
+ids_of() {  # ids_of FIXTURE KEY [SLICE] -> comma-separated ids
+  local slice=${3:-}
+  $py -c "import json;e=json.load(open('$fx/$1/expected.json'));print(','.join(map(str,e['$2']$slice)))"
+}
+
+# ---- acceptance: KLD against the transformers reference on every fixture ----
+for f in g3_tiny tp4 ple2_long; do
+  $py "$drl" --from-fixture "$fx/$f" --out "$tmp/$f.fnl" 2>/dev/null || fail "convert $f"
+  nps="1 2"
+  [ "$f" = tp4 ] && nps="1 2 4"
+  for np in $nps; do
+    if mpi "$np" kld -m "$fx/$f" --base "$tmp/$f.fnl" --json >"$tmp/kld_${f}_$np.json" 2>"$tmp/err"; then
+      check kld-fixture "$fx/$f" "$tmp/kld_${f}_$np.json" "kld $f at -np $np"
+    else
+      fail "kld $f at -np $np exited non-zero: $(tail -n 3 "$tmp/err")"
+    fi
+  done
+  # The human output: llama.cpp's three blocks.
+  mpi 1 kld -m "$fx/$f" --base "$tmp/$f.fnl" >"$tmp/kld_$f.txt" 2>/dev/null || fail "kld $f text"
+  for line in "====== Perplexity statistics ======" "Mean PPL(Q)" "Cor(ln(PPL(Q)), ln(PPL(base)))" \
+    "====== KL divergence statistics ======" "Mean    KLD:" "99.9%   KLD:" "Median  KLD:" \
+    "Minimum KLD:" "====== Token probability statistics ======" "RMS Δp    :" \
+    "Same top p: 100.000"; do
+    grep -qF -- "$line" "$tmp/kld_$f.txt" || fail "kld $f text output lacks '$line'"
+  done
+done
+
+# ---- ppl on the fixture tokens: one window from position 0, against the reference rows ----
+for f in g3_tiny tp4 ple2_long; do
+  ids_of $f prompt_ids >"$tmp/$f.ids"
+  ids_of $f generated_ids "[:32]" >>"$tmp/$f.ids"
+  ctx=$(tr ',\n' '  ' <"$tmp/$f.ids" | wc -w)
+  np=1
+  [ "$f" = tp4 ] && np=2
+  if mpi $np ppl -m "$fx/$f" --ids-file "$tmp/$f.ids" -c "$ctx" --json >"$tmp/ppl_$f.json" 2>"$tmp/err"; then
+    check ppl-fixture "$fx/$f" "$tmp/ppl_$f.json" "$ctx" "ppl $f -c $ctx at -np $np"
+  else
+    fail "ppl $f exited non-zero: $(tail -n 3 "$tmp/err")"
+  fi
+done
+mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 >"$tmp/ppl.txt" 2>/dev/null
+if grep -q '^\[1\][0-9.]*,\[2\][0-9.]*,\[3\][0-9.]*,\[4\][0-9.]*,$' "$tmp/ppl.txt" &&
+  grep -q '^Final estimate: PPL = [0-9.]* +/- [0-9.]*$' "$tmp/ppl.txt"; then
+  echo "ok: ppl -c 18 prints [1]..[4] running values and the final estimate"
+else
+  fail "ppl text output: $(cat "$tmp/ppl.txt")"
+fi
+# ppl --save-logits writes a base that kld reads back: KLD 0, same top-1 100 %.
+mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/ppl.fnl" >/dev/null 2>&1 ||
+  fail "ppl --save-logits"
+mpi 2 kld -m "$fx/tp4" --base "$tmp/ppl.fnl" --json >"$tmp/self.json" 2>/dev/null || fail "kld of ppl windows"
+$py -c "import json,sys; j=json.load(open(sys.argv[1])); \
+  sys.exit(0 if j['kld']['max'] < 1e-9 and j['same_top1'] == 1 and j['count'] == 4 * 8 else 1)" \
+  "$tmp/self.json" && echo "ok: kld over ppl --save-logits windows (TP 1 file, TP 2 run): KLD 0, 32 rows" ||
+  fail "kld over ppl windows: $(cat "$tmp/self.json")"
+
+# ---- dump-logits: the C++ writer read by the python reader, rows vs the reference ----
+mpi 2 dump-logits -m "$fx/tp4" --prompt-ids "$(ids_of tp4 prompt_ids)" \
+  --continuation-ids "$(ids_of tp4 generated_ids '[:32]')" -o "$tmp/dump.fnl" >/dev/null 2>&1 ||
+  fail "dump-logits"
+check dump-fixture "$fx/tp4" "$tmp/dump.fnl" "dump-logits tp4 at -np 2"
+
+# ---- float16 and top-K bases written by python: every statistic recomputed independently ----
+for mode in "--dtype float16" "--top-k 16" "--top-k 16 --dtype float16" "--dtype float16 --values logits"; do
+  # shellcheck disable=SC2086
+  $py "$drl" --from-fixture "$fx/tp4" --out "$tmp/mode.fnl" $mode 2>/dev/null || fail "convert $mode"
+  # At the dump's TP size (2): the same logits bit for bit, so the recomputation is exact.
+  mpi 2 kld -m "$fx/tp4" --base "$tmp/mode.fnl" --json >"$tmp/mode.json" 2>/dev/null || fail "kld $mode"
+  check kld-mode "$tmp/mode.fnl" "$tmp/dump.fnl" "$tmp/mode.json" "kld tp4 base $mode"
+done
+
+# ---- score: greedy generation on the tp4 prompt (ids-only model: text = the ids) ----
+g4=$($py -c "import json;print(' '.join(map(str,json.load(open('$fx/tp4/expected.json'))['generated_ids'][:4])))")
+pids=$(ids_of tp4 prompt_ids)
+cat >"$tmp/tasks.jsonl" <<EOF
+{"id": "regex-right", "task": "ids", "prompt_ids": [$pids], "answer": "${g4%% *}", "regex": "^(\\\\d+)"}
+{"id": "exact-right", "task": "ids", "prompt_ids": [$pids], "answer": "$g4"}
+{"id": "wrong", "task": "ids", "prompt_ids": [$pids], "answer": "1 2 3 4"}
+
+{"id": "no-answer", "task": "broken", "prompt_ids": [$pids]}
+EOF
+if mpi 2 score -m "$fx/tp4" -i "$tmp/tasks.jsonl" -o "$tmp/score.jsonl" -n 4 --json \
+  >"$tmp/summary.json" 2>"$tmp/err"; then
+  check score "$tmp/score.jsonl" "$tmp/summary.json"
+  grep -q "^TOTAL  *4  *2  *1  *50.00%" "$tmp/err" && echo "ok: score prints the accuracy table" ||
+    fail "score table: $(cat "$tmp/err")"
+else
+  fail "score exited non-zero: $(tail -n 3 "$tmp/err")"
+fi
+
+# ---- a model directory with a tokenizer (tp4 + the Qwen3 tokenizer.json) ----
+mkdir -p "$tmp/tok_model"
+for x in "$fx"/tp4/*; do ln -s "$x" "$tmp/tok_model/"; done
+ln -s "$src/third_party/qwen3-tokenizer/tokenizer.json" "$tmp/tok_model/tokenizer.json"
+printf 'x' >"$tmp/one.txt"
+# Qwen3 ids 64 "a", 264 " a", 304 " in": all inside tp4's vocabulary of 384.
+printf 'a a a in a a in in a a a in a a a a in a' >"$tmp/small.txt"
+# The tokenizer identity fngen records equals the python writer's.
+mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/small.txt" -c 8 --save-logits "$tmp/tok.fnl" \
+  >/dev/null 2>"$tmp/err" || fail "ppl on text: $(tail -n 3 "$tmp/err")"
+check tokenizer-id "$tmp/tok_model" "$tmp/tok.fnl"
+
+# ---- bad input: clear errors, exit codes per STYLE.md ----
+expect 3 "vocab_size 384 but the model" -- mpi 1 kld -m "$fx/g3_tiny" --base "$tmp/tp4.fnl"
+check write-foreign "$fx/tp4" "$tmp/foreign.fnl"
+expect 3 "made with tokenizer fnv1a64:tokenizer.json:0123456789abcdef" -- \
+  mpi 1 kld -m "$tmp/tok_model" --base "$tmp/foreign.fnl"
+head -c -1 "$tmp/tp4.fnl" >"$tmp/trunc.fnl"
+expect 3 "truncated" -- mpi 2 kld -m "$fx/tp4" --base "$tmp/trunc.fnl"
+head -c 100 "$tmp/tp4.fnl" >"$tmp/trunc2.fnl"
+expect 3 "truncated" -- mpi 1 kld -m "$fx/tp4" --base "$tmp/trunc2.fnl"
+expect 3 "not a fngen logits file\|not valid JSON\|truncated" -- mpi 1 kld -m "$fx/tp4" --base "$src/README.md"
+expect 3 "cannot open" -- mpi 1 kld -m "$fx/tp4" --base "$tmp/missing.fnl"
+: >"$tmp/empty.txt"
+expect 3 "the file is empty" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/empty.txt"
+expect 3 "the file is empty" -- mpi 2 ppl -m "$tmp/tok_model" -f "$tmp/empty.txt"
+expect 2 "fewer than one window of -c/--ctx-size 512" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/one.txt"
+expect 3 "outside the model's vocabulary" -- mpi 1 ppl -m "$tmp/tok_model" -f "$src/README.md" -c 8
+expect 2 "has no tokenizer" -- mpi 1 ppl -m "$fx/tp4" -f "$src/README.md"
+expect 2 "The following argument was not expected: --bogus" -- mpi 1 kld -m "$fx/tp4" --base x --bogus
+expect 2 "base is required" -- mpi 1 kld -m "$fx/tp4"
+expect 2 "A subcommand" -- "$fngen" eval
+expect 2 "exactly one of -f/--file" -- mpi 1 ppl -m "$fx/tp4"
+expect 2 "--backend cuda" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --backend cuda
+expect 2 "item 1 \"x\" is not an integer" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids "1,x" -o "$tmp/x.fnl"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all eval_cli checks passed"

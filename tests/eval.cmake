@@ -6,3 +6,10 @@ fn_add_test(NAME test_eval SOURCES test_eval.cpp LABEL cpu)
 add_test(NAME eval_cli COMMAND bash ${CMAKE_SOURCE_DIR}/tests/eval_cli.sh
                                $<TARGET_FILE:fngen> ${MPIEXEC_EXECUTABLE} ${CMAKE_SOURCE_DIR})
 set_tests_properties(eval_cli PROPERTIES LABELS mpi TIMEOUT 900)
+# scripts/reference/dump_reference_logits.py's transformers half, checked without torch: the state dict it builds from
+# each fixture checkpoint has the reference's names and shapes and the values the reference held.
+add_test(NAME reference_logits_script_decodes_checkpoints_as_the_reference_held_them
+         COMMAND /usr/bin/python3 ${CMAKE_SOURCE_DIR}/scripts/reference/dump_reference_logits.py
+                 --check-load ${FN_TEST_DATA_DIR}/fixtures/g3_tiny ${FN_TEST_DATA_DIR}/fixtures/tp4
+                 ${FN_TEST_DATA_DIR}/fixtures/ple2_long)
+set_tests_properties(reference_logits_script_decodes_checkpoints_as_the_reference_held_them PROPERTIES LABELS cpu TIMEOUT 120)

@@ -223,10 +223,18 @@ def transformers_rows(model_dir, sequences):
     tc = cj.get("text_config", cj)
     args = {k: v for k, v in tc.items() if k not in ("model_type", "architectures", "transformers_version")}
     cfg = C.Qwen4ExpTextConfig(**args)
-    cfg._attn_implementation = "eager"
+    try:  # as make_fixtures.build_model: eager attention, the eager expert loop
+        cfg._attn_implementation = "eager"
+    except Exception:  # noqa: BLE001
+        pass
     model = M.Qwen4ExpForCausalLM(cfg).eval().float()
-    if hasattr(model, "set_experts_implementation"):
+    if getattr(model.config, "_attn_implementation", None) != "eager" and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager", model.config._attn_implementation
+    try:
         model.set_experts_implementation("eager")
+    except Exception:  # noqa: BLE001
+        pass
     sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in load_checkpoint_state(model_dir, tc).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
@@ -266,7 +274,15 @@ def check_load(fx_dir):
     bc = e["bf16_check"]
     assert np.array_equal(sd[bc["tensor"]][bc["rows"]], np.array(bc["values"], dtype=np.float32)), "bf16 rows"
     assert not any(k.startswith(("model.visual", "mtp.", "model.language_model")) for k in sd)
-    print(f"{fx_dir}: checkpoint decoding matches the reference's rows ({len(sd)} tensors)", file=sys.stderr)
+    # names and shapes: exactly the reference's state_dict (make_fixtures.expected_shapes, which the GPU run checked
+    # against Qwen4ExpForCausalLM's own state_dict: shape_mismatch_vs_model_md is empty)
+    import make_fixtures as mf  # noqa: E402  (numpy-only at import)
+    want = mf.expected_shapes(e["text_config_args"])
+    got = {k: tuple(v.shape) for k, v in sd.items()}
+    assert got == {k: tuple(v) for k, v in want.items()}, (sorted(set(got) ^ set(want)),
+                                                           [k for k in got if k in want and got[k] != tuple(want[k])])
+    print(f"{fx_dir}: checkpoint decoding matches the reference's rows and state_dict ({len(sd)} tensors)",
+          file=sys.stderr)
 
 
 def parse_ids(text):
@@ -276,7 +292,8 @@ def parse_ids(text):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="reference-logits file to write")
-    ap.add_argument("--check-load", metavar="FIXTURE", help="check the checkpoint decoding against a fixture, exit")
+    ap.add_argument("--check-load", metavar="FIXTURE", nargs="+",
+                    help="check the checkpoint decoding against fixtures, exit")
     ap.add_argument("--from-fixture", help="convert a fixture's logits.bin (no transformers needed)")
     ap.add_argument("--model", help="checkpoint directory (transformers half)")
     ap.add_argument("--prompt-ids")
@@ -290,7 +307,8 @@ def main():
     ap.add_argument("--values", choices=["logits", "logprobs"])
     a = ap.parse_args()
     if a.check_load:
-        check_load(a.check_load)
+        for fx in a.check_load:
+            check_load(fx)
         return
     assert a.out, "--out is required"
     if a.from_fixture:

@@ -311,10 +311,12 @@ LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header)
 
 LogitsWriter::~LogitsWriter() {
   if (!file_) return;
-  try {
-    close();
-  } catch (const Error& e) {
-    FN_LOG_ERROR("{}", e.what());
+  // Reached without close() only when the run failed: keep the partial file, say so.
+  std::fclose(file_);
+  file_ = nullptr;
+  if (n_written_ < header_.n_positions()) {
+    FN_LOG_WARN("{}: incomplete, {} of {} rows written (kld will reject it as truncated)",
+                path_.string(), n_written_, header_.n_positions());
   }
 }
 

@@ -1,10 +1,8 @@
-// Scripted quality evaluation for `fngen eval` (DESIGN.md "Same engine, other front ends";
-// background/ecosystem-cli-and-libraries.md §a.7): llama-perplexity windows, llama.cpp's
-// KL-divergence statistics, and the reference-logits file (reader/writer). Called by
-// apps/cmd_eval.cpp on every rank of the TP group and by tests. Backend-independent: the model is
-// reached only through EvalBackend (forward + reset), so the CUDA backend plugs in unchanged.
-// Invariant: all statistics are accumulated in double on rank 0's copy of the logits (identical on
-// every rank, MODEL.md §E.3); the file reader checks every size before it reads a byte of data.
+// Scripted quality evaluation for `fngen eval` (ecosystem doc §a.7): llama-perplexity windows,
+// llama.cpp's KL-divergence statistics and the reference-logits file reader/writer. Called by
+// apps/cmd_eval.cpp on every rank of the TP group, and by tests. The model is reached only through
+// EvalBackend (forward + reset), so the CUDA backend plugs in unchanged. Statistics are in double;
+// the file reader checks every size against the header before it reads any data.
 //
 // ---- Reference-logits file, version 1 (".fnlogits"; scripts/reference/dump_reference_logits.py
 //      writes the same format from transformers) ----
@@ -186,8 +184,8 @@ class LogitsWriter {
   /// writer converts to the header's values/dtype/mode. Throws fn::Error(Internal) past the last
   /// row or for a wrong length, Io on a write failure.
   void append(std::span<const float> logits);
-  /// Checks that every row was written and closes the file (Io on failure). Called by the
-  /// destructor too (errors then only logged).
+  /// Checks that every row was written (Internal otherwise) and closes the file (Io on failure).
+  /// Without close(), the destructor closes the file and logs a warning if rows are missing.
   void close();
   const LogitsHeader& header() const noexcept { return header_; }
 

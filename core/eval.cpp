@@ -555,7 +555,9 @@ void LogitsReader::read_row(int64_t i, int32_t target, RefRow& row) {
     buf_.resize(V * es);
     read_at(file_, data_start_ + offsets_[0] + r * V * es, buf_.data(), buf_.size(), path_);
     decode_values(buf_.data(), V, header_.dtype, row.logprobs);
-    if (!header_.values_are_logprobs) {
+    // Normalised in double whatever was stored: raw logits need it, and FP16-rounded log-probs no
+    // longer sum to probability 1 (KL could then go negative); FP32 log-probs move by ~1e-7.
+    {
       double mx = row.logprobs[0];
       for (const double v : row.logprobs) mx = std::max(mx, v);
       double sum = 0;

@@ -159,8 +159,9 @@ struct LogitsHeader {
 std::vector<LogitsSequence> perplexity_sequences(std::span<const int32_t> tokens, int64_t n_ctx,
                                                  int64_t max_chunks);
 
-/// One reference row as eval uses it: full mode -> logprobs (V values, double); topk mode ->
-/// ids/logprobs of the top K, the residual mass and the target's log-prob.
+/// One reference row as eval uses it: full mode -> logprobs (V values, double; the stored values
+/// re-normalised with a log-softmax in double, so that FP16 rounding cannot leave Σp != 1); topk
+/// mode -> ids/logprobs of the top K, the residual mass and the target's log-prob.
 struct RefRow {
   std::vector<double> logprobs;  ///< full mode: all V
   std::vector<int32_t> topk_ids;

@@ -93,7 +93,7 @@ def kld_mode(base, dump, out_json, label):
     targets = [drl.target_of(seq, p) for p in range(n)]
     if h["mode"] == "full":
         v = a["values"].astype(np.float64)
-        p = v if h["values"] == "logprobs" else logsoftmax(v)
+        p = logsoftmax(v)  # fngen re-normalises every full row, log-probs included
         kl = (np.exp(p) * (p - q)).sum(1)
         top = p.argmax(1)
         base_t = np.array([p[i, t] for i, t in enumerate(targets)])

@@ -276,10 +276,21 @@ TEST_CASE("eval: float16 log-probs and top-K rows read back within FP16 rounding
     fn::LogitsReader rd(p);
     fn::RefRow row;
     rd.read_row(0, -1, row);
+    // FP16 rounding moves each value by at most |lp_i|·2^-11 and the re-normalisation shifts all
+    // by at most the largest such move.
+    const double max_move = std::abs(lp[0]) * std::ldexp(1.0, -11);
     for (std::size_t i = 0; i < 4; ++i) {
-      CHECK(std::abs(row.logprobs[i] - lp[i]) <= std::abs(lp[i]) * std::ldexp(1.0, -11));
+      CHECK(std::abs(row.logprobs[i] - lp[i]) <= std::abs(lp[i]) * std::ldexp(1.0, -11) + max_move);
     }
+    double mass = 0;
+    for (double v : row.logprobs) mass += std::exp(v);
+    CHECK(mass == doctest::Approx(1.0).epsilon(1e-14));
     CHECK(std::isnan(row.target_logprob));
+    // KL against the unrounded row is >= 0 (Gibbs), never the negative value Σp != 1 would give.
+    fn::KldStats ks;
+    ks.add(r0, row, -1);
+    CHECK(ks.mean_kld() >= 0.0);
+    CHECK(ks.mean_kld() < 1e-6);
     fs::remove(p);
   }
   {

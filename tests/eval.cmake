@@ -13,3 +13,7 @@ add_test(NAME reference_logits_script_decodes_checkpoints_as_the_reference_held_
                  --check-load ${FN_TEST_DATA_DIR}/fixtures/g3_tiny ${FN_TEST_DATA_DIR}/fixtures/tp4
                  ${FN_TEST_DATA_DIR}/fixtures/ple2_long)
 set_tests_properties(reference_logits_script_decodes_checkpoints_as_the_reference_held_them PROPERTIES LABELS cpu TIMEOUT 120)
+# fngen eval kld against base files written by transformers on the GPU machine (tests/data/eval).
+add_test(NAME eval_transformers_written_bases COMMAND bash ${CMAKE_SOURCE_DIR}/tests/eval_transformers_bases.sh
+                                                       $<TARGET_FILE:fngen> ${CMAKE_SOURCE_DIR})
+set_tests_properties(eval_transformers_written_bases PROPERTIES LABELS cpu TIMEOUT 300)

@@ -19,6 +19,7 @@
 #include <regex>
 #include <sstream>
 
+#include "apps/app_util.h"
 #include "apps/command.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
@@ -64,19 +65,6 @@ struct EvalCli {
   CLI::App *ppl = nullptr, *dump = nullptr, *kld = nullptr, *score = nullptr;
 };
 
-std::string read_file(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file", flag, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_stdout(std::string_view s) {
-  std::fwrite(s.data(), 1, s.size(), stdout);
-  std::fflush(stdout);
-}
-
 // Token ids a tokenizer produced must index the model's logits (a tokenizer of another model may
 // not); fn::Error(Format) naming the first offending id.
 void check_ids_in_vocab(const std::vector<int32_t>& ids, int64_t vocab, const std::string& what) {
@@ -86,10 +74,6 @@ void check_ids_in_vocab(const std::vector<int32_t>& ids, int64_t vocab, const st
                "tokenizer and model do not belong together",
                what, ids[i], i, vocab);
   }
-}
-
-bool has_tokenizer(const fs::path& dir) {
-  return fs::exists(dir / "tokenizer.json") || fs::exists(dir / "tokenizer.model");
 }
 
 std::unique_ptr<Tokenizer> require_tokenizer(const fs::path& dir, const char* what) {

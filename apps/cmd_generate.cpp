@@ -22,12 +22,14 @@
 #include <random>
 #include <sstream>
 
+#include "apps/app_util.h"
 #include "apps/command.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/config.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
+#include "core/eval.h"
 #include "core/generate.h"
 #include "core/log.h"
 #include "tokenizer/chat.h"
@@ -53,46 +55,6 @@ struct GenerateCli {
               *o_repeat_penalty = nullptr, *o_presence = nullptr, *o_prompt = nullptr,
               *o_model = nullptr;
 };
-
-std::string read_file(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file", flag, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_stdout(std::string_view s) {
-  std::fwrite(s.data(), 1, s.size(), stdout);
-  std::fflush(stdout);
-}
-
-bool has_tokenizer(const fs::path& dir) {
-  return fs::exists(dir / "tokenizer.json") || fs::exists(dir / "tokenizer.model");
-}
-
-// "1,2,3" (commas and/or spaces) -> ids in [0, vocab). Errors name --prompt-ids and the item.
-std::vector<int32_t> parse_id_list(const std::string& text, int64_t vocab) {
-  std::vector<int32_t> ids;
-  std::size_t i = 0, index = 0;
-  while (i < text.size()) {
-    while (i < text.size() && (text[i] == ',' || text[i] == ' ' || text[i] == '\t')) ++i;
-    if (i >= text.size()) break;
-    std::size_t j = i;
-    while (j < text.size() && text[j] != ',' && text[j] != ' ' && text[j] != '\t') ++j;
-    const std::string item = text.substr(i, j - i);
-    int64_t v = 0;
-    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-    FN_REQUIRE(ec == std::errc() && end == item.data() + item.size(), Usage,
-               "--prompt-ids: item {} \"{}\" is not an integer", index, item);
-    FN_REQUIRE(v >= 0 && v < vocab, Usage,
-               "--prompt-ids: item {} = {} is outside the vocabulary [0, {})", index, v, vocab);
-    ids.push_back(static_cast<int32_t>(v));
-    i = j;
-    ++index;
-  }
-  return ids;
-}
 
 // Rank 0's view of the model directory's text side.
 struct TextSide {
@@ -364,7 +326,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       for (std::string line; std::getline(in, line);) lines.push_back(line);
     } else {
       if (!o.prompt_ids.empty()) {
-        single_ids = parse_id_list(o.prompt_ids, cfg.vocab_size);
+        single_ids = parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
       } else {
         std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
         if (!o.file.empty() && !text.empty() && text.back() == '\n') text.pop_back();

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "apps/app_util.h"
 #include "apps/command.h"
 #include "comm/mpi_context.h"
 #include "core/error.h"
@@ -27,18 +28,6 @@ struct TokenizeOptions {
   bool chat = false, think = false, no_think = false, json_out = false, plain = false,
        bench = false;
 };
-
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "cannot open {}", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_out(const std::string& s) {
-  std::fwrite(s.data(), 1, s.size(), stdout);
-}
 
 ChatMode default_chat_mode(const TokenizeOptions& o) {
   if (!o.chat_mode.empty()) return parse_chat_mode(o.chat_mode);
@@ -191,7 +180,7 @@ std::pair<double, double> timed(F&& f) {
 int run_bench(const Tokenizer& tok, const TokenizeOptions& o) {
   FN_REQUIRE(!o.file.empty(), Usage,
              "--bench needs -f/--file with English prose (scripts/tokenizer/bench.sh)");
-  const std::string prose = read_all(o.file);
+  const std::string prose = read_file(o.file, "-f/--file");
   const double mb = static_cast<double>(prose.size()) / 1e6;
   size_t n_tokens = 0;
   const auto cold = timed([&] { n_tokens = tok.encode(prose).size(); });
@@ -222,34 +211,34 @@ int run_bench(const Tokenizer& tok, const TokenizeOptions& o) {
   const auto t_same = timed([&] { n_same = tok.encode(same).size(); });
   const auto t_cjk = timed([&] { n_cjk = tok.encode(cjk).size(); });
   if (o.json_out) {
-    write_out(json{{"prose_bytes", prose.size()},
-                   {"prose_tokens", n_tokens},
-                   {"prose_mb_per_s_first", mb / cold.first},
-                   {"prose_mb_per_s_second", mb / warm.first},
-                   {"prose_mb_per_s_per_line", mb / per_line.first},
-                   {"prose_mb_per_cpu_s_first", mb / cold.second},
-                   {"no_whitespace_1mib_s", t_nows.first},
-                   {"repeated_char_1mib_s", t_same.first},
-                   {"repeated_cjk_1mib_s", t_cjk.first},
-                   {"no_whitespace_1mib_cpu_s", t_nows.second},
-                   {"repeated_char_1mib_cpu_s", t_same.second},
-                   {"repeated_cjk_1mib_cpu_s", t_cjk.second}}
-                  .dump(2) +
-              "\n");
+    write_stdout(json{{"prose_bytes", prose.size()},
+                      {"prose_tokens", n_tokens},
+                      {"prose_mb_per_s_first", mb / cold.first},
+                      {"prose_mb_per_s_second", mb / warm.first},
+                      {"prose_mb_per_s_per_line", mb / per_line.first},
+                      {"prose_mb_per_cpu_s_first", mb / cold.second},
+                      {"no_whitespace_1mib_s", t_nows.first},
+                      {"repeated_char_1mib_s", t_same.first},
+                      {"repeated_cjk_1mib_s", t_cjk.first},
+                      {"no_whitespace_1mib_cpu_s", t_nows.second},
+                      {"repeated_char_1mib_cpu_s", t_same.second},
+                      {"repeated_cjk_1mib_cpu_s", t_cjk.second}}
+                     .dump(2) +
+                 "\n");
   } else {
-    write_out(fmt::format("prose {} ({:.2f} MB, {} tokens)\n", o.file, mb, n_tokens));
-    write_out(fmt::format("  whole text, first pass: {:.1f} MB/s ({:.1f} MB per CPU second)\n",
-                          mb / cold.first, mb / cold.second));
-    write_out(fmt::format("  whole text, second pass: {:.1f} MB/s ({:.1f} MB per CPU second)\n",
-                          mb / warm.first, mb / warm.second));
-    write_out(fmt::format("  line by line ({} lines): {:.1f} MB/s ({:.1f} MB per CPU second)\n",
-                          lines.size(), mb / per_line.first, mb / per_line.second));
-    write_out(fmt::format("1 MiB without whitespace: {:.3f} s wall, {:.3f} s CPU ({} tokens)\n",
-                          t_nows.first, t_nows.second, n_nows));
-    write_out(fmt::format("1 MiB of 'a': {:.3f} s wall, {:.3f} s CPU ({} tokens)\n", t_same.first,
-                          t_same.second, n_same));
-    write_out(fmt::format("1 MiB of U+4E2D: {:.3f} s wall, {:.3f} s CPU ({} tokens)\n", t_cjk.first,
-                          t_cjk.second, n_cjk));
+    write_stdout(fmt::format("prose {} ({:.2f} MB, {} tokens)\n", o.file, mb, n_tokens));
+    write_stdout(fmt::format("  whole text, first pass: {:.1f} MB/s ({:.1f} MB per CPU second)\n",
+                             mb / cold.first, mb / cold.second));
+    write_stdout(fmt::format("  whole text, second pass: {:.1f} MB/s ({:.1f} MB per CPU second)\n",
+                             mb / warm.first, mb / warm.second));
+    write_stdout(fmt::format("  line by line ({} lines): {:.1f} MB/s ({:.1f} MB per CPU second)\n",
+                             lines.size(), mb / per_line.first, mb / per_line.second));
+    write_stdout(fmt::format("1 MiB without whitespace: {:.3f} s wall, {:.3f} s CPU ({} tokens)\n",
+                             t_nows.first, t_nows.second, n_nows));
+    write_stdout(fmt::format("1 MiB of 'a': {:.3f} s wall, {:.3f} s CPU ({} tokens)\n",
+                             t_same.first, t_same.second, n_same));
+    write_stdout(fmt::format("1 MiB of U+4E2D: {:.3f} s wall, {:.3f} s CPU ({} tokens)\n",
+                             t_cjk.first, t_cjk.second, n_cjk));
   }
   return 0;
 }
@@ -269,9 +258,10 @@ int run_tokenize(const TokenizeOptions& o) {
                "--ids decodes ids: it takes no -p/-f/--chat");
     const auto ids = parse_ids(o.ids);
     const std::string text = tok->decode(ids);
-    write_out(o.json_out
-                  ? json{{"text", text}}.dump(-1, ' ', false, json::error_handler_t::replace) + "\n"
-                  : text);
+    write_stdout(o.json_out
+                     ? json{{"text", text}}.dump(-1, ' ', false, json::error_handler_t::replace) +
+                           "\n"
+                     : text);
     return 0;
   }
   FN_REQUIRE(o.prompt.empty() || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
@@ -279,7 +269,7 @@ int run_tokenize(const TokenizeOptions& o) {
   if (!o.prompt.empty()) {
     text = o.prompt;
   } else if (!o.file.empty()) {
-    text = read_all(o.file);
+    text = read_file(o.file, "-f/--file");
   } else {
     std::stringstream ss;
     ss << std::cin.rdbuf();
@@ -301,9 +291,9 @@ int run_tokenize(const TokenizeOptions& o) {
     json toks = json::array();
     for (int32_t id : ids) toks.push_back(tok->id_to_token(id));
     j["tokens"] = std::move(toks);
-    write_out(j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n");
+    write_stdout(j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n");
   } else {
-    write_out(ids_line(ids));
+    write_stdout(ids_line(ids));
   }
   return 0;
 }

@@ -1,0 +1,29 @@
+#include "apps/app_util.h"
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace fn {
+
+std::string read_file(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file", flag, path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_stdout(std::string_view s) {
+  std::fwrite(s.data(), 1, s.size(), stdout);
+  std::fflush(stdout);
+}
+
+bool has_tokenizer(const std::filesystem::path& dir) {
+  return std::filesystem::exists(dir / "tokenizer.json") ||
+         std::filesystem::exists(dir / "tokenizer.model");
+}
+
+}  // namespace fn

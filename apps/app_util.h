@@ -1,0 +1,20 @@
+// Small helpers the fngen subcommands share: whole-file reads with a flag-naming error, unbuffered
+// result output on stdout, and whether a model directory carries a tokenizer.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+namespace fn {
+
+/// The whole file as bytes. Throws fn::Error(Io) "<flag> <path>: cannot open the file".
+std::string read_file(const std::string& path, const char* flag);
+
+/// Writes `s` to stdout and flushes (results only: text, tables, JSON).
+void write_stdout(std::string_view s);
+
+/// True when `dir` holds tokenizer.json or tokenizer.model.
+bool has_tokenizer(const std::filesystem::path& dir);
+
+}  // namespace fn

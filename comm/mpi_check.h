@@ -11,9 +11,9 @@ namespace fn::detail {
 }  // namespace fn::detail
 
 /// Calls an MPI function and throws fn::Error(Mpi) naming the call when it does not succeed.
-#define FN_MPI_CHECK(expr)                                                                 \
-  do {                                                                                     \
-    const int fn_mpi_rc_ = (expr);                                                         \
-    if (fn_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                                            \
-      ::fn::detail::throw_mpi_error(fn_mpi_rc_, #expr, __FILE__, __LINE__);                \
+#define FN_MPI_CHECK(expr)                                                  \
+  do {                                                                      \
+    const int fn_mpi_rc_ = (expr);                                          \
+    if (fn_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                             \
+      ::fn::detail::throw_mpi_error(fn_mpi_rc_, #expr, __FILE__, __LINE__); \
   } while (0)

@@ -32,7 +32,9 @@ constexpr std::array<DTypeInfo, 15> kDTypes{{
 
 }  // namespace
 
-std::size_t dtype_size(DType dtype) noexcept { return kDTypes[static_cast<std::size_t>(dtype)].size; }
+std::size_t dtype_size(DType dtype) noexcept {
+  return kDTypes[static_cast<std::size_t>(dtype)].size;
+}
 
 std::string_view dtype_name(DType dtype) noexcept {
   return kDTypes[static_cast<std::size_t>(dtype)].name;

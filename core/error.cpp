@@ -9,26 +9,40 @@ Error::Error(ErrorKind kind, std::string message, const char* file, int line)
 
 int exit_code(ErrorKind kind) noexcept {
   switch (kind) {
-    case ErrorKind::Usage: return 2;
-    case ErrorKind::Io: return 3;
-    case ErrorKind::Format: return 3;
-    case ErrorKind::Cuda: return 4;
-    case ErrorKind::Nccl: return 5;
-    case ErrorKind::Mpi: return 5;
-    case ErrorKind::Internal: return 1;
+    case ErrorKind::Usage:
+      return 2;
+    case ErrorKind::Io:
+      return 3;
+    case ErrorKind::Format:
+      return 3;
+    case ErrorKind::Cuda:
+      return 4;
+    case ErrorKind::Nccl:
+      return 5;
+    case ErrorKind::Mpi:
+      return 5;
+    case ErrorKind::Internal:
+      return 1;
   }
   return 1;
 }
 
 const char* error_kind_name(ErrorKind kind) noexcept {
   switch (kind) {
-    case ErrorKind::Usage: return "usage";
-    case ErrorKind::Io: return "io";
-    case ErrorKind::Format: return "format";
-    case ErrorKind::Cuda: return "cuda";
-    case ErrorKind::Nccl: return "nccl";
-    case ErrorKind::Mpi: return "mpi";
-    case ErrorKind::Internal: return "internal";
+    case ErrorKind::Usage:
+      return "usage";
+    case ErrorKind::Io:
+      return "io";
+    case ErrorKind::Format:
+      return "format";
+    case ErrorKind::Cuda:
+      return "cuda";
+    case ErrorKind::Nccl:
+      return "nccl";
+    case ErrorKind::Mpi:
+      return "mpi";
+    case ErrorKind::Internal:
+      return "internal";
   }
   return "internal";
 }

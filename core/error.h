@@ -54,18 +54,18 @@ namespace detail {
   ::fn::detail::throw_error(::fn::ErrorKind::kind, __FILE__, __LINE__, ::fmt::format(__VA_ARGS__))
 
 /// Checks an internal invariant: throws fn::Error(Internal) naming the condition.
-#define FN_CHECK(cond, ...)                                                               \
-  do {                                                                                    \
-    if (!(cond)) [[unlikely]]                                                             \
-      ::fn::detail::throw_error(::fn::ErrorKind::Internal, __FILE__, __LINE__,           \
-                                ::fmt::format(__VA_ARGS__) + " [failed: " #cond "]");     \
+#define FN_CHECK(cond, ...)                                                           \
+  do {                                                                                \
+    if (!(cond)) [[unlikely]]                                                         \
+      ::fn::detail::throw_error(::fn::ErrorKind::Internal, __FILE__, __LINE__,        \
+                                ::fmt::format(__VA_ARGS__) + " [failed: " #cond "]"); \
   } while (0)
 
 /// Checks a property of user input: throws fn::Error of `kind` (Usage, Io, Format, ...)
 /// with the message alone (the message names the file/tensor/field/flag at fault).
-#define FN_REQUIRE(cond, kind, ...)                                                       \
-  do {                                                                                    \
-    if (!(cond)) [[unlikely]]                                                             \
-      ::fn::detail::throw_error(::fn::ErrorKind::kind, __FILE__, __LINE__,               \
-                                ::fmt::format(__VA_ARGS__));                              \
+#define FN_REQUIRE(cond, kind, ...)                                        \
+  do {                                                                     \
+    if (!(cond)) [[unlikely]]                                              \
+      ::fn::detail::throw_error(::fn::ErrorKind::kind, __FILE__, __LINE__, \
+                                ::fmt::format(__VA_ARGS__));               \
   } while (0)

@@ -34,11 +34,16 @@ std::atomic<int>& level_ref() {
 
 char level_letter(LogLevel level) {
   switch (level) {
-    case LogLevel::Error: return 'E';
-    case LogLevel::Warn: return 'W';
-    case LogLevel::Info: return 'I';
-    case LogLevel::Debug: return 'D';
-    case LogLevel::Trace: return 'T';
+    case LogLevel::Error:
+      return 'E';
+    case LogLevel::Warn:
+      return 'W';
+    case LogLevel::Info:
+      return 'I';
+    case LogLevel::Debug:
+      return 'D';
+    case LogLevel::Trace:
+      return 'T';
   }
   return '?';
 }
@@ -49,8 +54,12 @@ void set_log_rank(int rank, int world) noexcept {
   g_rank = rank;
   g_world = world;
 }
-void set_log_level(LogLevel level) noexcept { level_ref() = static_cast<int>(level); }
-void set_log_all_ranks(bool all) noexcept { g_all_ranks = all; }
+void set_log_level(LogLevel level) noexcept {
+  level_ref() = static_cast<int>(level);
+}
+void set_log_all_ranks(bool all) noexcept {
+  g_all_ranks = all;
+}
 
 LogLevel parse_log_level(std::string_view name) {
   if (name == "error") return LogLevel::Error;
@@ -72,12 +81,13 @@ void log_write(LogLevel level, std::string_view message) noexcept {
     using namespace std::chrono;
     const auto now = system_clock::now();
     const std::time_t secs = system_clock::to_time_t(now);
-    const int ms = static_cast<int>(duration_cast<milliseconds>(now.time_since_epoch()).count() % 1000);
+    const int ms =
+        static_cast<int>(duration_cast<milliseconds>(now.time_since_epoch()).count() % 1000);
     std::tm tm{};
     localtime_r(&secs, &tm);
-    std::string line = fmt::format("[r{}/{}] [{}] {:02}:{:02}:{:02}.{:03} {}\n", g_rank.load(),
-                                   g_world.load(), level_letter(level), tm.tm_hour, tm.tm_min,
-                                   tm.tm_sec, ms, message);
+    std::string line =
+        fmt::format("[r{}/{}] [{}] {:02}:{:02}:{:02}.{:03} {}\n", g_rank.load(), g_world.load(),
+                    level_letter(level), tm.tm_hour, tm.tm_min, tm.tm_sec, ms, message);
     // One write() per line so lines of different ranks/threads never interleave mid-line.
     ssize_t ignored = ::write(STDERR_FILENO, line.data(), line.size());
     (void)ignored;

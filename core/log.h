@@ -26,8 +26,8 @@ void log_write(LogLevel level, std::string_view message) noexcept;
 
 }  // namespace fn
 
-#define FN_LOG_AT(level, ...)                                              \
-  do {                                                                     \
+#define FN_LOG_AT(level, ...)                                                         \
+  do {                                                                                \
     if (::fn::log_enabled(level)) ::fn::log_write(level, ::fmt::format(__VA_ARGS__)); \
   } while (0)
 #define FN_LOG_ERROR(...) FN_LOG_AT(::fn::LogLevel::Error, __VA_ARGS__)

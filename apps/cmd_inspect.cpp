@@ -12,7 +12,7 @@ void register_inspect(CLI::App& app, CommandList& commands) {
   struct Options {
     std::string dir;
     int tp = 1;
-    int64_t ctx_size = 8192;
+    int64_t ctx_size = 0;
     bool json = false;
   };
   auto opt = std::make_shared<Options>();
@@ -22,7 +22,9 @@ void register_inspect(CLI::App& app, CommandList& commands) {
       "TP rank and bytes read per decoded token");
   sub->add_option("dir,-m,--model", opt->dir, "checkpoint directory")->required();
   sub->add_option("--tp", opt->tp, "tensor-parallel size for the per-rank figures (1, 2, 4, 8)");
-  sub->add_option("-c,--ctx-size", opt->ctx_size, "context length (tokens) for bytes per token");
+  sub->add_option(
+      "-c,--ctx-size", opt->ctx_size,
+      "context length (tokens) for bytes per token (default min(8192, max_position_embeddings))");
   sub->add_flag("--json", opt->json, "print JSON instead of tables");
   commands.push_back({sub, [opt](MpiContext& mpi) {
                         const InspectReport report =

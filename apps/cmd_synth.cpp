@@ -25,7 +25,8 @@ void register_synth(CLI::App& app, CommandList& commands) {
       ->required();
   sub->add_option("-o,--out", opt->out, "output directory (absent or empty)")->required();
   sub->add_option("--seed", opt->seed, "random seed (default 0)");
-  sub->add_option("--layers", opt->layers, "keep only the first N decoder layers (real widths)");
+  sub->add_option("--layers", opt->layers,
+                  "keep only the first N decoder layers (real widths; 0 keeps all)");
   sub->add_option("--ngram-vocab-base", opt->ngram_vocab_base,
                   "override ngram_vocab_size_base (shrinks the n-gram table)");
   sub->add_option("--tokenizer", opt->tokenizer,

@@ -584,6 +584,14 @@ std::span<const float> CpuModel::forward(int32_t token) {
   logits_.resize(static_cast<std::size_t>(c.vocab_size));
   cpu::gemv(*top_->lm_head, m.data(), logits_local_.data());
   coll_.all_gather(logits_local_.data(), static_cast<std::size_t>(V_l), logits_.data());
+  // Garbage weights (NaN/Inf bytes pass every dtype and shape check) must not reach the sampler
+  // as a vague internal error: say where they surfaced.
+  for (std::size_t v = 0; v < logits_.size(); ++v) {
+    FN_REQUIRE(std::isfinite(logits_[v]), Format,
+               "the model produced a non-finite logit ({} for token {}) at position {}: the "
+               "checkpoint's weights hold NaN/Inf or overflow",
+               logits_[v], v, position_);
+  }
   ++position_;
   return logits_;
 }

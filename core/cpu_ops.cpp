@@ -244,7 +244,14 @@ void gdn_recurrent_step(const float* q, const float* k, const float* v, const fl
 // ---------------------------------------------------------------------------------------------
 
 std::vector<int32_t> top_k(const float* v, int64_t n, int64_t k) {
-  for (int64_t i = 0; i < n; ++i) FN_CHECK(!std::isnan(v[i]), "top_k: NaN at index {}", i);
+  // NaN scores come from NaN/Inf weights (they pass every dtype and shape check): report them as
+  // bad input where they surface (router or indexer), not as an internal error.
+  for (int64_t i = 0; i < n; ++i) {
+    FN_REQUIRE(!std::isnan(v[i]), Format,
+               "top-k selection (router or indexer) got a NaN score at index {}: the checkpoint's "
+               "weights hold NaN/Inf or overflow",
+               i);
+  }
   k = std::clamp<int64_t>(k, 0, n);
   std::vector<int32_t> idx(static_cast<size_t>(n));
   std::iota(idx.begin(), idx.end(), 0);

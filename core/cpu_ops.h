@@ -156,7 +156,8 @@ void gdn_recurrent_step(const float* q, const float* k, const float* v, const fl
 /// Indices of the k largest of v[0..n), best first. Deterministic tie rule: the higher value wins,
 /// and among equal values the LOWER index wins (so the result is identical on every rank and
 /// every run; where a reference breaks an exact tie differently, exact-tie cases may legitimately
-/// differ from it). k is clamped to n. Throws fn::Error(Internal) on NaN.
+/// differ from it). k is clamped to n. Throws fn::Error(Format) on a NaN score (it comes from
+/// NaN/Inf weights).
 std::vector<int32_t> top_k(const float* v, int64_t n, int64_t k);
 
 // ---------------------------------------------------------------------------------------------

@@ -555,6 +555,12 @@ void LogitsReader::read_row(int64_t i, int32_t target, RefRow& row) {
     buf_.resize(V * es);
     read_at(file_, data_start_ + offsets_[0] + r * V * es, buf_.data(), buf_.size(), path_);
     decode_values(buf_.data(), V, header_.dtype, row.logprobs);
+    for (std::size_t k = 0; k < V; ++k) {
+      FN_REQUIRE(std::isfinite(row.logprobs[k]), Format,
+                 "{}: row {}: value {} is not finite ({}): a reference-logits file must hold "
+                 "finite values",
+                 path_.string(), i, k, row.logprobs[k]);
+    }
     // Normalised in double whatever was stored: raw logits need it, and FP16-rounded log-probs no
     // longer sum to probability 1 (KL could then go negative); FP32 log-probs move by ~1e-7.
     {
@@ -582,6 +588,14 @@ void LogitsReader::read_row(int64_t i, int32_t target, RefRow& row) {
   float residual = 0, tl = 0;
   read_at(file_, data_start_ + offsets_[2] + r * 4, &residual, 4, path_);
   read_at(file_, data_start_ + offsets_[3] + r * 4, &tl, 4, path_);
+  for (std::size_t k = 0; k < K; ++k) {
+    FN_REQUIRE(std::isfinite(row.topk_logprobs[k]), Format,
+               "{}: row {}: topk_logprobs[{}] is not finite ({})", path_.string(), i, k,
+               row.topk_logprobs[k]);
+  }
+  FN_REQUIRE(std::isfinite(residual) && residual >= 0.0f, Format,
+             "{}: row {}: residual_mass {} is not a finite value >= 0", path_.string(), i,
+             residual);
   for (std::size_t k = 0; k < K; ++k)
     FN_REQUIRE(row.topk_ids[k] >= 0 && row.topk_ids[k] < header_.vocab_size, Format,
                "{}: row {}: topk_ids[{}] = {} is outside the vocabulary", path_.string(), i, k,

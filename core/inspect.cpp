@@ -81,10 +81,15 @@ InspectReport plan_only_report(InspectReport r, const std::filesystem::path& con
 }  // namespace
 
 InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, int64_t ctx_size) {
-  FN_REQUIRE(ctx_size >= 1, Usage, "--ctx-size must be >= 1, got {}", ctx_size);
+  FN_REQUIRE(ctx_size >= 0, Usage, "--ctx-size must be >= 1 (0 = default), got {}", ctx_size);
   InspectReport r;
   r.dir = dir.string();
   r.config = load_model_config(dir);
+  const int64_t max_ctx = r.config.max_position_embeddings;
+  if (ctx_size == 0) ctx_size = std::min<int64_t>(8192, max_ctx);
+  FN_REQUIRE(ctx_size <= max_ctx, Usage,
+             "--ctx-size {} is more than the model's max_position_embeddings ({})", ctx_size,
+             max_ctx);
   if (!std::filesystem::is_directory(dir))
     return plan_only_report(std::move(r), dir, tp_size, ctx_size);
   const QuantConfig quant = load_quant_config(dir);

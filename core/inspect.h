@@ -46,7 +46,8 @@ struct InspectReport {
 /// is a config.json file instead, reports the figures of the checkpoint it describes (from
 /// expected_tensors; plan_only is set and nothing is validated) — e.g. the full real geometry.
 /// Throws Format listing the problems when the checkpoint does not match its config (every
-/// problem is also logged at ERROR), Usage for a TP size the model cannot use or ctx_size < 1,
+/// problem is also logged at ERROR), Usage for a TP size the model cannot use or a ctx_size
+/// outside [1, max_position_embeddings] (0 means min(8192, max_position_embeddings)),
 /// Io when files are missing or unreadable.
 InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, int64_t ctx_size);
 

@@ -13,6 +13,7 @@ namespace fn {
 void validate_sampling_params(const SamplingParams& p) {
   FN_REQUIRE(std::isfinite(p.temperature) && p.temperature >= 0.0, Usage,
              "--temp must be a finite value >= 0 (0 = greedy), got {}", p.temperature);
+  FN_REQUIRE(p.top_k >= 0, Usage, "--top-k must be >= 0 (0 = off), got {}", p.top_k);
   FN_REQUIRE(p.top_p > 0.0 && p.top_p <= 1.0, Usage, "--top-p must be in (0, 1] (1 = off), got {}",
              p.top_p);
   FN_REQUIRE(p.min_p >= 0.0 && p.min_p <= 1.0, Usage, "--min-p must be in [0, 1] (0 = off), got {}",

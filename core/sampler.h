@@ -17,7 +17,7 @@ namespace fn {
 /// Sampling settings, llama.cpp's flag semantics ("off" values disable a stage).
 struct SamplingParams {
   double temperature = 1.0;         ///< --temp; <= 0 means greedy (argmax, ties to the lowest id)
-  int64_t top_k = 0;                ///< --top-k; <= 0 keeps every token
+  int64_t top_k = 0;                ///< --top-k; 0 keeps every token (negative: Usage error)
   double top_p = 1.0;               ///< --top-p in (0, 1]; 1 cuts nothing
   double min_p = 0.0;               ///< --min-p in [0, 1]; keep p >= min_p * p_max; 0 = off
   double repetition_penalty = 1.0;  ///< --repeat-penalty (> 0); 1 = off

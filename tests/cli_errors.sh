@@ -28,7 +28,8 @@ expect 2 "bogus" -- "$fngen" inspect "$tmp" --bogus
 expect 2 "tp" -- "$fngen" inspect "$tmp" --tp notanumber
 expect 3 "$tmp/nonexistent" -- "$fngen" inspect "$tmp/nonexistent"
 expect 2 "got 3" -- "$fngen" inspect "$src/configs/tiny.json" --tp 3
-expect 2 "ctx-size" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size 0
+expect 2 "ctx-size" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size -5
+expect 2 "max_position_embeddings (4096)" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size 99999999
 printf 'not json' >"$tmp/bad.json"
 expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }

@@ -263,6 +263,30 @@ TEST_CASE("eval: a full float32 logits file round-trips bit for bit and reads as
   fs::remove(p);
 }
 
+TEST_CASE("eval: a reference row holding NaN or Inf is a format error naming the row") {
+  for (const float bad : {NAN, INFINITY}) {
+    const fs::path p = tmp_path("nonfinite.fnl");
+    {
+      fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+      w.append(std::vector<float>{1.0f, 2.0f, 3.0f});
+      w.append(std::vector<float>{0.5f, bad, 1.0f});
+      w.close();
+    }
+    fn::LogitsReader rd(p);
+    fn::RefRow row;
+    rd.read_row(0, 2, row);
+    try {
+      rd.read_row(1, 1, row);
+      FAIL("read a non-finite row");
+    } catch (const fn::Error& e) {
+      CHECK(e.kind() == fn::ErrorKind::Format);
+      CHECK(std::string(e.what()).find("row 1") != std::string::npos);
+      CHECK(std::string(e.what()).find("not finite") != std::string::npos);
+    }
+    fs::remove(p);
+  }
+}
+
 TEST_CASE("eval: float16 log-probs and top-K rows read back within FP16 rounding") {
   const std::vector<float> r0 = {0.0f, 1.0f, 2.0f, 3.0f};
   std::vector<double> lp;

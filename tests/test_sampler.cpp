@@ -245,6 +245,7 @@ TEST_CASE("sampler: out-of-range settings are usage errors naming the flag") {
     }
   };
   bad([](fn::SamplingParams& p) { p.temperature = -0.1; }, "--temp");
+  bad([](fn::SamplingParams& p) { p.top_k = -3; }, "--top-k");
   bad([](fn::SamplingParams& p) { p.top_p = 0.0; }, "--top-p");
   bad([](fn::SamplingParams& p) { p.top_p = 1.5; }, "--top-p");
   bad([](fn::SamplingParams& p) { p.min_p = -0.5; }, "--min-p");

@@ -21,6 +21,14 @@ void write_stdout(std::string_view s) {
   std::fflush(stdout);
 }
 
+nlohmann::json parse_json_line(const std::string& line) {
+  try {
+    return nlohmann::json::parse(line);
+  } catch (const nlohmann::json::parse_error& e) {
+    FN_THROW(Format, "not valid JSON ({})", e.what());
+  }
+}
+
 bool has_tokenizer(const std::filesystem::path& dir) {
   return std::filesystem::exists(dir / "tokenizer.json") ||
          std::filesystem::exists(dir / "tokenizer.model");

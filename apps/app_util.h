@@ -2,6 +2,8 @@
 // result output on stdout, and whether a model directory carries a tokenizer.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -13,6 +15,10 @@ std::string read_file(const std::string& path, const char* flag);
 
 /// Writes `s` to stdout and flushes (results only: text, tables, JSON).
 void write_stdout(std::string_view s);
+
+/// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)"; callers put it
+/// into that record's "error" field.
+nlohmann::json parse_json_line(const std::string& line);
 
 /// True when `dir` holds tokenizer.json or tokenizer.model.
 bool has_tokenizer(const std::filesystem::path& dir);

@@ -539,12 +539,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       if (line.find_first_not_of(" \t\r") != std::string::npos) {
         status = 1;
         try {
-          json rec;
-          try {
-            rec = json::parse(line);
-          } catch (const json::parse_error& e) {
-            FN_THROW(Format, "not valid JSON ({})", e.what());
-          }
+          const json rec = parse_json_line(line);
           if (rec.is_object() && rec.contains("id")) t.id = rec["id"];
           if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
             t.task = rec["task"].get<std::string>();

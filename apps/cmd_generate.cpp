@@ -420,12 +420,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       if (line.find_first_not_of(" \t\r") != std::string::npos) {
         status = 1;
         try {
-          json rec;
-          try {
-            rec = json::parse(line);
-          } catch (const json::parse_error& e) {
-            FN_THROW(Format, "not valid JSON ({})", e.what());
-          }
+          const json rec = parse_json_line(line);
           if (rec.is_object() && rec.contains("id")) rec_id = rec["id"];
           if (rec.is_object() && rec.contains("messages")) rec_chat = true;
           ids = record_ids(rec, ts, o.chat, cfg.vocab_size);

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -19,6 +20,10 @@ void write_stdout(std::string_view s);
 /// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)"; callers put it
 /// into that record's "error" field.
 nlohmann::json parse_json_line(const std::string& line);
+
+/// The backend/TP flags every model-running subcommand shares: --backend cuda is a Usage error
+/// until the CUDA engine exists; --tp (0 = unset) must equal the MPI world size.
+void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size);
 
 /// True when `dir` holds tokenizer.json or tokenizer.model.
 bool has_tokenizer(const std::filesystem::path& dir);

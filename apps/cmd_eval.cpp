@@ -92,12 +92,7 @@ struct Loaded {
 };
 
 void check_common(const CommonCli& c, MpiContext& mpi) {
-  FN_REQUIRE(c.backend != "cuda", Usage,
-             "--backend cuda: the CUDA backend is not available yet in this build; use "
-             "--backend cpu (or auto)");
-  FN_REQUIRE(c.tp == 0 || c.tp == mpi.world_size(), Usage,
-             "--tp {} must equal the number of MPI ranks ({}): the TP size is the world size", c.tp,
-             mpi.world_size());
+  check_backend_and_tp(c.backend, c.tp, mpi.world_size());
 }
 
 void load_backend(Loaded& l, const fs::path& dir) {

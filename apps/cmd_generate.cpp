@@ -243,12 +243,7 @@ std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) 
 
 int run_generate(GenerateCli& o, MpiContext& mpi) {
   const bool root = mpi.world_rank() == 0;
-  FN_REQUIRE(o.backend != "cuda", Usage,
-             "--backend cuda: the CUDA backend is not available yet in this build; use "
-             "--backend cpu (or auto)");
-  FN_REQUIRE(o.tp == 0 || o.tp == mpi.world_size(), Usage,
-             "--tp {} must equal the number of MPI ranks ({}): the TP size is the world size", o.tp,
-             mpi.world_size());
+  check_backend_and_tp(o.backend, o.tp, mpi.world_size());
   const int sources = static_cast<int>(o.o_prompt->count() > 0) +
                       static_cast<int>(!o.file.empty()) + static_cast<int>(!o.prompt_ids.empty()) +
                       static_cast<int>(!o.input.empty());

@@ -1,0 +1,589 @@
+// QSA decode kernels (see qsa.h): prep (norms, RoPE, cache rows, block key), indexer scores,
+// top-k block select, chunked attention, combine + gate. Every kernel reads t from device memory.
+#include "cuda/qsa.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "comm/cuda_check.h"
+#include "cuda/device_util.cuh"
+#include "cuda/launch_check.h"
+
+namespace fn {
+namespace {
+
+constexpr int kThreads = 256;         // prep, scores, attention, combine
+constexpr int kSelectThreads = 1024;  // the one select CTA
+constexpr int kMaxDim = 256;          // hd and ihd limit (one element per prep thread)
+constexpr int kMaxIndexerQ = 4096;    // indexer_heads * ihd floats in static shared memory
+constexpr int kMaxChunks = 4096;      // combine keeps one weight per chunk in shared memory
+constexpr int kSmemLimit = 48 * 1024;
+constexpr uint16_t kBf16Nan = 0x7FC0;
+
+struct Args {
+  const float* proj;
+  const float* q_norm;
+  const float* k_norm;
+  const float* iq_norm;
+  const float* ik_norm;
+  const int64_t* position;
+  uint16_t* k_cache;
+  uint16_t* v_cache;
+  float* raw_keys;
+  float* block_keys;
+  uint16_t* out;
+  float* q;
+  float* qi;
+  float* scores;
+  int* selected;
+  int* counters;
+  float* part_out;
+  float* part_max;
+  float* part_sum;
+  int64_t ctx;
+  double theta;
+  int hq, hkv, q_head_first, q_per_kv, kv_head_first, hd, rot;
+  int ni, ihd, ratio, topk;
+  float eps;
+  int chunk, max_chunks, gmax;
+};
+
+__device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
+  return t >= 0 && t < ctx;
+}
+
+// Block-wide FP64 sum in a fixed order (butterfly per warp, then warps ascending); every thread
+// gets the total. `red` holds kThreads / 32 doubles.
+__device__ double block_sum_f64(double v, double* red) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = red[0];
+  for (int i = 1; i < kThreads / 32; ++i) s += red[i];
+  __syncthreads();
+  return s;
+}
+
+// rms_norm_1p then rope_neox (core/cpu_ops.cpp) of one head of n <= kMaxDim values x into the
+// shared y, op for op as the CPU code in FP32 (the statistic in FP64); intrinsics keep nvcc from
+// contracting the RoPE products into FMAs. cos/sin of the FP32 angle are evaluated in FP64 and
+// rounded once. Every thread of the block must call it.
+__device__ void norm_rope(const float* x, const float* w, int n, float eps, int rot, double theta,
+                          int64_t pos, float* y, double* red) {
+  const int tid = threadIdx.x;
+  const float xv = tid < n ? x[tid] : 0.0f;
+  const double ss = block_sum_f64(static_cast<double>(xv) * xv, red);
+  const float mean = static_cast<float>(ss / static_cast<double>(n));
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  if (tid < n) y[tid] = __fmul_rn(__fmul_rn(xv, inv), __fadd_rn(1.0f, w[tid]));
+  __syncthreads();
+  const int half = rot / 2;
+  if (tid < half) {
+    const float inv_freq = static_cast<float>(
+        1.0 / pow(theta, static_cast<double>(2 * tid) / static_cast<double>(rot)));
+    const float phi = __fmul_rn(static_cast<float>(pos), inv_freq);
+    double sd, cd;
+    sincos(static_cast<double>(phi), &sd, &cd);
+    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+    const float a = y[tid], b = y[tid + half];
+    y[tid] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    y[tid + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  }
+  __syncthreads();
+}
+
+// One CTA per role: query heads [0, hq), KV heads [hq, hq+hkv) (K row + V row), indexer query
+// heads, then one CTA for the raw indexer key and, when a block completes, its block key.
+__global__ void __launch_bounds__(kThreads) qsa_prep_kernel(Args a) {
+  __shared__ float y[kMaxDim];
+  __shared__ float xin[kMaxDim];
+  __shared__ double red[kThreads / 32];
+  const int64_t t = *a.position;
+  if (!valid_t(t, a.ctx)) return;
+  const int role = blockIdx.x, tid = threadIdx.x;
+  const int64_t hd = a.hd, qkv = int64_t{a.hq} * 2 * hd;
+  const int64_t idx_off = qkv + 2 * int64_t{a.hkv} * hd;
+  if (role < a.hq) {
+    norm_rope(a.proj + role * 2 * hd, a.q_norm, a.hd, a.eps, a.rot, a.theta, t, y, red);
+    if (tid < a.hd) a.q[role * hd + tid] = y[tid];
+  } else if (role < a.hq + a.hkv) {
+    const int j = role - a.hq;
+    norm_rope(a.proj + qkv + j * hd, a.k_norm, a.hd, a.eps, a.rot, a.theta, t, y, red);
+    const int64_t row = t * a.hkv * hd + j * hd;
+    if (tid < a.hd) {
+      a.k_cache[row + tid] = dev::float_to_bf16_bits(y[tid]);
+      a.v_cache[row + tid] = dev::float_to_bf16_bits(a.proj[qkv + (a.hkv + j) * hd + tid]);
+    }
+  } else if (role < a.hq + a.hkv + a.ni) {
+    const int h = role - a.hq - a.hkv;
+    norm_rope(a.proj + idx_off + h * a.ihd, a.iq_norm, a.ihd, a.eps, a.rot, a.theta, t, y, red);
+    if (tid < a.ihd) a.qi[h * a.ihd + tid] = y[tid];
+  } else {
+    const float* cur = a.proj + idx_off + int64_t{a.ni} * a.ihd;
+    if (tid < a.ihd) a.raw_keys[t * a.ihd + tid] = cur[tid];
+    if ((t + 1) % a.ratio != 0) return;  // uniform over the CTA
+    // indexer_block_key: mean over the block's raw keys (FP64, rows in order, the last row is
+    // this token's key, read from proj), norm, RoPE at the block's first position.
+    const int64_t b = (t + 1) / a.ratio - 1;
+    if (tid < a.ihd) {
+      double acc = 0.0;
+      for (int i = 0; i + 1 < a.ratio; ++i) acc += a.raw_keys[(b * a.ratio + i) * a.ihd + tid];
+      acc += cur[tid];
+      xin[tid] = static_cast<float>(acc / static_cast<double>(a.ratio));
+    }
+    __syncthreads();
+    norm_rope(xin, a.ik_norm, a.ihd, a.eps, a.rot, a.theta, b * a.ratio, y, red);
+    if (tid < a.ihd) a.block_keys[b * a.ihd + tid] = y[tid];
+  }
+}
+
+// indexer_scores for blocks 0..B-1: one warp per block, FP64 dot per head (as cpu::dot), then
+// relu in FP32 (std::max(0.0f, x) semantics), the head sum in FP64, times 1/sqrt(ihd) in FP64.
+__global__ void __launch_bounds__(kThreads) qsa_scores_kernel(Args a) {
+  __shared__ float qs[kMaxIndexerQ];
+  const int64_t t = *a.position;
+  if (!valid_t(t, a.ctx)) return;
+  const int64_t B = (t + 1) / a.ratio;
+  if (int64_t{blockIdx.x} * (kThreads / 32) >= B) return;  // uniform over the CTA
+  for (int i = threadIdx.x; i < a.ni * a.ihd; i += kThreads) qs[i] = a.qi[i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t{gridDim.x} * (kThreads / 32);
+  const double scale = 1.0 / sqrt(static_cast<double>(a.ihd));
+  for (int64_t b = int64_t{blockIdx.x} * (kThreads / 32) + (threadIdx.x >> 5); b < B; b += warps) {
+    const float* kb = a.block_keys + b * a.ihd;
+    float kv[kMaxDim / 32];
+#pragma unroll
+    for (int r = 0; r < kMaxDim / 32; ++r) {
+      const int d = lane + 32 * r;
+      kv[r] = d < a.ihd ? kb[d] : 0.0f;
+    }
+    double acc = 0.0;
+    for (int h = 0; h < a.ni; ++h) {
+      double p = 0.0;
+#pragma unroll
+      for (int r = 0; r < kMaxDim / 32; ++r) {
+        const int d = lane + 32 * r;
+        if (d < a.ihd) p += static_cast<double>(qs[h * a.ihd + d]) * kv[r];
+      }
+      for (int off = 16; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
+      const float dh = static_cast<float>(p);
+      acc += static_cast<double>(0.0f < dh ? dh : 0.0f);
+    }
+    if (lane == 0) a.scores[b] = static_cast<float>(acc * scale);
+  }
+}
+
+// Monotone map of a score to an unsigned key (larger score -> larger key); -0 maps as +0 so that
+// equal values compare equal as the CPU's float comparison does. NaN lands above +inf.
+__device__ __forceinline__ uint32_t order_key(float s) {
+  const uint32_t u = s == 0.0f ? 0u : __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum over the CTA (kSelectThreads threads), integer so order-free.
+__device__ int block_exclusive_scan(int v, int* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = v;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += n;
+  }
+  if (lane == 31) sh[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < kSelectThreads / 32 ? sh[lane] : 0;
+    int wi = w;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, wi, off);
+      if (lane >= off) wi += n;
+    }
+    if (lane < kSelectThreads / 32) sh[lane] = wi - w;
+  }
+  __syncthreads();
+  const int r = sh[warp] + incl - v;
+  __syncthreads();
+  return r;
+}
+
+// top_k + qsa_selected_tokens' block part: k = min(topk, B) blocks, higher score first, equal
+// scores -> lower index, written ascending. Radix select (4 passes of 8 bits) finds the k-th key
+// T; every key > T is selected plus the lowest-indexed (k - #greater) keys equal to T.
+__global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
+  __shared__ unsigned hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_remaining;
+  __shared__ int scan_sh[32];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t t = *a.position;
+  if (!valid_t(t, a.ctx)) {
+    if (tid < 4) a.counters[tid] = 0;
+    return;
+  }
+  const int B = static_cast<int>((t + 1) / a.ratio);
+  const int k = min(a.topk, B);
+  const int tail = static_cast<int>(t + 1 - int64_t{B} * a.ratio);
+  if (tid == 0) {
+    a.counters[0] = k;
+    a.counters[1] = B;
+    a.counters[2] = k * a.ratio + tail;
+    a.counters[3] = 0;
+  }
+  if (k == B) {  // every complete block is selected (dense attention)
+    for (int i = tid; i < B; i += kSelectThreads) a.selected[i] = i;
+    return;
+  }
+  uint32_t prefix = 0, mask = 0;
+  int remaining = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (tid < 256) hist[tid] = 0;
+    __syncthreads();
+    for (int i = tid; i < B; i += kSelectThreads) {
+      const uint32_t u = order_key(a.scores[i]);
+      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (tid < 32) {
+      // Lane l holds bins 255-8l .. 248-8l (from the top); find the bin holding the
+      // remaining-th largest key.
+      unsigned c[8], tot = 0;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        c[r] = hist[255 - 8 * lane - r];
+        tot += c[r];
+      }
+      unsigned incl = tot;
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned n = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += n;
+      }
+      const unsigned excl = incl - tot;
+      const unsigned rem = static_cast<unsigned>(remaining);
+      if (excl < rem && rem <= incl) {
+        unsigned cum = excl;
+        for (int r = 0; r < 8; ++r) {
+          if (cum + c[r] >= rem) {
+            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
+            s_remaining = static_cast<int>(rem - cum);
+            break;
+          }
+          cum += c[r];
+        }
+      }
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    remaining = s_remaining;
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  // Compaction in index order: thread tid owns the contiguous range [lo, hi).
+  const uint32_t T = prefix;
+  const int per = (B + kSelectThreads - 1) / kSelectThreads;
+  const int lo = min(B, tid * per), hi = min(B, lo + per);
+  int gt = 0, eq = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = order_key(a.scores[i]);
+    gt += u > T;
+    eq += u == T;
+  }
+  const int eq_before = block_exclusive_scan(eq, scan_sh);
+  const int take_eq = max(0, min(remaining - eq_before, eq));
+  int off = block_exclusive_scan(gt + take_eq, scan_sh);
+  int eq_seen = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = order_key(a.scores[i]);
+    bool sel = u > T;
+    if (u == T) sel = eq_seen++ < take_eq;
+    if (sel) a.selected[off++] = i;
+  }
+  (void)lane;
+}
+
+// Attention of the query heads of local KV head blockIdx.y over attended tokens
+// [chunk*blockIdx.x, +chunk): scores q.k * (1/sqrt(hd)) (FP32), per-chunk max and
+// sum of exp(s - max), unnormalised sum_n p_n v_n. Token n of the attended list is block
+// selected[n / ratio] for n < ratio * nsel, else the tail token ratio*B + (n - ratio*nsel).
+__global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
+  extern __shared__ float smem[];
+  const int64_t t = *a.position;
+  if (!valid_t(t, a.ctx)) return;
+  const int nsel = a.counters[0], B = a.counters[1], n_tokens = a.counters[2];
+  const int c = blockIdx.x, j = blockIdx.y;
+  const int start = c * a.chunk;
+  if (start >= n_tokens) return;
+  const int cnt = min(a.chunk, n_tokens - start);
+  // Local q heads of KV head j: contiguous because (q_head_first + i) / q_per_kv is monotone.
+  int i0 = -1, G = 0;
+  for (int i = 0; i < a.hq; ++i) {
+    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
+      if (i0 < 0) i0 = i;
+      ++G;
+    }
+  }
+  if (G == 0) return;
+  const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* q_s = smem;                                             // [gmax, hd]
+  float* s_s = q_s + a.gmax * hd;                                // [gmax, chunk]
+  int* tok_s = reinterpret_cast<int*>(s_s + a.gmax * a.chunk);   // [chunk]
+  uint16_t* v_s = reinterpret_cast<uint16_t*>(tok_s + a.chunk);  // [chunk, hd]
+  for (int i = tid; i < G * hd; i += kThreads) q_s[i] = a.q[int64_t{i0} * hd + i];
+  const int nb = nsel * a.ratio;
+  for (int n = tid; n < cnt; n += kThreads) {
+    const int ln = start + n;
+    tok_s[n] =
+        ln < nb ? a.selected[ln / a.ratio] * a.ratio + ln % a.ratio : B * a.ratio + (ln - nb);
+  }
+  __syncthreads();
+  const int64_t row = int64_t{a.hkv} * hd;
+  const int pairs = hd / 2;
+  for (int idx = tid; idx < cnt * pairs; idx += kThreads) {
+    const int n = idx / pairs, p = idx - n * pairs;
+    reinterpret_cast<uint32_t*>(v_s)[idx] =
+        reinterpret_cast<const uint32_t*>(a.v_cache + tok_s[n] * row + int64_t{j} * hd)[p];
+  }
+  const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+  for (int n = warp; n < cnt; n += kThreads / 32) {
+    const uint32_t* kr =
+        reinterpret_cast<const uint32_t*>(a.k_cache + tok_s[n] * row + int64_t{j} * hd);
+    uint32_t kp[kMaxDim / 64];
+#pragma unroll
+    for (int r = 0; r < kMaxDim / 64; ++r) {
+      const int p = lane + 32 * r;
+      kp[r] = p < pairs ? kr[p] : 0u;
+    }
+    for (int g = 0; g < G; ++g) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kMaxDim / 64; ++r) {
+        const int p = lane + 32 * r;
+        if (p < pairs) {
+          acc = fmaf(q_s[g * hd + 2 * p], dev::bf16_lo(kp[r]), acc);
+          acc = fmaf(q_s[g * hd + 2 * p + 1], dev::bf16_hi(kp[r]), acc);
+        }
+      }
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) s_s[g * a.chunk + n] = acc * scale;
+    }
+  }
+  __syncthreads();
+  for (int g = warp; g < G; g += kThreads / 32) {
+    float m = -INFINITY;
+    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[g * a.chunk + n]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float l = 0.0f;
+    for (int n = lane; n < cnt; n += 32) {
+      const float p = expf(s_s[g * a.chunk + n] - m);
+      s_s[g * a.chunk + n] = p;
+      l += p;
+    }
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) {
+      a.part_max[(i0 + g) * a.max_chunks + c] = m;
+      a.part_sum[(i0 + g) * a.max_chunks + c] = l;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * hd; idx += kThreads) {
+    const int g = idx / hd, d = idx - g * hd;
+    float acc = 0.0f;
+    for (int n = 0; n < cnt; ++n)
+      acc = fmaf(s_s[g * a.chunk + n], __uint_as_float(uint32_t{v_s[n * hd + d]} << 16), acc);
+    a.part_out[(int64_t{i0 + g} * a.max_chunks + c) * hd + d] = acc;
+  }
+}
+
+// Combine of query head blockIdx.x over its chunks in ascending order, then * sigmoid(gate)
+// (the two-branch form of cpu::sigmoid) -> BF16.
+__global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
+  __shared__ float wc[kMaxChunks];
+  const int i = blockIdx.x, hd = a.hd;
+  const int64_t t = *a.position;
+  uint16_t* out = a.out + int64_t{i} * hd;
+  if (!valid_t(t, a.ctx)) {
+    for (int d = threadIdx.x; d < hd; d += kThreads) out[d] = kBf16Nan;
+    return;
+  }
+  const int nc = (a.counters[2] + a.chunk - 1) / a.chunk;
+  const float* pm = a.part_max + int64_t{i} * a.max_chunks;
+  const float* ps = a.part_sum + int64_t{i} * a.max_chunks;
+  float M = -INFINITY;
+  for (int c = 0; c < nc; ++c) M = fmaxf(M, pm[c]);
+  for (int c = threadIdx.x; c < nc; c += kThreads) wc[c] = expf(pm[c] - M);
+  __syncthreads();
+  float L = 0.0f;
+  for (int c = 0; c < nc; ++c) L = fmaf(ps[c], wc[c], L);
+  const float* gate = a.proj + int64_t{i} * 2 * hd + hd;
+  for (int d = threadIdx.x; d < hd; d += kThreads) {
+    float o = 0.0f;
+    for (int c = 0; c < nc; ++c)
+      o = fmaf(a.part_out[(int64_t{i} * a.max_chunks + c) * hd + d], wc[c], o);
+    o = o / L;
+    const float g = gate[d];
+    float sg;
+    if (g >= 0.0f) {
+      sg = 1.0f / (1.0f + expf(-g));
+    } else {
+      const float e = expf(g);
+      sg = e / (1.0f + e);
+    }
+    out[d] = dev::float_to_bf16_bits(o * sg);
+  }
+}
+
+bool aligned(const void* p, uintptr_t n) {
+  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
+}
+
+size_t align256(size_t x) {
+  return (x + 255) & ~size_t{255};
+}
+
+size_t attn_smem_bytes(int gmax, int hd, int chunk) {
+  return size_t(gmax) * hd * 4 + size_t(gmax) * chunk * 4 + size_t(chunk) * 4 +
+         size_t(chunk) * hd * 2;
+}
+
+void check_shape(const QsaDecodeParams& p, const char* op) {
+  FN_LAUNCH_REQUIRE(p.ctx_size >= 1 && p.ctx_size <= (int64_t{1} << 30), op);
+  FN_LAUNCH_REQUIRE(p.num_q_heads >= 1 && p.num_q_heads <= 1024, op);
+  FN_LAUNCH_REQUIRE(p.num_kv_heads >= 1 && p.q_per_kv >= 1, op);
+  FN_LAUNCH_REQUIRE(p.q_head_first >= 0 && p.kv_head_first >= 0, op);
+  FN_LAUNCH_REQUIRE(p.head_dim >= 2 && p.head_dim <= kMaxDim && p.head_dim % 2 == 0, op);
+  FN_LAUNCH_REQUIRE(p.indexer_heads >= 1 && p.indexer_head_dim >= 1, op);
+  FN_LAUNCH_REQUIRE(p.indexer_head_dim <= kMaxDim, op);
+  FN_LAUNCH_REQUIRE(p.indexer_heads * p.indexer_head_dim <= kMaxIndexerQ, op);
+  FN_LAUNCH_REQUIRE(p.rotary_dim >= 2 && p.rotary_dim % 2 == 0, op);
+  FN_LAUNCH_REQUIRE(p.rotary_dim <= p.head_dim && p.rotary_dim <= p.indexer_head_dim, op);
+  FN_LAUNCH_REQUIRE(p.rope_theta > 0, op);
+  FN_LAUNCH_REQUIRE(p.ratio >= 1 && p.block_topk >= 1, op);
+  FN_LAUNCH_REQUIRE(p.eps >= 0.0f, op);
+  for (int i = 0; i < p.num_q_heads; ++i) {
+    const int kv = (p.q_head_first + i) / p.q_per_kv - p.kv_head_first;
+    FN_LAUNCH_REQUIRE(kv >= 0 && kv < p.num_kv_heads, op);
+  }
+}
+
+}  // namespace
+
+QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& p) {
+  constexpr const char* kOp = "qsa_workspace_layout";
+  check_shape(p, kOp);
+  QsaWorkspaceLayout w;
+  const int64_t max_blocks = p.ctx_size / p.ratio;
+  const int64_t sel_max = std::min<int64_t>(p.block_topk, max_blocks);
+  w.max_tokens = std::min<int64_t>(p.ctx_size, int64_t{p.ratio} * sel_max + p.ratio - 1);
+  int gmax = 0;
+  for (int j = 0; j < p.num_kv_heads; ++j) {
+    int g = 0;
+    for (int i = 0; i < p.num_q_heads; ++i)
+      g += (p.q_head_first + i) / p.q_per_kv - p.kv_head_first == j;
+    gmax = std::max(gmax, g);
+  }
+  // Chunk: about 256 attention CTAs at the largest token count, 16..64 tokens, within 48 KiB of
+  // shared memory.
+  const int64_t per = (w.max_tokens * p.num_kv_heads + 255) / 256;
+  int chunk = static_cast<int>(std::clamp<int64_t>((per + 15) / 16 * 16, 16, 64));
+  while (chunk > 16 && attn_smem_bytes(gmax, p.head_dim, chunk) > kSmemLimit) chunk -= 16;
+  FN_LAUNCH_REQUIRE(attn_smem_bytes(gmax, p.head_dim, chunk) <= kSmemLimit, kOp);
+  w.chunk = chunk;
+  w.max_chunks = static_cast<int>((w.max_tokens + chunk - 1) / chunk);
+  FN_LAUNCH_REQUIRE(w.max_chunks <= kMaxChunks, kOp);
+  const size_t hq = p.num_q_heads, hd = p.head_dim;
+  size_t off = 0;
+  w.q = off;
+  off = align256(off + hq * hd * 4);
+  w.qi = off;
+  off = align256(off + size_t(p.indexer_heads) * p.indexer_head_dim * 4);
+  w.scores = off;
+  off = align256(off + size_t(std::max<int64_t>(max_blocks, 1)) * 4);
+  w.selected = off;
+  off = align256(off + size_t(std::max<int64_t>(sel_max, 1)) * 4);
+  w.counters = off;
+  off = align256(off + 16);
+  w.part_out = off;
+  off = align256(off + hq * w.max_chunks * hd * 4);
+  w.part_max = off;
+  off = align256(off + hq * w.max_chunks * 4);
+  w.part_sum = off;
+  off = align256(off + hq * w.max_chunks * 4);
+  w.total = off;
+  return w;
+}
+
+size_t qsa_decode_workspace_bytes(const QsaDecodeParams& p) {
+  return qsa_workspace_layout(p).total;
+}
+
+void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_qsa_decode";
+  FN_LAUNCH_REQUIRE(p.proj != nullptr && p.q_norm != nullptr && p.k_norm != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.iq_norm != nullptr && p.ik_norm != nullptr && p.position != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.k_cache != nullptr && p.v_cache != nullptr && p.raw_keys != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.block_keys != nullptr && p.workspace != nullptr && p.out != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.workspace, 256) && aligned(p.k_cache, 4) && aligned(p.v_cache, 4),
+                    kOp);
+  const QsaWorkspaceLayout w = qsa_workspace_layout(p);
+  char* ws = static_cast<char*>(p.workspace);
+  Args a{};
+  a.proj = p.proj;
+  a.q_norm = p.q_norm;
+  a.k_norm = p.k_norm;
+  a.iq_norm = p.iq_norm;
+  a.ik_norm = p.ik_norm;
+  a.position = p.position;
+  a.k_cache = p.k_cache;
+  a.v_cache = p.v_cache;
+  a.raw_keys = p.raw_keys;
+  a.block_keys = p.block_keys;
+  a.out = p.out;
+  a.q = reinterpret_cast<float*>(ws + w.q);
+  a.qi = reinterpret_cast<float*>(ws + w.qi);
+  a.scores = reinterpret_cast<float*>(ws + w.scores);
+  a.selected = reinterpret_cast<int*>(ws + w.selected);
+  a.counters = reinterpret_cast<int*>(ws + w.counters);
+  a.part_out = reinterpret_cast<float*>(ws + w.part_out);
+  a.part_max = reinterpret_cast<float*>(ws + w.part_max);
+  a.part_sum = reinterpret_cast<float*>(ws + w.part_sum);
+  a.ctx = p.ctx_size;
+  a.theta = p.rope_theta;
+  a.hq = p.num_q_heads;
+  a.hkv = p.num_kv_heads;
+  a.q_head_first = p.q_head_first;
+  a.q_per_kv = p.q_per_kv;
+  a.kv_head_first = p.kv_head_first;
+  a.hd = p.head_dim;
+  a.rot = p.rotary_dim;
+  a.ni = p.indexer_heads;
+  a.ihd = p.indexer_head_dim;
+  a.ratio = p.ratio;
+  a.topk = p.block_topk;
+  a.eps = p.eps;
+  a.chunk = w.chunk;
+  a.max_chunks = w.max_chunks;
+  a.gmax = 0;
+  for (int j = 0; j < p.num_kv_heads; ++j) {
+    int g = 0;
+    for (int i = 0; i < p.num_q_heads; ++i)
+      g += (p.q_head_first + i) / p.q_per_kv - p.kv_head_first == j;
+    a.gmax = std::max(a.gmax, g);
+  }
+
+  qsa_prep_kernel<<<p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream>>>(a);
+  FN_CUDA_LAUNCH_CHECK("qsa_prep_kernel");
+  const int64_t max_blocks = p.ctx_size / p.ratio;
+  const int score_ctas = static_cast<int>(
+      std::clamp<int64_t>((max_blocks + kThreads / 32 - 1) / (kThreads / 32), 1, 1024));
+  qsa_scores_kernel<<<score_ctas, kThreads, 0, stream>>>(a);
+  FN_CUDA_LAUNCH_CHECK("qsa_scores_kernel");
+  qsa_select_kernel<<<1, kSelectThreads, 0, stream>>>(a);
+  FN_CUDA_LAUNCH_CHECK("qsa_select_kernel");
+  const size_t smem = attn_smem_bytes(a.gmax, p.head_dim, w.chunk);
+  qsa_attn_kernel<<<dim3(w.max_chunks, p.num_kv_heads), kThreads, smem, stream>>>(a);
+  FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
+  qsa_combine_kernel<<<p.num_q_heads, kThreads, 0, stream>>>(a);
+  FN_CUDA_LAUNCH_CHECK("qsa_combine_kernel");
+}
+
+}  // namespace fn

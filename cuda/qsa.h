@@ -1,0 +1,94 @@
+// QSA decode (MODEL.md §C.6 steps 2-7 without o_proj, §C.9 RoPE) for one token on one TP rank:
+// q/k norm + RoPE, KV-cache append, the lightning indexer (block keys, scores, deterministic
+// top-k block selection) and flash-decoding attention over the selected tokens with the sigmoid
+// output gate. Called by the CUDA decode step between the stacked QSA GEMV and o_proj. Five
+// launches, no host sync, position read from device memory: legal inside CUDA graph capture.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fn {
+
+/// Inputs, caches and outputs of one QSA decode step (MODEL.md §C.6). All pointers are device
+/// pointers. Semantics are those of CpuModel::qsa_step (core/cpu_model.cpp) between the
+/// projections and o_proj, op by op the fn::cpu functions rms_norm_1p, rope_neox,
+/// indexer_block_key, indexer_scores, qsa_selected_tokens (top_k's tie rule: higher score first,
+/// equal scores -> lower block index), gqa_attention and sigmoid_gate_mul.
+struct QsaDecodeParams {
+  /// FP32, the output of ONE stacked GEMV: [ q|gate per local query head interleaved
+  /// (Hq * 2 * hd: head i has q at i*2*hd, gate at i*2*hd+hd) | k (Hkv*hd) | v (Hkv*hd) |
+  /// indexer (indexer_heads query heads * ihd, then 1 key * ihd) ]
+  const float* proj = nullptr;
+  const float* q_norm = nullptr;   ///< [hd] FP32 q_norm weight w (the kernel uses 1 + w)
+  const float* k_norm = nullptr;   ///< [hd] FP32 k_norm weight w (1 + w)
+  const float* iq_norm = nullptr;  ///< [ihd] FP32 indexer q_layernorm weight w (1 + w)
+  const float* ik_norm = nullptr;  ///< [ihd] FP32 indexer k_layernorm weight w (1 + w)
+  /// Device scalar t, the 0-based position of this token; read by the kernels. A t outside
+  /// [0, ctx_size) writes no cache row and fills `out` with BF16 NaN (0x7FC0).
+  const int64_t* position = nullptr;
+  uint16_t* k_cache =
+      nullptr;  ///< [ctx_size, Hkv*hd] BF16 bits (K after k_norm + RoPE); row t written
+  uint16_t* v_cache = nullptr;  ///< [ctx_size, Hkv*hd] BF16 bits; row t written
+  float* raw_keys =
+      nullptr;  ///< [ctx_size, ihd] FP32 raw indexer keys (no norm/RoPE); row t written
+  /// [ctx_size/ratio, ihd] FP32 pooled + normed + roped block keys; block b = (t+1)/ratio - 1 is
+  /// written when (t+1) % ratio == 0 (from raw_keys rows ratio*b .. t-1 and the current key).
+  float* block_keys = nullptr;
+  void* workspace = nullptr;  ///< qsa_decode_workspace_bytes(...) bytes, 256-byte aligned
+  uint16_t* out = nullptr;    ///< [Hq*hd] BF16 bits: attention output * sigmoid(gate)
+  int64_t ctx_size = 0;       ///< capacity in tokens (positions 0..ctx_size-1), >= 1
+  int num_q_heads = 0;        ///< Hq local (24 at TP=1, 12 at TP=2)
+  int num_kv_heads = 0;       ///< Hkv local (1 when TP > num_key_value_heads)
+  int q_head_first = 0;       ///< global index of local query head 0 (tp_rank * Hq)
+  int q_per_kv = 0;           ///< num_attention_heads / num_key_value_heads (global)
+  /// Global index of local KV head 0; local q head i uses local KV head
+  /// (q_head_first + i) / q_per_kv - kv_head_first, which must lie in [0, Hkv).
+  int kv_head_first = 0;
+  int head_dim = 0;          ///< hd: even, 2..256 (256 real; 16/32 tiny)
+  int rotary_dim = 0;        ///< partial RoPE dims (64 real): even, <= hd and <= ihd
+  double rope_theta = 0;     ///< rope_theta (1e7)
+  int indexer_heads = 0;     ///< indexer_n_heads (4), >= 1
+  int indexer_head_dim = 0;  ///< ihd (128): 1..256
+  int ratio = 4;             ///< indexer_compress_ratio
+  int block_topk = 0;        ///< indexer_budget / ratio (512 real), >= 1
+  float eps = 1e-6f;         ///< rms_norm_eps
+};
+
+/// Where the launcher keeps its intermediates inside the workspace (byte offsets from the
+/// workspace start, each 256-byte aligned) and how attention is split. Exposed for tests and
+/// for debugging; the engine only needs qsa_decode_workspace_bytes.
+struct QsaWorkspaceLayout {
+  size_t q = 0;            ///< [Hq, hd] FP32: q after q_norm + RoPE
+  size_t qi = 0;           ///< [indexer_heads, ihd] FP32: indexer queries after norm + RoPE
+  size_t scores = 0;       ///< [ctx_size/ratio] FP32: indexer_scores of blocks 0..B-1
+  size_t selected = 0;     ///< [min(block_topk, ctx/ratio)] int32: selected blocks, ascending
+  size_t counters = 0;     ///< int32 [4]: {selected block count, B, attended token count, 0}
+  size_t part_out = 0;     ///< [Hq, max_chunks, hd] FP32: per-chunk unnormalised outputs
+  size_t part_max = 0;     ///< [Hq, max_chunks] FP32: per-chunk score maxima
+  size_t part_sum = 0;     ///< [Hq, max_chunks] FP32: per-chunk sums of exp(s - max)
+  size_t total = 0;        ///< bytes in all
+  int chunk = 0;           ///< attended tokens per attention CTA (a multiple of 16, <= 64)
+  int max_chunks = 0;      ///< ceil(max attended tokens / chunk)
+  int64_t max_tokens = 0;  ///< min(ctx_size, ratio*min(block_topk, ctx/ratio) + ratio - 1)
+};
+
+/// The workspace layout for the shape fields of `shape_only` (pointers ignored). Pure function of
+/// the shape (no device query). Throws fn::Error(Internal) on an invalid shape (see launcher).
+QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& shape_only);
+
+/// Workspace bytes launch_qsa_decode needs for this shape (qsa_workspace_layout(...).total).
+size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
+
+/// One QSA decode step (MODEL.md §C.6 steps 2-7 minus o_proj) on `stream`, five kernels:
+/// prep (norms, RoPE, cache rows, block key), indexer scores (FP64 dot products as the CPU op),
+/// top-k block select (one CTA, radix select on the scores, ties to the lower block index),
+/// chunked attention (FP32 partial softmax per chunk of selected tokens) and a fixed-order
+/// combine with the sigmoid gate -> BF16. Deterministic (no float atomics), graph-capturable.
+/// Throws fn::Error(Internal) on null pointers, bad shapes, a q head mapped outside the local KV
+/// heads or a misaligned workspace; fn::Error(Cuda) when a launch fails.
+void launch_qsa_decode(const QsaDecodeParams& params, cudaStream_t stream);
+
+}  // namespace fn

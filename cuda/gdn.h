@@ -1,0 +1,61 @@
+// Gated DeltaNet decode for one token (MODEL.md §C.5 steps 2-7): causal conv + SiLU with the conv
+// state shift, gates, q/k L2 norm, the delta-rule recurrence on the FP32 state, and the gated
+// RMSNorm, from the FP32 output of the stacked projection GEMV to the BF16 input of out_proj.
+// Called by the CUDA decode step once per GDN layer. Two launches (conv, then recurrence + norm);
+// deterministic (fixed reduction order, no float atomics), graph-capturable (no host sync).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fn {
+
+/// Operands of one GDN decode step of one rank (its TP slice of heads). All pointers are device
+/// memory. Sizes: conv_dim = 2 * Hk * dk + Hv * dv. Math: exactly fn::CpuModel::gdn_step steps
+/// 2-7 (cpu::causal_conv_step with dilation 1, cpu::gdn_gates, cpu::gdn_recurrent_step,
+/// cpu::gated_rms_norm per head), FP32 throughout, BF16 only at the output store.
+struct GdnDecodeParams {
+  /// [conv_dim + Hv*dv + 2*Hv] FP32: the output of one stacked GEMV, laid out as
+  /// [ qkv (q [Hk*dk], k [Hk*dk], v [Hv*dv]) | z [Hv*dv] | a [Hv] | b [Hv] ].
+  const float* proj = nullptr;
+  const float* conv_weight = nullptr;  ///< [conv_dim, conv_kernel] FP32 (conv1d.weight squeezed)
+  const float* A_log = nullptr;        ///< [Hv] FP32
+  const float* dt_bias = nullptr;      ///< [Hv] FP32
+  const float* norm_weight = nullptr;  ///< [dv] FP32, plain weight (not 1 + w), shared by heads
+  /// [conv_dim, conv_kernel - 1] FP32 pre-conv inputs, oldest first (cpu::causal_conv_step's
+  /// layout); shifted in place. Zeros before the first token.
+  float* conv_state = nullptr;
+  /// [Hv, dk, dv] FP32 recurrent state oriented [k, v] (cpu::gdn_recurrent_step); updated in
+  /// place. 16-byte aligned.
+  float* state = nullptr;
+  uint16_t* out = nullptr;  ///< [Hv*dv] BF16 bits: gated_rms_norm(o_h; norm_weight, z_h) per head
+  int num_k_heads = 0;      ///< Hk (local TP slice), >= 1
+  int num_v_heads = 0;      ///< Hv (local), a multiple of Hk; value head h uses key head h/(Hv/Hk)
+  int k_head_dim = 0;       ///< dk: multiple of 4, 4..1024 (128 real; 8/16 in the fixtures)
+  int v_head_dim = 0;       ///< dv: multiple of 4, 4..1024
+  int conv_kernel = 4;      ///< linear_conv_kernel_dim, 2..8
+  float eps = 1e-6f;        ///< rms_norm_eps (the gated norm; the L2 norm uses 1e-6 as the CPU op)
+  // Scratch (device memory owned by the caller, e.g. the engine arena; never read by the host):
+  float* conv_out = nullptr;   ///< [conv_dim] FP32: SiLU(conv) of this token (launch 1 -> 2)
+  float* o_scratch = nullptr;  ///< [Hv*dv] FP32: the un-normalised recurrence output o
+  /// [Hv] zero-initialised ONCE after allocation (cudaMemset); every launch leaves them zero.
+  /// Per-head arrival counters: the last CTA of a head applies the gated norm to the whole head.
+  unsigned int* head_counters = nullptr;
+  /// On sm_90+: launch the recurrence kernel as a programmatic dependent launch so its state
+  /// loads overlap the conv kernel (it waits for the conv output before reading it). Ignored on
+  /// older devices. Results are bitwise the same either way.
+  bool overlap_launch = true;
+};
+
+/// Launches the conv kernel (one thread per channel) then the recurrence kernel (one CTA of 256
+/// threads per (value head, slice of dv columns); the state slice stays in registers, loaded and
+/// stored once with coalesced 16-byte accesses). Throws fn::Error(Internal) on a null pointer,
+/// bad sizes (see the field comments) or a misaligned state; fn::Error(Cuda) on a failed launch.
+void launch_gdn_decode(const GdnDecodeParams& params, cudaStream_t stream);
+
+/// Columns of dv per CTA of the recurrence kernel that launch_gdn_decode picks for these sizes
+/// on the current device (4, 8, 16 or 32; tests and benchmarks report it). Same preconditions.
+int plan_gdn_decode_slice(const GdnDecodeParams& params);
+
+}  // namespace fn

@@ -1,5 +1,6 @@
 // NVFP4 W4A16 routed-expert kernels (see moe_nvfp4.h): one gate+up+SwiGLU kernel and one
-// weighted down-projection kernel, no template variants.
+// weighted down-projection kernel, each in two variants: 32 codes per lane unit (cols % 32 == 0,
+// every real shape) and 16 codes (cols an odd multiple of 16: tiny fixtures' TP slices).
 //
 // Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): E2M1
 // codes and E4M3 scale bytes become FP16 bit patterns worth exactly code * 2^-14 and
@@ -60,6 +61,48 @@ __device__ __forceinline__ float dot32(uint4 w, uint32_t s, const uint4* xp) {
   return b0 * e4m3_scaled(s & 0xffu) + b1 * e4m3_scaled(s >> 8);
 }
 
+// 8-byte streaming load (the narrow path's 16 codes), as dev::ld_stream16.
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+  uint2 r;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// The unit of work of a lane: 32 codes (16 bytes, 2 scale blocks) on the fast path, 16 codes
+// (8 bytes, 1 scale block) on the narrow path used when cols % 32 == 16 (tiny TP slices).
+template <bool kNarrow>
+struct Unit {
+  static constexpr int kCodes = kNarrow ? 16 : 32;
+  // The unit's codes (narrow: in x, y; z = w = 0) from a row of packed bytes.
+  static __device__ __forceinline__ uint4 codes(const uint8_t* row, int v) {
+    if constexpr (kNarrow) {
+      const uint2 r = ld_stream8(row + 8 * static_cast<int64_t>(v));
+      return make_uint4(r.x, r.y, 0u, 0u);
+    } else {
+      return dev::ld_stream16(row + 16 * static_cast<int64_t>(v));
+    }
+  }
+  // The unit's scale bytes from a row of block scales (fast path: two, low byte first).
+  static __device__ __forceinline__ uint32_t scales(const uint8_t* row, int v) {
+    if constexpr (kNarrow) {
+      return __ldg(row + v);
+    } else {
+      return __ldg(reinterpret_cast<const uint16_t*>(row) + v);
+    }
+  }
+  // Contribution * 2^-22 of the unit against the kCodes x values at xp (16-byte aligned).
+  static __device__ __forceinline__ float dot(uint4 w, uint32_t s, const uint4* xp) {
+    if constexpr (kNarrow) {
+      const uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+      float b0 = dot8_e2m1(w.x, x0, 0.0f);
+      b0 = dot8_e2m1(w.y, x1, b0);
+      return b0 * e4m3_scaled(s & 0xffu);
+    } else {
+      return dot32(w, s, xp);
+    }
+  }
+};
+
 struct GateUpArgs {
   const uint8_t* packed;
   const uint8_t* scales;
@@ -68,7 +111,7 @@ struct GateUpArgs {
   int num_experts;
   int top_k;
   int inter;  // I
-  int nvec;   // K / 32
+  int nvec;   // K / Unit::kCodes
   int64_t k;  // K
   const uint16_t* x;
   uint16_t* h;
@@ -77,7 +120,9 @@ struct GateUpArgs {
 };
 
 // One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j].
+template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUpArgs a) {
+  using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
   const int lane = threadIdx.x & (team - 1);
   const int64_t pair = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
@@ -92,10 +137,10 @@ __global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUp
   if (ok) {
     const int64_t rows = 2 * static_cast<int64_t>(a.inter);
     const int64_t g_row = static_cast<int64_t>(e) * rows + i, u_row = g_row + a.inter;
-    const uint4* wg = reinterpret_cast<const uint4*>(a.packed + g_row * (a.k / 2));
-    const uint4* wu = reinterpret_cast<const uint4*>(a.packed + u_row * (a.k / 2));
-    const uint16_t* sg = reinterpret_cast<const uint16_t*>(a.scales + g_row * (a.k / 16));
-    const uint16_t* su = reinterpret_cast<const uint16_t*>(a.scales + u_row * (a.k / 16));
+    const uint8_t* wg = a.packed + g_row * (a.k / 2);
+    const uint8_t* wu = a.packed + u_row * (a.k / 2);
+    const uint8_t* sg = a.scales + g_row * (a.k / 16);
+    const uint8_t* su = a.scales + u_row * (a.k / 16);
     const uint4* xv = reinterpret_cast<const uint4*>(a.x);
     for (int base = lane; base < a.nvec; base += kUnroll * team) {
       uint4 w[kUnroll][2];
@@ -104,17 +149,17 @@ __global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUp
       for (int u = 0; u < kUnroll; ++u) {
         const int v = base + u * team;
         const bool live = v < a.nvec;
-        w[u][0] = live ? dev::ld_stream16(wg + v) : make_uint4(0, 0, 0, 0);
-        w[u][1] = live ? dev::ld_stream16(wu + v) : make_uint4(0, 0, 0, 0);
-        s[u][0] = live ? __ldg(sg + v) : 0u;
-        s[u][1] = live ? __ldg(su + v) : 0u;
+        w[u][0] = live ? U::codes(wg, v) : make_uint4(0, 0, 0, 0);
+        w[u][1] = live ? U::codes(wu, v) : make_uint4(0, 0, 0, 0);
+        s[u][0] = live ? U::scales(sg, v) : 0u;
+        s[u][1] = live ? U::scales(su, v) : 0u;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int v = base + u * team;
         if (v < a.nvec) {
-          acc[0] += dot32(w[u][0], s[u][0], xv + 4 * v);
-          acc[1] += dot32(w[u][1], s[u][1], xv + 4 * v);
+          acc[0] += U::dot(w[u][0], s[u][0], xv + (U::kCodes / 8) * v);
+          acc[1] += U::dot(w[u][1], s[u][1], xv + (U::kCodes / 8) * v);
         }
       }
     }
@@ -144,7 +189,7 @@ struct DownArgs {
   int top_k;
   int64_t hidden;  // D (rows per expert)
   int inter;       // I (cols)
-  int nvec;        // I / 32
+  int nvec;        // I / Unit::kCodes
   const uint16_t* h;
   float* y;
   bool accumulate;
@@ -152,7 +197,9 @@ struct DownArgs {
 };
 
 // One team per output row d: lanes stride over the flattened (expert j, vector v) pairs.
+template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs a) {
+  using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
   const int lane = threadIdx.x & (team - 1);
   const int64_t d = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
@@ -173,17 +220,15 @@ __global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs 
         const int e = idx < nflat ? __ldg(a.ids + j) : -1;
         const bool live = e >= 0 && e < a.num_experts;
         const int64_t row = static_cast<int64_t>(live ? e : 0) * a.hidden + d;
-        w[u] = live ? dev::ld_stream16(a.packed + row * (a.inter / 2) + 16 * v)
-                    : make_uint4(0, 0, 0, 0);
-        s[u] = live ? __ldg(reinterpret_cast<const uint16_t*>(a.scales + row * (a.inter / 16)) + v)
-                    : 0u;
+        w[u] = live ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
+        s[u] = live ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
         f[u] = live ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
-        hoff[u] = live ? j * a.inter + 32 * v : -1;
+        hoff[u] = live ? j * a.inter + U::kCodes * v : -1;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (hoff[u] >= 0)
-          acc[0] += dot32(w[u], s[u], reinterpret_cast<const uint4*>(a.h + hoff[u])) * f[u];
+          acc[0] += U::dot(w[u], s[u], reinterpret_cast<const uint4*>(a.h + hoff[u])) * f[u];
     }
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
@@ -212,8 +257,13 @@ bool aligned(const void* p, uintptr_t n) {
 void check_experts(const Nvfp4Experts& w, const char* op) {
   FN_LAUNCH_REQUIRE(w.packed != nullptr && w.scales != nullptr && w.global_scale != nullptr, op);
   FN_LAUNCH_REQUIRE(w.num_experts >= 1 && w.rows >= 1, op);
-  FN_LAUNCH_REQUIRE(w.cols >= 32 && w.cols % 32 == 0 && w.cols <= (int64_t{1} << 30), op);
+  FN_LAUNCH_REQUIRE(w.cols >= 16 && w.cols % 16 == 0 && w.cols <= (int64_t{1} << 30), op);
   FN_LAUNCH_REQUIRE(aligned(w.packed, 16) && aligned(w.scales, 2), op);
+}
+
+// Codes per lane work unit: 32 (fast path) unless cols is an odd multiple of 16.
+int64_t unit_codes(int64_t cols) {
+  return cols % 32 == 0 ? 32 : 16;
 }
 
 bool valid_team(int t) {
@@ -224,11 +274,13 @@ bool valid_team(int t) {
 
 int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
   // Two rows (gate, up) per team: at most 8 vectors per lane per row keeps 16 loads per lane.
-  return plan_team(hidden / 32, static_cast<int64_t>(top_k) * intermediate, 8, sm_count);
+  return plan_team(hidden / unit_codes(hidden), static_cast<int64_t>(top_k) * intermediate, 8,
+                   sm_count);
 }
 
 int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
-  return plan_team(static_cast<int64_t>(top_k) * (intermediate / 32), hidden, 16, sm_count);
+  return plan_team(static_cast<int64_t>(top_k) * (intermediate / unit_codes(intermediate)), hidden,
+                   16, sm_count);
 }
 
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
@@ -251,7 +303,8 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   a.num_experts = p.experts.num_experts;
   a.top_k = p.top_k;
   a.inter = static_cast<int>(inter);
-  a.nvec = static_cast<int>(p.experts.cols / 32);
+  const bool narrow = p.experts.cols % 32 != 0;
+  a.nvec = static_cast<int>(p.experts.cols / unit_codes(p.experts.cols));
   a.k = p.experts.cols;
   a.x = p.x;
   a.h = p.h;
@@ -260,7 +313,10 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
-  moe_gate_up_nvfp4_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+  if (narrow)
+    moe_gate_up_nvfp4_kernel<true><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+  else
+    moe_gate_up_nvfp4_kernel<false><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_nvfp4_kernel");
 }
 
@@ -285,14 +341,18 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.top_k = p.top_k;
   a.hidden = p.experts.rows;
   a.inter = static_cast<int>(p.experts.cols);
-  a.nvec = static_cast<int>(p.experts.cols / 32);
+  const bool narrow = p.experts.cols % 32 != 0;
+  a.nvec = static_cast<int>(p.experts.cols / unit_codes(p.experts.cols));
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
-  moe_down_nvfp4_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+  if (narrow)
+    moe_down_nvfp4_kernel<true><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+  else
+    moe_down_nvfp4_kernel<false><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
   FN_CUDA_LAUNCH_CHECK("moe_down_nvfp4_kernel");
 }
 

@@ -24,7 +24,10 @@ struct Nvfp4Experts {
   const float* global_scale = nullptr;
   int num_experts = 0;  ///< experts stored (512 for the real model)
   int64_t rows = 0;     ///< rows per expert: 2 * I for gate+up, hidden_size for down
-  int64_t cols = 0;     ///< input length: hidden_size for gate+up, I for down; multiple of 32
+  /// input length: hidden_size for gate+up, I for down; a multiple of 16 (one block scale). A
+  /// multiple of 32 (every real shape) takes the 32-codes-per-unit fast path; otherwise (e.g. the
+  /// tiny fixtures' I = 16 at TP=2) a 16-code path (8-byte loads).
+  int64_t cols = 0;
 };
 
 /// Gate+up with SwiGLU for the selected experts:
@@ -58,7 +61,7 @@ struct MoeDownParams {
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
-/// multiple of 32, odd rows, misalignment or a bad team size; fn::Error(Cuda) on a failed launch.
+/// multiple of 16, odd rows, misalignment or a bad team size; fn::Error(Cuda) on a failed launch.
 /// Legal during stream capture.
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream);
 

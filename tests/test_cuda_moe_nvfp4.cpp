@@ -1,7 +1,8 @@
 // GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h) against host references built
 // from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with power-of-two
-// scales, random codes within the FP32 bound, real shapes at TP=1 and TP=2, invalid expert ids,
-// and graph replay with expert ids changed in device memory.
+// scales, random codes within the FP32 bound, real shapes at TP=1 and TP=2, the tiny fixtures'
+// shapes (cols 16 and 48: the 16-code path), invalid expert ids, and graph replay with expert ids
+// changed in device memory.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -86,6 +87,11 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
   return b;
 }
 
+// Codes per lane work unit of the kernels: 32, or 16 when cols is an odd multiple of 16.
+int64_t unit_codes(int64_t cols) {
+  return cols % 32 == 0 ? 32 : 16;
+}
+
 int log2i(int t) {
   int l = 0;
   while ((1 << l) < t) ++l;
@@ -112,7 +118,7 @@ GateUpRef gate_up_reference(const HostExperts& w, const std::vector<int32_t>& id
   r.gu_bound.assign(r.gu.size(), 0.0);
   r.h.assign(size_t(k) * inter, 0.0);
   r.h_bound.assign(r.h.size(), 0.0);
-  const int64_t per_lane = (w.cols / 32 + team - 1) / team;
+  const int64_t per_lane = (w.cols / unit_codes(w.cols) + team - 1) / team;
   const double gamma = fn::test::gamma_fp32(depth(per_lane, team));
   for (int j = 0; j < k; ++j) {
     const int e = ids[j];
@@ -181,7 +187,7 @@ void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
   const int64_t inter = w.cols;
   y.assign(w.rows, 0.0);
   bound.assign(w.rows, 0.0);
-  const int64_t per_lane = (k * (inter / 32) + team - 1) / team;
+  const int64_t per_lane = (k * (inter / unit_codes(inter)) + team - 1) / team;
   const double gamma = fn::test::gamma_fp32(depth(per_lane, team) + 2);  // + weight * gs, * f
   for (int j = 0; j < k; ++j) {
     const int e = ids[j];
@@ -320,6 +326,61 @@ TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1 and TP=2
   }
 }
 
+TEST_CASE("cuda moe nvfp4: cols = 16 and 48 (odd multiples of 16) are exact, every team width") {
+  // The tiny fixtures at TP=2: moe_intermediate_size 32 / 2 = 16 columns for the down projection
+  // (one block scale per row); gate+up over 48 columns takes the same 16-code path.
+  const HostExperts dn = make_experts(8, 64, 16, 1, true, 70);
+  const HostExperts gu = make_experts(8, 2 * 16, 48, 2, true, 71);
+  const DeviceExperts ddn(dn), dgu(gu);
+  const std::vector<int32_t> ids = {7, 0, 3, 3};
+  const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f};
+  const auto h = random_ints(ids.size() * 16, -4, 4, 72);
+  const auto x = random_ints(48, -4, 4, 73);
+  const GateUpRef ref = gate_up_reference(gu, ids, x, 8);
+  for (int team = 8; team <= 256; team *= 2) {
+    std::vector<double> want, bound;
+    down_reference(dn, ids, rw, h, team, nullptr, want, bound);
+    const auto y = run_down(ddn, ids, rw, h, team, nullptr);
+    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "down team ", team, ": ", c.describe());
+    const auto got = run_gate_up(dgu, ids, x, team);
+    const auto cg =
+        fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(cg.wrong == 0, "gate/up team ", team, ": ", cg.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "h team ", team, ": ", ch.describe());
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: the tiny fixtures' shapes (hidden 64, I = 32 and 16) within the bound") {
+  for (int64_t inter : {32, 16}) {
+    const HostExperts gu = make_experts(8, 2 * inter, 64, 2, false, 80 + inter);
+    const HostExperts dn = make_experts(8, 64, inter, 1, false, 81 + inter);
+    const DeviceExperts dgu(gu), ddn(dn);
+    const std::vector<int32_t> ids = {6, 1, 4};
+    const std::vector<float> rw = {0.5f, 0.3f, 0.2f};
+    const auto x = random_bf16(64, 1.0f, 82 + inter);
+    const int tg = fn::plan_moe_gate_up_team(3, inter, 64, sm_count());
+    const GateUpRef ref = gate_up_reference(gu, ids, x, tg);
+    const auto got = run_gate_up(dgu, ids, x);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
+    CHECK_MESSAGE(c.wrong == 0, "I ", inter, " gate/up: ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "I ", inter, " h: ", ch.describe());
+    // The down projection on the kernel's own h, plain and accumulating.
+    const auto y0 = random_bf16(64, 0.3f, 83 + inter);
+    const int td = fn::plan_moe_down_team(3, inter, 64, sm_count());
+    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+      std::vector<double> want, bound;
+      down_reference(dn, ids, rw, got.h, td, init, want, bound);
+      const auto y = run_down(ddn, ids, rw, got.h, 0, init);
+      const auto cd = fn::test::compare_bounded(y, want, bound);
+      CHECK_MESSAGE(cd.wrong == 0, "I ", inter, " down, accumulate ", init != nullptr, ": ",
+                    cd.describe());
+    }
+  }
+}
+
 TEST_CASE("cuda moe nvfp4: expert ids outside [0, num_experts) contribute zero") {
   const HostExperts gu = make_experts(4, 2 * 32, 64, 2, true, 40);
   const HostExperts dn = make_experts(4, 96, 32, 1, true, 41);
@@ -416,7 +477,7 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   auto bad = p;
-  bad.experts.cols = 48;  // not a multiple of 32
+  bad.experts.cols = 40;  // not a multiple of 16 (one block scale)
   CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
   bad = p;
   bad.experts.rows = 63;  // gate and up must pair up

@@ -1,0 +1,87 @@
+// PLE (per-layer n-gram embedding, MODEL.md §C.4, §B.5) kernels for one decode token: the n-gram
+// row gather of this rank's table rows, the n-gram context shift, and steps 2-8 (norms, signed-sqrt
+// gate, dilated causal conv, residual add) after the key/value GEMV. Called by the CUDA decode step
+// at layer 1, in order: gather -> all-reduce E -> GEMV [key_proj; value_proj] -> ple_apply ->
+// context advance. Token and context are read from device memory (graph-capturable); no atomics.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fn {
+
+/// Step 1 of MODEL.md §C.4: the n-gram ids of x_t (core/ngram.h ngram_ids, exact int64
+/// wrap-around multiply and floor-mod) and the rows of those ids this rank holds.
+struct NgramGatherParams {
+  const int32_t* token = nullptr;  ///< device [1]: x_t (raw token id)
+  const int64_t* context =
+      nullptr;         ///< device [ngram_size-1]: last raw ids, oldest first (EOS-filled at start)
+  int ngram_size = 3;  ///< 2..8
+  int64_t multipliers[8] = {};    ///< NgramConstants::multipliers
+  int num_multipliers = 0;        ///< == ngram_size
+  int64_t head_sizes[32] = {};    ///< NgramConstants::head_sizes (primes)
+  int64_t head_offsets[32] = {};  ///< NgramConstants::head_offsets
+  int num_heads = 0;              ///< (ngram_size-1) * heads_per_ngram, 1..32 (16 real)
+  int heads_per_ngram = 0;        ///< NgramConstants::heads_per_ngram (8 real)
+  /// This rank's contiguous table rows [row_count, head_dim]: F8_E4M3 codes (1 byte) or BF16 bits
+  /// (2 bytes, 2-byte aligned), see fp8.
+  const uint8_t* rows = nullptr;
+  int64_t first_row = 0;  ///< full-table index of rows[0] (shard_index * rows_per_shard)
+  int64_t row_count = 0;  ///< rows held here, >= 0
+  bool fp8 = true;        ///< true: E4M3 codes; false: BF16 bits
+  float scale = 1.0f;     ///< FP8: the table's BF16 weight_scale as float; BF16 table: 1
+  int head_dim = 0;       ///< ngram_head_dim = ple_embed_dim / num_heads (160 real, 8 tiny)
+  /// [num_heads * head_dim] FP32: out[h*head_dim + j] = value(row id_h, j) * scale, where value
+  /// is the exact FP8 (or BF16) number; 0 where id_h is not in [first_row, first_row+row_count).
+  float* out = nullptr;
+  int64_t eos = -1;  ///< NgramConstants::eos (cfg.ple_eos(), 248044 real), >= 0
+};
+
+/// Launches the gather (one block per head). Throws fn::Error(Internal) on null pointers, sizes
+/// outside the ranges above, num_multipliers != ngram_size, num_heads != (ngram_size-1) *
+/// heads_per_ngram, non-positive head sizes, eos < 0; fn::Error(Cuda) on a failed launch.
+void launch_ngram_gather(const NgramGatherParams& params, cudaStream_t stream);
+
+/// Context shift after the token (MODEL.md §C.4): context[i] <- context[i+1] for i < ngram_size-2,
+/// context[ngram_size-2] <- token (raw id, EOS included).
+struct NgramContextAdvanceParams {
+  int64_t* context = nullptr;      ///< device [ngram_size-1], updated in place
+  int ngram_size = 3;              ///< 2..8
+  const int32_t* token = nullptr;  ///< device [1]: x_t
+};
+
+/// Launches the shift (one thread). Run it after every gather of the token (stream order).
+/// Throws fn::Error(Internal) on null pointers or a bad ngram_size.
+void launch_ngram_context_advance(const NgramContextAdvanceParams& params, cudaStream_t stream);
+
+/// Steps 2-8 of MODEL.md §C.4 (cpu::ple_apply after its two GEMVs), per stream s < S:
+///   K_s = GroupRMSNorm1p(kv[s*P..]; norm_key), V = kv[S*P..S*P+D),
+///   Q_s = GroupRMSNorm1p(H_s; norm_query), gamma = <K_s, Q_s>/sqrt(P),
+///   Gv_s = sigmoid(sign(gamma) sqrt(max(|gamma|, 1e-6))) * V,
+///   Nc_s = GroupRMSNorm1p(Gv_s; norm_conv), conv = silu(dilated causal conv step of Nc),
+///   H_s += Gv_s + conv_s. All FP32; every norm computes (1 + w) from the given w in FP32.
+struct PleApplyParams {
+  const float* kv = nullptr;          ///< FP32 [S*P + D]: key_proj(E) then value_proj(E)
+  float* H = nullptr;                 ///< FP32 [S*D] residual (stream-major), updated in place
+  const float* norm_key = nullptr;    ///< FP32 [S*P] norm_key.weight w (applied as 1 + w)
+  const float* norm_query = nullptr;  ///< FP32 [S*D] norm_query.weight w (applied as 1 + w)
+  const float* norm_conv = nullptr;   ///< FP32 [S*P] norm_conv.weight w (applied as 1 + w)
+  const float* conv = nullptr;        ///< FP32 [S*P, K] conv1d.weight taps (tap K-1: current)
+  /// FP32 [S*P, (K-1)*dilation]: per channel the last (K-1)*dilation Nc values, oldest first
+  /// (cpu::causal_conv_step layout; zeros before the first token); updated in place.
+  float* conv_state = nullptr;
+  int hc_count = 4;     ///< S, 1..64
+  int64_t dim = 0;      ///< P (= D = hidden_size), 1..2^20
+  int conv_kernel = 4;  ///< K (ple_conv_kernel_size), 1..16
+  int dilation = 3;     ///< ngram_size, 1..16
+  float eps = 1e-6f;    ///< rms_norm_eps
+};
+
+/// Launches one block per stream (the residual is read and written in place, so each stream's
+/// reductions and updates stay in one block). Deterministic (fixed reduction order). Throws
+/// fn::Error(Internal) on null pointers or sizes outside the ranges above; fn::Error(Cuda) on a
+/// failed launch.
+void launch_ple_apply(const PleApplyParams& params, cudaStream_t stream);
+
+}  // namespace fn

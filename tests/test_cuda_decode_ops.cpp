@@ -1,0 +1,442 @@
+// GPU tests of the small decode-step kernels (cuda/decode_ops.h) against the CPU oracle
+// (core/cpu_ops.h: hc_inject, route_top_k, silu, sigmoid; core/codecs.h for BF16) and FP64
+// evaluations of MODEL.md §C.1, §C.3, §C.7, §C.8, on the real shapes (D 2560, E 512, k 10, shared
+// I 640 / 320 at TP=2, V 248320 split over TP=2) and the tiny fixtures' (D 64, E 8, k 3, I 32 /
+// 16 / 64, V 512 / 384). Error bounds come from the kernels' rounding steps.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/codecs.h"
+#include "core/cpu_ops.h"
+#include "core/error.h"
+#include "cuda/decode_ops.h"
+#include "tests/cuda_test_util.h"
+
+namespace {
+
+using fn::test::DeviceArray;
+using fn::test::kBf16Unit;
+using fn::test::kFp32Unit;
+
+std::vector<float> normal_floats(size_t n, float sigma, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+std::vector<uint16_t> random_bf16_bits(size_t n, float sigma, uint64_t seed) {
+  const auto f = normal_floats(n, sigma, seed);
+  std::vector<uint16_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = fn::float_to_bf16(f[i]);
+  return v;
+}
+
+template <typename T>
+T download1(const DeviceArray<T>& a) {
+  return a.download().at(0);
+}
+
+// Exact FP64 logistic function (the reference of sigmoid and silu).
+double sigmoid_exact(double x) {
+  return x >= 0 ? 1.0 / (1.0 + std::exp(-x)) : std::exp(x) / (1.0 + std::exp(x));
+}
+
+}  // namespace
+
+// ---- embedding ---------------------------------------------------------------------------------
+
+TEST_CASE("cuda decode ops: embedding copies the widened BF16 row to every HC stream") {
+  struct Case {
+    int64_t vocab, hidden;
+    int hc;
+    std::vector<int32_t> tokens;
+  };
+  // Real shape: the full 248320 x 2560 table (1.27 GB) on the device, rows uploaded where read,
+  // so the int64 offsets of the last rows are exercised. Tiny: the fixtures' vocab 512, D 64.
+  for (const Case& c : {Case{248320, 2560, 4, {0, 248319, 131072, 9707}},
+                        Case{512, 64, 4, {0, 511, 7}}, Case{384, 64, 1, {383}}}) {
+    const int64_t D = c.hidden;
+    DeviceArray<uint16_t> table(static_cast<size_t>(c.vocab * D));
+    DeviceArray<float> H(static_cast<size_t>(c.hc * D));
+    DeviceArray<int32_t> token(1), flag(std::vector<int32_t>{0});
+    for (int32_t t : c.tokens) {
+      const auto row = random_bf16_bits(static_cast<size_t>(D), 1.5f, uint64_t(t) * 31 + 5);
+      FN_CUDA_CHECK(
+          cudaMemcpy(table.ptr + int64_t(t) * D, row.data(), D * 2, cudaMemcpyHostToDevice));
+      token.upload({t});
+      FN_CUDA_CHECK(cudaMemset(H.ptr, 0xff, H.n * sizeof(float)));  // NaN garbage before
+      fn::EmbedParams p;
+      p.table = table.ptr;
+      p.vocab = c.vocab;
+      p.hidden = D;
+      p.token = token.ptr;
+      p.H = H.ptr;
+      p.hc_count = c.hc;
+      p.error_flag = flag.ptr;
+      fn::launch_embed(p, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = H.download();
+      int64_t wrong = 0;
+      for (int s = 0; s < c.hc; ++s)
+        for (int64_t i = 0; i < D; ++i) {
+          // MODEL.md §C.1: exact widening (the CPU model's read_row of the FP32 table).
+          const float want = fn::bf16_to_float(row[static_cast<size_t>(i)]);
+          if (std::memcmp(&got[static_cast<size_t>(s * D + i)], &want, 4) != 0) ++wrong;
+        }
+      CHECK_MESSAGE(wrong == 0, "vocab ", c.vocab, " token ", t, ": ", wrong, " wrong");
+      CHECK(download1(flag) == 0);
+    }
+  }
+}
+
+TEST_CASE("cuda decode ops: an embedding token outside the vocabulary sets the flag and H = 0") {
+  const int64_t V = 512, D = 64;
+  DeviceArray<uint16_t> table(random_bf16_bits(V * D, 1.0f, 3));
+  DeviceArray<float> H(4 * D);
+  for (int32_t bad : {-1, 512, INT32_MAX, INT32_MIN}) {
+    DeviceArray<int32_t> token(std::vector<int32_t>{bad}), flag(std::vector<int32_t>{0});
+    FN_CUDA_CHECK(cudaMemset(H.ptr, 0xff, H.n * sizeof(float)));
+    fn::EmbedParams p;
+    p.table = table.ptr;
+    p.vocab = V;
+    p.hidden = D;
+    p.token = token.ptr;
+    p.H = H.ptr;
+    p.hc_count = 4;
+    p.error_flag = flag.ptr;
+    fn::launch_embed(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(download1(flag) == 1, "token ", bad);
+    const auto got = H.download();
+    CHECK_MESSAGE(std::all_of(got.begin(), got.end(), [](float v) { return v == 0.0f; }), "token ",
+                  bad);
+  }
+}
+
+// ---- HC inject
+// -----------------------------------------------------------------------------------
+
+TEST_CASE("cuda decode ops: HC inject equals the CPU op's mul-then-add rounding bitwise") {
+  for (int64_t D : {int64_t{2560}, int64_t{64}, int64_t{37}}) {
+    const int hc = 4;
+    auto H = normal_floats(static_cast<size_t>(hc * D), 2.0f, uint64_t(D));
+    const auto y = normal_floats(static_cast<size_t>(D), 0.5f, uint64_t(D) + 1);
+    const std::vector<float> iota{0.3f, 1.7f, 1.0f, 0.01f};  // 2 * sigmoid(.) lies in (0, 2)
+    DeviceArray<float> dH(H), dy(y), diota(iota);
+    fn::HcInjectParams p;
+    p.H = dH.ptr;
+    p.iota = diota.ptr;
+    p.y = dy.ptr;
+    p.hc_count = hc;
+    p.hidden = D;
+    fn::launch_hc_inject(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = dH.download();
+    // Reference: fl(H + fl(iota * y)) computed exactly: the FP64 product of two floats is exact and
+    // FP64 -> FP32 rounding of a sum or product of floats is innocuous (53 >= 2*24 + 2), so this
+    // is the correctly rounded mul-then-add whatever the host compiler contracts.
+    std::vector<float> cpu = H;
+    fn::cpu::hc_inject(cpu.data(), hc, D, iota.data(), y.data());
+    int64_t wrong = 0, cpu_far = 0;
+    for (int s = 0; s < hc; ++s)
+      for (int64_t i = 0; i < D; ++i) {
+        const size_t k = static_cast<size_t>(s * D + i);
+        const float prod = static_cast<float>(double(iota[s]) * double(y[i]));
+        const float want = static_cast<float>(double(H[k]) + double(prod));
+        if (std::memcmp(&got[k], &want, 4) != 0) ++wrong;
+        // The CPU oracle may fuse the two roundings into one (FMA): within one rounding of each.
+        const double b = kFp32Unit * (std::fabs(double(prod)) + std::fabs(double(want)));
+        if (std::fabs(double(cpu[k]) - double(want)) > b) ++cpu_far;
+      }
+    CHECK_MESSAGE(wrong == 0, "D ", D);
+    CHECK_MESSAGE(cpu_far == 0, "D ", D);
+  }
+}
+
+// ---- SwiGLU
+// --------------------------------------------------------------------------------------
+
+TEST_CASE("cuda decode ops: SwiGLU gives bf16(silu(g) * u) within the FP32 + BF16 bound") {
+  // Shared expert I = 640 (real) and 320 (TP=2); 512 / 256 as powers of two; tiny fixtures 32,
+  // 16 (TP=2), 64 (tp4 fixture); 1.
+  for (int64_t I : {640, 320, 512, 256, 32, 16, 64, 1}) {
+    auto gu = normal_floats(static_cast<size_t>(2 * I), 3.0f, uint64_t(I) * 7);
+    if (I >= 4) {  // extremes: saturated sigmoid both ways (results stay FP32-normal), zero
+      gu[0] = 100.0f;
+      gu[1] = -80.0f;
+      gu[2] = -30.0f;
+      gu[3] = 0.0f;
+    }
+    DeviceArray<float> dgu(gu);
+    DeviceArray<uint16_t> dh(static_cast<size_t>(I));
+    fn::SwigluParams p;
+    p.gate_up = dgu.ptr;
+    p.h = dh.ptr;
+    p.inter = I;
+    fn::launch_swiglu(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto hb = dh.download();
+    std::vector<float> got(static_cast<size_t>(I));
+    std::vector<double> want(static_cast<size_t>(I)), bound(static_cast<size_t>(I));
+    for (int64_t i = 0; i < I; ++i) {
+      got[i] = fn::bf16_to_float(hb[i]);
+      const double g = gu[i], u = gu[I + i];
+      want[i] = g * sigmoid_exact(g) * u;
+      // Before the BF16 store: expf (2 ulp), 1 + e, the division, the product with u: <= 5u
+      // relative. Then one BF16 rounding of that value. The CPU op (fn::cpu::silu) agrees within
+      // the same bound (checked below).
+      const double pre = 5 * kFp32Unit * std::fabs(want[i]);
+      bound[i] = pre + kBf16Unit * (std::fabs(want[i]) + pre);
+    }
+    const auto cmp = fn::test::compare_bounded(got, want, bound);
+    CHECK_MESSAGE(cmp.wrong == 0, "I ", I, ": ", cmp.describe());
+    std::vector<float> cpu(static_cast<size_t>(I));
+    for (int64_t i = 0; i < I; ++i)
+      cpu[i] = fn::cpu::round_to_bf16(fn::cpu::silu(gu[i]) * gu[I + i]);
+    const auto cmp_cpu = fn::test::compare_bounded(cpu, want, bound);
+    CHECK_MESSAGE(cmp_cpu.wrong == 0, "CPU silu, I ", I, ": ", cmp_cpu.describe());
+  }
+}
+
+// ---- router
+// --------------------------------------------------------------------------------------
+
+namespace {
+
+struct RouterOut {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  int32_t flag;
+};
+
+RouterOut run_router(const std::vector<float>& logits, int k, bool norm) {
+  const int E = static_cast<int>(logits.size());
+  DeviceArray<float> dl(logits), dw(static_cast<size_t>(k));
+  DeviceArray<int32_t> di(static_cast<size_t>(k)), flag(std::vector<int32_t>{0});
+  fn::RouterParams p;
+  p.logits = dl.ptr;
+  p.num_experts = E;
+  p.top_k = k;
+  p.norm_topk_prob = norm;
+  p.ids = di.ptr;
+  p.weights = dw.ptr;
+  p.error_flag = flag.ptr;
+  fn::launch_router_topk(p, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  return {di.download(), dw.download(), download1(flag)};
+}
+
+// FP64 reference weights and their bounds for the selected ids (MODEL.md §C.7 step 1). Relative
+// error of the kernel's p_e: the FP32 subtraction l - max errs <= u |d| (amplified by exp into a
+// relative error of the same size), expf <= 2 ulp, the FP32 store of the term 1u; the FP64 sum
+// averages the term errors (weighted by the terms); the division and the FP32 store 1u each.
+void check_router_weights(const std::vector<float>& l, const RouterOut& got, int k, bool norm,
+                          const char* what) {
+  const size_t E = l.size();
+  const double mx = *std::max_element(l.begin(), l.end());
+  std::vector<double> term(E), rel(E);
+  double sum = 0, sum_err = 0;
+  for (size_t e = 0; e < E; ++e) {
+    const double d = double(l[e]) - mx;
+    term[e] = std::exp(d);
+    rel[e] = (std::fabs(d) + 3) * kFp32Unit;
+    sum += term[e];
+    sum_err += term[e] * rel[e];
+  }
+  const double rel_sum = sum_err / sum + 1e-15;
+  double sel = 0, sel_err = 0;
+  std::vector<double> relp(static_cast<size_t>(k));
+  for (int r = 0; r < k; ++r) {
+    const size_t e = static_cast<size_t>(got.ids[r]);
+    relp[r] = rel[e] + rel_sum + 2 * kFp32Unit;
+    sel += term[e] / sum;
+    sel_err += term[e] / sum * relp[r];
+  }
+  std::vector<float> w(got.weights);
+  std::vector<double> want(static_cast<size_t>(k)), bound(static_cast<size_t>(k));
+  for (int r = 0; r < k; ++r) {
+    const double p = term[static_cast<size_t>(got.ids[r])] / sum;
+    want[r] = norm ? p / sel : p;
+    const double rw = norm ? relp[r] + sel_err / sel + 2 * kFp32Unit : relp[r];
+    bound[r] = rw * want[r];
+  }
+  const auto cmp = fn::test::compare_bounded(w, want, bound);
+  CHECK_MESSAGE(cmp.wrong == 0, what, ": ", cmp.describe());
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda decode ops: router top-k equals fn::cpu::route_top_k (ids exact, weights bounded)") {
+  struct Case {
+    int E, k;
+    float sigma;
+  };
+  for (Case c : {Case{512, 10, 2.0f}, Case{512, 10, 0.3f}, Case{8, 3, 1.0f}, Case{300, 7, 4.0f},
+                 Case{1024, 64, 1.0f}, Case{1, 1, 1.0f}}) {
+    for (bool norm : {true, false}) {
+      const auto l = normal_floats(static_cast<size_t>(c.E), c.sigma, uint64_t(c.E * 100 + c.k));
+      std::vector<int32_t> ids(static_cast<size_t>(c.k));
+      std::vector<float> w(static_cast<size_t>(c.k));
+      fn::cpu::route_top_k(l.data(), c.E, c.k, norm, ids.data(), w.data());
+      // The ids are a discrete choice: equal as long as the k-th and (k+1)-th logits are further
+      // apart than the rounding of p (precondition on the random data, so the check can fail).
+      std::vector<float> sorted(l);
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      if (c.k < c.E) REQUIRE(double(sorted[c.k - 1]) - sorted[c.k] > 1e-5);
+      const RouterOut got = run_router(l, c.k, norm);
+      CHECK_MESSAGE(got.ids == ids, "E ", c.E, " k ", c.k);
+      CHECK(got.flag == 0);
+      check_router_weights(l, got, c.k, norm, "random");
+    }
+  }
+}
+
+TEST_CASE("cuda decode ops: router ties go to the lower expert id, best first, as on the CPU") {
+  const int E = 512, k = 10;
+  auto l = normal_floats(E, 1.0f, 77);
+  for (auto& v : l) v = std::min(v, 3.0f);
+  // Three experts tie for the top, and the boundary between the 10th and 11th is a 5-way tie.
+  for (int e : {400, 17, 260}) l[e] = 6.0f;
+  for (int e : {511, 3, 100, 255, 256}) l[e] = 4.5f;
+  for (int e : {9, 90, 480}) l[e] = 5.0f;
+  // Ranks: 17, 260, 400 (6.0); 9, 90, 480 (5.0); 3, 100, 255, 256 of the five 4.5's.
+  const std::vector<int32_t> expect{17, 260, 400, 9, 90, 480, 3, 100, 255, 256};
+  for (bool norm : {true, false}) {
+    std::vector<int32_t> ids(k);
+    std::vector<float> w(k);
+    fn::cpu::route_top_k(l.data(), E, k, norm, ids.data(), w.data());
+    REQUIRE(ids == expect);
+    const RouterOut got = run_router(l, k, norm);
+    CHECK(got.ids == expect);
+    // Tied logits give bitwise equal weights.
+    CHECK(got.weights[0] == got.weights[1]);
+    CHECK(got.weights[1] == got.weights[2]);
+    CHECK(got.weights[6] == got.weights[9]);
+    check_router_weights(l, got, k, norm, "ties");
+  }
+  // All equal (tiny fixture shape): ids 0..k-1, weights 1/k.
+  const std::vector<float> flat(8, 0.25f);
+  const RouterOut got = run_router(flat, 3, true);
+  CHECK(got.ids == std::vector<int32_t>{0, 1, 2});
+  for (float v : got.weights) CHECK(std::fabs(double(v) - 1.0 / 3) <= 4 * kFp32Unit / 3);
+}
+
+TEST_CASE("cuda decode ops: router NaN or +Inf logits set the flag and keep ids distinct") {
+  for (float bad : {NAN, INFINITY}) {
+    auto l = normal_floats(512, 1.0f, 5);
+    l[200] = bad;
+    const RouterOut got = run_router(l, 10, true);
+    CHECK(got.flag == 4);
+    std::vector<int32_t> ids = got.ids;
+    std::sort(ids.begin(), ids.end());
+    CHECK(std::adjacent_find(ids.begin(), ids.end()) == ids.end());
+    CHECK(ids.front() >= 0);
+    CHECK(ids.back() < 512);
+  }
+}
+
+// ---- MoE combine
+// ---------------------------------------------------------------------------------
+
+TEST_CASE("cuda decode ops: MoE combine adds sigmoid(gate) * shared within the FP32 bound") {
+  for (int64_t D : {int64_t{2560}, int64_t{64}}) {
+    for (float gate : {0.3f, -5.0f, 20.0f, -80.0f}) {
+      const auto y = normal_floats(static_cast<size_t>(D), 1.0f, uint64_t(D) + 3);
+      const auto ys = normal_floats(static_cast<size_t>(D), 2.0f, uint64_t(D) + 4);
+      DeviceArray<float> dy(y), dys(ys), dg(std::vector<float>{gate});
+      fn::MoeCombineParams p;
+      p.y = dy.ptr;
+      p.y_shared = dys.ptr;
+      p.gate_logit = dg.ptr;
+      p.hidden = D;
+      fn::launch_moe_combine(p, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = dy.download();
+      const double g = sigmoid_exact(gate);
+      std::vector<double> want(static_cast<size_t>(D)), bound(static_cast<size_t>(D));
+      for (int64_t i = 0; i < D; ++i) {
+        want[i] = double(y[i]) + g * ys[i];
+        // sigmoid in FP32: expf 2 ulp, the add, the division: <= 4u relative; one FMA rounding.
+        bound[i] = 4 * kFp32Unit * std::fabs(g * ys[i]) + kFp32Unit * std::fabs(want[i]);
+      }
+      const auto cmp = fn::test::compare_bounded(got, want, bound);
+      CHECK_MESSAGE(cmp.wrong == 0, "D ", D, " gate ", gate, ": ", cmp.describe());
+      // The CPU oracle's gamma (fn::cpu::sigmoid) lies within the same 4u of the exact value.
+      CHECK(std::fabs(double(fn::cpu::sigmoid(gate)) - g) <= 4 * kFp32Unit * g);
+    }
+  }
+}
+
+// ---- logits scatter
+// ------------------------------------------------------------------------------
+
+TEST_CASE("cuda decode ops: scattered rank logits summed over the ranks are the all-gather") {
+  struct Case {
+    int64_t V;
+    int tp;
+  };
+  // Real vocabulary at TP=2 (124160 rows each), TP=1; the fixtures' 512 at TP=2, 384 at TP=4.
+  for (Case c : {Case{248320, 2}, Case{248320, 1}, Case{512, 2}, Case{384, 4}}) {
+    const auto logits = normal_floats(static_cast<size_t>(c.V), 3.0f, uint64_t(c.V) + c.tp);
+    const int64_t Vl = c.V / c.tp;
+    REQUIRE(Vl * c.tp == c.V);
+    std::vector<double> sum(static_cast<size_t>(c.V), 0.0);
+    for (int r = 0; r < c.tp; ++r) {
+      std::vector<float> local(logits.begin() + r * Vl, logits.begin() + (r + 1) * Vl);
+      DeviceArray<float> dl(local), full(static_cast<size_t>(c.V));
+      FN_CUDA_CHECK(cudaMemset(full.ptr, 0xff, full.n * sizeof(float)));
+      fn::ScatterLogitsParams p;
+      p.local = dl.ptr;
+      p.full = full.ptr;
+      p.v_local = Vl;
+      p.v_first = r * Vl;
+      p.vocab = c.V;
+      fn::launch_scatter_logits(p, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = full.download();
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < c.V; ++i) {
+        const bool mine = i >= r * Vl && i < (r + 1) * Vl;
+        const float want = mine ? logits[i] : 0.0f;
+        if (std::memcmp(&got[i], &want, 4) != 0) ++wrong;
+        sum[i] += got[i];
+      }
+      CHECK_MESSAGE(wrong == 0, "V ", c.V, " rank ", r, "/", c.tp);
+    }
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < c.V; ++i) wrong += sum[i] == double(logits[i]) ? 0 : 1;
+    CHECK_MESSAGE(wrong == 0, "V ", c.V, " tp ", c.tp);
+  }
+}
+
+// ---- launcher checks
+// -----------------------------------------------------------------------------
+
+TEST_CASE("cuda decode ops: launchers reject null pointers and sizes out of range") {
+  DeviceArray<float> f(64);
+  DeviceArray<int32_t> i(64);
+  DeviceArray<uint16_t> b(64);
+  fn::EmbedParams e{b.ptr, 8, 8, i.ptr, f.ptr, 4, nullptr};
+  CHECK_THROWS_AS(fn::launch_embed(e, nullptr), fn::Error);
+  fn::HcInjectParams h{f.ptr, nullptr, f.ptr, 4, 8};
+  CHECK_THROWS_AS(fn::launch_hc_inject(h, nullptr), fn::Error);
+  fn::SwigluParams s{f.ptr, b.ptr, 0};
+  CHECK_THROWS_AS(fn::launch_swiglu(s, nullptr), fn::Error);
+  fn::RouterParams r{f.ptr, 8, 9, true, i.ptr, f.ptr, nullptr};
+  CHECK_THROWS_AS(fn::launch_router_topk(r, nullptr), fn::Error);
+  r.top_k = 3;
+  r.num_experts = 2048;
+  CHECK_THROWS_AS(fn::launch_router_topk(r, nullptr), fn::Error);
+  fn::MoeCombineParams m{f.ptr, f.ptr, nullptr, 8};
+  CHECK_THROWS_AS(fn::launch_moe_combine(m, nullptr), fn::Error);
+  fn::ScatterLogitsParams sc{f.ptr, f.ptr + 32, 16, 20, 32};
+  CHECK_THROWS_AS(fn::launch_scatter_logits(sc, nullptr), fn::Error);
+}

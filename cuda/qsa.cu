@@ -19,6 +19,8 @@ constexpr int kMaxDim = 256;          // hd and ihd limit (one element per prep 
 constexpr int kMaxIndexerQ = 4096;    // indexer_heads * ihd floats in static shared memory
 constexpr int kMaxChunks = 4096;      // combine keeps one weight per chunk in shared memory
 constexpr int kSmemLimit = 48 * 1024;
+constexpr int kMaxG = 16;           // query heads per KV head (12 real), one accumulator each
+constexpr int kSelectCache = 8192;  // select keys kept in shared memory (B <= 8192: t < 32768)
 constexpr uint16_t kBf16Nan = 0x7FC0;
 
 struct Args {
@@ -212,6 +214,7 @@ __device__ int block_exclusive_scan(int v, int* sh) {
 // T; every key > T is selected plus the lowest-indexed (k - #greater) keys equal to T.
 __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
   __shared__ unsigned hist[256];
+  __shared__ uint32_t keys[kSelectCache];
   __shared__ uint32_t s_prefix;
   __shared__ int s_remaining;
   __shared__ int scan_sh[32];
@@ -234,13 +237,18 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
     for (int i = tid; i < B; i += kSelectThreads) a.selected[i] = i;
     return;
   }
+  // Keys of the first kSelectCache blocks in shared memory; later ones are re-read.
+  const int cached = min(B, kSelectCache);
+  for (int i = tid; i < cached; i += kSelectThreads) keys[i] = order_key(a.scores[i]);
+  __syncthreads();
+  auto key = [&](int i) { return i < kSelectCache ? keys[i] : order_key(a.scores[i]); };
   uint32_t prefix = 0, mask = 0;
   int remaining = k;
   for (int shift = 24; shift >= 0; shift -= 8) {
     if (tid < 256) hist[tid] = 0;
     __syncthreads();
     for (int i = tid; i < B; i += kSelectThreads) {
-      const uint32_t u = order_key(a.scores[i]);
+      const uint32_t u = key(i);
       if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
     }
     __syncthreads();
@@ -284,7 +292,7 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
   const int lo = min(B, tid * per), hi = min(B, lo + per);
   int gt = 0, eq = 0;
   for (int i = lo; i < hi; ++i) {
-    const uint32_t u = order_key(a.scores[i]);
+    const uint32_t u = key(i);
     gt += u > T;
     eq += u == T;
   }
@@ -293,18 +301,19 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
   int off = block_exclusive_scan(gt + take_eq, scan_sh);
   int eq_seen = 0;
   for (int i = lo; i < hi; ++i) {
-    const uint32_t u = order_key(a.scores[i]);
+    const uint32_t u = key(i);
     bool sel = u > T;
     if (u == T) sel = eq_seen++ < take_eq;
     if (sel) a.selected[off++] = i;
   }
-  (void)lane;
 }
 
 // Attention of the query heads of local KV head blockIdx.y over attended tokens
 // [chunk*blockIdx.x, +chunk): scores q.k * (1/sqrt(hd)) (FP32), per-chunk max and
 // sum of exp(s - max), unnormalised sum_n p_n v_n. Token n of the attended list is block
 // selected[n / ratio] for n < ratio * nsel, else the tail token ratio*B + (n - ratio*nsel).
+// The chunk's K and V rows are staged in shared memory by all threads at once; one FP32
+// accumulator per query head (kMaxG, unrolled) so the heads' chains overlap.
 __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   extern __shared__ float smem[];
   const int64_t t = *a.position;
@@ -324,10 +333,12 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   }
   if (G == 0) return;
   const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pairs = hd / 2;
   float* q_s = smem;                                             // [gmax, hd]
   float* s_s = q_s + a.gmax * hd;                                // [gmax, chunk]
   int* tok_s = reinterpret_cast<int*>(s_s + a.gmax * a.chunk);   // [chunk]
-  uint16_t* v_s = reinterpret_cast<uint16_t*>(tok_s + a.chunk);  // [chunk, hd]
+  uint32_t* k_s = reinterpret_cast<uint32_t*>(tok_s + a.chunk);  // [chunk, hd/2] BF16 pairs
+  uint32_t* v_s = k_s + a.chunk * pairs;                         // [chunk, hd/2] BF16 pairs
   for (int i = tid; i < G * hd; i += kThreads) q_s[i] = a.q[int64_t{i0} * hd + i];
   const int nb = nsel * a.ratio;
   for (int n = tid; n < cnt; n += kThreads) {
@@ -337,34 +348,42 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   }
   __syncthreads();
   const int64_t row = int64_t{a.hkv} * hd;
-  const int pairs = hd / 2;
+#pragma unroll 4
   for (int idx = tid; idx < cnt * pairs; idx += kThreads) {
     const int n = idx / pairs, p = idx - n * pairs;
-    reinterpret_cast<uint32_t*>(v_s)[idx] =
-        reinterpret_cast<const uint32_t*>(a.v_cache + tok_s[n] * row + int64_t{j} * hd)[p];
+    const int64_t base = tok_s[n] * row + int64_t{j} * hd;
+    k_s[idx] = reinterpret_cast<const uint32_t*>(a.k_cache + base)[p];
+    v_s[idx] = reinterpret_cast<const uint32_t*>(a.v_cache + base)[p];
   }
+  __syncthreads();
   const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+  const float2* q2 = reinterpret_cast<const float2*>(q_s);
   for (int n = warp; n < cnt; n += kThreads / 32) {
-    const uint32_t* kr =
-        reinterpret_cast<const uint32_t*>(a.k_cache + tok_s[n] * row + int64_t{j} * hd);
-    uint32_t kp[kMaxDim / 64];
+    float acc[kMaxG];
 #pragma unroll
-    for (int r = 0; r < kMaxDim / 64; ++r) {
-      const int p = lane + 32 * r;
-      kp[r] = p < pairs ? kr[p] : 0u;
-    }
-    for (int g = 0; g < G; ++g) {
-      float acc = 0.0f;
+    for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
+    for (int p = lane; p < pairs; p += 32) {
+      const uint32_t kv = k_s[n * pairs + p];
+      const float k0 = dev::bf16_lo(kv), k1 = dev::bf16_hi(kv);
 #pragma unroll
-      for (int r = 0; r < kMaxDim / 64; ++r) {
-        const int p = lane + 32 * r;
-        if (p < pairs) {
-          acc = fmaf(q_s[g * hd + 2 * p], dev::bf16_lo(kp[r]), acc);
-          acc = fmaf(q_s[g * hd + 2 * p + 1], dev::bf16_hi(kp[r]), acc);
+      for (int g = 0; g < kMaxG; ++g) {
+        if (g < G) {
+          const float2 qq = q2[g * pairs + p];
+          acc[g] = fmaf(qq.x, k0, acc[g]);
+          acc[g] = fmaf(qq.y, k1, acc[g]);
         }
       }
-      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (lane == 0) s_s[g * a.chunk + n] = acc * scale;
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g) {
+      if (g < G) {
+        for (int off = 16; off > 0; off >>= 1) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < G) s_s[g * a.chunk + n] = acc[g] * scale;
     }
   }
   __syncthreads();
@@ -385,40 +404,67 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < G * hd; idx += kThreads) {
-    const int g = idx / hd, d = idx - g * hd;
-    float acc = 0.0f;
-    for (int n = 0; n < cnt; ++n)
-      acc = fmaf(s_s[g * a.chunk + n], __uint_as_float(uint32_t{v_s[n * hd + d]} << 16), acc);
-    a.part_out[(int64_t{i0 + g} * a.max_chunks + c) * hd + d] = acc;
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_s);
+  for (int d = tid; d < hd; d += kThreads) {
+    float acc[kMaxG];
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
+    for (int n = 0; n < cnt; ++n) {
+      const float v = __uint_as_float(uint32_t{v16[n * hd + d]} << 16);
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < G) acc[g] = fmaf(s_s[g * a.chunk + n], v, acc[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g)
+      if (g < G) a.part_out[(int64_t{i0 + g} * a.max_chunks + c) * hd + d] = acc[g];
   }
 }
 
 // Combine of query head blockIdx.x over its chunks in ascending order, then * sigmoid(gate)
-// (the two-branch form of cpu::sigmoid) -> BF16.
+// (the two-branch form of cpu::sigmoid) -> BF16. Chunk loads are batched 8 at a time (the
+// summation order stays c = 0, 1, ...).
 __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
   __shared__ float wc[kMaxChunks];
-  const int i = blockIdx.x, hd = a.hd;
+  __shared__ float sc[kMaxChunks];
+  __shared__ float red[kThreads / 32];
+  const int i = blockIdx.x, hd = a.hd, tid = threadIdx.x;
   const int64_t t = *a.position;
   uint16_t* out = a.out + int64_t{i} * hd;
   if (!valid_t(t, a.ctx)) {
-    for (int d = threadIdx.x; d < hd; d += kThreads) out[d] = kBf16Nan;
+    for (int d = tid; d < hd; d += kThreads) out[d] = kBf16Nan;
     return;
   }
   const int nc = (a.counters[2] + a.chunk - 1) / a.chunk;
   const float* pm = a.part_max + int64_t{i} * a.max_chunks;
   const float* ps = a.part_sum + int64_t{i} * a.max_chunks;
-  float M = -INFINITY;
-  for (int c = 0; c < nc; ++c) M = fmaxf(M, pm[c]);
-  for (int c = threadIdx.x; c < nc; c += kThreads) wc[c] = expf(pm[c] - M);
+  float m = -INFINITY;
+  for (int c = tid; c < nc; c += kThreads) {
+    wc[c] = pm[c];
+    sc[c] = ps[c];
+    m = fmaxf(m, wc[c]);
+  }
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  float M = red[0];
+  for (int w = 1; w < kThreads / 32; ++w) M = fmaxf(M, red[w]);  // max: exact in any order
+  for (int c = tid; c < nc; c += kThreads) wc[c] = expf(wc[c] - M);
   __syncthreads();
   float L = 0.0f;
-  for (int c = 0; c < nc; ++c) L = fmaf(ps[c], wc[c], L);
+  for (int c = 0; c < nc; ++c) L = fmaf(sc[c], wc[c], L);
   const float* gate = a.proj + int64_t{i} * 2 * hd + hd;
-  for (int d = threadIdx.x; d < hd; d += kThreads) {
+  const float* po = a.part_out + int64_t{i} * a.max_chunks * hd;
+  for (int d = tid; d < hd; d += kThreads) {
     float o = 0.0f;
-    for (int c = 0; c < nc; ++c)
-      o = fmaf(a.part_out[(int64_t{i} * a.max_chunks + c) * hd + d], wc[c], o);
+    for (int c0 = 0; c0 < nc; c0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = c0 + u < nc ? po[int64_t{c0 + u} * hd + d] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (c0 + u < nc) o = fmaf(v[u], wc[c0 + u], o);
+    }
     o = o / L;
     const float g = gate[d];
     float sg;
@@ -442,7 +488,7 @@ size_t align256(size_t x) {
 
 size_t attn_smem_bytes(int gmax, int hd, int chunk) {
   return size_t(gmax) * hd * 4 + size_t(gmax) * chunk * 4 + size_t(chunk) * 4 +
-         size_t(chunk) * hd * 2;
+         2 * size_t(chunk) * hd * 2;
 }
 
 void check_shape(const QsaDecodeParams& p, const char* op) {
@@ -481,6 +527,7 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& p) {
       g += (p.q_head_first + i) / p.q_per_kv - p.kv_head_first == j;
     gmax = std::max(gmax, g);
   }
+  FN_LAUNCH_REQUIRE(gmax <= kMaxG, kOp);
   // Chunk: about 256 attention CTAs at the largest token count, 16..64 tokens, within 48 KiB of
   // shared memory.
   const int64_t per = (w.max_tokens * p.num_kv_heads + 255) / 256;

@@ -87,8 +87,10 @@ size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
 /// top-k block select (one CTA, radix select on the scores, ties to the lower block index),
 /// chunked attention (FP32 partial softmax per chunk of selected tokens) and a fixed-order
 /// combine with the sigmoid gate -> BF16. Deterministic (no float atomics), graph-capturable.
-/// Throws fn::Error(Internal) on null pointers, bad shapes, a q head mapped outside the local KV
-/// heads or a misaligned workspace; fn::Error(Cuda) when a launch fails.
+/// Throws fn::Error(Internal) on null pointers, bad shapes (including more than 16 local q heads
+/// per local KV head), a q head mapped outside the local KV heads or a misaligned workspace;
+/// fn::Error(Cuda) when a launch fails. NaN scores (NaN/Inf weights) are ranked above +inf
+/// rather than reported (the CPU's top_k throws on them).
 void launch_qsa_decode(const QsaDecodeParams& params, cudaStream_t stream);
 
 }  // namespace fn

@@ -15,6 +15,7 @@
 #include "core/log.h"
 #include "core/model_tensors.h"
 #include "core/ngram.h"
+#include "core/rank_slices.h"
 #include "core/shard_plan.h"
 
 namespace fn {
@@ -97,143 +98,31 @@ class Nvfp4Matrix final : public cpu::RowMatrix {
   int64_t rows_, cols_;
 };
 
-// One tensor slice as read from the checkpoint: [rows, cols] of the 2-D view of the shard plan.
-struct Slice {
-  DType dtype = DType::F32;
-  int64_t rows = 0, cols = 0;
-  Bytes bytes;
-};
-
-float scalar_to_float(DType dtype, const std::byte* p) {
-  switch (dtype) {
-    case DType::F32: {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-    case DType::BF16:
-    case DType::F16: {
-      uint16_t bits;
-      std::memcpy(&bits, p, 2);
-      return dtype == DType::BF16 ? bf16_to_float(bits) : fp16_to_float(bits);
-    }
-    case DType::F8_E4M3:
-      return e4m3_to_float(static_cast<uint8_t>(*p));
-    default:
-      FN_THROW(Internal, "scalar_to_float: dtype {} is not a float type", dtype_name(dtype));
-  }
-}
+using Slice = WeightSlice;
 
 std::vector<float> to_f32(const Slice& s) {
-  std::vector<float> out(static_cast<std::size_t>(s.rows * s.cols));
-  const std::size_t es = dtype_size(s.dtype);
-  for (std::size_t i = 0; i < out.size(); ++i)
-    out[i] = scalar_to_float(s.dtype, s.bytes->data() + i * es);
-  return out;
+  return slice_to_f32(s);
 }
 
-// Reads this rank's slices through the shard plan.
+// The CPU model's view of RankSliceReader: slices as row matrices or FP32 vectors.
 class Loader {
  public:
   Loader(const Checkpoint& ck, const ShardPlan& plan, int rank, bool bare)
-      : ck_(ck), plan_(plan), rank_(rank), bare_(bare) {}
-
-  // The checkpoint name of an expected (full-layout) name.
-  std::string stored_name(std::string_view name) const {
-    if (bare_ && name.starts_with(kPrefix))
-      return "model." + std::string(name.substr(kPrefix.size()));
-    return std::string(name);
-  }
-
-  // The rank's blocks of `name`, sorted by (row, col) and stacked: every block must cover the same
-  // column range, so the result is the dense local tensor [sum of block rows, block cols].
-  Slice read(const std::string& name) {
-    const std::size_t idx = plan_.index(name);
-    const ExpectedTensor& e = plan_.tensors()[idx];
-    TensorShard shard = plan_.shard(idx, rank_);
-    std::vector<SliceBlock> blocks = shard.blocks;
-    std::sort(blocks.begin(), blocks.end(), [](const SliceBlock& a, const SliceBlock& b) {
-      return a.row_begin != b.row_begin ? a.row_begin < b.row_begin : a.col_begin < b.col_begin;
-    });
-    const std::string stored = stored_name(name);
-    const SafetensorsFile& file = ck_.file_of(stored);
-    const TensorInfo& info = ck_.info(stored);
-    FN_REQUIRE(info.dtype == e.dtype, Format, "{}: tensor '{}' is {}, expected {}",
-               ck_.dir().string(), stored, dtype_name(info.dtype), dtype_name(e.dtype));
-    const int64_t total_cols = info.shape.size() >= 2 ? info.shape.back() : 1;
-    const std::size_t es = dtype_size(info.dtype);
-    Slice s;
-    s.dtype = info.dtype;
-    if (blocks.empty()) {
-      s.bytes = std::make_shared<std::vector<std::byte>>();
-      return s;
-    }
-    s.cols = blocks.front().col_count;
-    for (const SliceBlock& b : blocks) {
-      FN_CHECK(b.col_begin == blocks.front().col_begin && b.col_count == s.cols,
-               "shard plan of '{}' mixes column ranges on rank {}", name, rank_);
-      s.rows += b.row_count;
-    }
-    auto buf =
-        std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(s.rows * s.cols) * es);
-    std::byte* dst = buf->data();
-    const int64_t total_rows = total_cols > 0 ? info.numel() / total_cols : 0;
-    if (blocks.size() == 1 && s.rows == total_rows && s.cols == total_cols) {
-      ck_.read_all(stored, dst);  // the whole tensor: one pread
-      bytes_ += buf->size();
-      s.bytes = std::move(buf);
-      return s;
-    }
-    if (info.shape.size() == 2) {  // 2-D blocks: one pread per block row
-      for (const SliceBlock& b : blocks) {
-        ck_.read_block(stored, b.row_begin, b.row_count, b.col_begin, b.col_count, dst);
-        dst += static_cast<std::size_t>(b.row_count * b.col_count) * es;
-      }
-      bytes_ += buf->size();
-      s.bytes = std::move(buf);
-      return s;
-    }
-    // Other ranks ([C, 1, K] convs, fused [E, R, C] experts): copy the block rows of the 2-D view
-    // out of the read-only mapping (only those pages are touched).
-    const std::span<const std::byte> src = file.bytes(info);
-    for (const SliceBlock& b : blocks) {
-      for (int64_t r = 0; r < b.row_count; ++r) {
-        const std::size_t off =
-            static_cast<std::size_t>((b.row_begin + r) * total_cols + b.col_begin) * es;
-        const std::size_t n = static_cast<std::size_t>(b.col_count) * es;
-        FN_CHECK(off + n <= src.size(), "shard block of '{}' leaves the tensor", name);
-        std::memcpy(dst, src.data() + off, n);
-        dst += n;
-      }
-    }
-    bytes_ += buf->size();
-    s.bytes = std::move(buf);
-    return s;
-  }
-
-  // read() plus a check of the local shape.
+      : reader_(ck, plan, rank, bare) {}
+  std::string stored_name(std::string_view name) const { return reader_.stored_name(name); }
+  Slice read(const std::string& name) { return reader_.read(name); }
   Slice read(const std::string& name, int64_t rows, int64_t cols) {
-    Slice s = read(name);
-    FN_CHECK(s.rows == rows && s.cols == cols,
-             "rank {}: slice of '{}' is [{}, {}], the CPU backend expects [{}, {}]", rank_, name,
-             s.rows, s.cols, rows, cols);
-    return s;
+    return reader_.read(name, rows, cols);
   }
-
   std::unique_ptr<cpu::RowMatrix> matrix(const std::string& name, int64_t rows, int64_t cols) {
     Slice s = read(name, rows, cols);
     return std::make_unique<StoredMatrix>(s.bytes, 0, s.dtype, rows, cols);
   }
   std::vector<float> vec(const std::string& name, int64_t n) { return to_f32(read(name, n, 1)); }
-
-  uint64_t bytes() const noexcept { return bytes_; }
+  uint64_t bytes() const noexcept { return reader_.bytes(); }
 
  private:
-  const Checkpoint& ck_;
-  const ShardPlan& plan_;
-  int rank_;
-  bool bare_;
-  uint64_t bytes_ = 0;
+  RankSliceReader reader_;
 };
 
 }  // namespace
@@ -317,38 +206,17 @@ CpuModel::CpuModel(ModelConfig cfg, Collectives& coll)
 CpuModel::~CpuModel() = default;
 
 std::unique_ptr<CpuModel> CpuModel::load(const std::filesystem::path& dir, Collectives& coll) {
-  ModelConfig cfg = load_model_config(dir);
-  const QuantConfig quant = load_quant_config(dir);
+  OpenedModel om = open_model(dir, coll.size());
+  ModelConfig& cfg = om.config;
   FN_REQUIRE(!cfg.has_ple() || cfg.ple_embed_dim == cfg.hidden_size, Format,
              "{}: ple_embed_dim {} != hidden_size {} is not supported by the CPU backend",
              cfg.source, cfg.ple_embed_dim, cfg.hidden_size);
   FN_REQUIRE(cfg.output_gate_type == GateActivation::Sigmoid, Format,
              "{}: output_gate_type must be sigmoid for qwen4_exp (MODEL.md §F.1.2)", cfg.source);
-  const ShardPlan plan = ShardPlan::build(cfg, quant, coll.size());
-  const Checkpoint ck = Checkpoint::open(dir);
-
-  // Layout: model.language_model.* (multimodal export) or bare model.* (text-only export).
-  const bool bare = ck.find(std::string(kPrefix) + "embed_tokens.weight") == nullptr &&
-                    ck.find("model.embed_tokens.weight") != nullptr;
-  std::vector<std::string> names = ck.tensor_names();
-  std::vector<std::string> mapped;
-  mapped.reserve(names.size());
-  std::vector<FoundTensor> found;
-  found.reserve(names.size());
-  for (const std::string& n : names) {
-    std::string full = n;
-    if (bare && n.starts_with("model.") && skipped_tensor(n) == SkipReason::None)
-      full = std::string(kPrefix) + n.substr(6);
-    mapped.push_back(std::move(full));
-  }
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    const TensorInfo& info = ck.info(names[i]);
-    found.push_back(FoundTensor{mapped[i], info.dtype, info.shape});
-  }
-  require_valid(validate_tensors(plan.tensors(), found), dir.string());
-
-  std::unique_ptr<CpuModel> model(new CpuModel(std::move(cfg), coll));
-  model->load_weights(ck, plan, bare, quant.quantized(), quant.ngram_fp8(model->cfg_));
+  const QuantConfig& quant = om.quant;
+  const bool ngram_fp8 = quant.ngram_fp8(cfg);
+  std::unique_ptr<CpuModel> model(new CpuModel(cfg, coll));
+  model->load_weights(om.checkpoint, om.plan, om.bare_layout, quant.quantized(), ngram_fp8);
   model->reset();
   FN_LOG_INFO("cpu model: {} layers, rank {}/{} holds {:.1f} MiB of weights",
               model->cfg_.num_hidden_layers, model->tp_rank_, model->tp_size_,

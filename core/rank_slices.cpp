@@ -1,0 +1,143 @@
+// RankSliceReader and open_model (see rank_slices.h).
+#include "core/rank_slices.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/codecs.h"
+#include "core/error.h"
+#include "core/model_tensors.h"
+
+namespace fn {
+
+namespace {
+constexpr std::string_view kPrefix = "model.language_model.";
+}  // namespace
+
+float scalar_to_float(DType dtype, const std::byte* p) {
+  switch (dtype) {
+    case DType::F32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::BF16:
+    case DType::F16: {
+      uint16_t bits;
+      std::memcpy(&bits, p, 2);
+      return dtype == DType::BF16 ? bf16_to_float(bits) : fp16_to_float(bits);
+    }
+    case DType::F8_E4M3:
+      return e4m3_to_float(static_cast<uint8_t>(*p));
+    default:
+      FN_THROW(Internal, "scalar_to_float: dtype {} is not a float type", dtype_name(dtype));
+  }
+}
+
+std::vector<float> slice_to_f32(const WeightSlice& s) {
+  std::vector<float> out(static_cast<std::size_t>(s.rows * s.cols));
+  const std::size_t es = dtype_size(s.dtype);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = scalar_to_float(s.dtype, s.bytes->data() + i * es);
+  return out;
+}
+
+std::string RankSliceReader::stored_name(std::string_view name) const {
+  if (bare_ && name.starts_with(kPrefix))
+    return "model." + std::string(name.substr(kPrefix.size()));
+  return std::string(name);
+}
+
+WeightSlice RankSliceReader::read(const std::string& name) {
+  const std::size_t idx = plan_.index(name);
+  const ExpectedTensor& e = plan_.tensors()[idx];
+  TensorShard shard = plan_.shard(idx, rank_);
+  std::vector<SliceBlock> blocks = shard.blocks;
+  std::sort(blocks.begin(), blocks.end(), [](const SliceBlock& a, const SliceBlock& b) {
+    return a.row_begin != b.row_begin ? a.row_begin < b.row_begin : a.col_begin < b.col_begin;
+  });
+  const std::string stored = stored_name(name);
+  const SafetensorsFile& file = ck_.file_of(stored);
+  const TensorInfo& info = ck_.info(stored);
+  FN_REQUIRE(info.dtype == e.dtype, Format, "{}: tensor '{}' is {}, expected {}",
+             ck_.dir().string(), stored, dtype_name(info.dtype), dtype_name(e.dtype));
+  const int64_t total_cols = info.shape.size() >= 2 ? info.shape.back() : 1;
+  const std::size_t es = dtype_size(info.dtype);
+  WeightSlice s;
+  s.dtype = info.dtype;
+  if (blocks.empty()) {
+    s.bytes = std::make_shared<std::vector<std::byte>>();
+    return s;
+  }
+  s.cols = blocks.front().col_count;
+  for (const SliceBlock& b : blocks) {
+    FN_CHECK(b.col_begin == blocks.front().col_begin && b.col_count == s.cols,
+             "shard plan of '{}' mixes column ranges on rank {}", name, rank_);
+    s.rows += b.row_count;
+  }
+  auto buf =
+      std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(s.rows * s.cols) * es);
+  std::byte* dst = buf->data();
+  const int64_t total_rows = total_cols > 0 ? info.numel() / total_cols : 0;
+  if (blocks.size() == 1 && s.rows == total_rows && s.cols == total_cols) {
+    ck_.read_all(stored, dst);          // the whole tensor: one pread
+  } else if (info.shape.size() == 2) {  // 2-D blocks: one pread per block row
+    for (const SliceBlock& b : blocks) {
+      ck_.read_block(stored, b.row_begin, b.row_count, b.col_begin, b.col_count, dst);
+      dst += static_cast<std::size_t>(b.row_count * b.col_count) * es;
+    }
+  } else {
+    // Other ranks ([C, 1, K] convs, fused [E, R, C] experts): copy the block rows of the 2-D
+    // view out of the read-only mapping (only those pages are touched).
+    const std::span<const std::byte> src = file.bytes(info);
+    for (const SliceBlock& b : blocks) {
+      for (int64_t r = 0; r < b.row_count; ++r) {
+        const std::size_t off =
+            static_cast<std::size_t>((b.row_begin + r) * total_cols + b.col_begin) * es;
+        const std::size_t n = static_cast<std::size_t>(b.col_count) * es;
+        FN_CHECK(off + n <= src.size(), "shard block of '{}' leaves the tensor", name);
+        std::memcpy(dst, src.data() + off, n);
+        dst += n;
+      }
+    }
+  }
+  bytes_ += buf->size();
+  s.bytes = std::move(buf);
+  return s;
+}
+
+WeightSlice RankSliceReader::read(const std::string& name, int64_t rows, int64_t cols) {
+  WeightSlice s = read(name);
+  FN_CHECK(s.rows == rows && s.cols == cols,
+           "rank {}: slice of '{}' is [{}, {}], the backend expects [{}, {}]", rank_, name, s.rows,
+           s.cols, rows, cols);
+  return s;
+}
+
+OpenedModel open_model(const std::filesystem::path& dir, int tp_size) {
+  ModelConfig cfg = load_model_config(dir);
+  QuantConfig quant = load_quant_config(dir);
+  ShardPlan plan = ShardPlan::build(cfg, quant, tp_size);
+  Checkpoint ck = Checkpoint::open(dir);
+
+  // Layout: model.language_model.* (multimodal export) or bare model.* (text-only export).
+  const bool bare = ck.find(std::string(kPrefix) + "embed_tokens.weight") == nullptr &&
+                    ck.find("model.embed_tokens.weight") != nullptr;
+  const std::vector<std::string> names = ck.tensor_names();
+  std::vector<std::string> mapped;  // FoundTensor views these names
+  mapped.reserve(names.size());
+  for (const std::string& n : names) {
+    const bool strip = bare && n.starts_with("model.") && skipped_tensor(n) == SkipReason::None;
+    mapped.push_back(strip ? std::string(kPrefix) + n.substr(6) : n);
+  }
+  std::vector<FoundTensor> found;
+  found.reserve(names.size());
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const TensorInfo& info = ck.info(names[i]);
+    found.push_back(FoundTensor{mapped[i], info.dtype, info.shape});
+  }
+  require_valid(validate_tensors(plan.tensors(), found), dir.string());
+  return OpenedModel{std::move(cfg), std::move(quant), std::move(plan), std::move(ck), bare};
+}
+
+}  // namespace fn

@@ -440,3 +440,85 @@ TEST_CASE("cuda decode ops: launchers reject null pointers and sizes out of rang
   fn::ScatterLogitsParams sc{f.ptr, f.ptr + 32, 16, 20, 32};
   CHECK_THROWS_AS(fn::launch_scatter_logits(sc, nullptr), fn::Error);
 }
+
+// ---- CUDA graph capture + timing
+// -----------------------------------------------------------------
+
+namespace {
+
+// Captures `reps` launches of `launch` into one graph, replays it once to warm up and once timed;
+// returns µs per launch (printed by the caller: a measurement, not a check).
+template <typename F>
+double graph_us_per_launch(F&& launch, int reps) {
+  cudaStream_t stream;
+  FN_CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < reps; ++i) launch(stream);
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  FN_CUDA_CHECK(cudaEventCreate(&a));
+  FN_CUDA_CHECK(cudaEventCreate(&b));
+  FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  FN_CUDA_CHECK(cudaEventRecord(a, stream));
+  FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  FN_CUDA_CHECK(cudaEventRecord(b, stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  float ms = 0;
+  FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  FN_CUDA_CHECK(cudaEventDestroy(a));
+  FN_CUDA_CHECK(cudaEventDestroy(b));
+  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  return 1000.0 * ms / reps;
+}
+
+}  // namespace
+
+TEST_CASE("cuda decode ops: every op captures into a CUDA graph and replays the eager result") {
+  const int64_t D = 2560, V = 248320, E = 512, I = 640;
+  const int k = 10, reps = 100;
+  DeviceArray<uint16_t> table(random_bf16_bits(4096 * D, 1.0f, 1));
+  DeviceArray<int32_t> token(std::vector<int32_t>{4095}), flag(std::vector<int32_t>{0});
+  DeviceArray<float> H(4 * D), y(normal_floats(D, 1.0f, 2)), iota(std::vector<float>(4, 0.5f));
+  DeviceArray<float> gu(normal_floats(2 * I, 2.0f, 3)), rl(normal_floats(E, 2.0f, 4));
+  DeviceArray<float> ys(normal_floats(D, 1.0f, 5)), gate(std::vector<float>{0.5f});
+  DeviceArray<float> local(normal_floats(V / 2, 1.0f, 6)), full(V), w(k);
+  DeviceArray<uint16_t> h(I);
+  DeviceArray<int32_t> ids(k);
+  const fn::EmbedParams ep{table.ptr, 4096, D, token.ptr, H.ptr, 4, flag.ptr};
+  const fn::HcInjectParams hp{H.ptr, iota.ptr, y.ptr, 4, D};
+  const fn::SwigluParams sp{gu.ptr, h.ptr, I};
+  const fn::RouterParams rp{rl.ptr, static_cast<int>(E), k, true, ids.ptr, w.ptr, flag.ptr};
+  const fn::MoeCombineParams mp{y.ptr, ys.ptr, gate.ptr, D};
+  const fn::ScatterLogitsParams scp{local.ptr, full.ptr, V / 2, V / 2, V};
+
+  // Idempotent ops: the graph's output equals the eager launch's bitwise.
+  auto eager_then_graph = [&](auto launch, auto read, const char* name) {
+    launch(nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto want = read();
+    const double us = graph_us_per_launch(launch, reps);
+    CHECK_MESSAGE(read() == want, name);
+    MESSAGE(name, ": ", us, " us per launch in a graph");
+  };
+  eager_then_graph([&](cudaStream_t s) { fn::launch_embed(ep, s); }, [&] { return H.download(); },
+                   "embed D 2560 x 4");
+  eager_then_graph([&](cudaStream_t s) { fn::launch_swiglu(sp, s); }, [&] { return h.download(); },
+                   "swiglu I 640");
+  eager_then_graph([&](cudaStream_t s) { fn::launch_router_topk(rp, s); },
+                   [&] { return ids.download(); }, "router E 512 k 10");
+  eager_then_graph([&](cudaStream_t s) { fn::launch_scatter_logits(scp, s); },
+                   [&] { return full.download(); }, "scatter V 248320 TP 2");
+  // In-place accumulating ops: captured and replayed (reps x 2 launches), timed.
+  MESSAGE("hc_inject D 2560 x 4: ",
+          graph_us_per_launch([&](cudaStream_t s) { fn::launch_hc_inject(hp, s); }, reps),
+          " us per launch in a graph");
+  MESSAGE("moe_combine D 2560: ",
+          graph_us_per_launch([&](cudaStream_t s) { fn::launch_moe_combine(mp, s); }, reps),
+          " us per launch in a graph");
+  CHECK(flag.download()[0] == 0);
+}

@@ -423,6 +423,19 @@ TEST_CASE("cuda sample: a captured CUDA graph replays the eager choice for every
       FN_CUDA_CHECK(cudaStreamSynchronize(stream));
       CHECK_MESSAGE(d.token.download()[0] == replayed, describe(s), " step ", t * 1000 + 3);
     }
+    // Replay time (a measurement, printed): 50 replays between two events.
+    cudaEvent_t a, b;
+    FN_CUDA_CHECK(cudaEventCreate(&a));
+    FN_CUDA_CHECK(cudaEventCreate(&b));
+    FN_CUDA_CHECK(cudaEventRecord(a, stream));
+    for (int r = 0; r < 50; ++r) FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FN_CUDA_CHECK(cudaEventRecord(b, stream));
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    float ms = 0;
+    FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    MESSAGE("V 248320, ", describe(s), ": ", 1000.0 * ms / 50, " us per graph replay");
+    FN_CUDA_CHECK(cudaEventDestroy(a));
+    FN_CUDA_CHECK(cudaEventDestroy(b));
     FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
     FN_CUDA_CHECK(cudaGraphDestroy(graph));
   }

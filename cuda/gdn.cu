@@ -1,9 +1,11 @@
-// Gated DeltaNet decode kernels (see gdn.h). Two launches: the conv must shift every channel's
-// state exactly once, after every CTA that needs the channel's old state has read it, and q/k
-// channels are read by all (Hv/Hk) * slices CTAs of a key head: the launch boundary is that
-// ordering. The gated norm needs all of a head's dv columns, which several CTAs produce: the last
-// CTA of the head to finish (integer arrival counter) normalises the whole head, so no third
-// launch is needed and the summation order stays fixed.
+// Gated DeltaNet decode kernels (see gdn.h). Ordering without a grid barrier:
+// - conv state: q/k channels are read by all (Hv/Hk) * slices CTAs of a key head, so each must
+//   have read the old history before it is shifted. Default (fused) mode: every CTA computes the
+//   conv of what it reads, and the key head's last CTA to arrive (integer counter) shifts the q/k
+//   history; v channels belong to one CTA, which shifts them at once. Two-launch mode: a conv
+//   kernel over all channels, the launch boundary being the ordering.
+// - gated norm: a head's dv columns come from several CTAs; the head's last CTA to arrive
+//   normalises the whole head. Sums keep a fixed order, so results never depend on arrival order.
 #include "cuda/gdn.h"
 
 #include <cuda_runtime.h>
@@ -36,8 +38,51 @@ __device__ __forceinline__ float softplus(float x) {
   return x > 20.0f ? x : log1pf(expf(x));
 }
 
-// Step 2: one thread per channel c: out = silu(w[K-1] * x + sum_j w[j] * hist[j]), then the
-// pre-conv input is shifted into the history (oldest first; dilation 1 so L = K - 1).
+// Step 2 for channel c: silu(w[K-1] * x + sum_{j<L} w[j] * hist[j]) in the CPU op's order (the
+// current tap first, then oldest first), FMA chain. With shift, the pre-conv input x is then
+// shifted into the history (oldest first; dilation 1 so L = K - 1). Both launch modes use this
+// one function, so their conv outputs are bitwise the same.
+__device__ __forceinline__ float conv_channel(const float* __restrict__ proj,
+                                              const float* __restrict__ w, float* conv_state,
+                                              int64_t c, int K, bool shift) {
+  const int L = K - 1;
+  float* hist = conv_state + c * L;
+  const float* wc = w + c * K;
+  const float x = proj[c];
+  float h[kMaxConvKernel - 1];
+  float acc = wc[K - 1] * x;
+#pragma unroll
+  for (int j = 0; j < kMaxConvKernel - 1; ++j) {
+    if (j < L) {
+      h[j] = hist[j];
+      acc = fmaf(wc[j], h[j], acc);
+    }
+  }
+  if (shift) {
+#pragma unroll
+    for (int j = 0; j + 1 < kMaxConvKernel - 1; ++j)
+      if (j + 1 < L) hist[j] = h[j + 1];
+    hist[L - 1] = x;
+  }
+  return dev::silu(acc);
+}
+
+// The shift alone (history <- history[1:] + x) for channel c.
+__device__ __forceinline__ void conv_shift(const float* __restrict__ proj, float* conv_state,
+                                           int64_t c, int K) {
+  const int L = K - 1;
+  float* hist = conv_state + c * L;
+  float h[kMaxConvKernel - 1];
+#pragma unroll
+  for (int j = 0; j < kMaxConvKernel - 1; ++j)
+    if (j < L) h[j] = hist[j];
+#pragma unroll
+  for (int j = 0; j + 1 < kMaxConvKernel - 1; ++j)
+    if (j + 1 < L) hist[j] = h[j + 1];
+  hist[L - 1] = proj[c];
+}
+
+// Two-launch mode, launch 1: one thread per channel.
 __global__ void __launch_bounds__(kThreads)
     gdn_conv_kernel(const float* __restrict__ proj, const float* __restrict__ w,
                     float* __restrict__ conv_state, float* __restrict__ conv_out, int conv_dim,
@@ -49,24 +94,7 @@ __global__ void __launch_bounds__(kThreads)
 #endif
   const int c = blockIdx.x * kThreads + threadIdx.x;
   if (c >= conv_dim) return;
-  const int L = K - 1;
-  float* hist = conv_state + static_cast<int64_t>(c) * L;
-  const float* wc = w + static_cast<int64_t>(c) * K;
-  const float x = proj[c];
-  float h[kMaxConvKernel - 1];
-  float acc = wc[K - 1] * x;  // the CPU op's order: the current tap first, then oldest first
-#pragma unroll
-  for (int j = 0; j < kMaxConvKernel - 1; ++j) {
-    if (j < L) {
-      h[j] = hist[j];
-      acc = fmaf(wc[j], h[j], acc);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j + 1 < kMaxConvKernel - 1; ++j)
-    if (j + 1 < L) hist[j] = h[j + 1];
-  hist[L - 1] = x;
-  conv_out[c] = dev::silu(acc);
+  conv_out[c] = conv_channel(proj, w, conv_state, c, K, true);
 }
 
 struct RecArgs {
@@ -74,7 +102,9 @@ struct RecArgs {
   const float* A_log;
   const float* dt_bias;
   const float* norm_w;
-  const float* conv_out;
+  const float* conv_w;
+  float* conv_state;
+  const float* conv_out;  // two-launch mode only
   float* state;
   float* o_scratch;
   unsigned int* counters;
@@ -83,6 +113,8 @@ struct RecArgs {
   int vc;     // dv columns per CTA
   int ratio;  // Hv / Hk
   int conv_dim;
+  int K;
+  int fused;  // 1: the conv runs inside this kernel (one launch)
   float eps;
 };
 
@@ -132,11 +164,14 @@ __device__ __forceinline__ void column_sum(float (&acc)[4], int CG, int vc,
 
 // Steps 3-7 for one (value head h, slice of vc columns): the CTA's state tile [dk, vc] lives in
 // registers, thread (rg, cg) holding rows rg, rg + RG, ... and columns cg*4 .. cg*4+3.
-__global__ void __launch_bounds__(kThreads) gdn_recurrent_kernel(RecArgs a) {
+// Fused mode also does step 2 for the channels it reads: q_i and k_i (2 dk channels, read by the
+// ratio * slices CTAs of key head i: the last of them to arrive shifts their history) and its own
+// vc channels of v (shifted at once: no other CTA reads them).
+__global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   __shared__ float qs[kMaxHeadDim], ks[kMaxHeadDim];
   __shared__ float part[kWarps][kMaxSlice];
   __shared__ float col[kMaxSlice], delta[kMaxSlice];
-  __shared__ int is_last;
+  __shared__ int last_head, last_key;
   const int slices = a.dv / a.vc;
   const int h = blockIdx.x / slices, sl = blockIdx.x - h * slices;
   const int i = h / a.ratio;  // repeat-interleave: value head h reads key head h / (Hv/Hk)
@@ -154,32 +189,41 @@ __global__ void __launch_bounds__(kThreads) gdn_recurrent_kernel(RecArgs a) {
     s[j] = row < a.dk ? *reinterpret_cast<const float4*>(S + static_cast<int64_t>(row) * a.dv)
                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
+  // Step 4: gates of head h (they depend only on the projection).
+  const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * a.dv;
+  const float beta = sigmoid2(ab[a.Hv + h]);
+  const float g = -expf(a.A_log[h]) * softplus(ab[h] + a.dt_bias[h]);
+  const float decay = expf(g);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Everything below reads what the conv kernel (or earlier work) wrote: wait for the conv grid
-  // to complete and its writes to be visible (a no-op when not launched as a dependent).
+  // Two-launch mode: wait for the conv grid to complete and its writes to be visible before
+  // reading conv_out (a no-op when not launched as a programmatic dependent).
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 
-  // Step 5: L2 norms of q_i and k_i (eps inside the rsqrt of the sum), q scaled by 1/sqrt(dk).
-  float sq = 0.0f, sk = 0.0f;
-  const float* q = a.conv_out + static_cast<int64_t>(i) * a.dk;
-  const float* k = q + static_cast<int64_t>(a.Hk) * a.dk;
+  // Step 2 (fused) or its output (two launches): q_i, k_i and this CTA's v columns.
+  const int64_t q_base = static_cast<int64_t>(i) * a.dk;
+  const int64_t k_base = static_cast<int64_t>(a.Hk) * a.dk + q_base;
+  const int64_t v_chan =
+      2 * static_cast<int64_t>(a.Hk) * a.dk + static_cast<int64_t>(h) * a.dv + sl * a.vc + tid;
+  float sq = 0.0f, sk = 0.0f, v = 0.0f;
   for (int t = tid; t < a.dk; t += kThreads) {
-    const float qv = q[t], kv = k[t];
+    const float qv = a.fused ? conv_channel(a.proj, a.conv_w, a.conv_state, q_base + t, a.K, false)
+                             : a.conv_out[q_base + t];
+    const float kv = a.fused ? conv_channel(a.proj, a.conv_w, a.conv_state, k_base + t, a.K, false)
+                             : a.conv_out[k_base + t];
     qs[t] = qv;
     ks[t] = kv;
     sq = fmaf(qv, qv, sq);
     sk = fmaf(kv, kv, sk);
   }
+  if (tid < a.vc)
+    v = a.fused ? conv_channel(a.proj, a.conv_w, a.conv_state, v_chan, a.K, true)
+                : a.conv_out[v_chan];
+
+  // Step 5: L2 norms of q_i and k_i (eps inside the rsqrt of the sum), q scaled by 1/sqrt(dk).
   block_sum2(sq, sk);  // also the barrier for qs / ks
   const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
   const float q_scale = 1.0f / sqrtf(static_cast<float>(a.dk));
-
-  // Step 4: gates of head h.
-  const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * a.dv;
-  const float beta = sigmoid2(ab[a.Hv + h]);
-  const float g = -expf(a.A_log[h]) * softplus(ab[h] + a.dt_bias[h]);
-  const float decay = expf(g);
 
   // Step 6: S *= exp(g); r = S^T kh; delta = beta (v - r); S += kh delta^T; o = S^T qh.
   float kh[kMaxRows], qh[kMaxRows];
@@ -199,11 +243,7 @@ __global__ void __launch_bounds__(kThreads) gdn_recurrent_kernel(RecArgs a) {
     acc[3] = fmaf(s[j].w, kh[j], acc[3]);
   }
   column_sum(acc, CG, a.vc, part, col);
-  if (tid < a.vc) {
-    const float v = a.conv_out[2 * static_cast<int64_t>(a.Hk) * a.dk +
-                               static_cast<int64_t>(h) * a.dv + sl * a.vc + tid];
-    delta[tid] = beta * (v - col[tid]);
-  }
+  if (tid < a.vc) delta[tid] = beta * (v - col[tid]);
   __syncthreads();
   const float d0 = delta[cg * 4], d1 = delta[cg * 4 + 1], d2 = delta[cg * 4 + 2],
               d3 = delta[cg * 4 + 3];
@@ -228,31 +268,49 @@ __global__ void __launch_bounds__(kThreads) gdn_recurrent_kernel(RecArgs a) {
     __threadfence();  // visible to the head's last CTA before the arrival below
   }
   __syncthreads();
+  // Arrivals (integer atomics; the order of arrival never changes a value): the head's last CTA
+  // normalises the head; in fused mode the key head's last CTA shifts the q_i / k_i history,
+  // which every CTA of the key head has read by now.
   if (tid == 0) {
+    __threadfence();
     const unsigned int prev = atomicAdd(a.counters + h, 1u);
-    is_last = prev == static_cast<unsigned int>(slices - 1);
-    if (is_last) {
-      a.counters[h] = 0u;  // ready for the next launch (stream order)
-      __threadfence();
-    }
+    const unsigned int prev_k = a.fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
+    last_head = prev == static_cast<unsigned int>(slices - 1);
+    last_key = a.fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
+    if (last_head) a.counters[h] = 0u;  // ready for the next launch (stream order)
+    if (last_key) a.counters[a.Hv + i] = 0u;
+    __threadfence();
   }
   __syncthreads();
-  if (!is_last) return;
+  if (last_key) {
+    for (int t = tid; t < a.dk; t += kThreads) {
+      conv_shift(a.proj, a.conv_state, q_base + t, a.K);
+      conv_shift(a.proj, a.conv_state, k_base + t, a.K);
+    }
+  }
+  if (!last_head) return;
 
   // Step 7 (last CTA of head h): o * rsqrt(mean(o^2) + eps) * w * sigmoid(z) -> BF16.
+  // The loads of o, w and z are independent: one round trip.
+  const float* z = a.proj + a.conv_dim + static_cast<int64_t>(h) * a.dv;
+  float ov[kMaxRows], nw[kMaxRows], nz[kMaxRows];
   float ss = 0.0f, unused = 0.0f;
-  for (int t = tid; t < a.dv; t += kThreads) {
-    const float ov = __ldcg(o + t);
-    ss = fmaf(ov, ov, ss);
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j) {
+    const int t = tid + j * kThreads;
+    ov[j] = t < a.dv ? __ldcg(o + t) : 0.0f;
+    nw[j] = t < a.dv ? a.norm_w[t] : 0.0f;
+    nz[j] = t < a.dv ? z[t] : 0.0f;
+    ss = fmaf(ov[j], ov[j], ss);
   }
   block_sum2(ss, unused);
   const float mean = ss / static_cast<float>(a.dv);
   const float rs = 1.0f / sqrtf(mean + a.eps);
-  const float* z = a.proj + a.conv_dim + static_cast<int64_t>(h) * a.dv;
   uint16_t* out = a.out + static_cast<int64_t>(h) * a.dv;
-  for (int t = tid; t < a.dv; t += kThreads) {
-    const float y = __ldcg(o + t) * rs * a.norm_w[t] * sigmoid2(z[t]);
-    out[t] = dev::float_to_bf16_bits(y);
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j) {
+    const int t = tid + j * kThreads;
+    if (t < a.dv) out[t] = dev::float_to_bf16_bits(ov[j] * rs * nw[j] * sigmoid2(nz[j]));
   }
 }
 
@@ -262,8 +320,8 @@ void check_params(const GdnDecodeParams& p) {
                         p.dt_bias != nullptr && p.norm_weight != nullptr,
                     kOp);
   FN_LAUNCH_REQUIRE(p.conv_state != nullptr && p.state != nullptr && p.out != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.conv_out != nullptr && p.o_scratch != nullptr && p.head_counters != nullptr,
-                    kOp);
+  FN_LAUNCH_REQUIRE(p.o_scratch != nullptr && p.head_counters != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.fused_conv || p.conv_out != nullptr, kOp);
   FN_LAUNCH_REQUIRE(
       p.num_k_heads >= 1 && p.num_v_heads >= p.num_k_heads && p.num_v_heads % p.num_k_heads == 0,
       kOp);
@@ -275,6 +333,10 @@ void check_params(const GdnDecodeParams& p) {
   FN_LAUNCH_REQUIRE(conv_dim + 2 * int64_t{p.num_v_heads} * (p.v_head_dim + 1) < INT_MAX, kOp);
   FN_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(p.state) & 15u) == 0, kOp);
   FN_LAUNCH_REQUIRE(p.eps >= 0.0f, kOp);
+  const int f = p.slice_columns;
+  FN_LAUNCH_REQUIRE(f == 0 || ((f == 4 || f == 8 || f == 16 || f == 32) && p.v_head_dim % f == 0 &&
+                               p.k_head_dim * f <= kMaxRows * kThreads * 4),
+                    kOp);
 }
 
 // Whether the current device supports programmatic dependent launch (sm_90+), cached per
@@ -299,6 +361,7 @@ bool device_has_pdl() {
 
 int plan_gdn_decode_slice(const GdnDecodeParams& p) {
   check_params(p);
+  if (p.slice_columns != 0) return p.slice_columns;
   const int dk = p.k_head_dim, dv = p.v_head_dim;
   int vc = kMaxSlice;
   while (dv % vc != 0) vc /= 2;  // dv % 4 == 0, so this stops at 4 at the latest
@@ -315,13 +378,26 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   const int vc = plan_gdn_decode_slice(p);  // also checks the parameters
   const int Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
   const int conv_dim = 2 * Hk * dk + Hv * dv;
-  gdn_conv_kernel<<<(conv_dim + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      p.proj, p.conv_weight, p.conv_state, p.conv_out, conv_dim, p.conv_kernel);
-  FN_CUDA_LAUNCH_CHECK("gdn_conv_kernel");
-  RecArgs a{p.proj,     p.A_log, p.dt_bias,   p.norm_weight,
-            p.conv_out, p.state, p.o_scratch, p.head_counters,
-            p.out,      Hk,      Hv,          dk,
-            dv,         vc,      Hv / Hk,     conv_dim,
+  RecArgs a{p.proj,
+            p.A_log,
+            p.dt_bias,
+            p.norm_weight,
+            p.conv_weight,
+            p.conv_state,
+            p.conv_out,
+            p.state,
+            p.o_scratch,
+            p.head_counters,
+            p.out,
+            Hk,
+            Hv,
+            dk,
+            dv,
+            vc,
+            Hv / Hk,
+            conv_dim,
+            p.conv_kernel,
+            p.fused_conv ? 1 : 0,
             p.eps};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(Hv * (dv / vc)));
@@ -332,7 +408,13 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = p.overlap_launch && device_has_pdl() ? 1 : 0;
+  cfg.numAttrs = 0;
+  if (!p.fused_conv) {
+    gdn_conv_kernel<<<(conv_dim + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        p.proj, p.conv_weight, p.conv_state, p.conv_out, conv_dim, p.conv_kernel);
+    FN_CUDA_LAUNCH_CHECK("gdn_conv_kernel");
+    cfg.numAttrs = p.overlap_launch && device_has_pdl() ? 1 : 0;
+  }
   FN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gdn_recurrent_kernel, a));
   FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel");
 }

@@ -1,8 +1,8 @@
 // Gated DeltaNet decode for one token (MODEL.md §C.5 steps 2-7): causal conv + SiLU with the conv
 // state shift, gates, q/k L2 norm, the delta-rule recurrence on the FP32 state, and the gated
 // RMSNorm, from the FP32 output of the stacked projection GEMV to the BF16 input of out_proj.
-// Called by the CUDA decode step once per GDN layer. Two launches (conv, then recurrence + norm);
-// deterministic (fixed reduction order, no float atomics), graph-capturable (no host sync).
+// Called by the CUDA decode step once per GDN layer. One launch (or two: conv, then recurrence +
+// norm); deterministic (fixed reduction order, no float atomics), graph-capturable (no host sync).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -37,25 +37,35 @@ struct GdnDecodeParams {
   int conv_kernel = 4;      ///< linear_conv_kernel_dim, 2..8
   float eps = 1e-6f;        ///< rms_norm_eps (the gated norm; the L2 norm uses 1e-6 as the CPU op)
   // Scratch (device memory owned by the caller, e.g. the engine arena; never read by the host):
-  float* conv_out = nullptr;   ///< [conv_dim] FP32: SiLU(conv) of this token (launch 1 -> 2)
+  /// [conv_dim] FP32: SiLU(conv) of this token, launch 1 -> 2 (only when fused_conv is false;
+  /// may be nullptr otherwise).
+  float* conv_out = nullptr;
   float* o_scratch = nullptr;  ///< [Hv*dv] FP32: the un-normalised recurrence output o
-  /// [Hv] zero-initialised ONCE after allocation (cudaMemset); every launch leaves them zero.
-  /// Per-head arrival counters: the last CTA of a head applies the gated norm to the whole head.
+  /// [Hv + Hk] zero-initialised ONCE after allocation (cudaMemset); every launch leaves them zero.
+  /// Arrival counters: the last CTA of value head h (entry h) applies the gated norm to the
+  /// whole head; the last CTA of key head i (entry Hv + i) shifts its q/k conv history.
   unsigned int* head_counters = nullptr;
-  /// On sm_90+: launch the recurrence kernel as a programmatic dependent launch so its state
-  /// loads overlap the conv kernel (it waits for the conv output before reading it). Ignored on
-  /// older devices. Results are bitwise the same either way.
+  /// Two-launch mode only, sm_90+: launch the recurrence kernel as a programmatic dependent
+  /// launch so its state loads overlap the conv kernel. Ignored on older devices.
   bool overlap_launch = true;
+  /// true (default): ONE launch; every recurrence CTA computes the conv of the channels it
+  /// reads from the old conv state. false: two launches (a conv kernel over all channels
+  /// writing conv_out, then the recurrence). Results are bitwise the same in every mode.
+  bool fused_conv = true;
+  /// dv columns per CTA: 0 lets plan_gdn_decode_slice choose; else 4, 8, 16 or 32, dividing dv,
+  /// with dk * slice_columns <= 4096 (the state tile fits the registers). For benchmarks/tests.
+  int slice_columns = 0;
 };
 
-/// Launches the conv kernel (one thread per channel) then the recurrence kernel (one CTA of 256
-/// threads per (value head, slice of dv columns); the state slice stays in registers, loaded and
-/// stored once with coalesced 16-byte accesses). Throws fn::Error(Internal) on a null pointer,
-/// bad sizes (see the field comments) or a misaligned state; fn::Error(Cuda) on a failed launch.
+/// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);
+/// the state slice stays in registers, loaded and stored once with coalesced 16-byte accesses
+/// (preceded by a conv kernel over all channels when fused_conv is false). Throws
+/// fn::Error(Internal) on a null pointer, bad sizes (see the field comments) or a misaligned state;
+/// fn::Error(Cuda) on a failed launch.
 void launch_gdn_decode(const GdnDecodeParams& params, cudaStream_t stream);
 
-/// Columns of dv per CTA of the recurrence kernel that launch_gdn_decode picks for these sizes
-/// on the current device (4, 8, 16 or 32; tests and benchmarks report it). Same preconditions.
+/// Columns of dv per CTA of the recurrence kernel that launch_gdn_decode uses for these params
+/// on the current device (4, 8, 16 or 32; slice_columns when set). Same preconditions/throws.
 int plan_gdn_decode_slice(const GdnDecodeParams& params);
 
 }  // namespace fn

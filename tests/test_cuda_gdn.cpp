@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -75,7 +76,7 @@ struct DeviceLayer {
         conv_out(sz(s.conv_dim())),
         o_scratch(sz(s.Hv) * s.dv),
         out(sz(s.Hv) * s.dv),
-        counters(sz(s.Hv)) {
+        counters(sz(s.Hv + s.Hk)) {
     FN_CUDA_CHECK(cudaMemset(counters.ptr, 0, counters.n * sizeof(unsigned int)));
   }
   fn::GdnDecodeParams params(const Shape& s) const {
@@ -264,7 +265,9 @@ std::vector<float> widen(const std::vector<uint16_t>& b) {
   return f;
 }
 
-void run_steps(const Shape& s, int steps, bool zero_start, uint64_t seed) {
+using Tweak = std::function<void(fn::GdnDecodeParams&)>;
+
+void run_steps(const Shape& s, int steps, bool zero_start, uint64_t seed, const Tweak& tweak = {}) {
   std::mt19937_64 rng(seed);
   const Weights w(s, rng);
   DeviceLayer d(s, w);
@@ -275,8 +278,9 @@ void run_steps(const Shape& s, int steps, bool zero_start, uint64_t seed) {
   }
   d.conv_state.upload(cs);
   d.state.upload(S);
-  const fn::GdnDecodeParams p = d.params(s);
-  INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " slice ",
+  fn::GdnDecodeParams p = d.params(s);
+  if (tweak) tweak(p);
+  INFO("fused ", p.fused_conv, " Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " slice ",
        fn::plan_gdn_decode_slice(p));
   for (int step = 0; step < steps; ++step) {
     INFO("step ", step);
@@ -314,6 +318,23 @@ TEST_CASE("cuda gdn: real TP=1 heads (16 key, 48 value, 128 dims) match the CPU 
 
 TEST_CASE("cuda gdn: real TP=2 heads (8 key, 24 value, 128 dims) match the CPU ops over 6 steps") {
   run_steps(Shape{8, 24, 128, 128}, 6, false, 2);
+}
+
+TEST_CASE(
+    "cuda gdn: the two-launch mode (conv kernel, then the dependent recurrence) matches too") {
+  run_steps(Shape{16, 48, 128, 128}, 6, false, 21,
+            [](fn::GdnDecodeParams& p) { p.fused_conv = false; });
+  run_steps(Shape{2, 6, 16, 16}, 6, true, 22, [](fn::GdnDecodeParams& p) {
+    p.fused_conv = false;
+    p.overlap_launch = false;
+  });
+}
+
+TEST_CASE(
+    "cuda gdn: every slice width (4, 8, 16, 32 dv columns per CTA) matches at the real shape") {
+  for (int slice : {4, 8, 16, 32})
+    run_steps(Shape{8, 24, 128, 128}, 3, false, uint64_t(30 + slice),
+              [slice](fn::GdnDecodeParams& p) { p.slice_columns = slice; });
 }
 
 TEST_CASE("cuda gdn: tiny fixture heads and their TP slices match the CPU ops over 6 steps") {
@@ -367,9 +388,19 @@ TEST_CASE("cuda gdn: the launcher rejects null pointers, bad head counts and dim
   rejects([](fn::GdnDecodeParams& p) { p.conv_kernel = 9; });
   rejects([](fn::GdnDecodeParams& p) { p.state = p.state + 1; });  // 4-byte aligned only
   rejects([](fn::GdnDecodeParams& p) { p.eps = -1.0f; });
+  rejects([](fn::GdnDecodeParams& p) { p.slice_columns = 12; });
+  rejects([](fn::GdnDecodeParams& p) { p.slice_columns = 32; });  // does not divide dv = 16
+  rejects([](fn::GdnDecodeParams& p) {
+    p.fused_conv = false;  // the two-launch mode needs conv_out
+    p.conv_out = nullptr;
+  });
+  fn::GdnDecodeParams fused_without_conv_out = good;  // the fused mode does not
+  fused_without_conv_out.conv_out = nullptr;
+  CHECK_NOTHROW(fn::launch_gdn_decode(fused_without_conv_out, nullptr));
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-TEST_CASE("cuda gdn: graph replay and the serial launch give the eager steps bitwise") {
+TEST_CASE("cuda gdn: graph replay and both launch modes give the eager steps bitwise") {
   const Shape s{8, 24, 128, 128};
   std::mt19937_64 rng(14);
   const Weights w(s, rng);
@@ -398,30 +429,37 @@ TEST_CASE("cuda gdn: graph replay and the serial launch give the eager steps bit
     }
     return snaps;
   };
-  const auto eager = run([&] { fn::launch_gdn_decode(p, stream); });
-  fn::GdnDecodeParams p_serial = p;  // plain stream order instead of the dependent launch
+  auto same = [&](const std::vector<Snapshot>& a, const std::vector<Snapshot>& b) {
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      INFO("step ", i);
+      CHECK(a[i].cs == b[i].cs);
+      CHECK(std::memcmp(a[i].S.data(), b[i].S.data(), a[i].S.size() * 4) == 0);
+      CHECK(a[i].y == b[i].y);
+    }
+  };
+  fn::GdnDecodeParams p_two = p;  // two launches, the recurrence as a dependent launch
+  p_two.fused_conv = false;
+  fn::GdnDecodeParams p_serial = p_two;  // two launches in plain stream order
   p_serial.overlap_launch = false;
-  const auto serial = run([&] { fn::launch_gdn_decode(p_serial, stream); });
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  fn::launch_gdn_decode(p, stream);
-  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const auto replay = run([&] { FN_CUDA_CHECK(cudaGraphLaunch(exec, stream)); });
-  for (size_t i = 0; i < eager.size(); ++i) {
-    INFO("step ", i);
-    CHECK(eager[i].cs == replay[i].cs);
-    CHECK(std::memcmp(eager[i].S.data(), replay[i].S.data(), eager[i].S.size() * 4) == 0);
-    CHECK(eager[i].y == replay[i].y);
-    CHECK(eager[i].cs == serial[i].cs);
-    CHECK(std::memcmp(eager[i].S.data(), serial[i].S.data(), eager[i].S.size() * 4) == 0);
-    CHECK(eager[i].y == serial[i].y);
-  }
-  // The states did move (the comparison is not between untouched buffers).
+  const auto eager = run([&] { fn::launch_gdn_decode(p, stream); });
+  // The states did move (the comparisons are not between untouched buffers).
   CHECK(std::memcmp(eager.back().S.data(), S0.data(), S0.size() * 4) != 0);
-  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  CHECK(eager.back().cs != cs0);
+  for (const fn::GdnDecodeParams* q : {&p, static_cast<const fn::GdnDecodeParams*>(&p_two)}) {
+    INFO("fused ", q->fused_conv);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    fn::launch_gdn_decode(*q, stream);
+    FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    same(eager, run([&] { FN_CUDA_CHECK(cudaGraphLaunch(exec, stream)); }));
+    FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  same(eager, run([&] { fn::launch_gdn_decode(p_two, stream); }));
+  same(eager, run([&] { fn::launch_gdn_decode(p_serial, stream); }));
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -471,22 +509,30 @@ TEST_CASE("cuda gdn bench: us and GB/s per layer step at the real TP=1 and TP=2 
     const double bytes = 2.0 * s.state_len() * 4 + 2.0 * s.conv_dim() * (s.K - 1) * 4 +
                          double(s.conv_dim()) * s.K * 4 + double(s.proj_len()) * 4 +
                          double(s.Hv) * s.dv * 2;
-    for (const bool overlap : {true, false}) {
+    struct Mode {
+      const char* name;
+      bool fused, overlap;
+      int slice;  // 0: the planned width
+    };
+    for (const Mode m : {Mode{"fused, planned slice", true, true, 0}, Mode{"fused", true, true, 8},
+                         Mode{"fused", true, true, 16}, Mode{"fused", true, true, 32},
+                         Mode{"two launches + PDL", false, true, 0},
+                         Mode{"two launches serial", false, false, 0}}) {
+      auto tweak = [&](fn::GdnDecodeParams p) {
+        p.fused_conv = m.fused;
+        p.overlap_launch = m.overlap;
+        p.slice_columns = m.slice;
+        return p;
+      };
       const double us = time_graph([&] {
-        for (auto& l : L) {
-          fn::GdnDecodeParams p = l->params(s);
-          p.overlap_launch = overlap;
-          fn::launch_gdn_decode(p, stream);
-        }
+        for (auto& l : L) fn::launch_gdn_decode(tweak(l->params(s)), stream);
       });
       const double gbs = bytes / (us * 1e-6) / 1e9;
       std::printf(
-          "gdn_decode bench: Hk=%d Hv=%d dk=%d dv=%d slice=%d overlap=%d: %.2f us/layer, %.2f MB "
+          "gdn_decode bench: Hk=%d Hv=%d dk=%d dv=%d %s (slice %d): %.2f us/layer, %.2f MB "
           "moved, %.0f GB/s (%.0f%% of 4300 GB/s)\n",
-          s.Hk, s.Hv, s.dk, s.dv, fn::plan_gdn_decode_slice(L[0]->params(s)), int(overlap), us,
+          s.Hk, s.Hv, s.dk, s.dv, m.name, fn::plan_gdn_decode_slice(tweak(L[0]->params(s))), us,
           bytes / 1e6, gbs, 100.0 * gbs / 4300.0);
-      MESSAGE("gdn_decode bench: Hv=", s.Hv, " overlap=", overlap, ": ", us, " us/layer, ", gbs,
-              " GB/s");
     }
     // Reference: a device-to-device copy of one layer's state per layer (reads + writes the same
     // state bytes as the recurrence), in the same graph form.

@@ -6,6 +6,11 @@
 //   kernel over all channels, the launch boundary being the ordering.
 // - gated norm: a head's dv columns come from several CTAs; the head's last CTA to arrive
 //   normalises the whole head. Sums keep a fixed order, so results never depend on arrival order.
+// Measured on one H200 (graph of 36 layers, states beyond the L2): about 9.5 us per layer at
+// TP=1 fused, 8.4 us in two-launch mode with PDL, against 1.8 us for a state-sized D2D copy: a
+// CTA's chain of dependent round trips (state load, fences, arrival atomic, the last CTA's reads)
+// dominates, not bandwidth. Next steps: thread-block clusters (DSMEM) for the per-head norm, and
+// a dependent launch behind the projection GEMV so the state load overlaps it.
 #include "cuda/gdn.h"
 
 #include <cuda_runtime.h>

@@ -374,7 +374,6 @@ TEST_CASE("cuda gdn: the launcher rejects null pointers, bad head counts and dim
   rejects([](fn::GdnDecodeParams& p) { p.conv_state = nullptr; });
   rejects([](fn::GdnDecodeParams& p) { p.state = nullptr; });
   rejects([](fn::GdnDecodeParams& p) { p.out = nullptr; });
-  rejects([](fn::GdnDecodeParams& p) { p.conv_out = nullptr; });
   rejects([](fn::GdnDecodeParams& p) { p.o_scratch = nullptr; });
   rejects([](fn::GdnDecodeParams& p) { p.head_counters = nullptr; });
   rejects([](fn::GdnDecodeParams& p) { p.num_k_heads = 0; });

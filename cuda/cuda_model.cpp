@@ -1,0 +1,1189 @@
+// CudaModel (see cuda_model.h): device weights, sequence state, and the decode step of MODEL.md
+// §C.10 as a chain of cuda/ launches, captured once per mode as a CUDA graph.
+//
+// Per token (one graph): embed -> for each layer { [PLE: n-gram gather, all-reduce, key/value
+// GEMV, apply] ; HC read ; GDN or QSA (stacked input GEMV, mixer kernel, output GEMV, all-reduce)
+// ; HC inject ; HC read ; MoE (router+shared-gate GEMV, top-k, NVFP4 gate-up, down, shared
+// expert, combine, all-reduce) ; HC inject } -> final mixer -> lm_head (vocab slice) -> scatter +
+// all-reduce (= all-gather) -> [sample -> next token id] -> n-gram context and position advance.
+#include "cuda/cuda_model.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "comm/cuda_check.h"
+#include "comm/device_all_reduce.h"
+#include "core/codecs.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/ngram.h"
+#include "core/rank_slices.h"
+#include "core/shard_plan.h"
+#include "cuda/decode_ops.h"
+#include "cuda/gdn.h"
+#include "cuda/gemv_bf16.h"
+#include "cuda/hc.h"
+#include "cuda/moe_nvfp4.h"
+#include "cuda/ple.h"
+#include "cuda/qsa.h"
+#include "cuda/sample.h"
+#include "cuda/step_kernels.h"
+#include "cuda/weight_fill.h"
+
+namespace fn {
+
+namespace {
+
+constexpr std::string_view kPrefix = "model.language_model.";
+
+// ---- device memory -----------------------------------------------------------------------------
+
+// Every device allocation of the model: weights and (in one block) states + activations. All of
+// it is allocated before the first capture and freed with the model.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  // A fresh zeroed block of `bytes` (256-byte aligned). Throws fn::Error(Cuda) naming the size.
+  void* alloc(std::size_t bytes, const char* what) {
+    void* p = nullptr;
+    const std::size_t n = std::max<std::size_t>(bytes, 256);
+    const cudaError_t rc = cudaMalloc(&p, n);
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      std::size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      FN_THROW(Cuda,
+               "out of device memory allocating {:.2f} MiB for {} ({:.2f} GiB held by the model, "
+               "{:.2f} GiB free of {:.2f} GiB): {}",
+               n / 1048576.0, what, held_ / 1073741824.0, free_b / 1073741824.0,
+               total_b / 1073741824.0, cudaGetErrorString(rc));
+    }
+    FN_CUDA_CHECK(cudaMemset(p, 0, n));
+    blocks_.push_back(p);
+    held_ += n;
+    return p;
+  }
+  template <typename T>
+  T* alloc_n(int64_t count, const char* what) {
+    return static_cast<T*>(alloc(static_cast<std::size_t>(count) * sizeof(T), what));
+  }
+  uint64_t held() const noexcept { return held_; }
+
+ private:
+  std::vector<void*> blocks_;
+  uint64_t held_ = 0;
+};
+
+// Carves one allocation into 256-byte aligned pieces: sized in a first pass (base == nullptr),
+// assigned in the second.
+class Carver {
+ public:
+  explicit Carver(std::byte* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    const std::size_t bytes =
+        (static_cast<std::size_t>(std::max<int64_t>(count, 1)) * sizeof(T) + 255) &
+        ~std::size_t{255};
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += bytes;
+    return p;
+  }
+  std::size_t used() const noexcept { return used_; }
+
+ private:
+  std::byte* base_;
+  std::size_t used_ = 0;
+};
+
+// ---- weight sources -----------------------------------------------------------------------------
+
+// What a random weight should look like (core/synth.h's rules).
+enum class Init { Linear, LmHead, Embed, NormOnePlus, NormPlain, Conv, ALog, DtBias };
+
+// Where the device weights come from: a checkpoint (this rank's slices) or random values.
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  // Fills dst (device) with the rank's [rows, cols] slice of `name` stored as `dtype`.
+  virtual void fill(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init init,
+                    void* dst) = 0;
+  // The rank's slice of a small tensor widened to FP32 on the host ([n] elements).
+  virtual std::vector<float> vec(const std::string& name, int64_t n, Init init) = 0;
+  // A scalar (weight_scale_2, the n-gram weight_scale).
+  virtual float scalar(const std::string& name, float random_value) = 0;
+  // Rows of `name` this rank holds (n-gram shards: 0 for another rank's shard).
+  virtual int64_t held_rows(const std::string& name) = 0;
+  virtual uint64_t bytes() const = 0;
+};
+
+class CheckpointSource final : public WeightSource {
+ public:
+  CheckpointSource(const OpenedModel& om, int rank)
+      : reader_(om.checkpoint, om.plan, rank, om.bare_layout) {}
+  void fill(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init,
+            void* dst) override {
+    const WeightSlice s = reader_.read(name, rows, cols);
+    FN_CHECK(s.dtype == dtype, "'{}' is {}, the CUDA backend expects {}", name, dtype_name(s.dtype),
+             dtype_name(dtype));
+    FN_CUDA_CHECK(cudaMemcpy(dst, s.bytes->data(), s.bytes->size(), cudaMemcpyHostToDevice));
+  }
+  std::vector<float> vec(const std::string& name, int64_t n, Init) override {
+    return slice_to_f32(reader_.read(name, n, 1));
+  }
+  float scalar(const std::string& name, float) override {
+    const WeightSlice s = reader_.read(name, 1, 1);
+    return scalar_to_float(s.dtype, s.bytes->data());
+  }
+  int64_t held_rows(const std::string& name) override { return reader_.read(name).rows; }
+  uint64_t bytes() const override { return reader_.bytes(); }
+  // The raw slice (n-gram shards).
+  WeightSlice read(const std::string& name) { return reader_.read(name); }
+
+ private:
+  RankSliceReader reader_;
+};
+
+uint64_t name_hash(std::string_view s) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (char c : s) h = (h ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return h;
+}
+
+class RandomSource final : public WeightSource {
+ public:
+  RandomSource(const ShardPlan& plan, int rank, uint64_t seed)
+      : plan_(plan), rank_(rank), seed_(seed) {}
+  void fill(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init init,
+            void* dst) override {
+    RandomFillParams p;
+    p.dst = dst;
+    p.count = rows * cols;
+    p.dtype = dtype;
+    p.seed = seed_;
+    p.stream = name_hash(name) + static_cast<uint64_t>(rank_);
+    if (dtype == DType::U8) {
+      p.kind = RandomFill::E2M1Codes;
+    } else if (dtype == DType::F8_E4M3) {
+      p.kind = name.find("ngram") != std::string::npos ? RandomFill::E4M3Uniform
+                                                       : RandomFill::E4M3NearOne;
+    } else {
+      const float a = bound(init, cols);
+      p.lo = init == Init::NormPlain ? 0.9f : -a;
+      p.hi = init == Init::NormPlain ? 1.1f : a;
+    }
+    launch_random_fill(p, nullptr);
+    bytes_ += static_cast<uint64_t>(p.count) * dtype_size(dtype);
+  }
+  std::vector<float> vec(const std::string& name, int64_t n, Init init) override {
+    std::vector<float> v(static_cast<std::size_t>(n));
+    const uint64_t base = seed_ ^ name_hash(name);
+    uint64_t i = 0;
+    for (auto& x : v) {
+      const uint64_t z = splitmix64(base + 0x9e3779b97f4a7c15ull * ++i);
+      const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+      switch (init) {
+        case Init::NormOnePlus:
+          x = -0.1f + 0.2f * u;
+          break;
+        case Init::NormPlain:
+          x = 0.9f + 0.2f * u;
+          break;
+        case Init::ALog:
+          x = std::log(1.0f + 15.0f * u);
+          break;
+        case Init::DtBias:
+          x = -0.5f + u;
+          break;
+        case Init::Conv:
+          x = (2 * u - 1) * std::sqrt(3.0f / 4.0f);
+          break;
+        default:
+          x = (2 * u - 1) * std::sqrt(3.0f / static_cast<float>(n));
+          break;
+      }
+    }
+    return v;
+  }
+  float scalar(const std::string&, float random_value) override { return random_value; }
+  int64_t held_rows(const std::string& name) override {
+    const TensorShard s = plan_.shard(plan_.index(name), rank_);
+    int64_t rows = 0;
+    for (const SliceBlock& b : s.blocks) rows += b.row_count;
+    return rows;
+  }
+  uint64_t bytes() const override { return bytes_; }
+
+ private:
+  static float bound(Init init, int64_t fan_in) {
+    const float s3 = std::sqrt(3.0f);
+    switch (init) {
+      case Init::Linear:
+        return s3 / std::sqrt(static_cast<float>(fan_in));
+      case Init::LmHead:
+        return 4 * s3 / std::sqrt(static_cast<float>(fan_in));
+      case Init::Embed:
+        return s3;
+      case Init::Conv:
+        return s3 / 2;
+      default:
+        return 0.1f;
+    }
+  }
+  const ShardPlan& plan_;
+  int rank_;
+  uint64_t seed_;
+  uint64_t bytes_ = 0;
+};
+
+// ---- device weights and states of one layer ----------------------------------------------------
+
+struct DevHc {
+  const uint16_t* norm = nullptr;      // [W] BF16
+  const uint16_t* down_inj = nullptr;  // [R (+ S), W] BF16
+  int64_t down_rows = 0;               // R + S, or R for the final mixer
+  const uint16_t* up = nullptr;        // [W, R] BF16
+};
+
+struct DevGdn {
+  const uint16_t* in_proj = nullptr;  // [conv_l + Hv*dv + 2*Hv, D]: qkv | z | a | b
+  int64_t in_rows = 0;
+  const uint16_t* out = nullptr;  // [D, Hv*dv]
+  float *conv = nullptr, *A_log = nullptr, *dt_bias = nullptr, *norm = nullptr;
+  float* conv_state = nullptr;  // [conv_l, K-1]
+  float* S = nullptr;           // [Hv, dk, dv]
+  unsigned int* counters = nullptr;
+  float* o_scratch = nullptr;
+};
+
+struct DevQsa {
+  const uint16_t* in_proj = nullptr;  // [Hq*2hd + 2*Hkv*hd + (ni+1)*ihd, D]
+  int64_t in_rows = 0;
+  const uint16_t* o = nullptr;  // [D, Hq*hd]
+  float *q_norm = nullptr, *k_norm = nullptr, *iq_norm = nullptr, *ik_norm = nullptr;
+  uint16_t *k_cache = nullptr, *v_cache = nullptr;
+  float *raw_keys = nullptr, *block_keys = nullptr;
+  void* workspace = nullptr;
+};
+
+struct DevMoe {
+  const uint16_t* router = nullptr;     // [E + 1, D]: router rows, then shared_expert_gate
+  const uint16_t* s_gate_up = nullptr;  // [2*Is, D]
+  const uint16_t* s_down = nullptr;     // [D, Is]
+  Nvfp4Experts gate_up, down;
+};
+
+struct DevPle {
+  const uint16_t* kv_proj = nullptr;  // [S*P + D, P]: key_proj | value_proj
+  float *norm_key = nullptr, *norm_query = nullptr, *norm_conv = nullptr, *conv = nullptr;
+  float* conv_state = nullptr;
+  const uint8_t* rows = nullptr;  // this rank's n-gram rows
+  int64_t first_row = 0, row_count = 0;
+  bool fp8 = true;
+  float scale = 1.0f;
+  NgramConstants consts;
+};
+
+struct DevLayer {
+  bool qsa = false;
+  bool has_ple = false;
+  DevPle ple;
+  DevHc attn_hc, mlp_hc;
+  DevGdn gdn;
+  DevQsa attn;
+  DevMoe moe;
+};
+
+// Upload of a host FP32 vector.
+float* upload_f32(DeviceArena& arena, const std::vector<float>& v, const char* what) {
+  float* d = arena.alloc_n<float>(static_cast<int64_t>(v.size()), what);
+  FN_CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+  return d;
+}
+
+}  // namespace
+
+// ---- Impl ---------------------------------------------------------------------------------------
+
+struct CudaModel::Impl {
+  DeviceArena arena;
+  cudaStream_t stream = nullptr;
+  std::vector<DevLayer> layers;
+  DevHc final_hc;
+  const uint16_t* embed = nullptr;    // [V, D]
+  const uint16_t* lm_head = nullptr;  // [V/tp, D]
+  int64_t v_local = 0, v_first = 0;
+
+  // Activations and step scalars (one block).
+  float* H = nullptr;           // [W] FP32 residual
+  uint16_t* n = nullptr;        // [W] BF16 normed residual
+  float* t = nullptr;           // [R + S]
+  uint16_t* m = nullptr;        // [D] BF16 block input
+  float* iota = nullptr;        // [S]
+  float* proj = nullptr;        // [max in rows] FP32
+  uint16_t* mix_out = nullptr;  // [max(Hv*dv, Hq*hd)] BF16
+  float* y = nullptr;           // [D] FP32
+  float* ys = nullptr;          // [D] FP32 shared expert
+  float* rl = nullptr;          // [E + 1] router logits + shared gate logit
+  int32_t* ids = nullptr;       // [k]
+  float* rw = nullptr;          // [k]
+  uint16_t* h = nullptr;        // [k, I_l] BF16
+  float* sgu = nullptr;         // [2 Is] FP32
+  uint16_t* sh = nullptr;       // [Is] BF16
+  float* e_ng = nullptr;        // [P] FP32
+  float* kvp = nullptr;         // [S*P + D] FP32
+  float* logits_local = nullptr;
+  float* logits = nullptr;      // [V] full
+  int32_t* token = nullptr;     // device: the step's input id
+  int64_t* position = nullptr;  // device: its position
+  int64_t* context = nullptr;   // device [ngram_size - 1]
+  int32_t* error_flag = nullptr;
+  int64_t* sample_step = nullptr;
+  int32_t* history = nullptr;
+  int64_t history_capacity = 0;
+  void* sample_ws = nullptr;
+  std::size_t sample_ws_bytes = 0;
+
+  float* host_logits = nullptr;   // pinned [V]
+  int32_t* host_token = nullptr;  // pinned
+  int32_t* host_flag = nullptr;   // pinned
+
+  cudaGraphExec_t logits_graph = nullptr;
+  cudaGraphExec_t sample_graph = nullptr;
+  DeviceSamplingParams sample_graph_params{};
+  uint64_t weight_bytes = 0;
+
+  // Loads every weight from `src` and allocates the states and activations.
+  void build(const ModelConfig& c, const CudaModelOptions& o, WeightSource& src,
+             CheckpointSource* ck, bool ngram_fp8);
+  // Enqueues one decode step on `stream` (the token at *token, position *position); with
+  // `sampling`, also samples the next id into *token and records it in history.
+  void encode_step(const ModelConfig& c, const CudaModelOptions& o,
+                   const DeviceSamplingParams* sampling);
+  // Zeroes the states, fills the n-gram context with EOS, position 0.
+  void reset_state(const ModelConfig& c);
+  std::vector<std::pair<void*, std::size_t>> state_blocks;  // zeroed by reset_state
+
+  ~Impl() {
+    if (logits_graph) cudaGraphExecDestroy(logits_graph);
+    if (sample_graph) cudaGraphExecDestroy(sample_graph);
+    if (host_logits) cudaFreeHost(host_logits);
+    if (host_token) cudaFreeHost(host_token);
+    if (host_flag) cudaFreeHost(host_flag);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+CudaModel::CudaModel(ModelConfig cfg, const CudaModelOptions& options)
+    : cfg_(std::move(cfg)), opt_(options), impl_(std::make_unique<Impl>()) {}
+
+CudaModel::~CudaModel() {
+  if (impl_ && impl_->stream) cudaStreamSynchronize(impl_->stream);
+}
+
+namespace {
+
+// Checks the model and options this backend runs; throws Usage/Format naming the field.
+void check_supported(const ModelConfig& c, const CudaModelOptions& o, bool experts_nvfp4) {
+  FN_REQUIRE(o.tp_size >= 1 && o.tp_rank >= 0 && o.tp_rank < o.tp_size, Internal,
+             "tp_rank {} of tp_size {}", o.tp_rank, o.tp_size);
+  FN_REQUIRE(o.tp_size == 1 || o.all_reduce != nullptr, Internal, "tp_size {} needs an all-reduce",
+             o.tp_size);
+  FN_REQUIRE(o.ctx_size >= 1 && o.ctx_size <= c.max_position_embeddings, Usage,
+             "-c/--ctx-size {} is outside [1, max_position_embeddings = {}] of {}", o.ctx_size,
+             c.max_position_embeddings, c.source);
+  FN_REQUIRE(experts_nvfp4, Format,
+             "{}: the CUDA backend runs NVFP4 routed experts only (this checkpoint stores BF16 "
+             "experts; use --backend cpu)",
+             c.source);
+  FN_REQUIRE(!c.has_ple() || c.ple_embed_dim == c.hidden_size, Format,
+             "{}: ple_embed_dim {} != hidden_size {} is not supported", c.source, c.ple_embed_dim,
+             c.hidden_size);
+  FN_REQUIRE(c.output_gate_type == GateActivation::Sigmoid, Format,
+             "{}: output_gate_type must be sigmoid for qwen4_exp (MODEL.md §F.1.2)", c.source);
+  FN_REQUIRE(c.hc_count == 4, Format, "{}: hc_count {} is not supported by the CUDA backend (4)",
+             c.source, c.hc_count);
+}
+
+// Builds every device weight and state of the model from `src`.
+struct Builder {
+  const ModelConfig& c;
+  const CudaModelOptions& o;
+  WeightSource& src;
+  CheckpointSource* ck;  // non-null for the checkpoint path (n-gram shards are read raw)
+  DeviceArena& arena;
+  bool ngram_fp8;
+
+  const std::string p = std::string(kPrefix);
+
+  // A stacked BF16 matrix: the parts' rows one after another (all with `cols` columns).
+  struct Part {
+    std::string name;
+    int64_t rows;
+    Init init = Init::Linear;
+  };
+  const uint16_t* stack(const std::vector<Part>& parts, int64_t cols, const char* what,
+                        int64_t* rows_out = nullptr) {
+    int64_t rows = 0;
+    for (const Part& q : parts) rows += q.rows;
+    auto* d = arena.alloc_n<uint16_t>(rows * cols, what);
+    int64_t r = 0;
+    for (const Part& q : parts) {
+      src.fill(q.name, q.rows, cols, DType::BF16, q.init, d + r * cols);
+      r += q.rows;
+    }
+    if (rows_out) *rows_out = rows;
+    return d;
+  }
+  float* vec(const std::string& name, int64_t n, Init init) {
+    return upload_f32(arena, src.vec(name, n, init), "a 1-D weight");
+  }
+
+  DevHc hc(const std::string& base, bool inject) {
+    const int64_t W = c.hc_width(), R = c.hc_lowrank, S = c.hc_count;
+    DevHc h;
+    auto* nw = arena.alloc_n<uint16_t>(W, "hc_norm");
+    src.fill(base + ".hc_norm.weight", W, 1, DType::BF16, Init::NormOnePlus, nw);
+    h.norm = nw;
+    std::vector<Part> parts{{base + ".input_mix_weight_down.weight", R}};
+    if (inject) parts.push_back({base + ".block_inject_weight.weight", S});
+    h.down_inj = stack(parts, W, "HC down/inject", &h.down_rows);
+    h.up = stack({{base + ".input_mix_weight_up.weight", W}}, R, "HC up");
+    return h;
+  }
+
+  Nvfp4Experts experts(const std::string& mp, bool gate_up, int64_t I_l, float* globals_host) {
+    const int64_t D = c.hidden_size, E = c.num_experts;
+    const int64_t rows = gate_up ? 2 * I_l : D, cols = gate_up ? D : I_l;
+    auto* packed = arena.alloc_n<uint8_t>(E * rows * cols / 2, "NVFP4 expert codes");
+    auto* scales = arena.alloc_n<uint8_t>(E * rows * cols / 16, "NVFP4 block scales");
+    const int nproj = gate_up ? 2 : 1;
+    std::vector<float> gs(static_cast<std::size_t>(E * nproj));
+    for (int64_t e = 0; e < E; ++e) {
+      for (int j = 0; j < nproj; ++j) {
+        const char* proj = gate_up ? (j == 0 ? "gate_proj" : "up_proj") : "down_proj";
+        const std::string base = fmt::format("{}experts.{}.{}", mp, e, proj);
+        const int64_t prow = gate_up ? I_l : D;
+        const int64_t r0 = e * rows + j * I_l;
+        src.fill(base + ".weight", prow, cols / 2, DType::U8, Init::Linear, packed + r0 * cols / 2);
+        src.fill(base + ".weight_scale", prow, cols / 16, DType::F8_E4M3, Init::Linear,
+                 scales + r0 * cols / 16);
+        gs[static_cast<std::size_t>(e * nproj + j)] =
+            src.scalar(base + ".weight_scale_2", 1.0f / (2.93f * std::sqrt(static_cast<float>(D))));
+      }
+    }
+    (void)globals_host;
+    Nvfp4Experts x;
+    x.packed = packed;
+    x.scales = scales;
+    x.global_scale = upload_f32(arena, gs, "NVFP4 global scales");
+    x.num_experts = static_cast<int>(E);
+    x.rows = rows;
+    x.cols = cols;
+    return x;
+  }
+
+  void ple(DevPle& d, const std::string& lp, int ple_rank) {
+    const int64_t W = c.hc_width(), D = c.hidden_size, P = c.ple_embed_dim, S = c.hc_count;
+    const std::string pp = lp + "ple.";
+    const std::string ep = pp + "ple_embedding.";
+    d.kv_proj = stack({{pp + "key_proj.weight", S * P}, {pp + "value_proj.weight", D}}, P,
+                      "PLE key/value projections");
+    d.norm_key = vec(pp + "norm_key.weight", W, Init::NormOnePlus);
+    d.norm_query = vec(pp + "norm_query.weight", W, Init::NormOnePlus);
+    d.norm_conv = vec(pp + "norm_conv.weight", W, Init::NormOnePlus);
+    {
+      std::vector<float> conv;
+      if (ck) {
+        conv = slice_to_f32(ck->read(pp + "conv1d.weight"));
+      } else {
+        conv = src.vec(pp + "conv1d.weight", W * c.ple_conv_kernel_size, Init::Conv);
+      }
+      FN_CHECK(static_cast<int64_t>(conv.size()) == W * c.ple_conv_kernel_size,
+               "PLE conv1d has {} taps", conv.size());
+      d.conv = upload_f32(arena, conv, "PLE conv");
+    }
+    d.consts = ngram_constants(c, ple_rank);
+    if (ck) {  // the stored I64 buffers must equal the config's constants
+      auto check_i64 = [&](const std::string& name, const std::vector<int64_t>& want) {
+        const WeightSlice s = ck->read(name);
+        FN_REQUIRE(s.bytes->size() == want.size() * 8, Format, "'{}' holds {} bytes, expected {}",
+                   name, s.bytes->size(), want.size() * 8);
+        std::vector<int64_t> got(want.size());
+        std::memcpy(got.data(), s.bytes->data(), want.size() * sizeof(int64_t));
+        for (std::size_t i = 0; i < want.size(); ++i)
+          FN_REQUIRE(got[i] == want[i], Format,
+                     "'{}'[{}] is {}, the config gives {} (config drift?)", name, i, got[i],
+                     want[i]);
+      };
+      check_i64(ep + "layer_multipliers", d.consts.multipliers);
+      check_i64(ep + "ngram_heads_vocab_sizes", d.consts.head_sizes);
+      check_i64(ep + "ngram_heads_offsets", d.consts.head_offsets);
+    }
+    const int64_t rows_per_shard = d.consts.table_rows / c.split_ngram_parts;
+    const int64_t hdn = c.ngram_head_dim();
+    const DType tdt = ngram_fp8 ? DType::F8_E4M3 : DType::BF16;
+    std::vector<int64_t> held;
+    for (int64_t s = 0; s < c.split_ngram_parts; ++s) {
+      const std::string name = fmt::format("{}ngram_embedding.shard_{}.weight", ep, s);
+      if (src.held_rows(name) > 0) held.push_back(s);
+    }
+    for (std::size_t i = 1; i < held.size(); ++i)
+      FN_CHECK(held[i] == held[i - 1] + 1, "rank {} holds non-consecutive n-gram shards",
+               o.tp_rank);
+    d.fp8 = ngram_fp8;
+    d.row_count = static_cast<int64_t>(held.size()) * rows_per_shard;
+    d.first_row = held.empty() ? 0 : held.front() * rows_per_shard;
+    auto* rows = arena.alloc_n<uint8_t>(
+        std::max<int64_t>(d.row_count * hdn, 1) * static_cast<int64_t>(dtype_size(tdt)),
+        "n-gram table rows");
+    for (std::size_t i = 0; i < held.size(); ++i) {
+      const std::string name = fmt::format("{}ngram_embedding.shard_{}.weight", ep, held[i]);
+      src.fill(name, rows_per_shard, hdn, tdt, Init::Embed,
+               rows + static_cast<int64_t>(i) * rows_per_shard * hdn *
+                          static_cast<int64_t>(dtype_size(tdt)));
+    }
+    d.rows = rows;
+    d.scale = ngram_fp8 ? src.scalar(ep + "ngram_embedding.weight_scale", std::sqrt(3.0f) / 448.0f)
+                        : 1.0f;
+  }
+};
+
+}  // namespace
+
+void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, WeightSource& src,
+                            CheckpointSource* ck, bool ngram_fp8) {
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Builder b{c, o, src, ck, arena, ngram_fp8};
+  const std::string& p = b.p;
+  const int tp = o.tp_size, r = o.tp_rank;
+  const int64_t D = c.hidden_size, W = c.hc_width(), R = c.hc_lowrank, S = c.hc_count;
+  const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
+  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t conv_l = 2 * Hk_l * dk + Hv_l * dv, Kc = c.linear_conv_kernel_dim;
+  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
+  const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
+  const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
+  const int64_t ni = c.indexer_n_heads, ihd = c.indexer_head_dim;
+  const int64_t T = o.ctx_size;
+
+  {
+    auto* e = arena.alloc_n<uint16_t>(V * D, "embed_tokens");
+    src.fill(p + "embed_tokens.weight", V, D, DType::BF16, Init::Embed, e);
+    embed = e;
+  }
+  v_local = V / tp;
+  v_first = r * v_local;
+  lm_head = b.stack({{"lm_head.weight", v_local, Init::LmHead}}, D, "lm_head");
+  final_hc = b.hc(p + "hyper_connection_mixer", false);
+
+  int64_t max_in_rows = 0, max_mix = 0;
+  layers.resize(static_cast<std::size_t>(c.num_hidden_layers));
+  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
+    DevLayer& L = layers[static_cast<std::size_t>(li)];
+    const std::string lp = fmt::format("{}layers.{}.", p, li);
+    L.qsa = c.is_qsa(li);
+    const int ple_rank = c.ple_rank(li);
+    if (ple_rank >= 0) {
+      L.has_ple = true;
+      b.ple(L.ple, lp, ple_rank);
+      L.ple.conv_state = arena.alloc_n<float>(
+          W * (c.ple_conv_kernel_size - 1) * c.ple_conv_dilation(), "PLE conv state");
+      state_blocks.emplace_back(L.ple.conv_state, sizeof(float) * W * (c.ple_conv_kernel_size - 1) *
+                                                      c.ple_conv_dilation());
+    }
+    L.attn_hc = b.hc(lp + "attn_hyper_connection", true);
+    L.mlp_hc = b.hc(lp + "mlp_hyper_connection", true);
+    if (L.qsa) {
+      DevQsa& a = L.attn;
+      const std::string ap = lp + "self_attn.";
+      a.in_proj = b.stack({{ap + "q_proj.weight", Hq_l * 2 * hd},
+                           {ap + "k_proj.weight", Hkv_l * hd},
+                           {ap + "v_proj.weight", Hkv_l * hd},
+                           {ap + "indexer.index_qk_proj.weight", c.indexer_proj_rows()}},
+                          D, "QSA projections", &a.in_rows);
+      a.o = b.stack({{ap + "o_proj.weight", D}}, Hq_l * hd, "QSA o_proj");
+      a.q_norm = b.vec(ap + "q_norm.weight", hd, Init::NormOnePlus);
+      a.k_norm = b.vec(ap + "k_norm.weight", hd, Init::NormOnePlus);
+      a.iq_norm = b.vec(ap + "indexer.q_layernorm.weight", ihd, Init::NormOnePlus);
+      a.ik_norm = b.vec(ap + "indexer.k_layernorm.weight", ihd, Init::NormOnePlus);
+      a.k_cache = arena.alloc_n<uint16_t>(T * Hkv_l * hd, "K cache");
+      a.v_cache = arena.alloc_n<uint16_t>(T * Hkv_l * hd, "V cache");
+      a.raw_keys = arena.alloc_n<float>(T * ihd, "indexer raw keys");
+      a.block_keys = arena.alloc_n<float>(std::max<int64_t>(T / c.indexer_compress_ratio, 1) * ihd,
+                                          "indexer block keys");
+      max_in_rows = std::max(max_in_rows, a.in_rows);
+      max_mix = std::max(max_mix, Hq_l * hd);
+    } else {
+      DevGdn& g = L.gdn;
+      const std::string gp = lp + "linear_attn.";
+      g.in_proj = b.stack({{gp + "in_proj_qkv.weight", conv_l},
+                           {gp + "in_proj_z.weight", Hv_l * dv},
+                           {gp + "in_proj_a.weight", Hv_l},
+                           {gp + "in_proj_b.weight", Hv_l}},
+                          D, "GDN projections", &g.in_rows);
+      g.out = b.stack({{gp + "out_proj.weight", D}}, Hv_l * dv, "GDN out_proj");
+      g.A_log = b.vec(gp + "A_log", Hv_l, Init::ALog);
+      g.dt_bias = b.vec(gp + "dt_bias", Hv_l, Init::DtBias);
+      g.norm = b.vec(gp + "norm.weight", dv, Init::NormPlain);
+      {
+        std::vector<float> conv = ck ? slice_to_f32(ck->read(gp + "conv1d.weight"))
+                                     : src.vec(gp + "conv1d.weight", conv_l * Kc, Init::Conv);
+        FN_CHECK(static_cast<int64_t>(conv.size()) == conv_l * Kc, "GDN conv1d has {} taps",
+                 conv.size());
+        g.conv = upload_f32(arena, conv, "GDN conv");
+      }
+      g.conv_state = arena.alloc_n<float>(conv_l * (Kc - 1), "GDN conv state");
+      g.S = arena.alloc_n<float>(Hv_l * dk * dv, "GDN recurrent state");
+      g.counters = arena.alloc_n<unsigned int>(Hv_l + Hk_l, "GDN counters");
+      g.o_scratch = arena.alloc_n<float>(Hv_l * dv, "GDN output");
+      state_blocks.emplace_back(g.conv_state, sizeof(float) * conv_l * (Kc - 1));
+      state_blocks.emplace_back(g.S, sizeof(float) * Hv_l * dk * dv);
+      max_in_rows = std::max(max_in_rows, g.in_rows);
+      max_mix = std::max(max_mix, Hv_l * dv);
+    }
+    DevMoe& m = L.moe;
+    const std::string mp = lp + "mlp.";
+    m.router = b.stack({{mp + "gate.weight", E}, {mp + "shared_expert_gate.weight", 1}}, D,
+                       "router + shared expert gate");
+    m.s_gate_up = b.stack({{mp + "shared_expert.gate_proj.weight", Is_l},
+                           {mp + "shared_expert.up_proj.weight", Is_l}},
+                          D, "shared expert gate/up");
+    m.s_down = b.stack({{mp + "shared_expert.down_proj.weight", D}}, Is_l, "shared expert down");
+    m.gate_up = b.experts(mp, true, I_l, nullptr);
+    m.down = b.experts(mp, false, I_l, nullptr);
+  }
+  weight_bytes = arena.held();
+
+  // Activations and step scalars.
+  Carver sizing(nullptr);
+  auto carve = [&](Carver& cv) {
+    H = cv.take<float>(W);
+    n = cv.take<uint16_t>(W);
+    t = cv.take<float>(R + S);
+    m = cv.take<uint16_t>(D);
+    iota = cv.take<float>(S);
+    proj = cv.take<float>(max_in_rows);
+    mix_out = cv.take<uint16_t>(max_mix);
+    y = cv.take<float>(D);
+    ys = cv.take<float>(D);
+    rl = cv.take<float>(E + 1);
+    ids = cv.take<int32_t>(k);
+    rw = cv.take<float>(k);
+    h = cv.take<uint16_t>(k * I_l);
+    sgu = cv.take<float>(2 * Is_l);
+    sh = cv.take<uint16_t>(Is_l);
+    e_ng = cv.take<float>(c.has_ple() ? c.ple_embed_dim : 1);
+    kvp = cv.take<float>(c.has_ple() ? S * c.ple_embed_dim + D : 1);
+    logits_local = cv.take<float>(v_local);
+    logits = cv.take<float>(V);
+    token = cv.take<int32_t>(1);
+    position = cv.take<int64_t>(1);
+    context = cv.take<int64_t>(std::max<int64_t>(c.ngram_size - 1, 1));
+    error_flag = cv.take<int32_t>(1);
+    sample_step = cv.take<int64_t>(1);
+  };
+  carve(sizing);
+  Carver real(static_cast<std::byte*>(arena.alloc(sizing.used(), "activations")));
+  carve(real);
+  for (DevLayer& L : layers) {
+    if (!L.qsa) continue;
+    QsaDecodeParams shape;
+    shape.ctx_size = T;
+    shape.num_q_heads = static_cast<int>(Hq_l);
+    shape.num_kv_heads = static_cast<int>(Hkv_l);
+    shape.head_dim = static_cast<int>(hd);
+    shape.rotary_dim = static_cast<int>(c.rotary_dim());
+    shape.indexer_heads = static_cast<int>(ni);
+    shape.indexer_head_dim = static_cast<int>(ihd);
+    shape.ratio = static_cast<int>(c.indexer_compress_ratio);
+    shape.block_topk = static_cast<int>(c.indexer_budget / c.indexer_compress_ratio);
+    L.attn.workspace = arena.alloc(qsa_decode_workspace_bytes(shape), "QSA workspace");
+  }
+  FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_logits), sizeof(float) * V));
+  FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_token), sizeof(int32_t) * 2));
+  FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_flag), sizeof(int32_t)));
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  reset_state(c);
+}
+
+void CudaModel::Impl::reset_state(const ModelConfig& c) {
+  for (auto& [ptr, bytes] : state_blocks) FN_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream));
+  const std::vector<int64_t> ctx(static_cast<std::size_t>(std::max<int64_t>(c.ngram_size - 1, 1)),
+                                 c.has_ple() ? c.ple_eos() : 0);
+  FN_CUDA_CHECK(cudaMemcpyAsync(context, ctx.data(), ctx.size() * sizeof(int64_t),
+                                cudaMemcpyHostToDevice, stream));
+  FN_CUDA_CHECK(cudaMemsetAsync(position, 0, sizeof(int64_t), stream));
+  FN_CUDA_CHECK(cudaMemsetAsync(sample_step, 0, sizeof(int64_t), stream));
+  FN_CUDA_CHECK(cudaMemsetAsync(error_flag, 0, sizeof(int32_t), stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+namespace {
+
+void gemv(const uint16_t* w, int64_t rows, int64_t cols, const void* x, DType x_dtype, void* y,
+          DType y_dtype, cudaStream_t s) {
+  GemvBf16Params g;
+  g.weight = w;
+  g.rows = rows;
+  g.cols = cols;
+  g.ld = cols;
+  g.x = x;
+  g.x_dtype = x_dtype;
+  g.y = y;
+  g.y_dtype = y_dtype;
+  launch_gemv_bf16(g, s);
+}
+
+}  // namespace
+
+void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& o,
+                                  const DeviceSamplingParams* sampling) {
+  const int tp = o.tp_size;
+  const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
+  const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
+  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
+  const int64_t Hkv = c.num_key_value_heads;
+  const int64_t Hkv_l = tp <= Hkv ? Hkv / tp : 1;
+  const int64_t kv_first = tp <= Hkv ? o.tp_rank * Hkv_l : (int64_t{o.tp_rank} * Hkv) / tp;
+  const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  cudaStream_t s = stream;
+  auto all_reduce = [&](float* buf, int64_t count) {
+    if (tp > 1)
+      o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
+  };
+  auto hc_read = [&](const DevHc& hc, float* iota_out) {
+    GroupRmsNormParams gn;
+    gn.x = H;
+    gn.weight = hc.norm;
+    gn.out = n;
+    gn.num_groups = static_cast<int>(S);
+    gn.group_size = D;
+    gn.eps = eps;
+    launch_group_rms_norm_1p(gn, s);
+    gemv(hc.down_inj, hc.down_rows, W, n, DType::BF16, t, DType::F32, s);
+    HcMixParams mx;
+    mx.w_up = hc.up;
+    mx.t = t;
+    mx.n = n;
+    mx.m = m;
+    mx.iota = iota_out;
+    mx.hc_count = static_cast<int>(S);
+    mx.hidden = D;
+    mx.rank = R;
+    launch_hc_mix(mx, s);
+  };
+  auto inject = [&]() {
+    HcInjectParams hi;
+    hi.H = H;
+    hi.iota = iota;
+    hi.y = y;
+    hi.hc_count = static_cast<int>(S);
+    hi.hidden = D;
+    launch_hc_inject(hi, s);
+  };
+
+  EmbedParams ep;
+  ep.table = embed;
+  ep.vocab = V;
+  ep.hidden = D;
+  ep.token = token;
+  ep.H = H;
+  ep.hc_count = static_cast<int>(S);
+  ep.error_flag = error_flag;
+  launch_embed(ep, s);
+
+  for (DevLayer& L : layers) {
+    if (L.has_ple) {
+      DevPle& pl = L.ple;
+      NgramGatherParams ng;
+      ng.token = token;
+      ng.context = context;
+      ng.ngram_size = static_cast<int>(c.ngram_size);
+      FN_CHECK(pl.consts.multipliers.size() <= 8 && pl.consts.head_sizes.size() <= 32,
+               "n-gram constants exceed the kernel's limits");
+      ng.num_multipliers = static_cast<int>(pl.consts.multipliers.size());
+      std::copy(pl.consts.multipliers.begin(), pl.consts.multipliers.end(), ng.multipliers);
+      ng.num_heads = static_cast<int>(pl.consts.head_sizes.size());
+      std::copy(pl.consts.head_sizes.begin(), pl.consts.head_sizes.end(), ng.head_sizes);
+      std::copy(pl.consts.head_offsets.begin(), pl.consts.head_offsets.end(), ng.head_offsets);
+      ng.heads_per_ngram = static_cast<int>(pl.consts.heads_per_ngram);
+      ng.rows = pl.rows;
+      ng.first_row = pl.first_row;
+      ng.row_count = pl.row_count;
+      ng.fp8 = pl.fp8;
+      ng.scale = pl.scale;
+      ng.head_dim = static_cast<int>(c.ngram_head_dim());
+      ng.out = e_ng;
+      ng.eos = pl.consts.eos;
+      launch_ngram_gather(ng, s);
+      all_reduce(e_ng, c.ple_embed_dim);
+      gemv(pl.kv_proj, S * c.ple_embed_dim + D, c.ple_embed_dim, e_ng, DType::F32, kvp, DType::F32,
+           s);
+      PleApplyParams pa;
+      pa.kv = kvp;
+      pa.H = H;
+      pa.norm_key = pl.norm_key;
+      pa.norm_query = pl.norm_query;
+      pa.norm_conv = pl.norm_conv;
+      pa.conv = pl.conv;
+      pa.conv_state = pl.conv_state;
+      pa.hc_count = static_cast<int>(S);
+      pa.dim = c.ple_embed_dim;
+      pa.conv_kernel = static_cast<int>(c.ple_conv_kernel_size);
+      pa.dilation = static_cast<int>(c.ple_conv_dilation());
+      pa.eps = eps;
+      launch_ple_apply(pa, s);
+    }
+    hc_read(L.attn_hc, iota);
+    if (L.qsa) {
+      DevQsa& a = L.attn;
+      gemv(a.in_proj, a.in_rows, D, m, DType::BF16, proj, DType::F32, s);
+      QsaDecodeParams q;
+      q.proj = proj;
+      q.q_norm = a.q_norm;
+      q.k_norm = a.k_norm;
+      q.iq_norm = a.iq_norm;
+      q.ik_norm = a.ik_norm;
+      q.position = position;
+      q.k_cache = a.k_cache;
+      q.v_cache = a.v_cache;
+      q.raw_keys = a.raw_keys;
+      q.block_keys = a.block_keys;
+      q.workspace = a.workspace;
+      q.out = mix_out;
+      q.ctx_size = o.ctx_size;
+      q.num_q_heads = static_cast<int>(Hq_l);
+      q.num_kv_heads = static_cast<int>(Hkv_l);
+      q.q_head_first = static_cast<int>(o.tp_rank * Hq_l);
+      q.q_per_kv = static_cast<int>(c.num_attention_heads / Hkv);
+      q.kv_head_first = static_cast<int>(kv_first);
+      q.head_dim = static_cast<int>(hd);
+      q.rotary_dim = static_cast<int>(c.rotary_dim());
+      q.rope_theta = c.rope_theta;
+      q.indexer_heads = static_cast<int>(c.indexer_n_heads);
+      q.indexer_head_dim = static_cast<int>(c.indexer_head_dim);
+      q.ratio = static_cast<int>(c.indexer_compress_ratio);
+      q.block_topk = static_cast<int>(c.indexer_budget / c.indexer_compress_ratio);
+      q.eps = eps;
+      launch_qsa_decode(q, s);
+      gemv(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
+    } else {
+      DevGdn& g = L.gdn;
+      gemv(g.in_proj, g.in_rows, D, m, DType::BF16, proj, DType::F32, s);
+      GdnDecodeParams gp;
+      gp.proj = proj;
+      gp.conv_weight = g.conv;
+      gp.A_log = g.A_log;
+      gp.dt_bias = g.dt_bias;
+      gp.norm_weight = g.norm;
+      gp.conv_state = g.conv_state;
+      gp.state = g.S;
+      gp.out = mix_out;
+      gp.num_k_heads = static_cast<int>(Hk_l);
+      gp.num_v_heads = static_cast<int>(Hv_l);
+      gp.k_head_dim = static_cast<int>(dk);
+      gp.v_head_dim = static_cast<int>(dv);
+      gp.conv_kernel = static_cast<int>(c.linear_conv_kernel_dim);
+      gp.eps = eps;
+      gp.o_scratch = g.o_scratch;
+      gp.head_counters = g.counters;
+      launch_gdn_decode(gp, s);
+      gemv(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
+    }
+    all_reduce(y, D);
+    inject();
+
+    hc_read(L.mlp_hc, iota);
+    DevMoe& mo = L.moe;
+    gemv(mo.router, E + 1, D, m, DType::BF16, rl, DType::F32, s);
+    RouterParams rp;
+    rp.logits = rl;
+    rp.num_experts = static_cast<int>(E);
+    rp.top_k = static_cast<int>(k);
+    rp.norm_topk_prob = c.norm_topk_prob;
+    rp.ids = ids;
+    rp.weights = rw;
+    rp.error_flag = error_flag;
+    launch_router_topk(rp, s);
+    MoeGateUpParams gu;
+    gu.experts = mo.gate_up;
+    gu.expert_ids = ids;
+    gu.top_k = static_cast<int>(k);
+    gu.x = m;
+    gu.h = h;
+    launch_moe_gate_up_nvfp4(gu, s);
+    MoeDownParams dn;
+    dn.experts = mo.down;
+    dn.expert_ids = ids;
+    dn.routing_weights = rw;
+    dn.top_k = static_cast<int>(k);
+    dn.h = h;
+    dn.y = y;
+    launch_moe_down_nvfp4(dn, s);
+    gemv(mo.s_gate_up, 2 * Is_l, D, m, DType::BF16, sgu, DType::F32, s);
+    SwigluParams sw;
+    sw.gate_up = sgu;
+    sw.h = sh;
+    sw.inter = Is_l;
+    launch_swiglu(sw, s);
+    gemv(mo.s_down, D, Is_l, sh, DType::BF16, ys, DType::F32, s);
+    MoeCombineParams mc;
+    mc.y = y;
+    mc.y_shared = ys;
+    mc.gate_logit = rl + E;
+    mc.hidden = D;
+    launch_moe_combine(mc, s);
+    all_reduce(y, D);
+    inject();
+  }
+
+  hc_read(final_hc, nullptr);
+  if (tp > 1) {
+    gemv(lm_head, v_local, D, m, DType::BF16, logits_local, DType::F32, s);
+    ScatterLogitsParams sc;
+    sc.local = logits_local;
+    sc.full = logits;
+    sc.v_local = v_local;
+    sc.v_first = v_first;
+    sc.vocab = V;
+    launch_scatter_logits(sc, s);
+    all_reduce(logits, V);
+  } else {
+    gemv(lm_head, V, D, m, DType::BF16, logits, DType::F32, s);
+  }
+  if (c.has_ple()) {
+    NgramContextAdvanceParams ca;
+    ca.context = context;
+    ca.ngram_size = static_cast<int>(c.ngram_size);
+    ca.token = token;
+    launch_ngram_context_advance(ca, s);
+  }
+  if (sampling) {
+    SampleParams sp;
+    sp.logits = logits;
+    sp.vocab = V;
+    sp.sampling = *sampling;
+    sp.step = sample_step;
+    sp.token_out = token;
+    sp.history = history;
+    sp.history_capacity = history_capacity;
+    sp.workspace = sample_ws;
+    sp.workspace_bytes = sample_ws_bytes;
+    sp.error_flag = error_flag;
+    launch_sample(sp, s);
+  }
+  StepAdvanceParams adv;
+  adv.position = position;
+  adv.sample_step = sampling ? sample_step : nullptr;
+  launch_step_advance(adv, s);
+}
+
+std::unique_ptr<CudaModel> CudaModel::load(const std::filesystem::path& dir,
+                                           const CudaModelOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  OpenedModel om = open_model(dir, options.tp_size);
+  check_supported(om.config, options, om.quant.quantized());
+  std::unique_ptr<CudaModel> model(new CudaModel(om.config, options));
+  CheckpointSource src(om, options.tp_rank);
+  model->impl_->build(model->cfg_, options, src, &src, om.quant.ngram_fp8(om.config));
+  model->stats_.bytes = src.bytes();
+  model->stats_.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return model;
+}
+
+std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, uint64_t seed,
+                                             const CudaModelOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  QuantConfig quant;  // the RadixArk NVFP4 export: experts NVFP4, the rest BF16
+  quant.algo = QuantConfig::Algo::Nvfp4;
+  quant.quant_algo = "NVFP4";
+  check_supported(config, options, true);
+  const ShardPlan plan = ShardPlan::build(config, quant, options.tp_size);
+  std::unique_ptr<CudaModel> model(new CudaModel(config, options));
+  RandomSource src(plan, options.tp_rank, seed);
+  model->impl_->build(model->cfg_, options, src, nullptr, quant.ngram_fp8(config));
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  model->stats_.bytes = src.bytes();
+  model->stats_.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return model;
+}
+
+}  // namespace fn
+
+namespace fn {
+
+namespace {
+
+// Captures what `encode` enqueues on `stream` into an instantiated graph.
+cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& encode) {
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    encode();
+  } catch (...) {
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  cudaGraph_t graph = nullptr;
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  FN_CUDA_CHECK(rc);
+  return exec;
+}
+
+}  // namespace
+
+void CudaModel::reset() {
+  impl_->reset_state(cfg_);
+  position_ = 0;
+}
+
+void CudaModel::check_step_errors(int32_t token) {
+  Impl& I = *impl_;
+  const int32_t flag = *I.host_flag;
+  if (flag == 0) return;
+  FN_CUDA_CHECK(cudaMemsetAsync(I.error_flag, 0, sizeof(int32_t), I.stream));
+  switch (flag) {
+    case 1:
+      FN_THROW(Usage, "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
+    case 2:
+    case 4:
+      FN_THROW(Format,
+               "the model produced non-finite values (flag {}) at position {}: the checkpoint's "
+               "weights hold NaN/Inf or overflow",
+               flag, position_);
+    default:
+      FN_THROW(Internal, "decode step error flag {} at position {}", flag, position_);
+  }
+}
+
+std::span<const float> CudaModel::forward(int32_t token) {
+  Impl& I = *impl_;
+  FN_REQUIRE(token >= 0 && token < cfg_.vocab_size, Usage,
+             "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
+  FN_REQUIRE(position_ < opt_.ctx_size, Usage,
+             "the context is full: position {} needs more than -c/--ctx-size {} tokens", position_,
+             opt_.ctx_size);
+  I.host_token[0] = token;
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
+  if (opt_.use_graph) {
+    if (!I.logits_graph)
+      I.logits_graph = capture(I.stream, [&] { I.encode_step(cfg_, opt_, nullptr); });
+    FN_CUDA_CHECK(cudaGraphLaunch(I.logits_graph, I.stream));
+  } else {
+    I.encode_step(cfg_, opt_, nullptr);
+  }
+  const int64_t V = cfg_.vocab_size;
+  FN_CUDA_CHECK(cudaMemcpyAsync(I.host_logits, I.logits, sizeof(float) * V, cudaMemcpyDeviceToHost,
+                                I.stream));
+  FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                I.stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+  if (opt_.all_reduce) opt_.all_reduce->check_health();
+  check_step_errors(token);
+  for (int64_t v = 0; v < V; ++v) {
+    FN_REQUIRE(std::isfinite(I.host_logits[v]), Format,
+               "the model produced a non-finite logit ({} for token {}) at position {}: the "
+               "checkpoint's weights hold NaN/Inf or overflow",
+               I.host_logits[v], v, position_);
+  }
+  ++position_;
+  return {I.host_logits, static_cast<std::size_t>(V)};
+}
+
+std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const SamplingParams& sampling,
+                                       uint64_t seed,
+                                       const std::function<bool(int32_t)>& on_token) {
+  Impl& I = *impl_;
+  FN_REQUIRE(token >= 0 && token < cfg_.vocab_size, Usage,
+             "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
+  FN_REQUIRE(count >= 0 && position_ + count <= opt_.ctx_size, Usage,
+             "decoding {} tokens from position {} needs more than -c/--ctx-size {} tokens", count,
+             position_, opt_.ctx_size);
+  DeviceSamplingParams dp;
+  dp.temperature = static_cast<float>(sampling.temperature);
+  dp.top_k = static_cast<int>(sampling.top_k);
+  dp.top_p = static_cast<float>(sampling.top_p);
+  dp.min_p = static_cast<float>(sampling.min_p);
+  dp.seed = seed;
+  const bool same =
+      I.sample_graph && dp.temperature == I.sample_graph_params.temperature &&
+      dp.top_k == I.sample_graph_params.top_k && dp.top_p == I.sample_graph_params.top_p &&
+      dp.min_p == I.sample_graph_params.min_p && dp.seed == I.sample_graph_params.seed;
+  if (!same) {
+    if (I.sample_graph) {
+      FN_CUDA_CHECK(cudaGraphExecDestroy(I.sample_graph));
+      I.sample_graph = nullptr;
+    }
+    const std::size_t need = sample_workspace_bytes(cfg_.vocab_size, dp);
+    if (need > I.sample_ws_bytes) {
+      I.sample_ws = I.arena.alloc(need, "sampling workspace");
+      I.sample_ws_bytes = need;
+    }
+    if (I.history == nullptr) {
+      I.history_capacity = opt_.ctx_size + 1;
+      I.history = I.arena.alloc_n<int32_t>(I.history_capacity, "token history");
+    }
+    I.sample_graph_params = dp;
+  }
+  // The sampler's step counter indexes the history: restart it for this call.
+  FN_CUDA_CHECK(cudaMemsetAsync(I.sample_step, 0, sizeof(int64_t), I.stream));
+  I.host_token[0] = token;
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
+  if (opt_.use_graph && !I.sample_graph)
+    I.sample_graph = capture(I.stream, [&] { I.encode_step(cfg_, opt_, &I.sample_graph_params); });
+
+  std::vector<int32_t> out;
+  out.reserve(static_cast<std::size_t>(count));
+  cudaEvent_t ev = nullptr;
+  FN_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  struct EventGuard {
+    cudaEvent_t e;
+    ~EventGuard() { cudaEventDestroy(e); }
+  } guard{ev};
+  int32_t fed = token;
+  for (int64_t i = 0; i < count; ++i) {
+    if (opt_.use_graph) {
+      FN_CUDA_CHECK(cudaGraphLaunch(I.sample_graph, I.stream));
+    } else {
+      I.encode_step(cfg_, opt_, &I.sample_graph_params);
+    }
+    // The id lands in pinned memory while the host waits on the event: one small copy per token.
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_token + 1, I.token, sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, I.stream));
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, I.stream));
+    FN_CUDA_CHECK(cudaEventRecord(ev, I.stream));
+    FN_CUDA_CHECK(cudaEventSynchronize(ev));
+    ++position_;
+    check_step_errors(fed);
+    const int32_t id = I.host_token[1];
+    out.push_back(id);
+    fed = id;
+    if (on_token && !on_token(id)) break;
+  }
+  if (opt_.all_reduce) opt_.all_reduce->check_health();
+  return out;
+}
+
+}  // namespace fn

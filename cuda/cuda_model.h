@@ -1,0 +1,107 @@
+// CudaModel: the CUDA decode backend (MODEL.md §C, tensor-parallel per §E.2) of one TP rank —
+// its weights in device memory, the per-sequence state (KV and indexer-key caches, GDN conv and
+// recurrent states, PLE conv states and n-gram context) sized from the context length, and one
+// decode step captured once as a CUDA graph and replayed per token. Called by `fngen generate`
+// and `fngen eval` with `--backend cuda`. Invariants: everything is allocated before capture; the
+// graph reads the token id and the position from device memory, so replays never re-capture;
+// every rank runs the same launches and all-reduces in the same order; forward() returns the same
+// full-vocabulary FP32 logits on every rank.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/config.h"
+#include "core/sampler.h"
+
+namespace fn {
+
+class DeviceAllReduce;
+
+/// How the CUDA model is set up.
+struct CudaModelOptions {
+  int64_t ctx_size = 4096;  ///< tokens of KV / indexer cache per sequence (-c/--ctx-size)
+  bool use_graph = true;    ///< false: run the step eagerly (`--no-graph`); same results
+  int tp_rank = 0;          ///< this rank
+  int tp_size = 1;          ///< ranks of the group (1, 2, 4, 8)
+  /// Sum all-reduce over the group; required when tp_size > 1 (not owned; must outlive the
+  /// model). Called in the same order on every rank.
+  DeviceAllReduce* all_reduce = nullptr;
+  /// Check the router's expert ids and the indexer's selected blocks for equality across ranks
+  /// after every step (debug; costs a host sync and an all-reduce per layer).
+  bool check_rank_agreement = false;
+};
+
+/// Loading statistics.
+struct CudaLoadStats {
+  uint64_t bytes = 0;         ///< weight bytes copied to (or generated on) the device
+  double seconds = 0;         ///< wall time of the weight load
+  uint64_t weight_bytes = 0;  ///< device bytes held by weights
+  uint64_t state_bytes = 0;   ///< device bytes of caches, states and activations
+};
+
+/// One TP rank's CUDA model and sequence state.
+class CudaModel {
+ public:
+  /// Loads checkpoint directory `dir` for options.tp_rank of options.tp_size (validated as
+  /// open_model does, core/rank_slices.h), reading only this rank's slices, onto the current
+  /// CUDA device. Throws fn::Error: Io/Format for bad files (naming file and tensor), Usage for
+  /// a TP size that does not divide the model or a context beyond max_position_embeddings,
+  /// Format for models this backend does not run (BF16 experts, ple_embed_dim != hidden_size),
+  /// Cuda when device memory runs out (naming the bytes needed).
+  static std::unique_ptr<CudaModel> load(const std::filesystem::path& dir,
+                                         const CudaModelOptions& options);
+
+  /// The full geometry of `config` (e.g. configs/qwen3.8-flash-next.json) with random weights
+  /// generated directly in device memory, in exactly the layout load() produces (core/synth.h's
+  /// distributions; NVFP4 experts with random codes). For benchmarks without a 130 GB file.
+  /// Deterministic in `seed`. Throws as load().
+  static std::unique_ptr<CudaModel> random(const ModelConfig& config, uint64_t seed,
+                                           const CudaModelOptions& options);
+
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  /// One decode step for `token` at position(): updates every state and returns the vocab_size
+  /// FP32 logits (identical on every rank; valid until the next call). Replays the step graph
+  /// (captured on the first call) unless use_graph is false. Throws fn::Error(Usage) for a token
+  /// outside the vocabulary or a full context (naming -c/--ctx-size), fn::Error(Format) when
+  /// the logits are not finite.
+  std::span<const float> forward(int32_t token);
+
+  /// Greedy or sampled generation entirely on the device (DESIGN.md step 8): feeds `token` at
+  /// position(), then for each of `count` steps samples the next id on the device (identical on
+  /// every rank) and feeds it back inside the same graph; the host only replays and copies ids
+  /// out. `on_token(id)` is called for every sampled id as soon as its copy lands and may
+  /// return false to stop early (a stop id); ids after a stop are not fed. Returns the ids.
+  /// Throws as forward().
+  std::vector<int32_t> decode(int32_t token, int64_t count, const SamplingParams& sampling,
+                              uint64_t seed, const std::function<bool(int32_t)>& on_token);
+
+  /// Forgets the sequence: position 0, zero states, n-gram context all EOS.
+  void reset();
+
+  int64_t position() const noexcept { return position_; }
+  const ModelConfig& config() const noexcept { return cfg_; }
+  const CudaLoadStats& load_stats() const noexcept { return stats_; }
+
+ private:
+  struct Impl;
+  CudaModel(ModelConfig cfg, const CudaModelOptions& options);
+  // Throws the error a kernel flagged in the last step (then clears the flag).
+  void check_step_errors(int32_t token);
+  ModelConfig cfg_;
+  CudaModelOptions opt_;
+  int64_t position_ = 0;
+  CudaLoadStats stats_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fn

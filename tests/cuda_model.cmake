@@ -1,0 +1,6 @@
+# CudaModel (the CUDA decode backend) against the transformers reference fixtures: TP=1 on every
+# rank and TP=2 across two ranks (label gpu; the GPU machine with 2 GPUs: mpirun -np 2).
+if(TARGET fngen_cuda)
+  fn_add_test(NAME test_cuda_model SOURCES test_cuda_model.cpp LIBS fngen_cuda
+              LABEL gpu MPI NP 2 TIMEOUT 600)
+endif()

@@ -1,0 +1,219 @@
+// CudaModel (cuda/cuda_model.h) against the transformers FP32 reference fixtures, teacher-forced
+// (issue 6 acceptance): on the GPU machine with mpirun -np 2 (one GPU per rank) every fixture at
+// TP=1 (each rank alone) and TP=2; max |logit - ref| <= 2e-2 * max |ref| at every row; argmax
+// equal to the reference's wherever the reference's top-1 margin exceeds that tolerance; graph
+// replay bitwise equal to the eager step; both ranks bitwise equal at TP=2; the on-device greedy
+// decode loop reproduces the host-side argmax chain; free-running greedy generation matches the
+// reference's tokens up to its first low-margin step.
+#include <cuda_runtime_api.h>
+#include <doctest/doctest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "comm/custom_all_reduce.h"
+#include "comm/device_all_reduce.h"
+#include "comm/gpu_comm.h"
+#include "comm/mpi_check.h"
+#include "core/error.h"
+#include "cuda/cuda_model.h"
+#include "test_cpu_fixture.h"
+
+using fn::test::RefFixture;
+
+namespace {
+
+constexpr double kRelTol = 2e-2;  // issue 6: 2e-2 * max |ref logit| (BF16 activations)
+
+int world(int* rank) {
+  int n = 0;
+  FN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &n));
+  FN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, rank));
+  return n;
+}
+
+// Top-1 minus top-2 of a row.
+double margin(const float* row, int64_t n) {
+  float a = -INFINITY, b = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    if (row[i] > a) {
+      b = a;
+      a = row[i];
+    } else if (row[i] > b) {
+      b = row[i];
+    }
+  }
+  return static_cast<double>(a) - b;
+}
+
+struct RowCheck {
+  double worst_ratio = 0;   // max over rows of max|diff| / (kRelTol * max|ref|)
+  int argmax_mismatch = 0;  // rows with margin > tol and a different argmax
+  int near_ties = 0;        // rows with margin <= tol and a different argmax (reported)
+};
+
+// Compares all teacher-forced rows of `got` ([rows, vocab]) with the fixture.
+RowCheck check_rows(const RefFixture& f, const std::vector<float>& got) {
+  RowCheck rc;
+  for (std::size_t p = 0; p < f.tokens.size(); ++p) {
+    const float* ref = f.row(p);
+    const float* g = got.data() + p * static_cast<std::size_t>(f.vocab);
+    const double tol = kRelTol * fn::test::max_abs(ref, f.vocab);
+    const double d = fn::test::max_abs_diff(g, ref, f.vocab);
+    rc.worst_ratio = std::max(rc.worst_ratio, d / tol);
+    if (fn::test::argmax(g, f.vocab) != fn::test::argmax(ref, f.vocab)) {
+      if (margin(ref, f.vocab) > tol) {
+        ++rc.argmax_mismatch;
+      } else {
+        ++rc.near_ties;
+      }
+    }
+  }
+  return rc;
+}
+
+// The logits of every fixture token, teacher-forced.
+std::vector<float> run_rows(fn::CudaModel& m, const RefFixture& f) {
+  std::vector<float> all;
+  for (int32_t t : f.tokens) {
+    const auto l = m.forward(t);
+    all.insert(all.end(), l.begin(), l.end());
+  }
+  return all;
+}
+
+const char* const kFixtures[] = {"g3_tiny", "tp4", "ple2_long"};
+
+fn::CudaModelOptions options(int rank, int size, fn::DeviceAllReduce* ar, bool graph) {
+  fn::CudaModelOptions o;
+  o.ctx_size = 256;
+  o.use_graph = graph;
+  o.tp_rank = rank;
+  o.tp_size = size;
+  o.all_reduce = ar;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture, teacher-forced") {
+  int rank = 0;
+  world(&rank);
+  int devices = 0;
+  FN_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  FN_CUDA_CHECK(cudaSetDevice(rank % devices));
+  for (const char* name : kFixtures) {
+    CAPTURE(name);
+    const RefFixture f = fn::test::load_ref_fixture(name);
+    auto graph = fn::CudaModel::load(f.dir, options(0, 1, nullptr, true));
+    const std::vector<float> g = run_rows(*graph, f);
+    const RowCheck rc = check_rows(f, g);
+    MESSAGE(name << " TP=1: worst |diff| / (2e-2 max|ref|) = " << rc.worst_ratio
+                 << ", near-tie argmax flips " << rc.near_ties);
+    CHECK(rc.worst_ratio <= 1.0);
+    CHECK(rc.argmax_mismatch == 0);
+
+    // Eager (--no-graph) gives the replayed graph's logits bit for bit.
+    auto eager = fn::CudaModel::load(f.dir, options(0, 1, nullptr, false));
+    const std::vector<float> e = run_rows(*eager, f);
+    REQUIRE(e.size() == g.size());
+    CHECK(std::memcmp(e.data(), g.data(), g.size() * sizeof(float)) == 0);
+
+    // reset() then the same sequence: bitwise the same again (states really cleared).
+    graph->reset();
+    const std::vector<float> again = run_rows(*graph, f);
+    CHECK(std::memcmp(again.data(), g.data(), g.size() * sizeof(float)) == 0);
+
+    // On-device greedy decode == the host argmax chain over forward(); and it reproduces the
+    // reference's greedy tokens up to the reference's first step with margin below tolerance.
+    const std::size_t P = f.prompt_ids.size();
+    const int64_t steps = static_cast<int64_t>(f.generated_ids.size()) - 1;
+    graph->reset();
+    for (std::size_t i = 0; i + 1 < P; ++i) graph->forward(f.prompt_ids[i]);
+    fn::SamplingParams greedy;
+    greedy.temperature = 0;
+    const std::vector<int32_t> dev =
+        graph->decode(f.prompt_ids[P - 1], steps, greedy, 0, [](int32_t) { return true; });
+    REQUIRE(static_cast<int64_t>(dev.size()) == steps);
+    eager->reset();
+    std::vector<int32_t> host;
+    std::span<const float> l;
+    for (std::size_t i = 0; i < P; ++i) l = eager->forward(f.prompt_ids[i]);
+    for (int64_t s = 0; s < steps; ++s) {
+      const int32_t id = fn::test::argmax(l.data(), f.vocab);
+      host.push_back(id);
+      l = eager->forward(id);
+    }
+    CHECK(dev == host);
+    int64_t agree = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      const float* ref = f.row(P - 1 + static_cast<std::size_t>(s));
+      const double tol = kRelTol * fn::test::max_abs(ref, f.vocab);
+      if (margin(ref, f.vocab) <= tol) break;  // the reference itself is within rounding here
+      CHECK_MESSAGE(
+          dev[static_cast<std::size_t>(s)] == f.generated_ids[static_cast<std::size_t>(s)],
+          "greedy step " << s);
+      if (dev[static_cast<std::size_t>(s)] != f.generated_ids[static_cast<std::size_t>(s)]) break;
+      ++agree;
+    }
+    MESSAGE(name << ": free-running greedy agrees with the reference for " << agree << " of "
+                 << steps << " steps (up to the first low-margin step)");
+  }
+}
+
+TEST_CASE("cuda model: TP=2 matches the reference and both ranks return the same logits") {
+  int rank = 0;
+  const int n = world(&rank);
+  if (n < 2) {
+    MESSAGE("TP=2 needs mpirun -np 2 (one GPU per rank); this run has " << n << " rank(s)");
+    return;
+  }
+  REQUIRE(n == 2);
+  fn::GpuComm gpu(fn::gpu_group_of_world());
+  auto ar =
+      fn::make_device_all_reduce(fn::AllReduceStrategy::Auto, gpu, fn::CustomAllReduceOptions{});
+  for (const char* name : kFixtures) {
+    CAPTURE(name);
+    const RefFixture f = fn::test::load_ref_fixture(name);
+    auto model = fn::CudaModel::load(f.dir, options(rank, 2, ar.get(), true));
+    const std::vector<float> g = run_rows(*model, f);
+    const RowCheck rc = check_rows(f, g);
+    MESSAGE(name << " TP=2 (" << ar->name() << "): worst |diff| / (2e-2 max|ref|) = "
+                 << rc.worst_ratio << ", near-tie argmax flips " << rc.near_ties);
+    CHECK(rc.worst_ratio <= 1.0);
+    CHECK(rc.argmax_mismatch == 0);
+    std::vector<float> root = g;
+    FN_MPI_CHECK(
+        MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD));
+    CHECK(std::memcmp(root.data(), g.data(), g.size() * sizeof(float)) == 0);
+
+    auto eager = fn::CudaModel::load(f.dir, options(rank, 2, ar.get(), false));
+    const std::vector<float> e = run_rows(*eager, f);
+    CHECK(std::memcmp(e.data(), g.data(), g.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("cuda model: bad input is a clear error") {
+  int rank = 0;
+  world(&rank);
+  int devices = 0;
+  FN_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  FN_CUDA_CHECK(cudaSetDevice(rank % devices));
+  const RefFixture f = fn::test::load_ref_fixture("g3_tiny");
+  auto o = options(0, 1, nullptr, true);
+  o.ctx_size = 4;
+  auto m = fn::CudaModel::load(f.dir, o);
+  CHECK_THROWS_WITH_AS(m->forward(static_cast<int32_t>(f.vocab)),
+                       doctest::Contains("outside the vocabulary"), fn::Error);
+  CHECK_THROWS_WITH_AS(m->forward(-1), doctest::Contains("outside the vocabulary"), fn::Error);
+  for (int i = 0; i < 4; ++i) m->forward(1);
+  CHECK_THROWS_WITH_AS(m->forward(1), doctest::Contains("-c/--ctx-size"), fn::Error);
+  o.ctx_size = 1 << 30;
+  CHECK_THROWS_WITH_AS(fn::CudaModel::load(f.dir, o), doctest::Contains("max_position_embeddings"),
+                       fn::Error);
+}

@@ -413,6 +413,31 @@ void check_supported(const ModelConfig& c, const CudaModelOptions& o, bool exper
              c.source, c.hc_count);
 }
 
+// The shape fields of the QSA launch for this model and rank (pointers left null).
+QsaDecodeParams qsa_shape(const ModelConfig& c, const CudaModelOptions& o) {
+  const int tp = o.tp_size;
+  const int64_t Hkv = c.num_key_value_heads;
+  const int64_t Hq_l = c.num_attention_heads / tp;
+  const int64_t Hkv_l = tp <= Hkv ? Hkv / tp : 1;
+  const int64_t kv_first = tp <= Hkv ? o.tp_rank * Hkv_l : (int64_t{o.tp_rank} * Hkv) / tp;
+  QsaDecodeParams q;
+  q.ctx_size = o.ctx_size;
+  q.num_q_heads = static_cast<int>(Hq_l);
+  q.num_kv_heads = static_cast<int>(Hkv_l);
+  q.q_head_first = static_cast<int>(o.tp_rank * Hq_l);
+  q.q_per_kv = static_cast<int>(c.num_attention_heads / Hkv);
+  q.kv_head_first = static_cast<int>(kv_first);
+  q.head_dim = static_cast<int>(c.head_dim);
+  q.rotary_dim = static_cast<int>(c.rotary_dim());
+  q.rope_theta = c.rope_theta;
+  q.indexer_heads = static_cast<int>(c.indexer_n_heads);
+  q.indexer_head_dim = static_cast<int>(c.indexer_head_dim);
+  q.ratio = static_cast<int>(c.indexer_compress_ratio);
+  q.block_topk = static_cast<int>(c.indexer_budget / c.indexer_compress_ratio);
+  q.eps = static_cast<float>(c.rms_norm_eps);
+  return q;
+}
+
 // Builds every device weight and state of the model from `src`.
 struct Builder {
   const ModelConfig& c;
@@ -573,7 +598,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
   const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
   const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
-  const int64_t ni = c.indexer_n_heads, ihd = c.indexer_head_dim;
+  const int64_t ihd = c.indexer_head_dim;
   const int64_t T = o.ctx_size;
 
   {
@@ -651,16 +676,16 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
       max_in_rows = std::max(max_in_rows, g.in_rows);
       max_mix = std::max(max_mix, Hv_l * dv);
     }
-    DevMoe& m = L.moe;
+    DevMoe& mo = L.moe;
     const std::string mp = lp + "mlp.";
-    m.router = b.stack({{mp + "gate.weight", E}, {mp + "shared_expert_gate.weight", 1}}, D,
-                       "router + shared expert gate");
-    m.s_gate_up = b.stack({{mp + "shared_expert.gate_proj.weight", Is_l},
-                           {mp + "shared_expert.up_proj.weight", Is_l}},
-                          D, "shared expert gate/up");
-    m.s_down = b.stack({{mp + "shared_expert.down_proj.weight", D}}, Is_l, "shared expert down");
-    m.gate_up = b.experts(mp, true, I_l, nullptr);
-    m.down = b.experts(mp, false, I_l, nullptr);
+    mo.router = b.stack({{mp + "gate.weight", E}, {mp + "shared_expert_gate.weight", 1}}, D,
+                        "router + shared expert gate");
+    mo.s_gate_up = b.stack({{mp + "shared_expert.gate_proj.weight", Is_l},
+                            {mp + "shared_expert.up_proj.weight", Is_l}},
+                           D, "shared expert gate/up");
+    mo.s_down = b.stack({{mp + "shared_expert.down_proj.weight", D}}, Is_l, "shared expert down");
+    mo.gate_up = b.experts(mp, true, I_l, nullptr);
+    mo.down = b.experts(mp, false, I_l, nullptr);
   }
   weight_bytes = arena.held();
 
@@ -697,16 +722,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   carve(real);
   for (DevLayer& L : layers) {
     if (!L.qsa) continue;
-    QsaDecodeParams shape;
-    shape.ctx_size = T;
-    shape.num_q_heads = static_cast<int>(Hq_l);
-    shape.num_kv_heads = static_cast<int>(Hkv_l);
-    shape.head_dim = static_cast<int>(hd);
-    shape.rotary_dim = static_cast<int>(c.rotary_dim());
-    shape.indexer_heads = static_cast<int>(ni);
-    shape.indexer_head_dim = static_cast<int>(ihd);
-    shape.ratio = static_cast<int>(c.indexer_compress_ratio);
-    shape.block_topk = static_cast<int>(c.indexer_budget / c.indexer_compress_ratio);
+    const QsaDecodeParams shape = qsa_shape(c, o);
     L.attn.workspace = arena.alloc(qsa_decode_workspace_bytes(shape), "QSA workspace");
   }
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_logits), sizeof(float) * V));
@@ -754,10 +770,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
-  const int64_t Hkv = c.num_key_value_heads;
-  const int64_t Hkv_l = tp <= Hkv ? Hkv / tp : 1;
-  const int64_t kv_first = tp <= Hkv ? o.tp_rank * Hkv_l : (int64_t{o.tp_rank} * Hkv) / tp;
-  const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
+  const int64_t Is_l = c.shared_expert_intermediate_size / tp;
   const float eps = static_cast<float>(c.rms_norm_eps);
   cudaStream_t s = stream;
   auto all_reduce = [&](float* buf, int64_t count) {
@@ -851,7 +864,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if (L.qsa) {
       DevQsa& a = L.attn;
       gemv(a.in_proj, a.in_rows, D, m, DType::BF16, proj, DType::F32, s);
-      QsaDecodeParams q;
+      QsaDecodeParams q = qsa_shape(c, o);
       q.proj = proj;
       q.q_norm = a.q_norm;
       q.k_norm = a.k_norm;
@@ -864,20 +877,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       q.block_keys = a.block_keys;
       q.workspace = a.workspace;
       q.out = mix_out;
-      q.ctx_size = o.ctx_size;
-      q.num_q_heads = static_cast<int>(Hq_l);
-      q.num_kv_heads = static_cast<int>(Hkv_l);
-      q.q_head_first = static_cast<int>(o.tp_rank * Hq_l);
-      q.q_per_kv = static_cast<int>(c.num_attention_heads / Hkv);
-      q.kv_head_first = static_cast<int>(kv_first);
-      q.head_dim = static_cast<int>(hd);
-      q.rotary_dim = static_cast<int>(c.rotary_dim());
-      q.rope_theta = c.rope_theta;
-      q.indexer_heads = static_cast<int>(c.indexer_n_heads);
-      q.indexer_head_dim = static_cast<int>(c.indexer_head_dim);
-      q.ratio = static_cast<int>(c.indexer_compress_ratio);
-      q.block_topk = static_cast<int>(c.indexer_budget / c.indexer_compress_ratio);
-      q.eps = eps;
       launch_qsa_decode(q, s);
       gemv(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
     } else {

@@ -30,9 +30,8 @@ nlohmann::json parse_json_line(const std::string& line) {
 }
 
 void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size) {
-  FN_REQUIRE(backend != "cuda", Usage,
-             "--backend cuda: the CUDA backend is not available yet in this build; use "
-             "--backend cpu (or auto)");
+  FN_REQUIRE(backend == "cpu" || backend == "cuda" || backend == "auto", Usage,
+             "--backend {}: not one of cpu, cuda, auto", backend);
   FN_REQUIRE(tp == 0 || tp == world_size, Usage,
              "--tp {} must equal the number of MPI ranks ({}): the TP size is the world size", tp,
              world_size);

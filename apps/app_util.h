@@ -21,8 +21,9 @@ void write_stdout(std::string_view s);
 /// into that record's "error" field.
 nlohmann::json parse_json_line(const std::string& line);
 
-/// The backend/TP flags every model-running subcommand shares: --backend cuda is a Usage error
-/// until the CUDA engine exists; --tp (0 = unset) must equal the MPI world size.
+/// The backend/TP flags every model-running subcommand shares: --backend must be cpu, cuda or
+/// auto, and --tp (0 = unset) must equal the MPI world size; fn::Error(Usage) naming the flag
+/// otherwise. Whether CUDA is usable is decided by resolve_backend (apps/backend.h).
 void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size);
 
 /// True when `dir` holds tokenizer.json or tokenizer.model.

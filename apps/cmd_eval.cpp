@@ -20,11 +20,11 @@
 #include <sstream>
 
 #include "apps/app_util.h"
+#include "apps/backend.h"
 #include "apps/command.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/config.h"
-#include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/eval.h"
 #include "core/generate.h"
@@ -40,8 +40,8 @@ namespace fs = std::filesystem;
 
 // Options every eval subcommand has.
 struct CommonCli {
-  std::string model, backend = "auto";
-  int64_t tp = 0;
+  std::string model;
+  BackendFlags backend;
   bool json_out = false;
 };
 
@@ -84,33 +84,26 @@ std::unique_ptr<Tokenizer> require_tokenizer(const fs::path& dir, const char* wh
   return load_tokenizer(dir);
 }
 
-// Checks --backend/--tp; loads the CPU backend for this rank (TP = world size).
+// The collectives and this rank's model (TP = world size, apps/backend.h), as eval sees it.
 struct Loaded {
   std::unique_ptr<MpiCollectives> coll;
-  std::unique_ptr<CpuModel> model;
+  LoadedBackend model;
   EvalBackend backend;
 };
 
+// Checks --backend/--tp before any input is read (whether CUDA is usable is decided at load).
 void check_common(const CommonCli& c, MpiContext& mpi) {
-  check_backend_and_tp(c.backend, c.tp, mpi.world_size());
+  check_backend_and_tp(c.backend.backend, c.backend.tp, mpi.world_size());
 }
 
-void load_backend(Loaded& l, const fs::path& dir) {
-  const auto t0 = std::chrono::steady_clock::now();
-  try {
-    l.model = CpuModel::load(dir, *l.coll);
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::Usage) throw;
-    FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
-             l.coll->size(), e.what());
-  }
-  FN_LOG_INFO(
-      "eval: cpu backend, TP {}, model loaded in {:.0f} ms", l.coll->size(),
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  CpuModel* m = l.model.get();
-  l.backend.forward = [m](int32_t t) { return m->forward(t); };
-  l.backend.reset = [m] { m->reset(); };
-  l.backend.vocab_size = m->config().vocab_size;
+// Collective: loads the backend with room for `ctx_size` tokens per sequence (the cuda caches;
+// the cpu backend grows its own).
+void load_model(Loaded& l, const CommonCli& c, const fs::path& dir, const MpiContext& mpi,
+                int64_t ctx_size) {
+  l.model = load_backend(c.backend, dir, mpi, *l.coll, ctx_size, "eval");
+  l.backend.forward = l.model.forward;
+  l.backend.reset = l.model.reset;
+  l.backend.vocab_size = l.model.vocab_size;
 }
 
 std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) {
@@ -158,7 +151,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   }
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
-  load_backend(l, dir);
+  load_model(l, c, dir, mpi, o.ctx);  // every window runs from a fresh state
   tokens = broadcast_ids(*l.coll, std::move(tokens));
 
   std::unique_ptr<LogitsWriter> writer;
@@ -173,7 +166,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     h.sequences = perplexity_sequences(tokens, o.ctx, o.chunks);
     h.source = {{"producer", "fngen eval ppl"},
                 {"model", dir.string()},
-                {"backend", "cpu"},
+                {"backend", l.model.name},
                 {"tp_size", l.coll->size()},
                 {"n_ctx", o.ctx}};
     writer = std::make_unique<LogitsWriter>(o.save_logits, std::move(h));
@@ -195,7 +188,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   if (root) {
     if (c.json_out) {
       const json j = {{"model", dir.string()},
-                      {"backend", "cpu"},
+                      {"backend", l.model.name},
                       {"tp_size", l.coll->size()},
                       {"tokenizer", tok_id},
                       {"n_tokens", r.n_tokens},
@@ -275,18 +268,18 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
                                 : o.values == "logprobs";
     h.source = {{"producer", "fngen eval dump-logits"},
                 {"model", dir.string()},
-                {"backend", "cpu"},
                 {"tp_size", mpi.world_size()},
                 {"prompt_len", prompt_len}};
   }
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
-  load_backend(l, dir);
   LogitsSequence seq;
   if (root) seq = h.sequences[0];
   seq.tokens = broadcast_ids(*l.coll, seq.tokens);
   seq.first = 0;
   seq.n_rows = static_cast<int64_t>(seq.tokens.size());
+  load_model(l, c, dir, mpi, seq.n_rows);  // one sequence of seq.n_rows tokens
+  h.source["backend"] = l.model.name;
   std::unique_ptr<LogitsWriter> writer;
   if (root) writer = std::make_unique<LogitsWriter>(o.output, h);
   dump_logits(l.backend, {seq}, writer.get());
@@ -345,7 +338,13 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
   }
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
-  load_backend(l, dir);
+  int64_t kld_ctx = 1;  // the longest sequence fed (rank 0 read the header)
+  if (root) {
+    for (const auto& s : reader->header().sequences)
+      kld_ctx = std::max(kld_ctx, s.first + s.n_rows);
+  }
+  l.coll->broadcast(&kld_ctx, sizeof(kld_ctx), 0);
+  load_model(l, c, dir, mpi, kld_ctx);
   if (root && !c.json_out) write_stdout(KldStats::chunk_header());
   const KldStats st =
       kl_divergence(l.backend, *l.coll, reader.get(), [&](int64_t i, const KldStats& s) {
@@ -356,7 +355,7 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
       json j = st.to_json();
       j["model"] = dir.string();
       j["base"] = o.base;
-      j["backend"] = "cpu";
+      j["backend"] = l.model.name;
       j["tp_size"] = l.coll->size();
       write_stdout(j.dump() + "\n");
     } else {
@@ -498,7 +497,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
   Collectives& coll = *l.coll;
-  load_backend(l, dir);
+  load_model(l, c, dir, mpi, ctx);
   GenerateOptions go;
   go.sampling.temperature = o.temp;
   go.sampling.seed = 0;
@@ -612,8 +611,9 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     const auto acc = [](const Tally& x) {
       return x.n > 0 ? static_cast<double>(x.correct) / static_cast<double>(x.n) : 0.0;
     };
-    std::string s = fmt::format("\n--- fngen eval score: backend cpu, TP {}, {}\n", coll.size(),
-                                o.temp > 0 ? fmt::format("temp {}", o.temp) : "greedy");
+    std::string s =
+        fmt::format("\n--- fngen eval score: backend {}, TP {}, {}\n", l.model.name, coll.size(),
+                    o.temp > 0 ? fmt::format("temp {}", o.temp) : "greedy");
     s += fmt::format("{:<24} {:>6} {:>8} {:>7} {:>9}\n", "task", "n", "correct", "errors",
                      "accuracy");
     json per = json::object();
@@ -641,9 +641,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
 
 void add_common(CLI::App* sub, CommonCli& c) {
   sub->add_option("-m,--model", c.model, "model directory")->required();
-  sub->add_option("--backend", c.backend, "cpu | cuda | auto (auto = cpu for now)")
-      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  sub->add_option("--tp", c.tp, "tensor-parallel size; must equal the number of MPI ranks");
+  add_backend_flags(sub, c.backend);
   sub->add_flag("--json", c.json_out, "print the result as JSON on stdout");
 }
 

@@ -1,8 +1,9 @@
 // `fngen generate`: the main job (DESIGN.md "The main job, end to end"), launched as
-// `mpirun -np N fngen generate -m DIR -p "..."`. TP size = world size; the model is loaded with
-// MpiCollectives over MPI_COMM_WORLD. Rank 0 reads the tokenizer and the prompt(s) and
-// broadcasts the token ids; every rank runs the generation loop (core/generate.h); rank 0
-// streams the text and prints the summary (stderr) or JSON (--json, stdout). Batch mode
+// `mpirun -np N fngen generate -m DIR -p "..."`. TP size = world size; the model is loaded by
+// apps/backend.h (--backend cpu|cuda|auto), the CPU one with MpiCollectives over MPI_COMM_WORLD.
+// Rank 0 reads the tokenizer and the prompt(s) and broadcasts the token ids; every rank runs the
+// generation loop (core/generate.h); rank 0 streams the text and prints the summary (stderr) or
+// JSON (--json, stdout). Batch mode
 // (-i in.jsonl [-o out.jsonl]): one output record per input record, in order; a bad record gets
 // an "error" and the run goes on.
 //
@@ -23,11 +24,11 @@
 #include <sstream>
 
 #include "apps/app_util.h"
+#include "apps/backend.h"
 #include "apps/command.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/config.h"
-#include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/eval.h"
 #include "core/generate.h"
@@ -43,8 +44,9 @@ namespace fs = std::filesystem;
 
 struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
-  std::string chat_template, backend = "auto";
-  int64_t max_new_tokens = 256, ctx_size = 0, tp = 0;
+  std::string chat_template;
+  BackendFlags backend;
+  int64_t max_new_tokens = 256, ctx_size = 0;
   double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0,
          frequency = 0.0;
   int64_t top_k = 0, repeat_last_n = 64, seed = -1;
@@ -200,10 +202,11 @@ std::string memory_text(const std::vector<double>& mib) {
 }
 
 // Human summary of one generation on stderr (llama.cpp-style lines that scripts can grep).
-void print_summary(const GenerationResult& r, const std::vector<double>& mem, double load_ms,
-                   int tp, int64_t ctx, const SamplingParams& s) {
+void print_summary(const GenerationResult& r, const std::vector<double>& mem,
+                   const std::string& backend, double load_ms, int tp, int64_t ctx,
+                   const SamplingParams& s) {
   std::string out;
-  out += fmt::format("\n--- fngen generate: backend cpu, TP {}, ctx {}, {}\n", tp, ctx,
+  out += fmt::format("\n--- fngen generate: backend {}, TP {}, ctx {}, {}\n", backend, tp, ctx,
                      sampling_text(s));
   out += fmt::format("load time        = {:10.2f} ms\n", load_ms);
   out += fmt::format(
@@ -243,7 +246,7 @@ std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) 
 
 int run_generate(GenerateCli& o, MpiContext& mpi) {
   const bool root = mpi.world_rank() == 0;
-  check_backend_and_tp(o.backend, o.tp, mpi.world_size());
+  check_backend_and_tp(o.backend.backend, o.backend.tp, mpi.world_size());
   const int sources = static_cast<int>(o.o_prompt->count() > 0) +
                       static_cast<int>(!o.file.empty()) + static_cast<int>(!o.prompt_ids.empty()) +
                       static_cast<int>(!o.input.empty());
@@ -334,21 +337,10 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     }
   }
 
-  const auto t_load = std::chrono::steady_clock::now();
-  std::unique_ptr<CpuModel> model;
-  try {
-    model = CpuModel::load(dir, coll);
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::Usage) throw;
-    FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
-             coll.size(), e.what());
-  }
-  const double load_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_load).count();
-  FN_LOG_INFO(
-      "generate: cpu backend, TP {}, model loaded in {:.0f} ms ({:.1f} MiB of weights per rank)",
-      coll.size(), load_ms, static_cast<double>(model->weight_bytes()) / (1 << 20));
-  const ForwardFn forward = [&model](int32_t t) { return model->forward(t); };
+  // Every backend runs the generic loop (logits to the host, host sampler): correctness first.
+  const LoadedBackend model = load_backend(o.backend, dir, mpi, coll, ctx, "generate");
+  const double load_ms = model.load_ms;
+  const ForwardFn& forward = model.forward;
   const auto max_new_for = [&](int64_t n_prompt) {
     return o.max_new_tokens > 0 ? o.max_new_tokens : std::max<int64_t>(ctx - n_prompt, 1);
   };
@@ -379,7 +371,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         if (!ts.tokenizer) r.text.clear();
         json j = result_json(r, o.chat);
         j["model"] = dir.string();
-        j["backend"] = "cpu";
+        j["backend"] = model.name;
         j["tp_size"] = coll.size();
         j["ctx_size"] = ctx;
         j["load_ms"] = load_ms;
@@ -388,7 +380,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         write_stdout(j.dump() + "\n");
       } else {
         write_stdout("\n");
-        print_summary(r, mem, load_ms, coll.size(), ctx, sp);
+        print_summary(r, mem, model.name, load_ms, coll.size(), ctx, sp);
       }
     }
     return 0;
@@ -443,7 +435,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     }
     ids = broadcast_ids(coll, ids);
     go.max_new_tokens = max_new_for(static_cast<int64_t>(ids.size()));
-    model->reset();
+    model.reset();
     std::optional<StreamingDetokenizer> detok;
     TextHooks hooks;
     if (root && ts.tokenizer) {
@@ -469,13 +461,13 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     if (out != stdout) std::fclose(out);
     const LatencyStats tt = latency_stats(ttfts), it = latency_stats(itls);
     const std::string s = fmt::format(
-        "\n--- fngen generate (batch): backend cpu, TP {}, ctx {}, {}\n"
+        "\n--- fngen generate (batch): backend {}, TP {}, ctx {}, {}\n"
         "records {}, errors {}, generated tokens {}\n"
         "TTFT ms: p50 {:.2f}  p90 {:.2f}  p99 {:.2f}\n"
         "TPOT ms: mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}\n"
         "peak host memory (MiB, per rank):{}\n",
-        coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, tt.p50, tt.p90, tt.p99,
-        it.mean, it.p50, it.p90, it.p99, it.max, memory_text(mem));
+        model.name, coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, tt.p50,
+        tt.p90, tt.p99, it.mean, it.p50, it.p90, it.p99, it.max, memory_text(mem));
     std::fwrite(s.data(), 1, s.size(), stderr);
   }
   return 0;
@@ -521,9 +513,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
   sub->add_flag("--no-think", o->no_think, "chat: thinking off (empty think block)");
   sub->add_option("--chat-template", o->chat_template, "qwen3 | qwen3.8 (default qwen3.8)")
       ->check(CLI::IsMember({"qwen3", "qwen3.8"}));
-  sub->add_option("--backend", o->backend, "cpu | cuda | auto (auto = cpu for now)")
-      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  sub->add_option("--tp", o->tp, "tensor-parallel size; must equal the number of MPI ranks");
+  add_backend_flags(sub, o->backend);
   sub->add_flag("--json", o->json_out, "print the result as one JSON object on stdout");
   commands.push_back({sub, [o](MpiContext& mpi) { return run_generate(*o, mpi); }});
 }

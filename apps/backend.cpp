@@ -1,0 +1,211 @@
+#include "apps/backend.h"
+
+#include <chrono>
+#include <string>
+#include <utility>
+
+#include "apps/app_util.h"
+#include "comm/mpi_context.h"
+#include "core/cpu_model.h"
+#include "core/error.h"
+#include "core/log.h"
+
+#ifdef FN_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "comm/custom_all_reduce.h"
+#include "comm/device_all_reduce.h"
+#include "comm/gpu_comm.h"
+#include "cuda/cuda_model.h"
+#endif
+
+namespace fn {
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A loader's Usage error about the TP split, restated with the launcher's flag.
+template <typename F>
+auto with_tp_hint(const std::filesystem::path& dir, int size, F&& load) {
+  try {
+    return load();
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Usage) throw;
+    FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
+             size, e.what());
+  }
+}
+
+// This rank's CUDA device count, or 0 with the runtime's reason in `why`. Only called when CUDA
+// is asked for (or probed by auto): the first runtime call loads the driver, which may be absent.
+int cuda_device_count(std::string* why) {
+#ifdef FN_HAVE_CUDA
+  int n = 0;
+  const cudaError_t rc = cudaGetDeviceCount(&n);
+  if (rc != cudaSuccess) {
+    *why = fmt::format("cudaGetDeviceCount: {}: {}", cudaGetErrorName(rc), cudaGetErrorString(rc));
+    cudaGetLastError();  // clear the runtime's last error
+    return 0;
+  }
+  if (n < 1) *why = "cudaGetDeviceCount reports 0 devices";
+  return n;
+#else
+  *why = "this fngen was built without CUDA";
+  return 0;
+#endif
+}
+
+LoadedBackend load_cpu(const std::filesystem::path& dir, Collectives& coll) {
+  LoadedBackend b;
+  b.name = "cpu";
+  b.all_reduce_name = coll.size() > 1 ? "mpi" : "";
+  b.tp_size = coll.size();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::shared_ptr<CpuModel> model =
+      with_tp_hint(dir, coll.size(), [&] { return CpuModel::load(dir, coll); });
+  b.load_ms = ms_since(t0);
+  CpuModel* m = model.get();
+  b.forward = [m](int32_t t) { return m->forward(t); };
+  b.reset = [m] { m->reset(); };
+  b.vocab_size = m->config().vocab_size;
+  b.weight_mib = static_cast<double>(m->weight_bytes()) / (1 << 20);
+  b.keep_alive = std::move(model);
+  return b;
+}
+
+#ifdef FN_HAVE_CUDA
+// The CUDA objects of one rank. Members are destroyed in reverse order: model, then the
+// all-reduce (it uses the communicator), then the GpuComm.
+struct CudaHold {
+  std::unique_ptr<GpuComm> gpu;
+  std::unique_ptr<DeviceAllReduce> all_reduce;
+  std::unique_ptr<CudaModel> model;
+};
+
+LoadedBackend load_cuda(const BackendFlags& flags, const std::filesystem::path& dir,
+                        const MpiContext& mpi, int64_t ctx_size) {
+  LoadedBackend b;
+  b.name = "cuda";
+  auto hold = std::make_shared<CudaHold>();
+  const auto t0 = std::chrono::steady_clock::now();
+  hold->gpu = std::make_unique<GpuComm>(mpi);
+  GpuComm& gpu = *hold->gpu;
+  if (gpu.size() > 1) {
+    hold->all_reduce = make_device_all_reduce(parse_all_reduce_strategy(flags.allreduce), gpu,
+                                              CustomAllReduceOptions{});
+    b.all_reduce_name = hold->all_reduce->name();
+  }
+  CudaModelOptions opt;
+  opt.ctx_size = ctx_size;
+  opt.use_graph = !flags.no_graph;
+  opt.tp_rank = gpu.rank();
+  opt.tp_size = gpu.size();
+  opt.all_reduce = hold->all_reduce.get();
+  hold->model = with_tp_hint(dir, gpu.size(), [&] { return CudaModel::load(dir, opt); });
+  b.load_ms = ms_since(t0);
+  CudaModel* m = hold->model.get();
+  b.forward = [m](int32_t t) { return m->forward(t); };
+  b.reset = [m] { m->reset(); };
+  b.device_decode = [m](int32_t first, int64_t count, const SamplingParams& sp, uint64_t seed,
+                        const std::function<bool(int32_t)>& on_token) {
+    return m->decode(first, count, sp, seed, on_token);
+  };
+  b.vocab_size = m->config().vocab_size;
+  b.tp_size = gpu.size();
+  b.weight_mib = static_cast<double>(m->load_stats().weight_bytes) / (1 << 20);
+  b.keep_alive = std::move(hold);
+  return b;
+}
+#endif
+
+}  // namespace
+
+void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
+  sub->add_option("--backend", flags.backend,
+                  "cpu | cuda | auto (default auto: cuda when this build has CUDA and every rank "
+                  "sees a GPU, else cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
+  sub->add_option("--tp", flags.tp, "tensor-parallel size; must equal the number of MPI ranks");
+  sub->add_option("--allreduce", flags.allreduce,
+                  "cuda, TP > 1: auto | custom | nccl (default auto: the IPC custom all-reduce "
+                  "where peer access allows, else NCCL)")
+      ->check(CLI::IsMember({"auto", "custom", "nccl"}));
+  sub->add_flag("--no-graph", flags.no_graph,
+                "cuda: run each decode step eagerly instead of replaying a CUDA graph");
+}
+
+bool built_with_cuda() noexcept {
+#ifdef FN_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
+  check_backend_and_tp(flags.backend, flags.tp, coll.size());
+  if (flags.backend == "cpu") return "cpu";
+  FN_REQUIRE(flags.backend != "cuda" || built_with_cuda(), Usage,
+             "--backend cuda: the CUDA backend is not available: this fngen was built without "
+             "CUDA (no nvcc at configure time, or -DFN_ENABLE_CUDA=OFF); use --backend cpu");
+  if (!built_with_cuda()) return "cpu";  // auto
+  // Collective: every rank counts its devices; the sum of "has none" decides for all alike.
+  std::string why;
+  const bool has_device = cuda_device_count(&why) >= 1;
+  std::vector<float> lacking(static_cast<std::size_t>(coll.size()), 0.0F);
+  lacking[static_cast<std::size_t>(coll.rank())] = has_device ? 0.0F : 1.0F;
+  coll.all_reduce_sum(lacking.data(), lacking.size());
+  std::string ranks;
+  for (std::size_t r = 0; r < lacking.size(); ++r) {
+    if (lacking[r] > 0.5F) ranks += fmt::format("{}{}", ranks.empty() ? "" : ", ", r);
+  }
+  if (ranks.empty()) return "cuda";
+  if (flags.backend == "auto") {
+    FN_LOG_INFO("--backend auto: no usable CUDA device on rank(s) {} ({}): using the cpu backend",
+                ranks, has_device ? "see that rank" : why);
+    return "cpu";
+  }
+  FN_THROW(Usage,
+           "--backend cuda: the CUDA backend is not available: no usable CUDA device on rank(s) {} "
+           "({}); run on a GPU machine, or use --backend cpu",
+           ranks, has_device ? "reported by that rank" : why);
+}
+
+LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
+                           const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+                           const char* who) {
+  const std::string name = resolve_backend(flags, coll);
+  if (name == "cpu") {
+    if (flags.no_graph || flags.allreduce != "auto") {
+      FN_LOG_INFO("{}: --no-graph and --allreduce apply to the cuda backend only; ignored on cpu",
+                  who);
+    }
+    LoadedBackend b = load_cpu(dir, coll);
+    FN_LOG_INFO(
+        "{}: backend cpu, TP {}, model loaded in {:.0f} ms ({:.1f} MiB of weights per rank)", who,
+        b.tp_size, b.load_ms, b.weight_mib);
+    return b;
+  }
+#ifdef FN_HAVE_CUDA
+  LoadedBackend b = load_cuda(flags, dir, mpi, ctx_size);
+  const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
+  const CudaLoadStats& st = hold->model->load_stats();
+  const double gb = static_cast<double>(st.bytes) / 1e9;
+  FN_LOG_INFO(
+      "{}: backend cuda, TP {}, all-reduce {}, graph {}, ctx {}: loaded {:.2f} GB in {:.2f} s "
+      "({:.2f} GB/s; {:.1f} MiB weights + {:.1f} MiB state per GPU; total {:.0f} ms with setup)",
+      who, b.tp_size, b.all_reduce_name.empty() ? "none" : b.all_reduce_name,
+      flags.no_graph ? "off" : "on", ctx_size, gb, st.seconds,
+      st.seconds > 0 ? gb / st.seconds : 0.0, static_cast<double>(st.weight_bytes) / (1 << 20),
+      static_cast<double>(st.state_bytes) / (1 << 20), b.load_ms);
+  return b;
+#else
+  (void)mpi;
+  (void)ctx_size;
+  FN_THROW(Internal, "backend {} resolved in a build without CUDA", name);
+#endif
+}
+
+}  // namespace fn

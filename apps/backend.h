@@ -1,0 +1,79 @@
+// Backend selection for the model-running subcommands (`fngen generate`, `fngen eval`): the
+// shared flags (--backend cpu|cuda|auto, --tp, --allreduce auto|custom|nccl, --no-graph) and
+// load_backend(), which builds the CPU reference model or the CUDA model of this rank and hands
+// it back as one forward/reset pair. Invariants: every rank resolves `auto` to the same backend
+// (a collective decision); no CUDA runtime function is called unless CUDA is asked for or `auto`
+// probes for a device, so the cpu backend starts on machines without a GPU driver.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/collectives.h"
+#include "core/generate.h"
+#include "core/sampler.h"
+
+namespace fn {
+
+class MpiContext;
+
+/// The backend flags shared by generate and eval (DESIGN.md "CLI names").
+struct BackendFlags {
+  std::string backend = "auto";    ///< cpu | cuda | auto
+  int64_t tp = 0;                  ///< --tp; 0 = unset, else must equal the MPI world size
+  std::string allreduce = "auto";  ///< cuda, TP > 1: auto | custom | nccl
+  bool no_graph = false;           ///< cuda: run the decode step eagerly instead of a CUDA graph
+};
+
+/// Registers --backend, --tp, --allreduce and --no-graph on `sub` (values checked by CLI11, so a
+/// bad value is a usage error naming the flag).
+void add_backend_flags(CLI::App* sub, BackendFlags& flags);
+
+/// True when this binary was built with the CUDA backend (FN_HAVE_CUDA).
+bool built_with_cuda() noexcept;
+
+/// "cpu" or "cuda": what `flags.backend` means on this machine. Collective over `coll` (every
+/// rank calls it): `auto` is cuda only when the build has CUDA and every rank's cudaGetDeviceCount
+/// reports at least one device, else cpu. Throws fn::Error(Usage) on every rank for --backend
+/// cuda when the build has no CUDA or some rank has no usable CUDA device (naming the ranks and
+/// the CUDA runtime's reason), and for a --tp that differs from the world size.
+std::string resolve_backend(const BackendFlags& flags, Collectives& coll);
+
+/// One rank's loaded model, backend-neutral. Copyable; the model lives as long as any copy.
+struct LoadedBackend {
+  std::string name;             ///< "cpu" or "cuda" (the backend actually used)
+  std::string all_reduce_name;  ///< cuda at TP > 1: "custom" or "nccl"; "mpi" on cpu; else ""
+  ForwardFn forward;            ///< token -> full-vocabulary FP32 logits (identical on all ranks)
+  std::function<void()> reset;  ///< forget the sequence (position 0)
+  int64_t vocab_size = 0;
+  int tp_size = 1;
+  double load_ms = 0;     ///< wall time of the load on this rank
+  double weight_mib = 0;  ///< weight bytes held by this rank (host for cpu, device for cuda), MiB
+  /// cuda only (null on cpu): CudaModel::decode, sampling on the device. Feeds `first`, then
+  /// samples up to `count` ids, calling on_token(id) for each (false stops). The penalties of
+  /// SamplingParams are not applied there; generate uses `forward` and the host sampler.
+  std::function<std::vector<int32_t>(int32_t first, int64_t count, const SamplingParams&,
+                                     uint64_t seed, const std::function<bool(int32_t)>& on_token)>
+      device_decode;
+  /// Owns the model (and on cuda its all-reduce and GpuComm, destroyed in that order).
+  std::shared_ptr<void> keep_alive;
+};
+
+/// Resolves the backend (resolve_backend, collective) and loads `dir` for this rank with TP =
+/// world size: cpu -> CpuModel over `coll` (must outlive the result); cuda -> GpuComm (selects
+/// the GPU of the node-local rank), the --allreduce all-reduce when TP > 1, and CudaModel::load
+/// with `ctx_size` tokens of cache and graphs unless --no-graph. Logs one line on rank 0
+/// ("<who>: backend ..., TP, all-reduce, load time, GB and GB/s"). Throws fn::Error: Usage for
+/// the flags (see resolve_backend) or a TP size the model cannot split (naming mpirun -np), and
+/// whatever the loaders throw (Io/Format naming the file, Cuda/Nccl for the device).
+LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
+                           const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+                           const char* who);
+
+}  // namespace fn

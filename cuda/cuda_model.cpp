@@ -1055,6 +1055,15 @@ void CudaModel::reset() {
   position_ = 0;
 }
 
+void CudaModel::set_position_for_benchmark(int64_t position) {
+  FN_REQUIRE(position >= 0 && position < opt_.ctx_size, Usage,
+             "benchmark position {} is outside the context [0, {})", position, opt_.ctx_size);
+  FN_CUDA_CHECK(cudaMemcpyAsync(impl_->position, &position, sizeof(int64_t), cudaMemcpyHostToDevice,
+                                impl_->stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  position_ = position;
+}
+
 void CudaModel::check_step_errors(int32_t token) {
   Impl& I = *impl_;
   const int32_t flag = *I.host_flag;

@@ -88,6 +88,11 @@ class CudaModel {
   /// Forgets the sequence: position 0, zero states, n-gram context all EOS.
   void reset();
 
+  /// Benchmarks only: moves the position to `position` without processing tokens, so a decode
+  /// step costs what it costs at that depth (the caches keep whatever they hold — zeros after
+  /// reset()). Throws fn::Error(Usage) outside [0, ctx_size).
+  void set_position_for_benchmark(int64_t position);
+
   int64_t position() const noexcept { return position_; }
   const ModelConfig& config() const noexcept { return cfg_; }
   const CudaLoadStats& load_stats() const noexcept { return stats_; }

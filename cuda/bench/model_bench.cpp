@@ -1,0 +1,143 @@
+// cuda_model_bench: decode latency of the whole CUDA model (issue 6 "Done when": ms/token of the
+// full real geometry with in-memory random weights at TP=1 and TP=2 and an 8,192-token context).
+// Every rank builds CudaModel::random(config) on its GPU, moves the position to --depth (caches
+// hold zeros: the step reads exactly the bytes it reads at that depth), then decodes --tokens
+// greedy tokens on the device (one graph replay each) after --warmup tokens, and rank 0 prints
+// ms/token (mean, p50, p90, p99) next to the bytes-per-token floor of the shard plan at the
+// measured 4.3 TB/s copy bandwidth. Usage:
+//   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
+//     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--json FILE]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/cuda_check.h"
+#include "comm/custom_all_reduce.h"
+#include "comm/device_all_reduce.h"
+#include "comm/gpu_comm.h"
+#include "comm/mpi_context.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/generate.h"
+#include "core/log.h"
+#include "core/shard_plan.h"
+#include "cuda/cuda_model.h"
+
+namespace {
+
+constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (performance-anchors §2.3)
+
+int run(int argc, char** argv, fn::MpiContext& mpi) {
+  std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
+  int64_t depth = 8192, tokens = 128, warmup = 16;
+  bool graph = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      FN_REQUIRE(i + 1 < argc, Usage, "{} needs a value", a);
+      return argv[++i];
+    };
+    if (a == "--config")
+      config = next();
+    else if (a == "--depth")
+      depth = std::stoll(next());
+    else if (a == "--tokens")
+      tokens = std::stoll(next());
+    else if (a == "--warmup")
+      warmup = std::stoll(next());
+    else if (a == "--allreduce")
+      allreduce = next();
+    else if (a == "--json")
+      json_path = next();
+    else if (a == "--no-graph")
+      graph = false;
+    else
+      FN_THROW(Usage, "unknown argument {}", a);
+  }
+  const fn::ModelConfig cfg = fn::load_model_config(config);
+  const int rank = mpi.world_rank(), tp = mpi.world_size();
+  fn::GpuComm gpu(mpi);
+  std::unique_ptr<fn::DeviceAllReduce> ar;
+  if (tp > 1)
+    ar = fn::make_device_all_reduce(fn::parse_all_reduce_strategy(allreduce), gpu,
+                                    fn::CustomAllReduceOptions{});
+  fn::CudaModelOptions o;
+  o.ctx_size = depth + warmup + tokens + 1;
+  o.use_graph = graph;
+  o.tp_rank = rank;
+  o.tp_size = tp;
+  o.all_reduce = ar.get();
+  auto model = fn::CudaModel::random(cfg, 1234, o);
+  size_t free_b = 0, total_b = 0;
+  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (rank == 0)
+    FN_LOG_INFO("random weights: {:.2f} GB generated in {:.1f} s; device memory used {:.1f} GiB",
+                model->load_stats().bytes / 1e9, model->load_stats().seconds,
+                (total_b - free_b) / 1073741824.0);
+  model->set_position_for_benchmark(depth);
+  fn::SamplingParams greedy;
+  greedy.temperature = 0;
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> itl;
+  auto t_prev = Clock::now();
+  int64_t seen = 0;
+  model->decode(1, warmup + tokens, greedy, 0, [&](int32_t) {
+    const auto now = Clock::now();
+    if (seen++ >= warmup)
+      itl.push_back(std::chrono::duration<double, std::milli>(now - t_prev).count());
+    t_prev = now;
+    return true;
+  });
+  const fn::LatencyStats st = fn::latency_stats(itl);
+  fn::QuantConfig quant;
+  quant.algo = fn::QuantConfig::Algo::Nvfp4;
+  quant.quant_algo = "NVFP4";
+  const fn::ShardPlan plan = fn::ShardPlan::build(cfg, quant, tp);
+  const double bytes = static_cast<double>(fn::bytes_per_token(plan, cfg, rank, depth + 1).total());
+  const double floor_ms = bytes / kCopyBandwidth * 1e3;
+  if (rank == 0) {
+    std::printf(
+        "| TP | graph | depth | tokens | ms/token mean | p50 | p90 | p99 | bytes/token/rank | "
+        "floor "
+        "ms | %% of floor |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| %d | %s | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f GB | %.3f | %.1f |\n",
+        tp, graph ? "yes" : "no", static_cast<long long>(depth), static_cast<long long>(tokens),
+        st.mean, st.p50, st.p90, st.p99, bytes / 1e9, floor_ms, 100.0 * floor_ms / st.mean);
+    if (!json_path.empty()) {
+      nlohmann::json j = {{"tp", tp},
+                          {"graph", graph},
+                          {"depth", depth},
+                          {"tokens", tokens},
+                          {"ms_mean", st.mean},
+                          {"ms_p50", st.p50},
+                          {"ms_p90", st.p90},
+                          {"ms_p99", st.p99},
+                          {"bytes_per_token", bytes},
+                          {"floor_ms", floor_ms},
+                          {"allreduce", ar ? ar->name() : "none"}};
+      std::ofstream(json_path) << j.dump(2) << "\n";
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fn::MpiContext mpi(&argc, &argv);
+  try {
+    return run(argc, argv, mpi);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuda_model_bench: %s\n", e.what());
+    mpi.abort_all(1);
+  }
+  return 1;
+}

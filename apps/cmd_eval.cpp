@@ -96,8 +96,8 @@ void check_common(const CommonCli& c, MpiContext& mpi) {
   check_backend_and_tp(c.backend.backend, c.backend.tp, mpi.world_size());
 }
 
-// Collective: loads the backend with room for `ctx_size` tokens per sequence (the cuda caches;
-// the cpu backend grows its own).
+// Collective: loads the backend with room for `ctx_size` tokens per sequence (sizes the cuda
+// caches; the cpu backend takes no size).
 void load_model(Loaded& l, const CommonCli& c, const fs::path& dir, const MpiContext& mpi,
                 int64_t ctx_size) {
   l.model = load_backend(c.backend, dir, mpi, *l.coll, ctx_size, "eval");

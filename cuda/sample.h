@@ -57,8 +57,11 @@ struct SampleParams {
 size_t sample_workspace_bytes(int64_t vocab, const DeviceSamplingParams& sampling);
 
 /// Launches the choice (greedy: 2 kernels; filtered sampling: a memset, 5 kernels and the CUB
-/// sort; unfiltered sampling: 2 kernels). Throws fn::Error(Internal) on null pointers, settings
-/// out of range or a short workspace; fn::Error(Cuda) on a failed launch.
+/// sort; unfiltered sampling: 2 kernels). Measured on H200 at V 248320 (graph replay): greedy
+/// 5.5 us, unfiltered sampling 9.6 us, filtered (top_k 40, top_p 0.9, min_p 0.02) 78 us, most of
+/// it the full radix sort (a top-k prefilter before the sort would cut it; not done yet). Throws
+/// fn::Error(Internal) on null pointers, settings out of range or a short workspace;
+/// fn::Error(Cuda) on a failed launch.
 void launch_sample(const SampleParams& params, cudaStream_t stream);
 
 }  // namespace fn

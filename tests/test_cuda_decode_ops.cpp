@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/codecs.h"
@@ -503,7 +504,7 @@ TEST_CASE("cuda decode ops: every op captures into a CUDA graph and replays the 
     const auto want = read();
     const double us = graph_us_per_launch(launch, reps);
     CHECK_MESSAGE(read() == want, name);
-    MESSAGE(name, ": ", us, " us per launch in a graph");
+    MESSAGE(std::string(name), ": ", us, " us per launch in a graph");
   };
   eager_then_graph([&](cudaStream_t s) { fn::launch_embed(ep, s); }, [&] { return H.download(); },
                    "embed D 2560 x 4");

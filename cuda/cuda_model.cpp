@@ -316,6 +316,7 @@ float* upload_f32(DeviceArena& arena, const std::vector<float>& v, const char* w
 struct CudaModel::Impl {
   DeviceArena arena;
   cudaStream_t stream = nullptr;
+  bool own_stream = false;
   std::vector<DevLayer> layers;
   DevHc final_hc;
   const uint16_t* embed = nullptr;    // [V, D]
@@ -378,7 +379,7 @@ struct CudaModel::Impl {
     if (host_logits) cudaFreeHost(host_logits);
     if (host_token) cudaFreeHost(host_token);
     if (host_flag) cudaFreeHost(host_flag);
-    if (stream) cudaStreamDestroy(stream);
+    if (stream && own_stream) cudaStreamDestroy(stream);
   }
 };
 
@@ -586,7 +587,12 @@ struct Builder {
 
 void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, WeightSource& src,
                             CheckpointSource* ck, bool ngram_fp8) {
-  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (o.stream) {
+    stream = o.stream;
+  } else {
+    FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    own_stream = true;
+  }
   Builder b{c, o, src, ck, arena, ngram_fp8};
   const std::string& p = b.p;
   const int tp = o.tp_size, r = o.tp_rank;

@@ -36,6 +36,9 @@ struct CudaModelOptions {
   /// Check the router's expert ids and the indexer's selected blocks for equality across ranks
   /// after every step (debug; costs a host sync and an all-reduce per layer).
   bool check_rank_agreement = false;
+  /// The stream every step runs on; nullptr: the model creates its own. An all-reduce instance
+  /// serves one stream, so models sharing `all_reduce` must share the stream (not owned).
+  cudaStream_t stream = nullptr;
 };
 
 /// Loading statistics.

@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -414,6 +415,19 @@ uint64_t CpuModel::state_bytes() const noexcept {
 
 // ---- the decode step -------------------------------------------------------------------------
 
+namespace {
+// (k-th largest - (k+1)-th largest) / max |v|; +inf when v has no more than k values.
+double relative_topk_gap(std::vector<float> v, int64_t k) {
+  if (static_cast<int64_t>(v.size()) <= k || k < 1) return HUGE_VAL;
+  double scale = 0;
+  for (float x : v) scale = std::max(scale, std::abs(static_cast<double>(x)));
+  std::nth_element(v.begin(), v.begin() + k, v.end(), std::greater<float>());
+  const float next = v[static_cast<std::size_t>(k)];
+  const float kth = *std::min_element(v.begin(), v.begin() + k);
+  return scale > 0 ? (static_cast<double>(kth) - next) / scale : 0.0;
+}
+}  // namespace
+
 std::span<const float> CpuModel::forward(int32_t token) {
   const ModelConfig& c = cfg_;
   FN_REQUIRE(token >= 0 && token < c.vocab_size, Usage,
@@ -421,6 +435,9 @@ std::span<const float> CpuModel::forward(int32_t token) {
   const int64_t D = c.hidden_size, S = c.hc_count, W = c.hc_width();
   const float eps = static_cast<float>(c.rms_norm_eps);
 
+  margins_ = DecisionMargins{};
+  choices_.router.clear();
+  choices_.indexer.clear();
   // C.1: embedding, widened to hc_count identical streams.
   std::vector<float> H(static_cast<std::size_t>(W));
   top_->embed->read_row(token, H.data());
@@ -597,6 +614,16 @@ void CpuModel::qsa_step(Layer& L, const float* m, float* y) {
   const int64_t B = (t + 1) / ratio;
   std::vector<float> scores(static_cast<std::size_t>(B));
   cpu::indexer_scores(idx.data(), ni, a.block_keys.data(), B, ihd, scores.data());
+  margins_.indexer =
+      std::min(margins_.indexer, relative_topk_gap(scores, c.indexer_budget / ratio));
+  {
+    std::vector<int32_t> blocks;
+    if (B > c.indexer_budget / ratio) {
+      blocks = cpu::top_k(scores.data(), B, c.indexer_budget / ratio);
+      std::sort(blocks.begin(), blocks.end());
+    }
+    choices_.indexer.push_back(std::move(blocks));
+  }
   const std::vector<int64_t> tokens =
       cpu::qsa_selected_tokens(scores.data(), t, ratio, c.indexer_budget / ratio);
 
@@ -630,6 +657,8 @@ void CpuModel::moe_step(Layer& L, const float* m, float* y) {
   std::vector<int32_t> ids(static_cast<std::size_t>(k));
   std::vector<float> w(static_cast<std::size_t>(k));
   cpu::route_top_k(logits.data(), E, k, c.norm_topk_prob, ids.data(), w.data());
+  margins_.router = std::min(margins_.router, relative_topk_gap(logits, k));
+  choices_.router.push_back(ids);
   // Step 2: the rank's slice of each selected expert, accumulated in ascending expert id.
   std::vector<int64_t> order(static_cast<std::size_t>(k));
   for (int64_t i = 0; i < k; ++i) order[static_cast<std::size_t>(i)] = i;

@@ -9,6 +9,7 @@
 // order; forward() returns the same full-vocabulary logits on every rank.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -69,6 +70,28 @@ class CpuModel {
   /// Bytes of per-sequence state this rank holds now (caches grow with position()).
   uint64_t state_bytes() const noexcept;
 
+  /// How close the discrete choices of the last forward() came to a tie (for tests that compare
+  /// a BF16 engine with this FP32 reference: a choice within rounding of a tie may legitimately
+  /// flip there). Relative gaps, smallest over all layers: router = (k-th - (k+1)-th largest
+  /// router logit) / max |router logit|; indexer = the same at the block_topk boundary of the
+  /// indexer scores (only when more blocks than block_topk are complete). +inf when no such
+  /// choice was made.
+  struct DecisionMargins {
+    double router = HUGE_VAL;
+    double indexer = HUGE_VAL;
+  };
+  const DecisionMargins& last_margins() const noexcept { return margins_; }
+
+  /// The discrete choices of the last forward(), for tests that replay them in another engine:
+  /// router = per decoder layer, the top-k expert ids best first; indexer = per QSA layer (in
+  /// layer order), the selected block ids ascending (empty while every complete block is
+  /// selected, i.e. B <= block_topk).
+  struct Choices {
+    std::vector<std::vector<int32_t>> router;
+    std::vector<std::vector<int32_t>> indexer;
+  };
+  const Choices& last_choices() const noexcept { return choices_; }
+
  private:
   struct Layer;
   struct Hc;
@@ -90,6 +113,8 @@ class CpuModel {
   std::unique_ptr<Hc> final_mixer_;
   struct Matrices;
   std::unique_ptr<Matrices> top_;  // embedding, lm_head
+  DecisionMargins margins_;
+  Choices choices_;
   std::vector<float> logits_local_;
   std::vector<float> logits_;
 };

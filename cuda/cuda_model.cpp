@@ -348,6 +348,8 @@ struct CudaModel::Impl {
   int64_t* context = nullptr;   // device [ngram_size - 1]
   int32_t* error_flag = nullptr;
   int64_t* sample_step = nullptr;
+  int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)
+  int32_t* forced_blocks = nullptr;  // [QSA layers, block_topk] (replay_choices)
   int32_t* history = nullptr;
   int64_t history_capacity = 0;
   void* sample_ws = nullptr;
@@ -731,6 +733,14 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     const QsaDecodeParams shape = qsa_shape(c, o);
     L.attn.workspace = arena.alloc(qsa_decode_workspace_bytes(shape), "QSA workspace");
   }
+  if (o.replay_choices) {
+    int64_t n_qsa = 0;
+    for (const DevLayer& L : layers) n_qsa += L.qsa ? 1 : 0;
+    forced_router = arena.alloc_n<int32_t>(c.num_hidden_layers * k, "forced router ids");
+    forced_blocks = arena.alloc_n<int32_t>(
+        std::max<int64_t>(n_qsa, 1) * (c.indexer_budget / c.indexer_compress_ratio),
+        "forced indexer blocks");
+  }
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_logits), sizeof(float) * V));
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_token), sizeof(int32_t) * 2));
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_flag), sizeof(int32_t)));
@@ -824,6 +834,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   ep.error_flag = error_flag;
   launch_embed(ep, s);
 
+  int64_t layer_index = 0, qsa_index = 0;
   for (DevLayer& L : layers) {
     if (L.has_ple) {
       DevPle& pl = L.ple;
@@ -883,6 +894,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       q.block_keys = a.block_keys;
       q.workspace = a.workspace;
       q.out = mix_out;
+      if (forced_blocks)
+        q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
+      ++qsa_index;
       launch_qsa_decode(q, s);
       gemv(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
     } else {
@@ -923,6 +937,18 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     rp.weights = rw;
     rp.error_flag = error_flag;
     launch_router_topk(rp, s);
+    if (forced_router) {
+      RouterForceParams rf;
+      rf.logits = rl;
+      rf.num_experts = static_cast<int>(E);
+      rf.top_k = static_cast<int>(k);
+      rf.norm_topk_prob = c.norm_topk_prob;
+      rf.forced_ids = forced_router + layer_index * k;
+      rf.ids = ids;
+      rf.weights = rw;
+      launch_router_force(rf, s);
+    }
+    ++layer_index;
     MoeGateUpParams gu;
     gu.experts = mo.gate_up;
     gu.expert_ids = ids;
@@ -1010,13 +1036,10 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::filesystem::path& dir,
   return model;
 }
 
-std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, uint64_t seed,
-                                             const CudaModelOptions& options) {
+std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, const QuantConfig& quant,
+                                             uint64_t seed, const CudaModelOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
-  QuantConfig quant;  // the RadixArk NVFP4 export: experts NVFP4, the rest BF16
-  quant.algo = QuantConfig::Algo::Nvfp4;
-  quant.quant_algo = "NVFP4";
-  check_supported(config, options, true);
+  check_supported(config, options, quant.quantized());
   const ShardPlan plan = ShardPlan::build(config, quant, options.tp_size);
   std::unique_ptr<CudaModel> model(new CudaModel(config, options));
   RandomSource src(plan, options.tp_rank, seed);
@@ -1068,6 +1091,32 @@ void CudaModel::set_position_for_benchmark(int64_t position) {
                                 impl_->stream));
   FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
   position_ = position;
+}
+
+void CudaModel::set_forced_choices(const std::vector<std::vector<int32_t>>& router,
+                                   const std::vector<std::vector<int32_t>>& indexer) {
+  Impl& I = *impl_;
+  FN_REQUIRE(I.forced_router != nullptr, Usage,
+             "set_forced_choices needs CudaModelOptions::replay_choices");
+  const int64_t k = cfg_.num_experts_per_tok;
+  const int64_t topk = cfg_.indexer_budget / cfg_.indexer_compress_ratio;
+  FN_REQUIRE(static_cast<int64_t>(router.size()) == cfg_.num_hidden_layers, Usage,
+             "{} router choices for {} layers", router.size(), cfg_.num_hidden_layers);
+  std::vector<int32_t> r;
+  for (const auto& ids : router) {
+    FN_REQUIRE(static_cast<int64_t>(ids.size()) == k, Usage, "{} expert ids, top-k is {}",
+               ids.size(), k);
+    r.insert(r.end(), ids.begin(), ids.end());
+  }
+  FN_CUDA_CHECK(
+      cudaMemcpy(I.forced_router, r.data(), r.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  for (std::size_t q = 0; q < indexer.size(); ++q) {
+    if (indexer[q].empty()) continue;
+    FN_REQUIRE(static_cast<int64_t>(indexer[q].size()) == topk, Usage,
+               "{} indexer blocks, block_topk is {}", indexer[q].size(), topk);
+    FN_CUDA_CHECK(cudaMemcpy(I.forced_blocks + static_cast<int64_t>(q) * topk, indexer[q].data(),
+                             indexer[q].size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
 }
 
 void CudaModel::check_step_errors(int32_t token) {

@@ -39,6 +39,9 @@ struct CudaModelOptions {
   /// The stream every step runs on; nullptr: the model creates its own. An all-reduce instance
   /// serves one stream, so models sharing `all_reduce` must share the stream (not owned).
   cudaStream_t stream = nullptr;
+  /// Tests only: allocate the buffers for set_forced_choices() (router ids and indexer blocks
+  /// replayed from a reference, so a comparison is not dominated by near-tie flips).
+  bool replay_choices = false;
 };
 
 /// Loading statistics.
@@ -65,8 +68,10 @@ class CudaModel {
   /// generated directly in device memory, in exactly the layout load() produces (core/synth.h's
   /// distributions; NVFP4 experts with random codes). For benchmarks without a 130 GB file.
   /// Deterministic in `seed`. Throws as load().
-  static std::unique_ptr<CudaModel> random(const ModelConfig& config, uint64_t seed,
-                                           const CudaModelOptions& options);
+  /// `quant` is the checkpoint's quantization description (config.json's quantization_config):
+  /// it decides which tensors are NVFP4 and whether the n-gram table is FP8.
+  static std::unique_ptr<CudaModel> random(const ModelConfig& config, const QuantConfig& quant,
+                                           uint64_t seed, const CudaModelOptions& options);
 
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
@@ -87,6 +92,13 @@ class CudaModel {
   /// Throws as forward().
   std::vector<int32_t> decode(int32_t token, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token);
+
+  /// Tests only (replay_choices): the reference's choices for the NEXT forward(): per decoder
+  /// layer the top-k expert ids (best first), per QSA layer the selected blocks (ascending; an
+  /// empty list while every complete block is selected). Throws fn::Error(Usage) on a shape
+  /// mismatch or without replay_choices.
+  void set_forced_choices(const std::vector<std::vector<int32_t>>& router,
+                          const std::vector<std::vector<int32_t>>& indexer);
 
   /// Forgets the sequence: position 0, zero states, n-gram context all EOS.
   void reset();

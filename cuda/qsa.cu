@@ -40,6 +40,7 @@ struct Args {
   float* scores;
   int* selected;
   int* counters;
+  const int32_t* forced;
   float* part_out;
   float* part_max;
   float* part_sum;
@@ -235,6 +236,10 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
   }
   if (k == B) {  // every complete block is selected (dense attention)
     for (int i = tid; i < B; i += kSelectThreads) a.selected[i] = i;
+    return;
+  }
+  if (a.forced != nullptr) {  // tests: a reference's choice replayed
+    for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
     return;
   }
   // Keys of the first kSelectCache blocks in shared memory; later ones are re-read.
@@ -590,6 +595,7 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   a.scores = reinterpret_cast<float*>(ws + w.scores);
   a.selected = reinterpret_cast<int*>(ws + w.selected);
   a.counters = reinterpret_cast<int*>(ws + w.counters);
+  a.forced = p.forced_blocks;
   a.part_out = reinterpret_cast<float*>(ws + w.part_out);
   a.part_max = reinterpret_cast<float*>(ws + w.part_max);
   a.part_sum = reinterpret_cast<float*>(ws + w.part_sum);

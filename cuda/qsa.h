@@ -55,6 +55,10 @@ struct QsaDecodeParams {
   int ratio = 4;             ///< indexer_compress_ratio
   int block_topk = 0;        ///< indexer_budget / ratio (512 real), >= 1
   float eps = 1e-6f;         ///< rms_norm_eps
+  /// Tests only (replaying a reference's choices): when non-null, device [block_topk] block ids
+  /// ascending that replace the indexer's own top-k whenever more than block_topk blocks are
+  /// complete (the scores are still computed). nullptr in production.
+  const int32_t* forced_blocks = nullptr;
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the

@@ -19,4 +19,20 @@ struct StepAdvanceParams {
 /// fn::Error(Cuda) when the launch fails.
 void launch_step_advance(const StepAdvanceParams& params, cudaStream_t stream);
 
+/// Tests only: replaces the router's choice with a reference's expert ids and recomputes their
+/// weights from this engine's logits exactly as route_top_k does (p = softmax over all experts,
+/// w = p_sel / sum p_sel when norm_topk_prob). One CTA.
+struct RouterForceParams {
+  const float* logits = nullptr;  ///< [num_experts] FP32 router logits
+  int num_experts = 0;            ///< >= 1
+  int top_k = 0;                  ///< 1..num_experts
+  bool norm_topk_prob = true;
+  const int32_t* forced_ids = nullptr;  ///< [top_k] device, ids in [0, num_experts)
+  int32_t* ids = nullptr;               ///< [top_k] device (overwritten)
+  float* weights = nullptr;             ///< [top_k] device (overwritten)
+};
+
+/// Enqueues the replacement. Throws fn::Error(Internal) on bad parameters.
+void launch_router_force(const RouterForceParams& params, cudaStream_t stream);
+
 }  // namespace fn

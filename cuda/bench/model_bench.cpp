@@ -63,6 +63,11 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       FN_THROW(Usage, "unknown argument {}", a);
   }
   const fn::ModelConfig cfg = fn::load_model_config(config);
+  std::ifstream cf(config);
+  const nlohmann::json cj = nlohmann::json::parse(cf);
+  FN_REQUIRE(cj.contains("quantization_config"), Format,
+             "{}: no quantization_config (the NVFP4 layout of the experts)", config);
+  const fn::QuantConfig quant = fn::parse_quantization_config(cj["quantization_config"], config);
   const int rank = mpi.world_rank(), tp = mpi.world_size();
   fn::GpuComm gpu(mpi);
   std::unique_ptr<fn::DeviceAllReduce> ar;
@@ -75,7 +80,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();
-  auto model = fn::CudaModel::random(cfg, 1234, o);
+  auto model = fn::CudaModel::random(cfg, quant, 1234, o);
   size_t free_b = 0, total_b = 0;
   FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (rank == 0)
@@ -97,9 +102,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
     return true;
   });
   const fn::LatencyStats st = fn::latency_stats(itl);
-  fn::QuantConfig quant;
-  quant.algo = fn::QuantConfig::Algo::Nvfp4;
-  quant.quant_algo = "NVFP4";
   const fn::ShardPlan plan = fn::ShardPlan::build(cfg, quant, tp);
   const double bytes = static_cast<double>(fn::bytes_per_token(plan, cfg, rank, depth + 1).total());
   const double floor_ms = bytes / kCopyBandwidth * 1e3;

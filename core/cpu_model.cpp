@@ -438,6 +438,7 @@ std::span<const float> CpuModel::forward(int32_t token) {
   margins_ = DecisionMargins{};
   choices_.router.clear();
   choices_.indexer.clear();
+  residuals_.clear();
   // C.1: embedding, widened to hc_count identical streams.
   std::vector<float> H(static_cast<std::size_t>(W));
   top_->embed->read_row(token, H.data());
@@ -456,10 +457,12 @@ std::span<const float> CpuModel::forward(int32_t token) {
       gdn_step(L, m.data(), y.data());
     }
     cpu::hc_inject(H.data(), S, D, iota.data(), y.data());
+    residuals_.push_back(H);
     cpu::hc_read(H.data(), S, D, L.mlp_hc.norm.data(), *L.mlp_hc.down, *L.mlp_hc.up,
                  L.mlp_hc.inject.get(), eps, m.data(), iota.data());
     moe_step(L, m.data(), y.data());
     cpu::hc_inject(H.data(), S, D, iota.data(), y.data());
+    residuals_.push_back(H);
   }
   // C.8: final mixer (no inject), lm_head on this rank's vocabulary rows, gathered.
   cpu::hc_read(H.data(), S, D, final_mixer_->norm.data(), *final_mixer_->down, *final_mixer_->up,

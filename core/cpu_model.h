@@ -92,6 +92,10 @@ class CpuModel {
   };
   const Choices& last_choices() const noexcept { return choices_; }
 
+  /// Tests only: the residual H ([hc_count * hidden_size] FP32) after every HC inject of the last
+  /// forward(), two per decoder layer (after the mixer, after the MoE), in order.
+  const std::vector<std::vector<float>>& last_residuals() const noexcept { return residuals_; }
+
  private:
   struct Layer;
   struct Hc;
@@ -115,6 +119,7 @@ class CpuModel {
   std::unique_ptr<Matrices> top_;  // embedding, lm_head
   DecisionMargins margins_;
   Choices choices_;
+  std::vector<std::vector<float>> residuals_;
   std::vector<float> logits_local_;
   std::vector<float> logits_;
 };

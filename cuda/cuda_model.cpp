@@ -348,6 +348,7 @@ struct CudaModel::Impl {
   int64_t* context = nullptr;   // device [ngram_size - 1]
   int32_t* error_flag = nullptr;
   int64_t* sample_step = nullptr;
+  float* residuals = nullptr;        // [2 * layers, W] (keep_residuals)
   int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)
   int32_t* forced_blocks = nullptr;  // [QSA layers, block_topk] (replay_choices)
   int32_t* history = nullptr;
@@ -733,6 +734,8 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     const QsaDecodeParams shape = qsa_shape(c, o);
     L.attn.workspace = arena.alloc(qsa_decode_workspace_bytes(shape), "QSA workspace");
   }
+  if (o.keep_residuals)
+    residuals = arena.alloc_n<float>(2 * c.num_hidden_layers * W, "debug residuals");
   if (o.replay_choices) {
     int64_t n_qsa = 0;
     for (const DevLayer& L : layers) n_qsa += L.qsa ? 1 : 0;
@@ -814,6 +817,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.rank = R;
     launch_hc_mix(mx, s);
   };
+  int64_t n_injects = 0;
   auto inject = [&]() {
     HcInjectParams hi;
     hi.H = H;
@@ -822,6 +826,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     hi.hc_count = static_cast<int>(S);
     hi.hidden = D;
     launch_hc_inject(hi, s);
+    if (residuals)
+      FN_CUDA_CHECK(cudaMemcpyAsync(residuals + n_injects * W, H, sizeof(float) * W,
+                                    cudaMemcpyDeviceToDevice, s));
+    ++n_injects;
   };
 
   EmbedParams ep;
@@ -1091,6 +1099,20 @@ void CudaModel::set_position_for_benchmark(int64_t position) {
                                 impl_->stream));
   FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
   position_ = position;
+}
+
+std::vector<std::vector<float>> CudaModel::debug_residuals() const {
+  const Impl& I = *impl_;
+  FN_REQUIRE(I.residuals != nullptr, Usage, "debug_residuals needs keep_residuals");
+  const int64_t W = cfg_.hc_width();
+  std::vector<float> all(static_cast<std::size_t>(2 * cfg_.num_hidden_layers * W));
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+  FN_CUDA_CHECK(
+      cudaMemcpy(all.data(), I.residuals, all.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<std::vector<float>> out;
+  for (int64_t i = 0; i < 2 * cfg_.num_hidden_layers; ++i)
+    out.emplace_back(all.begin() + i * W, all.begin() + (i + 1) * W);
+  return out;
 }
 
 void CudaModel::set_forced_choices(const std::vector<std::vector<int32_t>>& router,

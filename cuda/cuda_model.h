@@ -42,6 +42,8 @@ struct CudaModelOptions {
   /// Tests only: allocate the buffers for set_forced_choices() (router ids and indexer blocks
   /// replayed from a reference, so a comparison is not dominated by near-tie flips).
   bool replay_choices = false;
+  /// Tests only: keep the residual H after every HC inject (debug_residuals()).
+  bool keep_residuals = false;
 };
 
 /// Loading statistics.
@@ -99,6 +101,10 @@ class CudaModel {
   /// mismatch or without replay_choices.
   void set_forced_choices(const std::vector<std::vector<int32_t>>& router,
                           const std::vector<std::vector<int32_t>>& indexer);
+
+  /// Tests only (keep_residuals): H after every HC inject of the last step, two per layer, as
+  /// CpuModel::last_residuals() lays them out.
+  std::vector<std::vector<float>> debug_residuals() const;
 
   /// Forgets the sequence: position 0, zero states, n-gram context all EOS.
   void reset();

@@ -228,6 +228,39 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
   }
 }
 
+TEST_CASE("cuda model: per-layer residual drift against the CPU model (diagnostic report)") {
+  int rank = 0;
+  world(&rank);
+  if (rank != 0) return;
+  for (const std::string name : kFixtures) {
+    const RefFixture f = fn::test::load_ref_fixture(name);
+    fn::LocalCollectives coll;
+    auto cpu = fn::CpuModel::load(f.dir, coll);
+    auto o = options(0, 1, nullptr, false);
+    o.replay_choices = true;
+    o.keep_residuals = true;
+    auto gpu = fn::CudaModel::load(f.dir, o);
+    std::string report;
+    for (std::size_t p = 0; p < f.tokens.size(); ++p) {
+      cpu->forward(f.tokens[p]);
+      gpu->set_forced_choices(cpu->last_choices().router, cpu->last_choices().indexer);
+      gpu->forward(f.tokens[p]);
+      const auto hc = cpu->last_residuals();
+      const auto hg = gpu->debug_residuals();
+      REQUIRE(hc.size() == hg.size());
+      report += fmt::format("\n  row {:2}:", p);
+      for (std::size_t i = 0; i < hc.size(); ++i) {
+        const double scale = fn::test::max_abs(hc[i].data(), static_cast<int64_t>(hc[i].size()));
+        const double d =
+            fn::test::max_abs_diff(hc[i].data(), hg[i].data(), static_cast<int64_t>(hc[i].size()));
+        report += fmt::format(" {:.4f}", d / scale);
+      }
+    }
+    MESSAGE(name << ": max|H_cuda - H_cpu| / max|H_cpu| after each inject (mixer, MoE per "
+                 << "layer):" << report);
+  }
+}
+
 TEST_CASE("cuda model: TP=2 matches the reference and both ranks return the same logits") {
   int rank = 0;
   const int n = world(&rank);

@@ -448,7 +448,10 @@ std::span<const float> CpuModel::forward(int32_t token) {
   std::vector<float> iota(static_cast<std::size_t>(S));
   for (auto& Lp : layers_) {
     Layer& L = *Lp;
-    if (L.ple) ple_step(L, token, H.data());  // C.4: added before the attention-side HC read
+    if (L.ple) {
+      ple_step(L, token, H.data());  // C.4: added before the attention-side HC read
+      residuals_.push_back(H);
+    }
     cpu::hc_read(H.data(), S, D, L.attn_hc.norm.data(), *L.attn_hc.down, *L.attn_hc.up,
                  L.attn_hc.inject.get(), eps, m.data(), iota.data());
     if (L.qsa) {

@@ -92,8 +92,9 @@ class CpuModel {
   };
   const Choices& last_choices() const noexcept { return choices_; }
 
-  /// Tests only: the residual H ([hc_count * hidden_size] FP32) after every HC inject of the last
-  /// forward(), two per decoder layer (after the mixer, after the MoE), in order.
+  /// Tests only: the residual H ([hc_count * hidden_size] FP32) after every update of the last
+  /// forward(), in order: per decoder layer, after the PLE (PLE layers only), after the mixer's
+  /// HC inject, after the MoE's HC inject.
   const std::vector<std::vector<float>>& last_residuals() const noexcept { return residuals_; }
 
  private:

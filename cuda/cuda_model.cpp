@@ -735,7 +735,9 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     L.attn.workspace = arena.alloc(qsa_decode_workspace_bytes(shape), "QSA workspace");
   }
   if (o.keep_residuals)
-    residuals = arena.alloc_n<float>(2 * c.num_hidden_layers * W, "debug residuals");
+    residuals = arena.alloc_n<float>(
+        (2 * c.num_hidden_layers + static_cast<int64_t>(c.ple_layer_ids.size())) * W,
+        "debug residuals");
   if (o.replay_choices) {
     int64_t n_qsa = 0;
     for (const DevLayer& L : layers) n_qsa += L.qsa ? 1 : 0;
@@ -884,6 +886,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       pa.dilation = static_cast<int>(c.ple_conv_dilation());
       pa.eps = eps;
       launch_ple_apply(pa, s);
+      if (residuals)
+        FN_CUDA_CHECK(cudaMemcpyAsync(residuals + n_injects++ * W, H, sizeof(float) * W,
+                                      cudaMemcpyDeviceToDevice, s));
     }
     hc_read(L.attn_hc, iota);
     if (L.qsa) {
@@ -1105,13 +1110,13 @@ std::vector<std::vector<float>> CudaModel::debug_residuals() const {
   const Impl& I = *impl_;
   FN_REQUIRE(I.residuals != nullptr, Usage, "debug_residuals needs keep_residuals");
   const int64_t W = cfg_.hc_width();
-  std::vector<float> all(static_cast<std::size_t>(2 * cfg_.num_hidden_layers * W));
+  const int64_t n = 2 * cfg_.num_hidden_layers + static_cast<int64_t>(cfg_.ple_layer_ids.size());
+  std::vector<float> all(static_cast<std::size_t>(n * W));
   FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
   FN_CUDA_CHECK(
       cudaMemcpy(all.data(), I.residuals, all.size() * sizeof(float), cudaMemcpyDeviceToHost));
   std::vector<std::vector<float>> out;
-  for (int64_t i = 0; i < 2 * cfg_.num_hidden_layers; ++i)
-    out.emplace_back(all.begin() + i * W, all.begin() + (i + 1) * W);
+  for (int64_t i = 0; i < n; ++i) out.emplace_back(all.begin() + i * W, all.begin() + (i + 1) * W);
   return out;
 }
 

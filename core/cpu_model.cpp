@@ -520,8 +520,10 @@ void CpuModel::ple_step(Layer& L, int32_t token, float* H) {
   cpu::PleWeights w{ple.key.get(),          ple.value.get(),      ple.norm_key.data(),
                     ple.norm_query.data(),  ple.norm_conv.data(), ple.conv.data(),
                     c.ple_conv_kernel_size, c.ple_conv_dilation()};
+  std::vector<float> gamma(static_cast<std::size_t>(c.hc_count));
   cpu::ple_apply(E.data(), w, c.hc_count, P, static_cast<float>(c.rms_norm_eps),
-                 ple.conv_state.data(), H);
+                 ple.conv_state.data(), H, gamma.data());
+  for (float g : gamma) margins_.ple_gamma = std::min(margins_.ple_gamma, std::fabs(double{g}));
   // The context keeps raw ids: (c0, c1) <- (c1, x_t).
   ple.context.erase(ple.context.begin());
   ple.context.push_back(token);
@@ -553,6 +555,18 @@ void CpuModel::gdn_step(Layer& L, const float* m, float* y) {
   std::vector<float> o(static_cast<std::size_t>(Hv_l * dv));
   cpu::gdn_recurrent_step(x.data(), x.data() + key_l, x.data() + 2 * key_l, gg.data(), beta.data(),
                           Hk_l, Hv_l, dk, dv, g.S.data(), o.data());
+  {  // conditioning of step 7 (DecisionMargins::gdn_head_rms)
+    std::vector<double> rms(static_cast<std::size_t>(Hv_l));
+    double mean = 0;
+    for (int64_t h = 0; h < Hv_l; ++h) {
+      double r = 0;
+      for (int64_t d = 0; d < dv; ++d) r += double{o[h * dv + d]} * o[h * dv + d];
+      rms[h] = std::sqrt(r / static_cast<double>(dv));
+      mean += rms[h] / static_cast<double>(Hv_l);
+    }
+    for (double r : rms)
+      if (mean > 0) margins_.gdn_head_rms = std::min(margins_.gdn_head_rms, r / mean);
+  }
   // Step 7: gated norm per head (plain weight, sigmoid gate).
   for (int64_t h = 0; h < Hv_l; ++h)
     cpu::gated_rms_norm(o.data() + h * dv, g.norm.data(), z.data() + h * dv, dv, eps,

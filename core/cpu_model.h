@@ -76,9 +76,16 @@ class CpuModel {
   /// router logit) / max |router logit|; indexer = the same at the block_topk boundary of the
   /// indexer scores (only when more blocks than block_topk are complete). +inf when no such
   /// choice was made.
+  /// Two continuous ops are ill-conditioned at points a BF16 engine cannot resolve either:
+  /// ple_gamma = min |gamma| over PLE streams (sign(gamma)·sqrt|gamma| has an infinite slope at
+  /// 0, MODEL.md §C.4 step 5); gdn_head_rms = min over GDN layers and value heads of
+  /// rms(o_h) / mean_h rms(o_h) before the gated RMSNorm (a near-zero head is rescaled to unit
+  /// RMS, its rounding noise with it, MODEL.md §C.5 step 7).
   struct DecisionMargins {
     double router = HUGE_VAL;
     double indexer = HUGE_VAL;
+    double ple_gamma = HUGE_VAL;
+    double gdn_head_rms = HUGE_VAL;
   };
   const DecisionMargins& last_margins() const noexcept { return margins_; }
 

@@ -373,10 +373,12 @@ void swiglu_ffn(const RowMatrix& W_gate, const RowMatrix& W_up, const RowMatrix&
 
 // ---------------------------------------------------------------------------------------------
 
-void ple_gate(const float* K, const float* Q, const float* V, int64_t S, int64_t P, float* Gv) {
+void ple_gate(const float* K, const float* Q, const float* V, int64_t S, int64_t P, float* Gv,
+              float* gamma_out) {
   const double inv_sqrt_p = 1.0 / std::sqrt(static_cast<double>(P));
   for (int64_t s = 0; s < S; ++s) {
     const float gamma = static_cast<float>(dot(K + s * P, Q + s * P, P) * inv_sqrt_p);
+    if (gamma_out) gamma_out[s] = gamma;
     const float sign = gamma > 0.0f ? 1.0f : (gamma < 0.0f ? -1.0f : 0.0f);
     const float gt = sign * std::sqrt(std::max(std::fabs(gamma), 1e-6f));
     const float gate = sigmoid(gt);
@@ -385,7 +387,7 @@ void ple_gate(const float* K, const float* Q, const float* V, int64_t S, int64_t
 }
 
 void ple_apply(const float* E_ng, const PleWeights& w, int64_t S, int64_t P, float eps,
-               float* conv_state, float* H) {
+               float* conv_state, float* H, float* gamma_out) {
   const int64_t W = S * P;
   FN_CHECK(w.key_proj->rows() == W && w.key_proj->cols() == P && w.value_proj->rows() == P &&
                w.value_proj->cols() == P,
@@ -402,7 +404,7 @@ void ple_apply(const float* E_ng, const PleWeights& w, int64_t S, int64_t P, flo
   // 3. Q from the residual before the addition.
   group_rms_norm_1p(H, w.norm_query, W, P, eps, Q.data());
   // 4-5. Signed-sqrt gate per stream.
-  ple_gate(K.data(), Q.data(), V.data(), S, P, Gv.data());
+  ple_gate(K.data(), Q.data(), V.data(), S, P, Gv.data(), gamma_out);
   // 6. Nc = GroupRMSNorm1p(Gv; norm_conv).
   group_rms_norm_1p(Gv.data(), w.norm_conv, W, P, eps, Nc.data());
   // 7. Dilated causal conv with SiLU over the history of Nc.

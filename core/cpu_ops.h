@@ -210,7 +210,10 @@ void swiglu_ffn(const RowMatrix& W_gate, const RowMatrix& W_up, const RowMatrix&
 /// Signed-square-root gate (steps 4-5): for each stream s < S of K, Q [S, P]:
 /// gamma = <K_s, Q_s> / sqrt(P), gt = sign(gamma) * sqrt(max(|gamma|, 1e-6)) (sign(0) = 0),
 /// Gv[s*P + i] = sigmoid(gt) * V[i].  Gv: [S, P].
-void ple_gate(const float* K, const float* Q, const float* V, int64_t S, int64_t P, float* Gv);
+/// gamma_out (optional, [S]) receives gamma of every stream (tests use it to find the
+/// ill-conditioned cusp of sign(gamma)·sqrt|gamma| at 0).
+void ple_gate(const float* K, const float* Q, const float* V, int64_t S, int64_t P, float* Gv,
+              float* gamma_out = nullptr);
 
 /// PLE weights of one layer as the math needs them (MODEL.md §B.2, layer 1).
 struct PleWeights {
@@ -228,7 +231,8 @@ struct PleWeights {
 /// K = GroupRMSNorm1p(key_proj E_ng; norm_key), V = value_proj E_ng, Q = GroupRMSNorm1p(H;
 /// norm_query), Gv = ple_gate(K, Q, V), Nc = GroupRMSNorm1p(Gv; norm_conv), conv = dilated conv
 /// step of Nc (state [S*P, (K-1)*dilation], updated), then H += Gv + conv. H: [S*P] (P == D).
+/// gamma_out: as ple_gate's (optional, [S]).
 void ple_apply(const float* E_ng, const PleWeights& w, int64_t S, int64_t P, float eps,
-               float* conv_state, float* H);
+               float* conv_state, float* H, float* gamma_out = nullptr);
 
 }  // namespace fn::cpu

@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/ngram.h"
+#include "core/progress.h"
 #include "core/rank_slices.h"
 #include "core/shard_plan.h"
 #include "cuda/decode_ops.h"
@@ -125,31 +126,53 @@ class WeightSource {
   virtual uint64_t bytes() const = 0;
 };
 
+// Rows of `name` the shard plan gives `rank` (0 for another rank's n-gram shard).
+int64_t rows_held(const ShardPlan& plan, int rank, const std::string& name) {
+  int64_t rows = 0;
+  for (const SliceBlock& b : plan.shard(plan.index(name), rank).blocks) rows += b.row_count;
+  return rows;
+}
+
 class CheckpointSource final : public WeightSource {
  public:
   CheckpointSource(const OpenedModel& om, int rank)
-      : reader_(om.checkpoint, om.plan, rank, om.bare_layout) {}
+      : reader_(om.checkpoint, om.plan, rank, om.bare_layout),
+        plan_(om.plan),
+        rank_(rank),
+        progress_("loading weights", om.plan.weight_bytes(rank), rank == 0) {}
   void fill(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init,
             void* dst) override {
     const WeightSlice s = reader_.read(name, rows, cols);
     FN_CHECK(s.dtype == dtype, "'{}' is {}, the CUDA backend expects {}", name, dtype_name(s.dtype),
              dtype_name(dtype));
     FN_CUDA_CHECK(cudaMemcpy(dst, s.bytes->data(), s.bytes->size(), cudaMemcpyHostToDevice));
+    progress_.add(s.bytes->size());
   }
+  void finish_progress() { progress_.finish(); }
   std::vector<float> vec(const std::string& name, int64_t n, Init) override {
-    return slice_to_f32(reader_.read(name, n, 1));
+    const WeightSlice s = reader_.read(name, n, 1);
+    progress_.add(s.bytes->size());
+    return slice_to_f32(s);
   }
   float scalar(const std::string& name, float) override {
     const WeightSlice s = reader_.read(name, 1, 1);
+    progress_.add(s.bytes->size());
     return scalar_to_float(s.dtype, s.bytes->data());
   }
-  int64_t held_rows(const std::string& name) override { return reader_.read(name).rows; }
+  int64_t held_rows(const std::string& name) override { return rows_held(plan_, rank_, name); }
   uint64_t bytes() const override { return reader_.bytes(); }
-  // The raw slice (n-gram shards).
-  WeightSlice read(const std::string& name) { return reader_.read(name); }
+  // The raw slice (n-gram shards, conv taps, I64 buffers).
+  WeightSlice read(const std::string& name) {
+    WeightSlice s = reader_.read(name);
+    progress_.add(s.bytes->size());
+    return s;
+  }
 
  private:
   RankSliceReader reader_;
+  const ShardPlan& plan_;
+  int rank_;
+  ProgressLine progress_;
 };
 
 uint64_t name_hash(std::string_view s) {
@@ -214,12 +237,7 @@ class RandomSource final : public WeightSource {
     return v;
   }
   float scalar(const std::string&, float random_value) override { return random_value; }
-  int64_t held_rows(const std::string& name) override {
-    const TensorShard s = plan_.shard(plan_.index(name), rank_);
-    int64_t rows = 0;
-    for (const SliceBlock& b : s.blocks) rows += b.row_count;
-    return rows;
-  }
+  int64_t held_rows(const std::string& name) override { return rows_held(plan_, rank_, name); }
   uint64_t bytes() const override { return bytes_; }
 
  private:
@@ -1043,6 +1061,7 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::filesystem::path& dir,
   std::unique_ptr<CudaModel> model(new CudaModel(om.config, options));
   CheckpointSource src(om, options.tp_rank);
   model->impl_->build(model->cfg_, options, src, &src, om.quant.ngram_fp8(om.config));
+  src.finish_progress();
   model->stats_.bytes = src.bytes();
   model->stats_.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -33,9 +33,6 @@ struct CudaModelOptions {
   /// Sum all-reduce over the group; required when tp_size > 1 (not owned; must outlive the
   /// model). Called in the same order on every rank.
   DeviceAllReduce* all_reduce = nullptr;
-  /// Check the router's expert ids and the indexer's selected blocks for equality across ranks
-  /// after every step (debug; costs a host sync and an all-reduce per layer).
-  bool check_rank_agreement = false;
   /// The stream every step runs on; nullptr: the model creates its own. An all-reduce instance
   /// serves one stream, so models sharing `all_reduce` must share the stream (not owned).
   cudaStream_t stream = nullptr;
@@ -63,6 +60,7 @@ class CudaModel {
   /// a TP size that does not divide the model or a context beyond max_position_embeddings,
   /// Format for models this backend does not run (BF16 experts, ple_embed_dim != hidden_size),
   /// Cuda when device memory runs out (naming the bytes needed).
+  /// Rank 0 shows a progress line on stderr while the weights stream in (core/progress.h).
   static std::unique_ptr<CudaModel> load(const std::filesystem::path& dir,
                                          const CudaModelOptions& options);
 

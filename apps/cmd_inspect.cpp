@@ -1,4 +1,5 @@
-// `fngen inspect DIR [--tp N] [--ctx-size T] [--json]`: checkpoint validation and summary.
+// `fngen inspect DIR [--tp N] [--ctx-size T] [--json]`: checkpoint validation and summary, with
+// the CUDA backend's device memory per GPU.
 #include <cstdio>
 #include <memory>
 
@@ -19,12 +20,14 @@ void register_inspect(CLI::App& app, CommandList& commands) {
   CLI::App* sub = app.add_subcommand(
       "inspect",
       "validate a checkpoint against its config and print its summary, weights per "
-      "TP rank and bytes read per decoded token");
+      "TP rank, bytes read per decoded token and the CUDA backend's device memory per GPU at "
+      "--ctx-size, 8192, 65536 and 262144 tokens");
   sub->add_option("dir,-m,--model", opt->dir, "checkpoint directory")->required();
   sub->add_option("--tp", opt->tp, "tensor-parallel size for the per-rank figures (1, 2, 4, 8)");
   sub->add_option(
       "-c,--ctx-size", opt->ctx_size,
-      "context length (tokens) for bytes per token (default min(8192, max_position_embeddings))");
+      "context length (tokens) for bytes per token and a column of the device-memory table "
+      "(default min(8192, max_position_embeddings))");
   sub->add_flag("--json", opt->json, "print JSON instead of tables");
   commands.push_back({sub, [opt](MpiContext& mpi) {
                         const InspectReport report =

@@ -54,6 +54,27 @@ void add_rank_figures(InspectReport& r, const QuantConfig& quant, int tp_size, i
     r.weight_bytes_by_family.push_back(plan.weight_bytes_by_family(rank));
     r.token_bytes.push_back(bytes_per_token(plan, r.config, rank, ctx_size));
   }
+  // Device memory of the CUDA backend at the requested context and the three reference sizes.
+  r.memory_ctx_sizes = {ctx_size};
+  for (int64_t t : {int64_t{8192}, int64_t{65536}, int64_t{262144}})
+    if (t <= r.config.max_position_embeddings) r.memory_ctx_sizes.push_back(t);
+  std::sort(r.memory_ctx_sizes.begin(), r.memory_ctx_sizes.end());
+  r.memory_ctx_sizes.erase(std::unique(r.memory_ctx_sizes.begin(), r.memory_ctx_sizes.end()),
+                           r.memory_ctx_sizes.end());
+  for (int64_t t : r.memory_ctx_sizes) {
+    std::vector<MemoryPlan> ranks;
+    for (int rank = 0; rank < tp_size; ++rank)
+      ranks.push_back(plan_device_memory(r.config, plan, rank, t));
+    r.device_memory.push_back(std::move(ranks));
+  }
+}
+
+// True when two ranks' plans hold the same figures.
+bool same_figures(const MemoryPlan& a, const MemoryPlan& b) {
+  return a.weights == b.weights && a.kv_cache == b.kv_cache && a.indexer_cache == b.indexer_cache &&
+         a.gdn_state == b.gdn_state && a.gdn_conv_state == b.gdn_conv_state &&
+         a.ple_conv_state == b.ple_conv_state && a.workspace == b.workspace &&
+         a.reserve == b.reserve;
 }
 
 // A config file alone: the figures of the checkpoint it describes, nothing validated.
@@ -212,6 +233,19 @@ std::string format_inspect_text(const InspectReport& r) {
   row("gdn_state", [](const TokenBytes& t) { return t.gdn_state; });
   row("conv_state", [](const TokenBytes& t) { return t.conv_state; });
   row("total", [](const TokenBytes& t) { return t.total(); });
+
+  bool alike = true;
+  for (const auto& ranks : r.device_memory)
+    for (const MemoryPlan& m : ranks) alike = alike && same_figures(m, ranks.front());
+  const int shown = alike ? 1 : r.tp_size;
+  for (int rank = 0; rank < shown; ++rank) {
+    fmt::format_to(it_out,
+                   "\ndevice memory per GPU, CUDA backend (TP={}, {}; workspace is an estimate)\n",
+                   r.tp_size, alike ? "every rank alike" : fmt::format("rank {}", rank));
+    std::vector<MemoryPlan> cols;
+    for (const auto& ranks : r.device_memory) cols.push_back(ranks[rank]);
+    s += format_memory_table(cols);
+  }
   return s;
 }
 
@@ -233,6 +267,12 @@ nlohmann::json inspect_json(const InspectReport& r) {
                        {"gdn_state", t.gdn_state},
                        {"conv_state", t.conv_state},
                        {"total", t.total()}}}});
+  }
+  json memory = json::array();
+  for (std::size_t i = 0; i < r.device_memory.size(); ++i) {
+    json mranks = json::array();
+    for (const MemoryPlan& m : r.device_memory[i]) mranks.push_back(memory_plan_json(m));
+    memory.push_back({{"ctx_size", r.memory_ctx_sizes[i]}, {"ranks", mranks}});
   }
   const auto& v = r.validation;
   return {{"dir", r.dir},
@@ -256,7 +296,8 @@ nlohmann::json inspect_json(const InspectReport& r) {
           {"groups", groups},
           {"tp_size", r.tp_size},
           {"ctx_size", r.ctx_size},
-          {"ranks", ranks}};
+          {"ranks", ranks},
+          {"device_memory", memory}};
 }
 
 }  // namespace fn

@@ -2,7 +2,8 @@
 // MODEL.md §B.2 present with the right dtype and shape, nothing unexpected, the PLE I64 buffers
 // equal to the values recomputed from the config) and summarizes it: layers by type, tensors
 // and bytes per module family and dtype, weights per TP rank and bytes read per decoded token
-// per rank — the input to every roofline figure. Called by apps/cmd_inspect.cpp.
+// per rank — the input to every roofline figure — and the CUDA backend's device memory per rank
+// (core/memory_plan.h) at several context sizes. Called by apps/cmd_inspect.cpp.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/memory_plan.h"
 #include "core/shard_plan.h"
 
 namespace fn {
@@ -38,6 +40,10 @@ struct InspectReport {
   std::vector<uint64_t> weight_bytes_per_rank;                          ///< [tp_size]
   std::vector<std::map<std::string, uint64_t>> weight_bytes_by_family;  ///< [tp_size]
   std::vector<TokenBytes> token_bytes;                                  ///< [tp_size]
+  /// Context sizes of the device-memory table: ctx_size plus 8192, 65536 and 262144 (those not
+  /// above max_position_embeddings), ascending, unique.
+  std::vector<int64_t> memory_ctx_sizes;
+  std::vector<std::vector<MemoryPlan>> device_memory;  ///< [memory_ctx_sizes index][tp_size]
   bool plan_only = false;  ///< true when given a config file: nothing was validated
 };
 
@@ -57,7 +63,8 @@ std::string format_inspect_text(const InspectReport& report);
 /// Machine-readable summary: {dir, config: {...}, files, checkpoint_bytes, validation: {...},
 /// groups: {"family/dtype": {tensors, bytes}}, tp_size, ctx_size, ranks: [{rank,
 /// weight_bytes, weight_bytes_by_family, token_bytes: {weights, kv_cache, indexer_cache,
-/// gdn_state, conv_state, total}}]}. Byte counts are integers (bytes).
+/// gdn_state, conv_state, total}}], device_memory: [{ctx_size, ranks: [memory_plan_json(...)]}]}.
+/// Byte counts are integers (bytes).
 nlohmann::json inspect_json(const InspectReport& report);
 
 }  // namespace fn

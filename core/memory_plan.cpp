@@ -1,0 +1,257 @@
+#include "core/memory_plan.h"
+
+#include <algorithm>
+#include <iterator>
+
+#include "core/error.h"
+#include "core/model_tensors.h"
+
+namespace fn {
+namespace {
+
+constexpr uint64_t kAlign = 256;
+
+uint64_t align256(uint64_t bytes) {
+  return (bytes + kAlign - 1) / kAlign * kAlign;
+}
+
+/// One piece of an aligned block: max(count, 1) elements of `size` bytes, rounded to 256 B (the
+/// Carver of cuda/cuda_model.cpp and the align256 of cuda/qsa.cu).
+uint64_t piece(int64_t count, uint64_t size) {
+  return align256(static_cast<uint64_t>(std::max<int64_t>(count, 1)) * size);
+}
+
+/// Device bytes per element of tensor role `role` in the CUDA backend, or 0 when the backend
+/// does not keep it on the device. Mirrors Impl::build: Builder::vec / upload_f32 widen the 1-D
+/// norm, conv, A_log and dt_bias weights to FP32; the NVFP4 global scales are an FP32 array;
+/// input_scale (W4A4 only, MODEL.md §B.4), the PLE I64 buffers (checked on the host) and the
+/// n-gram weight_scale (a host scalar) are not allocated.
+uint64_t device_element_bytes(const ExpectedTensor& t) {
+  switch (t.role) {
+    case TensorRole::GdnALog:
+    case TensorRole::GdnDtBias:
+    case TensorRole::GdnConv:
+    case TensorRole::GdnNorm:
+    case TensorRole::QsaQNorm:
+    case TensorRole::QsaKNorm:
+    case TensorRole::IndexerQNorm:
+    case TensorRole::IndexerKNorm:
+    case TensorRole::PleNormKey:
+    case TensorRole::PleNormQuery:
+    case TensorRole::PleNormConv:
+    case TensorRole::PleConv:
+    case TensorRole::ExpertGlobalScale:
+      return 4;
+    case TensorRole::ExpertInputScale:
+    case TensorRole::PleMultipliers:
+    case TensorRole::PleHeadSizes:
+    case TensorRole::PleHeadOffsets:
+    case TensorRole::PleNgramScale:
+      return 0;
+    default:
+      return dtype_size(t.dtype);
+  }
+}
+
+/// Bytes of the QSA decode workspace for one layer: the layout of qsa_workspace_layout
+/// (cuda/qsa.cu), recomputed here without CUDA. Part of the workspace estimate.
+uint64_t qsa_workspace_estimate(const ModelConfig& c, int tp, int64_t ctx) {
+  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
+  const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
+  const int64_t q_per_kv = c.num_attention_heads / c.num_key_value_heads;
+  const int64_t ratio = c.indexer_compress_ratio;
+  const int64_t block_topk = c.indexer_budget / ratio;
+  const int64_t max_blocks = ctx / ratio;
+  const int64_t sel_max = std::min(block_topk, max_blocks);
+  const int64_t max_tokens = std::min(ctx, ratio * sel_max + ratio - 1);
+  const int64_t gmax = std::min(Hq_l, q_per_kv);  // query heads per local KV head
+  auto smem = [&](int64_t chunk) {
+    return gmax * hd * 4 + gmax * chunk * 4 + chunk * 4 + 2 * chunk * hd * 2;
+  };
+  const int64_t per = (max_tokens * Hkv_l + 255) / 256;
+  int64_t chunk = std::clamp<int64_t>((per + 15) / 16 * 16, 16, 64);
+  while (chunk > 16 && smem(chunk) > 48 * 1024) chunk -= 16;
+  const int64_t max_chunks = (max_tokens + chunk - 1) / chunk;
+  return piece(Hq_l * hd, 4) + piece(c.indexer_n_heads * c.indexer_head_dim, 4) +
+         piece(max_blocks, 4) + piece(sel_max, 4) + piece(4, 4) + piece(Hq_l * max_chunks * hd, 4) +
+         2 * piece(Hq_l * max_chunks, 4);
+}
+
+std::string human(uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.3f} GiB", b / (1024.0 * 1024 * 1024));
+  if (b >= 1024.0 * 1024) return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
+  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{} B", bytes);
+}
+
+double gib(uint64_t bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024 * 1024);
+}
+
+}  // namespace
+
+uint64_t MemoryPlan::weight_total() const {
+  uint64_t n = 0;
+  for (const auto& [family, bytes] : weights) n += bytes;
+  return n;
+}
+
+uint64_t MemoryPlan::state_total() const {
+  return kv_cache + indexer_cache + gdn_state + gdn_conv_state + ple_conv_state;
+}
+
+uint64_t MemoryPlan::total() const {
+  return weight_total() + state_total() + workspace + reserve;
+}
+
+MemoryPlan plan_device_memory(const ModelConfig& c, const ShardPlan& plan, int tp_rank,
+                              int64_t ctx_size) {
+  FN_REQUIRE(ctx_size >= 1, Usage, "-c/--ctx-size must be >= 1, got {}", ctx_size);
+  const int tp = plan.tp_size();
+  FN_CHECK(tp_rank >= 0 && tp_rank < tp, "tp_rank {} of tp_size {}", tp_rank, tp);
+  MemoryPlan m;
+  m.tp_size = tp;
+  m.tp_rank = tp_rank;
+  m.ctx_size = ctx_size;
+
+  // Weights (MODEL.md §B.2 shapes, §E.2 splits), as the CUDA model holds them.
+  for (std::size_t i = 0; i < plan.tensors().size(); ++i) {
+    const ExpectedTensor& t = plan.tensors()[i];
+    const uint64_t per = device_element_bytes(t);
+    if (per == 0) continue;
+    m.weights[std::string(tensor_family(t.role))] +=
+        static_cast<uint64_t>(plan.shard_elements(i, tp_rank)) * per;
+  }
+
+  // Local geometry, as Impl::build computes it.
+  const int64_t T = ctx_size;
+  const int64_t D = c.hidden_size, W = c.hc_width(), R = c.hc_lowrank, S = c.hc_count;
+  const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
+  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t conv_l = 2 * Hk_l * dk + Hv_l * dv, Kc = c.linear_conv_kernel_dim;
+  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
+  const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
+  const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
+  const int64_t ihd = c.indexer_head_dim;
+  const uint64_t n_qsa = static_cast<uint64_t>(c.num_qsa_layers());
+  const uint64_t n_gdn = static_cast<uint64_t>(c.num_gdn_layers());
+  const uint64_t n_ple = static_cast<uint64_t>(c.ple_layer_ids.size());
+
+  // States (MODEL.md §C.0, §D; CUDA dtypes: KV BF16, everything else FP32).
+  int64_t max_in_rows = 0, max_mix = 0;
+  uint64_t ws = 0;
+  if (n_qsa > 0) {
+    const int64_t ratio = c.indexer_compress_ratio;
+    m.kv_cache = n_qsa * 2 * static_cast<uint64_t>(T * Hkv_l * hd) * 2;
+    m.indexer_cache =
+        n_qsa * static_cast<uint64_t>((T + std::max<int64_t>(T / ratio, 1)) * ihd) * 4;
+    max_in_rows = std::max(max_in_rows, Hq_l * 2 * hd + 2 * Hkv_l * hd + c.indexer_proj_rows());
+    max_mix = std::max(max_mix, Hq_l * hd);
+    ws += n_qsa * qsa_workspace_estimate(c, tp, T);
+  }
+  if (n_gdn > 0) {
+    m.gdn_state = n_gdn * static_cast<uint64_t>(Hv_l * dk * dv) * 4;
+    m.gdn_conv_state = n_gdn * static_cast<uint64_t>(conv_l * (Kc - 1)) * 4;
+    max_in_rows = std::max(max_in_rows, conv_l + Hv_l * dv + 2 * Hv_l);
+    max_mix = std::max(max_mix, Hv_l * dv);
+    ws += n_gdn * (piece(Hv_l + Hk_l, 4) + piece(Hv_l * dv, 4));  // counters, output scratch
+  }
+  if (n_ple > 0) {
+    m.ple_conv_state =
+        n_ple * static_cast<uint64_t>(W * (c.ple_conv_kernel_size - 1) * c.ple_conv_dilation()) * 4;
+  }
+
+  // The activation block of Impl::build (its `carve` lambda, piece by piece).
+  const int64_t P = c.has_ple() ? c.ple_embed_dim : 0;
+  ws += piece(W, 4) + piece(W, 2) + piece(R + S, 4) + piece(D, 2) + piece(S, 4) +
+        piece(max_in_rows, 4) + piece(max_mix, 2) + piece(D, 4) + piece(D, 4) + piece(E + 1, 4) +
+        piece(k, 4) + piece(k, 4) + piece(k * I_l, 2) + piece(2 * Is_l, 4) + piece(Is_l, 2) +
+        piece(c.has_ple() ? P : 1, 4) + piece(c.has_ple() ? S * P + D : 1, 4) + piece(V / tp, 4) +
+        piece(V, 4) + piece(1, 4) + piece(1, 8) + piece(std::max<int64_t>(c.ngram_size - 1, 1), 8) +
+        piece(1, 4) + piece(1, 8);
+  // Device sampling: the token history and the sampling workspace (estimate).
+  ws += piece(T + 1, 4) + static_cast<uint64_t>(24 * V) + (uint64_t{1} << 20);
+  m.workspace = ws;
+  return m;
+}
+
+std::string format_memory_table(const std::vector<MemoryPlan>& plans) {
+  if (plans.empty()) return {};
+  bool mixed = false;
+  for (const MemoryPlan& p : plans)
+    mixed = mixed || p.tp_size != plans[0].tp_size || p.tp_rank != plans[0].tp_rank;
+  std::vector<std::string> families;
+  for (const MemoryPlan& p : plans)
+    for (const auto& [f, b] : p.weights)
+      if (std::find(families.begin(), families.end(), f) == families.end()) families.push_back(f);
+  std::sort(families.begin(), families.end());
+  bool any_reserve = false;
+  for (const MemoryPlan& p : plans) any_reserve = any_reserve || p.reserve > 0;
+
+  std::string s;
+  auto out = std::back_inserter(s);
+  constexpr int kLabel = 22, kCol = 16;
+  fmt::format_to(out, "{:<{}}", "", kLabel);
+  for (const MemoryPlan& p : plans) {
+    const std::string head = mixed ? fmt::format("{}@TP{}r{}", p.ctx_size, p.tp_size, p.tp_rank)
+                                   : fmt::format("ctx {}", p.ctx_size);
+    fmt::format_to(out, " {:>{}}", head, kCol);
+  }
+  fmt::format_to(out, "\n");
+  auto row = [&](const std::string& label, auto get) {
+    fmt::format_to(out, "{:<{}}", label, kLabel);
+    for (const MemoryPlan& p : plans) fmt::format_to(out, " {:>{}}", human(get(p)), kCol);
+    fmt::format_to(out, "\n");
+  };
+  for (const std::string& f : families) {
+    row("  " + f, [&](const MemoryPlan& p) {
+      auto it = p.weights.find(f);
+      return it == p.weights.end() ? uint64_t{0} : it->second;
+    });
+  }
+  row("weights", [](const MemoryPlan& p) { return p.weight_total(); });
+  row("KV cache (BF16)", [](const MemoryPlan& p) { return p.kv_cache; });
+  row("indexer keys (FP32)", [](const MemoryPlan& p) { return p.indexer_cache; });
+  row("GDN state (FP32)", [](const MemoryPlan& p) { return p.gdn_state; });
+  row("GDN conv state (FP32)", [](const MemoryPlan& p) { return p.gdn_conv_state; });
+  row("PLE conv state (FP32)", [](const MemoryPlan& p) { return p.ple_conv_state; });
+  row("workspace (estimate)", [](const MemoryPlan& p) { return p.workspace; });
+  if (any_reserve) row("reserve", [](const MemoryPlan& p) { return p.reserve; });
+  row("total", [](const MemoryPlan& p) { return p.total(); });
+  return s;
+}
+
+nlohmann::json memory_plan_json(const MemoryPlan& p) {
+  return {{"tp_size", p.tp_size},
+          {"tp_rank", p.tp_rank},
+          {"ctx_size", p.ctx_size},
+          {"weights", p.weights},
+          {"weight_total", p.weight_total()},
+          {"kv_cache", p.kv_cache},
+          {"indexer_cache", p.indexer_cache},
+          {"gdn_state", p.gdn_state},
+          {"gdn_conv_state", p.gdn_conv_state},
+          {"ple_conv_state", p.ple_conv_state},
+          {"workspace_estimate", p.workspace},
+          {"reserve", p.reserve},
+          {"total", p.total()}};
+}
+
+void require_fits(const MemoryPlan& p, uint64_t free_bytes, const std::string& what) {
+  if (p.total() <= free_bytes) return;
+  std::string parts = fmt::format("weights {}, KV cache {}, indexer keys {}, GDN states {}",
+                                  human(p.weight_total()), human(p.kv_cache),
+                                  human(p.indexer_cache), human(p.gdn_state + p.gdn_conv_state));
+  if (p.ple_conv_state > 0) parts += fmt::format(", PLE conv {}", human(p.ple_conv_state));
+  parts += fmt::format(", workspace ~{}", human(p.workspace));
+  if (p.reserve > 0) parts += fmt::format(", reserve {}", human(p.reserve));
+  FN_THROW(Usage,
+           "{}: a {}-token context at TP={} needs {:.2f} GiB per GPU ({}), {:.2f} GiB free ({} "
+           "short): lower -c/--ctx-size or use more GPUs (--tp)",
+           what, p.ctx_size, p.tp_size, gib(p.total()), parts, gib(free_bytes),
+           human(p.total() - free_bytes));
+}
+
+}  // namespace fn

@@ -1,0 +1,95 @@
+// Per-rank device-memory plan of the CUDA backend: the bytes one TP rank's CudaModel allocates
+// for weights (by shard-plan family), the QSA KV and indexer caches, the GDN and PLE states and
+// an estimate of its activations/workspace, at a given context size. cuda/cuda_model.cpp
+// (Impl::build) is the source of truth; this file mirrors its allocations on the CPU so that
+// `fngen inspect` can print the table and the CUDA model can refuse a context that does not fit
+// (require_fits with cudaMemGetInfo) before allocating anything. No CUDA here.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/shard_plan.h"
+
+namespace fn {
+
+/// Device bytes of one TP rank of the CUDA backend at one context size. Every figure is in
+/// bytes; all but `workspace` are exact sums of the tensor/state sizes CudaModel allocates
+/// (allocator rounding — cudaMalloc granularity, the arena's 256-byte minimum — is not counted).
+struct MemoryPlan {
+  int tp_size = 1;
+  int tp_rank = 0;
+  int64_t ctx_size = 0;  ///< tokens the caches are sized for (CudaModelOptions::ctx_size)
+  /// Weights by tensor_family ("embed", "lm_head", "hc", "moe.router", "moe.shared",
+  /// "moe.experts", "gdn", "qsa", "ple", "ple.ngram"), as the CUDA model holds them: checkpoint
+  /// dtypes, except that 1-D norm / conv / A_log / dt_bias weights are FP32 and NVFP4 global
+  /// scales FP32; input_scale, the PLE I64 buffers and the n-gram weight_scale are not on the
+  /// device (MODEL.md §B.2, §E.2).
+  std::map<std::string, uint64_t> weights;
+  uint64_t kv_cache = 0;        ///< QSA K and V, BF16 (MODEL.md §C.0, §C.6 step 4, §E.2)
+  uint64_t indexer_cache = 0;   ///< QSA indexer raw keys + pooled block keys, FP32 (§C.0, §C.6)
+  uint64_t gdn_state = 0;       ///< GDN recurrent state S, FP32 (§C.0, §C.5 step 6)
+  uint64_t gdn_conv_state = 0;  ///< GDN conv state, FP32 (§C.0, §C.5 step 2)
+  uint64_t ple_conv_state = 0;  ///< PLE dilated-conv state, FP32 (§C.0, §C.4 step 7)
+  /// ESTIMATE: the decode activation block, the QSA decode workspaces, GDN scratch, the token
+  /// history and the sampling workspace (see plan_device_memory).
+  uint64_t workspace = 0;
+  /// Bytes a caller adds (e.g. prefill buffers); 0 from plan_device_memory. Counted in total().
+  uint64_t reserve = 0;
+
+  uint64_t weight_total() const;
+  /// kv_cache + indexer_cache + gdn_state + gdn_conv_state + ple_conv_state.
+  uint64_t state_total() const;
+  /// weight_total() + state_total() + workspace + reserve.
+  uint64_t total() const;
+};
+
+/// The device memory rank `tp_rank` of the CUDA backend needs for a `ctx_size`-token context.
+/// `plan` is the model's shard plan at the TP size the CUDA model runs (tp_size = plan.tp_size()).
+/// Formulas (L_qsa / L_gdn / L_ple = number of QSA / GDN / PLE layers; Hkv_l = Hkv/tp when
+/// tp <= Hkv, else 1; Hv_l = Hv/tp, Hk_l = Hk/tp; conv_l = (2·Hk_l·dk + Hv_l·dv)):
+/// - weights: Σ over the plan's tensors of shard_elements(tensor, rank) × device dtype size
+///   (MODEL.md §B.2 shapes, §E.2 splits; see MemoryPlan::weights);
+/// - kv_cache = L_qsa · 2 (K, V) · ctx · Hkv_l · head_dim · 2 B (§C.0, §E.2 "QSA KV cache");
+/// - indexer_cache = L_qsa · (ctx + max(⌊ctx/ratio⌋, 1)) · indexer_head_dim · 4 B: raw keys of
+///   every row and the pooled block keys, both FP32 and replicated (§C.0, §C.6 step 5, §E.2);
+/// - gdn_state = L_gdn · Hv_l · dk · dv · 4 B (§C.0, §C.5 step 6);
+/// - gdn_conv_state = L_gdn · conv_l · (K − 1) · 4 B, K = linear_conv_kernel_dim (§C.5 step 2);
+/// - ple_conv_state = L_ple · hc_width · (ple_conv_kernel_size − 1) · dilation · 4 B, dilation =
+///   ngram_size (§A.3, §C.4 step 7; replicated, §E.2);
+/// - workspace (ESTIMATE): the one activation block of Impl::build (each piece 256-byte aligned),
+///   per QSA layer the decode workspace of cuda/qsa.h's qsa_workspace_layout (q, indexer q,
+///   ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs over the ≤ budget + ratio − 1
+///   attended tokens; §C.6 step 5), per GDN layer its counters and output scratch, the token
+///   history (ctx + 1 int32) and the sampling workspace (≈ 24 B × vocab_size + 1 MiB: four
+///   vocab-sized key/value arrays and the CUB sort temporaries). Not counted: the CUDA context,
+///   NCCL buffers, CUDA graphs, prefill buffers (add them to `reserve`), test-only buffers.
+/// Throws Usage when ctx_size < 1; Internal on a bad tp_rank.
+MemoryPlan plan_device_memory(const ModelConfig& cfg, const ShardPlan& plan, int tp_rank,
+                              int64_t ctx_size);
+
+/// A human table: one row per category (weights by family, weight total, KV cache, indexer
+/// keys, GDN state, GDN conv state, PLE conv state, workspace (est.), reserve when non-zero,
+/// total), one column per plan headed by its context size (and "TP=n rank r" when the plans
+/// differ in those). Sizes in GiB/MiB/KiB. Empty string for no plans.
+std::string format_memory_table(const std::vector<MemoryPlan>& plans);
+
+/// {tp_size, tp_rank, ctx_size, weights: {family: bytes}, weight_total, kv_cache,
+/// indexer_cache, gdn_state, gdn_conv_state, ple_conv_state, workspace_estimate, reserve, total}
+/// (integers, bytes).
+nlohmann::json memory_plan_json(const MemoryPlan& plan);
+
+/// Throws fn::Error(Usage) unless plan.total() <= free_bytes, with the message
+/// "<what>: a <ctx>-token context at TP=<tp> needs X GiB per GPU (weights A, KV cache B, indexer
+/// keys C, GDN states D, PLE conv E, workspace ~F), Y GiB free (Z short): lower -c/--ctx-size
+/// or use more GPUs (--tp)" (GDN states = recurrent + conv; PLE conv only when the model has PLE).
+/// `what` names the device ("rank 1 (GPU 1)"). The CUDA model calls it with cudaMemGetInfo's free
+/// bytes before allocating.
+void require_fits(const MemoryPlan& plan, uint64_t free_bytes, const std::string& what);
+
+}  // namespace fn

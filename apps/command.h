@@ -29,5 +29,6 @@ void register_synth(CLI::App& app, CommandList& commands);
 void register_generate(CLI::App& app, CommandList& commands);
 void register_tokenize(CLI::App& app, CommandList& commands);
 void register_eval(CLI::App& app, CommandList& commands);
+void register_bench(CLI::App& app, CommandList& commands);
 
 }  // namespace fn

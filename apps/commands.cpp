@@ -9,6 +9,7 @@ void register_commands(CLI::App& app, CommandList& commands) {
   register_generate(app, commands);
   register_tokenize(app, commands);
   register_eval(app, commands);
+  register_bench(app, commands);
 }
 
 }  // namespace fn

@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# `fngen bench` end to end on the tp4 fixture with --backend cpu (CTest bench_cli, label cpu, and
+# bench_cli_mpi, label mpi). Mode "cpu" (one process): the md table has one row per lane with the
+# llama-bench-style columns; json, jsonl and csv parse and hold the same deterministic numbers
+# (lanes, decode depth, bytes per token = `fngen inspect`'s token_bytes at that depth, ITL
+# counts) and each format's derived columns follow from its own timings (tokens/s = 1000/TPOT,
+# GB/s = bytes/TPOT, % = GB/s / 4300, floor = bytes / 4300 GB/s); one run's --per-token record
+# (every inter-token latency: the n_gen - 1 gaps after the first token, per measured repetition,
+# warm-up excluded) reproduces that run's TPOT mean ± std, TTFT and the ITL p50/p90/p99 computed
+# independently with numpy; -o FILE leaves stdout empty; every bad input is a usage error (exit 2)
+# naming the flag. Mode "mpi": mpirun -np 2 prints the report once (rank 0), TP 2 over MPI, and
+# per-rank bytes equal to inspect --tp 2.
+# Usage: bench_cli.sh FNGEN MPIEXEC SOURCE_DIR cpu|mpi
+set -u
+fngen=$1
+mpiexec=$2
+src=$3
+mode=$4
+py=/usr/bin/python3
+fx=$src/tests/data/fixtures/tp4
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+failures=0
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+pass() { echo "ok: $*"; }
+
+bench() {  # bench fngen-bench-args... (one process)
+  timeout 300 "$fngen" bench -m "$fx" --backend cpu "$@"
+}
+mpi() {  # mpi NP fngen-bench-args...
+  local np=$1
+  shift
+  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" \
+    bench -m "$fx" --backend cpu "$@"
+}
+
+expect() {  # expect CODE PATTERN -- command...
+  local code=$1 pattern=$2
+  shift 3
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
+    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
+  else
+    pass "exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
+  fi
+}
+
+# pycheck DESCRIPTION PYTHON-SCRIPT ARGS...: the script exits non-zero (printing why) on failure.
+pycheck() {
+  local what=$1 script=$2
+  shift 2
+  if $py -c "$script" "$@" >"$tmp/py" 2>&1; then
+    pass "$what"
+  else
+    fail "$what: $(tail -n 5 "$tmp/py")"
+  fi
+}
+
+# Shared by the checks: the lane fields of one record and their relations.
+common='
+import csv, json, math, subprocess, sys
+def close(a, b, rel=1e-9):
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-300)
+def need(cond, msg):
+    if not cond:
+        print(msg); sys.exit(1)
+def inspect_bytes(fngen, fx, tp, ctx):
+    out = subprocess.run([fngen, "inspect", fx, "--tp", str(tp), "-c", str(ctx), "--json"],
+                         capture_output=True, check=True).stdout
+    return [r["token_bytes"]["total"] for r in json.loads(out)["ranks"]]
+def check_lane(l, reps, fngen, fx, tp):
+    p, n = int(l["n_prompt"]), int(l["n_gen"])
+    tpot, b = float(l["tpot_ms"]), int(l["bytes_per_token"])
+    need(int(l["decode_depth"]) == p + n // 2, "decode_depth %s != %s" % (l["decode_depth"], p + n // 2))
+    need(int(l["itl_count"]) == reps * (n - 1), "itl_count %s != %s" % (l["itl_count"], reps * (n - 1)))
+    want = inspect_bytes(fngen, fx, tp, p + n // 2)
+    by_rank = l["bytes_per_token_by_rank"]
+    if isinstance(by_rank, str):
+        by_rank = [int(x) for x in by_rank.split(";")]
+    need(by_rank == want and b == max(want), f"bytes {b} {by_rank} != inspect {want}")
+    need(tpot > 0 and float(l["ttft_ms"]) > 0 and float(l["prefill_ms"]) > 0, "timings must be > 0")
+    need(float(l["itl_p50_ms"]) <= float(l["itl_p90_ms"]) <= float(l["itl_p99_ms"]) <= float(l["itl_max_ms"]),
+         "ITL percentiles out of order")
+    need(close(float(l["decode_tokens_per_s"]), 1000 / tpot), "decode t/s != 1000/TPOT")
+    need(close(float(l["prefill_tokens_per_s"]), p / (float(l["prefill_ms"]) / 1000)),
+         "prefill t/s != n_prompt/prefill")
+    gbs = b / (tpot / 1000) / 1e9
+    need(close(float(l["achieved_gbs"]), gbs), "GB/s %s != %s" % (l["achieved_gbs"], gbs))
+    need(close(float(l["pct_of_bandwidth"]), 100 * gbs / 4300), "% of 4300 GB/s wrong")
+    need(close(float(l["floor_ms"]), b / 4300e9 * 1e3), "floor_ms != bytes / 4300 GB/s")
+    need(int(l["weight_bytes_per_token"]) + int(l["state_bytes_per_token"]) == b,
+         "weight + state bytes != bytes per token")
+def check_run(r, tp):
+    need(r["backend"] == "cpu" and int(r["tp_size"]) == tp, "backend/tp %s %s" % (r["backend"], r["tp_size"]))
+    need(r["all_reduce"] == ("mpi" if tp > 1 else "none"), "all_reduce %s" % r["all_reduce"])
+    need(float(r["bandwidth_gbs"]) == 4300 and "H200" in r["bandwidth_source"], "bandwidth reference")
+    need(r["gpu"] == "none" and r["driver"] == "none" and r["nccl"] == "none", "GPU fields on cpu")
+    need(r["commit"] != "", "commit empty")
+# The deterministic fields that every format must hold alike.
+def key(l):
+    by_rank = l["bytes_per_token_by_rank"]
+    if isinstance(by_rank, str):
+        by_rank = [int(x) for x in by_rank.split(";")]
+    return (int(l["n_prompt"]), int(l["n_gen"]), int(l["decode_depth"]), int(l["bytes_per_token"]),
+            int(l["itl_count"]), tuple(by_rank), round(float(l["floor_ms"]), 12))
+'
+
+if [ "$mode" = cpu ]; then
+  # ---- md: one row per lane, the documented columns ----
+  if bench -p 8,16 -n 4 -r 2 >"$tmp/md" 2>"$tmp/err"; then
+    pycheck "md: -p 8,16 -n 4 gives 2 rows with 13 columns, header and reference named" "$common
+md = open(sys.argv[1]).read().splitlines()
+head = '| n_prompt | n_gen | TTFT ms | TPOT ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | decode t/s | prefill t/s | MB/token/rank | floor ms | GB/s | % of ref |'
+need(md.count(head) == 1, 'header row missing')
+rows = [l for l in md if l.startswith('| ') and l[2].isdigit()]
+need(len(rows) == 2, f'{len(rows)} rows')
+cells = [[c.strip() for c in r.strip('|').split('|')] for r in rows]
+need(all(len(c) == 13 for c in cells), 'a row does not have 13 cells')
+need([(c[0], c[1]) for c in cells] == [('8', '4'), ('16', '4')], 'lanes')
+need(all('±' in c[2] and '±' in c[3] for c in cells), 'TTFT/TPOT lack mean ± std')
+want = [max(inspect_bytes(sys.argv[2], sys.argv[3], 1, d)) for d in (10, 18)]
+need([c[9] for c in cells] == [f'{b / 1e6:.4f}' for b in want], f'MB/token {[c[9] for c in cells]} vs {want}')
+for c in cells:
+    tpot = float(c[3].split('±')[0])
+    need(abs(float(c[7]) - 1000 / tpot) <= 0.01 * float(c[7]), 'decode t/s vs TPOT')
+need(any('reference bandwidth: 4300 GB/s = the measured H200 device copy bandwidth' in l for l in md),
+     'the reference bandwidth is not named')
+need(any(l.startswith('GPU: none, driver: none') for l in md), 'environment line')
+" "$tmp/md" "$fngen" "$fx"
+  else
+    fail "md run exited non-zero: $(tail -n 3 "$tmp/err")"
+  fi
+  grep -q "bench: lane 2/2" "$tmp/err" && pass "progress logs go to stderr" ||
+    fail "no lane log on stderr"
+
+  # ---- json, jsonl, csv: parse, same deterministic numbers, relations hold ----
+  bench -p 8,16 -n 4 -r 2 --format json >"$tmp/j.json" 2>/dev/null || fail "json run"
+  bench -p 8,16 -n 4 -r 2 --format jsonl >"$tmp/j.jsonl" 2>/dev/null || fail "jsonl run"
+  bench -p 8,16 -n 4 -r 2 --format csv >"$tmp/j.csv" 2>/dev/null || fail "csv run"
+  pycheck "json: 2 lanes, fields and derived columns consistent, bytes = inspect" "$common
+j = json.load(open(sys.argv[1]))
+check_run(j, 1)
+need(j['repetitions'] == 2 and j['warmup'] == 1 and j['ctx_size'] == 20 and j['seed'] == 0, 'run fields')
+need(len(j['lanes']) == 2, 'lanes')
+for l in j['lanes']: check_lane(l, 2, sys.argv[2], sys.argv[3], 1)
+" "$tmp/j.json" "$fngen" "$fx"
+  pycheck "jsonl: one record per lane, each with the run fields" "$common
+ls = [json.loads(x) for x in open(sys.argv[1])]
+need(len(ls) == 2, f'{len(ls)} lines')
+for l in ls: check_run(l, 1); check_lane(l, 2, sys.argv[2], sys.argv[3], 1)
+" "$tmp/j.jsonl" "$fngen" "$fx"
+  pycheck "csv: header + one row per lane, parses" "$common
+rows = list(csv.DictReader(open(sys.argv[1])))
+need(len(rows) == 2, f'{len(rows)} rows')
+for r in rows: check_run(r, 1); check_lane(r, 2, sys.argv[2], sys.argv[3], 1)
+" "$tmp/j.csv" "$fngen" "$fx"
+  pycheck "json, jsonl and csv hold the same lanes and byte numbers" "$common
+a = [key(l) for l in json.load(open(sys.argv[1]))['lanes']]
+b = [key(json.loads(x)) for x in open(sys.argv[2])]
+c = [key(r) for r in csv.DictReader(open(sys.argv[3]))]
+need(a == b == c, f'{a} / {b} / {c}')
+" "$tmp/j.json" "$tmp/j.jsonl" "$tmp/j.csv"
+
+  # ---- one run: -o FILE and --per-token reproduce the report's statistics ----
+  bench -p 8,16 -n 5 -r 3 --warmup 2 --format json -o "$tmp/o.json" --per-token "$tmp/pt.jsonl" \
+    >"$tmp/stdout" 2>"$tmp/err" || fail "-o/--per-token run: $(tail -n 3 "$tmp/err")"
+  [ -s "$tmp/stdout" ] && fail "-o FILE: stdout is not empty" || pass "-o FILE: stdout stays empty"
+  pycheck "--per-token: 2 lanes x 3 repetitions, n_gen - 1 = 4 gaps each; stats match numpy" "$common
+import numpy, statistics
+j = json.load(open(sys.argv[1]))
+recs = [json.loads(x) for x in open(sys.argv[2])]
+need(len(recs) == 6, f'{len(recs)} records (want 2 lanes x 3 repetitions, warm-up excluded)')
+need([(r['lane'], r['repetition']) for r in recs] == [(0,0),(0,1),(0,2),(1,0),(1,1),(1,2)], 'order')
+need(all(len(r['itl_ms']) == 4 and min(r['itl_ms']) > 0 for r in recs), 'gap counts')
+for i, l in enumerate(j['lanes']):
+    rs = [r for r in recs if r['lane'] == i]
+    need(all(r['n_prompt'] == l['n_prompt'] and r['n_gen'] == 5 for r in rs), 'lane fields')
+    itl = [x for r in rs for x in r['itl_ms']]
+    tpots = [statistics.fmean(r['itl_ms']) for r in rs]
+    ttfts = [r['ttft_ms'] for r in rs]
+    need(close(l['tpot_ms'], statistics.fmean(tpots)), 'TPOT mean')
+    need(close(l['tpot_ms_std'], statistics.stdev(tpots)), 'TPOT std (sample, over repetitions)')
+    need(close(l['ttft_ms'], statistics.fmean(ttfts)) and close(l['ttft_ms_std'], statistics.stdev(ttfts)), 'TTFT')
+    for q in (50, 90, 99):
+        need(close(l[f'itl_p{q}_ms'], float(numpy.percentile(itl, q))), f'ITL p{q}')
+    need(close(l['itl_max_ms'], max(itl)) and l['itl_count'] == 12, 'ITL max/count')
+    need(all(r['ttft_ms'] >= r['prefill_ms'] > 0 for r in rs), 'TTFT >= prefill')
+" "$tmp/o.json" "$tmp/pt.jsonl"
+
+  # ---- bad input: usage errors (exit 2) naming the flag ----
+  expect 2 "--format" -- bench --format xml
+  expect 2 "-p/--n-prompt: \"0\"" -- bench -p 0
+  expect 2 "-p/--n-prompt: \"-4\"" -- bench -p 8,-4
+  expect 2 "-p/--n-prompt: \"-4\"" -- bench -p -4
+  expect 2 "-p/--n-prompt: \"abc\"" -- bench -p abc
+  expect 2 "-p/--n-prompt: \"\"" -- bench -p 8,,16
+  expect 2 "-n/--n-gen: \"0\"" -- bench -p 8 -n 0
+  expect 2 "-n/--n-gen 1: a lane needs >= 2" -- bench -p 8 -n 1
+  expect 2 "-p/--n-prompt 1000 -n/--n-gen 128 needs 1128 tokens, more than the model's max_position_embeddings 1024" -- bench -p 8,1000 -n 128
+  expect 2 "-p/--n-prompt 16 -n/--n-gen 4 needs 20 tokens, more than -c/--ctx-size 12" -- bench -p 8,16 -n 4 -c 12
+  expect 2 "-c/--ctx-size 2000 exceeds the model's max_position_embeddings 1024" -- bench -p 8 -n 4 -c 2000
+  expect 2 "-r/--repetitions must be >= 1, got 0" -- bench -p 8 -n 4 -r 0
+  expect 2 "--warmup must be >= 0" -- bench -p 8 -n 4 --warmup -1
+  expect 2 "--bandwidth-gbs must be a positive" -- bench -p 8 -n 4 --bandwidth-gbs 0
+  expect 3 "-o/--output /nonexistent-dir/x: cannot open" -- bench -p 8 -n 4 -o /nonexistent-dir/x
+
+  # --bandwidth-gbs: the reference changes and the output says where it came from.
+  bench -p 8 -n 4 -r 1 --bandwidth-gbs 1000 --format json >"$tmp/bw.json" 2>/dev/null || fail "bw run"
+  pycheck "--bandwidth-gbs 1000: % and floor against 1000 GB/s, source named" "$common
+j = json.load(open(sys.argv[1])); l = j['lanes'][0]
+need(j['bandwidth_gbs'] == 1000 and j['bandwidth_source'] == 'given with --bandwidth-gbs', 'source')
+need(close(l['pct_of_bandwidth'], 100 * l['achieved_gbs'] / 1000), '%')
+need(close(l['floor_ms'], l['bytes_per_token'] / 1e12 * 1e3), 'floor')
+" "$tmp/bw.json"
+else
+  # ---- TP=2 through mpirun: rank 0 prints once ----
+  if mpi 2 -p 8,16 -n 4 -r 2 --format jsonl >"$tmp/tp2.jsonl" 2>"$tmp/err"; then
+    pycheck "mpirun -np 2: one jsonl record per lane (printed once), TP 2, bytes per rank = inspect --tp 2" "$common
+ls = [json.loads(x) for x in open(sys.argv[1])]
+need(len(ls) == 2, f'{len(ls)} lines (want 2: rank 0 only)')
+for l in ls: check_run(l, 2); check_lane(l, 2, sys.argv[2], sys.argv[3], 2)
+need(all(len(l['bytes_per_token_by_rank']) == 2 for l in ls), 'per-rank bytes')
+" "$tmp/tp2.jsonl" "$fngen" "$fx"
+  else
+    fail "mpirun -np 2 bench exited non-zero: $(tail -n 3 "$tmp/err")"
+  fi
+  mpi 2 -p 8 -n 4 -r 1 >"$tmp/tp2.md" 2>"$tmp/err" || fail "mpirun -np 2 md run"
+  n_head=$(grep -c "^| n_prompt" "$tmp/tp2.md")
+  n_rows=$(grep -c "^| 8 | 4 |" "$tmp/tp2.md")
+  if [ "$n_head" = 1 ] && [ "$n_rows" = 1 ] && grep -q "backend cpu, TP 2 (all-reduce mpi)" "$tmp/tp2.md"; then
+    pass "mpirun -np 2: one md table, TP 2 over MPI"
+  else
+    fail "mpirun -np 2 md: $n_head headers, $n_rows rows: $(head -n 3 "$tmp/tp2.md")"
+  fi
+  expect 2 "-r/--repetitions must be >= 1" -- mpi 2 -p 8 -n 4 -r 0
+fi
+
+if [ "$failures" -gt 0 ]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all bench_cli ($mode) checks passed"

@@ -13,7 +13,7 @@ packages=(
   libfmt-dev doctest-dev nlohmann-json3-dev libcli11-dev
   libpcre2-dev libutf8proc-dev zlib1g-dev
   libclang-rt-14-dev clang-format
-  python3 python3-jinja2 python3-numpy
+  python3 python3-jinja2 python3-numpy python3-matplotlib
 )
 # npm ships with the machine's Node.js; only a machine without it takes Debian's.
 command -v npm >/dev/null 2>&1 || packages+=(npm)

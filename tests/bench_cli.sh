@@ -192,6 +192,46 @@ for i, l in enumerate(j['lanes']):
     need(all(r['ttft_ms'] >= r['prefill_ms'] > 0 for r in rs), 'TTFT >= prefill')
 " "$tmp/o.json" "$tmp/pt.jsonl"
 
+  # ---- scripts/plot_bench.py on that run's JSON and per-token record ----
+  plot=$src/scripts/plot_bench.py
+  if $py "$plot" "$tmp/o.json" --per-token "$tmp/pt.jsonl" -o "$tmp/png" >"$tmp/plot.out" \
+    2>"$tmp/plot.err"; then
+    pycheck "plot_bench: tpot_vs_floor + one ITL plot per lane, PNGs; breakdown skipped with a note" "
+import sys, matplotlib.image as im
+d = sys.argv[1]
+want = ['tpot_vs_floor.png', 'itl_p8_n5.png', 'itl_p16_n5.png']
+got = [l.strip() for l in open(sys.argv[2])]
+assert got == [d + '/' + w for w in want], got
+for w in want:
+    assert open(d + '/' + w, 'rb').read(8) == b'\x89PNG\r\n\x1a\n', w
+    h, wd = im.imread(d + '/' + w).shape[:2]
+    assert h >= 300 and wd >= 500, (w, h, wd)
+assert 'per-op breakdown plot skipped' in open(sys.argv[3]).read()
+" "$tmp/png" "$tmp/plot.out" "$tmp/plot.err"
+  else
+    fail "plot_bench exited non-zero: $(tail -n 3 "$tmp/plot.err")"
+  fi
+  $py -c "
+import json, sys
+j = json.load(open(sys.argv[1]))
+j['breakdown'] = [{'family': 'moe', 'ms': 2.0, 'bytes': 4.3e9}, {'family': 'lm_head', 'ms': 0.3, 'bytes': 1.27e9}]
+json.dump(j, open(sys.argv[2], 'w'))
+del j['breakdown'][1]['bytes']
+json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.json"
+  if $py "$plot" "$tmp/bd.json" -o "$tmp/png2" >"$tmp/plot.out" 2>/dev/null &&
+    grep -qx "$tmp/png2/breakdown.png" "$tmp/plot.out" && [ -s "$tmp/png2/breakdown.png" ]; then
+    pass "plot_bench: a \"breakdown\" array gives breakdown.png"
+  else
+    fail "plot_bench did not write breakdown.png: $(cat "$tmp/plot.out")"
+  fi
+  if $py "$plot" "$tmp/bad_bd.json" -o "$tmp/png3" >/dev/null 2>"$tmp/plot.err"; then
+    fail "plot_bench accepted a breakdown row without bytes"
+  else
+    grep -q 'breakdown\[1\] has no "bytes"' "$tmp/plot.err" &&
+      pass "plot_bench: a breakdown row without \"bytes\" is refused, naming it" ||
+      fail "plot_bench message: $(cat "$tmp/plot.err")"
+  fi
+
   # ---- bad input: usage errors (exit 2) naming the flag ----
   expect 2 "--format" -- bench --format xml
   expect 2 "-p/--n-prompt: \"0\"" -- bench -p 0

@@ -53,9 +53,24 @@ uint64_t device_element_bytes(const ExpectedTensor& t) {
   }
 }
 
-/// Bytes of the QSA decode workspace for one layer: the layout of qsa_workspace_layout
-/// (cuda/qsa.cu), recomputed here without CUDA. Part of the workspace estimate.
+std::string human(uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.3f} GiB", b / (1024.0 * 1024 * 1024));
+  if (b >= 1024.0 * 1024) return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
+  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{} B", bytes);
+}
+
+double gib(uint64_t bytes) {
+  return static_cast<double>(bytes) / (1024.0 * 1024 * 1024);
+}
+
+}  // namespace
+
+// The layout of qsa_workspace_layout (cuda/qsa.cu), recomputed without CUDA;
+// tests/test_memory_plan_cuda.cpp compares the two where CUDA is built.
 uint64_t qsa_workspace_estimate(const ModelConfig& c, int tp, int64_t ctx) {
+  FN_REQUIRE(ctx >= 1, Usage, "-c/--ctx-size must be >= 1, got {}", ctx);
   const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
   const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
   const int64_t q_per_kv = c.num_attention_heads / c.num_key_value_heads;
@@ -76,20 +91,6 @@ uint64_t qsa_workspace_estimate(const ModelConfig& c, int tp, int64_t ctx) {
          piece(max_blocks, 4) + piece(sel_max, 4) + piece(4, 4) + piece(Hq_l * max_chunks * hd, 4) +
          2 * piece(Hq_l * max_chunks, 4);
 }
-
-std::string human(uint64_t bytes) {
-  const double b = static_cast<double>(bytes);
-  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.3f} GiB", b / (1024.0 * 1024 * 1024));
-  if (b >= 1024.0 * 1024) return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
-  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
-  return fmt::format("{} B", bytes);
-}
-
-double gib(uint64_t bytes) {
-  return static_cast<double>(bytes) / (1024.0 * 1024 * 1024);
-}
-
-}  // namespace
 
 uint64_t MemoryPlan::weight_total() const {
   uint64_t n = 0;

@@ -29,7 +29,8 @@ struct MemoryPlan {
   /// "moe.experts", "gdn", "qsa", "ple", "ple.ngram"), as the CUDA model holds them: checkpoint
   /// dtypes, except that 1-D norm / conv / A_log / dt_bias weights are FP32 and NVFP4 global
   /// scales FP32; input_scale, the PLE I64 buffers and the n-gram weight_scale are not on the
-  /// device (MODEL.md §B.2, §E.2).
+  /// device (MODEL.md §B.2, §E.2). Fused BF16 experts (a BF16 checkpoint, which the CUDA backend
+  /// refuses) are counted in their checkpoint dtype.
   std::map<std::string, uint64_t> weights;
   uint64_t kv_cache = 0;        ///< QSA K and V, BF16 (MODEL.md §C.0, §C.6 step 4, §E.2)
   uint64_t indexer_cache = 0;   ///< QSA indexer raw keys + pooled block keys, FP32 (§C.0, §C.6)
@@ -63,20 +64,25 @@ struct MemoryPlan {
 /// - ple_conv_state = L_ple · hc_width · (ple_conv_kernel_size − 1) · dilation · 4 B, dilation =
 ///   ngram_size (§A.3, §C.4 step 7; replicated, §E.2);
 /// - workspace (ESTIMATE): the one activation block of Impl::build (each piece 256-byte aligned),
-///   per QSA layer the decode workspace of cuda/qsa.h's qsa_workspace_layout (q, indexer q,
-///   ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs over the ≤ budget + ratio − 1
-///   attended tokens; §C.6 step 5), per GDN layer its counters and output scratch, the token
-///   history (ctx + 1 int32) and the sampling workspace (≈ 24 B × vocab_size + 1 MiB: four
-///   vocab-sized key/value arrays and the CUB sort temporaries). Not counted: the CUDA context,
-///   NCCL buffers, CUDA graphs, prefill buffers (add them to `reserve`), test-only buffers.
+///   per QSA layer qsa_workspace_estimate (below), per GDN layer its counters and output scratch,
+///   the token history (ctx + 1 int32) and the sampling workspace (≈ 24 B × vocab_size + 1 MiB:
+///   four vocab-sized key/value arrays and the CUB sort temporaries). Not counted: the CUDA
+///   context, NCCL buffers, CUDA graphs, prefill buffers (add them to `reserve`), test-only
+///   buffers.
 /// Throws Usage when ctx_size < 1; Internal on a bad tp_rank.
 MemoryPlan plan_device_memory(const ModelConfig& cfg, const ShardPlan& plan, int tp_rank,
                               int64_t ctx_size);
 
+/// Bytes of one QSA layer's decode workspace at TP `tp_size` and `ctx_size` tokens: the layout
+/// of cuda/qsa.h's qsa_workspace_layout recomputed without CUDA (the same for every rank; q,
+/// indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; MODEL.md §C.6).
+/// Part of MemoryPlan::workspace. Throws Usage when ctx_size < 1.
+uint64_t qsa_workspace_estimate(const ModelConfig& cfg, int tp_size, int64_t ctx_size);
+
 /// A human table: one row per category (weights by family, weight total, KV cache, indexer
 /// keys, GDN state, GDN conv state, PLE conv state, workspace (est.), reserve when non-zero,
-/// total), one column per plan headed by its context size (and "TP=n rank r" when the plans
-/// differ in those). Sizes in GiB/MiB/KiB. Empty string for no plans.
+/// total), one column per plan headed "ctx <ctx_size>" ("<ctx_size>@TP<n>r<rank>" when the plans
+/// differ in TP size or rank). Sizes in GiB/MiB/KiB. Empty string for no plans.
 std::string format_memory_table(const std::vector<MemoryPlan>& plans);
 
 /// {tp_size, tp_rank, ctx_size, weights: {family: bytes}, weight_total, kv_cache,

@@ -52,6 +52,7 @@ struct GenerateCli {
   int64_t top_k = 0, repeat_last_n = 64, seed = -1;
   std::vector<std::string> stop;
   bool ignore_eos = false, chat = false, think = false, no_think = false, json_out = false;
+  bool host_sampling = false;
   // Set when the flag was given (CLI11 count), so that it overrides generation_config.json.
   CLI::Option *o_temp = nullptr, *o_top_k = nullptr, *o_top_p = nullptr, *o_min_p = nullptr,
               *o_repeat_penalty = nullptr, *o_presence = nullptr, *o_prompt = nullptr,
@@ -337,10 +338,22 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     }
   }
 
-  // Every backend runs the generic loop (logits to the host, host sampler): correctness first.
+  // cuda samples on the device inside the decode graph (the host only copies ids out) unless
+  // --host-sampling, a --stop string or a penalty needs the host sampler; cpu always uses it.
   const LoadedBackend model = load_backend(o.backend, dir, mpi, coll, ctx, "generate");
   const double load_ms = model.load_ms;
   const ForwardFn& forward = model.forward;
+  const bool on_device = model.device_decode && !o.host_sampling && device_sampling_supported(go);
+  const DecodeFn decode = [&model](int32_t first, int64_t count, const SamplingParams& params,
+                                   const std::function<bool(int32_t)>& on_token) {
+    return model.device_decode(first, count, params, params.seed, on_token);
+  };
+  if (model.device_decode)
+    FN_LOG_INFO("generate: sampling on the {}", on_device ? "GPU (in the decode graph)" : "host");
+  const auto run = [&](std::span<const int32_t> ids, const TextHooks& hooks) {
+    return on_device ? generate_on_device(forward, decode, coll, ids, go, hooks)
+                     : generate(forward, coll, ids, go, hooks);
+  };
   const auto max_new_for = [&](int64_t n_prompt) {
     return o.max_new_tokens > 0 ? o.max_new_tokens : std::max<int64_t>(ctx - n_prompt, 1);
   };
@@ -364,7 +377,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         hooks.emit = [](std::string_view s) { write_stdout(s); };
       }
     }
-    GenerationResult r = generate(forward, coll, ids, go, hooks);
+    GenerationResult r = run(ids, hooks);
     const std::vector<double> mem = gather_peak_rss_mib(coll);
     if (root) {
       if (o.json_out) {
@@ -443,7 +456,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
       hooks.finish = [&detok] { return detok->finish(); };
     }
-    const GenerationResult r = generate(forward, coll, ids, go, hooks);
+    const GenerationResult r = run(ids, hooks);
     n_tokens += static_cast<int64_t>(r.token_ids.size());
     ttfts.push_back(r.ttft_ms);
     itls.insert(itls.end(), r.itl_ms.begin(), r.itl_ms.end());
@@ -507,6 +520,9 @@ void register_generate(CLI::App& app, CommandList& commands) {
   sub->add_option("--stop", o->stop, "stop string (repeatable; not printed)")
       ->allow_extra_args(false);
   sub->add_flag("--ignore-eos", o->ignore_eos, "do not stop on the EOS ids");
+  sub->add_flag("--host-sampling", o->host_sampling,
+                "cuda: copy the logits to the host and sample there every step (default: sample "
+                "on the GPU inside the decode graph when no --stop string or penalty is set)");
   sub->add_flag("--chat", o->chat, "render text prompts as a user turn of the chat template");
   sub->add_option("--system-prompt", o->system_prompt, "system turn for chat prompts");
   sub->add_flag("--think", o->think, "chat: thinking on (the template's default)");

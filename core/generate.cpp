@@ -214,6 +214,65 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
   return r;
 }
 
+bool device_sampling_supported(const GenerateOptions& options) {
+  const SamplingParams& s = options.sampling;
+  return options.stop_strings.empty() && s.repetition_penalty == 1.0 && s.presence_penalty == 0.0 &&
+         s.frequency_penalty == 0.0;
+}
+
+GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& decode,
+                                    Collectives& coll, std::span<const int32_t> prompt,
+                                    const GenerateOptions& options, const TextHooks& hooks) {
+  check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
+  FN_REQUIRE(device_sampling_supported(options), Usage,
+             "sampling on the device supports no --stop strings and no repetition, presence or "
+             "frequency penalty");
+  const bool root = coll.rank() == 0;
+  GenerationResult r;
+  r.n_prompt_tokens = static_cast<int64_t>(prompt.size());
+  StopText stop_text(options.stop_strings, hooks);
+  auto is_stop_id = [&options](int32_t t) {
+    return std::find(options.stop_token_ids.begin(), options.stop_token_ids.end(),
+                     static_cast<int64_t>(t)) != options.stop_token_ids.end();
+  };
+  const auto t0 = Clock::now();
+  for (std::size_t i = 0; i + 1 < prompt.size(); ++i) forward(prompt[i]);
+  r.prefill_ms = ms_between(t0, Clock::now());  // the last prompt token runs in the first step
+  auto t_prev = t0;
+  FinishReason finish = FinishReason::Length;
+  const auto on_token = [&](int32_t id) {
+    const auto t = Clock::now();
+    if (r.token_ids.empty()) {
+      r.ttft_ms = ms_between(t0, t);
+    } else {
+      r.itl_ms.push_back(ms_between(t_prev, t));
+    }
+    t_prev = t;
+    r.token_ids.push_back(id);
+    if (!options.ignore_eos && is_stop_id(id)) {
+      finish = FinishReason::Eos;
+      return false;
+    }
+    if (root && hooks.feed) stop_text.add(hooks.feed(id));
+    return true;
+  };
+  decode(prompt.back(), options.max_new_tokens, options.sampling, on_token);
+  r.finish = finish;
+  r.e2e_ms = ms_between(t0, t_prev);
+  if (root) {
+    if (hooks.finish) stop_text.add(hooks.finish());
+    stop_text.flush();
+    r.text = stop_text.take_text();
+  }
+  r.tpot = latency_stats(r.itl_ms);
+  double itl_sum = 0;
+  for (double v : r.itl_ms) itl_sum += v;
+  r.decode_tokens_per_s = itl_sum > 0 ? static_cast<double>(r.itl_ms.size()) * 1e3 / itl_sum : 0;
+  r.prefill_tokens_per_s =
+      r.prefill_ms > 0 ? static_cast<double>(r.n_prompt_tokens) * 1e3 / r.prefill_ms : 0;
+  return r;
+}
+
 double peak_rss_mib() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);

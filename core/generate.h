@@ -97,6 +97,27 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
                           std::span<const int32_t> prompt, const GenerateOptions& options,
                           const TextHooks& hooks = {});
 
+/// A backend's on-device decode loop (the CUDA graph that samples and feeds back the next id,
+/// CudaModel::decode): feeds `first` at the next position, then samples and feeds `count` ids
+/// with `sampling` (temperature, top-k, top-p, min-p; identical on every rank), calling
+/// on_token(id) as each id reaches the host; on_token returning false stops the loop.
+using DecodeFn =
+    std::function<std::vector<int32_t>(int32_t first, int64_t count, const SamplingParams& sampling,
+                                       const std::function<bool(int32_t)>& on_token)>;
+
+/// True when `options` can run on a DecodeFn: no stop strings (matched on rank 0's text) and no
+/// repetition / presence / frequency penalty (they need the host sampler's history).
+bool device_sampling_supported(const GenerateOptions& options);
+
+/// generate() with sampling on the device: prefill prompt[0 .. n-2] through `forward` (logits
+/// unused), then `decode` from the last prompt token. Every rank sees the same ids (the device
+/// sampler is deterministic and the logits are identical on all ranks), so no per-token
+/// broadcast is needed; stop ids end the loop on every rank alike. Timing fields as generate().
+/// Throws check_context's Usage error, and fn::Error(Usage) when !device_sampling_supported.
+GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& decode,
+                                    Collectives& coll, std::span<const int32_t> prompt,
+                                    const GenerateOptions& options, const TextHooks& hooks = {});
+
 /// Peak resident memory of this process in MiB (getrusage ru_maxrss).
 double peak_rss_mib();
 

@@ -1063,6 +1063,8 @@ std::unique_ptr<CudaModel> CudaModel::load(const std::filesystem::path& dir,
   model->impl_->build(model->cfg_, options, src, &src, om.quant.ngram_fp8(om.config));
   src.finish_progress();
   model->stats_.bytes = src.bytes();
+  model->stats_.weight_bytes = model->impl_->weight_bytes;
+  model->stats_.state_bytes = model->impl_->arena.held() - model->impl_->weight_bytes;
   model->stats_.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return model;
@@ -1078,6 +1080,8 @@ std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, const Qu
   model->impl_->build(model->cfg_, options, src, nullptr, quant.ngram_fp8(config));
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   model->stats_.bytes = src.bytes();
+  model->stats_.weight_bytes = model->impl_->weight_bytes;
+  model->stats_.state_bytes = model->impl_->arena.held() - model->impl_->weight_bytes;
   model->stats_.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return model;

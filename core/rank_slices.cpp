@@ -48,49 +48,47 @@ std::string RankSliceReader::stored_name(std::string_view name) const {
   return std::string(name);
 }
 
-WeightSlice RankSliceReader::read(const std::string& name) {
+RankSliceReader::Layout RankSliceReader::layout(const std::string& name) const {
   const std::size_t idx = plan_.index(name);
   const ExpectedTensor& e = plan_.tensors()[idx];
-  TensorShard shard = plan_.shard(idx, rank_);
-  std::vector<SliceBlock> blocks = shard.blocks;
-  std::sort(blocks.begin(), blocks.end(), [](const SliceBlock& a, const SliceBlock& b) {
+  Layout l;
+  l.blocks = plan_.shard(idx, rank_).blocks;
+  std::sort(l.blocks.begin(), l.blocks.end(), [](const SliceBlock& a, const SliceBlock& b) {
     return a.row_begin != b.row_begin ? a.row_begin < b.row_begin : a.col_begin < b.col_begin;
   });
-  const std::string stored = stored_name(name);
-  const SafetensorsFile& file = ck_.file_of(stored);
-  const TensorInfo& info = ck_.info(stored);
+  l.stored = stored_name(name);
+  const TensorInfo& info = ck_.info(l.stored);
   FN_REQUIRE(info.dtype == e.dtype, Format, "{}: tensor '{}' is {}, expected {}",
-             ck_.dir().string(), stored, dtype_name(info.dtype), dtype_name(e.dtype));
+             ck_.dir().string(), l.stored, dtype_name(info.dtype), dtype_name(e.dtype));
+  l.dtype = info.dtype;
+  if (l.blocks.empty()) return l;
+  l.cols = l.blocks.front().col_count;
+  for (const SliceBlock& b : l.blocks) {
+    FN_CHECK(b.col_begin == l.blocks.front().col_begin && b.col_count == l.cols,
+             "shard plan of '{}' mixes column ranges on rank {}", name, rank_);
+    l.rows += b.row_count;
+  }
+  return l;
+}
+
+void RankSliceReader::copy(const std::string& name, const Layout& l, std::byte* dst) {
+  if (l.blocks.empty()) return;
+  const TensorInfo& info = ck_.info(l.stored);
   const int64_t total_cols = info.shape.size() >= 2 ? info.shape.back() : 1;
   const std::size_t es = dtype_size(info.dtype);
-  WeightSlice s;
-  s.dtype = info.dtype;
-  if (blocks.empty()) {
-    s.bytes = std::make_shared<std::vector<std::byte>>();
-    return s;
-  }
-  s.cols = blocks.front().col_count;
-  for (const SliceBlock& b : blocks) {
-    FN_CHECK(b.col_begin == blocks.front().col_begin && b.col_count == s.cols,
-             "shard plan of '{}' mixes column ranges on rank {}", name, rank_);
-    s.rows += b.row_count;
-  }
-  auto buf =
-      std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(s.rows * s.cols) * es);
-  std::byte* dst = buf->data();
   const int64_t total_rows = total_cols > 0 ? info.numel() / total_cols : 0;
-  if (blocks.size() == 1 && s.rows == total_rows && s.cols == total_cols) {
-    ck_.read_all(stored, dst);          // the whole tensor: one pread
+  if (l.blocks.size() == 1 && l.rows == total_rows && l.cols == total_cols) {
+    ck_.read_all(l.stored, dst);        // the whole tensor: one pread
   } else if (info.shape.size() == 2) {  // 2-D blocks: one pread per block row
-    for (const SliceBlock& b : blocks) {
-      ck_.read_block(stored, b.row_begin, b.row_count, b.col_begin, b.col_count, dst);
+    for (const SliceBlock& b : l.blocks) {
+      ck_.read_block(l.stored, b.row_begin, b.row_count, b.col_begin, b.col_count, dst);
       dst += static_cast<std::size_t>(b.row_count * b.col_count) * es;
     }
   } else {
     // Other ranks ([C, 1, K] convs, fused [E, R, C] experts): copy the block rows of the 2-D
     // view out of the read-only mapping (only those pages are touched).
-    const std::span<const std::byte> src = file.bytes(info);
-    for (const SliceBlock& b : blocks) {
+    const std::span<const std::byte> src = ck_.file_of(l.stored).bytes(info);
+    for (const SliceBlock& b : l.blocks) {
       for (int64_t r = 0; r < b.row_count; ++r) {
         const std::size_t off =
             static_cast<std::size_t>((b.row_begin + r) * total_cols + b.col_begin) * es;
@@ -101,9 +99,33 @@ WeightSlice RankSliceReader::read(const std::string& name) {
       }
     }
   }
-  bytes_ += buf->size();
+  bytes_ += static_cast<uint64_t>(l.rows * l.cols) * es;
+}
+
+WeightSlice RankSliceReader::read(const std::string& name) {
+  const Layout l = layout(name);
+  WeightSlice s;
+  s.dtype = l.dtype;
+  s.rows = l.rows;
+  s.cols = l.cols;
+  auto buf = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(l.rows * l.cols) *
+                                                      dtype_size(l.dtype));
+  copy(name, l, buf->data());
   s.bytes = std::move(buf);
   return s;
+}
+
+DType RankSliceReader::read_into(const std::string& name, int64_t rows, int64_t cols,
+                                 std::byte* dst, std::size_t capacity) {
+  const Layout l = layout(name);
+  FN_CHECK(l.rows == rows && l.cols == cols,
+           "rank {}: slice of '{}' is [{}, {}], the backend expects [{}, {}]", rank_, name, l.rows,
+           l.cols, rows, cols);
+  FN_CHECK(static_cast<std::size_t>(rows * cols) * dtype_size(l.dtype) <= capacity,
+           "slice of '{}' ({} x {} {}) does not fit {} bytes", name, rows, cols,
+           dtype_name(l.dtype), capacity);
+  copy(name, l, dst);
+  return l.dtype;
 }
 
 WeightSlice RankSliceReader::read(const std::string& name, int64_t rows, int64_t cols) {

@@ -48,12 +48,29 @@ class RankSliceReader {
   /// plan and the backend disagree).
   WeightSlice read(const std::string& name, int64_t rows, int64_t cols);
 
+  /// read(name, rows, cols) into caller memory (e.g. a pinned staging buffer) instead of a new
+  /// vector: `dst` receives rows * cols elements of the stored dtype; throws fn::Error(Internal)
+  /// when they do not fit in `capacity` bytes or the shape disagrees. Returns the dtype.
+  DType read_into(const std::string& name, int64_t rows, int64_t cols, std::byte* dst,
+                  std::size_t capacity);
+
   /// Bytes read so far.
   uint64_t bytes() const noexcept { return bytes_; }
   int rank() const noexcept { return rank_; }
   const Checkpoint& checkpoint() const noexcept { return ck_; }
 
  private:
+  // The rank's blocks of `name`, sorted, with the stored tensor's facts.
+  struct Layout {
+    std::vector<SliceBlock> blocks;
+    std::string stored;
+    DType dtype = DType::F32;
+    int64_t rows = 0, cols = 0;  // of the stacked slice
+  };
+  Layout layout(const std::string& name) const;
+  // Copies the slice described by `l` to dst (l.rows * l.cols elements).
+  void copy(const std::string& name, const Layout& l, std::byte* dst);
+
   const Checkpoint& ck_;
   const ShardPlan& plan_;
   int rank_;

@@ -20,6 +20,7 @@
 #include "core/codecs.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/memory_plan.h"
 #include "core/ngram.h"
 #include "core/progress.h"
 #include "core/rank_slices.h"
@@ -77,11 +78,21 @@ class DeviceArena {
   T* alloc_n(int64_t count, const char* what) {
     return static_cast<T*>(alloc(static_cast<std::size_t>(count) * sizeof(T), what));
   }
+  // alloc_n for per-sequence state and scratch (counted apart from the weights).
+  template <typename T>
+  T* state_n(int64_t count, const char* what) {
+    const uint64_t before = held_;
+    T* p = alloc_n<T>(count, what);
+    state_held_ += held_ - before;
+    return p;
+  }
   uint64_t held() const noexcept { return held_; }
+  uint64_t state_held() const noexcept { return state_held_; }
 
  private:
   std::vector<void*> blocks_;
   uint64_t held_ = 0;
+  uint64_t state_held_ = 0;
 };
 
 // Carves one allocation into 256-byte aligned pieces: sized in a first pass (base == nullptr),
@@ -140,15 +151,44 @@ class CheckpointSource final : public WeightSource {
         plan_(om.plan),
         rank_(rank),
         progress_("loading weights", om.plan.weight_bytes(rank), rank == 0) {}
+  ~CheckpointSource() override {
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (int i = 0; i < 2; ++i) {
+      if (event_[i]) cudaEventDestroy(event_[i]);
+      if (staging_[i]) cudaFreeHost(staging_[i]);
+    }
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  // Slices up to kStagingBytes go through two pinned buffers in turn: the disk read of one
+  // slice overlaps the host-to-device copy of the previous one. Larger slices (embedding,
+  // lm_head, n-gram shards) are read whole and copied synchronously.
   void fill(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init,
             void* dst) override {
+    const std::size_t bytes = static_cast<std::size_t>(rows * cols) * dtype_size(dtype);
+    if (bytes <= kStagingBytes) {
+      if (!stream_) start_staging();
+      const int i = next_;
+      next_ ^= 1;
+      FN_CUDA_CHECK(cudaEventSynchronize(event_[i]));  // the copy out of buffer i is done
+      const DType got = reader_.read_into(name, rows, cols, staging_[i], kStagingBytes);
+      FN_CHECK(got == dtype, "'{}' is {}, the CUDA backend expects {}", name, dtype_name(got),
+               dtype_name(dtype));
+      FN_CUDA_CHECK(cudaMemcpyAsync(dst, staging_[i], bytes, cudaMemcpyHostToDevice, stream_));
+      FN_CUDA_CHECK(cudaEventRecord(event_[i], stream_));
+      progress_.add(bytes);
+      return;
+    }
     const WeightSlice s = reader_.read(name, rows, cols);
     FN_CHECK(s.dtype == dtype, "'{}' is {}, the CUDA backend expects {}", name, dtype_name(s.dtype),
              dtype_name(dtype));
     FN_CUDA_CHECK(cudaMemcpy(dst, s.bytes->data(), s.bytes->size(), cudaMemcpyHostToDevice));
     progress_.add(s.bytes->size());
   }
-  void finish_progress() { progress_.finish(); }
+  // Waits for the last staged copies and writes the final progress line.
+  void finish() {
+    if (stream_) FN_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    progress_.finish();
+  }
   std::vector<float> vec(const std::string& name, int64_t n, Init) override {
     const WeightSlice s = reader_.read(name, n, 1);
     progress_.add(s.bytes->size());
@@ -169,10 +209,26 @@ class CheckpointSource final : public WeightSource {
   }
 
  private:
+  void start_staging() {
+    // A blocking stream: ordered after the arena's cudaMemset of each fresh block (legacy
+    // default stream), so a zero fill can never land after the weights.
+    FN_CUDA_CHECK(cudaStreamCreate(&stream_));
+    for (int i = 0; i < 2; ++i) {
+      FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staging_[i]), kStagingBytes));
+      FN_CUDA_CHECK(cudaEventCreateWithFlags(&event_[i], cudaEventDisableTiming));
+      FN_CUDA_CHECK(cudaEventRecord(event_[i], stream_));
+    }
+  }
+
+  static constexpr std::size_t kStagingBytes = std::size_t{64} << 20;
   RankSliceReader reader_;
   const ShardPlan& plan_;
   int rank_;
   ProgressLine progress_;
+  cudaStream_t stream_ = nullptr;
+  std::byte* staging_[2] = {nullptr, nullptr};
+  cudaEvent_t event_[2] = {nullptr, nullptr};
+  int next_ = 0;
 };
 
 uint64_t name_hash(std::string_view s) {
@@ -648,7 +704,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     if (ple_rank >= 0) {
       L.has_ple = true;
       b.ple(L.ple, lp, ple_rank);
-      L.ple.conv_state = arena.alloc_n<float>(
+      L.ple.conv_state = arena.state_n<float>(
           W * (c.ple_conv_kernel_size - 1) * c.ple_conv_dilation(), "PLE conv state");
       state_blocks.emplace_back(L.ple.conv_state, sizeof(float) * W * (c.ple_conv_kernel_size - 1) *
                                                       c.ple_conv_dilation());
@@ -668,10 +724,10 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
       a.k_norm = b.vec(ap + "k_norm.weight", hd, Init::NormOnePlus);
       a.iq_norm = b.vec(ap + "indexer.q_layernorm.weight", ihd, Init::NormOnePlus);
       a.ik_norm = b.vec(ap + "indexer.k_layernorm.weight", ihd, Init::NormOnePlus);
-      a.k_cache = arena.alloc_n<uint16_t>(T * Hkv_l * hd, "K cache");
-      a.v_cache = arena.alloc_n<uint16_t>(T * Hkv_l * hd, "V cache");
-      a.raw_keys = arena.alloc_n<float>(T * ihd, "indexer raw keys");
-      a.block_keys = arena.alloc_n<float>(std::max<int64_t>(T / c.indexer_compress_ratio, 1) * ihd,
+      a.k_cache = arena.state_n<uint16_t>(T * Hkv_l * hd, "K cache");
+      a.v_cache = arena.state_n<uint16_t>(T * Hkv_l * hd, "V cache");
+      a.raw_keys = arena.state_n<float>(T * ihd, "indexer raw keys");
+      a.block_keys = arena.state_n<float>(std::max<int64_t>(T / c.indexer_compress_ratio, 1) * ihd,
                                           "indexer block keys");
       max_in_rows = std::max(max_in_rows, a.in_rows);
       max_mix = std::max(max_mix, Hq_l * hd);
@@ -694,10 +750,10 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
                  conv.size());
         g.conv = upload_f32(arena, conv, "GDN conv");
       }
-      g.conv_state = arena.alloc_n<float>(conv_l * (Kc - 1), "GDN conv state");
-      g.S = arena.alloc_n<float>(Hv_l * dk * dv, "GDN recurrent state");
-      g.counters = arena.alloc_n<unsigned int>(Hv_l + Hk_l, "GDN counters");
-      g.o_scratch = arena.alloc_n<float>(Hv_l * dv, "GDN output");
+      g.conv_state = arena.state_n<float>(conv_l * (Kc - 1), "GDN conv state");
+      g.S = arena.state_n<float>(Hv_l * dk * dv, "GDN recurrent state");
+      g.counters = arena.state_n<unsigned int>(Hv_l + Hk_l, "GDN counters");
+      g.o_scratch = arena.state_n<float>(Hv_l * dv, "GDN output");
       state_blocks.emplace_back(g.conv_state, sizeof(float) * conv_l * (Kc - 1));
       state_blocks.emplace_back(g.S, sizeof(float) * Hv_l * dk * dv);
       max_in_rows = std::max(max_in_rows, g.in_rows);
@@ -714,7 +770,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     mo.gate_up = b.experts(mp, true, I_l, nullptr);
     mo.down = b.experts(mp, false, I_l, nullptr);
   }
-  weight_bytes = arena.held();
+  weight_bytes = arena.held() - arena.state_held();
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -1053,15 +1109,29 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   launch_step_advance(adv, s);
 }
 
+namespace {
+// Refuses, before allocating anything, a model + context that does not fit the free device
+// memory (core/memory_plan.h), with the per-category bytes in the message.
+void require_device_memory(const ModelConfig& c, const ShardPlan& plan, const CudaModelOptions& o) {
+  std::size_t free_b = 0, total_b = 0;
+  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  int device = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&device));
+  require_fits(plan_device_memory(c, plan, o.tp_rank, o.ctx_size), free_b,
+               fmt::format("rank {} (GPU {})", o.tp_rank, device));
+}
+}  // namespace
+
 std::unique_ptr<CudaModel> CudaModel::load(const std::filesystem::path& dir,
                                            const CudaModelOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   OpenedModel om = open_model(dir, options.tp_size);
   check_supported(om.config, options, om.quant.quantized());
+  require_device_memory(om.config, om.plan, options);
   std::unique_ptr<CudaModel> model(new CudaModel(om.config, options));
   CheckpointSource src(om, options.tp_rank);
   model->impl_->build(model->cfg_, options, src, &src, om.quant.ngram_fp8(om.config));
-  src.finish_progress();
+  src.finish();
   model->stats_.bytes = src.bytes();
   model->stats_.weight_bytes = model->impl_->weight_bytes;
   model->stats_.state_bytes = model->impl_->arena.held() - model->impl_->weight_bytes;
@@ -1075,6 +1145,7 @@ std::unique_ptr<CudaModel> CudaModel::random(const ModelConfig& config, const Qu
   const auto t0 = std::chrono::steady_clock::now();
   check_supported(config, options, quant.quantized());
   const ShardPlan plan = ShardPlan::build(config, quant, options.tp_size);
+  require_device_memory(config, plan, options);
   std::unique_ptr<CudaModel> model(new CudaModel(config, options));
   RandomSource src(plan, options.tp_rank, seed);
   model->impl_->build(model->cfg_, options, src, nullptr, quant.ngram_fp8(config));

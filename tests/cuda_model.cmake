@@ -4,3 +4,11 @@ if(TARGET fngen_cuda)
   fn_add_test(NAME test_cuda_model SOURCES test_cuda_model.cpp LIBS fngen_cuda
               LABEL gpu MPI NP 2 TIMEOUT 600)
 endif()
+# The same check against the CPU model on a 4-layer synth checkpoint of the real widths (writes
+# ~10 GB; $FN_REALWIDTH_DIR keeps it between runs).
+if(TARGET fngen_cuda)
+  fn_add_test(NAME test_cuda_model_realwidth SOURCES test_cuda_model_realwidth.cpp LIBS fngen_cuda
+              LABEL gpu MPI NP 2 TIMEOUT 1200)
+  target_compile_definitions(test_cuda_model_realwidth PRIVATE
+                             FN_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
+endif()

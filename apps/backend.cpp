@@ -13,6 +13,7 @@
 #ifdef FN_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "comm/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
@@ -112,6 +113,12 @@ LoadedBackend load_cuda(const BackendFlags& flags, const std::filesystem::path& 
                         const std::function<bool(int32_t)>& on_token) {
     return m->decode(first, count, sp, seed, on_token);
   };
+  b.device_used_mib = [] {
+    std::size_t free_b = 0, total_b = 0;
+    FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return static_cast<double>(total_b - free_b) / (1 << 20);
+  };
+  b.graph_captures = [m] { return m->graph_captures(); };
   b.vocab_size = m->config().vocab_size;
   b.tp_size = gpu.size();
   b.weight_mib = static_cast<double>(m->load_stats().weight_bytes) / (1 << 20);

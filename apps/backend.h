@@ -61,6 +61,10 @@ struct LoadedBackend {
   std::function<std::vector<int32_t>(int32_t first, int64_t count, const SamplingParams&,
                                      uint64_t seed, const std::function<bool(int32_t)>& on_token)>
       device_decode;
+  /// CUDA only: device memory in use on this rank's GPU (MiB, cudaMemGetInfo total - free) and
+  /// how many CUDA graphs the model has captured so far (a soak must see these stay flat).
+  std::function<double()> device_used_mib;
+  std::function<int64_t()> graph_captures;
   /// Owns the model (and on cuda its all-reduce and GpuComm, destroyed in that order).
   std::shared_ptr<void> keep_alive;
 };

@@ -464,6 +464,10 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       json j = result_json(r, rec_chat);
       j["id"] = rec_id;
       j["sampling"] = sampling_json(sp);
+      // Rank 0's memory after this record (a soak compares the first and the last record).
+      j["host_rss_mib"] = current_rss_mib();
+      if (model.device_used_mib) j["device_used_mib"] = model.device_used_mib();
+      if (model.graph_captures) j["graph_captures"] = model.graph_captures();
       const std::string s = j.dump() + "\n";
       std::fwrite(s.data(), 1, s.size(), out);
       std::fflush(out);

@@ -1,6 +1,9 @@
 // Generation loop: prefill, sample/decode with stop handling and timing (core/generate.h).
 #include "core/generate.h"
 
+#include <unistd.h>
+#include <cstdio>
+
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -271,6 +274,17 @@ GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& de
   r.prefill_tokens_per_s =
       r.prefill_ms > 0 ? static_cast<double>(r.n_prompt_tokens) * 1e3 / r.prefill_ms : 0;
   return r;
+}
+
+double current_rss_mib() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return 0;
+  long pages_total = 0, pages_resident = 0;
+  const int n = std::fscanf(f, "%ld %ld", &pages_total, &pages_resident);
+  std::fclose(f);
+  if (n != 2) return 0;
+  return static_cast<double>(pages_resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) /
+         (1024.0 * 1024.0);
 }
 
 double peak_rss_mib() {

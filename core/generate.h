@@ -118,6 +118,9 @@ GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& de
                                     Collectives& coll, std::span<const int32_t> prompt,
                                     const GenerateOptions& options, const TextHooks& hooks = {});
 
+/// Resident memory of this process now, in MiB (/proc/self/statm; 0 where unavailable).
+double current_rss_mib();
+
 /// Peak resident memory of this process in MiB (getrusage ru_maxrss).
 double peak_rss_mib();
 

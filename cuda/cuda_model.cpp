@@ -438,6 +438,7 @@ struct CudaModel::Impl {
   cudaGraphExec_t sample_graph = nullptr;
   DeviceSamplingParams sample_graph_params{};
   uint64_t weight_bytes = 0;
+  int64_t captures = 0;
 
   // Loads every weight from `src` and allocates the states and activations.
   void build(const ModelConfig& c, const CudaModelOptions& o, WeightSource& src,
@@ -1186,6 +1187,10 @@ cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& encode
 
 }  // namespace
 
+int64_t CudaModel::graph_captures() const noexcept {
+  return impl_->captures;
+}
+
 void CudaModel::reset() {
   impl_->reset_state(cfg_);
   position_ = 0;
@@ -1270,8 +1275,10 @@ std::span<const float> CudaModel::forward(int32_t token) {
   FN_CUDA_CHECK(
       cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
   if (opt_.use_graph) {
-    if (!I.logits_graph)
+    if (!I.logits_graph) {
       I.logits_graph = capture(I.stream, [&] { I.encode_step(cfg_, opt_, nullptr); });
+      ++I.captures;
+    }
     FN_CUDA_CHECK(cudaGraphLaunch(I.logits_graph, I.stream));
   } else {
     I.encode_step(cfg_, opt_, nullptr);
@@ -1334,8 +1341,10 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
   I.host_token[0] = token;
   FN_CUDA_CHECK(
       cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
-  if (opt_.use_graph && !I.sample_graph)
+  if (opt_.use_graph && !I.sample_graph) {
     I.sample_graph = capture(I.stream, [&] { I.encode_step(cfg_, opt_, &I.sample_graph_params); });
+    ++I.captures;
+  }
 
   std::vector<int32_t> out;
   out.reserve(static_cast<std::size_t>(count));

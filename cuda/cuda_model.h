@@ -113,6 +113,9 @@ class CudaModel {
   void set_position_for_benchmark(int64_t position);
 
   int64_t position() const noexcept { return position_; }
+  /// CUDA graphs captured since load (one per mode; a new one only when decode() is called with
+  /// other sampling settings). A long run must see this stay flat.
+  int64_t graph_captures() const noexcept;
   const ModelConfig& config() const noexcept { return cfg_; }
   const CudaLoadStats& load_stats() const noexcept { return stats_; }
 

@@ -12,43 +12,10 @@ fngen=$1
 mpiexec=$2
 src=$3
 have_cuda=$4
-py=/usr/bin/python3
+source "$src/tests/cli_lib.sh"
 fx=$src/tests/data/fixtures
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export CUDA_VISIBLE_DEVICES=-1
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-
-mpi() {  # mpi NP fngen-args...
-  local np=$1
-  shift
-  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" "$@"
-}
-
-expect() {  # expect CODE PATTERN -- command...
-  local code=$1 pattern=$2
-  shift 3
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
-    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
-  else
-    echo "ok: exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
-  fi
-}
-
-check_json() {  # check_json FILE PYTHON-EXPRESSION-ON-j DESCRIPTION
-  if $py -c "import json,sys; j=json.load(open(sys.argv[1])); sys.exit(0 if ($2) else 1)" "$1"; then
-    echo "ok: $3"
-  else
-    fail "$3: $(head -c 600 "$1")"
-  fi
-}
+mpi() { mpi_fngen "$@"; }  # mpi NP fngen-args...
 
 ids=$($py -c "import json;print(','.join(map(str,json.load(open('$fx/tp4/expected.json'))['prompt_ids'])))")
 want=$($py -c "import json;print(json.load(open('$fx/tp4/expected.json'))['generated_ids'][:8])")

@@ -10,22 +10,9 @@ set -u
 fngen=$1
 mpiexec=$2
 src=$3
-py=/usr/bin/python3
+source "$src/tests/cli_lib.sh"
 fx=$src/tests/data/fixtures
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-
-mpi() {  # mpi NP fngen-args...
-  local np=$1
-  shift
-  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" "$@"
-}
+mpi() { mpi_fngen "$@"; }  # mpi NP fngen-args...
 
 ids=$($py -c "import json;print(','.join(map(str,json.load(open('$fx/tp4/expected.json'))['prompt_ids'])))")
 

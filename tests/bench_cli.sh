@@ -16,38 +16,16 @@ fngen=$1
 mpiexec=$2
 src=$3
 mode=$4
-py=/usr/bin/python3
+source "$src/tests/cli_lib.sh"
 fx=$src/tests/data/fixtures/tp4
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-pass() { echo "ok: $*"; }
 
 bench() {  # bench fngen-bench-args... (one process)
   timeout 300 "$fngen" bench -m "$fx" --backend cpu "$@"
 }
-mpi() {  # mpi NP fngen-bench-args...
+mpi() {  # mpi NP args...
   local np=$1
   shift
-  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" \
-    bench -m "$fx" --backend cpu "$@"
-}
-
-expect() {  # expect CODE PATTERN -- command...
-  local code=$1 pattern=$2
-  shift 3
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
-    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
-  else
-    pass "exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
-  fi
+  mpi_fngen "$np" bench -m "$fx" --backend cpu "$@"
 }
 
 # pycheck DESCRIPTION PYTHON-SCRIPT ARGS...: the script exits non-zero (printing why) on failure.

@@ -12,40 +12,18 @@ set -u
 fngen=$1
 mpiexec=$2
 src=$3
-py=/usr/bin/python3
+source "$src/tests/cli_lib.sh"
 fx=$src/tests/data/fixtures
 drl=$src/scripts/reference/dump_reference_logits.py
 chk=$src/tests/eval_check.py
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-
-mpi() {  # mpi NP eval-args...
+mpi() {  # mpi NP args...
   local np=$1
   shift
-  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" \
-    eval "$@"
+  mpi_fngen "$np" eval "$@"
 }
 
 check() {  # check CHECK-NAME ARGS... (tests/eval_check.py)
   $py "$chk" "$@" || fail "eval_check.py $*"
-}
-
-expect() {  # expect CODE PATTERN -- command...
-  local code=$1 pattern=$2
-  shift 3
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
-    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
-  else
-    echo "ok: exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
-  fi
 }
 
 ids_of() {  # ids_of FIXTURE KEY [SLICE] -> comma-separated ids

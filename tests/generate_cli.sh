@@ -10,43 +10,12 @@ set -u
 fngen=$1
 mpiexec=$2
 src=$3
-py=/usr/bin/python3
+source "$src/tests/cli_lib.sh"
 fx=$src/tests/data/fixtures
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-
-mpi() {  # mpi NP generate-args...
+mpi() {  # mpi NP args...
   local np=$1
   shift
-  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" \
-    generate "$@"
-}
-
-expect() {  # expect CODE PATTERN -- command...
-  local code=$1 pattern=$2
-  shift 3
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
-    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
-  else
-    echo "ok: exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
-  fi
-}
-
-# JSON field checks: check_json FILE PYTHON-EXPRESSION-ON-j DESCRIPTION
-check_json() {
-  if $py -c "import json,sys; j=json.load(open(sys.argv[1])); sys.exit(0 if ($2) else 1)" "$1"; then
-    echo "ok: $3"
-  else
-    fail "$3: $(head -c 600 "$1")"
-  fi
+  mpi_fngen "$np" generate "$@"
 }
 
 # ---- acceptance: greedy ids of the tp4 fixture at -np 1, 2, 4 ----

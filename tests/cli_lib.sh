@@ -1,0 +1,41 @@
+# Shared helpers of the CLI test scripts (tests/*_cli.sh, tests/backend_gpu.sh): a temporary
+# directory removed on exit, Open MPI allowed as root, failure counting, fngen under mpirun, an
+# exit-code + stderr-pattern expectation and a JSON field check. Source it after setting
+# $fngen and $mpiexec; it defines $py, $tmp and $failures.
+py=/usr/bin/python3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+failures=0
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+pass() { echo "ok: $*"; }
+
+mpi_fngen() {  # mpi_fngen NP fngen-args... (300 s limit: a hang is a failure)
+  local np=$1
+  shift
+  timeout 300 "$mpiexec" -np "$np" --oversubscribe --allow-run-as-root --bind-to none "$fngen" "$@"
+}
+
+expect() {  # expect CODE PATTERN -- command...
+  local code=$1 pattern=$2
+  shift 3
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
+    fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"
+  else
+    pass "exit $got: $(grep -m1 -- "$pattern" "$tmp/err")"
+  fi
+}
+
+check_json() {  # check_json FILE PYTHON-EXPRESSION-ON-j DESCRIPTION
+  if $py -c "import json,sys; j=json.load(open(sys.argv[1])); sys.exit(0 if ($2) else 1)" "$1"; then
+    pass "$3"
+  else
+    fail "$3: $(head -c 600 "$1")"
+  fi
+}

@@ -1,10 +1,12 @@
 // fngen entry point: CLI11 parsing, MPI start-up and the one error funnel of the process
 // (STYLE.md "Errors and logs"): an fn::Error is logged once with the rank prefix and every
 // rank ends with the exit code of its kind (MPI_Abort when several ranks run).
+#include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "apps/command.h"
 #include "comm/mpi_context.h"
@@ -21,6 +23,18 @@ int launcher_rank() {
   return 0;
 }
 
+}  // namespace
+
+namespace {
+// Most bad input fails on every rank alike. Ranks other than 0 give rank 0 a moment to print the
+// message and abort the job (which ends them here, silently); only an error that rank 0 did not
+// hit is then printed by the rank that did. One message instead of one per rank, and no
+// simultaneous MPI_Abort calls (Open MPI garbles its own help output when they race).
+void wait_for_rank0_abort(const fn::MpiContext* mpi) {
+  const int rank = mpi ? mpi->world_rank() : launcher_rank();
+  const int size = mpi ? mpi->world_size() : 1;
+  if (rank != 0 && size > 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -67,10 +81,12 @@ int main(int argc, char** argv) {
     mpi.reset();
     return code;
   } catch (const fn::Error& e) {
+    wait_for_rank0_abort(mpi.get());
     FN_LOG_ERROR("{} error: {}", fn::error_kind_name(e.kind()), e.what());
     FN_LOG_DEBUG("raised at {}", e.where());
     code = fn::exit_code(e.kind());
   } catch (const std::exception& e) {
+    wait_for_rank0_abort(mpi.get());
     FN_LOG_ERROR("internal error: {}", e.what());
     code = 1;
   }

@@ -49,7 +49,8 @@ struct GenerateCli {
   int64_t max_new_tokens = 256, ctx_size = 0;
   double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0,
          frequency = 0.0;
-  int64_t top_k = 0, repeat_last_n = 64, seed = -1;
+  int64_t top_k = 0, repeat_last_n = 64;
+  std::string seed = "-1";  // -1 or a uint64 (the printed random seeds reach 2^64 - 1)
   std::vector<std::string> stop;
   bool ignore_eos = false, chat = false, think = false, no_think = false, json_out = false;
   bool host_sampling = false;
@@ -288,12 +289,20 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   if (o.o_presence->count()) sp.presence_penalty = o.presence;
   sp.frequency_penalty = o.frequency;
   sp.repeat_last_n = o.repeat_last_n;
-  FN_REQUIRE(o.seed >= -1, Usage, "--seed must be >= 0 or -1 (random), got {}", o.seed);
+  const bool random_seed = o.seed == "-1";
+  uint64_t seed = 0;
+  if (!random_seed) {
+    const char* end = o.seed.data() + o.seed.size();
+    const auto [ptr, ec] = std::from_chars(o.seed.data(), end, seed);
+    FN_REQUIRE(!o.seed.empty() && ec == std::errc() && ptr == end, Usage,
+               "-s/--seed must be -1 (random) or an integer in [0, 18446744073709551615], got "
+               "'{}'",
+               o.seed);
+  }
   validate_sampling_params(sp);
 
   MpiCollectives coll(mpi.world());
-  uint64_t seed = o.seed >= 0 ? static_cast<uint64_t>(o.seed) : 0;
-  if (o.seed < 0) {
+  if (random_seed) {
     if (root) seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
     coll.broadcast(&seed, sizeof(seed), 0);
   }

@@ -46,6 +46,18 @@ $py -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.ar
   and a['sampling']['seed']==5 else 1)" "$tmp/s1.json" "$tmp/s2.json" &&
   echo "ok: --seed 5 reproduces; top_k 20 came from generation_config.json" ||
   fail "seeded runs differ or generation_config defaults not applied"
+# Seeds above 2^63 (half of the printed random seeds) are taken whole, so a run can be repeated.
+big=12798617088344830066
+mpi 1 -m "$fx/tp4" --prompt-ids "$ids" --seed $big -n 8 --ignore-eos --json >"$tmp/b1.json" 2>/dev/null
+mpi 1 -m "$fx/tp4" --prompt-ids "$ids" --seed $big -n 8 --ignore-eos --json >"$tmp/b2.json" 2>/dev/null
+$py -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); \
+  sys.exit(0 if a['token_ids']==b['token_ids'] and a['sampling']['seed']==$big else 1)" \
+  "$tmp/b1.json" "$tmp/b2.json" && echo "ok: --seed $big (> 2^63) reproduces and is echoed whole" ||
+  fail "a seed above 2^63 was not kept"
+expect 2 "seed must be -1 (random) or an integer in" -- mpi 1 -m "$fx/tp4" --prompt-ids "$ids" \
+  --seed 18446744073709551616
+expect 2 "seed must be -1 (random) or an integer in" -- mpi 1 -m "$fx/tp4" --prompt-ids "$ids" \
+  --seed -2
 
 # ---- bad input: CLI ----
 expect 2 "bogus" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 --bogus

@@ -196,6 +196,23 @@ TEST_CASE("tokenizer: streaming pieces are valid UTF-8 and add up to decode() on
   CHECK(t.decode(std::span<const int32_t>(crab.data(), 1)) == "\xEF\xBF\xBD");
 }
 
+TEST_CASE("tokenizer: an id past the tokenizer (a padded model row) streams as no text") {
+  const auto& t = fn::test::qwen3();
+  REQUIRE(t.vocab_size() == 151669);
+  const Ids hello = t.encode("Hello");
+  fn::StreamingDetokenizer s(t);
+  std::string all;
+  all += s.feed(hello[0]);
+  CHECK(s.feed(151669).empty());  // Qwen3 models have vocab_size 151936
+  CHECK(s.feed(151935).empty());
+  for (std::size_t i = 1; i < hello.size(); ++i) all += s.feed(hello[i]);
+  all += s.finish();
+  CHECK(all == "Hello");
+  CHECK(s.unknown_ids() == 2);
+  // decode() itself still refuses the id: only the generation stream is lenient.
+  CHECK_THROWS_AS(t.decode(Ids{151669}), fn::Error);
+}
+
 TEST_CASE("tokenizer: 1 MB without whitespace and 1 MB of one character round-trip") {
   const auto& t = fn::test::qwen3();
   std::string nows;

@@ -4,6 +4,7 @@
 #include <sentencepiece_processor.h>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
 
@@ -106,7 +107,19 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& model_dir
 }
 
 std::string StreamingDetokenizer::feed(int32_t id) {
-  pending_ += tokenizer_.token_bytes(id, first_);
+  std::string bytes;
+  try {
+    bytes = tokenizer_.token_bytes(id, first_);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Format) throw;
+    if (unknown_ids_++ == 0)
+      FN_LOG_WARN(
+          "token id {} is not in the tokenizer's vocabulary (size {}): it decodes to no "
+          "text (a padded row of the model's vocabulary)",
+          id, tokenizer_.vocab_size());
+    return {};
+  }
+  pending_ += bytes;
   first_ = false;
   const size_t hold = unicode::incomplete_utf8_tail(pending_);
   std::string out =

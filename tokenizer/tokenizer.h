@@ -75,7 +75,10 @@ std::unique_ptr<Tokenizer> load_tokenizer_file(const std::filesystem::path& file
 
 /// Incremental decode for generation output: feed ids one at a time, get back only complete
 /// UTF-8 (an emoji split over three tokens comes out once, never as U+FFFD). The concatenation
-/// of all feed() results and finish() equals tokenizer.decode(all ids).
+/// of all feed() results and finish() equals tokenizer.decode(all ids). An id the tokenizer does
+/// not have (a model's vocab_size is padded past the tokenizer: Qwen3 151,936 vs 151,669 entries,
+/// and sampling can pick such a row) decodes to empty text, as HF tokenizers' decode() does; the
+/// first one is logged as a warning and unknown_ids() counts them.
 class StreamingDetokenizer {
  public:
   explicit StreamingDetokenizer(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
@@ -83,11 +86,14 @@ class StreamingDetokenizer {
   std::string feed(int32_t id);
   /// Ends the stream: returns what is held back (an incomplete sequence becomes U+FFFD).
   std::string finish();
+  /// Ids fed so far that the tokenizer does not have (they produced no text).
+  int64_t unknown_ids() const noexcept { return unknown_ids_; }
 
  private:
   const Tokenizer& tokenizer_;
   std::string pending_;
   bool first_ = true;
+  int64_t unknown_ids_ = 0;
 };
 
 }  // namespace fn

@@ -53,6 +53,26 @@ int main(int argc, char** argv) {
   fn::CommandList commands;
   fn::register_commands(app, commands);
 
+  // CLI11 reports an unknown subcommand as "arguments were not expected" listing the rest of the
+  // line; say what it is instead.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--log-level") {
+      ++i;
+      continue;
+    }
+    if (a.empty() || a[0] == '-') continue;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+      known = known || sub->get_name() == a;
+    if (!known) {
+      if (launcher_rank() == 0)
+        std::cerr << "fngen: unknown subcommand '" << a << "' (see fngen --help)\n";
+      return fn::exit_code(fn::ErrorKind::Usage);
+    }
+    break;
+  }
+
   try {
     app.parse(argc, argv);
     if (app.get_subcommands().empty()) {

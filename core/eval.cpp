@@ -43,15 +43,22 @@ std::string tokenizer_id(const fs::path& model_dir) {
 std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
                                      const std::string& what) {
   std::vector<int32_t> ids;
-  const auto is_sep = [](char c) {
-    return c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r';
-  };
+  const auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
   std::size_t i = 0;
-  while (i < text.size()) {
-    while (i < text.size() && is_sep(text[i])) ++i;
-    if (i >= text.size()) break;
+  bool need_item = false;  // after a comma: an empty item ("1,,2", "1,") is an error
+  for (;;) {
+    while (i < text.size() && is_space(text[i])) ++i;
+    if (i >= text.size() || text[i] == ',') {
+      FN_REQUIRE(!need_item && (i >= text.size() || !ids.empty()), Usage,
+                 "{}: empty item {} (ids are separated by one comma or by whitespace)", what,
+                 ids.size());
+      if (i >= text.size()) break;
+      ++i;  // the comma
+      need_item = true;
+      continue;
+    }
     std::size_t j = i;
-    while (j < text.size() && !is_sep(text[j])) ++j;
+    while (j < text.size() && !is_space(text[j]) && text[j] != ',') ++j;
     const std::string_view item = text.substr(i, j - i);
     int64_t v = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
@@ -61,6 +68,7 @@ std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
                "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size(), v,
                vocab_size);
     ids.push_back(static_cast<int32_t>(v));
+    need_item = false;
     i = j;
   }
   return ids;

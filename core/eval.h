@@ -66,8 +66,9 @@ uint64_t fnv1a64(std::string_view bytes) noexcept;
 /// fn::Error(Io) when the file exists but cannot be read.
 std::string tokenizer_id(const std::filesystem::path& model_dir);
 
-/// Parses token ids separated by commas and/or whitespace (newlines included); each must lie in
-/// [0, vocab_size). `what` names the flag or file in errors (fn::Error Usage).
+/// Parses token ids separated by one comma (spaces around it allowed) or by whitespace (newlines
+/// included); each must lie in [0, vocab_size). An empty item (",1", "1,,2", "1,") is an error.
+/// `what` names the flag or file in errors (fn::Error Usage).
 std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
                                      const std::string& what);
 

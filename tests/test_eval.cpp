@@ -156,6 +156,14 @@ TEST_CASE("eval: parse_token_ids accepts commas, spaces and newlines and rejects
           fn::parse_token_ids("1 10", 10, "--ids-file f");
         }).find("--ids-file f: item 1 = 10 is outside the vocabulary [0, 10)") !=
         std::string::npos);
+  // An empty item between commas, or a comma at either end, is a mistake, not a separator.
+  CHECK(fn::parse_token_ids("1 , 2 ,3", 10, "x") == std::vector<int32_t>{1, 2, 3});
+  for (const char* bad : {"1,,2", ",1,2", "1,2,", ",", "1, ,2"}) {
+    CAPTURE(bad);
+    CHECK(message_of([bad] {
+            fn::parse_token_ids(bad, 10, "--prompt-ids");
+          }).find("--prompt-ids: empty item") != std::string::npos);
+  }
 }
 
 TEST_CASE("eval: fnv1a64 gives the published FNV-1a test vectors") {

@@ -186,8 +186,11 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
   const std::string name = resolve_backend(flags, coll);
   if (name == "cpu") {
     if (flags.no_graph || flags.allreduce != "auto") {
-      FN_LOG_INFO("{}: --no-graph and --allreduce apply to the cuda backend only; ignored on cpu",
-                  who);
+      const char* given = flags.no_graph && flags.allreduce != "auto" ? "--no-graph and --allreduce"
+                          : flags.no_graph                            ? "--no-graph"
+                                                                      : "--allreduce";
+      FN_LOG_INFO("{}: {} {} to the cuda backend only; ignored on cpu", who, given,
+                  flags.no_graph && flags.allreduce != "auto" ? "apply" : "applies");
     }
     LoadedBackend b = load_cpu(dir, coll);
     FN_LOG_INFO(

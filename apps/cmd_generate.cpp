@@ -359,6 +359,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   };
   if (model.device_decode)
     FN_LOG_INFO("generate: sampling on the {}", on_device ? "GPU (in the decode graph)" : "host");
+  else if (o.host_sampling)
+    FN_LOG_INFO(
+        "generate: --host-sampling applies to the cuda backend only; the {} backend "
+        "always samples on the host",
+        model.name);
   const auto run = [&](std::span<const int32_t> ids, const TextHooks& hooks) {
     return on_device ? generate_on_device(forward, decode, coll, ids, go, hooks)
                      : generate(forward, coll, ids, go, hooks);

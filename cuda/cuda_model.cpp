@@ -564,7 +564,7 @@ struct Builder {
     return h;
   }
 
-  Nvfp4Experts experts(const std::string& mp, bool gate_up, int64_t I_l, float* globals_host) {
+  Nvfp4Experts experts(const std::string& mp, bool gate_up, int64_t I_l) {
     const int64_t D = c.hidden_size, E = c.num_experts;
     const int64_t rows = gate_up ? 2 * I_l : D, cols = gate_up ? D : I_l;
     auto* packed = arena.alloc_n<uint8_t>(E * rows * cols / 2, "NVFP4 expert codes");
@@ -584,7 +584,6 @@ struct Builder {
             src.scalar(base + ".weight_scale_2", 1.0f / (2.93f * std::sqrt(static_cast<float>(D))));
       }
     }
-    (void)globals_host;
     Nvfp4Experts x;
     x.packed = packed;
     x.scales = scales;
@@ -768,8 +767,8 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
                             {mp + "shared_expert.up_proj.weight", Is_l}},
                            D, "shared expert gate/up");
     mo.s_down = b.stack({{mp + "shared_expert.down_proj.weight", D}}, Is_l, "shared expert down");
-    mo.gate_up = b.experts(mp, true, I_l, nullptr);
-    mo.down = b.experts(mp, false, I_l, nullptr);
+    mo.gate_up = b.experts(mp, true, I_l);
+    mo.down = b.experts(mp, false, I_l);
   }
   weight_bytes = arena.held() - arena.state_held();
 

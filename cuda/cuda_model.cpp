@@ -248,7 +248,10 @@ class RandomSource final : public WeightSource {
     p.count = rows * cols;
     p.dtype = dtype;
     p.seed = seed_;
-    p.stream = name_hash(name) + static_cast<uint64_t>(rank_);
+    // A replicated tensor gets the same values on every rank (the router and the HC then choose
+    // alike on all ranks, as with real weights); a sharded one differs per rank.
+    const bool replicated = plan_.shard(plan_.index(name), rank_).replicated;
+    p.stream = name_hash(name) + (replicated ? 0 : static_cast<uint64_t>(rank_) + 1);
     if (dtype == DType::U8) {
       p.kind = RandomFill::E2M1Codes;
     } else if (dtype == DType::F8_E4M3) {

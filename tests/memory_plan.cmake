@@ -6,3 +6,4 @@ if(TARGET fngen_cuda)
   fn_add_test(NAME test_memory_plan_cuda SOURCES test_memory_plan_cuda.cpp LIBS fngen_cuda
               LABEL cpu)
 endif()
+set_tests_properties(test_memory_plan PROPERTIES LABELS "cpu;heavy")  # see tests/model.cmake

@@ -1,10 +1,10 @@
 // CudaModel (cuda/cuda_model.h) against the transformers FP32 reference fixtures, teacher-forced
 // (issue 6 acceptance): on the GPU machine with mpirun -np 2 (one GPU per rank) every fixture at
-// TP=1 (each rank alone) and TP=2; max |logit - ref| <= 2e-2 * max |ref| at every row; argmax
-// equal to the reference's wherever the reference's top-1 margin exceeds that tolerance; graph
-// replay bitwise equal to the eager step; both ranks bitwise equal at TP=2; the on-device greedy
-// decode loop reproduces the host-side argmax chain; free-running greedy generation matches the
-// reference's tokens up to its first low-margin step.
+// TP=1 (each rank alone) and TP = world size (2, or 4 on a 4-GPU machine); max |logit - ref| <=
+// 2e-2 * max |ref| at every row; argmax equal to the reference's wherever the reference's top-1
+// margin exceeds that tolerance; graph replay bitwise equal to the eager step; all ranks bitwise
+// equal at TP > 1; the on-device greedy decode loop reproduces the host-side argmax chain;
+// free-running greedy generation matches the reference's tokens up to its first low-margin step.
 #include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 #include <mpi.h>
@@ -178,14 +178,14 @@ TEST_CASE("cuda model: per-layer residual drift against the CPU model (diagnosti
   }
 }
 
-TEST_CASE("cuda model: TP=2 matches the reference and both ranks return the same logits") {
+TEST_CASE("cuda model: TP = world size matches the reference and all ranks agree bitwise") {
   int rank = 0;
   const int n = world(&rank);
   if (n < 2) {
-    MESSAGE("TP=2 needs mpirun -np 2 (one GPU per rank); this run has " << n << " rank(s)");
+    MESSAGE("TP > 1 needs mpirun -np 2 or 4 (one GPU per rank); this run has " << n << " rank(s)");
     return;
   }
-  REQUIRE(n == 2);
+  int ran = 0;
   fn::GpuComm gpu(fn::gpu_group_of_world());
   cudaStream_t stream = nullptr;
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -195,13 +195,21 @@ TEST_CASE("cuda model: TP=2 matches the reference and both ranks return the same
     CAPTURE(name);
     const RefFixture f = fn::test::load_ref_fixture(name);
     const CpuRun cpu = cpu_run(f);
-    auto o = options(rank, 2, ar.get(), true);
+    auto o = options(rank, n, ar.get(), true);
     o.stream = stream;
     o.replay_choices = true;
-    auto model = fn::CudaModel::load(f.dir, o);
+    std::unique_ptr<fn::CudaModel> model;
+    try {
+      model = fn::CudaModel::load(f.dir, o);
+    } catch (const fn::Error& e) {  // the shard plan's Usage error, alike on every rank
+      if (e.kind() != fn::ErrorKind::Usage) throw;
+      MESSAGE(name << ": TP=" << n << " does not divide this model: " << e.what());
+      continue;
+    }
+    ++ran;
     const std::vector<float> g = run_rows_replayed(*model, f, cpu);
     const RowCheck rc = check_rows(f, g, cpu.ill);
-    MESSAGE(name << " TP=2 (" << std::string(ar->name())
+    MESSAGE(name << " TP=" << n << " (" << std::string(ar->name())
                  << "), choices replayed: worst |diff| / (2e-2 "
                  << "max|ref|) = " << rc.worst_ratio << " over " << f.tokens.size() - rc.tie_rows
                  << " rows; " << rc.tie_rows << " ill-conditioned rows reported (worst "
@@ -231,6 +239,7 @@ TEST_CASE("cuda model: TP=2 matches the reference and both ranks return the same
         MPI_Bcast(theirs.data(), static_cast<int>(theirs.size()), MPI_FLOAT, 0, MPI_COMM_WORLD));
     CHECK(std::memcmp(theirs.data(), mine.data(), mine.size() * sizeof(float)) == 0);
   }
+  CHECK(ran >= 1);  // tp4 divides at TP 2 and 4; g3_tiny and ple2_long at TP 2
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

@@ -22,6 +22,16 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
+// The derived figures of a finished generation: TPOT statistics and the two rates.
+void finish_stats(GenerationResult& r) {
+  r.tpot = latency_stats(r.itl_ms);
+  double itl_sum = 0;
+  for (double v : r.itl_ms) itl_sum += v;
+  r.decode_tokens_per_s = itl_sum > 0 ? static_cast<double>(r.itl_ms.size()) * 1e3 / itl_sum : 0;
+  r.prefill_tokens_per_s =
+      r.prefill_ms > 0 ? static_cast<double>(r.n_prompt_tokens) * 1e3 / r.prefill_ms : 0;
+}
+
 // Wire codes of the per-step broadcast: {token, kContinue or 1 + FinishReason}.
 constexpr int32_t kContinue = 0;
 
@@ -208,12 +218,7 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
     }
     r.text = stop_text.take_text();
   }
-  r.tpot = latency_stats(r.itl_ms);
-  double itl_sum = 0;
-  for (double v : r.itl_ms) itl_sum += v;
-  r.decode_tokens_per_s = itl_sum > 0 ? static_cast<double>(r.itl_ms.size()) * 1e3 / itl_sum : 0;
-  r.prefill_tokens_per_s =
-      r.prefill_ms > 0 ? static_cast<double>(r.n_prompt_tokens) * 1e3 / r.prefill_ms : 0;
+  finish_stats(r);
   return r;
 }
 
@@ -267,12 +272,7 @@ GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& de
     stop_text.flush();
     r.text = stop_text.take_text();
   }
-  r.tpot = latency_stats(r.itl_ms);
-  double itl_sum = 0;
-  for (double v : r.itl_ms) itl_sum += v;
-  r.decode_tokens_per_s = itl_sum > 0 ? static_cast<double>(r.itl_ms.size()) * 1e3 / itl_sum : 0;
-  r.prefill_tokens_per_s =
-      r.prefill_ms > 0 ? static_cast<double>(r.n_prompt_tokens) * 1e3 / r.prefill_ms : 0;
+  finish_stats(r);
   return r;
 }
 

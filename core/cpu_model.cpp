@@ -247,12 +247,11 @@ void CpuModel::load_weights(const Checkpoint& ck, const ShardPlan& plan, bool ba
   load_hc(*final_mixer_, p + "hyper_connection_mixer", false);
 
   // Local geometry (MODEL.md §E.2).
-  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t conv_l = 2 * Hk_l * dk + Hv_l * dv, Kc = c.linear_conv_kernel_dim;
-  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
-  const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
-  const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
+  const RankDims rd = rank_dims(c, tp, r);
+  const int64_t Hv_l = rd.linear_v_heads, dv = c.linear_value_head_dim;
+  const int64_t conv_l = rd.gdn_conv_dim, Kc = c.linear_conv_kernel_dim;
+  const int64_t Hq_l = rd.q_heads, hd = c.head_dim, Hkv_l = rd.kv_heads;
+  const int64_t I_l = rd.moe_inter, Is_l = rd.shared_inter;
 
   for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
     auto L = std::make_unique<Layer>();
@@ -377,9 +376,9 @@ void CpuModel::reset() {
   const ModelConfig& c = cfg_;
   const int tp = tp_size_;
   position_ = 0;
-  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const RankDims rd = rank_dims(c, tp, tp_rank_);
+  const int64_t Hv_l = rd.linear_v_heads, conv_l = rd.gdn_conv_dim;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t conv_l = 2 * Hk_l * dk + Hv_l * dv;
   for (auto& L : layers_) {
     if (L->ple) {
       Ple& ple = *L->ple;
@@ -532,8 +531,8 @@ void CpuModel::ple_step(Layer& L, int32_t token, float* H) {
 void CpuModel::gdn_step(Layer& L, const float* m, float* y) {
   const ModelConfig& c = cfg_;
   Gdn& g = L.gdn;
-  const int tp = tp_size_;
-  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const RankDims rd = rank_dims(c, tp_size_, tp_rank_);
+  const int64_t Hk_l = rd.linear_k_heads, Hv_l = rd.linear_v_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const int64_t key_l = Hk_l * dk, conv_l = g.qkv->rows();
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -579,13 +578,10 @@ void CpuModel::gdn_step(Layer& L, const float* m, float* y) {
 void CpuModel::qsa_step(Layer& L, const float* m, float* y) {
   const ModelConfig& c = cfg_;
   Qsa& a = L.attn;
-  const int tp = tp_size_, r = tp_rank_;
   const int64_t t = position_;
-  const int64_t hd = c.head_dim, Hq_l = c.num_attention_heads / tp;
-  const int64_t Hkv = c.num_key_value_heads;
-  const int64_t Hkv_l = tp <= Hkv ? Hkv / tp : 1;
-  const int64_t kv_first = tp <= Hkv ? r * Hkv_l : (int64_t{r} * Hkv) / tp;
-  const int64_t q_per_kv = c.num_attention_heads / Hkv;
+  const RankDims rd = rank_dims(c, tp_size_, tp_rank_);
+  const int64_t hd = c.head_dim, Hq_l = rd.q_heads, Hkv_l = rd.kv_heads;
+  const int64_t kv_first = rd.kv_head_first, q_per_kv = rd.q_per_kv;
   const int64_t rot = c.rotary_dim();
   const float eps = static_cast<float>(c.rms_norm_eps);
 
@@ -650,7 +646,7 @@ void CpuModel::qsa_step(Layer& L, const float* m, float* y) {
   // Step 6: attention of the rank's query heads over the selected tokens (GQA).
   std::vector<int32_t> kv_of_q(static_cast<std::size_t>(Hq_l));
   for (int64_t i = 0; i < Hq_l; ++i) {
-    const int64_t h = int64_t{r} * Hq_l + i;
+    const int64_t h = rd.q_head_first + i;
     kv_of_q[static_cast<std::size_t>(i)] = static_cast<int32_t>(h / q_per_kv - kv_first);
     FN_CHECK(
         kv_of_q[static_cast<std::size_t>(i)] >= 0 && kv_of_q[static_cast<std::size_t>(i)] < Hkv_l,

@@ -71,9 +71,9 @@ double gib(uint64_t bytes) {
 // tests/test_memory_plan_cuda.cpp compares the two where CUDA is built.
 uint64_t qsa_workspace_estimate(const ModelConfig& c, int tp, int64_t ctx) {
   FN_REQUIRE(ctx >= 1, Usage, "-c/--ctx-size must be >= 1, got {}", ctx);
-  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
-  const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
-  const int64_t q_per_kv = c.num_attention_heads / c.num_key_value_heads;
+  const RankDims rd = rank_dims(c, tp, 0);  // the same on every rank
+  const int64_t Hq_l = rd.q_heads, hd = c.head_dim, Hkv_l = rd.kv_heads;
+  const int64_t q_per_kv = rd.q_per_kv;
   const int64_t ratio = c.indexer_compress_ratio;
   const int64_t block_topk = c.indexer_budget / ratio;
   const int64_t max_blocks = ctx / ratio;
@@ -129,12 +129,12 @@ MemoryPlan plan_device_memory(const ModelConfig& c, const ShardPlan& plan, int t
   const int64_t T = ctx_size;
   const int64_t D = c.hidden_size, W = c.hc_width(), R = c.hc_lowrank, S = c.hc_count;
   const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
-  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const RankDims rd = rank_dims(c, tp, tp_rank);
+  const int64_t Hk_l = rd.linear_k_heads, Hv_l = rd.linear_v_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t conv_l = 2 * Hk_l * dk + Hv_l * dv, Kc = c.linear_conv_kernel_dim;
-  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
-  const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
-  const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
+  const int64_t conv_l = rd.gdn_conv_dim, Kc = c.linear_conv_kernel_dim;
+  const int64_t Hq_l = rd.q_heads, hd = c.head_dim, Hkv_l = rd.kv_heads;
+  const int64_t I_l = rd.moe_inter, Is_l = rd.shared_inter;
   const int64_t ihd = c.indexer_head_dim;
   const uint64_t n_qsa = static_cast<uint64_t>(c.num_qsa_layers());
   const uint64_t n_gdn = static_cast<uint64_t>(c.num_gdn_layers());

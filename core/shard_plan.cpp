@@ -280,4 +280,21 @@ TokenBytes bytes_per_token(const ShardPlan& plan, const ModelConfig& cfg, int r,
   return tb;
 }
 
+RankDims rank_dims(const ModelConfig& c, int tp, int r) {
+  RankDims d;
+  d.linear_k_heads = c.linear_num_key_heads / tp;
+  d.linear_v_heads = c.linear_num_value_heads / tp;
+  d.gdn_conv_dim =
+      2 * d.linear_k_heads * c.linear_key_head_dim + d.linear_v_heads * c.linear_value_head_dim;
+  d.q_heads = c.num_attention_heads / tp;
+  const int64_t kv = c.num_key_value_heads;
+  d.kv_heads = tp <= kv ? kv / tp : 1;
+  d.q_head_first = int64_t{r} * d.q_heads;
+  d.kv_head_first = tp <= kv ? r * d.kv_heads : (int64_t{r} * kv) / tp;
+  d.q_per_kv = kv > 0 ? c.num_attention_heads / kv : 0;
+  d.moe_inter = c.moe_intermediate_size / tp;
+  d.shared_inter = c.shared_expert_intermediate_size / tp;
+  return d;
+}
+
 }  // namespace fn

@@ -116,6 +116,24 @@ struct TokenBytes {
   uint64_t total() const { return weight_total() + state_total(); }
 };
 
+/// The per-rank sizes the shard plan implies (MODEL.md §E.2), shared by every backend and the
+/// memory plan so that they never derive them differently. Counts are heads or rows of this rank.
+struct RankDims {
+  int64_t linear_k_heads = 0;  ///< GDN key heads (linear_num_key_heads / tp)
+  int64_t linear_v_heads = 0;  ///< GDN value heads (linear_num_value_heads / tp)
+  int64_t gdn_conv_dim = 0;    ///< 2 * k_heads * key_head_dim + v_heads * value_head_dim
+  int64_t q_heads = 0;         ///< QSA query heads (num_attention_heads / tp)
+  int64_t kv_heads = 0;        ///< QSA KV heads (num_key_value_heads / tp; 1 when replicated)
+  int64_t q_head_first = 0;    ///< global index of local query head 0
+  int64_t kv_head_first = 0;   ///< global index of local KV head 0
+  int64_t q_per_kv = 0;        ///< query heads per KV head (global)
+  int64_t moe_inter = 0;       ///< routed expert rows (moe_intermediate_size / tp)
+  int64_t shared_inter = 0;    ///< shared expert rows (shared_expert_intermediate_size / tp)
+};
+
+/// RankDims of rank `tp_rank` of `tp_size` (no validation: ShardPlan::build checks divisibility).
+RankDims rank_dims(const ModelConfig& cfg, int tp_size, int tp_rank);
+
 /// Bytes read per decoded token by rank `tp_rank` with `ctx_size` visible tokens (including the
 /// new one). Throws Usage when ctx_size < 1.
 TokenBytes bytes_per_token(const ShardPlan& plan, const ModelConfig& cfg, int tp_rank,

@@ -497,18 +497,14 @@ void check_supported(const ModelConfig& c, const CudaModelOptions& o, bool exper
 
 // The shape fields of the QSA launch for this model and rank (pointers left null).
 QsaDecodeParams qsa_shape(const ModelConfig& c, const CudaModelOptions& o) {
-  const int tp = o.tp_size;
-  const int64_t Hkv = c.num_key_value_heads;
-  const int64_t Hq_l = c.num_attention_heads / tp;
-  const int64_t Hkv_l = tp <= Hkv ? Hkv / tp : 1;
-  const int64_t kv_first = tp <= Hkv ? o.tp_rank * Hkv_l : (int64_t{o.tp_rank} * Hkv) / tp;
+  const RankDims d = rank_dims(c, o.tp_size, o.tp_rank);
   QsaDecodeParams q;
   q.ctx_size = o.ctx_size;
-  q.num_q_heads = static_cast<int>(Hq_l);
-  q.num_kv_heads = static_cast<int>(Hkv_l);
-  q.q_head_first = static_cast<int>(o.tp_rank * Hq_l);
-  q.q_per_kv = static_cast<int>(c.num_attention_heads / Hkv);
-  q.kv_head_first = static_cast<int>(kv_first);
+  q.num_q_heads = static_cast<int>(d.q_heads);
+  q.num_kv_heads = static_cast<int>(d.kv_heads);
+  q.q_head_first = static_cast<int>(d.q_head_first);
+  q.q_per_kv = static_cast<int>(d.q_per_kv);
+  q.kv_head_first = static_cast<int>(d.kv_head_first);
   q.head_dim = static_cast<int>(c.head_dim);
   q.rotary_dim = static_cast<int>(c.rotary_dim());
   q.rope_theta = c.rope_theta;
@@ -678,12 +674,12 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   const int tp = o.tp_size, r = o.tp_rank;
   const int64_t D = c.hidden_size, W = c.hc_width(), R = c.hc_lowrank, S = c.hc_count;
   const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
-  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const RankDims rd = rank_dims(c, tp, r);
+  const int64_t Hk_l = rd.linear_k_heads, Hv_l = rd.linear_v_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t conv_l = 2 * Hk_l * dk + Hv_l * dv, Kc = c.linear_conv_kernel_dim;
-  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
-  const int64_t Hkv_l = tp <= c.num_key_value_heads ? c.num_key_value_heads / tp : 1;
-  const int64_t I_l = c.moe_intermediate_size / tp, Is_l = c.shared_expert_intermediate_size / tp;
+  const int64_t conv_l = rd.gdn_conv_dim, Kc = c.linear_conv_kernel_dim;
+  const int64_t Hq_l = rd.q_heads, hd = c.head_dim, Hkv_l = rd.kv_heads;
+  const int64_t I_l = rd.moe_inter, Is_l = rd.shared_inter;
   const int64_t ihd = c.indexer_head_dim;
   const int64_t T = o.ctx_size;
 
@@ -865,10 +861,11 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   const int tp = o.tp_size;
   const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
   const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
-  const int64_t Hk_l = c.linear_num_key_heads / tp, Hv_l = c.linear_num_value_heads / tp;
+  const RankDims rd = rank_dims(c, tp, o.tp_rank);
+  const int64_t Hk_l = rd.linear_k_heads, Hv_l = rd.linear_v_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t Hq_l = c.num_attention_heads / tp, hd = c.head_dim;
-  const int64_t Is_l = c.shared_expert_intermediate_size / tp;
+  const int64_t Hq_l = rd.q_heads, hd = c.head_dim;
+  const int64_t Is_l = rd.shared_inter;
   const float eps = static_cast<float>(c.rms_norm_eps);
   cudaStream_t s = stream;
   auto all_reduce = [&](float* buf, int64_t count) {

@@ -16,6 +16,7 @@
 #include "core/cpu_ops.h"
 #include "core/error.h"
 #include "cuda/decode_ops.h"
+#include "cuda/pdl.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -330,12 +331,84 @@ TEST_CASE("cuda decode ops: router ties go to the lower expert id, best first, a
   for (float v : got.weights) CHECK(std::fabs(double(v) - 1.0 / 3) <= 4 * kFp32Unit / 3);
 }
 
+TEST_CASE(
+    "cuda decode ops: router ids follow (logit desc, id asc) on heavily tied logits of every "
+    "shape") {
+  // Logits from a few levels half a unit apart: equal logits give bitwise equal p, distinct ones
+  // distinct p in the same order, so the expected ids are the host's stable sort by logit
+  // (independent of the kernel's per-warp sort and merge). Shapes: the fixtures' E 8 / 16,
+  // E not a multiple of 32 or 64, the real E 512 k 10, the limits E 1024 k 64 and k = E.
+  struct Case {
+    int E, k, levels;
+  };
+  const Case cases[] = {{8, 2, 3},     {8, 3, 2},     {8, 4, 4},      {8, 8, 3},    {16, 2, 5},
+                        {16, 3, 2},    {16, 4, 16},   {1, 1, 1},      {13, 4, 3},   {33, 5, 4},
+                        {63, 10, 3},   {64, 64, 5},   {65, 10, 2},    {100, 7, 6},  {300, 10, 8},
+                        {511, 10, 12}, {512, 10, 4},  {512, 10, 200}, {512, 64, 9}, {777, 33, 5},
+                        {1000, 64, 3}, {1024, 10, 7}, {1024, 64, 30}, {1024, 1, 2}, {129, 64, 2}};
+  int n_cases = 0;
+  for (const Case& c : cases) {
+    for (uint64_t seed : {1u, 2u, 3u}) {
+      std::mt19937_64 rng(seed * 7919 + uint64_t(c.E) * 131 + uint64_t(c.k));
+      std::uniform_int_distribution<int> level(0, c.levels - 1);
+      std::vector<float> l(static_cast<size_t>(c.E));
+      for (auto& v : l) v = 0.5f * static_cast<float>(level(rng)) - 1.0f;
+      if (seed == 3 && c.E >= 64) {
+        // All the top levels in one 64-wide list of the kernel (experts 64 j .. 64 j + 63).
+        const int j = (c.E / 64) - 1;
+        for (int e = 64 * j; e < 64 * j + 64 && e < c.E; ++e) l[e] += 20.0f;
+      }
+      std::vector<int32_t> order(static_cast<size_t>(c.E));
+      for (int e = 0; e < c.E; ++e) order[e] = e;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+      const std::vector<int32_t> expect(order.begin(), order.begin() + c.k);
+      for (bool norm : {true, false}) {
+        std::vector<int32_t> ids(static_cast<size_t>(c.k));
+        std::vector<float> w(static_cast<size_t>(c.k));
+        fn::cpu::route_top_k(l.data(), c.E, c.k, norm, ids.data(), w.data());
+        REQUIRE(ids == expect);  // the oracle agrees with the host sort
+        const RouterOut got = run_router(l, c.k, norm);
+        CHECK_MESSAGE(got.ids == expect, "E ", c.E, " k ", c.k, " levels ", c.levels, " seed ",
+                      seed);
+        CHECK(got.flag == 0);
+        for (int r = 1; r < c.k; ++r) {
+          // Equal logits, bitwise equal weights; lower logits, weights not larger.
+          if (l[expect[r]] == l[expect[r - 1]]) CHECK(got.weights[r] == got.weights[r - 1]);
+          CHECK(got.weights[r] <= got.weights[r - 1]);
+        }
+        check_router_weights(l, got, c.k, norm, "levels");
+        ++n_cases;
+      }
+    }
+  }
+  CHECK(n_cases == 2 * 3 * static_cast<int>(std::size(cases)));
+}
+
+TEST_CASE("cuda decode ops: router -Inf logits are valid zero probabilities, ranked by id") {
+  // E 16, k 4: two finite experts, then the lowest ids among the 14 with p = 0 (flag stays 0).
+  std::vector<float> l(16, -INFINITY);
+  l[11] = 1.0f;
+  l[5] = 2.0f;
+  const RouterOut got = run_router(l, 4, true);
+  CHECK(got.ids == std::vector<int32_t>{5, 11, 0, 1});
+  CHECK(got.flag == 0);
+  CHECK(got.weights[2] == 0.0f);
+  CHECK(got.weights[3] == 0.0f);
+  const double e1 = std::exp(-1.0);
+  CHECK(std::fabs(double(got.weights[0]) - 1.0 / (1.0 + e1)) <= 8 * kFp32Unit);
+  CHECK(std::fabs(double(got.weights[1]) - e1 / (1.0 + e1)) <= 8 * kFp32Unit);
+}
+
 TEST_CASE("cuda decode ops: router NaN or +Inf logits set the flag and keep ids distinct") {
   for (float bad : {NAN, INFINITY}) {
     auto l = normal_floats(512, 1.0f, 5);
     l[200] = bad;
     const RouterOut got = run_router(l, 10, true);
     CHECK(got.flag == 4);
+    // NaN logit: the FP64 sum is NaN, so every p is NaN; +Inf: the max is +Inf, the other terms
+    // are 0 and the sum NaN again. Every p ranks as -Inf: the ties go to ids 0..9 in order.
+    CHECK(got.ids == std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
     std::vector<int32_t> ids = got.ids;
     std::sort(ids.begin(), ids.end());
     CHECK(std::adjacent_find(ids.begin(), ids.end()) == ids.end());
@@ -512,6 +585,11 @@ TEST_CASE("cuda decode ops: every op captures into a CUDA graph and replays the 
                    "swiglu I 640");
   eager_then_graph([&](cudaStream_t s) { fn::launch_router_topk(rp, s); },
                    [&] { return ids.download(); }, "router E 512 k 10");
+  const bool pdl = fn::pdl_enabled();
+  fn::set_pdl_enabled(false);
+  eager_then_graph([&](cudaStream_t s) { fn::launch_router_topk(rp, s); },
+                   [&] { return ids.download(); }, "router E 512 k 10, PDL off");
+  fn::set_pdl_enabled(pdl);
   eager_then_graph([&](cudaStream_t s) { fn::launch_scatter_logits(scp, s); },
                    [&] { return full.download(); }, "scatter V 248320 TP 2");
   // In-place accumulating ops: captured and replayed (reps x 2 launches), timed.

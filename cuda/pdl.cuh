@@ -1,0 +1,93 @@
+// Programmatic dependent launch for the decode kernels (cuda/*.cu): launch_pdl() enqueues a kernel
+// with the programmatic-stream-serialization attribute when fn::pdl_enabled() and the device is
+// sm_90+, and the device helpers every such kernel calls. Included by .cu files only.
+// Contract of a kernel launched through launch_pdl (it may start while its predecessor in the
+// stream still runs): every thread calls dev::pdl_wait() before it reads anything an earlier
+// kernel wrote, writes anything an earlier kernel reads, or exits; before the wait it only reads
+// weights (data no kernel of the stream writes) or prefetches into L2 (always memory-safe); it
+// calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel never runs ahead
+// of more than one unfinished predecessor.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <utility>
+
+#include "comm/cuda_check.h"
+#include "cuda/pdl.h"
+
+namespace fn {
+
+namespace detail {
+/// Whether the current device runs programmatic dependent launches (compute capability >= 9),
+/// cached per device (no attribute query during capture after the first call). Throws
+/// fn::Error(Cuda) when the query fails.
+bool current_device_has_pdl();
+}  // namespace detail
+
+/// Enqueues kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, with the
+/// programmatic-stream-serialization attribute when `pdl` && pdl_enabled() && the device is
+/// sm_90+. Throws fn::Error(Cuda) naming `what` when the launch is refused. Legal during capture.
+template <typename... KArgs, typename... Args>
+void launch_maybe_pdl(bool pdl, const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                      std::size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl && pdl_enabled() && detail::current_device_has_pdl() ? 1 : 0;
+  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (rc != cudaSuccess) [[unlikely]] {
+    (void)cudaGetLastError();  // the error is reported here, not by the next launch check
+    detail::throw_cuda_error(rc, what, __FILE__, __LINE__);
+  }
+}
+
+/// As above with the attribute whenever pdl_enabled() (the usual case: every decode kernel).
+template <typename... KArgs, typename... Args>
+void launch_pdl(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem,
+                cudaStream_t stream, Args&&... args) {
+  launch_maybe_pdl(true, what, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+}
+
+namespace dev {
+
+/// Waits until every prerequisite grid has completed and its memory is visible
+/// (griddepcontrol.wait). A no-op when the kernel was not launched as a programmatic dependent,
+/// and compiled to nothing below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/// Lets the next programmatic dependent grid be scheduled once every CTA of this grid has called
+/// it or exited (griddepcontrol.launch_dependents). Memory-safe anywhere (the dependent still
+/// waits for this grid's completion in pdl_wait); by the contract above, call it after pdl_wait().
+/// Compiled to nothing below sm_90.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// Both, in the usual order: the start of a kernel that reads nothing before its wait.
+__device__ __forceinline__ void pdl_begin() {
+  pdl_wait();
+  pdl_launch_dependents();
+}
+
+/// Prefetches the 128-byte line holding p into L2 (prefetch.global.L2; a hint, memory-safe
+/// whatever other kernels do with the line).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+}  // namespace dev
+}  // namespace fn

@@ -11,19 +11,23 @@ namespace fn {
 
 std::string format_progress(const std::string& label, uint64_t done, uint64_t total,
                             double seconds) {
-  const double gb = static_cast<double>(done) / 1e9;
-  const double total_gb = static_cast<double>(total) / 1e9;
+  // GB for a real checkpoint, MB below 1 GB (a tiny model would read "0.00 / 0.00 GB").
+  const bool giga = total >= 1'000'000'000;
+  const double scale = giga ? 1e9 : 1e6;
+  const char* unit = giga ? "GB" : "MB";
+  const double amount = static_cast<double>(done) / scale;
+  const double whole = static_cast<double>(total) / scale;
   const double pct =
       total > 0 ? 100.0 * static_cast<double>(done) / static_cast<double>(total) : 100.0;
   std::string s =
-      fmt::format("{}: {:.2f} / {:.2f} GB ({:.0f} %)", label, gb, total_gb, std::floor(pct));
+      fmt::format("{}: {:.2f} / {:.2f} {} ({:.0f} %)", label, amount, whole, unit, std::floor(pct));
   if (seconds > 0 && done > 0) {
-    const double rate = gb / seconds;
-    s += fmt::format(", {:.2f} GB/s", rate);
+    const double rate = amount / seconds;
+    s += fmt::format(", {:.2f} {}/s", rate, unit);
     if (done >= total) {
       s += fmt::format(", done in {:.1f} s", seconds);
     } else {
-      s += fmt::format(", ETA {:.0f} s", (total_gb - gb) / rate);
+      s += fmt::format(", ETA {:.0f} s", (whole - amount) / rate);
     }
   }
   return s;

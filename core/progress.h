@@ -11,8 +11,9 @@
 
 namespace fn {
 
-/// Formats one progress report: "LABEL: 12.35 / 61.40 GB (20 %), 3.10 GB/s, ETA 16 s" (GB =
-/// 1e9 bytes; the ETA is left out when nothing is known yet and reads "done" at 100 %).
+/// Formats one progress report: "LABEL: 12.35 / 61.40 GB (20 %), 3.10 GB/s, ETA 16 s" (MB below 1
+/// GB total; GB = 1e9 bytes; the ETA is left out when nothing is known yet and reads "done" at 100
+/// %).
 std::string format_progress(const std::string& label, uint64_t done, uint64_t total,
                             double seconds);
 

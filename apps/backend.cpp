@@ -1,6 +1,8 @@
 #include "apps/backend.h"
 
 #include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 
@@ -85,8 +87,11 @@ struct CudaHold {
   std::unique_ptr<CudaModel> model;
 };
 
-LoadedBackend load_cuda(const BackendFlags& flags, const std::filesystem::path& dir,
-                        const MpiContext& mpi, int64_t ctx_size) {
+// Sets up this rank's GPU and all-reduce, then builds the model with `make` (a load or random
+// weights) and wraps it.
+LoadedBackend load_cuda(
+    const BackendFlags& flags, const MpiContext& mpi, int64_t ctx_size,
+    const std::function<std::unique_ptr<CudaModel>(const CudaModelOptions&, int tp)>& make) {
   LoadedBackend b;
   b.name = "cuda";
   auto hold = std::make_shared<CudaHold>();
@@ -104,7 +109,7 @@ LoadedBackend load_cuda(const BackendFlags& flags, const std::filesystem::path& 
   opt.tp_rank = gpu.rank();
   opt.tp_size = gpu.size();
   opt.all_reduce = hold->all_reduce.get();
-  hold->model = with_tp_hint(dir, gpu.size(), [&] { return CudaModel::load(dir, opt); });
+  hold->model = make(opt, gpu.size());
   b.load_ms = ms_since(t0);
   CudaModel* m = hold->model.get();
   b.forward = [m](int32_t t) { return m->forward(t); };
@@ -119,6 +124,19 @@ LoadedBackend load_cuda(const BackendFlags& flags, const std::filesystem::path& 
     return static_cast<double>(total_b - free_b) / (1 << 20);
   };
   b.graph_captures = [m] { return m->graph_captures(); };
+  b.set_position = [m](int64_t p) { m->set_position_for_benchmark(p); };
+  b.profile = [m](int32_t first, int64_t steps, bool in_graph) {
+    const StepProfile p = m->profile_steps(first, steps, in_graph);
+    StepBreakdown out;
+    for (int f = 0; f < kStepFamilyCount; ++f) {
+      out.families.emplace_back(step_family_name(static_cast<StepFamily>(f)));
+      out.ms.push_back(p.ms[static_cast<std::size_t>(f)]);
+    }
+    out.step_ms = p.step_ms;
+    out.steps = p.steps;
+    out.in_graph = p.in_graph;
+    return out;
+  };
   b.vocab_size = m->config().vocab_size;
   b.tp_size = gpu.size();
   b.weight_mib = static_cast<double>(m->load_stats().weight_bytes) / (1 << 20);
@@ -199,7 +217,9 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
     return b;
   }
 #ifdef FN_HAVE_CUDA
-  LoadedBackend b = load_cuda(flags, dir, mpi, ctx_size);
+  LoadedBackend b = load_cuda(flags, mpi, ctx_size, [&](const CudaModelOptions& opt, int tp) {
+    return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
+  });
   const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
   const CudaLoadStats& st = hold->model->load_stats();
   const double gb = static_cast<double>(st.bytes) / 1e9;
@@ -214,6 +234,60 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
 #else
   (void)mpi;
   (void)ctx_size;
+  FN_THROW(Internal, "backend {} resolved in a build without CUDA", name);
+#endif
+}
+
+QuantConfig load_quant_config_file(const std::filesystem::path& config_file) {
+  std::ifstream in(config_file);
+  FN_REQUIRE(in.good(), Io, "{}: cannot open the config file", config_file.string());
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    FN_THROW(Format, "{}: not valid JSON: {}", config_file.string(), e.what());
+  }
+  FN_REQUIRE(j.is_object(), Format, "{}: the top level must be a JSON object",
+             config_file.string());
+  const auto it = j.find("quantization_config");
+  if (it == j.end() || it->is_null()) return QuantConfig{};
+  return parse_quantization_config(*it, config_file.string());
+}
+
+LoadedBackend load_backend_random(const BackendFlags& flags,
+                                  const std::filesystem::path& config_file, uint64_t seed,
+                                  const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+                                  const char* who) {
+  const ModelConfig cfg = load_model_config(config_file);
+  const QuantConfig quant = load_quant_config_file(config_file);
+  const std::string name = resolve_backend(flags, coll);
+  FN_REQUIRE(name == "cuda", Usage,
+             "--random-weights needs the cuda backend (the weights are generated on the GPU); "
+             "this run uses the cpu backend (--backend {})",
+             flags.backend);
+#ifdef FN_HAVE_CUDA
+  LoadedBackend b = load_cuda(flags, mpi, ctx_size, [&](const CudaModelOptions& opt, int tp) {
+    return with_tp_hint(config_file, tp, [&] { return CudaModel::random(cfg, quant, seed, opt); });
+  });
+  b.random_weights = true;
+  const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
+  const CudaLoadStats& st = hold->model->load_stats();
+  FN_LOG_INFO(
+      "{}: backend cuda, TP {}, all-reduce {}, graph {}, ctx {}: random weights of {} (seed {}): "
+      "{:.2f} GB generated in {:.2f} s ({:.1f} MiB weights + {:.1f} MiB state per GPU)",
+      who, b.tp_size, b.all_reduce_name.empty() ? "none" : b.all_reduce_name,
+      flags.no_graph ? "off" : "on", ctx_size, config_file.string(), seed,
+      static_cast<double>(st.bytes) / 1e9, st.seconds,
+      static_cast<double>(st.weight_bytes) / (1 << 20),
+      static_cast<double>(st.state_bytes) / (1 << 20));
+  return b;
+#else
+  (void)cfg;
+  (void)quant;
+  (void)seed;
+  (void)mpi;
+  (void)ctx_size;
+  (void)who;
   FN_THROW(Internal, "backend {} resolved in a build without CUDA", name);
 #endif
 }

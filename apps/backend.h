@@ -1,7 +1,8 @@
 // Backend selection for the model-running subcommands (`fngen generate`, `fngen eval`): the
 // shared flags (--backend cpu|cuda|auto, --tp, --allreduce auto|custom|nccl, --no-graph) and
 // load_backend(), which builds the CPU reference model or the CUDA model of this rank and hands
-// it back as one forward/reset pair. Invariants: every rank resolves `auto` to the same backend
+// it back as one forward/reset pair (load_backend_random: the CUDA model on random weights, for
+// `fngen bench --random-weights`). Invariants: every rank resolves `auto` to the same backend
 // (a collective decision); no CUDA runtime function is called unless CUDA is asked for or `auto`
 // probes for a device, so the cpu backend starts on machines without a GPU driver.
 #pragma once
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "core/collectives.h"
+#include "core/config.h"
 #include "core/generate.h"
 #include "core/sampler.h"
 
@@ -45,6 +47,18 @@ bool built_with_cuda() noexcept;
 /// the CUDA runtime's reason), and for a --tp that differs from the world size.
 std::string resolve_backend(const BackendFlags& flags, Collectives& coll);
 
+/// The per-family time of the real decode step (CUDA only; CudaModel::profile_steps): `ms[i]`
+/// milliseconds per step of family `families[i]` ("hc", "gdn", "qsa", "router", "moe_routed",
+/// "shared_expert", "all_reduce", "lm_head", "ple", "other"), their sum `step_ms`, averaged over
+/// `steps` steps, timed eagerly or inside a CUDA graph (`in_graph`).
+struct StepBreakdown {
+  std::vector<std::string> families;
+  std::vector<double> ms;
+  double step_ms = 0;
+  int64_t steps = 0;
+  bool in_graph = false;
+};
+
 /// One rank's loaded model, backend-neutral. Copyable; the model lives as long as any copy.
 struct LoadedBackend {
   std::string name;             ///< "cpu" or "cuda" (the backend actually used)
@@ -65,6 +79,14 @@ struct LoadedBackend {
   /// how many CUDA graphs the model has captured so far (a soak must see these stay flat).
   std::function<double()> device_used_mib;
   std::function<int64_t()> graph_captures;
+  /// CUDA only, benchmarks: CudaModel::set_position_for_benchmark (the position moves to the
+  /// depth without running tokens; the caches keep what they hold).
+  std::function<void(int64_t position)> set_position;
+  /// CUDA only, benchmarks: CudaModel::profile_steps (greedy steps from the current position,
+  /// `first` fed first; every rank calls it alike).
+  std::function<StepBreakdown(int32_t first, int64_t steps, bool in_graph)> profile;
+  /// True for load_backend_random (weights generated on the device, not read from a checkpoint).
+  bool random_weights = false;
   /// Owns the model (and on cuda its all-reduce and GpuComm, destroyed in that order).
   std::shared_ptr<void> keep_alive;
 };
@@ -79,5 +101,21 @@ struct LoadedBackend {
 LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
                            const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
                            const char* who);
+
+/// The full geometry of `config_file` (a config.json such as configs/qwen3.8-flash-next.json,
+/// with its quantization_config) with random weights generated on each rank's GPU
+/// (CudaModel::random, deterministic in `seed`), TP = world size, set up as load_backend's cuda
+/// path. For benchmarks without a checkpoint. Collective. Throws fn::Error: Usage when the
+/// backend resolves to cpu ("--random-weights needs the cuda backend"), for the flags
+/// (resolve_backend) or a TP size the model cannot split; Io/Format for the config file (naming
+/// it and the field); Cuda when the weights do not fit.
+LoadedBackend load_backend_random(const BackendFlags& flags,
+                                  const std::filesystem::path& config_file, uint64_t seed,
+                                  const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+                                  const char* who);
+
+/// The quantization description of a config.json file (its quantization_config; none = BF16).
+/// Throws fn::Error: Io when unreadable, Format when not JSON or invalid (naming the file).
+QuantConfig load_quant_config_file(const std::filesystem::path& config_file);
 
 }  // namespace fn

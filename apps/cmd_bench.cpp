@@ -3,19 +3,26 @@
 // loaded by apps/backend.h exactly as `fngen generate` does). A lane is one (n_prompt, n_gen)
 // pair of the product of the -p and -n lists: reset, prefill n_prompt synthetic token ids
 // (deterministic from --seed, uniform over the vocabulary, never a stop id), then n_gen greedy
-// tokens through the generation loop of core/generate.h (host argmax, stop ids ignored): the
-// first token's latency is the TTFT, the n_gen - 1 gaps after it are the inter-token latencies
-// (ITL). Each lane runs --warmup discarded repetitions, then -r/--repetitions measured ones, on
-// every rank; rank 0 prints the report (--format md|csv|json|jsonl, stdout or -o FILE) and the
-// per-token record (--per-token FILE). The roofline columns come from the shard plan
-// (core/shard_plan.h bytes_per_token at the lane's mean decode depth, the largest over ranks)
-// and the reference bandwidth --bandwidth-gbs. Logs go to stderr.
+// tokens through the generation loop of core/generate.h, stop ids ignored (cpu: host argmax,
+// generate(); cuda: the on-device decode loop, generate_on_device() over CudaModel::decode, the
+// step graph replayed per token and timed when each id reaches the host): the first token's
+// latency is the TTFT, the n_gen - 1 gaps after it are the inter-token latencies (ITL).
+// --random-weights --config FILE runs the full geometry on random device weights (cuda);
+// --skip-prefill (implied there) moves the position to n_prompt - 1 instead of running the
+// prompt (the caches hold zeros; TTFT is not measured). --breakdown times each op family of the
+// decode step after each lane (CudaModel::profile_steps). Each lane runs --warmup discarded
+// repetitions, then -r/--repetitions measured ones, on every rank; rank 0 prints the report
+// (--format md|csv|json|jsonl, stdout or -o FILE) and the per-token record (--per-token FILE). The
+// roofline columns come from the shard plan (core/shard_plan.h bytes_per_token at the lane's mean
+// decode depth, the largest over ranks) and the reference bandwidth --bandwidth-gbs. Logs go to
+// stderr.
 #include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -50,8 +57,14 @@ namespace fs = std::filesystem;
 // The measured H200 device-to-device copy bandwidth (background/performance-anchors.md §2.3).
 constexpr double kH200CopyGbs = 4300.0;
 
+// Steps of each --breakdown measurement before the timed ones (graph capture, caches warm).
+constexpr int64_t kBreakdownWarmup = 4;
+
 struct BenchCli {
   std::string model, n_prompt = "512", n_gen = "128", format = "md", output, per_token;
+  std::string config;
+  bool random_weights = false, skip_prefill = false, breakdown = false;
+  int64_t breakdown_steps = 32;
   int64_t repetitions = 5, warmup = 1, ctx_size = 0, seed = 0;
   double bandwidth_gbs = kH200CopyGbs;
   BackendFlags backend;
@@ -152,6 +165,49 @@ Environment query_environment(const std::string& backend) {
   return env;
 }
 
+// One op family of a --breakdown: its bytes per token (rank 0) and its time per step.
+struct FamilyRow {
+  std::string family;
+  uint64_t bytes = 0;
+  double ms_graph = -1;  // < 0: the graph-mode measurement is unavailable
+  double ms_eager = 0;
+};
+
+// A lane's --breakdown.
+struct Breakdown {
+  std::vector<FamilyRow> rows;
+  int64_t steps = 0, depth = 0;
+  double eager_step_ms = 0, graph_step_ms = -1;
+  std::string graph_error;  // why ms_graph is missing
+};
+
+// Bytes read per token by each StepBreakdown family, from the shard plan's TokenBytes of one
+// rank: weights by tensor family; the GDN state and its conv ring to gdn, the KV and indexer
+// caches to qsa, the PLE conv ring and n-gram rows to ple, the embedding row to other.
+// Activations and collectives count 0 (all_reduce).
+uint64_t family_bytes(const std::string& family, const TokenBytes& tb, const ModelConfig& cfg,
+                      int tp) {
+  auto w = [&tb](const char* k) {
+    const auto it = tb.weights.find(k);
+    return it == tb.weights.end() ? uint64_t{0} : it->second;
+  };
+  const uint64_t gdn_conv =
+      cfg.num_gdn_layers() > 0
+          ? static_cast<uint64_t>(cfg.num_gdn_layers() * (cfg.gdn_conv_dim() / tp) *
+                                  cfg.linear_conv_kernel_dim * 2)
+          : 0;
+  if (family == "hc") return w("hc");
+  if (family == "gdn") return w("gdn") + tb.gdn_state + gdn_conv;
+  if (family == "qsa") return w("qsa") + tb.kv_cache + tb.indexer_cache;
+  if (family == "router") return w("moe.router");
+  if (family == "moe_routed") return w("moe.experts");
+  if (family == "shared_expert") return w("moe.shared");
+  if (family == "lm_head") return w("lm_head");
+  if (family == "ple") return w("ple") + w("ple.ngram") + (tb.conv_state - gdn_conv);
+  if (family == "other") return w("embed");
+  return 0;  // all_reduce
+}
+
 // One lane's measurements and roofline figures.
 struct LaneResult {
   int64_t n_prompt = 0, n_gen = 0;
@@ -160,6 +216,7 @@ struct LaneResult {
   int64_t decode_depth = 0;                          // visible tokens at the mean decode step
   std::vector<uint64_t> bytes_by_rank;               // bytes_per_token at decode_depth
   uint64_t weight_bytes = 0, state_bytes = 0;        // of the rank with the most bytes
+  std::optional<Breakdown> breakdown;
 };
 
 // Everything rank 0 reports.
@@ -170,11 +227,39 @@ struct Report {
   uint64_t seed = 0;
   double bandwidth_gbs = kH200CopyGbs, load_ms = 0;
   std::string bandwidth_source;
+  bool random_weights = false, prefill_skipped = false;
   Environment env;
   std::vector<LaneResult> lanes;
 };
 
 // The per-lane fields shared by every format (names = csv columns = json keys).
+json breakdown_json(const Breakdown& b, double tpot_ms, double bandwidth_gbs) {
+  json rows = json::array();
+  for (const FamilyRow& r : b.rows) {
+    const double ms = r.ms_graph >= 0 ? r.ms_graph : r.ms_eager;
+    rows.push_back({{"family", r.family},
+                    {"ms", ms},
+                    {"ms_graph", r.ms_graph >= 0 ? json(r.ms_graph) : json(nullptr)},
+                    {"ms_eager", r.ms_eager},
+                    {"bytes", r.bytes},
+                    {"floor_ms", static_cast<double>(r.bytes) / (bandwidth_gbs * 1e9) * 1e3},
+                    {"gbs", ms > 0 ? static_cast<double>(r.bytes) / (ms * 1e-3) / 1e9 : 0.0}});
+  }
+  return rows;
+}
+
+json breakdown_info_json(const Breakdown& b, double tpot_ms) {
+  return {{"steps", b.steps},
+          {"warmup_steps", kBreakdownWarmup},
+          {"depth", b.depth},
+          {"timing", b.graph_step_ms >= 0 ? "graph" : "eager"},
+          {"graph_step_ms", b.graph_step_ms >= 0 ? json(b.graph_step_ms) : json(nullptr)},
+          {"eager_step_ms", b.eager_step_ms},
+          {"graph_replay_tpot_ms", tpot_ms},
+          {"graph_error", b.graph_error},
+          {"rank", 0}};
+}
+
 json lane_json(const LaneResult& l, double bandwidth_gbs) {
   const auto [ttft, ttft_std] = mean_std(l.ttft_ms);
   const double prefill = mean_std(l.prefill_ms).first;
@@ -184,29 +269,37 @@ json lane_json(const LaneResult& l, double bandwidth_gbs) {
   const LatencyStats itl = latency_stats(all);
   const uint64_t bytes = *std::max_element(l.bytes_by_rank.begin(), l.bytes_by_rank.end());
   const double gbs = tpot > 0 ? static_cast<double>(bytes) / (tpot * 1e-3) / 1e9 : 0.0;
-  return {{"n_prompt", l.n_prompt},
-          {"n_gen", l.n_gen},
-          {"ttft_ms", ttft},
-          {"ttft_ms_std", ttft_std},
-          {"prefill_ms", prefill},
-          {"tpot_ms", tpot},
-          {"tpot_ms_std", tpot_std},
-          {"itl_p50_ms", itl.p50},
-          {"itl_p90_ms", itl.p90},
-          {"itl_p99_ms", itl.p99},
-          {"itl_max_ms", itl.max},
-          {"itl_count", itl.count},
-          {"decode_tokens_per_s", tpot > 0 ? 1e3 / tpot : 0.0},
-          {"prefill_tokens_per_s",
-           prefill > 0 ? static_cast<double>(l.n_prompt) / (prefill * 1e-3) : 0.0},
-          {"decode_depth", l.decode_depth},
-          {"bytes_per_token", bytes},
-          {"weight_bytes_per_token", l.weight_bytes},
-          {"state_bytes_per_token", l.state_bytes},
-          {"bytes_per_token_by_rank", l.bytes_by_rank},
-          {"floor_ms", static_cast<double>(bytes) / (bandwidth_gbs * 1e9) * 1e3},
-          {"achieved_gbs", gbs},
-          {"pct_of_bandwidth", 100.0 * gbs / bandwidth_gbs}};
+  const bool no_ttft = l.ttft_ms.empty();  // prefill skipped: TTFT not measured
+  json j = {{"n_prompt", l.n_prompt},
+            {"n_gen", l.n_gen},
+            {"ttft_ms", no_ttft ? json(nullptr) : json(ttft)},
+            {"ttft_ms_std", no_ttft ? json(nullptr) : json(ttft_std)},
+            {"prefill_ms", no_ttft ? json(nullptr) : json(prefill)},
+            {"tpot_ms", tpot},
+            {"tpot_ms_std", tpot_std},
+            {"itl_p50_ms", itl.p50},
+            {"itl_p90_ms", itl.p90},
+            {"itl_p99_ms", itl.p99},
+            {"itl_max_ms", itl.max},
+            {"itl_count", itl.count},
+            {"decode_tokens_per_s", tpot > 0 ? 1e3 / tpot : 0.0},
+            {"prefill_tokens_per_s", no_ttft ? json(nullptr)
+                                     : prefill > 0
+                                         ? json(static_cast<double>(l.n_prompt) / (prefill * 1e-3))
+                                         : json(0.0)},
+            {"decode_depth", l.decode_depth},
+            {"bytes_per_token", bytes},
+            {"weight_bytes_per_token", l.weight_bytes},
+            {"state_bytes_per_token", l.state_bytes},
+            {"bytes_per_token_by_rank", l.bytes_by_rank},
+            {"floor_ms", static_cast<double>(bytes) / (bandwidth_gbs * 1e9) * 1e3},
+            {"achieved_gbs", gbs},
+            {"pct_of_bandwidth", 100.0 * gbs / bandwidth_gbs}};
+  if (l.breakdown) {
+    j["breakdown"] = breakdown_json(*l.breakdown, tpot, bandwidth_gbs);
+    j["breakdown_info"] = breakdown_info_json(*l.breakdown, tpot);
+  }
+  return j;
 }
 
 // The run-wide fields (jsonl repeats them on every line, csv in every row).
@@ -221,6 +314,8 @@ json run_json(const Report& r) {
           {"seed", r.seed},
           {"vocab_size", r.vocab_size},
           {"load_ms", r.load_ms},
+          {"weights", r.random_weights ? "random" : "checkpoint"},
+          {"prefill", r.prefill_skipped ? "skipped" : "run"},
           {"bandwidth_gbs", r.bandwidth_gbs},
           {"bandwidth_source", r.bandwidth_source},
           {"gpu", r.env.gpu},
@@ -240,6 +335,8 @@ const std::vector<std::string>& csv_columns() {
                                                 "repetitions",
                                                 "warmup",
                                                 "seed",
+                                                "weights",
+                                                "prefill",
                                                 "n_prompt",
                                                 "n_gen",
                                                 "ttft_ms",
@@ -274,6 +371,7 @@ const std::vector<std::string>& csv_columns() {
 
 std::string csv_cell(const json& v) {
   std::string s;
+  if (v.is_null()) return s;  // not measured
   if (v.is_string()) {
     s = v.get<std::string>();
   } else if (v.is_array()) {
@@ -338,6 +436,17 @@ std::string format_md(const Report& r) {
   out += fmt::format("GPU: {}, driver: {}, CUDA runtime: {}, NCCL: {}\n", r.env.gpu, r.env.driver,
                      r.env.cuda_runtime, r.env.nccl);
   out += fmt::format("reference bandwidth: {} GB/s = {}\n", r.bandwidth_gbs, r.bandwidth_source);
+  if (r.random_weights) {
+    out +=
+        "weights: random (generated on the GPU, full geometry); random routing is close to "
+        "uniform over the experts (each step reads num_experts_per_tok fresh experts, little L2 "
+        "reuse across steps; real text routes more unevenly)\n";
+  }
+  if (r.prefill_skipped) {
+    out +=
+        "prefill skipped: position set to depth; caches hold zeros (each step reads the bytes "
+        "of that depth); TTFT not measured\n";
+  }
   out +=
       "TTFT and TPOT: mean ± std over the repetitions; ITL percentiles over every gap of every "
       "repetition; MB/token/rank: bytes read per decoded token by the busiest rank (shard plan, "
@@ -349,13 +458,57 @@ std::string format_md(const Report& r) {
   for (const auto& l : r.lanes) {
     const json j = lane_json(l, r.bandwidth_gbs);
     auto d = [&j](const char* k) { return j.at(k).get<double>(); };
+    const bool no_ttft = j.at("ttft_ms").is_null();
+    const std::string ttft =
+        no_ttft ? "n/a" : fmt::format("{:.3f} ± {:.3f}", d("ttft_ms"), d("ttft_ms_std"));
+    const std::string prefill_rate =
+        no_ttft ? "n/a" : fmt::format("{:.2f}", d("prefill_tokens_per_s"));
     out += fmt::format(
-        "| {} | {} | {:.3f} ± {:.3f} | {:.4f} ± {:.4f} | {:.4f} | {:.4f} | {:.4f} | {:.2f} | "
-        "{:.2f} | {:.4f} | {:.4g} | {:.2f} | {:.3f} |\n",
-        l.n_prompt, l.n_gen, d("ttft_ms"), d("ttft_ms_std"), d("tpot_ms"), d("tpot_ms_std"),
-        d("itl_p50_ms"), d("itl_p90_ms"), d("itl_p99_ms"), d("decode_tokens_per_s"),
-        d("prefill_tokens_per_s"), d("bytes_per_token") / 1e6, d("floor_ms"), d("achieved_gbs"),
-        d("pct_of_bandwidth"));
+        "| {} | {} | {} | {:.4f} ± {:.4f} | {:.4f} | {:.4f} | {:.4f} | {:.2f} | "
+        "{} | {:.4f} | {:.4g} | {:.2f} | {:.3f} |\n",
+        l.n_prompt, l.n_gen, ttft, d("tpot_ms"), d("tpot_ms_std"), d("itl_p50_ms"), d("itl_p90_ms"),
+        d("itl_p99_ms"), d("decode_tokens_per_s"), prefill_rate, d("bytes_per_token") / 1e6,
+        d("floor_ms"), d("achieved_gbs"), d("pct_of_bandwidth"));
+  }
+  for (const auto& l : r.lanes) {
+    if (!l.breakdown) continue;
+    const Breakdown& b = *l.breakdown;
+    const double tpot = mean_std(l.tpot_ms).first;
+    const bool graph = b.graph_step_ms >= 0;
+    out += fmt::format(
+        "\nper-op breakdown, lane -p {} -n {}: {} greedy steps from position {} after {} warm-up "
+        "steps, a CUDA event at every family boundary; rank 0's time and bytes (shard plan)\n\n",
+        l.n_prompt, l.n_gen, b.steps, b.depth, kBreakdownWarmup);
+    out +=
+        "| family | MB/token | floor ms | ms/token (graph) | GB/s | % of floor | ms/token (eager) "
+        "|\n|---|---:|---:|---:|---:|---:|---:|\n";
+    uint64_t bytes = 0;
+    double sum_g = 0, sum_e = 0;
+    for (const FamilyRow& f : b.rows) {
+      const double ms = graph ? f.ms_graph : f.ms_eager;
+      const double floor = static_cast<double>(f.bytes) / (r.bandwidth_gbs * 1e9) * 1e3;
+      bytes += f.bytes;
+      sum_g += graph ? f.ms_graph : 0;
+      sum_e += f.ms_eager;
+      out += fmt::format(
+          "| {} | {:.3f} | {:.4f} | {} | {:.0f} | {} | {:.4f} |\n", f.family,
+          static_cast<double>(f.bytes) / 1e6, floor,
+          graph ? fmt::format("{:.4f}", f.ms_graph) : std::string("n/a"),
+          ms > 0 ? static_cast<double>(f.bytes) / (ms * 1e-3) / 1e9 : 0.0,
+          ms > 0 && f.bytes > 0 ? fmt::format("{:.1f}", 100.0 * floor / ms) : std::string("-"),
+          f.ms_eager);
+    }
+    const double floor = static_cast<double>(bytes) / (r.bandwidth_gbs * 1e9) * 1e3;
+    out += fmt::format("| **sum** | {:.3f} | {:.4f} | {} | {:.0f} | {} | {:.4f} |\n",
+                       static_cast<double>(bytes) / 1e6, floor,
+                       graph ? fmt::format("{:.4f}", sum_g) : std::string("n/a"),
+                       static_cast<double>(bytes) / ((graph ? sum_g : sum_e) * 1e-3) / 1e9,
+                       fmt::format("{:.1f}", 100.0 * floor / (graph ? sum_g : sum_e)), sum_e);
+    out += fmt::format(
+        "\nstep: graph replay (the lane's TPOT, no events) {:.4f} ms/token; graph with event "
+        "nodes {}; eager {:.4f} ms (host launch gaps included: eager − replay = {:.4f} ms)\n",
+        tpot, graph ? fmt::format("{:.4f} ms", b.graph_step_ms) : "n/a (" + b.graph_error + ")",
+        b.eager_step_ms, b.eager_step_ms - tpot);
   }
   out += fmt::format("\nbuild: {}\n", r.env.commit);
   return out;
@@ -371,6 +524,40 @@ std::FILE* open_output(const std::string& path, const char* flag) {
 void write_all(std::FILE* f, const std::string& s, const std::string& path, const char* flag) {
   FN_REQUIRE(std::fwrite(s.data(), 1, s.size(), f) == s.size() && std::fflush(f) == 0, Io,
              "{} {}: write failed", flag, path);
+}
+
+// --breakdown of one lane: kBreakdownWarmup + `steps` eager steps, then as many in a graph with
+// event nodes (a failure there is reported, not fatal), from the current position `depth`.
+Breakdown run_breakdown(const LoadedBackend& model, const ModelConfig& cfg, const ShardPlan& plan,
+                        int64_t steps, int32_t first, int64_t depth, bool root) {
+  Breakdown b;
+  b.steps = steps;
+  b.depth = depth;
+  model.profile(first, kBreakdownWarmup, false);
+  const StepBreakdown eager = model.profile(first, steps, false);
+  b.eager_step_ms = eager.step_ms;
+  std::optional<StepBreakdown> graph;
+  try {
+    model.profile(first, kBreakdownWarmup, true);
+    graph = model.profile(first, steps, true);
+    b.graph_step_ms = graph->step_ms;
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Cuda) throw;
+    b.graph_error = e.what();
+    if (root)
+      FN_LOG_WARN("bench: --breakdown inside a CUDA graph failed ({}); eager only", e.what());
+  }
+  // Bytes at the middle of the profiled steps (rank 0, whose time is reported).
+  const TokenBytes tb = bytes_per_token(plan, cfg, 0, depth + kBreakdownWarmup + steps);
+  for (std::size_t i = 0; i < eager.families.size(); ++i) {
+    FamilyRow f;
+    f.family = eager.families[i];
+    f.bytes = family_bytes(f.family, tb, cfg, plan.tp_size());
+    f.ms_eager = eager.ms[i];
+    if (graph) f.ms_graph = graph->ms[i];
+    b.rows.push_back(f);
+  }
+  return b;
 }
 
 int run_bench(BenchCli& o, MpiContext& mpi) {
@@ -390,10 +577,21 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   FN_REQUIRE(o.seed >= 0, Usage, "--seed must be >= 0, got {}", o.seed);
   FN_REQUIRE(o.bandwidth_gbs > 0 && std::isfinite(o.bandwidth_gbs), Usage,
              "--bandwidth-gbs must be a positive number of GB/s, got {}", o.bandwidth_gbs);
+  FN_REQUIRE(o.model.empty() != !o.random_weights, Usage,
+             "give either -m/--model DIR or --random-weights --config FILE{}",
+             o.random_weights ? " (not both)" : "");
+  FN_REQUIRE(!o.random_weights || !o.config.empty(), Usage,
+             "--random-weights needs --config FILE (a config.json with its quantization_config, "
+             "e.g. configs/qwen3.8-flash-next.json)");
+  FN_REQUIRE(o.config.empty() || o.random_weights, Usage,
+             "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
+  FN_REQUIRE(o.breakdown_steps >= 1, Usage, "--breakdown-steps must be >= 1, got {}",
+             o.breakdown_steps);
+  const bool skip_prefill = o.skip_prefill || o.random_weights;
 
-  const fs::path dir = o.model;
+  const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
   const ModelConfig cfg = load_model_config(dir);
-  const GenerationConfig gen = load_generation_config(dir);
+  const GenerationConfig gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir);
   int64_t longest = 0, longest_p = 0, longest_n = 0;
   for (int64_t p : prompts) {
     for (int64_t n : gens) {
@@ -407,12 +605,22 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
              "the lane -p/--n-prompt {} -n/--n-gen {} needs {} tokens, more than the model's "
              "max_position_embeddings {} ({})",
              longest_p, longest_n, longest, cfg.max_position_embeddings, dir.string());
-  const int64_t ctx = o.ctx_size > 0 ? o.ctx_size : longest;
-  FN_REQUIRE(longest <= ctx, Usage,
-             "the lane -p/--n-prompt {} -n/--n-gen {} needs {} tokens, more than -c/--ctx-size {}",
-             longest_p, longest_n, longest, ctx);
+  // --breakdown profiles after the lane's last repetition: eager then graph, each with warm-up.
+  const int64_t extra = o.breakdown ? 2 * (kBreakdownWarmup + o.breakdown_steps) : 0;
+  const int64_t ctx = o.ctx_size > 0 ? o.ctx_size : longest + extra;
+  FN_REQUIRE(longest + extra <= ctx, Usage,
+             "the lane -p/--n-prompt {} -n/--n-gen {} needs {} tokens{}, more than -c/--ctx-size "
+             "{}",
+             longest_p, longest_n, longest + extra,
+             extra > 0 ? fmt::format(" ({} for --breakdown)", extra) : std::string(), ctx);
+  FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
+             "the lanes with --breakdown need a context of {} tokens, more than the model's "
+             "max_position_embeddings {} ({})",
+             ctx, cfg.max_position_embeddings, dir.string());
   // The roofline side: the shard plan of this TP size (Usage when the model cannot split).
-  const ShardPlan plan = ShardPlan::build(cfg, load_quant_config(dir), mpi.world_size());
+  const ShardPlan plan =
+      ShardPlan::build(cfg, o.random_weights ? load_quant_config_file(dir) : load_quant_config(dir),
+                       mpi.world_size());
 
   std::FILE* out = stdout;
   std::FILE* per_token = nullptr;
@@ -423,10 +631,24 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> per_token_guard(per_token, &std::fclose);
 
   MpiCollectives coll(mpi.world());
-  const LoadedBackend model = load_backend(o.backend, dir, mpi, coll, ctx, "bench");
+  const LoadedBackend model =
+      o.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.seed), mpi,
+                                             coll, ctx, "bench")
+                       : load_backend(o.backend, dir, mpi, coll, ctx, "bench");
+  FN_REQUIRE(!skip_prefill || model.set_position, Usage,
+             "--skip-prefill needs the cuda backend (this run uses {})", model.name);
+  FN_REQUIRE(!o.breakdown || model.profile, Usage,
+             "--breakdown needs the cuda backend (this run uses {})", model.name);
+  if (root && skip_prefill) {
+    FN_LOG_INFO(
+        "bench: prefill skipped: position set to depth (n_prompt - 1) before each repetition; "
+        "caches hold zeros; TTFT not measured");
+  }
 
   Report rep;
-  rep.model = dir.string();
+  rep.model = o.random_weights ? "random:" + dir.string() : dir.string();
+  rep.random_weights = o.random_weights;
+  rep.prefill_skipped = skip_prefill;
   rep.backend = model.name;
   rep.all_reduce = model.all_reduce_name;
   rep.tp_size = model.tp_size;
@@ -444,10 +666,14 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   rep.env = query_environment(model.name);
 
   GenerateOptions go;
-  go.sampling.temperature = 0.0;  // greedy: host argmax, ties to the lowest id
+  go.sampling.temperature = 0.0;  // greedy, ties to the lowest id (host argmax or on the device)
   go.ctx_size = ctx;
   go.ignore_eos = true;
   const std::vector<int64_t> stops = stop_token_ids(cfg, gen);
+  const DecodeFn decode = [&model](int32_t first, int64_t count, const SamplingParams& params,
+                                   const std::function<bool(int32_t)>& on_token) {
+    return model.device_decode(first, count, params, params.seed, on_token);
+  };
 
   const std::size_t n_lanes = prompts.size() * gens.size();
   for (int64_t p : prompts) {
@@ -457,21 +683,34 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
       lane.n_prompt = p;
       lane.n_gen = n;
       go.max_new_tokens = n;
+      int32_t last_id = prompt.back();
       for (int64_t k = -o.warmup; k < o.repetitions; ++k) {
         model.reset();
-        const GenerationResult r = generate(model.forward, coll, prompt, go);
+        // Prefill skipped: the last prompt token runs at its own position, n_prompt - 1.
+        if (skip_prefill) model.set_position(p - 1);
+        const std::span<const int32_t> fed = skip_prefill ? std::span<const int32_t>(prompt).last(1)
+                                                          : std::span<const int32_t>(prompt);
+        const GenerationResult r = model.device_decode
+                                       ? generate_on_device(model.forward, decode, coll, fed, go)
+                                       : generate(model.forward, coll, fed, go);
+        last_id = r.token_ids.back();
         FN_CHECK(static_cast<int64_t>(r.itl_ms.size()) == n - 1, "lane -p {} -n {}: {} gaps", p, n,
                  r.itl_ms.size());
         if (k < 0) continue;
-        lane.ttft_ms.push_back(r.ttft_ms);
-        lane.prefill_ms.push_back(r.prefill_ms);
+        if (!skip_prefill) {
+          lane.ttft_ms.push_back(r.ttft_ms);
+          lane.prefill_ms.push_back(r.prefill_ms);
+        }
         lane.tpot_ms.push_back(r.tpot.mean);
         lane.itl_ms.push_back(r.itl_ms);
         if (per_token != nullptr) {
-          const json j = {
-              {"lane", rep.lanes.size()}, {"n_prompt", p},        {"n_gen", n},
-              {"repetition", k},          {"ttft_ms", r.ttft_ms}, {"prefill_ms", r.prefill_ms},
-              {"itl_ms", r.itl_ms}};
+          const json j = {{"lane", rep.lanes.size()},
+                          {"n_prompt", p},
+                          {"n_gen", n},
+                          {"repetition", k},
+                          {"ttft_ms", skip_prefill ? json(nullptr) : json(r.ttft_ms)},
+                          {"prefill_ms", skip_prefill ? json(nullptr) : json(r.prefill_ms)},
+                          {"itl_ms", r.itl_ms}};
           write_all(per_token, j.dump() + "\n", o.per_token, "--per-token");
         }
       }
@@ -488,12 +727,17 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
           lane.state_bytes = tb.state_total();
         }
       }
+      if (o.breakdown)
+        lane.breakdown =
+            run_breakdown(model, cfg, plan, o.breakdown_steps, last_id, p - 1 + n, root);
       if (root) {
         const json j = lane_json(lane, rep.bandwidth_gbs);
         FN_LOG_INFO(
-            "bench: lane {}/{} (-p {} -n {}): TTFT {:.3f} ms, TPOT {:.4f} ms, {:.1f} tokens/s, "
+            "bench: lane {}/{} (-p {} -n {}): TTFT {} ms, TPOT {:.4f} ms, {:.1f} tokens/s, "
             "{:.2f} GB/s ({:.3f}% of {} GB/s)",
-            rep.lanes.size() + 1, n_lanes, p, n, j["ttft_ms"].get<double>(),
+            rep.lanes.size() + 1, n_lanes, p, n,
+            j["ttft_ms"].is_null() ? std::string("n/a")
+                                   : fmt::format("{:.3f}", j["ttft_ms"].get<double>()),
             j["tpot_ms"].get<double>(), j["decode_tokens_per_s"].get<double>(),
             j["achieved_gbs"].get<double>(), j["pct_of_bandwidth"].get<double>(),
             rep.bandwidth_gbs);
@@ -528,7 +772,21 @@ void register_bench(CLI::App& app, CommandList& commands) {
       "bench",
       "latency lanes in llama-bench style (mpirun -np N: tensor-parallel over N ranks): per lane "
       "(n_prompt, n_gen) TTFT, TPOT, ITL percentiles, tokens/s and the bandwidth roofline");
-  sub->add_option("-m,--model", o->model, "model directory")->required();
+  sub->add_option("-m,--model", o->model, "model directory (or --random-weights --config FILE)");
+  sub->add_flag("--random-weights", o->random_weights,
+                "cuda: the full geometry of --config with random weights generated on the GPU "
+                "(no checkpoint; implies --skip-prefill; routing close to uniform)");
+  sub->add_option("--config", o->config,
+                  "with --random-weights: a config.json with its quantization_config (e.g. "
+                  "configs/qwen3.8-flash-next.json)");
+  sub->add_flag("--skip-prefill", o->skip_prefill,
+                "cuda: move the position to n_prompt - 1 instead of running the prompt (caches "
+                "hold zeros; TTFT is not measured)");
+  sub->add_flag("--breakdown", o->breakdown,
+                "cuda: after each lane, time every op family of the decode step (eager and in a "
+                "graph, a CUDA event at each family boundary) next to its bytes per token");
+  sub->add_option("--breakdown-steps", o->breakdown_steps,
+                  "steps averaged by --breakdown, each mode (default 32; 4 warm-up steps first)");
   sub->add_option("-p,--n-prompt", o->n_prompt,
                   "prompt lengths, comma-separated (default 512); lanes = every -p with every -n");
   sub->add_option("-n,--n-gen", o->n_gen,

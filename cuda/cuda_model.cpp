@@ -439,6 +439,35 @@ struct CudaModel::Impl {
 
   cudaGraphExec_t logits_graph = nullptr;
   cudaGraphExec_t sample_graph = nullptr;
+  cudaGraphExec_t profile_graph = nullptr;  // sample_graph with event record nodes
+
+  // profile_steps: a CUDA event at every family boundary of a step while `marks` is set.
+  struct Marks {
+    std::vector<cudaEvent_t> events;
+    std::vector<int> family;  // family of the segment that starts at events[i]; last: end
+    std::size_t used = 0;
+    bool external = false;  // recorded inside a capture (event record nodes)
+  };
+  Marks* marks = nullptr;
+  Marks eager_marks, graph_marks;
+  // Records the start of a `family` segment (nothing unless profiling; a repeated family
+  // continues its segment).
+  void mark(StepFamily family) { mark_index(static_cast<int>(family)); }
+  void mark_end() { mark_index(kStepFamilyCount); }
+  void mark_index(int family) {
+    if (marks == nullptr) return;
+    Marks& mk = *marks;
+    if (mk.used > 0 && mk.family[mk.used - 1] == family) return;
+    FN_CHECK(mk.used < mk.events.size(), "more than {} family boundaries in a step",
+             mk.events.size());
+    cudaEvent_t e = mk.events[mk.used];
+    if (mk.external) {
+      FN_CUDA_CHECK(cudaEventRecordWithFlags(e, stream, cudaEventRecordExternal));
+    } else {
+      FN_CUDA_CHECK(cudaEventRecord(e, stream));
+    }
+    mk.family[mk.used++] = family;
+  }
   DeviceSamplingParams sample_graph_params{};
   uint64_t weight_bytes = 0;
   int64_t captures = 0;
@@ -457,6 +486,10 @@ struct CudaModel::Impl {
   ~Impl() {
     if (logits_graph) cudaGraphExecDestroy(logits_graph);
     if (sample_graph) cudaGraphExecDestroy(sample_graph);
+    if (profile_graph) cudaGraphExecDestroy(profile_graph);
+    for (Marks* mk : {&eager_marks, &graph_marks}) {
+      for (cudaEvent_t e : mk->events) cudaEventDestroy(e);
+    }
     if (host_logits) cudaFreeHost(host_logits);
     if (host_token) cudaFreeHost(host_token);
     if (host_flag) cudaFreeHost(host_flag);
@@ -869,10 +902,13 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   const float eps = static_cast<float>(c.rms_norm_eps);
   cudaStream_t s = stream;
   auto all_reduce = [&](float* buf, int64_t count) {
-    if (tp > 1)
+    if (tp > 1) {
+      mark(StepFamily::AllReduce);
       o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
+    }
   };
   auto hc_read = [&](const DevHc& hc, float* iota_out) {
+    mark(StepFamily::Hc);
     GroupRmsNormParams gn;
     gn.x = H;
     gn.weight = hc.norm;
@@ -895,6 +931,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   };
   int64_t n_injects = 0;
   auto inject = [&]() {
+    mark(StepFamily::Hc);
     HcInjectParams hi;
     hi.H = H;
     hi.iota = iota;
@@ -908,6 +945,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     ++n_injects;
   };
 
+  mark(StepFamily::Other);
   EmbedParams ep;
   ep.table = embed;
   ep.vocab = V;
@@ -921,6 +959,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   int64_t layer_index = 0, qsa_index = 0;
   for (DevLayer& L : layers) {
     if (L.has_ple) {
+      mark(StepFamily::Ple);
       DevPle& pl = L.ple;
       NgramGatherParams ng;
       ng.token = token;
@@ -944,6 +983,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       ng.eos = pl.consts.eos;
       launch_ngram_gather(ng, s);
       all_reduce(e_ng, c.ple_embed_dim);
+      mark(StepFamily::Ple);
       gemv(pl.kv_proj, S * c.ple_embed_dim + D, c.ple_embed_dim, e_ng, DType::F32, kvp, DType::F32,
            s);
       PleApplyParams pa;
@@ -966,6 +1006,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     }
     hc_read(L.attn_hc, iota);
     if (L.qsa) {
+      mark(StepFamily::QsaMixer);
       DevQsa& a = L.attn;
       gemv(a.in_proj, a.in_rows, D, m, DType::BF16, proj, DType::F32, s);
       QsaDecodeParams q = qsa_shape(c, o);
@@ -987,6 +1028,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       launch_qsa_decode(q, s);
       gemv(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
     } else {
+      mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
       gemv(g.in_proj, g.in_rows, D, m, DType::BF16, proj, DType::F32, s);
       GdnDecodeParams gp;
@@ -1013,6 +1055,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     inject();
 
     hc_read(L.mlp_hc, iota);
+    mark(StepFamily::Router);
     DevMoe& mo = L.moe;
     gemv(mo.router, E + 1, D, m, DType::BF16, rl, DType::F32, s);
     RouterParams rp;
@@ -1036,6 +1079,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       launch_router_force(rf, s);
     }
     ++layer_index;
+    mark(StepFamily::RoutedMoe);
     MoeGateUpParams gu;
     gu.experts = mo.gate_up;
     gu.expert_ids = ids;
@@ -1051,6 +1095,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     launch_moe_down_nvfp4(dn, s);
+    mark(StepFamily::SharedExpert);
     gemv(mo.s_gate_up, 2 * Is_l, D, m, DType::BF16, sgu, DType::F32, s);
     SwigluParams sw;
     sw.gate_up = sgu;
@@ -1069,6 +1114,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   }
 
   hc_read(final_hc, nullptr);
+  mark(StepFamily::LmHead);
   if (tp > 1) {
     gemv(lm_head, v_local, D, m, DType::BF16, logits_local, DType::F32, s);
     ScatterLogitsParams sc;
@@ -1079,6 +1125,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     sc.vocab = V;
     launch_scatter_logits(sc, s);
     all_reduce(logits, V);
+    mark(StepFamily::LmHead);
   } else {
     gemv(lm_head, V, D, m, DType::BF16, logits, DType::F32, s);
   }
@@ -1107,6 +1154,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   adv.position = position;
   adv.sample_step = sampling ? sample_step : nullptr;
   launch_step_advance(adv, s);
+  mark_end();
 }
 
 namespace {
@@ -1300,6 +1348,37 @@ std::span<const float> CudaModel::forward(int32_t token) {
   return {I.host_logits, static_cast<std::size_t>(V)};
 }
 
+void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed) {
+  Impl& I = *impl_;
+  DeviceSamplingParams dp;
+  dp.temperature = static_cast<float>(sampling.temperature);
+  dp.top_k = static_cast<int>(sampling.top_k);
+  dp.top_p = static_cast<float>(sampling.top_p);
+  dp.min_p = static_cast<float>(sampling.min_p);
+  dp.seed = seed;
+  const bool same =
+      I.history != nullptr && dp.temperature == I.sample_graph_params.temperature &&
+      dp.top_k == I.sample_graph_params.top_k && dp.top_p == I.sample_graph_params.top_p &&
+      dp.min_p == I.sample_graph_params.min_p && dp.seed == I.sample_graph_params.seed;
+  if (same) return;
+  for (cudaGraphExec_t* g : {&I.sample_graph, &I.profile_graph}) {
+    if (*g) {
+      FN_CUDA_CHECK(cudaGraphExecDestroy(*g));
+      *g = nullptr;
+    }
+  }
+  const std::size_t need = sample_workspace_bytes(cfg_.vocab_size, dp);
+  if (need > I.sample_ws_bytes) {
+    I.sample_ws = I.arena.alloc(need, "sampling workspace");
+    I.sample_ws_bytes = need;
+  }
+  if (I.history == nullptr) {
+    I.history_capacity = opt_.ctx_size + 1;
+    I.history = I.arena.alloc_n<int32_t>(I.history_capacity, "token history");
+  }
+  I.sample_graph_params = dp;
+}
+
 std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const SamplingParams& sampling,
                                        uint64_t seed,
                                        const std::function<bool(int32_t)>& on_token) {
@@ -1309,32 +1388,7 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
   FN_REQUIRE(count >= 0 && position_ + count <= opt_.ctx_size, Usage,
              "decoding {} tokens from position {} needs more than -c/--ctx-size {} tokens", count,
              position_, opt_.ctx_size);
-  DeviceSamplingParams dp;
-  dp.temperature = static_cast<float>(sampling.temperature);
-  dp.top_k = static_cast<int>(sampling.top_k);
-  dp.top_p = static_cast<float>(sampling.top_p);
-  dp.min_p = static_cast<float>(sampling.min_p);
-  dp.seed = seed;
-  const bool same =
-      I.sample_graph && dp.temperature == I.sample_graph_params.temperature &&
-      dp.top_k == I.sample_graph_params.top_k && dp.top_p == I.sample_graph_params.top_p &&
-      dp.min_p == I.sample_graph_params.min_p && dp.seed == I.sample_graph_params.seed;
-  if (!same) {
-    if (I.sample_graph) {
-      FN_CUDA_CHECK(cudaGraphExecDestroy(I.sample_graph));
-      I.sample_graph = nullptr;
-    }
-    const std::size_t need = sample_workspace_bytes(cfg_.vocab_size, dp);
-    if (need > I.sample_ws_bytes) {
-      I.sample_ws = I.arena.alloc(need, "sampling workspace");
-      I.sample_ws_bytes = need;
-    }
-    if (I.history == nullptr) {
-      I.history_capacity = opt_.ctx_size + 1;
-      I.history = I.arena.alloc_n<int32_t>(I.history_capacity, "token history");
-    }
-    I.sample_graph_params = dp;
-  }
+  prepare_sampling(sampling, seed);
   // The sampler's step counter indexes the history: restart it for this call.
   FN_CUDA_CHECK(cudaMemsetAsync(I.sample_step, 0, sizeof(int64_t), I.stream));
   I.host_token[0] = token;
@@ -1374,6 +1428,104 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
     fed = id;
     if (on_token && !on_token(id)) break;
   }
+  if (opt_.all_reduce) opt_.all_reduce->check_health();
+  return out;
+}
+
+const char* step_family_name(StepFamily f) noexcept {
+  switch (f) {
+    case StepFamily::Hc:
+      return "hc";
+    case StepFamily::GdnMixer:
+      return "gdn";
+    case StepFamily::QsaMixer:
+      return "qsa";
+    case StepFamily::Router:
+      return "router";
+    case StepFamily::RoutedMoe:
+      return "moe_routed";
+    case StepFamily::SharedExpert:
+      return "shared_expert";
+    case StepFamily::AllReduce:
+      return "all_reduce";
+    case StepFamily::LmHead:
+      return "lm_head";
+    case StepFamily::Ple:
+      return "ple";
+    case StepFamily::Other:
+      return "other";
+  }
+  return "?";
+}
+
+StepProfile CudaModel::profile_steps(int32_t token, int64_t count, bool in_graph) {
+  Impl& I = *impl_;
+  FN_REQUIRE(token >= 0 && token < cfg_.vocab_size, Usage,
+             "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
+  FN_REQUIRE(count >= 1 && position_ + count <= opt_.ctx_size, Usage,
+             "profiling {} steps from position {} needs more than -c/--ctx-size {} tokens", count,
+             position_, opt_.ctx_size);
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  prepare_sampling(greedy, 0);
+  Impl::Marks& mk = in_graph ? I.graph_marks : I.eager_marks;
+  if (mk.events.empty()) {
+    // At most 14 boundaries per layer (PLE, all-reduces, HC, mixer, router, experts, shared).
+    const std::size_t n = static_cast<std::size_t>(16 * cfg_.num_hidden_layers + 32);
+    mk.events.assign(n, nullptr);
+    mk.family.assign(n, 0);
+    for (cudaEvent_t& e : mk.events) FN_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  mk.external = in_graph;
+  struct MarksOff {
+    Impl& impl;
+    ~MarksOff() { impl.marks = nullptr; }
+  } marks_off{I};
+  FN_CUDA_CHECK(cudaMemsetAsync(I.sample_step, 0, sizeof(int64_t), I.stream));
+  I.host_token[0] = token;
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
+  if (in_graph && !I.profile_graph) {
+    mk.used = 0;
+    I.marks = &mk;
+    I.profile_graph = capture(I.stream, [&] { I.encode_step(cfg_, opt_, &I.sample_graph_params); });
+    I.marks = nullptr;
+    ++I.captures;
+  }
+  StepProfile out;
+  out.in_graph = in_graph;
+  int32_t fed = token;
+  for (int64_t i = 0; i < count; ++i) {
+    if (in_graph) {
+      FN_CUDA_CHECK(cudaGraphLaunch(I.profile_graph, I.stream));
+    } else {
+      mk.used = 0;
+      I.marks = &mk;
+      I.encode_step(cfg_, opt_, &I.sample_graph_params);
+      I.marks = nullptr;
+    }
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_token + 1, I.token, sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, I.stream));
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, I.stream));
+    FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+    ++position_;
+    check_step_errors(fed);
+    fed = I.host_token[1];
+    FN_CHECK(mk.used >= 2 && mk.family[mk.used - 1] == kStepFamilyCount,
+             "a profiled step recorded {} events", mk.used);
+    for (std::size_t j = 0; j + 1 < mk.used; ++j) {
+      float ms = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&ms, mk.events[j], mk.events[j + 1]));
+      out.ms[static_cast<std::size_t>(mk.family[j])] += ms;
+    }
+    float total = 0;
+    FN_CUDA_CHECK(cudaEventElapsedTime(&total, mk.events[0], mk.events[mk.used - 1]));
+    out.step_ms += total;
+  }
+  for (double& v : out.ms) v /= static_cast<double>(count);
+  out.step_ms /= static_cast<double>(count);
+  out.steps = count;
   if (opt_.all_reduce) opt_.all_reduce->check_health();
   return out;
 }

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -41,6 +42,33 @@ struct CudaModelOptions {
   bool replay_choices = false;
   /// Tests only: keep the residual H after every HC inject (debug_residuals()).
   bool keep_residuals = false;
+};
+
+/// The op families of one decode step, for CudaModel::profile_steps (issue 8 "per-op
+/// breakdown"). Each launch of encode_step belongs to exactly one family.
+enum class StepFamily : int {
+  Hc,            ///< HC read (group RMS norm, down/inject GEMV, mix) and HC inject; final mixer
+  GdnMixer,      ///< GDN: stacked input projection GEMV, the GDN decode kernel, out_proj GEMV
+  QsaMixer,      ///< QSA: stacked q/k/v/indexer projection GEMV, the QSA kernels, o_proj GEMV
+  Router,        ///< router (+ shared_expert_gate row) GEMV, top-k (and forced choices)
+  RoutedMoe,     ///< NVFP4 gate-up and down of the top-k experts
+  SharedExpert,  ///< shared expert gate/up GEMV, SwiGLU, down GEMV, the gated combine
+  AllReduce,     ///< every all-reduce of the step (TP > 1; PLE, mixer, MoE, logits)
+  LmHead,        ///< lm_head GEMV, logit scatter, sampling, n-gram context and position advance
+  Ple,           ///< PLE: n-gram gather, key/value GEMV, apply (its all-reduce is AllReduce)
+  Other,         ///< the embedding row and anything else
+};
+inline constexpr int kStepFamilyCount = 10;
+/// "hc", "gdn", "qsa", "router", "moe_routed", "shared_expert", "all_reduce", "lm_head",
+/// "ple", "other".
+const char* step_family_name(StepFamily f) noexcept;
+
+/// What CudaModel::profile_steps measured: milliseconds per step, by family.
+struct StepProfile {
+  std::array<double, kStepFamilyCount> ms{};  ///< per step, indexed by StepFamily
+  double step_ms = 0;                         ///< per step, first to last event (the sum of `ms`)
+  int64_t steps = 0;                          ///< steps averaged
+  bool in_graph = false;  ///< timed inside a CUDA graph (event nodes) instead of eagerly
 };
 
 /// Loading statistics.
@@ -93,6 +121,17 @@ class CudaModel {
   std::vector<int32_t> decode(int32_t token, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token);
 
+  /// Benchmarks only: the per-family time of the real greedy decode step (sampling on the
+  /// device, the id fed back as decode() does). Runs `count` steps from position(), feeding
+  /// `token` first, with a CUDA event recorded at every family boundary; returns the per-step
+  /// mean of each family's time. in_graph false: the step runs eagerly (host launch gaps
+  /// included, so the sum exceeds a graph replay); true: the step with its event record nodes
+  /// is captured once as its own graph and replayed (the closest to the decode graph; the
+  /// event nodes add a little). Every rank must call it alike (the all-reduces). Advances the
+  /// position by `count`. Throws as decode(), and fn::Error(Cuda) when the device cannot time
+  /// events in a graph.
+  StepProfile profile_steps(int32_t token, int64_t count, bool in_graph);
+
   /// Tests only (replay_choices): the reference's choices for the NEXT forward(): per decoder
   /// layer the top-k expert ids (best first), per QSA layer the selected blocks (ascending; an
   /// empty list while every complete block is selected). Throws fn::Error(Usage) on a shape
@@ -124,6 +163,9 @@ class CudaModel {
   CudaModel(ModelConfig cfg, const CudaModelOptions& options);
   // Throws the error a kernel flagged in the last step (then clears the flag).
   void check_step_errors(int32_t token);
+  // Allocates what the sampling step needs for `sampling` and drops a sampling graph captured
+  // with other settings.
+  void prepare_sampling(const SamplingParams& sampling, uint64_t seed);
   ModelConfig cfg_;
   CudaModelOptions opt_;
   int64_t position_ = 0;

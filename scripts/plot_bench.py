@@ -11,8 +11,9 @@ Writes into OUTDIR (default: the directory of BENCH.json):
                             (token 2 .. n_gen; token 1's latency is the TTFT), one thin line per
                             repetition, the per-token median in bold, the lane's floor dashed;
   breakdown[_p<P>_n<N>].png when the JSON has a "breakdown" array (top level or per lane) of
-                            {"family", "ms", "bytes"}: ms per op family next to its byte floor;
-                            skipped with a note when there is none.
+                            {"family", "ms", "bytes"} (`fngen bench --breakdown`): ms per op
+                            family next to its byte floor, and the eager time ("ms_eager") when
+                            the rows have it; skipped with a note when there is none.
 Needs python3-matplotlib (Debian; scripts/setup.sh installs it).
 """
 
@@ -128,19 +129,25 @@ def plot_breakdown(run, rows, suffix, outdir):
     fams = [r["family"] for r in rows]
     ms = [float(r["ms"]) for r in rows]
     floor = [float(r["bytes"]) / (bw * 1e9) * 1e3 for r in rows]
+    eager = [float(r["ms_eager"]) for r in rows] if all("ms_eager" in r for r in rows) else None
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 3), 4.5))
-    w = 0.4
-    ax.bar([i - w / 2 for i in x], ms, w, label="measured ms")
-    ax.bar([i + w / 2 for i in x], floor, w, label=f"byte floor @ {bw:g} GB/s")
+    w = 0.27 if eager else 0.4
+    first = -w if eager else -w / 2
+    ax.bar([i + first for i in x], ms, w, label="measured ms (in the graph)" if eager else
+           "measured ms")
+    if eager:
+        ax.bar(list(x), eager, w, label="eager ms (host launch gaps included)", color="tab:gray")
+    ax.bar([i + first + (2 if eager else 1) * w for i in x], floor, w,
+           label=f"byte floor @ {bw:g} GB/s")
     for i, r in enumerate(rows):
         gbs = float(r["bytes"]) / (ms[i] * 1e-3) / 1e9 if ms[i] > 0 else 0.0
-        ax.annotate(f"{gbs:.0f} GB/s\n{float(r['bytes']) / 1e6:.1f} MB", (i - w / 2, ms[i]),
+        ax.annotate(f"{gbs:.0f} GB/s\n{float(r['bytes']) / 1e6:.1f} MB", (i + first, ms[i]),
                     ha="center", va="bottom", fontsize=7, xytext=(0, 3),
                     textcoords="offset points")
-    ax.set_ylim(0, 1.2 * max(ms + floor))  # room for the labels
+    ax.set_ylim(0, 1.2 * max(ms + floor + (eager or [])))  # room for the labels
     ax.set_xticks(list(x))
-    ax.set_xticklabels(fams)
+    ax.set_xticklabels(fams, rotation=20, fontsize=8)
     ax.set_ylabel("ms per token")
     ax.set_title(f"fngen bench: per-op breakdown{suffix.replace('_', ' ')}; total "
                  f"{sum(ms):.3f} ms vs floor {sum(floor):.3f} ms\n{title_of(run)}", fontsize=10)

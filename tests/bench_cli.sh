@@ -79,6 +79,7 @@ def check_run(r, tp):
     need(float(r["bandwidth_gbs"]) == 4300 and "H200" in r["bandwidth_source"], "bandwidth reference")
     need(r["gpu"] == "none" and r["driver"] == "none" and r["nccl"] == "none", "GPU fields on cpu")
     need(r["commit"] != "", "commit empty")
+    need(r["weights"] == "checkpoint" and r["prefill"] == "run", "weights/prefill %s %s" % (r["weights"], r["prefill"]))
 # The deterministic fields that every format must hold alike.
 def key(l):
     by_rank = l["bytes_per_token_by_rank"]
@@ -192,7 +193,7 @@ assert 'per-op breakdown plot skipped' in open(sys.argv[3]).read()
   $py -c "
 import json, sys
 j = json.load(open(sys.argv[1]))
-j['breakdown'] = [{'family': 'moe', 'ms': 2.0, 'bytes': 4.3e9}, {'family': 'lm_head', 'ms': 0.3, 'bytes': 1.27e9}]
+j['breakdown'] = [{'family': 'moe', 'ms': 2.0, 'bytes': 4.3e9, 'ms_eager': 2.5}, {'family': 'lm_head', 'ms': 0.3, 'bytes': 1.27e9, 'ms_eager': 0.4}]
 json.dump(j, open(sys.argv[2], 'w'))
 del j['breakdown'][1]['bytes']
 json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.json"
@@ -226,6 +227,24 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
   expect 2 "--warmup must be >= 0" -- bench -p 8 -n 4 --warmup -1
   expect 2 "--bandwidth-gbs must be a positive" -- bench -p 8 -n 4 --bandwidth-gbs 0
   expect 3 "-o/--output /nonexistent-dir/x: cannot open" -- bench -p 8 -n 4 -o /nonexistent-dir/x
+  # The CUDA-only modes: refused on the cpu backend, and their flag combinations checked.
+  expect 2 "give either -m/--model DIR or --random-weights --config FILE" -- \
+    timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu
+  expect 2 "give either -m/--model DIR or --random-weights --config FILE (not both)" -- \
+    bench -p 8 -n 4 --random-weights --config "$src/configs/tiny.json"
+  expect 2 "--random-weights needs --config FILE" -- \
+    timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu --random-weights
+  expect 2 "--config applies to --random-weights only" -- \
+    bench -p 8 -n 4 --config "$src/configs/tiny.json"
+  expect 2 "--random-weights needs the cuda backend" -- \
+    timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu --random-weights --config "$src/configs/tiny.json"
+  expect 3 "/nonexistent.json" -- \
+    timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu --random-weights --config /nonexistent.json
+  expect 2 "--skip-prefill needs the cuda backend (this run uses cpu)" -- bench -p 8 -n 4 --skip-prefill
+  expect 2 "--breakdown needs the cuda backend (this run uses cpu)" -- bench -p 8 -n 4 --breakdown
+  expect 2 "--breakdown-steps must be >= 1, got 0" -- bench -p 8 -n 4 --breakdown --breakdown-steps 0
+  expect 2 "needs 84 tokens (72 for --breakdown), more than -c/--ctx-size 20" -- \
+    bench -p 8 -n 4 --breakdown -c 20
 
   # --bandwidth-gbs: the reference changes and the output says where it came from.
   bench -p 8 -n 4 -r 1 --bandwidth-gbs 1000 --format json >"$tmp/bw.json" 2>/dev/null || fail "bw run"

@@ -9,18 +9,19 @@
 // Measured on one H200 (graph of 36 layers, states beyond the L2): about 9.5 us per layer at
 // TP=1 fused, 8.4 us in two-launch mode with PDL, against 1.8 us for a state-sized D2D copy: a
 // CTA's chain of dependent round trips (state load, fences, arrival atomic, the last CTA's reads)
-// dominates, not bandwidth. Next steps: thread-block clusters (DSMEM) for the per-head norm, and
-// a dependent launch behind the projection GEMV so the state load overlaps it.
+// dominates, not bandwidth. With PDL (cuda/pdl.cuh) the state is prefetched into L2 while the
+// projection GEMV before it finishes. Next step: thread-block clusters (DSMEM) for the per-head
+// norm.
 #include "cuda/gdn.h"
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <climits>
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
+#include "cuda/pdl.cuh"
 
 namespace fn {
 namespace {
@@ -92,11 +93,9 @@ __global__ void __launch_bounds__(kThreads)
     gdn_conv_kernel(const float* __restrict__ proj, const float* __restrict__ w,
                     float* __restrict__ conv_state, float* __restrict__ conv_out, int conv_dim,
                     int K) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The recurrence kernel (a programmatic dependent launch) may start streaming its state now;
-  // it waits for this grid's completion before it reads conv_out.
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  // Wait for the projection (the previous kernel), then let the recurrence kernel start
+  // streaming its state: it waits for this grid's completion before it reads conv_out.
+  dev::pdl_begin();
   const int c = blockIdx.x * kThreads + threadIdx.x;
   if (c >= conv_dim) return;
   conv_out[c] = conv_channel(proj, w, conv_state, c, K, true);
@@ -186,24 +185,39 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   const int col0 = sl * a.vc + cg * 4;
   float* S = a.state + static_cast<int64_t>(h) * a.dk * a.dv + col0;
 
-  // The state tile first: its loads are the kernel's cost and overlap everything below.
+  // The state tile first: its loads are the kernel's cost and overlap everything below. Two
+  // launches: straight into registers before the programmatic-dependent wait (the conv kernel
+  // before this one triggers only after its own wait, so no kernel that writes the state can
+  // still run). One launch (this kernel may follow anything, e.g. itself): only prefetched into
+  // L2 before the wait (memory-safe whatever runs), loaded after it (cuda/pdl.cuh).
   float4 s[kMaxRows];
+  auto load_state = [&] {
 #pragma unroll
-  for (int j = 0; j < kMaxRows; ++j) {
-    const int row = rg + j * RG;
-    s[j] = row < a.dk ? *reinterpret_cast<const float4*>(S + static_cast<int64_t>(row) * a.dv)
-                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int j = 0; j < kMaxRows; ++j) {
+      const int row = rg + j * RG;
+      s[j] = row < a.dk ? *reinterpret_cast<const float4*>(S + static_cast<int64_t>(row) * a.dv)
+                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  };
+  if (a.fused) {
+    if ((cg & 7) == 0) {  // one prefetch per 128 bytes of a row
+#pragma unroll
+      for (int j = 0; j < kMaxRows; ++j) {
+        const int row = rg + j * RG;
+        if (row < a.dk) dev::prefetch_l2(S + static_cast<int64_t>(row) * a.dv);
+      }
+    }
+  } else {
+    load_state();
   }
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  if (a.fused) load_state();
   // Step 4: gates of head h (they depend only on the projection).
   const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * a.dv;
   const float beta = sigmoid2(ab[a.Hv + h]);
   const float g = -expf(a.A_log[h]) * softplus(ab[h] + a.dt_bias[h]);
   const float decay = expf(g);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Two-launch mode: wait for the conv grid to complete and its writes to be visible before
-  // reading conv_out (a no-op when not launched as a programmatic dependent).
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 
   // Step 2 (fused) or its output (two launches): q_i, k_i and this CTA's v columns.
   const int64_t q_base = static_cast<int64_t>(i) * a.dk;
@@ -344,24 +358,6 @@ void check_params(const GdnDecodeParams& p) {
                     kOp);
 }
 
-// Whether the current device supports programmatic dependent launch (sm_90+), cached per
-// device so launches during stream capture make no query after the first.
-bool device_has_pdl() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
-  int dev = 0;
-  FN_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= kMaxDevices) return false;
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0;
-    FN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    v = major >= 9 ? 2 : 1;
-    cache[dev].store(v, std::memory_order_relaxed);
-  }
-  return v == 2;
-}
-
 }  // namespace
 
 int plan_gdn_decode_slice(const GdnDecodeParams& p) {
@@ -404,23 +400,14 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             p.conv_kernel,
             p.fused_conv ? 1 : 0,
             p.eps};
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(Hv * (dv / vc)));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 0;
+  const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
   if (!p.fused_conv) {
-    gdn_conv_kernel<<<(conv_dim + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        p.proj, p.conv_weight, p.conv_state, p.conv_out, conv_dim, p.conv_kernel);
+    launch_pdl("gdn_conv_kernel", gdn_conv_kernel, (conv_dim + kThreads - 1) / kThreads, kThreads,
+               0, stream, p.proj, p.conv_weight, p.conv_state, p.conv_out, conv_dim, p.conv_kernel);
     FN_CUDA_LAUNCH_CHECK("gdn_conv_kernel");
-    cfg.numAttrs = p.overlap_launch && device_has_pdl() ? 1 : 0;
   }
-  FN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gdn_recurrent_kernel, a));
+  launch_maybe_pdl(p.fused_conv || p.overlap_launch, "gdn_recurrent_kernel", gdn_recurrent_kernel,
+                   grid, kThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel");
 }
 

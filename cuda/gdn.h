@@ -45,8 +45,10 @@ struct GdnDecodeParams {
   /// Arrival counters: the last CTA of value head h (entry h) applies the gated norm to the
   /// whole head; the last CTA of key head i (entry Hv + i) shifts its q/k conv history.
   unsigned int* head_counters = nullptr;
-  /// Two-launch mode only, sm_90+: launch the recurrence kernel as a programmatic dependent
-  /// launch so its state loads overlap the conv kernel. Ignored on older devices.
+  /// Two-launch mode only, sm_90+, when fn::pdl_enabled() (cuda/pdl.h): launch the recurrence
+  /// kernel as a programmatic dependent launch so its state loads overlap the conv kernel.
+  /// Ignored on older devices. (The first kernel of either mode is a programmatic dependent
+  /// launch whenever fn::pdl_enabled().)
   bool overlap_launch = true;
   /// true (default): ONE launch; every recurrence CTA computes the conv of the channels it
   /// reads from the old conv state. false: two launches (a conv kernel over all channels

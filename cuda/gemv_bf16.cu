@@ -8,6 +8,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
+#include "cuda/pdl.cuh"
 
 namespace fn {
 namespace {
@@ -54,6 +55,20 @@ __device__ __forceinline__ float fma8(uint4 w, const float (&xf)[8], float acc) 
   return acc;
 }
 
+// The kUnroll x kRows weight vectors of one step: vectors base + u * team of each row (zeros past
+// the row's end, never used).
+template <int kRows, int kUnroll>
+__device__ __forceinline__ void load_tile(const uint4* const (&wrow)[kRows], int base, int team,
+                                          int nvec, uint4 (&w)[kUnroll][kRows]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int v = base + u * team;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      w[u][r] = v < nvec ? dev::ld_stream16(wrow[r] + v) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // One team of (1 << team_log2) lanes computes kRows consecutive rows. Lane l reads vectors
 // l, l + T, l + 2T, ... of each row (coalesced: a team reads T * 16 contiguous bytes per row per
 // step), kUnroll steps at a time so that kRows * kUnroll = 8 independent 16-byte weight loads are
@@ -77,15 +92,24 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
 
-  for (int base = lane; base < a.nvec; base += kUnroll * team) {
-    uint4 w[kUnroll][kRows];
+  // The first kUnroll vectors of each row go into registers (and the next ones into L2) before
+  // the programmatic-dependent wait: W is a weight, no kernel of the stream writes it, while x
+  // comes from the previous kernel (cuda/pdl.cuh).
+  const int step = kUnroll * team;
+  uint4 w[kUnroll][kRows];
+  load_tile<kRows, kUnroll>(wrow, lane, team, a.nvec, w);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int v = base + u * team;
+  for (int u = 0; u < kUnroll; ++u) {
+    const int v = lane + step + u * team;
+    if (v < a.nvec && (lane & 7) == 0) {  // one prefetch per 128-byte line (8 vectors)
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        w[u][r] = v < a.nvec ? dev::ld_stream16(wrow[r] + v) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < kRows; ++r) dev::prefetch_l2(wrow[r] + v);
     }
+  }
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+
+  for (int base = lane;;) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int v = base + u * team;
@@ -96,6 +120,9 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
         for (int r = 0; r < kRows; ++r) acc[r] = fma8(w[u][r], xf, acc[r]);
       }
     }
+    base += step;
+    if (base >= a.nvec) break;
+    load_tile<kRows, kUnroll>(wrow, base, team, a.nvec, w);
   }
 
   dev::team_reduce<kRows, kBlockThreads>(acc, team, lane);
@@ -116,16 +143,17 @@ template <int kRows>
 void dispatch_dtypes(const GemvArgs& a, bool x_f32, bool y_bf16, int64_t blocks,
                      cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kBlockThreads);
+  constexpr const char* kName = "gemv_bf16_kernel";
   if (x_f32) {
     if (y_bf16)
-      gemv_bf16_kernel<kRows, true, true><<<grid, block, 0, stream>>>(a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, true, true>, grid, block, 0, stream, a);
     else
-      gemv_bf16_kernel<kRows, true, false><<<grid, block, 0, stream>>>(a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, true, false>, grid, block, 0, stream, a);
   } else {
     if (y_bf16)
-      gemv_bf16_kernel<kRows, false, true><<<grid, block, 0, stream>>>(a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, false, true>, grid, block, 0, stream, a);
     else
-      gemv_bf16_kernel<kRows, false, false><<<grid, block, 0, stream>>>(a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, false, false>, grid, block, 0, stream, a);
   }
 }
 

@@ -6,6 +6,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
+#include "cuda/pdl.cuh"
 
 namespace fn {
 namespace {
@@ -34,6 +35,7 @@ __device__ __forceinline__ float block_sum(float v) {
 __global__ void __launch_bounds__(kBlockThreads)
     group_rms_norm_1p_kernel(const float* x, const uint16_t* w, uint16_t* out, int64_t n,
                              float eps) {
+  dev::pdl_begin();
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   const float4* xv = reinterpret_cast<const float4*>(x + base);
   const int64_t nv = n / 4;
@@ -85,11 +87,20 @@ __global__ void __launch_bounds__(kBlockThreads) hc_mix_kernel(MixArgs a) {
   const int64_t ic = i < a.hidden ? i : a.hidden - 1;  // out-of-range teams compute, never store
   constexpr float kInvStreams = 1.0f / kStreams;       // 0.25: exact
   float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int v = lane; v < a.nvec; v += team) {
-    uint4 w[kStreams];
+  // The first vectors of W_up (a weight) load before the programmatic-dependent wait; t and n
+  // come from the previous kernels (cuda/pdl.cuh).
+  uint4 w[kStreams];
+  auto load_w = [&](int v) {
 #pragma unroll
     for (int s = 0; s < kStreams; ++s)
-      w[s] = dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v);
+      w[s] = v < a.nvec ? dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v)
+                        : make_uint4(0, 0, 0, 0);
+  };
+  load_w(lane);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  for (int v = lane; v < a.nvec; v += team) {
+    if (v != lane) load_w(v);
     const float4 t0 = __ldg(reinterpret_cast<const float4*>(a.t) + 2 * v);
     const float4 t1 = __ldg(reinterpret_cast<const float4*>(a.t) + 2 * v + 1);
     const float u[8] = {dev::silu(t0.x * kInvStreams), dev::silu(t0.y * kInvStreams),
@@ -131,8 +142,8 @@ void launch_group_rms_norm_1p(const GroupRmsNormParams& p, cudaStream_t stream) 
   FN_LAUNCH_REQUIRE(p.x != nullptr && p.weight != nullptr && p.out != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.num_groups >= 1 && p.group_size >= 4 && p.group_size % 4 == 0, kOp);
   FN_LAUNCH_REQUIRE(aligned(p.x, 16) && aligned(p.weight, 8) && aligned(p.out, 8), kOp);
-  group_rms_norm_1p_kernel<<<p.num_groups, kBlockThreads, 0, stream>>>(p.x, p.weight, p.out,
-                                                                       p.group_size, p.eps);
+  launch_pdl("group_rms_norm_1p_kernel", group_rms_norm_1p_kernel, p.num_groups, kBlockThreads, 0,
+             stream, p.x, p.weight, p.out, p.group_size, p.eps);
   FN_CUDA_LAUNCH_CHECK("group_rms_norm_1p_kernel");
 }
 
@@ -158,7 +169,8 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
             static_cast<int>(p.rank),
             static_cast<int>(nvec),
             __builtin_ctz(static_cast<unsigned>(team))};
-  hc_mix_kernel<<<static_cast<unsigned>(blocks(team)), kBlockThreads, 0, stream>>>(a);
+  launch_pdl("hc_mix_kernel", hc_mix_kernel, static_cast<unsigned>(blocks(team)), kBlockThreads, 0,
+             stream, a);
   FN_CUDA_LAUNCH_CHECK("hc_mix_kernel");
 }
 

@@ -17,6 +17,7 @@
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/nvfp4_bits.h"
+#include "cuda/pdl.cuh"
 
 namespace fn {
 namespace {
@@ -122,6 +123,9 @@ struct GateUpArgs {
 // One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j].
 template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUpArgs a) {
+  // Every weight address depends on the router's expert ids (the previous kernels' output):
+  // nothing can be read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
   using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
   const int lane = threadIdx.x & (team - 1);
@@ -199,6 +203,9 @@ struct DownArgs {
 // One team per output row d: lanes stride over the flattened (expert j, vector v) pairs.
 template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs a) {
+  // Every weight address depends on the router's expert ids (the previous kernels' output):
+  // nothing can be read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
   using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
   const int lane = threadIdx.x & (team - 1);
@@ -314,9 +321,11 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
   if (narrow)
-    moe_gate_up_nvfp4_kernel<true><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+    launch_pdl("moe_gate_up_nvfp4_kernel", moe_gate_up_nvfp4_kernel<true>,
+               static_cast<unsigned>(blocks), kBlockThreads, 0, stream, a);
   else
-    moe_gate_up_nvfp4_kernel<false><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+    launch_pdl("moe_gate_up_nvfp4_kernel", moe_gate_up_nvfp4_kernel<false>,
+               static_cast<unsigned>(blocks), kBlockThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_nvfp4_kernel");
 }
 
@@ -350,9 +359,11 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
   if (narrow)
-    moe_down_nvfp4_kernel<true><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+    launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<true>, static_cast<unsigned>(blocks),
+               kBlockThreads, 0, stream, a);
   else
-    moe_down_nvfp4_kernel<false><<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+    launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<false>, static_cast<unsigned>(blocks),
+               kBlockThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_down_nvfp4_kernel");
 }
 

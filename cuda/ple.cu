@@ -11,6 +11,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
+#include "cuda/pdl.cuh"
 
 namespace fn {
 namespace {
@@ -40,6 +41,7 @@ __device__ __forceinline__ float e4m3_value(uint32_t b) {
 // One block per head h: every thread hashes (a handful of int64 ops, no sync needed), then the
 // block copies the row.
 __global__ void __launch_bounds__(kGatherThreads) ngram_gather_kernel(const NgramGatherParams p) {
+  dev::pdl_begin();  // token, context, kv, H: from earlier kernels (cuda/pdl.cuh)
   const int h = blockIdx.x;
   const int64_t token = static_cast<int64_t>(__ldg(p.token));
   const int ctx_len = p.ngram_size - 1;
@@ -72,6 +74,7 @@ __global__ void __launch_bounds__(kGatherThreads) ngram_gather_kernel(const Ngra
 }
 
 __global__ void ngram_context_advance_kernel(int64_t* context, int n, const int32_t* token) {
+  dev::pdl_begin();  // token, context, kv, H: from earlier kernels (cuda/pdl.cuh)
   for (int i = 0; i + 1 < n; ++i) context[i] = context[i + 1];
   context[n - 1] = static_cast<int64_t>(*token);
 }
@@ -107,6 +110,7 @@ __device__ __forceinline__ float inv_rms(float sum_sq, float n, float eps) {
 // One block per stream s (blockIdx.x).
 __global__ void __launch_bounds__(kApplyThreads)
     ple_apply_kernel(const PleApplyParams p, float inv_sqrt_p) {
+  dev::pdl_begin();  // token, context, kv, H: from earlier kernels (cuda/pdl.cuh)
   __shared__ float slots1[kApplyThreads / 32][2], slots2[kApplyThreads / 32][1],
       slots3[kApplyThreads / 32][1];
   __shared__ float tot1[2], tot2[1], tot3[1];
@@ -184,7 +188,8 @@ void launch_ngram_gather(const NgramGatherParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.head_dim >= 1 && p.eos >= 0, kOp);
   FN_LAUNCH_REQUIRE(p.fp8 || (reinterpret_cast<uintptr_t>(p.rows) & 1) == 0, kOp);
   for (int h = 0; h < p.num_heads; ++h) FN_LAUNCH_REQUIRE(p.head_sizes[h] >= 1, kOp);
-  ngram_gather_kernel<<<static_cast<unsigned>(p.num_heads), kGatherThreads, 0, stream>>>(p);
+  launch_pdl("ngram_gather_kernel", ngram_gather_kernel, static_cast<unsigned>(p.num_heads),
+             kGatherThreads, 0, stream, p);
   FN_CUDA_LAUNCH_CHECK("ngram_gather_kernel");
 }
 
@@ -192,7 +197,8 @@ void launch_ngram_context_advance(const NgramContextAdvanceParams& p, cudaStream
   constexpr const char* kOp = "launch_ngram_context_advance";
   FN_LAUNCH_REQUIRE(p.context != nullptr && p.token != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.ngram_size >= 2 && p.ngram_size <= 8, kOp);
-  ngram_context_advance_kernel<<<1, 1, 0, stream>>>(p.context, p.ngram_size - 1, p.token);
+  launch_pdl("ngram_context_advance_kernel", ngram_context_advance_kernel, 1, 1, 0, stream,
+             p.context, p.ngram_size - 1, p.token);
   FN_CUDA_LAUNCH_CHECK("ngram_context_advance_kernel");
 }
 
@@ -207,7 +213,8 @@ void launch_ple_apply(const PleApplyParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.dilation >= 1 && p.dilation <= 16, kOp);
   FN_LAUNCH_REQUIRE(p.conv_kernel == 1 || p.conv_state != nullptr, kOp);
   const float inv_sqrt_p = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.dim)));
-  ple_apply_kernel<<<static_cast<unsigned>(p.hc_count), kApplyThreads, 0, stream>>>(p, inv_sqrt_p);
+  launch_pdl("ple_apply_kernel", ple_apply_kernel, static_cast<unsigned>(p.hc_count), kApplyThreads,
+             0, stream, p, inv_sqrt_p);
   FN_CUDA_LAUNCH_CHECK("ple_apply_kernel");
 }
 

@@ -9,6 +9,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
+#include "cuda/pdl.cuh"
 
 namespace fn {
 namespace {
@@ -99,6 +100,7 @@ __device__ void norm_rope(const float* x, const float* w, int n, float eps, int 
 // One CTA per role: query heads [0, hq), KV heads [hq, hq+hkv) (K row + V row), indexer query
 // heads, then one CTA for the raw indexer key and, when a block completes, its block key.
 __global__ void __launch_bounds__(kThreads) qsa_prep_kernel(Args a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   __shared__ float y[kMaxDim];
   __shared__ float xin[kMaxDim];
   __shared__ double red[kThreads / 32];
@@ -144,6 +146,7 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_kernel(Args a) {
 // indexer_scores for blocks 0..B-1: one warp per block, FP64 dot per head (as cpu::dot), then
 // relu in FP32 (std::max(0.0f, x) semantics), the head sum in FP64, times 1/sqrt(ihd) in FP64.
 __global__ void __launch_bounds__(kThreads) qsa_scores_kernel(Args a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   __shared__ float qs[kMaxIndexerQ];
   const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) return;
@@ -214,6 +217,7 @@ __device__ int block_exclusive_scan(int v, int* sh) {
 // scores -> lower index, written ascending. Radix select (4 passes of 8 bits) finds the k-th key
 // T; every key > T is selected plus the lowest-indexed (k - #greater) keys equal to T.
 __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   __shared__ unsigned hist[256];
   __shared__ uint32_t keys[kSelectCache];
   __shared__ uint32_t s_prefix;
@@ -320,6 +324,7 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
 // The chunk's K and V rows are staged in shared memory by all threads at once; one FP32
 // accumulator per query head (kMaxG, unrolled) so the heads' chains overlap.
 __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   extern __shared__ float smem[];
   const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) return;
@@ -430,6 +435,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
 // (the two-branch form of cpu::sigmoid) -> BF16. Chunk loads are batched 8 at a time (the
 // summation order stays c = 0, 1, ...).
 __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   __shared__ float wc[kMaxChunks];
   __shared__ float sc[kMaxChunks];
   __shared__ float red[kThreads / 32];
@@ -623,19 +629,22 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     a.gmax = std::max(a.gmax, g);
   }
 
-  qsa_prep_kernel<<<p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream>>>(a);
+  // Five programmatic dependent launches (cuda/pdl.cuh): each waits for the one before it.
+  launch_pdl("qsa_prep_kernel", qsa_prep_kernel,
+             p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("qsa_prep_kernel");
   const int64_t max_blocks = p.ctx_size / p.ratio;
   const int score_ctas = static_cast<int>(
       std::clamp<int64_t>((max_blocks + kThreads / 32 - 1) / (kThreads / 32), 1, 1024));
-  qsa_scores_kernel<<<score_ctas, kThreads, 0, stream>>>(a);
+  launch_pdl("qsa_scores_kernel", qsa_scores_kernel, score_ctas, kThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("qsa_scores_kernel");
-  qsa_select_kernel<<<1, kSelectThreads, 0, stream>>>(a);
+  launch_pdl("qsa_select_kernel", qsa_select_kernel, 1, kSelectThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("qsa_select_kernel");
   const size_t smem = attn_smem_bytes(a.gmax, p.head_dim, w.chunk);
-  qsa_attn_kernel<<<dim3(w.max_chunks, p.num_kv_heads), kThreads, smem, stream>>>(a);
+  launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads, smem,
+             stream, a);
   FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
-  qsa_combine_kernel<<<p.num_q_heads, kThreads, 0, stream>>>(a);
+  launch_pdl("qsa_combine_kernel", qsa_combine_kernel, p.num_q_heads, kThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("qsa_combine_kernel");
 }
 

@@ -1,0 +1,289 @@
+// GPU tests of programmatic dependent launch (cuda/pdl.h, cuda/pdl.cuh): a chain of decode-step
+// kernels launched back to back in one stream (HC norm, BF16 GEMVs, GDN, router, NVFP4 experts,
+// SwiGLU, combine, inject; every step reads what the one before wrote, and the GDN state and H
+// carry over from step to step) must give the same bits with PDL on as with PDL off (plain stream
+// order, the reference whose kernels the other test_cuda_* files check against the CPU oracle),
+// eagerly and replayed from a CUDA graph. A missing or misplaced wait would race and change bits.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "core/error.h"
+#include "cuda/decode_ops.h"
+#include "cuda/gdn.h"
+#include "cuda/gemv_bf16.h"
+#include "cuda/hc.h"
+#include "cuda/moe_nvfp4.h"
+#include "cuda/pdl.h"
+#include "cuda/weight_fill.h"
+#include "tests/cuda_test_util.h"
+
+namespace {
+
+using fn::test::DeviceArray;
+
+// Shapes: hidden 2560, the real router (512 experts, top 10), GDN heads of the TP=2 slice
+// (8 key, 24 value, 128 dims, conv 4), a reduced expert width (I 256) and shared expert (I 512).
+constexpr int64_t kD = 2560, kE = 512, kI = 256, kIs = 512;
+constexpr int kK = 10, kHk = 8, kHv = 24, kDk = 128, kDv = 128, kConvK = 4;
+constexpr int64_t kConvDim = 2 * kHk * kDk + kHv * kDv;
+constexpr int64_t kProjRows = kConvDim + kHv * kDv + 2 * kHv;
+
+template <typename T>
+void fill(DeviceArray<T>& a, fn::RandomFill kind, fn::DType dtype, float lo, float hi,
+          uint64_t stream) {
+  fn::RandomFillParams p;
+  p.dst = a.ptr;
+  p.count = static_cast<int64_t>(a.n);
+  p.dtype = dtype;
+  p.kind = kind;
+  p.lo = lo;
+  p.hi = hi;
+  p.seed = 20261130;
+  p.stream = stream;
+  fn::launch_random_fill(p, nullptr);
+}
+
+void gemv(const DeviceArray<uint16_t>& w, int64_t rows, int64_t cols, const void* x,
+          fn::DType x_dtype, void* y, cudaStream_t s) {
+  fn::GemvBf16Params g;
+  g.weight = w.ptr;
+  g.rows = rows;
+  g.cols = cols;
+  g.ld = cols;
+  g.x = x;
+  g.x_dtype = x_dtype;
+  g.y = y;
+  g.y_dtype = fn::DType::F32;
+  fn::launch_gemv_bf16(g, s);
+}
+
+// The weights and the carried state of the chain.
+struct Chain {
+  DeviceArray<uint16_t> norm_w{kD}, w_proj{kProjRows * kD}, w_o{kD * kHv * kDv}, w_r{(kE + 1) * kD};
+  DeviceArray<uint16_t> w_sgu{2 * kIs * kD}, w_sd{kD * kIs};
+  DeviceArray<float> conv_w{kConvDim * kConvK}, a_log{kHv}, dt_bias{kHv}, gdn_norm{kDv};
+  DeviceArray<uint8_t> gu_packed{kE * 2 * kI * kD / 2}, gu_scales{kE * 2 * kI * kD / 16};
+  DeviceArray<uint8_t> dn_packed{kE * kD * kI / 2}, dn_scales{kE * kD * kI / 16};
+  DeviceArray<float> gu_gs{2 * kE}, dn_gs{kE}, iota{1};
+  // State carried over the steps, and its initial values.
+  DeviceArray<float> H{kD}, H0{kD}, state{kHv * kDk * kDv}, conv_state{kConvDim * (kConvK - 1)};
+  DeviceArray<unsigned int> counters{kHv + kHk};
+  // Per-step scratch.
+  DeviceArray<uint16_t> xb{kD}, gout{kHv * kDv}, h{kK * kI}, sh{kIs};
+  DeviceArray<float> proj{kProjRows}, o_scratch{kHv * kDv}, ya{kD}, rl{kE + 1}, rw{kK}, y{kD};
+  DeviceArray<float> sgu{2 * kIs}, ys{kD};
+  DeviceArray<int32_t> ids{kK}, flag{1};
+
+  Chain() {
+    using fn::DType;
+    using fn::RandomFill;
+    uint64_t id = 1;
+    fill(norm_w, RandomFill::Uniform, DType::BF16, -0.1f, 0.1f, id++);
+    fill(w_proj, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
+    fill(w_o, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
+    fill(w_r, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
+    fill(w_sgu, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
+    fill(w_sd, RandomFill::Uniform, DType::BF16, -0.05f, 0.05f, id++);
+    fill(conv_w, RandomFill::Uniform, DType::F32, -0.5f, 0.5f, id++);
+    fill(a_log, RandomFill::Uniform, DType::F32, -1.0f, 0.5f, id++);
+    fill(dt_bias, RandomFill::Uniform, DType::F32, -0.5f, 0.5f, id++);
+    fill(gdn_norm, RandomFill::Uniform, DType::F32, 0.5f, 1.5f, id++);
+    fill(gu_packed, RandomFill::E2M1Codes, DType::U8, 0, 0, id++);
+    fill(gu_scales, RandomFill::E4M3NearOne, DType::F8_E4M3, 0, 0, id++);
+    fill(dn_packed, RandomFill::E2M1Codes, DType::U8, 0, 0, id++);
+    fill(dn_scales, RandomFill::E4M3NearOne, DType::F8_E4M3, 0, 0, id++);
+    fill(gu_gs, RandomFill::Uniform, DType::F32, 0.005f, 0.01f, id++);
+    fill(dn_gs, RandomFill::Uniform, DType::F32, 0.01f, 0.02f, id++);
+    fill(iota, RandomFill::Uniform, DType::F32, 0.5f, 0.5f, id++);
+    fill(H0, RandomFill::Uniform, DType::F32, -2.0f, 2.0f, id++);
+    FN_CUDA_CHECK(cudaMemset(counters.ptr, 0, counters.n * sizeof(unsigned int)));
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  void reset() {
+    FN_CUDA_CHECK(cudaMemcpy(H.ptr, H0.ptr, kD * sizeof(float), cudaMemcpyDeviceToDevice));
+    FN_CUDA_CHECK(cudaMemset(state.ptr, 0, state.n * sizeof(float)));
+    FN_CUDA_CHECK(cudaMemset(conv_state.ptr, 0, conv_state.n * sizeof(float)));
+    FN_CUDA_CHECK(cudaMemset(flag.ptr, 0, sizeof(int32_t)));
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  void norm(cudaStream_t s) {
+    fn::GroupRmsNormParams gn;
+    gn.x = H.ptr;
+    gn.weight = norm_w.ptr;
+    gn.out = xb.ptr;
+    gn.num_groups = 1;
+    gn.group_size = kD;
+    fn::launch_group_rms_norm_1p(gn, s);
+  }
+
+  void inject(const DeviceArray<float>& from, cudaStream_t s) {
+    const fn::HcInjectParams hi{H.ptr, iota.ptr, from.ptr, 1, kD};
+    fn::launch_hc_inject(hi, s);
+  }
+
+  // One decode-like step: 16 kernels, each reading the output of an earlier one.
+  void step(cudaStream_t s) {
+    using fn::DType;
+    norm(s);
+    gemv(w_proj, kProjRows, kD, xb.ptr, DType::BF16, proj.ptr, s);
+    fn::GdnDecodeParams gp;
+    gp.proj = proj.ptr;
+    gp.conv_weight = conv_w.ptr;
+    gp.A_log = a_log.ptr;
+    gp.dt_bias = dt_bias.ptr;
+    gp.norm_weight = gdn_norm.ptr;
+    gp.conv_state = conv_state.ptr;
+    gp.state = state.ptr;
+    gp.out = gout.ptr;
+    gp.num_k_heads = kHk;
+    gp.num_v_heads = kHv;
+    gp.k_head_dim = kDk;
+    gp.v_head_dim = kDv;
+    gp.conv_kernel = kConvK;
+    gp.o_scratch = o_scratch.ptr;
+    gp.head_counters = counters.ptr;
+    fn::launch_gdn_decode(gp, s);
+    gemv(w_o, kD, kHv * kDv, gout.ptr, DType::BF16, ya.ptr, s);
+    inject(ya, s);
+    norm(s);
+    gemv(w_r, kE + 1, kD, xb.ptr, DType::BF16, rl.ptr, s);
+    const fn::RouterParams rp{rl.ptr, static_cast<int>(kE), kK, true, ids.ptr, rw.ptr, flag.ptr};
+    fn::launch_router_topk(rp, s);
+    fn::MoeGateUpParams gu;
+    gu.experts = {gu_packed.ptr, gu_scales.ptr, gu_gs.ptr, static_cast<int>(kE), 2 * kI, kD};
+    gu.expert_ids = ids.ptr;
+    gu.top_k = kK;
+    gu.x = xb.ptr;
+    gu.h = h.ptr;
+    fn::launch_moe_gate_up_nvfp4(gu, s);
+    fn::MoeDownParams dn;
+    dn.experts = {dn_packed.ptr, dn_scales.ptr, dn_gs.ptr, static_cast<int>(kE), kD, kI};
+    dn.expert_ids = ids.ptr;
+    dn.routing_weights = rw.ptr;
+    dn.top_k = kK;
+    dn.h = h.ptr;
+    dn.y = y.ptr;
+    fn::launch_moe_down_nvfp4(dn, s);
+    gemv(w_sgu, 2 * kIs, kD, xb.ptr, DType::BF16, sgu.ptr, s);
+    const fn::SwigluParams sw{sgu.ptr, sh.ptr, kIs};
+    fn::launch_swiglu(sw, s);
+    gemv(w_sd, kD, kIs, sh.ptr, DType::BF16, ys.ptr, s);
+    const fn::MoeCombineParams mc{y.ptr, ys.ptr, rl.ptr + kE, kD};
+    fn::launch_moe_combine(mc, s);
+    inject(y, s);
+  }
+
+  struct Result {
+    std::vector<float> H, state, conv_state;
+    std::vector<int32_t> ids;
+    int32_t flag;
+    bool operator==(const Result& o) const {
+      auto same = [](const auto& a, const auto& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+      };
+      return same(H, o.H) && same(state, o.state) && same(conv_state, o.conv_state) &&
+             ids == o.ids && flag == o.flag;
+    }
+  };
+  Result result() const {
+    return {H.download(), state.download(), conv_state.download(), ids.download(),
+            flag.download()[0]};
+  }
+};
+
+constexpr int kSteps = 8;
+
+// kSteps steps enqueued back to back on a fresh stream (no host sync in between).
+Chain::Result run_eager(Chain& c, bool pdl) {
+  fn::set_pdl_enabled(pdl);
+  c.reset();
+  cudaStream_t s;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (int i = 0; i < kSteps; ++i) c.step(s);
+  FN_CUDA_CHECK(cudaStreamSynchronize(s));
+  FN_CUDA_CHECK(cudaStreamDestroy(s));
+  return c.result();
+}
+
+// The kSteps steps captured into one graph (with PDL as given at capture), replayed `replays`
+// times from the initial state; returns the last replay's result and the mean µs per step.
+Chain::Result run_graph(Chain& c, bool pdl, int replays, double* us_per_step) {
+  fn::set_pdl_enabled(pdl);
+  cudaStream_t s;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FN_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < kSteps; ++i) c.step(s);
+  FN_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  FN_CUDA_CHECK(cudaEventCreate(&a));
+  FN_CUDA_CHECK(cudaEventCreate(&b));
+  double ms_total = 0;
+  for (int r = 0; r < replays; ++r) {
+    c.reset();
+    FN_CUDA_CHECK(cudaEventRecord(a, s));
+    FN_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    FN_CUDA_CHECK(cudaEventRecord(b, s));
+    FN_CUDA_CHECK(cudaStreamSynchronize(s));
+    float ms = 0;
+    FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (r > 0) ms_total += ms;  // the first replay warms up
+  }
+  if (us_per_step != nullptr) *us_per_step = 1000.0 * ms_total / ((replays - 1) * kSteps);
+  Chain::Result out = c.result();
+  FN_CUDA_CHECK(cudaEventDestroy(a));
+  FN_CUDA_CHECK(cudaEventDestroy(b));
+  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  FN_CUDA_CHECK(cudaStreamDestroy(s));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("cuda pdl: the switch follows set_pdl_enabled") {
+  const bool before = fn::pdl_enabled();
+  const char* env = std::getenv("FN_PDL");
+  // Default on unless the environment turned it off before the first use.
+  CHECK(before == !(env != nullptr && std::string(env) == "0"));
+  fn::set_pdl_enabled(false);
+  CHECK_FALSE(fn::pdl_enabled());
+  fn::set_pdl_enabled(true);
+  CHECK(fn::pdl_enabled());
+  fn::set_pdl_enabled(before);
+}
+
+TEST_CASE(
+    "cuda pdl: a chain of decode kernels gives the same bits with PDL on and off, eager and in "
+    "a graph") {
+  const bool before = fn::pdl_enabled();
+  Chain c;
+  const Chain::Result ref = run_eager(c, false);
+  // Not a trivial chain: H moved away from its start, the state filled, ids in range, no flag.
+  const std::vector<float> h0 = c.H0.download();
+  CHECK(std::memcmp(ref.H.data(), h0.data(), h0.size() * 4) != 0);
+  int64_t finite = 0, nonzero = 0;
+  for (float v : ref.H) finite += std::isfinite(v) ? 1 : 0;
+  for (float v : ref.state) nonzero += v != 0.0f ? 1 : 0;
+  CHECK(finite == kD);
+  CHECK(nonzero > static_cast<int64_t>(ref.state.size()) / 2);
+  for (int32_t e : ref.ids) CHECK((e >= 0 && e < kE));
+  CHECK(ref.flag == 0);
+
+  for (int rep = 0; rep < 3; ++rep) CHECK_MESSAGE(run_eager(c, true) == ref, "eager, PDL on");
+  double us_off = 0, us_on = 0;
+  CHECK_MESSAGE(run_graph(c, false, 6, &us_off) == ref, "graph, PDL off");
+  CHECK_MESSAGE(run_graph(c, true, 6, &us_on) == ref, "graph, PDL on");
+  MESSAGE("chain step (16 kernels) in a graph: PDL off ", us_off, " us, PDL on ", us_on, " us");
+  fn::set_pdl_enabled(before);
+}

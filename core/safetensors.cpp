@@ -16,7 +16,11 @@
 #include "core/error.h"
 
 namespace fn {
+
 namespace {
+
+/// Largest span read_block reads in one pread when it coalesces the rows of a column shard.
+constexpr uint64_t kCoalesceChunk = 8u << 20;
 
 constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;  // safetensors' own limit (100 MB)
 
@@ -328,10 +332,30 @@ void SafetensorsFile::read_block(const TensorInfo& t, int64_t row_begin, int64_t
     return;
   }
   auto* out = static_cast<char*>(dst);
-  for (int64_t r = 0; r < row_count; ++r) {
-    pread_exact(t.begin + static_cast<uint64_t>(row_begin + r) * row_bytes +
-                    static_cast<uint64_t>(col_begin) * es,
-                block_row_bytes, out + static_cast<uint64_t>(r) * block_row_bytes, t);
+  const uint64_t col_offset = static_cast<uint64_t>(col_begin) * es;
+  if (block_row_bytes * 4 < row_bytes || block_row_bytes >= kCoalesceChunk) {
+    // A narrow block of wide rows, or rows big enough on their own: one pread per row.
+    for (int64_t r = 0; r < row_count; ++r) {
+      pread_exact(t.begin + static_cast<uint64_t>(row_begin + r) * row_bytes + col_offset,
+                  block_row_bytes, out + static_cast<uint64_t>(r) * block_row_bytes, t);
+    }
+    return;
+  }
+  // A tensor-parallel column shard (a quarter of each row or more): read the span covering a
+  // group of rows in one pread and copy the block out of it, instead of one small pread per row
+  // (an expert's down_proj at TP=2 has 2,560 rows of 160 bytes).
+  thread_local std::vector<char> span;
+  const int64_t group = std::max<int64_t>(1, static_cast<int64_t>(kCoalesceChunk / row_bytes));
+  for (int64_t r0 = 0; r0 < row_count; r0 += group) {
+    const int64_t n = std::min(group, row_count - r0);
+    const uint64_t bytes = static_cast<uint64_t>(n - 1) * row_bytes + block_row_bytes;
+    span.resize(bytes);
+    pread_exact(t.begin + static_cast<uint64_t>(row_begin + r0) * row_bytes + col_offset, bytes,
+                span.data(), t);
+    for (int64_t r = 0; r < n; ++r) {
+      std::memcpy(out + static_cast<uint64_t>(r0 + r) * block_row_bytes,
+                  span.data() + static_cast<uint64_t>(r) * row_bytes, block_row_bytes);
+    }
   }
 }
 

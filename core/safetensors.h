@@ -72,7 +72,9 @@ class SafetensorsFile {
   void read_rows(const TensorInfo& t, int64_t row_begin, int64_t row_count, void* dst) const;
   /// Copies the block rows [row_begin, +row_count) x columns [col_begin, +col_count) of a 2-D
   /// tensor into dst, densely ([row_count, col_count]). Columns count stored elements (for an
-  /// NVFP4 U8 weight one column is one packed byte = two E2M1 codes). One pread per row.
+  /// NVFP4 U8 weight one column is one packed byte = two E2M1 codes). A block of a quarter of
+  /// each row or more (a tensor-parallel column shard) is read in spans of up to 8 MiB of whole
+  /// rows, a narrower one with one pread per row.
   /// Throws fn::Error(Usage) naming the tensor if it is not 2-D or the block is out of range.
   void read_block(const TensorInfo& t, int64_t row_begin, int64_t row_count, int64_t col_begin,
                   int64_t col_count, void* dst) const;

@@ -498,5 +498,14 @@ TEST_CASE("safetensors: slice reads bring only the touched pages of a file into 
   CHECK(std::memcmp(block.data(), all.data() + 100 * 16384 + 4096, 64) == 0);
   CHECK(std::memcmp(block.data() + 64, all.data() + 101 * 16384 + 4096, 64) == 0);
   CHECK(std::memcmp(row.data(), all.data() + 700 * 16384, 16384) == 0);
+  // A column shard (the right half of every row) spans more than one 8 MiB coalesced read.
+  const int64_t rows = t.shape[0];
+  REQUIRE(rows * 16384 > (8 << 20));
+  std::vector<std::byte> half(static_cast<std::size_t>(rows) * 8192);
+  f.read_block(t, 0, rows, 8192, 8192, half.data());
+  bool equal = true;
+  for (int64_t r = 0; r < rows; ++r)
+    equal &= std::memcmp(half.data() + r * 8192, all.data() + r * 16384 + 8192, 8192) == 0;
+  CHECK(equal);
   CHECK(resident_pages(path) >= total - 1);
 }

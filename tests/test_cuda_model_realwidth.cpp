@@ -4,8 +4,9 @@
 // 64 teacher-forced steps of random token ids at TP=1 (and TP=2 under mpirun -np 2), with the
 // CPU model's router and indexer choices replayed, every well-conditioned row within
 // 2e-2 * max |cpu logit| and the same argmax wherever the CPU's top-1 margin exceeds that; the
-// near-tie / ill-conditioned rows are reported. The checkpoint (~10 GB) is written to
-// $FN_REALWIDTH_DIR when set (kept for reruns), else to a fresh directory under /tmp.
+// rows the fixtures treat as ill-conditioned are reported and must pass as well. The checkpoint
+// (~10 GB) is written to $FN_REALWIDTH_DIR when set (kept for reruns), else to a fresh directory
+// under /tmp.
 #include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 #include <mpi.h>
@@ -64,12 +65,18 @@ TEST_CASE("cuda model: the 4-layer real-width model matches the CPU model for 64
   auto check = [&](const char* what, fn::CudaModel& m) {
     const fn::test::RowCheck rc =
         fn::test::check_rows(f, fn::test::run_rows_replayed(m, f, cpu), cpu.ill);
-    MESSAGE(what << ", choices replayed: worst |diff| / (2e-2 max|cpu|) = " << rc.worst_ratio
-                 << " over " << f.tokens.size() - static_cast<std::size_t>(rc.tie_rows) << " rows; "
-                 << rc.tie_rows << " ill-conditioned rows reported (worst " << rc.worst_tie_ratio
-                 << "); per row:" << rc.per_row);
+    MESSAGE(std::string(what) << ", choices replayed: worst |diff| / (2e-2 max|cpu|) = "
+                              << rc.worst_ratio << " over "
+                              << f.tokens.size() - static_cast<std::size_t>(rc.tie_rows)
+                              << " rows; " << rc.tie_rows
+                              << " ill-conditioned rows reported (worst " << rc.worst_tie_ratio
+                              << "); per row:" << rc.per_row);
     CHECK(rc.worst_ratio <= 1.0);
     CHECK(rc.argmax_mismatch == 0);
+    // At the real head sizes (dk = dv = 128, not the fixtures' 8) a head with a small RMS or a
+    // small PLE gate does not amplify BF16 noise past the tolerance: the rows flagged as
+    // ill-conditioned must pass too (measured: every row within 0.17 of the tolerance).
+    CHECK(rc.worst_tie_ratio <= 1.0);
   };
   fn::CudaModelOptions o;
   o.ctx_size = 128;

@@ -131,10 +131,12 @@ LoadedBackend load_cuda(
     for (int f = 0; f < kStepFamilyCount; ++f) {
       out.families.emplace_back(step_family_name(static_cast<StepFamily>(f)));
       out.ms.push_back(p.ms[static_cast<std::size_t>(f)]);
+      out.segments.push_back(p.segments[static_cast<std::size_t>(f)]);
     }
     out.step_ms = p.step_ms;
     out.steps = p.steps;
     out.in_graph = p.in_graph;
+    out.events = p.events;
     return out;
   };
   b.vocab_size = m->config().vocab_size;

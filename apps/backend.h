@@ -57,6 +57,8 @@ struct StepBreakdown {
   double step_ms = 0;
   int64_t steps = 0;
   bool in_graph = false;
+  std::vector<int64_t> segments;  ///< event-delimited segments per step, by family
+  int64_t events = 0;             ///< events recorded per step
 };
 
 /// One rank's loaded model, backend-neutral. Copyable; the model lives as long as any copy.

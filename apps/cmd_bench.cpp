@@ -171,6 +171,7 @@ struct FamilyRow {
   uint64_t bytes = 0;
   double ms_graph = -1;  // < 0: the graph-mode measurement is unavailable
   double ms_eager = 0;
+  int64_t segments = 0;  // event-delimited segments per step (graph mode)
 };
 
 // A lane's --breakdown.
@@ -178,7 +179,20 @@ struct Breakdown {
   std::vector<FamilyRow> rows;
   int64_t steps = 0, depth = 0;
   double eager_step_ms = 0, graph_step_ms = -1;
+  int64_t events = 0;       // event record nodes per step (graph mode)
   std::string graph_error;  // why ms_graph is missing
+  // The cost of one event record node, estimated from the graph with events against the plain
+  // replay (the lane's TPOT): (graph_step_ms - tpot) / (events - 1); 0 when not measured.
+  double event_cost_ms(double tpot_ms) const {
+    if (graph_step_ms < 0 || events < 2) return 0;
+    return std::max(0.0, graph_step_ms - tpot_ms) / static_cast<double>(events - 1);
+  }
+  // A family's graph time less its segments' event cost (an estimate of its time in the plain
+  // replay); < 0 when the graph time is missing.
+  double adjusted_ms(const FamilyRow& f, double tpot_ms) const {
+    if (f.ms_graph < 0) return -1;
+    return std::max(0.0, f.ms_graph - static_cast<double>(f.segments) * event_cost_ms(tpot_ms));
+  }
 };
 
 // Bytes read per token by each StepBreakdown family, from the shard plan's TokenBytes of one
@@ -237,13 +251,16 @@ json breakdown_json(const Breakdown& b, double tpot_ms, double bandwidth_gbs) {
   json rows = json::array();
   for (const FamilyRow& r : b.rows) {
     const double ms = r.ms_graph >= 0 ? r.ms_graph : r.ms_eager;
-    rows.push_back({{"family", r.family},
-                    {"ms", ms},
-                    {"ms_graph", r.ms_graph >= 0 ? json(r.ms_graph) : json(nullptr)},
-                    {"ms_eager", r.ms_eager},
-                    {"bytes", r.bytes},
-                    {"floor_ms", static_cast<double>(r.bytes) / (bandwidth_gbs * 1e9) * 1e3},
-                    {"gbs", ms > 0 ? static_cast<double>(r.bytes) / (ms * 1e-3) / 1e9 : 0.0}});
+    rows.push_back(
+        {{"family", r.family},
+         {"ms", ms},
+         {"ms_graph", r.ms_graph >= 0 ? json(r.ms_graph) : json(nullptr)},
+         {"ms_eager", r.ms_eager},
+         {"ms_adjusted", r.ms_graph >= 0 ? json(b.adjusted_ms(r, tpot_ms)) : json(nullptr)},
+         {"segments", r.segments},
+         {"bytes", r.bytes},
+         {"floor_ms", static_cast<double>(r.bytes) / (bandwidth_gbs * 1e9) * 1e3},
+         {"gbs", ms > 0 ? static_cast<double>(r.bytes) / (ms * 1e-3) / 1e9 : 0.0}});
   }
   return rows;
 }
@@ -256,6 +273,8 @@ json breakdown_info_json(const Breakdown& b, double tpot_ms) {
           {"graph_step_ms", b.graph_step_ms >= 0 ? json(b.graph_step_ms) : json(nullptr)},
           {"eager_step_ms", b.eager_step_ms},
           {"graph_replay_tpot_ms", tpot_ms},
+          {"events_per_step", b.events},
+          {"event_cost_ms", b.event_cost_ms(tpot_ms)},
           {"graph_error", b.graph_error},
           {"rank", 0}};
 }
@@ -481,34 +500,42 @@ std::string format_md(const Report& r) {
         l.n_prompt, l.n_gen, b.steps, b.depth, kBreakdownWarmup);
     out +=
         "| family | MB/token | floor ms | ms/token (graph) | GB/s | % of floor | ms/token (eager) "
-        "|\n|---|---:|---:|---:|---:|---:|---:|\n";
+        "| segments | ms (graph − events) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     uint64_t bytes = 0;
-    double sum_g = 0, sum_e = 0;
+    double sum_g = 0, sum_e = 0, sum_a = 0;
+    int64_t segments = 0;
     for (const FamilyRow& f : b.rows) {
       const double ms = graph ? f.ms_graph : f.ms_eager;
       const double floor = static_cast<double>(f.bytes) / (r.bandwidth_gbs * 1e9) * 1e3;
       bytes += f.bytes;
       sum_g += graph ? f.ms_graph : 0;
       sum_e += f.ms_eager;
+      sum_a += graph ? b.adjusted_ms(f, tpot) : 0;
+      segments += f.segments;
       out += fmt::format(
-          "| {} | {:.3f} | {:.4f} | {} | {:.0f} | {} | {:.4f} |\n", f.family,
+          "| {} | {:.3f} | {:.4f} | {} | {:.0f} | {} | {:.4f} | {} | {} |\n", f.family,
           static_cast<double>(f.bytes) / 1e6, floor,
           graph ? fmt::format("{:.4f}", f.ms_graph) : std::string("n/a"),
           ms > 0 ? static_cast<double>(f.bytes) / (ms * 1e-3) / 1e9 : 0.0,
           ms > 0 && f.bytes > 0 ? fmt::format("{:.1f}", 100.0 * floor / ms) : std::string("-"),
-          f.ms_eager);
+          f.ms_eager, f.segments,
+          graph ? fmt::format("{:.4f}", b.adjusted_ms(f, tpot)) : std::string("n/a"));
     }
     const double floor = static_cast<double>(bytes) / (r.bandwidth_gbs * 1e9) * 1e3;
-    out += fmt::format("| **sum** | {:.3f} | {:.4f} | {} | {:.0f} | {} | {:.4f} |\n",
+    out += fmt::format("| **sum** | {:.3f} | {:.4f} | {} | {:.0f} | {} | {:.4f} | {} | {} |\n",
                        static_cast<double>(bytes) / 1e6, floor,
                        graph ? fmt::format("{:.4f}", sum_g) : std::string("n/a"),
                        static_cast<double>(bytes) / ((graph ? sum_g : sum_e) * 1e-3) / 1e9,
-                       fmt::format("{:.1f}", 100.0 * floor / (graph ? sum_g : sum_e)), sum_e);
+                       fmt::format("{:.1f}", 100.0 * floor / (graph ? sum_g : sum_e)), sum_e,
+                       segments, graph ? fmt::format("{:.4f}", sum_a) : std::string("n/a"));
     out += fmt::format(
-        "\nstep: graph replay (the lane's TPOT, no events) {:.4f} ms/token; graph with event "
-        "nodes {}; eager {:.4f} ms (host launch gaps included: eager − replay = {:.4f} ms)\n",
-        tpot, graph ? fmt::format("{:.4f} ms", b.graph_step_ms) : "n/a (" + b.graph_error + ")",
-        b.eager_step_ms, b.eager_step_ms - tpot);
+        "\nstep: graph replay (the lane's TPOT, no events) {:.4f} ms/token; graph with {} event "
+        "nodes {} (≈ {:.2f} µs per event node; \"graph − events\" subtracts that per segment, "
+        "an estimate); eager {:.4f} ms (host launch gaps included: eager − replay = {:.4f} "
+        "ms)\n",
+        tpot, b.events,
+        graph ? fmt::format("{:.4f} ms", b.graph_step_ms) : "n/a (" + b.graph_error + ")",
+        b.event_cost_ms(tpot) * 1e3, b.eager_step_ms, b.eager_step_ms - tpot);
   }
   out += fmt::format("\nbuild: {}\n", r.env.commit);
   return out;
@@ -541,6 +568,7 @@ Breakdown run_breakdown(const LoadedBackend& model, const ModelConfig& cfg, cons
     model.profile(first, kBreakdownWarmup, true);
     graph = model.profile(first, steps, true);
     b.graph_step_ms = graph->step_ms;
+    b.events = graph->events;
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::Cuda) throw;
     b.graph_error = e.what();
@@ -554,7 +582,12 @@ Breakdown run_breakdown(const LoadedBackend& model, const ModelConfig& cfg, cons
     f.family = eager.families[i];
     f.bytes = family_bytes(f.family, tb, cfg, plan.tp_size());
     f.ms_eager = eager.ms[i];
-    if (graph) f.ms_graph = graph->ms[i];
+    if (graph) {
+      f.ms_graph = graph->ms[i];
+      f.segments = graph->segments[i];
+    } else {
+      f.segments = eager.segments[i];
+    }
     b.rows.push_back(f);
   }
   return b;

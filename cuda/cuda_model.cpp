@@ -1514,10 +1514,13 @@ StepProfile CudaModel::profile_steps(int32_t token, int64_t count, bool in_graph
     fed = I.host_token[1];
     FN_CHECK(mk.used >= 2 && mk.family[mk.used - 1] == kStepFamilyCount,
              "a profiled step recorded {} events", mk.used);
+    out.segments = {};
+    out.events = static_cast<int64_t>(mk.used);
     for (std::size_t j = 0; j + 1 < mk.used; ++j) {
       float ms = 0;
       FN_CUDA_CHECK(cudaEventElapsedTime(&ms, mk.events[j], mk.events[j + 1]));
       out.ms[static_cast<std::size_t>(mk.family[j])] += ms;
+      ++out.segments[static_cast<std::size_t>(mk.family[j])];
     }
     float total = 0;
     FN_CUDA_CHECK(cudaEventElapsedTime(&total, mk.events[0], mk.events[mk.used - 1]));

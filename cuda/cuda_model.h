@@ -69,6 +69,10 @@ struct StepProfile {
   double step_ms = 0;                         ///< per step, first to last event (the sum of `ms`)
   int64_t steps = 0;                          ///< steps averaged
   bool in_graph = false;  ///< timed inside a CUDA graph (event nodes) instead of eagerly
+  /// Event-delimited segments of each family in one step (a family's launches between two
+  /// boundaries form one segment; each costs one event record).
+  std::array<int64_t, kStepFamilyCount> segments{};
+  int64_t events = 0;  ///< events recorded per step (segments + 1)
 };
 
 /// Loading statistics.

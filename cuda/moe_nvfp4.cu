@@ -2,12 +2,16 @@
 // weighted down-projection kernel, each in two variants: 32 codes per lane unit (cols % 32 == 0,
 // every real shape) and 16 codes (cols an odd multiple of 16: tiny fixtures' TP slices).
 //
-// Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): E2M1
-// codes and E4M3 scale bytes become FP16 bit patterns worth exactly code * 2^-14 and
-// scale * 2^-8 (cuda/nvfp4_bits.h, checked for every code on the host; the E4M3 NaN codes are
-// mapped to NaN explicitly). The two powers of two are put back once per row (kUnscale = 2^22).
-// FP16 -> FP32 conversion is exact and every e2m1 * bf16 product is exact in FP32; only the FP32
-// sums round.
+// Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): the
+// codes of a 32-bit word become, two at a time with a few mask/shift operations, BF16 bit patterns
+// worth exactly code * 2^-126 (cuda/nvfp4_bits.h, checked for every code on the host), widened to
+// FP32 by a shift or a mask -- no conversion instruction per element (the earlier FP16 path spent
+// a quarter-rate cvt per element and was instruction bound at 15-24% of the bandwidth). x is
+// widened from BF16 and scaled by 2^64 (exact) so that every product code * 2^-126 * x * 2^64 is
+// a normal FP32 number; E4M3 scale bytes become FP16 bit patterns worth scale * 2^-8 (NaN codes
+// mapped to NaN explicitly). The powers of two are put back once per row (kUnscale = 2^70).
+// Every e2m1 * bf16 product is exact in FP32 for 2^-63 <= |x| < 2^64 (and x = 0); only the FP32
+// sums round, in the same order as before, so results equal the FP16 path's bitwise.
 #include "cuda/moe_nvfp4.h"
 
 #include <cuda_fp16.h>
@@ -23,8 +27,9 @@ namespace fn {
 namespace {
 
 constexpr int kBlockThreads = 256;
-constexpr int kUnroll = 4;              // 16-byte vectors per row in flight per lane
-constexpr float kUnscale = 4194304.0f;  // 2^22 = 2^14 (E2M1 as FP16) * 2^8 (E4M3 as FP16)
+constexpr int kUnroll = 4;                             // 16-byte vectors per row in flight per lane
+constexpr float kXScale = 18446744073709551616.0f;     // 2^64
+constexpr float kUnscale = 1180591620717411303424.0f;  // 2^70 = 2^126 * 2^8 / 2^64
 
 __device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
@@ -36,30 +41,31 @@ __device__ __forceinline__ float e4m3_scaled(uint32_t s) {
   return half_bits_to_float(nvfp4::e4m3_fp16_bits(s));
 }
 
-// sum_{i<8} e2m1(code i of w) * 2^-14 * x_i for the 8 codes of a 32-bit word (byte k: element 2k
-// in the low nibble, 2k+1 in the high one) and 8 BF16 x values packed in xv (element order).
-__device__ __forceinline__ float dot8_e2m1(uint32_t w, uint4 xv, float acc) {
-  const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t byte = (w >> (8 * k)) & 0xffu;
-    const uint32_t h = nvfp4::e2m1_fp16_pair(byte);  // element 2k low half, 2k+1 high half
-    acc = fmaf(half_bits_to_float(h & 0xffffu), dev::bf16_lo(xw[k]), acc);
-    acc = fmaf(half_bits_to_float(h >> 16), dev::bf16_hi(xw[k]), acc);
-  }
-  return acc;
+// The 8 BF16 x values of a 16-byte vector as FP32 * 2^64 (exact for |x| < 2^64).
+__device__ __forceinline__ void load_x8(const uint4* xp, float* xs) {
+  const uint4 u = __ldg(xp);
+  xs[0] = dev::bf16_lo(u.x) * kXScale;
+  xs[1] = dev::bf16_hi(u.x) * kXScale;
+  xs[2] = dev::bf16_lo(u.y) * kXScale;
+  xs[3] = dev::bf16_hi(u.y) * kXScale;
+  xs[4] = dev::bf16_lo(u.z) * kXScale;
+  xs[5] = dev::bf16_hi(u.z) * kXScale;
+  xs[6] = dev::bf16_lo(u.w) * kXScale;
+  xs[7] = dev::bf16_hi(u.w) * kXScale;
 }
 
-// Dot of one 16-byte weight vector (32 codes = 2 scale blocks) with the 32 x values starting at
-// xp (BF16, 16-byte aligned), scale bytes s (low byte: block 0, high byte: block 1); returns the
-// contribution * 2^-22.
-__device__ __forceinline__ float dot32(uint4 w, uint32_t s, const uint4* xp) {
-  const uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1), x2 = __ldg(xp + 2), x3 = __ldg(xp + 3);
-  float b0 = dot8_e2m1(w.x, x0, 0.0f);
-  b0 = dot8_e2m1(w.y, x1, b0);
-  float b1 = dot8_e2m1(w.z, x2, 0.0f);
-  b1 = dot8_e2m1(w.w, x3, b1);
-  return b0 * e4m3_scaled(s & 0xffu) + b1 * e4m3_scaled(s >> 8);
+// acc + sum_{i<8} e2m1(code i of w) * 2^-126 * xs[i], in element order (code i in nibble i).
+__device__ __forceinline__ float dot8_e2m1(uint32_t w, const float* xs, float acc) {
+  float f[8];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t p = nvfp4::e2m1_bf16_pair(w, q);  // code q low half, code q + 4 high half
+    f[q] = __uint_as_float(p << 16);
+    f[q + 4] = __uint_as_float(p & 0xffff0000u);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc = fmaf(f[i], xs[i], acc);
+  return acc;
 }
 
 // 8-byte streaming load (the narrow path's 16 codes), as dev::ld_stream16.
@@ -91,15 +97,21 @@ struct Unit {
       return __ldg(reinterpret_cast<const uint16_t*>(row) + v);
     }
   }
-  // Contribution * 2^-22 of the unit against the kCodes x values at xp (16-byte aligned).
-  static __device__ __forceinline__ float dot(uint4 w, uint32_t s, const uint4* xp) {
+  // The unit's kCodes x values (16-byte aligned at xp) as FP32 * 2^64.
+  static __device__ __forceinline__ void load_x(const uint4* xp, float (&xs)[kCodes]) {
+#pragma unroll
+    for (int i = 0; i < kCodes / 8; ++i) load_x8(xp + i, xs + 8 * i);
+  }
+  // Contribution * 2^-70 of the unit against its x values xs (from load_x).
+  static __device__ __forceinline__ float dot(uint4 w, uint32_t s, const float (&xs)[kCodes]) {
+    float b0 = dot8_e2m1(w.x, xs, 0.0f);
+    b0 = dot8_e2m1(w.y, xs + 8, b0);
     if constexpr (kNarrow) {
-      const uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-      float b0 = dot8_e2m1(w.x, x0, 0.0f);
-      b0 = dot8_e2m1(w.y, x1, b0);
       return b0 * e4m3_scaled(s & 0xffu);
     } else {
-      return dot32(w, s, xp);
+      float b1 = dot8_e2m1(w.z, xs + 16, 0.0f);
+      b1 = dot8_e2m1(w.w, xs + 24, b1);
+      return b0 * e4m3_scaled(s & 0xffu) + b1 * e4m3_scaled(s >> 8);
     }
   }
 };
@@ -162,8 +174,10 @@ __global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUp
       for (int u = 0; u < kUnroll; ++u) {
         const int v = base + u * team;
         if (v < a.nvec) {
-          acc[0] += U::dot(w[u][0], s[u][0], xv + (U::kCodes / 8) * v);
-          acc[1] += U::dot(w[u][1], s[u][1], xv + (U::kCodes / 8) * v);
+          float xs[U::kCodes];  // shared by the gate and the up row
+          U::load_x(xv + (U::kCodes / 8) * v, xs);
+          acc[0] += U::dot(w[u][0], s[u][0], xs);
+          acc[1] += U::dot(w[u][1], s[u][1], xs);
         }
       }
     }
@@ -234,8 +248,11 @@ __global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs 
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (hoff[u] >= 0)
-          acc[0] += U::dot(w[u], s[u], reinterpret_cast<const uint4*>(a.h + hoff[u])) * f[u];
+        if (hoff[u] >= 0) {
+          float xs[U::kCodes];
+          U::load_x(reinterpret_cast<const uint4*>(a.h + hoff[u]), xs);
+          acc[0] += U::dot(w[u], s[u], xs) * f[u];
+        }
     }
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);

@@ -23,6 +23,20 @@ constexpr uint32_t e2m1_fp16_pair(uint32_t byte) {
   return ((pair & 0x00070007u) << 9) | ((pair & 0x00080008u) << 12);
 }
 
+/// FP32 value of the halves of e2m1_bf16_pair(...) widened to FP32 (bits << 16) = E2M1 value *
+/// 2^-126 (exact for all 16 codes; e = 0 codes land on FP32 subnormals).
+inline constexpr float kE2m1Bf16Scale = 1.1754943508222875e-38f;  // 2^-126
+
+/// Codes q and q + 4 (q < 4) of a packed 32-bit word (code i in nibble i: byte j holds elements
+/// 2j low and 2j+1 high) as two BF16 bit patterns: low 16 bits = code q, high 16 bits = code
+/// q + 4. Code s|e1 e0|m becomes s<<15 | (e1 e0 m)<<6: e = 0 lands on the BF16 subnormal
+/// m * 2^-127 = (0.5 m) * 2^-126, e > 0 on 2^(e-127) (1 + m/2) = 2^(e-1) (1 + m/2) * 2^-126.
+/// Widening to FP32 is a shift (low) or a mask (high): no conversion instruction.
+constexpr uint32_t e2m1_bf16_pair(uint32_t word, int q) {
+  const uint32_t t = word >> (4 * q);
+  return ((t & 0x00070007u) << 6) | ((t & 0x00080008u) << 12);
+}
+
 /// True for the two E4M3 NaN codes (0x7F, 0xFF), which e4m3_fp16_bits does not map to NaN.
 constexpr bool e4m3_is_nan(uint32_t code) {
   return (code & 0x7fu) == 0x7fu;

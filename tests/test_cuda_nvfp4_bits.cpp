@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "core/codecs.h"
 #include "cuda/nvfp4_bits.h"
@@ -24,6 +25,42 @@ TEST_CASE("nvfp4 bits: both nibbles of every byte decode to the E2M1 value times
   // Hand-checked: 0x71 holds 0.5 (low) and 6.0 (high); 0xF9 holds -0.5 and -6.
   CHECK(fn::nvfp4::e2m1_fp16_pair(0x71) == ((0x0e00u << 16) | 0x0200u));
   CHECK(fn::nvfp4::e2m1_fp16_pair(0xf9) == ((0x8e00u << 16) | 0x8200u));
+}
+
+TEST_CASE("nvfp4 bits: every code in every nibble of a word decodes to its value times 2^-126") {
+  // Codes q and q + 4 of the word from e2m1_bf16_pair(word, q), widened to FP32 by a shift
+  // (low half) or a mask (high half), as the expert kernels do; the other six nibbles hold
+  // varying fillers (they must not leak into the pair).
+  constexpr uint32_t kFillers[] = {0x00000000u, 0xffffffffu, 0x9e3779b9u, 0x5a5a5a5au};
+  int checked = 0;
+  for (int q = 0; q < 4; ++q) {
+    for (uint32_t a = 0; a < 16; ++a) {
+      for (uint32_t b = 0; b < 16; ++b) {
+        for (const uint32_t filler : kFillers) {
+          const uint32_t mask = (0xfu << (4 * q)) | (0xfu << (4 * (q + 4)));
+          const uint32_t word = (filler & ~mask) | (a << (4 * q)) | (b << (4 * (q + 4)));
+          const uint32_t pair = fn::nvfp4::e2m1_bf16_pair(word, q);
+          float lo = 0, hi = 0;
+          const uint32_t lo_bits = pair << 16, hi_bits = pair & 0xffff0000u;
+          std::memcpy(&lo, &lo_bits, 4);
+          std::memcpy(&hi, &hi_bits, 4);
+          const float want_lo = fn::e2m1_to_float(static_cast<uint8_t>(a));
+          const float want_hi = fn::e2m1_to_float(static_cast<uint8_t>(b));
+          CHECK_MESSAGE(double(lo) == std::ldexp(double(want_lo), -126), "q ", q, " code ", a);
+          CHECK_MESSAGE(double(hi) == std::ldexp(double(want_hi), -126), "q ", q, " code ", b);
+          CHECK(std::signbit(lo) == std::signbit(want_lo));
+          CHECK(std::signbit(hi) == std::signbit(want_hi));
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked == 4 * 16 * 16 * 4);
+  CHECK(double(fn::nvfp4::kE2m1Bf16Scale) == std::ldexp(1.0, -126));
+  // Hand-checked: word 0x70000001 holds 0.5 in nibble 0 and 6.0 in nibble 7 (pair q = 3 high
+  // half, pair q = 0 low half): BF16 0x0040 (2^-127) and 0x01C0 (1.5 * 2^-124 = 6 * 2^-126).
+  CHECK((fn::nvfp4::e2m1_bf16_pair(0x70000001u, 0) & 0xffffu) == 0x0040u);
+  CHECK((fn::nvfp4::e2m1_bf16_pair(0x70000001u, 3) >> 16) == 0x01c0u);
 }
 
 TEST_CASE("nvfp4 bits: every E4M3 scale byte decodes to its value times 2^-8, NaN codes flagged") {

@@ -1,11 +1,11 @@
 // CudaModel: the CUDA decode backend (MODEL.md §C, tensor-parallel per §E.2) of one TP rank —
 // its weights in device memory, the per-sequence state (KV and indexer-key caches, GDN conv and
 // recurrent states, PLE conv states and n-gram context) sized from the context length, and one
-// decode step captured once as a CUDA graph and replayed per token. Called by `fngen generate`
-// and `fngen eval` with `--backend cuda`. Invariants: everything is allocated before capture; the
-// graph reads the token id and the position from device memory, so replays never re-capture;
-// every rank runs the same launches and all-reduces in the same order; forward() returns the same
-// full-vocabulary FP32 logits on every rank.
+// decode step captured once as a CUDA graph and replayed per token. Called by `fngen generate`,
+// `fngen eval` and `fngen bench` (random weights, profile_steps) with `--backend cuda`. Invariants:
+// everything is allocated before capture; the graph reads the token id and the position from device
+// memory, so replays never re-capture; every rank runs the same launches and all-reduces in the
+// same order; forward() returns the same full-vocabulary FP32 logits on every rank.
 #pragma once
 
 #include <cuda_runtime_api.h>

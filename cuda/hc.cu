@@ -13,6 +13,7 @@ namespace {
 
 constexpr int kBlockThreads = 256;
 constexpr int kStreams = 4;  // hc_count of the model (MODEL.md §A.2); one accumulator each
+constexpr int kMixPre = 4;   // W_up vectors per row and lane loaded before the PDL wait
 
 // Block-wide FP32 sum in a fixed order (butterfly per warp, then warps ascending); every thread
 // returns the total.
@@ -87,20 +88,8 @@ __global__ void __launch_bounds__(kBlockThreads) hc_mix_kernel(MixArgs a) {
   const int64_t ic = i < a.hidden ? i : a.hidden - 1;  // out-of-range teams compute, never store
   constexpr float kInvStreams = 1.0f / kStreams;       // 0.25: exact
   float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // The first vectors of W_up (a weight) load before the programmatic-dependent wait; t and n
-  // come from the previous kernels (cuda/pdl.cuh).
-  uint4 w[kStreams];
-  auto load_w = [&](int v) {
-#pragma unroll
-    for (int s = 0; s < kStreams; ++s)
-      w[s] = v < a.nvec ? dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v)
-                        : make_uint4(0, 0, 0, 0);
-  };
-  load_w(lane);
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  for (int v = lane; v < a.nvec; v += team) {
-    if (v != lane) load_w(v);
+  // acc[s] += W_up[row i + s*D, vector v] . silu(t[vector v] / 4) for the 4 streams.
+  auto accumulate = [&](const uint4(&w)[kStreams], int v) {
     const float4 t0 = __ldg(reinterpret_cast<const float4*>(a.t) + 2 * v);
     const float4 t1 = __ldg(reinterpret_cast<const float4*>(a.t) + 2 * v + 1);
     const float u[8] = {dev::silu(t0.x * kInvStreams), dev::silu(t0.y * kInvStreams),
@@ -116,6 +105,31 @@ __global__ void __launch_bounds__(kBlockThreads) hc_mix_kernel(MixArgs a) {
         acc[s] = fmaf(dev::bf16_hi(q[k]), u[2 * k + 1], acc[s]);
       }
     }
+  };
+  // The lane's first kMixPre vectors of each W_up row (a weight: no kernel writes it) load
+  // before the programmatic-dependent wait, so the whole matrix streams while the previous
+  // kernel finishes (rank 320: at most 3 vectors per lane); t and n come from earlier kernels
+  // (cuda/pdl.cuh). Vectors are summed in ascending order either way.
+  uint4 pre[kMixPre][kStreams];
+#pragma unroll
+  for (int j = 0; j < kMixPre; ++j) {
+    const int v = lane + j * team;
+#pragma unroll
+    for (int s = 0; s < kStreams; ++s)
+      pre[j][s] = v < a.nvec ? dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v)
+                             : make_uint4(0, 0, 0, 0);
+  }
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+#pragma unroll
+  for (int j = 0; j < kMixPre; ++j)
+    if (lane + j * team < a.nvec) accumulate(pre[j], lane + j * team);
+  for (int v = lane + kMixPre * team; v < a.nvec; v += team) {
+    uint4 w[kStreams];
+#pragma unroll
+    for (int s = 0; s < kStreams; ++s)
+      w[s] = dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v);
+    accumulate(w, v);
   }
   dev::team_reduce<kStreams, kBlockThreads>(acc, team, lane);
   if (blockIdx.x == 0 && threadIdx.x < kStreams && a.iota != nullptr)

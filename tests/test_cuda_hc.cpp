@@ -84,7 +84,9 @@ TEST_CASE("cuda hc: the mix gives m and iota of MODEL.md §C.3 within the FP32 b
     int64_t hidden, rank;
     bool with_iota;
   };
-  for (Case c : {Case{2560, 320, true}, Case{37, 8, true}, Case{300, 40, false}}) {
+  // Rank 2048 at D 2560: more vectors per lane than the kernel loads before its PDL wait.
+  for (Case c :
+       {Case{2560, 320, true}, Case{37, 8, true}, Case{300, 40, false}, Case{2560, 2048, true}}) {
     const int64_t D = c.hidden, r = c.rank;
     const auto w_up = random_bf16_bits(4 * D * r, 0.0f, 0.05f, uint64_t(D * r));
     const auto nb = random_bf16_bits(4 * D, 0.0f, 1.0f, uint64_t(D) + 7);

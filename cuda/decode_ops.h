@@ -70,9 +70,10 @@ struct RouterParams {
 
 /// One CTA of 512 threads (E <= 1024 in shared memory): the softmax, then each warp sorts 64
 /// (p, id) keys (bitonic, in registers) and every candidate's rank is found by binary search in
-/// the other warps' lists (the O(E^2 / threads) rank loop it replaces took 17.6 us at E 512, k 10
-/// on H200). A programmatic dependent launch (cuda/pdl.h). Throws fn::Error(Internal) on null
-/// pointers or sizes out of range; fn::Error(Cuda) on a failed launch.
+/// the other warps' lists. Measured on H200 (graph of 100 launches, E 512, k 10): 6.1 us per
+/// launch, against 17.6 us for the O(E^2 / threads) rank loop it replaced. A programmatic
+/// dependent launch (cuda/pdl.h). Throws fn::Error(Internal) on null pointers or sizes out of
+/// range; fn::Error(Cuda) on a failed launch.
 void launch_router_topk(const RouterParams& params, cudaStream_t stream);
 
 /// MoE combine (MODEL.md §C.7 steps 3-4): y[i] = y[i] + sigmoid(*gate_logit) * y_shared[i]

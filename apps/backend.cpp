@@ -8,6 +8,7 @@
 
 #include "apps/app_util.h"
 #include "comm/mpi_context.h"
+#include "core/choice_check.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -60,6 +61,23 @@ int cuda_device_count(std::string* why) {
 #endif
 }
 
+// --check-choices: every forward() is followed by the cross-rank compare of the step's choices
+// (`hash` reads them from the model). Device decoding is switched off, so every step goes
+// through forward() and is checked; the step count restarts at reset().
+void check_choices_each_step(LoadedBackend& b, Collectives& coll, std::function<uint64_t()> hash) {
+  auto step = std::make_shared<int64_t>(0);
+  b.forward = [inner = b.forward, hash = std::move(hash), &coll, step](int32_t t) {
+    auto logits = inner(t);
+    require_same_choices(coll, hash(), (*step)++);
+    return logits;
+  };
+  b.reset = [inner = b.reset, step] {
+    inner();
+    *step = 0;
+  };
+  b.device_decode = nullptr;
+}
+
 LoadedBackend load_cpu(const std::filesystem::path& dir, Collectives& coll) {
   LoadedBackend b;
   b.name = "cpu";
@@ -109,6 +127,7 @@ LoadedBackend load_cuda(
   opt.tp_rank = gpu.rank();
   opt.tp_size = gpu.size();
   opt.all_reduce = hold->all_reduce.get();
+  opt.record_choices = flags.check_choices;
   hold->model = make(opt, gpu.size());
   b.load_ms = ms_since(t0);
   CudaModel* m = hold->model.get();
@@ -145,6 +164,15 @@ LoadedBackend load_cuda(
   b.keep_alive = std::move(hold);
   return b;
 }
+
+// --check-choices on a model built by load_cuda (CudaModelOptions::record_choices set).
+void check_cuda_choices(LoadedBackend& b, Collectives& coll) {
+  const CudaModel* m = static_cast<const CudaHold*>(b.keep_alive.get())->model.get();
+  check_choices_each_step(b, coll, [m] {
+    const StepChoices c = m->last_choices();
+    return hash_choices(c.router, c.indexer);
+  });
+}
 #endif
 
 }  // namespace
@@ -161,6 +189,9 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
       ->check(CLI::IsMember({"auto", "custom", "nccl"}));
   sub->add_flag("--no-graph", flags.no_graph,
                 "cuda: run each decode step eagerly instead of replaying a CUDA graph");
+  sub->add_flag("--check-choices", flags.check_choices,
+                "debug: after every step, check that all TP ranks chose the same experts and "
+                "indexer blocks (a hash compared across ranks); samples on the host");
 }
 
 bool built_with_cuda() noexcept {
@@ -213,6 +244,13 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
                   flags.no_graph && flags.allreduce != "auto" ? "apply" : "applies");
     }
     LoadedBackend b = load_cpu(dir, coll);
+    if (flags.check_choices) {
+      const auto* m = static_cast<const CpuModel*>(b.keep_alive.get());
+      check_choices_each_step(b, coll, [m] {
+        const CpuModel::Choices& c = m->last_choices();
+        return hash_choices(c.router, c.indexer);
+      });
+    }
     FN_LOG_INFO(
         "{}: backend cpu, TP {}, model loaded in {:.0f} ms ({:.1f} MiB of weights per rank)", who,
         b.tp_size, b.load_ms, b.weight_mib);
@@ -223,6 +261,7 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
     return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
   });
   const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
+  if (flags.check_choices) check_cuda_choices(b, coll);
   const CudaLoadStats& st = hold->model->load_stats();
   const double gb = static_cast<double>(st.bytes) / 1e9;
   FN_LOG_INFO(
@@ -273,6 +312,7 @@ LoadedBackend load_backend_random(const BackendFlags& flags,
   });
   b.random_weights = true;
   const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
+  if (flags.check_choices) check_cuda_choices(b, coll);
   const CudaLoadStats& st = hold->model->load_stats();
   FN_LOG_INFO(
       "{}: backend cuda, TP {}, all-reduce {}, graph {}, ctx {}: random weights of {} (seed {}): "

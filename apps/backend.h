@@ -31,10 +31,13 @@ struct BackendFlags {
   int64_t tp = 0;                  ///< --tp; 0 = unset, else must equal the MPI world size
   std::string allreduce = "auto";  ///< cuda, TP > 1: auto | custom | nccl
   bool no_graph = false;           ///< cuda: run the decode step eagerly instead of a CUDA graph
+  /// --check-choices (debug): after every step, compare a hash of the router's expert ids and
+  /// the indexer's block ids across the TP ranks (core/choice_check.h); a mismatch is an error.
+  bool check_choices = false;
 };
 
-/// Registers --backend, --tp, --allreduce and --no-graph on `sub` (values checked by CLI11, so a
-/// bad value is a usage error naming the flag).
+/// Registers --backend, --tp, --allreduce, --no-graph and --check-choices on `sub` (values checked
+/// by CLI11, so a bad value is a usage error naming the flag).
 void add_backend_flags(CLI::App* sub, BackendFlags& flags);
 
 /// True when this binary was built with the CUDA backend (FN_HAVE_CUDA).

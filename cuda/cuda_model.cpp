@@ -428,6 +428,7 @@ struct CudaModel::Impl {
   float* residuals = nullptr;        // [2 * layers, W] (keep_residuals)
   int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)
   int32_t* forced_blocks = nullptr;  // [QSA layers, block_topk] (replay_choices)
+  int32_t* choice_log = nullptr;  // [layers * k + QSA layers * (block_topk + 4)] (record_choices)
   int32_t* history = nullptr;
   int64_t history_capacity = 0;
   void* sample_ws = nullptr;
@@ -844,6 +845,13 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     residuals = arena.alloc_n<float>(
         (2 * c.num_hidden_layers + static_cast<int64_t>(c.ple_layer_ids.size())) * W,
         "debug residuals");
+  if (o.record_choices) {
+    int64_t n_qsa = 0;
+    for (const DevLayer& L : layers) n_qsa += L.qsa ? 1 : 0;
+    choice_log = arena.alloc_n<int32_t>(
+        c.num_hidden_layers * k + n_qsa * (c.indexer_budget / c.indexer_compress_ratio + 4),
+        "choice log");
+  }
   if (o.replay_choices) {
     int64_t n_qsa = 0;
     for (const DevLayer& L : layers) n_qsa += L.qsa ? 1 : 0;
@@ -1024,8 +1032,20 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       q.out = mix_out;
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
-      ++qsa_index;
       launch_qsa_decode(q, s);
+      if (choice_log) {  // the selected blocks, then the counters {count, B, tokens, 0}
+        const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
+        const QsaWorkspaceLayout wl = qsa_workspace_layout(q);
+        const int64_t n_sel = std::min(topk, o.ctx_size / c.indexer_compress_ratio);
+        int32_t* log = choice_log + c.num_hidden_layers * k + qsa_index * (topk + 4);
+        const auto* ws = static_cast<const std::byte*>(a.workspace);
+        if (n_sel > 0)
+          FN_CUDA_CHECK(cudaMemcpyAsync(log, ws + wl.selected, sizeof(int32_t) * n_sel,
+                                        cudaMemcpyDeviceToDevice, s));
+        FN_CUDA_CHECK(cudaMemcpyAsync(log + topk, ws + wl.counters, sizeof(int32_t) * 4,
+                                      cudaMemcpyDeviceToDevice, s));
+      }
+      ++qsa_index;
       gemv(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
     } else {
       mark(StepFamily::GdnMixer);
@@ -1078,6 +1098,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rf.weights = rw;
       launch_router_force(rf, s);
     }
+    if (choice_log)
+      FN_CUDA_CHECK(cudaMemcpyAsync(choice_log + layer_index * k, ids, sizeof(int32_t) * k,
+                                    cudaMemcpyDeviceToDevice, s));
     ++layer_index;
     mark(StepFamily::RoutedMoe);
     MoeGateUpParams gu;
@@ -1263,6 +1286,31 @@ std::vector<std::vector<float>> CudaModel::debug_residuals() const {
       cudaMemcpy(all.data(), I.residuals, all.size() * sizeof(float), cudaMemcpyDeviceToHost));
   std::vector<std::vector<float>> out;
   for (int64_t i = 0; i < n; ++i) out.emplace_back(all.begin() + i * W, all.begin() + (i + 1) * W);
+  return out;
+}
+
+StepChoices CudaModel::last_choices() const {
+  const Impl& I = *impl_;
+  FN_REQUIRE(I.choice_log != nullptr, Usage, "last_choices needs CudaModelOptions::record_choices");
+  const int64_t k = cfg_.num_experts_per_tok, L = cfg_.num_hidden_layers;
+  const int64_t topk = cfg_.indexer_budget / cfg_.indexer_compress_ratio;
+  int64_t n_qsa = 0;
+  for (const DevLayer& d : I.layers) n_qsa += d.qsa ? 1 : 0;
+  std::vector<int32_t> log(static_cast<std::size_t>(L * k + n_qsa * (topk + 4)));
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+  FN_CUDA_CHECK(
+      cudaMemcpy(log.data(), I.choice_log, log.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  StepChoices out;
+  for (int64_t l = 0; l < L; ++l)
+    out.router.emplace_back(log.begin() + l * k, log.begin() + (l + 1) * k);
+  for (int64_t q = 0; q < n_qsa; ++q) {
+    const int32_t* e = log.data() + L * k + q * (topk + 4);
+    const int32_t count = e[topk], blocks = e[topk + 1];
+    FN_CHECK(count >= 0 && count <= topk, "QSA layer {}: selected block count {} outside [0, {}]",
+             q, count, topk);
+    out.indexer.emplace_back();
+    if (blocks > topk) out.indexer.back().assign(e, e + count);
+  }
   return out;
 }
 

@@ -42,6 +42,17 @@ struct CudaModelOptions {
   bool replay_choices = false;
   /// Tests only: keep the residual H after every HC inject (debug_residuals()).
   bool keep_residuals = false;
+  /// Debug (`--check-choices`): copy every layer's router expert ids and every QSA layer's
+  /// selected block ids out of each step into a log that last_choices() reads.
+  bool record_choices = false;
+};
+
+/// The discrete choices of one decode step (the layout of CpuModel::Choices): router = per
+/// decoder layer, the top-k expert ids best first; indexer = per QSA layer in layer order, the
+/// selected block ids ascending, empty while every complete block is selected (B <= block_topk).
+struct StepChoices {
+  std::vector<std::vector<int32_t>> router;
+  std::vector<std::vector<int32_t>> indexer;
 };
 
 /// The op families of one decode step, for CudaModel::profile_steps (issue 8 "per-op
@@ -146,6 +157,10 @@ class CudaModel {
   /// Tests only (keep_residuals): H after every HC inject of the last step, two per layer, as
   /// CpuModel::last_residuals() lays them out.
   std::vector<std::vector<float>> debug_residuals() const;
+  /// The router and indexer choices of the last step (forward() or the last token of decode()),
+  /// read from the log of CudaModelOptions::record_choices (waits for the stream). Throws
+  /// fn::Error(Usage) when the model was built without record_choices.
+  StepChoices last_choices() const;
 
   /// Forgets the sequence: position 0, zero states, n-gram context all EOS.
   void reset();

@@ -5,7 +5,7 @@
 # naming the flag; --backend cuda fails with exit 2 and a message saying there is no CUDA device
 # (or no CUDA in the build) on every rank, never a crash; --backend auto runs the cpu backend
 # (summaries, JSON and the logits file say "cpu") with the same tokens and numbers as --backend
-# cpu; --no-graph and --allreduce are accepted (and ignored) on cpu.
+# cpu; --no-graph and --allreduce are accepted (and ignored) on cpu; --check-choices passes.
 # Usage: backend_cli.sh FNGEN MPIEXEC SOURCE_DIR HAVE_CUDA(ON|OFF)
 set -u
 fngen=$1
@@ -71,6 +71,15 @@ grep -q "apply to the cuda backend only; ignored on cpu" "$tmp/err" &&
   echo "ok: cuda-only flags on cpu are reported as ignored" || fail "no note on ignored flags"
 [ "$(tr -d ' \n' <"$tmp/out")" = "$($py -c "print(''.join(map(str,$want)))")" ] &&
   echo "ok: --no-graph on cpu prints the same ids" || fail "ids printed: $(cat "$tmp/out")"
+# --check-choices (the cross-rank hash of every step's expert ids and indexer blocks): the ranks
+# agree, so the run succeeds with the same ids, at -np 2 and 4 (tp4 has QSA layers).
+for np in 2 4; do
+  mpi $np generate -m "$fx/tp4" --prompt-ids "$ids" --temp 0 --ignore-eos -n 8 --json \
+    --backend cpu --check-choices >"$tmp/cc_$np.json" 2>"$tmp/err" ||
+    fail "--check-choices at -np $np: $(tail -n 3 "$tmp/err")"
+  check_json "$tmp/cc_$np.json" "j['token_ids'] == $want" \
+    "--check-choices at -np $np: every step's choices agree, the reference's 8 greedy ids"
+done
 # Batch summary.
 printf '{"prompt_ids": [1, 2, 3]}\n' >"$tmp/in.jsonl"
 mpi 1 generate -m "$fx/tp4" -i "$tmp/in.jsonl" -n 2 --temp 0 >"$tmp/out" 2>"$tmp/err" &&

@@ -22,6 +22,8 @@
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
+#include "comm/mpi_collectives.h"
+#include "core/choice_check.h"
 #include "core/collectives.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
@@ -238,6 +240,25 @@ TEST_CASE("cuda model: TP = world size matches the reference and all ranks agree
     FN_MPI_CHECK(
         MPI_Bcast(theirs.data(), static_cast<int>(theirs.size()), MPI_FLOAT, 0, MPI_COMM_WORLD));
     CHECK(std::memcmp(theirs.data(), mine.data(), mine.size() * sizeof(float)) == 0);
+    own.reset();
+
+    // The debug mode of --check-choices: the step's expert ids and indexer blocks, hashed and
+    // compared across the ranks after every step (core/choice_check.h), equal at every step.
+    o.record_choices = true;
+    auto checked = fn::CudaModel::load(f.dir, o);
+    fn::MpiCollectives coll(MPI_COMM_WORLD);
+    int64_t checked_steps = 0;
+    for (std::size_t i = 0; i < f.tokens.size(); ++i) {
+      checked->forward(f.tokens[i]);
+      const fn::StepChoices c = checked->last_choices();
+      REQUIRE(static_cast<int64_t>(c.router.size()) == checked->config().num_hidden_layers);
+      for (const auto& ids : c.router)
+        REQUIRE(static_cast<int64_t>(ids.size()) == checked->config().num_experts_per_tok);
+      CHECK_NOTHROW(fn::require_same_choices(coll, fn::hash_choices(c.router, c.indexer),
+                                             static_cast<int64_t>(i)));
+      ++checked_steps;
+    }
+    CHECK(checked_steps == static_cast<int64_t>(f.tokens.size()));
   }
   CHECK(ran >= 1);  // tp4 divides at TP 2 and 4; g3_tiny and ple2_long at TP 2
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -258,6 +279,7 @@ TEST_CASE("cuda model: bad input is a clear error") {
   CHECK_THROWS_WITH_AS(m->forward(-1), doctest::Contains("outside the vocabulary"), fn::Error);
   for (int i = 0; i < 4; ++i) m->forward(1);
   CHECK_THROWS_WITH_AS(m->forward(1), doctest::Contains("-c/--ctx-size"), fn::Error);
+  CHECK_THROWS_WITH_AS(m->last_choices(), doctest::Contains("record_choices"), fn::Error);
   o.ctx_size = 1 << 30;
   CHECK_THROWS_WITH_AS(fn::CudaModel::load(f.dir, o), doctest::Contains("max_position_embeddings"),
                        fn::Error);

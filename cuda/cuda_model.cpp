@@ -402,9 +402,10 @@ struct CudaModel::Impl {
 
   // Activations and step scalars (one block).
   float* H = nullptr;           // [W] FP32 residual
-  uint16_t* n = nullptr;        // [W] BF16 normed residual
-  float* t = nullptr;           // [R + S]
-  uint16_t* m = nullptr;        // [D] BF16 block input
+  float* n = nullptr;           // [W] FP32 normed residual N (issue 9: FP32 GEMV inputs)
+  float* t = nullptr;           // [hc_down_splits(W), R + S] partial dots of the HC down pass
+  float* m = nullptr;           // [D] FP32 block input (every BF16 GEMV reads it as FP32)
+  uint16_t* m_bf16 = nullptr;   // [D] BF16 copy of the MLP-side m for the NVFP4 experts (W4A16)
   float* iota = nullptr;        // [S]
   float* proj = nullptr;        // [max in rows] FP32
   uint16_t* mix_out = nullptr;  // [max(Hv*dv, Hq*hd)] BF16
@@ -809,9 +810,10 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   Carver sizing(nullptr);
   auto carve = [&](Carver& cv) {
     H = cv.take<float>(W);
-    n = cv.take<uint16_t>(W);
-    t = cv.take<float>(R + S);
-    m = cv.take<uint16_t>(D);
+    n = cv.take<float>(W);
+    t = cv.take<float>(hc_down_splits(W) * (R + S));
+    m = cv.take<float>(D);
+    m_bf16 = cv.take<uint16_t>(D);
     iota = cv.take<float>(S);
     proj = cv.take<float>(max_in_rows);
     mix_out = cv.take<uint16_t>(max_mix);
@@ -915,22 +917,29 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
     }
   };
-  auto hc_read = [&](const DevHc& hc, float* iota_out) {
+  // The HC read (hc.h): norm + down/inject GEMV in one launch, then the mix. m_out_bf16: the
+  // BF16 copy of m for the NVFP4 routed experts (MLP side only), or nullptr.
+  auto hc_read = [&](const DevHc& hc, float* iota_out, uint16_t* m_out_bf16) {
     mark(StepFamily::Hc);
-    GroupRmsNormParams gn;
-    gn.x = H;
-    gn.weight = hc.norm;
-    gn.out = n;
-    gn.num_groups = static_cast<int>(S);
-    gn.group_size = D;
-    gn.eps = eps;
-    launch_group_rms_norm_1p(gn, s);
-    gemv(hc.down_inj, hc.down_rows, W, n, DType::BF16, t, DType::F32, s);
+    HcDownParams down;
+    down.H = H;
+    down.norm = hc.norm;
+    down.weight = hc.down_inj;
+    down.rows = hc.down_rows;
+    down.hc_count = static_cast<int>(S);
+    down.hidden = D;
+    down.eps = eps;
+    down.n = n;
+    down.t_partial = t;
+    launch_hc_down(down, s);
     HcMixParams mx;
     mx.w_up = hc.up;
     mx.t = t;
+    mx.t_splits = hc_down_splits(W);
+    mx.t_stride = hc.down_rows;
     mx.n = n;
     mx.m = m;
+    mx.m_bf16 = m_out_bf16;
     mx.iota = iota_out;
     mx.hc_count = static_cast<int>(S);
     mx.hidden = D;
@@ -1012,11 +1021,11 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
         FN_CUDA_CHECK(cudaMemcpyAsync(residuals + n_injects++ * W, H, sizeof(float) * W,
                                       cudaMemcpyDeviceToDevice, s));
     }
-    hc_read(L.attn_hc, iota);
+    hc_read(L.attn_hc, iota, nullptr);
     if (L.qsa) {
       mark(StepFamily::QsaMixer);
       DevQsa& a = L.attn;
-      gemv(a.in_proj, a.in_rows, D, m, DType::BF16, proj, DType::F32, s);
+      gemv(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
       QsaDecodeParams q = qsa_shape(c, o);
       q.proj = proj;
       q.q_norm = a.q_norm;
@@ -1050,7 +1059,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     } else {
       mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
-      gemv(g.in_proj, g.in_rows, D, m, DType::BF16, proj, DType::F32, s);
+      gemv(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
       GdnDecodeParams gp;
       gp.proj = proj;
       gp.conv_weight = g.conv;
@@ -1074,10 +1083,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     all_reduce(y, D);
     inject();
 
-    hc_read(L.mlp_hc, iota);
+    hc_read(L.mlp_hc, iota, m_bf16);
     mark(StepFamily::Router);
     DevMoe& mo = L.moe;
-    gemv(mo.router, E + 1, D, m, DType::BF16, rl, DType::F32, s);
+    gemv(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
     RouterParams rp;
     rp.logits = rl;
     rp.num_experts = static_cast<int>(E);
@@ -1107,7 +1116,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.experts = mo.gate_up;
     gu.expert_ids = ids;
     gu.top_k = static_cast<int>(k);
-    gu.x = m;
+    gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
     launch_moe_gate_up_nvfp4(gu, s);
     MoeDownParams dn;
@@ -1119,7 +1128,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.y = y;
     launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
-    gemv(mo.s_gate_up, 2 * Is_l, D, m, DType::BF16, sgu, DType::F32, s);
+    gemv(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
     SwigluParams sw;
     sw.gate_up = sgu;
     sw.h = sh;
@@ -1136,10 +1145,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     inject();
   }
 
-  hc_read(final_hc, nullptr);
+  hc_read(final_hc, nullptr, nullptr);
   mark(StepFamily::LmHead);
   if (tp > 1) {
-    gemv(lm_head, v_local, D, m, DType::BF16, logits_local, DType::F32, s);
+    gemv(lm_head, v_local, D, m, DType::F32, logits_local, DType::F32, s);
     ScatterLogitsParams sc;
     sc.local = logits_local;
     sc.full = logits;
@@ -1150,7 +1159,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     all_reduce(logits, V);
     mark(StepFamily::LmHead);
   } else {
-    gemv(lm_head, V, D, m, DType::BF16, logits, DType::F32, s);
+    gemv(lm_head, V, D, m, DType::F32, logits, DType::F32, s);
   }
   if (c.has_ple()) {
     NgramContextAdvanceParams ca;

@@ -58,7 +58,7 @@ struct StepChoices {
 /// The op families of one decode step, for CudaModel::profile_steps (issue 8 "per-op
 /// breakdown"). Each launch of encode_step belongs to exactly one family.
 enum class StepFamily : int {
-  Hc,            ///< HC read (group RMS norm, down/inject GEMV, mix) and HC inject; final mixer
+  Hc,            ///< HC read (fused norm + down/inject pass, mix) and HC inject; final mixer
   GdnMixer,      ///< GDN: stacked input projection GEMV, the GDN decode kernel, out_proj GEMV
   QsaMixer,      ///< QSA: stacked q/k/v/indexer projection GEMV, the QSA kernels, o_proj GEMV
   Router,        ///< router (+ shared_expert_gate row) GEMV, top-k (and forced choices)

@@ -1,9 +1,10 @@
 // GPU tests of programmatic dependent launch (cuda/pdl.h, cuda/pdl.cuh): a chain of decode-step
-// kernels launched back to back in one stream (HC norm, BF16 GEMVs, GDN, router, NVFP4 experts,
-// SwiGLU, combine, inject; every step reads what the one before wrote, and the GDN state and H
-// carry over from step to step) must give the same bits with PDL on as with PDL off (plain stream
-// order, the reference whose kernels the other test_cuda_* files check against the CPU oracle),
-// eagerly and replayed from a CUDA graph. A missing or misplaced wait would race and change bits.
+// kernels launched back to back in one stream (HC read: fused norm + down pass and mix, BF16 GEMVs
+// on the FP32 block input, GDN, router, NVFP4 experts on its BF16 copy, SwiGLU, combine, inject;
+// every step reads what the one before wrote, and the GDN state and H carry over from step to step)
+// must give the same bits with PDL on as with PDL off (plain stream order, the reference whose
+// kernels the other test_cuda_* files check against the CPU oracle), eagerly and replayed from a
+// CUDA graph. A missing or misplaced wait would race and change bits.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -27,9 +28,11 @@ namespace {
 
 using fn::test::DeviceArray;
 
-// Shapes: hidden 2560, the real router (512 experts, top 10), GDN heads of the TP=2 slice
-// (8 key, 24 value, 128 dims, conv 4), a reduced expert width (I 256) and shared expert (I 512).
+// Shapes: hidden 2560 with the real HC (4 streams, rank 320), the real router (512 experts, top
+// 10), GDN heads of the TP=2 slice (8 key, 24 value, 128 dims, conv 4), a reduced expert width
+// (I 256) and shared expert (I 512).
 constexpr int64_t kD = 2560, kE = 512, kI = 256, kIs = 512;
+constexpr int64_t kS = 4, kW = kS * kD, kR = 320, kHcRows = kR + kS;
 constexpr int kK = 10, kHk = 8, kHv = 24, kDk = 128, kDv = 128, kConvK = 4;
 constexpr int64_t kConvDim = 2 * kHk * kDk + kHv * kDv;
 constexpr int64_t kProjRows = kConvDim + kHv * kDv + 2 * kHv;
@@ -65,17 +68,20 @@ void gemv(const DeviceArray<uint16_t>& w, int64_t rows, int64_t cols, const void
 
 // The weights and the carried state of the chain.
 struct Chain {
-  DeviceArray<uint16_t> norm_w{kD}, w_proj{kProjRows * kD}, w_o{kD * kHv * kDv}, w_r{(kE + 1) * kD};
+  DeviceArray<uint16_t> norm_w{kW}, w_hc_dn{kHcRows * kW}, w_hc_up{kW * kR};
+  DeviceArray<uint16_t> w_proj{kProjRows * kD}, w_o{kD * kHv * kDv}, w_r{(kE + 1) * kD};
   DeviceArray<uint16_t> w_sgu{2 * kIs * kD}, w_sd{kD * kIs};
   DeviceArray<float> conv_w{kConvDim * kConvK}, a_log{kHv}, dt_bias{kHv}, gdn_norm{kDv};
   DeviceArray<uint8_t> gu_packed{kE * 2 * kI * kD / 2}, gu_scales{kE * 2 * kI * kD / 16};
   DeviceArray<uint8_t> dn_packed{kE * kD * kI / 2}, dn_scales{kE * kD * kI / 16};
-  DeviceArray<float> gu_gs{2 * kE}, dn_gs{kE}, iota{1};
+  DeviceArray<float> gu_gs{2 * kE}, dn_gs{kE};
   // State carried over the steps, and its initial values.
-  DeviceArray<float> H{kD}, H0{kD}, state{kHv * kDk * kDv}, conv_state{kConvDim * (kConvK - 1)};
+  DeviceArray<float> H{kW}, H0{kW}, state{kHv * kDk * kDv}, conv_state{kConvDim * (kConvK - 1)};
   DeviceArray<unsigned int> counters{kHv + kHk};
   // Per-step scratch.
-  DeviceArray<uint16_t> xb{kD}, gout{kHv * kDv}, h{kK * kI}, sh{kIs};
+  DeviceArray<float> n{kW}, t{static_cast<size_t>(fn::hc_down_splits(kW) * kHcRows)}, m{kD},
+      iota{kS};
+  DeviceArray<uint16_t> m_bf16{kD}, gout{kHv * kDv}, h{kK * kI}, sh{kIs};
   DeviceArray<float> proj{kProjRows}, o_scratch{kHv * kDv}, ya{kD}, rl{kE + 1}, rw{kK}, y{kD};
   DeviceArray<float> sgu{2 * kIs}, ys{kD};
   DeviceArray<int32_t> ids{kK}, flag{1};
@@ -85,6 +91,8 @@ struct Chain {
     using fn::RandomFill;
     uint64_t id = 1;
     fill(norm_w, RandomFill::Uniform, DType::BF16, -0.1f, 0.1f, id++);
+    fill(w_hc_dn, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
+    fill(w_hc_up, RandomFill::Uniform, DType::BF16, -0.05f, 0.05f, id++);
     fill(w_proj, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
     fill(w_o, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
     fill(w_r, RandomFill::Uniform, DType::BF16, -0.03f, 0.03f, id++);
@@ -100,40 +108,55 @@ struct Chain {
     fill(dn_scales, RandomFill::E4M3NearOne, DType::F8_E4M3, 0, 0, id++);
     fill(gu_gs, RandomFill::Uniform, DType::F32, 0.005f, 0.01f, id++);
     fill(dn_gs, RandomFill::Uniform, DType::F32, 0.01f, 0.02f, id++);
-    fill(iota, RandomFill::Uniform, DType::F32, 0.5f, 0.5f, id++);
     fill(H0, RandomFill::Uniform, DType::F32, -2.0f, 2.0f, id++);
     FN_CUDA_CHECK(cudaMemset(counters.ptr, 0, counters.n * sizeof(unsigned int)));
     FN_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   void reset() {
-    FN_CUDA_CHECK(cudaMemcpy(H.ptr, H0.ptr, kD * sizeof(float), cudaMemcpyDeviceToDevice));
+    FN_CUDA_CHECK(cudaMemcpy(H.ptr, H0.ptr, kW * sizeof(float), cudaMemcpyDeviceToDevice));
     FN_CUDA_CHECK(cudaMemset(state.ptr, 0, state.n * sizeof(float)));
     FN_CUDA_CHECK(cudaMemset(conv_state.ptr, 0, conv_state.n * sizeof(float)));
     FN_CUDA_CHECK(cudaMemset(flag.ptr, 0, sizeof(int32_t)));
     FN_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  void norm(cudaStream_t s) {
-    fn::GroupRmsNormParams gn;
-    gn.x = H.ptr;
-    gn.weight = norm_w.ptr;
-    gn.out = xb.ptr;
-    gn.num_groups = 1;
-    gn.group_size = kD;
-    fn::launch_group_rms_norm_1p(gn, s);
+  // The HC read (2 kernels): N and t's partials, then m (FP32; the BF16 copy when `bf16`), iota.
+  void hc_read(bool bf16, cudaStream_t s) {
+    fn::HcDownParams d;
+    d.H = H.ptr;
+    d.norm = norm_w.ptr;
+    d.weight = w_hc_dn.ptr;
+    d.rows = kHcRows;
+    d.hc_count = kS;
+    d.hidden = kD;
+    d.n = n.ptr;
+    d.t_partial = t.ptr;
+    fn::launch_hc_down(d, s);
+    fn::HcMixParams x;
+    x.w_up = w_hc_up.ptr;
+    x.t = t.ptr;
+    x.t_splits = fn::hc_down_splits(kW);
+    x.t_stride = kHcRows;
+    x.n = n.ptr;
+    x.m = m.ptr;
+    x.m_bf16 = bf16 ? m_bf16.ptr : nullptr;
+    x.iota = iota.ptr;
+    x.hidden = kD;
+    x.rank = kR;
+    fn::launch_hc_mix(x, s);
   }
 
   void inject(const DeviceArray<float>& from, cudaStream_t s) {
-    const fn::HcInjectParams hi{H.ptr, iota.ptr, from.ptr, 1, kD};
+    const fn::HcInjectParams hi{H.ptr, iota.ptr, from.ptr, static_cast<int>(kS), kD};
     fn::launch_hc_inject(hi, s);
   }
 
-  // One decode-like step: 16 kernels, each reading the output of an earlier one.
+  // One decode-like step: 18 kernels, each reading the output of an earlier one.
   void step(cudaStream_t s) {
     using fn::DType;
-    norm(s);
-    gemv(w_proj, kProjRows, kD, xb.ptr, DType::BF16, proj.ptr, s);
+    hc_read(false, s);
+    gemv(w_proj, kProjRows, kD, m.ptr, DType::F32, proj.ptr, s);
     fn::GdnDecodeParams gp;
     gp.proj = proj.ptr;
     gp.conv_weight = conv_w.ptr;
@@ -153,15 +176,15 @@ struct Chain {
     fn::launch_gdn_decode(gp, s);
     gemv(w_o, kD, kHv * kDv, gout.ptr, DType::BF16, ya.ptr, s);
     inject(ya, s);
-    norm(s);
-    gemv(w_r, kE + 1, kD, xb.ptr, DType::BF16, rl.ptr, s);
+    hc_read(true, s);
+    gemv(w_r, kE + 1, kD, m.ptr, DType::F32, rl.ptr, s);
     const fn::RouterParams rp{rl.ptr, static_cast<int>(kE), kK, true, ids.ptr, rw.ptr, flag.ptr};
     fn::launch_router_topk(rp, s);
     fn::MoeGateUpParams gu;
     gu.experts = {gu_packed.ptr, gu_scales.ptr, gu_gs.ptr, static_cast<int>(kE), 2 * kI, kD};
     gu.expert_ids = ids.ptr;
     gu.top_k = kK;
-    gu.x = xb.ptr;
+    gu.x = m_bf16.ptr;
     gu.h = h.ptr;
     fn::launch_moe_gate_up_nvfp4(gu, s);
     fn::MoeDownParams dn;
@@ -172,7 +195,7 @@ struct Chain {
     dn.h = h.ptr;
     dn.y = y.ptr;
     fn::launch_moe_down_nvfp4(dn, s);
-    gemv(w_sgu, 2 * kIs, kD, xb.ptr, DType::BF16, sgu.ptr, s);
+    gemv(w_sgu, 2 * kIs, kD, m.ptr, DType::F32, sgu.ptr, s);
     const fn::SwigluParams sw{sgu.ptr, sh.ptr, kIs};
     fn::launch_swiglu(sw, s);
     gemv(w_sd, kD, kIs, sh.ptr, DType::BF16, ys.ptr, s);
@@ -275,7 +298,7 @@ TEST_CASE(
   int64_t finite = 0, nonzero = 0;
   for (float v : ref.H) finite += std::isfinite(v) ? 1 : 0;
   for (float v : ref.state) nonzero += v != 0.0f ? 1 : 0;
-  CHECK(finite == kD);
+  CHECK(finite == kW);
   CHECK(nonzero > static_cast<int64_t>(ref.state.size()) / 2);
   for (int32_t e : ref.ids) CHECK((e >= 0 && e < kE));
   CHECK(ref.flag == 0);
@@ -284,6 +307,6 @@ TEST_CASE(
   double us_off = 0, us_on = 0;
   CHECK_MESSAGE(run_graph(c, false, 6, &us_off) == ref, "graph, PDL off");
   CHECK_MESSAGE(run_graph(c, true, 6, &us_on) == ref, "graph, PDL on");
-  MESSAGE("chain step (16 kernels) in a graph: PDL off ", us_off, " us, PDL on ", us_on, " us");
+  MESSAGE("chain step (18 kernels) in a graph: PDL off ", us_off, " us, PDL on ", us_on, " us");
   fn::set_pdl_enabled(before);
 }

@@ -238,49 +238,69 @@ int main(int argc, char** argv) try {
     FN_CUDA_CHECK(cudaFree(w));
   }
 
-  // ---- HC read: grouped RMSNorm and mix ------------------------------------------------------
+  // ---- HC read: fused norm + split-K down/inject GEMV, then the mix ---------------------------
   {
-    const int64_t D = 2560, r = 320;
-    const size_t wbytes = size_t(4 * D * r) * 2;
-    const int copies = int((kRotateBytes + wbytes - 1) / wbytes);
-    uint16_t *w_up, *n, *m, *nw;
-    float *h, *tv, *iota;
-    FN_CUDA_CHECK(cudaMalloc(&w_up, wbytes * copies));
-    FN_CUDA_CHECK(cudaMalloc(&n, 4 * D * 2));
-    FN_CUDA_CHECK(cudaMalloc(&m, D * 2));
-    FN_CUDA_CHECK(cudaMalloc(&nw, 4 * D * 2));
-    FN_CUDA_CHECK(cudaMalloc(&h, 4 * D * 4));
-    FN_CUDA_CHECK(cudaMalloc(&tv, (r + 4) * 4));
+    const int64_t D = 2560, r = 320, W = 4 * D, nrows = r + 4;
+    const int64_t splits = fn::hc_down_splits(W);
+    const size_t up_bytes = size_t(W * r) * 2, dn_bytes = size_t(nrows * W) * 2;
+    const int copies = int((kRotateBytes + up_bytes + dn_bytes - 1) / (up_bytes + dn_bytes));
+    uint16_t *w_up, *w_dn, *nw, *mb;
+    float *h, *n, *m, *tv, *iota;
+    FN_CUDA_CHECK(cudaMalloc(&w_up, up_bytes * copies));
+    FN_CUDA_CHECK(cudaMalloc(&w_dn, dn_bytes * copies));
+    FN_CUDA_CHECK(cudaMalloc(&nw, W * 2));
+    FN_CUDA_CHECK(cudaMalloc(&mb, D * 2));
+    FN_CUDA_CHECK(cudaMalloc(&h, W * 4));
+    FN_CUDA_CHECK(cudaMalloc(&n, W * 4));
+    FN_CUDA_CHECK(cudaMalloc(&m, D * 4));
+    FN_CUDA_CHECK(cudaMalloc(&tv, splits * nrows * 4));
     FN_CUDA_CHECK(cudaMalloc(&iota, 16));
-    fill_random(w_up, wbytes * copies, 21);
-    fill_random(n, 4 * D * 2, 23);
-    fill_random(nw, 4 * D * 2, 24);
-    fill_random(h, 4 * D * 4, 25);
-    fill_random(tv, (r + 4) * 4, 26);
+    fill_random(w_up, up_bytes * copies, 21);
+    fill_random(w_dn, dn_bytes * copies, 22);
+    fill_random(nw, W * 2, 24);
+    fill_random(h, W * 4, 25);
+    fill_random(tv, splits * nrows * 4, 26);
+    fn::HcDownParams dp;
+    dp.H = h;
+    dp.norm = nw;
+    dp.rows = nrows;
+    dp.hc_count = 4;
+    dp.hidden = D;
+    dp.n = n;
+    dp.t_partial = tv;
     fn::HcMixParams mp;
     mp.t = tv;
+    mp.t_splits = splits;
+    mp.t_stride = nrows;
     mp.n = n;
     mp.m = m;
+    mp.m_bf16 = mb;
     mp.iota = iota;
     mp.hidden = D;
     mp.rank = r;
-    const double mix_us = t.time_per_call(std::max(copies, 20), [&](int i) {
-      mp.w_up = w_up + size_t(i % copies) * 4 * D * r;
+    const int calls = std::max(copies, 20);
+    const double down_bytes = double(dn_bytes) + W * (4 + 2 + 4) + splits * nrows * 4;
+    const double mix_bytes = double(up_bytes) + splits * nrows * 4 + W * 4 + D * 6 + 16;
+    const double down_us = t.time_per_call(calls, [&](int i) {
+      dp.weight = w_dn + size_t(i % copies) * nrows * W;
+      fn::launch_hc_down(dp, t.stream);
+    });
+    rows.push_back(report({"hc_down", "324x10240 +norm", "32r x 512c", down_bytes, down_us, bw}));
+    const double mix_us = t.time_per_call(calls, [&](int i) {
+      mp.w_up = w_up + size_t(i % copies) * W * r;
       fn::launch_hc_mix(mp, t.stream);
     });
-    rows.push_back(report({"hc_mix", "10240x320 +N,m", "planned",
-                           double(wbytes) + (r + 4) * 4 + 4 * D * 2 + D * 2 + 16, mix_us, bw}));
-    fn::GroupRmsNormParams np;
-    np.x = h;
-    np.weight = nw;
-    np.out = n;
-    np.num_groups = 4;
-    np.group_size = D;
-    const double norm_us =
-        t.time_per_call(20, [&](int) { fn::launch_group_rms_norm_1p(np, t.stream); });
-    rows.push_back(report(
-        {"group_rms_norm_1p", "4x2560", "1blk/grp", double(4 * D) * (4 + 2 + 2), norm_us, bw}));
-    for (void* p : {(void*)w_up, (void*)n, (void*)m, (void*)nw, (void*)h, (void*)tv, (void*)iota})
+    rows.push_back(report({"hc_mix", "10240x320 +N,m", "planned", mix_bytes, mix_us, bw}));
+    const double read_us = t.time_per_call(calls, [&](int i) {
+      dp.weight = w_dn + size_t(i % copies) * nrows * W;
+      mp.w_up = w_up + size_t(i % copies) * W * r;
+      fn::launch_hc_down(dp, t.stream);
+      fn::launch_hc_mix(mp, t.stream);
+    });
+    rows.push_back(
+        report({"hc_read", "down + mix", "2 launches", down_bytes + mix_bytes, read_us, bw}));
+    for (void* p : {(void*)w_up, (void*)w_dn, (void*)nw, (void*)mb, (void*)h, (void*)n, (void*)m,
+                    (void*)tv, (void*)iota})
       FN_CUDA_CHECK(cudaFree(p));
   }
 

@@ -285,7 +285,7 @@ int main(int argc, char** argv) try {
       dp.weight = w_dn + size_t(i % copies) * nrows * W;
       fn::launch_hc_down(dp, t.stream);
     });
-    rows.push_back(report({"hc_down", "324x10240 +norm", "32r x 512c", down_bytes, down_us, bw}));
+    rows.push_back(report({"hc_down", "324x10240 +norm", "32r x 1024c", down_bytes, down_us, bw}));
     const double mix_us = t.time_per_call(calls, [&](int i) {
       mp.w_up = w_up + size_t(i % copies) * W * r;
       fn::launch_hc_mix(mp, t.stream);

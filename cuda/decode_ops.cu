@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(kRouterThreads)
   __shared__ float warp_max[kRouterThreads / 32];
   __shared__ double warp_sum[kRouterThreads / 32];
   __shared__ int sel[kMaxTopK];
+  __shared__ int rank_of[kMaxExperts];  // ranks of the candidates (lists * min(k, 64) <= E max)
   __shared__ float s_max;
   __shared__ double s_sum;
   __shared__ int s_nan;
@@ -188,26 +189,35 @@ __global__ void __launch_bounds__(kRouterThreads)
   }
   __syncthreads();
   const int kc = k < kSortList ? k : kSortList;  // past place k - 1 of its list nothing ranks < k
-  for (int c = tid; c < lists * kc; c += kRouterThreads) {
-    const int w = c / kc, q = c - w * kc;
-    const unsigned long long key = sorted[w * kSortList + q];
+  const int cands = lists * kc;                  // candidate c = w * kc + q: place q of list w
+  for (int c = tid; c < cands; c += kRouterThreads) rank_of[c] = c % kc;
+  __syncthreads();
+  // One binary search per (candidate, other list), all in parallel; the counts are summed with
+  // integer atomics (exact, so the rank does not depend on their order).
+  for (int t = tid; t < cands * lists; t += kRouterThreads) {
+    const int c = t / lists, o = t - c * lists, w = c / kc;
+    if (o == w) continue;
+    const unsigned long long key = sorted[w * kSortList + c - w * kc];
     if (key == 0ull) continue;  // padding: ranks after every expert
-    int rank = q;
-    for (int o = 0; o < lists; ++o)
-      if (o != w) rank += count_greater(sorted + o * kSortList, key);
-    if (rank < k) sel[rank] = key_id(key);
+    const int n = count_greater(sorted + o * kSortList, key);
+    if (n != 0) atomicAdd(&rank_of[c], n);
   }
   __syncthreads();
-  if (tid == 0) {
+  for (int c = tid; c < cands; c += kRouterThreads) {
+    const int w = c / kc;
+    const unsigned long long key = sorted[w * kSortList + c - w * kc];
+    if (key != 0ull && rank_of[c] < k) sel[rank_of[c]] = key_id(key);
+  }
+  __syncthreads();
+  // Thread r < k writes place r; each sums the selected p in place order (the same FP64 sum).
+  if (tid < k) {
     double sel_sum = 0.0;
     for (int r = 0; r < k; ++r) sel_sum += static_cast<double>(p[sel[r]]);
-    for (int r = 0; r < k; ++r) {
-      const float pe = p[sel[r]];
-      ids[r] = sel[r];
-      weights[r] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
-    }
-    if (s_nan != 0 && flag != nullptr) *flag = 4;
+    const float pe = p[sel[tid]];
+    ids[tid] = sel[tid];
+    weights[tid] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
   }
+  if (tid == 0 && s_nan != 0 && flag != nullptr) *flag = 4;
 }
 
 // ---- MoE combine

@@ -2,6 +2,17 @@
 // weighted down-projection kernel, each in two variants: 32 codes per lane unit (cols % 32 == 0,
 // every real shape) and 16 codes (cols an odd multiple of 16: tiny fixtures' TP slices).
 //
+// Streaming (issue 8): a team of lanes per output row (pair); each lane first issues the 16-byte
+// code loads and the scale loads of all its units (up to kGateUpUnits per row / kDownUnits; more
+// only for shapes wider than the real ones, in further rounds), then the block stages the
+// activation (x, or all top_k rows of h) once in shared memory as FP32 * 2^64, and only then
+// decodes: no load of a lane waits on another's use, and x is unpacked once per block, not once
+// per unit. Summation order (fixed, so bitwise reproducible): per 16-code block a sequential FMA
+// chain over the codes in element order; per unit b0 * s0 (16 codes) or fmaf(b1, s1, b0 * s0)
+// with the blocks' E4M3 scales; per lane its units in increasing index, acc += unit (gate+up) or
+// acc = fmaf(unit, routing_weight * gs, acc) (down); then the team's dev::team_reduce; then
+// * 2^70 and (gate+up) * the global scale.
+//
 // Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): the
 // codes of a 32-bit word become, two at a time with a few mask/shift operations, BF16 bit patterns
 // worth exactly code * 2^-126 (cuda/nvfp4_bits.h, checked for every code on the host), widened to
@@ -11,7 +22,7 @@
 // a normal FP32 number; E4M3 scale bytes become FP16 bit patterns worth scale * 2^-8 (NaN codes
 // mapped to NaN explicitly). The powers of two are put back once per row (kUnscale = 2^70).
 // Every e2m1 * bf16 product is exact in FP32 for 2^-63 <= |x| < 2^64 (and x = 0); only the FP32
-// sums round, in the same order as before, so results equal the FP16 path's bitwise.
+// sums and scale multiplies round, in the order above.
 #include "cuda/moe_nvfp4.h"
 
 #include <cuda_fp16.h>
@@ -27,7 +38,6 @@ namespace fn {
 namespace {
 
 constexpr int kBlockThreads = 256;
-constexpr int kUnroll = 4;                             // 16-byte vectors per row in flight per lane
 constexpr float kXScale = 18446744073709551616.0f;     // 2^64
 constexpr float kUnscale = 1180591620717411303424.0f;  // 2^70 = 2^126 * 2^8 / 2^64
 
@@ -39,19 +49,6 @@ __device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {
 __device__ __forceinline__ float e4m3_scaled(uint32_t s) {
   if (nvfp4::e4m3_is_nan(s)) return __int_as_float(0x7fc00000);
   return half_bits_to_float(nvfp4::e4m3_fp16_bits(s));
-}
-
-// The 8 BF16 x values of a 16-byte vector as FP32 * 2^64 (exact for |x| < 2^64).
-__device__ __forceinline__ void load_x8(const uint4* xp, float* xs) {
-  const uint4 u = __ldg(xp);
-  xs[0] = dev::bf16_lo(u.x) * kXScale;
-  xs[1] = dev::bf16_hi(u.x) * kXScale;
-  xs[2] = dev::bf16_lo(u.y) * kXScale;
-  xs[3] = dev::bf16_hi(u.y) * kXScale;
-  xs[4] = dev::bf16_lo(u.z) * kXScale;
-  xs[5] = dev::bf16_hi(u.z) * kXScale;
-  xs[6] = dev::bf16_lo(u.w) * kXScale;
-  xs[7] = dev::bf16_hi(u.w) * kXScale;
 }
 
 // acc + sum_{i<8} e2m1(code i of w) * 2^-126 * xs[i], in element order (code i in nibble i).
@@ -97,24 +94,104 @@ struct Unit {
       return __ldg(reinterpret_cast<const uint16_t*>(row) + v);
     }
   }
-  // The unit's kCodes x values (16-byte aligned at xp) as FP32 * 2^64.
-  static __device__ __forceinline__ void load_x(const uint4* xp, float (&xs)[kCodes]) {
-#pragma unroll
-    for (int i = 0; i < kCodes / 8; ++i) load_x8(xp + i, xs + 8 * i);
-  }
-  // Contribution * 2^-70 of the unit against its x values xs (from load_x).
-  static __device__ __forceinline__ float dot(uint4 w, uint32_t s, const float (&xs)[kCodes]) {
-    float b0 = dot8_e2m1(w.x, xs, 0.0f);
-    b0 = dot8_e2m1(w.y, xs + 8, b0);
-    if constexpr (kNarrow) {
-      return b0 * e4m3_scaled(s & 0xffu);
-    } else {
-      float b1 = dot8_e2m1(w.z, xs + 16, 0.0f);
-      b1 = dot8_e2m1(w.w, xs + 24, b1);
-      return b0 * e4m3_scaled(s & 0xffu) + b1 * e4m3_scaled(s >> 8);
+};
+
+// Units a lane holds in registers at once: their loads are all issued before the first is used.
+// Real shapes (K = 2560: 80 units per row; down: 10 x 20 units at TP=1, 10 x 10 at TP=2) need one
+// round: gate+up team 16 (5 units per row, 10 x 16-byte loads in flight per lane), down team 32
+// (7 units at TP=1, 4 at TP=2).
+constexpr int kGateUpUnits = 5;
+constexpr int kDownUnits = 7;
+// Resident blocks per SM each kernel is compiled for (__launch_bounds__; <= 128 and <= 85
+// registers): the planner sizes grids to one wave of these where the shape allows.
+constexpr int kGateUpMinBlocks = 2;
+constexpr int kDownMinBlocks = 3;
+/// Shared-memory budget of the staged activation (x for gate+up, h for down) per block.
+constexpr int64_t kStageBytes = 48 * 1024;
+
+// The activation vector staged in shared memory as FP32 * 2^64 (exact for |v| < 2^64), read by
+// every team of the block. Unit u (the kCodes elements one weight unit multiplies) lies at floats
+// [kCodes u, kCodes (u + 1)); its 4-float chunk c sits in slot (c + u) mod kChunks, so the lanes of
+// a team, which read consecutive units with 16-byte loads, hit distinct banks.
+template <bool kNarrow>
+struct Stage {
+  static constexpr int kCodes = Unit<kNarrow>::kCodes;
+  static constexpr int kChunks = kCodes / 4;
+  // Every thread of the block calls it: n BF16 values (a multiple of 16; src 16-byte aligned).
+  static __device__ __forceinline__ void fill(const uint16_t* src, int n, float* s) {
+    const uint4* v = reinterpret_cast<const uint4*>(src);
+    for (int i = threadIdx.x; i < n / 8; i += kBlockThreads) {
+      const uint4 q = __ldg(v + i);
+      const int u = (8 * i) / kCodes, c = ((8 * i) % kCodes) / 4;
+      float4* unit = reinterpret_cast<float4*>(s) + kChunks * u;
+      unit[(c + u) & (kChunks - 1)] =
+          make_float4(dev::bf16_lo(q.x) * kXScale, dev::bf16_hi(q.x) * kXScale,
+                      dev::bf16_lo(q.y) * kXScale, dev::bf16_hi(q.y) * kXScale);
+      unit[(c + 1 + u) & (kChunks - 1)] =
+          make_float4(dev::bf16_lo(q.z) * kXScale, dev::bf16_hi(q.z) * kXScale,
+                      dev::bf16_lo(q.w) * kXScale, dev::bf16_hi(q.w) * kXScale);
     }
   }
+  // Elements 8 wi .. 8 wi + 7 of unit u.
+  static __device__ __forceinline__ void word(const float* s, int u, int wi, float (&xs)[8]) {
+    const float4* unit = reinterpret_cast<const float4*>(s) + kChunks * u;
+    const float4 p = unit[(2 * wi + u) & (kChunks - 1)];
+    const float4 q = unit[(2 * wi + 1 + u) & (kChunks - 1)];
+    xs[0] = p.x;
+    xs[1] = p.y;
+    xs[2] = p.z;
+    xs[3] = p.w;
+    xs[4] = q.x;
+    xs[5] = q.y;
+    xs[6] = q.z;
+    xs[7] = q.w;
+  }
 };
+
+__device__ __forceinline__ uint32_t word_of(const uint4& w, int wi) {
+  return wi == 0 ? w.x : wi == 1 ? w.y : wi == 2 ? w.z : w.w;
+}
+
+// The unit's value * 2^-70 against the staged activation: per 16-code block a sequential FMA
+// chain over the codes in element order (every product exact), then the blocks' sums times their
+// E4M3 scales, b0 * s0 (narrow) or fmaf(b1, s1, b0 * s0).
+template <bool kNarrow>
+__device__ __forceinline__ float unit_dot(const uint4& w, uint32_t s, const float* stage, int u) {
+  float b[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int wi = 0; wi < Unit<kNarrow>::kCodes / 8; ++wi) {
+    float xs[8];
+    Stage<kNarrow>::word(stage, u, wi, xs);
+    b[wi / 2] = dot8_e2m1(word_of(w, wi), xs, b[wi / 2]);
+  }
+  if constexpr (kNarrow) {
+    return b[0] * e4m3_scaled(s & 0xffu);
+  } else {
+    return fmaf(b[1], e4m3_scaled(s >> 8), b[0] * e4m3_scaled(s & 0xffu));
+  }
+}
+
+// As unit_dot for the gate and the up row of one unit at once (one read of the staged x).
+template <bool kNarrow>
+__device__ __forceinline__ void unit_dot2(const uint4& wg, const uint4& wu, uint32_t sg,
+                                          uint32_t su, const float* stage, int u, float& acc_g,
+                                          float& acc_u) {
+  float g[2] = {0.0f, 0.0f}, p[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int wi = 0; wi < Unit<kNarrow>::kCodes / 8; ++wi) {
+    float xs[8];
+    Stage<kNarrow>::word(stage, u, wi, xs);
+    g[wi / 2] = dot8_e2m1(word_of(wg, wi), xs, g[wi / 2]);
+    p[wi / 2] = dot8_e2m1(word_of(wu, wi), xs, p[wi / 2]);
+  }
+  if constexpr (kNarrow) {
+    acc_g += g[0] * e4m3_scaled(sg & 0xffu);
+    acc_u += p[0] * e4m3_scaled(su & 0xffu);
+  } else {
+    acc_g += fmaf(g[1], e4m3_scaled(sg >> 8), g[0] * e4m3_scaled(sg & 0xffu));
+    acc_u += fmaf(p[1], e4m3_scaled(su >> 8), p[0] * e4m3_scaled(su & 0xffu));
+  }
+}
 
 struct GateUpArgs {
   const uint8_t* packed;
@@ -132,11 +209,17 @@ struct GateUpArgs {
   int team_log2;
 };
 
-// One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j].
+// One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j]. Lane l of
+// the team takes the units v = l, l + team, ... of both rows; it issues the loads of up to
+// kGateUpUnits of them (codes and scales of both rows) before x is staged in shared memory, then
+// accumulates its units in increasing v; the team sums its lanes with dev::team_reduce.
 template <bool kNarrow>
-__global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUpArgs a) {
-  // Every weight address depends on the router's expert ids (the previous kernels' output):
-  // nothing can be read before the programmatic-dependent wait (cuda/pdl.cuh).
+__global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
+    moe_gate_up_nvfp4_kernel(GateUpArgs a) {
+  extern __shared__ float4 stage4[];
+  float* stage = reinterpret_cast<float*>(stage4);
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
   using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
@@ -148,39 +231,35 @@ __global__ void __launch_bounds__(kBlockThreads) moe_gate_up_nvfp4_kernel(GateUp
   const int i = in_range ? static_cast<int>(pair % a.inter) : 0;
   const int e = __ldg(a.ids + j);
   const bool ok = in_range && e >= 0 && e < a.num_experts;
+  const int mine = ok && lane < a.nvec ? (a.nvec - 1 - lane) / team + 1 : 0;  // units of the lane
 
+  const int64_t g_row = static_cast<int64_t>(ok ? e : 0) * 2 * a.inter + i;
+  const uint8_t* wg = a.packed + g_row * (a.k / 2);
+  const uint8_t* wu = wg + static_cast<int64_t>(a.inter) * (a.k / 2);
+  const uint8_t* sg = a.scales + g_row * (a.k / 16);
+  const uint8_t* su = sg + static_cast<int64_t>(a.inter) * (a.k / 16);
+  uint4 w[kGateUpUnits][2];
+  uint32_t s[kGateUpUnits][2];
   float acc[2] = {0.0f, 0.0f};
-  if (ok) {
-    const int64_t rows = 2 * static_cast<int64_t>(a.inter);
-    const int64_t g_row = static_cast<int64_t>(e) * rows + i, u_row = g_row + a.inter;
-    const uint8_t* wg = a.packed + g_row * (a.k / 2);
-    const uint8_t* wu = a.packed + u_row * (a.k / 2);
-    const uint8_t* sg = a.scales + g_row * (a.k / 16);
-    const uint8_t* su = a.scales + u_row * (a.k / 16);
-    const uint4* xv = reinterpret_cast<const uint4*>(a.x);
-    for (int base = lane; base < a.nvec; base += kUnroll * team) {
-      uint4 w[kUnroll][2];
-      uint32_t s[kUnroll][2];
+  for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kGateUpUnits) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = base + u * team;
-        const bool live = v < a.nvec;
-        w[u][0] = live ? U::codes(wg, v) : make_uint4(0, 0, 0, 0);
-        w[u][1] = live ? U::codes(wu, v) : make_uint4(0, 0, 0, 0);
-        s[u][0] = live ? U::scales(sg, v) : 0u;
-        s[u][1] = live ? U::scales(su, v) : 0u;
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = base + u * team;
-        if (v < a.nvec) {
-          float xs[U::kCodes];  // shared by the gate and the up row
-          U::load_x(xv + (U::kCodes / 8) * v, xs);
-          acc[0] += U::dot(w[u][0], s[u][0], xs);
-          acc[1] += U::dot(w[u][1], s[u][1], xs);
-        }
-      }
+    for (int n = 0; n < kGateUpUnits; ++n) {
+      const int v = lane + (n0 + n) * team;
+      const bool live = n0 + n < mine;
+      w[n][0] = live ? U::codes(wg, v) : make_uint4(0, 0, 0, 0);
+      w[n][1] = live ? U::codes(wu, v) : make_uint4(0, 0, 0, 0);
+      s[n][0] = live ? U::scales(sg, v) : 0u;
+      s[n][1] = live ? U::scales(su, v) : 0u;
     }
+    if (n0 == 0) {  // every thread: the loop runs at least once for all
+      Stage<kNarrow>::fill(a.x, static_cast<int>(a.k), stage);
+      __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < kGateUpUnits; ++n)
+      if (n0 + n < mine)
+        unit_dot2<kNarrow>(w[n][0], w[n][1], s[n][0], s[n][1], stage, lane + (n0 + n) * team,
+                           acc[0], acc[1]);
   }
   dev::team_reduce<2, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
@@ -214,11 +293,17 @@ struct DownArgs {
   int team_log2;
 };
 
-// One team per output row d: lanes stride over the flattened (expert j, vector v) pairs.
+// One team per output row d: lane l takes the flattened (expert j, unit v) indices
+// idx = j * nvec + v = l, l + team, ...; it issues the loads of up to kDownUnits of them before h
+// (all top_k rows) is staged in shared memory, then accumulates
+// acc = fmaf(unit_dot, routing_weights[j] * gs[e_j], acc) in increasing idx; the team sums its
+// lanes with dev::team_reduce.
 template <bool kNarrow>
-__global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs a) {
-  // Every weight address depends on the router's expert ids (the previous kernels' output):
-  // nothing can be read before the programmatic-dependent wait (cuda/pdl.cuh).
+__global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_kernel(DownArgs a) {
+  extern __shared__ float4 stage4[];
+  float* stage = reinterpret_cast<float*>(stage4);
+  // Every weight address depends on the router's expert ids, and h is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
   using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
@@ -227,33 +312,32 @@ __global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs 
                     (threadIdx.x >> a.team_log2);
   const bool in_range = d < a.hidden;
   const int nflat = a.top_k * a.nvec;
+  const int mine = in_range && lane < nflat ? (nflat - 1 - lane) / team + 1 : 0;
+  uint4 w[kDownUnits];
+  uint32_t s[kDownUnits];
+  float f[kDownUnits];
+  bool live[kDownUnits];
   float acc[1] = {0.0f};
-  if (in_range) {
-    for (int base = lane; base < nflat; base += kUnroll * team) {
-      uint4 w[kUnroll];
-      uint32_t s[kUnroll];
-      float f[kUnroll];
-      int hoff[kUnroll];
+  for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kDownUnits) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * team;
-        const int j = idx / a.nvec, v = idx - j * a.nvec;
-        const int e = idx < nflat ? __ldg(a.ids + j) : -1;
-        const bool live = e >= 0 && e < a.num_experts;
-        const int64_t row = static_cast<int64_t>(live ? e : 0) * a.hidden + d;
-        w[u] = live ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
-        s[u] = live ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
-        f[u] = live ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
-        hoff[u] = live ? j * a.inter + U::kCodes * v : -1;
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (hoff[u] >= 0) {
-          float xs[U::kCodes];
-          U::load_x(reinterpret_cast<const uint4*>(a.h + hoff[u]), xs);
-          acc[0] += U::dot(w[u], s[u], xs) * f[u];
-        }
+    for (int n = 0; n < kDownUnits; ++n) {
+      const int idx = lane + (n0 + n) * team;
+      const int jj = idx / a.nvec, v = idx - jj * a.nvec;
+      const int e = n0 + n < mine ? __ldg(a.ids + jj) : -1;
+      live[n] = e >= 0 && e < a.num_experts;
+      const int64_t row = static_cast<int64_t>(live[n] ? e : 0) * a.hidden + d;
+      w[n] = live[n] ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
+      s[n] = live[n] ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
+      f[n] = live[n] ? __ldg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
+    if (n0 == 0) {  // every thread: the loop runs at least once for all
+      Stage<kNarrow>::fill(a.h, a.top_k * a.inter, stage);
+      __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < kDownUnits; ++n)
+      if (live[n])
+        acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
@@ -261,14 +345,16 @@ __global__ void __launch_bounds__(kBlockThreads) moe_down_nvfp4_kernel(DownArgs 
   a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
-// Narrowest team with at most `per_lane` vectors per lane, widened while the grid has fewer than
-// 2 blocks per SM and each lane keeps at least 2 vectors after doubling.
-int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count) {
-  const int64_t target = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
+// Narrowest team with at most `per_lane` units per lane (all of a lane's loads in one round),
+// widened while the doubled grid still fits in one wave (min_blocks resident blocks per SM, the
+// kernel's launch bound) and each lane keeps at least 2 units after doubling: more lanes share
+// the bytes, and no block waits for a second wave.
+int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count, int min_blocks) {
+  const int64_t wave = static_cast<int64_t>(min_blocks) * (sm_count > 0 ? sm_count : 1);
   auto blocks = [&](int t) { return (teams + (kBlockThreads / t) - 1) / (kBlockThreads / t); };
   int team = 8;
   while (team < kBlockThreads && static_cast<int64_t>(team) * per_lane < work_vectors) team *= 2;
-  while (blocks(team) < target && team < kBlockThreads &&
+  while (team < kBlockThreads && blocks(2 * team) <= wave &&
          work_vectors >= 4 * static_cast<int64_t>(team))
     team *= 2;
   return team;
@@ -297,14 +383,14 @@ bool valid_team(int t) {
 }  // namespace
 
 int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
-  // Two rows (gate, up) per team: at most 8 vectors per lane per row keeps 16 loads per lane.
-  return plan_team(hidden / unit_codes(hidden), static_cast<int64_t>(top_k) * intermediate, 8,
-                   sm_count);
+  // Two rows (gate, up) per team: at most kGateUpUnits units per lane per row, all in flight.
+  return plan_team(hidden / unit_codes(hidden), static_cast<int64_t>(top_k) * intermediate,
+                   kGateUpUnits, sm_count, kGateUpMinBlocks);
 }
 
 int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
   return plan_team(static_cast<int64_t>(top_k) * (intermediate / unit_codes(intermediate)), hidden,
-                   16, sm_count);
+                   kDownUnits, sm_count, kDownMinBlocks);
 }
 
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
@@ -314,6 +400,7 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.experts.rows % 2 == 0, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, kOp);
   FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, kOp);  // x staged in shared memory
   const int64_t inter = p.experts.rows / 2;
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols,
@@ -337,12 +424,13 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
+  const size_t smem = static_cast<size_t>(p.experts.cols) * 4;
   if (narrow)
     launch_pdl("moe_gate_up_nvfp4_kernel", moe_gate_up_nvfp4_kernel<true>,
-               static_cast<unsigned>(blocks), kBlockThreads, 0, stream, a);
+               static_cast<unsigned>(blocks), kBlockThreads, smem, stream, a);
   else
     launch_pdl("moe_gate_up_nvfp4_kernel", moe_gate_up_nvfp4_kernel<false>,
-               static_cast<unsigned>(blocks), kBlockThreads, 0, stream, a);
+               static_cast<unsigned>(blocks), kBlockThreads, smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_nvfp4_kernel");
 }
 
@@ -353,6 +441,7 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
                                                             detail::current_sm_count());
@@ -375,12 +464,13 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
+  const size_t smem = static_cast<size_t>(p.experts.cols) * p.top_k * 4;
   if (narrow)
     launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<true>, static_cast<unsigned>(blocks),
-               kBlockThreads, 0, stream, a);
+               kBlockThreads, smem, stream, a);
   else
     launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<false>, static_cast<unsigned>(blocks),
-               kBlockThreads, 0, stream, a);
+               kBlockThreads, smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_down_nvfp4_kernel");
 }
 

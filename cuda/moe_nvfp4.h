@@ -2,7 +2,9 @@
 // and the down projection summed over the selected experts with their routing weights. Called by
 // the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
 // device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
-// conversion); FP32 accumulation; 16-byte weight loads; deterministic (no atomics).
+// conversion); FP32 accumulation in a fixed order (moe_nvfp4.cu); 16-byte weight loads, all of a
+// lane's issued before use; the activation staged once per block in shared memory (<= 48 KB);
+// deterministic (no atomics).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -61,11 +63,13 @@ struct MoeDownParams {
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
-/// multiple of 16, odd rows, misalignment or a bad team size; fn::Error(Cuda) on a failed launch.
+/// multiple of 16, odd rows, misalignment, a bad team size or cols > 12,288 (x is staged in 48 KB
+/// of shared memory as FP32; the real hidden_size is 2,560); fn::Error(Cuda) on a failed launch.
 /// Legal during stream capture.
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream);
 
-/// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4.
+/// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4, with
+/// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).
 void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
 
 /// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers

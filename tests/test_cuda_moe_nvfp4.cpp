@@ -352,6 +352,33 @@ TEST_CASE("cuda moe nvfp4: cols = 16 and 48 (odd multiples of 16) are exact, eve
   }
 }
 
+TEST_CASE("cuda moe nvfp4: lanes with more units than they hold in registers loop, exactly") {
+  // Team 8: gate+up over 2560 columns gives each lane 10 units (chunks of 3), over 720 (an odd
+  // multiple of 16: the 16-code path) 6; the down projection over 10 experts x 112 columns gives
+  // 9 units per lane (chunks of 7), over 10 x 640 columns 25.
+  const std::vector<int32_t> ids = {3, 0, 5, 1, 5, 2, 4, 0, 1, 3};
+  const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f, 0.5f, 0.25f, 1.0f, 2.0f, 0.5f, 0.25f};
+  for (int64_t cols : {2560, 720}) {
+    const HostExperts gu = make_experts(6, 2 * 24, cols, 2, true, 90 + cols);
+    const DeviceExperts dgu(gu);
+    const auto x = random_ints(size_t(cols), -4, 4, 91 + cols);
+    const GateUpRef ref = gate_up_reference(gu, ids, x, 8);
+    const auto got = run_gate_up(dgu, ids, x, 8);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "cols ", cols, ": ", c.describe());
+  }
+  for (int64_t inter : {112, 640}) {
+    const HostExperts dn = make_experts(6, 40, inter, 1, true, 92 + inter);
+    const DeviceExperts ddn(dn);
+    const auto h = random_ints(ids.size() * inter, -4, 4, 93 + inter);
+    std::vector<double> want, bound;
+    down_reference(dn, ids, rw, h, 8, nullptr, want, bound);
+    const auto y = run_down(ddn, ids, rw, h, 8, nullptr);
+    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "I ", inter, ": ", c.describe());
+  }
+}
+
 TEST_CASE("cuda moe nvfp4: the tiny fixtures' shapes (hidden 64, I = 32 and 16) within the bound") {
   for (int64_t inter : {32, 16}) {
     const HostExperts gu = make_experts(8, 2 * inter, 64, 2, false, 80 + inter);
@@ -491,6 +518,9 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   bad = p;
   bad.top_k = 0;
   CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
+  bad = p;
+  bad.experts.cols = 12288 + 16;  // x staged in shared memory: at most 48 KB of FP32
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
   fn::MoeDownParams d;
   d.experts = dgu.view;
   d.expert_ids = ids.ptr;
@@ -499,5 +529,13 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   d.h = h.ptr;
   DeviceArray<float> y(64);
   d.y = y.ptr;
+  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
+  DeviceArray<float> rw(std::vector<float>{1.0f});
+  DeviceArray<uint16_t> h64(64);
+  d.routing_weights = rw.ptr;
+  d.h = h64.ptr;
+  fn::launch_moe_down_nvfp4(d, nullptr);  // valid: 1 x 64 columns
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  d.top_k = 193;  // 193 x 64 columns of h staged as FP32: over 48 KB
   CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
 }

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One GPU-machine call (2 H200s, <= 150 s) for the NVFP4 routed-expert streaming pass of issue 8:
-# builds only the targets it runs, then, each only while time is left (FN_BUDGET_S, default 140):
-#   GPU 0: cuda_kernel_bench (FN_PDL=0; the moe rows: µs, GB/s at TP=1/2/4 shapes), then the kernel
-#          tests (test_cuda_moe_nvfp4, test_cuda_nvfp4_bits, test_cuda_decode_ops);
-#   GPU 1: cuda_model_bench at TP=1, then compute-sanitizer memcheck on test_cuda_moe_nvfp4;
-#   both:  mpirun -np 2 test_cuda_model, then cuda_model_bench at TP=2.
+# One GPU-machine call (2 H200s, <= 150 s) for the NVFP4 routed-expert streaming pass of issue 8.
+# Builds only the targets it runs, then, each only while time is left (FN_BUDGET_S, default 145):
+#   phase 1 (correctness, concurrently): mpirun -np 2 test_cuda_model (both GPUs),
+#           test_cuda_moe_nvfp4 + test_cuda_nvfp4_bits on GPU 0, compute-sanitizer memcheck of
+#           test_cuda_moe_nvfp4 on GPU 1;
+#   phase 2 (timing, one process per GPU): GPU 0 cuda_kernel_bench (FN_PDL=0; the moe rows: µs and
+#           GB/s at the TP=1/2/4 shapes) then test_cuda_decode_ops (prints the router's µs per
+#           launch); GPU 1 cuda_model_bench at TP=1;
+#   phase 3: cuda_model_bench at TP=2.
 # Usage: FN_BUILD_DIR=../../build-h4 bash scripts/gpu/moe_run.sh. Logs under $OUT (or
 # /tmp/moe-out); a compact summary on stdout.
 set -u
@@ -13,22 +16,19 @@ out=${OUT:-/tmp/moe-out}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 b=${FN_BUILD_DIR:-build-gpu}
-budget=${FN_BUDGET_S:-140}
+budget=${FN_BUDGET_S:-145}
 mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
 bench_args="--config configs/qwen3.8-flash-next.json --depth 8192 --tokens ${FN_TOKENS:-32}"
-deadline=$budget  # the lanes below end 55 s earlier, leaving the two-GPU items their time
-# time_for NEED WHAT: true when NEED seconds are left before the deadline (else says what is
-# skipped); left: the seconds left.
-time_for() {
-  if [ $((SECONDS + $1)) -gt "$deadline" ]; then
-    echo "== skipped (time): $2"
-    return 1
-  fi
+# until END: seconds from now to END (at least 5).
+until_s() {
+  local s=$(($1 - SECONDS))
+  [ "$s" -lt 5 ] && s=5
+  echo "$s"
 }
-left() { echo $((deadline - SECONDS)); }
+summary() { grep -E "$2" "$1" 2>/dev/null | sort -u | cut -c1-200 | head -"${3:-8}"; }
 
 t=$SECONDS
-if ! FN_BUILD_DIR=$b timeout $((budget - 45)) bash scripts/gpu/build.sh test_cuda_moe_nvfp4 \
+if ! FN_BUILD_DIR=$b timeout $((budget - 25)) bash scripts/gpu/build.sh test_cuda_moe_nvfp4 \
   test_cuda_nvfp4_bits test_cuda_decode_ops test_cuda_model cuda_model_bench cuda_kernel_bench \
   >"$out/build.log" 2>&1; then
   grep -E "error" "$out/build.log" | head -30
@@ -36,64 +36,54 @@ if ! FN_BUILD_DIR=$b timeout $((budget - 45)) bash scripts/gpu/build.sh test_cud
   exit 1
 fi
 echo "== build ok ($((SECONDS - t)) s)"
-
-lane0() {
-  local t=$SECONDS
-  deadline=$((budget - 55))
-  if time_for 30 "cuda_kernel_bench"; then
-    CUDA_VISIBLE_DEVICES=0 FN_PDL=0 timeout $(($(left) - 20)) "$b/cuda/cuda_kernel_bench" \
-      --json "$out/kernel_bench.json" >"$out/kernel_bench.txt" 2>&1
-    echo "== cuda_kernel_bench (GPU 0, PDL off) rc=$? ($((SECONDS - t)) s)"
-    grep -E "^device|moe" "$out/kernel_bench.txt" | cut -c1-150
-  fi
-  for tst in test_cuda_moe_nvfp4 test_cuda_nvfp4_bits test_cuda_decode_ops; do
-    t=$SECONDS
-    time_for 8 "$tst" || continue
-    CUDA_VISIBLE_DEVICES=0 timeout $(($(left) - 3)) "$b/tests/$tst" >"$out/$tst.log" 2>&1
-    echo "== $tst (GPU 0) rc=$? ($((SECONDS - t)) s)"
-    grep -E "ERROR|FAILED|THREW|test cases|us per launch" "$out/$tst.log" | cut -c1-240 | head -12
-  done
-}
-lane1() {
-  local t=$SECONDS
-  deadline=$((budget - 55))
-  if time_for 30 "cuda_model_bench TP=1"; then
-    CUDA_VISIBLE_DEVICES=1 timeout $(($(left) - 25)) $mpi -x CUDA_VISIBLE_DEVICES -np 1 "$b/cuda/cuda_model_bench" \
-      $bench_args --json "$out/model_tp1.json" >"$out/model_tp1.txt" 2>&1
-    echo "== cuda_model_bench TP=1 (GPU 1) rc=$? ($((SECONDS - t)) s)"
-    grep -E "^\| [0-9]|ms/token" "$out/model_tp1.txt" | cut -c1-240 | head -6
-    grep -iE "error|what\(\)" "$out/model_tp1.txt" | head -3 | cut -c1-240
-  fi
-  t=$SECONDS
-  if time_for 20 "memcheck test_cuda_moe_nvfp4"; then
-    CUDA_VISIBLE_DEVICES=1 timeout $(($(left) - 8)) compute-sanitizer --tool memcheck \
-      --error-exitcode 9 "$b/tests/test_cuda_moe_nvfp4" >"$out/memcheck_moe.log" 2>&1
-    echo "== memcheck test_cuda_moe_nvfp4 (GPU 1) rc=$? ($((SECONDS - t)) s)"
-    grep -E "ERROR SUMMARY|Invalid|test cases" "$out/memcheck_moe.log" | head -6
-  fi
-}
-# The two lanes write their summaries to files, printed in order once both end.
-lane0 >"$out/lane0.sum" 2>&1 &
-p0=$!
-lane1 >"$out/lane1.sum" 2>&1 &
-p1=$!
-wait "$p0"
-wait "$p1"
-cat "$out/lane0.sum" "$out/lane1.sum"
+rest=$((budget - SECONDS))
+# Phase ends: correctness gets 30% of what is left, timing 40%, the TP=2 bench the rest.
+end1=$((SECONDS + rest * 3 / 10))
+end2=$((SECONDS + rest * 7 / 10))
 
 t=$SECONDS
-if time_for 25 "test_cuda_model -np 2"; then
-  timeout $(($(left) - 15)) $mpi -np 2 "$b/tests/test_cuda_model" >"$out/test_cuda_model.log" 2>&1
-  echo "== test_cuda_model -np 2 rc=$? ($((SECONDS - t)) s)"
-  grep -E "ERROR|FAILED|THREW|test cases|assertions" "$out/test_cuda_model.log" | sort -u |
-    cut -c1-240 | head -8
-fi
+timeout "$(until_s $end1)" $mpi -np 2 "$b/tests/test_cuda_model" >"$out/test_cuda_model.log" 2>&1 &
+p_model=$!
+(
+  CUDA_VISIBLE_DEVICES=1 timeout "$(until_s $end1)" compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$b/tests/test_cuda_moe_nvfp4" >"$out/memcheck_moe.log" 2>&1
+  echo "rc=$?" >>"$out/memcheck_moe.log"
+) &
+p_mem=$!
+for tst in test_cuda_moe_nvfp4 test_cuda_nvfp4_bits; do
+  CUDA_VISIBLE_DEVICES=0 timeout "$(until_s $end1)" "$b/tests/$tst" >"$out/$tst.log" 2>&1
+  echo "== $tst rc=$? ($((SECONDS - t)) s)"
+  summary "$out/$tst.log" "ERROR|FAILED|THREW|test cases" 12
+done
+wait "$p_model"
+echo "== test_cuda_model -np 2 rc=$? ($((SECONDS - t)) s)"
+summary "$out/test_cuda_model.log" "ERROR|FAILED|THREW|test cases|assertions"
+wait "$p_mem"
+echo "== memcheck test_cuda_moe_nvfp4 ($((SECONDS - t)) s)"
+summary "$out/memcheck_moe.log" "ERROR SUMMARY|Invalid|test cases|^rc="
+
 t=$SECONDS
-if time_for 15 "cuda_model_bench TP=2"; then
-  timeout $(($(left) - 2)) $mpi -np 2 "$b/cuda/cuda_model_bench" $bench_args \
-    --json "$out/model_tp2.json" >"$out/model_tp2.txt" 2>&1
-  echo "== cuda_model_bench TP=2 rc=$? ($((SECONDS - t)) s)"
-  grep -E "^\| [0-9]|ms/token" "$out/model_tp2.txt" | cut -c1-240 | head -6
-  grep -iE "error|what\(\)" "$out/model_tp2.txt" | head -3 | cut -c1-240
-fi
+(
+  CUDA_VISIBLE_DEVICES=1 timeout "$(until_s $end2)" $mpi -x CUDA_VISIBLE_DEVICES -np 1 \
+    "$b/cuda/cuda_model_bench" $bench_args --json "$out/model_tp1.json" >"$out/model_tp1.txt" 2>&1
+  echo "rc=$?" >>"$out/model_tp1.txt"
+) &
+p_tp1=$!
+CUDA_VISIBLE_DEVICES=0 FN_PDL=0 timeout "$(until_s $((end2 - 6)))" "$b/cuda/cuda_kernel_bench" \
+  --json "$out/kernel_bench.json" >"$out/kernel_bench.txt" 2>&1
+echo "== cuda_kernel_bench (GPU 0, PDL off) rc=$? ($((SECONDS - t)) s)"
+grep -E "^device|moe" "$out/kernel_bench.txt" | cut -c1-150
+CUDA_VISIBLE_DEVICES=0 timeout "$(until_s $end2)" "$b/tests/test_cuda_decode_ops" \
+  >"$out/test_cuda_decode_ops.log" 2>&1
+echo "== test_cuda_decode_ops rc=$? ($((SECONDS - t)) s)"
+summary "$out/test_cuda_decode_ops.log" "ERROR|FAILED|THREW|test cases|outer.*us per launch" 12
+wait "$p_tp1"
+echo "== cuda_model_bench TP=1 (GPU 1) ($((SECONDS - t)) s)"
+summary "$out/model_tp1.txt" "^\| [0-9]|ms/token|^rc=|rror|what\(\)" 6
+
+t=$SECONDS
+timeout "$(until_s $budget)" $mpi -np 2 "$b/cuda/cuda_model_bench" $bench_args \
+  --json "$out/model_tp2.json" >"$out/model_tp2.txt" 2>&1
+echo "== cuda_model_bench TP=2 rc=$? ($((SECONDS - t)) s)"
+summary "$out/model_tp2.txt" "^\| [0-9]|ms/token|rror|what\(\)" 6
 echo "== done ($SECONDS s)"

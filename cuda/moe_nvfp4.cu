@@ -11,7 +11,9 @@
 // chain over the codes in element order; per unit b0 * s0 (16 codes) or fmaf(b1, s1, b0 * s0)
 // with the blocks' E4M3 scales; per lane its units in increasing index, acc += unit (gate+up) or
 // acc = fmaf(unit, routing_weight * gs, acc) (down); then the team's dev::team_reduce; then
-// * 2^70 and (gate+up) * the global scale.
+// * 2^70 and (gate+up) * the global scale. Measured (H200, cuda/bench/RESULTS.md, PDL off): TP=1
+// gate+up 14.9 us, down 10.2 us (15.5 / 11.0 before): the kernels are instruction-issue bound
+// (~4.6 instructions per code; the ALU time alone is about the byte floor), not load bound.
 //
 // Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): the
 // codes of a 32-bit word become, two at a time with a few mask/shift operations, BF16 bit patterns

@@ -402,8 +402,8 @@ struct CudaModel::Impl {
 
   // Activations and step scalars (one block).
   float* H = nullptr;           // [W] FP32 residual
-  float* n = nullptr;           // [W] FP32 normed residual N (issue 9: FP32 GEMV inputs)
-  float* t = nullptr;           // [hc_down_splits(W), R + S] partial dots of the HC down pass
+  float* t = nullptr;           // [hc_down_splits(S, D), R + S] partial dots of the HC down pass
+  float* sumsq = nullptr;       // [hc_down_splits(S, D)] partial sums of H^2 (HC down pass)
   float* m = nullptr;           // [D] FP32 block input (every BF16 GEMV reads it as FP32)
   uint16_t* m_bf16 = nullptr;   // [D] BF16 copy of the MLP-side m for the NVFP4 experts (W4A16)
   float* iota = nullptr;        // [S]
@@ -528,6 +528,9 @@ void check_supported(const ModelConfig& c, const CudaModelOptions& o, bool exper
              "{}: output_gate_type must be sigmoid for qwen4_exp (MODEL.md §F.1.2)", c.source);
   FN_REQUIRE(c.hc_count == 4, Format, "{}: hc_count {} is not supported by the CUDA backend (4)",
              c.source, c.hc_count);
+  FN_REQUIRE(c.hidden_size <= 2560, Format,
+             "{}: hidden_size {} exceeds the CUDA HC read's limit (2560: 8 partials, cuda/hc.h)",
+             c.source, c.hidden_size);
 }
 
 // The shape fields of the QSA launch for this model and rank (pointers left null).
@@ -810,8 +813,8 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   Carver sizing(nullptr);
   auto carve = [&](Carver& cv) {
     H = cv.take<float>(W);
-    n = cv.take<float>(W);
-    t = cv.take<float>(hc_down_splits(W) * (R + S));
+    t = cv.take<float>(hc_down_splits(S, D) * (R + S));
+    sumsq = cv.take<float>(hc_down_splits(S, D));
     m = cv.take<float>(D);
     m_bf16 = cv.take<uint16_t>(D);
     iota = cv.take<float>(S);
@@ -917,8 +920,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
     }
   };
-  // The HC read (hc.h): norm + down/inject GEMV in one launch, then the mix. m_out_bf16: the
-  // BF16 copy of m for the NVFP4 routed experts (MLP side only), or nullptr.
+  // The HC read (hc.h): the split-K down/inject GEMV against H * (1 + w) with partial squares,
+  // then the mix (norm scales, t, G, N -> m). m_out_bf16: the BF16 copy of m for the NVFP4 routed
+  // experts (MLP side only), or nullptr.
   auto hc_read = [&](const DevHc& hc, float* iota_out, uint16_t* m_out_bf16) {
     mark(StepFamily::Hc);
     HcDownParams down;
@@ -928,16 +932,18 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     down.rows = hc.down_rows;
     down.hc_count = static_cast<int>(S);
     down.hidden = D;
-    down.eps = eps;
-    down.n = n;
     down.t_partial = t;
+    down.sumsq = sumsq;
     launch_hc_down(down, s);
     HcMixParams mx;
     mx.w_up = hc.up;
     mx.t = t;
-    mx.t_splits = hc_down_splits(W);
+    mx.sumsq = sumsq;
+    mx.t_splits = hc_down_splits(S, D);
     mx.t_stride = hc.down_rows;
-    mx.n = n;
+    mx.H = H;
+    mx.norm = hc.norm;
+    mx.eps = eps;
     mx.m = m;
     mx.m_bf16 = m_out_bf16;
     mx.iota = iota_out;

@@ -1,4 +1,5 @@
-// HC down (fused grouped RMSNorm + split-K GEMV) and HC mix kernels (see hc.h).
+// HC down (split-K GEMV over H * (1 + w) with partial sums of squares) and HC mix kernels
+// (see hc.h).
 #include "cuda/hc.h"
 
 #include <cuda_runtime.h>
@@ -13,36 +14,21 @@ namespace {
 
 constexpr int kBlockThreads = 256;
 constexpr int kStreams = 4;     // hc_count of the model (MODEL.md §A.2); one accumulator each
-constexpr int kMixPre = 4;      // W_up vectors per row and lane loaded before the PDL wait
+constexpr int kMixPre = 3;      // W_up vectors per row and lane loaded before the PDL wait
 constexpr int kMaxRank = 8192;  // u = silu(t / 4) lives in shared memory (32 KB at most)
 
-constexpr int kMaxSplits = 16;  // partial dots per t value the mix sums (loads all in flight)
+// Partial dots per t value the mix sums (4 groups x at most 2 chunks: hidden <= 2560); all of a
+// thread's loads are in flight at once, so this bounds its registers.
+constexpr int kMaxSplits = 8;
 
 // HC down tiling: a warp owns kDownRows rows and the block's chunk of kDownChunkVec 16-byte
-// vectors (lane l: vectors l, l + 32, l + 64, l + 96), so every thread has 16 weight loads in
-// flight; at the real shape 10 chunks x 11 row blocks hold the whole matrix.
-constexpr int kDownRows = 4;
-constexpr int kDownVecPerLane = 4;
-constexpr int kDownChunkVec = 32 * kDownVecPerLane;                  // 1024 columns
-constexpr int kDownRowsPerBlock = (kBlockThreads / 32) * kDownRows;  // 32
-constexpr int kDownMaxGroups = kDownChunkVec + 1;  // groups one chunk can touch (hidden >= 8)
-
-// Block-wide FP32 sum in a fixed order (butterfly per warp, then warps ascending); every thread
-// returns the total. May be called repeatedly (the barriers order the reuse of the scratch).
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_sums[kBlockThreads / 32];
-  __shared__ float total;
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float s = warp_sums[0];
-    for (int i = 1; i < kBlockThreads / 32; ++i) s += warp_sums[i];
-    total = s;
-  }
-  __syncthreads();
-  return total;
-}
+// vectors inside one group (lane l: vectors l, l + 32, ..., l + 128), so every thread has 10
+// weight loads in flight; at the real shape 8 chunks x 21 row blocks hold the whole matrix, two
+// blocks per SM (<= 128 registers).
+constexpr int kDownRows = 2;
+constexpr int kDownVecPerLane = 5;
+constexpr int kDownChunkVec = 32 * kDownVecPerLane;                  // 1280 columns
+constexpr int kDownRowsPerBlock = (kBlockThreads / 32) * kDownRows;  // 16
 
 // acc += dot(8 BF16 weights, 8 x values), ascending column order.
 __device__ __forceinline__ float fma8(uint4 w, const float (&xf)[8], float acc) {
@@ -64,115 +50,84 @@ struct DownArgs {
   int64_t rows;
   int64_t width;  // hc_count * hidden
   int64_t hidden;
-  int nvec;  // width / 8
-  float eps;
-  float* n;
+  int gvec;  // hidden / 8: vectors per group
+  int cpg;   // chunks per group
   float* tp;
+  float* sumsq;
 };
 
-// Block (split, row block): rows [32 * blockIdx.y, +32) x vectors [128 * blockIdx.x, +128).
-__global__ void __launch_bounds__(kBlockThreads) hc_down_kernel(DownArgs a) {
-  __shared__ float s_scale[kDownMaxGroups];
+// Block (chunk p, row block): rows [16 * blockIdx.y, +16) x the chunk's vectors. Chunk p is
+// chunk p % cpg of group p / cpg; it never crosses a group, so its dot needs no norm scale.
+__global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int v0 = static_cast<int>(blockIdx.x) * kDownChunkVec;
+  const int p = static_cast<int>(blockIdx.x);
+  const int g = p / a.cpg;
+  const int vbeg = (p - g * a.cpg) * kDownChunkVec;  // first vector of the chunk in its group
+  const int64_t col0 = g * a.hidden + 8 * static_cast<int64_t>(vbeg);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kDownRowsPerBlock + warp * kDownRows;
   // Weights (W and the norm weight: no kernel writes them) load before the dependency wait, so
   // the whole matrix is in flight while the previous kernel finishes (cuda/pdl.cuh).
   uint4 w[kDownVecPerLane][kDownRows];
-  uint2 nw[kDownVecPerLane][2];
+  uint4 nw[kDownVecPerLane];
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
-    const int v = v0 + lane + 32 * u;
+    const int vl = lane + 32 * u;  // vector within the chunk
+    const bool ok = vbeg + vl < a.gvec;
+    const int64_t col = col0 + 8 * static_cast<int64_t>(vl);
 #pragma unroll
     for (int r = 0; r < kDownRows; ++r)
-      w[u][r] = v < a.nvec && row0 + r < a.rows
-                    ? dev::ld_stream16(a.w + (row0 + r) * a.width + 8 * static_cast<int64_t>(v))
-                    : make_uint4(0, 0, 0, 0);
-    const uint2* np = reinterpret_cast<const uint2*>(a.norm + 8 * static_cast<int64_t>(v));
-    nw[u][0] = v < a.nvec ? __ldg(np) : make_uint2(0, 0);
-    nw[u][1] = v < a.nvec ? __ldg(np + 1) : make_uint2(0, 0);
+      w[u][r] = ok && row0 + r < a.rows ? dev::ld_stream16(a.w + (row0 + r) * a.width + col)
+                                        : make_uint4(0, 0, 0, 0);
+    nw[u] = ok ? __ldg(reinterpret_cast<const uint4*>(a.norm + col)) : make_uint4(0, 0, 0, 0);
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  // H at the lane's columns, then the statistic of every group the chunk touches: every block
-  // sums a group's squares in the same order, so all blocks get the same scale bits.
+  // H at the lane's columns: the only load after the wait.
   float4 hx[kDownVecPerLane][2];
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
-    const int v = v0 + lane + 32 * u;
-    const float4* hp = reinterpret_cast<const float4*>(a.H) + 2 * static_cast<int64_t>(v);
-    hx[u][0] = v < a.nvec ? __ldg(hp) : make_float4(0, 0, 0, 0);
-    hx[u][1] = v < a.nvec ? __ldg(hp + 1) : make_float4(0, 0, 0, 0);
+    const int vl = lane + 32 * u;
+    const float4* hp = reinterpret_cast<const float4*>(a.H + col0 + 8 * static_cast<int64_t>(vl));
+    const bool ok = vbeg + vl < a.gvec;
+    hx[u][0] = ok ? __ldg(hp) : make_float4(0, 0, 0, 0);
+    hx[u][1] = ok ? __ldg(hp + 1) : make_float4(0, 0, 0, 0);
   }
-  const int64_t c0 = 8 * static_cast<int64_t>(v0);
-  const int64_t c1 = min(c0 + 8 * kDownChunkVec, a.width);
-  const int g0 = static_cast<int>(c0 / a.hidden), g1 = static_cast<int>((c1 - 1) / a.hidden);
-  // Two groups per pass (a 1024-column chunk touches at most 2 groups of 2560), so their loads
-  // overlap; each group's sum has the same order whether it is first or second of a pair.
-  const int64_t nv4 = a.hidden / 4;
-  for (int g = g0; g <= g1; g += 2) {
-    const bool two = g + 1 <= g1;
-    const float4* xa = reinterpret_cast<const float4*>(a.H + g * a.hidden);
-    const float4* xb = two ? xa + nv4 : xa;
-    float sa = 0.0f, sb = 0.0f;
-    for (int64_t q = threadIdx.x; q < nv4; q += kBlockThreads) {
-      const float4 ha = __ldg(xa + q), hb = __ldg(xb + q);
-      sa = fmaf(ha.x, ha.x, sa);
-      sa = fmaf(ha.y, ha.y, sa);
-      sa = fmaf(ha.z, ha.z, sa);
-      sa = fmaf(ha.w, ha.w, sa);
-      sb = fmaf(hb.x, hb.x, sb);
-      sb = fmaf(hb.y, hb.y, sb);
-      sb = fmaf(hb.z, hb.z, sb);
-      sb = fmaf(hb.w, hb.w, sb);
-    }
-    const float ta = block_sum(sa);
-    const float tb = block_sum(sb);
-    if (threadIdx.x == 0) {
-      s_scale[g - g0] = rsqrtf(ta / static_cast<float>(a.hidden) + a.eps);
-      if (two) s_scale[g + 1 - g0] = rsqrtf(tb / static_cast<float>(a.hidden) + a.eps);
-    }
-  }
-  __syncthreads();
-
-  float acc[kDownRows] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const bool write_n = blockIdx.y == 0 && warp == 0;
+  // v[0..1]: the rows' dots with x = H * (1 + w) (MODEL.md §C.2's N without its group scale;
+  // (1 + w) never rounded to BF16); v[2]: the chunk's sum of H^2. Ascending columns per lane.
+  float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
-    const int v = v0 + lane + 32 * u;
-    if (v >= a.nvec) continue;
-    const float scale = s_scale[static_cast<int>(8 * static_cast<int64_t>(v) / a.hidden) - g0];
-    // N = H * scale * (1 + w) in FP32 (MODEL.md §C.2; (1 + w) never rounded to BF16).
+    if (vbeg + lane + 32 * u >= a.gvec) continue;
     const float h[8] = {hx[u][0].x, hx[u][0].y, hx[u][0].z, hx[u][0].w,
                         hx[u][1].x, hx[u][1].y, hx[u][1].z, hx[u][1].w};
-    const uint32_t q[4] = {nw[u][0].x, nw[u][0].y, nw[u][1].x, nw[u][1].y};
+    const uint32_t q[4] = {nw[u].x, nw[u].y, nw[u].z, nw[u].w};
     float xf[8];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      xf[2 * k] = h[2 * k] * scale * (1.0f + dev::bf16_lo(q[k]));
-      xf[2 * k + 1] = h[2 * k + 1] * scale * (1.0f + dev::bf16_hi(q[k]));
-    }
-    if (write_n) {
-      float4* np = reinterpret_cast<float4*>(a.n) + 2 * static_cast<int64_t>(v);
-      np[0] = make_float4(xf[0], xf[1], xf[2], xf[3]);
-      np[1] = make_float4(xf[4], xf[5], xf[6], xf[7]);
+      xf[2 * k] = h[2 * k] * (1.0f + dev::bf16_lo(q[k]));
+      xf[2 * k + 1] = h[2 * k + 1] * (1.0f + dev::bf16_hi(q[k]));
     }
 #pragma unroll
-    for (int r = 0; r < kDownRows; ++r) acc[r] = fma8(w[u][r], xf, acc[r]);
+    for (int k = 0; k < 8; ++k) v[kDownRows] = fmaf(h[k], h[k], v[kDownRows]);
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) v[r] = fma8(w[u][r], xf, v[r]);
   }
-  dev::team_reduce<kDownRows, kBlockThreads>(acc, 32, lane);
+  dev::team_reduce<kDownRows + 1, kBlockThreads>(v, 32, lane);
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < kDownRows; ++r)
-    if (row0 + r < a.rows) a.tp[static_cast<int64_t>(blockIdx.x) * a.rows + row0 + r] = acc[r];
+    if (row0 + r < a.rows) a.tp[static_cast<int64_t>(p) * a.rows + row0 + r] = v[r];
+  if (blockIdx.y == 0 && warp == 0) a.sumsq[p] = v[kDownRows];
 }
 
 struct MixArgs {
   const uint16_t* w_up;
   const float* t;
-  int t_splits;
+  const float* sumsq;
   int64_t t_stride;
-  const float* n;
+  const float* H;
+  const uint16_t* norm;
+  float eps;
   float* m;
   uint16_t* m_bf16;
   float* iota;
@@ -180,23 +135,13 @@ struct MixArgs {
   int rank;
   int nvec;  // rank / 8
   int team_log2;
+  int splits;
+  int cpg;  // splits / 4: chunks per group
 };
-
-// t[j] summed over the splits in ascending order (all loads issued before the first add).
-__device__ __forceinline__ float sum_splits(const MixArgs& a, int64_t j) {
-  float v[kMaxSplits];
-#pragma unroll
-  for (int p = 0; p < kMaxSplits; ++p) v[p] = p < a.t_splits ? __ldg(a.t + p * a.t_stride + j) : 0;
-  float s = 0.0f;
-#pragma unroll
-  for (int p = 0; p < kMaxSplits; ++p)
-    if (p < a.t_splits) s += v[p];
-  return s;
-}
 
 // One team per output i: rows i + s*D (s < 4) of W_up against u = silu(t / 4), which every block
 // first reduces from the partials into shared memory.
-__global__ void __launch_bounds__(kBlockThreads) hc_mix_kernel(MixArgs a) {
+__global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
   extern __shared__ float4 u_s4[];  // [rank / 4]
   float* u_s = reinterpret_cast<float*>(u_s4);
   const int team = 1 << a.team_log2;
@@ -220,10 +165,11 @@ __global__ void __launch_bounds__(kBlockThreads) hc_mix_kernel(MixArgs a) {
       }
     }
   };
-  // The lane's first kMixPre vectors of each W_up row (a weight: no kernel writes it) load
-  // before the programmatic-dependent wait, so the whole matrix streams while the previous
-  // kernel finishes (rank 320: at most 3 vectors per lane); t and n come from earlier kernels
-  // (cuda/pdl.cuh). Vectors are summed in ascending order either way.
+  // The lane's first kMixPre vectors of each W_up row and the norm weights of output i (weights:
+  // no kernel writes them) load before the programmatic-dependent wait, so the whole matrix
+  // streams while the previous kernel finishes (rank 320: at most 3 vectors per lane); t, the
+  // partial squares and H come from earlier kernels (cuda/pdl.cuh). Vectors are summed in
+  // ascending order either way.
   uint4 pre[kMixPre][kStreams];
 #pragma unroll
   for (int j = 0; j < kMixPre; ++j) {
@@ -233,16 +179,71 @@ __global__ void __launch_bounds__(kBlockThreads) hc_mix_kernel(MixArgs a) {
       pre[j][s] = v < a.nvec ? dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v)
                              : make_uint4(0, 0, 0, 0);
   }
+  float one_w[kStreams];  // 1 + w at output i of each stream (FP32, never rounded to BF16)
+#pragma unroll
+  for (int s = 0; s < kStreams; ++s)
+    one_w[s] = 1.0f + dev::bf16_lo(static_cast<uint32_t>(__ldg(a.norm + ic + s * a.hidden)));
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  for (int j = threadIdx.x; j < a.rank; j += kBlockThreads)
-    u_s[j] = dev::silu(sum_splits(a, j) * kInvStreams);
-  if (blockIdx.x == 0 && threadIdx.x < kStreams && a.iota != nullptr)
-    a.iota[threadIdx.x] = 2.0f / (1.0f + expf(-sum_splits(a, a.rank + threadIdx.x) * kInvStreams));
+  // Every load of the thread at once (H at output i, the partial squares, its first two t
+  // values' partials) before any math that depends on them.
+  float hv[kStreams];
+#pragma unroll
+  for (int s = 0; s < kStreams; ++s) hv[s] = __ldg(a.H + ic + s * a.hidden);
+  float sq[kMaxSplits];
+#pragma unroll
+  for (int p = 0; p < kMaxSplits; ++p) sq[p] = p < a.splits ? __ldg(a.sumsq + p) : 0.0f;
+  const int nt = a.rank + (a.iota != nullptr ? kStreams : 0);  // t values this kernel needs
+  float v0[kMaxSplits], v1[kMaxSplits];
+  auto load = [&](int j) {
+#pragma unroll
+    for (int p = 0; p < kMaxSplits; ++p) {
+      v0[p] = p < a.splits && j < nt ? __ldg(a.t + p * a.t_stride + j) : 0.0f;
+      v1[p] = p < a.splits && j + kBlockThreads < nt
+                  ? __ldg(a.t + p * a.t_stride + j + kBlockThreads)
+                  : 0.0f;
+    }
+  };
+  int j = threadIdx.x;
+  load(j);
+  // scale_g = rsqrt(mean(H_g^2) + eps) from the group's partial squares, ascending chunks
+  // (MODEL.md §C.2); sp[p]: the scale of chunk p's group.
+  float scale[kStreams];
+#pragma unroll
+  for (int g = 0; g < kStreams; ++g) {
+    float s = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kMaxSplits; ++p)
+      if (p >= g * a.cpg && p < (g + 1) * a.cpg) s += sq[p];
+    scale[g] = rsqrtf(s / static_cast<float>(a.hidden) + a.eps);
+  }
+  float sp[kMaxSplits];
+#pragma unroll
+  for (int p = 0; p < kMaxSplits; ++p)
+    sp[p] = p < a.cpg ? scale[0] : p < 2 * a.cpg ? scale[1] : p < 3 * a.cpg ? scale[2] : scale[3];
+  // t[jj] = sum_p scale_g(p) * partial (fmaf, ascending p), then u or iota.
+  auto finish = [&](int jj, const float(&v)[kMaxSplits]) {
+    float tv = 0.0f;
+#pragma unroll
+    for (int p = 0; p < kMaxSplits; ++p)
+      if (p < a.splits) tv = fmaf(sp[p], v[p], tv);
+    const float x = tv * kInvStreams;
+    if (jj < a.rank)
+      u_s[jj] = dev::silu(x);
+    else if (blockIdx.x == 0)
+      a.iota[jj - a.rank] = 2.0f / (1.0f + expf(-x));
+  };
+  for (;;) {
+    if (j < nt) finish(j, v0);
+    if (j + kBlockThreads < nt) finish(j + kBlockThreads, v1);
+    j += 2 * kBlockThreads;
+    if (j >= nt) break;
+    load(j);
+  }
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < kMixPre; ++j)
-    if (lane + j * team < a.nvec) accumulate(pre[j], lane + j * team);
+  for (int jv = 0; jv < kMixPre; ++jv)
+    if (lane + jv * team < a.nvec) accumulate(pre[jv], lane + jv * team);
   for (int v = lane + kMixPre * team; v < a.nvec; v += team) {
     uint4 w[kStreams];
 #pragma unroll
@@ -256,7 +257,8 @@ __global__ void __launch_bounds__(kBlockThreads) hc_mix_kernel(MixArgs a) {
 #pragma unroll
   for (int s = 0; s < kStreams; ++s) {
     const float g = 1.0f / (1.0f + expf(-acc[s]));
-    m = fmaf(g, a.n[i + s * a.hidden], m);
+    const float n = hv[s] * scale[s] * one_w[s];  // N (MODEL.md §C.2), FP32
+    m = fmaf(g, n, m);
   }
   m *= kInvStreams;
   a.m[i] = m;
@@ -269,28 +271,38 @@ bool aligned(const void* p, uintptr_t n) {
 
 }  // namespace
 
-int64_t hc_down_splits(int64_t width) {
-  const int64_t nvec = width / 8;
-  return (nvec + kDownChunkVec - 1) / kDownChunkVec;
+int64_t hc_down_chunks(int64_t hidden) {
+  return (hidden / 8 + kDownChunkVec - 1) / kDownChunkVec;
+}
+
+int64_t hc_down_splits(int64_t hc_count, int64_t hidden) {
+  return hc_count * hc_down_chunks(hidden);
 }
 
 void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_hc_down";
-  FN_LAUNCH_REQUIRE(p.H != nullptr && p.norm != nullptr && p.weight != nullptr && p.n != nullptr &&
-                        p.t_partial != nullptr,
+  FN_LAUNCH_REQUIRE(p.H != nullptr && p.norm != nullptr && p.weight != nullptr &&
+                        p.t_partial != nullptr && p.sumsq != nullptr,
                     kOp);
   FN_LAUNCH_REQUIRE(p.rows >= 1 && p.hc_count >= 1 && p.hc_count <= 64, kOp);
-  FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden % 8 == 0, kOp);
+  FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden % 8 == 0 && p.hidden / 8 <= INT32_MAX / 2, kOp);
   const int64_t width = p.hc_count * p.hidden;
-  FN_LAUNCH_REQUIRE(width / 8 <= INT32_MAX - kDownChunkVec, kOp);
   FN_LAUNCH_REQUIRE(aligned(p.H, 16) && aligned(p.norm, 16) && aligned(p.weight, 16) &&
-                        aligned(p.n, 16) && aligned(p.t_partial, 4),
+                        aligned(p.t_partial, 4) && aligned(p.sumsq, 4),
                     kOp);
-  const int64_t splits = hc_down_splits(width);
+  const int64_t splits = hc_down_splits(p.hc_count, p.hidden);
   const int64_t row_blocks = (p.rows + kDownRowsPerBlock - 1) / kDownRowsPerBlock;
   FN_LAUNCH_REQUIRE(splits <= INT32_MAX && row_blocks <= 65535, kOp);
-  DownArgs a{p.H,   p.norm, p.weight,   p.rows, width, p.hidden, static_cast<int>(width / 8),
-             p.eps, p.n,    p.t_partial};
+  DownArgs a{p.H,
+             p.norm,
+             p.weight,
+             p.rows,
+             width,
+             p.hidden,
+             static_cast<int>(p.hidden / 8),
+             static_cast<int>(hc_down_chunks(p.hidden)),
+             p.t_partial,
+             p.sumsq};
   launch_pdl("hc_down_kernel", hc_down_kernel,
              dim3(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks)),
              dim3(kBlockThreads), 0, stream, a);
@@ -299,13 +311,18 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
 
 void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_hc_mix";
-  FN_LAUNCH_REQUIRE(p.w_up != nullptr && p.t != nullptr && p.n != nullptr && p.m != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.w_up != nullptr && p.t != nullptr && p.sumsq != nullptr && p.H != nullptr &&
+                        p.norm != nullptr && p.m != nullptr,
+                    kOp);
   FN_LAUNCH_REQUIRE(p.hc_count == kStreams && p.hidden >= 1, kOp);
   FN_LAUNCH_REQUIRE(p.rank >= 8 && p.rank % 8 == 0 && p.rank <= kMaxRank, kOp);
-  FN_LAUNCH_REQUIRE(p.t_splits >= 1 && p.t_splits <= kMaxSplits &&
+  FN_LAUNCH_REQUIRE(p.t_splits >= kStreams && p.t_splits <= kMaxSplits &&
+                        p.t_splits % kStreams == 0 &&
                         p.t_stride >= p.rank + (p.iota != nullptr ? kStreams : 0),
                     kOp);
-  FN_LAUNCH_REQUIRE(aligned(p.w_up, 16) && aligned(p.t, 4) && aligned(p.n, 4), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.w_up, 16) && aligned(p.t, 4) && aligned(p.sumsq, 4) &&
+                        aligned(p.H, 4) && aligned(p.norm, 2),
+                    kOp);
   // Team: the narrowest power of two with <= 16 vectors per lane, widened while the grid has
   // fewer than 2 blocks per SM and lanes keep >= 2 vectors (rank 320: 16 lanes, 160 blocks).
   const int64_t nvec = p.rank / 8, target = 2 * static_cast<int64_t>(detail::current_sm_count());
@@ -315,16 +332,20 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
   while (blocks(team) < target && team < kBlockThreads && nvec >= 2 * team) team *= 2;
   MixArgs a{p.w_up,
             p.t,
-            static_cast<int>(p.t_splits),
+            p.sumsq,
             p.t_stride,
-            p.n,
+            p.H,
+            p.norm,
+            p.eps,
             p.m,
             p.m_bf16,
             p.iota,
             p.hidden,
             static_cast<int>(p.rank),
             static_cast<int>(nvec),
-            __builtin_ctz(static_cast<unsigned>(team))};
+            __builtin_ctz(static_cast<unsigned>(team)),
+            static_cast<int>(p.t_splits),
+            static_cast<int>(p.t_splits / kStreams)};
   launch_pdl("hc_mix_kernel", hc_mix_kernel, static_cast<unsigned>(blocks(team)), kBlockThreads,
              static_cast<std::size_t>(p.rank) * sizeof(float), stream, a);
   FN_CUDA_LAUNCH_CHECK("hc_mix_kernel");

@@ -1,7 +1,9 @@
-// GPU tests of the HC read (cuda/hc.h): the fused norm + split-K down pass (N and the partial dots
-// of t) and the mix (m FP32 and its BF16 copy, iota) against FP64 evaluations of MODEL.md §C.2 and
-// §C.3 fed the same inputs, with error bounds derived from the kernels' FP32 rounding steps (N
-// and m are FP32 since issue 9's KL finding: no BF16 rounding in the bounds); launcher checks.
+// GPU tests of the HC read (cuda/hc.h): the split-K down pass (partial dots against H * (1 + w)
+// and partial sums of H^2 per group-aligned chunk), the mix (the group norm scales from the
+// partial squares, t, m FP32 and its BF16 copy, iota), and the two chained against an FP64
+// evaluation of MODEL.md §C.2 and §C.3, with error bounds derived from the kernels' FP32 rounding
+// steps (N and m are FP32 since issue 9's KL finding: no BF16 rounding in the bounds); launcher
+// checks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -34,33 +36,128 @@ std::vector<float> widen(const std::vector<uint16_t>& b) {
   return f;
 }
 
+constexpr int64_t kChunk = 1280;  // columns per chunk of the down pass (cuda/hc.h)
+
+// The columns [first, last) of chunk p for groups of `hidden` columns.
+void chunk_cols(int64_t p, int64_t hidden, int64_t* first, int64_t* last) {
+  const int64_t cpg = (hidden + kChunk - 1) / kChunk, g = p / cpg, c = p % cpg;
+  *first = g * hidden + c * kChunk;
+  *last = g * hidden + std::min((c + 1) * kChunk, hidden);
+}
+
+// Relative error bound of the kernel's FP32 norm scale rsqrtf(sum / D + eps) when its sum of
+// positive terms carries `sum_roundings` roundings: the argument errs by gamma(sum_roundings + 2)
+// (the division and the add), halved by the square root, then rsqrtf's 2 ulp (4 u).
+double scale_rel(int sum_roundings) {
+  const double ga = fn::test::gamma_fp32(sum_roundings + 2);
+  return 0.5 * ga * (1 + ga) + 4 * kFp32Unit * (1 + ga);
+}
+
+// The inputs of the mix in FP64 with their error bounds: u = silu(t / 4) for t[0:r], the
+// normed residual N, and t[r:r+4] for iota.
+struct MixRef {
+  std::vector<double> u, eu, N, eN, t_iota, et_iota;
+};
+
+// u and its bound from t and t's error bound: |silu'| < 1.1, so u errs by 1.1 / 4 of t's error
+// plus 4 u relative (expf 2 ulp, add, divide).
+void set_u(MixRef* ref, int64_t j, double t, double et) {
+  const double x = t / 4;
+  ref->u[j] = x / (1 + std::exp(-x));
+  ref->eu[j] = 1.1 * et / 4 + 4 * kFp32Unit * std::fabs(ref->u[j]);
+}
+
+// m of MODEL.md §C.3 steps 3-5 in FP64 and the bound of the kernel's FP32 evaluation: the team's
+// FMA chain over W_up . u (the narrowest team's chain, the longest), the sigmoid, and the FMA
+// chain over the 4 streams with N's own error.
+void want_m(const std::vector<uint16_t>& w_up, int64_t D, int64_t r, const MixRef& ref,
+            std::vector<double>* want, std::vector<double>* bound) {
+  const int64_t nvec = r / 8;
+  int team = 8;
+  while (team < 256 && team * 16 < nvec) team *= 2;
+  const int h = int((nvec + team - 1) / team) * 8 + 8;
+  const double gz = fn::test::gamma_fp32(h), g4 = fn::test::gamma_fp32(4);
+  want->assign(D, 0);
+  bound->assign(D, 0);
+  for (int64_t i = 0; i < D; ++i) {
+    double mm = 0, err = 0;
+    for (int s = 0; s < 4; ++s) {
+      double z = 0, za = 0, ez = 0;
+      for (int64_t j = 0; j < r; ++j) {
+        const double w = fn::bf16_to_float(w_up[(i + s * D) * r + j]);
+        z += w * ref.u[j];
+        za += std::fabs(w * ref.u[j]);
+        ez += std::fabs(w) * ref.eu[j];
+      }
+      const double g = 1 / (1 + std::exp(-z));
+      const double eg = 0.25 * (gz * za + ez) + 4 * kFp32Unit * g;  // sigmoid' <= 1/4
+      const double nv = ref.N[i + s * D], en = ref.eN[i + s * D];
+      mm += g * nv;
+      // The gate's and N's errors, then the FMA chain over the 4 streams (gamma_4 on the
+      // magnitudes of the computed products).
+      err += eg * (std::fabs(nv) + en) + g * en + g4 * (g + eg) * (std::fabs(nv) + en);
+    }
+    (*want)[i] = mm / 4;
+    (*bound)[i] = err / 4;  // m is stored in FP32: no further rounding (x 1/4 is exact)
+  }
+}
+
+// Checks m, its BF16 copy and iota against the FP64 reference.
+void check_mix_outputs(const std::vector<float>& m, const std::vector<uint16_t>& mb,
+                       const std::vector<float>& iota, const std::vector<uint16_t>& w_up, int64_t D,
+                       int64_t r, const MixRef& ref, bool with_bf16, bool with_iota) {
+  std::vector<double> want, bound;
+  want_m(w_up, D, r, ref, &want, &bound);
+  const auto cmp = fn::test::compare_bounded(m, want, bound);
+  CHECK_MESSAGE(cmp.wrong == 0, "D ", D, " r ", r, ": ", cmp.describe());
+  if (with_bf16) {
+    int64_t diff = 0;
+    for (int64_t i = 0; i < D; ++i) diff += mb[i] != fn::float_to_bf16(m[i]) ? 1 : 0;
+    CHECK_MESSAGE(diff == 0, diff, " BF16 copies are not m rounded to nearest even");
+  } else {
+    for (uint16_t v : mb) CHECK(v == 0xffff);  // untouched
+  }
+  if (with_iota) {
+    std::vector<double> wi(4), bi(4);
+    for (int s = 0; s < 4; ++s) {
+      wi[s] = 2 / (1 + std::exp(-ref.t_iota[s] / 4));
+      bi[s] = 0.5 * ref.et_iota[s] / 4 + 4 * kFp32Unit * wi[s];  // (2 sigmoid)' <= 1/2
+    }
+    const auto ci = fn::test::compare_bounded(iota, wi, bi);
+    CHECK_MESSAGE(ci.wrong == 0, "iota: ", ci.describe());
+  } else {
+    for (float v : iota) CHECK(std::isnan(v));  // untouched (0xff fill)
+  }
+}
+
 }  // namespace
 
 TEST_CASE(
-    "cuda hc: the down pass gives N = GroupRMSNorm1p(H) in FP32 and partial dots that sum to "
-    "W N") {
+    "cuda hc: the down pass gives per-chunk partial dots of W against H * (1 + w) and partial "
+    "sums of H^2") {
   struct Case {
     int groups;
     int64_t hidden, rows;
   };
-  // The real read (324 rows, 10 chunks of 1024 columns) and the final mixer's (320); the tiny
-  // fixtures' width 4 x 8; a chunk that straddles groups (3 x 400) and short last chunks.
+  // The real read (324 rows, 2 chunks per group of 2560) and the final mixer's (320); the tiny
+  // fixtures' width 4 x 8; one short chunk per group (3 x 400, 2 x 1000); a short second chunk
+  // (4 x 1400: 1280 + 120 columns).
   for (Case c : {Case{4, 2560, 324}, Case{4, 2560, 320}, Case{4, 8, 20}, Case{3, 400, 37},
-                 Case{2, 1000, 70}}) {
+                 Case{2, 1000, 70}, Case{4, 1400, 33}}) {
     const int64_t D = c.hidden, W = c.groups * D, R = c.rows;
     std::mt19937_64 rng{uint64_t(W * R)};
     std::normal_distribution<float> d(0.0f, 1.0f);
     std::vector<float> H(W);
-    // Each stream on its own scale: the mean square must be taken per group (MODEL.md §C.2).
+    // Each stream on its own scale (MODEL.md §C.2 normalises per group).
     for (int64_t i = 0; i < W; ++i) H[i] = d(rng) * std::ldexp(1.0f, int(i / D) * 3 - 4);
     const auto nb = random_bf16_bits(W, 0.0f, 0.7f, uint64_t(W) + 1);  // far from 0 and 1
     const auto wb = random_bf16_bits(R * W, 0.0f, 0.02f, uint64_t(W) + 2);
-    const int64_t splits = fn::hc_down_splits(W);
-    CHECK(splits == (W + 1023) / 1024);
+    const int64_t splits = fn::hc_down_splits(c.groups, D);
+    CHECK(fn::hc_down_chunks(D) == (D + kChunk - 1) / kChunk);
+    CHECK(splits == c.groups * fn::hc_down_chunks(D));
 
-    DeviceArray<float> dH(H), dn(W), dt(splits * R);
+    DeviceArray<float> dH(H), dt(splits * R), dss(splits);
     DeviceArray<uint16_t> dnorm(nb), dw(wb);
-    FN_CUDA_CHECK(cudaMemset(dn.ptr, 0xff, W * 4));
     fn::HcDownParams p;
     p.H = dH.ptr;
     p.norm = dnorm.ptr;
@@ -68,97 +165,91 @@ TEST_CASE(
     p.rows = R;
     p.hc_count = c.groups;
     p.hidden = D;
-    p.eps = 1e-6f;
-    p.n = dn.ptr;
     p.t_partial = dt.ptr;
+    p.sumsq = dss.ptr;
     fn::launch_hc_down(p, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto n = dn.download();
     const auto tp = dt.download();
+    const auto ss = dss.download();
 
-    // N in FP64. The kernel's FP32 value errs by at most (chain/2 + 2 + 4 + 3) u relative: the sum
-    // of squares (positive terms: the lane's FMAs, 5 butterfly levels, 7 warp adds; halved by the
-    // square root), the mean and eps (2), rsqrtf (2 ulp = 4 u), the three products (3).
-    const int64_t chain = ((D / 4 + 255) / 256) * 4 + 5 + 7;
-    const double rel_n = (double(chain) / 2 + 2 + 4 + 3) * kFp32Unit;
-    std::vector<double> want_n(W), bound_n(W);
-    for (int g = 0; g < c.groups; ++g) {
-      double ss = 0;
-      for (int64_t i = 0; i < D; ++i) ss += double(H[g * D + i]) * H[g * D + i];
-      const double inv = 1 / std::sqrt(ss / double(D) + 1e-6);
-      for (int64_t i = g * D; i < (g + 1) * D; ++i) {
-        want_n[i] = H[i] * inv * (1 + double(fn::bf16_to_float(nb[i])));
-        bound_n[i] = rel_n * std::fabs(want_n[i]);
+    // Per lane at most 5 vectors = 40 FMAs, then 5 butterfly levels; x = H * (1 + w) adds two
+    // roundings to each product of the dot.
+    const double g_ss = fn::test::gamma_fp32(40 + 5), g_dot = fn::test::gamma_fp32(40 + 5 + 2);
+    std::vector<double> want_ss(splits), bound_ss(splits);
+    std::vector<double> want_t(splits * R), bound_t(splits * R);
+    for (int64_t q = 0; q < splits; ++q) {
+      int64_t c0, c1;
+      chunk_cols(q, D, &c0, &c1);
+      REQUIRE(c1 > c0);
+      double s2 = 0;
+      for (int64_t col = c0; col < c1; ++col) s2 += double(H[col]) * H[col];
+      want_ss[q] = s2;
+      bound_ss[q] = g_ss * s2;  // positive terms
+      for (int64_t r = 0; r < R; ++r) {
+        double s = 0, sa = 0;
+        for (int64_t col = c0; col < c1; ++col) {
+          const double x = double(H[col]) * (1 + double(fn::bf16_to_float(nb[col])));
+          const double w = fn::bf16_to_float(wb[r * W + col]);
+          s += w * x;
+          sa += std::fabs(w * x);
+        }
+        want_t[q * R + r] = s;
+        bound_t[q * R + r] = g_dot * sa;
       }
     }
-    const auto cn = fn::test::compare_bounded(n, want_n, bound_n);
-    CHECK_MESSAGE(cn.wrong == 0, "N ", c.groups, "x", D, ": ", cn.describe());
-    // The CPU op (core/cpu_ops.h) agrees with the FP64 N within its own 4 roundings as well.
-    const auto wf = widen(nb);
-    std::vector<float> cpu_n(W);
-    fn::cpu::group_rms_norm_1p(H.data(), wf.data(), W, D, 1e-6f, cpu_n.data());
-    for (int64_t i = 0; i < W; ++i) bound_n[i] = 6 * kFp32Unit * std::fabs(want_n[i]);
-    CHECK(fn::test::compare_bounded(cpu_n, want_n, bound_n).wrong == 0);
-
-    // t = W N in FP64 from the exact N; the sum of the partials (FP64, ascending) errs by the
-    // FP32 dot (per lane 4 vectors = 32 FMAs, then 5 butterfly levels) plus N's own error.
-    const double gz = fn::test::gamma_fp32(32 + 5);
-    std::vector<float> got_t(R);
-    std::vector<double> want_t(R), bound_t(R);
-    for (int64_t r = 0; r < R; ++r) {
-      double s = 0, sa = 0, sp = 0;
-      for (int64_t col = 0; col < W; ++col) {
-        const double w = fn::bf16_to_float(wb[r * W + col]);
-        s += w * want_n[col];
-        sa += std::fabs(w * want_n[col]);
-      }
-      for (int64_t k = 0; k < splits; ++k) sp += tp[k * R + r];
-      got_t[r] = static_cast<float>(sp);
-      want_t[r] = s;
-      // + the FP32 rounding of the FP64 sum of the partials into got_t.
-      bound_t[r] = (gz + rel_n * (1 + gz)) * sa + kFp32Unit * std::fabs(sp);
-    }
-    const auto ct = fn::test::compare_bounded(got_t, want_t, bound_t);
+    const auto cs = fn::test::compare_bounded(ss, want_ss, bound_ss);
+    CHECK_MESSAGE(cs.wrong == 0, "sumsq ", c.groups, "x", D, ": ", cs.describe());
+    const auto ct = fn::test::compare_bounded(tp, want_t, bound_t);
     CHECK_MESSAGE(ct.wrong == 0, "t ", c.groups, "x", D, " rows ", R, ": ", ct.describe());
 
     // Deterministic: a second launch gives the same bits.
     fn::launch_hc_down(p, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
-    CHECK(std::memcmp(dn.download().data(), n.data(), W * 4) == 0);
     CHECK(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0);
+    CHECK(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0);
   }
 }
 
-TEST_CASE("cuda hc: the mix gives m (FP32 and its BF16 copy) and iota of MODEL.md §C.3") {
+TEST_CASE(
+    "cuda hc: the mix gives m (FP32 and its BF16 copy) and iota of MODEL.md §C.3 from the "
+    "partials") {
   struct Case {
     int64_t hidden, rank, splits;
     bool with_iota, with_bf16;
   };
-  // Rank 2048 at D 2560: more vectors per lane than the kernel loads before its PDL wait.
-  // 10 partials: the real width's chunks; 16: the most the kernel takes.
-  for (Case c :
-       {Case{2560, 320, 10, true, true}, Case{37, 8, 1, true, false}, Case{300, 40, 3, false, true},
-        Case{2560, 2048, 1, true, false}, Case{2560, 320, 16, false, false}}) {
-    const int64_t D = c.hidden, r = c.rank, stride = r + 4 + 3;  // a wider stride than needed
+  // Rank 2048 at D 2560: more vectors per lane than the kernel loads before its PDL wait; rank
+  // 600: more t values (604) than two per thread; 8 partials: the real read's 2 chunks per group.
+  for (Case c : {Case{2560, 320, 8, true, true}, Case{37, 8, 4, true, false},
+                 Case{300, 40, 4, false, true}, Case{2560, 2048, 8, true, false},
+                 Case{2560, 320, 8, false, false}, Case{100, 600, 4, true, true}}) {
+    const int64_t D = c.hidden, r = c.rank, S = c.splits, cpg = S / 4;
+    const int64_t stride = r + 4 + 3;  // a wider stride than needed
     const auto w_up = random_bf16_bits(4 * D * r, 0.0f, 0.05f, uint64_t(D * r));
-    std::vector<float> N(4 * D), tp(c.splits * stride);
-    std::mt19937_64 rng{uint64_t(r * c.splits)};
+    const auto nb = random_bf16_bits(4 * D, 0.0f, 0.7f, uint64_t(D * r) + 1);
+    std::vector<float> H(4 * D), tp(S * stride), ss(S);
+    std::mt19937_64 rng{uint64_t(r * S)};
     std::normal_distribution<float> d(0.0f, 1.0f);
-    for (auto& v : N) v = d(rng);
-    const float sp = 3.0f / std::sqrt(float(c.splits));
+    for (auto& v : H) v = d(rng);
+    const float sp = 3.0f / std::sqrt(float(S));
     for (auto& v : tp) v = sp * d(rng);
+    // Partial squares: positive, each group on its own scale.
+    for (int64_t q = 0; q < S; ++q)
+      ss[q] = float(D) / float(cpg) * std::ldexp(0.5f + std::fabs(d(rng)), int(q / cpg) * 2 - 3);
 
-    DeviceArray<uint16_t> dw(w_up), dmb(D);
-    DeviceArray<float> dn(N), dt(tp), dm(D), diota(4);
+    DeviceArray<uint16_t> dw(w_up), dnorm(nb), dmb(D);
+    DeviceArray<float> dH(H), dt(tp), dss(ss), dm(D), diota(4);
     FN_CUDA_CHECK(cudaMemset(dm.ptr, 0xff, D * 4));
     FN_CUDA_CHECK(cudaMemset(dmb.ptr, 0xff, D * 2));
     FN_CUDA_CHECK(cudaMemset(diota.ptr, 0xff, 16));
     fn::HcMixParams p;
     p.w_up = dw.ptr;
     p.t = dt.ptr;
-    p.t_splits = c.splits;
+    p.sumsq = dss.ptr;
+    p.t_splits = S;
     p.t_stride = stride;
-    p.n = dn.ptr;
+    p.H = dH.ptr;
+    p.norm = dnorm.ptr;
+    p.eps = 1e-6f;
     p.m = dm.ptr;
     p.m_bf16 = c.with_bf16 ? dmb.ptr : nullptr;
     p.iota = c.with_iota ? diota.ptr : nullptr;
@@ -167,82 +258,157 @@ TEST_CASE("cuda hc: the mix gives m (FP32 and its BF16 copy) and iota of MODEL.m
     fn::launch_hc_mix(p, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     const auto m = dm.download();
-    const auto mb = dmb.download();
-    const auto iota = diota.download();
 
-    // FP64 reference. t[j] = sum of the partials; the kernel's FP32 sum errs by gamma_splits times
-    // the sum of their magnitudes. u = silu(t / 4): |silu'| < 1.1, so u errs by 1.1 / 4 of t's
-    // error plus 4 u relative (expf 2 ulp, add, divide).
-    auto t_of = [&](int64_t j, double* abs_sum) {
+    // FP64 reference: scale_g from the group's partial squares (cpg - 1 roundings in the kernel's
+    // sum); t[j] = sum_p scale_g(p) * partial, whose FP32 fmaf chain errs by gamma_S on the sum of
+    // magnitudes plus the scale's relative error.
+    const double rel_s = scale_rel(int(cpg) - 1);
+    std::vector<double> scale(4);
+    for (int g = 0; g < 4; ++g) {
+      double s = 0;
+      for (int64_t q = g * cpg; q < (g + 1) * cpg; ++q) s += ss[q];
+      scale[g] = 1 / std::sqrt(s / double(D) + double(1e-6f));
+    }
+    const double gs = fn::test::gamma_fp32(int(S));
+    auto t_of = [&](int64_t j, double* et) {
       double s = 0, a = 0;
-      for (int64_t k = 0; k < c.splits; ++k) {
-        s += tp[k * stride + j];
-        a += std::fabs(tp[k * stride + j]);
+      for (int64_t q = 0; q < S; ++q) {
+        s += scale[q / cpg] * tp[q * stride + j];
+        a += scale[q / cpg] * std::fabs(tp[q * stride + j]);
       }
-      *abs_sum = a;
+      *et = (rel_s + gs * (1 + rel_s)) * a;
       return s;
     };
-    const double gs = fn::test::gamma_fp32(int(c.splits));
-    std::vector<double> u(r), eu(r);
+    MixRef ref;
+    ref.u.resize(r);
+    ref.eu.resize(r);
     for (int64_t j = 0; j < r; ++j) {
-      double a;
-      const double x = t_of(j, &a) / 4;
-      u[j] = x / (1 + std::exp(-x));
-      eu[j] = 1.1 * gs * a / 4 + 4 * kFp32Unit * std::fabs(u[j]);
+      double et;
+      const double t = t_of(j, &et);
+      set_u(&ref, j, t, et);
     }
-    const int64_t nvec = r / 8;
-    int team = 8;
-    while (team < 256 && team * 16 < nvec) team *= 2;
-    // Widening only happens when nvec >= 16; the bound below uses the narrowest team's chain,
-    // which is the longest (a wider team only shortens it).
-    const int h = int((nvec + team - 1) / team) * 8 + 8;
-    const double gz = fn::test::gamma_fp32(h);
-    std::vector<double> want(D), bound(D);
-    for (int64_t i = 0; i < D; ++i) {
-      double mm = 0, err = 0;
-      for (int s = 0; s < 4; ++s) {
-        double z = 0, za = 0, ez = 0;
-        for (int64_t j = 0; j < r; ++j) {
-          const double w = fn::bf16_to_float(w_up[(i + s * D) * r + j]);
-          z += w * u[j];
-          za += std::fabs(w * u[j]);
-          ez += std::fabs(w) * eu[j];
-        }
-        const double g = 1 / (1 + std::exp(-z));
-        const double eg = 0.25 * (gz * za + ez) + 4 * kFp32Unit * g;  // sigmoid' <= 1/4
-        const double nv = N[i + s * D];
-        mm += g * nv;
-        err += (eg + 4 * kFp32Unit * g) * std::fabs(nv);  // the FMA chain over 4 streams
-      }
-      want[i] = mm / 4;
-      bound[i] = err / 4;  // m is stored in FP32: no further rounding (x 1/4 is exact)
+    ref.t_iota.resize(4);
+    ref.et_iota.resize(4);
+    for (int s = 0; s < 4; ++s) ref.t_iota[s] = t_of(r + s, &ref.et_iota[s]);
+    // N = H * scale * (1 + w): three FP32 roundings plus the scale's error.
+    ref.N.resize(4 * D);
+    ref.eN.resize(4 * D);
+    const double g3 = fn::test::gamma_fp32(3);
+    for (int64_t i = 0; i < 4 * D; ++i) {
+      ref.N[i] = H[i] * scale[i / D] * (1 + double(fn::bf16_to_float(nb[i])));
+      ref.eN[i] = (rel_s + g3 * (1 + rel_s)) * std::fabs(ref.N[i]);
     }
-    const auto cmp = fn::test::compare_bounded(m, want, bound);
-    CHECK_MESSAGE(cmp.wrong == 0, "D ", D, " r ", r, " splits ", c.splits, ": ", cmp.describe());
-    if (c.with_bf16) {
-      int64_t diff = 0;
-      for (int64_t i = 0; i < D; ++i) diff += mb[i] != fn::float_to_bf16(m[i]) ? 1 : 0;
-      CHECK_MESSAGE(diff == 0, diff, " BF16 copies are not m rounded to nearest even");
-    } else {
-      for (uint16_t v : mb) CHECK(v == 0xffff);  // untouched
-    }
-    if (c.with_iota) {
-      std::vector<double> wi(4), bi(4);
-      for (int s = 0; s < 4; ++s) {
-        double a;
-        const double x = t_of(r + s, &a) / 4;
-        wi[s] = 2 / (1 + std::exp(-x));
-        bi[s] = 0.5 * gs * a / 4 + 4 * kFp32Unit * wi[s];  // (2 sigmoid)' <= 1/2
-      }
-      const auto ci = fn::test::compare_bounded(iota, wi, bi);
-      CHECK_MESSAGE(ci.wrong == 0, "iota: ", ci.describe());
-    } else {
-      for (float v : iota) CHECK(std::isnan(v));  // untouched (0xff fill)
-    }
+    check_mix_outputs(m, dmb.download(), diota.download(), w_up, D, r, ref, c.with_bf16,
+                      c.with_iota);
   }
 }
 
-TEST_CASE("cuda hc: the launchers reject bad sizes, stream counts, strides and alignment") {
+TEST_CASE(
+    "cuda hc: down and mix chained give the read of MODEL.md §C.2-§C.3 (N = GroupRMSNorm1p(H), "
+    "t = W_dn N, m, iota) in FP32") {
+  struct Case {
+    int64_t hidden, rank;
+  };
+  // The real read (D 2560, r 320, 8 partials) and a fixture-sized one (one chunk per group).
+  for (Case c : {Case{2560, 320}, Case{64, 16}}) {
+    const int64_t D = c.hidden, r = c.rank, W = 4 * D, R = r + 4;
+    std::mt19937_64 rng{uint64_t(D * r + 7)};
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    std::vector<float> H(W);
+    for (int64_t i = 0; i < W; ++i) H[i] = d(rng) * std::ldexp(1.0f, int(i / D) * 2 - 3);
+    const auto nb = random_bf16_bits(W, 0.0f, 0.7f, uint64_t(D) + 11);
+    const auto wdn = random_bf16_bits(R * W, 0.0f, 0.02f, uint64_t(D) + 12);
+    const auto w_up = random_bf16_bits(W * r, 0.0f, 0.05f, uint64_t(D) + 13);
+    const int64_t S = fn::hc_down_splits(4, D), cpg = S / 4;
+
+    DeviceArray<float> dH(H), dt(S * R), dss(S), dm(D), diota(4);
+    DeviceArray<uint16_t> dnorm(nb), dwdn(wdn), dwup(w_up), dmb(D);
+    FN_CUDA_CHECK(cudaMemset(dmb.ptr, 0xff, D * 2));
+    fn::HcDownParams dp;
+    dp.H = dH.ptr;
+    dp.norm = dnorm.ptr;
+    dp.weight = dwdn.ptr;
+    dp.rows = R;
+    dp.hc_count = 4;
+    dp.hidden = D;
+    dp.t_partial = dt.ptr;
+    dp.sumsq = dss.ptr;
+    fn::HcMixParams mp;
+    mp.w_up = dwup.ptr;
+    mp.t = dt.ptr;
+    mp.sumsq = dss.ptr;
+    mp.t_splits = S;
+    mp.t_stride = R;
+    mp.H = dH.ptr;
+    mp.norm = dnorm.ptr;
+    mp.eps = 1e-6f;
+    mp.m = dm.ptr;
+    mp.m_bf16 = dmb.ptr;
+    mp.iota = diota.ptr;
+    mp.hidden = D;
+    mp.rank = r;
+    fn::launch_hc_down(dp, nullptr);
+    fn::launch_hc_mix(mp, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto m = dm.download();
+
+    // N in FP64 (MODEL.md §C.2). The kernel's scale sums positive squares with 40 FMAs + 5
+    // butterfly levels per chunk and cpg - 1 adds over the chunks.
+    const double rel_s = scale_rel(45 + int(cpg) - 1);
+    MixRef ref;
+    ref.N.resize(W);
+    ref.eN.resize(W);
+    const double g3 = fn::test::gamma_fp32(3);
+    for (int g = 0; g < 4; ++g) {
+      double s2 = 0;
+      for (int64_t i = g * D; i < (g + 1) * D; ++i) s2 += double(H[i]) * H[i];
+      const double inv = 1 / std::sqrt(s2 / double(D) + double(1e-6f));
+      for (int64_t i = g * D; i < (g + 1) * D; ++i) {
+        ref.N[i] = H[i] * inv * (1 + double(fn::bf16_to_float(nb[i])));
+        ref.eN[i] = (rel_s + g3 * (1 + rel_s)) * std::fabs(ref.N[i]);
+      }
+    }
+    // The CPU op (core/cpu_ops.h) agrees with the FP64 N within its own roundings.
+    const auto wf = widen(nb);
+    std::vector<float> cpu_n(W);
+    fn::cpu::group_rms_norm_1p(H.data(), wf.data(), W, D, 1e-6f, cpu_n.data());
+    std::vector<double> bound_cpu(W);
+    for (int64_t i = 0; i < W; ++i) bound_cpu[i] = 6 * kFp32Unit * std::fabs(ref.N[i]);
+    CHECK(fn::test::compare_bounded(cpu_n, ref.N, bound_cpu).wrong == 0);
+    // t = W_dn N. The kernel's partial P_p errs by gamma(47) on its magnitudes (x = H * (1 + w)
+    // and the dot), the fmaf chain over the S scaled partials by gamma_S, and the scale by rel_s:
+    // |t^ - t| <= A (rel_s + (1 + rel_s) g47 + g_S (1 + rel_s)(1 + g47)), A = sum |W_dn N|.
+    const double g47 = fn::test::gamma_fp32(47), gS = fn::test::gamma_fp32(int(S));
+    const double k_t = rel_s + (1 + rel_s) * g47 + gS * (1 + rel_s) * (1 + g47);
+    ref.u.resize(r);
+    ref.eu.resize(r);
+    ref.t_iota.resize(4);
+    ref.et_iota.resize(4);
+    for (int64_t j = 0; j < R; ++j) {
+      double t = 0, a = 0;
+      for (int64_t col = 0; col < W; ++col) {
+        const double w = fn::bf16_to_float(wdn[j * W + col]);
+        t += w * ref.N[col];
+        a += std::fabs(w * ref.N[col]);
+      }
+      if (j < r) {
+        set_u(&ref, j, t, k_t * a);
+      } else {
+        ref.t_iota[j - r] = t;
+        ref.et_iota[j - r] = k_t * a;
+      }
+    }
+    check_mix_outputs(m, dmb.download(), diota.download(), w_up, D, r, ref, true, true);
+
+    // Deterministic: the chain again gives the same bits.
+    fn::launch_hc_down(dp, nullptr);
+    fn::launch_hc_mix(mp, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(std::memcmp(dm.download().data(), m.data(), D * 4) == 0);
+  }
+}
+
+TEST_CASE("cuda hc: the launchers reject bad sizes, stream counts, splits, strides and alignment") {
   DeviceArray<float> x(256), t(256), n(256);
   DeviceArray<uint16_t> w(64 * 64), nw(256);
   fn::HcDownParams d;
@@ -252,8 +418,8 @@ TEST_CASE("cuda hc: the launchers reject bad sizes, stream counts, strides and a
   d.rows = 4;
   d.hc_count = 4;
   d.hidden = 12;  // not a multiple of 8
-  d.n = n.ptr;
   d.t_partial = t.ptr;
+  d.sumsq = n.ptr;
   CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
   d.hidden = 16;
   d.H = x.ptr + 1;  // 4-byte aligned only
@@ -262,13 +428,19 @@ TEST_CASE("cuda hc: the launchers reject bad sizes, stream counts, strides and a
   d.rows = 0;
   CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
   d.rows = 4;
+  d.sumsq = nullptr;
+  CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
+  d.sumsq = n.ptr;
   d.t_partial = nullptr;
   CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
   fn::HcMixParams m;
   m.w_up = w.ptr;
   m.t = t.ptr;
+  m.sumsq = x.ptr;
+  m.t_splits = 4;
   m.t_stride = 12;
-  m.n = n.ptr;
+  m.H = x.ptr;
+  m.norm = nw.ptr;
   m.m = n.ptr + 64;
   m.hidden = 8;
   m.rank = 8;
@@ -278,12 +450,19 @@ TEST_CASE("cuda hc: the launchers reject bad sizes, stream counts, strides and a
   m.rank = 12;
   CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
   m.rank = 8;
-  m.t_splits = 0;
+  m.t_splits = 6;  // not one count of chunks per group
   CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
-  m.t_splits = 17;  // more partials than the kernel keeps in flight
+  m.t_splits = 12;  // more partials than the kernel keeps in flight
   CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
-  m.t_splits = 1;
-  m.iota = x.ptr;
+  m.t_splits = 4;
+  m.H = nullptr;
+  CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
+  m.H = x.ptr;
+  m.iota = n.ptr + 128;
   m.t_stride = 8;  // the iota rows do not fit
   CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
+  // The valid call the rejections started from runs.
+  m.t_stride = 12;
+  fn::launch_hc_mix(m, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -79,8 +79,8 @@ struct Chain {
   DeviceArray<float> H{kW}, H0{kW}, state{kHv * kDk * kDv}, conv_state{kConvDim * (kConvK - 1)};
   DeviceArray<unsigned int> counters{kHv + kHk};
   // Per-step scratch.
-  DeviceArray<float> n{kW}, t{static_cast<size_t>(fn::hc_down_splits(kW) * kHcRows)}, m{kD},
-      iota{kS};
+  DeviceArray<float> sumsq{static_cast<size_t>(fn::hc_down_splits(kS, kD))},
+      t{static_cast<size_t>(fn::hc_down_splits(kS, kD) * kHcRows)}, m{kD}, iota{kS};
   DeviceArray<uint16_t> m_bf16{kD}, gout{kHv * kDv}, h{kK * kI}, sh{kIs};
   DeviceArray<float> proj{kProjRows}, o_scratch{kHv * kDv}, ya{kD}, rl{kE + 1}, rw{kK}, y{kD};
   DeviceArray<float> sgu{2 * kIs}, ys{kD};
@@ -121,7 +121,8 @@ struct Chain {
     FN_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  // The HC read (2 kernels): N and t's partials, then m (FP32; the BF16 copy when `bf16`), iota.
+  // The HC read (2 kernels): t's partials and the partial squares, then m (FP32; the BF16 copy when
+  // `bf16`), iota.
   void hc_read(bool bf16, cudaStream_t s) {
     fn::HcDownParams d;
     d.H = H.ptr;
@@ -130,15 +131,17 @@ struct Chain {
     d.rows = kHcRows;
     d.hc_count = kS;
     d.hidden = kD;
-    d.n = n.ptr;
     d.t_partial = t.ptr;
+    d.sumsq = sumsq.ptr;
     fn::launch_hc_down(d, s);
     fn::HcMixParams x;
     x.w_up = w_hc_up.ptr;
     x.t = t.ptr;
-    x.t_splits = fn::hc_down_splits(kW);
+    x.sumsq = sumsq.ptr;
+    x.t_splits = fn::hc_down_splits(kS, kD);
     x.t_stride = kHcRows;
-    x.n = n.ptr;
+    x.H = H.ptr;
+    x.norm = norm_w.ptr;
     x.m = m.ptr;
     x.m_bf16 = bf16 ? m_bf16.ptr : nullptr;
     x.iota = iota.ptr;

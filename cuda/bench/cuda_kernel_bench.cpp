@@ -145,16 +145,20 @@ struct GemvShape {
 int main(int argc, char** argv) try {
   std::string json_path;
   bool sweep = false;
+  bool hc_only = false;  // --hc-only: the HC read rows only (a short GPU call)
   int reps = 7;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--sweep"))
       sweep = true;
+    else if (!std::strcmp(argv[i], "--hc-only"))
+      hc_only = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
       reps = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N]\n");
+      std::fprintf(stderr,
+                   "usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N] [--hc-only]\n");
       return 2;
     }
   }
@@ -187,7 +191,7 @@ int main(int argc, char** argv) try {
   FN_CUDA_CHECK(cudaMalloc(&x, 10240 * 4));
   FN_CUDA_CHECK(cudaMalloc(&y, 248320 * 4));
   fill_random(x, 10240 * 4, 7);
-  for (const GemvShape& s : shapes) {
+  for (const GemvShape& s : hc_only ? std::vector<GemvShape>{} : shapes) {
     const size_t wbytes = size_t(s.rows) * s.cols * 2;
     const int copies = int(std::max<size_t>(1, (kRotateBytes + wbytes - 1) / wbytes));
     const size_t total = wbytes * copies;
@@ -238,20 +242,20 @@ int main(int argc, char** argv) try {
     FN_CUDA_CHECK(cudaFree(w));
   }
 
-  // ---- HC read: fused norm + split-K down/inject GEMV, then the mix ---------------------------
+  // ---- HC read: split-K down/inject GEMV + partial squares, then the mix (scales, N, m) ------
   {
     const int64_t D = 2560, r = 320, W = 4 * D, nrows = r + 4;
-    const int64_t splits = fn::hc_down_splits(W);
+    const int64_t splits = fn::hc_down_splits(4, D);
     const size_t up_bytes = size_t(W * r) * 2, dn_bytes = size_t(nrows * W) * 2;
     const int copies = int((kRotateBytes + up_bytes + dn_bytes - 1) / (up_bytes + dn_bytes));
     uint16_t *w_up, *w_dn, *nw, *mb;
-    float *h, *n, *m, *tv, *iota;
+    float *h, *ss, *m, *tv, *iota;
     FN_CUDA_CHECK(cudaMalloc(&w_up, up_bytes * copies));
     FN_CUDA_CHECK(cudaMalloc(&w_dn, dn_bytes * copies));
     FN_CUDA_CHECK(cudaMalloc(&nw, W * 2));
     FN_CUDA_CHECK(cudaMalloc(&mb, D * 2));
     FN_CUDA_CHECK(cudaMalloc(&h, W * 4));
-    FN_CUDA_CHECK(cudaMalloc(&n, W * 4));
+    FN_CUDA_CHECK(cudaMalloc(&ss, splits * 4));
     FN_CUDA_CHECK(cudaMalloc(&m, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&tv, splits * nrows * 4));
     FN_CUDA_CHECK(cudaMalloc(&iota, 16));
@@ -260,37 +264,40 @@ int main(int argc, char** argv) try {
     fill_random(nw, W * 2, 24);
     fill_random(h, W * 4, 25);
     fill_random(tv, splits * nrows * 4, 26);
+    fill_random(ss, splits * 4, 27);
     fn::HcDownParams dp;
     dp.H = h;
     dp.norm = nw;
     dp.rows = nrows;
     dp.hc_count = 4;
     dp.hidden = D;
-    dp.n = n;
     dp.t_partial = tv;
+    dp.sumsq = ss;
     fn::HcMixParams mp;
     mp.t = tv;
     mp.t_splits = splits;
     mp.t_stride = nrows;
-    mp.n = n;
+    mp.sumsq = ss;
+    mp.H = h;
+    mp.norm = nw;
     mp.m = m;
     mp.m_bf16 = mb;
     mp.iota = iota;
     mp.hidden = D;
     mp.rank = r;
     const int calls = std::max(copies, 20);
-    const double down_bytes = double(dn_bytes) + W * (4 + 2 + 4) + splits * nrows * 4;
-    const double mix_bytes = double(up_bytes) + splits * nrows * 4 + W * 4 + D * 6 + 16;
+    const double down_bytes = double(dn_bytes) + W * (4 + 2) + splits * (nrows + 1) * 4;
+    const double mix_bytes = double(up_bytes) + splits * (nrows + 1) * 4 + W * (4 + 2) + D * 6 + 16;
     const double down_us = t.time_per_call(calls, [&](int i) {
       dp.weight = w_dn + size_t(i % copies) * nrows * W;
       fn::launch_hc_down(dp, t.stream);
     });
-    rows.push_back(report({"hc_down", "324x10240 +norm", "32r x 1024c", down_bytes, down_us, bw}));
+    rows.push_back(report({"hc_down", "324x10240 +sumsq", "16r x 1280c", down_bytes, down_us, bw}));
     const double mix_us = t.time_per_call(calls, [&](int i) {
       mp.w_up = w_up + size_t(i % copies) * W * r;
       fn::launch_hc_mix(mp, t.stream);
     });
-    rows.push_back(report({"hc_mix", "10240x320 +N,m", "planned", mix_bytes, mix_us, bw}));
+    rows.push_back(report({"hc_mix", "10240x320 +scale,N,m", "planned", mix_bytes, mix_us, bw}));
     const double read_us = t.time_per_call(calls, [&](int i) {
       dp.weight = w_dn + size_t(i % copies) * nrows * W;
       mp.w_up = w_up + size_t(i % copies) * W * r;
@@ -299,9 +306,14 @@ int main(int argc, char** argv) try {
     });
     rows.push_back(
         report({"hc_read", "down + mix", "2 launches", down_bytes + mix_bytes, read_us, bw}));
-    for (void* p : {(void*)w_up, (void*)w_dn, (void*)nw, (void*)mb, (void*)h, (void*)n, (void*)m,
+    for (void* p : {(void*)w_up, (void*)w_dn, (void*)nw, (void*)mb, (void*)h, (void*)ss, (void*)m,
                     (void*)tv, (void*)iota})
       FN_CUDA_CHECK(cudaFree(p));
+  }
+  if (hc_only) {
+    out["results"] = rows;
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+    return 0;
   }
 
   // ---- NVFP4 experts --------------------------------------------------------------------------

@@ -1442,15 +1442,26 @@ void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed) 
   I.sample_graph_params = dp;
 }
 
+namespace {
+
+// The token fed first must be in the vocabulary and `count` steps from `position` must fit the
+// cache (fn::Error(Usage) otherwise, naming -c/--ctx-size); `count_ok` is the caller's lower bound.
+void require_steps(const ModelConfig& c, int32_t token, bool count_ok, int64_t count,
+                   const char* doing, const char* unit, int64_t position, int64_t ctx_size) {
+  FN_REQUIRE(token >= 0 && token < c.vocab_size, Usage,
+             "token id {} is outside the vocabulary [0, {})", token, c.vocab_size);
+  FN_REQUIRE(count_ok && position + count <= ctx_size, Usage,
+             "{} {} {} from position {} needs more than -c/--ctx-size {} tokens", doing, count,
+             unit, position, ctx_size);
+}
+
+}  // namespace
+
 std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const SamplingParams& sampling,
                                        uint64_t seed,
                                        const std::function<bool(int32_t)>& on_token) {
   Impl& I = *impl_;
-  FN_REQUIRE(token >= 0 && token < cfg_.vocab_size, Usage,
-             "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
-  FN_REQUIRE(count >= 0 && position_ + count <= opt_.ctx_size, Usage,
-             "decoding {} tokens from position {} needs more than -c/--ctx-size {} tokens", count,
-             position_, opt_.ctx_size);
+  require_steps(cfg_, token, count >= 0, count, "decoding", "tokens", position_, opt_.ctx_size);
   prepare_sampling(sampling, seed);
   // The sampler's step counter indexes the history: restart it for this call.
   FN_CUDA_CHECK(cudaMemsetAsync(I.sample_step, 0, sizeof(int64_t), I.stream));
@@ -1523,11 +1534,7 @@ const char* step_family_name(StepFamily f) noexcept {
 
 StepProfile CudaModel::profile_steps(int32_t token, int64_t count, bool in_graph) {
   Impl& I = *impl_;
-  FN_REQUIRE(token >= 0 && token < cfg_.vocab_size, Usage,
-             "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
-  FN_REQUIRE(count >= 1 && position_ + count <= opt_.ctx_size, Usage,
-             "profiling {} steps from position {} needs more than -c/--ctx-size {} tokens", count,
-             position_, opt_.ctx_size);
+  require_steps(cfg_, token, count >= 1, count, "profiling", "steps", position_, opt_.ctx_size);
   SamplingParams greedy;
   greedy.temperature = 0;
   prepare_sampling(greedy, 0);

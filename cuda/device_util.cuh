@@ -32,6 +32,20 @@ __device__ __forceinline__ float bf16_hi(uint32_t v) {
   return __uint_as_float(v & 0xffff0000u);
 }
 
+/// acc + dot(8 BF16 weights (one 16-byte load), 8 FP32 x values): a chain of fmaf in ascending
+/// column order (deterministic). The inner step of the BF16 GEMVs (gemv_bf16.cu, hc.cu).
+__device__ __forceinline__ float fma8_bf16(uint4 w, const float (&xf)[8], float acc) {
+  acc = fmaf(bf16_lo(w.x), xf[0], acc);
+  acc = fmaf(bf16_hi(w.x), xf[1], acc);
+  acc = fmaf(bf16_lo(w.y), xf[2], acc);
+  acc = fmaf(bf16_hi(w.y), xf[3], acc);
+  acc = fmaf(bf16_lo(w.z), xf[4], acc);
+  acc = fmaf(bf16_hi(w.z), xf[5], acc);
+  acc = fmaf(bf16_lo(w.w), xf[6], acc);
+  acc = fmaf(bf16_hi(w.w), xf[7], acc);
+  return acc;
+}
+
 /// float -> BF16 bits, round to nearest even, NaN kept quiet (matches fn::float_to_bf16).
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
   uint32_t u = __float_as_uint(f);

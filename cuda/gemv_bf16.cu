@@ -42,19 +42,6 @@ __device__ __forceinline__ void load_x8(const void* x, int v, float (&xf)[8]) {
   }
 }
 
-// acc += dot(8 BF16 weights, 8 x values), ascending column order (deterministic).
-__device__ __forceinline__ float fma8(uint4 w, const float (&xf)[8], float acc) {
-  acc = fmaf(dev::bf16_lo(w.x), xf[0], acc);
-  acc = fmaf(dev::bf16_hi(w.x), xf[1], acc);
-  acc = fmaf(dev::bf16_lo(w.y), xf[2], acc);
-  acc = fmaf(dev::bf16_hi(w.y), xf[3], acc);
-  acc = fmaf(dev::bf16_lo(w.z), xf[4], acc);
-  acc = fmaf(dev::bf16_hi(w.z), xf[5], acc);
-  acc = fmaf(dev::bf16_lo(w.w), xf[6], acc);
-  acc = fmaf(dev::bf16_hi(w.w), xf[7], acc);
-  return acc;
-}
-
 // The kUnroll x kRows weight vectors of one step: vectors base + u * team of each row (zeros past
 // the row's end, never used).
 template <int kRows, int kUnroll>
@@ -117,7 +104,7 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
         float xf[8];
         load_x8<kXF32>(a.x, v, xf);
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) acc[r] = fma8(w[u][r], xf, acc[r]);
+        for (int r = 0; r < kRows; ++r) acc[r] = dev::fma8_bf16(w[u][r], xf, acc[r]);
       }
     }
     base += step;

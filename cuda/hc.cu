@@ -30,19 +30,6 @@ constexpr int kDownVecPerLane = 5;
 constexpr int kDownChunkVec = 32 * kDownVecPerLane;                  // 1280 columns
 constexpr int kDownRowsPerBlock = (kBlockThreads / 32) * kDownRows;  // 16
 
-// acc += dot(8 BF16 weights, 8 x values), ascending column order.
-__device__ __forceinline__ float fma8(uint4 w, const float (&xf)[8], float acc) {
-  acc = fmaf(dev::bf16_lo(w.x), xf[0], acc);
-  acc = fmaf(dev::bf16_hi(w.x), xf[1], acc);
-  acc = fmaf(dev::bf16_lo(w.y), xf[2], acc);
-  acc = fmaf(dev::bf16_hi(w.y), xf[3], acc);
-  acc = fmaf(dev::bf16_lo(w.z), xf[4], acc);
-  acc = fmaf(dev::bf16_hi(w.z), xf[5], acc);
-  acc = fmaf(dev::bf16_lo(w.w), xf[6], acc);
-  acc = fmaf(dev::bf16_hi(w.w), xf[7], acc);
-  return acc;
-}
-
 struct DownArgs {
   const float* H;
   const uint16_t* norm;
@@ -110,7 +97,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[kDownRows] = fmaf(h[k], h[k], v[kDownRows]);
 #pragma unroll
-    for (int r = 0; r < kDownRows; ++r) v[r] = fma8(w[u][r], xf, v[r]);
+    for (int r = 0; r < kDownRows; ++r) v[r] = dev::fma8_bf16(w[u][r], xf, v[r]);
   }
   dev::team_reduce<kDownRows + 1, kBlockThreads>(v, 32, lane);
   if (lane != 0) return;

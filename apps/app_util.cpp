@@ -3,17 +3,40 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <system_error>
+#include <vector>
 
 #include "core/error.h"
 
 namespace fn {
 
 std::string read_file(const std::string& path, const char* flag) {
+  std::error_code ec;
+  FN_REQUIRE(!std::filesystem::is_directory(path, ec), Io, "{} {}: is a directory, not a file",
+             flag, path);
   std::ifstream in(path, std::ios::binary);
   FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file", flag, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::string out;
+  std::vector<char> buf(std::size_t{1} << 20);
+  while (in.read(buf.data(), static_cast<std::streamsize>(buf.size())) || in.gcount() > 0) {
+    out.append(buf.data(), static_cast<std::size_t>(in.gcount()));
+    FN_REQUIRE(out.size() <= kMaxInputFileBytes, Io,
+               "{} {}: larger than {} GiB (input files are read whole; is it the right file?)",
+               flag, path, kMaxInputFileBytes >> 30);
+  }
+  return out;
+}
+
+std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {
+  std::istringstream in(read_file(path, flag));
+  std::vector<std::string> lines;
+  bool any = false;
+  for (std::string line; std::getline(in, line);) {
+    any = any || line.find_first_not_of(" \t\r") != std::string::npos;
+    lines.push_back(std::move(line));
+  }
+  FN_REQUIRE(any, Format, "{} {}: no records (the file has no non-blank line)", flag, path);
+  return lines;
 }
 
 void write_stdout(std::string_view s) {

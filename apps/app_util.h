@@ -4,15 +4,26 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace fn {
 
-/// The whole file as bytes. Throws fn::Error(Io) "<flag> <path>: cannot open the file".
+/// Largest input file read_file accepts (prompts, JSONL batches, token-id and task files).
+inline constexpr std::size_t kMaxInputFileBytes = std::size_t{1} << 30;
+
+/// The whole file as bytes. Throws fn::Error(Io) "<flag> <path>: cannot open the file", for a
+/// directory, and for a file (or device such as /dev/zero) longer than kMaxInputFileBytes.
 std::string read_file(const std::string& path, const char* flag);
+
+/// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line
+/// numbers in messages match the file). Throws what read_file throws, and fn::Error(Format)
+/// "<flag> <path>: no records" when no line holds anything but white space.
+std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag);
 
 /// Writes `s` to stdout and flushes (results only: text, tables, JSON).
 void write_stdout(std::string_view s);

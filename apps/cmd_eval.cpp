@@ -127,6 +127,8 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   FN_REQUIRE(o.ppl_file.empty() != o.ppl_ids_file.empty(), Usage,
              "give exactly one of -f/--file (text) or --ids-file (token ids)");
   FN_REQUIRE(o.save_top_k >= 0, Usage, "--save-top-k must be >= 0, got {}", o.save_top_k);
+  FN_REQUIRE(o.chunks == -1 || o.chunks >= 1, Usage,
+             "--chunks must be >= 1 (or -1, the default: every window), got {}", o.chunks);
   const fs::path dir = c.model;
   const ModelConfig cfg = load_model_config(dir);
   FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
@@ -491,8 +493,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   std::vector<std::string> lines;
   if (root) {
     if (has_tokenizer(dir)) tok = load_tokenizer(dir);
-    std::istringstream in(read_file(o.input, "-i/--input"));
-    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    lines = read_jsonl_lines(o.input, "-i/--input");
   }
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
@@ -661,7 +662,7 @@ void register_eval(CLI::App& app, CommandList& commands) {
   o->ppl->add_option("--ids-file", o->ppl_ids_file,
                      "token ids instead of text (comma/whitespace separated)");
   o->ppl->add_option("-c,--ctx-size", o->ctx, "window size in tokens (default 512)");
-  o->ppl->add_option("--chunks", o->chunks, "score at most this many windows (default: all)");
+  o->ppl->add_option("--chunks", o->chunks, "score at most this many windows (default -1: all)");
   o->ppl->add_option("--save-logits", o->save_logits,
                      "also write the scored rows as a reference-logits file (a kld --base)");
   o->ppl->add_option("--save-dtype", o->save_dtype, "float32 | float16 (default float32)")

@@ -42,6 +42,19 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
+// The prompt plus -n must fit the context; -n -1 (until the context is full) needs room for one
+// token. fn::Error(Usage) naming the flag as the user gave it.
+void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
+  if (max_new_tokens <= 0) {
+    FN_REQUIRE(n_prompt < ctx, Usage,
+               "the prompt ({} tokens) fills the context size -c/--ctx-size {}: "
+               "-n/--max-new-tokens -1 (until the context is full) leaves no room for a token",
+               n_prompt, ctx);
+    max_new_tokens = ctx - n_prompt;
+  }
+  check_context(n_prompt, max_new_tokens, ctx);
+}
+
 struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
   std::string chat_template;
@@ -330,8 +343,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.stop.empty() || ts.tokenizer, Usage,
                "--stop needs a tokenizer to match text, and {} has none", dir.string());
     if (batch) {
-      std::istringstream in(read_file(o.input, "-i/--input"));
-      for (std::string line; std::getline(in, line);) lines.push_back(line);
+      lines = read_jsonl_lines(o.input, "-i/--input");
     } else {
       if (!o.prompt_ids.empty()) {
         single_ids = parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
@@ -341,9 +353,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         single_ids =
             ts.encode_text(text, o.chat, o.o_prompt->count() ? "-p/--prompt" : "-f/--file");
       }
-      const int64_t n = static_cast<int64_t>(single_ids.size());
-      check_context(n, o.max_new_tokens > 0 ? o.max_new_tokens : std::max<int64_t>(ctx - n, 1),
-                    ctx);
+      check_room(static_cast<int64_t>(single_ids.size()), o.max_new_tokens, ctx);
     }
   }
 
@@ -438,8 +448,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
           if (rec.is_object() && rec.contains("id")) rec_id = rec["id"];
           if (rec.is_object() && rec.contains("messages")) rec_chat = true;
           ids = record_ids(rec, ts, o.chat, cfg.vocab_size);
-          const int64_t n = static_cast<int64_t>(ids.size());
-          check_context(n, max_new_for(n), ctx);
+          check_room(static_cast<int64_t>(ids.size()), o.max_new_tokens, ctx);
         } catch (const Error& e) {
           status = 2;
           error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
@@ -521,7 +530,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
                   "(optional \"id\")");
   sub->add_option("-o,--output", o->output, "JSONL results of -i (default: stdout)");
   sub->add_option("-n,--max-new-tokens,--n-predict", o->max_new_tokens,
-                  "tokens to generate (-1: until the context is full)");
+                  "tokens to generate (default 256; -1: until the context is full)");
   sub->add_option("-c,--ctx-size", o->ctx_size,
                   "context size in tokens (default min(max_position_embeddings, 4096))");
   o->o_temp = sub->add_option("--temp", o->temp, "temperature (0 = greedy)");

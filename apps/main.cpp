@@ -45,9 +45,11 @@ int main(int argc, char** argv) {
   // reported by name first.
   app.require_subcommand(0, 1);
   app.set_version_flag("--version", "fngen 0.1.0");
-  std::string log_level = "info";
+  std::string log_level;  // empty: $FN_LOG_LEVEL, else info
   bool log_all_ranks = false;
-  app.add_option("--log-level", log_level, "error|warn|info|debug|trace (env FN_LOG_LEVEL)");
+  app.add_option("--log-level", log_level,
+                 "error|warn|info|debug|trace (default: env FN_LOG_LEVEL, else info)")
+      ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
   app.add_flag("--log-all-ranks", log_all_ranks, "print INFO messages of every rank");
 
   fn::CommandList commands;
@@ -86,6 +88,16 @@ int main(int argc, char** argv) {
     }
     if (!quiet) app.exit(e, std::cout, std::cerr);
     return fn::exit_code(fn::ErrorKind::Usage);
+  }
+  if (log_level.empty()) {
+    const char* env = std::getenv("FN_LOG_LEVEL");
+    log_level = env != nullptr && env[0] != '\0' ? env : "info";
+    try {
+      fn::parse_log_level(log_level);
+    } catch (const fn::Error& e) {
+      if (launcher_rank() == 0) std::cerr << "fngen: FN_LOG_LEVEL: " << e.what() << "\n";
+      return fn::exit_code(fn::ErrorKind::Usage);
+    }
   }
 
   int code = 0;

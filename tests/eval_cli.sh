@@ -149,6 +149,11 @@ expect 2 "The following argument was not expected: --bogus" -- mpi 1 kld -m "$fx
 expect 2 "base is required" -- mpi 1 kld -m "$fx/tp4"
 expect 2 "A subcommand" -- "$fngen" eval
 expect 2 "exactly one of -f/--file" -- mpi 1 ppl -m "$fx/tp4"
+expect 2 "--chunks must be >= 1 (or -1" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks -3
+expect 2 "--chunks must be >= 1 (or -1" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks 0
+expect 3 "is a directory, not a file" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp"
+: >"$tmp/no_tasks.jsonl"
+expect 3 "no_tasks.jsonl: no records" -- mpi 2 score -m "$fx/tp4" -i "$tmp/no_tasks.jsonl"
 expect 2 "--backend cuda" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --backend cuda
 expect 2 "item 1 \"x\" is not an integer" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids "1,x" -o "$tmp/x.fnl"
 

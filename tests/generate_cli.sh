@@ -73,6 +73,26 @@ expect 2 "must divide linear_num_key_heads" -- mpi 4 -m "$fx/g3_tiny" --prompt-i
 grep -q "mpirun -np 4" "$tmp/err" || fail "the TP error does not name the world size"
 expect 2 "got 3" -- mpi 3 -m "$fx/tp4" --prompt-ids 1,2
 expect 2 "--tp 2 must equal the number of MPI ranks" -- mpi 4 -m "$fx/tp4" --prompt-ids 1 --tp 2
+# -n -1 (until the context is full) with a prompt that already fills it: the message says so.
+expect 2 "fills the context size -c/--ctx-size 4: -n/--max-new-tokens -1" -- \
+  mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4 -c 4 -n -1
+# Input files: a directory, an empty JSONL batch.
+expect 3 "is a directory, not a file" -- mpi 2 -m "$fx/g3_tiny" -f "$tmp"
+: >"$tmp/empty.jsonl"
+expect 3 "empty.jsonl: no records" -- mpi 2 -m "$fx/g3_tiny" -i "$tmp/empty.jsonl"
+# Log levels: FN_LOG_LEVEL is honoured (no INFO lines at "error"), --log-level wins over it, a
+# bad value is one usage error printed once (by rank 0), from the flag or the environment.
+FN_LOG_LEVEL=error mpi_fngen 2 generate -m "$fx/g3_tiny" --prompt-ids 1,2 -n 2 >/dev/null \
+  2>"$tmp/err" && ! grep -q "\[I\]" "$tmp/err" && echo "ok: FN_LOG_LEVEL=error hides INFO lines" ||
+  fail "FN_LOG_LEVEL=error: $(head -n 3 "$tmp/err")"
+FN_LOG_LEVEL=error mpi_fngen 2 --log-level info generate -m "$fx/g3_tiny" --prompt-ids 1,2 -n 2 \
+  >/dev/null 2>"$tmp/err" && grep -q "\[I\]" "$tmp/err" && echo "ok: --log-level beats FN_LOG_LEVEL" ||
+  fail "--log-level info under FN_LOG_LEVEL=error: $(head -n 3 "$tmp/err")"
+expect 2 "--log-level: bogus not in" -- mpi_fngen 2 --log-level bogus generate -m "$fx/g3_tiny" --prompt-ids 1
+[ "$(grep -c "bogus" "$tmp/err")" = 1 ] && echo "ok: a bad --log-level is reported once" ||
+  fail "a bad --log-level was reported $(grep -c "bogus" "$tmp/err") times: $(cat "$tmp/err")"
+FN_LOG_LEVEL=bogus expect 2 "FN_LOG_LEVEL: unknown log level 'bogus'" -- \
+  mpi_fngen 2 generate -m "$fx/g3_tiny" --prompt-ids 1
 # Id prompts work on the tokenizer-less fixture (and print the ids).
 mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 --temp 0 -n 4 >"$tmp/out" 2>"$tmp/err" &&
   grep -qE '^[0-9]+ [0-9]+ [0-9]+ [0-9]+ $' "$tmp/out" && echo "ok: id prompt without tokenizer" ||

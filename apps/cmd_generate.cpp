@@ -271,6 +271,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
              "-o/--output needs -i/--input (batch mode)");
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+  FN_REQUIRE(!(o.chat && !o.prompt_ids.empty()), Usage,
+             "--chat renders a text prompt with the chat template; --prompt-ids are fed as given "
+             "(drop --chat, or give the text with -p/--prompt)");
+  for (const std::string& st : o.stop)
+    FN_REQUIRE(!st.empty(), Usage, "--stop: an empty stop string would stop at once");
 
   const fs::path dir = o.model;
   const ModelConfig cfg = load_model_config(dir);

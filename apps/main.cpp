@@ -64,12 +64,23 @@ int main(int argc, char** argv) {
       continue;
     }
     if (a.empty() || a[0] == '-') continue;
-    bool known = false;
-    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
-      known = known || sub->get_name() == a;
-    if (!known) {
+    CLI::App* known = nullptr;
+    for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+      if (sub->get_name() == a) known = sub;
+    std::string unknown = known ? "" : a;
+    // A command with its own subcommands (eval ppl|kld|...): check the word right after it.
+    const std::vector<CLI::App*> nested =
+        known ? known->get_subcommands([](CLI::App*) { return true; }) : std::vector<CLI::App*>{};
+    if (!nested.empty() && i + 1 < argc && argv[i + 1][0] != '-' && argv[i + 1][0] != '\0') {
+      const std::string b = argv[i + 1];
+      bool found = false;
+      for (const CLI::App* sub : nested) found = found || sub->get_name() == b;
+      if (!found) unknown = a + " " + b;
+    }
+    if (!unknown.empty()) {
       if (launcher_rank() == 0)
-        std::cerr << "fngen: unknown subcommand '" << a << "' (see fngen --help)\n";
+        std::cerr << "fngen: unknown subcommand '" << unknown << "' (see fngen "
+                  << (known ? a + " " : std::string()) << "--help)\n";
       return fn::exit_code(fn::ErrorKind::Usage);
     }
     break;

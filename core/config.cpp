@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <set>
@@ -650,9 +651,29 @@ QuantConfig parse_quantization_config(const json& qc, std::string_view source) {
 }
 
 QuantConfig load_quant_config(const std::filesystem::path& dir) {
-  std::filesystem::path hf = dir / "hf_quant_config.json";
-  if (std::filesystem::exists(hf)) return parse_hf_quant_config(read_json_file(hf), hf.string());
-  std::filesystem::path cfg = dir / "config.json";
+  const std::filesystem::path hf = dir / "hf_quant_config.json";
+  const std::filesystem::path cfg = dir / "config.json";
+  if (std::filesystem::exists(hf)) {
+    QuantConfig q = parse_hf_quant_config(read_json_file(hf), hf.string());
+    // hf_quant_config.json wins, but a config.json that names another algorithm is a mixed-up
+    // export: say so instead of loading one of the two silently.
+    if (std::filesystem::exists(cfg)) {
+      const json j = read_json_file(cfg);
+      const auto it = j.find("quantization_config");
+      if (it != j.end() && it->is_object() && it->contains("quant_algo") &&
+          (*it)["quant_algo"].is_string()) {
+        std::string a = (*it)["quant_algo"].get<std::string>(), b = q.quant_algo;
+        for (std::string* s : {&a, &b})
+          std::transform(s->begin(), s->end(), s->begin(),
+                         [](unsigned char ch) { return static_cast<char>(std::toupper(ch)); });
+        FN_REQUIRE(a == b, Format,
+                   "{}: quantization_config.quant_algo '{}' disagrees with {}: "
+                   "quantization.quant_algo '{}'",
+                   cfg.string(), (*it)["quant_algo"].get<std::string>(), hf.string(), q.quant_algo);
+      }
+    }
+    return q;
+  }
   json j = read_json_file(cfg);
   auto it = j.find("quantization_config");
   if (it == j.end() || it->is_null()) return QuantConfig{};

@@ -346,10 +346,10 @@ void require_valid(const ValidationReport& r, std::string_view checkpoint_dir) {
     list += fmt::format("; ... and {} more", r.problems.size() - kShown);
   }
   FN_THROW(Format,
-           "{}: {} tensor problems ({} missing, {} unexpected, {} wrong dtype, {} wrong shape, {} "
+           "{}: {} tensor problem{} ({} missing, {} unexpected, {} wrong dtype, {} wrong shape, {} "
            "duplicated): {}",
-           checkpoint_dir, r.problems.size(), r.missing, r.unexpected, r.wrong_dtype, r.wrong_shape,
-           r.duplicates, list);
+           checkpoint_dir, r.problems.size(), r.problems.size() == 1 ? "" : "s", r.missing,
+           r.unexpected, r.wrong_dtype, r.wrong_shape, r.duplicates, list);
 }
 
 }  // namespace fn

@@ -25,6 +25,7 @@ expect() {  # expect CODE PATTERN -- command...
 expect 2 "subcommand" -- "$fngen"
 expect 2 "bogus" -- "$fngen" --bogus
 expect 2 "unknown subcommand 'frobnicate'" -- "$fngen" frobnicate -m x
+expect 2 "unknown subcommand 'eval frobnicate'" -- "$fngen" eval frobnicate -m x
 expect 2 "bogus" -- "$fngen" inspect "$tmp" --bogus
 expect 2 "tp" -- "$fngen" inspect "$tmp" --tp notanumber
 expect 3 "$tmp/nonexistent" -- "$fngen" inspect "$tmp/nonexistent"

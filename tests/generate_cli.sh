@@ -76,6 +76,8 @@ expect 2 "--tp 2 must equal the number of MPI ranks" -- mpi 4 -m "$fx/tp4" --pro
 # -n -1 (until the context is full) with a prompt that already fills it: the message says so.
 expect 2 "fills the context size -c/--ctx-size 4: -n/--max-new-tokens -1" -- \
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4 -c 4 -n -1
+expect 2 "--chat renders a text prompt" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --chat
+expect 2 "--stop: an empty stop string" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --stop ""
 # Input files: a directory, an empty JSONL batch.
 expect 3 "is a directory, not a file" -- mpi 2 -m "$fx/g3_tiny" -f "$tmp"
 : >"$tmp/empty.jsonl"

@@ -407,7 +407,8 @@ TEST_CASE("config: the RadixArk quantization config marks only routed experts NV
   CHECK(!q.ngram_fp8(no_dtype));
 }
 
-TEST_CASE("config: hf_quant_config.json is parsed and preferred over config.json") {
+TEST_CASE(
+    "config: hf_quant_config.json is parsed, preferred over config.json and must agree with it") {
   auto dir = temp_dir("hfq");
   json cfg = read(kReal);
   cfg["quantization_config"]["quant_algo"] = "NVFP4";
@@ -424,6 +425,17 @@ TEST_CASE("config: hf_quant_config.json is parsed and preferred over config.json
   CHECK(q.algo == fn::QuantConfig::Algo::Nvfp4);
   CHECK(q.exclude_modules.size() == 13);
   CHECK(q.kv_cache_quant_algo.empty());
+  // The two files must name the same algorithm (case aside).
+  cfg["quantization_config"]["quant_algo"] = "nvfp4";
+  write(dir / "config.json", cfg.dump());
+  CHECK(fn::load_quant_config(dir).algo == fn::QuantConfig::Algo::Nvfp4);
+  cfg["quantization_config"]["quant_algo"] = "FP8";
+  write(dir / "config.json", cfg.dump());
+  CHECK_THROWS_WITH_AS(fn::load_quant_config(dir),
+                       doctest::Contains("quantization_config.quant_algo 'FP8' disagrees with"),
+                       fn::Error);
+  cfg["quantization_config"]["quant_algo"] = "NVFP4";
+  write(dir / "config.json", cfg.dump());
   std::filesystem::remove(dir / "hf_quant_config.json");
   q = fn::load_quant_config(dir);
   CHECK(q.source == (dir / "config.json").string());

@@ -27,6 +27,28 @@ std::string read_file(const std::string& path, const char* flag) {
   return out;
 }
 
+void require_model_dir(const std::string& path) {
+  std::error_code ec;
+  FN_REQUIRE(std::filesystem::exists(path, ec), Io, "-m/--model {}: no such directory", path);
+  FN_REQUIRE(std::filesystem::is_directory(path, ec), Usage,
+             "-m/--model {}: is a file; give the model directory (the one holding config.json and "
+             "the safetensors files)",
+             path);
+}
+
+void require_outside_model(const std::string& path, const std::string& model_dir,
+                           const char* flag) {
+  if (path.empty()) return;
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::weakly_canonical(model_dir, ec);
+  const std::filesystem::path parent =
+      std::filesystem::weakly_canonical(std::filesystem::absolute(path, ec).parent_path(), ec);
+  FN_REQUIRE(ec || parent != dir, Usage,
+             "{} {}: inside the model directory {}; write it elsewhere (it could replace the "
+             "checkpoint's own files)",
+             flag, path, model_dir);
+}
+
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {
   std::istringstream in(read_file(path, flag));
   std::vector<std::string> lines;

@@ -20,6 +20,16 @@ inline constexpr std::size_t kMaxInputFileBytes = std::size_t{1} << 30;
 /// directory, and for a file (or device such as /dev/zero) longer than kMaxInputFileBytes.
 std::string read_file(const std::string& path, const char* flag);
 
+/// Checks that `path` (the value of -m/--model) is a directory, so that a config.json given in
+/// its place is named as such instead of failing later on "<file>/config.json". Throws
+/// fn::Error(Io) when it does not exist, fn::Error(Usage) when it is a file.
+void require_model_dir(const std::string& path);
+
+/// Refuses an output file (`flag` PATH) that would land in the model directory `model_dir`,
+/// where it could overwrite the checkpoint's own files (config.json, a shard). Throws
+/// fn::Error(Usage) naming both. An empty `path` passes.
+void require_outside_model(const std::string& path, const std::string& model_dir, const char* flag);
+
 /// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line
 /// numbers in messages match the file). Throws what read_file throws, and fn::Error(Format)
 /// "<flag> <path>: no records" when no line holds anything but white space.

@@ -65,6 +65,10 @@ int cuda_device_count(std::string* why) {
 // (`hash` reads them from the model). Device decoding is switched off, so every step goes
 // through forward() and is checked; the step count restarts at reset().
 void check_choices_each_step(LoadedBackend& b, Collectives& coll, std::function<uint64_t()> hash) {
+  FN_LOG_INFO(
+      "--check-choices: after every step the {} rank(s) compare a hash of their expert ids and "
+      "indexer blocks; sampling on the host",
+      coll.size());
   auto step = std::make_shared<int64_t>(0);
   b.forward = [inner = b.forward, hash = std::move(hash), &coll, step](int32_t t) {
     auto logits = inner(t);

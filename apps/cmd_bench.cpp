@@ -622,6 +622,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
              o.breakdown_steps);
   const bool skip_prefill = o.skip_prefill || o.random_weights;
 
+  if (!o.random_weights) require_model_dir(o.model);
   const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
   const ModelConfig cfg = load_model_config(dir);
   const GenerationConfig gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir);

@@ -94,6 +94,7 @@ struct Loaded {
 // Checks --backend/--tp before any input is read (whether CUDA is usable is decided at load).
 void check_common(const CommonCli& c, MpiContext& mpi) {
   check_backend_and_tp(c.backend.backend, c.backend.tp, mpi.world_size());
+  require_model_dir(c.model);
 }
 
 // Collective: loads the backend with room for `ctx_size` tokens per sequence (sizes the cuda
@@ -129,6 +130,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   FN_REQUIRE(o.save_top_k >= 0, Usage, "--save-top-k must be >= 0, got {}", o.save_top_k);
   FN_REQUIRE(o.chunks == -1 || o.chunks >= 1, Usage,
              "--chunks must be >= 1 (or -1, the default: every window), got {}", o.chunks);
+  require_outside_model(o.save_logits, c.model, "--save-logits");
   const fs::path dir = c.model;
   const ModelConfig cfg = load_model_config(dir);
   FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
@@ -227,6 +229,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   FN_REQUIRE(o.top_k >= 0, Usage, "--top-k must be >= 0 (0 = full rows), got {}", o.top_k);
   FN_REQUIRE(!(o.top_k > 0 && o.values == "logits"), Usage,
              "--values logits needs full rows: --top-k stores log-probs");
+  require_outside_model(o.output, c.model, "-o/--output");
   const fs::path dir = c.model;
   const ModelConfig cfg = load_model_config(dir);
   FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
@@ -478,6 +481,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   check_common(c, mpi);
   const bool root = mpi.world_rank() == 0;
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+  require_outside_model(o.score_output, c.model, "-o/--output");
   FN_REQUIRE(o.max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}",
              o.max_new_tokens);
   FN_REQUIRE(o.temp >= 0, Usage, "--temp must be >= 0, got {}", o.temp);

@@ -277,6 +277,8 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   for (const std::string& st : o.stop)
     FN_REQUIRE(!st.empty(), Usage, "--stop: an empty stop string would stop at once");
 
+  require_model_dir(o.model);
+  require_outside_model(o.output, o.model, "-o/--output");
   const fs::path dir = o.model;
   const ModelConfig cfg = load_model_config(dir);
   const GenerationConfig gen = load_generation_config(dir);

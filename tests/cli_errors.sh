@@ -32,6 +32,10 @@ expect 3 "$tmp/nonexistent" -- "$fngen" inspect "$tmp/nonexistent"
 expect 2 "got 3" -- "$fngen" inspect "$src/configs/tiny.json" --tp 3
 expect 2 "ctx-size" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size -5
 expect 2 "max_position_embeddings (4096)" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size 99999999
+# -m takes the model directory: a config file or a missing path is named as such.
+expect 2 "is a file; give the model directory" -- "$fngen" generate -m "$src/configs/tiny.json" --prompt-ids 1
+expect 2 "is a file; give the model directory" -- "$fngen" eval ppl -m "$src/configs/tiny.json" --ids-file x
+expect 3 "no such directory" -- "$fngen" generate -m "$tmp/no-model" --prompt-ids 1
 printf 'not json' >"$tmp/bad.json"
 expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }

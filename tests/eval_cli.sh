@@ -152,6 +152,9 @@ expect 2 "exactly one of -f/--file" -- mpi 1 ppl -m "$fx/tp4"
 expect 2 "--chunks must be >= 1 (or -1" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks -3
 expect 2 "--chunks must be >= 1 (or -1" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks 0
 expect 3 "is a directory, not a file" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp"
+# Outputs never land in the model directory (they could replace config.json or a shard).
+expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o "$fx/tp4/config.json"
+expect 2 "inside the model directory" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$fx/tp4/x.fnl"
 : >"$tmp/no_tasks.jsonl"
 expect 3 "no_tasks.jsonl: no records" -- mpi 2 score -m "$fx/tp4" -i "$tmp/no_tasks.jsonl"
 expect 2 "--backend cuda" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --backend cuda

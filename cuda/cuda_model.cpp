@@ -884,24 +884,6 @@ void CudaModel::Impl::reset_state(const ModelConfig& c) {
   FN_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
-namespace {
-
-void gemv(const uint16_t* w, int64_t rows, int64_t cols, const void* x, DType x_dtype, void* y,
-          DType y_dtype, cudaStream_t s) {
-  GemvBf16Params g;
-  g.weight = w;
-  g.rows = rows;
-  g.cols = cols;
-  g.ld = cols;
-  g.x = x;
-  g.x_dtype = x_dtype;
-  g.y = y;
-  g.y_dtype = y_dtype;
-  launch_gemv_bf16(g, s);
-}
-
-}  // namespace
-
 void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& o,
                                   const DeviceSamplingParams* sampling) {
   const int tp = o.tp_size;
@@ -1007,8 +989,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       launch_ngram_gather(ng, s);
       all_reduce(e_ng, c.ple_embed_dim);
       mark(StepFamily::Ple);
-      gemv(pl.kv_proj, S * c.ple_embed_dim + D, c.ple_embed_dim, e_ng, DType::F32, kvp, DType::F32,
-           s);
+      launch_gemv_bf16(pl.kv_proj, S * c.ple_embed_dim + D, c.ple_embed_dim, e_ng, DType::F32, kvp,
+                       DType::F32, s);
       PleApplyParams pa;
       pa.kv = kvp;
       pa.H = H;
@@ -1031,7 +1013,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if (L.qsa) {
       mark(StepFamily::QsaMixer);
       DevQsa& a = L.attn;
-      gemv(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
+      launch_gemv_bf16(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
       QsaDecodeParams q = qsa_shape(c, o);
       q.proj = proj;
       q.q_norm = a.q_norm;
@@ -1061,11 +1043,11 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
                                       cudaMemcpyDeviceToDevice, s));
       }
       ++qsa_index;
-      gemv(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
+      launch_gemv_bf16(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
     } else {
       mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
-      gemv(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
+      launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
       GdnDecodeParams gp;
       gp.proj = proj;
       gp.conv_weight = g.conv;
@@ -1084,7 +1066,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
       launch_gdn_decode(gp, s);
-      gemv(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
+      launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
     }
     all_reduce(y, D);
     inject();
@@ -1092,7 +1074,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     hc_read(L.mlp_hc, iota, m_bf16);
     mark(StepFamily::Router);
     DevMoe& mo = L.moe;
-    gemv(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
+    launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
     RouterParams rp;
     rp.logits = rl;
     rp.num_experts = static_cast<int>(E);
@@ -1134,13 +1116,13 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.y = y;
     launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
-    gemv(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
+    launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
     SwigluParams sw;
     sw.gate_up = sgu;
     sw.h = sh;
     sw.inter = Is_l;
     launch_swiglu(sw, s);
-    gemv(mo.s_down, D, Is_l, sh, DType::BF16, ys, DType::F32, s);
+    launch_gemv_bf16(mo.s_down, D, Is_l, sh, DType::BF16, ys, DType::F32, s);
     MoeCombineParams mc;
     mc.y = y;
     mc.y_shared = ys;
@@ -1154,7 +1136,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   hc_read(final_hc, nullptr, nullptr);
   mark(StepFamily::LmHead);
   if (tp > 1) {
-    gemv(lm_head, v_local, D, m, DType::F32, logits_local, DType::F32, s);
+    launch_gemv_bf16(lm_head, v_local, D, m, DType::F32, logits_local, DType::F32, s);
     ScatterLogitsParams sc;
     sc.local = logits_local;
     sc.full = logits;
@@ -1165,7 +1147,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     all_reduce(logits, V);
     mark(StepFamily::LmHead);
   } else {
-    gemv(lm_head, V, D, m, DType::F32, logits, DType::F32, s);
+    launch_gemv_bf16(lm_head, V, D, m, DType::F32, logits, DType::F32, s);
   }
   if (c.has_ple()) {
     NgramContextAdvanceParams ca;

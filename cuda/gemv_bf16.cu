@@ -215,4 +215,18 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   FN_CUDA_LAUNCH_CHECK("gemv_bf16_kernel");
 }
 
+void launch_gemv_bf16(const uint16_t* weight, int64_t rows, int64_t cols, const void* x,
+                      DType x_dtype, void* y, DType y_dtype, cudaStream_t stream) {
+  GemvBf16Params g;
+  g.weight = weight;
+  g.rows = rows;
+  g.cols = cols;
+  g.ld = cols;
+  g.x = x;
+  g.x_dtype = x_dtype;
+  g.y = y;
+  g.y_dtype = y_dtype;
+  launch_gemv_bf16(g, stream);
+}
+
 }  // namespace fn

@@ -48,4 +48,9 @@ GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count);
 /// plan; fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_gemv_bf16(const GemvBf16Params& params, cudaStream_t stream);
 
+/// launch_gemv_bf16 for a dense row-major W (ld = cols) with the planned launch: y = W x, the
+/// same math, errors and capture rules as above.
+void launch_gemv_bf16(const uint16_t* weight, int64_t rows, int64_t cols, const void* x,
+                      DType x_dtype, void* y, DType y_dtype, cudaStream_t stream);
+
 }  // namespace fn

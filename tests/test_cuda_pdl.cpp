@@ -54,16 +54,7 @@ void fill(DeviceArray<T>& a, fn::RandomFill kind, fn::DType dtype, float lo, flo
 
 void gemv(const DeviceArray<uint16_t>& w, int64_t rows, int64_t cols, const void* x,
           fn::DType x_dtype, void* y, cudaStream_t s) {
-  fn::GemvBf16Params g;
-  g.weight = w.ptr;
-  g.rows = rows;
-  g.cols = cols;
-  g.ld = cols;
-  g.x = x;
-  g.x_dtype = x_dtype;
-  g.y = y;
-  g.y_dtype = fn::DType::F32;
-  fn::launch_gemv_bf16(g, s);
+  fn::launch_gemv_bf16(w.ptr, rows, cols, x, x_dtype, y, fn::DType::F32, s);
 }
 
 // The weights and the carried state of the chain.

@@ -5,22 +5,7 @@
 set -u
 fngen=$1
 src=$2
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-
-expect() {  # expect CODE PATTERN -- command...
-  local code=$1 pattern=$2
-  shift 3
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
-    echo "FAIL: '$*' exited $got (want $code), stderr: $(cat "$tmp/err")"
-    failures=$((failures + 1))
-  else
-    echo "ok: '$*' -> $got: $(head -n1 "$tmp/err")"
-  fi
-}
+source "$src/tests/cli_lib.sh"
 
 expect 2 "subcommand" -- "$fngen"
 expect 2 "bogus" -- "$fngen" --bogus

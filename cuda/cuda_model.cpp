@@ -294,7 +294,10 @@ void check_supported(const ModelConfig& c, const CudaModelOptions& o, bool exper
 }
 
 // The shape fields of the QSA launch for this model and rank (pointers left null).
-QsaDecodeParams qsa_shape(const ModelConfig& c, const CudaModelOptions& o) {
+}  // namespace
+
+// Declared in cuda_model_impl.h (the prefill shares it).
+QsaDecodeParams model_detail::qsa_shape(const ModelConfig& c, const CudaModelOptions& o) {
   const RankDims d = rank_dims(c, o.tp_size, o.tp_rank);
   QsaDecodeParams q;
   q.ctx_size = o.ctx_size;
@@ -313,6 +316,46 @@ QsaDecodeParams qsa_shape(const ModelConfig& c, const CudaModelOptions& o) {
   q.eps = static_cast<float>(c.rms_norm_eps);
   return q;
 }
+
+namespace {}  // namespace
+
+NgramGatherParams model_detail::ngram_gather_params(const ModelConfig& c, const DevPle& pl) {
+  NgramGatherParams ng;
+  ng.ngram_size = static_cast<int>(c.ngram_size);
+  FN_CHECK(pl.consts.multipliers.size() <= 8 && pl.consts.head_sizes.size() <= 32,
+           "n-gram constants exceed the kernel's limits");
+  ng.num_multipliers = static_cast<int>(pl.consts.multipliers.size());
+  std::copy(pl.consts.multipliers.begin(), pl.consts.multipliers.end(), ng.multipliers);
+  ng.num_heads = static_cast<int>(pl.consts.head_sizes.size());
+  std::copy(pl.consts.head_sizes.begin(), pl.consts.head_sizes.end(), ng.head_sizes);
+  std::copy(pl.consts.head_offsets.begin(), pl.consts.head_offsets.end(), ng.head_offsets);
+  ng.heads_per_ngram = static_cast<int>(pl.consts.heads_per_ngram);
+  ng.rows = pl.rows;
+  ng.first_row = pl.first_row;
+  ng.row_count = pl.row_count;
+  ng.fp8 = pl.fp8;
+  ng.scale = pl.scale;
+  ng.head_dim = static_cast<int>(c.ngram_head_dim());
+  ng.eos = pl.consts.eos;
+  return ng;
+}
+
+PleApplyParams model_detail::ple_apply_params(const ModelConfig& c, const DevPle& pl) {
+  PleApplyParams pa;
+  pa.norm_key = pl.norm_key;
+  pa.norm_query = pl.norm_query;
+  pa.norm_conv = pl.norm_conv;
+  pa.conv = pl.conv;
+  pa.conv_state = pl.conv_state;
+  pa.hc_count = static_cast<int>(c.hc_count);
+  pa.dim = c.ple_embed_dim;
+  pa.conv_kernel = static_cast<int>(c.ple_conv_kernel_size);
+  pa.dilation = static_cast<int>(c.ple_conv_dilation());
+  pa.eps = static_cast<float>(c.rms_norm_eps);
+  return pa;
+}
+
+namespace {
 
 // Builds every device weight and state of the model from `src`.
 struct Builder {
@@ -726,44 +769,18 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if (L.has_ple) {
       mark(StepFamily::Ple);
       DevPle& pl = L.ple;
-      NgramGatherParams ng;
+      NgramGatherParams ng = ngram_gather_params(c, pl);
       ng.token = token;
       ng.context = context;
-      ng.ngram_size = static_cast<int>(c.ngram_size);
-      FN_CHECK(pl.consts.multipliers.size() <= 8 && pl.consts.head_sizes.size() <= 32,
-               "n-gram constants exceed the kernel's limits");
-      ng.num_multipliers = static_cast<int>(pl.consts.multipliers.size());
-      std::copy(pl.consts.multipliers.begin(), pl.consts.multipliers.end(), ng.multipliers);
-      ng.num_heads = static_cast<int>(pl.consts.head_sizes.size());
-      std::copy(pl.consts.head_sizes.begin(), pl.consts.head_sizes.end(), ng.head_sizes);
-      std::copy(pl.consts.head_offsets.begin(), pl.consts.head_offsets.end(), ng.head_offsets);
-      ng.heads_per_ngram = static_cast<int>(pl.consts.heads_per_ngram);
-      ng.rows = pl.rows;
-      ng.first_row = pl.first_row;
-      ng.row_count = pl.row_count;
-      ng.fp8 = pl.fp8;
-      ng.scale = pl.scale;
-      ng.head_dim = static_cast<int>(c.ngram_head_dim());
       ng.out = e_ng;
-      ng.eos = pl.consts.eos;
       launch_ngram_gather(ng, s);
       all_reduce(e_ng, c.ple_embed_dim);
       mark(StepFamily::Ple);
       launch_gemv_bf16(pl.kv_proj, S * c.ple_embed_dim + D, c.ple_embed_dim, e_ng, DType::F32, kvp,
                        DType::F32, s);
-      PleApplyParams pa;
+      PleApplyParams pa = ple_apply_params(c, pl);
       pa.kv = kvp;
       pa.H = H;
-      pa.norm_key = pl.norm_key;
-      pa.norm_query = pl.norm_query;
-      pa.norm_conv = pl.norm_conv;
-      pa.conv = pl.conv;
-      pa.conv_state = pl.conv_state;
-      pa.hc_count = static_cast<int>(S);
-      pa.dim = c.ple_embed_dim;
-      pa.conv_kernel = static_cast<int>(c.ple_conv_kernel_size);
-      pa.dilation = static_cast<int>(c.ple_conv_dilation());
-      pa.eps = eps;
       launch_ple_apply(pa, s);
       if (residuals)
         FN_CUDA_CHECK(cudaMemcpyAsync(residuals + n_injects++ * W, H, sizeof(float) * W,

@@ -45,6 +45,18 @@ struct CudaModelOptions {
   /// Debug (`--check-choices`): copy every layer's router expert ids and every QSA layer's
   /// selected block ids out of each step into a log that last_choices() reads.
   bool record_choices = false;
+  /// Tokens per batched prefill pass (`--prefill-chunk`, issue 7): prefill() splits a longer
+  /// prompt into passes of at most this many tokens, each continuing from the states the last
+  /// one left. Capped at ctx_size; the pass buffers (allocated on the first prefill()) scale with
+  /// it: about 0.3 MB per token at the real TP=1 geometry. >= 1.
+  int64_t prefill_chunk = 8192;
+};
+
+/// Which logits CudaModel::prefill returns.
+enum class PrefillLogits {
+  None,  ///< none (the caller decodes from the last token itself)
+  Last,  ///< the last token's [vocab_size]
+  All,   ///< every token's, [n, vocab_size] row-major (tests; n * vocab_size floats of host memory)
 };
 
 /// The discrete choices of one decode step (the layout of CpuModel::Choices): router = per
@@ -126,6 +138,22 @@ class CudaModel {
   /// outside the vocabulary or a full context (naming -c/--ctx-size), fn::Error(Format) when
   /// the logits are not finite.
   std::span<const float> forward(int32_t token);
+
+  /// Batched prefill (MODEL.md §D, issue 7): runs `tokens` at positions position() ..
+  /// position() + n - 1 as forward() would one by one, in passes of at most
+  /// CudaModelOptions::prefill_chunk tokens: per layer, cuBLAS GEMMs for the dense projections
+  /// (FP32 activations as BF16 hi + lo, cuda/gemm.h), the GDN scan, the QSA prefill with each
+  /// row's own block selection, PLE over the rows with the EOS-aware n-gram shift, and the routed
+  /// experts grouped by expert. Leaves every state (KV and indexer caches, GDN state and conv
+  /// context, PLE conv history, n-gram context, position) as n forward() calls would, so
+  /// forward()/decode() continue from it. Returns `logits` (see PrefillLogits; valid until the
+  /// next call), identical on every rank. Not graph-captured; synchronises the stream. Every
+  /// rank must call it alike. Throws fn::Error(Usage) for an empty list, a token outside the
+  /// vocabulary or more tokens than -c/--ctx-size leaves room for (naming both numbers),
+  /// fn::Error(Format) when a returned logit is not finite, fn::Error(Cuda) when the pass
+  /// buffers do not fit the device (naming the bytes and --prefill-chunk).
+  std::span<const float> prefill(std::span<const int32_t> tokens,
+                                 PrefillLogits logits = PrefillLogits::Last);
 
   /// Greedy or sampled generation entirely on the device (DESIGN.md step 8): feeds `token` at
   /// position(), then for each of `count` steps samples the next id on the device (identical on

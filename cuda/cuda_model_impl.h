@@ -18,6 +18,8 @@
 #include "core/ngram.h"
 #include "cuda/cuda_model.h"
 #include "cuda/moe_nvfp4.h"
+#include "cuda/ple.h"
+#include "cuda/qsa.h"
 #include "cuda/sample.h"
 
 namespace fn {
@@ -25,6 +27,9 @@ namespace model_detail {
 
 class WeightSource;      // cuda_model.cpp: where load()/random() take the weights from
 class CheckpointSource;  // cuda_model.cpp
+
+/// The QSA kernels' shape fields for this rank (local heads, RoPE, indexer; no pointers).
+QsaDecodeParams qsa_shape(const ModelConfig& c, const CudaModelOptions& o);
 
 // ---- device memory -----------------------------------------------------------------------------
 
@@ -157,6 +162,12 @@ struct DevLayer {
   DevQsa attn;
   DevMoe moe;
 };
+
+/// The n-gram gather's constants and table view for the PLE layer `pl` (token, context and out
+/// left for the caller).
+NgramGatherParams ngram_gather_params(const ModelConfig& c, const DevPle& pl);
+/// The PLE apply's weights, state and sizes for `pl` (kv and H left for the caller).
+PleApplyParams ple_apply_params(const ModelConfig& c, const DevPle& pl);
 
 }  // namespace model_detail
 

@@ -10,6 +10,7 @@
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
+#include "cuda/qsa_device.cuh"
 
 namespace fn {
 namespace {
@@ -23,6 +24,10 @@ constexpr int kSmemLimit = 48 * 1024;
 constexpr int kMaxG = 16;           // query heads per KV head (12 real), one accumulator each
 constexpr int kSelectCache = 8192;  // select keys kept in shared memory (B <= 8192: t < 32768)
 constexpr uint16_t kBf16Nan = 0x7FC0;
+static_assert(kThreads == qsa_dev::kQsaThreads && kSelectThreads == qsa_dev::kQsaSelectThreads);
+static_assert(kMaxDim == qsa_dev::kQsaMaxDim && kMaxChunks == qsa_dev::kQsaMaxChunks);
+static_assert(kSelectCache == qsa_dev::kQsaSelectCache);
+using qsa_dev::norm_rope;
 
 struct Args {
   const float* proj;
@@ -55,46 +60,6 @@ struct Args {
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
   return t >= 0 && t < ctx;
-}
-
-// Block-wide FP64 sum in a fixed order (butterfly per warp, then warps ascending); every thread
-// gets the total. `red` holds kThreads / 32 doubles.
-__device__ double block_sum_f64(double v, double* red) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double s = red[0];
-  for (int i = 1; i < kThreads / 32; ++i) s += red[i];
-  __syncthreads();
-  return s;
-}
-
-// rms_norm_1p then rope_neox (core/cpu_ops.cpp) of one head of n <= kMaxDim values x into the
-// shared y, op for op as the CPU code in FP32 (the statistic in FP64); intrinsics keep nvcc from
-// contracting the RoPE products into FMAs. cos/sin of the FP32 angle are evaluated in FP64 and
-// rounded once. Every thread of the block must call it.
-__device__ void norm_rope(const float* x, const float* w, int n, float eps, int rot, double theta,
-                          int64_t pos, float* y, double* red) {
-  const int tid = threadIdx.x;
-  const float xv = tid < n ? x[tid] : 0.0f;
-  const double ss = block_sum_f64(static_cast<double>(xv) * xv, red);
-  const float mean = static_cast<float>(ss / static_cast<double>(n));
-  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-  if (tid < n) y[tid] = __fmul_rn(__fmul_rn(xv, inv), __fadd_rn(1.0f, w[tid]));
-  __syncthreads();
-  const int half = rot / 2;
-  if (tid < half) {
-    const float inv_freq = static_cast<float>(
-        1.0 / pow(theta, static_cast<double>(2 * tid) / static_cast<double>(rot)));
-    const float phi = __fmul_rn(static_cast<float>(pos), inv_freq);
-    double sd, cd;
-    sincos(static_cast<double>(phi), &sd, &cd);
-    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
-    const float a = y[tid], b = y[tid + half];
-    y[tid] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    y[tid + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-  }
-  __syncthreads();
 }
 
 // One CTA per role: query heads [0, hq), KV heads [hq, hq+hkv) (K row + V row), indexer query
@@ -158,59 +123,9 @@ __global__ void __launch_bounds__(kThreads) qsa_scores_kernel(Args a) {
   const int64_t warps = int64_t{gridDim.x} * (kThreads / 32);
   const double scale = 1.0 / sqrt(static_cast<double>(a.ihd));
   for (int64_t b = int64_t{blockIdx.x} * (kThreads / 32) + (threadIdx.x >> 5); b < B; b += warps) {
-    const float* kb = a.block_keys + b * a.ihd;
-    float kv[kMaxDim / 32];
-#pragma unroll
-    for (int r = 0; r < kMaxDim / 32; ++r) {
-      const int d = lane + 32 * r;
-      kv[r] = d < a.ihd ? kb[d] : 0.0f;
-    }
-    double acc = 0.0;
-    for (int h = 0; h < a.ni; ++h) {
-      double p = 0.0;
-#pragma unroll
-      for (int r = 0; r < kMaxDim / 32; ++r) {
-        const int d = lane + 32 * r;
-        if (d < a.ihd) p += static_cast<double>(qs[h * a.ihd + d]) * kv[r];
-      }
-      for (int off = 16; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
-      const float dh = static_cast<float>(p);
-      acc += static_cast<double>(0.0f < dh ? dh : 0.0f);
-    }
-    if (lane == 0) a.scores[b] = static_cast<float>(acc * scale);
+    const float s = qsa_dev::block_score(qs, a.block_keys + b * a.ihd, a.ni, a.ihd, lane, scale);
+    if (lane == 0) a.scores[b] = s;
   }
-}
-
-// Monotone map of a score to an unsigned key (larger score -> larger key); -0 maps as +0 so that
-// equal values compare equal as the CPU's float comparison does. NaN lands above +inf.
-__device__ __forceinline__ uint32_t order_key(float s) {
-  const uint32_t u = s == 0.0f ? 0u : __float_as_uint(s);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// Exclusive prefix sum over the CTA (kSelectThreads threads), integer so order-free.
-__device__ int block_exclusive_scan(int v, int* sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = v;
-  for (int off = 1; off < 32; off <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += n;
-  }
-  if (lane == 31) sh[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const int w = lane < kSelectThreads / 32 ? sh[lane] : 0;
-    int wi = w;
-    for (int off = 1; off < 32; off <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, wi, off);
-      if (lane >= off) wi += n;
-    }
-    if (lane < kSelectThreads / 32) sh[lane] = wi - w;
-  }
-  __syncthreads();
-  const int r = sh[warp] + incl - v;
-  __syncthreads();
-  return r;
 }
 
 // top_k + qsa_selected_tokens' block part: k = min(topk, B) blocks, higher score first, equal
@@ -218,12 +133,7 @@ __device__ int block_exclusive_scan(int v, int* sh) {
 // T; every key > T is selected plus the lowest-indexed (k - #greater) keys equal to T.
 __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
-  __shared__ unsigned hist[256];
-  __shared__ uint32_t keys[kSelectCache];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_remaining;
-  __shared__ int scan_sh[32];
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x;
   const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) {
     if (tid < 4) a.counters[tid] = 0;
@@ -246,75 +156,7 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
     for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
     return;
   }
-  // Keys of the first kSelectCache blocks in shared memory; later ones are re-read.
-  const int cached = min(B, kSelectCache);
-  for (int i = tid; i < cached; i += kSelectThreads) keys[i] = order_key(a.scores[i]);
-  __syncthreads();
-  auto key = [&](int i) { return i < kSelectCache ? keys[i] : order_key(a.scores[i]); };
-  uint32_t prefix = 0, mask = 0;
-  int remaining = k;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    if (tid < 256) hist[tid] = 0;
-    __syncthreads();
-    for (int i = tid; i < B; i += kSelectThreads) {
-      const uint32_t u = key(i);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
-    }
-    __syncthreads();
-    if (tid < 32) {
-      // Lane l holds bins 255-8l .. 248-8l (from the top); find the bin holding the
-      // remaining-th largest key.
-      unsigned c[8], tot = 0;
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        c[r] = hist[255 - 8 * lane - r];
-        tot += c[r];
-      }
-      unsigned incl = tot;
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned n = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += n;
-      }
-      const unsigned excl = incl - tot;
-      const unsigned rem = static_cast<unsigned>(remaining);
-      if (excl < rem && rem <= incl) {
-        unsigned cum = excl;
-        for (int r = 0; r < 8; ++r) {
-          if (cum + c[r] >= rem) {
-            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
-            s_remaining = static_cast<int>(rem - cum);
-            break;
-          }
-          cum += c[r];
-        }
-      }
-    }
-    __syncthreads();
-    prefix = s_prefix;
-    remaining = s_remaining;
-    mask |= 255u << shift;
-    __syncthreads();
-  }
-  // Compaction in index order: thread tid owns the contiguous range [lo, hi).
-  const uint32_t T = prefix;
-  const int per = (B + kSelectThreads - 1) / kSelectThreads;
-  const int lo = min(B, tid * per), hi = min(B, lo + per);
-  int gt = 0, eq = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    gt += u > T;
-    eq += u == T;
-  }
-  const int eq_before = block_exclusive_scan(eq, scan_sh);
-  const int take_eq = max(0, min(remaining - eq_before, eq));
-  int off = block_exclusive_scan(gt + take_eq, scan_sh);
-  int eq_seen = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    bool sel = u > T;
-    if (u == T) sel = eq_seen++ < take_eq;
-    if (sel) a.selected[off++] = i;
-  }
+  qsa_dev::select_top_blocks(a.scores, B, k, a.selected);
 }
 
 // Attention of the query heads of local KV head blockIdx.y over attended tokens
@@ -436,9 +278,6 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
 // summation order stays c = 0, 1, ...).
 __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
-  __shared__ float wc[kMaxChunks];
-  __shared__ float sc[kMaxChunks];
-  __shared__ float red[kThreads / 32];
   const int i = blockIdx.x, hd = a.hd, tid = threadIdx.x;
   const int64_t t = *a.position;
   uint16_t* out = a.out + int64_t{i} * hd;
@@ -447,46 +286,9 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
     return;
   }
   const int nc = (a.counters[2] + a.chunk - 1) / a.chunk;
-  const float* pm = a.part_max + int64_t{i} * a.max_chunks;
-  const float* ps = a.part_sum + int64_t{i} * a.max_chunks;
-  float m = -INFINITY;
-  for (int c = tid; c < nc; c += kThreads) {
-    wc[c] = pm[c];
-    sc[c] = ps[c];
-    m = fmaxf(m, wc[c]);
-  }
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if ((tid & 31) == 0) red[tid >> 5] = m;
-  __syncthreads();
-  float M = red[0];
-  for (int w = 1; w < kThreads / 32; ++w) M = fmaxf(M, red[w]);  // max: exact in any order
-  for (int c = tid; c < nc; c += kThreads) wc[c] = expf(wc[c] - M);
-  __syncthreads();
-  float L = 0.0f;
-  for (int c = 0; c < nc; ++c) L = fmaf(sc[c], wc[c], L);
-  const float* gate = a.proj + int64_t{i} * 2 * hd + hd;
-  const float* po = a.part_out + int64_t{i} * a.max_chunks * hd;
-  for (int d = tid; d < hd; d += kThreads) {
-    float o = 0.0f;
-    for (int c0 = 0; c0 < nc; c0 += 8) {
-      float v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = c0 + u < nc ? po[int64_t{c0 + u} * hd + d] : 0.0f;
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-        if (c0 + u < nc) o = fmaf(v[u], wc[c0 + u], o);
-    }
-    o = o / L;
-    const float g = gate[d];
-    float sg;
-    if (g >= 0.0f) {
-      sg = 1.0f / (1.0f + expf(-g));
-    } else {
-      const float e = expf(g);
-      sg = e / (1.0f + e);
-    }
-    out[d] = dev::float_to_bf16_bits(o * sg);
-  }
+  qsa_dev::combine_head(
+      a.part_max + int64_t{i} * a.max_chunks, a.part_sum + int64_t{i} * a.max_chunks,
+      a.part_out + int64_t{i} * a.max_chunks * hd, nc, hd, a.proj + int64_t{i} * 2 * hd + hd, out);
 }
 
 bool aligned(const void* p, uintptr_t n) {

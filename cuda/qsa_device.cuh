@@ -1,0 +1,249 @@
+// Device code shared by the QSA decode kernels (cuda/qsa.cu) and the QSA prefill kernels
+// (cuda/qsa_prefill.cu): FP64 block sum, norm + RoPE of one head, the indexer score of one block,
+// the top-k block radix select and the per-head combine with the sigmoid gate. One definition of
+// each so that prefill rows reproduce decode steps bit for bit. Included by those .cu files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/device_util.cuh"
+
+namespace fn::qsa_dev {
+
+constexpr int kQsaThreads = 256;         // CTA size of every QSA kernel except select
+constexpr int kQsaSelectThreads = 1024;  // the select CTA
+constexpr int kQsaMaxDim = 256;          // hd and ihd limit (one element per prep thread)
+constexpr int kQsaMaxChunks = 4096;      // combine keeps one weight per chunk in shared memory
+constexpr int kQsaSelectCache = 8192;    // select keys kept in shared memory
+
+// Block-wide FP64 sum in a fixed order (butterfly per warp, then warps ascending); every thread
+// gets the total. `red` holds kQsaThreads / 32 doubles.
+__device__ inline double block_sum_f64(double v, double* red) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = red[0];
+  for (int i = 1; i < kQsaThreads / 32; ++i) s += red[i];
+  __syncthreads();
+  return s;
+}
+
+// rms_norm_1p then rope_neox (core/cpu_ops.cpp) of one head of n <= kMaxDim values x into the
+// shared y, op for op as the CPU code in FP32 (the statistic in FP64); intrinsics keep nvcc from
+// contracting the RoPE products into FMAs. cos/sin of the FP32 angle are evaluated in FP64 and
+// rounded once. Every thread of the block must call it.
+__device__ inline void norm_rope(const float* x, const float* w, int n, float eps, int rot,
+                                 double theta, int64_t pos, float* y, double* red) {
+  const int tid = threadIdx.x;
+  const float xv = tid < n ? x[tid] : 0.0f;
+  const double ss = block_sum_f64(static_cast<double>(xv) * xv, red);
+  const float mean = static_cast<float>(ss / static_cast<double>(n));
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  if (tid < n) y[tid] = __fmul_rn(__fmul_rn(xv, inv), __fadd_rn(1.0f, w[tid]));
+  __syncthreads();
+  const int half = rot / 2;
+  if (tid < half) {
+    const float inv_freq = static_cast<float>(
+        1.0 / pow(theta, static_cast<double>(2 * tid) / static_cast<double>(rot)));
+    const float phi = __fmul_rn(static_cast<float>(pos), inv_freq);
+    double sd, cd;
+    sincos(static_cast<double>(phi), &sd, &cd);
+    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+    const float a = y[tid], b = y[tid + half];
+    y[tid] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    y[tid + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  }
+  __syncthreads();
+}
+
+// indexer_scores of one block for one warp (every lane gets the result): FP64 dot per head (as
+// cpu::dot), relu in FP32 (std::max(0.0f, x) semantics), the head sum in FP64, times `scale`
+// (1/sqrt(ihd) in FP64). `qs` holds the ni indexer queries of ihd floats, `kb` the block key.
+__device__ inline float block_score(const float* qs, const float* kb, int ni, int ihd, int lane,
+                                    double scale) {
+  float kv[kQsaMaxDim / 32];
+#pragma unroll
+  for (int r = 0; r < kQsaMaxDim / 32; ++r) {
+    const int d = lane + 32 * r;
+    kv[r] = d < ihd ? kb[d] : 0.0f;
+  }
+  double acc = 0.0;
+  for (int h = 0; h < ni; ++h) {
+    double p = 0.0;
+#pragma unroll
+    for (int r = 0; r < kQsaMaxDim / 32; ++r) {
+      const int d = lane + 32 * r;
+      if (d < ihd) p += static_cast<double>(qs[h * ihd + d]) * kv[r];
+    }
+    for (int off = 16; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
+    const float dh = static_cast<float>(p);
+    acc += static_cast<double>(0.0f < dh ? dh : 0.0f);
+  }
+  return static_cast<float>(acc * scale);
+}
+
+// Monotone map of a score to an unsigned key (larger score -> larger key); -0 maps as +0 so that
+// equal values compare equal as the CPU's float comparison does. NaN lands above +inf.
+__device__ __forceinline__ uint32_t order_key(float s) {
+  const uint32_t u = s == 0.0f ? 0u : __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum over the CTA (kQsaSelectThreads threads), integer so order-free.
+__device__ inline int block_exclusive_scan(int v, int* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = v;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += n;
+  }
+  if (lane == 31) sh[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < kQsaSelectThreads / 32 ? sh[lane] : 0;
+    int wi = w;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, wi, off);
+      if (lane >= off) wi += n;
+    }
+    if (lane < kQsaSelectThreads / 32) sh[lane] = wi - w;
+  }
+  __syncthreads();
+  const int r = sh[warp] + incl - v;
+  __syncthreads();
+  return r;
+}
+
+// top_k + qsa_selected_tokens' block part over scores[0..B): k < B blocks, higher score first,
+// equal scores -> lower index, written ascending to selected[0..k). Radix select (4 passes of 8
+// bits) finds the k-th key T; every key > T is selected plus the lowest-indexed (k - #greater)
+// keys equal to T. Every thread of a kQsaSelectThreads CTA must call it.
+__device__ inline void select_top_blocks(const float* scores, int B, int k, int* selected) {
+  __shared__ unsigned hist[256];
+  __shared__ uint32_t keys[kQsaSelectCache];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_remaining;
+  __shared__ int scan_sh[32];
+  const int tid = threadIdx.x, lane = tid & 31;
+  // Keys of the first kQsaSelectCache blocks in shared memory; later ones are re-read.
+  const int cached = min(B, kQsaSelectCache);
+  for (int i = tid; i < cached; i += kQsaSelectThreads) keys[i] = order_key(scores[i]);
+  __syncthreads();
+  auto key = [&](int i) { return i < kQsaSelectCache ? keys[i] : order_key(scores[i]); };
+  uint32_t prefix = 0, mask = 0;
+  int remaining = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (tid < 256) hist[tid] = 0;
+    __syncthreads();
+    for (int i = tid; i < B; i += kQsaSelectThreads) {
+      const uint32_t u = key(i);
+      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (tid < 32) {
+      // Lane l holds bins 255-8l .. 248-8l (from the top); find the bin holding the
+      // remaining-th largest key.
+      unsigned c[8], tot = 0;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        c[r] = hist[255 - 8 * lane - r];
+        tot += c[r];
+      }
+      unsigned incl = tot;
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned n = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += n;
+      }
+      const unsigned excl = incl - tot;
+      const unsigned rem = static_cast<unsigned>(remaining);
+      if (excl < rem && rem <= incl) {
+        unsigned cum = excl;
+        for (int r = 0; r < 8; ++r) {
+          if (cum + c[r] >= rem) {
+            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
+            s_remaining = static_cast<int>(rem - cum);
+            break;
+          }
+          cum += c[r];
+        }
+      }
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    remaining = s_remaining;
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  // Compaction in index order: thread tid owns the contiguous range [lo, hi).
+  const uint32_t T = prefix;
+  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
+  const int lo = min(B, tid * per), hi = min(B, lo + per);
+  int gt = 0, eq = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i);
+    gt += u > T;
+    eq += u == T;
+  }
+  const int eq_before = block_exclusive_scan(eq, scan_sh);
+  const int take_eq = max(0, min(remaining - eq_before, eq));
+  int off = block_exclusive_scan(gt + take_eq, scan_sh);
+  int eq_seen = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i);
+    bool sel = u > T;
+    if (u == T) sel = eq_seen++ < take_eq;
+    if (sel) selected[off++] = i;
+  }
+}
+
+// Combine of one query head over its nc chunks in ascending order (pm/ps: per-chunk maxima and
+// sums, po: [nc, hd] unnormalised outputs), then * sigmoid(gate) (the two-branch form of
+// cpu::sigmoid) -> BF16 into out[0..hd). Chunk loads are batched 8 at a time (the summation
+// order stays c = 0, 1, ...). Every thread of a kQsaThreads CTA must call it.
+__device__ inline void combine_head(const float* pm, const float* ps, const float* po, int nc,
+                                    int hd, const float* gate, uint16_t* out) {
+  __shared__ float wc[kQsaMaxChunks];
+  __shared__ float sc[kQsaMaxChunks];
+  __shared__ float red[kQsaThreads / 32];
+  const int tid = threadIdx.x;
+  float m = -INFINITY;
+  for (int c = tid; c < nc; c += kQsaThreads) {
+    wc[c] = pm[c];
+    sc[c] = ps[c];
+    m = fmaxf(m, wc[c]);
+  }
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  float M = red[0];
+  for (int w = 1; w < kQsaThreads / 32; ++w) M = fmaxf(M, red[w]);  // max: exact in any order
+  for (int c = tid; c < nc; c += kQsaThreads) wc[c] = expf(wc[c] - M);
+  __syncthreads();
+  float L = 0.0f;
+  for (int c = 0; c < nc; ++c) L = fmaf(sc[c], wc[c], L);
+  for (int d = tid; d < hd; d += kQsaThreads) {
+    float o = 0.0f;
+    for (int c0 = 0; c0 < nc; c0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = c0 + u < nc ? po[int64_t{c0 + u} * hd + d] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (c0 + u < nc) o = fmaf(v[u], wc[c0 + u], o);
+    }
+    o = o / L;
+    const float g = gate[d];
+    float sg;
+    if (g >= 0.0f) {
+      sg = 1.0f / (1.0f + expf(-g));
+    } else {
+      const float e = expf(g);
+      sg = e / (1.0f + e);
+    }
+    out[d] = dev::float_to_bf16_bits(o * sg);
+  }
+}
+
+}  // namespace fn::qsa_dev

@@ -1,0 +1,513 @@
+// QSA prefill kernels (see qsa_prefill.h). Rows are processed in groups; per group: prep (norms,
+// RoPE, K/V/raw-key rows), block keys completed in the group, indexer scores, top-k select,
+// chunked attention, combine + gate. Row y of a group is position t0 + y. The arithmetic of every
+// step is decode's (cuda/qsa_device.cuh, and an attention kernel that performs decode's exact
+// operation sequence per token with more work per shared-memory load).
+#include "cuda/qsa_prefill.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "comm/cuda_check.h"
+#include "cuda/device_util.cuh"
+#include "cuda/launch_check.h"
+#include "cuda/pdl.cuh"
+#include "cuda/qsa_device.cuh"
+
+namespace fn {
+namespace {
+
+using qsa_dev::kQsaMaxDim;
+using qsa_dev::kQsaSelectThreads;
+using qsa_dev::kQsaThreads;
+using qsa_dev::norm_rope;
+
+constexpr int kMaxIndexerQ = 4096;  // indexer_heads * ihd floats in static shared memory
+constexpr int kMaxG = 16;           // query heads per KV head (decode's limit)
+constexpr int kTokensPerWarp = 4;   // attention: tokens whose q.k chains a warp runs together
+constexpr int kMaxGroupRows = 1024;
+constexpr int kDefaultSmem = 48 * 1024;
+
+struct PArgs {
+  const float* proj;
+  int64_t proj_stride;
+  const float* q_norm;
+  const float* k_norm;
+  const float* iq_norm;
+  const float* ik_norm;
+  uint16_t* k_cache;
+  uint16_t* v_cache;
+  float* raw_keys;
+  float* block_keys;
+  uint16_t* out;
+  float* q;
+  float* qi;
+  float* scores;
+  int* selected;
+  int* counters;
+  float* part_out;
+  float* part_max;
+  float* part_sum;
+  int64_t t0;          // position of group row 0
+  int64_t r0;          // chunk row of group row 0 (proj and out row index)
+  int64_t b_first;     // first block completed inside the group
+  int64_t max_blocks;  // scores per row
+  int64_t sel_max;     // selected slots per row
+  double theta;
+  int hq, hkv, q_head_first, q_per_kv, kv_head_first, hd, rot;
+  int ni, ihd, ratio, topk;
+  float eps;
+  int chunk, max_chunks, gmax, gpad;
+  bool vec16;  // hd % 8 == 0 and 16-byte aligned caches: K/V rows staged with 16-byte loads
+};
+
+__device__ __forceinline__ const float* proj_row(const PArgs& a, int64_t y) {
+  return a.proj + (a.r0 + y) * a.proj_stride;
+}
+
+// Decode's prep roles for row blockIdx.y (position t0 + y): query heads, KV heads (K row + V
+// row), indexer query heads, the raw indexer key. Block keys follow in their own kernel (they read
+// raw keys of earlier rows of the group).
+__global__ void __launch_bounds__(kQsaThreads) prefill_prep_kernel(PArgs a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  __shared__ float y_s[kQsaMaxDim];
+  __shared__ double red[kQsaThreads / 32];
+  const int64_t y = blockIdx.y, t = a.t0 + y;
+  const float* proj = proj_row(a, y);
+  const int role = blockIdx.x, tid = threadIdx.x;
+  const int64_t hd = a.hd, qkv = int64_t{a.hq} * 2 * hd;
+  const int64_t idx_off = qkv + 2 * int64_t{a.hkv} * hd;
+  if (role < a.hq) {
+    norm_rope(proj + role * 2 * hd, a.q_norm, a.hd, a.eps, a.rot, a.theta, t, y_s, red);
+    if (tid < a.hd) a.q[(y * a.hq + role) * hd + tid] = y_s[tid];
+  } else if (role < a.hq + a.hkv) {
+    const int j = role - a.hq;
+    norm_rope(proj + qkv + j * hd, a.k_norm, a.hd, a.eps, a.rot, a.theta, t, y_s, red);
+    const int64_t row = t * a.hkv * hd + j * hd;
+    if (tid < a.hd) {
+      a.k_cache[row + tid] = dev::float_to_bf16_bits(y_s[tid]);
+      a.v_cache[row + tid] = dev::float_to_bf16_bits(proj[qkv + (a.hkv + j) * hd + tid]);
+    }
+  } else if (role < a.hq + a.hkv + a.ni) {
+    const int h = role - a.hq - a.hkv;
+    norm_rope(proj + idx_off + h * a.ihd, a.iq_norm, a.ihd, a.eps, a.rot, a.theta, t, y_s, red);
+    if (tid < a.ihd) a.qi[(y * a.ni + h) * a.ihd + tid] = y_s[tid];
+  } else {
+    const float* cur = proj + idx_off + int64_t{a.ni} * a.ihd;
+    if (tid < a.ihd) a.raw_keys[t * a.ihd + tid] = cur[tid];
+  }
+}
+
+// indexer_block_key of block b_first + blockIdx.x (complete inside the group): decode's FP64 mean
+// in row order over the raw keys (all written by now; the last is the completing row's key, which
+// decode reads from proj: the same bits), norm, RoPE at the block's first position.
+__global__ void __launch_bounds__(kQsaThreads) prefill_block_key_kernel(PArgs a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  __shared__ float y_s[kQsaMaxDim];
+  __shared__ float xin[kQsaMaxDim];
+  __shared__ double red[kQsaThreads / 32];
+  const int64_t b = a.b_first + blockIdx.x;
+  const int tid = threadIdx.x;
+  if (tid < a.ihd) {
+    double acc = 0.0;
+    for (int i = 0; i + 1 < a.ratio; ++i) acc += a.raw_keys[(b * a.ratio + i) * a.ihd + tid];
+    acc += a.raw_keys[(b * a.ratio + a.ratio - 1) * a.ihd + tid];
+    xin[tid] = static_cast<float>(acc / static_cast<double>(a.ratio));
+  }
+  __syncthreads();
+  norm_rope(xin, a.ik_norm, a.ihd, a.eps, a.rot, a.theta, b * a.ratio, y_s, red);
+  if (tid < a.ihd) a.block_keys[b * a.ihd + tid] = y_s[tid];
+}
+
+// Scores of blocks 0..B-1 for row blockIdx.y when it selects (B > block_topk): one warp per block
+// (decode's block_score), warps striding over the blocks.
+__global__ void __launch_bounds__(kQsaThreads) prefill_scores_kernel(PArgs a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  __shared__ float qs[kMaxIndexerQ];
+  const int64_t y = blockIdx.y, t = a.t0 + y;
+  const int64_t B = (t + 1) / a.ratio;
+  if (B <= a.topk) return;  // dense row: every block is selected, no scores needed
+  if (int64_t{blockIdx.x} * (kQsaThreads / 32) >= B) return;  // uniform over the CTA
+  const float* qi = a.qi + y * a.ni * a.ihd;
+  for (int i = threadIdx.x; i < a.ni * a.ihd; i += kQsaThreads) qs[i] = qi[i];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t{gridDim.x} * (kQsaThreads / 32);
+  const double scale = 1.0 / sqrt(static_cast<double>(a.ihd));
+  float* scores = a.scores + y * a.max_blocks;
+  for (int64_t b = int64_t{blockIdx.x} * (kQsaThreads / 32) + (threadIdx.x >> 5); b < B;
+       b += warps) {
+    const float s = qsa_dev::block_score(qs, a.block_keys + b * a.ihd, a.ni, a.ihd, lane, scale);
+    if (lane == 0) scores[b] = s;
+  }
+}
+
+// Decode's select for row blockIdx.y: counters, identity when every block is selected, else the
+// radix top-k (qsa_dev::select_top_blocks).
+__global__ void __launch_bounds__(kQsaSelectThreads) prefill_select_kernel(PArgs a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  const int tid = threadIdx.x;
+  const int64_t y = blockIdx.x, t = a.t0 + y;
+  const int B = static_cast<int>((t + 1) / a.ratio);
+  const int k = min(a.topk, B);
+  const int tail = static_cast<int>(t + 1 - int64_t{B} * a.ratio);
+  int* counters = a.counters + 4 * y;
+  int* selected = a.selected + y * a.sel_max;
+  if (tid == 0) {
+    counters[0] = k;
+    counters[1] = B;
+    counters[2] = k * a.ratio + tail;
+    counters[3] = 0;
+  }
+  if (k == B) {
+    for (int i = tid; i < B; i += kQsaSelectThreads) selected[i] = i;
+    return;
+  }
+  qsa_dev::select_top_blocks(a.scores + y * a.max_blocks, B, k, selected);
+}
+
+// Attention of row blockIdx.z, local KV head blockIdx.y, attended tokens [chunk*blockIdx.x,
+// +chunk): decode's qsa_attn_kernel operation for operation (per token and head one fmaf chain
+// over the dims in lane-strided pairs, the same butterfly, scale, per-chunk max, exp sum and
+// fmaf chain over the chunk's V rows), with a warp running kTokensPerWarp tokens' chains together
+// (each q load feeds all of them) and the probabilities stored token-major so a thread reads a
+// token's G of them with 16-byte loads.
+__global__ void __launch_bounds__(kQsaThreads) prefill_attn_kernel(PArgs a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  extern __shared__ float4 smem4[];
+  const int64_t y = blockIdx.z;
+  const int* counters = a.counters + 4 * y;
+  const int nsel = counters[0], B = counters[1], n_tokens = counters[2];
+  const int c = blockIdx.x, j = blockIdx.y;
+  const int start = c * a.chunk;
+  if (start >= n_tokens) return;
+  const int cnt = min(a.chunk, n_tokens - start);
+  int i0 = -1, G = 0;
+  for (int i = 0; i < a.hq; ++i) {
+    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
+      if (i0 < 0) i0 = i;
+      ++G;
+    }
+  }
+  if (G == 0) return;
+  const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pairs = hd / 2, gpad = a.gpad;
+  float* s_s = reinterpret_cast<float*>(smem4);  // [chunk, gpad]
+  float* q_s = s_s + a.chunk * gpad;             // [gmax, hd] (rounded to 4)
+  int* tok_s = reinterpret_cast<int*>(q_s + (a.gmax * hd + 3) / 4 * 4);  // [chunk]
+  uint32_t* k_s = reinterpret_cast<uint32_t*>(tok_s + a.chunk);          // [chunk, hd/2] BF16 pairs
+  uint32_t* v_s = k_s + a.chunk * pairs;                                 // [chunk, hd/2] BF16 pairs
+  const float* q = a.q + (y * a.hq + i0) * int64_t{hd};
+  for (int i = tid; i < G * hd; i += kQsaThreads) q_s[i] = q[i];
+  const int* selected = a.selected + y * a.sel_max;
+  const int nb = nsel * a.ratio;
+  for (int n = tid; n < cnt; n += kQsaThreads) {
+    const int ln = start + n;
+    tok_s[n] = ln < nb ? selected[ln / a.ratio] * a.ratio + ln % a.ratio : B * a.ratio + (ln - nb);
+  }
+  __syncthreads();
+  const int64_t row = int64_t{a.hkv} * hd;
+  if (a.vec16) {
+    const int vecs = hd / 8;
+    uint4* k4 = reinterpret_cast<uint4*>(k_s);
+    uint4* v4 = reinterpret_cast<uint4*>(v_s);
+#pragma unroll 4
+    for (int idx = tid; idx < cnt * vecs; idx += kQsaThreads) {
+      const int n = idx / vecs, p = idx - n * vecs;
+      const int64_t base = tok_s[n] * row + int64_t{j} * hd;
+      k4[idx] = reinterpret_cast<const uint4*>(a.k_cache + base)[p];
+      v4[idx] = reinterpret_cast<const uint4*>(a.v_cache + base)[p];
+    }
+  } else {
+#pragma unroll 4
+    for (int idx = tid; idx < cnt * pairs; idx += kQsaThreads) {
+      const int n = idx / pairs, p = idx - n * pairs;
+      const int64_t base = tok_s[n] * row + int64_t{j} * hd;
+      k_s[idx] = reinterpret_cast<const uint32_t*>(a.k_cache + base)[p];
+      v_s[idx] = reinterpret_cast<const uint32_t*>(a.v_cache + base)[p];
+    }
+  }
+  __syncthreads();
+  const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+  const float2* q2 = reinterpret_cast<const float2*>(q_s);
+  constexpr int kWarps = kQsaThreads / 32;
+  for (int n0 = warp; n0 < cnt; n0 += kWarps * kTokensPerWarp) {
+    float acc[kTokensPerWarp][kMaxG];
+#pragma unroll
+    for (int u = 0; u < kTokensPerWarp; ++u)
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g) acc[u][g] = 0.0f;
+    for (int p = lane; p < pairs; p += 32) {
+      float k0[kTokensPerWarp], k1[kTokensPerWarp];
+#pragma unroll
+      for (int u = 0; u < kTokensPerWarp; ++u) {
+        const int n = n0 + kWarps * u;
+        const uint32_t kv = n < cnt ? k_s[n * pairs + p] : 0u;
+        k0[u] = dev::bf16_lo(kv);
+        k1[u] = dev::bf16_hi(kv);
+      }
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g) {
+        if (g < G) {
+          const float2 qq = q2[g * pairs + p];
+#pragma unroll
+          for (int u = 0; u < kTokensPerWarp; ++u) {
+            acc[u][g] = fmaf(qq.x, k0[u], acc[u][g]);
+            acc[u][g] = fmaf(qq.y, k1[u], acc[u][g]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kTokensPerWarp; ++u) {
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g) {
+        if (g < G) {
+          for (int off = 16; off > 0; off >>= 1)
+            acc[u][g] += __shfl_xor_sync(0xffffffffu, acc[u][g], off);
+        }
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int u = 0; u < kTokensPerWarp; ++u) {
+        const int n = n0 + kWarps * u;
+        if (n < cnt) {
+#pragma unroll
+          for (int g = 0; g < kMaxG; ++g)
+            if (g < G) s_s[n * gpad + g] = acc[u][g] * scale;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t part = (y * a.hq + i0) * int64_t{a.max_chunks};
+  for (int g = warp; g < G; g += kWarps) {
+    float m = -INFINITY;
+    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[n * gpad + g]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float l = 0.0f;
+    for (int n = lane; n < cnt; n += 32) {
+      const float p = expf(s_s[n * gpad + g] - m);
+      s_s[n * gpad + g] = p;
+      l += p;
+    }
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) {
+      a.part_max[part + int64_t{g} * a.max_chunks + c] = m;
+      a.part_sum[part + int64_t{g} * a.max_chunks + c] = l;
+    }
+  }
+  __syncthreads();
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_s);
+  const float4* s4 = reinterpret_cast<const float4*>(s_s);
+  for (int d = tid; d < hd; d += kQsaThreads) {
+    float acc[kMaxG];
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
+    for (int n = 0; n < cnt; ++n) {
+      const float v = __uint_as_float(uint32_t{v16[n * hd + d]} << 16);
+      float pr[kMaxG] = {};
+#pragma unroll
+      for (int g4 = 0; g4 < kMaxG / 4; ++g4) {
+        if (4 * g4 < G) {
+          const float4 w = s4[(n * gpad) / 4 + g4];
+          pr[4 * g4] = w.x;
+          pr[4 * g4 + 1] = w.y;
+          pr[4 * g4 + 2] = w.z;
+          pr[4 * g4 + 3] = w.w;
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < G) acc[g] = fmaf(pr[g], v, acc[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g)
+      if (g < G) a.part_out[((part + int64_t{g} * a.max_chunks) + c) * hd + d] = acc[g];
+  }
+}
+
+// Combine of query head blockIdx.x of row blockIdx.y (qsa_dev::combine_head).
+__global__ void __launch_bounds__(kQsaThreads) prefill_combine_kernel(PArgs a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  const int i = blockIdx.x, hd = a.hd;
+  const int64_t y = blockIdx.y;
+  const int nc = (a.counters[4 * y + 2] + a.chunk - 1) / a.chunk;
+  const int64_t part = (y * a.hq + i) * int64_t{a.max_chunks};
+  qsa_dev::combine_head(a.part_max + part, a.part_sum + part, a.part_out + part * hd, nc, hd,
+                        proj_row(a, y) + int64_t{i} * 2 * hd + hd,
+                        a.out + ((a.r0 + y) * a.hq + i) * int64_t{hd});
+}
+
+bool aligned(const void* p, uintptr_t n) {
+  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
+}
+
+size_t align256(size_t x) {
+  return (x + 255) & ~size_t{255};
+}
+
+int local_gmax(const QsaDecodeParams& p) {
+  int gmax = 0;
+  for (int j = 0; j < p.num_kv_heads; ++j) {
+    int g = 0;
+    for (int i = 0; i < p.num_q_heads; ++i)
+      g += (p.q_head_first + i) / p.q_per_kv - p.kv_head_first == j;
+    gmax = std::max(gmax, g);
+  }
+  return gmax;
+}
+
+size_t attn_smem_bytes(int gmax, int gpad, int hd, int chunk) {
+  return 4 * (size_t(chunk) * gpad + (size_t(gmax) * hd + 3) / 4 * 4 + size_t(chunk)) +
+         2 * size_t(chunk) * hd * 2;
+}
+
+// Per-row bytes of the layout's arrays (each array padded to 256 bytes per group, added below).
+struct RowBytes {
+  size_t q, qi, scores, selected, counters, part_out, part_max, part_sum;
+  size_t sum() const {
+    return q + qi + scores + selected + counters + part_out + part_max + part_sum;
+  }
+};
+
+}  // namespace
+
+QsaPrefillLayout qsa_prefill_layout(const QsaPrefillParams& p) {
+  constexpr const char* kOp = "qsa_prefill_layout";
+  QsaPrefillLayout w;
+  w.decode = qsa_workspace_layout(p.shape);  // validates the shape
+  const QsaDecodeParams& s = p.shape;
+  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.max_group_rows >= 0, kOp);
+  FN_LAUNCH_REQUIRE(s.indexer_heads * s.indexer_head_dim <= kMaxIndexerQ, kOp);
+  w.max_blocks = std::max<int64_t>(s.ctx_size / s.ratio, 1);
+  w.sel_max = std::max<int64_t>(std::min<int64_t>(s.block_topk, s.ctx_size / s.ratio), 1);
+  const size_t hq = s.num_q_heads, hd = s.head_dim, mc = w.decode.max_chunks;
+  RowBytes r{};
+  r.q = hq * hd * 4;
+  r.qi = size_t(s.indexer_heads) * s.indexer_head_dim * 4;
+  r.scores = size_t(w.max_blocks) * 4;
+  r.selected = size_t(w.sel_max) * 4;
+  r.counters = 16;
+  r.part_out = hq * mc * hd * 4;
+  r.part_max = hq * mc * 4;
+  r.part_sum = hq * mc * 4;
+  int64_t rows = static_cast<int64_t>(kQsaPrefillWorkspaceBudget / r.sum());
+  if (p.max_group_rows > 0) rows = std::min(rows, p.max_group_rows);
+  w.group_rows = std::clamp<int64_t>(rows, 1, std::min<int64_t>(p.tokens, kMaxGroupRows));
+  const size_t n = w.group_rows;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off = align256(off + n * bytes);
+    return at;
+  };
+  w.q = take(r.q);
+  w.qi = take(r.qi);
+  w.scores = take(r.scores);
+  w.selected = take(r.selected);
+  w.counters = take(r.counters);
+  w.part_out = take(r.part_out);
+  w.part_max = take(r.part_max);
+  w.part_sum = take(r.part_sum);
+  w.total = off;
+  return w;
+}
+
+size_t qsa_prefill_workspace_bytes(const QsaPrefillParams& p) {
+  return qsa_prefill_layout(p).total;
+}
+
+void launch_qsa_prefill(const QsaPrefillParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_qsa_prefill";
+  const QsaDecodeParams& s = p.shape;
+  FN_LAUNCH_REQUIRE(p.proj != nullptr && s.q_norm != nullptr && s.k_norm != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(s.iq_norm != nullptr && s.ik_norm != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(s.k_cache != nullptr && s.v_cache != nullptr && s.raw_keys != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(s.block_keys != nullptr && p.workspace != nullptr && p.out != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.workspace, 256) && aligned(s.k_cache, 4) && aligned(s.v_cache, 4),
+                    kOp);
+  const QsaPrefillLayout w = qsa_prefill_layout(p);
+  FN_LAUNCH_REQUIRE(p.first_position >= 0 && p.first_position <= s.ctx_size - p.tokens, kOp);
+  const int64_t proj_size = int64_t{s.num_q_heads} * 2 * s.head_dim +
+                            2 * int64_t{s.num_kv_heads} * s.head_dim +
+                            int64_t{s.indexer_heads + 1} * s.indexer_head_dim;
+  FN_LAUNCH_REQUIRE(p.proj_stride >= proj_size, kOp);
+  char* ws = static_cast<char*>(p.workspace);
+  PArgs a{};
+  a.proj = p.proj;
+  a.proj_stride = p.proj_stride;
+  a.q_norm = s.q_norm;
+  a.k_norm = s.k_norm;
+  a.iq_norm = s.iq_norm;
+  a.ik_norm = s.ik_norm;
+  a.k_cache = s.k_cache;
+  a.v_cache = s.v_cache;
+  a.raw_keys = s.raw_keys;
+  a.block_keys = s.block_keys;
+  a.out = p.out;
+  a.q = reinterpret_cast<float*>(ws + w.q);
+  a.qi = reinterpret_cast<float*>(ws + w.qi);
+  a.scores = reinterpret_cast<float*>(ws + w.scores);
+  a.selected = reinterpret_cast<int*>(ws + w.selected);
+  a.counters = reinterpret_cast<int*>(ws + w.counters);
+  a.part_out = reinterpret_cast<float*>(ws + w.part_out);
+  a.part_max = reinterpret_cast<float*>(ws + w.part_max);
+  a.part_sum = reinterpret_cast<float*>(ws + w.part_sum);
+  a.max_blocks = w.max_blocks;
+  a.sel_max = w.sel_max;
+  a.theta = s.rope_theta;
+  a.hq = s.num_q_heads;
+  a.hkv = s.num_kv_heads;
+  a.q_head_first = s.q_head_first;
+  a.q_per_kv = s.q_per_kv;
+  a.kv_head_first = s.kv_head_first;
+  a.hd = s.head_dim;
+  a.rot = s.rotary_dim;
+  a.ni = s.indexer_heads;
+  a.ihd = s.indexer_head_dim;
+  a.ratio = s.ratio;
+  a.topk = s.block_topk;
+  a.eps = s.eps;
+  a.chunk = w.decode.chunk;
+  a.max_chunks = w.decode.max_chunks;
+  a.gmax = local_gmax(s);
+  a.gpad = (a.gmax + 3) / 4 * 4;
+  a.vec16 = s.head_dim % 8 == 0 && aligned(s.k_cache, 16) && aligned(s.v_cache, 16);
+  const size_t smem = attn_smem_bytes(a.gmax, a.gpad, s.head_dim, w.decode.chunk);
+  if (smem > kDefaultSmem) {
+    FN_CUDA_CHECK(cudaFuncSetAttribute(
+        prefill_attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  const int roles = s.num_q_heads + s.num_kv_heads + s.indexer_heads + 1;
+  for (int64_t r0 = 0; r0 < p.tokens; r0 += w.group_rows) {
+    const int rows = static_cast<int>(std::min(w.group_rows, p.tokens - r0));
+    a.r0 = r0;
+    a.t0 = p.first_position + r0;
+    const int64_t t_end = a.t0 + rows;  // one past the group's last position
+    a.b_first = (a.t0 + s.ratio) / s.ratio - 1;
+    const int64_t n_blocks = t_end / s.ratio - a.b_first;
+    launch_pdl("prefill_prep_kernel", prefill_prep_kernel, dim3(roles, rows), kQsaThreads, 0,
+               stream, a);
+    if (n_blocks > 0) {
+      launch_pdl("prefill_block_key_kernel", prefill_block_key_kernel,
+                 static_cast<unsigned>(n_blocks), kQsaThreads, 0, stream, a);
+    }
+    const int64_t max_b = t_end / s.ratio;  // B of the group's last row
+    if (max_b > s.block_topk) {
+      const int ctas = static_cast<int>(std::clamp<int64_t>((max_b + 63) / 64, 1, 1024));
+      launch_pdl("prefill_scores_kernel", prefill_scores_kernel, dim3(ctas, rows), kQsaThreads, 0,
+                 stream, a);
+    }
+    launch_pdl("prefill_select_kernel", prefill_select_kernel, rows, kQsaSelectThreads, 0, stream,
+               a);
+    launch_pdl("prefill_attn_kernel", prefill_attn_kernel,
+               dim3(w.decode.max_chunks, s.num_kv_heads, rows), kQsaThreads, smem, stream, a);
+    launch_pdl("prefill_combine_kernel", prefill_combine_kernel, dim3(s.num_q_heads, rows),
+               kQsaThreads, 0, stream, a);
+  }
+}
+
+}  // namespace fn

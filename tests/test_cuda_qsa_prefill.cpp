@@ -1,0 +1,368 @@
+// GPU tests of the QSA prefill (cuda/qsa_prefill.h) against M successive QSA decode steps
+// (cuda/qsa.h, itself checked against the CPU ops in test_cuda_qsa.cpp) on an identical copy of
+// the caches: tiny shapes at TP=1/2/4 from position 0 and from a cache populated by 13 decode
+// steps, M in {1, 2, 3, 4, 5, 17, 63, 64, 65}, with automatic and forced small row groups; the
+// real head sizes (hd 256, ihd 128) over 300 tokens with block_topk 8; launcher checks; a bench
+// at the real shapes (FN_BENCH=1).
+//
+// Tolerance: none. Prefill runs decode's device code (cuda/qsa_device.cuh) and decode's attention
+// operation sequence with decode's chunking, so every output row and every cache byte must be
+// bitwise what the decode steps wrote. Equal outputs on rows with more than block_topk complete
+// blocks also mean equal per-row block selections (random data: a different selection changes
+// the attended set and so the output).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/codecs.h"
+#include "core/error.h"
+#include "cuda/qsa.h"
+#include "cuda/qsa_prefill.h"
+#include "tests/cuda_test_util.h"
+
+namespace {
+
+using fn::test::DeviceArray;
+
+constexpr double kTheta = 1e7;
+constexpr float kEps = 1e-6f;
+
+struct Shape {
+  const char* name;
+  int hd, rot, hq, hkv, q_first, q_per_kv, kv_first, ni, ihd, ratio, topk;
+  int64_t ctx;
+};
+
+// Tiny fixtures as in test_cuda_qsa.cpp (g3_tiny: hd 32, 4 q / 2 kv heads, rotary 8, indexer
+// 2 x 16, block_topk 2; tp4: hd 16, 8 q / 2 kv heads), at TP=1/2/4, plus block_topk 3.
+const Shape kG3Tp1{"g3_tiny TP=1", 32, 8, 4, 2, 0, 2, 0, 2, 16, 4, 2, 96};
+const Shape kG3Tp2r1{"g3_tiny TP=2 rank 1", 32, 8, 2, 1, 2, 2, 1, 2, 16, 4, 2, 96};
+const Shape kTp4Tp2r0{"tp4 TP=2 rank 0 topk 3", 16, 8, 4, 1, 0, 4, 0, 2, 16, 4, 3, 96};
+const Shape kTp4Tp4r3{"tp4 TP=4 rank 3", 16, 8, 2, 1, 6, 4, 1, 2, 16, 4, 2, 96};
+// Real head sizes (hd 256, rotary 64, indexer heads of 128, ratio 4) with few heads and
+// block_topk 8 so that selection starts at t = 35.
+const Shape kRealHeads{
+    "hd 256 / ihd 128, 4 q / 2 kv heads, topk 8", 256, 64, 4, 2, 0, 2, 0, 2, 128, 4, 8, 320};
+// Real (MODEL.md §A.2/§A.3): TP=1 24 q / 2 kv heads, TP=2 12 q / 1 kv head per rank.
+Shape real_tp1(int64_t ctx) {
+  return Shape{"real TP=1", 256, 64, 24, 2, 0, 12, 0, 4, 128, 4, 512, ctx};
+}
+Shape real_tp2r1(int64_t ctx) {
+  return Shape{"real TP=2 rank 1", 256, 64, 12, 1, 12, 12, 1, 4, 128, 4, 512, ctx};
+}
+
+int64_t proj_size(const Shape& s) {
+  return int64_t{s.hq} * 2 * s.hd + 2 * int64_t{s.hkv} * s.hd + int64_t{s.ni + 1} * s.ihd;
+}
+
+std::vector<float> random_floats(size_t n, float sigma, std::mt19937_64& rng) {
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Projections of `tokens` tokens (rows of proj_size), with per-16-value scales so that the
+// norms' statistic matters.
+std::vector<float> random_projs(const Shape& s, int64_t tokens, std::mt19937_64& rng) {
+  auto v = random_floats(size_t(tokens * proj_size(s)), 1.0f, rng);
+  std::uniform_real_distribution<float> sc(0.1f, 4.0f);
+  for (size_t h = 0; h + 16 <= v.size(); h += 16) {
+    const float f = sc(rng);
+    for (int e = 0; e < 16; ++e) v[h + e] *= f;
+  }
+  return v;
+}
+
+// One QSA layer's device caches and norm weights, with decode parameters.
+struct Layer {
+  Shape s;
+  std::unique_ptr<DeviceArray<float>> qn, kn, iqn, ikn, raw, bk;
+  std::unique_ptr<DeviceArray<uint16_t>> kc, vc;
+  fn::QsaDecodeParams p;
+
+  Layer(const Shape& shape, uint64_t seed) : s(shape) {
+    std::mt19937_64 rng(seed);
+    qn = std::make_unique<DeviceArray<float>>(random_floats(s.hd, 0.5f, rng));
+    kn = std::make_unique<DeviceArray<float>>(random_floats(s.hd, 0.5f, rng));
+    iqn = std::make_unique<DeviceArray<float>>(random_floats(s.ihd, 0.5f, rng));
+    ikn = std::make_unique<DeviceArray<float>>(random_floats(s.ihd, 0.5f, rng));
+    const size_t kv = size_t(s.ctx) * s.hkv * s.hd;
+    kc = std::make_unique<DeviceArray<uint16_t>>(kv);
+    vc = std::make_unique<DeviceArray<uint16_t>>(kv);
+    raw = std::make_unique<DeviceArray<float>>(size_t(s.ctx) * s.ihd);
+    bk = std::make_unique<DeviceArray<float>>(size_t(s.ctx / s.ratio) * s.ihd);
+    // Unwritten rows hold NaN: a kernel that reads one poisons its output.
+    FN_CUDA_CHECK(cudaMemset(kc->ptr, 0xff, kv * 2));
+    FN_CUDA_CHECK(cudaMemset(vc->ptr, 0xff, kv * 2));
+    FN_CUDA_CHECK(cudaMemset(raw->ptr, 0xff, raw->n * 4));
+    FN_CUDA_CHECK(cudaMemset(bk->ptr, 0xff, bk->n * 4));
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    p.q_norm = qn->ptr;
+    p.k_norm = kn->ptr;
+    p.iq_norm = iqn->ptr;
+    p.ik_norm = ikn->ptr;
+    p.k_cache = kc->ptr;
+    p.v_cache = vc->ptr;
+    p.raw_keys = raw->ptr;
+    p.block_keys = bk->ptr;
+    p.ctx_size = s.ctx;
+    p.num_q_heads = s.hq;
+    p.num_kv_heads = s.hkv;
+    p.q_head_first = s.q_first;
+    p.q_per_kv = s.q_per_kv;
+    p.kv_head_first = s.kv_first;
+    p.head_dim = s.hd;
+    p.rotary_dim = s.rot;
+    p.rope_theta = kTheta;
+    p.indexer_heads = s.ni;
+    p.indexer_head_dim = s.ihd;
+    p.ratio = s.ratio;
+    p.block_topk = s.topk;
+    p.eps = kEps;
+  }
+  // Copies the other layer's caches (same shape) into this one.
+  void copy_caches_from(const Layer& o) {
+    FN_CUDA_CHECK(cudaMemcpy(kc->ptr, o.kc->ptr, kc->n * 2, cudaMemcpyDeviceToDevice));
+    FN_CUDA_CHECK(cudaMemcpy(vc->ptr, o.vc->ptr, vc->n * 2, cudaMemcpyDeviceToDevice));
+    FN_CUDA_CHECK(cudaMemcpy(raw->ptr, o.raw->ptr, raw->n * 4, cudaMemcpyDeviceToDevice));
+    FN_CUDA_CHECK(cudaMemcpy(bk->ptr, o.bk->ptr, bk->n * 4, cudaMemcpyDeviceToDevice));
+  }
+};
+
+// Runs decode steps at positions first.. first+n-1 with the rows of `projs` starting at row
+// `row0`; returns the outputs [n, hq*hd].
+std::vector<uint16_t> decode_steps(Layer& L, const std::vector<float>& projs, int64_t row0,
+                                   int64_t first, int64_t n) {
+  const Shape& s = L.s;
+  const int64_t ps = proj_size(s), od = int64_t{s.hq} * s.hd;
+  DeviceArray<float> proj(ps);
+  DeviceArray<int64_t> pos(1);
+  DeviceArray<uint16_t> out(od);
+  DeviceArray<uint8_t> ws(fn::qsa_decode_workspace_bytes(L.p));
+  fn::QsaDecodeParams p = L.p;
+  p.proj = proj.ptr;
+  p.position = pos.ptr;
+  p.out = out.ptr;
+  p.workspace = ws.ptr;
+  std::vector<uint16_t> outs(size_t(n * od));
+  for (int64_t i = 0; i < n; ++i) {
+    FN_CUDA_CHECK(
+        cudaMemcpy(proj.ptr, projs.data() + (row0 + i) * ps, ps * 4, cudaMemcpyHostToDevice));
+    const int64_t t = first + i;
+    FN_CUDA_CHECK(cudaMemcpy(pos.ptr, &t, 8, cudaMemcpyHostToDevice));
+    fn::launch_qsa_decode(p, nullptr);
+    FN_CUDA_CHECK(cudaMemcpy(outs.data() + i * od, out.ptr, od * 2, cudaMemcpyDeviceToHost));
+  }
+  return outs;
+}
+
+// Launches the prefill of rows row0..row0+n-1 of `projs` at positions first.. on L (the proj rows
+// laid out with a stride 5 floats longer than a row, to exercise proj_stride); returns out.
+std::vector<uint16_t> prefill(Layer& L, const std::vector<float>& projs, int64_t row0,
+                              int64_t first, int64_t n, int64_t max_group_rows,
+                              int64_t* group_rows = nullptr) {
+  const Shape& s = L.s;
+  const int64_t ps = proj_size(s), stride = ps + 5, od = int64_t{s.hq} * s.hd;
+  std::vector<float> strided(size_t(n * stride), 1e30f);
+  for (int64_t i = 0; i < n; ++i)
+    std::copy_n(projs.data() + (row0 + i) * ps, ps, strided.data() + i * stride);
+  DeviceArray<float> proj(strided);
+  DeviceArray<uint16_t> out(size_t(n * od));
+  fn::QsaPrefillParams p;
+  p.shape = L.p;
+  p.proj = proj.ptr;
+  p.proj_stride = stride;
+  p.tokens = n;
+  p.first_position = first;
+  p.out = out.ptr;
+  p.max_group_rows = max_group_rows;
+  const fn::QsaPrefillLayout layout = fn::qsa_prefill_layout(p);
+  REQUIRE(fn::qsa_prefill_workspace_bytes(p) == layout.total);
+  if (group_rows != nullptr) *group_rows = layout.group_rows;
+  DeviceArray<uint8_t> ws(layout.total);
+  p.workspace = ws.ptr;
+  fn::launch_qsa_prefill(p, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  return out.download();
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// History of p0 decode steps on `dec`, copied into `pre`; then M decode steps on `dec` and a
+// prefill of the same M rows on `pre`. Every output row and all four caches must be bitwise
+// equal. Returns the number of rows whose selection dropped blocks.
+int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows, uint64_t seed) {
+  INFO(s.name, " p0=", p0, " M=", M, " max_group_rows=", max_group_rows);
+  std::mt19937_64 rng(seed);
+  const auto projs = random_projs(s, p0 + M, rng);
+  Layer dec(s, seed + 1), pre(s, seed + 1);
+  if (p0 > 0) (void)decode_steps(dec, projs, 0, 0, p0);
+  pre.copy_caches_from(dec);
+  const auto want = decode_steps(dec, projs, p0, p0, M);
+  int64_t group_rows = 0;
+  const auto got = prefill(pre, projs, p0, p0, M, max_group_rows, &group_rows);
+  const int64_t od = int64_t{s.hq} * s.hd;
+  for (int64_t r = 0; r < M; ++r) {
+    INFO("row ", r, " (position ", p0 + r, ")");
+    CHECK(std::memcmp(got.data() + r * od, want.data() + r * od, od * 2) == 0);
+  }
+  CHECK(same_bits(pre.kc->download(), dec.kc->download()));
+  CHECK(same_bits(pre.vc->download(), dec.vc->download()));
+  CHECK(same_bits(pre.raw->download(), dec.raw->download()));
+  CHECK(same_bits(pre.bk->download(), dec.bk->download()));
+  if (max_group_rows > 0) CHECK(group_rows == std::min(M, max_group_rows));
+  int64_t selecting = 0;
+  for (int64_t t = p0; t < p0 + M; ++t) selecting += (t + 1) / s.ratio > s.topk;
+  return selecting;
+}
+
+const std::vector<int64_t> kMs = {1, 2, 3, 4, 5, 17, 63, 64, 65};
+
+}  // namespace
+
+TEST_CASE("qsa prefill: tiny shapes from position 0 equal M decode steps bit for bit") {
+  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
+    int64_t selecting = 0;
+    for (int64_t M : kMs) selecting += check_case(s, 0, M, 0, 100 + M);
+    CHECK(selecting > 0);  // block_topk 2-3: rows from t = 11 (15) on drop blocks
+  }
+}
+
+TEST_CASE("qsa prefill: tiny shapes continuing a cache of 13 decode steps equal decode") {
+  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
+    int64_t selecting = 0;
+    for (int64_t M : kMs) selecting += check_case(s, 13, M, 0, 200 + M);
+    CHECK(selecting > 0);
+  }
+}
+
+TEST_CASE("qsa prefill: rows split into small groups (1, 3, 7 rows) still equal decode") {
+  for (int64_t g : {1, 3, 7}) {
+    CHECK(check_case(kG3Tp1, 0, 65, g, 300 + g) > 0);
+    CHECK(check_case(kTp4Tp2r0, 13, 17, g, 400 + g) > 0);
+  }
+}
+
+TEST_CASE("qsa prefill: real head sizes over 300 tokens with block_topk 8 equal decode") {
+  CHECK(check_case(kRealHeads, 0, 300, 0, 500) == 300 - 35);
+  // From a populated cache, in groups of 50 rows (block hand-off between groups).
+  CHECK(check_case(kRealHeads, 37, 263, 50, 600) == 263);
+}
+
+TEST_CASE("qsa prefill: the launcher rejects bad parameters") {
+  Layer L(kG3Tp1, 3);
+  DeviceArray<float> proj(size_t(4 * proj_size(kG3Tp1)));
+  DeviceArray<uint16_t> out(size_t(4 * kG3Tp1.hq * kG3Tp1.hd));
+  fn::QsaPrefillParams base;
+  base.shape = L.p;
+  base.proj = proj.ptr;
+  base.proj_stride = proj_size(kG3Tp1);
+  base.tokens = 4;
+  base.first_position = 0;
+  base.out = out.ptr;
+  DeviceArray<uint8_t> ws(fn::qsa_prefill_workspace_bytes(base));
+  base.workspace = ws.ptr;
+  auto bad = [&](auto mutate) {
+    fn::QsaPrefillParams p = base;
+    mutate(p);
+    CHECK_THROWS_AS(fn::launch_qsa_prefill(p, nullptr), fn::Error);
+  };
+  bad([](fn::QsaPrefillParams& p) { p.proj = nullptr; });
+  bad([](fn::QsaPrefillParams& p) { p.out = nullptr; });
+  bad([](fn::QsaPrefillParams& p) { p.workspace = nullptr; });
+  bad([](fn::QsaPrefillParams& p) { p.workspace = static_cast<char*>(p.workspace) + 16; });
+  bad([](fn::QsaPrefillParams& p) { p.shape.k_cache = nullptr; });
+  bad([](fn::QsaPrefillParams& p) { p.shape.block_keys = nullptr; });
+  bad([](fn::QsaPrefillParams& p) { p.tokens = 0; });
+  bad([](fn::QsaPrefillParams& p) { p.first_position = -1; });
+  bad([](fn::QsaPrefillParams& p) { p.first_position = p.shape.ctx_size - 3; });  // 4 > 3 rows
+  bad([](fn::QsaPrefillParams& p) { p.proj_stride -= 1; });
+  bad([](fn::QsaPrefillParams& p) { p.shape.head_dim = 31; });
+  bad([](fn::QsaPrefillParams& p) { p.shape.q_per_kv = 1; });
+  bad([](fn::QsaPrefillParams& p) { p.max_group_rows = -1; });
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  // The workspace stays bounded as the token count grows (rows are processed in groups).
+  fn::QsaPrefillParams big = base;
+  big.shape.ctx_size = 1 << 20;
+  big.tokens = 1 << 20;
+  CHECK(fn::qsa_prefill_workspace_bytes(big) <= fn::kQsaPrefillWorkspaceBudget + (1 << 20));
+}
+
+TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
+  const char* env = std::getenv("FN_BENCH");
+  if (env == nullptr || std::string(env) != "1") return;
+  struct Run {
+    Shape s;
+    int64_t M;
+  };
+  for (const Run& r : {Run{real_tp1(8192), 8192}, Run{real_tp2r1(8192), 8192},
+                       Run{real_tp1(8192), 2048}, Run{real_tp2r1(8192), 2048}}) {
+    const Shape& s = r.s;
+    Layer L(s, 41);
+    std::mt19937_64 rng(3);
+    const auto projs = random_projs(s, r.M, rng);
+    DeviceArray<float> proj(projs);
+    DeviceArray<uint16_t> out(size_t(r.M * s.hq * s.hd));
+    cudaStream_t stream;
+    FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1;
+    FN_CUDA_CHECK(cudaEventCreate(&e0));
+    FN_CUDA_CHECK(cudaEventCreate(&e1));
+    std::vector<uint16_t> first_out;
+    // Automatic groups, then forced group sizes: the outputs must not depend on the grouping.
+    for (int64_t groups : {0, 16, 32, 64, 128}) {
+      fn::QsaPrefillParams p;
+      p.shape = L.p;
+      p.proj = proj.ptr;
+      p.proj_stride = proj_size(s);
+      p.tokens = r.M;
+      p.first_position = 0;
+      p.out = out.ptr;
+      p.max_group_rows = groups;
+      const auto layout = fn::qsa_prefill_layout(p);
+      DeviceArray<uint8_t> ws(layout.total);
+      p.workspace = ws.ptr;
+      fn::launch_qsa_prefill(p, stream);  // warm-up (rewrites the same cache rows each time)
+      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      constexpr int kReps = 3;
+      FN_CUDA_CHECK(cudaEventRecord(e0, stream));
+      for (int i = 0; i < kReps; ++i) fn::launch_qsa_prefill(p, stream);
+      FN_CUDA_CHECK(cudaEventRecord(e1, stream));
+      FN_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      ms /= kReps;
+      const auto o = out.download();
+      if (first_out.empty()) {
+        first_out = o;
+        // A NaN output would mean an unwritten cache row was read.
+        int nan = 0;
+        for (uint16_t x : o) nan += (x & 0x7fff) > 0x7f80;
+        CHECK(nan == 0);
+      } else {
+        CHECK(same_bits(o, first_out));
+      }
+      std::printf(
+          "qsa prefill bench: %s M=%lld p0=0 max_group_rows=%lld (groups of %lld rows, "
+          "workspace %.1f MiB): %.3f ms per layer\n",
+          s.name, static_cast<long long>(r.M), static_cast<long long>(groups),
+          static_cast<long long>(layout.group_rows), layout.total / 1048576.0, ms);
+      MESSAGE(std::string(s.name), " M=", r.M, " group rows ", layout.group_rows, ": ", ms,
+              " ms per layer");
+    }
+    FN_CUDA_CHECK(cudaEventDestroy(e0));
+    FN_CUDA_CHECK(cudaEventDestroy(e1));
+    FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}

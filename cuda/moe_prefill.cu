@@ -1,0 +1,614 @@
+// Batched routed experts (see moe_prefill.h).
+//
+// Router rows: a copy of decode_ops.cu's router_topk_kernel with the row taken from blockIdx.x
+// (the decode kernel lives in that file's anonymous namespace); tests/test_cuda_moe_prefill.cpp
+// checks bitwise equality with launch_router_topk row by row.
+//
+// Grouped path: the ids are copied to the host (one stream synchronisation), the valid
+// (token, slot) pairs are bucketed by expert (ascending token inside an expert), an expert with
+// more than kSegRows pairs is split into segments of at most kSegRows, and the segments, sorted
+// by decreasing length (then expert id), are taken group_segments at a time. Every segment of a
+// group gets n = the group's longest length rows (padding rows hold x = 0 and are never read back),
+// so one strided-batched cuBLAS call per projection covers the group. Per group:
+//   gather      xs[s, r, :] = x[token of row r of segment s]                (BF16, or 0)
+//   dequant     W[s] = e2m1 * e4m3 of gate_up[expert s]                     (BF16, exact)
+//   GEMM        gu[s] = xs[s] W[s]^T                                        (FP32 accumulation)
+//   SwiGLU      h = bf16(silu(gu_gate * gs_gate) * (gu_up * gs_up))        (as decode)
+//   dequant     W[s] = down[expert s]
+//   GEMM        yd[s] = h[s] W[s]^T
+//   accumulate  y[t] = fmaf(weights[t, j] * gs_down[e], yd[row], y[t]) over the token's rows of
+//               the group in segment order (one thread per element of y: no atomics)
+// y is zeroed first, so each token sums its contributions in the fixed order (group, segment).
+#include "cuda/moe_prefill.h"
+
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "comm/cuda_check.h"
+#include "core/error.h"
+#include "cuda/device_util.cuh"
+#include "cuda/launch_check.h"
+#include "cuda/nvfp4_bits.h"
+
+namespace fn {
+namespace {
+
+// ---- router rows (device code of decode_ops.cu's router_topk_kernel, indexed by row) ---------
+
+constexpr int kRouterThreads = 512;
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxTopK = 64;
+constexpr int kSortList = 64;
+
+__device__ __forceinline__ float rank_key(float p) {
+  return isnan(p) ? -INFINITY : p;
+}
+
+__device__ __forceinline__ unsigned long long router_key(float p, int e) {
+  float v = rank_key(p);
+  if (v == 0.0f) v = 0.0f;
+  uint32_t u = __float_as_uint(v);
+  u = (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(e));
+}
+
+__device__ __forceinline__ int key_id(unsigned long long key) {
+  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffull));
+}
+
+__device__ __forceinline__ void warp_sort64_desc(unsigned long long& a0, unsigned long long& a1,
+                                                 int lane) {
+#pragma unroll
+  for (int size = 2; size <= kSortList; size <<= 1) {
+#pragma unroll
+    for (int j = size >> 1; j > 0; j >>= 1) {
+      if (j == 32) {
+        const unsigned long long hi = a0 > a1 ? a0 : a1, lo = a0 > a1 ? a1 : a0;
+        a0 = hi;
+        a1 = lo;
+      } else {
+        const unsigned long long b0 = __shfl_xor_sync(0xffffffffu, a0, j);
+        const unsigned long long b1 = __shfl_xor_sync(0xffffffffu, a1, j);
+        const bool lower = (lane & j) == 0;
+        const bool max0 = lower == ((lane & size) == 0);
+        const bool max1 = lower == (((lane + 32) & size) == 0);
+        a0 = max0 ? (a0 > b0 ? a0 : b0) : (a0 < b0 ? a0 : b0);
+        a1 = max1 ? (a1 > b1 ? a1 : b1) : (a1 < b1 ? a1 : b1);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ int count_greater(const unsigned long long* list,
+                                             unsigned long long key) {
+  int pos = 0;
+#pragma unroll
+  for (int step = kSortList; step > 0; step >>= 1)
+    if (pos + step <= kSortList && list[pos + step - 1] > key) pos += step;
+  return pos;
+}
+
+__global__ void __launch_bounds__(kRouterThreads)
+    router_topk_rows_kernel(const float* logits_all, int64_t stride, int E, int k, bool norm,
+                            int32_t* ids_all, float* weights_all, int32_t* flag) {
+  __shared__ float p[kMaxExperts];
+  __shared__ unsigned long long sorted[kMaxExperts];
+  __shared__ float warp_max[kRouterThreads / 32];
+  __shared__ double warp_sum[kRouterThreads / 32];
+  __shared__ int sel[kMaxTopK];
+  __shared__ int rank_of[kMaxExperts];
+  __shared__ float s_max;
+  __shared__ double s_sum;
+  __shared__ int s_nan;
+  const int64_t row = blockIdx.x;
+  const float* logits = logits_all + row * stride;
+  int32_t* ids = ids_all + row * k;
+  float* weights = weights_all + row * k;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) s_nan = 0;
+
+  float mx = -INFINITY;
+  for (int e = tid; e < E; e += kRouterThreads) mx = fmaxf(mx, logits[e]);
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) warp_max[warp] = mx;
+  __syncthreads();
+  if (tid == 0) {
+    float m = warp_max[0];
+    for (int w = 1; w < kRouterThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    s_max = m;
+  }
+  __syncthreads();
+  mx = s_max;
+
+  double sum = 0.0;
+  for (int e = tid; e < E; e += kRouterThreads) {
+    const float v = expf(logits[e] - mx);
+    p[e] = v;
+    sum += static_cast<double>(v);
+  }
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) warp_sum[warp] = sum;
+  __syncthreads();
+  if (tid == 0) {
+    double s = warp_sum[0];
+    for (int w = 1; w < kRouterThreads / 32; ++w) s += warp_sum[w];
+    s_sum = s;
+  }
+  __syncthreads();
+  sum = s_sum;
+  for (int e = tid; e < E; e += kRouterThreads) {
+    const float v = static_cast<float>(static_cast<double>(p[e]) / sum);
+    p[e] = v;
+    if (isnan(v)) s_nan = 1;
+  }
+  __syncthreads();
+
+  const int lists = (E + kSortList - 1) / kSortList;
+  if (warp < lists) {
+    const int e0 = warp * kSortList + lane, e1 = e0 + 32;
+    unsigned long long a0 = e0 < E ? router_key(p[e0], e0) : 0ull;
+    unsigned long long a1 = e1 < E ? router_key(p[e1], e1) : 0ull;
+    warp_sort64_desc(a0, a1, lane);
+    sorted[warp * kSortList + lane] = a0;
+    sorted[warp * kSortList + 32 + lane] = a1;
+  }
+  __syncthreads();
+  const int kc = k < kSortList ? k : kSortList;
+  const int cands = lists * kc;
+  for (int c = tid; c < cands; c += kRouterThreads) rank_of[c] = c % kc;
+  __syncthreads();
+  for (int t = tid; t < cands * lists; t += kRouterThreads) {
+    const int c = t / lists, o = t - c * lists, w = c / kc;
+    if (o == w) continue;
+    const unsigned long long key = sorted[w * kSortList + c - w * kc];
+    if (key == 0ull) continue;
+    const int n = count_greater(sorted + o * kSortList, key);
+    if (n != 0) atomicAdd(&rank_of[c], n);
+  }
+  __syncthreads();
+  for (int c = tid; c < cands; c += kRouterThreads) {
+    const int w = c / kc;
+    const unsigned long long key = sorted[w * kSortList + c - w * kc];
+    if (key != 0ull && rank_of[c] < k) sel[rank_of[c]] = key_id(key);
+  }
+  __syncthreads();
+  if (tid < k) {
+    double sel_sum = 0.0;
+    for (int r = 0; r < k; ++r) sel_sum += static_cast<double>(p[sel[r]]);
+    const float pe = p[sel[tid]];
+    ids[tid] = sel[tid];
+    weights[tid] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
+  }
+  if (tid == 0 && s_nan != 0 && flag != nullptr) *flag = 4;
+}
+
+// ---- grouped experts ---------------------------------------------------------------------------
+
+constexpr int kThreads = 256;
+constexpr int64_t kSegRows = 1024;  // rows per segment at most (longer experts are split)
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t v) {
+  return (v + kAlign - 1) / kAlign * kAlign;
+}
+
+// gather: xs[r, :] = row_pair[r] >= 0 ? x[row_pair[r] / top_k, :] : 0, in 16-byte vectors.
+__global__ void __launch_bounds__(kThreads)
+    gather_rows_kernel(const uint16_t* x, int64_t hidden, const int32_t* row_pair, int top_k,
+                       int64_t rows, uint16_t* xs) {
+  const int64_t vecs = hidden / 8;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= rows * vecs) return;
+  const int64_t r = i / vecs, v = i - r * vecs;
+  const int32_t pair = row_pair[r];
+  uint4 val = make_uint4(0, 0, 0, 0);
+  if (pair >= 0) val = __ldg(reinterpret_cast<const uint4*>(x + (pair / top_k) * hidden) + v);
+  reinterpret_cast<uint4*>(xs + r * hidden)[v] = val;
+}
+
+// E4M3 byte -> float (exact; NaN codes give NaN), through the FP16 pattern of nvfp4_bits.h.
+__device__ __forceinline__ float e4m3_value(uint32_t s) {
+  if (nvfp4::e4m3_is_nan(s)) return __int_as_float(0x7fc00000);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(nvfp4::e4m3_fp16_bits(s)))) *
+         256.0f;
+}
+
+// dequant: W[s, n, c] = bf16(e2m1(code) * e4m3(block scale)) of expert seg_expert[s] (exact:
+// at most 6 significant bits, magnitudes 2^-10 .. 2688). One thread per 16 codes (8 bytes).
+__global__ void __launch_bounds__(kThreads)
+    dequant_bf16_kernel(const uint8_t* packed, const uint8_t* scales, const int32_t* seg_expert,
+                        int segs, int64_t rows, int64_t cols, uint16_t* w) {
+  const int64_t blocks_per_expert = rows * (cols / 16);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= segs * blocks_per_expert) return;
+  const int64_t s = i / blocks_per_expert, b = i - s * blocks_per_expert;
+  const int64_t e = seg_expert[s];
+  const int64_t src = e * blocks_per_expert + b;  // block index in the expert stack
+  const uint2 q = __ldg(reinterpret_cast<const uint2*>(packed) + src);
+  const float sc = e4m3_value(__ldg(scales + src));
+  uint32_t out[8];
+  const uint32_t words[2] = {q.x, q.y};
+#pragma unroll
+  for (int wi = 0; wi < 2; ++wi) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {  // byte c of the word: codes 2c (low), 2c + 1 (high)
+      const uint32_t byte = (words[wi] >> (8 * c)) & 0xffu;
+      const uint32_t pair = nvfp4::e2m1_fp16_pair(byte);  // value * 2^-14 each
+      const float lo =
+          __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xffffu))) * 16384.0f;
+      const float hi =
+          __half2float(__ushort_as_half(static_cast<unsigned short>(pair >> 16))) * 16384.0f;
+      out[wi * 4 + c] = static_cast<uint32_t>(dev::float_to_bf16_bits(lo * sc)) |
+                        (static_cast<uint32_t>(dev::float_to_bf16_bits(hi * sc)) << 16);
+    }
+  }
+  uint4* dst = reinterpret_cast<uint4*>(w + (s * blocks_per_expert + b) * 16);
+  dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+  dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// SwiGLU: gu [rows, 2I] FP32 (gate then up per row) -> h [rows, I] BF16, with the segment
+// expert's global scales applied before silu, as moe_gate_up_nvfp4_kernel.
+__global__ void __launch_bounds__(kThreads)
+    swiglu_rows_kernel(const float* gu, const float* gscale, const int32_t* seg_expert,
+                       int64_t seg_rows, int64_t rows, int64_t inter, const int32_t* row_pair,
+                       uint16_t* h, uint16_t* h_out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= rows * inter) return;
+  const int64_t r = i / inter, c = i - r * inter;
+  const int e = seg_expert[r / seg_rows];
+  const float g = gu[r * 2 * inter + c] * __ldg(gscale + 2 * e);
+  const float u = gu[r * 2 * inter + inter + c] * __ldg(gscale + 2 * e + 1);
+  const uint16_t hv = dev::float_to_bf16_bits(dev::silu(g) * u);
+  h[i] = hv;
+  if (h_out != nullptr) {
+    const int32_t pair = row_pair[r];
+    if (pair >= 0) h_out[static_cast<int64_t>(pair) * inter + c] = hv;
+  }
+}
+
+// accumulate: for token entry u of the group, y[tok[u], d] += sum over its rows (in order) of
+// (weights[pair] * gs_down[e]) * yd[row, d].
+__global__ void __launch_bounds__(kThreads)
+    accumulate_kernel(const float* yd, int64_t hidden, const int32_t* tok, const int32_t* begin,
+                      const int32_t* acc_rows, const int32_t* row_pair, const int32_t* seg_expert,
+                      int64_t seg_rows, const float* weights, const float* gs_down, int top_k,
+                      float* y) {
+  const int u = blockIdx.y;
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (d >= hidden) return;
+  const int64_t t = tok[u];
+  float acc = y[t * hidden + d];
+  for (int q = begin[u]; q < begin[u + 1]; ++q) {
+    const int r = acc_rows[q];
+    const int pair = row_pair[r];
+    const int e = seg_expert[r / seg_rows];
+    const float f = __ldg(weights + pair) * __ldg(gs_down + e);
+    acc = fmaf(f, yd[static_cast<int64_t>(r) * hidden + d], acc);
+  }
+  y[t * hidden + d] = acc;
+  (void)top_k;
+}
+
+void throw_cublas(cublasStatus_t rc, const char* expr, int line) {
+  detail::throw_error(ErrorKind::Cuda, __FILE__, line,
+                      std::string(expr) + " failed: " + cublasGetStatusName(rc) + " (" +
+                          cublasGetStatusString(rc) + ")");
+}
+
+#define FN_PREFILL_CUBLAS(expr)                       \
+  do {                                                \
+    const cublasStatus_t fn_rc_ = (expr);             \
+    if (fn_rc_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] \
+      throw_cublas(fn_rc_, #expr, __LINE__);          \
+  } while (0)
+
+// One handle per (host thread, device), created on first use and kept for the process.
+cublasHandle_t cublas_for_current_device() {
+  thread_local std::unordered_map<int, cublasHandle_t> handles;
+  int dev = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&dev));
+  auto it = handles.find(dev);
+  if (it != handles.end()) return it->second;
+  cublasHandle_t h = nullptr;
+  FN_PREFILL_CUBLAS(cublasCreate(&h));
+  // Reproducible results (no atomics in split-K reductions); tensor cores with FP32
+  // accumulation (CUBLAS_COMPUTE_32F, never a reduced-precision mode).
+  FN_PREFILL_CUBLAS(cublasSetAtomicsMode(h, CUBLAS_ATOMICS_NOT_ALLOWED));
+  handles.emplace(dev, h);
+  return h;
+}
+
+struct Shape {
+  int64_t hidden, inter, tokens, pairs;
+  int top_k, num_experts, group_segs;
+};
+
+Shape shape_of(const MoePrefillParams& p) {
+  Shape s{};
+  s.hidden = p.gate_up.cols;
+  s.inter = p.down.cols;
+  s.tokens = p.tokens;
+  s.top_k = p.top_k;
+  s.pairs = p.tokens * p.top_k;
+  s.num_experts = p.gate_up.num_experts;
+  s.group_segs = p.group_segments != 0 ? p.group_segments : kMoePrefillGroupSegments;
+  return s;
+}
+
+bool use_per_row(const MoePrefillParams& p) {
+  const bool fits = p.gate_up.cols * 4 <= 48 * 1024 && p.down.cols * p.top_k * 4 <= 48 * 1024;
+  if (p.path == MoePrefillPath::PerRow) return true;
+  if (p.path == MoePrefillPath::Grouped) return false;
+  return fits && p.tokens <= kMoePrefillPerRowMaxTokens;
+}
+
+// Workspace layout of the grouped path (offsets in bytes, each 256-aligned).
+struct GroupedLayout {
+  size_t meta, weights, xs_or_yd, gu, h, total;
+  int64_t meta_ints;
+};
+
+GroupedLayout grouped_layout(const Shape& s) {
+  const int64_t rows = s.group_segs * kSegRows;  // rows of one group at most
+  GroupedLayout l{};
+  // row_pair (<= pairs + s.group_segs * kSegRows), seg_expert (<= E + pairs / kSegRows + 1), token
+  // entries and their begins (<= pairs + groups each), acc rows (pairs).
+  l.meta_ints = 5 * s.pairs + 2 * static_cast<int64_t>(s.num_experts) + rows + 64;
+  const size_t w_elems = static_cast<size_t>(std::max(2 * s.inter * s.hidden, s.hidden * s.inter));
+  const size_t xs = static_cast<size_t>(rows) * s.hidden * 2;
+  const size_t yd = static_cast<size_t>(rows) * s.hidden * 4;
+  l.meta = 0;
+  l.weights = align_up(static_cast<size_t>(l.meta_ints) * 4);
+  l.xs_or_yd = l.weights + align_up(s.group_segs * w_elems * 2);
+  l.gu = l.xs_or_yd + align_up(std::max(xs, yd));
+  // gu [rows, 2I] FP32 lives while xs does; yd (written after gu is consumed) may overlap gu,
+  // but keep them apart: xs and yd share one region.
+  l.h = l.gu + align_up(static_cast<size_t>(rows) * 2 * s.inter * 4);
+  l.total = l.h + align_up(static_cast<size_t>(rows) * s.inter * 2);
+  return l;
+}
+
+void check_shapes(const MoePrefillParams& p, const char* op) {
+  FN_LAUNCH_REQUIRE(p.tokens >= 0 && p.top_k >= 1, op);
+  FN_LAUNCH_REQUIRE(p.gate_up.num_experts >= 1 && p.gate_up.num_experts == p.down.num_experts, op);
+  FN_LAUNCH_REQUIRE(p.gate_up.rows == 2 * p.down.cols && p.gate_up.cols == p.down.rows, op);
+  FN_LAUNCH_REQUIRE(p.gate_up.cols >= 16 && p.gate_up.cols % 16 == 0, op);
+  FN_LAUNCH_REQUIRE(p.down.cols >= 16 && p.down.cols % 16 == 0, op);
+  FN_LAUNCH_REQUIRE(p.gate_up.cols <= INT32_MAX && p.gate_up.rows <= INT32_MAX, op);
+  FN_LAUNCH_REQUIRE(p.tokens * p.top_k <= INT32_MAX / 2, op);
+  FN_LAUNCH_REQUIRE(p.group_segments >= 0 && p.group_segments <= 64, op);
+}
+
+bool aligned(const void* ptr, uintptr_t n) {
+  return (reinterpret_cast<uintptr_t>(ptr) & (n - 1)) == 0;
+}
+
+void run_per_row(const MoePrefillParams& p, cudaStream_t stream) {
+  uint16_t* h = static_cast<uint16_t*>(p.workspace);
+  const int64_t hidden = p.gate_up.cols, inter = p.down.cols;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    MoeGateUpParams gu;
+    gu.experts = p.gate_up;
+    gu.expert_ids = p.ids + t * p.top_k;
+    gu.top_k = p.top_k;
+    gu.x = p.x + t * hidden;
+    gu.h = h;
+    launch_moe_gate_up_nvfp4(gu, stream);
+    if (p.h_out != nullptr)
+      FN_CUDA_CHECK(cudaMemcpyAsync(p.h_out + t * p.top_k * inter, h,
+                                    static_cast<size_t>(p.top_k) * inter * 2,
+                                    cudaMemcpyDeviceToDevice, stream));
+    MoeDownParams dn;
+    dn.experts = p.down;
+    dn.expert_ids = p.ids + t * p.top_k;
+    dn.routing_weights = p.weights + t * p.top_k;
+    dn.top_k = p.top_k;
+    dn.h = h;
+    dn.y = p.y + t * hidden;
+    launch_moe_down_nvfp4(dn, stream);
+  }
+}
+
+unsigned grid_for(int64_t n) {
+  const int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+void run_grouped(const MoePrefillParams& p, cudaStream_t stream) {
+  const Shape s = shape_of(p);
+  const GroupedLayout lay = grouped_layout(s);
+  char* ws = static_cast<char*>(p.workspace);
+  const int64_t hidden = s.hidden, inter = s.inter, k = s.top_k;
+
+  // Per-expert buckets of the valid pairs, ascending token (pair index) inside an expert.
+  std::vector<int32_t> ids(static_cast<size_t>(s.pairs));
+  FN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), p.ids, ids.size() * 4, cudaMemcpyDeviceToHost, stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<int32_t> count(static_cast<size_t>(s.num_experts) + 1, 0);
+  for (const int32_t e : ids)
+    if (e >= 0 && e < s.num_experts) ++count[static_cast<size_t>(e) + 1];
+  for (int e = 0; e < s.num_experts; ++e) count[e + 1] += count[e];
+  std::vector<int32_t> bucket(static_cast<size_t>(count[s.num_experts]));
+  {
+    std::vector<int32_t> fill(count.begin(), count.end() - 1);
+    for (int32_t q = 0; q < static_cast<int32_t>(s.pairs); ++q) {
+      const int32_t e = ids[q];
+      if (e >= 0 && e < s.num_experts) bucket[fill[e]++] = q;
+    }
+  }
+  // Segments (expert, first, length), sorted by decreasing length then expert.
+  struct Seg {
+    int32_t expert, first, len;
+  };
+  std::vector<Seg> segs;
+  for (int e = 0; e < s.num_experts; ++e)
+    for (int32_t b = count[e]; b < count[e + 1]; b += static_cast<int32_t>(kSegRows))
+      segs.push_back({e, b, std::min<int32_t>(static_cast<int32_t>(kSegRows), count[e + 1] - b)});
+  std::stable_sort(segs.begin(), segs.end(),
+                   [](const Seg& a, const Seg& b) { return a.len > b.len; });
+  const int64_t groups = (static_cast<int64_t>(segs.size()) + s.group_segs - 1) / s.group_segs;
+
+  // Host tables, uploaded once: per group its row_pair [segs * n], seg_expert [segs], token
+  // entries, their row begins and the rows themselves (group-local).
+  struct GroupPlan {
+    int segs;
+    int64_t n;                                          // rows per segment
+    size_t row_pair, seg_expert, tok, begin, acc_rows;  // offsets in ints
+    int entries;
+  };
+  std::vector<GroupPlan> plans(static_cast<size_t>(groups));
+  std::vector<int32_t> meta;
+  meta.reserve(static_cast<size_t>(lay.meta_ints));
+  std::vector<int32_t> last_entry(static_cast<size_t>(s.tokens), -1);
+  std::vector<int32_t> stamp(static_cast<size_t>(s.tokens), -1);
+  std::vector<std::vector<int32_t>> rows_of;  // per entry, reused
+  for (int64_t g = 0; g < groups; ++g) {
+    GroupPlan& gp = plans[g];
+    const size_t s0 = static_cast<size_t>(g * s.group_segs);
+    gp.segs = static_cast<int>(std::min<size_t>(s.group_segs, segs.size() - s0));
+    gp.n = segs[s0].len;
+    gp.row_pair = meta.size();
+    for (int q = 0; q < gp.segs; ++q) {
+      const Seg& sg = segs[s0 + q];
+      for (int64_t r = 0; r < gp.n; ++r)
+        meta.push_back(r < sg.len ? bucket[static_cast<size_t>(sg.first + r)] : -1);
+    }
+    gp.seg_expert = meta.size();
+    for (int q = 0; q < gp.segs; ++q) meta.push_back(segs[s0 + q].expert);
+    // Token entries in order of first appearance; each token's rows in segment order.
+    std::vector<int32_t> entry_tok;
+    size_t used = 0;
+    for (int q = 0; q < gp.segs; ++q) {
+      const Seg& sg = segs[s0 + q];
+      for (int32_t r = 0; r < sg.len; ++r) {
+        const int32_t pair = bucket[static_cast<size_t>(sg.first + r)];
+        const int32_t t = pair / static_cast<int32_t>(k);
+        if (stamp[t] != g) {
+          stamp[t] = static_cast<int32_t>(g);
+          last_entry[t] = static_cast<int32_t>(entry_tok.size());
+          entry_tok.push_back(t);
+          if (used == rows_of.size()) rows_of.emplace_back();
+          rows_of[used].clear();
+          ++used;
+        }
+        rows_of[static_cast<size_t>(last_entry[t])].push_back(static_cast<int32_t>(q * gp.n + r));
+      }
+    }
+    gp.entries = static_cast<int>(entry_tok.size());
+    gp.tok = meta.size();
+    meta.insert(meta.end(), entry_tok.begin(), entry_tok.end());
+    gp.begin = meta.size();
+    int32_t b = 0;
+    for (size_t u = 0; u < used; ++u) {
+      meta.push_back(b);
+      b += static_cast<int32_t>(rows_of[u].size());
+    }
+    meta.push_back(b);
+    gp.acc_rows = meta.size();
+    for (size_t u = 0; u < used; ++u) meta.insert(meta.end(), rows_of[u].begin(), rows_of[u].end());
+  }
+  FN_CHECK(static_cast<int64_t>(meta.size()) <= lay.meta_ints,
+           "moe prefill: routing tables exceed the planned workspace");
+  int32_t* meta_d = reinterpret_cast<int32_t*>(ws + lay.meta);
+  if (!meta.empty())
+    FN_CUDA_CHECK(
+        cudaMemcpyAsync(meta_d, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, stream));
+
+  FN_CUDA_CHECK(cudaMemsetAsync(p.y, 0, static_cast<size_t>(s.tokens) * hidden * 4, stream));
+  if (p.h_out != nullptr)
+    FN_CUDA_CHECK(cudaMemsetAsync(p.h_out, 0, static_cast<size_t>(s.pairs) * inter * 2, stream));
+
+  uint16_t* w = reinterpret_cast<uint16_t*>(ws + lay.weights);
+  uint16_t* xs = reinterpret_cast<uint16_t*>(ws + lay.xs_or_yd);
+  float* yd = reinterpret_cast<float*>(ws + lay.xs_or_yd);
+  float* gu = reinterpret_cast<float*>(ws + lay.gu);
+  uint16_t* h = reinterpret_cast<uint16_t*>(ws + lay.h);
+  cublasHandle_t handle = cublas_for_current_device();
+  FN_PREFILL_CUBLAS(cublasSetStream(handle, stream));
+  const float one = 1.0f, zero = 0.0f;
+  for (const GroupPlan& gp : plans) {
+    const int64_t rows = gp.segs * gp.n;
+    const int32_t* row_pair = meta_d + gp.row_pair;
+    const int32_t* seg_expert = meta_d + gp.seg_expert;
+    gather_rows_kernel<<<grid_for(rows * (hidden / 8)), kThreads, 0, stream>>>(
+        p.x, hidden, row_pair, s.top_k, rows, xs);
+    FN_CUDA_LAUNCH_CHECK("gather_rows_kernel");
+    dequant_bf16_kernel<<<grid_for(gp.segs * 2 * inter * (hidden / 16)), kThreads, 0, stream>>>(
+        p.gate_up.packed, p.gate_up.scales, seg_expert, gp.segs, 2 * inter, hidden, w);
+    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
+    // Column-major: gu^T [2I, n] = W [H, 2I]^T (row-major [2I, H]) x xs^T [H, n].
+    FN_PREFILL_CUBLAS(cublasGemmStridedBatchedEx(
+        handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * inter), static_cast<int>(gp.n),
+        static_cast<int>(hidden), &one, w, CUDA_R_16BF, static_cast<int>(hidden),
+        2 * inter * hidden, xs, CUDA_R_16BF, static_cast<int>(hidden), gp.n * hidden, &zero, gu,
+        CUDA_R_32F, static_cast<int>(2 * inter), gp.n * 2 * inter, gp.segs, CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT));
+    swiglu_rows_kernel<<<grid_for(rows * inter), kThreads, 0, stream>>>(
+        gu, p.gate_up.global_scale, seg_expert, gp.n, rows, inter, row_pair, h, p.h_out);
+    FN_CUDA_LAUNCH_CHECK("swiglu_rows_kernel");
+    dequant_bf16_kernel<<<grid_for(gp.segs * hidden * (inter / 16)), kThreads, 0, stream>>>(
+        p.down.packed, p.down.scales, seg_expert, gp.segs, hidden, inter, w);
+    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
+    // yd^T [H, n] = Wd [I, H]^T (row-major [H, I]) x h^T [I, n].
+    FN_PREFILL_CUBLAS(cublasGemmStridedBatchedEx(
+        handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(hidden), static_cast<int>(gp.n),
+        static_cast<int>(inter), &one, w, CUDA_R_16BF, static_cast<int>(inter), hidden * inter, h,
+        CUDA_R_16BF, static_cast<int>(inter), gp.n * inter, &zero, yd, CUDA_R_32F,
+        static_cast<int>(hidden), gp.n * hidden, gp.segs, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (gp.entries > 0) {
+      const dim3 grid(grid_for(hidden), static_cast<unsigned>(gp.entries));
+      accumulate_kernel<<<grid, kThreads, 0, stream>>>(
+          yd, hidden, meta_d + gp.tok, meta_d + gp.begin, meta_d + gp.acc_rows, row_pair,
+          seg_expert, gp.n, p.weights, p.down.global_scale, s.top_k, p.y);
+      FN_CUDA_LAUNCH_CHECK("accumulate_kernel");
+    }
+  }
+}
+
+}  // namespace
+
+void launch_router_topk_rows(const RouterRowsParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_router_topk_rows";
+  FN_LAUNCH_REQUIRE(p.rows >= 0 && p.rows <= INT32_MAX, kOp);
+  if (p.rows == 0) return;
+  FN_LAUNCH_REQUIRE(p.logits != nullptr && p.ids != nullptr && p.weights != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.num_experts >= 1 && p.num_experts <= kMaxExperts, kOp);
+  FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.top_k <= p.num_experts && p.top_k <= kMaxTopK, kOp);
+  FN_LAUNCH_REQUIRE(p.logits_stride >= p.num_experts, kOp);
+  router_topk_rows_kernel<<<static_cast<unsigned>(p.rows), kRouterThreads, 0, stream>>>(
+      p.logits, p.logits_stride, p.num_experts, p.top_k, p.norm_topk_prob, p.ids, p.weights,
+      p.error_flag);
+  FN_CUDA_LAUNCH_CHECK("router_topk_rows_kernel");
+}
+
+size_t moe_prefill_workspace_bytes(const MoePrefillParams& p) {
+  check_shapes(p, "moe_prefill_workspace_bytes");
+  if (use_per_row(p)) return align_up(static_cast<size_t>(p.top_k) * p.down.cols * 2);
+  return grouped_layout(shape_of(p)).total;
+}
+
+void launch_moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_prefill";
+  check_shapes(p, kOp);
+  if (p.tokens == 0) return;
+  FN_LAUNCH_REQUIRE(p.ids != nullptr && p.weights != nullptr && p.x != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.y != nullptr && p.workspace != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.gate_up.packed != nullptr && p.gate_up.scales != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.down.packed != nullptr && p.down.scales != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.gate_up.global_scale != nullptr && p.down.global_scale != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.x, 16) && aligned(p.workspace, kAlign), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.gate_up.packed, 16) && aligned(p.down.packed, 16), kOp);
+  if (use_per_row(p))
+    run_per_row(p, stream);
+  else
+    run_grouped(p, stream);
+}
+
+}  // namespace fn

@@ -1,0 +1,100 @@
+// Routed experts of the MoE for M prompt tokens of one layer on one TP rank (batched prefill,
+// issue 7; MODEL.md §C.7 steps 1-2 and the routed part of step 4, §B.4 NVFP4): the router for
+// every row, then y[p] = sum_j w[p,j] * down(e[p,j], swiglu(gate_up(e[p,j], x[p]))). Called by the
+// CUDA prefill step; the shared expert and the gated combine are the caller's. Invariants: the
+// router rows are bitwise the decode router's; the routed sum matches the decode kernels
+// (cuda/moe_nvfp4.h) up to FP32 accumulation order (h rounded to BF16 where decode rounds it);
+// deterministic (no float atomics); launch_moe_prefill synchronises its stream (not capturable).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/moe_nvfp4.h"
+
+namespace fn {
+
+/// Router for `rows` rows (MODEL.md §C.7 step 1): row p is exactly launch_router_topk
+/// (cuda/decode_ops.h) on logits + p * logits_stride, writing ids/weights + p * top_k (the same
+/// device code with the row taken from blockIdx.x: bitwise the same ids and weights). A NaN
+/// probability in any row sets *error_flag = 4 when error_flag is given.
+struct RouterRowsParams {
+  const float* logits = nullptr;  ///< FP32 router logits; row p at logits + p * logits_stride
+  int64_t logits_stride = 0;      ///< floats between rows, >= num_experts
+  int64_t rows = 0;               ///< M, >= 0 (0 launches nothing)
+  int num_experts = 0;            ///< E: 1..1024
+  int top_k = 0;                  ///< 1..min(E, 64)
+  bool norm_topk_prob = true;     ///< renormalise the selected weights
+  int32_t* ids = nullptr;         ///< [rows, top_k] device: expert ids, best first
+  float* weights = nullptr;       ///< [rows, top_k] device: FP32 routing weights, same order
+  int32_t* error_flag = nullptr;  ///< optional device scalar; set to 4 on NaN probabilities
+};
+
+/// One CTA of 512 threads per row (grid.x = rows, up to 2^31 - 1). Throws fn::Error(Internal) on
+/// null pointers or sizes out of range; fn::Error(Cuda) on a failed launch. Capturable.
+void launch_router_topk_rows(const RouterRowsParams& params, cudaStream_t stream);
+
+/// Which implementation launch_moe_prefill uses.
+enum class MoePrefillPath {
+  Auto,     ///< PerRow when tokens <= kMoePrefillPerRowMaxTokens and the decode kernels accept
+            ///< the shape, else Grouped
+  PerRow,   ///< the decode kernels once per token (bitwise the decode result)
+  Grouped,  ///< pairs sorted by expert, NVFP4 dequantised to BF16 + cuBLAS GEMMs
+};
+
+/// Auto takes the per-row path up to this many tokens (each row then costs one gate+up and one
+/// down launch, ~25 us at the real shape, less than the grouped path's fixed cost).
+inline constexpr int64_t kMoePrefillPerRowMaxTokens = 16;
+
+/// The routed experts for `tokens` rows (MODEL.md §C.7): for every token p and slot j < top_k
+/// with e = ids[p, j] in [0, num_experts):
+///   g = (W_gate[e] x[p]) * gs_gate[e], u = (W_up[e] x[p]) * gs_up[e],
+///   h = bf16(silu(g) * u)   (FP32 math, one BF16 rounding, as launch_moe_gate_up_nvfp4),
+///   y[p] = sum_j (weights[p, j] * gs_down[e]) * (W_down[e] h)   (FP32).
+/// Ids outside [0, num_experts) contribute 0 (as decode). The Grouped path dequantises the
+/// active experts to BF16 without the global scale (E2M1 x E4M3 is exact in BF16), multiplies
+/// with cuBLAS (BF16 inputs, FP32 accumulation and output), and applies the global scales after
+/// the GEMM: only the FP32 summation order differs from decode. y[p] sums its contributions in a
+/// fixed order (groups of experts by decreasing count, then expert), so results are bitwise
+/// reproducible for the same ids. cuBLAS: launch_moe_prefill owns one cublasHandle_t per
+/// (host thread, device), created on first use and kept for the process; it is bound to
+/// `stream` for each call.
+struct MoePrefillParams {
+  Nvfp4Experts gate_up;            ///< rows = 2 * I (gate rows, then up rows), cols = hidden_size
+  Nvfp4Experts down;               ///< rows = hidden_size, cols = I; same num_experts as gate_up
+  const int32_t* ids = nullptr;    ///< [tokens, top_k] device (launch_router_topk_rows)
+  const float* weights = nullptr;  ///< [tokens, top_k] device FP32 routing weights
+  int64_t tokens = 0;              ///< M, >= 0 (0 does nothing)
+  int top_k = 0;                   ///< >= 1
+  const uint16_t* x =
+      nullptr;                ///< [tokens, hidden] BF16 bits (m' rounded to BF16), 16-byte aligned
+  float* y = nullptr;         ///< [tokens, hidden] FP32, overwritten with the routed sum
+  void* workspace = nullptr;  ///< moe_prefill_workspace_bytes(*this) bytes, 256-byte aligned
+  /// Optional [tokens, top_k, I] BF16 bits: h of every (token, slot) (0 for an invalid id), for
+  /// tests and debugging; nullptr in production.
+  uint16_t* h_out = nullptr;
+  MoePrefillPath path = MoePrefillPath::Auto;
+  /// Grouped path: expert segments per batched GEMM (1..64; 0 = kMoePrefillGroupSegments). The
+  /// workspace grows linearly with it; a tuning knob for the benchmark.
+  int group_segments = 0;
+};
+
+/// Default expert segments per group of the Grouped path.
+inline constexpr int kMoePrefillGroupSegments = 8;
+
+/// Workspace bytes for the shape in `shape_only` (gate_up/down rows, cols, num_experts, tokens,
+/// top_k, path, group_segments; pointers ignored). Bounded: the Grouped path processes at most
+/// group_segments (8) expert segments of at most 1024 rows at a time (~0.25 GB at the real TP=1
+/// shape) plus O(tokens * top_k) integers of routing tables (~1.6 MB at M = 8192, top_k 10).
+size_t moe_prefill_workspace_bytes(const MoePrefillParams& shape_only);
+
+/// Runs on `stream`. Copies ids to the host and synchronises the stream (the Grouped path plans
+/// its groups from the per-expert counts); the PerRow path does not synchronise. Throws
+/// fn::Error(Internal) on null pointers, inconsistent shapes (gate_up.rows != 2 * down.cols,
+/// gate_up.cols != down.rows, different num_experts), misalignment, or a PerRow request the
+/// decode kernels reject; fn::Error(Cuda) on a CUDA or cuBLAS failure.
+void launch_moe_prefill(const MoePrefillParams& params, cudaStream_t stream);
+
+}  // namespace fn

@@ -1,0 +1,525 @@
+// GPU tests of the batched routed experts (cuda/moe_prefill.h) against the decode kernels run
+// once per row (cuda/decode_ops.h launch_router_topk, cuda/moe_nvfp4.h gate+up and down): router
+// rows bitwise; h bitwise or one BF16 step apart (only where FP32 summation order moves a value
+// across a rounding boundary); y against decode's down kernel fed the same h, within FP32
+// accumulation-order error; the per-row path bitwise. FN_BENCH=1 adds the real-shape timings.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/codecs.h"
+#include "core/error.h"
+#include "cuda/decode_ops.h"
+#include "cuda/moe_nvfp4.h"
+#include "cuda/moe_prefill.h"
+#include "cuda/weight_fill.h"
+#include "tests/cuda_test_util.h"
+
+namespace {
+
+using fn::test::DeviceArray;
+
+// A stack of experts in host memory (the device layout of Nvfp4Experts), random codes (all 16),
+// mostly normal block scales 2^-3..2^3 with a few subnormal ones, global scales ~2^-8.
+struct HostExperts {
+  int num_experts;
+  int64_t rows, cols;
+  std::vector<uint8_t> packed, scales;
+  std::vector<float> gscale;
+};
+
+HostExperts make_experts(int num_experts, int64_t rows, int64_t cols, int per_expert,
+                         uint64_t seed) {
+  HostExperts h{num_experts, rows, cols, {}, {}, {}};
+  std::mt19937_64 rng(seed);
+  h.packed.resize(size_t(num_experts) * rows * cols / 2);
+  h.scales.resize(size_t(num_experts) * rows * cols / 16);
+  h.gscale.resize(size_t(num_experts) * per_expert);
+  for (auto& b : h.packed) b = uint8_t(rng());
+  for (auto& s : h.scales) {
+    const unsigned r = rng() % 64;
+    s = r == 0 ? uint8_t(1 + rng() % 7) : uint8_t(0x20 + rng() % 0x30);
+  }
+  for (auto& g : h.gscale) g = std::ldexp(1.0f + float(rng() % 1000) / 1000.0f, -8);
+  return h;
+}
+
+struct DeviceExperts {
+  DeviceArray<uint8_t> packed, scales;
+  DeviceArray<float> gscale;
+  fn::Nvfp4Experts view;
+  explicit DeviceExperts(const HostExperts& h)
+      : packed(h.packed), scales(h.scales), gscale(h.gscale) {
+    view.packed = packed.ptr;
+    view.scales = scales.ptr;
+    view.global_scale = gscale.ptr;
+    view.num_experts = h.num_experts;
+    view.rows = h.rows;
+    view.cols = h.cols;
+  }
+};
+
+// Adjacent BF16 patterns of the same sign (one rounding step apart).
+bool one_bf16_step(uint16_t a, uint16_t b) {
+  if ((a & 0x8000u) != (b & 0x8000u)) return false;
+  return (a > b ? a - b : b - a) == 1;
+}
+
+struct CaseSpec {
+  int experts, hidden, inter, top_k;
+  int64_t tokens;
+  fn::MoePrefillPath path;
+  uint64_t seed;
+};
+
+// Runs router rows + launch_moe_prefill and the decode kernels row by row; checks as the header.
+void check_case(const CaseSpec& c) {
+  CAPTURE(c.experts);
+  CAPTURE(c.hidden);
+  CAPTURE(c.inter);
+  CAPTURE(c.top_k);
+  CAPTURE(c.tokens);
+  CAPTURE(static_cast<int>(c.path));
+  const int E = c.experts, k = c.top_k;
+  const int64_t H = c.hidden, I = c.inter, M = c.tokens;
+  const HostExperts hgu = make_experts(E, 2 * I, H, 2, c.seed);
+  const HostExperts hdn = make_experts(E, H, I, 1, c.seed + 1);
+  DeviceExperts gu(hgu), dn(hdn);
+
+  // Logits: expert 1 far ahead (every token selects it), expert E - 1 far behind (none does).
+  std::mt19937_64 rng(c.seed + 2);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t stride = E + 3;
+  std::vector<float> logits(size_t(M) * stride, 0.0f);
+  for (int64_t p = 0; p < M; ++p)
+    for (int e = 0; e < E; ++e)
+      logits[size_t(p) * stride + e] = e == 1 ? 20.0f : e == E - 1 ? -30.0f : normal(rng);
+  std::vector<uint16_t> x(size_t(M) * H);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  for (auto& v : x) v = fn::float_to_bf16(uni(rng));
+  DeviceArray<float> d_logits(logits);
+  DeviceArray<uint16_t> d_x(x);
+  DeviceArray<int32_t> d_ids(size_t(M) * k);
+  DeviceArray<float> d_w(size_t(M) * k);
+
+  fn::RouterRowsParams rp;
+  rp.logits = d_logits.ptr;
+  rp.logits_stride = stride;
+  rp.rows = M;
+  rp.num_experts = E;
+  rp.top_k = k;
+  rp.ids = d_ids.ptr;
+  rp.weights = d_w.ptr;
+  fn::launch_router_topk_rows(rp, nullptr);
+  const auto ids = d_ids.download();
+  const auto wts = d_w.download();
+  for (int64_t p = 0; p < M; ++p) {  // the test data's premise
+    const auto* row = ids.data() + p * k;
+    REQUIRE(std::find(row, row + k, 1) != row + k);
+    REQUIRE(std::find(row, row + k, E - 1) == row + k);
+  }
+
+  fn::MoePrefillParams mp;
+  mp.gate_up = gu.view;
+  mp.down = dn.view;
+  mp.ids = d_ids.ptr;
+  mp.weights = d_w.ptr;
+  mp.tokens = M;
+  mp.top_k = k;
+  mp.x = d_x.ptr;
+  mp.path = c.path;
+  DeviceArray<float> d_y(size_t(M) * H);
+  DeviceArray<uint16_t> d_h(size_t(M) * k * I);
+  DeviceArray<uint8_t> ws(fn::moe_prefill_workspace_bytes(mp));
+  mp.y = d_y.ptr;
+  mp.h_out = d_h.ptr;
+  mp.workspace = ws.ptr;
+  // Poison y: it must be overwritten.
+  FN_CUDA_CHECK(cudaMemset(d_y.ptr, 0x7f, d_y.n * 4));
+  fn::launch_moe_prefill(mp, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto y = d_y.download();
+  const auto h = d_h.download();
+
+  // Decode, row by row: the router, gate+up (h_ref), down (y_ref), and down fed prefill's h
+  // (y_mix).
+  DeviceArray<int32_t> r_ids(size_t(M) * k);
+  DeviceArray<float> r_w(size_t(M) * k);
+  DeviceArray<uint16_t> r_h(size_t(M) * k * I);
+  DeviceArray<float> r_y(size_t(M) * H), m_y(size_t(M) * H);
+  for (int64_t p = 0; p < M; ++p) {
+    fn::RouterParams r;
+    r.logits = d_logits.ptr + p * stride;
+    r.num_experts = E;
+    r.top_k = k;
+    r.ids = r_ids.ptr + p * k;
+    r.weights = r_w.ptr + p * k;
+    fn::launch_router_topk(r, nullptr);
+    fn::MoeGateUpParams g;
+    g.experts = gu.view;
+    g.expert_ids = d_ids.ptr + p * k;
+    g.top_k = k;
+    g.x = d_x.ptr + p * H;
+    g.h = r_h.ptr + p * k * I;
+    fn::launch_moe_gate_up_nvfp4(g, nullptr);
+    fn::MoeDownParams d;
+    d.experts = dn.view;
+    d.expert_ids = d_ids.ptr + p * k;
+    d.routing_weights = d_w.ptr + p * k;
+    d.top_k = k;
+    d.h = r_h.ptr + p * k * I;
+    d.y = r_y.ptr + p * H;
+    fn::launch_moe_down_nvfp4(d, nullptr);
+    d.h = d_h.ptr + p * k * I;
+    d.y = m_y.ptr + p * H;
+    fn::launch_moe_down_nvfp4(d, nullptr);
+  }
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  CHECK(r_ids.download() == ids);
+  const auto rw = r_w.download();
+  CHECK(std::memcmp(rw.data(), wts.data(), wts.size() * 4) == 0);
+  const auto h_ref = r_h.download();
+  const auto y_ref = r_y.download();
+  const auto y_mix = m_y.download();
+
+  // h: equal, or one BF16 step apart (grouped path only).
+  const bool per_row = c.path == fn::MoePrefillPath::PerRow ||
+                       (c.path == fn::MoePrefillPath::Auto && M <= fn::kMoePrefillPerRowMaxTokens);
+  int64_t flips = 0, wrong = 0;
+  std::vector<char> row_flipped(size_t(M), 0);
+  for (size_t i = 0; i < h.size(); ++i) {
+    if (h[i] == h_ref[i]) continue;
+    if (!per_row && one_bf16_step(h[i], h_ref[i])) {
+      ++flips;
+      row_flipped[i / (size_t(k) * I)] = 1;
+    } else {
+      ++wrong;
+    }
+  }
+  CHECK(wrong == 0);
+  // A flip needs FP32 order effects (a few 2^-24 relative) to straddle a BF16 rounding midpoint
+  // (spacing 2^-8 relative): ~1e-4 of the elements; 1e-3 leaves room for small counts.
+  CHECK(flips <= std::max<int64_t>(2, int64_t(h.size()) / 1000));
+  MESSAGE("h elements " << h.size() << ", one-step BF16 differences " << flips);
+
+  // y: with the same h the only difference from decode is the FP32 summation order of at most
+  // top_k * I + top_k terms (each product exact: BF16 h x E2M1 * E4M3 weight); per row, the error
+  // is far below 1e-5 * max|y_row| (gamma_{k*I} * sum|terms| with sum|terms| ~ sqrt(k I) |y|).
+  int64_t y_wrong = 0, y_vs_decode_wrong = 0, bitwise_diff = 0;
+  for (int64_t p = 0; p < M; ++p) {
+    double mx = 0;
+    for (int64_t d = 0; d < H; ++d) mx = std::max(mx, std::fabs(double(y_mix[p * H + d])));
+    const double tol = 1e-5 * mx;
+    for (int64_t d = 0; d < H; ++d) {
+      const size_t i = size_t(p * H + d);
+      if (!(std::fabs(double(y[i]) - y_mix[i]) <= tol)) ++y_wrong;
+      if (!row_flipped[p] && !(std::fabs(double(y[i]) - y_ref[i]) <= tol)) ++y_vs_decode_wrong;
+      if (std::memcmp(&y[i], &y_ref[i], 4) != 0) ++bitwise_diff;
+    }
+  }
+  CHECK(y_wrong == 0);
+  CHECK(y_vs_decode_wrong == 0);
+  if (per_row) CHECK(bitwise_diff == 0);
+}
+
+void run_all(int E, int H, int I, int k, const std::vector<int64_t>& ms, uint64_t seed) {
+  for (const int64_t m : ms) {
+    check_case({E, H, I, k, m, fn::MoePrefillPath::Auto, seed + uint64_t(m)});
+    check_case({E, H, I, k, m, fn::MoePrefillPath::Grouped, seed + 7 * uint64_t(m)});
+  }
+}
+
+TEST_CASE("moe prefill: the router rows are bitwise the decode router's, row by row") {
+  for (const int E : {8, 512}) {
+    const int k = E == 8 ? 3 : 10;
+    const int64_t M = 300, stride = E + 5;
+    std::mt19937_64 rng(41 + E);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::vector<float> logits(size_t(M) * stride);
+    for (auto& v : logits) v = normal(rng);
+    // Ties: row 3 all equal (lower id first), row 4 two equal leaders.
+    for (int e = 0; e < E; ++e) logits[3 * stride + e] = 0.5f;
+    logits[4 * stride + 2] = logits[4 * stride + 5] = 9.0f;
+    DeviceArray<float> d_logits(logits);
+    DeviceArray<int32_t> ids(size_t(M) * k), r_ids(size_t(M) * k);
+    DeviceArray<float> w(size_t(M) * k), r_w(size_t(M) * k);
+    for (const bool norm : {true, false}) {
+      fn::RouterRowsParams rp;
+      rp.logits = d_logits.ptr;
+      rp.logits_stride = stride;
+      rp.rows = M;
+      rp.num_experts = E;
+      rp.top_k = k;
+      rp.norm_topk_prob = norm;
+      rp.ids = ids.ptr;
+      rp.weights = w.ptr;
+      fn::launch_router_topk_rows(rp, nullptr);
+      for (int64_t p = 0; p < M; ++p) {
+        fn::RouterParams r;
+        r.logits = d_logits.ptr + p * stride;
+        r.num_experts = E;
+        r.top_k = k;
+        r.norm_topk_prob = norm;
+        r.ids = r_ids.ptr + p * k;
+        r.weights = r_w.ptr + p * k;
+        fn::launch_router_topk(r, nullptr);
+      }
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      CHECK(ids.download() == r_ids.download());
+      const auto a = w.download(), b = r_w.download();
+      CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+      const auto got = ids.download();
+      CHECK(got[3 * k] == 0);  // all equal: the lowest id first
+      CHECK(got[4 * k] == 2);
+      CHECK(got[4 * k + 1] == 5);
+    }
+  }
+}
+
+TEST_CASE("moe prefill: routed experts match the decode kernels run per row (I = 32)") {
+  run_all(8, 64, 32, 3, {1, 2, 5, 17, 64, 300}, 100);
+}
+
+TEST_CASE("moe prefill: the 16-code path of I = 16 matches the decode kernels per row") {
+  run_all(8, 64, 16, 3, {1, 5, 64}, 200);
+}
+
+TEST_CASE("moe prefill: several groups of experts and an expert split in segments match decode") {
+  // 20 experts: more than one group of segments; 1100 tokens all selecting expert 1: a segment
+  // split (1024 rows per segment).
+  check_case({20, 64, 32, 4, 300, fn::MoePrefillPath::Grouped, 300});
+  check_case({8, 64, 32, 3, 1100, fn::MoePrefillPath::Grouped, 301});
+}
+
+TEST_CASE("moe prefill: invalid expert ids contribute zero and zero tokens do nothing") {
+  const HostExperts hgu = make_experts(8, 64, 64, 2, 5), hdn = make_experts(8, 64, 32, 1, 6);
+  DeviceExperts gu(hgu), dn(hdn);
+  // Token 0 all invalid; token 1: one valid id (3) and invalid ones; both paths.
+  const std::vector<int32_t> ids = {-1, 8, 100, 3, -5, 8};
+  const std::vector<float> w = {0.5f, 0.25f, 0.25f, 0.75f, 0.125f, 0.125f};
+  std::vector<uint16_t> x(2 * 64);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = fn::float_to_bf16(float(int(i % 7) - 3) / 4.0f);
+  DeviceArray<int32_t> d_ids(ids);
+  DeviceArray<float> d_w(w);
+  DeviceArray<uint16_t> d_x(x);
+  for (const auto path : {fn::MoePrefillPath::PerRow, fn::MoePrefillPath::Grouped}) {
+    fn::MoePrefillParams mp;
+    mp.gate_up = gu.view;
+    mp.down = dn.view;
+    mp.ids = d_ids.ptr;
+    mp.weights = d_w.ptr;
+    mp.tokens = 2;
+    mp.top_k = 3;
+    mp.x = d_x.ptr;
+    mp.path = path;
+    DeviceArray<float> y(2 * 64);
+    DeviceArray<uint8_t> ws(fn::moe_prefill_workspace_bytes(mp));
+    mp.y = y.ptr;
+    mp.workspace = ws.ptr;
+    FN_CUDA_CHECK(cudaMemset(y.ptr, 0x7f, y.n * 4));
+    fn::launch_moe_prefill(mp, nullptr);
+    // Reference: decode on token 1 with only id 3.
+    DeviceArray<int32_t> one_id(std::vector<int32_t>{3});
+    DeviceArray<float> one_w(std::vector<float>{0.75f});
+    DeviceArray<uint16_t> hh(32);
+    DeviceArray<float> yr(64);
+    fn::MoeGateUpParams g;
+    g.experts = gu.view;
+    g.expert_ids = one_id.ptr;
+    g.top_k = 1;
+    g.x = d_x.ptr + 64;
+    g.h = hh.ptr;
+    fn::launch_moe_gate_up_nvfp4(g, nullptr);
+    fn::MoeDownParams d;
+    d.experts = dn.view;
+    d.expert_ids = one_id.ptr;
+    d.routing_weights = one_w.ptr;
+    d.top_k = 1;
+    d.h = hh.ptr;
+    d.y = yr.ptr;
+    fn::launch_moe_down_nvfp4(d, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto got = y.download(), ref = yr.download();
+    double mx = 0;
+    for (const float v : ref) mx = std::max(mx, std::fabs(double(v)));
+    CHECK(mx > 0);
+    for (int i = 0; i < 64; ++i) {
+      CHECK(got[i] == 0.0f);
+      CHECK(std::fabs(double(got[64 + i]) - ref[i]) <= 1e-5 * mx);
+    }
+    mp.tokens = 0;
+    fn::launch_moe_prefill(mp, nullptr);  // nothing to do, nothing thrown
+  }
+}
+
+TEST_CASE("moe prefill: inconsistent expert shapes are rejected") {
+  fn::MoePrefillParams mp;
+  mp.gate_up.num_experts = mp.down.num_experts = 8;
+  mp.gate_up.rows = 64;
+  mp.gate_up.cols = 64;
+  mp.down.rows = 64;
+  mp.down.cols = 16;  // gate_up rows must be 2 * down cols
+  mp.tokens = 4;
+  mp.top_k = 2;
+  CHECK_THROWS_AS(fn::moe_prefill_workspace_bytes(mp), fn::Error);
+}
+
+// ---- benchmark (FN_BENCH=1) -----------------------------------------------------------------
+
+void fill(void* dst, int64_t count, fn::DType dt, fn::RandomFill kind, float lo, float hi,
+          uint64_t stream) {
+  fn::RandomFillParams f;
+  f.dst = dst;
+  f.count = count;
+  f.dtype = dt;
+  f.kind = kind;
+  f.lo = lo;
+  f.hi = hi;
+  f.seed = 7;
+  f.stream = stream;
+  fn::launch_random_fill(f, nullptr);
+}
+
+void bench(int64_t inter, int64_t M, const std::vector<int>& group_options) {
+  const int E = 512, k = 10;
+  const int64_t H = 2560;
+  DeviceArray<uint8_t> gp(size_t(E) * 2 * inter * H / 2), gs(size_t(E) * 2 * inter * H / 16);
+  DeviceArray<uint8_t> dp(size_t(E) * H * inter / 2), ds(size_t(E) * H * inter / 16);
+  DeviceArray<float> gg(size_t(E) * 2), dg(static_cast<size_t>(E));
+  fill(gp.ptr, int64_t(gp.n), fn::DType::U8, fn::RandomFill::E2M1Codes, 0, 0, 1);
+  fill(dp.ptr, int64_t(dp.n), fn::DType::U8, fn::RandomFill::E2M1Codes, 0, 0, 2);
+  fill(gs.ptr, int64_t(gs.n), fn::DType::F8_E4M3, fn::RandomFill::E4M3NearOne, 0, 0, 3);
+  fill(ds.ptr, int64_t(ds.n), fn::DType::F8_E4M3, fn::RandomFill::E4M3NearOne, 0, 0, 4);
+  fill(gg.ptr, int64_t(gg.n), fn::DType::F32, fn::RandomFill::Uniform, 0.002f, 0.004f, 5);
+  fill(dg.ptr, int64_t(dg.n), fn::DType::F32, fn::RandomFill::Uniform, 0.002f, 0.004f, 6);
+  DeviceArray<uint16_t> x(size_t(M) * H);
+  fill(x.ptr, int64_t(x.n), fn::DType::BF16, fn::RandomFill::Uniform, -1.0f, 1.0f, 8);
+  // Uniformly random routing: k distinct experts per token, weights normalised.
+  std::mt19937_64 rng(99);
+  std::vector<int32_t> ids(size_t(M) * k);
+  std::vector<float> w(size_t(M) * k);
+  std::vector<int32_t> perm(E);
+  for (int e = 0; e < E; ++e) perm[e] = e;
+  for (int64_t p = 0; p < M; ++p) {
+    for (int j = 0; j < k; ++j) std::swap(perm[j], perm[j + rng() % (E - j)]);
+    float s = 0;
+    for (int j = 0; j < k; ++j) {
+      ids[p * k + j] = perm[j];
+      w[p * k + j] = 0.1f + float(rng() % 1000) / 1000.0f;
+      s += w[p * k + j];
+    }
+    for (int j = 0; j < k; ++j) w[p * k + j] /= s;
+  }
+  DeviceArray<int32_t> d_ids(ids);
+  DeviceArray<float> d_w(w);
+  DeviceArray<float> y(size_t(M) * H);
+  fn::MoePrefillParams mp;
+  mp.gate_up = {gp.ptr, gs.ptr, gg.ptr, E, 2 * inter, H};
+  mp.down = {dp.ptr, ds.ptr, dg.ptr, E, H, inter};
+  mp.ids = d_ids.ptr;
+  mp.weights = d_w.ptr;
+  mp.tokens = M;
+  mp.top_k = k;
+  mp.x = x.ptr;
+  mp.y = y.ptr;
+  for (const int gsegs : group_options) {
+    mp.group_segments = gsegs;
+    const size_t wsb = fn::moe_prefill_workspace_bytes(mp);
+    DeviceArray<uint8_t> ws(wsb);
+    mp.workspace = ws.ptr;
+    fn::launch_moe_prefill(mp, nullptr);  // warm-up (cuBLAS handle, heuristics)
+    cudaEvent_t a, b;
+    FN_CUDA_CHECK(cudaEventCreate(&a));
+    FN_CUDA_CHECK(cudaEventCreate(&b));
+    const int reps = 5;
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    FN_CUDA_CHECK(cudaEventRecord(a, nullptr));
+    for (int r = 0; r < reps; ++r) fn::launch_moe_prefill(mp, nullptr);
+    FN_CUDA_CHECK(cudaEventRecord(b, nullptr));
+    FN_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    ms /= reps;
+    const double flops = 2.0 * M * k * (2 * inter * H + H * inter);
+    MESSAGE("moe prefill E 512 top_k 10 hidden 2560 I "
+            << inter << " M " << M << " group_segments " << gsegs << ": " << ms << " ms/layer, "
+            << flops / ms / 1e9 << " TFLOP/s, workspace " << double(wsb) / (1 << 20) << " MiB");
+    FN_CUDA_CHECK(cudaEventDestroy(a));
+    FN_CUDA_CHECK(cudaEventDestroy(b));
+  }
+  mp.group_segments = 0;
+  DeviceArray<uint8_t> ws(fn::moe_prefill_workspace_bytes(mp));
+  mp.workspace = ws.ptr;
+  // Spot check at the real shape: rows 0, 1 and M - 1 against decode's down fed prefill's h is
+  // done through h_out (the whole h, 2 bytes per (pair, i)).
+  DeviceArray<uint16_t> h(size_t(M) * k * inter);
+  mp.h_out = h.ptr;
+  fn::launch_moe_prefill(mp, nullptr);
+  DeviceArray<float> yr(static_cast<size_t>(H));
+  for (const int64_t p : {int64_t(0), int64_t(1), M - 1}) {
+    fn::MoeDownParams d;
+    d.experts = mp.down;
+    d.expert_ids = d_ids.ptr + p * k;
+    d.routing_weights = d_w.ptr + p * k;
+    d.top_k = k;
+    d.h = h.ptr + p * k * inter;
+    d.y = yr.ptr;
+    fn::launch_moe_down_nvfp4(d, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto ref = yr.download();
+    std::vector<float> got(static_cast<size_t>(H));
+    FN_CUDA_CHECK(cudaMemcpy(got.data(), y.ptr + p * H, H * 4, cudaMemcpyDeviceToHost));
+    double mx = 0, err = 0;
+    for (int64_t d2 = 0; d2 < H; ++d2) {
+      mx = std::max(mx, std::fabs(double(ref[d2])));
+      err = std::max(err, std::fabs(double(got[d2]) - ref[d2]));
+    }
+    CHECK(mx > 0);
+    CHECK(err <= 1e-5 * mx);
+  }
+}
+
+TEST_CASE("moe prefill: real-shape timings (FN_BENCH=1)") {
+  const char* env = std::getenv("FN_BENCH");
+  if (env == nullptr || std::string(env) != "1") return;
+  {  // router rows at M = 8192, E = 512, top_k 10
+    const int64_t M = 8192;
+    DeviceArray<float> logits(size_t(M) * 512);
+    fill(logits.ptr, int64_t(logits.n), fn::DType::F32, fn::RandomFill::Uniform, -4.0f, 4.0f, 9);
+    DeviceArray<int32_t> ids(size_t(M) * 10);
+    DeviceArray<float> w(size_t(M) * 10);
+    fn::RouterRowsParams rp;
+    rp.logits = logits.ptr;
+    rp.logits_stride = 512;
+    rp.rows = M;
+    rp.num_experts = 512;
+    rp.top_k = 10;
+    rp.ids = ids.ptr;
+    rp.weights = w.ptr;
+    fn::launch_router_topk_rows(rp, nullptr);
+    cudaEvent_t a, b;
+    FN_CUDA_CHECK(cudaEventCreate(&a));
+    FN_CUDA_CHECK(cudaEventCreate(&b));
+    FN_CUDA_CHECK(cudaEventRecord(a, nullptr));
+    for (int r = 0; r < 10; ++r) fn::launch_router_topk_rows(rp, nullptr);
+    FN_CUDA_CHECK(cudaEventRecord(b, nullptr));
+    FN_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    MESSAGE("router rows E 512 top_k 10 M 8192: " << ms / 10 << " ms");
+    FN_CUDA_CHECK(cudaEventDestroy(a));
+    FN_CUDA_CHECK(cudaEventDestroy(b));
+  }
+  bench(640, 8192, {4, 8, 16});
+  bench(320, 8192, {4, 8, 16, 32});
+  bench(640, 512, {8, 32});
+  bench(320, 512, {8, 32});
+}
+
+}  // namespace

@@ -80,6 +80,7 @@ void check_choices_each_step(LoadedBackend& b, Collectives& coll, std::function<
     *step = 0;
   };
   b.device_decode = nullptr;
+  b.prefill = nullptr;
 }
 
 LoadedBackend load_cpu(const std::filesystem::path& dir, Collectives& coll) {
@@ -132,11 +133,15 @@ LoadedBackend load_cuda(
   opt.tp_size = gpu.size();
   opt.all_reduce = hold->all_reduce.get();
   opt.record_choices = flags.check_choices;
+  opt.prefill_chunk = flags.prefill_chunk;
   hold->model = make(opt, gpu.size());
   b.load_ms = ms_since(t0);
   CudaModel* m = hold->model.get();
   b.forward = [m](int32_t t) { return m->forward(t); };
   b.reset = [m] { m->reset(); };
+  b.prefill = [m](std::span<const int32_t> tokens, bool want_logits) {
+    return m->prefill(tokens, want_logits ? PrefillLogits::Last : PrefillLogits::None);
+  };
   b.device_decode = [m](int32_t first, int64_t count, const SamplingParams& sp, uint64_t seed,
                         const std::function<bool(int32_t)>& on_token) {
     return m->decode(first, count, sp, seed, on_token);
@@ -196,6 +201,12 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
   sub->add_flag("--check-choices", flags.check_choices,
                 "debug: after every step, check that all TP ranks chose the same experts and "
                 "indexer blocks (a hash compared across ranks); samples on the host");
+  sub->add_option("--prefill-chunk", flags.prefill_chunk,
+                  "cuda: tokens per batched prefill pass; a longer prompt runs in several "
+                  "passes, each continuing from the states the last one left (the cpu backend "
+                  "prefills token by token)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
 }
 
 bool built_with_cuda() noexcept {

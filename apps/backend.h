@@ -34,10 +34,13 @@ struct BackendFlags {
   /// --check-choices (debug): after every step, compare a hash of the router's expert ids and
   /// the indexer's block ids across the TP ranks (core/choice_check.h); a mismatch is an error.
   bool check_choices = false;
+  /// --prefill-chunk: tokens per batched prefill pass (cuda; CudaModelOptions::prefill_chunk).
+  /// The cpu backend prefills token by token and ignores it.
+  int64_t prefill_chunk = 8192;
 };
 
-/// Registers --backend, --tp, --allreduce, --no-graph and --check-choices on `sub` (values checked
-/// by CLI11, so a bad value is a usage error naming the flag).
+/// Registers --backend, --tp, --allreduce, --no-graph, --check-choices and --prefill-chunk on `sub`
+/// (values checked by CLI11, so a bad value is a usage error naming the flag).
 void add_backend_flags(CLI::App* sub, BackendFlags& flags);
 
 /// True when this binary was built with the CUDA backend (FN_HAVE_CUDA).
@@ -69,6 +72,9 @@ struct LoadedBackend {
   std::string name;             ///< "cpu" or "cuda" (the backend actually used)
   std::string all_reduce_name;  ///< cuda at TP > 1: "custom" or "nccl"; "mpi" on cpu; else ""
   ForwardFn forward;            ///< token -> full-vocabulary FP32 logits (identical on all ranks)
+  /// cuda only (null on cpu and with --check-choices, which checks every token's step): the
+  /// batched prefill, CudaModel::prefill — the prompt's last logits, or none.
+  PrefillFn prefill;
   std::function<void()> reset;  ///< forget the sequence (position 0)
   int64_t vocab_size = 0;
   int tp_size = 1;

@@ -620,7 +620,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
              "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
   FN_REQUIRE(o.breakdown_steps >= 1, Usage, "--breakdown-steps must be >= 1, got {}",
              o.breakdown_steps);
-  const bool skip_prefill = o.skip_prefill || o.random_weights;
+  const bool skip_prefill = o.skip_prefill;
 
   if (!o.random_weights) require_model_dir(o.model);
   const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
@@ -724,9 +724,10 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
         if (skip_prefill) model.set_position(p - 1);
         const std::span<const int32_t> fed = skip_prefill ? std::span<const int32_t>(prompt).last(1)
                                                           : std::span<const int32_t>(prompt);
-        const GenerationResult r = model.device_decode
-                                       ? generate_on_device(model.forward, decode, coll, fed, go)
-                                       : generate(model.forward, coll, fed, go);
+        const GenerationResult r =
+            model.device_decode
+                ? generate_on_device(model.forward, decode, coll, fed, go, {}, model.prefill)
+                : generate(model.forward, coll, fed, go, {}, model.prefill);
         last_id = r.token_ids.back();
         FN_CHECK(static_cast<int64_t>(r.itl_ms.size()) == n - 1, "lane -p {} -n {}: {} gaps", p, n,
                  r.itl_ms.size());
@@ -809,7 +810,7 @@ void register_bench(CLI::App& app, CommandList& commands) {
   sub->add_option("-m,--model", o->model, "model directory (or --random-weights --config FILE)");
   sub->add_flag("--random-weights", o->random_weights,
                 "cuda: the full geometry of --config with random weights generated on the GPU "
-                "(no checkpoint; implies --skip-prefill; routing close to uniform)");
+                "(no checkpoint; routing close to uniform)");
   sub->add_option("--config", o->config,
                   "with --random-weights: a config.json with its quantization_config (e.g. "
                   "configs/qwen3.8-flash-next.json)");

@@ -382,8 +382,8 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         "always samples on the host",
         model.name);
   const auto run = [&](std::span<const int32_t> ids, const TextHooks& hooks) {
-    return on_device ? generate_on_device(forward, decode, coll, ids, go, hooks)
-                     : generate(forward, coll, ids, go, hooks);
+    return on_device ? generate_on_device(forward, decode, coll, ids, go, hooks, model.prefill)
+                     : generate(forward, coll, ids, go, hooks, model.prefill);
   };
   const auto max_new_for = [&](int64_t n_prompt) {
     return o.max_new_tokens > 0 ? o.max_new_tokens : std::max<int64_t>(ctx - n_prompt, 1);

@@ -157,7 +157,7 @@ std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t
 
 GenerationResult generate(const ForwardFn& forward, Collectives& coll,
                           std::span<const int32_t> prompt, const GenerateOptions& options,
-                          const TextHooks& hooks) {
+                          const TextHooks& hooks, const PrefillFn& batch_prefill) {
   check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
   const bool root = coll.rank() == 0;
   FN_REQUIRE(options.stop_strings.empty() || !root || hooks.feed, Usage,
@@ -173,7 +173,8 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
   };
 
   const auto t0 = Clock::now();
-  std::span<const float> logits = prefill(forward, prompt);
+  std::span<const float> logits =
+      batch_prefill && !prompt.empty() ? batch_prefill(prompt, true) : prefill(forward, prompt);
   const auto t_prefill = Clock::now();
   r.prefill_ms = ms_between(t0, t_prefill);
   auto t_prev = t0;
@@ -230,7 +231,8 @@ bool device_sampling_supported(const GenerateOptions& options) {
 
 GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& decode,
                                     Collectives& coll, std::span<const int32_t> prompt,
-                                    const GenerateOptions& options, const TextHooks& hooks) {
+                                    const GenerateOptions& options, const TextHooks& hooks,
+                                    const PrefillFn& batch_prefill) {
   check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
   FN_REQUIRE(device_sampling_supported(options), Usage,
              "sampling on the device supports no --stop strings and no repetition, presence or "
@@ -244,7 +246,11 @@ GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& de
                      static_cast<int64_t>(t)) != options.stop_token_ids.end();
   };
   const auto t0 = Clock::now();
-  for (std::size_t i = 0; i + 1 < prompt.size(); ++i) forward(prompt[i]);
+  if (batch_prefill && prompt.size() > 1) {
+    batch_prefill(prompt.first(prompt.size() - 1), false);
+  } else {
+    for (std::size_t i = 0; i + 1 < prompt.size(); ++i) forward(prompt[i]);
+  }
   r.prefill_ms = ms_between(t0, Clock::now());  // the last prompt token runs in the first step
   auto t_prev = t0;
   FinishReason finish = FinishReason::Length;

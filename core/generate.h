@@ -84,6 +84,11 @@ struct GenerationResult {
 /// -n/--max-new-tokens).
 void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size);
 
+/// A backend's batched prefill (CudaModel::prefill): runs `tokens` at the next positions and
+/// returns the last token's full-vocabulary logits when `want_logits`, else an empty span.
+using PrefillFn =
+    std::function<std::span<const float>(std::span<const int32_t> tokens, bool want_logits)>;
+
 /// Feeds `prompt` through `forward` in order and returns the last position's logits (the span
 /// forward returned last). Throws fn::Error(Usage) for an empty prompt.
 std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t> prompt);
@@ -93,9 +98,10 @@ std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t
 /// rank), rank 0 checks stop ids / stop strings / length and broadcasts {token, stop} (8 bytes),
 /// every rank accepts the broadcast token. Throws check_context's Usage error before any
 /// forward; fn::Error(Usage) when stop_strings are given without hooks.feed on rank 0.
+/// `batch_prefill`, when set, runs the prompt instead of one forward per token.
 GenerationResult generate(const ForwardFn& forward, Collectives& coll,
                           std::span<const int32_t> prompt, const GenerateOptions& options,
-                          const TextHooks& hooks = {});
+                          const TextHooks& hooks = {}, const PrefillFn& batch_prefill = nullptr);
 
 /// A backend's on-device decode loop (the CUDA graph that samples and feeds back the next id,
 /// CudaModel::decode): feeds `first` at the next position, then samples and feeds `count` ids
@@ -114,9 +120,11 @@ bool device_sampling_supported(const GenerateOptions& options);
 /// sampler is deterministic and the logits are identical on all ranks), so no per-token
 /// broadcast is needed; stop ids end the loop on every rank alike. Timing fields as generate().
 /// Throws check_context's Usage error, and fn::Error(Usage) when !device_sampling_supported.
+/// `batch_prefill`, when set, runs prompt[0 .. n-2] instead of one forward per token.
 GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& decode,
                                     Collectives& coll, std::span<const int32_t> prompt,
-                                    const GenerateOptions& options, const TextHooks& hooks = {});
+                                    const GenerateOptions& options, const TextHooks& hooks = {},
+                                    const PrefillFn& batch_prefill = nullptr);
 
 /// Resident memory of this process now, in MiB (/proc/self/statm; 0 where unavailable).
 double current_rss_mib();

@@ -3,6 +3,9 @@
 // gate, dilated causal conv, residual add) after the key/value GEMV. Called by the CUDA decode step
 // at layer 1, in order: gather -> all-reduce E -> GEMV [key_proj; value_proj] -> ple_apply ->
 // context advance. Token and context are read from device memory (graph-capturable); no atomics.
+// The *_rows versions do the same for M prompt tokens at once (batched prefill, MODEL.md §D):
+// gather_rows -> all-reduce E rows -> GEMM -> ple_apply_rows -> context_advance_rows, leaving the
+// n-gram context and the PLE conv state exactly as M decode steps would; no host sync.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -83,5 +86,61 @@ struct PleApplyParams {
 /// fn::Error(Internal) on null pointers or sizes outside the ranges above; fn::Error(Cuda) on a
 /// failed launch.
 void launch_ple_apply(const PleApplyParams& params, cudaStream_t stream);
+
+/// n-gram ids + gather for tokens[0..rows) (batched prefill, MODEL.md §C.4 and §D): row p uses
+/// the context formed by the device context (the raw ids before token 0) followed by
+/// tokens[0..p-1], with the EOS-aware shift, exactly what `rows` successive launch_ngram_gather +
+/// launch_ngram_context_advance calls would see. The device context is only read.
+struct NgramGatherRowsParams {
+  NgramGatherParams base;  ///< everything but token/out as for decode; base.token, base.out ignored
+  const int32_t* tokens = nullptr;  ///< device [rows]: raw token ids
+  int64_t rows = 0;                 ///< M >= 0 (0: nothing is launched)
+  float* out = nullptr;  ///< [rows, num_heads*head_dim] FP32; row p as decode's out for token p
+};
+
+/// Launches the gather (one block per (head, row)); bitwise the decode gather row by row. Throws
+/// fn::Error(Internal) on what launch_ngram_gather rejects, null tokens/out or rows < 0;
+/// fn::Error(Cuda) on a failed launch.
+void launch_ngram_gather_rows(const NgramGatherRowsParams& params, cudaStream_t stream);
+
+/// Context shift after tokens[0..rows): the device context becomes the last ngram_size-1 raw ids
+/// of (context, tokens), as `rows` launch_ngram_context_advance calls leave it (MODEL.md §D item
+/// 3).
+struct NgramContextAdvanceRowsParams {
+  int64_t* context = nullptr;       ///< device [ngram_size-1], updated in place
+  int ngram_size = 3;               ///< 2..8
+  const int32_t* tokens = nullptr;  ///< device [rows]
+  int64_t rows = 0;                 ///< M >= 0 (0: nothing is launched)
+};
+
+/// Launches the shift (one thread). Run it after the gather of the same tokens (stream order).
+/// Throws fn::Error(Internal) on null pointers, a bad ngram_size or rows < 0.
+void launch_ngram_context_advance_rows(const NgramContextAdvanceRowsParams& params,
+                                       cudaStream_t stream);
+
+/// Steps 2-8 of MODEL.md §C.4 for `rows` consecutive tokens (batched prefill). Row p: kv row p is
+/// decode's kv for token p, H row p is updated in place (H[p] += Gv + conv); the dilated causal
+/// conv of row p reads the Nc of earlier rows of this batch and, before row 0, the history in
+/// base.conv_state, which is left holding the last (K-1)*dilation Nc values, oldest first, as
+/// after `rows` launch_ple_apply calls (history included when rows is short). Same FP32
+/// operations in the same order as launch_ple_apply; deterministic.
+struct PleApplyRowsParams {
+  PleApplyParams base;        ///< norms, conv, conv_state, sizes as decode; base.kv/base.H ignored
+  const float* kv = nullptr;  ///< FP32 [rows, kv_stride]: key_proj(E_p) [S*P] then value_proj [P]
+  int64_t kv_stride = 0;      ///< floats between rows of kv, >= S*P + P
+  float* H = nullptr;         ///< FP32 [rows, S*P] residual rows (stream-major), in place
+  int64_t rows = 0;           ///< M >= 0 (0: nothing is launched)
+  float* scratch = nullptr;   ///< device, ple_apply_rows_scratch_floats(params) floats
+};
+
+/// Scratch floats launch_ple_apply_rows needs for this shape (reads rows and base.hc_count only):
+/// the per-(row, stream) gate and conv-norm scale, 2 * rows * hc_count.
+int64_t ple_apply_rows_scratch_floats(const PleApplyRowsParams& shape_only);
+
+/// Launches three kernels: per (row, stream) the norms and gate (one block each, as decode); per
+/// (row, channel) the conv and residual add; per channel the conv_state update. Throws
+/// fn::Error(Internal) on what launch_ple_apply rejects, null kv/H/scratch, rows < 0 or a short
+/// kv_stride; fn::Error(Cuda) on a failed launch.
+void launch_ple_apply_rows(const PleApplyRowsParams& params, cudaStream_t stream);
 
 }  // namespace fn

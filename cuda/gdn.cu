@@ -20,6 +20,7 @@
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/gdn_common.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
 
@@ -33,16 +34,8 @@ constexpr int kMaxHeadDim = 1024;
 constexpr int kMaxSlice = 32;  // dv columns per CTA
 constexpr int kMaxConvKernel = 8;
 
-// The CPU op's two-branch sigmoid (cpu::sigmoid): exp never overflows.
-__device__ __forceinline__ float sigmoid2(float x) {
-  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-  const float e = expf(x);
-  return e / (1.0f + e);
-}
-
-__device__ __forceinline__ float softplus(float x) {
-  return x > 20.0f ? x : log1pf(expf(x));
-}
+using dev::sigmoid2;
+using dev::softplus;
 
 // Step 2 for channel c: silu(w[K-1] * x + sum_{j<L} w[j] * hist[j]) in the CPU op's order (the
 // current tap first, then oldest first), FMA chain. With shift, the pre-conv input x is then

@@ -1,0 +1,400 @@
+// GPU tests of the Gated DeltaNet prefill kernels (cuda/gdn_prefill.h) against their definition:
+// M successive launch_gdn_decode calls (cuda/gdn.h, itself checked against the CPU ops in
+// test_cuda_gdn.cpp) on copies of the same inputs, from a non-zero initial state and conv state.
+// Compared: the conv state (bitwise: pure data movement), the FP32 state (within 1e-5 of its
+// largest magnitude), the BF16 outputs (one BF16 ulp of the element plus 1e-5 of the largest
+// output). Also prefill(a) + prefill(M - a) == prefill(M) and every scan slice width bitwise,
+// launcher checks, and a bench (FN_BENCH=1) at the real shapes with M = 8192.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/codecs.h"
+#include "core/error.h"
+#include "cuda/gdn.h"
+#include "cuda/gdn_prefill.h"
+#include "tests/cuda_test_util.h"
+
+namespace {
+
+using fn::test::DeviceArray;
+
+inline size_t sz(int64_t n) {
+  return static_cast<size_t>(n);
+}
+
+struct Shape {
+  int Hk, Hv, dk, dv;
+  int K = 4;
+  int64_t conv_dim() const { return 2 * int64_t{Hk} * dk + int64_t{Hv} * dv; }
+  int64_t proj_len() const { return conv_dim() + int64_t{Hv} * dv + 2 * int64_t{Hv}; }
+  int64_t state_len() const { return int64_t{Hv} * dk * dv; }
+  int64_t out_len() const { return int64_t{Hv} * dv; }
+  int64_t conv_state_len() const { return conv_dim() * (K - 1); }
+};
+
+std::vector<float> normal(size_t n, float mean, float sigma, std::mt19937_64& rng) {
+  std::normal_distribution<float> d(mean, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Fast uniform fill for the bench's large projections (variance 1, mean 0).
+std::vector<float> uniform_fast(size_t n, uint64_t seed) {
+  std::vector<float> v(n);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& f : v) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    f = (static_cast<float>(x >> 40) / 16777216.0f - 0.5f) * 3.4641016f;
+  }
+  return v;
+}
+
+// The layer's fixed weights and M rows of projections (row stride > proj_len, to check the
+// stride), on the device.
+struct Layer {
+  Shape s;
+  int64_t M, stride;
+  DeviceArray<float> proj, conv_w, A_log, dt_bias, norm_w;
+  Layer(const Shape& shape, int64_t tokens, std::mt19937_64& rng, bool fast_proj = false)
+      : s(shape),
+        M(tokens),
+        stride(shape.proj_len() + 4),
+        proj(sz(tokens * (shape.proj_len() + 4))),
+        conv_w(normal(sz(shape.conv_dim() * shape.K), 0.0f, 0.5f, rng)),
+        A_log(sz(shape.Hv)),
+        dt_bias(normal(sz(shape.Hv), 0.0f, 1.0f, rng)),
+        norm_w(normal(sz(shape.dv), 1.0f, 0.3f, rng)) {
+    std::uniform_real_distribution<float> al(-4.0f, 0.5f);  // decays from ~0.3 to ~1
+    std::vector<float> a(sz(s.Hv));
+    for (auto& x : a) x = al(rng);
+    A_log.upload(a);
+    proj.upload(fast_proj ? uniform_fast(proj.n, rng()) : normal(proj.n, 0.0f, 1.0f, rng));
+  }
+};
+
+// States and outputs after some tokens.
+struct Result {
+  std::vector<float> cs, S;
+  std::vector<uint16_t> out;  // [M, Hv*dv]
+};
+
+// M launch_gdn_decode steps from (cs0, S0): the reference.
+Result run_decode(const Layer& L, const std::vector<float>& cs0, const std::vector<float>& S0) {
+  const Shape& s = L.s;
+  DeviceArray<float> cs(cs0), S(S0), o_scratch(sz(s.out_len()));
+  DeviceArray<uint16_t> out(sz(L.M * s.out_len()));
+  DeviceArray<unsigned int> counters(sz(s.Hv + s.Hk));
+  FN_CUDA_CHECK(cudaMemset(counters.ptr, 0, counters.n * sizeof(unsigned int)));
+  fn::GdnDecodeParams p;
+  p.conv_weight = L.conv_w.ptr;
+  p.A_log = L.A_log.ptr;
+  p.dt_bias = L.dt_bias.ptr;
+  p.norm_weight = L.norm_w.ptr;
+  p.conv_state = cs.ptr;
+  p.state = S.ptr;
+  p.num_k_heads = s.Hk;
+  p.num_v_heads = s.Hv;
+  p.k_head_dim = s.dk;
+  p.v_head_dim = s.dv;
+  p.conv_kernel = s.K;
+  p.eps = 1e-6f;
+  p.o_scratch = o_scratch.ptr;
+  p.head_counters = counters.ptr;
+  for (int64_t t = 0; t < L.M; ++t) {
+    p.proj = L.proj.ptr + t * L.stride;
+    p.out = out.ptr + t * s.out_len();
+    fn::launch_gdn_decode(p, nullptr);
+  }
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  return {cs.download(), S.download(), out.download()};
+}
+
+fn::GdnPrefillParams prefill_params(const Layer& L, float* cs, float* S, uint16_t* out) {
+  const Shape& s = L.s;
+  fn::GdnPrefillParams p;
+  p.proj = L.proj.ptr;
+  p.proj_stride = L.stride;
+  p.tokens = L.M;
+  p.conv_weight = L.conv_w.ptr;
+  p.A_log = L.A_log.ptr;
+  p.dt_bias = L.dt_bias.ptr;
+  p.norm_weight = L.norm_w.ptr;
+  p.conv_state = cs;
+  p.state = S;
+  p.out = out;
+  p.num_k_heads = s.Hk;
+  p.num_v_heads = s.Hv;
+  p.k_head_dim = s.dk;
+  p.v_head_dim = s.dv;
+  p.conv_kernel = s.K;
+  p.eps = 1e-6f;
+  return p;
+}
+
+// Prefill of the rows given by `pieces` (consecutive chunks covering 0..M-1, one launch each)
+// from (cs0, S0); slice: the scan's slice_columns (0: planned).
+Result run_prefill(const Layer& L, const std::vector<float>& cs0, const std::vector<float>& S0,
+                   const std::vector<int64_t>& pieces, int slice = 0) {
+  const Shape& s = L.s;
+  DeviceArray<float> cs(cs0), S(S0);
+  DeviceArray<uint16_t> out(sz(L.M * s.out_len()));
+  FN_CUDA_CHECK(cudaMemset(out.ptr, 0xff, out.n * sizeof(uint16_t)));  // NaN: unwritten rows show
+  int64_t first = 0;
+  for (const int64_t n : pieces) {
+    fn::GdnPrefillParams p = prefill_params(L, cs.ptr, S.ptr, out.ptr + first * s.out_len());
+    p.proj = L.proj.ptr + first * L.stride;
+    p.tokens = n;
+    p.slice_columns = slice;
+    DeviceArray<unsigned char> ws(fn::gdn_prefill_workspace_bytes(p));
+    p.workspace = ws.ptr;
+    fn::launch_gdn_prefill(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    first += n;
+  }
+  REQUIRE(first == L.M);
+  return {cs.download(), S.download(), out.download()};
+}
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (const float x : v) m = std::max(m, double(std::fabs(x)));
+  return m;
+}
+
+// One BF16 ulp at |x| (the spacing of BF16 values in x's binade; 8 significant bits).
+double bf16_ulp(double x) {
+  if (x == 0) return 0;
+  int e;
+  std::frexp(x, &e);  // |x| = f * 2^e, f in [0.5, 1)
+  return std::ldexp(1.0, e - 8);
+}
+
+// Prefill against decode. The tolerances: the conv state is moved, never computed, so it must be
+// bitwise equal. The FP32 state differs only by rounding (other summation orders in the L2 norms,
+// S^T k and S^T q; the same operations otherwise), a few ulps of its scale that the contracting
+// delta rule does not amplify: 1e-5 of max|S| (about 170 FP32 ulps of the largest entry) is far
+// above that and far below any real error (a wrong token, gate or head is O(max|S|)). The BF16
+// output of two FP32 values that differ by rounding is equal or one BF16 ulp apart (a rounding
+// boundary between them); near-zero outputs (cancellation in S^T q) may differ by their FP32
+// error in absolute terms, hence 1e-5 of max|out| added.
+void check_same(const Shape& s, const Result& got, const Result& ref,
+                const std::vector<float>& S0) {
+  CHECK(std::memcmp(got.cs.data(), ref.cs.data(), got.cs.size() * sizeof(float)) == 0);
+  const double smax = max_abs(ref.S);
+  double sworst = 0, moved = 0;
+  for (size_t e = 0; e < ref.S.size(); ++e) {
+    sworst = std::max(sworst, double(std::fabs(got.S[e] - ref.S[e])));
+    moved = std::max(moved, double(std::fabs(ref.S[e] - S0[e])));
+  }
+  CHECK_MESSAGE(sworst <= 1e-5 * smax, "state: max |diff| ", sworst, ", max |S| ", smax);
+  CHECK(moved > 1e-3 * smax);  // the state did change (not a comparison of untouched buffers)
+  double omax = 0;
+  for (const uint16_t b : ref.out) omax = std::max(omax, double(std::fabs(fn::bf16_to_float(b))));
+  int64_t wrong = 0, nan = 0;
+  double worst = 0;
+  int64_t worst_at = -1;
+  for (size_t e = 0; e < ref.out.size(); ++e) {
+    const double a = fn::bf16_to_float(got.out[e]), b = fn::bf16_to_float(ref.out[e]);
+    if (std::isnan(a) || std::isnan(b)) {
+      ++nan;
+      continue;
+    }
+    const double bound = bf16_ulp(std::max(std::fabs(a), std::fabs(b))) + 1e-5 * omax;
+    const double ratio = std::fabs(a - b) / bound;
+    if (ratio > 1) ++wrong;
+    if (ratio > worst) {
+      worst = ratio;
+      worst_at = static_cast<int64_t>(e);
+    }
+  }
+  CHECK(nan == 0);
+  CHECK_MESSAGE(wrong == 0, "out: ", wrong, " of ", ref.out.size(), " outside, worst ratio ", worst,
+                " at token ", worst_at / s.out_len(), " channel ", worst_at % s.out_len());
+  CHECK(omax > 0.1);
+}
+
+void compare_with_decode(const Shape& s, const std::vector<int64_t>& Ms, uint64_t seed) {
+  for (const int64_t M : Ms) {
+    INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " K ", s.K, " M ", M);
+    std::mt19937_64 rng(seed + uint64_t(M));
+    const Layer L(s, M, rng);
+    const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
+    const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
+    const Result ref = run_decode(L, cs0, S0);
+    const Result got = run_prefill(L, cs0, S0, {M});
+    check_same(s, got, ref, S0);
+  }
+}
+
+bool bitwise_same(const Result& a, const Result& b) {
+  return a.cs == b.cs && a.out == b.out &&
+         std::memcmp(a.S.data(), b.S.data(), a.S.size() * sizeof(float)) == 0;
+}
+
+const std::vector<int64_t> kLengths = {1, 2, 3, 5, 17, 64, 65, 200};
+
+}  // namespace
+
+TEST_CASE("cuda gdn prefill: small heads (dk = dv = 8, 16) leave the state of M decode steps") {
+  compare_with_decode(Shape{1, 3, 8, 8}, kLengths, 100);
+  compare_with_decode(Shape{2, 6, 16, 16}, kLengths, 200);
+}
+
+TEST_CASE("cuda gdn prefill: 128-dim heads leave the state and outputs of M decode steps") {
+  compare_with_decode(Shape{1, 2, 128, 128}, kLengths, 300);
+  compare_with_decode(Shape{2, 4, 128, 128}, {3, 65, 200}, 400);
+}
+
+TEST_CASE("cuda gdn prefill: unequal head dims, conv kernel 2 and 3, dk not a power of two") {
+  compare_with_decode(Shape{2, 4, 32, 64}, {1, 5, 65}, 500);
+  compare_with_decode(Shape{2, 6, 16, 16, 2}, {1, 2, 17}, 600);
+  compare_with_decode(Shape{2, 6, 16, 16, 3}, {1, 2, 3, 17}, 650);
+  compare_with_decode(Shape{1, 1, 12, 20}, {1, 17, 65}, 700);
+  compare_with_decode(Shape{1, 2, 256, 32}, {2, 33}, 800);
+}
+
+TEST_CASE("cuda gdn prefill: prefill(a) then prefill(M - a) is bitwise prefill(M)") {
+  for (const Shape s : {Shape{2, 6, 16, 16}, Shape{1, 2, 128, 128}}) {
+    std::mt19937_64 rng(900);
+    const int64_t M = 200;
+    const Layer L(s, M, rng);
+    const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
+    const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
+    const Result whole = run_prefill(L, cs0, S0, {M});
+    for (const int64_t a : {int64_t{1}, int64_t{2}, int64_t{17}, int64_t{64}, int64_t{199}}) {
+      INFO("dk ", s.dk, " split ", a, " + ", M - a);
+      CHECK(bitwise_same(run_prefill(L, cs0, S0, {a, M - a}), whole));
+    }
+    std::vector<int64_t> seventeens(M / 17, 17);
+    seventeens.push_back(M % 17);
+    CHECK(bitwise_same(run_prefill(L, cs0, S0, seventeens), whole));
+    std::vector<int64_t> ones(sz(M), 1);  // single-token prefills, history from the conv state
+    CHECK(bitwise_same(run_prefill(L, cs0, S0, ones), whole));
+  }
+}
+
+TEST_CASE("cuda gdn prefill: every scan slice width gives the same bits, the planned one too") {
+  const Shape s{1, 2, 128, 128};
+  std::mt19937_64 rng(1000);
+  const Layer L(s, 40, rng);
+  const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
+  const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
+  const Result planned = run_prefill(L, cs0, S0, {40});
+  for (const int slice : {4, 8, 16, 32, 64}) {
+    INFO("slice ", slice);
+    CHECK(bitwise_same(run_prefill(L, cs0, S0, {40}, slice), planned));
+  }
+}
+
+TEST_CASE(
+    "cuda gdn prefill: the launcher rejects null pointers, bad sizes and a misaligned "
+    "workspace") {
+  const Shape s{2, 6, 16, 16};
+  std::mt19937_64 rng(1100);
+  const Layer L(s, 5, rng);
+  DeviceArray<float> cs(sz(s.conv_state_len())), S(sz(s.state_len()));
+  DeviceArray<uint16_t> out(sz(5 * s.out_len()));
+  FN_CUDA_CHECK(cudaMemset(cs.ptr, 0, cs.n * 4));
+  FN_CUDA_CHECK(cudaMemset(S.ptr, 0, S.n * 4));
+  fn::GdnPrefillParams good = prefill_params(L, cs.ptr, S.ptr, out.ptr);
+  const size_t bytes = fn::gdn_prefill_workspace_bytes(good);
+  // Grows with the tokens: q^ k^ v/o and two gates per token at least.
+  fn::GdnPrefillParams longer = good;
+  longer.tokens = 500;
+  CHECK(fn::gdn_prefill_workspace_bytes(longer) >=
+        size_t(500) * 4 * sz(2 * s.Hk * s.dk + s.Hv * s.dv + 2 * s.Hv));
+  CHECK(bytes >= size_t(5) * 4 * sz(2 * s.Hk * s.dk + s.Hv * s.dv + 2 * s.Hv));
+  DeviceArray<unsigned char> ws(bytes + 256);
+  good.workspace = ws.ptr;
+  CHECK_NOTHROW(fn::launch_gdn_prefill(good, nullptr));
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  auto rejects = [&](auto mutate) {
+    fn::GdnPrefillParams p = good;
+    mutate(p);
+    CHECK_THROWS_AS(fn::launch_gdn_prefill(p, nullptr), fn::Error);
+  };
+  rejects([](fn::GdnPrefillParams& p) { p.proj = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.conv_weight = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.A_log = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.dt_bias = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.norm_weight = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.conv_state = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.state = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.out = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.workspace = nullptr; });
+  rejects([](fn::GdnPrefillParams& p) { p.workspace = static_cast<char*>(p.workspace) + 128; });
+  rejects([](fn::GdnPrefillParams& p) { p.tokens = 0; });
+  rejects([](fn::GdnPrefillParams& p) { p.proj_stride = 10; });
+  rejects([](fn::GdnPrefillParams& p) { p.num_k_heads = 0; });
+  rejects([](fn::GdnPrefillParams& p) { p.num_v_heads = 5; });  // not a multiple of Hk = 2
+  rejects([](fn::GdnPrefillParams& p) { p.k_head_dim = 6; });
+  rejects([](fn::GdnPrefillParams& p) { p.k_head_dim = 2048; });
+  rejects([](fn::GdnPrefillParams& p) { p.v_head_dim = 18; });
+  rejects([](fn::GdnPrefillParams& p) { p.conv_kernel = 1; });
+  rejects([](fn::GdnPrefillParams& p) { p.conv_kernel = 9; });
+  rejects([](fn::GdnPrefillParams& p) { p.eps = -1.0f; });
+  rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 12; });
+  rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 32; });  // does not divide dv = 16
+  fn::GdnPrefillParams no_tokens = good;
+  no_tokens.tokens = 0;
+  CHECK_THROWS_AS(fn::gdn_prefill_workspace_bytes(no_tokens), fn::Error);
+}
+
+// Bench (FN_BENCH=1; no assertion on time): ms per launch at the real shapes with M = 8192, the
+// state carried from launch to launch; first checked against 8192 decode steps.
+TEST_CASE("cuda gdn prefill bench: ms per launch at the real TP=1 and TP=2 shapes, M = 8192") {
+  const char* env = std::getenv("FN_BENCH");
+  if (env == nullptr || std::string(env) != "1") return;
+  const int64_t M = 8192;
+  for (const Shape s : {Shape{16, 48, 128, 128}, Shape{8, 24, 128, 128}}) {
+    std::mt19937_64 rng(1200);
+    const Layer L(s, M, rng, true);
+    const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
+    const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
+    {
+      INFO("Hv ", s.Hv, " M ", M, " against decode");
+      const Result ref = run_decode(L, cs0, S0);
+      const Result got = run_prefill(L, cs0, S0, {M});
+      check_same(s, got, ref, S0);
+    }
+    DeviceArray<float> cs(cs0), S(S0);
+    DeviceArray<uint16_t> out(sz(M * s.out_len()));
+    fn::GdnPrefillParams p = prefill_params(L, cs.ptr, S.ptr, out.ptr);
+    DeviceArray<unsigned char> ws(fn::gdn_prefill_workspace_bytes(p));
+    p.workspace = ws.ptr;
+    cudaStream_t stream;
+    FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (const int slice : {0, 8, 16, 32}) {
+      p.slice_columns = slice;
+      fn::launch_gdn_prefill(p, stream);  // warm-up
+      cudaEvent_t e0, e1;
+      FN_CUDA_CHECK(cudaEventCreate(&e0));
+      FN_CUDA_CHECK(cudaEventCreate(&e1));
+      const int reps = 5;
+      FN_CUDA_CHECK(cudaEventRecord(e0, stream));
+      for (int r = 0; r < reps; ++r) fn::launch_gdn_prefill(p, stream);
+      FN_CUDA_CHECK(cudaEventRecord(e1, stream));
+      FN_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      FN_CUDA_CHECK(cudaEventDestroy(e0));
+      FN_CUDA_CHECK(cudaEventDestroy(e1));
+      const double per = ms / reps;
+      MESSAGE("gdn_prefill bench: Hk=", s.Hk, " Hv=", s.Hv, " dk=", s.dk, " dv=", s.dv, " M=", M,
+              " slice ", fn::plan_gdn_prefill_slice(p), (slice == 0 ? " (planned)" : ""), ": ", per,
+              " ms/launch, ", 1e3 * per / double(M), " us/token");
+    }
+    FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}

@@ -57,7 +57,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // The workspace sections (byte offsets, each 256-byte aligned).
 struct Layout {
-  size_t qk, vo, beta, decay, total;
+  size_t qk, vo, beta, decay, kq, total;
 };
 
 size_t round256(size_t b) {
@@ -73,7 +73,8 @@ Layout layout_of(const GdnPrefillParams& p) {
   l.vo = l.qk + round256(M * 2 * Hk * dk * sizeof(float));
   l.beta = l.vo + round256(M * Hv * dv * sizeof(float));
   l.decay = l.beta + round256(Hv * M * sizeof(float));
-  l.total = l.decay + round256(Hv * M * sizeof(float));
+  l.kq = l.decay + round256(Hv * M * sizeof(float));
+  l.total = l.kq + round256(Hk * M * sizeof(float));
   return l;
 }
 
@@ -89,6 +90,7 @@ struct ConvArgs {
   float* vo;     // [tokens, Hv*dv]: v
   float* beta;   // [Hv, tokens]
   float* decay;  // [Hv, tokens]: exp(g)
+  float* kq;     // [Hk, tokens]: k^ . q^
   int Hk, Hv, dk, dv, K;
 };
 
@@ -98,13 +100,15 @@ struct ConvArgs {
 __device__ __forceinline__ float conv_token(const ConvArgs& a, int64_t p, int64_t c) {
   const int K = a.K, L = K - 1;
   const float* wc = a.conv_w + c * K;
-  float acc = wc[K - 1] * a.proj[p * a.stride + c];
+  // Read-only loads (nothing this kernel writes aliases them), so the calls' loads can overlap.
+  float acc = __ldg(wc + K - 1) * __ldg(a.proj + p * a.stride + c);
 #pragma unroll
   for (int j = 0; j < kMaxConvKernel - 1; ++j) {
     if (j < L) {
       const int64_t t = p - L + j;
-      const float x = t >= 0 ? a.proj[t * a.stride + c] : a.conv_state[c * L + L + t];
-      acc = fmaf(wc[j], x, acc);
+      const float x =
+          t >= 0 ? __ldg(a.proj + t * a.stride + c) : __ldg(a.conv_state + c * L + L + t);
+      acc = fmaf(__ldg(wc + j), x, acc);
     }
   }
   return dev::silu(acc);
@@ -115,38 +119,64 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Steps 2, 4 and 5 for token blockIdx.x.
+// Steps 2, 4 and 5 for token blockIdx.x. J: per-lane entries of a head, >= dk / 32.
+template <int J>
 __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs a) {
   const int64_t p = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t qk_stride = 2 * int64_t{a.Hk} * a.dk;
   const float q_scale = 1.0f / sqrtf(static_cast<float>(a.dk));
-  // q and k vectors (2*Hk of dk channels): one warp each.
-  for (int vec = warp; vec < 2 * a.Hk; vec += kConvThreads / 32) {
-    float x[kMaxHeadDim / 32];
-    float ss = 0.0f;
+  // q_i and k_i (dk channels each) of key head i: one warp per key head.
+  for (int i = warp; i < a.Hk; i += kConvThreads / 32) {
+    float xq[J], xk[J];
+    float sq = 0.0f, sk = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxHeadDim / 32; ++j) {
+    for (int j = 0; j < J; ++j) {
       const int d = lane + 32 * j;
-      x[j] = 0.0f;
+      xq[j] = xk[j] = 0.0f;
       if (d < a.dk) {
-        x[j] = conv_token(a, p, int64_t{vec} * a.dk + d);
-        ss = fmaf(x[j], x[j], ss);
+        xq[j] = conv_token(a, p, int64_t{i} * a.dk + d);
+        xk[j] = conv_token(a, p, int64_t{a.Hk + i} * a.dk + d);
+        sq = fmaf(xq[j], xq[j], sq);
+        sk = fmaf(xk[j], xk[j], sk);
       }
     }
-    ss = warp_sum(ss);
-    const float r = 1.0f / sqrtf(ss + 1e-6f);  // eps inside the rsqrt of the sum (§C.5 step 5)
-    float* dst = a.qk + p * qk_stride + int64_t{vec} * a.dk;
-    const bool is_q = vec < a.Hk;
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    // eps inside the rsqrt of the sum (§C.5 step 5); q^ = (q * rq) * q_scale as the decode kernel.
+    const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+    float* dq = a.qk + p * qk_stride + int64_t{i} * a.dk;
+    float* dkp = a.qk + p * qk_stride + int64_t{a.Hk + i} * a.dk;
+    float kq = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxHeadDim / 32; ++j) {
+    for (int j = 0; j < J; ++j) {
       const int d = lane + 32 * j;
-      if (d < a.dk) dst[d] = is_q ? x[j] * r * q_scale : x[j] * r;
+      if (d < a.dk) {
+        const float qh = xq[j] * rq * q_scale, kh = xk[j] * rk;
+        dq[d] = qh;
+        dkp[d] = kh;
+        kq = fmaf(kh, qh, kq);
+      }
     }
+    kq = warp_sum(kq);
+    if (lane == 0) a.kq[int64_t{i} * a.tokens + p] = kq;
   }
   // v channels.
   const int64_t vd = int64_t{a.Hv} * a.dv, v0 = qk_stride;
-  for (int64_t c = tid; c < vd; c += kConvThreads) a.vo[p * vd + c] = conv_token(a, p, v0 + c);
+  constexpr int kUnroll = 4;  // independent channels per thread in flight
+  for (int64_t c0 = tid; c0 < vd; c0 += kUnroll * kConvThreads) {
+    float y[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + u * kConvThreads;
+      y[u] = c < vd ? conv_token(a, p, v0 + c) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + u * kConvThreads;
+      if (c < vd) a.vo[p * vd + c] = y[u];
+    }
+  }
   // Gates (step 4), head-major so the scan stages a tile of them with one contiguous copy.
   const float* ab = a.proj + p * a.stride + qk_stride + 2 * vd;
   for (int h = tid; h < a.Hv; h += kConvThreads) {
@@ -182,6 +212,7 @@ struct ScanArgs {
   float* vo;
   const float* beta;
   const float* decay;
+  const float* kq;
   float* state;
   int64_t tokens;
   int Hk, Hv, dk, dv;
@@ -192,10 +223,10 @@ struct ScanArgs {
 };
 
 // Shared memory of one tile buffer, in floats: k [T][Dp], q [T][Dp], v [T][vc], beta [T4],
-// exp(g) [T4] (T4 = T rounded up to 4 so every section stays 16-byte aligned).
+// exp(g) [T4], k^.q^ [T4] (T4 = T rounded up to 4 so every section stays 16-byte aligned).
 __host__ __device__ inline int tile_floats(int T, int Dp, int vc) {
   const int T4 = (T + 3) & ~3;
-  return 2 * T * Dp + T * vc + 2 * T4;
+  return 2 * T * Dp + T * vc + 3 * T4;
 }
 
 // Step 6 for (value head h, columns sl*vc .. sl*vc+vc-1) over all tokens. Thread tid = cl*P + p
@@ -208,6 +239,7 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
   const int P = a.P, Dp = R * P, T = a.T, vc = a.vc;
   const int T4 = (T + 3) & ~3;
   const int kOff = 0, qOff = T * Dp, vOff = 2 * T * Dp, bOff = vOff + T * vc, dOff = bOff + T4;
+  const int cOff = dOff + T4;
   const int B = tile_floats(T, Dp, vc);
   const int slices = a.dv / vc;
   const int h = blockIdx.x / slices, sl = blockIdx.x - h * slices;
@@ -238,6 +270,7 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
   float* vcol = a.vo + int64_t{h} * a.dv + sl * vc;
   const float* bsrc = a.beta + int64_t{h} * a.tokens;
   const float* dsrc = a.decay + int64_t{h} * a.tokens;
+  const float* csrc = a.kq + int64_t{i} * a.tokens;
   const int dk4 = a.dk / 4, vc4 = vc / 4;
   const int64_t ntiles = (a.tokens + T - 1) / T;
   auto tile_len = [&](int64_t tile) {
@@ -261,6 +294,7 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
     for (int e = tid; e < n; e += nthr) {
       cp_async4(base + bOff + e, bsrc + t0 + e);
       cp_async4(base + dOff + e, dsrc + t0 + e);
+      cp_async4(base + cOff + e, csrc + t0 + e);
     }
     cp_async_commit();
   };
@@ -283,38 +317,37 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
       const float* qq = base + qOff + tt * Dp;
       const float decay = base[dOff + tt], beta = base[bOff + tt];
       const float v = base[vOff + tt * vc + my_cl];
-      // S *= exp(g); r = S^T k^; delta = beta (v - r); S += k^ delta^T; o = S^T q^.
+      const float kq = base[cOff + tt];
+      // With a = S^T k^ and b = S^T q^ of the state before the token (one pass, one butterfly):
+      // r = (exp(g) S)^T k^ = exp(g) a; delta = beta (v - r); S' = exp(g) S + k^ delta^T;
+      // o = S'^T q^ = exp(g) b + (k^.q^) delta. Only the update of S is left after the butterfly.
       float kf[R];
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float acc_a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc_b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int m = 0; m < R / 4; ++m) {
         const float4 k4 = *reinterpret_cast<const float4*>(kk + (m * P + p) * 4);
+        const float4 q4 = *reinterpret_cast<const float4*>(qq + (m * P + p) * 4);
+        const float qf[4] = {q4.x, q4.y, q4.z, q4.w};
         kf[m * 4 + 0] = k4.x;
         kf[m * 4 + 1] = k4.y;
         kf[m * 4 + 2] = k4.z;
         kf[m * 4 + 3] = k4.w;
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-          s[m * 4 + jj] *= decay;
-          acc[jj] = fmaf(s[m * 4 + jj], kf[m * 4 + jj], acc[jj]);
+          acc_a[jj] = fmaf(s[m * 4 + jj], kf[m * 4 + jj], acc_a[jj]);
+          acc_b[jj] = fmaf(s[m * 4 + jj], qf[jj], acc_b[jj]);
         }
       }
-      float r = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-      for (int off = 1; off < P; off <<= 1) r += __shfl_xor_sync(0xffffffffu, r, off);
-      const float delta = beta * (v - r);  // the same on all P lanes (commutative butterfly)
-      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-#pragma unroll
-      for (int m = 0; m < R / 4; ++m) {
-        const float4 q4 = *reinterpret_cast<const float4*>(qq + (m * P + p) * 4);
-        const float qf[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          s[m * 4 + jj] = fmaf(kf[m * 4 + jj], delta, s[m * 4 + jj]);
-          acc[jj] = fmaf(s[m * 4 + jj], qf[jj], acc[jj]);
-        }
+      float sa = (acc_a[0] + acc_a[1]) + (acc_a[2] + acc_a[3]);
+      float sb = (acc_b[0] + acc_b[1]) + (acc_b[2] + acc_b[3]);
+      for (int off = 1; off < P; off <<= 1) {  // the same sums on all P lanes (commutative)
+        sa += __shfl_xor_sync(0xffffffffu, sa, off);
+        sb += __shfl_xor_sync(0xffffffffu, sb, off);
       }
-      float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-      for (int off = 1; off < P; off <<= 1) o += __shfl_xor_sync(0xffffffffu, o, off);
+      const float delta = beta * (v - decay * sa);
+      const float o = fmaf(kq, delta, decay * sb);
+#pragma unroll
+      for (int j = 0; j < R; ++j) s[j] = fmaf(kf[j], delta, s[j] * decay);
       if (valid && p == 0) vcol[(t0 + tt) * vo_stride + cl] = o;
     }
     __syncthreads();
@@ -435,7 +468,7 @@ int plan_gdn_prefill_slice(const GdnPrefillParams& p) {
   return vc;
 }
 
-void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
+void launch_gdn_prefill_phases(const GdnPrefillParams& p, unsigned phases, cudaStream_t stream) {
   const int vc = plan_gdn_prefill_slice(p);  // also checks the parameters
   const int Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
   const int conv_dim = 2 * Hk * dk + Hv * dv;
@@ -445,44 +478,88 @@ void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
   float* vo = reinterpret_cast<float*>(ws + l.vo);
   float* beta = reinterpret_cast<float*>(ws + l.beta);
   float* decay = reinterpret_cast<float*>(ws + l.decay);
+  float* kq = reinterpret_cast<float*>(ws + l.kq);
 
-  const ConvArgs ca{p.proj,       p.proj_stride,
-                    p.tokens,     p.conv_weight,
-                    p.conv_state, p.A_log,
-                    p.dt_bias,    qk,
-                    vo,           beta,
-                    decay,        Hk,
-                    Hv,           dk,
-                    dv,           p.conv_kernel};
-  gdn_prefill_conv_kernel<<<static_cast<unsigned>(p.tokens), kConvThreads, 0, stream>>>(ca);
-  FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_kernel");
-
-  gdn_prefill_conv_state_kernel<<<static_cast<unsigned>((conv_dim + 255) / 256), 256, 0, stream>>>(
-      p.proj, p.proj_stride, p.tokens, p.conv_state, conv_dim, p.conv_kernel);
-  FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_state_kernel");
-
-  int P, R;
-  scan_rows(dk, P, R);
-  const int T = scan_tile_tokens(R * P, vc);
-  const size_t smem = size_t{2} * tile_floats(T, R * P, vc) * sizeof(float);
-  FN_LAUNCH_REQUIRE(smem <= size_t{kScanMaxSmem}, "launch_gdn_prefill");
-  const ScanArgs sa{qk, vo, beta, decay, p.state, p.tokens, Hk, Hv, dk, dv, Hv / Hk, P, vc, T};
-  const int threads = (vc * P + 31) / 32 * 32;
-  const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
-  if (R == 8) {
-    gdn_prefill_scan_kernel<8><<<grid, threads, smem, stream>>>(sa);
-  } else if (R == 16) {
-    gdn_prefill_scan_kernel<16><<<grid, threads, smem, stream>>>(sa);
-  } else {
-    gdn_prefill_scan_kernel<32><<<grid, threads, smem, stream>>>(sa);
+  if (phases & 1u) {
+    ConvArgs ca;
+    ca.proj = p.proj;
+    ca.stride = p.proj_stride;
+    ca.tokens = p.tokens;
+    ca.conv_w = p.conv_weight;
+    ca.conv_state = p.conv_state;
+    ca.A_log = p.A_log;
+    ca.dt_bias = p.dt_bias;
+    ca.qk = qk;
+    ca.vo = vo;
+    ca.beta = beta;
+    ca.decay = decay;
+    ca.kq = kq;
+    ca.Hk = Hk;
+    ca.Hv = Hv;
+    ca.dk = dk;
+    ca.dv = dv;
+    ca.K = p.conv_kernel;
+    const unsigned grid = static_cast<unsigned>(p.tokens);
+    if (dk <= 128) {
+      gdn_prefill_conv_kernel<4><<<grid, kConvThreads, 0, stream>>>(ca);
+    } else {
+      gdn_prefill_conv_kernel<kMaxHeadDim / 32><<<grid, kConvThreads, 0, stream>>>(ca);
+    }
+    FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_kernel");
   }
-  FN_CUDA_LAUNCH_CHECK("gdn_prefill_scan_kernel");
 
-  const int64_t warps = p.tokens * Hv;
-  const int64_t blocks = (warps + kNormThreads / 32 - 1) / (kNormThreads / 32);
-  gdn_prefill_norm_kernel<<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
-      vo, p.proj, p.proj_stride, p.tokens, p.norm_weight, p.out, Hv, dv, conv_dim, p.eps);
-  FN_CUDA_LAUNCH_CHECK("gdn_prefill_norm_kernel");
+  if (phases & 2u) {
+    gdn_prefill_conv_state_kernel<<<static_cast<unsigned>((conv_dim + 255) / 256), 256, 0,
+                                    stream>>>(p.proj, p.proj_stride, p.tokens, p.conv_state,
+                                              conv_dim, p.conv_kernel);
+    FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_state_kernel");
+  }
+
+  if (phases & 4u) {
+    int P, R;
+    scan_rows(dk, P, R);
+    const int T = scan_tile_tokens(R * P, vc);
+    const size_t smem = size_t{2} * tile_floats(T, R * P, vc) * sizeof(float);
+    FN_LAUNCH_REQUIRE(smem <= size_t{kScanMaxSmem}, "launch_gdn_prefill");
+    ScanArgs sa;
+    sa.qk = qk;
+    sa.vo = vo;
+    sa.beta = beta;
+    sa.decay = decay;
+    sa.kq = kq;
+    sa.state = p.state;
+    sa.tokens = p.tokens;
+    sa.Hk = Hk;
+    sa.Hv = Hv;
+    sa.dk = dk;
+    sa.dv = dv;
+    sa.ratio = Hv / Hk;
+    sa.P = P;
+    sa.vc = vc;
+    sa.T = T;
+    const int threads = (vc * P + 31) / 32 * 32;
+    const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
+    if (R == 8) {
+      gdn_prefill_scan_kernel<8><<<grid, threads, smem, stream>>>(sa);
+    } else if (R == 16) {
+      gdn_prefill_scan_kernel<16><<<grid, threads, smem, stream>>>(sa);
+    } else {
+      gdn_prefill_scan_kernel<32><<<grid, threads, smem, stream>>>(sa);
+    }
+    FN_CUDA_LAUNCH_CHECK("gdn_prefill_scan_kernel");
+  }
+
+  if (phases & 8u) {
+    const int64_t warps = p.tokens * Hv;
+    const int64_t blocks = (warps + kNormThreads / 32 - 1) / (kNormThreads / 32);
+    gdn_prefill_norm_kernel<<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
+        vo, p.proj, p.proj_stride, p.tokens, p.norm_weight, p.out, Hv, dv, conv_dim, p.eps);
+    FN_CUDA_LAUNCH_CHECK("gdn_prefill_norm_kernel");
+  }
+}
+
+void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
+  launch_gdn_prefill_phases(p, kGdnPrefillAllPhases, stream);
 }
 
 }  // namespace fn

@@ -53,8 +53,8 @@ struct GdnPrefillParams {
 
 /// Bytes of workspace launch_gdn_prefill needs: a pure function of the shape fields (tokens,
 /// num_k_heads, num_v_heads, k_head_dim, v_head_dim), about
-/// 4 * tokens * (2*Hk*dk + Hv*dv + 2*Hv) bytes. Pointers are not read. Throws fn::Error(Internal)
-/// on non-positive sizes.
+/// 4 * tokens * (2*Hk*dk + Hv*dv + 2*Hv + Hk) bytes. Pointers are not read. Throws
+/// fn::Error(Internal) on non-positive sizes.
 size_t gdn_prefill_workspace_bytes(const GdnPrefillParams& shape_only);
 
 /// Enqueues the prefill on `stream` (no host sync): a conv + gates + L2-norm kernel over
@@ -63,6 +63,16 @@ size_t gdn_prefill_workspace_bytes(const GdnPrefillParams& shape_only);
 /// gated RMSNorm over (token, head). Throws fn::Error(Internal) on a null pointer, a misaligned
 /// workspace or bad sizes (see the field comments); fn::Error(Cuda) on a failed launch.
 void launch_gdn_prefill(const GdnPrefillParams& params, cudaStream_t stream);
+
+/// All four kernels of launch_gdn_prefill, for launch_gdn_prefill_phases.
+inline constexpr unsigned kGdnPrefillAllPhases = 15u;
+
+/// For benchmarks only: enqueues the kernels of launch_gdn_prefill named by the bits of
+/// `phases` (1: conv + gates + L2 norms, 2: conv state update, 4: recurrence scan, 8: gated
+/// norm), in that order, so each can be timed alone. Only kGdnPrefillAllPhases computes the
+/// prefill; the others leave the outputs and states meaningless. Same preconditions/throws.
+void launch_gdn_prefill_phases(const GdnPrefillParams& params, unsigned phases,
+                               cudaStream_t stream);
 
 /// dv columns per CTA of the scan kernel launch_gdn_prefill uses for these params on the current
 /// device (slice_columns when set). Same preconditions/throws as launch_gdn_prefill.

@@ -375,26 +375,34 @@ TEST_CASE("cuda gdn prefill bench: ms per launch at the real TP=1 and TP=2 shape
     p.workspace = ws.ptr;
     cudaStream_t stream;
     FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    for (const int slice : {0, 8, 16, 32}) {
-      p.slice_columns = slice;
-      fn::launch_gdn_prefill(p, stream);  // warm-up
+    // Milliseconds per launch of the kernels in `phases`, over 5 launches after a warm-up.
+    auto time_ms = [&](unsigned phases) {
+      fn::launch_gdn_prefill_phases(p, phases, stream);  // warm-up
       cudaEvent_t e0, e1;
       FN_CUDA_CHECK(cudaEventCreate(&e0));
       FN_CUDA_CHECK(cudaEventCreate(&e1));
       const int reps = 5;
       FN_CUDA_CHECK(cudaEventRecord(e0, stream));
-      for (int r = 0; r < reps; ++r) fn::launch_gdn_prefill(p, stream);
+      for (int r = 0; r < reps; ++r) fn::launch_gdn_prefill_phases(p, phases, stream);
       FN_CUDA_CHECK(cudaEventRecord(e1, stream));
       FN_CUDA_CHECK(cudaEventSynchronize(e1));
       float ms = 0;
       FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       FN_CUDA_CHECK(cudaEventDestroy(e0));
       FN_CUDA_CHECK(cudaEventDestroy(e1));
-      const double per = ms / reps;
+      return double(ms) / reps;
+    };
+    for (const int slice : {0, 8, 16, 32}) {
+      p.slice_columns = slice;
+      const double per = time_ms(fn::kGdnPrefillAllPhases);
+      const std::string planned = slice == 0 ? " (planned)" : "";
       MESSAGE("gdn_prefill bench: Hk=", s.Hk, " Hv=", s.Hv, " dk=", s.dk, " dv=", s.dv, " M=", M,
-              " slice ", fn::plan_gdn_prefill_slice(p), (slice == 0 ? " (planned)" : ""), ": ", per,
-              " ms/launch, ", 1e3 * per / double(M), " us/token");
+              " slice ", fn::plan_gdn_prefill_slice(p), planned, ": ", per, " ms/launch, ",
+              1e3 * per / double(M), " us/token");
     }
+    p.slice_columns = 0;
+    MESSAGE("gdn_prefill bench: Hv=", s.Hv, " phases (ms): conv+gates+l2 ", time_ms(1u),
+            ", conv state ", time_ms(2u), ", scan ", time_ms(4u), ", gated norm ", time_ms(8u));
     FN_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

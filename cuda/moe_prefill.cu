@@ -325,9 +325,43 @@ cublasHandle_t cublas_for_current_device() {
   return h;
 }
 
+// The side stream of the overlapped dequantisation, one per (host thread, device), kept for the
+// process (non-blocking: ordered with the caller's stream by events only).
+cudaStream_t side_stream_for_current_device() {
+  thread_local std::unordered_map<int, cudaStream_t> streams;
+  int dev = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&dev));
+  auto it = streams.find(dev);
+  if (it != streams.end()) return it->second;
+  cudaStream_t st = nullptr;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  streams.emplace(dev, st);
+  return st;
+}
+
+// Events of one launch, destroyed on scope exit (legal with work still pending).
+struct Events {
+  cudaEvent_t meta = nullptr, ready[2] = {nullptr, nullptr}, done[2] = {nullptr, nullptr};
+  void create() {
+    FN_CUDA_CHECK(cudaEventCreateWithFlags(&meta, cudaEventDisableTiming));
+    for (int i = 0; i < 2; ++i) {
+      FN_CUDA_CHECK(cudaEventCreateWithFlags(&ready[i], cudaEventDisableTiming));
+      FN_CUDA_CHECK(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming));
+    }
+  }
+  ~Events() {
+    if (meta != nullptr) cudaEventDestroy(meta);
+    for (int i = 0; i < 2; ++i) {
+      if (ready[i] != nullptr) cudaEventDestroy(ready[i]);
+      if (done[i] != nullptr) cudaEventDestroy(done[i]);
+    }
+  }
+};
+
 struct Shape {
   int64_t hidden, inter, tokens, pairs;
   int top_k, num_experts, group_segs;
+  bool overlap;
 };
 
 Shape shape_of(const MoePrefillParams& p) {
@@ -339,6 +373,7 @@ Shape shape_of(const MoePrefillParams& p) {
   s.pairs = p.tokens * p.top_k;
   s.num_experts = p.gate_up.num_experts;
   s.group_segs = p.group_segments != 0 ? p.group_segments : kMoePrefillGroupSegments;
+  s.overlap = p.overlap_dequant;
   return s;
 }
 
@@ -352,6 +387,7 @@ bool use_per_row(const MoePrefillParams& p) {
 // Workspace layout of the grouped path (offsets in bytes, each 256-aligned).
 struct GroupedLayout {
   size_t meta, weights, xs_or_yd, gu, h, total;
+  size_t w_gu_elems, w_set_elems;  // BF16 elements: gate+up part of a set, whole set
   int64_t meta_ints;
 };
 
@@ -361,12 +397,16 @@ GroupedLayout grouped_layout(const Shape& s) {
   // row_pair (<= pairs + s.group_segs * kSegRows), seg_expert (<= E + pairs / kSegRows + 1), token
   // entries and their begins (<= pairs + groups each), acc rows (pairs).
   l.meta_ints = 5 * s.pairs + 2 * static_cast<int64_t>(s.num_experts) + rows + 64;
-  const size_t w_elems = static_cast<size_t>(std::max(2 * s.inter * s.hidden, s.hidden * s.inter));
+  // Weight scratch: per set, gate+up then down of group_segs experts (BF16); two sets when the
+  // dequantisation of the next group overlaps the GEMMs of this one.
+  l.w_gu_elems = static_cast<size_t>(s.group_segs) * 2 * s.inter * s.hidden;
+  l.w_set_elems =
+      align_up((l.w_gu_elems + static_cast<size_t>(s.group_segs) * s.hidden * s.inter) * 2) / 2;
   const size_t xs = static_cast<size_t>(rows) * s.hidden * 2;
   const size_t yd = static_cast<size_t>(rows) * s.hidden * 4;
   l.meta = 0;
   l.weights = align_up(static_cast<size_t>(l.meta_ints) * 4);
-  l.xs_or_yd = l.weights + align_up(s.group_segs * w_elems * 2);
+  l.xs_or_yd = l.weights + (s.overlap ? 2 : 1) * l.w_set_elems * 2;
   l.gu = l.xs_or_yd + align_up(std::max(xs, yd));
   // gu [rows, 2I] FP32 lives while xs does; yd (written after gu is consumed) may overlap gu,
   // but keep them apart: xs and yd share one region.
@@ -525,42 +565,61 @@ void run_grouped(const MoePrefillParams& p, cudaStream_t stream) {
   if (p.h_out != nullptr)
     FN_CUDA_CHECK(cudaMemsetAsync(p.h_out, 0, static_cast<size_t>(s.pairs) * inter * 2, stream));
 
-  uint16_t* w = reinterpret_cast<uint16_t*>(ws + lay.weights);
+  uint16_t* w_base = reinterpret_cast<uint16_t*>(ws + lay.weights);
   uint16_t* xs = reinterpret_cast<uint16_t*>(ws + lay.xs_or_yd);
   float* yd = reinterpret_cast<float*>(ws + lay.xs_or_yd);
   float* gu = reinterpret_cast<float*>(ws + lay.gu);
   uint16_t* h = reinterpret_cast<uint16_t*>(ws + lay.h);
   cublasHandle_t handle = cublas_for_current_device();
   FN_PREFILL_CUBLAS(cublasSetStream(handle, stream));
+  // Dequantisation runs on `side` (== stream without overlap) into weight set g % 2: it waits
+  // for the GEMMs that last read that set (done), and the GEMMs of group g wait for it (ready).
+  Events ev;
+  cudaStream_t side = stream;
+  if (s.overlap) {
+    side = side_stream_for_current_device();
+    ev.create();
+    FN_CUDA_CHECK(cudaEventRecord(ev.meta, stream));  // the tables are uploaded
+    FN_CUDA_CHECK(cudaStreamWaitEvent(side, ev.meta, 0));
+  }
   const float one = 1.0f, zero = 0.0f;
-  for (const GroupPlan& gp : plans) {
+  for (size_t g = 0; g < plans.size(); ++g) {
+    const GroupPlan& gp = plans[g];
+    const int set = s.overlap ? static_cast<int>(g % 2) : 0;
+    uint16_t* w_gu = w_base + set * lay.w_set_elems;
+    uint16_t* w_dn = w_gu + lay.w_gu_elems;
     const int64_t rows = gp.segs * gp.n;
     const int32_t* row_pair = meta_d + gp.row_pair;
     const int32_t* seg_expert = meta_d + gp.seg_expert;
+    if (s.overlap && g >= 2) FN_CUDA_CHECK(cudaStreamWaitEvent(side, ev.done[set], 0));
+    dequant_bf16_kernel<<<grid_for(gp.segs * 2 * inter * (hidden / 16)), kThreads, 0, side>>>(
+        p.gate_up.packed, p.gate_up.scales, seg_expert, gp.segs, 2 * inter, hidden, w_gu);
+    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
+    dequant_bf16_kernel<<<grid_for(gp.segs * hidden * (inter / 16)), kThreads, 0, side>>>(
+        p.down.packed, p.down.scales, seg_expert, gp.segs, hidden, inter, w_dn);
+    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
+    if (s.overlap) {
+      FN_CUDA_CHECK(cudaEventRecord(ev.ready[set], side));
+      FN_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.ready[set], 0));
+    }
     gather_rows_kernel<<<grid_for(rows * (hidden / 8)), kThreads, 0, stream>>>(
         p.x, hidden, row_pair, s.top_k, rows, xs);
     FN_CUDA_LAUNCH_CHECK("gather_rows_kernel");
-    dequant_bf16_kernel<<<grid_for(gp.segs * 2 * inter * (hidden / 16)), kThreads, 0, stream>>>(
-        p.gate_up.packed, p.gate_up.scales, seg_expert, gp.segs, 2 * inter, hidden, w);
-    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
     // Column-major: gu^T [2I, n] = W [H, 2I]^T (row-major [2I, H]) x xs^T [H, n].
     FN_PREFILL_CUBLAS(cublasGemmStridedBatchedEx(
         handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * inter), static_cast<int>(gp.n),
-        static_cast<int>(hidden), &one, w, CUDA_R_16BF, static_cast<int>(hidden),
+        static_cast<int>(hidden), &one, w_gu, CUDA_R_16BF, static_cast<int>(hidden),
         2 * inter * hidden, xs, CUDA_R_16BF, static_cast<int>(hidden), gp.n * hidden, &zero, gu,
         CUDA_R_32F, static_cast<int>(2 * inter), gp.n * 2 * inter, gp.segs, CUBLAS_COMPUTE_32F,
         CUBLAS_GEMM_DEFAULT));
     swiglu_rows_kernel<<<grid_for(rows * inter), kThreads, 0, stream>>>(
         gu, p.gate_up.global_scale, seg_expert, gp.n, rows, inter, row_pair, h, p.h_out);
     FN_CUDA_LAUNCH_CHECK("swiglu_rows_kernel");
-    dequant_bf16_kernel<<<grid_for(gp.segs * hidden * (inter / 16)), kThreads, 0, stream>>>(
-        p.down.packed, p.down.scales, seg_expert, gp.segs, hidden, inter, w);
-    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
     // yd^T [H, n] = Wd [I, H]^T (row-major [H, I]) x h^T [I, n].
     FN_PREFILL_CUBLAS(cublasGemmStridedBatchedEx(
         handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(hidden), static_cast<int>(gp.n),
-        static_cast<int>(inter), &one, w, CUDA_R_16BF, static_cast<int>(inter), hidden * inter, h,
-        CUDA_R_16BF, static_cast<int>(inter), gp.n * inter, &zero, yd, CUDA_R_32F,
+        static_cast<int>(inter), &one, w_dn, CUDA_R_16BF, static_cast<int>(inter), hidden * inter,
+        h, CUDA_R_16BF, static_cast<int>(inter), gp.n * inter, &zero, yd, CUDA_R_32F,
         static_cast<int>(hidden), gp.n * hidden, gp.segs, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (gp.entries > 0) {
       const dim3 grid(grid_for(hidden), static_cast<unsigned>(gp.entries));
@@ -569,6 +628,7 @@ void run_grouped(const MoePrefillParams& p, cudaStream_t stream) {
           seg_expert, gp.n, p.weights, p.down.global_scale, s.top_k, p.y);
       FN_CUDA_LAUNCH_CHECK("accumulate_kernel");
     }
+    if (s.overlap) FN_CUDA_CHECK(cudaEventRecord(ev.done[set], stream));
   }
 }
 

@@ -79,6 +79,11 @@ struct MoePrefillParams {
   /// Grouped path: expert segments per batched GEMM (1..64; 0 = kMoePrefillGroupSegments). The
   /// workspace grows linearly with it; a tuning knob for the benchmark.
   int group_segments = 0;
+  /// Grouped path: dequantise group g + 1 on a second stream (one per host thread and device,
+  /// created on first use, ordered with `stream` by events) while group g multiplies on `stream`.
+  /// Doubles the weight scratch. Every side-stream operation is waited for on `stream` before
+  /// launch_moe_prefill returns its last enqueue, so the caller sees plain stream order.
+  bool overlap_dequant = true;
 };
 
 /// Default expert segments per group of the Grouped path.

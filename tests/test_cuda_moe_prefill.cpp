@@ -76,6 +76,7 @@ struct CaseSpec {
   int64_t tokens;
   fn::MoePrefillPath path;
   uint64_t seed;
+  bool overlap = true;
 };
 
 // Runs router rows + launch_moe_prefill and the decode kernels row by row; checks as the header.
@@ -86,6 +87,7 @@ void check_case(const CaseSpec& c) {
   CAPTURE(c.top_k);
   CAPTURE(c.tokens);
   CAPTURE(static_cast<int>(c.path));
+  CAPTURE(c.overlap);
   const int E = c.experts, k = c.top_k;
   const int64_t H = c.hidden, I = c.inter, M = c.tokens;
   const HostExperts hgu = make_experts(E, 2 * I, H, 2, c.seed);
@@ -134,6 +136,7 @@ void check_case(const CaseSpec& c) {
   mp.top_k = k;
   mp.x = d_x.ptr;
   mp.path = c.path;
+  mp.overlap_dequant = c.overlap;
   DeviceArray<float> d_y(size_t(M) * H);
   DeviceArray<uint16_t> d_h(size_t(M) * k * I);
   DeviceArray<uint8_t> ws(fn::moe_prefill_workspace_bytes(mp));
@@ -297,6 +300,12 @@ TEST_CASE("moe prefill: several groups of experts and an expert split in segment
   check_case({8, 64, 32, 3, 1100, fn::MoePrefillPath::Grouped, 301});
 }
 
+TEST_CASE("moe prefill: the grouped path without the dequantisation overlap matches decode") {
+  for (const int64_t m : {1, 17, 300})
+    check_case({20, 64, 32, 4, m, fn::MoePrefillPath::Grouped, 400 + uint64_t(m), false});
+  check_case({8, 64, 16, 3, 64, fn::MoePrefillPath::Grouped, 500, false});
+}
+
 TEST_CASE("moe prefill: invalid expert ids contribute zero and zero tokens do nothing") {
   const HostExperts hgu = make_experts(8, 64, 64, 2, 5), hdn = make_experts(8, 64, 32, 1, 6);
   DeviceExperts gu(hgu), dn(hdn);
@@ -428,32 +437,36 @@ void bench(int64_t inter, int64_t M, const std::vector<int>& group_options) {
   mp.top_k = k;
   mp.x = x.ptr;
   mp.y = y.ptr;
-  for (const int gsegs : group_options) {
-    mp.group_segments = gsegs;
-    const size_t wsb = fn::moe_prefill_workspace_bytes(mp);
-    DeviceArray<uint8_t> ws(wsb);
-    mp.workspace = ws.ptr;
-    fn::launch_moe_prefill(mp, nullptr);  // warm-up (cuBLAS handle, heuristics)
-    cudaEvent_t a, b;
-    FN_CUDA_CHECK(cudaEventCreate(&a));
-    FN_CUDA_CHECK(cudaEventCreate(&b));
-    const int reps = 5;
-    FN_CUDA_CHECK(cudaDeviceSynchronize());
-    FN_CUDA_CHECK(cudaEventRecord(a, nullptr));
-    for (int r = 0; r < reps; ++r) fn::launch_moe_prefill(mp, nullptr);
-    FN_CUDA_CHECK(cudaEventRecord(b, nullptr));
-    FN_CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    ms /= reps;
-    const double flops = 2.0 * M * k * (2 * inter * H + H * inter);
-    MESSAGE("moe prefill E 512 top_k 10 hidden 2560 I "
-            << inter << " M " << M << " group_segments " << gsegs << ": " << ms << " ms/layer, "
-            << flops / ms / 1e9 << " TFLOP/s, workspace " << double(wsb) / (1 << 20) << " MiB");
-    FN_CUDA_CHECK(cudaEventDestroy(a));
-    FN_CUDA_CHECK(cudaEventDestroy(b));
-  }
+  for (const int gsegs : group_options)
+    for (const bool overlap : {false, true}) {
+      mp.group_segments = gsegs;
+      mp.overlap_dequant = overlap;
+      const size_t wsb = fn::moe_prefill_workspace_bytes(mp);
+      DeviceArray<uint8_t> ws(wsb);
+      mp.workspace = ws.ptr;
+      fn::launch_moe_prefill(mp, nullptr);  // warm-up (cuBLAS handle, heuristics)
+      cudaEvent_t a, b;
+      FN_CUDA_CHECK(cudaEventCreate(&a));
+      FN_CUDA_CHECK(cudaEventCreate(&b));
+      const int reps = 5;
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      FN_CUDA_CHECK(cudaEventRecord(a, nullptr));
+      for (int r = 0; r < reps; ++r) fn::launch_moe_prefill(mp, nullptr);
+      FN_CUDA_CHECK(cudaEventRecord(b, nullptr));
+      FN_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      ms /= reps;
+      const double flops = 2.0 * M * k * (2 * inter * H + H * inter);
+      MESSAGE("moe prefill E 512 top_k 10 hidden 2560 I "
+              << inter << " M " << M << " group_segments " << gsegs << " overlap " << overlap
+              << ": " << ms << " ms/layer, " << flops / ms / 1e9 << " TFLOP/s, workspace "
+              << double(wsb) / (1 << 20) << " MiB");
+      FN_CUDA_CHECK(cudaEventDestroy(a));
+      FN_CUDA_CHECK(cudaEventDestroy(b));
+    }
   mp.group_segments = 0;
+  mp.overlap_dequant = true;
   DeviceArray<uint8_t> ws(fn::moe_prefill_workspace_bytes(mp));
   mp.workspace = ws.ptr;
   // Spot check at the real shape: rows 0, 1 and M - 1 against decode's down fed prefill's h is

@@ -218,6 +218,8 @@ void check_same(const Shape& s, const Result& got, const Result& ref,
       worst_at = static_cast<int64_t>(e);
     }
   }
+  if (std::getenv("FN_BENCH") != nullptr)  // margins, for the record
+    MESSAGE("margins: state max|diff|/max|S| ", sworst / smax, ", out worst ratio ", worst);
   CHECK(nan == 0);
   CHECK_MESSAGE(wrong == 0, "out: ", wrong, " of ", ref.out.size(), " outside, worst ratio ", worst,
                 " at token ", worst_at / s.out_len(), " channel ", worst_at % s.out_len());

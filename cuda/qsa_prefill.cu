@@ -503,6 +503,17 @@ void launch_qsa_prefill(const QsaPrefillParams& p, cudaStream_t stream) {
     }
     launch_pdl("prefill_select_kernel", prefill_select_kernel, rows, kQsaSelectThreads, 0, stream,
                a);
+    // The choice log (--check-choices): this group's rows, before the next group overwrites them.
+    if (p.selected_log != nullptr) {
+      FN_CUDA_CHECK(cudaMemcpyAsync(p.selected_log + r0 * w.sel_max, a.selected,
+                                    size_t(rows) * w.sel_max * sizeof(int32_t),
+                                    cudaMemcpyDeviceToDevice, stream));
+    }
+    if (p.counters_log != nullptr) {
+      FN_CUDA_CHECK(cudaMemcpyAsync(p.counters_log + r0 * 4, a.counters,
+                                    size_t(rows) * 4 * sizeof(int32_t), cudaMemcpyDeviceToDevice,
+                                    stream));
+    }
     launch_pdl("prefill_attn_kernel", prefill_attn_kernel,
                dim3(w.decode.max_chunks, s.num_kv_heads, rows), kQsaThreads, smem, stream, a);
     launch_pdl("prefill_combine_kernel", prefill_combine_kernel, dim3(s.num_q_heads, rows),

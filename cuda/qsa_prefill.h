@@ -30,6 +30,14 @@ struct QsaPrefillParams {
   /// Tests only: when > 0, at most this many rows per group (exercises the group hand-off on
   /// small shapes). 0 = automatic (workspace near kQsaPrefillWorkspaceBudget).
   int64_t max_group_rows = 0;
+  /// Debug log of the indexer's choices (the engine's --check-choices), optional device outputs
+  /// written by device-to-device copies from each group's workspace right after its select:
+  /// [tokens, sel_max] (qsa_prefill_layout(...).sel_max): row p's selected blocks ascending, as
+  /// the workspace holds them after the select kernel (entries past the count unspecified).
+  int32_t* selected_log = nullptr;
+  /// [tokens, 4]: row p's {selected block count, B, attended tokens, 0} as decode's workspace
+  /// counters after the step at p0 + p.
+  int32_t* counters_log = nullptr;
 };
 
 /// Bytes of workspace the automatic group size aims for (the group has at least one row).
@@ -65,7 +73,9 @@ size_t qsa_prefill_workspace_bytes(const QsaPrefillParams& shape_only);
 /// RoPE, K/V/raw-key rows; block keys of the blocks completed in the group; indexer scores and
 /// top-k select for rows with more than block_topk complete blocks, identity selection otherwise;
 /// chunked attention; combine + gate). Results are bitwise those of tokens successive
-/// launch_qsa_decode calls at positions p0, p0+1, ... on the same caches. No host sync.
+/// launch_qsa_decode calls at positions p0, p0+1, ... on the same caches. With selected_log /
+/// counters_log set, each group's choices are copied out after its select (two extra copies per
+/// group). No host sync.
 /// Throws fn::Error(Internal) on null pointers, a bad shape (as launch_qsa_decode), tokens < 1,
 /// p0 < 0, p0 + tokens > ctx_size, a short proj_stride or a misaligned workspace;
 /// fn::Error(Cuda) when a launch fails.

@@ -3,7 +3,8 @@
 // the caches: tiny shapes at TP=1/2/4 from position 0 and from a cache populated by 13 decode
 // steps, M in {1, 2, 3, 4, 5, 17, 63, 64, 65}, with automatic and forced small row groups; the
 // real head sizes (hd 256, ihd 128) over 300 tokens with block_topk 8; launcher checks; a bench
-// at the real shapes (FN_BENCH=1).
+// at the real shapes (FN_BENCH=1). Every case also compares the prefill's choice log
+// (selected_log, counters_log) row by row with decode's workspace after the step at that position.
 //
 // Tolerance: none. Prefill runs decode's device code (cuda/qsa_device.cuh) and decode's attention
 // operation sequence with decode's chunking, so every output row and every cache byte must be
@@ -137,10 +138,18 @@ struct Layer {
   }
 };
 
+// Decode's choices after each step, read from its workspace as the engine's --check-choices log
+// does: the first sel selected entries ([n, sel], sel = min(block_topk, ctx/ratio)) and the four
+// counters ([n, 4]).
+struct Choices {
+  int64_t sel = 0;
+  std::vector<int32_t> selected, counters;
+};
+
 // Runs decode steps at positions first.. first+n-1 with the rows of `projs` starting at row
-// `row0`; returns the outputs [n, hq*hd].
+// `row0`; returns the outputs [n, hq*hd] (and each step's choices into *choices when given).
 std::vector<uint16_t> decode_steps(Layer& L, const std::vector<float>& projs, int64_t row0,
-                                   int64_t first, int64_t n) {
+                                   int64_t first, int64_t n, Choices* choices = nullptr) {
   const Shape& s = L.s;
   const int64_t ps = proj_size(s), od = int64_t{s.hq} * s.hd;
   DeviceArray<float> proj(ps);
@@ -153,6 +162,13 @@ std::vector<uint16_t> decode_steps(Layer& L, const std::vector<float>& projs, in
   p.out = out.ptr;
   p.workspace = ws.ptr;
   std::vector<uint16_t> outs(size_t(n * od));
+  const fn::QsaWorkspaceLayout wl = fn::qsa_workspace_layout(L.p);
+  const int64_t sel = std::min<int64_t>(s.topk, s.ctx / s.ratio);
+  if (choices != nullptr) {
+    choices->sel = sel;
+    choices->selected.assign(size_t(n * sel), 0);
+    choices->counters.assign(size_t(n * 4), 0);
+  }
   for (int64_t i = 0; i < n; ++i) {
     FN_CUDA_CHECK(
         cudaMemcpy(proj.ptr, projs.data() + (row0 + i) * ps, ps * 4, cudaMemcpyHostToDevice));
@@ -160,15 +176,23 @@ std::vector<uint16_t> decode_steps(Layer& L, const std::vector<float>& projs, in
     FN_CUDA_CHECK(cudaMemcpy(pos.ptr, &t, 8, cudaMemcpyHostToDevice));
     fn::launch_qsa_decode(p, nullptr);
     FN_CUDA_CHECK(cudaMemcpy(outs.data() + i * od, out.ptr, od * 2, cudaMemcpyDeviceToHost));
+    if (choices != nullptr) {
+      const uint8_t* w8 = ws.ptr;
+      FN_CUDA_CHECK(cudaMemcpy(choices->selected.data() + i * sel, w8 + wl.selected, sel * 4,
+                               cudaMemcpyDeviceToHost));
+      FN_CUDA_CHECK(cudaMemcpy(choices->counters.data() + i * 4, w8 + wl.counters, 16,
+                               cudaMemcpyDeviceToHost));
+    }
   }
   return outs;
 }
 
 // Launches the prefill of rows row0..row0+n-1 of `projs` at positions first.. on L (the proj rows
-// laid out with a stride 5 floats longer than a row, to exercise proj_stride); returns out.
+// laid out with a stride 5 floats longer than a row, to exercise proj_stride); returns out. With
+// `choices`, also fills the choice logs (selected_log [n, sel_max], counters_log [n, 4]).
 std::vector<uint16_t> prefill(Layer& L, const std::vector<float>& projs, int64_t row0,
                               int64_t first, int64_t n, int64_t max_group_rows,
-                              int64_t* group_rows = nullptr) {
+                              int64_t* group_rows = nullptr, Choices* choices = nullptr) {
   const Shape& s = L.s;
   const int64_t ps = proj_size(s), stride = ps + 5, od = int64_t{s.hq} * s.hd;
   std::vector<float> strided(size_t(n * stride), 1e30f);
@@ -189,8 +213,20 @@ std::vector<uint16_t> prefill(Layer& L, const std::vector<float>& projs, int64_t
   if (group_rows != nullptr) *group_rows = layout.group_rows;
   DeviceArray<uint8_t> ws(layout.total);
   p.workspace = ws.ptr;
+  // Poisoned logs: a row the launcher does not copy shows up as -1 counters.
+  DeviceArray<int32_t> sel_log(std::vector<int32_t>(size_t(n * layout.sel_max), -1));
+  DeviceArray<int32_t> cnt_log(std::vector<int32_t>(size_t(n * 4), -1));
+  if (choices != nullptr) {
+    p.selected_log = sel_log.ptr;
+    p.counters_log = cnt_log.ptr;
+  }
   fn::launch_qsa_prefill(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
+  if (choices != nullptr) {
+    choices->sel = layout.sel_max;
+    choices->selected = sel_log.download();
+    choices->counters = cnt_log.download();
+  }
   return out.download();
 }
 
@@ -209,14 +245,30 @@ int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows
   Layer dec(s, seed + 1), pre(s, seed + 1);
   if (p0 > 0) (void)decode_steps(dec, projs, 0, 0, p0);
   pre.copy_caches_from(dec);
-  const auto want = decode_steps(dec, projs, p0, p0, M);
+  Choices want_ch, got_ch;
+  const auto want = decode_steps(dec, projs, p0, p0, M, &want_ch);
   int64_t group_rows = 0;
-  const auto got = prefill(pre, projs, p0, p0, M, max_group_rows, &group_rows);
+  const auto got = prefill(pre, projs, p0, p0, M, max_group_rows, &group_rows, &got_ch);
   const int64_t od = int64_t{s.hq} * s.hd;
+  REQUIRE(got_ch.sel >= want_ch.sel);
+  int64_t bad_out = 0, bad_choice = 0;
   for (int64_t r = 0; r < M; ++r) {
     INFO("row ", r, " (position ", p0 + r, ")");
-    CHECK(std::memcmp(got.data() + r * od, want.data() + r * od, od * 2) == 0);
+    const bool out_ok = std::memcmp(got.data() + r * od, want.data() + r * od, od * 2) == 0;
+    // The choice log: counters as decode's, then the first count selected blocks.
+    const int32_t* gc = got_ch.counters.data() + r * 4;
+    const int32_t* wc = want_ch.counters.data() + r * 4;
+    bool ch_ok = std::equal(gc, gc + 4, wc) && wc[0] >= 0 && wc[0] <= want_ch.sel;
+    if (ch_ok) {
+      ch_ok = std::equal(got_ch.selected.data() + r * got_ch.sel,
+                         got_ch.selected.data() + r * got_ch.sel + wc[0],
+                         want_ch.selected.data() + r * want_ch.sel);
+    }
+    if (!out_ok && bad_out++ < 3) CHECK(out_ok);
+    if (!ch_ok && bad_choice++ < 3) CHECK(ch_ok);
   }
+  CHECK(bad_out == 0);
+  CHECK(bad_choice == 0);
   CHECK(same_bits(pre.kc->download(), dec.kc->download()));
   CHECK(same_bits(pre.vc->download(), dec.vc->download()));
   CHECK(same_bits(pre.raw->download(), dec.raw->download()));

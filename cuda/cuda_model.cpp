@@ -1066,19 +1066,28 @@ std::vector<std::vector<float>> CudaModel::debug_residuals() const {
 StepChoices CudaModel::last_choices() const {
   const Impl& I = *impl_;
   FN_REQUIRE(I.choice_log != nullptr, Usage, "last_choices needs CudaModelOptions::record_choices");
-  const int64_t k = cfg_.num_experts_per_tok, L = cfg_.num_hidden_layers;
-  const int64_t topk = cfg_.indexer_budget / cfg_.indexer_compress_ratio;
   int64_t n_qsa = 0;
   for (const DevLayer& d : I.layers) n_qsa += d.qsa ? 1 : 0;
-  std::vector<int32_t> log(static_cast<std::size_t>(L * k + n_qsa * (topk + 4)));
+  std::vector<int32_t> log(static_cast<std::size_t>(choice_log_ints(cfg_, n_qsa)));
   FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
   FN_CUDA_CHECK(
       cudaMemcpy(log.data(), I.choice_log, log.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return choices_from_log(cfg_, n_qsa, log.data());
+}
+
+int64_t model_detail::choice_log_ints(const ModelConfig& c, int64_t qsa_layers) {
+  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
+  return c.num_hidden_layers * c.num_experts_per_tok + qsa_layers * (topk + 4);
+}
+
+StepChoices model_detail::choices_from_log(const ModelConfig& c, int64_t qsa_layers,
+                                           const int32_t* log) {
+  const int64_t k = c.num_experts_per_tok, L = c.num_hidden_layers;
+  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
   StepChoices out;
-  for (int64_t l = 0; l < L; ++l)
-    out.router.emplace_back(log.begin() + l * k, log.begin() + (l + 1) * k);
-  for (int64_t q = 0; q < n_qsa; ++q) {
-    const int32_t* e = log.data() + L * k + q * (topk + 4);
+  for (int64_t l = 0; l < L; ++l) out.router.emplace_back(log + l * k, log + (l + 1) * k);
+  for (int64_t q = 0; q < qsa_layers; ++q) {
+    const int32_t* e = log + L * k + q * (topk + 4);
     const int32_t count = e[topk], blocks = e[topk + 1];
     FN_CHECK(count >= 0 && count <= topk, "QSA layer {}: selected block count {} outside [0, {}]",
              q, count, topk);

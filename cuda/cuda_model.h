@@ -155,6 +155,11 @@ class CudaModel {
   std::span<const float> prefill(std::span<const int32_t> tokens,
                                  PrefillLogits logits = PrefillLogits::Last);
 
+  /// Debug/tests (CudaModelOptions::record_choices): the router and indexer choices of every row
+  /// of the last prefill() call, in order (StepChoices' layout, as last_choices() gives them for
+  /// a forward() step). Throws fn::Error(Usage) without record_choices.
+  std::vector<StepChoices> prefill_choices() const;
+
   /// Greedy or sampled generation entirely on the device (DESIGN.md step 8): feeds `token` at
   /// position(), then for each of `count` steps samples the next id on the device (identical on
   /// every rank) and feeds it back inside the same graph; the host only replays and copies ids

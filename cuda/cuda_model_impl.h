@@ -169,6 +169,13 @@ NgramGatherParams ngram_gather_params(const ModelConfig& c, const DevPle& pl);
 /// The PLE apply's weights, state and sizes for `pl` (kv and H left for the caller).
 PleApplyParams ple_apply_params(const ModelConfig& c, const DevPle& pl);
 
+/// Ints per step (or prefill row) of the choice log: the router's top-k ids of every layer, then
+/// per QSA layer the selected blocks (block_topk slots) and the counters {count, B, tokens, 0}.
+int64_t choice_log_ints(const ModelConfig& c, int64_t qsa_layers);
+/// Decodes one step's choice log (choice_log_ints ints) into StepChoices. Throws
+/// fn::Error(Internal) on a selected-block count outside [0, block_topk].
+StepChoices choices_from_log(const ModelConfig& c, int64_t qsa_layers, const int32_t* log);
+
 }  // namespace model_detail
 
 struct CudaPrefillState;

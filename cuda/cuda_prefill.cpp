@@ -12,13 +12,16 @@
 // (cuda/gemm.h), so the numerics are the decode GEMVs' up to summation order. The pass buffers
 // live in their own arena, allocated on the first call for CudaModelOptions::prefill_chunk rows.
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "comm/cuda_check.h"
 #include "comm/device_all_reduce.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/shard_plan.h"
 #include "cuda/cuda_model.h"
 #include "cuda/cuda_model_impl.h"
@@ -79,6 +82,12 @@ struct CudaPrefillState {
   float* logits = nullptr;        // [kLogitRows, V]
   std::vector<float> host_logits;
   int64_t host_position = 0;  // source of the device position update
+  // record_choices: each QSA layer's per-row selection (device), and every row's choices on the
+  // host in the decode step's log layout (choice_log_ints() ints per row).
+  int32_t* sel_log = nullptr;  // [rows, sel_max]
+  int32_t* cnt_log = nullptr;  // [rows, 4]
+  int64_t sel_max = 0;
+  std::vector<int32_t> choice_rows;
 };
 
 namespace {
@@ -151,13 +160,92 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
     P.moe_ws = cv.take<std::byte>(static_cast<int64_t>(moe_prefill_workspace_bytes(mp)));
     break;  // every layer has the same expert shapes
   }
+  if (o.record_choices) {
+    P.sel_max = qsa_prefill_layout(qp).sel_max;
+    P.sel_log = cv.take<int32_t>(rows * P.sel_max);
+    P.cnt_log = cv.take<int32_t>(rows * 4);
+  }
   const int64_t lr = std::min(rows, kLogitRows);
   if (o.tp_size > 1) P.logits_local = cv.take<float>(lr * v_local);
   P.logits = cv.take<float>(lr * c.vocab_size);
   return cv.used();
 }
 
+// FN_PREFILL_PROFILE=1: a CUDA event at every op-family boundary of the prefill; the per-family
+// time of the whole call is logged on rank 0 (info). Off: no events, no cost.
+class PrefillProfile {
+ public:
+  explicit PrefillProfile(cudaStream_t s) : stream_(s) {
+    const char* env = std::getenv("FN_PREFILL_PROFILE");
+    on_ = env != nullptr && env[0] == '1';
+  }
+  ~PrefillProfile() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  PrefillProfile(const PrefillProfile&) = delete;
+  PrefillProfile& operator=(const PrefillProfile&) = delete;
+  void mark(StepFamily f) { mark_index(static_cast<int>(f)); }
+  // Adds the marked segments (the stream must be synchronised) and starts over.
+  void collect() {
+    if (!on_) return;
+    mark_index(kStepFamilyCount);
+    FN_CUDA_CHECK(cudaEventSynchronize(events_[used_ - 1]));
+    for (std::size_t i = 0; i + 1 < used_; ++i) {
+      float ms = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+      ms_[static_cast<std::size_t>(family_[i])] += ms;
+    }
+    used_ = 0;
+    family_.clear();
+  }
+  void log(int64_t tokens, int64_t passes) const {
+    if (!on_) return;
+    std::string line;
+    double total = 0;
+    for (int f = 0; f < kStepFamilyCount; ++f) {
+      const double ms = ms_[static_cast<std::size_t>(f)];
+      total += ms;
+      if (ms > 0)
+        line += fmt::format(" {} {:.1f}", step_family_name(static_cast<StepFamily>(f)), ms);
+    }
+    FN_LOG_INFO("prefill profile ({} tokens, {} passes), ms:{}; sum {:.1f}", tokens, passes, line,
+                total);
+  }
+
+ private:
+  void mark_index(int f) {
+    if (!on_ || (!family_.empty() && family_.back() == f)) return;
+    if (used_ == events_.size()) {
+      cudaEvent_t e = nullptr;
+      FN_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    FN_CUDA_CHECK(cudaEventRecord(events_[used_++], stream_));
+    family_.push_back(f);
+  }
+  cudaStream_t stream_;
+  bool on_ = false;
+  std::vector<cudaEvent_t> events_;
+  std::size_t used_ = 0;
+  std::vector<int> family_;
+  std::array<double, kStepFamilyCount> ms_{};
+};
+
 }  // namespace
+
+std::vector<StepChoices> CudaModel::prefill_choices() const {
+  const Impl& I = *impl_;
+  FN_REQUIRE(opt_.record_choices, Usage, "prefill_choices needs CudaModelOptions::record_choices");
+  if (!I.prefill) return {};
+  int64_t n_qsa = 0;
+  for (const DevLayer& L : I.layers) n_qsa += L.qsa ? 1 : 0;
+  const int64_t per_row = model_detail::choice_log_ints(cfg_, n_qsa);
+  const std::vector<int32_t>& log = I.prefill->choice_rows;
+  std::vector<StepChoices> out;
+  for (std::size_t at = 0; at + per_row <= log.size(); at += static_cast<std::size_t>(per_row))
+    out.push_back(model_detail::choices_from_log(cfg_, n_qsa, log.data() + at));
+  return out;
+}
 
 std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, PrefillLogits want) {
   Impl& I = *impl_;
@@ -173,9 +261,9 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
              "prefilling {} tokens from position {} needs {} tokens of context, more than "
              "-c/--ctx-size {}",
              n, position_, position_ + n, o.ctx_size);
-  FN_REQUIRE(!o.record_choices && !o.replay_choices && !o.keep_residuals, Usage,
-             "the batched prefill records no choices or residuals: --check-choices and the "
-             "tests' replay prefill token by token");
+  FN_REQUIRE(!o.replay_choices && !o.keep_residuals, Usage,
+             "the batched prefill neither replays choices nor keeps residuals (tests only): "
+             "run those prompts through forward()");
   FN_REQUIRE(o.prefill_chunk >= 1, Usage, "--prefill-chunk must be at least 1 (got {})",
              o.prefill_chunk);
 
@@ -205,9 +293,26 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   cudaStream_t s = I.stream;
   cublasHandle_t blas = P.blas->get();
 
+  PrefillProfile prof(s);
   auto all_reduce = [&](float* buf, int64_t count) {
-    if (tp > 1)
+    if (tp > 1) {
+      prof.mark(StepFamily::AllReduce);
       o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
+    }
+  };
+  // record_choices: every row's router ids and QSA selections, laid out per row as the decode
+  // step's choice log (model_detail::choice_log_ints).
+  const int64_t n_layers = c.num_hidden_layers;
+  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
+  int64_t n_qsa = 0;
+  for (const DevLayer& L : I.layers) n_qsa += L.qsa ? 1 : 0;
+  const int64_t per_row = model_detail::choice_log_ints(c, n_qsa);
+  if (o.record_choices) P.choice_rows.assign(static_cast<std::size_t>(n * per_row), 0);
+  auto log_rows = [&](int64_t c0, int64_t m, int64_t offset, const int32_t* src, int64_t width,
+                      int64_t src_ld) {
+    FN_CUDA_CHECK(cudaMemcpy2DAsync(P.choice_rows.data() + c0 * per_row + offset,
+                                    sizeof(int32_t) * per_row, src, sizeof(int32_t) * src_ld,
+                                    sizeof(int32_t) * width, m, cudaMemcpyDeviceToHost, s));
   };
   auto gemm = [&](const uint16_t* w, int64_t rows_w, int64_t cols_w, const uint16_t* x_hi,
                   const uint16_t* x_lo, int64_t ldx, int64_t m, float* y, int64_t ldy) {
@@ -225,6 +330,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   };
   // HC read of `m` rows of H starting at Hrows: m_hi/m_lo rows 0..m-1 and iota (when given).
   auto hc_read = [&](const DevHc& hc, const float* Hrows, int64_t m, float* iota_out) {
+    prof.mark(StepFamily::Hc);
     launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, P.n_lo, s);
     gemm(hc.down_inj, hc.down_rows, W, P.n_hi, P.n_lo, W, m, P.t, hc.down_rows);
     launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, P.u_lo, iota_out, s);
@@ -232,6 +338,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
     launch_hc_mix_rows(P.g, Hrows, P.scale, hc.norm, static_cast<int>(S), D, m, P.m_hi, P.m_lo, s);
   };
   auto inject = [&](int64_t m) {
+    prof.mark(StepFamily::Hc);
     launch_hc_inject_rows(P.H, P.iota, P.y, static_cast<int>(S), D, m, s);
   };
 
@@ -240,15 +347,20 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   else if (want == PrefillLogits::Last)
     P.host_logits.assign(static_cast<std::size_t>(V), 0.0f);
 
+  int64_t passes = 0;
   for (int64_t c0 = 0; c0 < n; c0 += P.rows) {
+    ++passes;
+    int64_t layer_index = 0, qsa_index = 0;
     const int64_t M = std::min(P.rows, n - c0);
     const int64_t p0 = position_;
     FN_CUDA_CHECK(cudaMemcpyAsync(P.tokens, tokens.data() + c0, sizeof(int32_t) * M,
                                   cudaMemcpyHostToDevice, s));
+    prof.mark(StepFamily::Other);
     launch_embed_rows(I.embed, V, D, static_cast<int>(S), P.tokens, M, P.H, I.error_flag, s);
 
     for (DevLayer& L : I.layers) {
       if (L.has_ple) {
+        prof.mark(StepFamily::Ple);
         const model_detail::DevPle& pl = L.ple;
         const int64_t Pd = c.ple_embed_dim;
         NgramGatherRowsParams ng;
@@ -259,6 +371,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
         ng.out = P.e_ng;
         launch_ngram_gather_rows(ng, s);
         all_reduce(P.e_ng, M * Pd);
+        prof.mark(StepFamily::Ple);
         launch_split_bf16(P.e_ng, M * Pd, P.e_hi, P.e_lo, s);
         const int64_t kv_rows = S * Pd + D;
         gemm(pl.kv_proj, kv_rows, Pd, P.e_hi, P.e_lo, Pd, M, P.proj, kv_rows);
@@ -273,6 +386,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
       }
       hc_read(L.attn_hc, P.H, M, P.iota);
       if (L.qsa) {
+        prof.mark(StepFamily::QsaMixer);
         const model_detail::DevQsa& a = L.attn;
         gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
         QsaPrefillParams qp;
@@ -291,10 +405,19 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
         qp.first_position = p0;
         qp.out = P.mix;
         qp.workspace = P.qsa_ws;
+        qp.selected_log = P.sel_log;
+        qp.counters_log = P.cnt_log;
         launch_qsa_prefill(qp, s);
+        if (o.record_choices) {
+          const int64_t at = n_layers * k + qsa_index * (topk + 4);
+          log_rows(c0, M, at, P.sel_log, std::min(P.sel_max, topk), P.sel_max);
+          log_rows(c0, M, at + topk, P.cnt_log, 4, 4);
+        }
+        ++qsa_index;
         const int64_t width = rd.q_heads * c.head_dim;
         gemm(a.o, D, width, P.mix, nullptr, width, M, P.y, D);
       } else {
+        prof.mark(StepFamily::GdnMixer);
         const model_detail::DevGdn& g = L.gdn;
         gemm(g.in_proj, g.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
         GdnPrefillParams gp;
@@ -323,6 +446,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
       inject(M);
 
       hc_read(L.mlp_hc, P.H, M, P.iota);
+      prof.mark(StepFamily::Router);
       const model_detail::DevMoe& mo = L.moe;
       gemm(mo.router, E + 1, D, P.m_hi, P.m_lo, D, M, P.rl, E + 1);
       RouterRowsParams rr;
@@ -336,6 +460,9 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
       rr.weights = P.rw;
       rr.error_flag = I.error_flag;
       launch_router_topk_rows(rr, s);
+      if (o.record_choices) log_rows(c0, M, layer_index * k, P.ids, k, k);
+      ++layer_index;
+      prof.mark(StepFamily::RoutedMoe);
       MoePrefillParams mp;
       mp.gate_up = mo.gate_up;
       mp.down = mo.down;
@@ -347,6 +474,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
       mp.y = P.y;
       mp.workspace = P.moe_ws;
       launch_moe_prefill(mp, s);
+      prof.mark(StepFamily::SharedExpert);
       gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, P.m_lo, D, M, P.proj, 2 * Is);
       launch_swiglu_rows(P.proj, Is, M, P.sh, s);
       gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
@@ -362,6 +490,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
     for (int64_t r0 = r_begin; r0 < r_end; r0 += kLogitRows) {
       const int64_t m = std::min(kLogitRows, r_end - r0);
       hc_read(I.final_hc, P.H + r0 * W, m, nullptr);
+      prof.mark(StepFamily::LmHead);
       if (tp > 1) {
         gemm(I.lm_head, I.v_local, D, P.m_hi, P.m_lo, D, m, P.logits_local, I.v_local);
         for (int64_t j = 0; j < m; ++j) {
@@ -374,6 +503,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
           launch_scatter_logits(sc, s);
         }
         all_reduce(P.logits, m * V);
+        prof.mark(StepFamily::LmHead);
       } else {
         gemm(I.lm_head, V, D, P.m_hi, P.m_lo, D, m, P.logits, V);
       }
@@ -382,6 +512,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
                                     cudaMemcpyDeviceToHost, s));
     }
 
+    prof.mark(StepFamily::Other);
     if (c.has_ple()) {
       NgramContextAdvanceRowsParams ca;
       ca.context = I.context;
@@ -399,7 +530,9 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
     FN_CUDA_CHECK(cudaStreamSynchronize(s));
     if (o.all_reduce) o.all_reduce->check_health();
     check_step_errors(tokens[c0 + M - 1]);
+    prof.collect();
   }
+  prof.log(n, passes);
 
   if (want == PrefillLogits::None) return {};
   for (std::size_t i = 0; i < P.host_logits.size(); ++i) {

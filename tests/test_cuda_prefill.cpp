@@ -54,9 +54,9 @@ void use_gpu_of_rank() {
   FN_CUDA_CHECK(cudaSetDevice(rank % devices));
 }
 
-// The prompt lengths: the QSA dense/selected boundary sits at 2051 (B = 512 blocks
-// of 4 at the real budget; here the tiny budget makes selection start at 11 tokens, and the
-// 2047..2053 range still crosses chunk and block edges), 4096 and 8192 the long cases.
+// The prompt lengths: the QSA dense/selected boundary sits at n = 2051 tokens (B = 512
+// blocks of 4 at the real budget of 2048, which the test config takes), 4096 and 8192 the long
+// cases.
 const int64_t kLengths[] = {1,    2,    3,    4,    5,    63,   64,   65,  2047,
                             2048, 2049, 2050, 2051, 2052, 2053, 4096, 8192};
 constexpr int64_t kDecodeSteps = 16;
@@ -64,7 +64,7 @@ constexpr int64_t kWhole = 8192;
 const int64_t kChunks[] = {kWhole, 512, 17};
 
 // A fixture's config with max_position_embeddings raised to `max_pos` (the fixtures stop at
-// 1024), parsed as load_model_config would.
+// 1024) and the real indexer budget (2048 tokens: 512 blocks), parsed as load_model_config would.
 fn::ModelConfig raised_config(const std::string& fixture, int64_t max_pos) {
   const std::string path = std::string(FN_TEST_DATA_DIR) + "/fixtures/" + fixture + "/config.json";
   std::ifstream in(path);
@@ -72,6 +72,7 @@ fn::ModelConfig raised_config(const std::string& fixture, int64_t max_pos) {
   nlohmann::json j = nlohmann::json::parse(in);
   nlohmann::json& t = j.contains("text_config") ? j["text_config"] : j;
   t["max_position_embeddings"] = max_pos;
+  t["indexer_budget"] = 2048;
   return fn::parse_model_config(j, path);
 }
 
@@ -81,8 +82,9 @@ struct Group {
 };
 
 fn::CudaModelOptions options(int rank, int size, fn::DeviceAllReduce* ar, int64_t ctx,
-                             int64_t chunk) {
+                             int64_t chunk, bool record = false) {
   fn::CudaModelOptions o;
+  o.record_choices = record;
   o.ctx_size = ctx;
   o.tp_rank = rank;
   o.tp_size = size;
@@ -101,9 +103,55 @@ struct Agreement {
   int64_t first_bad = -1;
 };
 
-Agreement compare(const float* ref, const float* got, int64_t rows, int64_t vocab) {
+// Rows the comparison skips: a row whose router or indexer choice differs between the two runs
+// (a near tie that summation order decides), and every later row when the differing choice was
+// in a layer before the last (its state carries the difference on). Empty: every row.
+struct Skip {
+  std::vector<bool> row;
+  int64_t flipped = 0;  // rows with a different choice
+  int64_t skipped = 0;  // rows skipped in all
+};
+
+Skip choice_flips(const std::vector<fn::StepChoices>& ref, const std::vector<fn::StepChoices>& got,
+                  const fn::ModelConfig& cfg) {
+  const int64_t layers = cfg.num_hidden_layers;
+  std::vector<int64_t> qsa_layer;  // the layer index of each QSA layer, in order
+  for (int64_t l = 0; l < layers; ++l)
+    if (cfg.is_qsa(l)) qsa_layer.push_back(l);
+  Skip k;
+  REQUIRE(ref.size() >= got.size());
+  k.row.assign(got.size(), false);
+  bool tainted = false;
+  for (std::size_t p = 0; p < got.size(); ++p) {
+    bool flip = false, carries = false;
+    for (std::size_t l = 0; l < got[p].router.size(); ++l) {
+      if (got[p].router[l] != ref[p].router[l]) {
+        flip = true;
+        carries = carries || static_cast<int64_t>(l) + 1 < layers;
+      }
+    }
+    // A selection flip changes that row's attention output only (the caches do not depend on
+    // it), so it carries on through the later layers' states unless its layer is the last.
+    REQUIRE(got[p].indexer.size() == qsa_layer.size());
+    for (std::size_t q = 0; q < got[p].indexer.size(); ++q) {
+      if (got[p].indexer[q] != ref[p].indexer[q]) {
+        flip = true;
+        carries = carries || qsa_layer[q] + 1 < layers;
+      }
+    }
+    k.flipped += flip ? 1 : 0;
+    k.row[p] = flip || tainted;
+    k.skipped += k.row[p] ? 1 : 0;
+    tainted = tainted || carries;
+  }
+  return k;
+}
+
+Agreement compare(const float* ref, const float* got, int64_t rows, int64_t vocab,
+                  const Skip& skip = {}) {
   Agreement a;
   for (int64_t p = 0; p < rows; ++p) {
+    if (!skip.row.empty() && skip.row[static_cast<std::size_t>(p)]) continue;
     const float* r = ref + p * vocab;
     const float* g = got + p * vocab;
     const double tol = kRelTol * max_abs(r, vocab);
@@ -118,29 +166,38 @@ Agreement compare(const float* ref, const float* got, int64_t rows, int64_t voca
   return a;
 }
 
-// Teacher-forced logits of tokens[0..n) through forward(), from a reset model.
-std::vector<float> forward_rows(fn::CudaModel& m, const std::vector<int32_t>& tokens, int64_t n) {
+// Teacher-forced logits of tokens[0..n) through forward(), from a reset model; with
+// record_choices, each step's choices in `choices`.
+std::vector<float> forward_rows(fn::CudaModel& m, const std::vector<int32_t>& tokens, int64_t n,
+                                std::vector<fn::StepChoices>* choices = nullptr) {
   m.reset();
   std::vector<float> all;
   all.reserve(static_cast<std::size_t>(n * m.config().vocab_size));
   for (int64_t i = 0; i < n; ++i) {
     const auto l = m.forward(tokens[static_cast<std::size_t>(i)]);
     all.insert(all.end(), l.begin(), l.end());
+    if (choices) choices->push_back(m.last_choices());
   }
   return all;
 }
 
-// prefill(tokens[0..L), All) then forward() of tokens[L .. L+steps), from a reset model.
+// prefill(tokens[0..L), All) then forward() of tokens[L .. L+steps), from a reset model; with
+// record_choices, every row's choices in `choices`.
 std::vector<float> prefill_rows(fn::CudaModel& m, const std::vector<int32_t>& tokens, int64_t L,
-                                int64_t steps) {
+                                int64_t steps, std::vector<fn::StepChoices>* choices = nullptr) {
   m.reset();
   const auto pre = m.prefill(std::span<const int32_t>(tokens.data(), static_cast<std::size_t>(L)),
                              fn::PrefillLogits::All);
   std::vector<float> all(pre.begin(), pre.end());
   REQUIRE(m.position() == L);
+  if (choices) {
+    *choices = m.prefill_choices();
+    REQUIRE(static_cast<int64_t>(choices->size()) == L);
+  }
   for (int64_t i = 0; i < steps; ++i) {
     const auto l = m.forward(tokens[static_cast<std::size_t>(L + i)]);
     all.insert(all.end(), l.begin(), l.end());
+    if (choices) choices->push_back(m.last_choices());
   }
   return all;
 }
@@ -161,29 +218,46 @@ void length_chunk_table(int tp_rank, int tp_size, fn::DeviceAllReduce* ar, bool 
   std::vector<std::unique_ptr<fn::CudaModel>> models;
   for (int64_t chunk : kChunks)
     models.push_back(
-        fn::CudaModel::random(cfg, quant, 11, options(tp_rank, tp_size, ar, ctx, chunk)));
-  const std::vector<float> ref = forward_rows(*models[0], seq, ctx);
+        fn::CudaModel::random(cfg, quant, 11, options(tp_rank, tp_size, ar, ctx, chunk, true)));
+  std::vector<fn::StepChoices> ref_choices;
+  const std::vector<float> ref = forward_rows(*models[0], seq, ctx, &ref_choices);
   const int64_t V = cfg.vocab_size;
   std::string table = "| length | whole | 512 | 17 |\n|---|---|---|---|\n";
+  int64_t rows_all = 0, flipped_all = 0, skipped_all = 0;
   for (int64_t L : kLengths) {
     std::string line = fmt::format("| {} |", L);
     for (std::size_t ci = 0; ci < models.size(); ++ci) {
       CAPTURE(L);
       CAPTURE(kChunks[ci]);
-      const std::vector<float> got = prefill_rows(*models[ci], seq, L, kDecodeSteps);
+      std::vector<fn::StepChoices> choices;
+      const std::vector<float> got = prefill_rows(*models[ci], seq, L, kDecodeSteps, &choices);
       REQUIRE(static_cast<int64_t>(got.size()) == (L + kDecodeSteps) * V);
-      const Agreement a = compare(ref.data(), got.data(), L + kDecodeSteps, V);
+      const Skip skip = choice_flips(ref_choices, choices, cfg);
+      const Agreement a = compare(ref.data(), got.data(), L + kDecodeSteps, V, skip);
       CHECK_MESSAGE(a.bad_rows == 0, "first row beyond the tolerance: ", a.first_bad);
       CHECK(a.argmax_mismatch == 0);
-      line += fmt::format(" {:.2e}{} |", a.worst, a.bad_rows + a.argmax_mismatch ? " FAIL" : "");
+      // A near tie decides a choice only rarely; most rows must be compared.
+      CHECK(skip.flipped * 100 <= L + kDecodeSteps);
+      CHECK(skip.skipped * 2 <= L + kDecodeSteps);
+      rows_all += L + kDecodeSteps;
+      flipped_all += skip.flipped;
+      skipped_all += skip.skipped;
+      const std::string flips =
+          skip.flipped == 0
+              ? std::string()
+              : fmt::format(" ({} flip{})", skip.flipped,
+                            skip.skipped > skip.flipped ? ", later rows skipped" : "");
+      line += fmt::format(" {:.2e}{}{} |", a.worst, flips,
+                          a.bad_rows + a.argmax_mismatch ? " FAIL" : "");
     }
     table += line + "\n";
   }
   if (print)
     MESSAGE(
         fmt::format("TP={}: worst max|prefill - token-by-token| / (2e-2 max|ref|) over the "
-                    "prompt rows and {} decode steps:\n{}",
-                    tp_size, kDecodeSteps, table));
+                    "prompt rows and {} decode steps; rows whose router or indexer choice "
+                    "differs are skipped ({} of {} rows differ, {} skipped in all):\n{}",
+                    tp_size, kDecodeSteps, flipped_all, rows_all, skipped_all, table));
 }
 
 }  // namespace
@@ -215,14 +289,20 @@ TEST_CASE(
     const auto n = static_cast<int64_t>(f.tokens.size());
     for (int64_t chunk : {int64_t{256}, int64_t{3}}) {
       CAPTURE(chunk);
-      auto m = fn::CudaModel::load(f.dir, options(0, 1, nullptr, 256, chunk));
-      const std::vector<float> ref = forward_rows(*m, f.tokens, n);
+      auto m = fn::CudaModel::load(f.dir, options(0, 1, nullptr, 256, chunk, true));
+      std::vector<fn::StepChoices> ref_choices, choices;
+      const std::vector<float> ref = forward_rows(*m, f.tokens, n, &ref_choices);
       const int64_t L = static_cast<int64_t>(f.prompt_ids.size());
-      const std::vector<float> got = prefill_rows(*m, f.tokens, L, n - L);
-      const Agreement a = compare(ref.data(), got.data(), n, f.vocab);
+      const std::vector<float> got = prefill_rows(*m, f.tokens, L, n - L, &choices);
+      const Skip skip = choice_flips(ref_choices, choices, m->config());
+      CHECK(skip.skipped * 2 <= n);
+      const Agreement a = compare(ref.data(), got.data(), n, f.vocab, skip);
       CHECK(a.bad_rows == 0);
       CHECK(a.argmax_mismatch == 0);
-      MESSAGE(fmt::format("{} chunk {}: worst {:.2e} of the tolerance", name, chunk, a.worst));
+      MESSAGE(
+          fmt::format("{} chunk {}: worst {:.2e} of the tolerance; {} of {} rows with another "
+                      "choice, {} skipped",
+                      name, chunk, a.worst, skip.flipped, n, skip.skipped));
       // Against the transformers reference too (test_cuda_model's free-running check: rows with
       // a near-tie choice or an ill-conditioned gate in the CPU run are reported, not checked).
       const fn::test::RowCheck rc = fn::test::check_rows(f, got, fn::test::cpu_run(f).tie_or_ill);

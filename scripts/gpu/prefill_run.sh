@@ -49,7 +49,7 @@ bench() {  # name np args...
   timeout ${FN_BENCH_TIMEOUT:-240} $mpi -np "$np" "$b/fngen" bench --backend cuda "$@" \
     --format json -o "$out/$name.json" 2>"$out/$name.err"
   echo "== bench $name np=$np rc=$? ($((SECONDS - t)) s): $*"
-  grep -E "ttft|prefill|tpot|TTFT|TPOT|error|Error" "$out/$name.err" | grep -v "^\s*$" | tail -6 |
+  grep -E "ttft|TTFT|TPOT|error|Error|prefill profile" "$out/$name.err" | grep -v "^\s*$" | tail -8 |
     cut -c1-250
   [ -f "$out/$name.json" ] && /usr/bin/python3 - "$out/$name.json" <<'PY'
 import json, sys
@@ -62,6 +62,7 @@ PY
 }
 
 if has ttft; then
+  export FN_PREFILL_PROFILE=1
   bench ttft_tp1 1 --random-weights --config $cfg -p 8192 -n 16 -r 2 --warmup 1
   bench ttft_tp2 2 --random-weights --config $cfg -p 8192 -n 16 -r 2 --warmup 1
 fi

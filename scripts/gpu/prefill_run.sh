@@ -8,6 +8,8 @@
 #          max_position_embeddings): TTFT and
 #          decode ms/token at that depth; then one token more than the context is refused
 #   rw64k  fngen bench on the 4-layer real-width config, -p 65536 -n 16, TP=2
+#   gen    fngen generate --backend cuda on the tp4 fixture at np 1 and 2 with the batched prefill
+#          (one pass, passes of 3) and with --check-choices (token-by-token prefill): the ids
 #   memcheck  compute-sanitizer memcheck of the fixture/bad-input test cases (TP=1)
 # Everything printed is also in $OUT/summary.txt. Usage (from a git archive copy in .carry/X):
 #   FN_BUILD_DIR=../../build-X FN_STEPS="test ttft" bash scripts/gpu/prefill_run.sh
@@ -87,9 +89,19 @@ if has long; then
   echo "== one token past the context: rc=$? ($((SECONDS - t)) s)"
   grep -iE "error|context|max_position" "$out/over.err" | head -3 | cut -c1-250
 fi
+if has gen; then
+  ids=$(seq -s, 1 40)
+  for np in 1 2; do
+    for mode in "" "--prefill-chunk 3" "--check-choices"; do
+      timeout 60 $mpi -np $np "$b/fngen" generate --backend cuda -m tests/data/fixtures/tp4 \
+        --prompt-ids "$ids" -n 24 --temp 0 --ignore-eos $mode >"$out/gen.txt" 2>"$out/gen.err"
+      echo "== generate np=$np ${mode:-(batched prefill)} rc=$?: $(tr '\n' ' ' <"$out/gen.txt" | cut -c1-160)"
+    done
+  done
+fi
 if has memcheck; then
   t=$SECONDS
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$b/tests/test_cuda_prefill" \
+  timeout ${FN_MEMCHECK_TIMEOUT:-300} compute-sanitizer --tool memcheck --error-exitcode 9 "$b/tests/test_cuda_prefill" \
     -tc="*fixtures*,*usage errors*" >"$out/memcheck.log" 2>&1
   echo "== memcheck rc=$? ($((SECONDS - t)) s)"
   grep -E "ERROR SUMMARY|Invalid|test cases" "$out/memcheck.log" | head -6

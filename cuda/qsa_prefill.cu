@@ -1,13 +1,16 @@
 // QSA prefill kernels (see qsa_prefill.h). Rows are processed in groups; per group: prep (norms,
-// RoPE, K/V/raw-key rows), block keys completed in the group, indexer scores, top-k select,
-// chunked attention, combine + gate. Row y of a group is position t0 + y. The arithmetic of every
-// step is decode's (cuda/qsa_device.cuh, and an attention kernel that performs decode's exact
-// operation sequence per token with more work per shared-memory load).
+// RoPE, K/V/raw-key rows), block keys completed in the group, indexer scores, top-k select, then
+// either the fused attention (one CTA per row and KV head, online softmax over 64-token tiles,
+// gate, BF16 out) or decode's chunked attention + combine. Row y of a group is position t0 + y.
+// The arithmetic of every step up to the selection is decode's (cuda/qsa_device.cuh); the
+// chunked attention performs decode's exact operation sequence per token with more work per
+// shared-memory load, the fused one the same math in another FP32 summation order.
 #include "cuda/qsa_prefill.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
@@ -26,8 +29,10 @@ using qsa_dev::norm_rope;
 constexpr int kMaxIndexerQ = 4096;  // indexer_heads * ihd floats in static shared memory
 constexpr int kMaxG = 16;           // query heads per KV head (decode's limit)
 constexpr int kTokensPerWarp = 4;   // attention: tokens whose q.k chains a warp runs together
-constexpr int kMaxGroupRows = 1024;
+constexpr int kMaxGroupRows = 2048;
 constexpr int kDefaultSmem = 48 * 1024;
+constexpr int kFusedTile = 64;  // fused attention: attended tokens per K/V tile (2 per lane)
+constexpr size_t kMaxFusedSmem = 200 * 1024;  // fused attention: dynamic shared memory limit
 
 struct PArgs {
   const float* proj;
@@ -341,6 +346,258 @@ __global__ void __launch_bounds__(kQsaThreads) prefill_combine_kernel(PArgs a) {
                         a.out + ((a.r0 + y) * a.hq + i) * int64_t{hd});
 }
 
+// ---- fused attention ----
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most one committed group is still in flight.
+__device__ __forceinline__ void cp_async_wait_one() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// sigmoid of the gate, the two-branch form of cpu::sigmoid (as qsa_dev::combine_head).
+__device__ __forceinline__ float gate_sigmoid(float g) {
+  if (g >= 0.0f) return 1.0f / (1.0f + expf(-g));
+  const float e = expf(g);
+  return e / (1.0f + e);
+}
+
+// Dynamic shared memory of the fused attention (bytes): q [gp, hd+4] FP32, partial scores
+// [4, gp, tile+2] FP32, alpha/l [32] FP32, K [tile, hd+8] BF16, V [tile, hd] BF16, token ids
+// [max_tokens] int32.
+__host__ __device__ inline size_t fused_smem_bytes(int gp, int hd, int64_t max_tokens) {
+  return 4 * (size_t(gp) * (hd + 4) + 4 * size_t(gp) * (kFusedTile + 2) + 32) +
+         2 * (size_t(kFusedTile) * (hd + 8) + size_t(kFusedTile) * hd) + 4 * size_t(max_tokens);
+}
+
+// Attention of row (gridDim.x - 1 - blockIdx.x) (longest rows first) and local KV head blockIdx.y
+// over all its attended tokens (decode's token list), then the gate and BF16 out. GP: the KV head's
+// query-head count rounded up to 4 (<= 16), HPT = GP / 4 heads per thread. Tiles of 64 tokens:
+// K(t+1) is fetched (cp.async) during the PV of tile t, V(t+1) during the QK of t+1.
+//  QK: warp w sums dims [(w/2) * hd/4, +hd/4) for tokens (w%2)*32 + lane%8 + {0, 8, 16, 24} and
+//      heads (lane/8)*HPT + h: per 8 dims 4 K and 2*HPT q 16-byte loads feed 32*HPT FMAs; the
+//      four quarters are added in the softmax step (s = (((d0 + d1) + d2) + d3) * 1/sqrt(hd)).
+//  softmax: warp w owns heads w and w + 8: running max m and sum l in registers, p = exp(s - m)
+//      written over quarter 0's scores, alpha = exp(m_old - m_new) for the output rescale.
+//  PV: thread (dims 8*(tid%(hd/8))..+7, head quarter (tid/(hd/8))%4, token parity
+//      tid/(hd/2)) accumulates HPT heads x 8 dims; the two parities are added at the end.
+// Expects hd % 32 == 0 and 16-byte aligned caches (the launcher checks).
+template <int GP>
+__global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArgs a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  constexpr int HPT = GP / 4;
+  constexpr int T = kFusedTile;
+  constexpr int SPS = T + 2;  // score row stride (floats): conflict-free QK stores
+  static_assert(GP % 4 == 0 && GP <= kMaxG && T == 64);
+  extern __shared__ float4 smem4[];
+  const int64_t y = int64_t{gridDim.x} - 1 - blockIdx.x;
+  const int j = blockIdx.y;
+  const int* counters = a.counters + 4 * y;
+  const int nsel = counters[0], B = counters[1], n_tokens = counters[2];
+  int i0 = -1, G = 0;
+  for (int i = 0; i < a.hq; ++i) {
+    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
+      if (i0 < 0) i0 = i;
+      ++G;
+    }
+  }
+  if (G == 0 || n_tokens <= 0) return;
+  const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int qs_stride = hd + 4, ks_stride = hd + 8;
+  float* q_s = reinterpret_cast<float*>(smem4);           // [GP, hd+4]
+  float* sp = q_s + GP * qs_stride;                       // [4, GP, T+2]
+  float* alpha_s = sp + 4 * GP * SPS;                     // [16]
+  float* l_s = alpha_s + 16;                              // [16]
+  uint16_t* k_s = reinterpret_cast<uint16_t*>(l_s + 16);  // [T, hd+8]
+  uint16_t* v_s = k_s + T * ks_stride;                    // [T, hd]
+  int* tok_s = reinterpret_cast<int*>(v_s + T * hd);      // [n_tokens]
+  const float* q = a.q + (y * a.hq + i0) * int64_t{hd};
+  for (int i = tid; i < GP * hd; i += kQsaThreads) {
+    const int g = i / hd, d = i - g * hd;
+    q_s[g * qs_stride + d] = g < G ? q[i] : 0.0f;
+  }
+  if (tid < 32) alpha_s[tid] = 0.0f;  // alpha and l of padding heads (never used for outputs)
+  const int* selected = a.selected + y * a.sel_max;
+  const int nb = nsel * a.ratio;
+  for (int n = tid; n < n_tokens; n += kQsaThreads)
+    tok_s[n] = n < nb ? selected[n / a.ratio] * a.ratio + n % a.ratio : B * a.ratio + (n - nb);
+  __syncthreads();
+  const int vecs = hd / 8;
+  const int64_t row = int64_t{a.hkv} * hd, head_off = int64_t{j} * hd;
+  auto load_rows = [&](const uint16_t* cache, uint16_t* dst, int stride, int start) {
+    const int cnt = min(T, n_tokens - start);
+    for (int idx = tid; idx < cnt * vecs; idx += kQsaThreads) {
+      const int n = idx / vecs, p = idx - n * vecs;
+      cp_async16(dst + n * stride + 8 * p, cache + tok_s[start + n] * row + head_off + 8 * p);
+    }
+    cp_async_commit();
+  };
+  const int n_tiles = (n_tokens + T - 1) / T;
+  const int tb = warp & 1, dq = warp >> 1, t8 = lane & 7, hg = lane >> 3;
+  const int dlen = hd / 4;
+  const int noct = hd / 8, oct = tid % noct, pq = (tid / noct) & 3, par = tid / (noct * 4);
+  const bool pv_active = tid < noct * 8;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  float acc[HPT][8];
+#pragma unroll
+  for (int h = 0; h < HPT; ++h)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[h][e] = 0.0f;
+  const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+  load_rows(a.k_cache, k_s, ks_stride, 0);
+  load_rows(a.v_cache, v_s, hd, 0);
+  for (int it = 0; it < n_tiles; ++it) {
+    const int start = it * T, cnt = min(T, n_tokens - start);
+    cp_async_wait_one();  // K(it) has landed (V(it) may be in flight)
+    __syncthreads();
+    {
+      float s[4][HPT];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int h = 0; h < HPT; ++h) s[u][h] = 0.0f;
+      const uint16_t* kr = k_s + (tb * 32 + t8) * ks_stride + dq * dlen;
+      const float* qb = q_s + hg * HPT * qs_stride + dq * dlen;
+      for (int d = 0; d < dlen; d += 8) {
+        float kf[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint4 kv = *reinterpret_cast<const uint4*>(kr + 8 * u * ks_stride + d);
+          kf[u][0] = dev::bf16_lo(kv.x);
+          kf[u][1] = dev::bf16_hi(kv.x);
+          kf[u][2] = dev::bf16_lo(kv.y);
+          kf[u][3] = dev::bf16_hi(kv.y);
+          kf[u][4] = dev::bf16_lo(kv.z);
+          kf[u][5] = dev::bf16_hi(kv.z);
+          kf[u][6] = dev::bf16_lo(kv.w);
+          kf[u][7] = dev::bf16_hi(kv.w);
+        }
+#pragma unroll
+        for (int h = 0; h < HPT; ++h) {
+          const float4 qa = *reinterpret_cast<const float4*>(qb + h * qs_stride + d);
+          const float4 qc = *reinterpret_cast<const float4*>(qb + h * qs_stride + d + 4);
+          const float qf[8] = {qa.x, qa.y, qa.z, qa.w, qc.x, qc.y, qc.z, qc.w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[u][h] = fmaf(qf[e], kf[u][e], s[u][h]);
+        }
+      }
+      float* o = sp + (dq * GP + hg * HPT) * SPS + tb * 32 + t8;
+#pragma unroll
+      for (int h = 0; h < HPT; ++h)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) o[h * SPS + 8 * u] = s[u][h];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int g = warp + 8 * r;
+      if (g < G) {  // warp-uniform
+        float* s0 = sp + g * SPS;
+        float sv[2], mt = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = lane + 32 * e;
+          const float d01 = s0[n] + s0[GP * SPS + n];
+          const float d012 = d01 + s0[2 * GP * SPS + n];
+          sv[e] = n < cnt ? (d012 + s0[3 * GP * SPS + n]) * scale : -INFINITY;
+          mt = fmaxf(mt, sv[e]);
+        }
+        for (int off = 16; off > 0; off >>= 1)
+          mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, off));
+        const float m_new = fmaxf(m_run[r], mt);
+        const float alpha = expf(m_run[r] - m_new);  // 0 on the first tile
+        float ls = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int n = lane + 32 * e;
+          const float p = n < cnt ? expf(sv[e] - m_new) : 0.0f;
+          s0[n] = p;
+          ls += p;
+        }
+        for (int off = 16; off > 0; off >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, off);
+        l_run[r] = fmaf(l_run[r], alpha, ls);
+        m_run[r] = m_new;
+        if (lane == 0) alpha_s[g] = alpha;
+      }
+    }
+    // The K tile is free: fetch the next one while this tile's PV runs.
+    if (it + 1 < n_tiles) {
+      load_rows(a.k_cache, k_s, ks_stride, start + T);
+    } else {
+      cp_async_commit();  // an empty group keeps the wait count uniform
+    }
+    cp_async_wait_one();  // V(it) has landed
+    __syncthreads();
+    if (pv_active) {
+#pragma unroll
+      for (int h = 0; h < HPT; ++h) {
+        const float al = alpha_s[pq * HPT + h];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[h][e] *= al;
+      }
+      const uint16_t* vb = v_s + 8 * oct;
+      const float* pb = sp + pq * HPT * SPS;
+#pragma unroll 2
+      for (int n = par; n < cnt; n += 2) {
+        const uint4 vv = *reinterpret_cast<const uint4*>(vb + n * hd);
+        const float vf[8] = {dev::bf16_lo(vv.x), dev::bf16_hi(vv.x), dev::bf16_lo(vv.y),
+                             dev::bf16_hi(vv.y), dev::bf16_lo(vv.z), dev::bf16_hi(vv.z),
+                             dev::bf16_lo(vv.w), dev::bf16_hi(vv.w)};
+#pragma unroll
+        for (int h = 0; h < HPT; ++h) {
+          const float pr = pb[h * SPS + n];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(pr, vf[e], acc[h][e]);
+        }
+      }
+    }
+    __syncthreads();  // V and p are free
+    if (it + 1 < n_tiles) {
+      load_rows(a.v_cache, v_s, hd, start + T);
+    } else {
+      cp_async_commit();
+    }
+  }
+  // Odd-token partial sums through shared memory (the K tile area: every copy has landed).
+  float* red = reinterpret_cast<float*>(k_s);  // [GP, hd]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int g = warp + 8 * r;
+    if (g < G && lane == 0) l_s[g] = l_run[r];
+  }
+  if (pv_active && par == 1) {
+#pragma unroll
+    for (int h = 0; h < HPT; ++h)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red[(pq * HPT + h) * hd + 8 * oct + e] = acc[h][e];
+  }
+  __syncthreads();
+  if (pv_active && par == 0) {
+    const float* proj = proj_row(a, y);
+#pragma unroll
+    for (int h = 0; h < HPT; ++h) {
+      const int g = pq * HPT + h;
+      if (g < G) {
+        const float L = l_s[g];
+        const float* gate = proj + int64_t{i0 + g} * 2 * hd + hd + 8 * oct;
+        uint16_t* out = a.out + ((a.r0 + y) * a.hq + i0 + g) * int64_t{hd} + 8 * oct;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float o = (acc[h][e] + red[g * hd + 8 * oct + e]) / L;
+          out[e] = dev::float_to_bf16_bits(o * gate_sigmoid(gate[e]));
+        }
+      }
+    }
+  }
+}
+
 bool aligned(const void* p, uintptr_t n) {
   return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
 }
@@ -391,9 +648,14 @@ QsaPrefillLayout qsa_prefill_layout(const QsaPrefillParams& p) {
   r.scores = size_t(w.max_blocks) * 4;
   r.selected = size_t(w.sel_max) * 4;
   r.counters = 16;
-  r.part_out = hq * mc * hd * 4;
-  r.part_max = hq * mc * 4;
-  r.part_sum = hq * mc * 4;
+  const int gmax = local_gmax(s);
+  w.fused = p.attention == QsaPrefillAttention::kFused && s.head_dim % 32 == 0 && gmax <= kMaxG &&
+            fused_smem_bytes((gmax + 3) / 4 * 4, s.head_dim, w.decode.max_tokens) <= kMaxFusedSmem;
+  if (!w.fused) {
+    r.part_out = hq * mc * hd * 4;
+    r.part_max = hq * mc * 4;
+    r.part_sum = hq * mc * 4;
+  }
   int64_t rows = static_cast<int64_t>(kQsaPrefillWorkspaceBudget / r.sum());
   if (p.max_group_rows > 0) rows = std::min(rows, p.max_group_rows);
   w.group_rows = std::clamp<int64_t>(rows, 1, std::min<int64_t>(p.tokens, kMaxGroupRows));
@@ -476,33 +738,80 @@ void launch_qsa_prefill(const QsaPrefillParams& p, cudaStream_t stream) {
   a.gmax = local_gmax(s);
   a.gpad = (a.gmax + 3) / 4 * 4;
   a.vec16 = s.head_dim % 8 == 0 && aligned(s.k_cache, 16) && aligned(s.v_cache, 16);
-  const size_t smem = attn_smem_bytes(a.gmax, a.gpad, s.head_dim, w.decode.chunk);
-  if (smem > kDefaultSmem) {
-    FN_CUDA_CHECK(cudaFuncSetAttribute(
-        prefill_attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  size_t smem = 0;
+  void (*fused_kernel)(PArgs) = nullptr;
+  if (w.fused) {
+    FN_LAUNCH_REQUIRE(a.vec16, kOp);  // cp.async moves 16-byte pieces of the cache rows
+    const int gp = a.gpad;
+    fused_kernel = gp == 4    ? prefill_fused_attn_kernel<4>
+                   : gp == 8  ? prefill_fused_attn_kernel<8>
+                   : gp == 12 ? prefill_fused_attn_kernel<12>
+                              : prefill_fused_attn_kernel<16>;
+    smem = fused_smem_bytes(gp, s.head_dim, w.decode.max_tokens);
+    if (smem > kDefaultSmem) {
+      FN_CUDA_CHECK(cudaFuncSetAttribute(fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    }
+  } else {
+    smem = attn_smem_bytes(a.gmax, a.gpad, s.head_dim, w.decode.chunk);
+    if (smem > kDefaultSmem) {
+      FN_CUDA_CHECK(cudaFuncSetAttribute(prefill_attn_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+    }
   }
+  // Bench timing: events around each kernel, summed per kernel type after one stream sync.
+  enum Kind { kPrep, kBlockKeys, kScores, kSelect, kAttention, kCombine, kKinds };
+  struct Timed {
+    Kind kind;
+    cudaEvent_t e0, e1;
+  };
+  std::vector<Timed> timed;
+  auto run = [&](Kind kind, auto&& launch) {
+    if (p.timing == nullptr) {
+      launch();
+      return;
+    }
+    Timed t{kind, nullptr, nullptr};
+    FN_CUDA_CHECK(cudaEventCreate(&t.e0));
+    FN_CUDA_CHECK(cudaEventCreate(&t.e1));
+    FN_CUDA_CHECK(cudaEventRecord(t.e0, stream));
+    launch();
+    FN_CUDA_CHECK(cudaEventRecord(t.e1, stream));
+    timed.push_back(t);
+  };
   const int roles = s.num_q_heads + s.num_kv_heads + s.indexer_heads + 1;
+  int64_t groups = 0;
   for (int64_t r0 = 0; r0 < p.tokens; r0 += w.group_rows) {
+    ++groups;
     const int rows = static_cast<int>(std::min(w.group_rows, p.tokens - r0));
     a.r0 = r0;
     a.t0 = p.first_position + r0;
     const int64_t t_end = a.t0 + rows;  // one past the group's last position
     a.b_first = (a.t0 + s.ratio) / s.ratio - 1;
     const int64_t n_blocks = t_end / s.ratio - a.b_first;
-    launch_pdl("prefill_prep_kernel", prefill_prep_kernel, dim3(roles, rows), kQsaThreads, 0,
-               stream, a);
+    run(kPrep, [&] {
+      launch_pdl("prefill_prep_kernel", prefill_prep_kernel, dim3(roles, rows), kQsaThreads, 0,
+                 stream, a);
+    });
     if (n_blocks > 0) {
-      launch_pdl("prefill_block_key_kernel", prefill_block_key_kernel,
-                 static_cast<unsigned>(n_blocks), kQsaThreads, 0, stream, a);
+      run(kBlockKeys, [&] {
+        launch_pdl("prefill_block_key_kernel", prefill_block_key_kernel,
+                   static_cast<unsigned>(n_blocks), kQsaThreads, 0, stream, a);
+      });
     }
     const int64_t max_b = t_end / s.ratio;  // B of the group's last row
     if (max_b > s.block_topk) {
       const int ctas = static_cast<int>(std::clamp<int64_t>((max_b + 63) / 64, 1, 1024));
-      launch_pdl("prefill_scores_kernel", prefill_scores_kernel, dim3(ctas, rows), kQsaThreads, 0,
-                 stream, a);
+      run(kScores, [&] {
+        launch_pdl("prefill_scores_kernel", prefill_scores_kernel, dim3(ctas, rows), kQsaThreads, 0,
+                   stream, a);
+      });
     }
-    launch_pdl("prefill_select_kernel", prefill_select_kernel, rows, kQsaSelectThreads, 0, stream,
-               a);
+    run(kSelect, [&] {
+      launch_pdl("prefill_select_kernel", prefill_select_kernel, rows, kQsaSelectThreads, 0, stream,
+                 a);
+    });
     // The choice log (--check-choices): this group's rows, before the next group overwrites them.
     if (p.selected_log != nullptr) {
       FN_CUDA_CHECK(cudaMemcpyAsync(p.selected_log + r0 * w.sel_max, a.selected,
@@ -514,10 +823,39 @@ void launch_qsa_prefill(const QsaPrefillParams& p, cudaStream_t stream) {
                                     size_t(rows) * 4 * sizeof(int32_t), cudaMemcpyDeviceToDevice,
                                     stream));
     }
-    launch_pdl("prefill_attn_kernel", prefill_attn_kernel,
-               dim3(w.decode.max_chunks, s.num_kv_heads, rows), kQsaThreads, smem, stream, a);
-    launch_pdl("prefill_combine_kernel", prefill_combine_kernel, dim3(s.num_q_heads, rows),
-               kQsaThreads, 0, stream, a);
+    if (w.fused) {
+      run(kAttention, [&] {
+        launch_pdl("prefill_fused_attn_kernel", fused_kernel, dim3(rows, s.num_kv_heads),
+                   kQsaThreads, smem, stream, a);
+      });
+    } else {
+      run(kAttention, [&] {
+        launch_pdl("prefill_attn_kernel", prefill_attn_kernel,
+                   dim3(w.decode.max_chunks, s.num_kv_heads, rows), kQsaThreads, smem, stream, a);
+      });
+      run(kCombine, [&] {
+        launch_pdl("prefill_combine_kernel", prefill_combine_kernel, dim3(s.num_q_heads, rows),
+                   kQsaThreads, 0, stream, a);
+      });
+    }
+  }
+  if (p.timing != nullptr) {
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    double ms[kKinds] = {};
+    for (const Timed& t : timed) {
+      float e = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&e, t.e0, t.e1));
+      ms[t.kind] += e;
+      FN_CUDA_CHECK(cudaEventDestroy(t.e0));
+      FN_CUDA_CHECK(cudaEventDestroy(t.e1));
+    }
+    p.timing->prep_ms += ms[kPrep];
+    p.timing->block_keys_ms += ms[kBlockKeys];
+    p.timing->scores_ms += ms[kScores];
+    p.timing->select_ms += ms[kSelect];
+    p.timing->attention_ms += ms[kAttention];
+    p.timing->combine_ms += ms[kCombine];
+    p.timing->groups += groups;
   }
 }
 

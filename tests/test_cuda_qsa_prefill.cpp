@@ -6,14 +6,19 @@
 // at the real shapes (FN_BENCH=1). Every case also compares the prefill's choice log
 // (selected_log, counters_log) row by row with decode's workspace after the step at that position.
 //
-// Tolerance: none. Prefill runs decode's device code (cuda/qsa_device.cuh) and decode's attention
-// operation sequence with decode's chunking, so every output row and every cache byte must be
-// bitwise what the decode steps wrote. Equal outputs on rows with more than block_topk complete
-// blocks also mean equal per-row block selections (random data: a different selection changes
-// the attended set and so the output).
+// Every case runs both attention variants. Caches and choice logs: bitwise equal to decode's in
+// both. Outputs: kDecodeChunks runs decode's device code (cuda/qsa_device.cuh) and decode's
+// attention operation sequence with decode's chunking, so every output row must be bitwise what
+// the decode steps wrote. kFused computes the same softmax(q.k) v in another FP32 summation order
+// (online softmax over 64-token tiles, the dot products summed in four quarters), so its FP32
+// result differs from decode's by a few FP32 roundings and the BF16 output may round the other way:
+// each element must lie within 2^-7 |want| (one BF16 rounding step) + 1e-5 max|want of the row|,
+// and at most 5% of the elements may differ at all. A wrong selection or token changes outputs
+// far beyond that (random data), and the choice logs are compared exactly.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +56,16 @@ const Shape kTp4Tp4r3{"tp4 TP=4 rank 3", 16, 8, 2, 1, 6, 4, 1, 2, 16, 4, 2, 96};
 // block_topk 8 so that selection starts at t = 35.
 const Shape kRealHeads{
     "hd 256 / ihd 128, 4 q / 2 kv heads, topk 8", 256, 64, 4, 2, 0, 2, 0, 2, 128, 4, 8, 320};
+// Many attended tokens (several 64-token tiles of the fused attention: block_topk 20-40) and
+// every query-head count per KV head the fused kernel pads to (12 -> 12 as the real model, 6 -> 8
+// with padding heads, 16 -> 16), including a TP=2 rank-1 head mapping.
+const Shape kWide{"hd 32, 24 q / 2 kv heads, topk 24", 32, 8, 24, 2, 0, 12, 0, 2, 16, 4, 24, 192};
+const Shape kSixPerKv{
+    "hd 32, 6 q / 1 kv head (TP=2 rank 1), topk 20", 32, 8, 6, 1, 6, 6, 1, 2, 16, 4, 20, 160};
+const Shape kSixteenPerKv{
+    "hd 32, 16 q / 1 kv head, topk 20", 32, 8, 16, 1, 0, 16, 0, 2, 16, 4, 20, 128};
+const Shape kRealHeadsWide{
+    "hd 256 / ihd 128, 4 q / 2 kv heads, topk 40", 256, 64, 4, 2, 0, 2, 0, 2, 128, 4, 40, 256};
 // Real (MODEL.md §A.2/§A.3): TP=1 24 q / 2 kv heads, TP=2 12 q / 1 kv head per rank.
 Shape real_tp1(int64_t ctx) {
   return Shape{"real TP=1", 256, 64, 24, 2, 0, 12, 0, 4, 128, 4, 512, ctx};
@@ -192,7 +207,8 @@ std::vector<uint16_t> decode_steps(Layer& L, const std::vector<float>& projs, in
 // `choices`, also fills the choice logs (selected_log [n, sel_max], counters_log [n, 4]).
 std::vector<uint16_t> prefill(Layer& L, const std::vector<float>& projs, int64_t row0,
                               int64_t first, int64_t n, int64_t max_group_rows,
-                              int64_t* group_rows = nullptr, Choices* choices = nullptr) {
+                              fn::QsaPrefillAttention attention, int64_t* group_rows = nullptr,
+                              Choices* choices = nullptr) {
   const Shape& s = L.s;
   const int64_t ps = proj_size(s), stride = ps + 5, od = int64_t{s.hq} * s.hd;
   std::vector<float> strided(size_t(n * stride), 1e30f);
@@ -208,8 +224,11 @@ std::vector<uint16_t> prefill(Layer& L, const std::vector<float>& projs, int64_t
   p.first_position = first;
   p.out = out.ptr;
   p.max_group_rows = max_group_rows;
+  p.attention = attention;
   const fn::QsaPrefillLayout layout = fn::qsa_prefill_layout(p);
   REQUIRE(fn::qsa_prefill_workspace_bytes(p) == layout.total);
+  // The fused kernel runs when asked for and hd % 32 == 0 (hd 16 shapes run decode's chunks).
+  CHECK(layout.fused == (attention == fn::QsaPrefillAttention::kFused && s.hd % 32 == 0));
   if (group_rows != nullptr) *group_rows = layout.group_rows;
   DeviceArray<uint8_t> ws(layout.total);
   p.workspace = ws.ptr;
@@ -230,6 +249,33 @@ std::vector<uint16_t> prefill(Layer& L, const std::vector<float>& projs, int64_t
   return out.download();
 }
 
+// Output comparison of the fused variant (see the file comment).
+struct OutCheck {
+  int64_t bad = 0;     // elements outside the bound
+  int64_t differ = 0;  // elements not bitwise equal
+  double worst = 0;    // largest |got - want| / bound
+};
+OutCheck compare_outputs(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
+                         int64_t rows, int64_t od) {
+  OutCheck c;
+  for (int64_t r = 0; r < rows; ++r) {
+    double mx = 0;
+    for (int64_t e = 0; e < od; ++e)
+      mx = std::max(mx, std::fabs(double(fn::bf16_to_float(want[size_t(r * od + e)]))));
+    for (int64_t e = 0; e < od; ++e) {
+      const size_t i = size_t(r * od + e);
+      if (got[i] == want[i]) continue;
+      ++c.differ;
+      const double w = fn::bf16_to_float(want[i]), g = fn::bf16_to_float(got[i]);
+      const double bound = std::ldexp(std::fabs(w), -7) + 1e-5 * mx;
+      const double ratio = std::fabs(g - w) / bound;  // NaN (a NaN output) counts as bad
+      if (!(ratio <= 1.0)) ++c.bad;
+      if (!(ratio <= c.worst)) c.worst = ratio;
+    }
+  }
+  return c;
+}
+
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
@@ -238,8 +284,11 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 // History of p0 decode steps on `dec`, copied into `pre`; then M decode steps on `dec` and a
 // prefill of the same M rows on `pre`. Every output row and all four caches must be bitwise
 // equal. Returns the number of rows whose selection dropped blocks.
-int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows, uint64_t seed) {
-  INFO(s.name, " p0=", p0, " M=", M, " max_group_rows=", max_group_rows);
+int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows, uint64_t seed,
+                   fn::QsaPrefillAttention attention) {
+  const bool fused = attention == fn::QsaPrefillAttention::kFused;
+  INFO(s.name, " p0=", p0, " M=", M, " max_group_rows=", max_group_rows,
+       fused ? " fused" : " decode chunks");
   std::mt19937_64 rng(seed);
   const auto projs = random_projs(s, p0 + M, rng);
   Layer dec(s, seed + 1), pre(s, seed + 1);
@@ -248,13 +297,14 @@ int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows
   Choices want_ch, got_ch;
   const auto want = decode_steps(dec, projs, p0, p0, M, &want_ch);
   int64_t group_rows = 0;
-  const auto got = prefill(pre, projs, p0, p0, M, max_group_rows, &group_rows, &got_ch);
+  const auto got = prefill(pre, projs, p0, p0, M, max_group_rows, attention, &group_rows, &got_ch);
   const int64_t od = int64_t{s.hq} * s.hd;
   REQUIRE(got_ch.sel >= want_ch.sel);
   int64_t bad_out = 0, bad_choice = 0;
   for (int64_t r = 0; r < M; ++r) {
     INFO("row ", r, " (position ", p0 + r, ")");
-    const bool out_ok = std::memcmp(got.data() + r * od, want.data() + r * od, od * 2) == 0;
+    const bool out_ok =
+        fused || std::memcmp(got.data() + r * od, want.data() + r * od, od * 2) == 0;
     // The choice log: counters as decode's, then the first count selected blocks.
     const int32_t* gc = got_ch.counters.data() + r * 4;
     const int32_t* wc = want_ch.counters.data() + r * 4;
@@ -269,6 +319,12 @@ int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows
   }
   CHECK(bad_out == 0);
   CHECK(bad_choice == 0);
+  if (fused) {
+    const OutCheck c = compare_outputs(got, want, M, od);
+    INFO("fused: ", c.differ, " of ", M * od, " elements differ, worst ", c.worst, " of the bound");
+    CHECK(c.bad == 0);
+    CHECK(c.differ * 20 <= M * od);
+  }
   CHECK(same_bits(pre.kc->download(), dec.kc->download()));
   CHECK(same_bits(pre.vc->download(), dec.vc->download()));
   CHECK(same_bits(pre.raw->download(), dec.raw->download()));
@@ -280,36 +336,55 @@ int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows
 }
 
 const std::vector<int64_t> kMs = {1, 2, 3, 4, 5, 17, 63, 64, 65};
+constexpr fn::QsaPrefillAttention kVariants[] = {fn::QsaPrefillAttention::kFused,
+                                                 fn::QsaPrefillAttention::kDecodeChunks};
 
 }  // namespace
 
-TEST_CASE("qsa prefill: tiny shapes from position 0 equal M decode steps bit for bit") {
-  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
-    int64_t selecting = 0;
-    for (int64_t M : kMs) selecting += check_case(s, 0, M, 0, 100 + M);
-    CHECK(selecting > 0);  // block_topk 2-3: rows from t = 11 (15) on drop blocks
+TEST_CASE("qsa prefill: tiny shapes from position 0 equal M decode steps") {
+  for (const auto v : kVariants) {
+    for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
+      int64_t selecting = 0;
+      for (int64_t M : kMs) selecting += check_case(s, 0, M, 0, 100 + M, v);
+      CHECK(selecting > 0);  // block_topk 2-3: rows from t = 11 (15) on drop blocks
+    }
   }
 }
 
 TEST_CASE("qsa prefill: tiny shapes continuing a cache of 13 decode steps equal decode") {
-  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
-    int64_t selecting = 0;
-    for (int64_t M : kMs) selecting += check_case(s, 13, M, 0, 200 + M);
-    CHECK(selecting > 0);
+  for (const auto v : kVariants) {
+    for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
+      int64_t selecting = 0;
+      for (int64_t M : kMs) selecting += check_case(s, 13, M, 0, 200 + M, v);
+      CHECK(selecting > 0);
+    }
   }
 }
 
 TEST_CASE("qsa prefill: rows split into small groups (1, 3, 7 rows) still equal decode") {
-  for (int64_t g : {1, 3, 7}) {
-    CHECK(check_case(kG3Tp1, 0, 65, g, 300 + g) > 0);
-    CHECK(check_case(kTp4Tp2r0, 13, 17, g, 400 + g) > 0);
+  for (const auto v : kVariants) {
+    for (int64_t g : {1, 3, 7}) {
+      CHECK(check_case(kG3Tp1, 0, 65, g, 300 + g, v) > 0);
+      CHECK(check_case(kTp4Tp2r0, 13, 17, g, 400 + g, v) > 0);
+    }
   }
 }
 
 TEST_CASE("qsa prefill: real head sizes over 300 tokens with block_topk 8 equal decode") {
-  CHECK(check_case(kRealHeads, 0, 300, 0, 500) == 300 - 35);
-  // From a populated cache, in groups of 50 rows (block hand-off between groups).
-  CHECK(check_case(kRealHeads, 37, 263, 50, 600) == 263);
+  for (const auto v : kVariants) {
+    CHECK(check_case(kRealHeads, 0, 300, 0, 500, v) == 300 - 35);
+    // From a populated cache, in groups of 50 rows (block hand-off between groups).
+    CHECK(check_case(kRealHeads, 37, 263, 50, 600, v) == 263);
+  }
+}
+
+TEST_CASE("qsa prefill: many attended tokens and 6, 12, 16 q heads per KV head equal decode") {
+  for (const auto v : kVariants) {
+    CHECK(check_case(kWide, 0, 180, 0, 700, v) == 180 - 99);  // dense rows up to t = 98
+    CHECK(check_case(kSixPerKv, 0, 150, 40, 710, v) == 150 - 83);
+    CHECK(check_case(kSixteenPerKv, 5, 115, 0, 720, v) == 120 - 83);
+    CHECK(check_case(kRealHeadsWide, 9, 240, 0, 730, v) == 249 - 163);
+  }
 }
 
 TEST_CASE("qsa prefill: the launcher rejects bad parameters") {
@@ -358,6 +433,7 @@ TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
     Shape s;
     int64_t M;
   };
+  using fn::QsaPrefillAttention;
   for (const Run& r : {Run{real_tp1(8192), 8192}, Run{real_tp2r1(8192), 8192},
                        Run{real_tp1(8192), 2048}, Run{real_tp2r1(8192), 2048}}) {
     const Shape& s = r.s;
@@ -371,9 +447,9 @@ TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
     cudaEvent_t e0, e1;
     FN_CUDA_CHECK(cudaEventCreate(&e0));
     FN_CUDA_CHECK(cudaEventCreate(&e1));
-    std::vector<uint16_t> first_out;
-    // Automatic groups, then forced group sizes: the outputs must not depend on the grouping.
-    for (int64_t groups : {0, 16, 32, 64, 128}) {
+    // One configuration: warm-up, kReps timed launches, then one launch with per-kernel timing.
+    // Every launch rewrites the same cache rows with the same values.
+    auto bench = [&](QsaPrefillAttention variant, int64_t groups) {
       fn::QsaPrefillParams p;
       p.shape = L.p;
       p.proj = proj.ptr;
@@ -382,10 +458,11 @@ TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
       p.first_position = 0;
       p.out = out.ptr;
       p.max_group_rows = groups;
+      p.attention = variant;
       const auto layout = fn::qsa_prefill_layout(p);
       DeviceArray<uint8_t> ws(layout.total);
       p.workspace = ws.ptr;
-      fn::launch_qsa_prefill(p, stream);  // warm-up (rewrites the same cache rows each time)
+      fn::launch_qsa_prefill(p, stream);
       FN_CUDA_CHECK(cudaStreamSynchronize(stream));
       constexpr int kReps = 3;
       FN_CUDA_CHECK(cudaEventRecord(e0, stream));
@@ -395,23 +472,46 @@ TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
       float ms = 0;
       FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       ms /= kReps;
-      const auto o = out.download();
-      if (first_out.empty()) {
-        first_out = o;
-        // A NaN output would mean an unwritten cache row was read.
-        int nan = 0;
-        for (uint16_t x : o) nan += (x & 0x7fff) > 0x7f80;
-        CHECK(nan == 0);
-      } else {
-        CHECK(same_bits(o, first_out));
-      }
+      fn::QsaPrefillTiming t;
+      p.timing = &t;
+      fn::launch_qsa_prefill(p, stream);
+      const bool fused = layout.fused;
       std::printf(
-          "qsa prefill bench: %s M=%lld p0=0 max_group_rows=%lld (groups of %lld rows, "
-          "workspace %.1f MiB): %.3f ms per layer\n",
-          s.name, static_cast<long long>(r.M), static_cast<long long>(groups),
-          static_cast<long long>(layout.group_rows), layout.total / 1048576.0, ms);
-      MESSAGE(std::string(s.name), " M=", r.M, " group rows ", layout.group_rows, ": ", ms,
-              " ms per layer");
+          "qsa prefill bench: %s M=%lld %s groups of %lld rows (max_group_rows=%lld, %lld "
+          "groups, workspace %.1f MiB): %.3f ms per layer | per kernel (event-bracketed run): "
+          "prep %.3f, block keys %.3f, scores %.3f, select %.3f, attention %.3f, combine %.3f "
+          "ms\n",
+          s.name, static_cast<long long>(r.M), fused ? "fused" : "decode-chunks",
+          static_cast<long long>(layout.group_rows), static_cast<long long>(groups),
+          static_cast<long long>(t.groups), layout.total / 1048576.0, ms, t.prep_ms,
+          t.block_keys_ms, t.scores_ms, t.select_ms, t.attention_ms, t.combine_ms);
+      MESSAGE(std::string(s.name), " M=", r.M, fused ? " fused" : " decode-chunks", " group rows ",
+              layout.group_rows, ": ", ms, " ms per layer");
+      const auto o = out.download();
+      // A NaN output would mean an unwritten cache row was read.
+      int64_t nan = 0;
+      for (uint16_t x : o) nan += (x & 0x7fff) > 0x7f80;
+      CHECK(nan == 0);
+      return o;
+    };
+    const auto ref = bench(QsaPrefillAttention::kDecodeChunks, 0);  // bitwise decode (tests)
+    std::vector<uint16_t> first_fused;
+    // Automatic groups, then forced group sizes: the outputs must not depend on the grouping.
+    for (int64_t groups : {0, 64, 256, 1024}) {
+      const auto o = bench(QsaPrefillAttention::kFused, groups);
+      if (first_fused.empty()) {
+        first_fused = o;
+        const OutCheck c = compare_outputs(o, ref, r.M, int64_t{s.hq} * s.hd);
+        std::printf(
+            "qsa prefill bench: %s M=%lld fused vs decode-chunks: %lld of %lld elements "
+            "differ, %lld outside the bound, worst %.3f of the bound\n",
+            s.name, static_cast<long long>(r.M), static_cast<long long>(c.differ),
+            static_cast<long long>(o.size()), static_cast<long long>(c.bad), c.worst);
+        CHECK(c.bad == 0);
+        CHECK(c.differ * 20 <= static_cast<int64_t>(o.size()));
+      } else {
+        CHECK(same_bits(o, first_fused));
+      }
     }
     FN_CUDA_CHECK(cudaEventDestroy(e0));
     FN_CUDA_CHECK(cudaEventDestroy(e1));

@@ -39,9 +39,12 @@ void launch_router_topk_rows(const RouterRowsParams& params, cudaStream_t stream
 /// Which implementation launch_moe_prefill uses.
 enum class MoePrefillPath {
   Auto,     ///< PerRow when tokens <= kMoePrefillPerRowMaxTokens and the decode kernels accept
-            ///< the shape, else Grouped
+            ///< the shape, else Fused
   PerRow,   ///< the decode kernels once per token (bitwise the decode result)
-  Grouped,  ///< pairs sorted by expert, NVFP4 dequantised to BF16 + cuBLAS GEMMs
+  Grouped,  ///< pairs sorted by expert, NVFP4 dequantised to BF16 + cuBLAS GEMMs (the first
+            ///< implementation, kept for comparison)
+  Fused,    ///< pairs sorted by expert, W4A16 tensor-core GEMMs that decode NVFP4 into shared
+            ///< memory tiles (no BF16 weight copy in global memory), SwiGLU in the epilogue
 };
 
 /// Auto takes the per-row path up to this many tokens (each row then costs one gate+up and one
@@ -84,7 +87,14 @@ struct MoePrefillParams {
   /// Doubles the weight scratch. Every side-stream operation is waited for on `stream` before
   /// launch_moe_prefill returns its last enqueue, so the caller sees plain stream order.
   bool overlap_dequant = true;
+  /// Fused path: tokens per chunk (0 = kMoePrefillChunkTokens). The workspace holds h and the
+  /// per-(token, slot) FP32 down outputs of one chunk, so it grows linearly with this; larger
+  /// chunks give more rows per expert (fewer weight decodes per row).
+  int64_t chunk_tokens = 0;
 };
+
+/// Default tokens per chunk of the Fused path.
+inline constexpr int64_t kMoePrefillChunkTokens = 8192;
 
 /// Default expert segments per group of the Grouped path.
 inline constexpr int kMoePrefillGroupSegments = 16;

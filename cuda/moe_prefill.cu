@@ -19,6 +19,9 @@
 //   accumulate  y[t] = fmaf(weights[t, j] * gs_down[e], yd[row], y[t]) over the token's rows of
 //               the group in segment order (one thread per element of y: no atomics)
 // y is zeroed first, so each token sums its contributions in the fixed order (group, segment).
+//
+// Fused path (the default above 16 tokens; see the section comment further down): no BF16
+// weight copy in global memory; NVFP4 is decoded into shared-memory tiles feeding wmma.
 #include "cuda/moe_prefill.h"
 
 #include <cublas_v2.h>

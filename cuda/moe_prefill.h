@@ -59,8 +59,11 @@ inline constexpr int64_t kMoePrefillPerRowMaxTokens = 16;
 /// Ids outside [0, num_experts) contribute 0 (as decode). The Grouped path dequantises the
 /// active experts to BF16 without the global scale (E2M1 x E4M3 is exact in BF16), multiplies
 /// with cuBLAS (BF16 inputs, FP32 accumulation and output), and applies the global scales after
-/// the GEMM: only the FP32 summation order differs from decode. y[p] sums its contributions in a
-/// fixed order (groups of experts by decreasing count, then expert), so results are bitwise
+/// the GEMM: only the FP32 summation order differs from decode. The Fused path decodes the same
+/// exact BF16 weights into shared memory tiles instead (no global BF16 copy) and multiplies with
+/// wmma BF16 tensor cores (FP32 accumulation), with the same global-scale and SwiGLU epilogue.
+/// y[p] sums its contributions in a fixed order (Grouped: groups of experts by decreasing count,
+/// then expert; Fused: slot order j = 0..top_k-1, as decode), so results are bitwise
 /// reproducible for the same ids. cuBLAS: launch_moe_prefill owns one cublasHandle_t per
 /// (host thread, device), created on first use and kept for the process; it is bound to
 /// `stream` for each call.
@@ -100,22 +103,28 @@ inline constexpr int64_t kMoePrefillChunkTokens = 8192;
 inline constexpr int kMoePrefillGroupSegments = 16;
 
 /// Workspace bytes for the shape in `shape_only` (gate_up/down rows, cols, num_experts, tokens,
-/// top_k, path, group_segments; pointers ignored). Bounded: the Grouped path processes at most
-/// group_segments (16) expert segments of at most 1024 rows at a time plus O(tokens * top_k)
-/// integers of routing tables: 562 MiB at the real TP=1 shape and M = 8192 (362 MiB at TP=2),
-/// independent of M beyond the tables. The bytes grow with tokens (tables only), so a workspace
-/// sized for the largest M serves every smaller M.
+/// top_k, path, group_segments, chunk_tokens; pointers ignored). The bytes never shrink as
+/// tokens grow, so a workspace sized for the largest M serves every smaller M.
+///   Fused (Auto above 16 tokens): O(tokens * top_k) integers of routing tables plus, for one
+///   chunk of C = min(tokens, chunk_tokens) tokens, h (C * top_k * I BF16) and the per-(token,
+///   slot) down outputs (C * top_k * hidden FP32): 900 MiB at the real TP=1 shape and M = 8192
+///   (850 MiB at TP=2; 450 / 425 MiB with chunk_tokens 4096).
+///   Grouped: at most group_segments (16) expert segments of at most 1024 rows at a time plus the
+///   tables: 562 MiB at TP=1 and M = 8192 (362 MiB at TP=2), independent of M beyond the tables.
 ///
 /// Measured (H200, tests/test_cuda_moe_prefill.cpp FN_BENCH=1, 512 experts, top_k 10, uniformly
-/// random routing, overlap on): M = 8192: TP=1 8.3 ms (G 16; 9.2 ms at G 8), TP=2 6.4 ms;
-/// M = 512: TP=1 4.1 ms (G 32) / 5.3 ms (G 8), TP=2 2.4 ms (G 32) / 3.3 ms (G 8). The cost is
-/// dominated by writing every active expert's BF16 copy (5 GB at TP=1) and by cuBLAS efficiency
-/// at n ~ 160 rows per expert; a fused W4A16 grouped GEMM would remove the former.
+/// random routing, one run, ms per layer including the host planning):
+///   M = 8192, TP=1 (I 640): Fused 7.99 (chunk 4096: 9.18), Grouped 9.70 (G 16, overlap)
+///   M = 8192, TP=2 (I 320): Fused 4.53 (chunk 4096: 5.23), Grouped 7.83
+///   M = 512,  TP=1: Fused 1.73, Grouped 4.19 (G 32);  TP=2: Fused 0.96, Grouped 2.54
+/// The Fused kernel is bound by decoding the weights once per 64-row tile with a one-stage
+/// register prefetch (M = 512, one tile per expert, already costs 1.7 ms at TP=1), not by the
+/// tensor cores (~100 TFLOP/s): a deeper cp.async pipeline and larger row tiles are the next step.
 size_t moe_prefill_workspace_bytes(const MoePrefillParams& shape_only);
 
-/// Runs on `stream`. Copies ids to the host and synchronises the stream (the Grouped path plans
-/// its groups from the per-expert counts); the PerRow path does not synchronise. Throws
-/// fn::Error(Internal) on null pointers, inconsistent shapes (gate_up.rows != 2 * down.cols,
+/// Runs on `stream`. Copies ids to the host and synchronises the stream (Grouped and Fused plan
+/// their tiles from the per-expert counts; once per call); the PerRow path does not synchronise.
+/// Throws fn::Error(Internal) on null pointers, inconsistent shapes (gate_up.rows != 2 * down.cols,
 /// gate_up.cols != down.rows, different num_experts), misalignment, or a PerRow request the
 /// decode kernels reject; fn::Error(Cuda) on a CUDA or cuBLAS failure.
 void launch_moe_prefill(const MoePrefillParams& params, cudaStream_t stream);

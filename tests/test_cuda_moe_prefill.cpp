@@ -543,8 +543,8 @@ void bench(int64_t inter, int64_t M, const std::vector<int>& group_options,
       const double flops = 2.0 * M * k * (2 * inter * H + H * inter);
       MESSAGE("moe prefill E 512 top_k 10 hidden 2560 I "
               << inter << " M " << M
-              << (run.path == fn::MoePrefillPath::Grouped ? " GROUPED group_segments "
-                                                          : " FUSED chunk_tokens ")
+              << std::string(run.path == fn::MoePrefillPath::Grouped ? " GROUPED group_segments "
+                                                                     : " FUSED chunk_tokens ")
               << (run.path == fn::MoePrefillPath::Grouped ? int64_t(run.gsegs) : run.chunk) << ": "
               << ms << " ms/layer, " << flops / ms / 1e9 << " TFLOP/s, workspace "
               << double(wsb) / (1 << 20) << " MiB");

@@ -81,7 +81,7 @@ PY
   bench rw64k_tp2 2 --random-weights --config "$out/rw4.json" -p 65536 -n 16 -r 1 --warmup 0
 fi
 if has long; then
-  bench long_tp2 2 --random-weights --config $cfg -p 262080 -n 64 -r 1 --warmup 0 \
+  FN_BENCH_TIMEOUT=${FN_LONG_TIMEOUT:-400} bench long_tp2 2 --random-weights --config $cfg -p 262080 -n 64 -r 1 --warmup 0 \
     --prefill-chunk 16384
   t=$SECONDS
   timeout 120 $mpi -np 2 "$b/fngen" bench --backend cuda --random-weights --config $cfg \

@@ -223,6 +223,13 @@ std::vector<float> replayed_rows(fn::CudaModel& m, const std::vector<int32_t>& t
 // (near ties that summation order decides; those rows and the rows a carried flip reaches are
 // left out of the free-running comparison, which checks the others).
 void length_chunk_table(int tp_rank, int tp_size, fn::DeviceAllReduce* ar, bool print) {
+  // Models sharing an all-reduce must share its stream (CudaModelOptions::stream).
+  cudaStream_t stream = nullptr;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { cudaStreamDestroy(s); }
+  } guard{stream};
   const fn::ModelConfig cfg = raised_config("g3_tiny", 16384);
   const fn::QuantConfig quant =
       fn::load_quant_config(std::string(FN_TEST_DATA_DIR) + "/fixtures/g3_tiny");
@@ -235,11 +242,14 @@ void length_chunk_table(int tp_rank, int tp_size, fn::DeviceAllReduce* ar, bool 
   for (std::size_t i : {100u, 2049u, 5000u}) seq[i] = static_cast<int32_t>(cfg.ple_eos());
 
   std::vector<std::unique_ptr<fn::CudaModel>> models;
-  for (int64_t chunk : kChunks)
-    models.push_back(
-        fn::CudaModel::random(cfg, quant, 11, options(tp_rank, tp_size, ar, ctx, chunk, true)));
+  for (int64_t chunk : kChunks) {
+    auto o = options(tp_rank, tp_size, ar, ctx, chunk, true);
+    o.stream = stream;
+    models.push_back(fn::CudaModel::random(cfg, quant, 11, o));
+  }
   auto replay_opt = options(tp_rank, tp_size, ar, ctx, kWhole);
   replay_opt.replay_choices = true;
+  replay_opt.stream = stream;
   auto replay = fn::CudaModel::random(cfg, quant, 11, replay_opt);
   std::vector<fn::StepChoices> free_choices;
   const std::vector<float> free_rows = forward_rows(*models[0], seq, ctx, &free_choices);

@@ -672,6 +672,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_token), sizeof(int32_t) * 2));
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_flag), sizeof(int32_t)));
   FN_CUDA_CHECK(cudaDeviceSynchronize());
+  require_prefill_fits(c, o, layers, v_local);
   reset_state(c);
 }
 

@@ -176,6 +176,16 @@ int64_t choice_log_ints(const ModelConfig& c, int64_t qsa_layers);
 /// fn::Error(Internal) on a selected-block count outside [0, block_topk].
 StepChoices choices_from_log(const ModelConfig& c, int64_t qsa_layers, const int32_t* log);
 
+/// Device bytes of the batched prefill's pass buffers (cuda_prefill.cpp, allocated at the first
+/// prefill()) for min(o.prefill_chunk, o.ctx_size) tokens per pass.
+std::size_t prefill_buffer_bytes(const ModelConfig& c, const CudaModelOptions& o,
+                                 const std::vector<DevLayer>& layers, int64_t v_local);
+/// Logs prefill_buffer_bytes on rank 0 and refuses (fn::Error(Usage), naming the bytes, the
+/// free memory and --prefill-chunk) when they exceed the device's free memory now, so a model
+/// that loads never fails later at its first prompt for want of pass buffers.
+void require_prefill_fits(const ModelConfig& c, const CudaModelOptions& o,
+                          const std::vector<DevLayer>& layers, int64_t v_local);
+
 }  // namespace model_detail
 
 struct CudaPrefillState;

@@ -233,6 +233,35 @@ class PrefillProfile {
 
 }  // namespace
 
+std::size_t model_detail::prefill_buffer_bytes(const ModelConfig& c, const CudaModelOptions& o,
+                                               const std::vector<DevLayer>& layers,
+                                               int64_t v_local) {
+  CudaPrefillState sizing;
+  return carve_prefill(sizing, nullptr, c, o, layers, v_local,
+                       std::min(std::max<int64_t>(o.prefill_chunk, 1), o.ctx_size));
+}
+
+void model_detail::require_prefill_fits(const ModelConfig& c, const CudaModelOptions& o,
+                                        const std::vector<DevLayer>& layers, int64_t v_local) {
+  FN_REQUIRE(o.prefill_chunk >= 1, Usage, "--prefill-chunk must be at least 1 (got {})",
+             o.prefill_chunk);
+  const std::size_t need = prefill_buffer_bytes(c, o, layers, v_local);
+  std::size_t free_b = 0, total_b = 0;
+  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const int64_t rows = std::min(o.prefill_chunk, o.ctx_size);
+  if (o.tp_rank == 0)
+    FN_LOG_INFO(
+        "prefill: {:.2f} GiB of pass buffers for {} tokens per pass (--prefill-chunk), "
+        "allocated at the first prompt; {:.2f} GiB free now",
+        static_cast<double>(need) / 1073741824.0, rows, static_cast<double>(free_b) / 1073741824.0);
+  FN_REQUIRE(need <= free_b, Usage,
+             "the batched prefill needs {:.2f} GiB of pass buffers for {} tokens per pass, but "
+             "only {:.2f} GiB of device memory are free after the weights and the {}-token "
+             "context: give a smaller --prefill-chunk (the buffers scale with it) or -c/--ctx-size",
+             static_cast<double>(need) / 1073741824.0, rows,
+             static_cast<double>(free_b) / 1073741824.0, o.ctx_size);
+}
+
 std::vector<StepChoices> CudaModel::prefill_choices() const {
   const Impl& I = *impl_;
   FN_REQUIRE(opt_.record_choices, Usage, "prefill_choices needs CudaModelOptions::record_choices");

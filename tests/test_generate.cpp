@@ -4,7 +4,9 @@
 // prefill(T) = prefill(T-1) + one decode step).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -63,6 +65,24 @@ struct FakeText {
     return s;
   }
 };
+
+// An on-device decode loop emulated on the scripted model: feeds `first`, then greedy ids,
+// recording each call's first id in `firsts` when given.
+fn::DecodeFn greedy_decode(ScriptedModel& m, std::vector<int32_t>* firsts) {
+  return [&m, firsts](int32_t first, int64_t count, const fn::SamplingParams&,
+                      const std::function<bool(int32_t)>& on_token) {
+    if (firsts) firsts->push_back(first);
+    std::vector<int32_t> out;
+    int32_t t = first;
+    for (int64_t i = 0; i < count; ++i) {
+      const auto l = m.forward(t);
+      t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+      out.push_back(t);
+      if (!on_token(t)) break;
+    }
+    return out;
+  };
+}
 
 }  // namespace
 
@@ -271,4 +291,61 @@ TEST_CASE("generate: prefill(T) equals prefill(T-1) plus one decode step") {
   CHECK(diff <= 1e-5 * scale);
   // And both match the reference's last prompt row.
   CHECK(fn::test::max_abs_diff(full.data(), f.row(all.size() - 1), f.vocab) <= 1e-4 * scale);
+}
+
+TEST_CASE(
+    "generate: a backend's batched prefill runs the prompt in one call and decoding "
+    "continues through forward") {
+  fn::LocalCollectives coll;
+  ScriptedModel m{{3, 4, 5, 6, 7, 8}};
+  std::vector<std::vector<int32_t>> prefilled;
+  // The batched prefill feeds the prompt through the same scripted model (so the first generated
+  // id is the one token-by-token prefill gives) and records the batch it was given.
+  const fn::PrefillFn batch = [&](std::span<const int32_t> tokens, bool want_logits) {
+    prefilled.emplace_back(tokens.begin(), tokens.end());
+    std::span<const float> l;
+    for (int32_t t : tokens) l = m.forward(t);
+    return want_logits ? l : std::span<const float>();
+  };
+  const std::vector<int32_t> prompt = {1, 2, 9};
+  const auto r = fn::generate(m.fn(), coll, prompt, greedy(3), {}, batch);
+  REQUIRE(prefilled.size() == 1);
+  CHECK(prefilled[0] == prompt);
+  CHECK(r.token_ids == std::vector<int32_t>{5, 6, 7});
+  CHECK(m.fed == std::vector<int32_t>{1, 2, 9, 5, 6});  // prompt via the batch, then decode
+
+  // Without the batch function the same run feeds the prompt token by token: same ids.
+  ScriptedModel m2{{3, 4, 5, 6, 7, 8}};
+  const auto r2 = fn::generate(m2.fn(), coll, prompt, greedy(3));
+  CHECK(r2.token_ids == r.token_ids);
+
+  // On-device decoding: the batch takes prompt[0 .. n-2]; the last prompt token starts decode.
+  ScriptedModel m3{{3, 4, 5, 6, 7, 8}};
+  prefilled.clear();
+  const fn::PrefillFn batch3 = [&](std::span<const int32_t> tokens, bool want_logits) {
+    CHECK_FALSE(want_logits);
+    prefilled.emplace_back(tokens.begin(), tokens.end());
+    for (int32_t t : tokens) m3.forward(t);
+    return std::span<const float>();
+  };
+  std::vector<int32_t> first_fed;
+  const fn::DecodeFn decode = greedy_decode(m3, &first_fed);
+  const auto r3 = fn::generate_on_device(m3.fn(), decode, coll, prompt, greedy(3), {}, batch3);
+  REQUIRE(prefilled.size() == 1);
+  CHECK(prefilled[0] == std::vector<int32_t>{1, 2});
+  CHECK(first_fed == std::vector<int32_t>{9});
+  CHECK(r3.token_ids == r.token_ids);
+
+  // A one-token prompt has nothing to prefill before decoding starts.
+  ScriptedModel m4{{3, 4, 5, 6, 7, 8}};
+  prefilled.clear();
+  const fn::PrefillFn batch4 = [&](std::span<const int32_t> tokens, bool) {
+    prefilled.emplace_back(tokens.begin(), tokens.end());
+    return std::span<const float>();
+  };
+  const fn::DecodeFn decode4 = greedy_decode(m4, nullptr);
+  const std::vector<int32_t> one = {1};
+  const auto r4 = fn::generate_on_device(m4.fn(), decode4, coll, one, greedy(2), {}, batch4);
+  CHECK(prefilled.empty());
+  CHECK(r4.token_ids == std::vector<int32_t>{3, 4});
 }

@@ -122,8 +122,8 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list,
 }
 
 __global__ void __launch_bounds__(kRouterThreads)
-    router_topk_kernel(const float* logits, int E, int k, bool norm, int32_t* ids, float* weights,
-                       int32_t* flag) {
+    router_topk_kernel(const float* logits_rows, int64_t stride, int E, int k, bool norm,
+                       int32_t* ids_rows, float* weights_rows, int32_t* flag) {
   __shared__ float p[kMaxExperts];
   __shared__ unsigned long long sorted[kMaxExperts];
   __shared__ float warp_max[kRouterThreads / 32];
@@ -134,6 +134,11 @@ __global__ void __launch_bounds__(kRouterThreads)
   __shared__ double s_sum;
   __shared__ int s_nan;
   dev::pdl_begin();
+  // One CTA per row (launch_router_topk: one row).
+  const int64_t row = blockIdx.x;
+  const float* logits = logits_rows + row * stride;
+  int32_t* ids = ids_rows + row * k;
+  float* weights = weights_rows + row * k;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) s_nan = 0;
 
@@ -287,8 +292,22 @@ void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.num_experts >= 1 && p.num_experts <= kMaxExperts, kOp);
   FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.top_k <= p.num_experts && p.top_k <= kMaxTopK, kOp);
   launch_pdl("router_topk_kernel", router_topk_kernel, 1, kRouterThreads, 0, stream, p.logits,
-             p.num_experts, p.top_k, p.norm_topk_prob, p.ids, p.weights, p.error_flag);
+             int64_t{0}, p.num_experts, p.top_k, p.norm_topk_prob, p.ids, p.weights, p.error_flag);
   FN_CUDA_LAUNCH_CHECK("router_topk_kernel");
+}
+
+void launch_router_topk_rows(const RouterRowsParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_router_topk_rows";
+  FN_LAUNCH_REQUIRE(p.rows >= 0 && p.rows <= INT32_MAX, kOp);
+  if (p.rows == 0) return;
+  FN_LAUNCH_REQUIRE(p.logits != nullptr && p.ids != nullptr && p.weights != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.num_experts >= 1 && p.num_experts <= kMaxExperts, kOp);
+  FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.top_k <= p.num_experts && p.top_k <= kMaxTopK, kOp);
+  FN_LAUNCH_REQUIRE(p.logits_stride >= p.num_experts, kOp);
+  router_topk_kernel<<<static_cast<unsigned>(p.rows), kRouterThreads, 0, stream>>>(
+      p.logits, p.logits_stride, p.num_experts, p.top_k, p.norm_topk_prob, p.ids, p.weights,
+      p.error_flag);
+  FN_CUDA_LAUNCH_CHECK("router_topk_kernel (rows)");
 }
 
 void launch_moe_combine(const MoeCombineParams& p, cudaStream_t stream) {

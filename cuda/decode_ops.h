@@ -78,6 +78,26 @@ struct RouterParams {
 /// range; fn::Error(Cuda) on a failed launch.
 void launch_router_topk(const RouterParams& params, cudaStream_t stream);
 
+/// Router for `rows` rows (MODEL.md §C.7 step 1): row p is exactly launch_router_topk
+/// (cuda/decode_ops.h) on logits + p * logits_stride, writing ids/weights + p * top_k (the same
+/// kernel, the row taken from blockIdx.x: bitwise the same ids and weights). A NaN
+/// probability in any row sets *error_flag = 4 when error_flag is given.
+struct RouterRowsParams {
+  const float* logits = nullptr;  ///< FP32 router logits; row p at logits + p * logits_stride
+  int64_t logits_stride = 0;      ///< floats between rows, >= num_experts
+  int64_t rows = 0;               ///< M, >= 0 (0 launches nothing)
+  int num_experts = 0;            ///< E: 1..1024
+  int top_k = 0;                  ///< 1..min(E, 64)
+  bool norm_topk_prob = true;     ///< renormalise the selected weights
+  int32_t* ids = nullptr;         ///< [rows, top_k] device: expert ids, best first
+  float* weights = nullptr;       ///< [rows, top_k] device: FP32 routing weights, same order
+  int32_t* error_flag = nullptr;  ///< optional device scalar; set to 4 on NaN probabilities
+};
+
+/// One CTA of 512 threads per row (grid.x = rows, up to 2^31 - 1). Throws fn::Error(Internal) on
+/// null pointers or sizes out of range; fn::Error(Cuda) on a failed launch. Capturable.
+void launch_router_topk_rows(const RouterRowsParams& params, cudaStream_t stream);
+
 /// MoE combine (MODEL.md §C.7 steps 3-4): y[i] = y[i] + sigmoid(*gate_logit) * y_shared[i]
 /// (one FMA in FP32; sigmoid in the two-branch form of fn::cpu::sigmoid, with expf).
 struct MoeCombineParams {

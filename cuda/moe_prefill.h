@@ -12,29 +12,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/decode_ops.h"
 #include "cuda/moe_nvfp4.h"
 
 namespace fn {
 
-/// Router for `rows` rows (MODEL.md §C.7 step 1): row p is exactly launch_router_topk
-/// (cuda/decode_ops.h) on logits + p * logits_stride, writing ids/weights + p * top_k (the same
-/// device code with the row taken from blockIdx.x: bitwise the same ids and weights). A NaN
-/// probability in any row sets *error_flag = 4 when error_flag is given.
-struct RouterRowsParams {
-  const float* logits = nullptr;  ///< FP32 router logits; row p at logits + p * logits_stride
-  int64_t logits_stride = 0;      ///< floats between rows, >= num_experts
-  int64_t rows = 0;               ///< M, >= 0 (0 launches nothing)
-  int num_experts = 0;            ///< E: 1..1024
-  int top_k = 0;                  ///< 1..min(E, 64)
-  bool norm_topk_prob = true;     ///< renormalise the selected weights
-  int32_t* ids = nullptr;         ///< [rows, top_k] device: expert ids, best first
-  float* weights = nullptr;       ///< [rows, top_k] device: FP32 routing weights, same order
-  int32_t* error_flag = nullptr;  ///< optional device scalar; set to 4 on NaN probabilities
-};
-
-/// One CTA of 512 threads per row (grid.x = rows, up to 2^31 - 1). Throws fn::Error(Internal) on
-/// null pointers or sizes out of range; fn::Error(Cuda) on a failed launch. Capturable.
-void launch_router_topk_rows(const RouterRowsParams& params, cudaStream_t stream);
+// The router for many rows (RouterRowsParams, launch_router_topk_rows) is in decode_ops.h,
+// beside the decode step's router it shares its kernel with.
 
 /// Which implementation launch_moe_prefill uses.
 enum class MoePrefillPath {

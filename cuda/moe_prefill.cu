@@ -1,8 +1,7 @@
 // Batched routed experts (see moe_prefill.h).
 //
-// Router rows: a copy of decode_ops.cu's router_topk_kernel with the row taken from blockIdx.x
-// (the decode kernel lives in that file's anonymous namespace); tests/test_cuda_moe_prefill.cpp
-// checks bitwise equality with launch_router_topk row by row.
+// Router rows: launch_router_topk_rows (decode_ops.h) runs decode's router kernel once per row;
+// tests/test_cuda_moe_prefill.cpp checks bitwise equality with launch_router_topk row by row.
 //
 // Grouped path: the ids are copied to the host (one stream synchronisation), the valid
 // (token, slot) pairs are bucketed by expert (ascending token inside an expert), an expert with

@@ -1,6 +1,7 @@
-// Small device helpers shared by the decode kernels in cuda/*.cu: streaming 16-byte loads, exact
-// BF16/FP16-bit unpacking, SiLU. Device code only; included by .cu files, never by host headers.
-// Every helper is exact bit manipulation except silu (expf).
+// Small device helpers shared by the decode kernels in cuda/*.cu: streaming 16-byte loads, async
+// global -> shared copies (cp.async), exact BF16/FP16-bit unpacking, SiLU. Device code only;
+// included by .cu files, never by host headers. Every helper is exact bit manipulation except
+// silu (expf).
 #pragma once
 
 #include <cstdint>
@@ -16,6 +17,26 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
+}
+
+/// Asynchronous 16-byte copy global -> shared of data no kernel writes while this one runs
+/// (weights): cp.async.cg (sm_80+, bypasses L1; the copy lands after cp_async_wait_all), a plain
+/// streaming load and shared store below sm_80. Both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<uint4*>(smem) = ld_stream16(gmem);
+#endif
+}
+
+/// Waits until every cp_async16 of the calling thread has landed (cp.async.wait_all); the block
+/// still needs a __syncthreads() before other threads read the copies. No-op below sm_80.
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
 }
 
 /// 16-byte read-only load that may stay in L1 (activations re-read by many rows).

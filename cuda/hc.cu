@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
@@ -16,6 +18,10 @@ constexpr int kBlockThreads = 256;
 constexpr int kStreams = 4;     // hc_count of the model (MODEL.md §A.2); one accumulator each
 constexpr int kMixPre = 3;      // W_up vectors per row and lane loaded before the PDL wait
 constexpr int kMaxRank = 8192;  // u = silu(t / 4) lives in shared memory (32 KB at most)
+// Staged kernels (weights in shared memory): blocks per SM the register budget must allow.
+constexpr int kStagedMinBlocks = 4;
+// Shared memory the staged mix may use without the opt-in attribute (W_up rows + u).
+constexpr std::size_t kMixStageMaxBytes = 48 * 1024;
 
 // Partial dots per t value the mix sums (4 groups x at most 2 chunks: hidden <= 2560); all of a
 // thread's loads are in flight at once, so this bounds its registers.
@@ -43,6 +49,51 @@ struct DownArgs {
   float* sumsq;
 };
 
+// v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns (MODEL.md
+// §C.2's N without its group scale; (1 + w) never rounded to BF16); v[2] += the vector's sum of
+// H^2. Ascending columns per lane.
+__device__ __forceinline__ void down_step(float (&v)[kDownRows + 1], const float4 (&hx)[2],
+                                          uint4 nw, const uint4 (&w)[kDownRows]) {
+  const float h[8] = {hx[0].x, hx[0].y, hx[0].z, hx[0].w, hx[1].x, hx[1].y, hx[1].z, hx[1].w};
+  const uint32_t q[4] = {nw.x, nw.y, nw.z, nw.w};
+  float xf[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    xf[2 * k] = h[2 * k] * (1.0f + dev::bf16_lo(q[k]));
+    xf[2 * k + 1] = h[2 * k + 1] * (1.0f + dev::bf16_hi(q[k]));
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[kDownRows] = fmaf(h[k], h[k], v[kDownRows]);
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r) v[r] = dev::fma8_bf16(w[r], xf, v[r]);
+}
+
+// The warp's butterfly over its 32 lanes, then lane 0 stores the rows' partial dots (and the
+// chunk's partial square from the block's first warp of the first row block).
+__device__ __forceinline__ void down_finish(const DownArgs& a, float (&v)[kDownRows + 1], int p,
+                                            int64_t row0, int warp, int lane) {
+  dev::team_reduce<kDownRows + 1, kBlockThreads>(v, 32, lane);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r)
+    if (row0 + r < a.rows) a.tp[static_cast<int64_t>(p) * a.rows + row0 + r] = v[r];
+  if (blockIdx.y == 0 && warp == 0) a.sumsq[p] = v[kDownRows];
+}
+
+// H at the lane's kDownVecPerLane vectors of the chunk (zeros past the group): the only load of
+// the down pass after the PDL wait, all in flight at once.
+__device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int vbeg, int lane,
+                                            float4 (&hx)[kDownVecPerLane][2]) {
+#pragma unroll
+  for (int u = 0; u < kDownVecPerLane; ++u) {
+    const int vl = lane + 32 * u;
+    const float4* hp = reinterpret_cast<const float4*>(a.H + col0 + 8 * static_cast<int64_t>(vl));
+    const bool ok = vbeg + vl < a.gvec;
+    hx[u][0] = ok ? __ldg(hp) : make_float4(0, 0, 0, 0);
+    hx[u][1] = ok ? __ldg(hp + 1) : make_float4(0, 0, 0, 0);
+  }
+}
+
 // Block (chunk p, row block): rows [16 * blockIdx.y, +16) x the chunk's vectors. Chunk p is
 // chunk p % cpg of group p / cpg; it never crosses a group, so its dot needs no norm scale.
 __global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
@@ -69,42 +120,66 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  // H at the lane's columns: the only load after the wait.
   float4 hx[kDownVecPerLane][2];
+  down_load_h(a, col0, vbeg, lane, hx);
+  float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int u = 0; u < kDownVecPerLane; ++u) {
-    const int vl = lane + 32 * u;
-    const float4* hp = reinterpret_cast<const float4*>(a.H + col0 + 8 * static_cast<int64_t>(vl));
-    const bool ok = vbeg + vl < a.gvec;
-    hx[u][0] = ok ? __ldg(hp) : make_float4(0, 0, 0, 0);
-    hx[u][1] = ok ? __ldg(hp + 1) : make_float4(0, 0, 0, 0);
+  for (int u = 0; u < kDownVecPerLane; ++u)
+    if (vbeg + lane + 32 * u < a.gvec) down_step(v, hx[u], nw[u], w[u]);
+  down_finish(a, v, p, row0, warp, lane);
+}
+
+// Shared-memory staging of the down pass: the block's 16 rows x kDownChunkVec vectors of W, then
+// the chunk's kDownChunkVec vectors of the norm weight (43,520 bytes).
+constexpr int kDownStageVec = kDownRowsPerBlock * kDownChunkVec;
+constexpr std::size_t kDownStageBytes = (kDownStageVec + kDownChunkVec) * sizeof(uint4);
+
+// The staged down pass: the same blocks, lanes and summation order as hc_down_kernel (so the
+// same bits), but the weights go to shared memory with cp.async before the PDL wait instead of
+// registers: ~64 registers instead of 115, so up to 4 blocks fit an SM and the whole grid (and
+// the mix launched behind it) is resident while the previous kernel drains.
+__global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
+    hc_down_staged_kernel(DownArgs a) {
+  extern __shared__ uint4 stage4[];  // [kDownRowsPerBlock][kDownChunkVec] W, [kDownChunkVec] w
+  uint4* nw_s = stage4 + kDownStageVec;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int p = static_cast<int>(blockIdx.x);
+  const int g = p / a.cpg;
+  const int vbeg = (p - g * a.cpg) * kDownChunkVec;
+  const int64_t col0 = g * a.hidden + 8 * static_cast<int64_t>(vbeg);
+  const int64_t rowb = static_cast<int64_t>(blockIdx.y) * kDownRowsPerBlock;
+  const int nv = min(kDownChunkVec, a.gvec - vbeg);  // vectors of the chunk inside the group
+  // Weights only before the wait (cuda/pdl.cuh); zeros where the chunk or the rows end.
+  for (int q = threadIdx.x; q < kDownStageVec; q += kBlockThreads) {
+    const int rr = q / kDownChunkVec, vl = q - rr * kDownChunkVec;
+    if (vl < nv && rowb + rr < a.rows)
+      dev::cp_async16(stage4 + q, a.w + (rowb + rr) * a.width + col0 + 8 * vl);
+    else
+      stage4[q] = make_uint4(0, 0, 0, 0);
   }
-  // v[0..1]: the rows' dots with x = H * (1 + w) (MODEL.md §C.2's N without its group scale;
-  // (1 + w) never rounded to BF16); v[2]: the chunk's sum of H^2. Ascending columns per lane.
+  for (int vl = threadIdx.x; vl < kDownChunkVec; vl += kBlockThreads) {
+    if (vl < nv)
+      dev::cp_async16(nw_s + vl, a.norm + col0 + 8 * vl);
+    else
+      nw_s[vl] = make_uint4(0, 0, 0, 0);
+  }
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  float4 hx[kDownVecPerLane][2];
+  down_load_h(a, col0, vbeg, lane, hx);
+  dev::cp_async_wait_all();
+  __syncthreads();
   float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
-    if (vbeg + lane + 32 * u >= a.gvec) continue;
-    const float h[8] = {hx[u][0].x, hx[u][0].y, hx[u][0].z, hx[u][0].w,
-                        hx[u][1].x, hx[u][1].y, hx[u][1].z, hx[u][1].w};
-    const uint32_t q[4] = {nw[u].x, nw[u].y, nw[u].z, nw[u].w};
-    float xf[8];
+    const int vl = lane + 32 * u;
+    if (vbeg + vl >= a.gvec) continue;
+    uint4 w[kDownRows];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      xf[2 * k] = h[2 * k] * (1.0f + dev::bf16_lo(q[k]));
-      xf[2 * k + 1] = h[2 * k + 1] * (1.0f + dev::bf16_hi(q[k]));
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[kDownRows] = fmaf(h[k], h[k], v[kDownRows]);
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r) v[r] = dev::fma8_bf16(w[u][r], xf, v[r]);
+    for (int r = 0; r < kDownRows; ++r) w[r] = stage4[(warp * kDownRows + r) * kDownChunkVec + vl];
+    down_step(v, hx[u], nw_s[vl], w);
   }
-  dev::team_reduce<kDownRows + 1, kBlockThreads>(v, 32, lane);
-  if (lane != 0) return;
-#pragma unroll
-  for (int r = 0; r < kDownRows; ++r)
-    if (row0 + r < a.rows) a.tp[static_cast<int64_t>(p) * a.rows + row0 + r] = v[r];
-  if (blockIdx.y == 0 && warp == 0) a.sumsq[p] = v[kDownRows];
+  down_finish(a, v, p, rowb + warp * kDownRows, warp, lane);
 }
 
 struct MixArgs {
@@ -126,55 +201,31 @@ struct MixArgs {
   int cpg;  // splits / 4: chunks per group
 };
 
-// One team per output i: rows i + s*D (s < 4) of W_up against u = silu(t / 4), which every block
-// first reduces from the partials into shared memory.
-__global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
-  extern __shared__ float4 u_s4[];  // [rank / 4]
-  float* u_s = reinterpret_cast<float*>(u_s4);
-  const int team = 1 << a.team_log2;
-  const int lane = threadIdx.x & (team - 1);
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
-                    (threadIdx.x >> a.team_log2);
-  const int64_t ic = i < a.hidden ? i : a.hidden - 1;  // out-of-range teams compute, never store
-  constexpr float kInvStreams = 1.0f / kStreams;       // 0.25: exact
-  float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
-  // acc[s] += W_up[row i + s*D, vector v] . u[vector v] for the 4 streams.
-  auto accumulate = [&](const uint4(&w)[kStreams], int v) {
-    const float4 t0 = u_s4[2 * v], t1 = u_s4[2 * v + 1];
-    const float u[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
+constexpr float kInvStreams = 1.0f / kStreams;  // 0.25: exact
+
+// acc[s] += W_up[row i + s*D, vector v] . u[vector v] for the 4 streams (FP32 fmaf chain in
+// ascending column order).
+__device__ __forceinline__ void mix_accumulate(float (&acc)[kStreams], const uint4 (&w)[kStreams],
+                                               const float4* u_s4, int v) {
+  const float4 t0 = u_s4[2 * v], t1 = u_s4[2 * v + 1];
+  const float u[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
 #pragma unroll
-    for (int s = 0; s < kStreams; ++s) {
-      const uint32_t q[4] = {w[s].x, w[s].y, w[s].z, w[s].w};
+  for (int s = 0; s < kStreams; ++s) {
+    const uint32_t q[4] = {w[s].x, w[s].y, w[s].z, w[s].w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        acc[s] = fmaf(dev::bf16_lo(q[k]), u[2 * k], acc[s]);
-        acc[s] = fmaf(dev::bf16_hi(q[k]), u[2 * k + 1], acc[s]);
-      }
+    for (int k = 0; k < 4; ++k) {
+      acc[s] = fmaf(dev::bf16_lo(q[k]), u[2 * k], acc[s]);
+      acc[s] = fmaf(dev::bf16_hi(q[k]), u[2 * k + 1], acc[s]);
     }
-  };
-  // The lane's first kMixPre vectors of each W_up row and the norm weights of output i (weights:
-  // no kernel writes them) load before the programmatic-dependent wait, so the whole matrix
-  // streams while the previous kernel finishes (rank 320: at most 3 vectors per lane); t, the
-  // partial squares and H come from earlier kernels (cuda/pdl.cuh). Vectors are summed in
-  // ascending order either way.
-  uint4 pre[kMixPre][kStreams];
-#pragma unroll
-  for (int j = 0; j < kMixPre; ++j) {
-    const int v = lane + j * team;
-#pragma unroll
-    for (int s = 0; s < kStreams; ++s)
-      pre[j][s] = v < a.nvec ? dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v)
-                             : make_uint4(0, 0, 0, 0);
   }
-  float one_w[kStreams];  // 1 + w at output i of each stream (FP32, never rounded to BF16)
-#pragma unroll
-  for (int s = 0; s < kStreams; ++s)
-    one_w[s] = 1.0f + dev::bf16_lo(static_cast<uint32_t>(__ldg(a.norm + ic + s * a.hidden)));
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  // Every load of the thread at once (H at output i, the partial squares, its first two t
-  // values' partials) before any math that depends on them.
-  float hv[kStreams];
+}
+
+// The mix's work right after the PDL wait (no barrier inside): every load of the thread at once
+// (H at output ic, the partial squares, its first two t values' partials) before any math that
+// depends on them; the group scales into scale[]; u = silu(t / 4) into u_s (and iota from block
+// 0). The caller syncs the block before reading u_s.
+__device__ __forceinline__ void mix_after_wait(const MixArgs& a, int64_t ic, float* u_s,
+                                               float (&hv)[kStreams], float (&scale)[kStreams]) {
 #pragma unroll
   for (int s = 0; s < kStreams; ++s) hv[s] = __ldg(a.H + ic + s * a.hidden);
   float sq[kMaxSplits];
@@ -195,7 +246,6 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
   load(j);
   // scale_g = rsqrt(mean(H_g^2) + eps) from the group's partial squares, ascending chunks
   // (MODEL.md §C.2); sp[p]: the scale of chunk p's group.
-  float scale[kStreams];
 #pragma unroll
   for (int g = 0; g < kStreams; ++g) {
     float s = 0.0f;
@@ -227,17 +277,14 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
     if (j >= nt) break;
     load(j);
   }
-  __syncthreads();
-#pragma unroll
-  for (int jv = 0; jv < kMixPre; ++jv)
-    if (lane + jv * team < a.nvec) accumulate(pre[jv], lane + jv * team);
-  for (int v = lane + kMixPre * team; v < a.nvec; v += team) {
-    uint4 w[kStreams];
-#pragma unroll
-    for (int s = 0; s < kStreams; ++s)
-      w[s] = dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v);
-    accumulate(w, v);
-  }
+}
+
+// The team's butterfly, then lane 0 of an in-range team: G = sigmoid(acc), N = H * scale *
+// (1 + w) (MODEL.md §C.2, FP32), m = (1/4) sum_s G N (fmaf chain over the streams).
+__device__ __forceinline__ void mix_finish(const MixArgs& a, float (&acc)[kStreams], int team,
+                                           int lane, int64_t i, const float (&hv)[kStreams],
+                                           const float (&scale)[kStreams],
+                                           const float (&one_w)[kStreams]) {
   dev::team_reduce<kStreams, kBlockThreads>(acc, team, lane);
   if (lane != 0 || i >= a.hidden) return;
   float m = 0.0f;
@@ -252,11 +299,135 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
   if (a.m_bf16 != nullptr) a.m_bf16[i] = dev::float_to_bf16_bits(m);
 }
 
+// 1 + w at output ic of each stream (FP32, never rounded to BF16): weights, read before the wait.
+__device__ __forceinline__ void mix_one_w(const MixArgs& a, int64_t ic, float (&one_w)[kStreams]) {
+#pragma unroll
+  for (int s = 0; s < kStreams; ++s)
+    one_w[s] = 1.0f + dev::bf16_lo(static_cast<uint32_t>(__ldg(a.norm + ic + s * a.hidden)));
+}
+
+// One team per output i: rows i + s*D (s < 4) of W_up against u = silu(t / 4), which every block
+// first reduces from the partials into shared memory. The W_up vectors stay in registers.
+__global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
+  extern __shared__ float4 u_s4[];  // [rank / 4]
+  float* u_s = reinterpret_cast<float*>(u_s4);
+  const int team = 1 << a.team_log2;
+  const int lane = threadIdx.x & (team - 1);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
+                    (threadIdx.x >> a.team_log2);
+  const int64_t ic = i < a.hidden ? i : a.hidden - 1;  // out-of-range teams compute, never store
+  // The lane's first kMixPre vectors of each W_up row and the norm weights of output i (weights:
+  // no kernel writes them) load before the programmatic-dependent wait, so the whole matrix
+  // streams while the previous kernel finishes (rank 320: at most 3 vectors per lane); t, the
+  // partial squares and H come from earlier kernels (cuda/pdl.cuh). Vectors are summed in
+  // ascending order either way.
+  uint4 pre[kMixPre][kStreams];
+#pragma unroll
+  for (int j = 0; j < kMixPre; ++j) {
+    const int v = lane + j * team;
+#pragma unroll
+    for (int s = 0; s < kStreams; ++s)
+      pre[j][s] = v < a.nvec ? dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v)
+                             : make_uint4(0, 0, 0, 0);
+  }
+  float one_w[kStreams];
+  mix_one_w(a, ic, one_w);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  float hv[kStreams], scale[kStreams];
+  mix_after_wait(a, ic, u_s, hv, scale);
+  __syncthreads();
+  float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int jv = 0; jv < kMixPre; ++jv)
+    if (lane + jv * team < a.nvec) mix_accumulate(acc, pre[jv], u_s4, lane + jv * team);
+  for (int v = lane + kMixPre * team; v < a.nvec; v += team) {
+    uint4 w[kStreams];
+#pragma unroll
+    for (int s = 0; s < kStreams; ++s)
+      w[s] = dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v);
+    mix_accumulate(acc, w, u_s4, v);
+  }
+  mix_finish(a, acc, team, lane, i, hv, scale, one_w);
+}
+
+// Shared memory of the staged mix: the block's 4 x (256 / team) W_up rows, then u (FP32).
+std::size_t mix_stage_bytes(int64_t rank, int team) {
+  return static_cast<std::size_t>(kStreams) * (kBlockThreads / team) * rank * 2 +
+         static_cast<std::size_t>(rank) * sizeof(float);
+}
+
+// The staged mix: the same teams, outputs and summation order as hc_mix_kernel (so the same
+// bits), but the block's W_up rows (rows i0 .. i0 + outs - 1 of each stream: 4 contiguous runs)
+// go to shared memory with cp.async before the PDL wait, so the kernel holds ~64 registers, up to
+// 4 blocks fit an SM and the whole grid is resident (its weights in flight) while the down pass
+// runs; after the wait only t, the partial squares and H are read from memory.
+__global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged_kernel(MixArgs a) {
+  extern __shared__ uint4 stage4[];  // [kStreams][outs][nvec] W_up, then u [rank] FP32
+  const int team = 1 << a.team_log2;
+  const int outs = kBlockThreads >> a.team_log2;
+  const int k = threadIdx.x >> a.team_log2;
+  const int lane = threadIdx.x & (team - 1);
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * outs;
+  const int64_t i = i0 + k;
+  const int64_t ic = i < a.hidden ? i : a.hidden - 1;  // out-of-range teams compute, never store
+  const int per_stream = outs * a.nvec;                // vectors per stream
+  const int n_ok = static_cast<int>(min(static_cast<int64_t>(outs), a.hidden - i0)) * a.nvec;
+#pragma unroll
+  for (int s = 0; s < kStreams; ++s) {
+    const uint16_t* src = a.w_up + (i0 + s * a.hidden) * a.rank;
+    uint4* dst = stage4 + s * per_stream;
+    for (int q = threadIdx.x; q < per_stream; q += kBlockThreads) {
+      if (q < n_ok)
+        dev::cp_async16(dst + q, src + 8 * static_cast<int64_t>(q));
+      else
+        dst[q] = make_uint4(0, 0, 0, 0);  // rows past D: read by teams that never store
+    }
+  }
+  float4* u_s4 = reinterpret_cast<float4*>(stage4 + kStreams * per_stream);
+  float one_w[kStreams];
+  mix_one_w(a, ic, one_w);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  float hv[kStreams], scale[kStreams];
+  mix_after_wait(a, ic, reinterpret_cast<float*>(u_s4), hv, scale);
+  dev::cp_async_wait_all();
+  __syncthreads();
+  float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int v = lane; v < a.nvec; v += team) {
+    uint4 w[kStreams];
+#pragma unroll
+    for (int s = 0; s < kStreams; ++s) w[s] = stage4[(s * outs + k) * a.nvec + v];
+    mix_accumulate(acc, w, u_s4, v);
+  }
+  mix_finish(a, acc, team, lane, i, hv, scale, one_w);
+}
+
 bool aligned(const void* p, uintptr_t n) {
   return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
 }
 
+// Mix blocks for `team` lanes per output: ceil(hidden / (256 / team)).
+int64_t mix_blocks(int64_t hidden, int team) {
+  return (hidden + (kBlockThreads / team) - 1) / (kBlockThreads / team);
+}
+
+// Team: the narrowest power of two with <= 16 vectors per lane, widened while the grid has fewer
+// than 2 blocks per SM and lanes keep >= 2 vectors (rank 320: 16 lanes, 160 blocks).
+int mix_team(int64_t hidden, int64_t rank) {
+  const int64_t nvec = rank / 8, target = 2 * static_cast<int64_t>(detail::current_sm_count());
+  int team = 8;
+  while (team < kBlockThreads && team * 16 < nvec) team *= 2;
+  while (mix_blocks(hidden, team) < target && team < kBlockThreads && nvec >= 2 * team) team *= 2;
+  return team;
+}
+
 }  // namespace
+
+bool hc_mix_uses_staging(const HcMixParams& p) {
+  if (!p.staged || p.rank < 8 || p.rank > kMaxRank || p.hidden < 1) return false;
+  return mix_stage_bytes(p.rank, mix_team(p.hidden, p.rank)) <= kMixStageMaxBytes;
+}
 
 int64_t hc_down_chunks(int64_t hidden) {
   return (hidden / 8 + kDownChunkVec - 1) / kDownChunkVec;
@@ -290,10 +461,15 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              static_cast<int>(hc_down_chunks(p.hidden)),
              p.t_partial,
              p.sumsq};
-  launch_pdl("hc_down_kernel", hc_down_kernel,
-             dim3(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks)),
-             dim3(kBlockThreads), 0, stream, a);
-  FN_CUDA_LAUNCH_CHECK("hc_down_kernel");
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
+  if (p.staged) {
+    launch_pdl("hc_down_staged_kernel", hc_down_staged_kernel, grid, dim3(kBlockThreads),
+               kDownStageBytes, stream, a);
+    FN_CUDA_LAUNCH_CHECK("hc_down_staged_kernel");
+  } else {
+    launch_pdl("hc_down_kernel", hc_down_kernel, grid, dim3(kBlockThreads), 0, stream, a);
+    FN_CUDA_LAUNCH_CHECK("hc_down_kernel");
+  }
 }
 
 void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
@@ -310,13 +486,8 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(aligned(p.w_up, 16) && aligned(p.t, 4) && aligned(p.sumsq, 4) &&
                         aligned(p.H, 4) && aligned(p.norm, 2),
                     kOp);
-  // Team: the narrowest power of two with <= 16 vectors per lane, widened while the grid has
-  // fewer than 2 blocks per SM and lanes keep >= 2 vectors (rank 320: 16 lanes, 160 blocks).
-  const int64_t nvec = p.rank / 8, target = 2 * static_cast<int64_t>(detail::current_sm_count());
-  auto blocks = [&](int t) { return (p.hidden + (kBlockThreads / t) - 1) / (kBlockThreads / t); };
-  int team = 8;
-  while (team < kBlockThreads && team * 16 < nvec) team *= 2;
-  while (blocks(team) < target && team < kBlockThreads && nvec >= 2 * team) team *= 2;
+  const int64_t nvec = p.rank / 8;
+  const int team = mix_team(p.hidden, p.rank);
   MixArgs a{p.w_up,
             p.t,
             p.sumsq,
@@ -333,9 +504,16 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
             __builtin_ctz(static_cast<unsigned>(team)),
             static_cast<int>(p.t_splits),
             static_cast<int>(p.t_splits / kStreams)};
-  launch_pdl("hc_mix_kernel", hc_mix_kernel, static_cast<unsigned>(blocks(team)), kBlockThreads,
-             static_cast<std::size_t>(p.rank) * sizeof(float), stream, a);
-  FN_CUDA_LAUNCH_CHECK("hc_mix_kernel");
+  const auto grid = static_cast<unsigned>(mix_blocks(p.hidden, team));
+  if (hc_mix_uses_staging(p)) {
+    launch_pdl("hc_mix_staged_kernel", hc_mix_staged_kernel, grid, kBlockThreads,
+               mix_stage_bytes(p.rank, team), stream, a);
+    FN_CUDA_LAUNCH_CHECK("hc_mix_staged_kernel");
+  } else {
+    launch_pdl("hc_mix_kernel", hc_mix_kernel, grid, kBlockThreads,
+               static_cast<std::size_t>(p.rank) * sizeof(float), stream, a);
+    FN_CUDA_LAUNCH_CHECK("hc_mix_kernel");
+  }
 }
 
 }  // namespace fn

@@ -3,7 +3,8 @@
 // partial dots and partial sums of squares, no block-wide step) and launch_hc_mix (the group
 // RMSNorm scales from the partial squares, t, u, G, N -> m, iota). Called by the CUDA decode step
 // before each mixer / MoE and for the final mixer. Deterministic (fixed summation orders, no
-// atomics), graph-capturable, PDL-aware (weights load before the dependency wait).
+// atomics), graph-capturable, PDL-aware (weights are staged in shared memory with cp.async before
+// the dependency wait; the register-staged kernels stay selectable with `staged = false`).
 // Numerics (issue 9): N and m are FP32 (every BF16 GEMV reads m as FP32); only the NVFP4 routed
 // experts read a BF16 copy of m (W4A16, DESIGN.md). Rounding N and m to BF16 was measured to
 // cause almost all of the CUDA engine's KL divergence against transformers (1.4e-3 .. 3.3e-3
@@ -35,6 +36,12 @@ struct HcDownParams {
   /// out: [hc_down_splits(hc_count, hidden), rows] FP32 partial dots; must not alias H.
   float* t_partial = nullptr;
   float* sumsq = nullptr;  ///< out: [hc_down_splits(hc_count, hidden)] FP32 partial sums of H^2
+  /// true: each block stages its 16 rows x 1280 columns of W (and the norm weight) in shared
+  /// memory with cp.async before the PDL wait (~43 KB, few registers, so the grid and the mix
+  /// behind it are resident while the previous kernel drains); false: the previous kernel that
+  /// holds them in registers (115 per thread, 2 blocks per SM), kept for A/B benches. Both give
+  /// the same bits (same lanes, same summation order).
+  bool staged = true;
 };
 
 /// Column chunks per group of `hidden` columns: ceil(hidden / 1280) (2 at D = 2560).
@@ -45,10 +52,10 @@ int64_t hc_down_chunks(int64_t hidden);
 /// launch_hc_mix takes at most 16.
 int64_t hc_down_splits(int64_t hc_count, int64_t hidden);
 
-/// Launches hc_down_splits x ceil(rows / 16) blocks of 256 threads (16 rows x 1280 columns each,
-/// two blocks per SM; at the real shape 8 x 21, the whole 6.6 MB matrix in flight before the PDL
-/// wait). Throws fn::Error(Internal) on null pointers, bad sizes or misalignment; fn::Error(Cuda)
-/// on a failed launch.
+/// Launches hc_down_splits x ceil(rows / 16) blocks of 256 threads (16 rows x 1280 columns each;
+/// at the real shape 8 x 21, the whole 6.6 MB matrix in flight before the PDL wait: in shared
+/// memory when params.staged, else in registers, two blocks per SM). Throws fn::Error(Internal) on
+/// null pointers, bad sizes or misalignment; fn::Error(Cuda) on a failed launch.
 void launch_hc_down(const HcDownParams& params, cudaStream_t stream);
 
 /// HC mix (MODEL.md §C.2, §C.3 steps 2-5) from the partials of launch_hc_down, chunk p in group
@@ -79,11 +86,22 @@ struct HcMixParams {
   int hc_count = 4;       ///< must be 4 (the kernel keeps one accumulator per stream)
   int64_t hidden = 0;     ///< D (2560)
   int64_t rank = 0;       ///< r = hc_lowrank (320), multiple of 8, <= 8192 (u in shared memory)
+  /// true: each block stages its W_up rows in shared memory with cp.async before the PDL wait
+  /// when they fit in 48 KB with u (rank 320: 42 KB; see hc_mix_uses_staging), else the register
+  /// kernel runs; false: always the previous kernel that holds the W_up vectors in registers
+  /// (kept for A/B benches). Both give the same bits (same teams, same summation order).
+  bool staged = true;
 };
+
+/// Whether launch_hc_mix(p) runs the shared-memory staged kernel: p.staged and the block's W_up
+/// rows plus u fit in 48 KB (4 * (256 / team) * rank * 2 + rank * 4 bytes, the team as planned
+/// by the launcher: 16 lanes at rank 320). False for sizes the launcher rejects.
+bool hc_mix_uses_staging(const HcMixParams& p);
 
 /// Launches the mix: after the PDL wait every thread issues all its loads at once (partials,
 /// partial squares, H), each block sums them into u = silu(t / 4) in shared memory, then one team
-/// of lanes per output i reads the 4 rows i + s*D of W_up (loaded before the wait). Throws
+/// of lanes per output i reads the 4 rows i + s*D of W_up (loaded before the wait: into shared
+/// memory when hc_mix_uses_staging(params), else into registers). Throws
 /// fn::Error(Internal) on null pointers, hc_count != 4, bad sizes or misalignment.
 void launch_hc_mix(const HcMixParams& params, cudaStream_t stream);
 

@@ -2,8 +2,9 @@
 // and partial sums of H^2 per group-aligned chunk), the mix (the group norm scales from the
 // partial squares, t, m FP32 and its BF16 copy, iota), and the two chained against an FP64
 // evaluation of MODEL.md §C.2 and §C.3, with error bounds derived from the kernels' FP32 rounding
-// steps (N and m are FP32 since issue 9's KL finding: no BF16 rounding in the bounds); launcher
-// checks.
+// steps (N and m are FP32 since issue 9's KL finding: no BF16 rounding in the bounds); the
+// shared-memory staged kernels (default) give the same bits as the register kernels
+// (staged = false); launcher checks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -207,6 +208,16 @@ TEST_CASE(
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0);
     CHECK(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0);
+    // The register kernel (staged = false) sums in the same order: the same bits.
+    FN_CUDA_CHECK(cudaMemset(dt.ptr, 0xff, splits * R * 4));
+    FN_CUDA_CHECK(cudaMemset(dss.ptr, 0xff, splits * 4));
+    p.staged = false;
+    fn::launch_hc_down(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0,
+                  "register kernel t ", c.groups, "x", D, " rows ", R);
+    CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0,
+                  "register kernel sumsq ", c.groups, "x", D);
   }
 }
 
@@ -298,8 +309,24 @@ TEST_CASE(
       ref.N[i] = H[i] * scale[i / D] * (1 + double(fn::bf16_to_float(nb[i])));
       ref.eN[i] = (rel_s + g3 * (1 + rel_s)) * std::fabs(ref.N[i]);
     }
-    check_mix_outputs(m, dmb.download(), diota.download(), w_up, D, r, ref, c.with_bf16,
-                      c.with_iota);
+    const auto mb = dmb.download();
+    const auto iota = diota.download();
+    check_mix_outputs(m, mb, iota, w_up, D, r, ref, c.with_bf16, c.with_iota);
+
+    // Rank 2048 (4 x 8 rows x 4 KB) does not fit the 48 KB stage: the register kernel runs. The
+    // register kernel (staged = false) sums in the same order as the staged one: the same bits.
+    CHECK(fn::hc_mix_uses_staging(p) == (r != 2048));
+    p.staged = false;
+    CHECK_FALSE(fn::hc_mix_uses_staging(p));
+    FN_CUDA_CHECK(cudaMemset(dm.ptr, 0xff, D * 4));
+    FN_CUDA_CHECK(cudaMemset(dmb.ptr, 0xff, D * 2));
+    FN_CUDA_CHECK(cudaMemset(diota.ptr, 0xff, 16));
+    fn::launch_hc_mix(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0, "register kernel m, D ",
+                  D, " r ", r);
+    CHECK(std::memcmp(dmb.download().data(), mb.data(), D * 2) == 0);
+    CHECK(std::memcmp(diota.download().data(), iota.data(), 16) == 0);
   }
 }
 
@@ -400,11 +427,21 @@ TEST_CASE(
     }
     check_mix_outputs(m, dmb.download(), diota.download(), w_up, D, r, ref, true, true);
 
-    // Deterministic: the chain again gives the same bits.
+    // Deterministic: the chain again gives the same bits, and so does the chain of the register
+    // kernels (staged = false).
     fn::launch_hc_down(dp, nullptr);
     fn::launch_hc_mix(mp, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK(std::memcmp(dm.download().data(), m.data(), D * 4) == 0);
+    CHECK(fn::hc_mix_uses_staging(mp));
+    FN_CUDA_CHECK(cudaMemset(dm.ptr, 0xff, D * 4));
+    dp.staged = false;
+    mp.staged = false;
+    fn::launch_hc_down(dp, nullptr);
+    fn::launch_hc_mix(mp, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0,
+                  "register kernels' m, D ", D);
   }
 }
 

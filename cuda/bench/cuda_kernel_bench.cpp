@@ -2,7 +2,9 @@
 // For each kernel and shape: µs per call (CUDA graph of back-to-back calls, weights rotated over
 // enough copies that L2 never serves a repeat), bytes per call, achieved GB/s, and the floor
 // bytes / copy bandwidth, with the device-to-device copy bandwidth measured in the same run.
-// Usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N]. Table on stdout; not a test.
+// The HC read rows time both kernel variants (registers / shared-memory staging) with PDL on and
+// off. Usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N] [--hc-only]. Table on stdout;
+// not a test.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include "cuda/gemv_bf16.h"
 #include "cuda/hc.h"
 #include "cuda/moe_nvfp4.h"
+#include "cuda/pdl.h"
 
 namespace {
 
@@ -288,24 +291,37 @@ int main(int argc, char** argv) try {
     const int calls = std::max(copies, 20);
     const double down_bytes = double(dn_bytes) + W * (4 + 2) + splits * (nrows + 1) * 4;
     const double mix_bytes = double(up_bytes) + splits * (nrows + 1) * 4 + W * (4 + 2) + D * 6 + 16;
-    const double down_us = t.time_per_call(calls, [&](int i) {
-      dp.weight = w_dn + size_t(i % copies) * nrows * W;
-      fn::launch_hc_down(dp, t.stream);
-    });
-    rows.push_back(report({"hc_down", "324x10240 +sumsq", "16r x 1280c", down_bytes, down_us, bw}));
-    const double mix_us = t.time_per_call(calls, [&](int i) {
-      mp.w_up = w_up + size_t(i % copies) * W * r;
-      fn::launch_hc_mix(mp, t.stream);
-    });
-    rows.push_back(report({"hc_mix", "10240x320 +scale,N,m", "planned", mix_bytes, mix_us, bw}));
-    const double read_us = t.time_per_call(calls, [&](int i) {
-      dp.weight = w_dn + size_t(i % copies) * nrows * W;
-      mp.w_up = w_up + size_t(i % copies) * W * r;
-      fn::launch_hc_down(dp, t.stream);
-      fn::launch_hc_mix(mp, t.stream);
-    });
-    rows.push_back(
-        report({"hc_read", "down + mix", "2 launches", down_bytes + mix_bytes, read_us, bw}));
+    // The register-staged kernels (staged = false, the session-3 ones) and the shared-memory
+    // staged ones (default), each with PDL on (as the decode step) and off.
+    for (bool pdl : {true, false}) {
+      fn::set_pdl_enabled(pdl);
+      for (bool staged : {false, true}) {
+        dp.staged = staged;
+        mp.staged = staged;
+        const std::string plan = std::string(staged ? "smem" : "regs") + (pdl ? " pdl" : " nopdl");
+        const double down_us = t.time_per_call(calls, [&](int i) {
+          dp.weight = w_dn + size_t(i % copies) * nrows * W;
+          fn::launch_hc_down(dp, t.stream);
+        });
+        rows.push_back(report({"hc_down", "324x10240 +sumsq", plan, down_bytes, down_us, bw}));
+        const double mix_us = t.time_per_call(calls, [&](int i) {
+          mp.w_up = w_up + size_t(i % copies) * W * r;
+          fn::launch_hc_mix(mp, t.stream);
+        });
+        rows.push_back(report({"hc_mix", "10240x320 +scale,N,m", plan, mix_bytes, mix_us, bw}));
+        const double read_us = t.time_per_call(calls, [&](int i) {
+          dp.weight = w_dn + size_t(i % copies) * nrows * W;
+          mp.w_up = w_up + size_t(i % copies) * W * r;
+          fn::launch_hc_down(dp, t.stream);
+          fn::launch_hc_mix(mp, t.stream);
+        });
+        rows.push_back(
+            report({"hc_read", "down + mix", plan, down_bytes + mix_bytes, read_us, bw}));
+      }
+    }
+    fn::set_pdl_enabled(true);
+    std::printf("hc_mix staged kernel used at rank 320: %s\n",
+                fn::hc_mix_uses_staging(mp) ? "yes" : "no");
     for (void* p : {(void*)w_up, (void*)w_dn, (void*)nw, (void*)mb, (void*)h, (void*)ss, (void*)m,
                     (void*)tv, (void*)iota})
       FN_CUDA_CHECK(cudaFree(p));

@@ -16,6 +16,7 @@
 #include "comm/cuda_check.h"
 #include "core/error.h"
 #include "core/ngram.h"
+#include "core/shard_plan.h"
 #include "cuda/cuda_model.h"
 #include "cuda/moe_nvfp4.h"
 #include "cuda/ple.h"
@@ -162,6 +163,24 @@ struct DevLayer {
   DevQsa attn;
   DevMoe moe;
 };
+
+/// The fields launch_gdn_decode and launch_gdn_prefill share (GdnDecodeParams /
+/// GdnPrefillParams): layer `g`'s weights and states and this rank's GDN shape.
+template <class Params>
+void set_gdn_layer(Params& p, const ModelConfig& c, const RankDims& rd, const DevGdn& g) {
+  p.conv_weight = g.conv;
+  p.A_log = g.A_log;
+  p.dt_bias = g.dt_bias;
+  p.norm_weight = g.norm;
+  p.conv_state = g.conv_state;
+  p.state = g.S;
+  p.num_k_heads = static_cast<int>(rd.linear_k_heads);
+  p.num_v_heads = static_cast<int>(rd.linear_v_heads);
+  p.k_head_dim = static_cast<int>(c.linear_key_head_dim);
+  p.v_head_dim = static_cast<int>(c.linear_value_head_dim);
+  p.conv_kernel = static_cast<int>(c.linear_conv_kernel_dim);
+  p.eps = static_cast<float>(c.rms_norm_eps);
+}
 
 /// The n-gram gather's constants and table view for the PLE layer `pl` (token, context and out
 /// left for the caller).

@@ -296,6 +296,20 @@ void check_supported(const ModelConfig& c, const CudaModelOptions& o, bool exper
 // The shape fields of the QSA launch for this model and rank (pointers left null).
 }  // namespace
 
+QsaDecodeParams model_detail::qsa_layer(const ModelConfig& c, const CudaModelOptions& o,
+                                        const DevQsa& a) {
+  QsaDecodeParams q = qsa_shape(c, o);
+  q.q_norm = a.q_norm;
+  q.k_norm = a.k_norm;
+  q.iq_norm = a.iq_norm;
+  q.ik_norm = a.ik_norm;
+  q.k_cache = a.k_cache;
+  q.v_cache = a.v_cache;
+  q.raw_keys = a.raw_keys;
+  q.block_keys = a.block_keys;
+  return q;
+}
+
 // Declared in cuda_model_impl.h (the prefill shares it).
 QsaDecodeParams model_detail::qsa_shape(const ModelConfig& c, const CudaModelOptions& o) {
   const RankDims d = rank_dims(c, o.tp_size, o.tp_rank);
@@ -791,17 +805,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       mark(StepFamily::QsaMixer);
       DevQsa& a = L.attn;
       launch_gemv_bf16(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
-      QsaDecodeParams q = qsa_shape(c, o);
+      QsaDecodeParams q = qsa_layer(c, o, a);
       q.proj = proj;
-      q.q_norm = a.q_norm;
-      q.k_norm = a.k_norm;
-      q.iq_norm = a.iq_norm;
-      q.ik_norm = a.ik_norm;
       q.position = position;
-      q.k_cache = a.k_cache;
-      q.v_cache = a.v_cache;
-      q.raw_keys = a.raw_keys;
-      q.block_keys = a.block_keys;
       q.workspace = a.workspace;
       q.out = mix_out;
       if (forced_blocks)

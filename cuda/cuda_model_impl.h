@@ -164,6 +164,10 @@ struct DevLayer {
   DevMoe moe;
 };
 
+/// qsa_shape plus QSA layer `a`'s norms and caches (what launch_qsa_decode and
+/// launch_qsa_prefill share; projections, position, workspace and output left for the caller).
+QsaDecodeParams qsa_layer(const ModelConfig& c, const CudaModelOptions& o, const DevQsa& a);
+
 /// The fields launch_gdn_decode and launch_gdn_prefill share (GdnDecodeParams /
 /// GdnPrefillParams): layer `g`'s weights and states and this rank's GDN shape.
 template <class Params>

@@ -419,15 +419,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
         const model_detail::DevQsa& a = L.attn;
         gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
         QsaPrefillParams qp;
-        qp.shape = model_detail::qsa_shape(c, o);
-        qp.shape.q_norm = a.q_norm;
-        qp.shape.k_norm = a.k_norm;
-        qp.shape.iq_norm = a.iq_norm;
-        qp.shape.ik_norm = a.ik_norm;
-        qp.shape.k_cache = a.k_cache;
-        qp.shape.v_cache = a.v_cache;
-        qp.shape.raw_keys = a.raw_keys;
-        qp.shape.block_keys = a.block_keys;
+        qp.shape = model_detail::qsa_layer(c, o, a);
         qp.proj = P.proj;
         qp.proj_stride = P.proj_ld;
         qp.tokens = M;

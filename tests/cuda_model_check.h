@@ -4,19 +4,41 @@
 // the CPU model's router/indexer choices replayed. Host code; needs a GPU to run.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
+#include <mpi.h>
 
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "comm/cuda_check.h"
+#include "comm/mpi_check.h"
 #include "core/collectives.h"
 #include "core/cpu_model.h"
 #include "cuda/cuda_model.h"
 #include "test_cpu_fixture.h"
 
 namespace fn::test {
+
+// The MPI world size; *rank = this rank (the GPU model tests run under mpirun).
+inline int mpi_world(int* rank) {
+  int n = 0;
+  FN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &n));
+  FN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, rank));
+  return n;
+}
+
+// Selects this rank's GPU (rank modulo the device count); returns the rank.
+inline int use_gpu_of_rank() {
+  int rank = 0;
+  mpi_world(&rank);
+  int devices = 0;
+  FN_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  FN_CUDA_CHECK(cudaSetDevice(rank % devices));
+  return rank;
+}
 
 constexpr double kRelTol = 2e-2;  // issue 6: 2e-2 * max |ref logit| (BF16 activations)
 // Ill-conditioned rows (CpuModel::DecisionMargins): a PLE |gamma| or a GDN head's relative output

@@ -43,13 +43,6 @@ using fn::test::run_rows_replayed;
 
 namespace {
 
-int world(int* rank) {
-  int n = 0;
-  FN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &n));
-  FN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, rank));
-  return n;
-}
-
 const char* const kFixtures[] = {"g3_tiny", "tp4", "ple2_long"};
 
 fn::CudaModelOptions options(int rank, int size, fn::DeviceAllReduce* ar, bool graph) {
@@ -65,11 +58,7 @@ fn::CudaModelOptions options(int rank, int size, fn::DeviceAllReduce* ar, bool g
 }  // namespace
 
 TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture, teacher-forced") {
-  int rank = 0;
-  world(&rank);
-  int devices = 0;
-  FN_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  FN_CUDA_CHECK(cudaSetDevice(rank % devices));
+  fn::test::use_gpu_of_rank();
   for (const std::string name : kFixtures) {
     CAPTURE(name);
     const RefFixture f = fn::test::load_ref_fixture(name);
@@ -149,7 +138,7 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
 
 TEST_CASE("cuda model: per-layer residual drift against the CPU model (diagnostic report)") {
   int rank = 0;
-  world(&rank);
+  fn::test::mpi_world(&rank);
   if (rank != 0) return;
   for (const std::string name : kFixtures) {
     const RefFixture f = fn::test::load_ref_fixture(name);
@@ -182,7 +171,7 @@ TEST_CASE("cuda model: per-layer residual drift against the CPU model (diagnosti
 
 TEST_CASE("cuda model: TP = world size matches the reference and all ranks agree bitwise") {
   int rank = 0;
-  const int n = world(&rank);
+  const int n = fn::test::mpi_world(&rank);
   if (n < 2) {
     MESSAGE("TP > 1 needs mpirun -np 2 or 4 (one GPU per rank); this run has " << n << " rank(s)");
     return;
@@ -265,11 +254,7 @@ TEST_CASE("cuda model: TP = world size matches the reference and all ranks agree
 }
 
 TEST_CASE("cuda model: bad input is a clear error") {
-  int rank = 0;
-  world(&rank);
-  int devices = 0;
-  FN_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  FN_CUDA_CHECK(cudaSetDevice(rank % devices));
+  fn::test::use_gpu_of_rank();
   const RefFixture f = fn::test::load_ref_fixture("g3_tiny");
   auto o = options(0, 1, nullptr, true);
   o.ctx_size = 4;

@@ -39,21 +39,6 @@ using fn::test::max_abs_diff;
 
 namespace {
 
-int world(int* rank) {
-  int n = 0;
-  FN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &n));
-  FN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, rank));
-  return n;
-}
-
-void use_gpu_of_rank() {
-  int rank = 0;
-  world(&rank);
-  int devices = 0;
-  FN_CUDA_CHECK(cudaGetDeviceCount(&devices));
-  FN_CUDA_CHECK(cudaSetDevice(rank % devices));
-}
-
 // The issue's prompt lengths: the QSA dense/selected boundary sits at n = 2051 tokens (B = 512
 // blocks of 4 at the real budget of 2048, which the test config takes), 4096 and 8192 the long
 // cases.
@@ -295,16 +280,13 @@ void length_chunk_table(int tp_rank, int tp_size, fn::DeviceAllReduce* ar, bool 
 }  // namespace
 
 TEST_CASE("cuda prefill: every prompt length and pass size gives token-by-token's logits (TP=1)") {
-  use_gpu_of_rank();
-  int rank = 0;
-  world(&rank);
+  const int rank = fn::test::use_gpu_of_rank();
   length_chunk_table(0, 1, nullptr, rank == 0);
 }
 
 TEST_CASE("cuda prefill: every prompt length and pass size gives token-by-token's logits (TP=2)") {
-  use_gpu_of_rank();
-  int rank = 0;
-  const int size = world(&rank);
+  int rank = fn::test::use_gpu_of_rank();
+  const int size = fn::test::mpi_world(&rank);
   fn::GpuComm gpu(fn::gpu_group_of_world());
   auto ar =
       fn::make_device_all_reduce(fn::AllReduceStrategy::Auto, gpu, fn::CustomAllReduceOptions{});
@@ -314,7 +296,7 @@ TEST_CASE("cuda prefill: every prompt length and pass size gives token-by-token'
 TEST_CASE(
     "cuda prefill: the fixtures' prompts prefill to forward()'s logits, in one pass and in "
     "passes of 3") {
-  use_gpu_of_rank();
+  fn::test::use_gpu_of_rank();
   for (const std::string name : {"g3_tiny", "tp4", "ple2_long"}) {
     CAPTURE(name);
     const fn::test::RefFixture f = fn::test::load_ref_fixture(name);
@@ -349,7 +331,7 @@ TEST_CASE(
 TEST_CASE(
     "cuda prefill: an empty prompt, a token outside the vocabulary and a prompt past the "
     "context are usage errors that leave the model usable") {
-  use_gpu_of_rank();
+  fn::test::use_gpu_of_rank();
   const fn::test::RefFixture f = fn::test::load_ref_fixture("g3_tiny");
   auto m = fn::CudaModel::load(f.dir, options(0, 1, nullptr, 8, 4));
   const std::vector<int32_t> none;

@@ -11,6 +11,8 @@
 #   gen    fngen generate --backend cuda on the tp4 fixture at np 1 and 2 with the batched prefill
 #          (one pass, passes of 3) and with --check-choices (token-by-token prefill): the ids
 #   memcheck  compute-sanitizer memcheck of the fixture/bad-input test cases (TP=1)
+#   regress   the decode acceptance (test_cuda_model, mpirun -np 2) and the kernel tests the
+#          prefill work touched (decode ops/router, QSA, GDN, PLE, MoE prefill, HC)
 # Everything printed is also in $OUT/summary.txt. Usage (from a git archive copy in .carry/X):
 #   FN_BUILD_DIR=../../build-X FN_STEPS="test ttft" bash scripts/gpu/prefill_run.sh
 set -u
@@ -29,6 +31,8 @@ t=$SECONDS
 targets="fngen"
 has test && targets="$targets test_cuda_prefill"
 has memcheck && targets="$targets test_cuda_prefill"
+regress_tests="test_cuda_decode_ops test_cuda_qsa test_cuda_qsa_prefill test_cuda_gdn test_cuda_gdn_prefill test_cuda_ple test_cuda_ple_rows test_cuda_moe_prefill test_cuda_hc"
+has regress && targets="$targets test_cuda_model $regress_tests"
 if ! FN_BUILD_DIR=$b timeout 400 bash scripts/gpu/build.sh $targets >"$out/build.log" 2>&1; then
   grep -E "error" "$out/build.log" | head -30
   tail -20 "$out/build.log"
@@ -88,6 +92,17 @@ if has long; then
     -p 262081 -n 64 -r 1 --warmup 0 >"$out/over.txt" 2>"$out/over.err"
   echo "== one token past the context: rc=$? ($((SECONDS - t)) s)"
   grep -iE "error|context|max_position" "$out/over.err" | head -3 | cut -c1-250
+fi
+if has regress; then
+  t=$SECONDS
+  timeout 200 $mpi -np 2 "$b/tests/test_cuda_model" >"$out/test_model.log" 2>&1
+  echo "== test_cuda_model (np 2) rc=$? ($((SECONDS - t)) s)"
+  grep -E "test cases|assertions" "$out/test_model.log" | tail -2
+  for tst in $regress_tests; do
+    t=$SECONDS
+    timeout 120 "$b/tests/$tst" >"$out/$tst.log" 2>&1
+    echo "== $tst rc=$? ($((SECONDS - t)) s): $(grep -E "test cases" "$out/$tst.log" | tail -1)"
+  done
 fi
 if has gen; then
   ids=$(seq -s, 1 40)

@@ -2,7 +2,7 @@
 # Issue 7 (batched prefill) on the 2-GPU machine in one call. Stages, each named in FN_STEPS
 # (default "test ttft"):
 #   test   build + test_cuda_prefill (mpirun -np 2): the length x chunk table against token by token
-#   ttft   fngen bench on the full real geometry (random in-memory weights), -p 8192 -n 16, at
+#   ttft   fngen bench on the full real geometry (random in-memory weights), -p 8192 -n 64, at
 #          TP=1 and TP=2: TTFT and prefill tokens/s (JSON in $OUT/ttft_tp{1,2}.json)
 #   long   TP=2 full geometry, -p 262080 -n 64 (prompt + generated = 262,144 tokens, the model's
 #          max_position_embeddings): TTFT and
@@ -69,8 +69,8 @@ PY
 
 if has ttft; then
   export FN_PREFILL_PROFILE=1
-  bench ttft_tp1 1 --random-weights --config $cfg -p 8192 -n 16 -r 2 --warmup 1
-  bench ttft_tp2 2 --random-weights --config $cfg -p 8192 -n 16 -r 2 --warmup 1
+  bench ttft_tp1 1 --random-weights --config $cfg -p 8192 -n 64 -r 2 --warmup 1
+  bench ttft_tp2 2 --random-weights --config $cfg -p 8192 -n 64 -r 2 --warmup 1
 fi
 if has rw64k; then
   /usr/bin/python3 - "$cfg" "$out/rw4.json" <<'PY'

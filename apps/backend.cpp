@@ -202,9 +202,9 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
                 "debug: after every step, check that all TP ranks chose the same experts and "
                 "indexer blocks (a hash compared across ranks); samples on the host");
   sub->add_option("--prefill-chunk", flags.prefill_chunk,
-                  "cuda: tokens per batched prefill pass; a longer prompt runs in several "
-                  "passes, each continuing from the states the last one left (the cpu backend "
-                  "prefills token by token)")
+                  "cuda, generate and bench: tokens per batched prefill pass; a longer prompt "
+                  "runs in several passes, each continuing from the states the last one left "
+                  "(the cpu backend, eval and --check-choices run the prompt token by token)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
 }

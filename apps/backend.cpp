@@ -205,8 +205,7 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
                   "cuda, generate and bench: tokens per batched prefill pass; a longer prompt "
                   "runs in several passes, each continuing from the states the last one left "
                   "(the cpu backend, eval and --check-choices run the prompt token by token)")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+      ->capture_default_str();
 }
 
 bool built_with_cuda() noexcept {
@@ -219,6 +218,8 @@ bool built_with_cuda() noexcept {
 
 std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
   check_backend_and_tp(flags.backend, flags.tp, coll.size());
+  FN_REQUIRE(flags.prefill_chunk >= 1, Usage, "--prefill-chunk must be >= 1 token, got {}",
+             flags.prefill_chunk);
   if (flags.backend == "cpu") return "cpu";
   FN_REQUIRE(flags.backend != "cuda" || built_with_cuda(), Usage,
              "--backend cuda: the CUDA backend is not available: this fngen was built without "

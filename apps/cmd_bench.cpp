@@ -606,7 +606,8 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   }
   FN_REQUIRE(o.repetitions >= 1, Usage, "-r/--repetitions must be >= 1, got {}", o.repetitions);
   FN_REQUIRE(o.warmup >= 0, Usage, "--warmup must be >= 0, got {}", o.warmup);
-  FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be > 0 (0 = default), got {}", o.ctx_size);
+  FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
+             o.ctx_size);
   FN_REQUIRE(o.seed >= 0, Usage, "--seed must be >= 0, got {}", o.seed);
   FN_REQUIRE(o.bandwidth_gbs > 0 && std::isfinite(o.bandwidth_gbs), Usage,
              "--bandwidth-gbs must be a positive number of GB/s, got {}", o.bandwidth_gbs);
@@ -835,8 +836,9 @@ void register_bench(CLI::App& app, CommandList& commands) {
   sub->add_option("--per-token", o->per_token,
                   "JSONL: one record per lane and measured repetition with its TTFT and every "
                   "inter-token latency (n_gen - 1 gaps)");
-  sub->add_option("-c,--ctx-size", o->ctx_size,
-                  "context size in tokens (default: the longest lane, max of n_prompt + n_gen)");
+  sub->add_option(
+      "-c,--ctx-size", o->ctx_size,
+      "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)");
   sub->add_option("-s,--seed", o->seed, "seed of the synthetic prompt ids (default 0)");
   o->o_bandwidth = sub->add_option(
       "--bandwidth-gbs", o->bandwidth_gbs,

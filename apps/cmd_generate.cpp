@@ -276,6 +276,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
              "(drop --chat, or give the text with -p/--prompt)");
   for (const std::string& st : o.stop)
     FN_REQUIRE(!st.empty(), Usage, "--stop: an empty stop string would stop at once");
+  FN_REQUIRE(o.system_prompt.empty() || o.chat || !o.input.empty(), Usage,
+             "--system-prompt applies to chat prompts: add --chat (or give JSONL records with "
+             "\"messages\" through -i/--input)");
 
   require_model_dir(o.model);
   require_outside_model(o.output, o.model, "-o/--output");
@@ -284,7 +287,8 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   const GenerationConfig gen = load_generation_config(dir);
   const int64_t ctx =
       o.ctx_size > 0 ? o.ctx_size : std::min<int64_t>(cfg.max_position_embeddings, 4096);
-  FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be > 0 (0 = default), got {}", o.ctx_size);
+  FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
+             o.ctx_size);
   FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
              "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
              cfg.max_position_embeddings);
@@ -539,7 +543,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
   sub->add_option("-n,--max-new-tokens,--n-predict", o->max_new_tokens,
                   "tokens to generate (default 256; -1: until the context is full)");
   sub->add_option("-c,--ctx-size", o->ctx_size,
-                  "context size in tokens (default min(max_position_embeddings, 4096))");
+                  "context size in tokens (default, or 0: min(max_position_embeddings, 4096))");
   o->o_temp = sub->add_option("--temp", o->temp, "temperature (0 = greedy)");
   o->o_top_k = sub->add_option("--top-k", o->top_k, "top-k (0 = off)");
   o->o_top_p = sub->add_option("--top-p", o->top_p, "top-p (1 = off)");

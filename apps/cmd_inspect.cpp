@@ -27,7 +27,7 @@ void register_inspect(CLI::App& app, CommandList& commands) {
   sub->add_option(
       "-c,--ctx-size", opt->ctx_size,
       "context length (tokens) for bytes per token and a column of the device-memory table "
-      "(default min(8192, max_position_embeddings))");
+      "(default, or 0: min(8192, max_position_embeddings))");
   sub->add_flag("--json", opt->json, "print JSON instead of tables");
   commands.push_back({sub, [opt](MpiContext& mpi) {
                         const InspectReport report =

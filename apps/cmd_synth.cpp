@@ -24,7 +24,13 @@ void register_synth(CLI::App& app, CommandList& commands) {
   sub->add_option("--config", opt->config, "config.json to synthesize (configs/*.json)")
       ->required();
   sub->add_option("-o,--out", opt->out, "output directory (absent or empty)")->required();
-  sub->add_option("--seed", opt->seed, "random seed (default 0)");
+  sub->add_option("--seed", opt->seed, "random seed (default 0)")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            return !v.empty() && v[0] == '-' ? std::string("must be >= 0, got ") + v
+                                             : std::string();
+          },
+          "", "non-negative"));
   sub->add_option("--layers", opt->layers,
                   "keep only the first N decoder layers (real widths; 0 keeps all)");
   sub->add_option("--ngram-vocab-base", opt->ngram_vocab_base,

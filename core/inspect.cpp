@@ -102,7 +102,8 @@ InspectReport plan_only_report(InspectReport r, const std::filesystem::path& con
 }  // namespace
 
 InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, int64_t ctx_size) {
-  FN_REQUIRE(ctx_size >= 0, Usage, "--ctx-size must be >= 1 (0 = default), got {}", ctx_size);
+  FN_REQUIRE(ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
+             ctx_size);
   InspectReport r;
   r.dir = dir.string();
   r.config = load_model_config(dir);

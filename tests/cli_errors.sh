@@ -25,6 +25,8 @@ printf 'not json' >"$tmp/bad.json"
 expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }
 expect 2 "layers" -- "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o2" --layers 9
+expect 2 "--seed: must be >= 0, got -1" -- "$fngen" synth --config "$src/configs/tiny.json" \
+  --out "$tmp/o3" --seed -1
 [ -e "$tmp/o2" ] && { echo "FAIL: partial output left in $tmp/o2"; failures=$((failures + 1)); }
 # A truncated shard: inspect must name the file.
 "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/ck" 2>/dev/null || failures=$((failures + 1))

@@ -61,9 +61,14 @@ expect 2 "seed must be -1 (random) or an integer in" -- mpi 1 -m "$fx/tp4" --pro
 
 # ---- bad input: CLI ----
 expect 2 "bogus" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 --bogus
-expect 2 "--prefill-chunk: Value 0 not in range" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
+expect 2 "--prefill-chunk must be >= 1 token, got 0" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
   --prefill-chunk 0
-expect 2 "--prefill-chunk" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 --prefill-chunk x
+expect 2 "Could not convert: --prefill-chunk = x" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
+  --prefill-chunk x
+expect 2 "--system-prompt applies to chat prompts: add --chat" -- mpi 1 -m "$fx/tp4" \
+  --prompt-ids 1,2 --system-prompt "be brief"
+expect 2 "-c/--ctx-size must be >= 0 (0 = the default), got -3" -- mpi 1 -m "$fx/tp4" \
+  --prompt-ids 1,2 -c -3
 expect 2 "ctx-size 50" -- mpi 2 -m "$fx/tp4" --prompt-ids "$ids" -n 32 -c 50
 grep -q "40 tokens" "$tmp/err" || fail "the context error does not name the prompt length"
 expect 2 "max_position_embeddings 1024" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 -c 5000

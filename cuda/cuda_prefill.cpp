@@ -243,7 +243,7 @@ std::size_t model_detail::prefill_buffer_bytes(const ModelConfig& c, const CudaM
 
 void model_detail::require_prefill_fits(const ModelConfig& c, const CudaModelOptions& o,
                                         const std::vector<DevLayer>& layers, int64_t v_local) {
-  FN_REQUIRE(o.prefill_chunk >= 1, Usage, "--prefill-chunk must be at least 1 (got {})",
+  FN_REQUIRE(o.prefill_chunk >= 1, Usage, "--prefill-chunk must be >= 1 token, got {}",
              o.prefill_chunk);
   const std::size_t need = prefill_buffer_bytes(c, o, layers, v_local);
   std::size_t free_b = 0, total_b = 0;
@@ -293,8 +293,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   FN_REQUIRE(!o.replay_choices && !o.keep_residuals, Usage,
              "the batched prefill neither replays choices nor keeps residuals (tests only): "
              "run those prompts through forward()");
-  FN_REQUIRE(o.prefill_chunk >= 1, Usage, "--prefill-chunk must be at least 1 (got {})",
-             o.prefill_chunk);
+  // o.prefill_chunk >= 1: the load checked it (require_prefill_fits).
 
   if (!I.prefill) {
     auto st = std::make_shared<CudaPrefillState>();

@@ -151,14 +151,13 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   qp.shape = model_detail::qsa_shape(c, o);
   qp.tokens = rows;
   P.qsa_ws = cv.take<std::byte>(static_cast<int64_t>(qsa_prefill_workspace_bytes(qp)));
-  for (const DevLayer& L : layers) {
+  if (!layers.empty()) {  // every layer has the same expert shapes
     MoePrefillParams mp;
-    mp.gate_up = L.moe.gate_up;
-    mp.down = L.moe.down;
+    mp.gate_up = layers.front().moe.gate_up;
+    mp.down = layers.front().moe.down;
     mp.tokens = rows;
     mp.top_k = static_cast<int>(k);
     P.moe_ws = cv.take<std::byte>(static_cast<int64_t>(moe_prefill_workspace_bytes(mp)));
-    break;  // every layer has the same expert shapes
   }
   if (o.record_choices) {
     P.sel_max = qsa_prefill_layout(qp).sel_max;

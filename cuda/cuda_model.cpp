@@ -630,6 +630,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   Carver sizing(nullptr);
   auto carve = [&](Carver& cv) {
     H = cv.take<float>(W);
+    H_alt = cv.take<float>(W);
     t = cv.take<float>(hc_down_splits(S, D) * (R + S));
     sumsq = cv.take<float>(hc_down_splits(S, D));
     m = cv.take<float>(D);
@@ -719,13 +720,25 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
     }
   };
+  // The residual H lives in H or H_alt: with o.fused_step an HC inject is not launched but
+  // folded into the next HC read's down pass, which writes the injected residual to the other
+  // buffer (hc.h HcDownParams::inject_y). `pending`: an inject waits for the next read (its
+  // debug-residual slot in pending_slot); settle() launches it alone (before a PLE apply).
+  float* Hc = H;
+  bool pending = false;
+  int64_t n_injects = 0, pending_slot = 0;
+  auto keep_residual = [&](int64_t slot) {
+    if (residuals)
+      FN_CUDA_CHECK(cudaMemcpyAsync(residuals + slot * W, Hc, sizeof(float) * W,
+                                    cudaMemcpyDeviceToDevice, s));
+  };
   // The HC read (hc.h): the split-K down/inject GEMV against H * (1 + w) with partial squares,
   // then the mix (norm scales, t, G, N -> m). m_out_bf16: the BF16 copy of m for the NVFP4 routed
   // experts (MLP side only), or nullptr.
   auto hc_read = [&](const DevHc& hc, float* iota_out, uint16_t* m_out_bf16) {
     mark(StepFamily::Hc);
     HcDownParams down;
-    down.H = H;
+    down.H = Hc;
     down.norm = hc.norm;
     down.weight = hc.down_inj;
     down.rows = hc.down_rows;
@@ -733,14 +746,24 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     down.hidden = D;
     down.t_partial = t;
     down.sumsq = sumsq;
+    if (pending) {
+      down.inject_iota = iota;
+      down.inject_y = y;
+      down.H_out = Hc == H ? H_alt : H;
+    }
     launch_hc_down(down, s);
+    if (pending) {
+      Hc = down.H_out;
+      pending = false;
+      keep_residual(pending_slot);
+    }
     HcMixParams mx;
     mx.w_up = hc.up;
     mx.t = t;
     mx.sumsq = sumsq;
     mx.t_splits = hc_down_splits(S, D);
     mx.t_stride = hc.down_rows;
-    mx.H = H;
+    mx.H = Hc;
     mx.norm = hc.norm;
     mx.eps = eps;
     mx.m = m;
@@ -751,20 +774,23 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.rank = R;
     launch_hc_mix(mx, s);
   };
-  int64_t n_injects = 0;
-  auto inject = [&]() {
+  auto settle = [&]() {
+    if (!pending) return;
     mark(StepFamily::Hc);
     HcInjectParams hi;
-    hi.H = H;
+    hi.H = Hc;
     hi.iota = iota;
     hi.y = y;
     hi.hc_count = static_cast<int>(S);
     hi.hidden = D;
     launch_hc_inject(hi, s);
-    if (residuals)
-      FN_CUDA_CHECK(cudaMemcpyAsync(residuals + n_injects * W, H, sizeof(float) * W,
-                                    cudaMemcpyDeviceToDevice, s));
-    ++n_injects;
+    pending = false;
+    keep_residual(pending_slot);
+  };
+  auto inject = [&]() {
+    pending = true;
+    pending_slot = n_injects++;
+    if (!o.fused_step) settle();
   };
 
   mark(StepFamily::Other);
@@ -773,7 +799,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   ep.vocab = V;
   ep.hidden = D;
   ep.token = token;
-  ep.H = H;
+  ep.H = Hc;
   ep.hc_count = static_cast<int>(S);
   ep.error_flag = error_flag;
   launch_embed(ep, s);
@@ -781,6 +807,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   int64_t layer_index = 0, qsa_index = 0;
   for (DevLayer& L : layers) {
     if (L.has_ple) {
+      settle();  // the residual the PLE adds to must hold the last block's inject
       mark(StepFamily::Ple);
       DevPle& pl = L.ple;
       NgramGatherParams ng = ngram_gather_params(c, pl);
@@ -794,11 +821,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
                        DType::F32, s);
       PleApplyParams pa = ple_apply_params(c, pl);
       pa.kv = kvp;
-      pa.H = H;
+      pa.H = Hc;
       launch_ple_apply(pa, s);
-      if (residuals)
-        FN_CUDA_CHECK(cudaMemcpyAsync(residuals + n_injects++ * W, H, sizeof(float) * W,
-                                      cudaMemcpyDeviceToDevice, s));
+      keep_residual(n_injects++);
     }
     hc_read(L.attn_hc, iota, nullptr);
     if (L.qsa) {

@@ -50,6 +50,10 @@ struct CudaModelOptions {
   /// one left. Capped at ctx_size; the pass buffers (allocated on the first prefill()) scale with
   /// it: about 0.3 MB per token at the real TP=1 geometry. >= 1.
   int64_t prefill_chunk = 8192;
+  /// Decode step launch fusion (issue 8): the HC inject folded into the next HC read's down pass
+  /// (the residual ping-pongs between two buffers). false: the separate launches, kept for A/B
+  /// benches and for the test that the fused step gives the same bits.
+  bool fused_step = true;
 };
 
 /// Which logits CudaModel::prefill returns.

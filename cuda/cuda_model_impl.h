@@ -224,7 +224,8 @@ struct CudaModel::Impl {
   int64_t v_local = 0, v_first = 0;
 
   // Activations and step scalars (one block).
-  float* H = nullptr;           // [W] FP32 residual
+  float* H = nullptr;           // [W] FP32 residual (embed writes it at every step)
+  float* H_alt = nullptr;       // [W] FP32 the other residual buffer of the fused HC inject
   float* t = nullptr;           // [hc_down_splits(S, D), R + S] partial dots of the HC down pass
   float* sumsq = nullptr;       // [hc_down_splits(S, D)] partial sums of H^2 (HC down pass)
   float* m = nullptr;           // [D] FP32 block input (every BF16 GEMV reads it as FP32)

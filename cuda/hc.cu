@@ -47,6 +47,9 @@ struct DownArgs {
   int cpg;   // chunks per group
   float* tp;
   float* sumsq;
+  const float* iota;  // inject (nullptr: none): H' = H + iota[g] * y, written to H_out
+  const float* y;
+  float* H_out;
 };
 
 // v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns (MODEL.md
@@ -80,8 +83,16 @@ __device__ __forceinline__ void down_finish(const DownArgs& a, float (&v)[kDownR
   if (blockIdx.y == 0 && warp == 0) a.sumsq[p] = v[kDownRows];
 }
 
+// x + iota * y per component, the product and the sum each rounded once (no FMA), as
+// hc_inject_kernel and fn::cpu::hc_inject.
+__device__ __forceinline__ float4 inject4(float4 h, float iota, float4 y) {
+  return make_float4(__fadd_rn(h.x, __fmul_rn(iota, y.x)), __fadd_rn(h.y, __fmul_rn(iota, y.y)),
+                     __fadd_rn(h.z, __fmul_rn(iota, y.z)), __fadd_rn(h.w, __fmul_rn(iota, y.w)));
+}
+
 // H at the lane's kDownVecPerLane vectors of the chunk (zeros past the group): the only load of
-// the down pass after the PDL wait, all in flight at once.
+// the down pass after the PDL wait, all in flight at once. With the inject folded in (a.y), H' =
+// H + iota[g] * y instead, and the first row block writes H' to H_out.
 __device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int vbeg, int lane,
                                             float4 (&hx)[kDownVecPerLane][2]) {
 #pragma unroll
@@ -91,6 +102,23 @@ __device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int
     const bool ok = vbeg + vl < a.gvec;
     hx[u][0] = ok ? __ldg(hp) : make_float4(0, 0, 0, 0);
     hx[u][1] = ok ? __ldg(hp + 1) : make_float4(0, 0, 0, 0);
+  }
+  if (a.y == nullptr) return;
+  const int g = static_cast<int>(col0 / a.hidden);
+  const int64_t i0 = col0 - g * a.hidden;  // column of the chunk's first vector within the group
+  const float iota = __ldg(a.iota + g);
+#pragma unroll
+  for (int u = 0; u < kDownVecPerLane; ++u) {
+    const int vl = lane + 32 * u;
+    if (vbeg + vl >= a.gvec) continue;
+    const float4* yp = reinterpret_cast<const float4*>(a.y + i0 + 8 * static_cast<int64_t>(vl));
+    hx[u][0] = inject4(hx[u][0], iota, __ldg(yp));
+    hx[u][1] = inject4(hx[u][1], iota, __ldg(yp + 1));
+    if (blockIdx.y == 0) {
+      float4* op = reinterpret_cast<float4*>(a.H_out + col0 + 8 * static_cast<int64_t>(vl));
+      op[0] = hx[u][0];
+      op[1] = hx[u][1];
+    }
   }
 }
 
@@ -448,6 +476,11 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(aligned(p.H, 16) && aligned(p.norm, 16) && aligned(p.weight, 16) &&
                         aligned(p.t_partial, 4) && aligned(p.sumsq, 4),
                     kOp);
+  const bool inject = p.inject_y != nullptr || p.inject_iota != nullptr || p.H_out != nullptr;
+  FN_LAUNCH_REQUIRE(!inject || (p.inject_y != nullptr && p.inject_iota != nullptr &&
+                                p.H_out != nullptr && p.H_out != p.H && aligned(p.inject_y, 16) &&
+                                aligned(p.H_out, 16) && aligned(p.inject_iota, 4)),
+                    kOp);
   const int64_t splits = hc_down_splits(p.hc_count, p.hidden);
   const int64_t row_blocks = (p.rows + kDownRowsPerBlock - 1) / kDownRowsPerBlock;
   FN_LAUNCH_REQUIRE(splits <= INT32_MAX && row_blocks <= 65535, kOp);
@@ -460,7 +493,10 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              static_cast<int>(p.hidden / 8),
              static_cast<int>(hc_down_chunks(p.hidden)),
              p.t_partial,
-             p.sumsq};
+             p.sumsq,
+             inject ? p.inject_iota : nullptr,
+             inject ? p.inject_y : nullptr,
+             inject ? p.H_out : nullptr};
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
   if (p.staged) {
     launch_pdl("hc_down_staged_kernel", hc_down_staged_kernel, grid, dim3(kBlockThreads),

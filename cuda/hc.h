@@ -36,6 +36,15 @@ struct HcDownParams {
   /// out: [hc_down_splits(hc_count, hidden), rows] FP32 partial dots; must not alias H.
   float* t_partial = nullptr;
   float* sumsq = nullptr;  ///< out: [hc_down_splits(hc_count, hidden)] FP32 partial sums of H^2
+  /// Optional HC inject of the previous block folded into this read (MODEL.md §C.3, after the
+  /// block): with inject_y set, the pass reads H' = H + iota[s] * y (per element, the product and
+  /// the sum each rounded once in FP32, no FMA: the same bits as launch_hc_inject) in place of H,
+  /// and the blocks of the first row block write H' to H_out (hc_count * hidden FP32, 16-byte
+  /// aligned, must not alias H, t_partial or sumsq). The HC mix behind it reads H_out. Saves the
+  /// inject launch in the decode step. All three null: no inject (H is read as is).
+  const float* inject_iota = nullptr;  ///< [hc_count] FP32 inject weights (the last HC mix's)
+  const float* inject_y = nullptr;     ///< [hidden] FP32 block output (after the all-reduce)
+  float* H_out = nullptr;              ///< out: [hc_count * hidden] FP32 residual after inject
   /// true: each block stages its 16 rows x 1280 columns of W (and the norm weight) in shared
   /// memory with cp.async before the PDL wait (~43 KB, few registers, so the grid and the mix
   /// behind it are resident while the previous kernel drains); false: the previous kernel that

@@ -15,6 +15,7 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
+#include "cuda/decode_ops.h"
 #include "cuda/hc.h"
 #include "tests/cuda_test_util.h"
 
@@ -218,6 +219,87 @@ TEST_CASE(
                   "register kernel t ", c.groups, "x", D, " rows ", R);
     CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0,
                   "register kernel sumsq ", c.groups, "x", D);
+  }
+}
+
+TEST_CASE(
+    "cuda hc: the down pass with the HC inject folded in gives the bits of launch_hc_inject then "
+    "launch_hc_down, and writes the injected residual to H_out") {
+  struct Case {
+    int groups;
+    int64_t hidden, rows;
+  };
+  for (Case c : {Case{4, 2560, 324}, Case{4, 8, 20}, Case{3, 400, 37}, Case{4, 1400, 33}}) {
+    const int64_t D = c.hidden, W = c.groups * D, R = c.rows;
+    std::mt19937_64 rng{uint64_t(W * R + 7)};
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    std::vector<float> H(W), y(D), iota(c.groups);
+    for (auto& v : H) v = d(rng);
+    for (auto& v : y) v = d(rng) * 0.3f;
+    for (auto& v : iota) v = 2.0f / (1.0f + std::exp(-d(rng)));  // 2 sigmoid(.), as the mix
+    const auto nb = random_bf16_bits(W, 0.0f, 0.7f, uint64_t(W) + 11);
+    const auto wb = random_bf16_bits(R * W, 0.0f, 0.02f, uint64_t(W) + 12);
+    const int64_t splits = fn::hc_down_splits(c.groups, D);
+    // The injected residual, by hand: the product and the sum each rounded once (MODEL.md §C.3).
+    std::vector<float> want_H(W);
+    for (int64_t i = 0; i < W; ++i) {
+      volatile float prod = iota[i / D] * y[i % D];
+      want_H[i] = H[i] + prod;
+    }
+    DeviceArray<uint16_t> dnorm(nb), dw(wb);
+    DeviceArray<float> dy(y), diota(iota);
+    // Reference: the inject kernel on a copy of H, then the down pass.
+    DeviceArray<float> dHref(H), dtref(splits * R), dssref(splits);
+    fn::HcInjectParams hi;
+    hi.H = dHref.ptr;
+    hi.iota = diota.ptr;
+    hi.y = dy.ptr;
+    hi.hc_count = c.groups;
+    hi.hidden = D;
+    fn::launch_hc_inject(hi, nullptr);
+    fn::HcDownParams p;
+    p.H = dHref.ptr;
+    p.norm = dnorm.ptr;
+    p.weight = dw.ptr;
+    p.rows = R;
+    p.hc_count = c.groups;
+    p.hidden = D;
+    p.t_partial = dtref.ptr;
+    p.sumsq = dssref.ptr;
+    fn::launch_hc_down(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto Href = dHref.download();
+    CHECK_MESSAGE(std::memcmp(Href.data(), want_H.data(), W * 4) == 0, "inject ", c.groups, "x", D);
+    const auto tref = dtref.download(), ssref = dssref.download();
+    for (bool staged : {true, false}) {
+      DeviceArray<float> dH(H), dHout(W), dt(splits * R), dss(splits);
+      FN_CUDA_CHECK(cudaMemset(dHout.ptr, 0xff, W * 4));
+      fn::HcDownParams f = p;
+      f.H = dH.ptr;
+      f.t_partial = dt.ptr;
+      f.sumsq = dss.ptr;
+      f.inject_iota = diota.ptr;
+      f.inject_y = dy.ptr;
+      f.H_out = dHout.ptr;
+      f.staged = staged;
+      fn::launch_hc_down(f, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      CHECK_MESSAGE(std::memcmp(dHout.download().data(), Href.data(), W * 4) == 0, "H_out ",
+                    c.groups, "x", D, " staged ", staged);
+      CHECK_MESSAGE(std::memcmp(dH.download().data(), H.data(), W * 4) == 0, "H untouched ",
+                    c.groups, "x", D);
+      CHECK_MESSAGE(std::memcmp(dt.download().data(), tref.data(), splits * R * 4) == 0, "t ",
+                    c.groups, "x", D, " staged ", staged);
+      CHECK_MESSAGE(std::memcmp(dss.download().data(), ssref.data(), splits * 4) == 0, "sumsq ",
+                    c.groups, "x", D, " staged ", staged);
+    }
+    // Half-given inject operands and H_out aliasing H are refused.
+    fn::HcDownParams bad = p;
+    bad.inject_y = dy.ptr;
+    CHECK_THROWS_AS(fn::launch_hc_down(bad, nullptr), fn::Error);
+    bad.inject_iota = diota.ptr;
+    bad.H_out = dHref.ptr;  // == H
+    CHECK_THROWS_AS(fn::launch_hc_down(bad, nullptr), fn::Error);
   }
 }
 

@@ -93,6 +93,17 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     const std::vector<float> e = run_rows(*eager, f);
     REQUIRE(e.size() == g.size());
     CHECK(std::memcmp(e.data(), g.data(), g.size() * sizeof(float)) == 0);
+    eager.reset();
+
+    // The unfused step (every launch separate, CudaModelOptions::fused_step = false) gives the
+    // fused step's logits bit for bit: the fusions keep every rounding step.
+    auto unfused_o = options(0, 1, nullptr, true);
+    unfused_o.fused_step = false;
+    auto unfused = fn::CudaModel::load(f.dir, unfused_o);
+    const std::vector<float> u = run_rows(*unfused, f);
+    REQUIRE(u.size() == g.size());
+    CHECK(std::memcmp(u.data(), g.data(), g.size() * sizeof(float)) == 0);
+    unfused.reset();
 
     // reset() then the same sequence: bitwise the same again (states really cleared).
     graph->reset();
@@ -217,6 +228,13 @@ TEST_CASE("cuda model: TP = world size matches the reference and all ranks agree
     const std::vector<float> e = run_rows_replayed(*eager, f, cpu);
     CHECK(std::memcmp(e.data(), g.data(), g.size() * sizeof(float)) == 0);
     eager.reset();
+    o.use_graph = true;
+    o.fused_step = false;  // the unfused launches: the same bits at TP > 1 too
+    auto unfused = fn::CudaModel::load(f.dir, o);
+    const std::vector<float> u = run_rows_replayed(*unfused, f, cpu);
+    CHECK(std::memcmp(u.data(), g.data(), g.size() * sizeof(float)) == 0);
+    unfused.reset();
+    o.fused_step = true;
     model.reset();
 
     // The engine's own router and indexer choices are the same on both ranks: the logits of a

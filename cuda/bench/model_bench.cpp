@@ -6,7 +6,8 @@
 // ms/token (mean, p50, p90, p99) next to the bytes-per-token floor of the shard plan at the
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
-//     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--json FILE]
+//     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
+//     [--json FILE]  (--unfused: CudaModelOptions::fused_step = false, every launch separate)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -38,7 +39,7 @@ constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (perform
 int run(int argc, char** argv, fn::MpiContext& mpi) {
   std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
   int64_t depth = 8192, tokens = 128, warmup = 16;
-  bool graph = true;
+  bool graph = true, fused = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -59,6 +60,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       json_path = next();
     else if (a == "--no-graph")
       graph = false;
+    else if (a == "--unfused")  // CudaModelOptions::fused_step = false (A/B of the fusions)
+      fused = false;
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }
@@ -77,6 +80,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   fn::CudaModelOptions o;
   o.ctx_size = depth + warmup + tokens + 1;
   o.use_graph = graph;
+  o.fused_step = fused;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();
@@ -107,15 +111,17 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   const double floor_ms = bytes / kCopyBandwidth * 1e3;
   if (rank == 0) {
     std::printf(
-        "| TP | graph | depth | tokens | ms/token mean | p50 | p90 | p99 | bytes/token/rank | "
-        "floor "
-        "ms | %% of floor |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
-        "| %d | %s | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f GB | %.3f | %.1f |\n",
-        tp, graph ? "yes" : "no", static_cast<long long>(depth), static_cast<long long>(tokens),
-        st.mean, st.p50, st.p90, st.p99, bytes / 1e9, floor_ms, 100.0 * floor_ms / st.mean);
+        "| TP | graph | fused | depth | tokens | ms/token mean | p50 | p90 | p99 | "
+        "bytes/token/rank "
+        "| floor ms | %% of floor |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| %d | %s | %s | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f GB | %.3f | %.1f |\n",
+        tp, graph ? "yes" : "no", fused ? "yes" : "no", static_cast<long long>(depth),
+        static_cast<long long>(tokens), st.mean, st.p50, st.p90, st.p99, bytes / 1e9, floor_ms,
+        100.0 * floor_ms / st.mean);
     if (!json_path.empty()) {
       nlohmann::json j = {{"tp", tp},
                           {"graph", graph},
+                          {"fused_step", fused},
                           {"depth", depth},
                           {"tokens", tokens},
                           {"ms_mean", st.mean},

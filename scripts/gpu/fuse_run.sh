@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU-machine call for issue 8's launch fusion (session 5): builds the decode tests and the
+# model bench, runs the kernel tests named in FN_TESTS (default test_cuda_hc) with
+# compute-sanitizer memcheck, the fixture model test at np 1 and np 2 (fused == unfused bitwise,
+# graph == eager, ranks equal), then cuda_model_bench at TP=1 and TP=2 (depth 8192, random
+# weights) with the fused step and with --unfused (A/B in the same call). Logs and JSON in $OUT.
+# Usage on the 2-GPU machine from a `git archive` copy: FN_BUILD_DIR=../../build-X bash
+# scripts/gpu/fuse_run.sh   (FN_TOKENS: bench tokens, 64; FN_SKIP_TEST=1: bench only)
+set -u
+cd "$(dirname "$0")/../.."
+out=${OUT:-/tmp/fuse-out}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+b=${FN_BUILD_DIR:-build-gpu}
+tests=${FN_TESTS:-test_cuda_hc}
+tokens=${FN_TOKENS:-64}
+mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
+t=$SECONDS
+# shellcheck disable=SC2086
+if ! FN_BUILD_DIR=$b timeout 360 bash scripts/gpu/build.sh $tests test_cuda_model cuda_model_bench \
+  >"$out/build.log" 2>&1; then
+  grep -E "error" "$out/build.log" | head -30
+  exit 1
+fi
+echo "== build ok ($((SECONDS - t)) s)"
+if [ "${FN_SKIP_TEST:-0}" != 1 ]; then
+  for x in $tests; do
+    t=$SECONDS
+    timeout 120 "$b/tests/$x" >"$out/$x.log" 2>&1
+    echo "== $x rc=$? ($((SECONDS - t)) s)"
+    grep -E "ERROR|test cases|assertions|THREW" "$out/$x.log" | sort -u | cut -c1-300 | head -12
+    t=$SECONDS
+    timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 "$b/tests/$x" \
+      >"$out/$x.memcheck.log" 2>&1
+    echo "== memcheck $x rc=$? ($((SECONDS - t)) s)"
+    tail -n 3 "$out/$x.memcheck.log" | cut -c1-200
+  done
+  for np in 1 2; do
+    t=$SECONDS
+    timeout 240 $mpi -np "$np" "$b/tests/test_cuda_model" >"$out/model_np$np.log" 2>&1
+    echo "== test_cuda_model np $np rc=$? ($((SECONDS - t)) s)"
+    grep -E "ERROR|test cases|assertions|THREW" "$out/model_np$np.log" | sort -u | cut -c1-300 |
+      head -12
+  done
+fi
+for np in 1 2; do
+  for mode in fused unfused; do
+    flag=
+    [ "$mode" = unfused ] && flag=--unfused
+    t=$SECONDS
+    timeout 200 $mpi -np "$np" "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json \
+      --depth 8192 --tokens "$tokens" $flag --json "$out/bench_tp${np}_$mode.json" \
+      >"$out/bench_tp${np}_$mode.txt" 2>&1
+    echo "== bench TP=$np $mode rc=$? ($((SECONDS - t)) s)"
+    grep -E "^\| [0-9]" "$out/bench_tp${np}_$mode.txt" | cut -c1-300
+  done
+done

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "comm/cuda_check.h"
 #include "comm/gpu_comm.h"
@@ -67,6 +68,9 @@ CustomAllReduce::CustomAllReduce(GpuComm& gpu, const CustomAllReduceOptions& opt
              "custom all-reduce options differ between ranks (one-shot max, two-shot max, "
              "initial epoch, timeout): check FN_ALLREDUCE_* environment variables on rank {}",
              rank);
+  const char* pdl_env = std::getenv("FN_PDL");
+  pdl_ = options_.programmatic_launch && prop.major >= 9 &&
+         !(pdl_env != nullptr && std::string_view(pdl_env) == "0");
   const int sm_min = static_cast<int>(lo[4]);
   oneshot_blocks_max_ = std::max(1, std::min(kOneshotBlocksCap, sm_min));
   twoshot_blocks_max_ = std::max(1, std::min({kTwoshotBlocksCap, detail::kArMaxBlocks, sm_min}));
@@ -167,6 +171,7 @@ void CustomAllReduce::launch(const void* in, void* out, std::size_t count, bool 
   p.state = state_;
   p.error = error_dev_;
   p.timeout_ns = timeout_ns_;
+  p.pdl = pdl_;
   const std::size_t bytes = count * (bf16 ? 2 : 4);
   if (algo == AllReduceAlgo::OneShot) {
     const std::size_t packets = (bytes + 7) / 8;

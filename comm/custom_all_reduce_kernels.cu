@@ -238,6 +238,38 @@ __device__ void sweep_flags(const ArParams& p, uint32_t e, uint32_t par) {
 }
 
 // End of every call: the last CTA to finish sweeps (periodically) and publishes the epoch.
+// Programmatic dependent launch (ArParams::pdl): wait until the previous kernel of the stream
+// has completed and its writes are visible (before any read: the payload, the epoch), then let
+// the next kernel be scheduled so its blocks stage their weights while this one waits on its
+// peers (its own griddepcontrol.wait still waits for this grid's completion). No-ops when the
+// kernel was launched normally; nothing below sm_90.
+__device__ __forceinline__ void ar_pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// cudaLaunchKernelEx with the programmatic-stream-serialization attribute when p.pdl.
+template <typename Kernel>
+void launch_ar(Kernel kernel, int threads, const ArParams& p, cudaStream_t stream,
+               const char* what) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.blocks));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, p);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();  // reported here, not by the next launch check
+    throw_cuda_error(rc, what, __FILE__, __LINE__);
+  }
+}
+
 __device__ void finish_call(const ArParams& p, uint32_t e, int* s_last) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -262,6 +294,7 @@ __device__ void finish_call(const ArParams& p, uint32_t e, int* s_last) {
 
 template <bool kBf16>
 __global__ void __launch_bounds__(kLlThreads) ar_oneshot_kernel(ArParams p) {
+  ar_pdl_begin();
   __shared__ uint32_t s_epoch;
   __shared__ int s_last;
   if (threadIdx.x == 0) s_epoch = ld_volatile_u32(&p.state->epoch) + 1u;
@@ -349,6 +382,7 @@ __device__ void wait_ranks(const ArParams& p, uint32_t e, uint32_t par, int phas
 
 template <bool kBf16>
 __global__ void __launch_bounds__(kTsThreads) ar_twoshot_kernel(ArParams p) {
+  ar_pdl_begin();
   __shared__ uint32_t s_epoch;
   __shared__ int s_last;
   __shared__ int s_failed;
@@ -458,18 +492,18 @@ void launch_ar_init(char* own, const ArLayout& layout, int world, uint32_t epoch
 
 void launch_ar_oneshot(const ArParams& params, bool bf16, cudaStream_t stream) {
   if (bf16) {
-    ar_oneshot_kernel<true><<<params.blocks, kLlThreads, 0, stream>>>(params);
+    launch_ar(ar_oneshot_kernel<true>, kLlThreads, params, stream, "ar_oneshot_kernel");
   } else {
-    ar_oneshot_kernel<false><<<params.blocks, kLlThreads, 0, stream>>>(params);
+    launch_ar(ar_oneshot_kernel<false>, kLlThreads, params, stream, "ar_oneshot_kernel");
   }
   FN_CUDA_LAUNCH_CHECK("ar_oneshot_kernel");
 }
 
 void launch_ar_twoshot(const ArParams& params, bool bf16, cudaStream_t stream) {
   if (bf16) {
-    ar_twoshot_kernel<true><<<params.blocks, kTsThreads, 0, stream>>>(params);
+    launch_ar(ar_twoshot_kernel<true>, kTsThreads, params, stream, "ar_twoshot_kernel");
   } else {
-    ar_twoshot_kernel<false><<<params.blocks, kTsThreads, 0, stream>>>(params);
+    launch_ar(ar_twoshot_kernel<false>, kTsThreads, params, stream, "ar_twoshot_kernel");
   }
   FN_CUDA_LAUNCH_CHECK("ar_twoshot_kernel");
 }

@@ -61,6 +61,9 @@ struct ArParams {
   ArError* error = nullptr;  ///< device pointer of the mapped host ArError
   uint64_t timeout_ns = 0;   ///< bound on every wait (globaltimer ns)
   int blocks = 1;            ///< grid size; a function of count only, so equal on all ranks
+  /// Launch as a programmatic dependent (sm_90+): the kernel waits for its predecessor
+  /// (griddepcontrol.wait) before its first read, then releases its own dependents at once.
+  bool pdl = false;
 };
 
 /// Sizes the shared region for `world` ranks (one-shot payload up to ll_max_bytes per launch,

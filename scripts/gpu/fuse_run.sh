@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for issue 8's launch fusion (session 5): builds the decode tests and the
 # model bench, runs the kernel tests named in FN_TESTS (default test_cuda_hc) with
-# compute-sanitizer memcheck, the fixture model test at np 1 and np 2 (fused == unfused bitwise,
+# compute-sanitizer memcheck, the MPI tests in FN_MPI_TESTS (default test_comm_gpu) at np 2, the fixture model test at np 1 and np 2 (fused == unfused bitwise,
 # graph == eager, ranks equal), then cuda_model_bench at TP=1 and TP=2 (depth 8192, random
 # weights) with the fused step and with --unfused (A/B in the same call). Logs and JSON in $OUT.
 # Usage on the 2-GPU machine from a `git archive` copy: FN_BUILD_DIR=../../build-X bash
@@ -13,11 +13,12 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 b=${FN_BUILD_DIR:-build-gpu}
 tests=${FN_TESTS:-test_cuda_hc}
+mpi_tests=${FN_MPI_TESTS:-test_comm_gpu}
 tokens=${FN_TOKENS:-64}
 mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
 t=$SECONDS
 # shellcheck disable=SC2086
-if ! FN_BUILD_DIR=$b timeout 360 bash scripts/gpu/build.sh $tests test_cuda_model cuda_model_bench \
+if ! FN_BUILD_DIR=$b timeout 360 bash scripts/gpu/build.sh $tests $mpi_tests test_cuda_model cuda_model_bench \
   >"$out/build.log" 2>&1; then
   grep -E "error" "$out/build.log" | head -30
   exit 1
@@ -34,6 +35,12 @@ if [ "${FN_SKIP_TEST:-0}" != 1 ]; then
       >"$out/$x.memcheck.log" 2>&1
     echo "== memcheck $x rc=$? ($((SECONDS - t)) s)"
     tail -n 3 "$out/$x.memcheck.log" | cut -c1-200
+  done
+  for x in $mpi_tests; do
+    t=$SECONDS
+    timeout 240 $mpi -np 2 "$b/tests/$x" >"$out/$x.log" 2>&1
+    echo "== $x np 2 rc=$? ($((SECONDS - t)) s)"
+    grep -E "ERROR|test cases|assertions|THREW" "$out/$x.log" | sort -u | cut -c1-300 | head -12
   done
   for np in 1 2; do
     t=$SECONDS

@@ -70,7 +70,8 @@ CustomAllReduce::CustomAllReduce(GpuComm& gpu, const CustomAllReduceOptions& opt
              rank);
   const char* pdl_env = std::getenv("FN_PDL");
   pdl_ = options_.programmatic_launch && prop.major >= 9 &&
-         !(pdl_env != nullptr && std::string_view(pdl_env) == "0");
+         !(pdl_env != nullptr && std::string_view(pdl_env) == "0") &&
+         env_int("FN_ALLREDUCE_PDL", 1) != 0;
   const int sm_min = static_cast<int>(lo[4]);
   oneshot_blocks_max_ = std::max(1, std::min(kOneshotBlocksCap, sm_min));
   twoshot_blocks_max_ = std::max(1, std::min({kTwoshotBlocksCap, detail::kArMaxBlocks, sm_min}));

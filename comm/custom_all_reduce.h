@@ -33,7 +33,7 @@ struct CustomAllReduceOptions {
   /// Test hook: the self-test flips one bit of rank 0's custom result (forces the fallback).
   bool corrupt_self_test = false;
   /// Launch the kernels as programmatic dependents (sm_90+; off when the environment has
-  /// FN_PDL=0, as the decode kernels): each kernel waits for its predecessor with
+  /// FN_PDL=0, as the decode kernels, or FN_ALLREDUCE_PDL=0): each kernel waits for its predecessor with
   /// griddepcontrol.wait before it reads anything, then lets the next kernel of the stream be
   /// scheduled at once, so that kernel's blocks become resident and stage their weights while
   /// the all-reduce waits on its peers. May differ between ranks (rank-local scheduling only).

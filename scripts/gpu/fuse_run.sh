@@ -62,3 +62,9 @@ for np in 1 2; do
     grep -E "^\| [0-9]" "$out/bench_tp${np}_$mode.txt" | cut -c1-300
   done
 done
+t=$SECONDS  # A/B: the custom all-reduce launched without PDL
+FN_ALLREDUCE_PDL=0 timeout 200 $mpi -np 2 -x FN_ALLREDUCE_PDL "$b/cuda/cuda_model_bench" \
+  --config configs/qwen3.8-flash-next.json --depth 8192 --tokens "$tokens" \
+  >"$out/bench_tp2_ar_nopdl.txt" 2>&1
+echo "== bench TP=2 fused, all-reduce without PDL rc=$? ($((SECONDS - t)) s)"
+grep -E "^\| [0-9]" "$out/bench_tp2_ar_nopdl.txt" | cut -c1-300

@@ -68,10 +68,12 @@ CustomAllReduce::CustomAllReduce(GpuComm& gpu, const CustomAllReduceOptions& opt
              "custom all-reduce options differ between ranks (one-shot max, two-shot max, "
              "initial epoch, timeout): check FN_ALLREDUCE_* environment variables on rank {}",
              rank);
-  const char* pdl_env = std::getenv("FN_PDL");
-  pdl_ = options_.programmatic_launch && prop.major >= 9 &&
-         !(pdl_env != nullptr && std::string_view(pdl_env) == "0") &&
-         env_int("FN_ALLREDUCE_PDL", 1) != 0;
+  auto env_is_0 = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::string_view(v) == "0";
+  };
+  pdl_ = options_.programmatic_launch && prop.major >= 9 && !env_is_0("FN_PDL") &&
+         !env_is_0("FN_ALLREDUCE_PDL");
   const int sm_min = static_cast<int>(lo[4]);
   oneshot_blocks_max_ = std::max(1, std::min(kOneshotBlocksCap, sm_min));
   twoshot_blocks_max_ = std::max(1, std::min({kTwoshotBlocksCap, detail::kArMaxBlocks, sm_min}));

@@ -7,6 +7,7 @@
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/gemv_bf16.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
 
@@ -25,94 +26,16 @@ struct GemvArgs {
   void* y;
 };
 
-// Eight x values of 16-byte vector v (columns 8v .. 8v+7) as floats.
-template <bool kXF32>
-__device__ __forceinline__ void load_x8(const void* x, int v, float (&xf)[8]) {
-  if constexpr (kXF32) {
-    const float4* p = static_cast<const float4*>(x) + 2 * v;
-    const float4 a = __ldg(p), b = __ldg(p + 1);
-    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
-    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
-  } else {
-    const uint4 u = dev::ld_cached16(static_cast<const uint4*>(x) + v);
-    xf[0] = dev::bf16_lo(u.x), xf[1] = dev::bf16_hi(u.x);
-    xf[2] = dev::bf16_lo(u.y), xf[3] = dev::bf16_hi(u.y);
-    xf[4] = dev::bf16_lo(u.z), xf[5] = dev::bf16_hi(u.z);
-    xf[6] = dev::bf16_lo(u.w), xf[7] = dev::bf16_hi(u.w);
-  }
-}
-
-// The kUnroll x kRows weight vectors of one step: vectors base + u * team of each row (zeros past
-// the row's end, never used).
-template <int kRows, int kUnroll>
-__device__ __forceinline__ void load_tile(const uint4* const (&wrow)[kRows], int base, int team,
-                                          int nvec, uint4 (&w)[kUnroll][kRows]) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int v = base + u * team;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      w[u][r] = v < nvec ? dev::ld_stream16(wrow[r] + v) : make_uint4(0, 0, 0, 0);
-  }
-}
-
-// One team of (1 << team_log2) lanes computes kRows consecutive rows. Lane l reads vectors
-// l, l + T, l + 2T, ... of each row (coalesced: a team reads T * 16 contiguous bytes per row per
-// step), kUnroll steps at a time so that kRows * kUnroll = 8 independent 16-byte weight loads are
-// in flight per thread before the first FMA (latency hiding at batch 1, HOPPER.md).
+// One team of (1 << team_log2) lanes computes kRows consecutive rows (dev::gemv_bf16_team_rows,
+// cuda/gemv_bf16.cuh: the weight preload before the programmatic-dependent wait, the dot, the
+// fixed-order team reduction); the team's lane 0 stores them.
 template <int kRows, bool kXF32, bool kYBf16>
 __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
-  constexpr int kUnroll = 8 / kRows;
-  const int team = 1 << a.team_log2;
-  const int lane = threadIdx.x & (team - 1);
-  const int team_in_block = threadIdx.x >> a.team_log2;
-  const int teams_per_block = kBlockThreads >> a.team_log2;
-  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * teams_per_block + team_in_block) * kRows;
-  const uint4* wrow[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    // Rows past the end re-read the last row (in bounds, never stored) so the loop stays uniform.
-    const int64_t row = min(row0 + r, a.rows - 1);
-    wrow[r] = reinterpret_cast<const uint4*>(a.weight + row * a.ld);
-  }
   float acc[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
-
-  // The first kUnroll vectors of each row go into registers (and the next ones into L2) before
-  // the programmatic-dependent wait: W is a weight, no kernel of the stream writes it, while x
-  // comes from the previous kernel (cuda/pdl.cuh).
-  const int step = kUnroll * team;
-  uint4 w[kUnroll][kRows];
-  load_tile<kRows, kUnroll>(wrow, lane, team, a.nvec, w);
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int v = lane + step + u * team;
-    if (v < a.nvec && (lane & 7) == 0) {  // one prefetch per 128-byte line (8 vectors)
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) dev::prefetch_l2(wrow[r] + v);
-    }
-  }
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-
-  for (int base = lane;;) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int v = base + u * team;
-      if (v < a.nvec) {
-        float xf[8];
-        load_x8<kXF32>(a.x, v, xf);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) acc[r] = dev::fma8_bf16(w[u][r], xf, acc[r]);
-      }
-    }
-    base += step;
-    if (base >= a.nvec) break;
-    load_tile<kRows, kUnroll>(wrow, base, team, a.nvec, w);
-  }
-
-  dev::team_reduce<kRows, kBlockThreads>(acc, team, lane);
+  int lane = 0;
+  const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2};
+  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kBlockThreads>(
+      g, blockIdx.x, dev::GemvXGlobal<kXF32>{a.x}, acc, &lane);
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {

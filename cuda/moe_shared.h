@@ -1,0 +1,74 @@
+// Fused launches of the decode step's MoE block around the NVFP4 experts (MODEL.md §C.7): the
+// router logits + the shared expert's gate/up GEMV + the router top-k in one launch, and the
+// shared expert's SwiGLU + down GEMV + the gated combine in another. Called by the CUDA decode
+// step (cuda/cuda_model.cpp) in place of launch_gemv_bf16 x 2 + launch_router_topk and of
+// launch_swiglu + launch_gemv_bf16 + launch_moe_combine. Invariants: the same bits as those
+// unfused launches (shared device code: cuda/gemv_bf16.cuh, cuda/moe_device.cuh), deterministic
+// (integer atomics only), graph-capturable, programmatic dependent launches (cuda/pdl.h).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fn {
+
+/// Operands of launch_router_shared_gate_up. All pointers are device memory.
+struct RouterSharedGateUpParams {
+  const float* x = nullptr;  ///< m: [hidden] FP32 (the HC read's output), 16-byte aligned
+  int64_t hidden = 0;        ///< D: hidden_size (2560), >= 8, multiple of 8
+  /// [num_experts + 1, hidden] BF16 bits row-major: the router (mlp.gate) rows, then the
+  /// shared_expert_gate row; 16-byte aligned.
+  const uint16_t* router_weight = nullptr;
+  /// [2 * inter, hidden] BF16 bits row-major: shared_expert gate_proj rows, then up_proj rows
+  /// (this rank's slice); 16-byte aligned. A separate allocation from router_weight.
+  const uint16_t* gate_up_weight = nullptr;
+  int64_t inter = 0;           ///< I: shared_expert_intermediate_size / tp_size (640, 320), >= 1
+  int num_experts = 0;         ///< E: num_experts, 1..1024 (512 real, 8 tiny)
+  int top_k = 0;               ///< num_experts_per_tok: 1..min(E, 64) (10 real, 3 tiny)
+  bool norm_topk_prob = true;  ///< renormalise the selected weights (config.json)
+  float* logits = nullptr;     ///< out: [num_experts + 1] FP32 router logits, then the gate logit
+  float* gate_up = nullptr;    ///< out: [2 * inter] FP32 shared-expert gate rows, then up rows
+  int32_t* ids = nullptr;      ///< out: [top_k] expert ids, best first
+  float* weights = nullptr;    ///< out: [top_k] FP32 routing weights, same order
+  int32_t* error_flag = nullptr;  ///< optional device scalar; set to 4 on NaN probabilities
+  /// Device scalar, the arrival ticket of the router blocks: must be 0 before the first launch
+  /// (cudaMemset once, outside capture); every launch leaves it 0 again. One counter may serve
+  /// every launch of a stream (they run one after another), not two launches in flight at once.
+  unsigned int* counter = nullptr;
+};
+
+/// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)
+/// (MODEL.md §C.7 steps 1-2), in one launch. The two matrices are the two row segments of one
+/// grid of 512-thread blocks; each segment uses the team width that plan_gemv_bf16 picks for it
+/// alone, so every row has the bits of launch_gemv_bf16 (planned, x F32, y F32). The last router
+/// block to finish (an integer ticket: __threadfence + atomicAdd on *counter, which that block
+/// resets to 0) runs the top-k device code of launch_router_topk on the finished logits, so ids,
+/// weights and the error flag have launch_router_topk's bits. Throws fn::Error(Internal) on null
+/// pointers, misalignment or sizes out of range; fn::Error(Cuda) when the launch fails. Legal
+/// during stream capture.
+void launch_router_shared_gate_up(const RouterSharedGateUpParams& params, cudaStream_t stream);
+
+/// Operands of launch_shared_down_combine. All pointers are device memory.
+struct SharedDownCombineParams {
+  /// [hidden, inter] BF16 bits row-major: shared_expert down_proj (this rank's columns);
+  /// 16-byte aligned.
+  const uint16_t* weight = nullptr;
+  int64_t hidden = 0;                 ///< D (2560), >= 1
+  int64_t inter = 0;                  ///< I (640, 320): 8..8192, multiple of 8
+  const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
+  const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
+  float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
+};
+
+/// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
+/// h[i] = bf16(silu(g[i]) * u[i]), g = gate_up[0, I), u = gate_up[I, 2I) (MODEL.md §C.7 steps 2-4)
+/// in one launch: each block computes h into shared memory (launch_swiglu's expression), the rows
+/// are launch_gemv_bf16's device code with its planned team width (x BF16), and the epilogue is
+/// launch_moe_combine's expression (two-branch sigmoid), so y has the bits of launch_swiglu +
+/// launch_gemv_bf16 + launch_moe_combine. Runs after the kernel that writes the routed sum into y.
+/// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
+/// fn::Error(Cuda) when the launch fails. Legal during stream capture.
+void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);
+
+}  // namespace fn

@@ -170,6 +170,17 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
     a.rows_per_team[s] = plan.rows_per_team;
     blocks[s] = blocks_for(rows[s], plan.rows_per_team, t, kRouterBlockThreads);
   }
+  // Rows per team do not change a row's bits; raise them (the segment with fewer first) until
+  // the grid fits 2 blocks per SM, so that every block is resident and has its weights in flight
+  // before the wait (the real shapes: 289 blocks at the planned rows per team, 225 / 209 after).
+  while (blocks[0] + blocks[1] > 2 * static_cast<int64_t>(sm) &&
+         (a.rows_per_team[0] < 4 || a.rows_per_team[1] < 4)) {
+    int s = a.rows_per_team[0] < a.rows_per_team[1] ? 0 : 1;
+    if (a.rows_per_team[0] == a.rows_per_team[1]) s = blocks[0] >= blocks[1] ? 0 : 1;
+    a.rows_per_team[s] *= 2;
+    blocks[s] =
+        blocks_for(rows[s], a.rows_per_team[s], 1 << a.seg[s].team_log2, kRouterBlockThreads);
+  }
   FN_LAUNCH_REQUIRE(blocks[0] + blocks[1] <= INT32_MAX, kOp);
   a.router_blocks = static_cast<unsigned>(blocks[0]);
   a.x = p.x;

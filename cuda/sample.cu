@@ -14,6 +14,7 @@
 
 #include "comm/cuda_check.h"
 #include "cuda/launch_check.h"
+#include "cuda/pdl.cuh"
 
 namespace fn {
 namespace {
@@ -141,6 +142,7 @@ constexpr int32_t kNoIdx = 0x7fffffff;
 __global__ void __launch_bounds__(kThreads)
     argmax_partial_kernel(const float* logits, int64_t V, unsigned long long* part_key,
                           int32_t* part_idx, int32_t* flag) {
+  dev::pdl_begin();  // logits (and the step) come from the previous kernels (cuda/pdl.cuh)
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kChunk;
   Best b{0ull, kNoIdx};
   bool bad = false;
@@ -187,6 +189,7 @@ __global__ void __launch_bounds__(kThreads)
     gumbel_raw_kernel(const float* logits, int64_t V, double inv_t, uint64_t seed,
                       const int64_t* step, unsigned long long* part_key, int32_t* part_idx,
                       int32_t* flag) {
+  dev::pdl_begin();  // logits (and the step) come from the previous kernels (cuda/pdl.cuh)
   const uint64_t stream = rng_stream(seed, step);
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kChunk;
   Best b{0ull, kNoIdx};
@@ -413,6 +416,7 @@ __global__ void __launch_bounds__(kThreads)
                   const int32_t* vals, int64_t V, const int64_t* step, int32_t* token_out,
                   int32_t* history, int64_t capacity, int32_t* flag, int32_t* kept_out,
                   int32_t kept_value) {
+  dev::pdl_begin();  // the partials come from the previous kernel (cuda/pdl.cuh)
   Best b{0ull, kNoIdx};
   for (int64_t i = threadIdx.x; i < num_parts; i += kThreads)
     b = better(b, Best{part_key[i], part_idx[i]});
@@ -464,23 +468,23 @@ void launch_sample(const SampleParams& p, cudaStream_t stream) {
   const int32_t vocab32 = static_cast<int32_t>(p.vocab);
 
   if (is_greedy(s)) {
-    argmax_partial_kernel<<<grid, kThreads, 0, stream>>>(p.logits, p.vocab, part_key, part_idx,
-                                                         p.error_flag);
+    launch_pdl("argmax_partial_kernel", argmax_partial_kernel, grid, kThreads, 0, stream, p.logits,
+               p.vocab, part_key, part_idx, p.error_flag);
     FN_CUDA_LAUNCH_CHECK("argmax_partial_kernel");
-    finish_kernel<<<1, kThreads, 0, stream>>>(part_key, part_idx, nb, nullptr, p.vocab, p.step,
-                                              p.token_out, p.history, p.history_capacity,
-                                              p.error_flag, p.kept_count_out, 1);
+    launch_pdl("finish_kernel", finish_kernel, 1, kThreads, 0, stream, part_key, part_idx, nb,
+               static_cast<const int32_t*>(nullptr), p.vocab, p.step, p.token_out, p.history,
+               p.history_capacity, p.error_flag, p.kept_count_out, 1);
     FN_CUDA_LAUNCH_CHECK("finish_kernel");
     return;
   }
   const double inv_t = 1.0 / static_cast<double>(s.temperature);
   if (!has_filter(s)) {
-    gumbel_raw_kernel<<<grid, kThreads, 0, stream>>>(p.logits, p.vocab, inv_t, s.seed, p.step,
-                                                     part_key, part_idx, p.error_flag);
+    launch_pdl("gumbel_raw_kernel", gumbel_raw_kernel, grid, kThreads, 0, stream, p.logits, p.vocab,
+               inv_t, s.seed, p.step, part_key, part_idx, p.error_flag);
     FN_CUDA_LAUNCH_CHECK("gumbel_raw_kernel");
-    finish_kernel<<<1, kThreads, 0, stream>>>(part_key, part_idx, nb, nullptr, p.vocab, p.step,
-                                              p.token_out, p.history, p.history_capacity,
-                                              p.error_flag, p.kept_count_out, vocab32);
+    launch_pdl("finish_kernel", finish_kernel, 1, kThreads, 0, stream, part_key, part_idx, nb,
+               static_cast<const int32_t*>(nullptr), p.vocab, p.step, p.token_out, p.history,
+               p.history_capacity, p.error_flag, p.kept_count_out, vocab32);
     FN_CUDA_LAUNCH_CHECK("finish_kernel");
     return;
   }

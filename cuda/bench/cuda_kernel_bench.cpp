@@ -230,23 +230,26 @@ int main(int argc, char** argv) try {
     const double r_bytes = double(r_elems) * 2 + D * 4 + (E + 1) * 4;
     const double gu_bytes = double(gu_elems) * 2 + D * 4 + 2 * inter * 4;
     const double topk_bytes = (E + 1) * 4 + k * 8;
-    const double r_us = t.time_per_call(calls, [&](int i) {
+    // The unfused launches, each a function of the call index (weights rotated).
+    auto router_gemv = [&](int i) {
       fn::launch_gemv_bf16(set(i), E + 1, D, xm, fn::DType::F32, rl, fn::DType::F32, t.stream);
-    });
-    rows.push_back(report({"router_gemv", tp + " 513x2560", "planned", r_bytes, r_us, bw}));
-    const double k_us = t.time_per_call(calls, [&](int) { fn::launch_router_topk(rp, t.stream); });
-    rows.push_back(report({"router_topk", "E512 k10", "512t", topk_bytes, k_us, bw}));
-    const double gu_us = t.time_per_call(calls, [&](int i) {
+    };
+    auto topk = [&](int) { fn::launch_router_topk(rp, t.stream); };
+    auto gate_up_gemv = [&](int i) {
       fn::launch_gemv_bf16(set(i) + r_elems, 2 * inter, D, xm, fn::DType::F32, sgu, fn::DType::F32,
                            t.stream);
-    });
+    };
+    const double r_us = t.time_per_call(calls, router_gemv);
+    rows.push_back(report({"router_gemv", tp + " 513x2560", "planned", r_bytes, r_us, bw}));
+    const double k_us = t.time_per_call(calls, topk);
+    rows.push_back(report({"router_topk", "E512 k10", "512t", topk_bytes, k_us, bw}));
+    const double gu_us = t.time_per_call(calls, gate_up_gemv);
     rows.push_back(report({"shared_gate_up_gemv", tp + " " + std::to_string(2 * inter) + "x2560",
                            "planned", gu_bytes, gu_us, bw}));
     const double seq1_us = t.time_per_call(calls, [&](int i) {
-      fn::launch_gemv_bf16(set(i), E + 1, D, xm, fn::DType::F32, rl, fn::DType::F32, t.stream);
-      fn::launch_router_topk(rp, t.stream);
-      fn::launch_gemv_bf16(set(i) + r_elems, 2 * inter, D, xm, fn::DType::F32, sgu, fn::DType::F32,
-                           t.stream);
+      router_gemv(i);
+      topk(i);
+      gate_up_gemv(i);
     });
     rows.push_back(report({"unfused router+gu+topk", tp + " 3 launches", "sequence",
                            r_bytes + gu_bytes + topk_bytes, seq1_us, bw}));
@@ -280,22 +283,24 @@ int main(int argc, char** argv) try {
     mc.gate_logit = rl + E;
     mc.hidden = D;
     const double dn_bytes = double(dn_elems) * 2 + 2 * inter * 4 + D * 8;
-    const double sw_us = t.time_per_call(calls, [&](int) { fn::launch_swiglu(sw, t.stream); });
+    auto swiglu = [&](int) { fn::launch_swiglu(sw, t.stream); };
+    auto down_gemv = [&](int i) {
+      fn::launch_gemv_bf16(set(i) + r_elems + gu_elems, D, inter, sh, fn::DType::BF16, ys,
+                           fn::DType::F32, t.stream);
+    };
+    auto combine = [&](int) { fn::launch_moe_combine(mc, t.stream); };
+    const double sw_us = t.time_per_call(calls, swiglu);
     rows.push_back(
         report({"swiglu", tp + " I" + std::to_string(inter), "", 2.0 * inter * 6, sw_us, bw}));
-    const double dn_us = t.time_per_call(calls, [&](int i) {
-      fn::launch_gemv_bf16(set(i) + r_elems + gu_elems, D, inter, sh, fn::DType::BF16, ys,
-                           fn::DType::F32, t.stream);
-    });
+    const double dn_us = t.time_per_call(calls, down_gemv);
     rows.push_back(report({"shared_down_gemv", tp + " 2560x" + std::to_string(inter), "planned",
                            double(dn_elems) * 2 + inter * 2 + D * 4, dn_us, bw}));
-    const double cb_us = t.time_per_call(calls, [&](int) { fn::launch_moe_combine(mc, t.stream); });
+    const double cb_us = t.time_per_call(calls, combine);
     rows.push_back(report({"moe_combine", "D2560", "", D * 12.0, cb_us, bw}));
     const double seq2_us = t.time_per_call(calls, [&](int i) {
-      fn::launch_swiglu(sw, t.stream);
-      fn::launch_gemv_bf16(set(i) + r_elems + gu_elems, D, inter, sh, fn::DType::BF16, ys,
-                           fn::DType::F32, t.stream);
-      fn::launch_moe_combine(mc, t.stream);
+      swiglu(i);
+      down_gemv(i);
+      combine(i);
     });
     rows.push_back(report(
         {"unfused swiglu+down+comb", tp + " 3 launches", "sequence", dn_bytes, seq2_us, bw}));

@@ -31,6 +31,7 @@
 #include "cuda/gemv_bf16.h"
 #include "cuda/hc.h"
 #include "cuda/moe_nvfp4.h"
+#include "cuda/moe_shared.h"
 #include "cuda/ple.h"
 #include "cuda/qsa.h"
 #include "cuda/sample.h"
@@ -625,6 +626,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     mo.down = b.experts(mp, false, I_l);
   }
   weight_bytes = arena.held() - arena.state_held();
+  router_ticket = arena.state_n<unsigned int>(1, "router ticket");
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -793,6 +795,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   // weights; behind the big GEMV that produces y the folded down pass has no such window. The
   // all-reduce kernel gives it one (TP = 2: 4.930 -> 4.886 ms/token folded).
   const bool fold_inject = o.fused_step && tp > 1;
+  // The shared expert's fused launches (cuda/moe_shared.h): the router GEMV + top-k + shared
+  // gate/up in one, SwiGLU + shared down + combine in one; same bits as the separate launches.
+  // The fused down needs I a multiple of 8 (every real shape; not every tiny fixture's slice).
+  const bool fused_shared = o.fused_step && Is_l % 8 == 0 && Is_l <= 8192;
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -877,16 +883,35 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     hc_read(L.mlp_hc, iota, m_bf16);
     mark(StepFamily::Router);
     DevMoe& mo = L.moe;
-    launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
-    RouterParams rp;
-    rp.logits = rl;
-    rp.num_experts = static_cast<int>(E);
-    rp.top_k = static_cast<int>(k);
-    rp.norm_topk_prob = c.norm_topk_prob;
-    rp.ids = ids;
-    rp.weights = rw;
-    rp.error_flag = error_flag;
-    launch_router_topk(rp, s);
+    if (fused_shared) {  // router + shared gate/up GEMV rows and the top-k: one launch
+      RouterSharedGateUpParams rs;
+      rs.x = m;
+      rs.hidden = D;
+      rs.router_weight = mo.router;
+      rs.gate_up_weight = mo.s_gate_up;
+      rs.inter = Is_l;
+      rs.num_experts = static_cast<int>(E);
+      rs.top_k = static_cast<int>(k);
+      rs.norm_topk_prob = c.norm_topk_prob;
+      rs.logits = rl;
+      rs.gate_up = sgu;
+      rs.ids = ids;
+      rs.weights = rw;
+      rs.error_flag = error_flag;
+      rs.counter = router_ticket;
+      launch_router_shared_gate_up(rs, s);
+    } else {
+      launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
+      RouterParams rp;
+      rp.logits = rl;
+      rp.num_experts = static_cast<int>(E);
+      rp.top_k = static_cast<int>(k);
+      rp.norm_topk_prob = c.norm_topk_prob;
+      rp.ids = ids;
+      rp.weights = rw;
+      rp.error_flag = error_flag;
+      launch_router_topk(rp, s);
+    }
     if (forced_router) {
       RouterForceParams rf;
       rf.logits = rl;
@@ -919,19 +944,30 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.y = y;
     launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
-    launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
-    SwigluParams sw;
-    sw.gate_up = sgu;
-    sw.h = sh;
-    sw.inter = Is_l;
-    launch_swiglu(sw, s);
-    launch_gemv_bf16(mo.s_down, D, Is_l, sh, DType::BF16, ys, DType::F32, s);
-    MoeCombineParams mc;
-    mc.y = y;
-    mc.y_shared = ys;
-    mc.gate_logit = rl + E;
-    mc.hidden = D;
-    launch_moe_combine(mc, s);
+    if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
+      SharedDownCombineParams sd;
+      sd.weight = mo.s_down;
+      sd.hidden = D;
+      sd.inter = Is_l;
+      sd.gate_up = sgu;
+      sd.gate_logit = rl + E;
+      sd.y = y;
+      launch_shared_down_combine(sd, s);
+    } else {
+      launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
+      SwigluParams sw;
+      sw.gate_up = sgu;
+      sw.h = sh;
+      sw.inter = Is_l;
+      launch_swiglu(sw, s);
+      launch_gemv_bf16(mo.s_down, D, Is_l, sh, DType::BF16, ys, DType::F32, s);
+      MoeCombineParams mc;
+      mc.y = y;
+      mc.y_shared = ys;
+      mc.gate_logit = rl + E;
+      mc.hidden = D;
+      launch_moe_combine(mc, s);
+    }
     all_reduce(y, D);
     inject();
   }

@@ -50,9 +50,11 @@ struct CudaModelOptions {
   /// one left. Capped at ctx_size; the pass buffers (allocated on the first prefill()) scale with
   /// it: about 0.3 MB per token at the real TP=1 geometry. >= 1.
   int64_t prefill_chunk = 8192;
-  /// Decode step launch fusion (issue 8): the HC inject folded into the next HC read's down pass
-  /// (the residual ping-pongs between two buffers). false: the separate launches, kept for A/B
-  /// benches and for the test that the fused step gives the same bits.
+  /// Decode step launch fusion (issue 8), same bits as the separate launches: the HC inject
+  /// folded into the next HC read's down pass behind an all-reduce (TP > 1; the residual
+  /// ping-pongs between two buffers), the router + shared gate/up + top-k launch and the SwiGLU +
+  /// shared down + combine launch (cuda/moe_shared.h). false: the separate launches, kept for
+  /// A/B benches and for the test that the fused step gives the same bits.
   bool fused_step = true;
 };
 
@@ -74,16 +76,20 @@ struct StepChoices {
 /// The op families of one decode step, for CudaModel::profile_steps (issue 8 "per-op
 /// breakdown"). Each launch of encode_step belongs to exactly one family.
 enum class StepFamily : int {
-  Hc,            ///< HC read (fused norm + down/inject pass, mix) and HC inject; final mixer
-  GdnMixer,      ///< GDN: stacked input projection GEMV, the GDN decode kernel, out_proj GEMV
-  QsaMixer,      ///< QSA: stacked q/k/v/indexer projection GEMV, the QSA kernels, o_proj GEMV
-  Router,        ///< router (+ shared_expert_gate row) GEMV, top-k (and forced choices)
-  RoutedMoe,     ///< NVFP4 gate-up and down of the top-k experts
-  SharedExpert,  ///< shared expert gate/up GEMV, SwiGLU, down GEMV, the gated combine
-  AllReduce,     ///< every all-reduce of the step (TP > 1; PLE, mixer, MoE, logits)
-  LmHead,        ///< lm_head GEMV, logit scatter, sampling, n-gram context and position advance
-  Ple,           ///< PLE: n-gram gather, key/value GEMV, apply (its all-reduce is AllReduce)
-  Other,         ///< the embedding row and anything else
+  Hc,        ///< HC read (fused norm + down/inject pass, mix) and HC inject; final mixer
+  GdnMixer,  ///< GDN: stacked input projection GEMV, the GDN decode kernel, out_proj GEMV
+  QsaMixer,  ///< QSA: stacked q/k/v/indexer projection GEMV, the QSA kernels, o_proj GEMV
+  /// router (+ shared_expert_gate row) GEMV, top-k (and forced choices); with fused_step also
+  /// the shared expert's gate/up rows (one launch, cuda/moe_shared.h)
+  Router,
+  RoutedMoe,  ///< NVFP4 gate-up and down of the top-k experts
+  /// shared expert gate/up GEMV, SwiGLU, down GEMV, the gated combine (fused_step: SwiGLU + down
+  /// + combine in one launch)
+  SharedExpert,
+  AllReduce,  ///< every all-reduce of the step (TP > 1; PLE, mixer, MoE, logits)
+  LmHead,     ///< lm_head GEMV, logit scatter, sampling, n-gram context and position advance
+  Ple,        ///< PLE: n-gram gather, key/value GEMV, apply (its all-reduce is AllReduce)
+  Other,      ///< the embedding row and anything else
 };
 inline constexpr int kStepFamilyCount = 10;
 /// "hc", "gdn", "qsa", "router", "moe_routed", "shared_expert", "all_reduce", "lm_head",

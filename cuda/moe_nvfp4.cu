@@ -1,6 +1,8 @@
 // NVFP4 W4A16 routed-expert kernels (see moe_nvfp4.h): one gate+up+SwiGLU kernel and one
-// weighted down-projection kernel, each in two variants: 32 codes per lane unit (cols % 32 == 0,
-// every real shape) and 16 codes (cols an odd multiple of 16: tiny fixtures' TP slices).
+// weighted down-projection kernel, each on the tensor cores (the default; described at "Tensor-core
+// path" below) and as the FP32-FMA kernels described here (mma = false), each in two variants: 32
+// codes per lane unit (cols % 32 == 0, every real shape) and 16 codes (cols an odd multiple of 16:
+// tiny fixtures' TP slices).
 //
 // Streaming (issue 8): a team of lanes per output row (pair); each lane first issues the 16-byte
 // code loads and the scale loads of all its units (up to kGateUpUnits per row / kDownUnits; more
@@ -209,6 +211,7 @@ struct GateUpArgs {
   uint16_t* h;
   float* gate_up_out;
   int team_log2;
+  int tiles_per_j;  // tensor-core path: ceil(I / 8) tiles of 8 row pairs per selected expert
 };
 
 // One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j]. Lane l of
@@ -347,6 +350,296 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
+// ---- Tensor-core path (the default; MoeGateUpParams::mma / MoeDownParams::mma) ----------------
+//
+// A warp multiplies a tile of 8 weight rows (gate+up: 8 gate rows and the 8 matching up rows) with
+// mma.sync m16n8k16 (BF16 inputs, FP32 accumulate): the weights are the B operand (n = the tile's
+// row), the activation the A operand. Lane (g, t) = (lane / 4, lane % 4) holds row g; per chunk of
+// the row it loads one unit (32 codes, 16 bytes; 16 codes, 8 bytes on the narrow path), the
+// chunk's units being 4c + t: the 4 lanes of a row read 64 contiguous bytes. A unit's 8-code word
+// gives two MMAs: codes (q, q + 4) as one BF16x2 register (nvfp4::e2m1_bf16_pair: code * 2^-126,
+// subnormal for +-0.5) times the block scale as BF16x2 (a shared-memory table: E4M3 * 2^100) =
+// code * scale * 2^-26, exact (at most 6 significant bits, normal). The k order inside an MMA is a
+// permutation of the columns; the activation is staged in shared memory in the same permutation
+// (per 8 elements x0 x4 x1 x5 x2 x6 x3 x7, BF16 as given: no conversion), 16 bytes of padding per
+// unit so that the 4 distinct 16-byte reads of a warp hit distinct banks. W warps share a tile (a
+// block of 256 threads holds 8 / W tiles) and take its chunks round-robin; every lane issues the
+// loads of up to kMma*Chunks chunks before the block stages the activation.
+//
+// Summation (fixed, so bitwise reproducible; not the order of the FP32 kernels): gate+up: per
+// warp one MMA accumulator chain over its chunks in increasing order (the products exact, the
+// tensor core's internal sum of 16 products + C), then the tile's warps summed in increasing warp
+// order in FP32, then * 2^26 and * the global scale. Down: the A operand has one row per expert
+// "slot" of the chunk (a chunk spans at most 4 experts; lane (g, t) puts its activation in row g
+// only when its unit belongs to the chunk's g-th expert), so D[g][n] is the chunk's dot for that
+// expert; per chunk a fresh 8-MMA chain, then acc = fmaf(D, routing_weight * gs, acc) per slot
+// lane in chunk order, the 4 slot lanes summed by a butterfly (xor 4, 8), the warps in order,
+// * 2^26. Range: exact products for 2^-90 <= |activation| < 2^100 (and 0).
+constexpr int kMmaGateUpChunks = 5;
+constexpr int kMmaDownChunks = 7;
+// Resident blocks per SM (__launch_bounds__: <= 128 and <= 80 registers, no spills).
+constexpr int kMmaGateUpMinBlocks = 2;
+constexpr int kMmaDownMinBlocks = 3;
+constexpr float kMmaUnscale = 67108864.0f;  // 2^26 = 2^126 / 2^100
+constexpr int kLutBytes = 256 * 4;
+constexpr int kPartBytes = (kBlockThreads / 32) * 8 * 2 * 4;  // [warp][row][2] FP32 partials
+
+// E4M3 scale byte -> its value * 2^100 as a BF16 pair (exact: 4 significant bits, 2^91 .. 2^109);
+// NaN codes -> BF16 NaN.
+__device__ __forceinline__ uint32_t e4m3_bf16x2_scaled(uint32_t s) {
+  if (nvfp4::e4m3_is_nan(s)) return 0x7fc07fc0u;
+  const float v = half_bits_to_float(nvfp4::e4m3_fp16_bits(s)) * __int_as_float((127 + 108) << 23);
+  const uint32_t b = __float_as_uint(v) >> 16;
+  return b | (b << 16);
+}
+
+// a * b per BF16 half, round to nearest (exact here), subnormal inputs honoured.
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// d += A (16x16 BF16, row) * B (16x8 BF16, col), FP32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The activation staged for the MMAs (see above): unit u (kCodes elements) at byte u * kStride,
+// its 8-element word wi at + 16 wi, permuted to the BF16 pairs (x_q, x_q+4), q = 0..3.
+template <bool kNarrow>
+struct MmaStage {
+  static constexpr int kCodes = Unit<kNarrow>::kCodes;
+  static constexpr int kStride = 2 * kCodes + 16;
+  static constexpr int64_t bytes(int64_t n) { return n / kCodes * kStride; }
+  // Every thread of the block calls it: n BF16 values (a multiple of kCodes; src 16-byte aligned).
+  static __device__ __forceinline__ void fill(const uint16_t* src, int n, uint8_t* s) {
+    const uint4* v = reinterpret_cast<const uint4*>(src);
+    for (int i = threadIdx.x; i < n / 8; i += kBlockThreads) {
+      const uint4 q = __ldg(v + i);
+      const int u = (8 * i) / kCodes, wi = ((8 * i) % kCodes) / 8;
+      *reinterpret_cast<uint4*>(s + u * kStride + 16 * wi) =
+          make_uint4(__byte_perm(q.x, q.z, 0x5410), __byte_perm(q.x, q.z, 0x7632),
+                     __byte_perm(q.y, q.w, 0x5410), __byte_perm(q.y, q.w, 0x7632));
+    }
+  }
+  static __device__ __forceinline__ uint4 word(const uint8_t* s, int u, int wi) {
+    return *reinterpret_cast<const uint4*>(s + u * kStride + 16 * wi);
+  }
+};
+
+// d += the MMAs of one 8-code word wd (block scale pair sc) against the staged activation xw.
+__device__ __forceinline__ void mma_word(uint32_t wd, uint32_t sc, const uint4& xw, float (&d)[4]) {
+  uint32_t b[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) b[q] = bf16x2_mul(nvfp4::e2m1_bf16_pair(wd, q), sc);
+  mma_bf16(d, xw.x, xw.x, xw.y, xw.y, b[0], b[1]);
+  mma_bf16(d, xw.z, xw.z, xw.w, xw.w, b[2], b[3]);
+}
+
+template <bool kNarrow>
+__global__ void __launch_bounds__(kBlockThreads, kMmaGateUpMinBlocks)
+    moe_gate_up_mma_kernel(GateUpArgs a) {
+  extern __shared__ float4 smem4[];
+  uint32_t* lut = reinterpret_cast<uint32_t*>(smem4);
+  float* part = reinterpret_cast<float*>(lut + 256);
+  uint8_t* stage = reinterpret_cast<uint8_t*>(smem4) + kLutBytes + kPartBytes;
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
+  using U = Unit<kNarrow>;
+  using S = MmaStage<kNarrow>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int nw = 1 << a.team_log2;  // warps per tile
+  const int wt = warp & (nw - 1);
+  const int64_t tile =
+      static_cast<int64_t>(blockIdx.x) * (8 >> a.team_log2) + (warp >> a.team_log2);
+  const bool tile_ok = tile < static_cast<int64_t>(a.top_k) * a.tiles_per_j;
+  const int j = tile_ok ? static_cast<int>(tile / a.tiles_per_j) : 0;
+  const int i0 = tile_ok ? static_cast<int>(tile % a.tiles_per_j) * 8 : 0;
+  const int e = __ldg(a.ids + j);
+  const bool ok = tile_ok && e >= 0 && e < a.num_experts;  // warp-uniform
+  const bool row_ok = ok && i0 + g < a.inter;
+  const int nchunks = (a.nvec + 3) / 4;
+  const int mine = ok && wt < nchunks ? (nchunks - 1 - wt) / nw + 1 : 0;  // warp-uniform
+
+  const int64_t g_row = static_cast<int64_t>(ok ? e : 0) * 2 * a.inter + (row_ok ? i0 + g : 0);
+  const uint8_t* wg = a.packed + g_row * (a.k / 2);
+  const uint8_t* wu = wg + static_cast<int64_t>(a.inter) * (a.k / 2);
+  const uint8_t* sg = a.scales + g_row * (a.k / 16);
+  const uint8_t* su = sg + static_cast<int64_t>(a.inter) * (a.k / 16);
+  uint4 w[kMmaGateUpChunks][2];
+  uint32_t s[kMmaGateUpChunks][2];
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kMmaGateUpChunks) {
+#pragma unroll
+    for (int n = 0; n < kMmaGateUpChunks; ++n) {
+      const int u = 4 * (wt + (n0 + n) * nw) + t;
+      const bool live = n0 + n < mine && row_ok && u < a.nvec;
+      w[n][0] = live ? U::codes(wg, u) : make_uint4(0, 0, 0, 0);
+      w[n][1] = live ? U::codes(wu, u) : make_uint4(0, 0, 0, 0);
+      s[n][0] = live ? U::scales(sg, u) : 0u;
+      s[n][1] = live ? U::scales(su, u) : 0u;
+    }
+    if (n0 == 0) {  // every thread: the loop runs at least once for all
+      lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+      S::fill(a.x, static_cast<int>(a.k), stage);
+      __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < kMmaGateUpChunks; ++n) {
+      if (n0 + n >= mine) continue;  // warp-uniform
+      const int u = 4 * (wt + (n0 + n) * nw) + t;
+      const bool uv = u < a.nvec;
+#pragma unroll
+      for (int wi = 0; wi < U::kCodes / 8; ++wi) {
+        const uint4 xw = uv ? S::word(stage, u, wi) : make_uint4(0, 0, 0, 0);
+        const int sh = 8 * (wi / 2);
+        mma_word(word_of(w[n][0], wi), lut[(s[n][0] >> sh) & 0xffu], xw, acc[0]);
+        mma_word(word_of(w[n][1], wi), lut[(s[n][1] >> sh) & 0xffu], xw, acc[1]);
+      }
+    }
+  }
+  // Lane (0, t) holds D[0][2t], D[0][2t + 1] of both chains: rows 2t, 2t + 1 of the tile.
+  if (g == 0) {
+    part[(warp * 8 + 2 * t) * 2 + 0] = acc[0][0];
+    part[(warp * 8 + 2 * t) * 2 + 1] = acc[1][0];
+    part[(warp * 8 + 2 * t + 1) * 2 + 0] = acc[0][1];
+    part[(warp * 8 + 2 * t + 1) * 2 + 1] = acc[1][1];
+  }
+  __syncthreads();
+  if (wt != 0 || lane >= 8 || !tile_ok) return;
+  const int i = i0 + lane;
+  if (i >= a.inter) return;
+  float sum_g = part[(warp * 8 + lane) * 2 + 0], sum_u = part[(warp * 8 + lane) * 2 + 1];
+  for (int v = 1; v < nw; ++v) {
+    sum_g += part[((warp + v) * 8 + lane) * 2 + 0];
+    sum_u += part[((warp + v) * 8 + lane) * 2 + 1];
+  }
+  float gv = 0.0f, uv = 0.0f;
+  if (ok) {
+    gv = sum_g * kMmaUnscale * __ldg(a.global_scale + 2 * e);
+    uv = sum_u * kMmaUnscale * __ldg(a.global_scale + 2 * e + 1);
+  }
+  const float hv = ok ? dev::silu(gv) * uv : 0.0f;
+  a.h[static_cast<int64_t>(j) * a.inter + i] = dev::float_to_bf16_bits(hv);
+  if (a.gate_up_out != nullptr) {
+    a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + i] = gv;
+    a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + i] = uv;
+  }
+}
+
+template <bool kNarrow>
+__global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
+    moe_down_mma_kernel(DownArgs a) {
+  extern __shared__ float4 smem4[];
+  uint32_t* lut = reinterpret_cast<uint32_t*>(smem4);
+  float* part = reinterpret_cast<float*>(lut + 256);
+  float* fj = part + kPartBytes / 4;                   // [top_k] routing weight * gs, 0 if dead
+  int* live_j = reinterpret_cast<int*>(fj + a.top_k);  // [top_k] id in range
+  uint8_t* stage =
+      reinterpret_cast<uint8_t*>(smem4) + kLutBytes + kPartBytes + ((8 * a.top_k + 15) / 16) * 16;
+  // Every weight address depends on the router's expert ids, and h is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
+  using U = Unit<kNarrow>;
+  using S = MmaStage<kNarrow>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int nw = 1 << a.team_log2;
+  const int wt = warp & (nw - 1);
+  const int64_t d0 =
+      (static_cast<int64_t>(blockIdx.x) * (8 >> a.team_log2) + (warp >> a.team_log2)) * 8;
+  const bool tile_ok = d0 < a.hidden;  // warp-uniform
+  const int64_t d = d0 + g;
+  const bool row_ok = d < a.hidden;
+  const int nunits = a.top_k * a.nvec;
+  const int nchunks = (nunits + 3) / 4;
+  const int mine = tile_ok && wt < nchunks ? (nchunks - 1 - wt) / nw + 1 : 0;  // warp-uniform
+  uint4 w[kMmaDownChunks];
+  uint32_t s[kMmaDownChunks];
+  float acc[2] = {0.0f, 0.0f};
+  for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kMmaDownChunks) {
+#pragma unroll
+    for (int n = 0; n < kMmaDownChunks; ++n) {
+      const int u = 4 * (wt + (n0 + n) * nw) + t;
+      const bool in = n0 + n < mine && row_ok && u < nunits;
+      const int jj = in ? u / a.nvec : 0, v = u - jj * a.nvec;
+      const int e = in ? __ldg(a.ids + jj) : -1;
+      const bool live = e >= 0 && e < a.num_experts;
+      const int64_t row = static_cast<int64_t>(live ? e : 0) * a.hidden + (live ? d : 0);
+      w[n] = live ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
+      s[n] = live ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
+    }
+    if (n0 == 0) {  // every thread: the loop runs at least once for all
+      lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+      for (int jj = threadIdx.x; jj < a.top_k; jj += kBlockThreads) {
+        const int e = __ldg(a.ids + jj);
+        const bool live = e >= 0 && e < a.num_experts;
+        live_j[jj] = live ? 1 : 0;
+        fj[jj] = live ? __ldg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
+      }
+      S::fill(a.h, nunits * U::kCodes, stage);
+      __syncthreads();
+    }
+#pragma unroll
+    for (int n = 0; n < kMmaDownChunks; ++n) {
+      if (n0 + n >= mine) continue;  // warp-uniform
+      const int c4 = 4 * (wt + (n0 + n) * nw);
+      const int u = c4 + t;
+      const int jf = c4 / a.nvec;  // the chunk's first expert: slot 0
+      const int jj = u < nunits ? u / a.nvec : jf;
+      const bool mine_row = u < nunits && live_j[jj] != 0 && g == jj - jf;
+      float dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int wi = 0; wi < U::kCodes / 8; ++wi) {
+        const uint4 xw = mine_row ? S::word(stage, u, wi) : make_uint4(0, 0, 0, 0);
+        mma_word(word_of(w[n], wi), lut[(s[n] >> (8 * (wi / 2))) & 0xffu], xw, dd);
+      }
+      if (g < 4) {  // lane (g, t): slot g's dots of rows 2t, 2t + 1
+        const float f = jf + g < a.top_k ? fj[jf + g] : 0.0f;
+        acc[0] = fmaf(dd[0], f, acc[0]);
+        acc[1] = fmaf(dd[1], f, acc[1]);
+      }
+    }
+  }
+  // The 4 slot lanes of each t, then the tile's warps, in fixed order.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 4);
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 8);
+  }
+  if (g == 0) {
+    part[(warp * 8 + 2 * t) * 2] = acc[0];
+    part[(warp * 8 + 2 * t + 1) * 2] = acc[1];
+  }
+  __syncthreads();
+  if (wt != 0 || lane >= 8 || !tile_ok) return;
+  const int64_t dr = d0 + lane;
+  if (dr >= a.hidden) return;
+  float sum = part[(warp * 8 + lane) * 2];
+  for (int v = 1; v < nw; ++v) sum += part[((warp + v) * 8 + lane) * 2];
+  const float y = sum * kMmaUnscale;
+  a.y[dr] = a.accumulate ? a.y[dr] + y : y;
+}
+
+// Tensor-core plan: the fewest warps per tile (1..8) that take all of a warp's chunks in one round,
+// doubled while the doubled grid still fits in one wave of min_blocks blocks per SM and the
+// warps keep more than one chunk on average. Returns lanes per tile (32 W).
+int plan_mma(int64_t chunks, int64_t tiles, int per_warp, int sm_count, int min_blocks) {
+  const int64_t wave = static_cast<int64_t>(min_blocks) * (sm_count > 0 ? sm_count : 1);
+  auto blocks = [&](int w) { return (tiles * w + 7) / 8; };
+  int w = 1;
+  while (w < 8 && static_cast<int64_t>(w) * per_warp < chunks) w *= 2;
+  while (w < 8 && blocks(2 * w) <= wave && chunks > 2 * static_cast<int64_t>(w)) w *= 2;
+  return 32 * w;
+}
+
 // Narrowest team with at most `per_lane` units per lane (all of a lane's loads in one round),
 // widened while the doubled grid still fits in one wave (min_blocks resident blocks per SM, the
 // kernel's launch bound) and each lane keeps at least 2 units after doubling: more lanes share
@@ -384,13 +677,20 @@ bool valid_team(int t) {
 
 }  // namespace
 
-int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
+int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count, bool mma) {
+  if (mma)
+    return plan_mma((hidden / unit_codes(hidden) + 3) / 4,
+                    static_cast<int64_t>(top_k) * ((intermediate + 7) / 8), kMmaGateUpChunks,
+                    sm_count, kMmaGateUpMinBlocks);
   // Two rows (gate, up) per team: at most kGateUpUnits units per lane per row, all in flight.
   return plan_team(hidden / unit_codes(hidden), static_cast<int64_t>(top_k) * intermediate,
                    kGateUpUnits, sm_count, kGateUpMinBlocks);
 }
 
-int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
+int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count, bool mma) {
+  if (mma)
+    return plan_mma((top_k * (intermediate / unit_codes(intermediate)) + 3) / 4, (hidden + 7) / 8,
+                    kMmaDownChunks, sm_count, kMmaDownMinBlocks);
   return plan_team(static_cast<int64_t>(top_k) * (intermediate / unit_codes(intermediate)), hidden,
                    kDownUnits, sm_count, kDownMinBlocks);
 }
@@ -406,8 +706,8 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t inter = p.experts.rows / 2;
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols,
-                                                               detail::current_sm_count());
-  FN_LAUNCH_REQUIRE(valid_team(team), kOp);
+                                                               detail::current_sm_count(), p.mma);
+  FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
   GateUpArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -426,6 +726,24 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
+  if (p.mma) {
+    a.team_log2 = __builtin_ctz(static_cast<unsigned>(team / 32));
+    a.tiles_per_j = static_cast<int>((inter + 7) / 8);
+    const int64_t tiles = static_cast<int64_t>(p.top_k) * a.tiles_per_j;
+    const int64_t tiles_per_block = 8 >> a.team_log2;
+    const unsigned mblocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
+    const size_t msmem = kLutBytes + kPartBytes +
+                         static_cast<size_t>(narrow ? MmaStage<true>::bytes(p.experts.cols)
+                                                    : MmaStage<false>::bytes(p.experts.cols));
+    if (narrow)
+      launch_pdl("moe_gate_up_mma_kernel", moe_gate_up_mma_kernel<true>, mblocks, kBlockThreads,
+                 msmem, stream, a);
+    else
+      launch_pdl("moe_gate_up_mma_kernel", moe_gate_up_mma_kernel<false>, mblocks, kBlockThreads,
+                 msmem, stream, a);
+    FN_CUDA_LAUNCH_CHECK("moe_gate_up_mma_kernel");
+    return;
+  }
   const size_t smem = static_cast<size_t>(p.experts.cols) * 4;
   if (narrow)
     launch_pdl("moe_gate_up_nvfp4_kernel", moe_gate_up_nvfp4_kernel<true>,
@@ -446,8 +764,8 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
-                                                            detail::current_sm_count());
-  FN_LAUNCH_REQUIRE(valid_team(team), kOp);
+                                                            detail::current_sm_count(), p.mma);
+  FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
   DownArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -466,6 +784,24 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
+  if (p.mma) {
+    a.team_log2 = __builtin_ctz(static_cast<unsigned>(team / 32));
+    const int64_t tiles = (p.experts.rows + 7) / 8;
+    const int64_t tiles_per_block = 8 >> a.team_log2;
+    const unsigned mblocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
+    const int64_t n = p.experts.cols * p.top_k;
+    const size_t msmem =
+        kLutBytes + kPartBytes + ((8 * p.top_k + 15) / 16) * 16 +
+        static_cast<size_t>(narrow ? MmaStage<true>::bytes(n) : MmaStage<false>::bytes(n));
+    if (narrow)
+      launch_pdl("moe_down_mma_kernel", moe_down_mma_kernel<true>, mblocks, kBlockThreads, msmem,
+                 stream, a);
+    else
+      launch_pdl("moe_down_mma_kernel", moe_down_mma_kernel<false>, mblocks, kBlockThreads, msmem,
+                 stream, a);
+    FN_CUDA_LAUNCH_CHECK("moe_down_mma_kernel");
+    return;
+  }
   const size_t smem = static_cast<size_t>(p.experts.cols) * p.top_k * 4;
   if (narrow)
     launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<true>, static_cast<unsigned>(blocks),

@@ -2,9 +2,11 @@
 // and the down projection summed over the selected experts with their routing weights. Called by
 // the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
 // device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
-// conversion); FP32 accumulation in a fixed order (moe_nvfp4.cu); 16-byte weight loads, all of a
-// lane's issued before use; the activation staged once per block in shared memory (<= 48 KB);
-// deterministic (no atomics).
+// conversion); by default the multiply-adds run on the tensor cores (mma.sync BF16 x BF16, FP32
+// accumulate; the E2M1 x E4M3 weights are exact in BF16), the session-3 FP32-FMA kernels stay
+// selectable (`mma = false`); FP32 accumulation in a fixed order (moe_nvfp4.cu); 16-byte weight
+// loads, all of a lane's issued before use; the activation staged once per block in shared memory
+// (<= 48 KB); deterministic (no atomics).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -45,7 +47,12 @@ struct MoeGateUpParams {
   /// Optional [top_k, 2 * I] FP32: g and u before SwiGLU (gate rows then up rows), for tests and
   /// debugging; nullptr in production.
   float* gate_up_out = nullptr;
-  int team_threads = 0;  ///< lanes per output row pair (8..256, power of 2); 0 = planned
+  /// Lanes per output row pair (8..256, power of 2) of the FP32 kernel, or per tile of 8 row
+  /// pairs (32..256: 1..8 warps) of the tensor-core kernel; 0 = planned.
+  int team_threads = 0;
+  /// true (default): the tensor-core kernel (mma.sync BF16, FP32 accumulate; moe_nvfp4.cu);
+  /// false: the FP32-FMA kernel of session 3 (kept for A/B; different summation order).
+  bool mma = true;
 };
 
 /// Down projection summed over the selected experts:
@@ -59,7 +66,10 @@ struct MoeDownParams {
   const uint16_t* h = nullptr;             ///< [top_k, I] BF16 bits (MoeGateUpParams::h)
   float* y = nullptr;                      ///< [D] FP32
   bool accumulate = false;                 ///< true: y += sum (e.g. onto the shared expert's y)
-  int team_threads = 0;  ///< lanes per output row (8..256, power of 2); 0 = planned
+  /// Lanes per output row (8..256, power of 2) of the FP32 kernel, or per tile of 8 rows
+  /// (32..256) of the tensor-core kernel; 0 = planned.
+  int team_threads = 0;
+  bool mma = true;  ///< as MoeGateUpParams::mma
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
@@ -74,7 +84,10 @@ void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
 
 /// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers
 /// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).
-int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count);
-int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count);
+/// `mma` picks the kernel (as the params' field).
+int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
+                          bool mma = true);
+int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
+                       bool mma = true);
 
 }  // namespace fn

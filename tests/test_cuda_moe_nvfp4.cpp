@@ -1,7 +1,9 @@
-// GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h) against host references built
-// from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with power-of-two
-// scales, random codes within the FP32 bound, real shapes at TP=1 and TP=2, the tiny fixtures'
-// shapes (cols 16 and 48: the 16-code path), invalid expert ids, and graph replay with expert ids
+// GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h), both the FP32-FMA kernels
+// (mma = false) and the tensor-core kernels (mma = true, the default), against host references
+// built from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with
+// power-of-two scales, random codes within the derived FP32 bound, real shapes at TP=1, 2 and 4,
+// the tiny fixtures' shapes (cols 16 and 48: the 16-code path), row counts that are not a multiple
+// of 8, invalid expert ids, +-0.5 codes with subnormal scales, and graph replay with expert ids
 // changed in device memory.
 #include <doctest/doctest.h>
 
@@ -105,12 +107,54 @@ int depth(int64_t vectors_per_lane, int team) {
          3;
 }
 
+// The tensor-core kernels: one m16n8k16 MMA adds 16 exact products to its FP32 accumulator C.
+// Model (conservative, covering the tensor core's alignment and truncation of the products'
+// significands and its truncating normalisation): each MMA errs by at most 36 FP32 units (2^-24)
+// times the sum of the magnitudes of its 16 terms and C, i.e. 36 rounding levels of depth.
+constexpr int kMmaDepth = 36;
+
+int ceil_div(int64_t a, int64_t b) {
+  return int((a + b - 1) / b);
+}
+
+// Rounding depth of a gate or up output: the lane's path (as depth() above) for the FP32 kernel;
+// for the tensor-core kernel the warp's MMA chain over its chunks (a chunk = 4 units; a unit of U
+// codes = U / 4 MMAs), the sum over the tile's W = team / 32 warps and the global scale.
+int gate_up_depth(int64_t cols, int team, bool mma) {
+  const int64_t units = cols / unit_codes(cols);
+  if (!mma) return depth(ceil_div(units, team), team);
+  const int per_warp = ceil_div(ceil_div(units, 4), team / 32);
+  return kMmaDepth * per_warp * int(unit_codes(cols) / 4) + team / 32 + 1;
+}
+
+// Rounding depth of a down output (before the optional accumulate): FP32 kernel as before (+ the
+// weight * gs and * f roundings); tensor-core kernel: a chunk's fresh MMA chain, the routing
+// weight * gs product, the fmaf chain over the warp's chunks, the 4 expert slots (2 levels) and
+// the warps.
+int down_depth(int top_k, int64_t inter, int team, bool mma) {
+  const int64_t units = top_k * (inter / unit_codes(inter));
+  if (!mma) return depth(ceil_div(units, team), team) + 2;
+  const int per_warp = ceil_div(ceil_div(units, 4), team / 32);
+  return kMmaDepth * int(unit_codes(inter) / 4) + 1 + per_warp + 2 + team / 32;
+}
+
+// Team widths each kernel accepts.
+std::vector<int> teams(bool mma) {
+  std::vector<int> t;
+  for (int v = mma ? 32 : 8; v <= 256; v *= 2) t.push_back(v);
+  return t;
+}
+
+const char* kernel_name(bool mma) {
+  return mma ? "tensor-core kernel" : "FP32 kernel";
+}
+
 struct GateUpRef {
   std::vector<double> gu, gu_bound, h, h_bound;  // gu: [top_k, 2I]; h: [top_k, I]
 };
 
 GateUpRef gate_up_reference(const HostExperts& w, const std::vector<int32_t>& ids,
-                            const std::vector<float>& x, int team) {
+                            const std::vector<float>& x, int depth_levels) {
   const int64_t inter = w.rows / 2;
   const int k = int(ids.size());
   GateUpRef r;
@@ -118,8 +162,7 @@ GateUpRef gate_up_reference(const HostExperts& w, const std::vector<int32_t>& id
   r.gu_bound.assign(r.gu.size(), 0.0);
   r.h.assign(size_t(k) * inter, 0.0);
   r.h_bound.assign(r.h.size(), 0.0);
-  const int64_t per_lane = (w.cols / unit_codes(w.cols) + team - 1) / team;
-  const double gamma = fn::test::gamma_fp32(depth(per_lane, team));
+  const double gamma = fn::test::gamma_fp32(depth_levels);
   for (int j = 0; j < k; ++j) {
     const int e = ids[j];
     if (e < 0 || e >= w.num_experts) continue;  // contributes zeros
@@ -155,7 +198,7 @@ struct GateUpOut {
 };
 
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
-                      const std::vector<float>& x, int team = 0) {
+                      const std::vector<float>& x, int team, bool mma) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));
@@ -171,6 +214,7 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
   p.h = d_h.ptr;
   p.gate_up_out = d_gu.ptr;
   p.team_threads = team;
+  p.mma = mma;
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   GateUpOut out{d_gu.download(), {}};
@@ -180,15 +224,14 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
 
 // y[d] = sum_j rw[j] * gs[e_j] * (W_down[e_j] h_j)[d] in FP64, plus its bound.
 void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
-                    const std::vector<float>& rw, const std::vector<float>& h, int team,
+                    const std::vector<float>& rw, const std::vector<float>& h, int depth_levels,
                     const std::vector<float>* y0, std::vector<double>& y,
                     std::vector<double>& bound) {
   const int k = int(ids.size());
   const int64_t inter = w.cols;
   y.assign(w.rows, 0.0);
   bound.assign(w.rows, 0.0);
-  const int64_t per_lane = (k * (inter / unit_codes(inter)) + team - 1) / team;
-  const double gamma = fn::test::gamma_fp32(depth(per_lane, team) + 2);  // + weight * gs, * f
+  const double gamma = fn::test::gamma_fp32(depth_levels);
   for (int j = 0; j < k; ++j) {
     const int e = ids[j];
     if (e < 0 || e >= w.num_experts) continue;
@@ -213,7 +256,7 @@ void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
 
 std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& ids,
                             const std::vector<float>& rw, const std::vector<float>& h, int team,
-                            const std::vector<float>* y0) {
+                            const std::vector<float>* y0, bool mma) {
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<float> d_rw(rw);
   DeviceArray<uint16_t> d_h(to_bf16(h));
@@ -231,6 +274,7 @@ std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& 
   p.y = d_y.ptr;
   p.accumulate = y0 != nullptr;
   p.team_threads = team;
+  p.mma = mma;
   fn::launch_moe_down_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   return d_y.download();
@@ -266,29 +310,39 @@ TEST_CASE("cuda moe nvfp4: gate and up sums are exact with power-of-two scales, 
   const DeviceExperts dw(w);
   const std::vector<int32_t> ids = {11, 0, 5, 5, 7};  // repeated and extreme ids
   const auto x = random_ints(2560, -4, 4, 2);
-  const GateUpRef ref = gate_up_reference(w, ids, x, 8);
-  for (int team = 8; team <= 256; team *= 2) {
-    const auto got = run_gate_up(dw, ids, x, team);
-    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "team ", team, ": ", c.describe());
-    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "team ", team, " h: ", ch.describe());
-  }
+  for (bool mma : {false, true})
+    for (int team : teams(mma)) {
+      const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(2560, team, mma));
+      const auto got = run_gate_up(dw, ids, x, team, mma);
+      const auto c =
+          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " team ", team, ": ", c.describe());
+      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " team ", team, " h: ", ch.describe());
+    }
 }
 
-TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1 and TP=2) within the bound") {
-  for (int64_t inter : {640, 320}) {
+TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1, 2 and 4) within the bound") {
+  for (int64_t inter : {640, 320, 160}) {
     const HostExperts w = make_experts(64, 2 * inter, 2560, 2, false, 10 + inter);
     const DeviceExperts dw(w);
     const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
     const auto x = random_bf16(2560, 1.0f, 3 + inter);
-    const int team = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count());
-    const GateUpRef ref = gate_up_reference(w, ids, x, team);
-    const auto got = run_gate_up(dw, ids, x);
-    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
-    CHECK_MESSAGE(c.wrong == 0, "I ", inter, " gate/up: ", c.describe());
-    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "I ", inter, " h: ", ch.describe());
+    for (bool mma : {false, true}) {
+      const int team = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count(), mma);
+      const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(2560, team, mma));
+      const auto got = run_gate_up(dw, ids, x, 0, mma);
+      const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, " gate/up: ", c.describe());
+      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " I ", inter, " h: ", ch.describe());
+      // Information only: the worst error against the FP32 kernel's (tighter) bound.
+      const int t32 = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count(), false);
+      const GateUpRef tight = gate_up_reference(w, ids, x, gate_up_depth(2560, t32, false));
+      MESSAGE(kernel_name(mma), " I ", inter, ": worst gate/up error / own bound ", c.worst_ratio,
+              ", / the FP32 kernel's bound ",
+              fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
+    }
   }
 }
 
@@ -298,30 +352,42 @@ TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-o
   const std::vector<int32_t> ids = {8, 3, 0, 3};
   const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f};
   const auto h = random_ints(ids.size() * 640, -4, 4, 21);
-  for (int team = 8; team <= 256; team *= 2) {
-    std::vector<double> want, bound;
-    down_reference(w, ids, rw, h, team, nullptr, want, bound);
-    const auto got = run_down(dw, ids, rw, h, team, nullptr);
-    const auto c = fn::test::compare_bounded(got, want, std::vector<double>(want.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "team ", team, ": ", c.describe());
-  }
+  for (bool mma : {false, true})
+    for (int team : teams(mma)) {
+      std::vector<double> want, bound;
+      down_reference(w, ids, rw, h, down_depth(4, 640, team, mma), nullptr, want, bound);
+      const auto got = run_down(dw, ids, rw, h, team, nullptr, mma);
+      const auto c = fn::test::compare_bounded(got, want, std::vector<double>(want.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " team ", team, ": ", c.describe());
+    }
 }
 
-TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1 and TP=2), accumulating") {
-  for (int64_t inter : {640, 320}) {
+TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1, 2 and 4), accumulating") {
+  for (int64_t inter : {640, 320, 160}) {
     const HostExperts w = make_experts(64, 2560, inter, 1, false, 30 + inter);
     const DeviceExperts dw(w);
     const std::vector<int32_t> ids = {5, 63, 0, 22, 41, 7, 19, 36, 50, 11};
     std::vector<float> rw = {0.21f, 0.15f, 0.12f, 0.1f, 0.09f, 0.08f, 0.07f, 0.06f, 0.06f, 0.06f};
     const auto h = random_bf16(ids.size() * inter, 0.5f, 31 + inter);
     const auto y0 = random_bf16(2560, 0.3f, 32 + inter);
-    const int team = fn::plan_moe_down_team(10, inter, 2560, sm_count());
-    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-      std::vector<double> want, bound;
-      down_reference(w, ids, rw, h, team, init, want, bound);
-      const auto got = run_down(dw, ids, rw, h, 0, init);
-      const auto c = fn::test::compare_bounded(got, want, bound);
-      CHECK_MESSAGE(c.wrong == 0, "I ", inter, " accumulate ", init != nullptr, ": ", c.describe());
+    for (bool mma : {false, true}) {
+      const int team = fn::plan_moe_down_team(10, inter, 2560, sm_count(), mma);
+      for (const std::vector<float>* init :
+           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+        std::vector<double> want, bound;
+        down_reference(w, ids, rw, h, down_depth(10, inter, team, mma), init, want, bound);
+        const auto got = run_down(dw, ids, rw, h, 0, init, mma);
+        const auto c = fn::test::compare_bounded(got, want, bound);
+        CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, " accumulate ", init != nullptr,
+                      ": ", c.describe());
+        // Information only: the worst error against the FP32 kernel's (tighter) bound.
+        const int t32 = fn::plan_moe_down_team(10, inter, 2560, sm_count(), false);
+        std::vector<double> want32, bound32;
+        down_reference(w, ids, rw, h, down_depth(10, inter, t32, false), init, want32, bound32);
+        MESSAGE(kernel_name(mma), " I ", inter, " accumulate ", init != nullptr,
+                ": worst error / own bound ", c.worst_ratio, ", / the FP32 kernel's bound ",
+                fn::test::compare_bounded(got, want32, bound32).worst_ratio);
+      }
     }
   }
 }
@@ -336,46 +402,53 @@ TEST_CASE("cuda moe nvfp4: cols = 16 and 48 (odd multiples of 16) are exact, eve
   const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f};
   const auto h = random_ints(ids.size() * 16, -4, 4, 72);
   const auto x = random_ints(48, -4, 4, 73);
-  const GateUpRef ref = gate_up_reference(gu, ids, x, 8);
-  for (int team = 8; team <= 256; team *= 2) {
-    std::vector<double> want, bound;
-    down_reference(dn, ids, rw, h, team, nullptr, want, bound);
-    const auto y = run_down(ddn, ids, rw, h, team, nullptr);
-    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "down team ", team, ": ", c.describe());
-    const auto got = run_gate_up(dgu, ids, x, team);
-    const auto cg =
-        fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-    CHECK_MESSAGE(cg.wrong == 0, "gate/up team ", team, ": ", cg.describe());
-    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "h team ", team, ": ", ch.describe());
-  }
+  for (bool mma : {false, true})
+    for (int team : teams(mma)) {
+      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(48, team, mma));
+      std::vector<double> want, bound;
+      down_reference(dn, ids, rw, h, down_depth(4, 16, team, mma), nullptr, want, bound);
+      const auto y = run_down(ddn, ids, rw, h, team, nullptr, mma);
+      const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " down team ", team, ": ", c.describe());
+      const auto got = run_gate_up(dgu, ids, x, team, mma);
+      const auto cg =
+          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+      CHECK_MESSAGE(cg.wrong == 0, kernel_name(mma), " gate/up team ", team, ": ", cg.describe());
+      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " h team ", team, ": ", ch.describe());
+    }
 }
 
 TEST_CASE("cuda moe nvfp4: lanes with more units than they hold in registers loop, exactly") {
-  // Team 8: gate+up over 2560 columns gives each lane 10 units (chunks of 3), over 720 (an odd
-  // multiple of 16: the 16-code path) 6; the down projection over 10 experts x 112 columns gives
-  // 9 units per lane (chunks of 7), over 10 x 640 columns 25.
+  // FP32 kernel, team 8: gate+up over 2560 columns gives each lane 10 units (chunks of 3), over 720
+  // (an odd multiple of 16: the 16-code path) 6; the down projection over 10 experts x 112 columns
+  // 9 units per lane (chunks of 7), over 10 x 640 columns 25. Tensor-core kernel, one warp per
+  // tile (team 32): gate+up 20 chunks of 4 units (4 rounds of 5) and 12 (3 rounds); down 18
+  // chunks (3 rounds of 7, chunks spanning 2 experts) and 50 (8 rounds).
   const std::vector<int32_t> ids = {3, 0, 5, 1, 5, 2, 4, 0, 1, 3};
   const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f, 0.5f, 0.25f, 1.0f, 2.0f, 0.5f, 0.25f};
-  for (int64_t cols : {2560, 720}) {
-    const HostExperts gu = make_experts(6, 2 * 24, cols, 2, true, 90 + cols);
-    const DeviceExperts dgu(gu);
-    const auto x = random_ints(size_t(cols), -4, 4, 91 + cols);
-    const GateUpRef ref = gate_up_reference(gu, ids, x, 8);
-    const auto got = run_gate_up(dgu, ids, x, 8);
-    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "cols ", cols, ": ", c.describe());
-  }
-  for (int64_t inter : {112, 640}) {
-    const HostExperts dn = make_experts(6, 40, inter, 1, true, 92 + inter);
-    const DeviceExperts ddn(dn);
-    const auto h = random_ints(ids.size() * inter, -4, 4, 93 + inter);
-    std::vector<double> want, bound;
-    down_reference(dn, ids, rw, h, 8, nullptr, want, bound);
-    const auto y = run_down(ddn, ids, rw, h, 8, nullptr);
-    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "I ", inter, ": ", c.describe());
+  for (bool mma : {false, true}) {
+    const int team = mma ? 32 : 8;
+    for (int64_t cols : {2560, 720}) {
+      const HostExperts gu = make_experts(6, 2 * 24, cols, 2, true, 90 + cols);
+      const DeviceExperts dgu(gu);
+      const auto x = random_ints(size_t(cols), -4, 4, 91 + cols);
+      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(cols, team, mma));
+      const auto got = run_gate_up(dgu, ids, x, team, mma);
+      const auto c =
+          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " cols ", cols, ": ", c.describe());
+    }
+    for (int64_t inter : {112, 640}) {
+      const HostExperts dn = make_experts(6, 40, inter, 1, true, 92 + inter);
+      const DeviceExperts ddn(dn);
+      const auto h = random_ints(ids.size() * inter, -4, 4, 93 + inter);
+      std::vector<double> want, bound;
+      down_reference(dn, ids, rw, h, down_depth(10, inter, team, mma), nullptr, want, bound);
+      const auto y = run_down(ddn, ids, rw, h, team, nullptr, mma);
+      const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, ": ", c.describe());
+    }
   }
 }
 
@@ -387,23 +460,96 @@ TEST_CASE("cuda moe nvfp4: the tiny fixtures' shapes (hidden 64, I = 32 and 16) 
     const std::vector<int32_t> ids = {6, 1, 4};
     const std::vector<float> rw = {0.5f, 0.3f, 0.2f};
     const auto x = random_bf16(64, 1.0f, 82 + inter);
-    const int tg = fn::plan_moe_gate_up_team(3, inter, 64, sm_count());
-    const GateUpRef ref = gate_up_reference(gu, ids, x, tg);
-    const auto got = run_gate_up(dgu, ids, x);
-    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
-    CHECK_MESSAGE(c.wrong == 0, "I ", inter, " gate/up: ", c.describe());
-    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "I ", inter, " h: ", ch.describe());
-    // The down projection on the kernel's own h, plain and accumulating.
-    const auto y0 = random_bf16(64, 0.3f, 83 + inter);
-    const int td = fn::plan_moe_down_team(3, inter, 64, sm_count());
-    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-      std::vector<double> want, bound;
-      down_reference(dn, ids, rw, got.h, td, init, want, bound);
-      const auto y = run_down(ddn, ids, rw, got.h, 0, init);
-      const auto cd = fn::test::compare_bounded(y, want, bound);
-      CHECK_MESSAGE(cd.wrong == 0, "I ", inter, " down, accumulate ", init != nullptr, ": ",
-                    cd.describe());
+    for (bool mma : {false, true}) {
+      const int tg = fn::plan_moe_gate_up_team(3, inter, 64, sm_count(), mma);
+      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(64, tg, mma));
+      const auto got = run_gate_up(dgu, ids, x, 0, mma);
+      const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, " gate/up: ", c.describe());
+      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " I ", inter, " h: ", ch.describe());
+      // The down projection on the kernel's own h, plain and accumulating.
+      const auto y0 = random_bf16(64, 0.3f, 83 + inter);
+      const int td = fn::plan_moe_down_team(3, inter, 64, sm_count(), mma);
+      for (const std::vector<float>* init :
+           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+        std::vector<double> want, bound;
+        down_reference(dn, ids, rw, got.h, down_depth(3, inter, td, mma), init, want, bound);
+        const auto y = run_down(ddn, ids, rw, got.h, 0, init, mma);
+        const auto cd = fn::test::compare_bounded(y, want, bound);
+        CHECK_MESSAGE(cd.wrong == 0, kernel_name(mma), " I ", inter, " down, accumulate ",
+                      init != nullptr, ": ", cd.describe());
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: row counts that are not a multiple of 8 leave no row out, exactly") {
+  // The tensor-core kernels work on tiles of 8 rows: I = 20 gate/up row pairs (2.5 tiles per
+  // expert) over 48 columns, and a down projection with 44 output rows over 10 x 16 columns
+  // (chunks of 4 units spanning up to 4 experts), plain and accumulating.
+  const std::vector<int32_t> ids = {2, 5, 0, 5, 1, 3, 4, 0, 2, 1};
+  const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 1.0f, 2.0f, 0.5f, 0.25f, 4.0f, 0.5f, 0.125f};
+  const HostExperts gu = make_experts(6, 2 * 20, 48, 2, true, 100);
+  const HostExperts dn = make_experts(6, 44, 16, 1, true, 101);
+  const DeviceExperts dgu(gu), ddn(dn);
+  const auto x = random_ints(48, -4, 4, 102);
+  const auto h = random_ints(ids.size() * 16, -4, 4, 103);
+  const auto y0 = random_ints(44, -8, 8, 104);
+  for (bool mma : {false, true})
+    for (int team : teams(mma)) {
+      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(48, team, mma));
+      const auto got = run_gate_up(dgu, ids, x, team, mma);
+      const auto c =
+          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " gate/up team ", team, ": ", c.describe());
+      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " h team ", team, ": ", ch.describe());
+      for (const std::vector<float>* init :
+           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+        std::vector<double> want, bound;
+        down_reference(dn, ids, rw, h, down_depth(10, 16, team, mma), init, want, bound);
+        const auto y = run_down(ddn, ids, rw, h, team, init, mma);
+        const auto cd = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+        CHECK_MESSAGE(cd.wrong == 0, kernel_name(mma), " down team ", team, " accumulate ",
+                      init != nullptr, ": ", cd.describe());
+      }
+    }
+}
+
+TEST_CASE("cuda moe nvfp4: +-0.5 codes and subnormal block scales are exact (no flush to zero)") {
+  // Every weight is +0.5 or -0.5 (E2M1 0x1 / 0x9: the BF16 subnormal patterns of the decode) with
+  // block scales among the E4M3 subnormals 2^-9 .. 7 * 2^-9 and 2^-6 (0x08): products down to
+  // 2^-10 * x, all exact; a flushed code or scale would change the integer-valued sums.
+  for (const bool gate_up : {true, false}) {
+    HostExperts w =
+        gate_up ? make_experts(4, 2 * 24, 96, 2, true, 110) : make_experts(4, 40, 96, 1, true, 111);
+    std::mt19937_64 rng(112);
+    for (auto& b : w.packed) b = uint8_t((rng() & 1 ? 0x1 : 0x9) | (rng() & 1 ? 0x10 : 0x90));
+    for (auto& sc : w.scales) sc = uint8_t(rng() % 8 == 0 ? 0x08 : 1 + rng() % 7);
+    const DeviceExperts dw(w);
+    const std::vector<int32_t> ids = {3, 1, 2};
+    const auto x = random_ints(gate_up ? 96 : ids.size() * 96, -64, 64, 113);
+    for (bool mma : {false, true}) {
+      const int team = mma ? 64 : 16;
+      if (gate_up) {
+        const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(96, team, mma));
+        const auto got = run_gate_up(dw, ids, x, team, mma);
+        const auto c =
+            fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+        CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " gate/up: ", c.describe());
+        // Every output is nonzero-able: the reference is not trivially zero.
+        double mag = 0;
+        for (double v : ref.gu) mag += std::fabs(v);
+        CHECK(mag > 0);
+      } else {
+        const std::vector<float> rw = {0.5f, 1.0f, 0.25f};
+        std::vector<double> want, bound;
+        down_reference(w, ids, rw, x, down_depth(3, 96, team, mma), nullptr, want, bound);
+        const auto y = run_down(dw, ids, rw, x, team, nullptr, mma);
+        const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+        CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " down: ", c.describe());
+      }
     }
   }
 }
@@ -414,17 +560,33 @@ TEST_CASE("cuda moe nvfp4: expert ids outside [0, num_experts) contribute zero")
   const DeviceExperts dgu(gu), ddn(dn);
   const std::vector<int32_t> ids = {-1, 2, 4, 1 << 30};
   const auto x = random_ints(64, -3, 3, 42);
-  const auto got = run_gate_up(dgu, ids, x, 8);
-  for (int j : {0, 2, 3})
-    for (int i = 0; i < 32; ++i) CHECK(got.h[size_t(j) * 32 + i] == 0.0f);
-  const GateUpRef ref = gate_up_reference(gu, ids, x, 8);
-  CHECK(fn::test::compare_bounded(got.h, ref.h, ref.h_bound).wrong == 0);
   const std::vector<float> rw = {1.0f, 0.5f, 1.0f, 1.0f};
   const auto h = random_ints(ids.size() * 32, -3, 3, 43);
-  std::vector<double> want, bound;
-  down_reference(dn, ids, rw, h, 8, nullptr, want, bound);
-  const auto y = run_down(ddn, ids, rw, h, 8, nullptr);
-  CHECK(fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0)).wrong == 0);
+  const auto y0 = random_ints(96, -3, 3, 44);
+  for (bool mma : {false, true}) {
+    const int team = mma ? 32 : 8;
+    const auto got = run_gate_up(dgu, ids, x, team, mma);
+    for (int j : {0, 2, 3})
+      for (int i = 0; i < 32; ++i) CHECK(got.h[size_t(j) * 32 + i] == 0.0f);
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(64, team, mma));
+    CHECK(fn::test::compare_bounded(got.h, ref.h, ref.h_bound).wrong == 0);
+    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+      std::vector<double> want, bound;
+      down_reference(dn, ids, rw, h, down_depth(4, 32, team, mma), init, want, bound);
+      const auto y = run_down(ddn, ids, rw, h, team, init, mma);
+      CHECK_MESSAGE(
+          fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0)).wrong == 0,
+          kernel_name(mma), " accumulate ", init != nullptr);
+    }
+  }
+  // All ids invalid: h = 0, and y = 0 (or y0 untouched when accumulating).
+  const std::vector<int32_t> none = {-5, 4, 7, -1};
+  for (bool mma : {false, true}) {
+    const auto got = run_gate_up(dgu, none, x, 0, mma);
+    for (float v : got.h) CHECK(v == 0.0f);
+    const auto y = run_down(ddn, none, rw, h, 0, &y0, mma);
+    CHECK(std::memcmp(y.data(), y0.data(), y.size() * 4) == 0);
+  }
 }
 
 TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device memory, bitwise") {
@@ -450,6 +612,8 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
   pd.top_k = 10;
   pd.h = d_h.ptr;
   pd.y = d_y.ptr;
+  CHECK(pg.mma);  // the default: the tensor-core kernels
+  CHECK(pd.mma);
 
   cudaStream_t stream;
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -478,10 +642,16 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
     FN_CUDA_CHECK(cudaStreamSynchronize(stream));
     const auto y_eager = d_y.download();
     CHECK(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0);
-    // And right: the down reference on the graph's own h.
+    // And right: the references on the graph's own h.
+    const GateUpRef gref = gate_up_reference(
+        gu, ids, x,
+        gate_up_depth(2560, fn::plan_moe_gate_up_team(10, 320, 2560, sm_count()), true));
+    const auto ch = fn::test::compare_bounded(h_graph, gref.h, gref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "h: ", ch.describe());
     std::vector<double> want, bound;
-    down_reference(dn, ids, rw, h_graph, fn::plan_moe_down_team(10, 320, 2560, sm_count()), nullptr,
-                   want, bound);
+    down_reference(dn, ids, rw, h_graph,
+                   down_depth(10, 320, fn::plan_moe_down_team(10, 320, 2560, sm_count()), true),
+                   nullptr, want, bound);
     const auto c = fn::test::compare_bounded(y_graph, want, bound);
     CHECK_MESSAGE(c.wrong == 0, c.describe());
   }
@@ -516,6 +686,12 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   bad.team_threads = 12;
   CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
   bad = p;
+  bad.team_threads = 16;  // the tensor-core kernel takes whole warps (32..256)
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
+  bad.mma = false;  // the FP32 kernel takes 16
+  fn::launch_moe_gate_up_nvfp4(bad, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  bad = p;
   bad.top_k = 0;
   CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
   bad = p;
@@ -536,6 +712,9 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   d.h = h64.ptr;
   fn::launch_moe_down_nvfp4(d, nullptr);  // valid: 1 x 64 columns
   FN_CUDA_CHECK(cudaDeviceSynchronize());
+  d.team_threads = 8;  // whole warps only on the tensor-core path
+  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
+  d.team_threads = 0;
   d.top_k = 193;  // 193 x 64 columns of h staged as FP32: over 48 KB
   CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
 }

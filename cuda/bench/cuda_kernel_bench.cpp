@@ -5,7 +5,9 @@
 // The HC read rows time both kernel variants (registers / shared-memory staging) with PDL on and
 // off. The MoE shared-expert rows time the fused launches of cuda/moe_shared.h against the
 // unfused sequences they replace (in one graph, back to back). Usage: cuda_kernel_bench
-// [--json FILE] [--sweep] [--reps N] [--hc-only] [--moe-shared-only]. Table on stdout; not a test.
+// [--json FILE] [--sweep] [--reps N] [--hc-only] [--moe-shared-only] [--nvfp4-only]. The NVFP4
+// routed-expert rows time both kernels (FP32 FMA and tensor core, MoeGateUpParams::mma) at the
+// TP=1/2/4 shapes and sweep the tensor-core team widths. Table on stdout; not a test.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -153,6 +155,7 @@ int main(int argc, char** argv) try {
   bool sweep = false;
   bool hc_only = false;          // --hc-only: the HC read rows only (a short GPU call)
   bool moe_shared_only = false;  // --moe-shared-only: the fused MoE shared-expert rows only
+  bool nvfp4_only = false;       // --nvfp4-only: the NVFP4 routed-expert rows only
   int reps = 7;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
@@ -163,12 +166,14 @@ int main(int argc, char** argv) try {
       hc_only = true;
     else if (!std::strcmp(argv[i], "--moe-shared-only"))
       moe_shared_only = true;
+    else if (!std::strcmp(argv[i], "--nvfp4-only"))
+      nvfp4_only = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
       reps = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N] [--hc-only] "
-                   "[--moe-shared-only]\n");
+                   "[--moe-shared-only] [--nvfp4-only]\n");
       return 2;
     }
   }
@@ -190,7 +195,8 @@ int main(int argc, char** argv) try {
   nlohmann::json rows = nlohmann::json::array();
 
   // ---- MoE shared expert: fused launches (cuda/moe_shared.h) vs the unfused sequences -------
-  for (int64_t inter : hc_only ? std::vector<int64_t>{} : std::vector<int64_t>{640, 320}) {
+  for (int64_t inter :
+       hc_only || nvfp4_only ? std::vector<int64_t>{} : std::vector<int64_t>{640, 320}) {
     const int64_t D = 2560;
     const int E = 512, k = 10;
     const std::string tp = "tp" + std::to_string(640 / inter);
@@ -342,7 +348,7 @@ int main(int argc, char** argv) try {
   FN_CUDA_CHECK(cudaMalloc(&x, 10240 * 4));
   FN_CUDA_CHECK(cudaMalloc(&y, 248320 * 4));
   fill_random(x, 10240 * 4, 7);
-  for (const GemvShape& s : hc_only ? std::vector<GemvShape>{} : shapes) {
+  for (const GemvShape& s : hc_only || nvfp4_only ? std::vector<GemvShape>{} : shapes) {
     const size_t wbytes = size_t(s.rows) * s.cols * 2;
     const int copies = int(std::max<size_t>(1, (kRotateBytes + wbytes - 1) / wbytes));
     const size_t total = wbytes * copies;
@@ -394,7 +400,7 @@ int main(int argc, char** argv) try {
   }
 
   // ---- HC read: split-K down/inject GEMV + partial squares, then the mix (scales, N, m) ------
-  {
+  if (!nvfp4_only) {
     const int64_t D = 2560, r = 320, W = 4 * D, nrows = r + 4;
     const int64_t splits = fn::hc_down_splits(4, D);
     const size_t up_bytes = size_t(W * r) * 2, dn_bytes = size_t(nrows * W) * 2;
@@ -525,47 +531,54 @@ int main(int argc, char** argv) try {
     g.top_k = top_k;
     g.x = static_cast<const uint16_t*>(x);
     g.h = reinterpret_cast<uint16_t*>(h);
-    const double gu_us = t.time_per_call(calls, [&](int i) {
-      g.expert_ids = d_ids + size_t(i) * top_k;
-      fn::launch_moe_gate_up_nvfp4(g, t.stream);
-    });
-    const double gu_bytes =
-        double(top_k) * 2 * inter * (hidden / 2 + hidden / 16) + hidden * 2 + top_k * inter * 2;
-    const int gu_team = fn::plan_moe_gate_up_team(top_k, inter, hidden, prop.multiProcessorCount);
-    rows.push_back(report({"moe_gate_up_nvfp4", tp + " 10x" + std::to_string(2 * inter) + "x2560",
-                           std::to_string(gu_team) + "t", gu_bytes, gu_us, bw}));
-
     fn::MoeDownParams d;
     d.experts = {dn_p, dn_s, dn_g, num_experts, hidden, inter};
     d.top_k = top_k;
     d.routing_weights = d_rw;
     d.h = reinterpret_cast<const uint16_t*>(h);
     d.y = static_cast<float*>(y);
-    const double dn_us = t.time_per_call(calls, [&](int i) {
-      d.expert_ids = d_ids + size_t(i) * top_k;
-      fn::launch_moe_down_nvfp4(d, t.stream);
-    });
+    const double gu_bytes =
+        double(top_k) * 2 * inter * (hidden / 2 + hidden / 16) + hidden * 2 + top_k * inter * 2;
     const double dn_bytes =
         double(top_k) * hidden * (inter / 2 + inter / 16) + top_k * inter * 2 + hidden * 4;
-    const int dn_team = fn::plan_moe_down_team(top_k, inter, hidden, prop.multiProcessorCount);
-    rows.push_back(report({"moe_down_nvfp4", tp + " 10x2560x" + std::to_string(inter),
-                           std::to_string(dn_team) + "t", dn_bytes, dn_us, bw}));
-    if (sweep) {
-      for (int tt = 8; tt <= 256; tt *= 2) {
-        g.team_threads = tt;
-        d.team_threads = tt;
-        const double a = t.time_per_call(calls, [&](int i) {
-          g.expert_ids = d_ids + size_t(i) * top_k;
-          fn::launch_moe_gate_up_nvfp4(g, t.stream);
-        });
-        rows.push_back(
-            report({"moe_gate_up_nvfp4 sweep", tp, std::to_string(tt) + "t", gu_bytes, a, bw}));
-        const double b = t.time_per_call(calls, [&](int i) {
-          d.expert_ids = d_ids + size_t(i) * top_k;
-          fn::launch_moe_down_nvfp4(d, t.stream);
-        });
-        rows.push_back(
-            report({"moe_down_nvfp4 sweep", tp, std::to_string(tt) + "t", dn_bytes, b, bw}));
+    // Both kernels (mma false: FP32 FMA; true: tensor core), planned team, then (tensor core
+    // always, FP32 with --sweep) every team width.
+    auto time_gu = [&](bool mma, int team) {
+      g.mma = mma;
+      g.team_threads = team;
+      return t.time_per_call(calls, [&](int i) {
+        g.expert_ids = d_ids + size_t(i) * top_k;
+        fn::launch_moe_gate_up_nvfp4(g, t.stream);
+      });
+    };
+    auto time_dn = [&](bool mma, int team) {
+      d.mma = mma;
+      d.team_threads = team;
+      return t.time_per_call(calls, [&](int i) {
+        d.expert_ids = d_ids + size_t(i) * top_k;
+        fn::launch_moe_down_nvfp4(d, t.stream);
+      });
+    };
+    for (bool mma : {false, true}) {
+      const std::string kind = mma ? " mma" : " fp32";
+      const int gu_team =
+          fn::plan_moe_gate_up_team(top_k, inter, hidden, prop.multiProcessorCount, mma);
+      rows.push_back(
+          report({"moe_gate_up_nvfp4" + kind, tp + " 10x" + std::to_string(2 * inter) + "x2560",
+                  std::to_string(gu_team) + "t", gu_bytes, time_gu(mma, 0), bw}));
+      const int dn_team =
+          fn::plan_moe_down_team(top_k, inter, hidden, prop.multiProcessorCount, mma);
+      rows.push_back(report({"moe_down_nvfp4" + kind, tp + " 10x2560x" + std::to_string(inter),
+                             std::to_string(dn_team) + "t", dn_bytes, time_dn(mma, 0), bw}));
+    }
+    for (bool mma : {false, true}) {
+      if (!mma && !sweep) continue;
+      const std::string kind = mma ? " mma sweep" : " fp32 sweep";
+      for (int tt = mma ? 32 : 8; tt <= 256; tt *= 2) {
+        rows.push_back(report({"moe_gate_up_nvfp4" + kind, tp, std::to_string(tt) + "t", gu_bytes,
+                               time_gu(mma, tt), bw}));
+        rows.push_back(report({"moe_down_nvfp4" + kind, tp, std::to_string(tt) + "t", dn_bytes,
+                               time_dn(mma, tt), bw}));
       }
     }
     for (void* p :

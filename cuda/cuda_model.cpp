@@ -794,7 +794,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   // inject kernel is the window in which the down pass's blocks become resident and stage their
   // weights; behind the big GEMV that produces y the folded down pass has no such window. The
   // all-reduce kernel gives it one (TP = 2: 4.930 -> 4.886 ms/token folded).
-  const bool fold_inject = o.fused_step && tp > 1;
+  const bool fold_inject = o.fused_step && (o.fold_hc_inject < 0 ? tp > 1 : o.fold_hc_inject > 0);
   // The shared expert's fused launches (cuda/moe_shared.h): the router GEMV + top-k + shared
   // gate/up in one, SwiGLU + shared down + combine in one; same bits as the separate launches.
   // The fused down needs I a multiple of 8 (every real shape; not every tiny fixture's slice).

@@ -56,6 +56,9 @@ struct CudaModelOptions {
   /// shared down + combine launch (cuda/moe_shared.h). false: the separate launches, kept for
   /// A/B benches and for the test that the fused step gives the same bits.
   bool fused_step = true;
+  /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
+  /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
+  int fold_hc_inject = -1;
 };
 
 /// Which logits CudaModel::prefill returns.

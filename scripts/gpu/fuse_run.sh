@@ -68,3 +68,8 @@ FN_ALLREDUCE_PDL=0 timeout 200 $mpi -np 2 -x FN_ALLREDUCE_PDL "$b/cuda/cuda_mode
   >"$out/bench_tp2_ar_nopdl.txt" 2>&1
 echo "== bench TP=2 fused, all-reduce without PDL rc=$? ($((SECONDS - t)) s)"
 grep -E "^\| [0-9]" "$out/bench_tp2_ar_nopdl.txt" | cut -c1-300
+t=$SECONDS  # A/B: the HC inject folded into the down pass at TP = 1 too
+timeout 200 $mpi -np 1 "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json \
+  --depth 8192 --tokens "$tokens" --fold-inject 1 >"$out/bench_tp1_fold.txt" 2>&1
+echo "== bench TP=1 fused, inject folded rc=$? ($((SECONDS - t)) s)"
+grep -E "^\| [0-9]" "$out/bench_tp1_fold.txt" | cut -c1-300

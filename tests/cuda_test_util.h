@@ -8,10 +8,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "comm/cuda_check.h"
+#include "core/codecs.h"
 
 namespace fn::test {
 
@@ -93,6 +95,23 @@ inline Comparison compare_bounded(const std::vector<float>& got, const std::vect
     }
   }
   return c;
+}
+
+/// n samples of N(0, sigma^2) in FP32 from a std::mt19937_64 seeded with `seed` (test inputs).
+inline std::vector<float> normal_floats(size_t n, float sigma, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+/// normal_floats(n, sigma, seed) rounded to BF16 (nearest even), as BF16 bit patterns.
+inline std::vector<uint16_t> random_bf16_bits(size_t n, float sigma, uint64_t seed) {
+  const std::vector<float> f = normal_floats(n, sigma, seed);
+  std::vector<uint16_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = fn::float_to_bf16(f[i]);
+  return v;
 }
 
 }  // namespace fn::test

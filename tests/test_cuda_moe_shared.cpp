@@ -24,21 +24,8 @@
 namespace {
 
 using fn::test::DeviceArray;
-
-std::vector<float> normal_floats(size_t n, float sigma, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, sigma);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-std::vector<uint16_t> random_bf16_bits(size_t n, float sigma, uint64_t seed) {
-  const auto f = normal_floats(n, sigma, seed);
-  std::vector<uint16_t> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = fn::float_to_bf16(f[i]);
-  return v;
-}
+using fn::test::normal_floats;
+using fn::test::random_bf16_bits;
 
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {

@@ -23,16 +23,9 @@
 namespace {
 
 using fn::test::DeviceArray;
+using fn::test::normal_floats;
 
 constexpr int64_t kRealVocab = 248320;
-
-std::vector<float> normal_floats(size_t n, float sigma, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, sigma);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
 
 fn::SamplingParams host_params(const fn::DeviceSamplingParams& s) {
   fn::SamplingParams h;

@@ -295,6 +295,7 @@ struct DownArgs {
   const uint16_t* h;
   float* y;
   bool accumulate;
+  float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
 };
 
@@ -417,14 +418,28 @@ struct MmaStage {
   static constexpr int kStride = 2 * kCodes + 16;
   static constexpr int64_t bytes(int64_t n) { return n / kCodes * kStride; }
   // Every thread of the block calls it: n BF16 values (a multiple of kCodes; src 16-byte aligned).
+  // A thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch * 256
+  // vectors, not one per 256: the staging is on every warp's path to its first MMA).
+  template <int kBatch>
   static __device__ __forceinline__ void fill(const uint16_t* src, int n, uint8_t* s) {
     const uint4* v = reinterpret_cast<const uint4*>(src);
-    for (int i = threadIdx.x; i < n / 8; i += kBlockThreads) {
-      const uint4 q = __ldg(v + i);
-      const int u = (8 * i) / kCodes, wi = ((8 * i) % kCodes) / 8;
-      *reinterpret_cast<uint4*>(s + u * kStride + 16 * wi) =
-          make_uint4(__byte_perm(q.x, q.z, 0x5410), __byte_perm(q.x, q.z, 0x7632),
-                     __byte_perm(q.y, q.w, 0x5410), __byte_perm(q.y, q.w, 0x7632));
+    const int nv = n / 8;
+    for (int base = threadIdx.x; base < nv; base += kBatch * kBlockThreads) {
+      uint4 q[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int i = base + b * kBlockThreads;
+        q[b] = i < nv ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int i = base + b * kBlockThreads;
+        if (i >= nv) break;
+        const int u = (8 * i) / kCodes, wi = ((8 * i) % kCodes) / 8;
+        *reinterpret_cast<uint4*>(s + u * kStride + 16 * wi) =
+            make_uint4(__byte_perm(q[b].x, q[b].z, 0x5410), __byte_perm(q[b].x, q[b].z, 0x7632),
+                       __byte_perm(q[b].y, q[b].w, 0x5410), __byte_perm(q[b].y, q[b].w, 0x7632));
+      }
     }
   }
   static __device__ __forceinline__ uint4 word(const uint8_t* s, int u, int wi) {
@@ -473,6 +488,17 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaGateUpMinBlocks)
   const uint8_t* wu = wg + static_cast<int64_t>(a.inter) * (a.k / 2);
   const uint8_t* sg = a.scales + g_row * (a.k / 16);
   const uint8_t* su = sg + static_cast<int64_t>(a.inter) * (a.k / 16);
+  // Chunks past the first round: their lines go to L2 now (prefetch, no registers), so DRAM
+  // streams them from the start and the later rounds' loads hit L2.
+  for (int m = kMmaGateUpChunks; m < mine; ++m) {
+    const int u = 4 * (wt + m * nw) + t;
+    if (row_ok && u < a.nvec) {
+      dev::prefetch_l2(wg + (U::kCodes / 2) * static_cast<int64_t>(u));
+      dev::prefetch_l2(wu + (U::kCodes / 2) * static_cast<int64_t>(u));
+      dev::prefetch_l2(sg + (U::kCodes / 16) * u);
+      dev::prefetch_l2(su + (U::kCodes / 16) * u);
+    }
+  }
   uint4 w[kMmaGateUpChunks][2];
   uint32_t s[kMmaGateUpChunks][2];
   float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -488,7 +514,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaGateUpMinBlocks)
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
       lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
-      S::fill(a.x, static_cast<int>(a.k), stage);
+      S::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K = 2560: one batch
       __syncthreads();
     }
 #pragma unroll
@@ -561,6 +587,23 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
   const int nunits = a.top_k * a.nvec;
   const int nchunks = (nunits + 3) / 4;
   const int mine = tile_ok && wt < nchunks ? (nchunks - 1 - wt) / nw + 1 : 0;  // warp-uniform
+  // u / nvec for 0 <= u < nunits: the quotient is at most top_k <= 768 (h is staged in 48 KB), so
+  // the float product errs by < 768 * 2^-23 < 0.5 / nvec, the distance of (u + 0.5) / nvec from
+  // the nearest integer: exact.
+  const auto expert_of = [&](int u) {
+    return static_cast<int>((static_cast<float>(u) + 0.5f) * a.inv_nvec);
+  };
+  // Chunks past the first round: prefetched into L2 now (as in the gate+up kernel).
+  for (int m = kMmaDownChunks; m < mine; ++m) {
+    const int u = 4 * (wt + m * nw) + t;
+    if (!row_ok || u >= nunits) continue;
+    const int jj = expert_of(u), v = u - jj * a.nvec;
+    const int e = __ldg(a.ids + jj);
+    if (e < 0 || e >= a.num_experts) continue;
+    const int64_t row = static_cast<int64_t>(e) * a.hidden + d;
+    dev::prefetch_l2(a.packed + row * (a.inter / 2) + (U::kCodes / 2) * static_cast<int64_t>(v));
+    dev::prefetch_l2(a.scales + row * (a.inter / 16) + (U::kCodes / 16) * v);
+  }
   uint4 w[kMmaDownChunks];
   uint32_t s[kMmaDownChunks];
   float acc[2] = {0.0f, 0.0f};
@@ -569,7 +612,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
     for (int n = 0; n < kMmaDownChunks; ++n) {
       const int u = 4 * (wt + (n0 + n) * nw) + t;
       const bool in = n0 + n < mine && row_ok && u < nunits;
-      const int jj = in ? u / a.nvec : 0, v = u - jj * a.nvec;
+      const int jj = in ? expert_of(u) : 0, v = u - jj * a.nvec;
       const int e = in ? __ldg(a.ids + jj) : -1;
       const bool live = e >= 0 && e < a.num_experts;
       const int64_t row = static_cast<int64_t>(live ? e : 0) * a.hidden + (live ? d : 0);
@@ -584,7 +627,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
         live_j[jj] = live ? 1 : 0;
         fj[jj] = live ? __ldg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
       }
-      S::fill(a.h, nunits * U::kCodes, stage);
+      S::template fill<4>(a.h, nunits * U::kCodes, stage);  // 10 x 640 at TP=1: one batch
       __syncthreads();
     }
 #pragma unroll
@@ -592,8 +635,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
       if (n0 + n >= mine) continue;  // warp-uniform
       const int c4 = 4 * (wt + (n0 + n) * nw);
       const int u = c4 + t;
-      const int jf = c4 / a.nvec;  // the chunk's first expert: slot 0
-      const int jj = u < nunits ? u / a.nvec : jf;
+      const int jf = expert_of(c4);  // the chunk's first expert: slot 0
+      const int jj = u < nunits ? expert_of(u) : jf;
       const bool mine_row = u < nunits && live_j[jj] != 0 && g == jj - jf;
       float dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -628,14 +671,15 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
   a.y[dr] = a.accumulate ? a.y[dr] + y : y;
 }
 
-// Tensor-core plan: the fewest warps per tile (1..8) that take all of a warp's chunks in one round,
-// doubled while the doubled grid still fits in one wave of min_blocks blocks per SM and the
-// warps keep more than one chunk on average. Returns lanes per tile (32 W).
+// Tensor-core plan: the fewest warps per tile (1..8) that take all of a warp's chunks in two rounds
+// (the second prefetched into L2 at the start), doubled while the doubled grid still fits in one
+// wave of min_blocks blocks per SM and the warps keep more than one chunk on average. Returns
+// lanes per tile (32 W).
 int plan_mma(int64_t chunks, int64_t tiles, int per_warp, int sm_count, int min_blocks) {
   const int64_t wave = static_cast<int64_t>(min_blocks) * (sm_count > 0 ? sm_count : 1);
   auto blocks = [&](int w) { return (tiles * w + 7) / 8; };
   int w = 1;
-  while (w < 8 && static_cast<int64_t>(w) * per_warp < chunks) w *= 2;
+  while (w < 8 && static_cast<int64_t>(w) * per_warp * 2 < chunks) w *= 2;
   while (w < 8 && blocks(2 * w) <= wave && chunks > 2 * static_cast<int64_t>(w)) w *= 2;
   return 32 * w;
 }
@@ -786,6 +830,7 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
   if (p.mma) {
     a.team_log2 = __builtin_ctz(static_cast<unsigned>(team / 32));
+    a.inv_nvec = 1.0f / static_cast<float>(a.nvec);
     const int64_t tiles = (p.experts.rows + 7) / 8;
     const int64_t tiles_per_block = 8 >> a.team_log2;
     const unsigned mblocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);

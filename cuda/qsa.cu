@@ -46,6 +46,7 @@ struct Args {
   float* scores;
   int* selected;
   int* counters;
+  int* ticket;
   const int32_t* forced;
   float* part_out;
   float* part_max;
@@ -56,6 +57,7 @@ struct Args {
   int ni, ihd, ratio, topk;
   float eps;
   int chunk, max_chunks, gmax;
+  int combine_stage;  // chunks staged per round by the sliced combine
 };
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
@@ -165,9 +167,13 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
 // selected[n / ratio] for n < ratio * nsel, else the tail token ratio*B + (n - ratio*nsel).
 // The chunk's K and V rows are staged in shared memory by all threads at once; one FP32
 // accumulator per query head (kMaxG, unrolled) so the heads' chains overlap.
+// kVec (hd % 8 == 0, 16-byte aligned caches): the K/V rows are gathered with 16-byte loads, so a
+// thread has all its loads of the chunk in flight at once (the same values land in the same
+// shared words: bits unchanged).
+template <bool kVec>
 __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) return;
   const int nsel = a.counters[0], B = a.counters[1], n_tokens = a.counters[2];
@@ -200,12 +206,25 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   }
   __syncthreads();
   const int64_t row = int64_t{a.hkv} * hd;
+  if constexpr (kVec) {
+    const int vecs = hd / 8;
 #pragma unroll 4
-  for (int idx = tid; idx < cnt * pairs; idx += kThreads) {
-    const int n = idx / pairs, p = idx - n * pairs;
-    const int64_t base = tok_s[n] * row + int64_t{j} * hd;
-    k_s[idx] = reinterpret_cast<const uint32_t*>(a.k_cache + base)[p];
-    v_s[idx] = reinterpret_cast<const uint32_t*>(a.v_cache + base)[p];
+    for (int idx = tid; idx < cnt * vecs; idx += kThreads) {
+      const int n = idx / vecs, v = idx - n * vecs;
+      const int64_t base = tok_s[n] * row + int64_t{j} * hd;
+      const uint4 kq = reinterpret_cast<const uint4*>(a.k_cache + base)[v];
+      const uint4 vq = reinterpret_cast<const uint4*>(a.v_cache + base)[v];
+      reinterpret_cast<uint4*>(k_s + n * pairs)[v] = kq;
+      reinterpret_cast<uint4*>(v_s + n * pairs)[v] = vq;
+    }
+  } else {
+#pragma unroll 4
+    for (int idx = tid; idx < cnt * pairs; idx += kThreads) {
+      const int n = idx / pairs, p = idx - n * pairs;
+      const int64_t base = tok_s[n] * row + int64_t{j} * hd;
+      k_s[idx] = reinterpret_cast<const uint32_t*>(a.k_cache + base)[p];
+      v_s[idx] = reinterpret_cast<const uint32_t*>(a.v_cache + base)[p];
+    }
   }
   __syncthreads();
   const float scale = 1.0f / sqrtf(static_cast<float>(hd));
@@ -261,7 +280,25 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
     float acc[kMaxG];
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
-    for (int n = 0; n < cnt; ++n) {
+    int n0 = 0;
+    if constexpr (kVec) {  // four tokens' weights per shared load; the same FMA order
+      for (; n0 + 4 <= cnt; n0 += 4) {
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = __uint_as_float(uint32_t{v16[(n0 + u) * hd + d]} << 16);
+#pragma unroll
+        for (int g = 0; g < kMaxG; ++g) {
+          if (g < G) {
+            const float4 s4 = *reinterpret_cast<const float4*>(s_s + g * a.chunk + n0);
+            acc[g] = fmaf(s4.x, v[0], acc[g]);
+            acc[g] = fmaf(s4.y, v[1], acc[g]);
+            acc[g] = fmaf(s4.z, v[2], acc[g]);
+            acc[g] = fmaf(s4.w, v[3], acc[g]);
+          }
+        }
+      }
+    }
+    for (int n = n0; n < cnt; ++n) {
       const float v = __uint_as_float(uint32_t{v16[n * hd + d]} << 16);
 #pragma unroll
       for (int g = 0; g < kMaxG; ++g)
@@ -289,6 +326,202 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
   qsa_dev::combine_head(
       a.part_max + int64_t{i} * a.max_chunks, a.part_sum + int64_t{i} * a.max_chunks,
       a.part_out + int64_t{i} * a.max_chunks * hd, nc, hd, a.proj + int64_t{i} * 2 * hd + hd, out);
+}
+
+// ---- The default four-launch path: prep, scores + select, attention, sliced combine. ----
+
+// qsa_prep_kernel with the work that needs no earlier kernel's output done before the
+// programmatic wait (cuda/pdl.cuh): the position (written at the end of the previous step, many
+// launches back), the norm weight, the RoPE rotation (FP64 pow + sincos) and, for a completing
+// block, the FP64 sum of its raw keys of earlier steps. Then the same operations as
+// qsa_prep_kernel. CTA 0 also zeroes the scores ticket (the next launch's, after this one).
+__global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
+  __shared__ float y[kMaxDim];
+  __shared__ double red[kThreads / 32];
+  const int64_t t = *a.position;  // not written by the last two launches
+  const bool ok = valid_t(t, a.ctx);
+  const int role = blockIdx.x, tid = threadIdx.x;
+  const int64_t hd = a.hd, qkv = int64_t{a.hq} * 2 * hd;
+  const int64_t idx_off = qkv + 2 * int64_t{a.hkv} * hd;
+  const int kind = role < a.hq ? 0 : role < a.hq + a.hkv ? 1 : role < a.hq + a.hkv + a.ni ? 2 : 3;
+  const float* w = kind == 0 ? a.q_norm : kind == 1 ? a.k_norm : kind == 2 ? a.iq_norm : a.ik_norm;
+  const int n = kind < 2 ? a.hd : a.ihd;
+  const bool block_done = ok && (t + 1) % a.ratio == 0;
+  const int64_t b = (t + 1) / a.ratio - 1;
+  const int64_t pos = kind == 3 ? b * a.ratio : t;
+  const float wv = tid < n ? w[tid] : 0.0f;
+  float c = 0.0f, s = 0.0f;
+  if (tid < a.rot / 2) qsa_dev::rope_cos_sin(a.theta, a.rot, pos, tid, &c, &s);
+  double acc = 0.0;  // indexer_block_key's FP64 sum of the block's rows of earlier steps
+  if (kind == 3 && block_done && tid < a.ihd)
+    for (int i = 0; i + 1 < a.ratio; ++i) acc += a.raw_keys[(b * a.ratio + i) * a.ihd + tid];
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  if (role == 0 && tid == 0) *a.ticket = 0;
+  if (!ok) return;
+  if (kind == 0) {
+    const float xv = tid < n ? a.proj[role * 2 * hd + tid] : 0.0f;
+    qsa_dev::norm_rope_cs(xv, wv, n, a.eps, a.rot, c, s, y, red);
+    if (tid < a.hd) a.q[role * hd + tid] = y[tid];
+  } else if (kind == 1) {
+    const int j = role - a.hq;
+    const float xv = tid < n ? a.proj[qkv + j * hd + tid] : 0.0f;
+    qsa_dev::norm_rope_cs(xv, wv, n, a.eps, a.rot, c, s, y, red);
+    const int64_t row = t * a.hkv * hd + j * hd;
+    if (tid < a.hd) {
+      a.k_cache[row + tid] = dev::float_to_bf16_bits(y[tid]);
+      a.v_cache[row + tid] = dev::float_to_bf16_bits(a.proj[qkv + (a.hkv + j) * hd + tid]);
+    }
+  } else if (kind == 2) {
+    const int h = role - a.hq - a.hkv;
+    const float xv = tid < n ? a.proj[idx_off + h * a.ihd + tid] : 0.0f;
+    qsa_dev::norm_rope_cs(xv, wv, n, a.eps, a.rot, c, s, y, red);
+    if (tid < a.ihd) a.qi[h * a.ihd + tid] = y[tid];
+  } else {
+    const float* cur = a.proj + idx_off + int64_t{a.ni} * a.ihd;
+    if (tid < a.ihd) a.raw_keys[t * a.ihd + tid] = cur[tid];
+    if (!block_done) return;  // uniform over the CTA
+    float xv = 0.0f;
+    if (tid < a.ihd) {
+      acc += cur[tid];
+      xv = static_cast<float>(acc / static_cast<double>(a.ratio));
+    }
+    qsa_dev::norm_rope_cs(xv, wv, n, a.eps, a.rot, c, s, y, red);
+    if (tid < a.ihd) a.block_keys[b * a.ihd + tid] = y[tid];
+  }
+}
+
+// indexer_scores (as qsa_scores_kernel, one warp per block, kSelectThreads per CTA) with each
+// warp's first block key loaded before the programmatic wait when an earlier step wrote it (every
+// block but the one completing now), then the select of qsa_select_kernel in the CTA that takes
+// the last arrival ticket (integer atomic after a fence; it resets the ticket for the next launch).
+__global__ void __launch_bounds__(kSelectThreads) qsa_scores_select_kernel(Args a) {
+  __shared__ __align__(16) uint32_t buf[kSelectCache];  // indexer queries, then select keys
+  __shared__ int s_last;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t t = *a.position;  // not written by the last two launches
+  const bool ok = valid_t(t, a.ctx);
+  const int64_t B = ok ? (t + 1) / a.ratio : 0;
+  const int64_t b_old = ok && (t + 1) % a.ratio == 0 ? B - 1 : B;  // blocks of earlier steps
+  const int64_t warps = int64_t{gridDim.x} * (kSelectThreads / 32);
+  const int64_t b0 = int64_t{blockIdx.x} * (kSelectThreads / 32) + warp;
+  float kv[kMaxDim / 32];
+  const bool early = b0 < b_old;
+  if (early) qsa_dev::load_block_key(a.block_keys + b0 * a.ihd, a.ihd, lane, kv);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  if (int64_t{blockIdx.x} * (kSelectThreads / 32) < B) {  // uniform over the CTA
+    float* qs = reinterpret_cast<float*>(buf);
+    for (int i = tid; i < a.ni * a.ihd; i += kSelectThreads) qs[i] = a.qi[i];
+    __syncthreads();
+    const double scale = 1.0 / sqrt(static_cast<double>(a.ihd));
+    for (int64_t b = b0; b < B; b += warps) {
+      if (b != b0 || !early) qsa_dev::load_block_key(a.block_keys + b * a.ihd, a.ihd, lane, kv);
+      const float sc = qsa_dev::block_score_kv(qs, kv, a.ni, a.ihd, lane, scale);
+      if (lane == 0) a.scores[b] = sc;
+    }
+  }
+  __threadfence();
+  __syncthreads();  // this CTA's scores written and fenced; the queries in buf no longer read
+  if (tid == 0) s_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (tid == 0) *a.ticket = 0;
+  if (!ok) {
+    if (tid < 4) a.counters[tid] = 0;
+    return;
+  }
+  const int Bi = static_cast<int>(B);
+  const int k = min(a.topk, Bi);
+  const int tail = static_cast<int>(t + 1 - int64_t{Bi} * a.ratio);
+  if (tid == 0) {
+    a.counters[0] = k;
+    a.counters[1] = Bi;
+    a.counters[2] = k * a.ratio + tail;
+    a.counters[3] = 0;
+  }
+  if (k == Bi) {
+    for (int i = tid; i < Bi; i += kSelectThreads) a.selected[i] = i;
+    return;
+  }
+  if (a.forced != nullptr) {
+    for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
+    return;
+  }
+  qsa_dev::select_top_blocks_cg(a.scores, Bi, k, a.selected, buf);
+}
+
+constexpr int kCombineSlice = 32;  // head dims per sliced-combine CTA (one warp of chains)
+
+// qsa_dev::combine_head of query head blockIdx.x for dims [32 blockIdx.y, +32): the same
+// operations in the same order (max, exp weights, L and each output's FMA chain over the chunks
+// ascending, division, gate), with the slice's partial outputs staged in shared memory by all
+// threads (many loads in flight) before one warp runs the chains. The gate's sigmoid (the GEMV
+// output, several launches back) is computed before the programmatic wait.
+__global__ void __launch_bounds__(kThreads) qsa_combine_slice_kernel(Args a) {
+  extern __shared__ __align__(16) float csm[];
+  __shared__ float red[kThreads / 32];
+  const int i = blockIdx.x, hd = a.hd, tid = threadIdx.x;
+  const int d = blockIdx.y * kCombineSlice + tid;
+  const bool mine = tid < kCombineSlice && d < hd;
+  const int64_t t = *a.position;  // not written by the last two launches
+  float sg = 0.0f;
+  if (mine) {
+    const float g = a.proj[int64_t{i} * 2 * hd + hd + d];
+    if (g >= 0.0f) {
+      sg = 1.0f / (1.0f + expf(-g));
+    } else {
+      const float e = expf(g);
+      sg = e / (1.0f + e);
+    }
+  }
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  uint16_t* out = a.out + int64_t{i} * hd;
+  if (!valid_t(t, a.ctx)) {
+    if (mine) out[d] = kBf16Nan;
+    return;
+  }
+  const int nc = (a.counters[2] + a.chunk - 1) / a.chunk;
+  const float* pm = a.part_max + int64_t{i} * a.max_chunks;
+  const float* ps = a.part_sum + int64_t{i} * a.max_chunks;
+  const float* po = a.part_out + int64_t{i} * a.max_chunks * hd;
+  float* wc = csm;                // [max_chunks]
+  float* sc = wc + a.max_chunks;  // [max_chunks]
+  float* st = sc + a.max_chunks;  // [combine_stage, kCombineSlice]
+  float m = -INFINITY;
+  for (int c = tid; c < nc; c += kThreads) {
+    wc[c] = pm[c];
+    sc[c] = ps[c];
+    m = fmaxf(m, wc[c]);
+  }
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  float M = red[0];
+  for (int w = 1; w < kThreads / 32; ++w) M = fmaxf(M, red[w]);
+  for (int c = tid; c < nc; c += kThreads) wc[c] = expf(wc[c] - M);
+  __syncthreads();
+  float o = 0.0f;
+  const int d0 = blockIdx.y * kCombineSlice;
+  for (int c0 = 0; c0 < nc; c0 += a.combine_stage) {
+    const int cs = min(a.combine_stage, nc - c0);
+#pragma unroll 8
+    for (int idx = tid; idx < cs * kCombineSlice; idx += kThreads) {
+      const int cc = idx / kCombineSlice, dd = idx - cc * kCombineSlice;
+      st[idx] = d0 + dd < hd ? po[int64_t{c0 + cc} * hd + d0 + dd] : 0.0f;
+    }
+    __syncthreads();
+    if (mine)
+      for (int cc = 0; cc < cs; ++cc) o = fmaf(st[cc * kCombineSlice + tid], wc[c0 + cc], o);
+    __syncthreads();
+  }
+  if (!mine) return;
+  float L = 0.0f;
+  for (int c = 0; c < nc; ++c) L = fmaf(sc[c], wc[c], L);
+  o = o / L;
+  out[d] = dev::float_to_bf16_bits(o * sg);
 }
 
 bool aligned(const void* p, uintptr_t n) {
@@ -361,7 +594,8 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& p) {
   w.selected = off;
   off = align256(off + size_t(std::max<int64_t>(sel_max, 1)) * 4);
   w.counters = off;
-  off = align256(off + 16);
+  w.ticket = off + 32;
+  off = align256(off + 36);
   w.part_out = off;
   off = align256(off + hq * w.max_chunks * hd * 4);
   w.part_max = off;
@@ -430,24 +664,70 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
       g += (p.q_head_first + i) / p.q_per_kv - p.kv_head_first == j;
     a.gmax = std::max(a.gmax, g);
   }
+  // Chunks the sliced combine stages per round: all of them when shared memory allows.
+  const int64_t stage_room =
+      (kSmemLimit - 256 - 2 * int64_t{w.max_chunks} * 4) / (kCombineSlice * 4);
+  a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
 
-  // Five programmatic dependent launches (cuda/pdl.cuh): each waits for the one before it.
-  launch_pdl("qsa_prep_kernel", qsa_prep_kernel,
-             p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream, a);
-  FN_CUDA_LAUNCH_CHECK("qsa_prep_kernel");
+  a.ticket = reinterpret_cast<int*>(ws + w.ticket);
   const int64_t max_blocks = p.ctx_size / p.ratio;
-  const int score_ctas = static_cast<int>(
-      std::clamp<int64_t>((max_blocks + kThreads / 32 - 1) / (kThreads / 32), 1, 1024));
-  launch_pdl("qsa_scores_kernel", qsa_scores_kernel, score_ctas, kThreads, 0, stream, a);
-  FN_CUDA_LAUNCH_CHECK("qsa_scores_kernel");
-  launch_pdl("qsa_select_kernel", qsa_select_kernel, 1, kSelectThreads, 0, stream, a);
-  FN_CUDA_LAUNCH_CHECK("qsa_select_kernel");
   const size_t smem = attn_smem_bytes(a.gmax, p.head_dim, w.chunk);
-  launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads, smem,
-             stream, a);
-  FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
-  launch_pdl("qsa_combine_kernel", qsa_combine_kernel, p.num_q_heads, kThreads, 0, stream, a);
-  FN_CUDA_LAUNCH_CHECK("qsa_combine_kernel");
+  const unsigned mask = p.launch_mask;
+  if (p.five_launch_path) {
+    // Five programmatic dependent launches (cuda/pdl.cuh): each waits for the one before it.
+    if (mask & 1u) {
+      launch_pdl("qsa_prep_kernel", qsa_prep_kernel,
+                 p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream, a);
+      FN_CUDA_LAUNCH_CHECK("qsa_prep_kernel");
+    }
+    const int score_ctas = static_cast<int>(
+        std::clamp<int64_t>((max_blocks + kThreads / 32 - 1) / (kThreads / 32), 1, 1024));
+    if (mask & 2u) {
+      launch_pdl("qsa_scores_kernel", qsa_scores_kernel, score_ctas, kThreads, 0, stream, a);
+      FN_CUDA_LAUNCH_CHECK("qsa_scores_kernel");
+    }
+    if (mask & 4u) {
+      launch_pdl("qsa_select_kernel", qsa_select_kernel, 1, kSelectThreads, 0, stream, a);
+      FN_CUDA_LAUNCH_CHECK("qsa_select_kernel");
+    }
+    if (mask & 8u) {
+      launch_pdl("qsa_attn_kernel", qsa_attn_kernel<false>, dim3(w.max_chunks, p.num_kv_heads),
+                 kThreads, smem, stream, a);
+      FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
+    }
+    if (mask & 16u) {
+      launch_pdl("qsa_combine_kernel", qsa_combine_kernel, p.num_q_heads, kThreads, 0, stream, a);
+      FN_CUDA_LAUNCH_CHECK("qsa_combine_kernel");
+    }
+    return;
+  }
+  // Four programmatic dependent launches: prep, scores + select, attention, sliced combine.
+  if (mask & 1u) {
+    launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel,
+               p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream, a);
+    FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
+  }
+  if (mask & 2u) {
+    const int ctas = static_cast<int>(std::clamp<int64_t>(
+        (max_blocks + kSelectThreads / 32 - 1) / (kSelectThreads / 32), 1, 1024));
+    launch_pdl("qsa_scores_select_kernel", qsa_scores_select_kernel, ctas, kSelectThreads, 0,
+               stream, a);
+    FN_CUDA_LAUNCH_CHECK("qsa_scores_select_kernel");
+  }
+  if (mask & 4u) {
+    const bool vec = p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16);
+    launch_pdl("qsa_attn_kernel", vec ? qsa_attn_kernel<true> : qsa_attn_kernel<false>,
+               dim3(w.max_chunks, p.num_kv_heads), kThreads, smem, stream, a);
+    FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
+  }
+  if (mask & 8u) {
+    const size_t csmem =
+        (2 * size_t(w.max_chunks) + size_t(a.combine_stage) * kCombineSlice) * sizeof(float);
+    launch_pdl("qsa_combine_slice_kernel", qsa_combine_slice_kernel,
+               dim3(p.num_q_heads, (p.head_dim + kCombineSlice - 1) / kCombineSlice), kThreads,
+               csmem, stream, a);
+    FN_CUDA_LAUNCH_CHECK("qsa_combine_slice_kernel");
+  }
 }
 
 }  // namespace fn

@@ -1,8 +1,9 @@
 // QSA decode (MODEL.md §C.6 steps 2-7 without o_proj, §C.9 RoPE) for one token on one TP rank:
 // q/k norm + RoPE, KV-cache append, the lightning indexer (block keys, scores, deterministic
 // top-k block selection) and flash-decoding attention over the selected tokens with the sigmoid
-// output gate. Called by the CUDA decode step between the stacked QSA GEMV and o_proj. Five
-// launches, no host sync, position read from device memory: legal inside CUDA graph capture.
+// output gate. Called by the CUDA decode step between the stacked QSA GEMV and o_proj. Four
+// launches (five on the previous path kept for A/B), no host sync, position read from device
+// memory: legal inside CUDA graph capture.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -59,17 +60,28 @@ struct QsaDecodeParams {
   /// ascending that replace the indexer's own top-k whenever more than block_topk blocks are
   /// complete (the scores are still computed). nullptr in production.
   const int32_t* forced_blocks = nullptr;
+  /// A/B benchmarks and tests: true runs the previous five-launch sequence (prep, scores, select,
+  /// attention, combine) instead of the default four (prep, scores + select in the last scores
+  /// CTA, attention, combine). Both write the same bits everywhere.
+  bool five_launch_path = false;
+  /// Benchmarks only (per-kernel timing): bit i set enqueues launch i of the chosen sequence, the
+  /// others are skipped (the skipped kernels' outputs are then stale). ~0u in production.
+  unsigned launch_mask = ~0u;
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the
 /// workspace start, each 256-byte aligned) and how attention is split. Exposed for tests and
 /// for debugging; the engine only needs qsa_decode_workspace_bytes.
 struct QsaWorkspaceLayout {
-  size_t q = 0;            ///< [Hq, hd] FP32: q after q_norm + RoPE
-  size_t qi = 0;           ///< [indexer_heads, ihd] FP32: indexer queries after norm + RoPE
-  size_t scores = 0;       ///< [ctx_size/ratio] FP32: indexer_scores of blocks 0..B-1
-  size_t selected = 0;     ///< [min(block_topk, ctx/ratio)] int32: selected blocks, ascending
-  size_t counters = 0;     ///< int32 [4]: {selected block count, B, attended token count, 0}
+  size_t q = 0;         ///< [Hq, hd] FP32: q after q_norm + RoPE
+  size_t qi = 0;        ///< [indexer_heads, ihd] FP32: indexer queries after norm + RoPE
+  size_t scores = 0;    ///< [ctx_size/ratio] FP32: indexer_scores of blocks 0..B-1
+  size_t selected = 0;  ///< [min(block_topk, ctx/ratio)] int32: selected blocks, ascending
+  size_t counters = 0;  ///< int32 [4]: {selected block count, B, attended token count, 0}
+  /// int32: arrival ticket of the scores CTAs (the last one runs the select); zeroed by the prep
+  /// launch and by the last CTA, so the workspace needs no initialisation. Inside the counters'
+  /// 256-byte slot (counters + 32).
+  size_t ticket = 0;
   size_t part_out = 0;     ///< [Hq, max_chunks, hd] FP32: per-chunk unnormalised outputs
   size_t part_max = 0;     ///< [Hq, max_chunks] FP32: per-chunk score maxima
   size_t part_sum = 0;     ///< [Hq, max_chunks] FP32: per-chunk sums of exp(s - max)
@@ -86,11 +98,14 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& shape_only);
 /// Workspace bytes launch_qsa_decode needs for this shape (qsa_workspace_layout(...).total).
 size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
 
-/// One QSA decode step (MODEL.md §C.6 steps 2-7 minus o_proj) on `stream`, five kernels:
-/// prep (norms, RoPE, cache rows, block key), indexer scores (FP64 dot products as the CPU op),
-/// top-k block select (one CTA, radix select on the scores, ties to the lower block index),
-/// chunked attention (FP32 partial softmax per chunk of selected tokens) and a fixed-order
-/// combine with the sigmoid gate -> BF16. Deterministic (no float atomics), graph-capturable.
+/// One QSA decode step (MODEL.md §C.6 steps 2-7 minus o_proj) on `stream`, four kernels:
+/// prep (norms, RoPE, cache rows, block key; RoPE angles and earlier cache rows read before the
+/// programmatic wait), indexer scores (FP64 dot products as the CPU op; block keys of earlier
+/// steps loaded before the wait) whose last CTA runs the top-k block select (radix select on the
+/// scores, ties to the lower block index), chunked attention (FP32 partial softmax per chunk of
+/// selected tokens) and a fixed-order combine with the sigmoid gate -> BF16 split over head-dim
+/// slices. Deterministic (no float atomics; the one integer ticket only picks the select CTA),
+/// graph-capturable. params.five_launch_path runs the previous five-kernel sequence (same bits).
 /// Throws fn::Error(Internal) on null pointers, bad shapes (including more than 16 local q heads
 /// per local KV head), a q head mapped outside the local KV heads or a misaligned workspace;
 /// fn::Error(Cuda) when a launch fails. NaN scores (NaN/Inf weights) are ranked above +inf

@@ -84,6 +84,66 @@ __device__ inline float block_score(const float* qs, const float* kb, int ni, in
   return static_cast<float>(acc * scale);
 }
 
+// The RoPE rotation of pair `i` at position `pos` exactly as norm_rope computes it (FP64 pow and
+// sincos of the FP32 angle, rounded once). Split out so that a kernel can evaluate it before its
+// programmatic wait (it reads nothing another kernel writes).
+__device__ inline void rope_cos_sin(double theta, int rot, int64_t pos, int i, float* c, float* s) {
+  const float inv_freq =
+      static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * i) / static_cast<double>(rot)));
+  const float phi = __fmul_rn(static_cast<float>(pos), inv_freq);
+  double sd, cd;
+  sincos(static_cast<double>(phi), &sd, &cd);
+  *c = static_cast<float>(cd);
+  *s = static_cast<float>(sd);
+}
+
+// norm_rope with the thread's input value xv (0 for tid >= n), weight wv and, for tid < rot/2,
+// the rotation (c, s) of rope_cos_sin given by the caller: the same operation sequence, so the
+// same bits. Every thread of a kQsaThreads block must call it.
+__device__ inline void norm_rope_cs(float xv, float wv, int n, float eps, int rot, float c, float s,
+                                    float* y, double* red) {
+  const int tid = threadIdx.x;
+  const double ss = block_sum_f64(static_cast<double>(xv) * xv, red);
+  const float mean = static_cast<float>(ss / static_cast<double>(n));
+  const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
+  if (tid < n) y[tid] = __fmul_rn(__fmul_rn(xv, inv), __fadd_rn(1.0f, wv));
+  __syncthreads();
+  const int half = rot / 2;
+  if (tid < half) {
+    const float a = y[tid], b = y[tid + half];
+    y[tid] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    y[tid + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  }
+  __syncthreads();
+}
+
+// The block key values lane `lane` uses in block_score (kb[lane + 32 r]), loaded ahead.
+__device__ __forceinline__ void load_block_key(const float* kb, int ihd, int lane, float* kv) {
+#pragma unroll
+  for (int r = 0; r < kQsaMaxDim / 32; ++r) {
+    const int d = lane + 32 * r;
+    kv[r] = d < ihd ? kb[d] : 0.0f;
+  }
+}
+
+// block_score on a block key already loaded by load_block_key: the same operation sequence.
+__device__ inline float block_score_kv(const float* qs, const float* kv, int ni, int ihd, int lane,
+                                       double scale) {
+  double acc = 0.0;
+  for (int h = 0; h < ni; ++h) {
+    double p = 0.0;
+#pragma unroll
+    for (int r = 0; r < kQsaMaxDim / 32; ++r) {
+      const int d = lane + 32 * r;
+      if (d < ihd) p += static_cast<double>(qs[h * ihd + d]) * kv[r];
+    }
+    for (int off = 16; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
+    const float dh = static_cast<float>(p);
+    acc += static_cast<double>(0.0f < dh ? dh : 0.0f);
+  }
+  return static_cast<float>(acc * scale);
+}
+
 // Monotone map of a score to an unsigned key (larger score -> larger key); -0 maps as +0 so that
 // equal values compare equal as the CPU's float comparison does. NaN lands above +inf.
 __device__ __forceinline__ uint32_t order_key(float s) {
@@ -177,6 +237,97 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
     __syncthreads();
   }
   // Compaction in index order: thread tid owns the contiguous range [lo, hi).
+  const uint32_t T = prefix;
+  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
+  const int lo = min(B, tid * per), hi = min(B, lo + per);
+  int gt = 0, eq = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i);
+    gt += u > T;
+    eq += u == T;
+  }
+  const int eq_before = block_exclusive_scan(eq, scan_sh);
+  const int take_eq = max(0, min(remaining - eq_before, eq));
+  int off = block_exclusive_scan(gt + take_eq, scan_sh);
+  int eq_seen = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i);
+    bool sel = u > T;
+    if (u == T) sel = eq_seen++ < take_eq;
+    if (sel) selected[off++] = i;
+  }
+}
+
+// select_top_blocks with the same result (the same threshold key T and tie rule, so the same
+// blocks in the same order) for a CTA that reaches it after other CTAs wrote `scores` (read
+// through L2 with ld.global.cg after the caller's fence): warp-aggregated histogram atomics
+// (all keys of a warp in one bin cost one atomic, not 32 serialised ones) and the keys of the
+// first kQsaSelectCache blocks in the caller's shared array `keys` (kQsaSelectCache words).
+// Every thread of a kQsaSelectThreads CTA must call it.
+__device__ inline void select_top_blocks_cg(const float* scores, int B, int k, int* selected,
+                                            uint32_t* keys) {
+  __shared__ unsigned hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_remaining;
+  __shared__ int scan_sh[32];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int cached = min(B, kQsaSelectCache);
+  for (int i = tid; i < cached; i += kQsaSelectThreads) keys[i] = order_key(__ldcg(scores + i));
+  __syncthreads();
+  auto key = [&](int i) { return i < kQsaSelectCache ? keys[i] : order_key(__ldcg(scores + i)); };
+  uint32_t prefix = 0, mask = 0;
+  int remaining = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (tid < 256) hist[tid] = 0;
+    __syncthreads();
+    for (int i0 = 0; i0 < B; i0 += kQsaSelectThreads) {  // uniform trip count over the CTA
+      const int i = i0 + tid;
+      bool in = false;
+      unsigned bin = 0;
+      if (i < B) {
+        const uint32_t u = key(i);
+        in = (u & mask) == prefix;
+        bin = (u >> shift) & 255u;
+      }
+      const unsigned act = __ballot_sync(0xffffffffu, in);
+      if (in) {
+        const unsigned peers = __match_any_sync(act, bin);
+        if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+      }
+    }
+    __syncthreads();
+    if (tid < 32) {
+      unsigned c[8], tot = 0;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        c[r] = hist[255 - 8 * lane - r];
+        tot += c[r];
+      }
+      unsigned incl = tot;
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned n = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += n;
+      }
+      const unsigned excl = incl - tot;
+      const unsigned rem = static_cast<unsigned>(remaining);
+      if (excl < rem && rem <= incl) {
+        unsigned cum = excl;
+        for (int r = 0; r < 8; ++r) {
+          if (cum + c[r] >= rem) {
+            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
+            s_remaining = static_cast<int>(rem - cum);
+            break;
+          }
+          cum += c[r];
+        }
+      }
+    }
+    __syncthreads();
+    prefix = s_prefix;
+    remaining = s_remaining;
+    mask |= 255u << shift;
+    __syncthreads();
+  }
   const uint32_t T = prefix;
   const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
   const int lo = min(B, tid * per), hi = min(B, lo + per);

@@ -3,13 +3,16 @@
 // qsa_selected_tokens, gqa_attention, sigmoid_gate_mul), on the tiny fixture shapes at TP=1/2/4
 // over positions 0..40 and on the real shapes (MODEL.md §A.3) with caches prefilled up to 39999;
 // error bounds derived from the rounding steps of both sides; graph replay bitwise equal to eager;
-// launcher checks; a bench at t = 8191.
+// launcher checks; the default four-launch path bitwise equal to the previous five-launch path
+// (outputs, caches, every workspace intermediate) including a workspace that starts as garbage;
+// a bench at t = 8191 per path and per kernel (FN_BENCH=1).
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -136,6 +139,9 @@ struct Gpu {
     layout = fn::qsa_workspace_layout(p);
     REQUIRE(fn::qsa_decode_workspace_bytes(p) == layout.total);
     ws = std::make_unique<DeviceArray<uint8_t>>(layout.total);
+    // A workspace starting as garbage (the scores ticket included) must not matter.
+    FN_CUDA_CHECK(cudaMemset(ws->ptr, 0xff, layout.total));
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
     p.workspace = ws->ptr;
   }
   void set_position(int64_t t) { pos->upload({t}); }
@@ -575,7 +581,97 @@ TEST_CASE("cuda qsa: the launcher rejects bad parameters; a position past the ca
   CHECK(same_bits(before.bk.data(), after.bk.data(), before.bk.size()));
 }
 
-TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes") {
+namespace {
+
+// Bitwise comparison of the default path (f) with the five-launch path (l) after one step at t:
+// out, the four caches and the workspace intermediates the kernels hand on.
+void check_paths_equal(Gpu& f, Gpu& l, int64_t t) {
+  const Shape& s = f.s;
+  INFO(s.name, " t=", t);
+  CHECK(f.out->download() == l.out->download());
+  const Caches cf = Caches::download(f), cl = Caches::download(l);
+  CHECK(cf.k == cl.k);
+  CHECK(cf.v == cl.v);
+  CHECK(same_bits(cf.raw.data(), cl.raw.data(), cf.raw.size()));
+  CHECK(same_bits(cf.bk.data(), cl.bk.data(), cf.bk.size()));
+  const auto wf = f.ws->download(), wl = l.ws->download();
+  const auto& L = f.layout;
+  int cnt[4];
+  std::memcpy(cnt, wl.data() + L.counters, 16);
+  CHECK(std::memcmp(wf.data() + L.counters, wl.data() + L.counters, 16) == 0);
+  if (t < 0 || t >= s.ctx) {
+    CHECK(cnt[0] == 0);
+    return;
+  }
+  const int64_t B = (t + 1) / s.ratio;
+  CHECK(cnt[1] == B);
+  auto same = [&](size_t off, size_t bytes, const char* what) {
+    CHECK_MESSAGE(std::memcmp(wf.data() + off, wl.data() + off, bytes) == 0, what);
+  };
+  same(L.q, size_t(s.hq) * s.hd * 4, "q");
+  same(L.qi, size_t(s.ni) * s.ihd * 4, "qi");
+  same(L.scores, size_t(B) * 4, "scores");
+  same(L.selected, size_t(cnt[0]) * 4, "selected");
+  const int nc = (cnt[2] + L.chunk - 1) / L.chunk;
+  for (int i = 0; i < s.hq; ++i) {
+    same(L.part_max + size_t(i) * L.max_chunks * 4, size_t(nc) * 4, "part_max");
+    same(L.part_sum + size_t(i) * L.max_chunks * 4, size_t(nc) * 4, "part_sum");
+    same(L.part_out + size_t(i) * L.max_chunks * s.hd * 4, size_t(nc) * s.hd * 4, "part_out");
+  }
+}
+
+// Runs both paths step by step on identical state and compares them after every step.
+void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t period,
+                   bool forced = false) {
+  Gpu f(s, 51), l(s, 51);
+  l.p.five_launch_path = true;
+  std::mt19937_64 r1(17), r2(17);
+  if (period > 0) {
+    prefill(f, r1, period);
+    prefill(l, r2, period);
+  }
+  std::unique_ptr<DeviceArray<int32_t>> fb;
+  if (forced) {
+    std::vector<int32_t> ids(s.topk);
+    for (int i = 0; i < s.topk; ++i) ids[i] = 3 * i + 1;  // ascending, inside B at the ts used
+    fb = std::make_unique<DeviceArray<int32_t>>(ids);
+    f.p.forced_blocks = fb->ptr;
+    l.p.forced_blocks = fb->ptr;
+  }
+  std::mt19937_64 rng(23);
+  for (int64_t t : ts) {
+    const auto proj = random_proj(s, rng);
+    for (Gpu* g : {&f, &l}) {
+      g->proj->upload(proj);
+      g->set_position(t);
+      fn::launch_qsa_decode(g->p, nullptr);
+    }
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    check_paths_equal(f, l, t);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, tiny shapes") {
+  std::vector<int64_t> ts;
+  for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);  // 45 = ctx: out NaN, nothing written
+  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) compare_paths(s, ts, 0);
+}
+
+TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, real shapes") {
+  // Dense (B <= 512), the first dropped blocks, a completing block, t = 8191, past the end.
+  compare_paths(real_tp1(8192), {0, 3, 2047, 2048, 2051, 4099, 8191, 8192}, 700);
+  compare_paths(real_tp2r1(8192), {2050, 2051, 8190, 8191}, 1 << 20);
+  // Exact ties everywhere (period 64) and B = 10000 past the select's on-chip keys.
+  compare_paths(real_tp2r1(40000), {39999, 39998}, 64);
+  // A reference's forced choice replayed.
+  compare_paths(real_tp1(8192), {8191}, 700, true);
+}
+
+TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes (FN_BENCH=1)") {
+  const char* env = std::getenv("FN_BENCH");
+  if (env == nullptr || std::string(env) != "1") return;
   for (const Shape& s : {real_tp1(8192), real_tp2r1(8192)}) {
     Gpu g(s, 41);
     std::mt19937_64 rng(3);
@@ -584,33 +680,66 @@ TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes
     g.set_position(8191);
     cudaStream_t stream;
     FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    constexpr int kPerGraph = 20, kReplays = 25;
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < kPerGraph; ++i) fn::launch_qsa_decode(g.p, stream);
-    FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
     cudaEvent_t e0, e1;
     FN_CUDA_CHECK(cudaEventCreate(&e0));
     FN_CUDA_CHECK(cudaEventCreate(&e1));
-    FN_CUDA_CHECK(cudaEventRecord(e0, stream));
-    for (int r = 0; r < kReplays; ++r) FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    FN_CUDA_CHECK(cudaEventRecord(e1, stream));
-    FN_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    const double us = 1000.0 * ms / (kPerGraph * kReplays);
-    std::printf("qsa bench: %s t=8191 chunk=%d max_chunks=%d: %.2f us per step\n", s.name,
-                g.layout.chunk, g.layout.max_chunks, us);
-    MESSAGE(std::string(s.name), " t=8191: ", us, " us per step");
-    CHECK(us > 0);
+    // Microseconds per launch_qsa_decode (or per enqueued subset, launch_mask) over graphs of
+    // kPerGraph back-to-back calls, replayed kReplays times; best of 3 timings.
+    auto time_us = [&](bool five, unsigned mask) {
+      constexpr int kPerGraph = 20, kReplays = 25;
+      fn::QsaDecodeParams p = g.p;
+      p.five_launch_path = five;
+      p.launch_mask = mask;
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < kPerGraph; ++i) fn::launch_qsa_decode(p, stream);
+      FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      double best = 1e30;
+      for (int rep = 0; rep < 3; ++rep) {
+        FN_CUDA_CHECK(cudaEventRecord(e0, stream));
+        for (int r = 0; r < kReplays; ++r) FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        FN_CUDA_CHECK(cudaEventRecord(e1, stream));
+        FN_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        best = std::min(best, 1000.0 * ms / (kPerGraph * kReplays));
+      }
+      FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      FN_CUDA_CHECK(cudaGraphDestroy(graph));
+      return best;
+    };
+    struct Path {
+      bool five;
+      const char* name;
+      std::vector<const char*> kernels;
+    };
+    std::vector<std::vector<uint16_t>> outs;
+    for (const Path& path :
+         {Path{true, "five-launch (before)", {"prep", "scores", "select", "attn", "combine"}},
+          Path{false, "four-launch (after)", {"prep", "scores+select", "attn", "combine"}}}) {
+      const double us = time_us(path.five, ~0u);
+      outs.push_back(g.out->download());
+      std::printf("qsa bench: %s t=8191 chunk=%d max_chunks=%d %s: %.2f us per step\n", s.name,
+                  g.layout.chunk, g.layout.max_chunks, path.name, us);
+      double sum = 0;
+      for (size_t k = 0; k < path.kernels.size(); ++k) {
+        const double ku = time_us(path.five, 1u << k);
+        sum += ku;
+        std::printf("qsa bench: %s %s   %-14s alone (20 in a chain): %.2f us\n", s.name, path.name,
+                    path.kernels[k], ku);
+      }
+      std::printf("qsa bench: %s %s   sum of kernels alone: %.2f us\n", s.name, path.name, sum);
+      MESSAGE(std::string(s.name), " ", path.name, " t=8191: ", us, " us per step");
+      CHECK(us > 0);
+    }
+    // The per-kernel runs reuse the last full step's inputs: both paths' outputs stay equal.
+    CHECK(outs[0] == outs[1]);
     FN_CUDA_CHECK(cudaEventDestroy(e0));
     FN_CUDA_CHECK(cudaEventDestroy(e1));
-    FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    FN_CUDA_CHECK(cudaGraphDestroy(graph));
     FN_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

@@ -1,6 +1,6 @@
 // NVFP4 W4A16 routed-expert kernels (see moe_nvfp4.h): one gate+up+SwiGLU kernel and one
-// weighted down-projection kernel, each on the tensor cores (the default; described at "Tensor-core
-// path" below) and as the FP32-FMA kernels described here (mma = false), each in two variants: 32
+// weighted down-projection kernel, each as the FP32-FMA kernels described here (the default) and
+// on the tensor cores (mma = true; described at "Tensor-core path" below), each in two variants: 32
 // codes per lane unit (cols % 32 == 0, every real shape) and 16 codes (cols an odd multiple of 16:
 // tiny fixtures' TP slices).
 //
@@ -351,7 +351,12 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
-// ---- Tensor-core path (the default; MoeGateUpParams::mma / MoeDownParams::mma) ----------------
+// ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
+//
+// Measured on H200 (cuda/bench/RESULTS.md, session 5): as fast as the FP32 kernels at best (TP=1
+// gate+up 15.3 vs 15.1 us, down 11.2 vs 10.2), although it issues far fewer instructions per code:
+// the kernels are bound by the latency of each round of loads (ids -> weights -> compute), not by
+// instruction issue. Kept for A/B and as the base of a pipelined kernel.
 //
 // A warp multiplies a tile of 8 weight rows (gate+up: 8 gate rows and the 8 matching up rows) with
 // mma.sync m16n8k16 (BF16 inputs, FP32 accumulate): the weights are the B operand (n = the tile's

@@ -2,11 +2,11 @@
 // and the down projection summed over the selected experts with their routing weights. Called by
 // the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
 // device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
-// conversion); by default the multiply-adds run on the tensor cores (mma.sync BF16 x BF16, FP32
-// accumulate; the E2M1 x E4M3 weights are exact in BF16), the session-3 FP32-FMA kernels stay
-// selectable (`mma = false`); FP32 accumulation in a fixed order (moe_nvfp4.cu); 16-byte weight
-// loads, all of a lane's issued before use; the activation staged once per block in shared memory
-// (<= 48 KB); deterministic (no atomics).
+// conversion); two kernel families: FP32 FMA (the default, session 3) and tensor cores
+// (`mma = true`: mma.sync BF16 x BF16, FP32 accumulate; the E2M1 x E4M3 weights are exact in BF16;
+// correct, but measured no faster on H200, cuda/bench/RESULTS.md session 5); FP32 accumulation in a
+// fixed order per kernel (moe_nvfp4.cu); 16-byte weight loads, all of a lane's issued before use;
+// the activation staged once per block in shared memory (<= 48 KB); deterministic (no atomics).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -50,9 +50,10 @@ struct MoeGateUpParams {
   /// Lanes per output row pair (8..256, power of 2) of the FP32 kernel, or per tile of 8 row
   /// pairs (32..256: 1..8 warps) of the tensor-core kernel; 0 = planned.
   int team_threads = 0;
-  /// true (default): the tensor-core kernel (mma.sync BF16, FP32 accumulate; moe_nvfp4.cu);
-  /// false: the FP32-FMA kernel of session 3 (kept for A/B; different summation order).
-  bool mma = true;
+  /// false (default): the FP32-FMA kernel of session 3; true: the tensor-core kernel (mma.sync
+  /// BF16, FP32 accumulate; moe_nvfp4.cu): another summation order, so other bits; on H200 it is
+  /// no faster at TP=1/2 (cuda/bench/RESULTS.md, session 5), kept for A/B.
+  bool mma = false;
 };
 
 /// Down projection summed over the selected experts:
@@ -69,7 +70,7 @@ struct MoeDownParams {
   /// Lanes per output row (8..256, power of 2) of the FP32 kernel, or per tile of 8 rows
   /// (32..256) of the tensor-core kernel; 0 = planned.
   int team_threads = 0;
-  bool mma = true;  ///< as MoeGateUpParams::mma
+  bool mma = false;  ///< as MoeGateUpParams::mma
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
@@ -86,8 +87,8 @@ void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
 /// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).
 /// `mma` picks the kernel (as the params' field).
 int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
-                          bool mma = true);
+                          bool mma = false);
 int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
-                       bool mma = true);
+                       bool mma = false);
 
 }  // namespace fn

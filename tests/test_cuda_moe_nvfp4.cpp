@@ -1,5 +1,5 @@
 // GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h), both the FP32-FMA kernels
-// (mma = false) and the tensor-core kernels (mma = true, the default), against host references
+// (mma = false, the default) and the tensor-core kernels (mma = true), against host references
 // built from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with
 // power-of-two scales, random codes within the derived FP32 bound, real shapes at TP=1, 2 and 4,
 // the tiny fixtures' shapes (cols 16 and 48: the 16-code path), row counts that are not a multiple
@@ -612,51 +612,53 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
   pd.top_k = 10;
   pd.h = d_h.ptr;
   pd.y = d_y.ptr;
-  CHECK(pg.mma);  // the default: the tensor-core kernels
-  CHECK(pd.mma);
-
-  cudaStream_t stream;
-  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  fn::launch_moe_gate_up_nvfp4(pg, stream);
-  fn::launch_moe_down_nvfp4(pd, stream);
-  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-
+  CHECK(!pg.mma);  // the default: the FP32 kernels
+  CHECK(!pd.mma);
   const std::vector<std::vector<int32_t>> id_sets = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
                                                      {31, 30, 7, 19, 3, 22, 14, 9, 27, 1}};
   const std::vector<float> rw = {0.3f, 0.2f, 0.1f, 0.1f, 0.06f, 0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
   d_rw.upload(rw);
-  for (const auto& ids : id_sets) {
-    d_ids.upload(ids);
-    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto y_graph = d_y.download();
-    std::vector<float> h_graph;
-    for (uint16_t b : d_h.download()) h_graph.push_back(fn::bf16_to_float(b));
-    // Eager launches with the same ids: bitwise the same.
+
+  cudaStream_t stream;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (bool mma : {false, true}) {
+    pg.mma = mma;
+    pd.mma = mma;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     fn::launch_moe_gate_up_nvfp4(pg, stream);
     fn::launch_moe_down_nvfp4(pd, stream);
-    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto y_eager = d_y.download();
-    CHECK(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0);
-    // And right: the references on the graph's own h.
-    const GateUpRef gref = gate_up_reference(
-        gu, ids, x,
-        gate_up_depth(2560, fn::plan_moe_gate_up_team(10, 320, 2560, sm_count()), true));
-    const auto ch = fn::test::compare_bounded(h_graph, gref.h, gref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "h: ", ch.describe());
-    std::vector<double> want, bound;
-    down_reference(dn, ids, rw, h_graph,
-                   down_depth(10, 320, fn::plan_moe_down_team(10, 320, 2560, sm_count()), true),
-                   nullptr, want, bound);
-    const auto c = fn::test::compare_bounded(y_graph, want, bound);
-    CHECK_MESSAGE(c.wrong == 0, c.describe());
+    FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (const auto& ids : id_sets) {
+      d_ids.upload(ids);
+      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto y_graph = d_y.download();
+      std::vector<float> h_graph;
+      for (uint16_t b : d_h.download()) h_graph.push_back(fn::bf16_to_float(b));
+      // Eager launches with the same ids: bitwise the same.
+      fn::launch_moe_gate_up_nvfp4(pg, stream);
+      fn::launch_moe_down_nvfp4(pd, stream);
+      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto y_eager = d_y.download();
+      CHECK_MESSAGE(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0,
+                    kernel_name(mma));
+      // And right: the references on the graph's own h.
+      const int tg = fn::plan_moe_gate_up_team(10, 320, 2560, sm_count(), mma);
+      const GateUpRef gref = gate_up_reference(gu, ids, x, gate_up_depth(2560, tg, mma));
+      const auto ch = fn::test::compare_bounded(h_graph, gref.h, gref.h_bound);
+      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " h: ", ch.describe());
+      const int td = fn::plan_moe_down_team(10, 320, 2560, sm_count(), mma);
+      std::vector<double> want, bound;
+      down_reference(dn, ids, rw, h_graph, down_depth(10, 320, td, mma), nullptr, want, bound);
+      const auto c = fn::test::compare_bounded(y_graph, want, bound);
+      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), ": ", c.describe());
+    }
+    FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    FN_CUDA_CHECK(cudaGraphDestroy(graph));
   }
-  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  FN_CUDA_CHECK(cudaGraphDestroy(graph));
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -686,7 +688,8 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   bad.team_threads = 12;
   CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
   bad = p;
-  bad.team_threads = 16;  // the tensor-core kernel takes whole warps (32..256)
+  bad.team_threads = 16;
+  bad.mma = true;  // the tensor-core kernel takes whole warps (32..256)
   CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
   bad.mma = false;  // the FP32 kernel takes 16
   fn::launch_moe_gate_up_nvfp4(bad, nullptr);
@@ -713,7 +716,11 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   fn::launch_moe_down_nvfp4(d, nullptr);  // valid: 1 x 64 columns
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   d.team_threads = 8;  // whole warps only on the tensor-core path
+  d.mma = true;
   CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
+  d.mma = false;
+  fn::launch_moe_down_nvfp4(d, nullptr);  // the FP32 kernel takes 8
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
   d.team_threads = 0;
   d.top_k = 193;  // 193 x 64 columns of h staged as FP32: over 48 KB
   CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);

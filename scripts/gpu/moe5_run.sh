@@ -47,7 +47,7 @@ t=$SECONDS
 ) &
 p_mem=$!
 for tst in test_cuda_moe_nvfp4 test_cuda_nvfp4_bits test_cuda_pdl; do
-  CUDA_VISIBLE_DEVICES=0 timeout "$(until_s $end1)" "$b/tests/$tst" -s >"$out/$tst.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout "$(until_s $end1)" "$b/tests/$tst" >"$out/$tst.log" 2>&1
   echo "== $tst rc=$? ($((SECONDS - t)) s)"
   summary "$out/$tst.log" "ERROR|FAILED|THREW|test cases|chain step|worst" 40
 done

@@ -122,18 +122,32 @@ struct Stage {
   static constexpr int kCodes = Unit<kNarrow>::kCodes;
   static constexpr int kChunks = kCodes / 4;
   // Every thread of the block calls it: n BF16 values (a multiple of 16; src 16-byte aligned).
+  // Each thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch
+  // block-wide passes instead of one per pass; the same values land in the same slots).
+  template <int kBatch>
   static __device__ __forceinline__ void fill(const uint16_t* src, int n, float* s) {
     const uint4* v = reinterpret_cast<const uint4*>(src);
-    for (int i = threadIdx.x; i < n / 8; i += kBlockThreads) {
-      const uint4 q = __ldg(v + i);
-      const int u = (8 * i) / kCodes, c = ((8 * i) % kCodes) / 4;
-      float4* unit = reinterpret_cast<float4*>(s) + kChunks * u;
-      unit[(c + u) & (kChunks - 1)] =
-          make_float4(dev::bf16_lo(q.x) * kXScale, dev::bf16_hi(q.x) * kXScale,
-                      dev::bf16_lo(q.y) * kXScale, dev::bf16_hi(q.y) * kXScale);
-      unit[(c + 1 + u) & (kChunks - 1)] =
-          make_float4(dev::bf16_lo(q.z) * kXScale, dev::bf16_hi(q.z) * kXScale,
-                      dev::bf16_lo(q.w) * kXScale, dev::bf16_hi(q.w) * kXScale);
+    const int nv = n / 8;
+    for (int i0 = threadIdx.x; i0 < nv; i0 += kBatch * kBlockThreads) {
+      uint4 q[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int i = i0 + b * kBlockThreads;
+        q[b] = i < nv ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int i = i0 + b * kBlockThreads;
+        if (i >= nv) break;
+        const int u = (8 * i) / kCodes, c = ((8 * i) % kCodes) / 4;
+        float4* unit = reinterpret_cast<float4*>(s) + kChunks * u;
+        unit[(c + u) & (kChunks - 1)] =
+            make_float4(dev::bf16_lo(q[b].x) * kXScale, dev::bf16_hi(q[b].x) * kXScale,
+                        dev::bf16_lo(q[b].y) * kXScale, dev::bf16_hi(q[b].y) * kXScale);
+        unit[(c + 1 + u) & (kChunks - 1)] =
+            make_float4(dev::bf16_lo(q[b].z) * kXScale, dev::bf16_hi(q[b].z) * kXScale,
+                        dev::bf16_lo(q[b].w) * kXScale, dev::bf16_hi(q[b].w) * kXScale);
+      }
     }
   }
   // Elements 8 wi .. 8 wi + 7 of unit u.
@@ -257,7 +271,7 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
       s[n][1] = live ? U::scales(su, v) : 0u;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
-      Stage<kNarrow>::fill(a.x, static_cast<int>(a.k), stage);
+      Stage<kNarrow>::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K 2560: one batch
       __syncthreads();
     }
 #pragma unroll
@@ -337,7 +351,7 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
       f[n] = live[n] ? __ldg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
-      Stage<kNarrow>::fill(a.h, a.top_k * a.inter, stage);
+      Stage<kNarrow>::template fill<4>(a.h, a.top_k * a.inter, stage);  // 10 x 640: one batch
       __syncthreads();
     }
 #pragma unroll

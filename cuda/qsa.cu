@@ -167,10 +167,6 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
 // selected[n / ratio] for n < ratio * nsel, else the tail token ratio*B + (n - ratio*nsel).
 // The chunk's K and V rows are staged in shared memory by all threads at once; one FP32
 // accumulator per query head (kMaxG, unrolled) so the heads' chains overlap.
-// kVec (hd % 8 == 0, 16-byte aligned caches): the K/V rows are gathered with 16-byte loads, so a
-// thread has all its loads of the chunk in flight at once (the same values land in the same
-// shared words: bits unchanged).
-template <bool kVec>
 __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   extern __shared__ __align__(16) float smem[];
@@ -206,25 +202,12 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   }
   __syncthreads();
   const int64_t row = int64_t{a.hkv} * hd;
-  if constexpr (kVec) {
-    const int vecs = hd / 8;
 #pragma unroll 4
-    for (int idx = tid; idx < cnt * vecs; idx += kThreads) {
-      const int n = idx / vecs, v = idx - n * vecs;
-      const int64_t base = tok_s[n] * row + int64_t{j} * hd;
-      const uint4 kq = reinterpret_cast<const uint4*>(a.k_cache + base)[v];
-      const uint4 vq = reinterpret_cast<const uint4*>(a.v_cache + base)[v];
-      reinterpret_cast<uint4*>(k_s + n * pairs)[v] = kq;
-      reinterpret_cast<uint4*>(v_s + n * pairs)[v] = vq;
-    }
-  } else {
-#pragma unroll 4
-    for (int idx = tid; idx < cnt * pairs; idx += kThreads) {
-      const int n = idx / pairs, p = idx - n * pairs;
-      const int64_t base = tok_s[n] * row + int64_t{j} * hd;
-      k_s[idx] = reinterpret_cast<const uint32_t*>(a.k_cache + base)[p];
-      v_s[idx] = reinterpret_cast<const uint32_t*>(a.v_cache + base)[p];
-    }
+  for (int idx = tid; idx < cnt * pairs; idx += kThreads) {
+    const int n = idx / pairs, p = idx - n * pairs;
+    const int64_t base = tok_s[n] * row + int64_t{j} * hd;
+    k_s[idx] = reinterpret_cast<const uint32_t*>(a.k_cache + base)[p];
+    v_s[idx] = reinterpret_cast<const uint32_t*>(a.v_cache + base)[p];
   }
   __syncthreads();
   const float scale = 1.0f / sqrtf(static_cast<float>(hd));
@@ -280,25 +263,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
     float acc[kMaxG];
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
-    int n0 = 0;
-    if constexpr (kVec) {  // four tokens' weights per shared load; the same FMA order
-      for (; n0 + 4 <= cnt; n0 += 4) {
-        float v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = __uint_as_float(uint32_t{v16[(n0 + u) * hd + d]} << 16);
-#pragma unroll
-        for (int g = 0; g < kMaxG; ++g) {
-          if (g < G) {
-            const float4 s4 = *reinterpret_cast<const float4*>(s_s + g * a.chunk + n0);
-            acc[g] = fmaf(s4.x, v[0], acc[g]);
-            acc[g] = fmaf(s4.y, v[1], acc[g]);
-            acc[g] = fmaf(s4.z, v[2], acc[g]);
-            acc[g] = fmaf(s4.w, v[3], acc[g]);
-          }
-        }
-      }
-    }
-    for (int n = n0; n < cnt; ++n) {
+    for (int n = 0; n < cnt; ++n) {
       const float v = __uint_as_float(uint32_t{v16[n * hd + d]} << 16);
 #pragma unroll
       for (int g = 0; g < kMaxG; ++g)
@@ -326,6 +291,167 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
   qsa_dev::combine_head(
       a.part_max + int64_t{i} * a.max_chunks, a.part_sum + int64_t{i} * a.max_chunks,
       a.part_out + int64_t{i} * a.max_chunks * hd, nc, hd, a.proj + int64_t{i} * 2 * hd + hd, out);
+}
+
+// cp.async (sm_80+): global -> shared without a register round trip, so a thread's copies are
+// all in flight at once (a plain load + shared store loop issues one load per L2/HBM round trip:
+// the compiler cannot move a generic-pointer load above the previous shared store).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem_src) : "memory");
+#else
+  *static_cast<uint4*>(smem_dst) = *static_cast<const uint4*>(gmem_src);
+#endif
+}
+
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem_src) : "memory");
+#else
+  *static_cast<uint32_t*>(smem_dst) = *static_cast<const uint32_t*>(gmem_src);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// qsa_attn_kernel for hd % 8 == 0 and 16-byte aligned caches, with the query heads of KV head
+// blockIdx.y split over gridDim.z CTAs per chunk (a.gmax heads each): per head the same
+// operations in the same order (dot products, butterflies, max, exp, sums, PV chains), so the
+// same partial bits; q and the K/V rows arrive by cp.async (every copy in flight at once), the
+// heads' butterflies are interleaved and PV reads four tokens' weights per shared load.
+__global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  extern __shared__ __align__(16) float smem[];
+  const int64_t t = *a.position;
+  if (!valid_t(t, a.ctx)) return;
+  const int nsel = a.counters[0], B = a.counters[1], n_tokens = a.counters[2];
+  const int c = blockIdx.x, j = blockIdx.y;
+  const int start = c * a.chunk;
+  if (start >= n_tokens) return;
+  const int cnt = min(a.chunk, n_tokens - start);
+  int i0 = -1, g_all = 0;
+  for (int i = 0; i < a.hq; ++i) {
+    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
+      if (i0 < 0) i0 = i;
+      ++g_all;
+    }
+  }
+  const int g_lo = blockIdx.z * a.gmax;
+  if (g_lo >= g_all) return;
+  const int G = min(a.gmax, g_all - g_lo);
+  i0 += g_lo;
+  const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pairs = hd / 2;
+  float* q_s = smem;                                             // [gmax, hd]
+  float* s_s = q_s + a.gmax * hd;                                // [gmax, chunk]
+  int* tok_s = reinterpret_cast<int*>(s_s + a.gmax * a.chunk);   // [chunk]
+  uint32_t* k_s = reinterpret_cast<uint32_t*>(tok_s + a.chunk);  // [chunk, hd/2] BF16 pairs
+  uint32_t* v_s = k_s + a.chunk * pairs;                         // [chunk, hd/2] BF16 pairs
+  const float* qg = a.q + int64_t{i0} * hd;
+  for (int i = tid; i < G * hd / 4; i += kThreads) cp_async16(q_s + 4 * i, qg + 4 * i);
+  const int nb = nsel * a.ratio;
+  for (int n = tid; n < cnt; n += kThreads) {
+    const int ln = start + n;
+    tok_s[n] =
+        ln < nb ? a.selected[ln / a.ratio] * a.ratio + ln % a.ratio : B * a.ratio + (ln - nb);
+  }
+  __syncthreads();
+  const int64_t row = int64_t{a.hkv} * hd;
+  const int vecs = hd / 8;
+  for (int idx = tid; idx < cnt * vecs; idx += kThreads) {
+    const int n = idx / vecs, v = idx - n * vecs;
+    const int64_t base = tok_s[n] * row + int64_t{j} * hd + 8 * v;
+    cp_async16(k_s + n * pairs + 4 * v, a.k_cache + base);
+    cp_async16(v_s + n * pairs + 4 * v, a.v_cache + base);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+  const float2* q2 = reinterpret_cast<const float2*>(q_s);
+  for (int n = warp; n < cnt; n += kThreads / 32) {
+    float acc[kMaxG];
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
+    for (int p = lane; p < pairs; p += 32) {
+      const uint32_t kv = k_s[n * pairs + p];
+      const float k0 = dev::bf16_lo(kv), k1 = dev::bf16_hi(kv);
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g) {
+        if (g < G) {
+          const float2 qq = q2[g * pairs + p];
+          acc[g] = fmaf(qq.x, k0, acc[g]);
+          acc[g] = fmaf(qq.y, k1, acc[g]);
+        }
+      }
+    }
+    // Each head's butterfly in the same order as qsa_attn_kernel, the heads interleaved.
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < G) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], off);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < G) s_s[g * a.chunk + n] = acc[g] * scale;
+    }
+  }
+  __syncthreads();
+  for (int g = warp; g < G; g += kThreads / 32) {
+    float m = -INFINITY;
+    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[g * a.chunk + n]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float l = 0.0f;
+    for (int n = lane; n < cnt; n += 32) {
+      const float p = expf(s_s[g * a.chunk + n] - m);
+      s_s[g * a.chunk + n] = p;
+      l += p;
+    }
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) {
+      a.part_max[(i0 + g) * a.max_chunks + c] = m;
+      a.part_sum[(i0 + g) * a.max_chunks + c] = l;
+    }
+  }
+  __syncthreads();
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_s);
+  for (int d = tid; d < hd; d += kThreads) {
+    float acc[kMaxG];
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
+    int n0 = 0;
+    for (; n0 + 4 <= cnt; n0 += 4) {  // four tokens' weights per shared load; the same FMA order
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __uint_as_float(uint32_t{v16[(n0 + u) * hd + d]} << 16);
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g) {
+        if (g < G) {
+          const float4 s4 = *reinterpret_cast<const float4*>(s_s + g * a.chunk + n0);
+          acc[g] = fmaf(s4.x, v[0], acc[g]);
+          acc[g] = fmaf(s4.y, v[1], acc[g]);
+          acc[g] = fmaf(s4.z, v[2], acc[g]);
+          acc[g] = fmaf(s4.w, v[3], acc[g]);
+        }
+      }
+    }
+    for (int n = n0; n < cnt; ++n) {
+      const float v = __uint_as_float(uint32_t{v16[n * hd + d]} << 16);
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < G) acc[g] = fmaf(s_s[g * a.chunk + n], v, acc[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g)
+      if (g < G) a.part_out[(int64_t{i0 + g} * a.max_chunks + c) * hd + d] = acc[g];
+  }
 }
 
 // ---- The default four-launch path: prep, scores + select, attention, sliced combine. ----
@@ -395,7 +521,7 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
 // warp's first block key loaded before the programmatic wait when an earlier step wrote it (every
 // block but the one completing now), then the select of qsa_select_kernel in the CTA that takes
 // the last arrival ticket (integer atomic after a fence; it resets the ticket for the next launch).
-__global__ void __launch_bounds__(kSelectThreads) qsa_scores_select_kernel(Args a) {
+__global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Args a) {
   __shared__ __align__(16) uint32_t buf[kSelectCache];  // indexer queries, then select keys
   __shared__ int s_last;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -421,9 +547,14 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_scores_select_kernel(Args 
       if (lane == 0) a.scores[b] = sc;
     }
   }
-  __threadfence();
-  __syncthreads();  // this CTA's scores written and fenced; the queries in buf no longer read
-  if (tid == 0) s_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  // The CTA's scores are written (and its queries in buf no longer read) at the barrier; thread
+  // 0's fence (cumulative over what the barrier ordered before it) then publishes them before
+  // its ticket, and the last CTA's fence after its ticket orders its reads after all of them.
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    s_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+  }
   __syncthreads();
   if (!s_last) return;
   __threadfence();
@@ -507,11 +638,14 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_slice_kernel(Args a) {
   const int d0 = blockIdx.y * kCombineSlice;
   for (int c0 = 0; c0 < nc; c0 += a.combine_stage) {
     const int cs = min(a.combine_stage, nc - c0);
-#pragma unroll 8
     for (int idx = tid; idx < cs * kCombineSlice; idx += kThreads) {
       const int cc = idx / kCombineSlice, dd = idx - cc * kCombineSlice;
-      st[idx] = d0 + dd < hd ? po[int64_t{c0 + cc} * hd + d0 + dd] : 0.0f;
+      if (d0 + dd < hd)
+        cp_async4(st + idx, po + int64_t{c0 + cc} * hd + d0 + dd);
+      else
+        st[idx] = 0.0f;
     }
+    cp_async_wait_all();
     __syncthreads();
     if (mine)
       for (int cc = 0; cc < cs; ++cc) o = fmaf(st[cc * kCombineSlice + tid], wc[c0 + cc], o);
@@ -691,8 +825,8 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
       FN_CUDA_LAUNCH_CHECK("qsa_select_kernel");
     }
     if (mask & 8u) {
-      launch_pdl("qsa_attn_kernel", qsa_attn_kernel<false>, dim3(w.max_chunks, p.num_kv_heads),
-                 kThreads, smem, stream, a);
+      launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads,
+                 smem, stream, a);
       FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
     }
     if (mask & 16u) {
@@ -715,10 +849,25 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     FN_CUDA_LAUNCH_CHECK("qsa_scores_select_kernel");
   }
   if (mask & 4u) {
-    const bool vec = p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16);
-    launch_pdl("qsa_attn_kernel", vec ? qsa_attn_kernel<true> : qsa_attn_kernel<false>,
-               dim3(w.max_chunks, p.num_kv_heads), kThreads, smem, stream, a);
-    FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
+    if (p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16)) {
+      // Query heads of a KV head split over `split` CTAs per chunk: about 384 attention CTAs.
+      const int64_t ctas = int64_t{w.max_chunks} * p.num_kv_heads;
+      int split = p.attn_head_split > 0
+                      ? p.attn_head_split
+                      : static_cast<int>(std::clamp<int64_t>((384 + ctas - 1) / ctas, 1, 16));
+      split = std::clamp(split, 1, a.gmax);
+      Args as = a;
+      as.gmax = (a.gmax + split - 1) / split;  // heads per CTA
+      const int zdim = (a.gmax + as.gmax - 1) / as.gmax;
+      launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel,
+                 dim3(w.max_chunks, p.num_kv_heads, zdim), kThreads,
+                 attn_smem_bytes(as.gmax, p.head_dim, w.chunk), stream, as);
+      FN_CUDA_LAUNCH_CHECK("qsa_attn_split_kernel");
+    } else {
+      launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads,
+                 smem, stream, a);
+      FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
+    }
   }
   if (mask & 8u) {
     const size_t csmem =

@@ -272,7 +272,20 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
   __shared__ int scan_sh[32];
   const int tid = threadIdx.x, lane = tid & 31;
   const int cached = min(B, kQsaSelectCache);
-  for (int i = tid; i < cached; i += kQsaSelectThreads) keys[i] = order_key(__ldcg(scores + i));
+  {  // every load in flight before the first shared store (one L2 round trip)
+    constexpr int kPer = kQsaSelectCache / kQsaSelectThreads;
+    float v[kPer];
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) {
+      const int i = tid + r * kQsaSelectThreads;
+      v[r] = i < cached ? __ldcg(scores + i) : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < kPer; ++r) {
+      const int i = tid + r * kQsaSelectThreads;
+      if (i < cached) keys[i] = order_key(v[r]);
+    }
+  }
   __syncthreads();
   auto key = [&](int i) { return i < kQsaSelectCache ? keys[i] : order_key(__ldcg(scores + i)); };
   uint32_t prefix = 0, mask = 0;
@@ -291,8 +304,13 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
       }
       const unsigned act = __ballot_sync(0xffffffffu, in);
       if (in) {
-        const unsigned peers = __match_any_sync(act, bin);
-        if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+        const int leader = __ffs(act) - 1;
+        if (__all_sync(act, bin == __shfl_sync(act, bin, leader))) {  // one bin: one atomic
+          if (lane == leader) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(act)));
+        } else {
+          const unsigned peers = __match_any_sync(act, bin);
+          if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+        }
       }
     }
     __syncthreads();

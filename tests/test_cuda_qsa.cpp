@@ -622,9 +622,11 @@ void check_paths_equal(Gpu& f, Gpu& l, int64_t t) {
 
 // Runs both paths step by step on identical state and compares them after every step.
 void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t period,
-                   bool forced = false) {
+                   bool forced = false, int split = 0) {
+  INFO("attention head split ", split);
   Gpu f(s, 51), l(s, 51);
   l.p.five_launch_path = true;
+  f.p.attn_head_split = split;
   std::mt19937_64 r1(17), r2(17);
   if (period > 0) {
     prefill(f, r1, period);
@@ -656,7 +658,16 @@ void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t perio
 TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, tiny shapes") {
   std::vector<int64_t> ts;
   for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);  // 45 = ctx: out NaN, nothing written
-  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) compare_paths(s, ts, 0);
+  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3})
+    for (int split : {0, 1, 2, 4}) compare_paths(s, ts, 0, false, split);
+}
+
+// Small enough for compute-sanitizer racecheck: every kernel of both paths, the radix select
+// from t = 11 on (B > block_topk 2), the split and unsplit attention.
+TEST_CASE("cuda qsa: sanitizer case: g3_tiny TP=1 paths equal over t = 0..45, splits 0 and 1") {
+  std::vector<int64_t> ts;
+  for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);
+  for (int split : {0, 1}) compare_paths(kG3Tp1, ts, 0, false, split);
 }
 
 TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, real shapes") {
@@ -667,6 +678,11 @@ TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, r
   compare_paths(real_tp2r1(40000), {39999, 39998}, 64);
   // A reference's forced choice replayed.
   compare_paths(real_tp1(8192), {8191}, 700, true);
+  // Every split of the 12 query heads of a KV head over attention CTAs.
+  for (int split : {1, 2, 3, 4, 5, 6, 12, 16}) {
+    compare_paths(real_tp1(8192), {2051, 8191}, 700, false, split);
+    compare_paths(real_tp2r1(4100), {4099}, 700, false, split);
+  }
 }
 
 TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes (FN_BENCH=1)") {
@@ -685,11 +701,12 @@ TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes
     FN_CUDA_CHECK(cudaEventCreate(&e1));
     // Microseconds per launch_qsa_decode (or per enqueued subset, launch_mask) over graphs of
     // kPerGraph back-to-back calls, replayed kReplays times; best of 3 timings.
-    auto time_us = [&](bool five, unsigned mask) {
+    auto time_us = [&](bool five, unsigned mask, int split = 0) {
       constexpr int kPerGraph = 20, kReplays = 25;
       fn::QsaDecodeParams p = g.p;
       p.five_launch_path = five;
       p.launch_mask = mask;
+      p.attn_head_split = split;
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -736,8 +753,17 @@ TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes
       MESSAGE(std::string(s.name), " ", path.name, " t=8191: ", us, " us per step");
       CHECK(us > 0);
     }
-    // The per-kernel runs reuse the last full step's inputs: both paths' outputs stay equal.
-    CHECK(outs[0] == outs[1]);
+    // The attention head split (0 = the automatic choice): full step and attention alone.
+    for (int split : {1, 2, 3, 4, 6, 12}) {
+      const double full = time_us(false, ~0u, split), attn = time_us(false, 4u, split);
+      std::printf(
+          "qsa bench: %s four-launch attn head split %2d: %.2f us per step, attn alone "
+          "%.2f us\n",
+          s.name, split, full, attn);
+      outs.push_back(g.out->download());
+    }
+    // The per-kernel runs reuse the last full step's inputs: every output stays equal.
+    for (size_t i = 1; i < outs.size(); ++i) CHECK(outs[0] == outs[i]);
     FN_CUDA_CHECK(cudaEventDestroy(e0));
     FN_CUDA_CHECK(cudaEventDestroy(e1));
     FN_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -3,8 +3,8 @@
 # (the four-launch path against the CPU ops and bitwise against the five-launch path) and
 # test_cuda_qsa_prefill (prefill rows bitwise equal to decode steps), the FN_BENCH=1 bench (us per
 # step of both paths and of each kernel alone at t = 8191, real shapes), compute-sanitizer
-# memcheck on the tiny/graph/launcher cases and the real-shape path comparison, racecheck on the
-# tiny path comparison. Logs go to $OUT (or /tmp/q5-out).
+# memcheck on the path comparisons (tiny and real shapes), the graph replay and launcher cases,
+# racecheck on the small sanitizer case (g3_tiny, both paths, t = 0..45). Logs go to $OUT (or /tmp/q5-out).
 # Usage on the GPU machine: FN_BUILD_DIR=... bash scripts/gpu/qsa5_run.sh
 set -u
 cd "$(dirname "$0")/../.."
@@ -47,7 +47,7 @@ grep -E "ERROR SUMMARY|Invalid|test cases|assertions" "$out/memcheck_qsa.log" | 
 left=$((290 - (SECONDS - start)))
 t=$SECONDS
 timeout $((left > 10 ? left : 5)) compute-sanitizer --tool racecheck --error-exitcode 9 \
-  "$b/tests/test_cuda_qsa" -tc="*five-launch path bitwise, tiny*" >"$out/racecheck_qsa.log" 2>&1
+  "$b/tests/test_cuda_qsa" -tc="*sanitizer case*" >"$out/racecheck_qsa.log" 2>&1
 echo "== racecheck test_cuda_qsa rc=$? ($((SECONDS - t)) s)"
 grep -E "RACECHECK SUMMARY|ERROR SUMMARY|Race|hazard|test cases" "$out/racecheck_qsa.log" | head -8
 echo "== total $((SECONDS - start)) s"

@@ -850,12 +850,11 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   }
   if (mask & 4u) {
     if (p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16)) {
-      // Query heads of a KV head split over `split` CTAs per chunk: about 384 attention CTAs.
-      const int64_t ctas = int64_t{w.max_chunks} * p.num_kv_heads;
-      int split = p.attn_head_split > 0
-                      ? p.attn_head_split
-                      : static_cast<int>(std::clamp<int64_t>((384 + ctas - 1) / ctas, 1, 16));
-      split = std::clamp(split, 1, a.gmax);
+      // Query heads of a KV head split over `split` CTAs per chunk. Default 1: on H200 at
+      // t = 8191 every split measured slower (TP=1 attention alone 20.2 us unsplit, 21.7 / 33.5 /
+      // 68.3 us split 2 / 3 / 12; cuda/bench/RESULTS.md), the per-CTA time falling far less than
+      // the head count.
+      const int split = std::clamp(p.attn_head_split > 0 ? p.attn_head_split : 1, 1, a.gmax);
       Args as = a;
       as.gmax = (a.gmax + split - 1) / split;  // heads per CTA
       const int zdim = (a.gmax + as.gmax - 1) / as.gmax;

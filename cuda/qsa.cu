@@ -293,9 +293,9 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
       a.part_out + int64_t{i} * a.max_chunks * hd, nc, hd, a.proj + int64_t{i} * 2 * hd + hd, out);
 }
 
-// cp.async (sm_80+): global -> shared without a register round trip, so a thread's copies are
-// all in flight at once (a plain load + shared store loop issues one load per L2/HBM round trip:
-// the compiler cannot move a generic-pointer load above the previous shared store).
+// cp.async (sm_80+): global -> shared without a register round trip. Measured on H200 (RESULTS.md,
+// helper q5): the attention's K/V gather was not faster this way than with 16-byte register loads
+// (20.2 against 18.0 us alone at TP=1); kept because the split kernel was measured with it.
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));

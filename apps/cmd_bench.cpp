@@ -197,8 +197,10 @@ struct Breakdown {
 
 // Bytes read per token by each StepBreakdown family, from the shard plan's TokenBytes of one
 // rank: weights by tensor family; the GDN state and its conv ring to gdn, the KV and indexer
-// caches to qsa, the PLE conv ring and n-gram rows to ple, the embedding row to other.
-// Activations and collectives count 0 (all_reduce).
+// caches to qsa, the PLE conv ring and n-gram rows to ple, the embedding row to other; the
+// shared expert's gate/up rows to router (the fused decode step reads them in the router's launch,
+// cuda/moe_shared.h), its down rows and gate row to shared_expert. Activations and collectives
+// count 0 (all_reduce).
 uint64_t family_bytes(const std::string& family, const TokenBytes& tb, const ModelConfig& cfg,
                       int tp) {
   auto w = [&tb](const char* k) {
@@ -213,9 +215,14 @@ uint64_t family_bytes(const std::string& family, const TokenBytes& tb, const Mod
   if (family == "hc") return w("hc");
   if (family == "gdn") return w("gdn") + tb.gdn_state + gdn_conv;
   if (family == "qsa") return w("qsa") + tb.kv_cache + tb.indexer_cache;
-  if (family == "router") return w("moe.router");
+  // BF16 gate + up rows of the rank's shared-expert slice, every layer.
+  const uint64_t shared_gate_up =
+      std::min(w("moe.shared"), static_cast<uint64_t>(cfg.num_hidden_layers * 2 *
+                                                      (cfg.shared_expert_intermediate_size / tp) *
+                                                      cfg.hidden_size * 2));
+  if (family == "router") return w("moe.router") + shared_gate_up;
   if (family == "moe_routed") return w("moe.experts");
-  if (family == "shared_expert") return w("moe.shared");
+  if (family == "shared_expert") return w("moe.shared") - shared_gate_up;
   if (family == "lm_head") return w("lm_head");
   if (family == "ple") return w("ple") + w("ple.ngram") + (tb.conv_state - gdn_conv);
   if (family == "other") return w("embed");

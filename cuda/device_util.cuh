@@ -31,6 +31,17 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #endif
 }
 
+/// Asynchronous 4-byte copy global -> shared (cp.async.ca, sm_80+; a plain load and store below),
+/// for data earlier kernels wrote (a cache row, a block key). Both addresses 4-byte aligned.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<uint32_t*>(smem) = *static_cast<const uint32_t*>(gmem);
+#endif
+}
+
 /// Waits until every cp_async16 of the calling thread has landed (cp.async.wait_all); the block
 /// still needs a __syncthreads() before other threads read the copies. No-op below sm_80.
 __device__ __forceinline__ void cp_async_wait_all() {

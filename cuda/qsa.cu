@@ -161,6 +161,50 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
   qsa_dev::select_top_blocks(a.scores, B, k, a.selected);
 }
 
+// Lane `lane`'s share of the query heads' dot products with one K row (BF16 pairs k_row):
+// acc[g] = sum over pairs p = lane, lane + 32, ... of q_g[2p] k[2p] + q_g[2p+1] k[2p+1] (FP32 fmaf
+// chain in ascending p), for g < G; the caller reduces over the lanes.
+__device__ __forceinline__ void qk_lane_dots(const uint32_t* k_row, const float2* q2, int pairs,
+                                             int G, int lane, float (&acc)[kMaxG]) {
+#pragma unroll
+  for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
+  for (int p = lane; p < pairs; p += 32) {
+    const uint32_t kv = k_row[p];
+    const float k0 = dev::bf16_lo(kv), k1 = dev::bf16_hi(kv);
+#pragma unroll
+    for (int g = 0; g < kMaxG; ++g) {
+      if (g < G) {
+        const float2 qq = q2[g * pairs + p];
+        acc[g] = fmaf(qq.x, k0, acc[g]);
+        acc[g] = fmaf(qq.y, k1, acc[g]);
+      }
+    }
+  }
+}
+
+// The chunk's softmax statistics per query head g < G (one warp per head): the max of the
+// scores s_s[g * chunk + n], n < cnt, then p = exp(s - max) in place and its sum (lane-strided,
+// then a butterfly), stored as part_max / part_sum of head i0 + g, chunk c.
+__device__ __forceinline__ void chunk_softmax(const Args& a, float* s_s, int G, int cnt, int i0,
+                                              int c, int warp, int lane) {
+  for (int g = warp; g < G; g += kThreads / 32) {
+    float m = -INFINITY;
+    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[g * a.chunk + n]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float l = 0.0f;
+    for (int n = lane; n < cnt; n += 32) {
+      const float p = expf(s_s[g * a.chunk + n] - m);
+      s_s[g * a.chunk + n] = p;
+      l += p;
+    }
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) {
+      a.part_max[(i0 + g) * a.max_chunks + c] = m;
+      a.part_sum[(i0 + g) * a.max_chunks + c] = l;
+    }
+  }
+}
+
 // Attention of the query heads of local KV head blockIdx.y over attended tokens
 // [chunk*blockIdx.x, +chunk): scores q.k * (1/sqrt(hd)) (FP32), per-chunk max and
 // sum of exp(s - max), unnormalised sum_n p_n v_n. Token n of the attended list is block
@@ -214,20 +258,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   const float2* q2 = reinterpret_cast<const float2*>(q_s);
   for (int n = warp; n < cnt; n += kThreads / 32) {
     float acc[kMaxG];
-#pragma unroll
-    for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
-    for (int p = lane; p < pairs; p += 32) {
-      const uint32_t kv = k_s[n * pairs + p];
-      const float k0 = dev::bf16_lo(kv), k1 = dev::bf16_hi(kv);
-#pragma unroll
-      for (int g = 0; g < kMaxG; ++g) {
-        if (g < G) {
-          const float2 qq = q2[g * pairs + p];
-          acc[g] = fmaf(qq.x, k0, acc[g]);
-          acc[g] = fmaf(qq.y, k1, acc[g]);
-        }
-      }
-    }
+    qk_lane_dots(k_s + n * pairs, q2, pairs, G, lane, acc);
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) {
       if (g < G) {
@@ -241,22 +272,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
     }
   }
   __syncthreads();
-  for (int g = warp; g < G; g += kThreads / 32) {
-    float m = -INFINITY;
-    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[g * a.chunk + n]);
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float l = 0.0f;
-    for (int n = lane; n < cnt; n += 32) {
-      const float p = expf(s_s[g * a.chunk + n] - m);
-      s_s[g * a.chunk + n] = p;
-      l += p;
-    }
-    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-    if (lane == 0) {
-      a.part_max[(i0 + g) * a.max_chunks + c] = m;
-      a.part_sum[(i0 + g) * a.max_chunks + c] = l;
-    }
-  }
+  chunk_softmax(a, s_s, G, cnt, i0, c, warp, lane);
   __syncthreads();
   const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_s);
   for (int d = tid; d < hd; d += kThreads) {
@@ -293,32 +309,13 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
       a.part_out + int64_t{i} * a.max_chunks * hd, nc, hd, a.proj + int64_t{i} * 2 * hd + hd, out);
 }
 
-// cp.async (sm_80+): global -> shared without a register round trip. Measured on H200 (RESULTS.md,
-// helper q5): the attention's K/V gather was not faster this way than with 16-byte register loads
-// (20.2 against 18.0 us alone at TP=1); kept because the split kernel was measured with it.
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem_src) : "memory");
-#else
-  *static_cast<uint4*>(smem_dst) = *static_cast<const uint4*>(gmem_src);
-#endif
-}
-
-__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem_src) : "memory");
-#else
-  *static_cast<uint32_t*>(smem_dst) = *static_cast<const uint32_t*>(gmem_src);
-#endif
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
+// cp.async (sm_80+, cuda/device_util.cuh): global -> shared without a register round trip.
+// Measured on H200 (RESULTS.md, helper q5): the attention's K/V gather was not faster this way
+// than with 16-byte register loads (20.2 against 18.0 us alone at TP=1); kept because the split
+// kernel was measured with it.
+using dev::cp_async16;
+using dev::cp_async4;
+using dev::cp_async_wait_all;
 
 // qsa_attn_kernel for hd % 8 == 0 and 16-byte aligned caches, with the query heads of KV head
 // blockIdx.y split over gridDim.z CTAs per chunk (a.gmax heads each): per head the same
@@ -376,20 +373,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
   const float2* q2 = reinterpret_cast<const float2*>(q_s);
   for (int n = warp; n < cnt; n += kThreads / 32) {
     float acc[kMaxG];
-#pragma unroll
-    for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
-    for (int p = lane; p < pairs; p += 32) {
-      const uint32_t kv = k_s[n * pairs + p];
-      const float k0 = dev::bf16_lo(kv), k1 = dev::bf16_hi(kv);
-#pragma unroll
-      for (int g = 0; g < kMaxG; ++g) {
-        if (g < G) {
-          const float2 qq = q2[g * pairs + p];
-          acc[g] = fmaf(qq.x, k0, acc[g]);
-          acc[g] = fmaf(qq.y, k1, acc[g]);
-        }
-      }
-    }
+    qk_lane_dots(k_s + n * pairs, q2, pairs, G, lane, acc);
     // Each head's butterfly in the same order as qsa_attn_kernel, the heads interleaved.
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -404,22 +388,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
     }
   }
   __syncthreads();
-  for (int g = warp; g < G; g += kThreads / 32) {
-    float m = -INFINITY;
-    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[g * a.chunk + n]);
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float l = 0.0f;
-    for (int n = lane; n < cnt; n += 32) {
-      const float p = expf(s_s[g * a.chunk + n] - m);
-      s_s[g * a.chunk + n] = p;
-      l += p;
-    }
-    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-    if (lane == 0) {
-      a.part_max[(i0 + g) * a.max_chunks + c] = m;
-      a.part_sum[(i0 + g) * a.max_chunks + c] = l;
-    }
-  }
+  chunk_softmax(a, s_s, G, cnt, i0, c, warp, lane);
   __syncthreads();
   const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_s);
   for (int d = tid; d < hd; d += kThreads) {
@@ -621,19 +590,7 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_slice_kernel(Args a) {
   float* wc = csm;                // [max_chunks]
   float* sc = wc + a.max_chunks;  // [max_chunks]
   float* st = sc + a.max_chunks;  // [combine_stage, kCombineSlice]
-  float m = -INFINITY;
-  for (int c = tid; c < nc; c += kThreads) {
-    wc[c] = pm[c];
-    sc[c] = ps[c];
-    m = fmaxf(m, wc[c]);
-  }
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if ((tid & 31) == 0) red[tid >> 5] = m;
-  __syncthreads();
-  float M = red[0];
-  for (int w = 1; w < kThreads / 32; ++w) M = fmaxf(M, red[w]);
-  for (int c = tid; c < nc; c += kThreads) wc[c] = expf(wc[c] - M);
-  __syncthreads();
+  qsa_dev::combine_weights(pm, ps, nc, wc, sc, red);
   float o = 0.0f;
   const int d0 = blockIdx.y * kCombineSlice;
   for (int c0 = 0; c0 < nc; c0 += a.combine_stage) {

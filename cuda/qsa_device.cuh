@@ -58,32 +58,6 @@ __device__ inline void norm_rope(const float* x, const float* w, int n, float ep
   __syncthreads();
 }
 
-// indexer_scores of one block for one warp (every lane gets the result): FP64 dot per head (as
-// cpu::dot), relu in FP32 (std::max(0.0f, x) semantics), the head sum in FP64, times `scale`
-// (1/sqrt(ihd) in FP64). `qs` holds the ni indexer queries of ihd floats, `kb` the block key.
-__device__ inline float block_score(const float* qs, const float* kb, int ni, int ihd, int lane,
-                                    double scale) {
-  float kv[kQsaMaxDim / 32];
-#pragma unroll
-  for (int r = 0; r < kQsaMaxDim / 32; ++r) {
-    const int d = lane + 32 * r;
-    kv[r] = d < ihd ? kb[d] : 0.0f;
-  }
-  double acc = 0.0;
-  for (int h = 0; h < ni; ++h) {
-    double p = 0.0;
-#pragma unroll
-    for (int r = 0; r < kQsaMaxDim / 32; ++r) {
-      const int d = lane + 32 * r;
-      if (d < ihd) p += static_cast<double>(qs[h * ihd + d]) * kv[r];
-    }
-    for (int off = 16; off > 0; off >>= 1) p += __shfl_xor_sync(0xffffffffu, p, off);
-    const float dh = static_cast<float>(p);
-    acc += static_cast<double>(0.0f < dh ? dh : 0.0f);
-  }
-  return static_cast<float>(acc * scale);
-}
-
 // The RoPE rotation of pair `i` at position `pos` exactly as norm_rope computes it (FP64 pow and
 // sincos of the FP32 angle, rounded once). Split out so that a kernel can evaluate it before its
 // programmatic wait (it reads nothing another kernel writes).
@@ -126,7 +100,7 @@ __device__ __forceinline__ void load_block_key(const float* kb, int ihd, int lan
   }
 }
 
-// block_score on a block key already loaded by load_block_key: the same operation sequence.
+// block_score's math on a block key already loaded by load_block_key.
 __device__ inline float block_score_kv(const float* qs, const float* kv, int ni, int ihd, int lane,
                                        double scale) {
   double acc = 0.0;
@@ -142,6 +116,16 @@ __device__ inline float block_score_kv(const float* qs, const float* kv, int ni,
     acc += static_cast<double>(0.0f < dh ? dh : 0.0f);
   }
   return static_cast<float>(acc * scale);
+}
+
+// indexer_scores of one block for one warp (every lane gets the result): FP64 dot per head (as
+// cpu::dot), relu in FP32 (std::max(0.0f, x) semantics), the head sum in FP64, times `scale`
+// (1/sqrt(ihd) in FP64). `qs` holds the ni indexer queries of ihd floats, `kb` the block key.
+__device__ inline float block_score(const float* qs, const float* kb, int ni, int ihd, int lane,
+                                    double scale) {
+  float kv[kQsaMaxDim / 32];
+  load_block_key(kb, ihd, lane, kv);
+  return block_score_kv(qs, kv, ni, ihd, lane, scale);
 }
 
 // Monotone map of a score to an unsigned key (larger score -> larger key); -0 maps as +0 so that
@@ -176,6 +160,65 @@ __device__ inline int block_exclusive_scan(int v, int* sh) {
   return r;
 }
 
+// One radix-select pass's bin choice, run by the 32 lanes of warp 0 over the 256-bin histogram:
+// lane l holds bins 255-8l .. 248-8l (from the top); the lane whose bins hold the
+// remaining-th largest key writes the extended prefix and the rank left inside that bin.
+__device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int lane, uint32_t prefix,
+                                               int shift, int remaining, uint32_t* s_prefix,
+                                               int* s_remaining) {
+  unsigned c[8], tot = 0;
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    c[r] = hist[255 - 8 * lane - r];
+    tot += c[r];
+  }
+  unsigned incl = tot;
+  for (int off = 1; off < 32; off <<= 1) {
+    const unsigned n = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += n;
+  }
+  const unsigned excl = incl - tot;
+  const unsigned rem = static_cast<unsigned>(remaining);
+  if (excl < rem && rem <= incl) {
+    unsigned cum = excl;
+    for (int r = 0; r < 8; ++r) {
+      if (cum + c[r] >= rem) {
+        *s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
+        *s_remaining = static_cast<int>(rem - cum);
+        break;
+      }
+      cum += c[r];
+    }
+  }
+}
+
+// The compaction of a radix select with threshold key T: every index i < B with key(i) > T, plus
+// the lowest-indexed `remaining` ones with key(i) == T, written ascending to selected (thread tid
+// owns the contiguous index range [lo, hi)). Every thread of a kQsaSelectThreads CTA must call it.
+template <typename Key>
+__device__ __forceinline__ void compact_selected(const Key& key, int B, uint32_t T, int remaining,
+                                                 int* scan_sh, int* selected) {
+  const int tid = threadIdx.x;
+  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
+  const int lo = min(B, tid * per), hi = min(B, lo + per);
+  int gt = 0, eq = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i);
+    gt += u > T;
+    eq += u == T;
+  }
+  const int eq_before = block_exclusive_scan(eq, scan_sh);
+  const int take_eq = max(0, min(remaining - eq_before, eq));
+  int off = block_exclusive_scan(gt + take_eq, scan_sh);
+  int eq_seen = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i);
+    bool sel = u > T;
+    if (u == T) sel = eq_seen++ < take_eq;
+    if (sel) selected[off++] = i;
+  }
+}
+
 // top_k + qsa_selected_tokens' block part over scores[0..B): k < B blocks, higher score first,
 // equal scores -> lower index, written ascending to selected[0..k). Radix select (4 passes of 8
 // bits) finds the k-th key T; every key > T is selected plus the lowest-indexed (k - #greater)
@@ -202,60 +245,14 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
       if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
     }
     __syncthreads();
-    if (tid < 32) {
-      // Lane l holds bins 255-8l .. 248-8l (from the top); find the bin holding the
-      // remaining-th largest key.
-      unsigned c[8], tot = 0;
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        c[r] = hist[255 - 8 * lane - r];
-        tot += c[r];
-      }
-      unsigned incl = tot;
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned n = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += n;
-      }
-      const unsigned excl = incl - tot;
-      const unsigned rem = static_cast<unsigned>(remaining);
-      if (excl < rem && rem <= incl) {
-        unsigned cum = excl;
-        for (int r = 0; r < 8; ++r) {
-          if (cum + c[r] >= rem) {
-            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
-            s_remaining = static_cast<int>(rem - cum);
-            break;
-          }
-          cum += c[r];
-        }
-      }
-    }
+    if (tid < 32) radix_pick_bin(hist, lane, prefix, shift, remaining, &s_prefix, &s_remaining);
     __syncthreads();
     prefix = s_prefix;
     remaining = s_remaining;
     mask |= 255u << shift;
     __syncthreads();
   }
-  // Compaction in index order: thread tid owns the contiguous range [lo, hi).
-  const uint32_t T = prefix;
-  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
-  const int lo = min(B, tid * per), hi = min(B, lo + per);
-  int gt = 0, eq = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    gt += u > T;
-    eq += u == T;
-  }
-  const int eq_before = block_exclusive_scan(eq, scan_sh);
-  const int take_eq = max(0, min(remaining - eq_before, eq));
-  int off = block_exclusive_scan(gt + take_eq, scan_sh);
-  int eq_seen = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    bool sel = u > T;
-    if (u == T) sel = eq_seen++ < take_eq;
-    if (sel) selected[off++] = i;
-  }
+  compact_selected(key, B, prefix, remaining, scan_sh, selected);
 }
 
 // select_top_blocks with the same result (the same threshold key T and tie rule, so the same
@@ -314,68 +311,21 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
       }
     }
     __syncthreads();
-    if (tid < 32) {
-      unsigned c[8], tot = 0;
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        c[r] = hist[255 - 8 * lane - r];
-        tot += c[r];
-      }
-      unsigned incl = tot;
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned n = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += n;
-      }
-      const unsigned excl = incl - tot;
-      const unsigned rem = static_cast<unsigned>(remaining);
-      if (excl < rem && rem <= incl) {
-        unsigned cum = excl;
-        for (int r = 0; r < 8; ++r) {
-          if (cum + c[r] >= rem) {
-            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
-            s_remaining = static_cast<int>(rem - cum);
-            break;
-          }
-          cum += c[r];
-        }
-      }
-    }
+    if (tid < 32) radix_pick_bin(hist, lane, prefix, shift, remaining, &s_prefix, &s_remaining);
     __syncthreads();
     prefix = s_prefix;
     remaining = s_remaining;
     mask |= 255u << shift;
     __syncthreads();
   }
-  const uint32_t T = prefix;
-  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
-  const int lo = min(B, tid * per), hi = min(B, lo + per);
-  int gt = 0, eq = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    gt += u > T;
-    eq += u == T;
-  }
-  const int eq_before = block_exclusive_scan(eq, scan_sh);
-  const int take_eq = max(0, min(remaining - eq_before, eq));
-  int off = block_exclusive_scan(gt + take_eq, scan_sh);
-  int eq_seen = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    bool sel = u > T;
-    if (u == T) sel = eq_seen++ < take_eq;
-    if (sel) selected[off++] = i;
-  }
+  compact_selected(key, B, prefix, remaining, scan_sh, selected);
 }
 
-// Combine of one query head over its nc chunks in ascending order (pm/ps: per-chunk maxima and
-// sums, po: [nc, hd] unnormalised outputs), then * sigmoid(gate) (the two-branch form of
-// cpu::sigmoid) -> BF16 into out[0..hd). Chunk loads are batched 8 at a time (the summation
-// order stays c = 0, 1, ...). Every thread of a kQsaThreads CTA must call it.
-__device__ inline void combine_head(const float* pm, const float* ps, const float* po, int nc,
-                                    int hd, const float* gate, uint16_t* out) {
-  __shared__ float wc[kQsaMaxChunks];
-  __shared__ float sc[kQsaMaxChunks];
-  __shared__ float red[kQsaThreads / 32];
+// The chunk weights of a combine over nc chunks: sc[c] = ps[c] and wc[c] = exp(pm[c] - M) with
+// M the max of pm (exact in any order); wc, sc and red ([kQsaThreads / 32]) in shared memory.
+// Every thread of a kQsaThreads CTA must call it; the weights are visible to all on return.
+__device__ inline void combine_weights(const float* pm, const float* ps, int nc, float* wc,
+                                       float* sc, float* red) {
   const int tid = threadIdx.x;
   float m = -INFINITY;
   for (int c = tid; c < nc; c += kQsaThreads) {
@@ -390,6 +340,19 @@ __device__ inline void combine_head(const float* pm, const float* ps, const floa
   for (int w = 1; w < kQsaThreads / 32; ++w) M = fmaxf(M, red[w]);  // max: exact in any order
   for (int c = tid; c < nc; c += kQsaThreads) wc[c] = expf(wc[c] - M);
   __syncthreads();
+}
+
+// Combine of one query head over its nc chunks in ascending order (pm/ps: per-chunk maxima and
+// sums, po: [nc, hd] unnormalised outputs), then * sigmoid(gate) (the two-branch form of
+// cpu::sigmoid) -> BF16 into out[0..hd). Chunk loads are batched 8 at a time (the summation
+// order stays c = 0, 1, ...). Every thread of a kQsaThreads CTA must call it.
+__device__ inline void combine_head(const float* pm, const float* ps, const float* po, int nc,
+                                    int hd, const float* gate, uint16_t* out) {
+  __shared__ float wc[kQsaMaxChunks];
+  __shared__ float sc[kQsaMaxChunks];
+  __shared__ float red[kQsaThreads / 32];
+  const int tid = threadIdx.x;
+  combine_weights(pm, ps, nc, wc, sc, red);
   float L = 0.0f;
   for (int c = 0; c < nc; ++c) L = fmaf(sc[c], wc[c], L);
   for (int d = tid; d < hd; d += kQsaThreads) {

@@ -722,10 +722,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
     }
   };
-  // The residual H lives in H or H_alt: with o.fused_step an HC inject is not launched but
-  // folded into the next HC read's down pass, which writes the injected residual to the other
-  // buffer (hc.h HcDownParams::inject_y). `pending`: an inject waits for the next read (its
-  // debug-residual slot in pending_slot); settle() launches it alone (before a PLE apply).
+  // The residual H lives in H or H_alt: where fold_inject (below) holds, an HC inject is not
+  // launched but folded into the next HC read's down pass, which writes the injected residual to
+  // the other buffer (hc.h HcDownParams::inject_y). `pending`: an inject waits for the next read
+  // (its debug-residual slot in pending_slot); settle() launches it alone (before a PLE apply).
   float* Hc = H;
   bool pending = false;
   int64_t n_injects = 0, pending_slot = 0;

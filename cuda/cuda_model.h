@@ -53,8 +53,9 @@ struct CudaModelOptions {
   /// Decode step launch fusion (issue 8), same bits as the separate launches: the HC inject
   /// folded into the next HC read's down pass behind an all-reduce (TP > 1; the residual
   /// ping-pongs between two buffers), the router + shared gate/up + top-k launch and the SwiGLU +
-  /// shared down + combine launch (cuda/moe_shared.h). false: the separate launches, kept for
-  /// A/B benches and for the test that the fused step gives the same bits.
+  /// shared down + combine launch (cuda/moe_shared.h), the routed experts' gate+up and down in
+  /// one launch where the shape fits it (launch_moe_experts_nvfp4). false: the separate launches,
+  /// kept for A/B benches and for the test that the fused step gives the same bits.
   bool fused_step = true;
   /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
@@ -85,7 +86,7 @@ enum class StepFamily : int {
   /// router (+ shared_expert_gate row) GEMV, top-k (and forced choices); with fused_step also
   /// the shared expert's gate/up rows (one launch, cuda/moe_shared.h)
   Router,
-  RoutedMoe,  ///< NVFP4 gate-up and down of the top-k experts
+  RoutedMoe,  ///< NVFP4 gate-up and down of the top-k experts (one launch with fused_step)
   /// shared expert gate/up GEMV, SwiGLU, down GEMV, the gated combine (fused_step: SwiGLU + down
   /// + combine in one launch)
   SharedExpert,

@@ -5,7 +5,9 @@
 # graph == eager, ranks equal), then cuda_model_bench at TP=1 and TP=2 (depth 8192, random
 # weights) with the fused step and with --unfused (A/B in the same call). Logs and JSON in $OUT.
 # Usage on the 2-GPU machine from a `git archive` copy: FN_BUILD_DIR=../../build-X bash
-# scripts/gpu/fuse_run.sh   (FN_TOKENS: bench tokens, 64; FN_SKIP_TEST=1: bench only)
+# scripts/gpu/fuse_run.sh   (FN_TOKENS: bench tokens, 64; FN_SKIP_TEST=1: bench only;
+# FN_KBENCH="--nvfp4-only": also cuda_kernel_bench with these flags; FN_EXTRA_AB=0: skip the
+# session-5 A/B rows at the end)
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/fuse-out}
@@ -19,7 +21,7 @@ mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
 t=$SECONDS
 # shellcheck disable=SC2086
 if ! FN_BUILD_DIR=$b timeout 360 bash scripts/gpu/build.sh $tests $mpi_tests test_cuda_model cuda_model_bench \
-  >"$out/build.log" 2>&1; then
+  ${FN_KBENCH:+cuda_kernel_bench} >"$out/build.log" 2>&1; then
   grep -E "error" "$out/build.log" | head -30
   exit 1
 fi
@@ -50,6 +52,14 @@ if [ "${FN_SKIP_TEST:-0}" != 1 ]; then
       head -12
   done
 fi
+if [ -n "${FN_KBENCH:-}" ]; then
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  timeout 200 "$b/cuda/cuda_kernel_bench" $FN_KBENCH --json "$out/kernels.json" \
+    >"$out/kernels.txt" 2>&1
+  echo "== cuda_kernel_bench $FN_KBENCH rc=$? ($((SECONDS - t)) s)"
+  grep -E "moe_(experts|gate_up_nvfp4 fp32|down_nvfp4 fp32)" "$out/kernels.txt" | cut -c1-200
+fi
 for np in 1 2; do
   for mode in fused unfused; do
     flag=
@@ -62,6 +72,7 @@ for np in 1 2; do
     grep -E "^\| [0-9]" "$out/bench_tp${np}_$mode.txt" | cut -c1-300
   done
 done
+[ "${FN_EXTRA_AB:-1}" = 0 ] && exit 0
 t=$SECONDS  # A/B: the custom all-reduce launched without PDL
 FN_ALLREDUCE_PDL=0 timeout 200 $mpi -np 2 -x FN_ALLREDUCE_PDL "$b/cuda/cuda_model_bench" \
   --config configs/qwen3.8-flash-next.json --depth 8192 --tokens "$tokens" \

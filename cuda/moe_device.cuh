@@ -16,8 +16,6 @@ constexpr int kRouterThreads = 512;  // threads of a block running router_topk_b
 constexpr int kMaxExperts = 1024;    // E limit of router_topk_block (shared-memory lists)
 constexpr int kMaxTopK = 64;         // k limit of router_topk_block
 
-constexpr int kSortList = 64;  // keys sorted per warp: two per lane
-
 // Ranking key of a probability: NaN ranks as -Inf (so the order stays total).
 __device__ __forceinline__ float rank_key(float p) {
   return isnan(p) ? -INFINITY : p;
@@ -25,7 +23,7 @@ __device__ __forceinline__ float rank_key(float p) {
 
 // The sort key of expert e with probability p: the higher key comes first in the order
 // (rank_key(p) desc, e asc). High word: the float's bits mapped so that unsigned order is float
-// order (-0 as +0, as the float comparison), low word: ~e. Never 0 (0 pads the lists).
+// order (-0 as +0, as the float comparison), low word: ~e. Never 0 (0 marks "no expert").
 __device__ __forceinline__ unsigned long long router_key(float p, int e) {
   float v = rank_key(p);
   if (v == 0.0f) v = 0.0f;
@@ -38,145 +36,248 @@ __device__ __forceinline__ int key_id(unsigned long long key) {
   return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffull));
 }
 
-// Bitonic sort, descending, of the warp's 64 keys: element lane in a0, element 32 + lane in a1.
-__device__ __forceinline__ void warp_sort64_desc(unsigned long long& a0, unsigned long long& a1,
-                                                 int lane) {
-#pragma unroll
-  for (int size = 2; size <= kSortList; size <<= 1) {
-#pragma unroll
-    for (int j = size >> 1; j > 0; j >>= 1) {
-      if (j == 32) {  // size 64, one descending block: pairs (lane, 32 + lane) in registers
-        const unsigned long long hi = a0 > a1 ? a0 : a1, lo = a0 > a1 ? a1 : a0;
-        a0 = hi;
-        a1 = lo;
-      } else {
-        const unsigned long long b0 = __shfl_xor_sync(0xffffffffu, a0, j);
-        const unsigned long long b1 = __shfl_xor_sync(0xffffffffu, a1, j);
-        // Element i of a block of `size` sorted descending when (i & size) == 0; of the pair
-        // (i, i ^ j) the lower index takes the larger key in a descending block.
-        const bool lower = (lane & j) == 0;
-        const bool max0 = lower == ((lane & size) == 0);
-        const bool max1 = lower == (((lane + 32) & size) == 0);
-        a0 = max0 ? (a0 > b0 ? a0 : b0) : (a0 < b0 ? a0 : b0);
-        a1 = max1 ? (a1 > b1 ? a1 : b1) : (a1 < b1 ? a1 : b1);
-      }
-    }
-  }
+// A logit as an unsigned code in float order, for redux.sync: non-NaN floats map to
+// [0x007fffff (-Inf), 0xff800000 (+Inf)] (-0 below +0), NaN to 1; 0 is left for "no expert".
+__device__ __forceinline__ uint32_t logit_code(float l) {
+  if (isnan(l)) return 1u;
+  const uint32_t u = __float_as_uint(l);
+  return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
 }
 
-// Number of keys greater than key in a descending list of kSortList keys (binary lifting).
-__device__ __forceinline__ int count_greater(const unsigned long long* list,
-                                             unsigned long long key) {
-  int pos = 0;
+// The float of a code >= 2 (a non-NaN logit).
+__device__ __forceinline__ float code_logit(uint32_t c) {
+  return __uint_as_float((c & 0x80000000u) != 0u ? (c & 0x7fffffffu) : ~c);
+}
+
+// The least 64-bit value over the warp (two redux.sync: high words, then low words of the ties).
+__device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long x) {
+  const uint32_t hi = static_cast<uint32_t>(x >> 32);
+  const uint32_t mh = __reduce_min_sync(0xffffffffu, hi);
+  const uint32_t lo = hi == mh ? static_cast<uint32_t>(x) : 0xffffffffu;
+  const uint32_t ml = __reduce_min_sync(0xffffffffu, lo);
+  return (static_cast<unsigned long long>(mh) << 32) | ml;
+}
+
+// Number of keys in list[0, n) greater than key, stopping once the count reaches stop (a count
+// >= stop is all a caller needs). list is 16-byte aligned and list[n] is 0 when n is odd (0 is
+// below every key), so the keys are read in pairs.
+__device__ __forceinline__ int count_greater(const unsigned long long* list, int n,
+                                             unsigned long long key, int stop) {
+  const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(list);
+  int count = 0;
+  for (int j = 0; j < (n + 1) / 2; j += 4) {
 #pragma unroll
-  for (int step = kSortList; step > 0; step >>= 1)
-    if (pos + step <= kSortList && list[pos + step - 1] > key) pos += step;
-  return pos;
+    for (int u = 0; u < 4; ++u) {
+      if (j + u < (n + 1) / 2) {
+        const ulonglong2 x = pairs[j + u];
+        count += (x.x > key ? 1 : 0) + (x.y > key ? 1 : 0);
+      }
+    }
+    if (count >= stop) break;
+  }
+  return count;
 }
 
 /// Router softmax + top-k of one row (MODEL.md §C.7 step 1; the semantics of
 /// fn::launch_router_topk, cuda/decode_ops.h): p = softmax(logits[0, E)) (FP32 expf(l - max), FP64
 /// sum), the top k of p in the order (p desc, id asc), w = p / sum(p_selected) (FP64) when norm,
-/// else p; a NaN p ranks as -Inf and sets *flag = 4 (flag may be null). Must be called by all
-/// kRouterThreads threads of a block (uniformly: it uses __syncthreads), after the logits are
-/// complete and visible to the block; the logits are read with ld.global.cg (L2, not L1), so a
-/// block may read logits that other blocks of its own grid wrote before a __threadfence() and an
-/// atomic arrival. The same code for every caller, so the same bits.
+/// else p; a NaN p ranks as -Inf and sets *flag = 4 (flag may be null). 1 <= E <= kMaxExperts,
+/// 1 <= k <= min(E, kMaxTopK). Must be called by all kRouterThreads threads of a block (uniformly:
+/// it uses __syncthreads; warp 0 writes the outputs, the other warps return from it early), after
+/// the logits are complete and visible to the block; the logits are read once, with ld.global.cg
+/// (L2, not L1), so a block may read logits that other blocks of its own grid wrote before a
+/// __threadfence() and an atomic arrival. The same code for every caller, so the same bits.
+///
+/// The bits: the sum is one fixed tree (thread t adds the terms of experts t and t + 512 to 0.0,
+/// then a butterfly xor 16..1 in each warp, then the 16 warp sums in ascending order), p and w
+/// are correctly rounded divisions, and the selection is exact; any implementation keeping these
+/// gives the same ids, weights and flag (the selection is checked against the earlier sorted-list
+/// version, tests/router_topk_reference.cu).
 __device__ __forceinline__ void router_topk_block(const float* logits, int E, int k, bool norm,
                                                   int32_t* ids, float* weights, int32_t* flag) {
-  __shared__ float p[kMaxExperts];
-  __shared__ unsigned long long sorted[kMaxExperts];
-  __shared__ float warp_max[kRouterThreads / 32];
-  __shared__ double warp_sum[kRouterThreads / 32];
-  __shared__ int sel[kMaxTopK];
-  __shared__ int rank_of[kMaxExperts];  // ranks of the candidates (lists * min(k, 64) <= E max)
-  __shared__ float s_max;
-  __shared__ double s_sum;
-  __shared__ int s_nan;
+  constexpr int kWarps = kRouterThreads / 32;
+  constexpr int kMaxBound = kMaxTopK;  // bound entries: kWarps * ceil(k / kWarps) <= 64
+  static_assert(kMaxExperts <= 2 * kRouterThreads, "two experts per thread at most");
+  static_assert(kMaxTopK % kWarps == 0, "bound entries fill whole warps");
+  __shared__ __align__(16) uint32_t s_wmax[kWarps];
+  __shared__ __align__(16) double s_wsum[kWarps];
+  __shared__ __align__(16) uint32_t s_bcode[kMaxBound];
+  __shared__ int s_bid[kMaxBound];
+  __shared__ float s_blogit[kMaxBound];
+  __shared__ __align__(16) unsigned long long s_ckey[kMaxExperts];
+  __shared__ float s_cp[kMaxExperts];
+  __shared__ unsigned long long s_skey[kMaxTopK];
+  __shared__ float s_sp[kMaxTopK];
+  __shared__ int s_n;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) s_nan = 0;
+  // Thread t holds experts t and t + 512 (the sum tree's per-thread terms).
+  const int e0 = tid, e1 = tid + kRouterThreads;
+  const bool has0 = e0 < E, has1 = e1 < E;
+  const float l0 = has0 ? __ldcg(logits + e0) : 0.0f;
+  const float l1 = has1 ? __ldcg(logits + e1) : 0.0f;
+  if (tid == 0) s_n = 0;
 
-  // Max (fmaxf skips NaN), fixed order: per thread, butterfly, warps ascending.
-  float mx = -INFINITY;
-  for (int e = tid; e < E; e += kRouterThreads) mx = fmaxf(mx, __ldcg(logits + e));
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  if (lane == 0) warp_max[warp] = mx;
-  __syncthreads();
-  if (tid == 0) {
-    float m = warp_max[0];
-    for (int w = 1; w < kRouterThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-    s_max = m;
+  // 1. Per warp, by redux.sync on logit codes: the max (round 0), and the bound set S: the
+  // warp's r = ceil(k / 16) largest logits (any r distinct experts would do; these make the
+  // bound below tight). Entry warp * r + j, id -1 when the warp has fewer than j + 1 experts.
+  const int r = (k + kWarps - 1) / kWarps, nb = kWarps * r;
+  {
+    uint32_t c0 = has0 ? logit_code(l0) : 0u, c1 = has1 ? logit_code(l1) : 0u;
+    for (int j = 0; j < r; ++j) {
+      const uint32_t c = c0 > c1 ? c0 : c1;
+      const uint32_t m = __reduce_max_sync(0xffffffffu, c);
+      if (j == 0 && lane == 0) s_wmax[warp] = m;
+      if (lane == __ffs(__ballot_sync(0xffffffffu, c == m)) - 1) {
+        const bool first = c0 == m;
+        s_bcode[warp * r + j] = m;
+        s_bid[warp * r + j] = m == 0u ? -1 : (first ? e0 : e1);
+        s_blogit[warp * r + j] = first ? l0 : l1;
+        if (first)
+          c0 = 0u;
+        else
+          c1 = 0u;
+      }
+    }
   }
   __syncthreads();
-  mx = s_max;
 
-  // exp(l - max) in FP32, the sum in FP64 (as route_top_k), fixed order.
+  // The max in every thread (fmaxf's: NaN skipped, -Inf when all are NaN; a max of -0 or +0
+  // gives the same l - max bits up to the sign of a zero, and expf(-0) = expf(+0) = 1).
+  uint32_t mc = 0u;
+#pragma unroll
+  for (int w = 0; w < kWarps; w += 4) {
+    const uint4 m4 = *reinterpret_cast<const uint4*>(s_wmax + w);
+    mc = max(mc, max(max(m4.x, m4.y), max(m4.z, m4.w)));
+  }
+  const float mx = mc <= 1u ? -INFINITY : code_logit(mc);
+
+  // 2. exp(l - max) in FP32, the sum in FP64 (as route_top_k) over the fixed tree.
+  const float v0 = has0 ? expf(l0 - mx) : 0.0f;
+  const float v1 = has1 ? expf(l1 - mx) : 0.0f;
   double sum = 0.0;
-  for (int e = tid; e < E; e += kRouterThreads) {
-    const float v = expf(__ldcg(logits + e) - mx);
-    p[e] = v;
-    sum += static_cast<double>(v);
-  }
+  if (has0) sum += static_cast<double>(v0);
+  if (has1) sum += static_cast<double>(v1);
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) warp_sum[warp] = sum;
-  __syncthreads();
-  if (tid == 0) {
-    double s = warp_sum[0];
-    for (int w = 1; w < kRouterThreads / 32; ++w) s += warp_sum[w];
-    s_sum = s;
+  if (lane == 0) s_wsum[warp] = sum;
+  // Meanwhile, every warp ranks S by (logit code desc, entry asc) and takes the first k: k
+  // distinct experts (ids of S are distinct), or an entry without an expert.
+  bool chosen[2];
+  int bid[2];
+  float bv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = lane + 32 * h;
+    chosen[h] = false;
+    bid[h] = -1;
+    bv[h] = 0.0f;
+    if (i < nb) {
+      const uint32_t ci = s_bcode[i];
+      int rank = 0;
+      for (int j = 0; j < nb; j += 4) {
+        const uint4 c4 = *reinterpret_cast<const uint4*>(s_bcode + j);
+        rank += (c4.x > ci || (c4.x == ci && j < i)) ? 1 : 0;
+        rank += (c4.y > ci || (c4.y == ci && j + 1 < i)) ? 1 : 0;
+        rank += (c4.z > ci || (c4.z == ci && j + 2 < i)) ? 1 : 0;
+        rank += (c4.w > ci || (c4.w == ci && j + 3 < i)) ? 1 : 0;
+      }
+      chosen[h] = rank < k;
+      bid[h] = s_bid[i];
+      if (chosen[h] && bid[h] >= 0) bv[h] = expf(s_blogit[i] - mx);
+    }
   }
   __syncthreads();
-  sum = s_sum;
-  for (int e = tid; e < E; e += kRouterThreads) {
-    const float v = static_cast<float>(static_cast<double>(p[e]) / sum);
-    p[e] = v;
-    if (isnan(v)) s_nan = 1;
-  }
-  __syncthreads();
+  double total = s_wsum[0];
+  for (int w = 1; w < kWarps; ++w) total += s_wsum[w];
+  const bool nan_sum = isnan(total);  // some p is NaN exactly when the sum is (then all are)
 
-  // The top k in the order (p desc, id asc): each warp of the first ceil(E / 64) sorts 64 keys
-  // (bitonic, in registers), then a candidate's rank is its place in its own list plus the count
-  // of greater keys in every other list (binary search). Keys are distinct, so ranks are too.
-  const int lists = (E + kSortList - 1) / kSortList;
-  if (warp < lists) {
-    const int e0 = warp * kSortList + lane, e1 = e0 + 32;
-    unsigned long long a0 = e0 < E ? router_key(p[e0], e0) : 0ull;
-    unsigned long long a1 = e1 < E ? router_key(p[e1], e1) : 0ull;
-    warp_sort64_desc(a0, a1, lane);
-    sorted[warp * kSortList + lane] = a0;
-    sorted[warp * kSortList + 32 + lane] = a1;
+  // 3. p = v / sum (FP64 divide, cast to float) and the keys.
+  const float p0 = has0 ? static_cast<float>(static_cast<double>(v0) / total) : 0.0f;
+  const float p1 = has1 ? static_cast<float>(static_cast<double>(v1) / total) : 0.0f;
+  const unsigned long long key0 = has0 ? router_key(p0, e0) : 0ull;
+  const unsigned long long key1 = has1 ? router_key(p1, e1) : 0ull;
+  // The bound: the least key of k distinct experts is at most the k-th largest key T (0 when an
+  // entry has no expert). With NaN p every key ties on -Inf and the top k are ids 0..k-1.
+  unsigned long long bound = ~0ull;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (chosen[h]) {
+      const unsigned long long kb =
+          bid[h] < 0 ? 0ull
+                     : router_key(static_cast<float>(static_cast<double>(bv[h]) / total), bid[h]);
+      bound = kb < bound ? kb : bound;
+    }
+  }
+  bound = warp_min_u64(bound);
+  if (nan_sum) bound = router_key(NAN, k - 1);
+
+  // 4. The candidates (key >= bound, at least k of them, the top k among them) into shared
+  // memory in any order: their ranks among the candidates are their ranks among all experts.
+  const bool cand0 = key0 != 0ull && key0 >= bound, cand1 = key1 != 0ull && key1 >= bound;
+  const unsigned b0 = __ballot_sync(0xffffffffu, cand0), b1 = __ballot_sync(0xffffffffu, cand1);
+  if ((b0 | b1) != 0u) {
+    int base = 0;
+    if (lane == 0) base = atomicAdd(&s_n, __popc(b0) + __popc(b1));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    const unsigned below = (1u << lane) - 1u;
+    if (cand0) {
+      const int at = base + __popc(b0 & below);
+      s_ckey[at] = key0;
+      s_cp[at] = p0;
+    }
+    if (cand1) {
+      const int at = base + __popc(b0) + __popc(b1 & below);
+      s_ckey[at] = key1;
+      s_cp[at] = p1;
+    }
   }
   __syncthreads();
-  const int kc = k < kSortList ? k : kSortList;  // past place k - 1 of its list nothing ranks < k
-  const int cands = lists * kc;                  // candidate c = w * kc + q: place q of list w
-  for (int c = tid; c < cands; c += kRouterThreads) rank_of[c] = c % kc;
-  __syncthreads();
-  // One binary search per (candidate, other list), all in parallel; the counts are summed with
-  // integer atomics (exact, so the rank does not depend on their order).
-  for (int t = tid; t < cands * lists; t += kRouterThreads) {
-    const int c = t / lists, o = t - c * lists, w = c / kc;
-    if (o == w) continue;
-    const unsigned long long key = sorted[w * kSortList + c - w * kc];
-    if (key == 0ull) continue;  // padding: ranks after every expert
-    const int n = count_greater(sorted + o * kSortList, key);
-    if (n != 0) atomicAdd(&rank_of[c], n);
+  const int n = s_n;
+
+  // 5. Each candidate's rank = the number of greater candidate keys; rank r < k goes to place r.
+  // Up to 64 candidates (the usual case: about 16 for E 512, k 10) warp 0 ranks them alone.
+  if (n <= 64) {
+    if (warp != 0) return;
+    if (lane == 0 && (n & 1) != 0) s_ckey[n] = 0ull;
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = lane + 32 * h;
+      if (i < n) {
+        const unsigned long long key = s_ckey[i];
+        const int rank = count_greater(s_ckey, n, key, k);
+        if (rank < k) {
+          s_skey[rank] = key;
+          s_sp[rank] = s_cp[i];
+        }
+      }
+    }
+    __syncwarp();
+  } else {
+    if (tid == 0 && (n & 1) != 0) s_ckey[n] = 0ull;  // n odd: n < kMaxExperts
+    __syncthreads();
+    for (int i = tid; i < n; i += kRouterThreads) {
+      const unsigned long long key = s_ckey[i];
+      const int rank = count_greater(s_ckey, n, key, k);
+      if (rank < k) {
+        s_skey[rank] = key;
+        s_sp[rank] = s_cp[i];
+      }
+    }
+    __syncthreads();
+    if (warp != 0) return;
   }
-  __syncthreads();
-  for (int c = tid; c < cands; c += kRouterThreads) {
-    const int w = c / kc;
-    const unsigned long long key = sorted[w * kSortList + c - w * kc];
-    if (key != 0ull && rank_of[c] < k) sel[rank_of[c]] = key_id(key);
+
+  // 6. Warp 0 writes place r from lane r (and r - 32); each lane sums the selected p in place
+  // order (the same FP64 sum).
+  double sel_sum = 0.0;
+  if (norm)
+    for (int j = 0; j < k; ++j) sel_sum += static_cast<double>(s_sp[j]);
+  for (int i = lane; i < k; i += 32) {
+    const float pe = s_sp[i];
+    ids[i] = key_id(s_skey[i]);
+    weights[i] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
   }
-  __syncthreads();
-  // Thread r < k writes place r; each sums the selected p in place order (the same FP64 sum).
-  if (tid < k) {
-    double sel_sum = 0.0;
-    for (int r = 0; r < k; ++r) sel_sum += static_cast<double>(p[sel[r]]);
-    const float pe = p[sel[tid]];
-    ids[tid] = sel[tid];
-    weights[tid] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
-  }
-  if (tid == 0 && s_nan != 0 && flag != nullptr) *flag = 4;
+  if (lane == 0 && nan_sum && flag != nullptr) *flag = 4;
 }
 
 /// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; MODEL.md §C.7 step 4,

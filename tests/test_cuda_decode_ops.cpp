@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "cuda/decode_ops.h"
 #include "cuda/pdl.h"
 #include "tests/cuda_test_util.h"
+#include "tests/router_topk_reference.h"
 
 namespace {
 
@@ -587,4 +589,224 @@ TEST_CASE("cuda decode ops: every op captures into a CUDA graph and replays the 
           graph_us_per_launch([&](cudaStream_t s) { fn::launch_moe_combine(mp, s); }, reps),
           " us per launch in a graph");
   CHECK(flag.download()[0] == 0);
+}
+
+// ---- router top-k block against the earlier version (bitwise)
+// ----------------------------------------------------------
+
+namespace {
+
+constexpr int kRowKinds = 25;
+
+// Logits of one row of kind `kind` (random or adversarial, see the cases), E experts.
+std::vector<float> router_row(int kind, int E, int k, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, E - 1);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<float> l(static_cast<size_t>(E));
+  auto fill_normal = [&](float sigma) {
+    for (auto& v : l) v = sigma * normal(rng);
+  };
+  switch (kind) {
+    case 0:  // the real case: continuous logits
+      fill_normal(2.0f);
+      break;
+    case 1:
+      fill_normal(0.3f);
+      break;
+    case 2:
+      fill_normal(8.0f);
+      break;
+    case 3: {  // all equal: p ties everywhere, ids 0..k-1
+      const float c = 4.0f * normal(rng);
+      for (auto& v : l) v = c;
+      break;
+    }
+    case 4:  // few levels: ties inside and across the kernel's warps
+      for (auto& v : l) v = 0.5f * static_cast<float>(rng() % 4) - 1.0f;
+      break;
+    case 5: {  // logits a few ulps apart: distinct logits, p often equal after rounding
+      const float c = 0.75f + unit(rng);
+      for (auto& v : l) {
+        v = c;
+        for (uint64_t s = rng() % 5; s > 0; --s) v = std::nextafter(v, 10.0f);
+      }
+      break;
+    }
+    case 6:  // one NaN: every p NaN, flag 4
+      fill_normal(1.0f);
+      l[static_cast<size_t>(pick(rng))] = NAN;
+      break;
+    case 7:
+      for (auto& v : l) v = NAN;
+      break;
+    case 8:  // about half -Inf: p = 0 ties (ranked by id)
+      fill_normal(1.0f);
+      for (auto& v : l)
+        if (rng() % 2 == 0) v = -INFINITY;
+      break;
+    case 9:  // all -Inf: -Inf - -Inf is NaN
+      for (auto& v : l) v = -INFINITY;
+      break;
+    case 10:  // one +Inf: its term NaN
+      fill_normal(1.0f);
+      l[static_cast<size_t>(pick(rng))] = INFINITY;
+      break;
+    case 11:  // huge magnitudes: l - max overflows to -Inf, terms 0
+      for (auto& v : l) {
+        const float m = unit(rng) < 0.2f ? 3.4e38f : 1e30f * (1.0f + unit(rng));
+        v = rng() % 2 == 0 ? m : -m;
+      }
+      break;
+    case 12:  // wide range: terms underflow to subnormals and 0
+      for (auto& v : l) v = -200.0f * unit(rng);
+      break;
+    case 13: {  // fewer than k experts with p > 0: the rest tie at 0
+      for (auto& v : l) v = -1000.0f;
+      const int big = std::max(1, k / 2);
+      for (int i = 0; i < big; ++i) l[static_cast<size_t>(pick(rng))] = 50.0f + normal(rng);
+      break;
+    }
+    case 14: {  // the top logits all in one 32- or 64-wide block of ids
+      fill_normal(1.0f);
+      const int w = 32 << (rng() % 2);
+      const int b = static_cast<int>(rng() % static_cast<uint64_t>((E + w - 1) / w));
+      for (int e = b * w; e < b * w + w && e < E; ++e) l[static_cast<size_t>(e)] += 20.0f;
+      break;
+    }
+    case 15:  // signed zeros and negatives: the max is +0 or -0
+      for (auto& v : l) {
+        const uint64_t s = rng() % 3;
+        v = s == 0 ? 0.0f : (s == 1 ? -0.0f : -unit(rng));
+      }
+      break;
+    case 16:  // only signed zeros
+      for (auto& v : l) v = rng() % 2 == 0 ? 0.0f : -0.0f;
+      break;
+    case 17:  // subnormal logits: every term 1
+      for (auto& v : l) v = 1e-40f * normal(rng);
+      break;
+    case 18:  // NaN and -Inf only
+      for (auto& v : l) v = rng() % 2 == 0 ? NAN : -INFINITY;
+      break;
+    case 19:  // ascending by id
+      for (int e = 0; e < E; ++e) l[static_cast<size_t>(e)] = 0.01f * static_cast<float>(e);
+      break;
+    case 20:  // descending by id
+      for (int e = 0; e < E; ++e) l[static_cast<size_t>(e)] = -0.01f * static_cast<float>(e);
+      break;
+    case 21:  // BF16-rounded logits: occasional exact ties at the boundary
+      fill_normal(1.5f);
+      for (auto& v : l) v = fn::bf16_to_float(fn::float_to_bf16(v));
+      break;
+    case 22:  // one finite logit, the rest -Inf: sum 1
+      for (auto& v : l) v = -INFINITY;
+      l[static_cast<size_t>(pick(rng))] = normal(rng);
+      break;
+    case 23:  // +Inf and NaN mixed into random logits
+      fill_normal(1.0f);
+      l[static_cast<size_t>(pick(rng))] = INFINITY;
+      l[static_cast<size_t>(pick(rng))] = NAN;
+      break;
+    default:  // a step: k / 2 high values tied, the rest tied lower
+      for (auto& v : l) v = -1.0f;
+      for (int i = 0; i < std::max(1, k / 2); ++i) l[static_cast<size_t>(pick(rng))] = 1.0f;
+      break;
+  }
+  return l;
+}
+
+// Runs the current block and the reference on `rows` rows of E experts (kinds as given, a stride
+// past E so rows start unaligned) for norm true and false; returns the rows that differ in any
+// bit of ids, weights or flag, and describes the first.
+int64_t router_rows_differ(int E, int k, const std::vector<int>& kinds, uint64_t seed,
+                           std::string* first) {
+  const int rows = static_cast<int>(kinds.size());
+  const int64_t stride = E + static_cast<int64_t>(seed % 3);
+  std::mt19937_64 rng(seed);
+  std::vector<float> host(static_cast<size_t>(rows * stride), 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    const auto l = router_row(kinds[static_cast<size_t>(r)], E, k, rng);
+    std::copy(l.begin(), l.end(), host.begin() + r * stride);
+  }
+  DeviceArray<float> logits(host);
+  int64_t differ = 0;
+  for (bool norm : {true, false}) {
+    const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(k);
+    DeviceArray<int32_t> ids_a(n), ids_b(n), flags_a(std::vector<int32_t>(rows, 0)),
+        flags_b(std::vector<int32_t>(rows, 0));
+    DeviceArray<float> w_a(n), w_b(n);
+    fn::test::router_topk_rows(true, logits.ptr, stride, rows, E, k, norm, ids_a.ptr, w_a.ptr,
+                               flags_a.ptr, nullptr);
+    fn::test::router_topk_rows(false, logits.ptr, stride, rows, E, k, norm, ids_b.ptr, w_b.ptr,
+                               flags_b.ptr, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto ia = ids_a.download(), ib = ids_b.download();
+    const auto wa = w_a.download(), wb = w_b.download();
+    const auto fa = flags_a.download(), fb = flags_b.download();
+    for (int r = 0; r < rows; ++r) {
+      const size_t o = static_cast<size_t>(r) * k;
+      const bool same = std::memcmp(&ia[o], &ib[o], 4 * static_cast<size_t>(k)) == 0 &&
+                        std::memcmp(&wa[o], &wb[o], 4 * static_cast<size_t>(k)) == 0 &&
+                        fa[static_cast<size_t>(r)] == fb[static_cast<size_t>(r)];
+      if (same) continue;
+      if (differ++ == 0) {
+        std::ostringstream os;
+        os << "E " << E << " k " << k << " norm " << norm << " row " << r << " kind "
+           << kinds[static_cast<size_t>(r)] << ": flag " << fa[static_cast<size_t>(r)] << " vs "
+           << fb[static_cast<size_t>(r)] << ", ids (reference/current)";
+        for (int i = 0; i < k; ++i) os << " " << ia[o + i] << "/" << ib[o + i];
+        *first = os.str();
+      }
+    }
+  }
+  return differ;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda decode ops: the router top-k block gives the bits of the earlier sorted-list version on "
+    "random and adversarial rows of every shape") {
+  // The real shape (E 512, k 10): 4000 rows of every kind, most of them continuous logits.
+  {
+    std::vector<int> kinds;
+    for (int r = 0; r < 4000; ++r) kinds.push_back(r < 40 * kRowKinds ? r % kRowKinds : r % 3);
+    std::string first;
+    const int64_t differ = router_rows_differ(512, 10, kinds, 17, &first);
+    CHECK_MESSAGE(differ == 0, differ, " rows differ; first: ", first);
+  }
+  // Every E class (1, below / at / above 32, 64, 512, up to 1024) with k from 1 to 64: two rows
+  // of every kind each.
+  std::vector<int> kinds;
+  for (int r = 0; r < 2 * kRowKinds; ++r) kinds.push_back(r % kRowKinds);
+  int shapes = 0;
+  for (int E :
+       {1,   2,   3,   5,   8,   13,  16,  31,  32,  33,  63,  64,  65,  100,  127,  128, 129,
+        200, 255, 256, 257, 300, 384, 500, 511, 512, 513, 600, 640, 777, 1000, 1023, 1024}) {
+    for (int k : {1, 2, 3, 4, 7, 8, 10, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64}) {
+      if (k > E) continue;
+      std::string first;
+      const int64_t differ =
+          router_rows_differ(E, k, kinds, uint64_t(E) * 1000 + uint64_t(k), &first);
+      CHECK_MESSAGE(differ == 0, differ, " rows differ; first: ", first);
+      ++shapes;
+    }
+  }
+  CHECK(shapes > 400);
+  // Time of one row (E 512, k 10, continuous logits) in a graph of 100 launches, plain launches
+  // for both (no PDL): a measurement, printed, not a check.
+  const auto l = normal_floats(512, 2.0f, 99);
+  DeviceArray<float> dl(l), dw(10);
+  DeviceArray<int32_t> di(10), flag(std::vector<int32_t>{0});
+  for (bool reference : {true, false}) {
+    const double us = graph_us_per_launch(
+        [&](cudaStream_t s) {
+          fn::test::router_topk_rows(reference, dl.ptr, 512, 1, 512, 10, true, di.ptr, dw.ptr,
+                                     flag.ptr, s);
+        },
+        100);
+    MESSAGE(std::string(reference ? "reference" : "current"),
+            " router top-k block, E 512 k 10: ", us, " us per launch in a graph");
+  }
 }

@@ -942,7 +942,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.top_k = static_cast<int>(k);
     dn.h = h;
     dn.y = y;
-    if (o.fused_step) {  // gate+up and down in one launch where the shape fits (same bits)
+    if (o.fused_step && o.moe_one_launch) {  // one launch where the shape fits (same bits)
       launch_moe_experts_nvfp4(gu, dn, moe_barrier, s);
     } else {
       launch_moe_gate_up_nvfp4(gu, s);

@@ -60,6 +60,10 @@ struct CudaModelOptions {
   /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
   int fold_hc_inject = -1;
+  /// With fused_step, the routed experts' gate+up and down in one launch where the shape fits
+  /// (launch_moe_experts_nvfp4, same bits). Off by default: measured slower in the decode step
+  /// on H200 than the two launches (cuda/bench/RESULTS.md, session 6); kept for A/B.
+  bool moe_one_launch = false;
 };
 
 /// Which logits CudaModel::prefill returns.
@@ -86,7 +90,7 @@ enum class StepFamily : int {
   /// router (+ shared_expert_gate row) GEMV, top-k (and forced choices); with fused_step also
   /// the shared expert's gate/up rows (one launch, cuda/moe_shared.h)
   Router,
-  RoutedMoe,  ///< NVFP4 gate-up and down of the top-k experts (one launch with fused_step)
+  RoutedMoe,  ///< NVFP4 gate-up and down of the top-k experts
   /// shared expert gate/up GEMV, SwiGLU, down GEMV, the gated combine (fused_step: SwiGLU + down
   /// + combine in one launch)
   SharedExpert,

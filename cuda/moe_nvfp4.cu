@@ -326,9 +326,9 @@ template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_kernel(DownArgs a) {
   extern __shared__ float4 stage4[];
   float* stage = reinterpret_cast<float*>(stage4);
-  // Every weight address depends on the router's expert ids, and h is the previous kernel's
-  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
-  dev::pdl_begin();
+  // The first round's loads go out before the programmatic-dependent wait (cuda/pdl.cuh): the
+  // weights, and the router's ids and routing weights, written two launches back (gate+up sits in
+  // between) and read through L2; only h, gate+up's output, waits.
   using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
   const int lane = threadIdx.x & (team - 1);
@@ -347,14 +347,15 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
     for (int n = 0; n < kDownUnits; ++n) {
       const int idx = lane + (n0 + n) * team;
       const int jj = idx / a.nvec, v = idx - jj * a.nvec;
-      const int e = n0 + n < mine ? __ldg(a.ids + jj) : -1;
+      const int e = n0 + n < mine ? __ldcg(a.ids + jj) : -1;
       live[n] = e >= 0 && e < a.num_experts;
       const int64_t row = static_cast<int64_t>(live[n] ? e : 0) * a.hidden + d;
       w[n] = live[n] ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
       s[n] = live[n] ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
-      f[n] = live[n] ? __ldg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
+      f[n] = live[n] ? __ldcg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
+      dev::pdl_begin();
       Stage<kNarrow>::template fill<4>(a.h, a.top_k * a.inter, stage);  // 10 x 640: one batch
       __syncthreads();
     }

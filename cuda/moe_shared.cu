@@ -92,15 +92,18 @@ constexpr int kDownBlockThreads = 256;   // launch_gemv_bf16's block size (any w
 constexpr int64_t kMaxDownInter = 8192;  // h in shared memory: 32 KB of FP32
 
 // x of the down GEMV: h = bf16(silu(g) * u) computed once per block into shared memory (as the
-// exact floats of the BF16 values that launch_swiglu stores and launch_gemv_bf16 widens).
+// exact floats of the BF16 values that launch_swiglu stores and launch_gemv_bf16 widens). g and u
+// come from the router + shared gate/up launch, three launches back in the step (the routed
+// experts' two sit in between): read through L2 before the PDL wait (cuda/pdl.cuh).
 struct SwigluXShared {
   const float* gate_up;
   int inter;
   float* h;  // shared memory, [inter]
   __device__ __forceinline__ void prepare() const {
     for (int i = threadIdx.x; i < inter; i += kDownBlockThreads)
-      h[i] = __uint_as_float(
-          static_cast<uint32_t>(dev::swiglu_bf16_bits(gate_up[i], gate_up[inter + i])) << 16);
+      h[i] = __uint_as_float(static_cast<uint32_t>(dev::swiglu_bf16_bits(
+                                 __ldcg(gate_up + i), __ldcg(gate_up + inter + i)))
+                             << 16);
     __syncthreads();
   }
   __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
@@ -119,10 +122,11 @@ __global__ void __launch_bounds__(kDownBlockThreads)
   float acc[kRows];
   int lane = 0;
   const SwigluXShared xs{gate_up, g.nvec * 8, reinterpret_cast<float*>(h_smem)};
-  const int64_t row0 =
-      dev::gemv_bf16_team_rows<kRows, kDownBlockThreads>(g, blockIdx.x, xs, acc, &lane);
+  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true>(
+      g, blockIdx.x, xs, acc, &lane);
+  // After the wait (the last step above): y is the routed experts' output.
   if (lane != 0) return;
-  const float gamma = dev::sigmoid_2branch(*gate_logit);  // after the wait: written upstream
+  const float gamma = dev::sigmoid_2branch(*gate_logit);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t row = row0 + r;

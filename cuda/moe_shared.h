@@ -66,7 +66,11 @@ struct SharedDownCombineParams {
 /// in one launch: each block computes h into shared memory (launch_swiglu's expression), the rows
 /// are launch_gemv_bf16's device code with its planned team width (x BF16), and the epilogue is
 /// launch_moe_combine's expression (two-branch sigmoid), so y has the bits of launch_swiglu +
-/// launch_gemv_bf16 + launch_moe_combine. Runs after the kernel that writes the routed sum into y.
+/// launch_gemv_bf16 + launch_moe_combine. Runs after the kernel that writes the routed sum into y;
+/// gate_up and gate_logit must come from a kernel at least two launches earlier on the stream (as
+/// in the decode step: the routed experts' two launches sit in between), because the SwiGLU and
+/// the whole GEMV run before the programmatic-dependent wait (cuda/pdl.cuh); only the combine
+/// waits for y.
 /// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
 /// fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);

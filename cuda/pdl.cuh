@@ -4,9 +4,10 @@
 // Contract of a kernel launched through launch_pdl (it may start while its predecessor in the
 // stream still runs): every thread calls dev::pdl_wait() before it reads anything an earlier
 // kernel wrote, writes anything an earlier kernel reads, or exits; before the wait it only reads
-// weights (data no kernel of the stream writes) or prefetches into L2 (always memory-safe); it
-// calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel never runs ahead
-// of more than one unfinished predecessor.
+// weights (data no kernel of the stream writes), prefetches into L2 (always memory-safe), or reads
+// through L2 (ld.global.cg) what a kernel at least two launches back wrote (complete: see the
+// next rule); it calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel
+// never runs ahead of more than one unfinished predecessor.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -49,31 +49,23 @@ __device__ __forceinline__ float code_logit(uint32_t c) {
   return __uint_as_float((c & 0x80000000u) != 0u ? (c & 0x7fffffffu) : ~c);
 }
 
-// The least 64-bit value over the warp (two redux.sync: high words, then low words of the ties).
-__device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long x) {
-  const uint32_t hi = static_cast<uint32_t>(x >> 32);
-  const uint32_t mh = __reduce_min_sync(0xffffffffu, hi);
-  const uint32_t lo = hi == mh ? static_cast<uint32_t>(x) : 0xffffffffu;
-  const uint32_t ml = __reduce_min_sync(0xffffffffu, lo);
-  return (static_cast<unsigned long long>(mh) << 32) | ml;
-}
-
 // Number of keys in list[0, n) greater than key, stopping once the count reaches stop (a count
 // >= stop is all a caller needs). list is 16-byte aligned and list[n] is 0 when n is odd (0 is
-// below every key), so the keys are read in pairs.
+// below every key), so the keys are read in pairs, four pairs per step.
 __device__ __forceinline__ int count_greater(const unsigned long long* list, int n,
                                              unsigned long long key, int stop) {
   const ulonglong2* pairs = reinterpret_cast<const ulonglong2*>(list);
+  const int n2 = (n + 1) / 2;
   int count = 0;
-  for (int j = 0; j < (n + 1) / 2; j += 4) {
+#pragma unroll 1
+  for (int j = 0; j < n2 && count < stop; j += 4) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      if (j + u < (n + 1) / 2) {
+      if (j + u < n2) {
         const ulonglong2 x = pairs[j + u];
         count += (x.x > key ? 1 : 0) + (x.y > key ? 1 : 0);
       }
     }
-    if (count >= stop) break;
   }
   return count;
 }
@@ -90,9 +82,12 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list, int
 ///
 /// The bits: the sum is one fixed tree (thread t adds the terms of experts t and t + 512 to 0.0,
 /// then a butterfly xor 16..1 in each warp, then the 16 warp sums in ascending order), p and w
-/// are correctly rounded divisions, and the selection is exact; any implementation keeping these
-/// gives the same ids, weights and flag (the selection is checked against the earlier sorted-list
-/// version, tests/router_topk_reference.cu).
+/// are correctly rounded divisions, the selection is exact; tests/router_topk_reference.cu keeps
+/// the earlier sorted-list version, which test_cuda_decode_ops compares bitwise. Two block
+/// barriers when at most 64 experts are candidates (the usual case), four otherwise; the time is
+/// the dependent chain (load, redux, barrier, expf, FP64 butterfly, barrier, FP64 sum of the 16
+/// warp sums, FP64 divide, ranking, FP64 sum of the selected, FP64 divide), not the code size (a
+/// 16 KB straight-line probe ran at its FFMA latency on H200).
 __device__ __forceinline__ void router_topk_block(const float* logits, int E, int k, bool norm,
                                                   int32_t* ids, float* weights, int32_t* flag) {
   constexpr int kWarps = kRouterThreads / 32;
@@ -102,8 +97,9 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
   __shared__ __align__(16) uint32_t s_wmax[kWarps];
   __shared__ __align__(16) double s_wsum[kWarps];
   __shared__ __align__(16) uint32_t s_bcode[kMaxBound];
-  __shared__ int s_bid[kMaxBound];
   __shared__ float s_blogit[kMaxBound];
+  __shared__ int s_cid[kMaxExperts];
+  __shared__ float s_cv[kMaxExperts];
   __shared__ __align__(16) unsigned long long s_ckey[kMaxExperts];
   __shared__ float s_cp[kMaxExperts];
   __shared__ unsigned long long s_skey[kMaxTopK];
@@ -117,12 +113,12 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
   const float l1 = has1 ? __ldcg(logits + e1) : 0.0f;
   if (tid == 0) s_n = 0;
 
-  // 1. Per warp, by redux.sync on logit codes: the max (round 0), and the bound set S: the
-  // warp's r = ceil(k / 16) largest logits (any r distinct experts would do; these make the
-  // bound below tight). Entry warp * r + j, id -1 when the warp has fewer than j + 1 experts.
+  // 1. Per warp, by redux.sync on logit codes: the max (round 0) and the bound set S, the warp's
+  // r = ceil(k / 16) largest logits (entry warp * r + j; code 0 when the warp has fewer experts).
   const int r = (k + kWarps - 1) / kWarps, nb = kWarps * r;
   {
     uint32_t c0 = has0 ? logit_code(l0) : 0u, c1 = has1 ? logit_code(l1) : 0u;
+#pragma unroll 1
     for (int j = 0; j < r; ++j) {
       const uint32_t c = c0 > c1 ? c0 : c1;
       const uint32_t m = __reduce_max_sync(0xffffffffu, c);
@@ -130,7 +126,6 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
       if (lane == __ffs(__ballot_sync(0xffffffffu, c == m)) - 1) {
         const bool first = c0 == m;
         s_bcode[warp * r + j] = m;
-        s_bid[warp * r + j] = m == 0u ? -1 : (first ? e0 : e1);
         s_blogit[warp * r + j] = first ? l0 : l1;
         if (first)
           c0 = 0u;
@@ -139,7 +134,10 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
       }
     }
   }
-  __syncthreads();
+  // Some term is NaN (so the sum and every p) exactly when a logit is NaN or the max is +-Inf
+  // (Inf - Inf); otherwise every term is finite, >= 0 and about <= 1, the max's exactly 1, so the
+  // sum lies in [1, ~E] and no p is NaN.
+  const bool nan_logit = __syncthreads_or((has0 && isnan(l0)) || (has1 && isnan(l1))) != 0;
 
   // The max in every thread (fmaxf's: NaN skipped, -Inf when all are NaN; a max of -0 or +0
   // gives the same l - max bits up to the sign of a zero, and expf(-0) = expf(+0) = 1).
@@ -150,6 +148,7 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
     mc = max(mc, max(max(m4.x, m4.y), max(m4.z, m4.w)));
   }
   const float mx = mc <= 1u ? -INFINITY : code_logit(mc);
+  const bool nan_terms = nan_logit || isinf(mx);
 
   // 2. exp(l - max) in FP32, the sum in FP64 (as route_top_k) over the fixed tree.
   const float v0 = has0 ? expf(l0 - mx) : 0.0f;
@@ -159,60 +158,35 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
   if (has1) sum += static_cast<double>(v1);
   for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane == 0) s_wsum[warp] = sum;
-  // Meanwhile, every warp ranks S by (logit code desc, entry asc) and takes the first k: k
-  // distinct experts (ids of S are distinct), or an entry without an expert.
-  bool chosen[2];
-  int bid[2];
-  float bv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int i = lane + 32 * h;
-    chosen[h] = false;
-    bid[h] = -1;
-    bv[h] = 0.0f;
-    if (i < nb) {
-      const uint32_t ci = s_bcode[i];
-      int rank = 0;
-      for (int j = 0; j < nb; j += 4) {
-        const uint4 c4 = *reinterpret_cast<const uint4*>(s_bcode + j);
-        rank += (c4.x > ci || (c4.x == ci && j < i)) ? 1 : 0;
-        rank += (c4.y > ci || (c4.y == ci && j + 1 < i)) ? 1 : 0;
-        rank += (c4.z > ci || (c4.z == ci && j + 2 < i)) ? 1 : 0;
-        rank += (c4.w > ci || (c4.w == ci && j + 3 < i)) ? 1 : 0;
-      }
-      chosen[h] = rank < k;
-      bid[h] = s_bid[i];
-      if (chosen[h] && bid[h] >= 0) bv[h] = expf(s_blogit[i] - mx);
+
+  // 3. The candidates, before the sum is known. p(v) = float(v / sum) rises with v. The k entries
+  // of S ranked first by (code desc, entry asc) are k distinct experts, so the k-th largest key
+  // is at least the least of theirs, whose p is p(vb), vb their least term (vb = 0 when an entry
+  // has no expert). An expert with p(v) = p(vb) and v < vb has vb - v <= 2^-22 vb + 2^-139 (two
+  // values rounding to one float, sum <= 1024), so every top-k expert has v >= thr below, with
+  // room for thr's own roundings. With NaN terms every key ties on -Inf: the top k are 0..k-1.
+  uint32_t vb_bits = 0xffffffffu;
+#pragma unroll 1
+  for (int i = lane; i < nb; i += 32) {
+    const uint32_t ci = s_bcode[i];
+    int rank = 0;
+#pragma unroll 1
+    for (int j = 0; j < nb; j += 4) {
+      const uint4 c4 = *reinterpret_cast<const uint4*>(s_bcode + j);
+      rank += (c4.x > ci || (c4.x == ci && j < i)) ? 1 : 0;
+      rank += (c4.y > ci || (c4.y == ci && j + 1 < i)) ? 1 : 0;
+      rank += (c4.z > ci || (c4.z == ci && j + 2 < i)) ? 1 : 0;
+      rank += (c4.w > ci || (c4.w == ci && j + 3 < i)) ? 1 : 0;
+    }
+    if (rank < k) {
+      const uint32_t b = ci == 0u ? 0u : __float_as_uint(expf(s_blogit[i] - mx));
+      vb_bits = b < vb_bits ? b : vb_bits;  // terms >= +0: bit order is float order
     }
   }
-  __syncthreads();
-  double total = s_wsum[0];
-  for (int w = 1; w < kWarps; ++w) total += s_wsum[w];
-  const bool nan_sum = isnan(total);  // some p is NaN exactly when the sum is (then all are)
-
-  // 3. p = v / sum (FP64 divide, cast to float) and the keys.
-  const float p0 = has0 ? static_cast<float>(static_cast<double>(v0) / total) : 0.0f;
-  const float p1 = has1 ? static_cast<float>(static_cast<double>(v1) / total) : 0.0f;
-  const unsigned long long key0 = has0 ? router_key(p0, e0) : 0ull;
-  const unsigned long long key1 = has1 ? router_key(p1, e1) : 0ull;
-  // The bound: the least key of k distinct experts is at most the k-th largest key T (0 when an
-  // entry has no expert). With NaN p every key ties on -Inf and the top k are ids 0..k-1.
-  unsigned long long bound = ~0ull;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (chosen[h]) {
-      const unsigned long long kb =
-          bid[h] < 0 ? 0ull
-                     : router_key(static_cast<float>(static_cast<double>(bv[h]) / total), bid[h]);
-      bound = kb < bound ? kb : bound;
-    }
-  }
-  bound = warp_min_u64(bound);
-  if (nan_sum) bound = router_key(NAN, k - 1);
-
-  // 4. The candidates (key >= bound, at least k of them, the top k among them) into shared
-  // memory in any order: their ranks among the candidates are their ranks among all experts.
-  const bool cand0 = key0 != 0ull && key0 >= bound, cand1 = key1 != 0ull && key1 >= bound;
+  const float vb = __uint_as_float(__reduce_min_sync(0xffffffffu, vb_bits));
+  const float thr = fmaf(vb, -0x1p-16f, vb) - 0x1p-120f;
+  const bool cand0 = has0 && (nan_terms ? e0 < k : v0 >= thr);
+  const bool cand1 = has1 && (nan_terms ? e1 < k : v1 >= thr);
   const unsigned b0 = __ballot_sync(0xffffffffu, cand0), b1 = __ballot_sync(0xffffffffu, cand1);
   if ((b0 | b1) != 0u) {
     int base = 0;
@@ -221,63 +195,64 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
     const unsigned below = (1u << lane) - 1u;
     if (cand0) {
       const int at = base + __popc(b0 & below);
-      s_ckey[at] = key0;
-      s_cp[at] = p0;
+      s_cid[at] = e0;
+      s_cv[at] = v0;
     }
     if (cand1) {
       const int at = base + __popc(b0) + __popc(b1 & below);
-      s_ckey[at] = key1;
-      s_cp[at] = p1;
+      s_cid[at] = e1;
+      s_cv[at] = v1;
     }
   }
   __syncthreads();
+
+  // 4. p and the key of each candidate, then its rank = the number of greater candidate keys
+  // (its rank among all experts, as the top k are candidates); rank r < k goes to place r. Up to
+  // 64 candidates (the usual case: about 16 for E 512, k 10) warp 0 works alone, else the block.
   const int n = s_n;
-
-  // 5. Each candidate's rank = the number of greater candidate keys; rank r < k goes to place r.
-  // Up to 64 candidates (the usual case: about 16 for E 512, k 10) warp 0 ranks them alone.
-  if (n <= 64) {
-    if (warp != 0) return;
-    if (lane == 0 && (n & 1) != 0) s_ckey[n] = 0ull;
-    __syncwarp();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = lane + 32 * h;
-      if (i < n) {
-        const unsigned long long key = s_ckey[i];
-        const int rank = count_greater(s_ckey, n, key, k);
-        if (rank < k) {
-          s_skey[rank] = key;
-          s_sp[rank] = s_cp[i];
-        }
-      }
-    }
-    __syncwarp();
-  } else {
-    if (tid == 0 && (n & 1) != 0) s_ckey[n] = 0ull;  // n odd: n < kMaxExperts
-    __syncthreads();
-    for (int i = tid; i < n; i += kRouterThreads) {
-      const unsigned long long key = s_ckey[i];
-      const int rank = count_greater(s_ckey, n, key, k);
-      if (rank < k) {
-        s_skey[rank] = key;
-        s_sp[rank] = s_cp[i];
-      }
-    }
-    __syncthreads();
-    if (warp != 0) return;
+  const bool block_wide = n > 64;
+  if (!block_wide && warp != 0) return;
+  const int g = block_wide ? tid : lane, gs = block_wide ? kRouterThreads : 32;
+  double total = s_wsum[0];
+  for (int w = 1; w < kWarps; ++w) total += s_wsum[w];
+#pragma unroll 1
+  for (int i = g; i < n; i += gs) {
+    const float p = static_cast<float>(static_cast<double>(s_cv[i]) / total);
+    s_ckey[i] = router_key(p, s_cid[i]);
+    s_cp[i] = p;
   }
+  if (g == 0 && (n & 1) != 0) s_ckey[n] = 0ull;  // n odd: n < kMaxExperts
+  if (block_wide)
+    __syncthreads();
+  else
+    __syncwarp();
+#pragma unroll 1
+  for (int i = g; i < n; i += gs) {
+    const unsigned long long key = s_ckey[i];
+    const int rank = count_greater(s_ckey, n, key, k);
+    if (rank < k) {
+      s_skey[rank] = key;
+      s_sp[rank] = s_cp[i];
+    }
+  }
+  if (block_wide)
+    __syncthreads();
+  else
+    __syncwarp();
+  if (warp != 0) return;
 
-  // 6. Warp 0 writes place r from lane r (and r - 32); each lane sums the selected p in place
+  // 5. Warp 0 writes place r from lane r (and r - 32); each lane sums the selected p in place
   // order (the same FP64 sum).
   double sel_sum = 0.0;
   if (norm)
     for (int j = 0; j < k; ++j) sel_sum += static_cast<double>(s_sp[j]);
+#pragma unroll 1
   for (int i = lane; i < k; i += 32) {
     const float pe = s_sp[i];
     ids[i] = key_id(s_skey[i]);
     weights[i] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
   }
-  if (lane == 0 && nan_sum && flag != nullptr) *flag = 4;
+  if (lane == 0 && isnan(total) && flag != nullptr) *flag = 4;
 }
 
 /// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; MODEL.md §C.7 step 4,

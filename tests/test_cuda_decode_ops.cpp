@@ -766,6 +766,21 @@ int64_t router_rows_differ(int E, int k, const std::vector<int>& kinds, uint64_t
 }  // namespace
 
 TEST_CASE(
+    "cuda decode ops: the router top-k block ranks many candidates block-wide with the reference's "
+    "bits") {
+  // All equal, few levels, p = 0 ties and one finite logit: more than 64 candidates, so the whole
+  // block ranks them (the small case for the race and sync checkers).
+  const std::vector<int> kinds{3, 4, 13, 22, 3, 4};
+  for (int E : {100, 512, 1024}) {
+    for (int k : {1, 10, 64}) {
+      std::string first;
+      const int64_t differ = router_rows_differ(E, k, kinds, uint64_t(E) + uint64_t(k), &first);
+      CHECK_MESSAGE(differ == 0, differ, " rows differ; first: ", first);
+    }
+  }
+}
+
+TEST_CASE(
     "cuda decode ops: the router top-k block gives the bits of the earlier sorted-list version on "
     "random and adversarial rows of every shape") {
   // The real shape (E 512, k 10): 4000 rows of every kind, most of them continuous logits.

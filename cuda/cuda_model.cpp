@@ -627,7 +627,6 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   }
   weight_bytes = arena.held() - arena.state_held();
   router_ticket = arena.state_n<unsigned int>(1, "router ticket");
-  moe_barrier = arena.state_n<unsigned int>(2, "MoE grid barrier");
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -935,6 +934,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.top_k = static_cast<int>(k);
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
+    launch_moe_gate_up_nvfp4(gu, s);
     MoeDownParams dn;
     dn.experts = mo.down;
     dn.expert_ids = ids;
@@ -942,12 +942,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.top_k = static_cast<int>(k);
     dn.h = h;
     dn.y = y;
-    if (o.fused_step && o.moe_one_launch) {  // one launch where the shape fits (same bits)
-      launch_moe_experts_nvfp4(gu, dn, moe_barrier, s);
-    } else {
-      launch_moe_gate_up_nvfp4(gu, s);
-      launch_moe_down_nvfp4(dn, s);
-    }
+    launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
       SharedDownCombineParams sd;

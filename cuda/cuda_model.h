@@ -53,17 +53,12 @@ struct CudaModelOptions {
   /// Decode step launch fusion (issue 8), same bits as the separate launches: the HC inject
   /// folded into the next HC read's down pass behind an all-reduce (TP > 1; the residual
   /// ping-pongs between two buffers), the router + shared gate/up + top-k launch and the SwiGLU +
-  /// shared down + combine launch (cuda/moe_shared.h), the routed experts' gate+up and down in
-  /// one launch where the shape fits it (launch_moe_experts_nvfp4). false: the separate launches,
-  /// kept for A/B benches and for the test that the fused step gives the same bits.
+  /// shared down + combine launch (cuda/moe_shared.h). false: the separate launches, kept for
+  /// A/B benches and for the test that the fused step gives the same bits.
   bool fused_step = true;
   /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
   int fold_hc_inject = -1;
-  /// With fused_step, the routed experts' gate+up and down in one launch where the shape fits
-  /// (launch_moe_experts_nvfp4, same bits). Off by default: measured slower in the decode step
-  /// on H200 than the two launches (cuda/bench/RESULTS.md, session 6); kept for A/B.
-  bool moe_one_launch = false;
 };
 
 /// Which logits CudaModel::prefill returns.

@@ -50,25 +50,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-/// Closes the calling thread's group of cp_async16 copies issued since the last commit
-/// (cp.async.commit_group), so that cp_async_wait_group can wait for it alone. No-op below sm_80
-/// (the copies there are synchronous).
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-/// Waits until at most kPending of the calling thread's committed cp.async groups are still in
-/// flight (cp.async.wait_group: the older groups have landed and are visible to this thread; other
-/// threads need a barrier). No-op below sm_80.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait_group() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-#endif
-}
-
 /// 16-byte read-only load that may stay in L1 (activations re-read by many rows).
 __device__ __forceinline__ uint4 ld_cached16(const void* p) {
   return __ldg(static_cast<const uint4*>(p));

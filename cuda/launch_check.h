@@ -12,9 +12,6 @@ namespace fn::detail {
 /// make no attribute query while a stream is being captured after the first call).
 /// Throws fn::Error(Cuda) when the query fails.
 int current_sm_count();
-/// Shared memory in bytes one block of the current device may use when a kernel opts in
-/// (cudaFuncAttributeMaxDynamicSharedMemorySize), cached as current_sm_count. Throws likewise.
-int current_max_smem_optin();
 }  // namespace fn::detail
 
 /// Throws fn::Error(Internal) naming the launcher `op` and the failed condition unless cond holds.

@@ -32,8 +32,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
@@ -123,25 +121,23 @@ template <bool kNarrow>
 struct Stage {
   static constexpr int kCodes = Unit<kNarrow>::kCodes;
   static constexpr int kChunks = kCodes / 4;
-  // Every thread of the block (kThreads threads) calls it: n BF16 values (a multiple of 16; src
-  // 16-byte aligned). Each thread issues kBatch 16-byte loads before it stores any (one L2 round
-  // trip per kBatch block-wide passes instead of one per pass; the same values land in the same
-  // slots). kCoherent: src was written by other CTAs of the running grid (ld.global.cg, not the
-  // non-coherent path).
-  template <int kBatch, int kThreads = kBlockThreads, bool kCoherent = false>
+  // Every thread of the block calls it: n BF16 values (a multiple of 16; src 16-byte aligned).
+  // Each thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch
+  // block-wide passes instead of one per pass; the same values land in the same slots).
+  template <int kBatch>
   static __device__ __forceinline__ void fill(const uint16_t* src, int n, float* s) {
     const uint4* v = reinterpret_cast<const uint4*>(src);
     const int nv = n / 8;
-    for (int i0 = threadIdx.x; i0 < nv; i0 += kBatch * kThreads) {
+    for (int i0 = threadIdx.x; i0 < nv; i0 += kBatch * kBlockThreads) {
       uint4 q[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        const int i = i0 + b * kThreads;
-        q[b] = i >= nv ? make_uint4(0, 0, 0, 0) : kCoherent ? __ldcg(v + i) : __ldg(v + i);
+        const int i = i0 + b * kBlockThreads;
+        q[b] = i < nv ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        const int i = i0 + b * kThreads;
+        const int i = i0 + b * kBlockThreads;
         if (i >= nv) break;
         const int u = (8 * i) / kCodes, c = ((8 * i) % kCodes) / 4;
         float4* unit = reinterpret_cast<float4*>(s) + kChunks * u;
@@ -368,209 +364,6 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   if (lane != 0 || !in_range) return;
   const float v = acc[0] * kUnscale;
   a.y[d] = a.accumulate ? a.y[d] + v : v;
-}
-
-// ---- gate+up and down in one launch (launch_moe_experts_nvfp4) ---------------------------------
-//
-// The two kernels above each pay a launch, and each starts its round of weight loads only once its
-// predecessor has finished, although down's weight addresses are known as soon as the router has
-// run. This kernel runs both in one grid of at most one CTA per SM (kFusedThreads threads, shared
-// memory sized so that every CTA is resident at once: its grid barrier cannot wait on a CTA that
-// is not scheduled). Right after the PDL wait every lane issues cp.async copies of all of its
-// gate+up units into shared memory (one commit group per unit index n), then of all of its down
-// units (one more group), and loads their block scales into registers: the CTA's whole weight
-// slice is in flight at once. The CTA stages x; a lane computes unit n as soon as its group n has
-// landed (its own copies: no block barrier). After h is written, a grid barrier (sense-reversing
-// arrival counter), then the CTA stages h (ld.global.cg) and computes down from the copies that
-// landed meanwhile. The CTA's gate+up teams take consecutive row pairs and its down teams
-// consecutive rows; the teams, their lanes' units and every summation are those of the two
-// kernels above with the same team sizes, so the bits equal theirs.
-constexpr int kFusedThreads = 1024;
-constexpr int kFusedMaxTopK = 64;  // shared-memory table of the down factors
-
-struct FusedArgs {
-  GateUpArgs gu;
-  DownArgs dn;            // dn.h == gu.h
-  int pairs_per_cta;      // gate+up row pairs (teams) per CTA
-  int rows_per_cta;       // down rows (teams) per CTA
-  int dn_offset;          // bytes: the down copies in dynamic shared memory
-  int stage_offset;       // bytes: x, then h (FP32 * 2^64, Stage layout)
-  unsigned int* barrier;  // [arrivals, generation]
-};
-
-// Every thread of every CTA calls it. Orders every CTA's earlier global writes before every CTA's
-// later reads: block barrier, then thread 0 fences, arrives (integer atomic) and, unless last,
-// spins on the generation word with acquire loads; the last to arrive resets the counter and
-// bumps the generation (the state is reusable by the next launch).
-__device__ __forceinline__ void grid_barrier(unsigned int* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned int* gen = bar + 1;
-    const unsigned int mine = *reinterpret_cast<volatile unsigned int*>(gen);
-    __threadfence();
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(gen, 1u);
-    } else {
-      for (;;) {
-        unsigned int now;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(gen) : "memory");
-        if (now != mine) break;
-        __nanosleep(32);
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-// Waits until the first n + 1 of the kGateUpUnits + 1 commit groups have landed (n a constant
-// after unrolling).
-__device__ __forceinline__ void wait_gate_up_group(int n) {
-  switch (kGateUpUnits - n) {
-    case 5:
-      dev::cp_async_wait_group<5>();
-      break;
-    case 4:
-      dev::cp_async_wait_group<4>();
-      break;
-    case 3:
-      dev::cp_async_wait_group<3>();
-      break;
-    case 2:
-      dev::cp_async_wait_group<2>();
-      break;
-    default:
-      dev::cp_async_wait_group<1>();
-      break;
-  }
-}
-static_assert(kGateUpUnits == 5, "wait_gate_up_group lists the pending counts of 5 units");
-
-__global__ void __launch_bounds__(kFusedThreads, 1) moe_experts_fused_kernel(FusedArgs a) {
-  extern __shared__ float4 smem4[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>(smem4);
-  float* stage = reinterpret_cast<float*>(smem + a.stage_offset);
-  __shared__ float factor[kFusedMaxTopK];  // routing_weights[j] * gs[e_j] (0 for a bad id)
-  using U = Unit<false>;
-  const GateUpArgs& g = a.gu;
-  const DownArgs& d = a.dn;
-  // Weight addresses depend on the router's ids, x on the previous kernel: wait first.
-  dev::pdl_wait();
-  if (threadIdx.x < d.top_k) {
-    const int e = __ldg(d.ids + threadIdx.x);
-    const bool ok = e >= 0 && e < d.num_experts;
-    factor[threadIdx.x] = ok ? __ldg(d.weights + threadIdx.x) * __ldg(d.global_scale + e) : 0.0f;
-  }
-
-  // Gate+up: team slot gs of this CTA takes row pair blockIdx.x * pairs_per_cta + gs.
-  const int gteam = 1 << g.team_log2, glane = threadIdx.x & (gteam - 1);
-  const int gslot = threadIdx.x >> g.team_log2;
-  const int64_t pair = static_cast<int64_t>(blockIdx.x) * a.pairs_per_cta + gslot;
-  const bool g_in = gslot < a.pairs_per_cta && pair < static_cast<int64_t>(g.top_k) * g.inter;
-  const int j = g_in ? static_cast<int>(pair / g.inter) : 0;
-  const int i = g_in ? static_cast<int>(pair % g.inter) : 0;
-  const int e = g_in ? __ldg(g.ids + j) : -1;
-  const bool ok = g_in && e >= 0 && e < g.num_experts;
-  const int mine = ok && glane < g.nvec ? (g.nvec - 1 - glane) / gteam + 1 : 0;  // <= 5 (plan)
-  const int64_t g_row = static_cast<int64_t>(ok ? e : 0) * 2 * g.inter + i;
-  const uint8_t* wg = g.packed + g_row * (g.k / 2);
-  const uint8_t* wu = wg + static_cast<int64_t>(g.inter) * (g.k / 2);
-  const uint8_t* sgp = g.scales + g_row * (g.k / 16);
-  const uint8_t* sup = sgp + static_cast<int64_t>(g.inter) * (g.k / 16);
-  // Copy (n, r) of the lane (r: 0 gate, 1 up) at gcopy + (2 n + r) * gteam * 16: a team's lanes
-  // read consecutive 16-byte words.
-  uint8_t* gcopy = smem + (static_cast<int64_t>(gslot) * kGateUpUnits * 2 * gteam + glane) * 16;
-  uint32_t gsc[kGateUpUnits];  // gate scale pair | up scale pair << 16
-#pragma unroll
-  for (int n = 0; n < kGateUpUnits; ++n) {
-    gsc[n] = 0u;
-    if (n < mine) {
-      const int v = glane + n * gteam;
-      dev::cp_async16(gcopy + (2 * n) * gteam * 16, wg + 16 * static_cast<int64_t>(v));
-      dev::cp_async16(gcopy + (2 * n + 1) * gteam * 16, wu + 16 * static_cast<int64_t>(v));
-      gsc[n] = U::scales(sgp, v) | U::scales(sup, v) << 16;
-    }
-    dev::cp_async_commit();
-  }
-
-  // Down: team slot ds of this CTA takes row blockIdx.x * rows_per_cta + ds; unit n of the lane
-  // (flattened index idx = lane + n * team over top_k * nvec) at dcopy + n * dteam * 16.
-  const int dteam = 1 << d.team_log2, dlane = threadIdx.x & (dteam - 1);
-  const int dslot = threadIdx.x >> d.team_log2;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * a.rows_per_cta + dslot;
-  const bool d_in = dslot < a.rows_per_cta && row < d.hidden;
-  const int nflat = d.top_k * d.nvec;
-  const int dmine = d_in && dlane < nflat ? (nflat - 1 - dlane) / dteam + 1 : 0;  // <= 7 (plan)
-  uint8_t* dcopy =
-      smem + a.dn_offset + (static_cast<int64_t>(dslot) * kDownUnits * dteam + dlane) * 16;
-  uint32_t dsc[(kDownUnits + 1) / 2] = {};  // two units' scale pairs per word
-  unsigned int live = 0u;
-#pragma unroll
-  for (int n = 0; n < kDownUnits; ++n) {
-    if (n < dmine) {
-      const int idx = dlane + n * dteam;
-      const int jj = idx / d.nvec, v = idx - jj * d.nvec;
-      const int ee = __ldg(d.ids + jj);
-      if (ee >= 0 && ee < d.num_experts) {
-        live |= 1u << n;
-        const int64_t r = static_cast<int64_t>(ee) * d.hidden + row;
-        dev::cp_async16(dcopy + n * dteam * 16, d.packed + r * (d.inter / 2) + 16 * v);
-        dsc[n / 2] |= U::scales(d.scales + r * (d.inter / 16), v) << (16 * (n % 2));
-      }
-    }
-  }
-  dev::cp_async_commit();
-
-  Stage<false>::fill<2, kFusedThreads>(g.x, static_cast<int>(g.k), stage);
-  __syncthreads();  // x staged; the down factors written
-  float acc[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int n = 0; n < kGateUpUnits; ++n) {
-    wait_gate_up_group(n);
-    if (n < mine) {
-      const uint4 w0 = *reinterpret_cast<const uint4*>(gcopy + (2 * n) * gteam * 16);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(gcopy + (2 * n + 1) * gteam * 16);
-      unit_dot2<false>(w0, w1, gsc[n] & 0xffffu, gsc[n] >> 16, stage, glane + n * gteam, acc[0],
-                       acc[1]);
-    }
-  }
-  dev::team_reduce<2, kFusedThreads>(acc, gteam, glane);
-  if (glane == 0 && g_in) {
-    float gv = 0.0f, uv = 0.0f;
-    if (ok) {
-      gv = acc[0] * kUnscale * __ldg(g.global_scale + 2 * e);
-      uv = acc[1] * kUnscale * __ldg(g.global_scale + 2 * e + 1);
-    }
-    g.h[pair] = dev::float_to_bf16_bits(ok ? dev::silu(gv) * uv : 0.0f);
-    if (g.gate_up_out != nullptr) {
-      g.gate_up_out[static_cast<int64_t>(j) * 2 * g.inter + i] = gv;
-      g.gate_up_out[static_cast<int64_t>(j) * 2 * g.inter + g.inter + i] = uv;
-    }
-  }
-
-  grid_barrier(a.barrier);  // every h row written (and every read of the staged x done)
-  // Every CTA is resident by now: the next kernel's CTAs may take the SMs as they free up.
-  dev::pdl_launch_dependents();
-  Stage<false>::fill<4, kFusedThreads, true>(d.h, d.top_k * d.inter, stage);
-  dev::cp_async_wait_group<0>();
-  __syncthreads();
-  float dacc[1] = {0.0f};
-#pragma unroll
-  for (int n = 0; n < kDownUnits; ++n) {
-    if ((live >> n) & 1u) {
-      const int idx = dlane + n * dteam;
-      const uint4 w = *reinterpret_cast<const uint4*>(dcopy + n * dteam * 16);
-      const uint32_t s = (dsc[n / 2] >> (16 * (n % 2))) & 0xffffu;
-      dacc[0] = fmaf(unit_dot<false>(w, s, stage, idx), factor[idx / d.nvec], dacc[0]);
-    }
-  }
-  dev::team_reduce<1, kFusedThreads>(dacc, dteam, dlane);
-  if (dlane == 0 && d_in) {
-    const float v = dacc[0] * kUnscale;
-    d.y[row] = d.accumulate ? d.y[row] + v : v;
-  }
 }
 
 // ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
@@ -966,11 +759,7 @@ int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_c
                    kDownUnits, sm_count, kDownMinBlocks);
 }
 
-namespace {
-
-// The checked kernel arguments of a gate+up launch (team_log2 of the FP32 kernel's team; the
-// launcher adjusts it for the tensor-core kernel). Throws as launch_moe_gate_up_nvfp4.
-GateUpArgs gate_up_args(const MoeGateUpParams& p, int& team) {
+void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
   check_experts(p.experts, kOp);
   FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.x != nullptr && p.h != nullptr, kOp);
@@ -979,9 +768,9 @@ GateUpArgs gate_up_args(const MoeGateUpParams& p, int& team) {
   FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, kOp);  // x staged in shared memory
   const int64_t inter = p.experts.rows / 2;
-  team = p.team_threads != 0 ? p.team_threads
-                             : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols,
-                                                     detail::current_sm_count(), p.mma);
+  const int team = p.team_threads != 0 ? p.team_threads
+                                       : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols,
+                                                               detail::current_sm_count(), p.mma);
   FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
   GateUpArgs a{};
   a.packed = p.experts.packed;
@@ -991,89 +780,13 @@ GateUpArgs gate_up_args(const MoeGateUpParams& p, int& team) {
   a.num_experts = p.experts.num_experts;
   a.top_k = p.top_k;
   a.inter = static_cast<int>(inter);
+  const bool narrow = p.experts.cols % 32 != 0;
   a.nvec = static_cast<int>(p.experts.cols / unit_codes(p.experts.cols));
   a.k = p.experts.cols;
   a.x = p.x;
   a.h = p.h;
   a.gate_up_out = p.gate_up_out;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
-  return a;
-}
-
-// As gate_up_args for a down launch. Throws as launch_moe_down_nvfp4.
-DownArgs down_args(const MoeDownParams& p, int& team) {
-  constexpr const char* kOp = "launch_moe_down_nvfp4";
-  check_experts(p.experts, kOp);
-  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.routing_weights != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, kOp);
-  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
-  FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
-  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
-  team = p.team_threads != 0 ? p.team_threads
-                             : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
-                                                  detail::current_sm_count(), p.mma);
-  FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
-  DownArgs a{};
-  a.packed = p.experts.packed;
-  a.scales = p.experts.scales;
-  a.global_scale = p.experts.global_scale;
-  a.ids = p.expert_ids;
-  a.weights = p.routing_weights;
-  a.num_experts = p.experts.num_experts;
-  a.top_k = p.top_k;
-  a.hidden = p.experts.rows;
-  a.inter = static_cast<int>(p.experts.cols);
-  a.nvec = static_cast<int>(p.experts.cols / unit_codes(p.experts.cols));
-  a.h = p.h;
-  a.y = p.y;
-  a.accumulate = p.accumulate;
-  a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
-  return a;
-}
-
-// Shared-memory layout and grid of moe_experts_fused_kernel for a shape and its team sizes, or
-// grid 0 when it does not fit one launch: the narrow path, top_k > kFusedMaxTopK, more units per
-// lane than one round holds, more row pairs or rows per CTA than it has teams, or more shared
-// memory than max_smem (less what the kernel holds statically).
-struct FusedLayout {
-  int grid = 0;
-  int pairs_per_cta = 0, rows_per_cta = 0;
-  int64_t dn_offset = 0, stage_offset = 0, smem = 0;
-};
-
-FusedLayout fused_layout(int top_k, int64_t inter, int64_t hidden, int gate_up_team, int down_team,
-                         int sm_count, int64_t max_smem) {
-  FusedLayout l{};
-  if (hidden % 32 != 0 || inter % 32 != 0 || top_k < 1 || top_k > kFusedMaxTopK || sm_count < 1)
-    return l;
-  if (!valid_team(gate_up_team) || !valid_team(down_team)) return l;
-  const int64_t gu_units = hidden / 32, dn_units = top_k * (inter / 32);
-  if (gu_units > int64_t{gate_up_team} * kGateUpUnits) return l;
-  if (dn_units > int64_t{down_team} * kDownUnits) return l;
-  const int64_t pairs = top_k * inter;
-  const int64_t ppc = (pairs + sm_count - 1) / sm_count, rpc = (hidden + sm_count - 1) / sm_count;
-  if (ppc > kFusedThreads / gate_up_team || rpc > kFusedThreads / down_team) return l;
-  constexpr int64_t kStatic = 2048;  // the down factors, team_reduce's partials, margin
-  const int64_t gu_bytes = ppc * gate_up_team * kGateUpUnits * 2 * 16;
-  const int64_t dn_bytes = rpc * down_team * kDownUnits * 16;
-  const int64_t stage_bytes = std::max<int64_t>(hidden, top_k * inter) * 4;
-  if (gu_bytes + dn_bytes + stage_bytes + kStatic > max_smem) return l;
-  l.grid = sm_count;
-  l.pairs_per_cta = static_cast<int>(ppc);
-  l.rows_per_cta = static_cast<int>(rpc);
-  l.dn_offset = gu_bytes;
-  l.stage_offset = gu_bytes + dn_bytes;
-  l.smem = gu_bytes + dn_bytes + stage_bytes;
-  return l;
-}
-
-}  // namespace
-
-void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
-  int team = 0;
-  GateUpArgs a = gate_up_args(p, team);
-  const int64_t inter = p.experts.rows / 2;
-  const bool narrow = p.experts.cols % 32 != 0;
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
@@ -1106,9 +819,33 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
 }
 
 void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
-  int team = 0;
-  DownArgs a = down_args(p, team);
+  constexpr const char* kOp = "launch_moe_down_nvfp4";
+  check_experts(p.experts, kOp);
+  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.routing_weights != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
+  const int team = p.team_threads != 0 ? p.team_threads
+                                       : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
+                                                            detail::current_sm_count(), p.mma);
+  FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
+  DownArgs a{};
+  a.packed = p.experts.packed;
+  a.scales = p.experts.scales;
+  a.global_scale = p.experts.global_scale;
+  a.ids = p.expert_ids;
+  a.weights = p.routing_weights;
+  a.num_experts = p.experts.num_experts;
+  a.top_k = p.top_k;
+  a.hidden = p.experts.rows;
+  a.inter = static_cast<int>(p.experts.cols);
   const bool narrow = p.experts.cols % 32 != 0;
+  a.nvec = static_cast<int>(p.experts.cols / unit_codes(p.experts.cols));
+  a.h = p.h;
+  a.y = p.y;
+  a.accumulate = p.accumulate;
+  a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
   if (p.mma) {
@@ -1138,56 +875,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
     launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<false>, static_cast<unsigned>(blocks),
                kBlockThreads, smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_down_nvfp4_kernel");
-}
-
-int plan_moe_experts_fused(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
-                           int64_t max_smem) {
-  return fused_layout(top_k, intermediate, hidden,
-                      plan_moe_gate_up_team(top_k, intermediate, hidden, sm_count),
-                      plan_moe_down_team(top_k, intermediate, hidden, sm_count), sm_count, max_smem)
-      .grid;
-}
-
-bool launch_moe_experts_nvfp4(const MoeGateUpParams& gate_up, const MoeDownParams& down,
-                              unsigned int* barrier, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_moe_experts_nvfp4";
-  int gteam = 0, dteam = 0;
-  const GateUpArgs ga = gate_up_args(gate_up, gteam);
-  const DownArgs da = down_args(down, dteam);
-  FN_LAUNCH_REQUIRE(down.h == gate_up.h && down.expert_ids == gate_up.expert_ids, kOp);
-  FN_LAUNCH_REQUIRE(down.top_k == gate_up.top_k && down.experts.num_experts == ga.num_experts, kOp);
-  FN_LAUNCH_REQUIRE(down.experts.cols == ga.inter && down.experts.rows == ga.k, kOp);
-  FusedLayout l{};
-  if (barrier != nullptr && !gate_up.mma && !down.mma)
-    l = fused_layout(ga.top_k, ga.inter, ga.k, gteam, dteam, detail::current_sm_count(),
-                     detail::current_max_smem_optin());
-  if (l.grid != 0) {
-    FN_CUDA_CHECK(cudaFuncSetAttribute(moe_experts_fused_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(l.smem)));
-    // Every CTA must be resident at once (the grid barrier): one per SM, or no fused launch.
-    int per_sm = 0;
-    FN_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_experts_fused_kernel,
-                                                                kFusedThreads, l.smem));
-    if (per_sm < 1) l.grid = 0;
-  }
-  if (l.grid == 0) {
-    launch_moe_gate_up_nvfp4(gate_up, stream);
-    launch_moe_down_nvfp4(down, stream);
-    return false;
-  }
-  FusedArgs a{};
-  a.gu = ga;
-  a.dn = da;
-  a.pairs_per_cta = l.pairs_per_cta;
-  a.rows_per_cta = l.rows_per_cta;
-  a.dn_offset = static_cast<int>(l.dn_offset);
-  a.stage_offset = static_cast<int>(l.stage_offset);
-  a.barrier = barrier;
-  launch_pdl("moe_experts_fused_kernel", moe_experts_fused_kernel, static_cast<unsigned>(l.grid),
-             kFusedThreads, static_cast<size_t>(l.smem), stream, a);
-  FN_CUDA_LAUNCH_CHECK("moe_experts_fused_kernel");
-  return true;
 }
 
 }  // namespace fn

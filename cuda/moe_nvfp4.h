@@ -83,29 +83,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream
 /// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).
 void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
 
-/// Gate+up with SwiGLU and the weighted down projection of the same selected experts, as
-/// launch_moe_gate_up_nvfp4 then launch_moe_down_nvfp4, with the same bits (the same teams, lane
-/// units and summation order; `down.h` is the h that gate+up writes), in ONE launch when the shape
-/// fits it: a grid of one 1024-thread CTA per SM copies its whole slice of the gate+up and down
-/// weights into shared memory (cp.async, all in flight at once) right after the programmatic-
-/// dependent wait, computes gate+up, passes a grid barrier and computes down from the copies that
-/// landed meanwhile (moe_nvfp4.cu). Fits: the wide path (cols % 32 == 0 for both), top_k <= 64,
-/// one load round per lane at the planned team sizes, the CTA's slices within the opt-in shared
-/// memory (the real model at TP = 1, 2 and 4 on H200: 218 KiB, 110 KiB, 56 KiB), the FP32 kernels
-/// (mma false), a non-null `barrier`, and every CTA resident at once. Otherwise it makes the two
-/// launches. `barrier`: 2 unsigned ints of device memory, zero before the first launch, used by
-/// this stream's launches only (each leaves them reusable). Returns whether it made one launch.
-/// Throws as the two launchers, and fn::Error(Internal) when down's h, ids, top_k or shapes do
-/// not match gate+up's. Legal during stream capture.
-bool launch_moe_experts_nvfp4(const MoeGateUpParams& gate_up, const MoeDownParams& down,
-                              unsigned int* barrier, cudaStream_t stream);
-
-/// The grid of launch_moe_experts_nvfp4's single launch (one CTA per SM: sm_count) for a shape
-/// with the planned team sizes and max_smem bytes of opt-in shared memory per block, or 0 when it
-/// makes two launches (the occupancy check aside). For the model-load log and the tests.
-int plan_moe_experts_fused(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
-                           int64_t max_smem);
-
 /// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers
 /// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).
 /// `mma` picks the kernel (as the params' field).

@@ -505,9 +505,6 @@ int main(int argc, char** argv) try {
   std::vector<float> rw(top_k, 0.1f);
   FN_CUDA_CHECK(cudaMalloc(&d_rw, top_k * 4));
   FN_CUDA_CHECK(cudaMemcpy(d_rw, rw.data(), top_k * 4, cudaMemcpyHostToDevice));
-  unsigned int* barrier;  // launch_moe_experts_nvfp4's grid barrier
-  FN_CUDA_CHECK(cudaMalloc(&barrier, 8));
-  FN_CUDA_CHECK(cudaMemset(barrier, 0, 8));
   for (int64_t inter : {640, 320, 160}) {
     const std::string tp = "tp" + std::to_string(640 / inter);
     uint8_t *gu_p, *gu_s, *dn_p, *dn_s, *h;
@@ -574,18 +571,6 @@ int main(int argc, char** argv) try {
       rows.push_back(report({"moe_down_nvfp4" + kind, tp + " 10x2560x" + std::to_string(inter),
                              std::to_string(dn_team) + "t", dn_bytes, time_dn(mma, 0), bw}));
     }
-    // The routed-expert step: the two FP32 launches against launch_moe_experts_nvfp4's one.
-    g.mma = d.mma = false;
-    g.team_threads = d.team_threads = 0;
-    for (bool one : {false, true}) {
-      const double us = t.time_per_call(calls, [&](int i) {
-        g.expert_ids = d.expert_ids = d_ids + size_t(i) * top_k;
-        fn::launch_moe_experts_nvfp4(g, d, one ? barrier : nullptr, t.stream);
-      });
-      rows.push_back(
-          report({one ? "moe_experts_nvfp4 one launch" : "moe_experts_nvfp4 two launches",
-                  tp + " gate+up+down", "", gu_bytes + dn_bytes, us, bw}));
-    }
     for (bool mma : {false, true}) {
       if (!mma && !sweep) continue;
       const std::string kind = mma ? " mma sweep" : " fp32 sweep";
@@ -606,7 +591,6 @@ int main(int argc, char** argv) try {
   FN_CUDA_CHECK(cudaFree(y));
   FN_CUDA_CHECK(cudaFree(d_ids));
   FN_CUDA_CHECK(cudaFree(d_rw));
-  FN_CUDA_CHECK(cudaFree(barrier));
   FN_CUDA_CHECK(cudaStreamDestroy(t.stream));
   return 0;
 } catch (const std::exception& e) {

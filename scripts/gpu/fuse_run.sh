@@ -7,8 +7,8 @@
 # Usage on the 2-GPU machine from a `git archive` copy: FN_BUILD_DIR=../../build-X bash
 # scripts/gpu/fuse_run.sh   (FN_TOKENS: bench tokens, 64; FN_SKIP_TEST=1: bench only;
 # FN_KBENCH="--nvfp4-only": also cuda_kernel_bench with these flags; FN_EXTRA_AB=0: skip the
-# session-5 A/B rows at the end; FN_MODES: the bench modes, default "fused unfused", "onelaunch" =
-# fused with CudaModelOptions::moe_one_launch)
+# session-5 A/B rows at the end; FN_MODES: the bench modes, default
+# "fused unfused")
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/fuse-out}
@@ -65,7 +65,6 @@ for np in 1 2; do
   for mode in ${FN_MODES:-fused unfused}; do
     flag=
     [ "$mode" = unfused ] && flag=--unfused
-    [ "$mode" = onelaunch ] && flag="--moe-one-launch 1"
     t=$SECONDS
     timeout 200 $mpi -np "$np" "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json \
       --depth 8192 --tokens "$tokens" $flag --json "$out/bench_tp${np}_$mode.json" \

@@ -2,11 +2,13 @@
 
 #include <chrono>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 
 #include "apps/app_util.h"
+#include "apps/whole_number.h"
 #include "comm/mpi_context.h"
 #include "core/choice_check.h"
 #include "core/cpu_model.h"
@@ -191,7 +193,9 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
                   "cpu | cuda | auto (default auto: cuda when this build has CUDA and every rank "
                   "sees a GPU, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  sub->add_option("--tp", flags.tp, "tensor-parallel size; must equal the number of MPI ranks");
+  add_whole_option(sub, "--tp", flags.tp,
+                   "tensor-parallel size; must equal the number of MPI ranks",
+                   WholeRange(0, std::numeric_limits<int>::max()));
   sub->add_option("--allreduce", flags.allreduce,
                   "cuda, TP > 1: auto | custom | nccl (default auto: the IPC custom all-reduce "
                   "where peer access allows, else NCCL)")
@@ -201,10 +205,11 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
   sub->add_flag("--check-choices", flags.check_choices,
                 "debug: after every step, check that all TP ranks chose the same experts and "
                 "indexer blocks (a hash compared across ranks); samples on the host");
-  sub->add_option("--prefill-chunk", flags.prefill_chunk,
-                  "cuda, generate and bench: tokens per batched prefill pass; a longer prompt "
-                  "runs in several passes, each continuing from the states the last one left "
-                  "(the cpu backend, eval and --check-choices run the prompt token by token)")
+  add_whole_option(sub, "--prefill-chunk", flags.prefill_chunk,
+                   "cuda, generate and bench: tokens per batched prefill pass; a longer prompt "
+                   "runs in several passes, each continuing from the states the last one left "
+                   "(the cpu backend, eval and --check-choices run the prompt token by token)",
+                   WholeRange(1))
       ->capture_default_str();
 }
 

@@ -17,7 +17,6 @@
 // decode depth, the largest over ranks) and the reference bandwidth --bandwidth-gbs. Logs go to
 // stderr.
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -25,12 +24,14 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <system_error>
 #include <tuple>
 #include <vector>
 
 #include "apps/app_util.h"
 #include "apps/backend.h"
 #include "apps/command.h"
+#include "apps/whole_number.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/config.h"
@@ -71,23 +72,30 @@ struct BenchCli {
   CLI::Option* o_bandwidth = nullptr;
 };
 
-// "512,8192" -> {512, 8192}. Every entry must be a positive integer; fn::Error(Usage) naming
-// `flag` otherwise.
-std::vector<int64_t> parse_lengths(const std::string& text, const char* flag) {
+// The allowed entries of -p/--n-prompt and of -n/--n-gen.
+const WholeRange kPromptRange(1, kMaxTokenCount);
+const WholeRange kGenRange = WholeRange(2, kMaxTokenCount)
+                                 .because(
+                                     "a lane needs >= 2 generated tokens: the first one's latency "
+                                     "is the TTFT, TPOT and ITL time the gaps after it");
+
+// "512,8192" -> {512, 8192}. Every entry is read by parse_whole_number against `range`;
+// fn::Error(Usage) naming `flag`, the entry and (for a list of several) the whole list otherwise.
+std::vector<int64_t> parse_lengths(const std::string& text, const char* flag,
+                                   const WholeRange& range) {
   std::vector<int64_t> out;
+  const bool list = text.find(',') != std::string::npos;
   std::size_t pos = 0;
   for (;;) {
     const std::size_t comma = text.find(',', pos);
     const std::string item =
         text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
-    int64_t v = 0;
-    const char* end = item.data() + item.size();
-    const auto [p, ec] = std::from_chars(item.data(), end, v);
-    FN_REQUIRE(!item.empty() && ec == std::errc() && p == end && v > 0, Usage,
-               "{}: \"{}\" is not a positive token count (give a comma-separated list of lengths "
-               "> 0, e.g. 512,8192; got \"{}\")",
-               flag, item, text);
-    out.push_back(v);
+    try {
+      out.push_back(parse_whole_number(item, flag, range));
+    } catch (const Error& e) {
+      if (!list) throw;
+      FN_THROW(Usage, "{} (entry {} of the list '{}')", e.what(), out.size() + 1, text);
+    }
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
@@ -454,11 +462,11 @@ std::string format_json(const Report& r, bool lines) {
 
 std::string format_md(const Report& r) {
   std::string out = fmt::format(
-      "fngen bench: model {}, backend {}, TP {}{}, ctx {}, {} repetitions after {} warmup, seed "
+      "fngen bench: model {}, backend {}, TP {}{}, ctx {}, {} repetition{} after {} warmup, seed "
       "{}\n",
       r.model, r.backend, r.tp_size,
       r.all_reduce.empty() ? "" : fmt::format(" (all-reduce {})", r.all_reduce), r.ctx_size,
-      r.repetitions, r.warmup, r.seed);
+      r.repetitions, r.repetitions == 1 ? "" : "s", r.warmup, r.seed);
   out += fmt::format("GPU: {}, driver: {}, CUDA runtime: {}, NCCL: {}\n", r.env.gpu, r.env.driver,
                      r.env.cuda_runtime, r.env.nccl);
   out += fmt::format("reference bandwidth: {} GB/s = {}\n", r.bandwidth_gbs, r.bandwidth_source);
@@ -548,6 +556,17 @@ std::string format_md(const Report& r) {
   return out;
 }
 
+// True when the two output paths (both given) name one file: the same text, or the same path
+// after std::filesystem::weakly_canonical (relative paths, "./", "..", symbolic links).
+bool same_file(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return false;
+  if (a == b) return true;
+  std::error_code ec_a, ec_b;
+  const fs::path ca = fs::weakly_canonical(fs::absolute(a, ec_a), ec_a);
+  const fs::path cb = fs::weakly_canonical(fs::absolute(b, ec_b), ec_b);
+  return !ec_a && !ec_b && ca == cb;
+}
+
 // Opens `path` for writing on rank 0 (fails fast, before the model load).
 std::FILE* open_output(const std::string& path, const char* flag) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
@@ -603,14 +622,8 @@ Breakdown run_breakdown(const LoadedBackend& model, const ModelConfig& cfg, cons
 int run_bench(BenchCli& o, MpiContext& mpi) {
   const bool root = mpi.world_rank() == 0;
   check_backend_and_tp(o.backend.backend, o.backend.tp, mpi.world_size());
-  const std::vector<int64_t> prompts = parse_lengths(o.n_prompt, "-p/--n-prompt");
-  const std::vector<int64_t> gens = parse_lengths(o.n_gen, "-n/--n-gen");
-  for (int64_t n : gens) {
-    FN_REQUIRE(n >= 2, Usage,
-               "-n/--n-gen {}: a lane needs >= 2 generated tokens (the first one's latency is the "
-               "TTFT; TPOT and ITL time the gaps after it)",
-               n);
-  }
+  const std::vector<int64_t> prompts = parse_lengths(o.n_prompt, "-p/--n-prompt", kPromptRange);
+  const std::vector<int64_t> gens = parse_lengths(o.n_gen, "-n/--n-gen", kGenRange);
   FN_REQUIRE(o.repetitions >= 1, Usage, "-r/--repetitions must be >= 1, got {}", o.repetitions);
   FN_REQUIRE(o.warmup >= 0, Usage, "--warmup must be >= 0, got {}", o.warmup);
   FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
@@ -628,6 +641,10 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
              "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
   FN_REQUIRE(o.breakdown_steps >= 1, Usage, "--breakdown-steps must be >= 1, got {}",
              o.breakdown_steps);
+  FN_REQUIRE(!same_file(o.output, o.per_token), Usage,
+             "-o/--output {} and --per-token {} name the same file (the report and the per-token "
+             "records would overwrite each other); give two different paths",
+             o.output, o.per_token);
   const bool skip_prefill = o.skip_prefill;
 
   if (!o.random_weights) require_model_dir(o.model);
@@ -828,25 +845,28 @@ void register_bench(CLI::App& app, CommandList& commands) {
   sub->add_flag("--breakdown", o->breakdown,
                 "cuda: after each lane, time every op family of the decode step (eager and in a "
                 "graph, a CUDA event at each family boundary) next to its bytes per token");
-  sub->add_option("--breakdown-steps", o->breakdown_steps,
-                  "steps averaged by --breakdown, each mode (default 32; 4 warm-up steps first)");
+  add_whole_option(sub, "--breakdown-steps", o->breakdown_steps,
+                   "steps averaged by --breakdown, each mode (default 32; 4 warm-up steps first)",
+                   WholeRange(1, kMaxTokenCount));
   sub->add_option("-p,--n-prompt", o->n_prompt,
                   "prompt lengths, comma-separated (default 512); lanes = every -p with every -n");
   sub->add_option("-n,--n-gen", o->n_gen,
                   "generated token counts, comma-separated, each >= 2 (default 128)");
-  sub->add_option("-r,--repetitions", o->repetitions, "measured repetitions per lane (default 5)");
-  sub->add_option("--warmup", o->warmup,
-                  "discarded repetitions per lane before the measured ones (default 1)");
+  add_whole_option(sub, "-r,--repetitions", o->repetitions,
+                   "measured repetitions per lane (default 5)", WholeRange(1));
+  add_whole_option(sub, "--warmup", o->warmup,
+                   "discarded repetitions per lane before the measured ones (default 1)", {});
   sub->add_option("--format", o->format, "report format: md | csv | json | jsonl (default md)")
       ->check(CLI::IsMember({"md", "csv", "json", "jsonl"}));
   sub->add_option("-o,--output", o->output, "write the report to FILE instead of stdout");
   sub->add_option("--per-token", o->per_token,
                   "JSONL: one record per lane and measured repetition with its TTFT and every "
                   "inter-token latency (n_gen - 1 gaps)");
-  sub->add_option(
-      "-c,--ctx-size", o->ctx_size,
-      "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)");
-  sub->add_option("-s,--seed", o->seed, "seed of the synthetic prompt ids (default 0)");
+  add_whole_option(
+      sub, "-c,--ctx-size", o->ctx_size,
+      "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)",
+      WholeRange(0, kMaxTokenCount));
+  add_whole_option(sub, "-s,--seed", o->seed, "seed of the synthetic prompt ids (default 0)", {});
   o->o_bandwidth = sub->add_option(
       "--bandwidth-gbs", o->bandwidth_gbs,
       "reference memory bandwidth in GB/s for the roofline (default 4300: the measured H200 "

@@ -22,6 +22,7 @@
 #include "apps/app_util.h"
 #include "apps/backend.h"
 #include "apps/command.h"
+#include "apps/whole_number.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/config.h"
@@ -665,13 +666,16 @@ void register_eval(CLI::App& app, CommandList& commands) {
   o->ppl->add_option("-f,--file", o->ppl_file, "raw text file (tokenized whole, no BOS)");
   o->ppl->add_option("--ids-file", o->ppl_ids_file,
                      "token ids instead of text (comma/whitespace separated)");
-  o->ppl->add_option("-c,--ctx-size", o->ctx, "window size in tokens (default 512)");
-  o->ppl->add_option("--chunks", o->chunks, "score at most this many windows (default -1: all)");
+  add_whole_option(o->ppl, "-c,--ctx-size", o->ctx, "window size in tokens (default 512)",
+                   WholeRange(4, kMaxTokenCount).because("a perplexity window needs 4 tokens"));
+  add_whole_option(o->ppl, "--chunks", o->chunks,
+                   "score at most this many windows (default -1: all)", WholeRange(1).or_value(-1));
   o->ppl->add_option("--save-logits", o->save_logits,
                      "also write the scored rows as a reference-logits file (a kld --base)");
   o->ppl->add_option("--save-dtype", o->save_dtype, "float32 | float16 (default float32)")
       ->check(CLI::IsMember({"float32", "float16"}));
-  o->ppl->add_option("--save-top-k", o->save_top_k, "store only the top K log-probs + residual");
+  add_whole_option(o->ppl, "--save-top-k", o->save_top_k,
+                   "store only the top K log-probs + residual", {});
 
   o->dump = ev->add_subcommand(
       "dump-logits", "teacher-forced logits of every position of the prompt (+ continuation)");
@@ -685,7 +689,8 @@ void register_eval(CLI::App& app, CommandList& commands) {
   o->dump->add_option("-o,--output", o->output, "reference-logits file to write")->required();
   o->dump->add_option("--dtype", o->dtype, "float32 | float16 (default float32)")
       ->check(CLI::IsMember({"float32", "float16"}));
-  o->dump->add_option("--top-k", o->top_k, "store only the top K log-probs + residual (0 = all)");
+  add_whole_option(o->dump, "--top-k", o->top_k,
+                   "store only the top K log-probs + residual (0 = all)", {});
   o->dump
       ->add_option("--values", o->values,
                    "logits | logprobs (default: logits for full float32, else logprobs)")
@@ -706,10 +711,11 @@ void register_eval(CLI::App& app, CommandList& commands) {
   add_common(o->score, o->score_c);
   o->score->add_option("-i,--input", o->input, "tasks JSONL")->required();
   o->score->add_option("-o,--output", o->score_output, "JSONL records (default: stdout)");
-  o->score->add_option("-n,--max-new-tokens,--n-predict", o->max_new_tokens,
-                       "tokens to generate per task (default 256)");
-  o->score->add_option("-c,--ctx-size", o->score_ctx,
-                       "context size (default min(max_position_embeddings, 4096))");
+  add_whole_option(o->score, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
+                   "tokens to generate per task (default 256)", WholeRange(1, kMaxTokenCount));
+  add_whole_option(o->score, "-c,--ctx-size", o->score_ctx,
+                   "context size (default, or 0: min(max_position_embeddings, 4096))",
+                   WholeRange(0, kMaxTokenCount));
   o->score->add_option("--temp", o->temp, "temperature (default 0 = greedy)");
   o->score->add_flag("--chat", o->chat, "render \"prompt\" as a user turn of the chat template");
   o->score->add_option("--system-prompt", o->system_prompt, "system turn for chat prompts");

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -26,6 +27,7 @@
 #include "apps/app_util.h"
 #include "apps/backend.h"
 #include "apps/command.h"
+#include "apps/whole_number.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/config.h"
@@ -540,21 +542,25 @@ void register_generate(CLI::App& app, CommandList& commands) {
                   "JSONL batch: one {\"prompt\"}, {\"prompt_ids\"} or {\"messages\"} per line "
                   "(optional \"id\")");
   sub->add_option("-o,--output", o->output, "JSONL results of -i (default: stdout)");
-  sub->add_option("-n,--max-new-tokens,--n-predict", o->max_new_tokens,
-                  "tokens to generate (default 256; -1: until the context is full)");
-  sub->add_option("-c,--ctx-size", o->ctx_size,
-                  "context size in tokens (default, or 0: min(max_position_embeddings, 4096))");
+  add_whole_option(sub, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
+                   "tokens to generate (default 256; -1: until the context is full)",
+                   WholeRange(1, kMaxTokenCount).or_value(-1));
+  add_whole_option(sub, "-c,--ctx-size", o->ctx_size,
+                   "context size in tokens (default, or 0: min(max_position_embeddings, 4096))",
+                   WholeRange(0, kMaxTokenCount));
   o->o_temp = sub->add_option("--temp", o->temp, "temperature (0 = greedy)");
-  o->o_top_k = sub->add_option("--top-k", o->top_k, "top-k (0 = off)");
+  o->o_top_k = add_whole_option(sub, "--top-k", o->top_k, "top-k (0 = off)", {});
   o->o_top_p = sub->add_option("--top-p", o->top_p, "top-p (1 = off)");
   o->o_min_p = sub->add_option("--min-p", o->min_p, "min-p (0 = off)");
   o->o_repeat_penalty =
       sub->add_option("--repeat-penalty", o->repeat_penalty, "repetition penalty (1 = off)");
-  sub->add_option("--repeat-last-n", o->repeat_last_n,
-                  "tokens the penalties look back on (0 = off, -1 = all)");
+  add_whole_option(sub, "--repeat-last-n", o->repeat_last_n,
+                   "tokens the penalties look back on (0 = off, -1 = all)",
+                   WholeRange(0).or_value(-1));
   o->o_presence = sub->add_option("--presence-penalty", o->presence, "presence penalty (0 = off)");
   sub->add_option("--frequency-penalty", o->frequency, "frequency penalty (0 = off)");
-  sub->add_option("-s,--seed", o->seed, "RNG seed (-1 = random, printed in the summary)");
+  add_whole_option(sub, "-s,--seed", o->seed, "RNG seed (-1 = random, printed in the summary)",
+                   WholeRange(0, std::numeric_limits<uint64_t>::max()).or_value(-1));
   sub->add_option("--stop", o->stop, "stop string (repeatable; not printed)")
       ->allow_extra_args(false);
   sub->add_flag("--ignore-eos", o->ignore_eos, "do not stop on the EOS ids");

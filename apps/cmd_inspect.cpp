@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "apps/command.h"
+#include "apps/whole_number.h"
 #include "comm/mpi_context.h"
 #include "core/inspect.h"
 
@@ -23,11 +24,12 @@ void register_inspect(CLI::App& app, CommandList& commands) {
       "TP rank, bytes read per decoded token and the CUDA backend's device memory per GPU at "
       "--ctx-size, 8192, 65536 and 262144 tokens");
   sub->add_option("dir,-m,--model", opt->dir, "checkpoint directory")->required();
-  sub->add_option("--tp", opt->tp, "tensor-parallel size for the per-rank figures (1, 2, 4, 8)");
-  sub->add_option(
-      "-c,--ctx-size", opt->ctx_size,
-      "context length (tokens) for bytes per token and a column of the device-memory table "
-      "(default, or 0: min(8192, max_position_embeddings))");
+  add_whole_option(sub, "--tp", opt->tp,
+                   "tensor-parallel size for the per-rank figures (1, 2, 4, 8)", WholeRange(1, 8));
+  add_whole_option(sub, "-c,--ctx-size", opt->ctx_size,
+                   "context length (tokens) for bytes per token and a column of the device-memory "
+                   "table (default, or 0: min(8192, max_position_embeddings))",
+                   WholeRange(0, kMaxTokenCount));
   sub->add_flag("--json", opt->json, "print JSON instead of tables");
   commands.push_back({sub, [opt](MpiContext& mpi) {
                         const InspectReport report =

@@ -1,9 +1,11 @@
 // `fngen synth --config FILE --out DIR [--seed S] [--layers N] [--ngram-vocab-base B]
 //  [--tokenizer DIR]`: writes a random-weight checkpoint in the real NVFP4 export layout.
 #include <algorithm>
+#include <limits>
 #include <memory>
 
 #include "apps/command.h"
+#include "apps/whole_number.h"
 #include "comm/mpi_context.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -24,17 +26,12 @@ void register_synth(CLI::App& app, CommandList& commands) {
   sub->add_option("--config", opt->config, "config.json to synthesize (configs/*.json)")
       ->required();
   sub->add_option("-o,--out", opt->out, "output directory (absent or empty)")->required();
-  sub->add_option("--seed", opt->seed, "random seed (default 0)")
-      ->check(CLI::Validator(
-          [](std::string& v) {
-            return !v.empty() && v[0] == '-' ? std::string("must be >= 0, got ") + v
-                                             : std::string();
-          },
-          "", "non-negative"));
-  sub->add_option("--layers", opt->layers,
-                  "keep only the first N decoder layers (real widths; 0 keeps all)");
-  sub->add_option("--ngram-vocab-base", opt->ngram_vocab_base,
-                  "override ngram_vocab_size_base (shrinks the n-gram table)");
+  add_whole_option(sub, "--seed", opt->seed, "random seed (default 0)",
+                   WholeRange(0, std::numeric_limits<uint64_t>::max()));
+  add_whole_option(sub, "--layers", opt->layers,
+                   "keep only the first N decoder layers (real widths; 0 keeps all)", {});
+  add_whole_option(sub, "--ngram-vocab-base", opt->ngram_vocab_base,
+                   "override ngram_vocab_size_base (shrinks the n-gram table)", {});
   sub->add_option("--tokenizer", opt->tokenizer,
                   "directory whose tokenizer.json/tokenizer_config.json are copied in");
   commands.push_back({sub, [opt](MpiContext& mpi) {

@@ -213,20 +213,56 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
 
   # ---- bad input: usage errors (exit 2) naming the flag ----
   expect 2 "--format" -- bench --format xml
-  expect 2 "-p/--n-prompt: \"0\"" -- bench -p 0
-  expect 2 "-p/--n-prompt: \"-4\"" -- bench -p 8,-4
-  expect 2 "-p/--n-prompt: \"-4\"" -- bench -p -4
-  expect 2 "-p/--n-prompt: \"abc\"" -- bench -p abc
-  expect 2 "-p/--n-prompt: \"\"" -- bench -p 8,,16
-  expect 2 "-n/--n-gen: \"0\"" -- bench -p 8 -n 0
-  expect 2 "-n/--n-gen 1: a lane needs >= 2" -- bench -p 8 -n 1
+  # Whole numbers (apps/whole_number.h): decimal digits only, each list entry alike; a value
+  # outside the allowed range says so, with the range and the text as typed.
+  range_p="is out of range (allowed 1 to 2147483647)"
+  expect 2 "-p/--n-prompt: '0' $range_p" -- bench -p 0
+  expect 2 "-p/--n-prompt: '-4' $range_p (entry 2 of the list '8,-4')" -- bench -p 8,-4
+  expect 2 "-p/--n-prompt: '-4' $range_p" -- bench -p -4
+  expect 2 "-p/--n-prompt: 'abc' is not a decimal whole number (digits 0-9 only, no hex" -- bench -p abc
+  expect 2 "-p/--n-prompt: '' is not a decimal whole number .*(entry 2 of the list '8,,16')" -- bench -p 8,,16
+  expect 2 "-p/--n-prompt: '0x10' is not a decimal whole number" -- bench -p 8,0x10
+  expect 2 "-p/--n-prompt: '+8' is not a decimal whole number" -- bench -p +8
+  expect 2 "-p/--n-prompt: '99999999999999999999999' $range_p" -- bench -p 99999999999999999999999
+  expect 2 "-p/--n-prompt: '2147483648' $range_p" -- bench -p 2147483648 -n 4
+  expect 2 "-n/--n-gen: '0' is out of range (allowed 2 to 2147483647; a lane needs >= 2 generated tokens" -- bench -p 8 -n 0
+  expect 2 "-n/--n-gen: '1' is out of range (allowed 2 to 2147483647; a lane needs >= 2 generated tokens" -- bench -p 8 -n 1
+  expect 2 "-n/--n-gen: '1e3' is not a decimal whole number" -- bench -p 8 -n 1e3
+  expect 2 "-r/--repetitions: '0' is out of range (allowed 1 to 9223372036854775807)" -- bench -p 8 -n 4 -r 0
+  expect 2 "-r/--repetitions: '0x2' is not a decimal whole number" -- bench -p 8 -n 4 -r 0x2
+  expect 2 "--warmup: '-1' is out of range (allowed 0 to 9223372036854775807)" -- bench -p 8 -n 4 --warmup -1
+  expect 2 "-c/--ctx-size: '99999999999999999999' is out of range (allowed 0 to 2147483647)" -- \
+    bench -p 8 -n 4 -c 99999999999999999999
+  expect 2 "-s/--seed: '-1' is out of range (allowed 0 to 9223372036854775807)" -- bench -p 8 -n 4 -s -1
+  expect 2 "--prefill-chunk: '99999999999999999999' is out of range (allowed 1 to 9223372036854775807)" -- \
+    bench -p 8 -n 4 --prefill-chunk 99999999999999999999
+  expect 2 "--breakdown-steps: '08x' is not a decimal whole number" -- bench -p 8 -n 4 --breakdown-steps 08x
+  expect 2 "--tp: '-2' is out of range (allowed 0 to 2147483647)" -- bench -p 8 -n 4 --tp -2
+  # Leading zeros are decimal ("010" is ten, not octal eight; "08" is eight, not an error).
+  bench -p 010 -n 08 -r 1 --warmup 0 --format json >"$tmp/dec.json" 2>"$tmp/err" ||
+    fail "bench -p 010 -n 08: $(tail -n 2 "$tmp/err")"
+  check_json "$tmp/dec.json" "[(l['n_prompt'], l['n_gen']) for l in j['lanes']] == [(10, 8)] and j['repetitions'] == 1" \
+    "-p 010 -n 08 read as decimal: one lane (10, 8)"
+  # One measured repetition is named in the singular.
+  bench -p 8 -n 2 -r 1 --warmup 0 >"$tmp/r1.md" 2>/dev/null || fail "bench -r 1 md run"
+  grep -q ", 1 repetition after 0 warmup," "$tmp/r1.md" && pass "md header: '1 repetition'" ||
+    fail "md header with -r 1: $(head -n 1 "$tmp/r1.md")"
   expect 2 "-p/--n-prompt 1000 -n/--n-gen 128 needs 1128 tokens, more than the model's max_position_embeddings 1024" -- bench -p 8,1000 -n 128
   expect 2 "-p/--n-prompt 16 -n/--n-gen 4 needs 20 tokens, more than -c/--ctx-size 12" -- bench -p 8,16 -n 4 -c 12
   expect 2 "-c/--ctx-size 2000 exceeds the model's max_position_embeddings 1024" -- bench -p 8 -n 4 -c 2000
-  expect 2 "-r/--repetitions must be >= 1, got 0" -- bench -p 8 -n 4 -r 0
-  expect 2 "--warmup must be >= 0" -- bench -p 8 -n 4 --warmup -1
   expect 2 "--bandwidth-gbs must be a positive" -- bench -p 8 -n 4 --bandwidth-gbs 0
   expect 3 "-o/--output /nonexistent-dir/x: cannot open" -- bench -p 8 -n 4 -o /nonexistent-dir/x
+  # -o and --per-token naming one file (as typed, or after normalisation) would overwrite each
+  # other: refused before either is opened, so an existing file keeps its bytes.
+  echo keep >"$tmp/same.txt"
+  mkdir -p "$tmp/sub"
+  same="-o/--output $tmp/same.txt and --per-token"
+  expect 2 "$same $tmp/same.txt name the same file" -- \
+    bench -p 8 -n 4 -o "$tmp/same.txt" --per-token "$tmp/same.txt"
+  expect 2 "$same $tmp/./sub/../same.txt name the same file" -- \
+    bench -p 8 -n 4 -o "$tmp/same.txt" --per-token "$tmp/./sub/../same.txt"
+  [ "$(cat "$tmp/same.txt")" = keep ] && pass "-o = --per-token: the file is left as it was" ||
+    fail "-o = --per-token: $tmp/same.txt was written"
   # The CUDA-only modes: refused on the cpu backend, and their flag combinations checked.
   expect 2 "give either -m/--model DIR or --random-weights --config FILE" -- \
     timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu
@@ -242,7 +278,8 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
     timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu --random-weights --config /nonexistent.json
   expect 2 "--skip-prefill needs the cuda backend (this run uses cpu)" -- bench -p 8 -n 4 --skip-prefill
   expect 2 "--breakdown needs the cuda backend (this run uses cpu)" -- bench -p 8 -n 4 --breakdown
-  expect 2 "--breakdown-steps must be >= 1, got 0" -- bench -p 8 -n 4 --breakdown --breakdown-steps 0
+  expect 2 "--breakdown-steps: '0' is out of range (allowed 1 to 2147483647)" -- \
+    bench -p 8 -n 4 --breakdown --breakdown-steps 0
   expect 2 "needs 84 tokens (72 for --breakdown), more than -c/--ctx-size 20" -- \
     bench -p 8 -n 4 --breakdown -c 20
 
@@ -274,7 +311,7 @@ need(all(len(l['bytes_per_token_by_rank']) == 2 for l in ls), 'per-rank bytes')
   else
     fail "mpirun -np 2 md: $n_head headers, $n_rows rows: $(head -n 3 "$tmp/tp2.md")"
   fi
-  expect 2 "-r/--repetitions must be >= 1" -- mpi 2 -p 8 -n 4 -r 0
+  expect 2 "-r/--repetitions: '0' is out of range (allowed 1 to" -- mpi 2 -p 8 -n 4 -r 0
 fi
 
 if [ "$failures" -gt 0 ]; then

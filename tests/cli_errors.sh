@@ -25,9 +25,66 @@ printf 'not json' >"$tmp/bad.json"
 expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }
 expect 2 "layers" -- "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o2" --layers 9
-expect 2 "--seed: must be >= 0, got -1" -- "$fngen" synth --config "$src/configs/tiny.json" \
-  --out "$tmp/o3" --seed -1
+expect 2 "--seed: '-1' is out of range (allowed 0 to 18446744073709551615)" -- \
+  "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o3" --seed -1
+[ -e "$tmp/o3" ] && { echo "FAIL: partial output left in $tmp/o3"; failures=$((failures + 1)); }
 [ -e "$tmp/o2" ] && { echo "FAIL: partial output left in $tmp/o2"; failures=$((failures + 1)); }
+# Whole-number options of every subcommand (apps/whole_number.h): decimal digits only (CLI11
+# alone reads "010" as octal and "0x3" as hex), a sign only where a negative value is allowed,
+# and no clamping: each refusal names the option, quotes the text as typed, and an out-of-range
+# one gives the allowed range. Checked while parsing, before the model directory is looked at.
+nan="is not a decimal whole number (digits 0-9 only"
+i64=9223372036854775807
+i32=2147483647
+gen() { "$fngen" generate -m "$tmp/no-model" --prompt-ids 1 "$@"; }
+expect 2 "-n/--max-new-tokens: '0x3' $nan, with an optional leading '-' or '+'" -- gen -n 0x3
+expect 2 "-n/--max-new-tokens: '1e3' $nan" -- gen -n 1e3
+expect 2 "-n/--max-new-tokens: '' $nan" -- gen -n ""
+expect 2 "-n/--max-new-tokens: '-2' is out of range (allowed -1, or 1 to $i32)" -- gen -n -2
+expect 2 "-n/--max-new-tokens: '0' is out of range (allowed -1, or 1 to $i32)" -- gen -n 0
+expect 2 "-c/--ctx-size: '9999999999999999999999' is out of range (allowed 0 to $i32)" -- \
+  gen -c 9999999999999999999999
+expect 2 "-c/--ctx-size: '-3' is out of range (allowed 0 to $i32)" -- gen -c -3
+expect 2 "--prefill-chunk: '99999999999999999999' is out of range (allowed 1 to $i64)" -- \
+  gen --prefill-chunk 99999999999999999999
+expect 2 "--prefill-chunk: 'x' $nan, no hex" -- gen --prefill-chunk x
+expect 2 "--prefill-chunk: '0' is out of range (allowed 1 to $i64)" -- gen --prefill-chunk 0
+expect 2 "--top-k: '1.5' $nan" -- gen --top-k 1.5
+expect 2 "--top-k: '+3' $nan, no hex" -- gen --top-k +3
+expect 2 "--repeat-last-n: '-2' is out of range (allowed -1, or 0 to $i64)" -- gen --repeat-last-n -2
+expect 2 "--tp: '0x2' $nan" -- gen --tp 0x2
+expect 2 "-s/--seed: '18446744073709551616' is out of range (allowed -1, or 0 to 18446744073709551615)" -- \
+  gen -s 18446744073709551616
+expect 2 "-s/--seed: '0x10' $nan" -- gen -s 0x10
+expect 2 "-c/--ctx-size: '2' is out of range (allowed 4 to $i32; a perplexity window needs 4 tokens)" -- \
+  "$fngen" eval ppl -m "$tmp/no-model" --ids-file x -c 2
+expect 2 "--chunks: '-3' is out of range (allowed -1, or 1 to $i64)" -- \
+  "$fngen" eval ppl -m "$tmp/no-model" --ids-file x --chunks -3
+expect 2 "--save-top-k: '010x' $nan" -- "$fngen" eval ppl -m "$tmp/no-model" --ids-file x --save-top-k 010x
+expect 2 "--top-k: '-1' is out of range (allowed 0 to $i64)" -- \
+  "$fngen" eval dump-logits -m "$tmp/no-model" --prompt-ids 1 -o x --top-k -1
+expect 2 "-n/--max-new-tokens: '08.0' $nan" -- "$fngen" eval score -m "$tmp/no-model" -i x -n 08.0
+expect 2 "-c/--ctx-size: '99999999999' is out of range (allowed 0 to $i32)" -- \
+  "$fngen" eval score -m "$tmp/no-model" -i x -c 99999999999
+expect 2 "--tp: '16' is out of range (allowed 1 to 8)" -- "$fngen" inspect "$src/configs/tiny.json" --tp 16
+expect 2 "-c/--ctx-size: '0x100' $nan" -- "$fngen" inspect "$src/configs/tiny.json" -c 0x100
+expect 2 "--layers: '0b1' $nan" -- "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o4" --layers 0b1
+expect 2 "--ngram-vocab-base: '99999999999999999999' is out of range (allowed 0 to $i64)" -- \
+  "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o4" --ngram-vocab-base 99999999999999999999
+[ -e "$tmp/o4" ] && { echo "FAIL: partial output left in $tmp/o4"; failures=$((failures + 1)); }
+# Valid values keep working: leading zeros are decimal ("010" is ten; "08" was an error), '+'
+# where a sign is allowed, -1 for "until the context is full".
+fx=$src/tests/data/fixtures/tp4
+ntok() {  # ntok generate-args...: the number of generated ids, or "error"
+  "$fngen" generate -m "$fx" --prompt-ids 1,2 --backend cpu --ignore-eos --json "$@" 2>/dev/null |
+    $py -c "import json,sys; print(len(json.load(sys.stdin)['token_ids']))" 2>/dev/null || echo error
+}
+for case in "-n 010:10" "-n 08:8" "-n +3:3" "-n -1 -c 6:4" "-n 3 -s 007 --temp 1:3"; do
+  got=$(ntok ${case%%:*})
+  [ "$got" = "${case##*:}" ] && pass "generate ${case%%:*}: $got tokens" ||
+    fail "generate ${case%%:*}: $got tokens (want ${case##*:})"
+done
+
 # A truncated shard: inspect must name the file.
 "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/ck" 2>/dev/null || failures=$((failures + 1))
 truncate -s 100 "$tmp/ck/model-bf16-00002.safetensors"

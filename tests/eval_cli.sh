@@ -149,8 +149,8 @@ expect 2 "The following argument was not expected: --bogus" -- mpi 1 kld -m "$fx
 expect 2 "base is required" -- mpi 1 kld -m "$fx/tp4"
 expect 2 "A subcommand" -- "$fngen" eval
 expect 2 "exactly one of -f/--file" -- mpi 1 ppl -m "$fx/tp4"
-expect 2 "--chunks must be >= 1 (or -1" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks -3
-expect 2 "--chunks must be >= 1 (or -1" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks 0
+expect 2 "--chunks: '-3' is out of range (allowed -1, or 1 to" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks -3
+expect 2 "--chunks: '0' is out of range (allowed -1, or 1 to" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks 0
 expect 3 "is a directory, not a file" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp"
 # Outputs never land in the model directory (they could replace config.json or a shard).
 expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o "$fx/tp4/config.json"

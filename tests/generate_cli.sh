@@ -54,20 +54,20 @@ $py -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.ar
   sys.exit(0 if a['token_ids']==b['token_ids'] and a['sampling']['seed']==$big else 1)" \
   "$tmp/b1.json" "$tmp/b2.json" && echo "ok: --seed $big (> 2^63) reproduces and is echoed whole" ||
   fail "a seed above 2^63 was not kept"
-expect 2 "seed must be -1 (random) or an integer in" -- mpi 1 -m "$fx/tp4" --prompt-ids "$ids" \
-  --seed 18446744073709551616
-expect 2 "seed must be -1 (random) or an integer in" -- mpi 1 -m "$fx/tp4" --prompt-ids "$ids" \
-  --seed -2
+expect 2 "seed: '18446744073709551616' is out of range (allowed -1, or 0 to 18446744073709551615)" -- \
+  mpi 1 -m "$fx/tp4" --prompt-ids "$ids" --seed 18446744073709551616
+expect 2 "seed: '-2' is out of range (allowed -1, or 0 to 18446744073709551615)" -- \
+  mpi 1 -m "$fx/tp4" --prompt-ids "$ids" --seed -2
 
 # ---- bad input: CLI ----
 expect 2 "bogus" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 --bogus
-expect 2 "--prefill-chunk must be >= 1 token, got 0" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
+expect 2 "--prefill-chunk: '0' is out of range (allowed 1 to" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
   --prefill-chunk 0
-expect 2 "Could not convert: --prefill-chunk = x" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
+expect 2 "--prefill-chunk: 'x' is not a decimal whole number" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
   --prefill-chunk x
 expect 2 "--system-prompt applies to chat prompts: add --chat" -- mpi 1 -m "$fx/tp4" \
   --prompt-ids 1,2 --system-prompt "be brief"
-expect 2 "-c/--ctx-size must be >= 0 (0 = the default), got -3" -- mpi 1 -m "$fx/tp4" \
+expect 2 "-c/--ctx-size: '-3' is out of range (allowed 0 to" -- mpi 1 -m "$fx/tp4" \
   --prompt-ids 1,2 -c -3
 expect 2 "ctx-size 50" -- mpi 2 -m "$fx/tp4" --prompt-ids "$ids" -n 32 -c 50
 grep -q "40 tokens" "$tmp/err" || fail "the context error does not name the prompt length"

@@ -927,20 +927,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       FN_CUDA_CHECK(cudaMemcpyAsync(choice_log + layer_index * k, ids, sizeof(int32_t) * k,
                                     cudaMemcpyDeviceToDevice, s));
     ++layer_index;
-    // Fused: the shared expert's SwiGLU + down GEMV (ys) runs first, so that the routed gate+up
-    // can issue its weight loads before its PDL wait (the router's ids are then two launches
-    // back), and the routed down folds the gated combine into its epilogue (same bits as the
-    // separate launches: fmaf(gamma, ys, routed sum)).
-    if (fused_shared) {
-      mark(StepFamily::SharedExpert);
-      SharedDownCombineParams sd;
-      sd.weight = mo.s_down;
-      sd.hidden = D;
-      sd.inter = Is_l;
-      sd.gate_up = sgu;
-      sd.y_shared = ys;
-      launch_shared_down_combine(sd, s);
-    }
     mark(StepFamily::RoutedMoe);
     MoeGateUpParams gu;
     gu.experts = mo.gate_up;
@@ -948,7 +934,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.top_k = static_cast<int>(k);
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
-    gu.ids_before_wait = fused_shared;
     launch_moe_gate_up_nvfp4(gu, s);
     MoeDownParams dn;
     dn.experts = mo.down;
@@ -957,13 +942,18 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.top_k = static_cast<int>(k);
     dn.h = h;
     dn.y = y;
-    if (fused_shared) {
-      dn.y_shared = ys;
-      dn.gate_logit = rl + E;
-    }
     launch_moe_down_nvfp4(dn, s);
-    if (!fused_shared) {
-      mark(StepFamily::SharedExpert);
+    mark(StepFamily::SharedExpert);
+    if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
+      SharedDownCombineParams sd;
+      sd.weight = mo.s_down;
+      sd.hidden = D;
+      sd.inter = Is_l;
+      sd.gate_up = sgu;
+      sd.gate_logit = rl + E;
+      sd.y = y;
+      launch_shared_down_combine(sd, s);
+    } else {
       launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
       SwigluParams sw;
       sw.gate_up = sgu;

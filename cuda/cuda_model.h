@@ -87,7 +87,7 @@ enum class StepFamily : int {
   Router,
   RoutedMoe,  ///< NVFP4 gate-up and down of the top-k experts
   /// shared expert gate/up GEMV, SwiGLU, down GEMV, the gated combine (fused_step: SwiGLU + down
-  /// in one launch before the routed experts; the combine is then in the routed down's epilogue)
+  /// + combine in one launch)
   SharedExpert,
   AllReduce,  ///< every all-reduce of the step (TP > 1; PLE, mixer, MoE, logits)
   LmHead,     ///< lm_head GEMV, logit scatter, sampling, n-gram context and position advance

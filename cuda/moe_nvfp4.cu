@@ -35,7 +35,6 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
-#include "cuda/moe_device.cuh"
 #include "cuda/nvfp4_bits.h"
 #include "cuda/pdl.cuh"
 
@@ -227,7 +226,6 @@ struct GateUpArgs {
   float* gate_up_out;
   int team_log2;
   int tiles_per_j;  // tensor-core path: ceil(I / 8) tiles of 8 row pairs per selected expert
-  bool ids_before_wait;
 };
 
 // One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j]. Lane l of
@@ -239,10 +237,9 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
     moe_gate_up_nvfp4_kernel(GateUpArgs a) {
   extern __shared__ float4 stage4[];
   float* stage = reinterpret_cast<float*>(stage4);
-  // Every weight address depends on the router's expert ids: unless they were written at least
-  // two launches back (ids_before_wait, read through L2), nothing is read before the
-  // programmatic-dependent wait (cuda/pdl.cuh); x always waits.
-  if (!a.ids_before_wait) dev::pdl_begin();
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
   using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
   const int lane = threadIdx.x & (team - 1);
@@ -251,7 +248,7 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
   const bool in_range = pair < static_cast<int64_t>(a.top_k) * a.inter;
   const int j = in_range ? static_cast<int>(pair / a.inter) : 0;
   const int i = in_range ? static_cast<int>(pair % a.inter) : 0;
-  const int e = __ldcg(a.ids + j);
+  const int e = __ldg(a.ids + j);
   const bool ok = in_range && e >= 0 && e < a.num_experts;
   const int mine = ok && lane < a.nvec ? (a.nvec - 1 - lane) / team + 1 : 0;  // units of the lane
 
@@ -274,7 +271,6 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
       s[n][1] = live ? U::scales(su, v) : 0u;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
-      if (a.ids_before_wait) dev::pdl_begin();
       Stage<kNarrow>::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K 2560: one batch
       __syncthreads();
     }
@@ -313,8 +309,6 @@ struct DownArgs {
   const uint16_t* h;
   float* y;
   bool accumulate;
-  const float* y_shared;  // optional gated combine (MoeDownParams::y_shared)
-  const float* gate_logit;
   float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
 };
@@ -369,10 +363,7 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
   const float v = acc[0] * kUnscale;
-  if (a.y_shared != nullptr)  // launch_moe_combine's expression
-    a.y[d] = fmaf(dev::sigmoid_2branch(*a.gate_logit), a.y_shared[d], v);
-  else
-    a.y[d] = a.accumulate ? a.y[d] + v : v;
+  a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
 // ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
@@ -796,8 +787,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.gate_up_out = p.gate_up_out;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
-  FN_LAUNCH_REQUIRE(!p.ids_before_wait || !p.mma, kOp);
-  a.ids_before_wait = p.ids_before_wait;
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
@@ -856,10 +845,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
-  FN_LAUNCH_REQUIRE((p.y_shared == nullptr) == (p.gate_logit == nullptr), kOp);
-  FN_LAUNCH_REQUIRE(p.y_shared == nullptr || (!p.accumulate && !p.mma), kOp);
-  a.y_shared = p.y_shared;
-  a.gate_logit = p.gate_logit;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;

@@ -54,19 +54,11 @@ struct MoeGateUpParams {
   /// BF16, FP32 accumulate; moe_nvfp4.cu): another summation order, so other bits; on H200 it is
   /// no faster at TP=1/2 (cuda/bench/RESULTS.md, session 5), kept for A/B.
   bool mma = false;
-  /// The caller's promise that expert_ids were written at least two launches earlier on the
-  /// stream (the decode step runs the shared expert's down GEMV in between): the ids and weight
-  /// loads then go out before the programmatic-dependent wait (cuda/pdl.cuh), only x waits. Same
-  /// bits. The FP32 kernel only (mma false).
-  bool ids_before_wait = false;
 };
 
 /// Down projection summed over the selected experts:
 ///   y[d] (+)= sum_{j < top_k, in order} routing_weights[j] * gs[e_j] * (W_down[e_j] h[j, :])[d]
-/// (MODEL.md §C.7 step 4, FP32 accumulation). Ids outside [0, num_experts) contribute 0. The FP32
-/// kernel issues its first load round (ids, routing weights, weights) before the programmatic-
-/// dependent wait, so expert_ids and routing_weights must come from a kernel at least two
-/// launches earlier on the stream (gate+up sits in between; cuda/pdl.cuh).
+/// (MODEL.md §C.7 step 4, FP32 accumulation). Ids outside [0, num_experts) contribute 0.
 struct MoeDownParams {
   Nvfp4Experts experts;                    ///< rows = hidden_size (D), cols = I
   const int32_t* expert_ids = nullptr;     ///< [top_k] device
@@ -75,13 +67,6 @@ struct MoeDownParams {
   const uint16_t* h = nullptr;             ///< [top_k, I] BF16 bits (MoeGateUpParams::h)
   float* y = nullptr;                      ///< [D] FP32
   bool accumulate = false;                 ///< true: y += sum (e.g. onto the shared expert's y)
-  /// Optional gated combine with the shared expert in the epilogue (MODEL.md §C.7 step 4,
-  /// launch_moe_combine's expression): y[d] = fmaf(sigmoid(*gate_logit), y_shared[d], sum), the
-  /// bits of this launch then launch_moe_combine. Both or neither; accumulate false; FP32 kernel
-  /// only (mma false). y_shared: [D] FP32 (SharedDownCombineParams::y_shared), gate_logit: device
-  /// scalar (the router's shared_expert_gate logit).
-  const float* y_shared = nullptr;
-  const float* gate_logit = nullptr;
   /// Lanes per output row (8..256, power of 2) of the FP32 kernel, or per tile of 8 rows
   /// (32..256) of the tensor-core kernel; 0 = planned.
   int team_threads = 0;

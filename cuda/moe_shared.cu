@@ -114,10 +114,7 @@ struct SwigluXShared {
   }
 };
 
-// kCombine: y[d] = fmaf(gamma, ys[d], y[d]), g/u read before the wait (at least two launches
-// back); otherwise y_shared[d] = ys[d] with g/u read after it (they may come from the previous
-// kernel).
-template <int kRows, bool kCombine>
+template <int kRows>
 __global__ void __launch_bounds__(kDownBlockThreads)
     shared_down_combine_kernel(dev::GemvRows g, const float* gate_up, const float* gate_logit,
                                float* y) {
@@ -125,23 +122,15 @@ __global__ void __launch_bounds__(kDownBlockThreads)
   float acc[kRows];
   int lane = 0;
   const SwigluXShared xs{gate_up, g.nvec * 8, reinterpret_cast<float*>(h_smem)};
-  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, kCombine>(
+  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true>(
       g, blockIdx.x, xs, acc, &lane);
-  // After the wait: y is the routed experts' output.
+  // After the wait (the last step above): y is the routed experts' output.
   if (lane != 0) return;
-  if constexpr (kCombine) {
-    const float gamma = dev::sigmoid_2branch(*gate_logit);
+  const float gamma = dev::sigmoid_2branch(*gate_logit);
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t row = row0 + r;
-      if (row < g.rows) y[row] = fmaf(gamma, acc[r], y[row]);
-    }
-  } else {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t row = row0 + r;
-      if (row < g.rows) y[row] = acc[r];
-    }
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r;
+    if (row < g.rows) y[row] = fmaf(gamma, acc[r], y[row]);
   }
 }
 
@@ -216,8 +205,9 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
 
 void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_shared_down_combine";
-  FN_LAUNCH_REQUIRE(p.weight != nullptr && p.gate_up != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.y_shared != nullptr || (p.gate_logit != nullptr && p.y != nullptr), kOp);
+  FN_LAUNCH_REQUIRE(
+      p.weight != nullptr && p.gate_up != nullptr && p.gate_logit != nullptr && p.y != nullptr,
+      kOp);
   FN_LAUNCH_REQUIRE(p.hidden >= 1 && p.inter >= 8 && p.inter % 8 == 0 && p.inter <= kMaxDownInter,
                     kOp);
   FN_LAUNCH_REQUIRE(aligned16(p.weight), kOp);
@@ -231,29 +221,18 @@ void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t s
   const size_t smem = sizeof(float) * static_cast<size_t>(p.inter);
   const dim3 grid(static_cast<unsigned>(blocks)), block(kDownBlockThreads);
   constexpr const char* kName = "shared_down_combine_kernel";
-  const bool combine = p.y_shared == nullptr;
-  float* out = combine ? p.y : p.y_shared;
-  auto launch = [&](auto kernel) {
-    launch_pdl(kName, kernel, grid, block, smem, stream, g, p.gate_up, p.gate_logit, out);
-  };
-  switch (plan.rows_per_team * 2 + (combine ? 1 : 0)) {
-    case 9:
-      launch(shared_down_combine_kernel<4, true>);
-      break;
-    case 8:
-      launch(shared_down_combine_kernel<4, false>);
-      break;
-    case 5:
-      launch(shared_down_combine_kernel<2, true>);
-      break;
+  switch (plan.rows_per_team) {
     case 4:
-      launch(shared_down_combine_kernel<2, false>);
+      launch_pdl(kName, shared_down_combine_kernel<4>, grid, block, smem, stream, g, p.gate_up,
+                 p.gate_logit, p.y);
       break;
-    case 3:
-      launch(shared_down_combine_kernel<1, true>);
+    case 2:
+      launch_pdl(kName, shared_down_combine_kernel<2>, grid, block, smem, stream, g, p.gate_up,
+                 p.gate_logit, p.y);
       break;
     default:
-      launch(shared_down_combine_kernel<1, false>);
+      launch_pdl(kName, shared_down_combine_kernel<1>, grid, block, smem, stream, g, p.gate_up,
+                 p.gate_logit, p.y);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("shared_down_combine_kernel");

@@ -59,11 +59,6 @@ struct SharedDownCombineParams {
   const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
   const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
   float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
-  /// Optional [hidden] FP32: when set, the launch writes ys = W_down . h here (launch_gemv_bf16's
-  /// bits) and reads neither y nor gate_logit (they may be null): the shared expert without the
-  /// combine, which the routed down projection then does (MoeDownParams::y_shared). gate_up may
-  /// then come from the previous launch (the SwiGLU runs after the programmatic-dependent wait).
-  float* y_shared = nullptr;
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
@@ -72,9 +67,10 @@ struct SharedDownCombineParams {
 /// are launch_gemv_bf16's device code with its planned team width (x BF16), and the epilogue is
 /// launch_moe_combine's expression (two-branch sigmoid), so y has the bits of launch_swiglu +
 /// launch_gemv_bf16 + launch_moe_combine. Runs after the kernel that writes the routed sum into y;
-/// gate_up must come from a kernel at least two launches earlier on the stream, because the
-/// SwiGLU and the whole GEMV run before the programmatic-dependent wait (cuda/pdl.cuh); only the
-/// combine waits. With y_shared set: ys only, after the wait (the decode step's fused path).
+/// gate_up and gate_logit must come from a kernel at least two launches earlier on the stream (as
+/// in the decode step: the routed experts' two launches sit in between), because the SwiGLU and
+/// the whole GEMV run before the programmatic-dependent wait (cuda/pdl.cuh); only the combine
+/// waits for y.
 /// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
 /// fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);

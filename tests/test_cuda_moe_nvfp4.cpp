@@ -4,8 +4,7 @@
 // power-of-two scales, random codes within the derived FP32 bound, real shapes at TP=1, 2 and 4,
 // the tiny fixtures' shapes (cols 16 and 48: the 16-code path), row counts that are not a multiple
 // of 8, invalid expert ids, +-0.5 codes with subnormal scales, and graph replay with expert ids
-// changed in device memory; the decode step's order (ids two launches back, the gated combine in
-// the down epilogue) against the plain launches, bitwise.
+// changed in device memory.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -16,10 +15,7 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/decode_ops.h"
-#include "cuda/gemv_bf16.h"
 #include "cuda/moe_nvfp4.h"
-#include "cuda/step_kernels.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -664,109 +660,6 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
     FN_CUDA_CHECK(cudaGraphDestroy(graph));
   }
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
-}
-
-TEST_CASE(
-    "cuda moe nvfp4: the decode step's order (ids two launches back, combine in down) keeps the "
-    "bits") {
-  // router_force writes the ids and routing weights, a GEMV writes ys, then gate+up with
-  // ids_before_wait and down with the combine epilogue: bitwise the same as gate+up, down and
-  // launch_moe_combine launched plainly, in a replayed graph with the forced ids changed.
-  const HostExperts gu = make_experts(32, 2 * 320, 2560, 2, false, 60);
-  const HostExperts dn = make_experts(32, 2560, 320, 1, false, 61);
-  const DeviceExperts dgu(gu), ddn(dn);
-  DeviceArray<uint16_t> d_x(to_bf16(random_bf16(2560, 1.0f, 62)));
-  DeviceArray<float> d_logits(random_bf16(32, 2.0f, 63));
-  DeviceArray<int32_t> d_forced(10), d_ids(10);
-  DeviceArray<float> d_rw(10), d_y(2560), d_yref(2560), d_ys(2560), d_gl(1);
-  DeviceArray<uint16_t> d_h(10 * 320), d_href(10 * 320);
-  // ys = W_s v: a BF16 GEMV the combine then gates.
-  std::vector<uint16_t> ws(2560 * 64);
-  std::mt19937_64 rng(64);
-  for (auto& b : ws) b = fn::float_to_bf16(float(int(rng() % 17) - 8) / 16.0f);
-  DeviceArray<uint16_t> d_ws(ws);
-  DeviceArray<float> d_v(random_bf16(64, 1.0f, 65));
-  fn::RouterForceParams rf;
-  rf.logits = d_logits.ptr;
-  rf.num_experts = 32;
-  rf.top_k = 10;
-  rf.forced_ids = d_forced.ptr;
-  rf.ids = d_ids.ptr;
-  rf.weights = d_rw.ptr;
-  fn::MoeGateUpParams pg;
-  pg.experts = dgu.view;
-  pg.expert_ids = d_ids.ptr;
-  pg.top_k = 10;
-  pg.x = d_x.ptr;
-  pg.h = d_h.ptr;
-  fn::MoeDownParams pd;
-  pd.experts = ddn.view;
-  pd.expert_ids = d_ids.ptr;
-  pd.routing_weights = d_rw.ptr;
-  pd.top_k = 10;
-  pd.h = d_h.ptr;
-  pd.y = d_y.ptr;
-  fn::MoeGateUpParams pg_early = pg;
-  pg_early.ids_before_wait = true;
-  fn::MoeDownParams pd_combine = pd;
-  pd_combine.y_shared = d_ys.ptr;
-  pd_combine.gate_logit = d_gl.ptr;
-
-  cudaStream_t stream;
-  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  fn::launch_router_force(rf, stream);
-  fn::launch_gemv_bf16(d_ws.ptr, 2560, 64, d_v.ptr, fn::DType::F32, d_ys.ptr, fn::DType::F32,
-                       stream);
-  fn::launch_moe_gate_up_nvfp4(pg_early, stream);
-  fn::launch_moe_down_nvfp4(pd_combine, stream);
-  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  const std::vector<std::vector<int32_t>> id_sets = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
-                                                     {31, 30, 7, 19, 3, 22, 14, 9, 27, 1},
-                                                     {12, 5, 28, 0, 17, 9, 30, 2, 21, 14}};
-  int replay = 0;
-  for (float gate : {0.7f, -1.3f})
-    for (const auto& ids : id_sets) {
-      d_forced.upload(ids);
-      d_gl.upload({gate});
-      FN_CUDA_CHECK(cudaMemset(d_y.ptr, 0xff, d_y.n * 4));
-      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const auto y_graph = d_y.download();
-      const auto h_graph = d_h.download();
-      // Plain launches on the ids and ys the graph left: gate+up, down, then the combine.
-      fn::launch_moe_gate_up_nvfp4(pg, stream);
-      fn::launch_moe_down_nvfp4(pd, stream);
-      fn::MoeCombineParams mc;
-      mc.y = d_y.ptr;
-      mc.y_shared = d_ys.ptr;
-      mc.gate_logit = d_gl.ptr;
-      mc.hidden = 2560;
-      fn::launch_moe_combine(mc, stream);
-      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-      CHECK(d_ids.download() == ids);
-      CHECK_MESSAGE(d_h.download() == h_graph, "replay ", replay, ": h differs");
-      const auto y_plain = d_y.download();
-      CHECK_MESSAGE(std::memcmp(y_graph.data(), y_plain.data(), y_plain.size() * 4) == 0, "replay ",
-                    replay, ": y differs");
-      ++replay;
-    }
-  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  FN_CUDA_CHECK(cudaGraphDestroy(graph));
-  FN_CUDA_CHECK(cudaStreamDestroy(stream));
-  // The new fields' preconditions.
-  fn::MoeDownParams bad = pd_combine;
-  bad.gate_logit = nullptr;
-  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
-  bad = pd_combine;
-  bad.accumulate = true;
-  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
-  fn::MoeGateUpParams bad_g = pg_early;
-  bad_g.mma = true;
-  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad_g, nullptr), fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team sizes") {

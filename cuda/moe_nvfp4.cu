@@ -102,10 +102,9 @@ struct Unit {
 
 // Units a lane holds in registers at once: their loads are all issued before the first is used.
 // Real shapes (K = 2560: 80 units per row; down: 10 x 20 units at TP=1, 10 x 10 at TP=2) need one
-// round: gate+up team 8 at TP=1 (10 units per row, 20 x 16-byte loads in flight per lane: 200
-// blocks, one wave of 2 per SM, where team 16 needed 400 blocks, 1.5 waves), team 16 at TP=2 and
-// 4 (5 units; the grid fits one wave either way); down team 32 (7 units at TP=1, 4 at TP=2).
-constexpr int kGateUpUnits = 10;
+// round: gate+up team 16 (5 units per row, 10 x 16-byte loads in flight per lane), down team 32
+// (7 units at TP=1, 4 at TP=2).
+constexpr int kGateUpUnits = 5;
 constexpr int kDownUnits = 7;
 // Resident blocks per SM each kernel is compiled for (__launch_bounds__; <= 128 and <= 85
 // registers): the planner sizes grids to one wave of these where the shape allows.
@@ -259,7 +258,7 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
   const uint8_t* sg = a.scales + g_row * (a.k / 16);
   const uint8_t* su = sg + static_cast<int64_t>(a.inter) * (a.k / 16);
   uint4 w[kGateUpUnits][2];
-  uint32_t s[kGateUpUnits];  // gate scales | up scales << 16
+  uint32_t s[kGateUpUnits][2];
   float acc[2] = {0.0f, 0.0f};
   for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kGateUpUnits) {
 #pragma unroll
@@ -268,7 +267,8 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
       const bool live = n0 + n < mine;
       w[n][0] = live ? U::codes(wg, v) : make_uint4(0, 0, 0, 0);
       w[n][1] = live ? U::codes(wu, v) : make_uint4(0, 0, 0, 0);
-      s[n] = live ? U::scales(sg, v) | U::scales(su, v) << 16 : 0u;
+      s[n][0] = live ? U::scales(sg, v) : 0u;
+      s[n][1] = live ? U::scales(su, v) : 0u;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
       Stage<kNarrow>::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K 2560: one batch
@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
 #pragma unroll
     for (int n = 0; n < kGateUpUnits; ++n)
       if (n0 + n < mine)
-        unit_dot2<kNarrow>(w[n][0], w[n][1], s[n] & 0xffffu, s[n] >> 16, stage,
-                           lane + (n0 + n) * team, acc[0], acc[1]);
+        unit_dot2<kNarrow>(w[n][0], w[n][1], s[n][0], s[n][1], stage, lane + (n0 + n) * team,
+                           acc[0], acc[1]);
   }
   dev::team_reduce<2, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;

@@ -420,16 +420,16 @@ TEST_CASE("cuda moe nvfp4: cols = 16 and 48 (odd multiples of 16) are exact, eve
 }
 
 TEST_CASE("cuda moe nvfp4: lanes with more units than they hold in registers loop, exactly") {
-  // FP32 kernel, team 8: gate+up over 5120 columns gives each lane 20 units (2 rounds of 10), over
-  // 2416 (an odd multiple of 16: the 16-code path) 19; the down projection over 10 experts x 112
-  // columns 9 units per lane (chunks of 7), over 10 x 640 columns 25. Tensor-core kernel, one warp
-  // per tile (team 32): gate+up 40 chunks of 4 units (8 rounds of 5) and 38 (8 rounds); down 18
+  // FP32 kernel, team 8: gate+up over 2560 columns gives each lane 10 units (chunks of 3), over 720
+  // (an odd multiple of 16: the 16-code path) 6; the down projection over 10 experts x 112 columns
+  // 9 units per lane (chunks of 7), over 10 x 640 columns 25. Tensor-core kernel, one warp per
+  // tile (team 32): gate+up 20 chunks of 4 units (4 rounds of 5) and 12 (3 rounds); down 18
   // chunks (3 rounds of 7, chunks spanning 2 experts) and 50 (8 rounds).
   const std::vector<int32_t> ids = {3, 0, 5, 1, 5, 2, 4, 0, 1, 3};
   const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f, 0.5f, 0.25f, 1.0f, 2.0f, 0.5f, 0.25f};
   for (bool mma : {false, true}) {
     const int team = mma ? 32 : 8;
-    for (int64_t cols : {5120, 2416}) {
+    for (int64_t cols : {2560, 720}) {
       const HostExperts gu = make_experts(6, 2 * 24, cols, 2, true, 90 + cols);
       const DeviceExperts dgu(gu);
       const auto x = random_ints(size_t(cols), -4, 4, 91 + cols);

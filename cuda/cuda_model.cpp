@@ -729,10 +729,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   float* Hc = H;
   bool pending = false;
   int64_t n_injects = 0, pending_slot = 0;
-  // Where the inject is a launch of its own and hc_down_early holds, it writes the other buffer
-  // and the next HC down pass recomputes the injected residual from injected_from (the residual
-  // before it), iota and y, all before its PDL wait (hc.h HcDownParams::inject_before_wait).
-  const float* injected_from = nullptr;
   auto keep_residual = [&](int64_t slot) {
     if (residuals)
       FN_CUDA_CHECK(cudaMemcpyAsync(residuals + slot * W, Hc, sizeof(float) * W,
@@ -756,12 +752,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       down.inject_iota = iota;
       down.inject_y = y;
       down.H_out = Hc == H ? H_alt : H;
-    } else if (injected_from != nullptr) {
-      down.H = injected_from;
-      down.inject_iota = iota;
-      down.inject_y = y;
-      down.inject_before_wait = true;
-      injected_from = nullptr;
     }
     launch_hc_down(down, s);
     if (pending) {
@@ -786,7 +776,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.rank = R;
     launch_hc_mix(mx, s);
   };
-  const bool hc_down_early = o.fused_step && o.hc_down_early;
   auto settle = [&]() {
     if (!pending) return;
     mark(StepFamily::Hc);
@@ -796,11 +785,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     hi.y = y;
     hi.hc_count = static_cast<int>(S);
     hi.hidden = D;
-    if (hc_down_early) {  // out of place: the next down pass reads the residual before it
-      hi.H_out = Hc == H ? H_alt : H;
-      injected_from = Hc;
-      Hc = hi.H_out;
-    }
     launch_hc_inject(hi, s);
     pending = false;
     keep_residual(pending_slot);
@@ -835,8 +819,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   int64_t layer_index = 0, qsa_index = 0;
   for (DevLayer& L : layers) {
     if (L.has_ple) {
-      settle();                 // the residual the PLE adds to must hold the last block's inject
-      injected_from = nullptr;  // the PLE apply changes Hc: the next down pass reads it
+      settle();  // the residual the PLE adds to must hold the last block's inject
       mark(StepFamily::Ple);
       DevPle& pl = L.ple;
       NgramGatherParams ng = ngram_gather_params(c, pl);

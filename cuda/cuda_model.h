@@ -59,11 +59,6 @@ struct CudaModelOptions {
   /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
   int fold_hc_inject = -1;
-  /// With fused_step, where the HC inject is a launch of its own (not folded): it writes the
-  /// other residual buffer and the next HC down pass recomputes the injected residual and does
-  /// all its work before its PDL wait, the inject kernel being its window (hc.h
-  /// HcDownParams::inject_before_wait; same bits). false: the in-place inject (A/B benches).
-  bool hc_down_early = true;
 };
 
 /// Which logits CudaModel::prefill returns.

@@ -40,15 +40,14 @@ __global__ void __launch_bounds__(kThreads)
 // ---- HC inject ---------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kThreads)
-    hc_inject_kernel(const float* H, float* out, const float* iota, const float* y, int hc,
-                     int64_t D) {
+    hc_inject_kernel(float* H, const float* iota, const float* y, int hc, int64_t D) {
   dev::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= D) return;
   const float yi = y[i];
   for (int s = 0; s < hc; ++s) {
     // Product and sum rounded separately (no contraction), as fn::cpu::hc_inject.
-    out[s * D + i] = __fadd_rn(H[s * D + i], __fmul_rn(iota[s], yi));
+    H[s * D + i] = __fadd_rn(H[s * D + i], __fmul_rn(iota[s], yi));
   }
 }
 
@@ -116,10 +115,9 @@ void launch_embed(const EmbedParams& p, cudaStream_t stream) {
 void launch_hc_inject(const HcInjectParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_hc_inject";
   FN_LAUNCH_REQUIRE(p.H != nullptr && p.iota != nullptr && p.y != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.hc_count >= 1 && p.hidden >= 1 && p.H_out != p.H, kOp);
-  float* out = p.H_out != nullptr ? p.H_out : p.H;
-  launch_pdl("hc_inject_kernel", hc_inject_kernel, grid_for(p.hidden), kThreads, 0, stream,
-             static_cast<const float*>(p.H), out, p.iota, p.y, p.hc_count, p.hidden);
+  FN_LAUNCH_REQUIRE(p.hc_count >= 1 && p.hidden >= 1, kOp);
+  launch_pdl("hc_inject_kernel", hc_inject_kernel, grid_for(p.hidden), kThreads, 0, stream, p.H,
+             p.iota, p.y, p.hc_count, p.hidden);
   FN_CUDA_LAUNCH_CHECK("hc_inject_kernel");
 }
 

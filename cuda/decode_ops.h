@@ -37,9 +37,6 @@ struct HcInjectParams {
   const float* y = nullptr;     ///< [D] FP32 block output (after the all-reduce)
   int hc_count = 0;             ///< >= 1
   int64_t hidden = 0;           ///< D (2560)
-  /// Optional [hc_count * D] FP32: out of place, H_out = H + iota * y and H left as it is (the
-  /// decode step's ping-pong residual, cuda_model.cpp); must not alias H.
-  float* H_out = nullptr;
 };
 
 /// Throws fn::Error(Internal) on null pointers or bad sizes; fn::Error(Cuda) on a failed launch.

@@ -49,8 +49,7 @@ struct DownArgs {
   float* sumsq;
   const float* iota;  // inject (nullptr: none): H' = H + iota[g] * y, written to H_out
   const float* y;
-  float* H_out;  // nullptr with the inject: H' is only read (HcDownParams::inject_before_wait)
-  bool early;    // HcDownParams::inject_before_wait
+  float* H_out;
 };
 
 // v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns (MODEL.md
@@ -101,36 +100,26 @@ __device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int
     const int vl = lane + 32 * u;
     const float4* hp = reinterpret_cast<const float4*>(a.H + col0 + 8 * static_cast<int64_t>(vl));
     const bool ok = vbeg + vl < a.gvec;
-    // Before the wait (early) through L2: written two launches back (cuda/pdl.cuh).
-    hx[u][0] = !ok ? make_float4(0, 0, 0, 0) : a.early ? __ldcg(hp) : __ldg(hp);
-    hx[u][1] = !ok ? make_float4(0, 0, 0, 0) : a.early ? __ldcg(hp + 1) : __ldg(hp + 1);
+    hx[u][0] = ok ? __ldg(hp) : make_float4(0, 0, 0, 0);
+    hx[u][1] = ok ? __ldg(hp + 1) : make_float4(0, 0, 0, 0);
   }
   if (a.y == nullptr) return;
   const int g = static_cast<int>(col0 / a.hidden);
   const int64_t i0 = col0 - g * a.hidden;  // column of the chunk's first vector within the group
-  const float iota = a.early ? __ldcg(a.iota + g) : __ldg(a.iota + g);
+  const float iota = __ldg(a.iota + g);
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
     const int vl = lane + 32 * u;
     if (vbeg + vl >= a.gvec) continue;
     const float4* yp = reinterpret_cast<const float4*>(a.y + i0 + 8 * static_cast<int64_t>(vl));
-    hx[u][0] = inject4(hx[u][0], iota, a.early ? __ldcg(yp) : __ldg(yp));
-    hx[u][1] = inject4(hx[u][1], iota, a.early ? __ldcg(yp + 1) : __ldg(yp + 1));
-    if (blockIdx.y == 0 && a.H_out != nullptr) {
+    hx[u][0] = inject4(hx[u][0], iota, __ldg(yp));
+    hx[u][1] = inject4(hx[u][1], iota, __ldg(yp + 1));
+    if (blockIdx.y == 0) {
       float4* op = reinterpret_cast<float4*>(a.H_out + col0 + 8 * static_cast<int64_t>(vl));
       op[0] = hx[u][0];
       op[1] = hx[u][1];
     }
   }
-}
-
-// After the weights are in flight: the PDL wait and the release of the mix behind, or with
-// early (HcDownParams::inject_before_wait) only the release: the mix reads nothing but its
-// weights before its own wait, and this pass waits last (before it exits), so its completion
-// still orders everything before it (cuda/pdl.cuh).
-__device__ __forceinline__ void down_begin(bool early) {
-  if (!early) dev::pdl_wait();
-  dev::pdl_launch_dependents();
 }
 
 // Block (chunk p, row block): rows [16 * blockIdx.y, +16) x the chunk's vectors. Chunk p is
@@ -157,7 +146,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
                                         : make_uint4(0, 0, 0, 0);
     nw[u] = ok ? __ldg(reinterpret_cast<const uint4*>(a.norm + col)) : make_uint4(0, 0, 0, 0);
   }
-  down_begin(a.early);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   float4 hx[kDownVecPerLane][2];
   down_load_h(a, col0, vbeg, lane, hx);
   float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
@@ -165,7 +155,6 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
   for (int u = 0; u < kDownVecPerLane; ++u)
     if (vbeg + lane + 32 * u < a.gvec) down_step(v, hx[u], nw[u], w[u]);
   down_finish(a, v, p, row0, warp, lane);
-  if (a.early) dev::pdl_wait();
 }
 
 // Shared-memory staging of the down pass: the block's 16 rows x kDownChunkVec vectors of W, then
@@ -202,7 +191,8 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
     else
       nw_s[vl] = make_uint4(0, 0, 0, 0);
   }
-  down_begin(a.early);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   float4 hx[kDownVecPerLane][2];
   down_load_h(a, col0, vbeg, lane, hx);
   dev::cp_async_wait_all();
@@ -218,7 +208,6 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
     down_step(v, hx[u], nw_s[vl], w);
   }
   down_finish(a, v, p, rowb + warp * kDownRows, warp, lane);
-  if (a.early) dev::pdl_wait();
 }
 
 struct MixArgs {
@@ -488,13 +477,10 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
                         aligned(p.t_partial, 4) && aligned(p.sumsq, 4),
                     kOp);
   const bool inject = p.inject_y != nullptr || p.inject_iota != nullptr || p.H_out != nullptr;
-  FN_LAUNCH_REQUIRE(
-      !inject || (p.inject_y != nullptr && p.inject_iota != nullptr && p.H_out != p.H &&
-                  aligned(p.inject_y, 16) && aligned(p.H_out, 16) && aligned(p.inject_iota, 4)),
-      kOp);
-  // H' written here (H_out) or, before the wait, only read (the inject launched on its own).
-  FN_LAUNCH_REQUIRE(!inject || ((p.H_out != nullptr) != p.inject_before_wait), kOp);
-  FN_LAUNCH_REQUIRE(!p.inject_before_wait || inject, kOp);
+  FN_LAUNCH_REQUIRE(!inject || (p.inject_y != nullptr && p.inject_iota != nullptr &&
+                                p.H_out != nullptr && p.H_out != p.H && aligned(p.inject_y, 16) &&
+                                aligned(p.H_out, 16) && aligned(p.inject_iota, 4)),
+                    kOp);
   const int64_t splits = hc_down_splits(p.hc_count, p.hidden);
   const int64_t row_blocks = (p.rows + kDownRowsPerBlock - 1) / kDownRowsPerBlock;
   FN_LAUNCH_REQUIRE(splits <= INT32_MAX && row_blocks <= 65535, kOp);
@@ -510,8 +496,7 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              p.sumsq,
              inject ? p.inject_iota : nullptr,
              inject ? p.inject_y : nullptr,
-             inject ? p.H_out : nullptr,
-             p.inject_before_wait};
+             inject ? p.H_out : nullptr};
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
   if (p.staged) {
     launch_pdl("hc_down_staged_kernel", hc_down_staged_kernel, grid, dim3(kBlockThreads),

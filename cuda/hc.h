@@ -45,14 +45,6 @@ struct HcDownParams {
   const float* inject_iota = nullptr;  ///< [hc_count] FP32 inject weights (the last HC mix's)
   const float* inject_y = nullptr;     ///< [hidden] FP32 block output (after the all-reduce)
   float* H_out = nullptr;              ///< out: [hc_count * hidden] FP32 residual after inject
-  /// With inject_iota and inject_y set and H_out null: the inject was launched on its own, out of
-  /// place (HcInjectParams::H_out), as the kernel right before this pass, and y, iota and H (the
-  /// residual before the inject) come from kernels before that one. The pass then reads them and
-  /// computes H' = H + iota[s] * y (the same bits) and its whole output BEFORE the
-  /// programmatic-dependent wait, releases the mix behind it at once (it reads only weights
-  /// before its own wait) and waits last (cuda/pdl.cuh): the inject kernel is the window in which
-  /// the pass runs. false (default): the pass reads H after the wait.
-  bool inject_before_wait = false;
   /// true: each block stages its 16 rows x 1280 columns of W (and the norm weight) in shared
   /// memory with cp.async before the PDL wait (~43 KB, few registers, so the grid and the mix
   /// behind it are resident while the previous kernel drains); false: the previous kernel that

@@ -2,14 +2,12 @@
 // with the programmatic-stream-serialization attribute when fn::pdl_enabled() and the device is
 // sm_90+, and the device helpers every such kernel calls. Included by .cu files only.
 // Contract of a kernel launched through launch_pdl (it may start while its predecessor in the
-// stream still runs): every thread calls dev::pdl_wait() before it exits, and before it reads
-// anything its predecessor wrote or writes anything its predecessor reads or writes; before the
-// wait it reads weights (data no kernel of the stream writes), prefetches into L2 (always
-// memory-safe), or reads through L2 (ld.global.cg) what a kernel at least two launches back wrote
-// (complete: see the next rule), and writes only what no kernel still running can touch; it calls
-// dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel never runs ahead of
-// more than one unfinished predecessor -- except where its successor reads nothing but weights
-// before its own wait (the HC down pass before the mix, HcDownParams::inject_before_wait).
+// stream still runs): every thread calls dev::pdl_wait() before it reads anything an earlier
+// kernel wrote, writes anything an earlier kernel reads, or exits; before the wait it only reads
+// weights (data no kernel of the stream writes), prefetches into L2 (always memory-safe), or reads
+// through L2 (ld.global.cg) what a kernel at least two launches back wrote (complete: see the
+// next rule); it calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel
+// never runs ahead of more than one unfinished predecessor.
 #pragma once
 
 #include <cuda_runtime.h>

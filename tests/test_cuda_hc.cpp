@@ -292,53 +292,6 @@ TEST_CASE(
                     c.groups, "x", D, " staged ", staged);
       CHECK_MESSAGE(std::memcmp(dss.download().data(), ssref.data(), splits * 4) == 0, "sumsq ",
                     c.groups, "x", D, " staged ", staged);
-
-      // The decode step's order with the inject launched on its own (inject_before_wait): a
-      // kernel writes y (an inject of iota 0 into y: the same values), the out-of-place inject
-      // writes H', then the pass reads H, iota and y before its wait: the same bits again.
-      DeviceArray<float> dH2(H), dHnew(W), dy2(y), dzero(std::vector<float>{0.0f}), dt2(splits * R),
-          dss2(splits);
-      FN_CUDA_CHECK(cudaMemset(dHnew.ptr, 0xff, W * 4));
-      cudaStream_t st;
-      FN_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      fn::HcInjectParams wy;
-      wy.H = dy2.ptr;
-      wy.iota = dzero.ptr;
-      wy.y = dy.ptr;
-      wy.hc_count = 1;
-      wy.hidden = D;
-      fn::launch_hc_inject(wy, st);
-      fn::HcInjectParams oop = hi;
-      oop.H = dH2.ptr;
-      oop.H_out = dHnew.ptr;
-      oop.y = dy2.ptr;
-      fn::launch_hc_inject(oop, st);
-      fn::HcDownParams e = p;
-      e.H = dH2.ptr;
-      e.t_partial = dt2.ptr;
-      e.sumsq = dss2.ptr;
-      e.inject_iota = diota.ptr;
-      e.inject_y = dy2.ptr;
-      e.inject_before_wait = true;
-      e.staged = staged;
-      fn::launch_hc_down(e, st);
-      FN_CUDA_CHECK(cudaStreamSynchronize(st));
-      FN_CUDA_CHECK(cudaStreamDestroy(st));
-      CHECK_MESSAGE(std::memcmp(dHnew.download().data(), Href.data(), W * 4) == 0,
-                    "out-of-place inject ", c.groups, "x", D);
-      CHECK_MESSAGE(std::memcmp(dH2.download().data(), H.data(), W * 4) == 0,
-                    "H untouched by the out-of-place inject ", c.groups, "x", D);
-      CHECK_MESSAGE(std::memcmp(dt2.download().data(), tref.data(), splits * R * 4) == 0,
-                    "t before the wait ", c.groups, "x", D, " staged ", staged);
-      CHECK_MESSAGE(std::memcmp(dss2.download().data(), ssref.data(), splits * 4) == 0,
-                    "sumsq before the wait ", c.groups, "x", D, " staged ", staged);
-      // inject_before_wait with H_out, or without the inject operands, is refused.
-      fn::HcDownParams bad_e = e;
-      bad_e.H_out = dHout.ptr;
-      CHECK_THROWS_AS(fn::launch_hc_down(bad_e, nullptr), fn::Error);
-      bad_e = p;
-      bad_e.inject_before_wait = true;
-      CHECK_THROWS_AS(fn::launch_hc_down(bad_e, nullptr), fn::Error);
     }
     // Half-given inject operands and H_out aliasing H are refused.
     fn::HcDownParams bad = p;

@@ -7,9 +7,8 @@
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
-//     [--fold-inject -1|0|1] [--hc-down-early 0|1] [--json FILE]  (--unfused:
-//     CudaModelOptions::fused_step = false, every launch separate; --hc-down-early:
-//     CudaModelOptions::hc_down_early)
+//     [--fold-inject -1|0|1] [--json FILE]  (--unfused: CudaModelOptions::fused_step = false, every
+//     launch separate)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -41,7 +40,7 @@ constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (perform
 int run(int argc, char** argv, fn::MpiContext& mpi) {
   std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
   int64_t depth = 8192, tokens = 128, warmup = 16;
-  bool graph = true, fused = true, hc_early = true;
+  bool graph = true, fused = true;
   int fold = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -67,8 +66,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       fused = false;
     else if (a == "--fold-inject")  // CudaModelOptions::fold_hc_inject: -1 auto, 0 never, 1 always
       fold = std::stoi(next());
-    else if (a == "--hc-down-early")  // CudaModelOptions::hc_down_early (A/B)
-      hc_early = std::stoi(next()) != 0;
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }
@@ -89,7 +86,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.use_graph = graph;
   o.fused_step = fused;
   o.fold_hc_inject = fold;
-  o.hc_down_early = hc_early;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();

@@ -8,7 +8,7 @@
 # scripts/gpu/fuse_run.sh   (FN_TOKENS: bench tokens, 64; FN_SKIP_TEST=1: bench only;
 # FN_KBENCH="--nvfp4-only": also cuda_kernel_bench with these flags; FN_EXTRA_AB=0: skip the
 # session-5 A/B rows at the end; FN_MODES: the bench modes, default
-# "fused unfused"; also early0 (--hc-down-early 0), nofold (--fold-inject 0), nofold_early0)
+# "fused unfused")
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/fuse-out}
@@ -65,9 +65,6 @@ for np in 1 2; do
   for mode in ${FN_MODES:-fused unfused}; do
     flag=
     [ "$mode" = unfused ] && flag=--unfused
-    [ "$mode" = early0 ] && flag="--hc-down-early 0"
-    [ "$mode" = nofold ] && flag="--fold-inject 0"
-    [ "$mode" = nofold_early0 ] && flag="--fold-inject 0 --hc-down-early 0"
     t=$SECONDS
     timeout 200 $mpi -np "$np" "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json \
       --depth 8192 --tokens "$tokens" $flag --json "$out/bench_tp${np}_$mode.json" \

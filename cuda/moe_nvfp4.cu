@@ -29,10 +29,13 @@
 // sums and scale multiplies round, in the order above.
 #include "cuda/moe_nvfp4.h"
 
+#include <algorithm>
+
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "comm/cuda_check.h"
+#include "core/error.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/nvfp4_bits.h"
@@ -226,6 +229,12 @@ struct GateUpArgs {
   float* gate_up_out;
   int team_log2;
   int tiles_per_j;  // tensor-core path: ceil(I / 8) tiles of 8 row pairs per selected expert
+  // Stream-K path (moe_gate_up_stream_kernel): chunks of 4 units per tile, warps of the wave,
+  // and the workspace: [stream_warps + tiles][16] FP32 partials, [tiles] int counters (zero).
+  int chunks_per_tile;
+  int stream_warps;
+  float* partials;
+  int* counters;
 };
 
 // One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j]. Lane l of
@@ -691,6 +700,160 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
   a.y[dr] = a.accumulate ? a.y[dr] + y : y;
 }
 
+// ---- Stream-K tensor-core gate+up (MoeGateUpParams::mma with a workspace) ----------------------
+//
+// The round-based kernels above give each warp (or team) whole tiles: at the real shapes the
+// tiles do not divide evenly among the SMs (TP=1: 800 tiles of 20 chunks for 132 SMs), so some
+// SMs stream twice the bytes of others, and each lane issues its loads, waits a full DRAM round
+// trip, computes, and only then loads again. Here one wave of warps splits the flattened sequence
+// of (tile, chunk) work items, C = tiles * chunks_per_tile, into W equal contiguous ranges
+// (warp w: [w C / W, (w + 1) C / W)), so every SM streams the same bytes; a warp keeps
+// kStreamDepth chunks in flight in registers (a ring: the chunk after the one it just used is
+// loaded at once), so loads and MMAs overlap. The per-chunk math is the tensor-core kernel's
+// (mma_word on the same staged activation, the same lut). A warp's MMA chain restarts at every
+// tile it enters; where a tile spans several warps (first_warp(tile) .. last_warp(tile)), each
+// writes its partial sums (8 gate + 8 up rows) to the workspace slot w + tile, then counts itself
+// in on the tile's counter; the warp that counts last sums the partials in increasing warp order
+// (deterministic whoever is last), finishes the tile (global scales, SwiGLU, BF16) and resets the
+// counter to zero for the next launch. Summation: per warp its MMA chain over its chunks of the
+// tile in increasing order, then the warps in increasing order, then * 2^26 and * the global
+// scale: bitwise reproducible for a given SM count (W depends on it).
+constexpr int kStreamDepth = 4;
+constexpr int kStreamMinBlocks = 2;
+
+// First and last warp of the W equal ranges over C items that hold item c.
+__device__ __forceinline__ int64_t stream_warp_of(int64_t c, int64_t warps, int64_t items) {
+  return ((c + 1) * warps - 1) / items;
+}
+
+__global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
+    moe_gate_up_stream_kernel(GateUpArgs a) {
+  extern __shared__ float4 smem4[];
+  uint32_t* lut = reinterpret_cast<uint32_t*>(smem4);
+  uint8_t* stage = reinterpret_cast<uint8_t*>(smem4) + kLutBytes;
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
+  using U = Unit<false>;
+  using S = MmaStage<false>;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * (kBlockThreads / 32) + (threadIdx.x >> 5);
+  const int cpt = a.chunks_per_tile;
+  const int64_t items = static_cast<int64_t>(a.top_k) * a.tiles_per_j * cpt;
+  const int64_t nw = a.stream_warps;
+  const int64_t c0 = w < nw ? w * items / nw : items;
+  const int64_t c1 = w < nw ? (w + 1) * items / nw : items;
+
+  struct Chunk {
+    uint4 wg, wu;
+    uint32_t sg, su;
+  };
+  // Lane (g, t) of chunk c: row g of the chunk's tile, unit 4 (c mod cpt) + t of the gate and
+  // the up row (zeros where the id, the row or the unit is out of range).
+  const auto load = [&](int64_t c, Chunk& k) {
+    const int tile = static_cast<int>(c / cpt);
+    const int u = 4 * static_cast<int>(c - static_cast<int64_t>(tile) * cpt) + t;
+    const int j = tile / a.tiles_per_j;
+    const int i = (tile - j * a.tiles_per_j) * 8 + g;
+    const int e = __ldg(a.ids + j);
+    const bool live = e >= 0 && e < a.num_experts && i < a.inter && u < a.nvec;
+    const int64_t row = live ? static_cast<int64_t>(e) * 2 * a.inter + i : 0;
+    const uint8_t* wg = a.packed + row * (a.k / 2);
+    const uint8_t* sg = a.scales + row * (a.k / 16);
+    k.wg = live ? U::codes(wg, u) : make_uint4(0, 0, 0, 0);
+    k.wu =
+        live ? U::codes(wg + static_cast<int64_t>(a.inter) * (a.k / 2), u) : make_uint4(0, 0, 0, 0);
+    k.sg = live ? U::scales(sg, u) : 0u;
+    k.su = live ? U::scales(sg + static_cast<int64_t>(a.inter) * (a.k / 16), u) : 0u;
+  };
+  Chunk buf[kStreamDepth];
+#pragma unroll
+  for (int q = 0; q < kStreamDepth; ++q)
+    if (c0 + q < c1) load(c0 + q, buf[q]);
+  lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+  S::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K = 2560: one batch
+  __syncthreads();
+  if (c0 >= c1) return;  // warp-uniform; no barrier below
+
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  // Finishes this warp's share of `tile`: lanes (0, t) hold rows 2t, 2t + 1 of the gate chain
+  // (acc[0][0..1]) and of the up chain (acc[1][0..1]).
+  const auto finish = [&](int tile) {
+    const int64_t first = stream_warp_of(static_cast<int64_t>(tile) * cpt, nw, items);
+    const int64_t last = stream_warp_of(static_cast<int64_t>(tile) * cpt + cpt - 1, nw, items);
+    float4 v = make_float4(acc[0][0], acc[0][1], acc[1][0], acc[1][1]);
+    if (first != last) {
+      float4* part = reinterpret_cast<float4*>(a.partials);
+      if (g == 0) __stcg(part + (w + tile) * 4 + t, v);
+      __threadfence();
+      __syncwarp();
+      int old = 0;
+      if (lane == 0) old = atomicAdd(a.counters + tile, 1);
+      old = __shfl_sync(0xffffffffu, old, 0);
+      if (old != last - first) return;  // another warp finishes the tile
+      __threadfence();
+      if (g == 0) {
+        v = __ldcg(part + (first + tile) * 4 + t);
+        for (int64_t k = first + 1; k <= last; ++k) {
+          const float4 p = __ldcg(part + (k + tile) * 4 + t);
+          v.x += p.x;
+          v.y += p.y;
+          v.z += p.z;
+          v.w += p.w;
+        }
+      }
+      if (lane == 0) a.counters[tile] = 0;  // ready for the next launch
+    }
+    if (g != 0) return;
+    const int j = tile / a.tiles_per_j;
+    const int e = __ldg(a.ids + j);
+    const bool ok = e >= 0 && e < a.num_experts;
+    const float gs_g = ok ? __ldg(a.global_scale + 2 * e) : 0.0f;
+    const float gs_u = ok ? __ldg(a.global_scale + 2 * e + 1) : 0.0f;
+    const float sums[2][2] = {{v.x, v.z}, {v.y, v.w}};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = (tile - j * a.tiles_per_j) * 8 + 2 * t + r;
+      if (i >= a.inter) continue;
+      const float gv = ok ? sums[r][0] * kMmaUnscale * gs_g : 0.0f;
+      const float uv = ok ? sums[r][1] * kMmaUnscale * gs_u : 0.0f;
+      a.h[static_cast<int64_t>(j) * a.inter + i] =
+          dev::float_to_bf16_bits(ok ? dev::silu(gv) * uv : 0.0f);
+      if (a.gate_up_out != nullptr) {
+        a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + i] = gv;
+        a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + i] = uv;
+      }
+    }
+  };
+
+  int tile = static_cast<int>(c0 / cpt);
+  for (int64_t base = c0; base < c1; base += kStreamDepth) {
+#pragma unroll
+    for (int q = 0; q < kStreamDepth; ++q) {
+      const int64_t c = base + q;
+      if (c >= c1) break;  // warp-uniform
+      const int ct = static_cast<int>(c / cpt);
+      if (ct != tile) {
+        finish(tile);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[0][r] = acc[1][r] = 0.0f;
+        tile = ct;
+      }
+      const int u = 4 * static_cast<int>(c - static_cast<int64_t>(ct) * cpt) + t;
+      const bool uv = u < a.nvec;
+#pragma unroll
+      for (int wi = 0; wi < U::kCodes / 8; ++wi) {
+        const uint4 xw = uv ? S::word(stage, u, wi) : make_uint4(0, 0, 0, 0);
+        const int sh = 8 * (wi / 2);
+        mma_word(word_of(buf[q].wg, wi), lut[(buf[q].sg >> sh) & 0xffu], xw, acc[0]);
+        mma_word(word_of(buf[q].wu, wi), lut[(buf[q].su >> sh) & 0xffu], xw, acc[1]);
+      }
+      if (c + kStreamDepth < c1) load(c + kStreamDepth, buf[q]);
+    }
+  }
+  finish(tile);
+}
+
 // Tensor-core plan: the fewest warps per tile (1..8) that take all of a warp's chunks in two rounds
 // (the second prefetched into L2 at the start), doubled while the doubled grid still fits in one
 // wave of min_blocks blocks per SM and the warps keep more than one chunk on average. Returns
@@ -717,6 +880,19 @@ int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count, i
          work_vectors >= 4 * static_cast<int64_t>(team))
     team *= 2;
   return team;
+}
+
+// Stream-K: warps of one wave (kStreamMinBlocks resident blocks per SM) and the workspace of a
+// launch with `tiles` tiles: [wave + tiles][16] FP32 partial slots, then [tiles] int counters.
+int64_t stream_wave_warps(int sm_count) {
+  return static_cast<int64_t>(sm_count > 0 ? sm_count : 1) * kStreamMinBlocks *
+         (kBlockThreads / 32);
+}
+int64_t stream_partial_bytes(int64_t wave, int64_t tiles) {
+  return (wave + tiles) * 16 * 4;
+}
+int64_t stream_workspace_bytes(int64_t wave, int64_t tiles) {
+  return stream_partial_bytes(wave, tiles) + (tiles * 4 + 15) / 16 * 16;
 }
 
 bool aligned(const void* p, uintptr_t n) {
@@ -759,6 +935,14 @@ int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_c
                    kDownUnits, sm_count, kDownMinBlocks);
 }
 
+size_t moe_gate_up_workspace_bytes(int top_k, int64_t intermediate, int sm_count) {
+  FN_CHECK(top_k >= 1 && intermediate >= 1 && sm_count >= 1,
+           "moe_gate_up_workspace_bytes: top_k {}, intermediate {}, sm_count {}", top_k,
+           intermediate, sm_count);
+  return static_cast<size_t>(
+      stream_workspace_bytes(stream_wave_warps(sm_count), top_k * ((intermediate + 7) / 8)));
+}
+
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
   check_experts(p.experts, kOp);
@@ -790,6 +974,26 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
+  if (p.mma && p.workspace != nullptr && !narrow) {  // stream-K
+    a.tiles_per_j = static_cast<int>((inter + 7) / 8);
+    a.chunks_per_tile = static_cast<int>((a.nvec + 3) / 4);
+    const int64_t tiles = static_cast<int64_t>(p.top_k) * a.tiles_per_j;
+    const int64_t items = tiles * a.chunks_per_tile;
+    const int64_t wave = stream_wave_warps(detail::current_sm_count());
+    a.stream_warps = static_cast<int>(std::min(wave, items));
+    FN_LAUNCH_REQUIRE(p.workspace_bytes >= stream_workspace_bytes(wave, tiles), kOp);
+    FN_LAUNCH_REQUIRE(aligned(p.workspace, 16), kOp);
+    a.partials = static_cast<float*>(p.workspace);
+    a.counters =
+        reinterpret_cast<int*>(static_cast<char*>(p.workspace) + stream_partial_bytes(wave, tiles));
+    const unsigned sblocks =
+        static_cast<unsigned>((a.stream_warps + kBlockThreads / 32 - 1) / (kBlockThreads / 32));
+    const size_t ssmem = kLutBytes + static_cast<size_t>(MmaStage<false>::bytes(p.experts.cols));
+    launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel, sblocks, kBlockThreads,
+               ssmem, stream, a);
+    FN_CUDA_LAUNCH_CHECK("moe_gate_up_stream_kernel");
+    return;
+  }
   if (p.mma) {
     a.team_log2 = __builtin_ctz(static_cast<unsigned>(team / 32));
     a.tiles_per_j = static_cast<int>((inter + 7) / 8);

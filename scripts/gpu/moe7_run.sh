@@ -31,7 +31,7 @@ if [ "${FN_SKIP_TEST:-0}" != 1 ]; then
   echo "== memcheck rc=$? ($((SECONDS - t)) s)"
   tail -n 3 "$out/moe.memcheck.log" | cut -c1-200
   t=$SECONDS
-  timeout 200 "$b/tests/test_cuda_model" >"$out/model_np1.log" 2>&1
+  timeout 200 $mpi -np 1 "$b/tests/test_cuda_model" >"$out/model_np1.log" 2>&1
   echo "== test_cuda_model np 1 rc=$? ($((SECONDS - t)) s)"
   grep -E "ERROR|test cases|assertions|THREW" "$out/model_np1.log" | sort -u | cut -c1-300 | head -12
 fi
@@ -44,7 +44,7 @@ for sk in ${FN_AB:-0 1 0 1}; do
   n=$((n + 1))
   t=$SECONDS
   # shellcheck disable=SC2086
-  timeout 150 "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json --depth 8192 \
+  timeout 150 $mpi -np 1 "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json --depth 8192 \
     --tokens "$tokens" --moe-stream-k "$sk" ${FN_BENCH_ARGS:-} --json "$out/bench_${n}_sk${sk}.json" \
     >"$out/bench_${n}_sk$sk.txt" 2>&1
   echo "== bench TP=1 stream-k $sk rc=$? ($((SECONDS - t)) s)"

@@ -739,72 +739,63 @@ __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * (kBlockThreads / 32) + (threadIdx.x >> 5);
   const int cpt = a.chunks_per_tile;
-  const int64_t items = static_cast<int64_t>(a.top_k) * a.tiles_per_j * cpt;
+  const int tiles = a.top_k * a.tiles_per_j;
+  const int64_t items = static_cast<int64_t>(tiles) * cpt;
   const int64_t nw = a.stream_warps;
   const int64_t c0 = w < nw ? w * items / nw : items;
   const int64_t c1 = w < nw ? (w + 1) * items / nw : items;
+  const int n = static_cast<int>(c1 - c0);  // chunks of this warp (<= items / nw + 1)
+  const int tile0 = static_cast<int>(c0 / cpt), cc0 = static_cast<int>(c0 - int64_t{tile0} * cpt);
 
+  // The load cursor walks the warp's chunks in order without divides: lane (g, t) reads row g of
+  // the cursor's tile, unit 4 cc + t of its gate and up rows (zeros where the id, the row or the
+  // unit is out of range).
+  int lt = tile0, lcc = cc0;
+  bool lrow_ok = false;
+  const uint8_t* lw = a.packed;
+  const uint8_t* ls = a.scales;
+  const auto seek = [&](int tile) {
+    const int j = tile / a.tiles_per_j;
+    const int i = (tile - j * a.tiles_per_j) * 8 + g;
+    const int e = __ldg(a.ids + j);
+    lrow_ok = e >= 0 && e < a.num_experts && i < a.inter;
+    const int64_t row = lrow_ok ? static_cast<int64_t>(e) * 2 * a.inter + i : 0;
+    lw = a.packed + row * (a.k / 2);
+    ls = a.scales + row * (a.k / 16);
+  };
   struct Chunk {
     uint4 wg, wu;
     uint32_t sg, su;
   };
-  // Lane (g, t) of chunk c: row g of the chunk's tile, unit 4 (c mod cpt) + t of the gate and
-  // the up row (zeros where the id, the row or the unit is out of range).
-  const auto load = [&](int64_t c, Chunk& k) {
-    const int tile = static_cast<int>(c / cpt);
-    const int u = 4 * static_cast<int>(c - static_cast<int64_t>(tile) * cpt) + t;
-    const int j = tile / a.tiles_per_j;
-    const int i = (tile - j * a.tiles_per_j) * 8 + g;
-    const int e = __ldg(a.ids + j);
-    const bool live = e >= 0 && e < a.num_experts && i < a.inter && u < a.nvec;
-    const int64_t row = live ? static_cast<int64_t>(e) * 2 * a.inter + i : 0;
-    const uint8_t* wg = a.packed + row * (a.k / 2);
-    const uint8_t* sg = a.scales + row * (a.k / 16);
-    k.wg = live ? U::codes(wg, u) : make_uint4(0, 0, 0, 0);
-    k.wu =
-        live ? U::codes(wg + static_cast<int64_t>(a.inter) * (a.k / 2), u) : make_uint4(0, 0, 0, 0);
-    k.sg = live ? U::scales(sg, u) : 0u;
-    k.su = live ? U::scales(sg + static_cast<int64_t>(a.inter) * (a.k / 16), u) : 0u;
+  const int64_t up_codes = static_cast<int64_t>(a.inter) * (a.k / 2);
+  const int64_t up_scales = static_cast<int64_t>(a.inter) * (a.k / 16);
+  const auto load_next = [&](Chunk& k) {
+    const int u = 4 * lcc + t;
+    const bool live = lrow_ok && u < a.nvec;
+    k.wg = live ? U::codes(lw, u) : make_uint4(0, 0, 0, 0);
+    k.wu = live ? U::codes(lw + up_codes, u) : make_uint4(0, 0, 0, 0);
+    k.sg = live ? U::scales(ls, u) : 0u;
+    k.su = live ? U::scales(ls + up_scales, u) : 0u;
+    if (++lcc == cpt) {
+      lcc = 0;
+      if (++lt < tiles) seek(lt);
+    }
   };
   Chunk buf[kStreamDepth];
+  if (n > 0) {
+    seek(tile0);
 #pragma unroll
-  for (int q = 0; q < kStreamDepth; ++q)
-    if (c0 + q < c1) load(c0 + q, buf[q]);
+    for (int q = 0; q < kStreamDepth; ++q)
+      if (q < n) load_next(buf[q]);
+  }
   lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
   S::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K = 2560: one batch
   __syncthreads();
-  if (c0 >= c1) return;  // warp-uniform; no barrier below
+  if (n <= 0) return;  // warp-uniform; no barrier below
 
-  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-  // Finishes this warp's share of `tile`: lanes (0, t) hold rows 2t, 2t + 1 of the gate chain
-  // (acc[0][0..1]) and of the up chain (acc[1][0..1]).
-  const auto finish = [&](int tile) {
-    const int64_t first = stream_warp_of(static_cast<int64_t>(tile) * cpt, nw, items);
-    const int64_t last = stream_warp_of(static_cast<int64_t>(tile) * cpt + cpt - 1, nw, items);
-    float4 v = make_float4(acc[0][0], acc[0][1], acc[1][0], acc[1][1]);
-    if (first != last) {
-      float4* part = reinterpret_cast<float4*>(a.partials);
-      if (g == 0) __stcg(part + (w + tile) * 4 + t, v);
-      __threadfence();
-      __syncwarp();
-      int old = 0;
-      if (lane == 0) old = atomicAdd(a.counters + tile, 1);
-      old = __shfl_sync(0xffffffffu, old, 0);
-      if (old != last - first) return;  // another warp finishes the tile
-      __threadfence();
-      if (g == 0) {
-        v = __ldcg(part + (first + tile) * 4 + t);
-        for (int64_t k = first + 1; k <= last; ++k) {
-          const float4 p = __ldcg(part + (k + tile) * 4 + t);
-          v.x += p.x;
-          v.y += p.y;
-          v.z += p.z;
-          v.w += p.w;
-        }
-      }
-      if (lane == 0) a.counters[tile] = 0;  // ready for the next launch
-    }
-    if (g != 0) return;
+  // Epilogue of a tile from its sums v = (gate row 2t, gate row 2t + 1, up row 2t, up 2t + 1),
+  // lanes (0, t).
+  const auto finish = [&](int tile, float4 v) {
     const int j = tile / a.tiles_per_j;
     const int e = __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
@@ -826,20 +817,18 @@ __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
     }
   };
 
-  int tile = static_cast<int>(c0 / cpt);
-  for (int64_t base = c0; base < c1; base += kStreamDepth) {
+  // Compute: MMA chains restart at every tile; a tile inside [c0, c1) is finished at once; the
+  // first tile when it began before c0 (head) and the last when it ends after c1 (tail) are
+  // shared with neighbouring warps and published at the end, when no load is in flight.
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  float4 head = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const bool has_head = cc0 != 0;
+  int ct = tile0, ccc = cc0;
+  for (int base = 0; base < n; base += kStreamDepth) {
 #pragma unroll
     for (int q = 0; q < kStreamDepth; ++q) {
-      const int64_t c = base + q;
-      if (c >= c1) break;  // warp-uniform
-      const int ct = static_cast<int>(c / cpt);
-      if (ct != tile) {
-        finish(tile);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[0][r] = acc[1][r] = 0.0f;
-        tile = ct;
-      }
-      const int u = 4 * static_cast<int>(c - static_cast<int64_t>(ct) * cpt) + t;
+      if (base + q >= n) break;  // warp-uniform
+      const int u = 4 * ccc + t;
       const bool uv = u < a.nvec;
 #pragma unroll
       for (int wi = 0; wi < U::kCodes / 8; ++wi) {
@@ -848,10 +837,73 @@ __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
         mma_word(word_of(buf[q].wg, wi), lut[(buf[q].sg >> sh) & 0xffu], xw, acc[0]);
         mma_word(word_of(buf[q].wu, wi), lut[(buf[q].su >> sh) & 0xffu], xw, acc[1]);
       }
-      if (c + kStreamDepth < c1) load(c + kStreamDepth, buf[q]);
+      if (base + q + kStreamDepth < n) load_next(buf[q]);
+      if (++ccc == cpt && base + q + 1 < n) {  // a tile ends before the warp's last chunk
+        const float4 v = make_float4(acc[0][0], acc[0][1], acc[1][0], acc[1][1]);
+        if (ct == tile0 && has_head)
+          head = v;
+        else if (g == 0)
+          finish(ct, v);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[0][r] = acc[1][r] = 0.0f;
+        ++ct;
+        ccc = 0;
+      }
     }
   }
-  finish(tile);
+  // Publish: the head (if any) and the tile in progress (ct), unless ct is whole here.
+  const bool tail_shared = ccc != cpt || (ct == tile0 && has_head);
+  const bool head_apart = has_head && ct != tile0;
+  const float4 tail = make_float4(acc[0][0], acc[0][1], acc[1][0], acc[1][1]);
+  if (!tail_shared && !head_apart) {
+    if (g == 0) finish(ct, tail);
+    return;
+  }
+  float4* part = reinterpret_cast<float4*>(a.partials);
+  if (g == 0) {
+    if (head_apart) __stcg(part + (w + tile0) * 4 + t, head);
+    if (tail_shared) __stcg(part + (w + ct) * 4 + t, tail);
+  }
+  if (!tail_shared && g == 0) finish(ct, tail);
+  __threadfence();
+  __syncwarp();
+  for (int s = 0; s < 2; ++s) {
+    const bool shared = s == 0 ? head_apart : tail_shared;
+    if (!shared) continue;  // warp-uniform
+    const int tile = s == 0 ? tile0 : ct;
+    const int64_t first = stream_warp_of(static_cast<int64_t>(tile) * cpt, nw, items);
+    const int64_t last = stream_warp_of(static_cast<int64_t>(tile) * cpt + cpt - 1, nw, items);
+    int old = 0;
+    if (lane == 0) old = atomicAdd(a.counters + tile, 1);
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old != last - first) continue;  // another warp finishes the tile
+    __threadfence();
+    // The partials in increasing warp order; 8 warps' at a time, one per lane group g.
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int64_t k0 = first; k0 <= last; k0 += 8) {
+      const int64_t k = k0 + g;
+      const float4 p =
+          k <= last ? __ldcg(part + (k + tile) * 4 + t) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int gg = 0; gg < 8; ++gg) {
+        const float px = __shfl_sync(0xffffffffu, p.x, 4 * gg + t);
+        const float py = __shfl_sync(0xffffffffu, p.y, 4 * gg + t);
+        const float pz = __shfl_sync(0xffffffffu, p.z, 4 * gg + t);
+        const float pw = __shfl_sync(0xffffffffu, p.w, 4 * gg + t);
+        if (k0 + gg > last) break;  // warp-uniform
+        if (k0 + gg == first) {
+          v = make_float4(px, py, pz, pw);
+        } else {
+          v.x += px;
+          v.y += py;
+          v.z += pz;
+          v.w += pw;
+        }
+      }
+    }
+    if (g == 0) finish(tile, v);
+    if (lane == 0) a.counters[tile] = 0;  // ready for the next launch
+  }
 }
 
 // Tensor-core plan: the fewest warps per tile (1..8) that take all of a warp's chunks in two rounds

@@ -44,7 +44,8 @@ constexpr int kScanMaxSmem = 48 * 1024;  // dynamic shared memory without an opt
 
 using dev::sigmoid2;
 
-// ---- cp.async (sm_80+) ----
+// ---- cp.async (sm_80+; below, plain loads and shared stores: a copy that lands at once) ----
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -60,6 +61,18 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+#else
+// Through L2 (as .cg): v is overwritten by o in this kernel, so no non-coherent load.
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+  *reinterpret_cast<float4*>(smem) = __ldcg(reinterpret_cast<const float4*>(gmem));
+}
+__device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
+  *smem = *gmem;
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+#endif
 
 // The workspace sections (byte offsets, each 256-byte aligned).
 struct Layout {

@@ -44,6 +44,31 @@ __device__ __forceinline__ uint32_t logit_code(float l) {
   return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
 }
 
+// Max / min of v over the 32 lanes of a full warp: redux.sync on sm_80+, a butterfly of shuffles
+// below (the same value in every lane).
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+#endif
+}
+__device__ __forceinline__ uint32_t warp_min_u32(uint32_t v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(0xffffffffu, v);
+#else
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o < v ? o : v;
+  }
+  return v;
+#endif
+}
+
 // The float of a code >= 2 (a non-NaN logit).
 __device__ __forceinline__ float code_logit(uint32_t c) {
   return __uint_as_float((c & 0x80000000u) != 0u ? (c & 0x7fffffffu) : ~c);
@@ -121,7 +146,7 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
 #pragma unroll 1
     for (int j = 0; j < r; ++j) {
       const uint32_t c = c0 > c1 ? c0 : c1;
-      const uint32_t m = __reduce_max_sync(0xffffffffu, c);
+      const uint32_t m = warp_max_u32(c);
       if (j == 0 && lane == 0) s_wmax[warp] = m;
       if (lane == __ffs(__ballot_sync(0xffffffffu, c == m)) - 1) {
         const bool first = c0 == m;
@@ -183,7 +208,7 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
       vb_bits = b < vb_bits ? b : vb_bits;  // terms >= +0: bit order is float order
     }
   }
-  const float vb = __uint_as_float(__reduce_min_sync(0xffffffffu, vb_bits));
+  const float vb = __uint_as_float(warp_min_u32(vb_bits));
   const float thr = fmaf(vb, -0x1p-16f, vb) - 0x1p-120f;
   const bool cand0 = has0 && (nan_terms ? e0 < k : v0 >= thr);
   const bool cand1 = has1 && (nan_terms ? e1 < k : v1 >= thr);

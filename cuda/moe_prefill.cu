@@ -637,11 +637,20 @@ __global__ void __launch_bounds__(kFThreads, 2) fused_expert_kernel(const FusedA
     }
   };
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+#else
+  // Below sm_80 (no BF16 wmma): the warp's 32 x 32 block by FP32 FMA, k ascending; lane l holds
+  // column wn * 32 + l of rows wm * 32 + r (the products are exact, as on the tensor cores).
+  float accf[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) accf[r] = 0.0f;
+  const int lane = tid & 31;
+#endif
   // Row fragments wholly past the tile's rows are skipped (warp-uniform).
   const bool mrow[2] = {wm * 32 < nrows, wm * 32 + 16 < nrows};
 
@@ -651,6 +660,7 @@ __global__ void __launch_bounds__(kFThreads, 2) fused_expert_kernel(const FusedA
   for (int kt = 0; kt < nk; ++kt) {
     const int buf = kt & 1;
     if (kt + 1 < nk) load(kt + 1);
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     const __nv_bfloat16* as = reinterpret_cast<const __nv_bfloat16*>(sbuf + buf * kFStage);
     const __nv_bfloat16* bs = as + kFBm * kFLd;
     if (mrow[0]) {
@@ -670,17 +680,35 @@ __global__ void __launch_bounds__(kFThreads, 2) fused_expert_kernel(const FusedA
         }
       }
     }
+#else
+    if (mrow[0]) {
+      const uint16_t* as = sbuf + buf * kFStage + (wm * 32) * kFLd;
+      const uint16_t* bs = sbuf + buf * kFStage + kFBm * kFLd + (wn * 32 + lane) * kFLd;
+#pragma unroll 4
+      for (int k = 0; k < kFBk; ++k) {
+        const float b = __uint_as_float(static_cast<uint32_t>(bs[k]) << 16);
+#pragma unroll
+        for (int r = 0; r < 32; ++r)
+          accf[r] = fmaf(__uint_as_float(static_cast<uint32_t>(as[r * kFLd + k]) << 16), b, accf[r]);
+      }
+    }
+#endif
     if (kt + 1 < nk) store(buf ^ 1);
     __syncthreads();
   }
 
   float* cs = reinterpret_cast<float*>(smem_raw);
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       wmma::store_matrix_sync(cs + (wm * 32 + i * 16) * kFLdc + wn * 32 + j * 16, acc[i][j], kFLdc,
                               wmma::mem_row_major);
+#else
+#pragma unroll
+  for (int r = 0; r < 32; ++r) cs[(wm * 32 + r) * kFLdc + wn * 32 + lane] = accf[r];
+#endif
   __syncthreads();
   if (kGateUp) {
     const int64_t inter = args.feats;

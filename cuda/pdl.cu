@@ -8,6 +8,11 @@
 namespace fn {
 namespace {
 std::atomic<int> g_pdl{-1};  // -1: not decided yet; 0 off; 1 on
+
+// Compiled as every kernel of the build (FN_CUDA_ARCHS): its PTX version says whether the code the
+// device runs has the griddepcontrol instructions (sm_90+ code; a 75 or 80 build JIT-compiled or
+// run on an sm_90 device has none, so its kernels must not be launched as programmatic dependents).
+__global__ void pdl_probe_kernel() {}
 }  // namespace
 
 void set_pdl_enabled(bool enabled) {
@@ -37,7 +42,12 @@ bool current_device_has_pdl() {
   if (v == 0) {
     int major = 0;
     FN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    v = major >= 9 ? 2 : 1;
+    v = 1;
+    if (major >= 9) {
+      cudaFuncAttributes attr = {};
+      FN_CUDA_CHECK(cudaFuncGetAttributes(&attr, pdl_probe_kernel));
+      v = attr.ptxVersion >= 90 ? 2 : 1;
+    }
     cache[device].store(v, std::memory_order_relaxed);
   }
   return v == 2;

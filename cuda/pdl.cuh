@@ -21,9 +21,10 @@
 namespace fn {
 
 namespace detail {
-/// Whether the current device runs programmatic dependent launches (compute capability >= 9),
-/// cached per device (no attribute query during capture after the first call). Throws
-/// fn::Error(Cuda) when the query fails.
+/// Whether the current device runs programmatic dependent launches (compute capability >= 9, and
+/// the build's device code is sm_90+ code, which has the PDL waits), cached per device (no
+/// attribute query during capture after the first call). Throws fn::Error(Cuda) when the query
+/// fails.
 bool current_device_has_pdl();
 }  // namespace detail
 

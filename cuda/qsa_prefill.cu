@@ -359,6 +359,7 @@ __global__ void __launch_bounds__(kQsaThreads) prefill_combine_kernel(PArgs a) {
 
 // ---- fused attention ----
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -370,6 +371,15 @@ __device__ __forceinline__ void cp_async_commit() {
 __device__ __forceinline__ void cp_async_wait_one() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
+#else
+// Below sm_80: a plain 16-byte load through L2 (as .cg) and shared store, landed at once, so
+// there is nothing to commit or wait for (the callers' __syncthreads publish the tiles).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  *static_cast<uint4*>(smem) = __ldcg(static_cast<const uint4*>(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() {}
+__device__ __forceinline__ void cp_async_wait_one() {}
+#endif
 
 // sigmoid of the gate, the two-branch form of cpu::sigmoid (as qsa_dev::combine_head).
 __device__ __forceinline__ float gate_sigmoid(float g) {

@@ -30,6 +30,7 @@
 #include "cuda/moe_nvfp4.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -423,7 +424,6 @@ __device__ __forceinline__ uint32_t e4m3_bf16x2_scaled(uint32_t s) {
   return b | (b << 16);
 }
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // a * b per BF16 half, round to nearest (exact here), subnormal inputs honoured.
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -439,56 +439,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-#else
-// Below sm_80 (no BF16 arithmetic, no BF16 mma.sync): the same operations in FP32/FP64.
-// The BF16 bits of x rounded to nearest even once: to FP32 rounding to odd (truncate, then set the
-// last bit when inexact), then to BF16 to nearest even (FP32 keeps >= 2 extra bits at every
-// exponent, so the two steps round as one).
-__device__ __forceinline__ uint32_t double_to_bf16_bits(double x) {
-  const float f = __double2float_rz(x);
-  const uint32_t u = __float_as_uint(f) | (static_cast<double>(f) != x ? 1u : 0u);
-  return dev::float_to_bf16_bits(__uint_as_float(u));
-}
-
-// a * b per BF16 half: the FP64 product of two BF16 values is exact, then one rounding to nearest
-// (as fma.rn.bf16x2 with a -0 addend).
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  const double lo = static_cast<double>(dev::bf16_lo(a)) * static_cast<double>(dev::bf16_lo(b));
-  const double hi = static_cast<double>(dev::bf16_hi(a)) * static_cast<double>(dev::bf16_hi(b));
-  return double_to_bf16_bits(lo) | (double_to_bf16_bits(hi) << 16);
-}
-
-// d += A (16x16 BF16, row) * B (16x8 BF16, col) with the m16n8k16 fragment layout of mma.sync
-// (lane (g, t) = (lane / 4, lane % 4): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2/a3 the same
-// at k + 8; b0 = B[2t, 2t+1][g], b1 the same at k + 8; d = D[g][2t, 2t+1], D[g+8][2t, 2t+1]),
-// emulated by warp shuffles and an FP32 FMA chain over k ascending (the products are exact, the
-// sum rounds per step instead of once per MMA). All 32 lanes of the warp must call it.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  const int lane = static_cast<int>(threadIdx.x & 31u);
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {  // k 0..7 (a0, a1, b0), then k 8..15 (a2, a3, b1)
-    const uint32_t ar0 = half == 0 ? a0 : a2, ar1 = half == 0 ? a1 : a3;
-    const uint32_t bc = half == 0 ? b0 : b1;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {  // k = 8 half + 2q, 2q + 1: held by the lanes with t == q
-      const uint32_t x0 = __shfl_sync(0xffffffffu, ar0, 4 * g + q);           // A[g][k, k+1]
-      const uint32_t x1 = __shfl_sync(0xffffffffu, ar1, 4 * g + q);           // A[g+8][k, k+1]
-      const uint32_t y0 = __shfl_sync(0xffffffffu, bc, 4 * (2 * t) + q);      // B[k, k+1][2t]
-      const uint32_t y1 = __shfl_sync(0xffffffffu, bc, 4 * (2 * t + 1) + q);  // B[k, k+1][2t+1]
-      d[0] = fmaf(dev::bf16_lo(x0), dev::bf16_lo(y0), d[0]);
-      d[0] = fmaf(dev::bf16_hi(x0), dev::bf16_hi(y0), d[0]);
-      d[1] = fmaf(dev::bf16_lo(x0), dev::bf16_lo(y1), d[1]);
-      d[1] = fmaf(dev::bf16_hi(x0), dev::bf16_hi(y1), d[1]);
-      d[2] = fmaf(dev::bf16_lo(x1), dev::bf16_lo(y0), d[2]);
-      d[2] = fmaf(dev::bf16_hi(x1), dev::bf16_hi(y0), d[2]);
-      d[3] = fmaf(dev::bf16_lo(x1), dev::bf16_lo(y1), d[3]);
-      d[3] = fmaf(dev::bf16_hi(x1), dev::bf16_hi(y1), d[3]);
-    }
-  }
-}
-#endif
 
 // The activation staged for the MMAs (see above): unit u (kCodes elements) at byte u * kStride,
 // its 8-element word wi at + 16 wi, permuted to the BF16 pairs (x_q, x_q+4), q = 0..3.
@@ -769,14 +719,24 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
 // counter to zero for the next launch. Summation: per warp its MMA chain over its chunks of the
 // tile in increasing order, then the warps in increasing order, then * 2^26 and * the global
 // scale: bitwise reproducible for a given SM count (W depends on it).
-constexpr int kStreamDepth = 4;
 constexpr int kStreamMinBlocks = 2;
+
+// *p += v at GPU scope with acquire-release semantics; returns the old value.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
 
 // First and last warp of the W equal ranges over C items that hold item c.
 __device__ __forceinline__ int64_t stream_warp_of(int64_t c, int64_t warps, int64_t items) {
   return ((c + 1) * warps - 1) / items;
 }
 
+template <int kStreamDepth>
 __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
     moe_gate_up_stream_kernel(GateUpArgs a) {
   extern __shared__ float4 smem4[];
@@ -846,7 +806,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
 
   // Epilogue of a tile from its sums v = (gate row 2t, gate row 2t + 1, up row 2t, up 2t + 1),
   // lanes (0, t).
-  const auto finish = [&](int tile, float4 v) {
+  const auto finish = [&](int tile, float4 v, int tt) {
     const int j = tile / a.tiles_per_j;
     const int e = __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
@@ -855,7 +815,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
     const float sums[2][2] = {{v.x, v.z}, {v.y, v.w}};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int i = (tile - j * a.tiles_per_j) * 8 + 2 * t + r;
+      const int i = (tile - j * a.tiles_per_j) * 8 + 2 * tt + r;
       if (i >= a.inter) continue;
       const float gv = ok ? sums[r][0] * kMmaUnscale * gs_g : 0.0f;
       const float uv = ok ? sums[r][1] * kMmaUnscale * gs_u : 0.0f;
@@ -894,7 +854,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
         if (ct == tile0 && has_head)
           head = v;
         else if (g == 0)
-          finish(ct, v);
+          finish(ct, v, t);
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[0][r] = acc[1][r] = 0.0f;
         ++ct;
@@ -907,53 +867,52 @@ __global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
   const bool head_apart = has_head && ct != tile0;
   const float4 tail = make_float4(acc[0][0], acc[0][1], acc[1][0], acc[1][1]);
   if (!tail_shared && !head_apart) {
-    if (g == 0) finish(ct, tail);
+    if (g == 0) finish(ct, tail, t);
     return;
   }
+  // Lanes (0, t) publish their float4 of each shared tile and count themselves in with an
+  // acquire-release atomic (no fence): the lane that counts last, 4 per contributing warp, has
+  // seen every other lane's partial and finishes the whole tile.
+  if (g != 0) return;
+  if (!tail_shared) finish(ct, tail, t);
   float4* part = reinterpret_cast<float4*>(a.partials);
-  if (g == 0) {
-    if (head_apart) __stcg(part + (w + tile0) * 4 + t, head);
-    if (tail_shared) __stcg(part + (w + ct) * 4 + t, tail);
-  }
-  if (!tail_shared && g == 0) finish(ct, tail);
-  __threadfence();
-  __syncwarp();
   for (int s = 0; s < 2; ++s) {
     const bool shared = s == 0 ? head_apart : tail_shared;
-    if (!shared) continue;  // warp-uniform
+    if (!shared) continue;
     const int tile = s == 0 ? tile0 : ct;
+    __stcg(part + (w + tile) * 4 + t, s == 0 ? head : tail);
     const int64_t first = stream_warp_of(static_cast<int64_t>(tile) * cpt, nw, items);
     const int64_t last = stream_warp_of(static_cast<int64_t>(tile) * cpt + cpt - 1, nw, items);
-    int old = 0;
-    if (lane == 0) old = atomicAdd(a.counters + tile, 1);
-    old = __shfl_sync(0xffffffffu, old, 0);
-    if (old != last - first) continue;  // another warp finishes the tile
-    __threadfence();
-    // The partials in increasing warp order; 8 warps' at a time, one per lane group g.
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int64_t k0 = first; k0 <= last; k0 += 8) {
-      const int64_t k = k0 + g;
-      const float4 p =
-          k <= last ? __ldcg(part + (k + tile) * 4 + t) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (atomic_add_acq_rel(a.counters + tile, 1) != 4 * (last - first + 1) - 1) continue;
+    // The partials in increasing warp order, 4 warps' slots (16 loads) in flight at a time.
+    float4 v[4];
+    for (int64_t k0 = first; k0 <= last; k0 += 4) {
+      float4 p[4][4];
 #pragma unroll
-      for (int gg = 0; gg < 8; ++gg) {
-        const float px = __shfl_sync(0xffffffffu, p.x, 4 * gg + t);
-        const float py = __shfl_sync(0xffffffffu, p.y, 4 * gg + t);
-        const float pz = __shfl_sync(0xffffffffu, p.z, 4 * gg + t);
-        const float pw = __shfl_sync(0xffffffffu, p.w, 4 * gg + t);
-        if (k0 + gg > last) break;  // warp-uniform
-        if (k0 + gg == first) {
-          v = make_float4(px, py, pz, pw);
-        } else {
-          v.x += px;
-          v.y += py;
-          v.z += pz;
-          v.w += pw;
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt)
+          p[kk][tt] = k0 + kk <= last ? __ldcg(part + (k0 + kk + tile) * 4 + tt)
+                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        if (k0 + kk > last) break;
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          if (k0 + kk == first) {
+            v[tt] = p[kk][tt];
+          } else {
+            v[tt].x += p[kk][tt].x;
+            v[tt].y += p[kk][tt].y;
+            v[tt].z += p[kk][tt].z;
+            v[tt].w += p[kk][tt].w;
+          }
         }
       }
     }
-    if (g == 0) finish(tile, v);
-    if (lane == 0) a.counters[tile] = 0;  // ready for the next launch
+#pragma unroll
+    for (int tt = 0; tt < 4; ++tt) finish(tile, v[tt], tt);
+    a.counters[tile] = 0;  // ready for the next launch
   }
 }
 
@@ -1092,8 +1051,19 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
     const unsigned sblocks =
         static_cast<unsigned>((a.stream_warps + kBlockThreads / 32 - 1) / (kBlockThreads / 32));
     const size_t ssmem = kLutBytes + static_cast<size_t>(MmaStage<false>::bytes(p.experts.cols));
-    launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel, sblocks, kBlockThreads,
-               ssmem, stream, a);
+    static const int depth = [] {  // EXPERIMENT (session 7): FN_STREAM_DEPTH 2, 4 or 6
+      const char* v = std::getenv("FN_STREAM_DEPTH");
+      return v != nullptr ? std::atoi(v) : 4;
+    }();
+    if (depth == 2)
+      launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel<2>, sblocks, kBlockThreads,
+                 ssmem, stream, a);
+    else if (depth == 6)
+      launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel<6>, sblocks, kBlockThreads,
+                 ssmem, stream, a);
+    else
+      launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel<4>, sblocks, kBlockThreads,
+                 ssmem, stream, a);
     FN_CUDA_LAUNCH_CHECK("moe_gate_up_stream_kernel");
     return;
   }

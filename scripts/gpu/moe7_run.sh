@@ -5,7 +5,8 @@
 # stream-K kernel off and on, in alternating order (A/B inside one call). Logs and JSON in $OUT.
 # Usage from a `git archive` copy: FN_BUILD_DIR=../../build-X bash scripts/gpu/moe7_run.sh
 # (FN_TOKENS: bench tokens, 64; FN_SKIP_TEST=1: benches only; FN_AB: the --moe-stream-k values
-# in order, default "0 1 0 1"; FN_BENCH_ARGS: extra cuda_model_bench arguments)
+# in order, default "0 1 0 1"; FN_BENCH_ARGS: extra cuda_model_bench arguments; FN_DEPTHS: the
+# FN_STREAM_DEPTH values of the kernel bench; FN_SASS: an object of cuda/ to disassemble)
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/moe7-out}
@@ -35,10 +36,17 @@ if [ "${FN_SKIP_TEST:-0}" != 1 ]; then
   echo "== test_cuda_model np 1 rc=$? ($((SECONDS - t)) s)"
   grep -E "ERROR|test cases|assertions|THREW" "$out/model_np1.log" | sort -u | cut -c1-300 | head -12
 fi
-t=$SECONDS
-timeout 120 "$b/cuda/cuda_kernel_bench" --nvfp4-only --json "$out/kernels.json" >"$out/kernels.txt" 2>&1
-echo "== cuda_kernel_bench rc=$? ($((SECONDS - t)) s)"
-grep -E "moe_" "$out/kernels.txt" | cut -c1-200
+for d in ${FN_DEPTHS:-4}; do
+  t=$SECONDS
+  FN_STREAM_DEPTH=$d timeout 120 "$b/cuda/cuda_kernel_bench" --nvfp4-only \
+    --json "$out/kernels_d$d.json" >"$out/kernels_d$d.txt" 2>&1
+  echo "== cuda_kernel_bench FN_STREAM_DEPTH=$d rc=$? ($((SECONDS - t)) s)"
+  grep -E "moe_" "$out/kernels_d$d.txt" | grep -v sweep | cut -c1-120
+done
+if [ -n "${FN_SASS:-}" ]; then  # SASS of one object, e.g. FN_SASS=moe_nvfp4
+  cuobjdump -sass "$b/cuda/CMakeFiles/fngen_cuda.dir/$FN_SASS.cu.o" >"$out/sass_$FN_SASS.txt" 2>&1
+  echo "== sass rc=$? $(wc -l <"$out/sass_$FN_SASS.txt") lines"
+fi
 n=0
 for sk in ${FN_AB:-0 1 0 1}; do
   n=$((n + 1))

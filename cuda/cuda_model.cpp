@@ -30,7 +30,6 @@
 #include "cuda/gdn.h"
 #include "cuda/gemv_bf16.h"
 #include "cuda/hc.h"
-#include "cuda/launch_check.h"
 #include "cuda/moe_nvfp4.h"
 #include "cuda/moe_shared.h"
 #include "cuda/ple.h"
@@ -628,12 +627,6 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   }
   weight_bytes = arena.held() - arena.state_held();
   router_ticket = arena.state_n<unsigned int>(1, "router ticket");
-  if (o.moe_stream_k) {
-    moe_workspace_bytes =
-        moe_gate_up_workspace_bytes(static_cast<int>(k), I_l, detail::current_sm_count());
-    moe_workspace = arena.state_n<uint8_t>(static_cast<int64_t>(moe_workspace_bytes),
-                                           "routed gate+up stream-K workspace");
-  }
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -941,9 +934,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.top_k = static_cast<int>(k);
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
-    gu.mma = moe_workspace != nullptr;
-    gu.workspace = moe_workspace;
-    gu.workspace_bytes = moe_workspace_bytes;
+    gu.persistent = o.moe_persistent;
     launch_moe_gate_up_nvfp4(gu, s);
     MoeDownParams dn;
     dn.experts = mo.down;

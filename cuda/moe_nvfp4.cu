@@ -30,7 +30,6 @@
 #include "cuda/moe_nvfp4.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -230,12 +229,6 @@ struct GateUpArgs {
   float* gate_up_out;
   int team_log2;
   int tiles_per_j;  // tensor-core path: ceil(I / 8) tiles of 8 row pairs per selected expert
-  // Stream-K path (moe_gate_up_stream_kernel): chunks of 4 units per tile, warps of the wave,
-  // and the workspace: [stream_warps + tiles][16] FP32 partials, [tiles] int counters (zero).
-  int chunks_per_tile;
-  int stream_warps;
-  float* partials;
-  int* counters;
 };
 
 // One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j]. Lane l of
@@ -376,6 +369,103 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
+// ---- Persistent gate+up (MoeGateUpParams::persistent) -------------------------------------------
+//
+// The FP32 kernel above gives each team one row pair and sizes the grid to the pairs: at the real
+// shapes that is 1.5 waves (TP=1: 400 blocks for 264 resident), so some SMs stream twice the
+// bytes of others, and a lane issues its loads, waits a DRAM round trip, computes, and is done.
+// Here one wave of blocks (kPersistMinBlocks per SM) splits the P = top_k * I row pairs into
+// equal contiguous ranges (block b: [b P / B, (b + 1) P / B), every SM within one pair of the
+// mean), and each warp walks the pairs p = start + warp, start + warp + 8, ... with the next
+// kPersistDepth - 1 pairs' loads in flight (a ring in registers) while it computes one. The math
+// of a pair is the FP32 kernel's at team 32 (lane l: units l, l + 32, l + 64, unit_dot2 on the
+// same staged x, dev::team_reduce over the warp), so the results are bitwise those of
+// launch_moe_gate_up_nvfp4 with team_threads = 32 (the test checks it).
+constexpr int kPersistUnits = 3;  // units per lane and row at K = 2560 (80 units, team 32)
+constexpr int kPersistDepth = 2;
+constexpr int kPersistMinBlocks = 2;
+
+__global__ void __launch_bounds__(kBlockThreads, kPersistMinBlocks)
+    moe_gate_up_persistent_kernel(GateUpArgs a) {
+  extern __shared__ float4 stage4[];
+  float* stage = reinterpret_cast<float*>(stage4);
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
+  using U = Unit<false>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t pairs = static_cast<int64_t>(a.top_k) * a.inter;
+  const int64_t p0 = blockIdx.x * pairs / gridDim.x, p1 = (blockIdx.x + 1) * pairs / gridDim.x;
+  constexpr int kWarps = kBlockThreads / 32;
+  const int n = p0 + warp < p1 ? static_cast<int>((p1 - p0 - warp - 1) / kWarps) + 1 : 0;
+  const int mine = lane < a.nvec ? (a.nvec - 1 - lane) / 32 + 1 : 0;  // <= kPersistUnits
+
+  struct Pair {
+    uint4 w[kPersistUnits][2];
+    uint32_t s[kPersistUnits][2];
+  };
+  // Pair i of this warp (p = p0 + warp + 8 i): the codes and scales of the lane's units of the
+  // gate row and the up row (zeros for an id out of range).
+  const auto load = [&](int i, Pair& r) {
+    const int64_t p = p0 + warp + static_cast<int64_t>(i) * kWarps;
+    const int j = static_cast<int>(p / a.inter), row = static_cast<int>(p - int64_t{j} * a.inter);
+    const int e = __ldg(a.ids + j);
+    const bool ok = e >= 0 && e < a.num_experts;
+    const int64_t g_row = static_cast<int64_t>(ok ? e : 0) * 2 * a.inter + row;
+    const uint8_t* wg = a.packed + g_row * (a.k / 2);
+    const uint8_t* sg = a.scales + g_row * (a.k / 16);
+#pragma unroll
+    for (int m = 0; m < kPersistUnits; ++m) {
+      const int v = lane + 32 * m;
+      const bool live = ok && m < mine;
+      r.w[m][0] = live ? U::codes(wg, v) : make_uint4(0, 0, 0, 0);
+      r.w[m][1] = live ? U::codes(wg + static_cast<int64_t>(a.inter) * (a.k / 2), v)
+                       : make_uint4(0, 0, 0, 0);
+      r.s[m][0] = live ? U::scales(sg, v) : 0u;
+      r.s[m][1] = live ? U::scales(sg + static_cast<int64_t>(a.inter) * (a.k / 16), v) : 0u;
+    }
+  };
+  Pair buf[kPersistDepth];
+#pragma unroll
+  for (int q = 0; q < kPersistDepth; ++q)
+    if (q < n) load(q, buf[q]);
+  Stage<false>::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K 2560: one batch
+  __syncthreads();
+
+  for (int base = 0; base < n; base += kPersistDepth) {
+#pragma unroll
+    for (int q = 0; q < kPersistDepth; ++q) {
+      const int i = base + q;
+      if (i >= n) break;  // warp-uniform
+      float acc[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int m = 0; m < kPersistUnits; ++m)
+        if (m < mine)
+          unit_dot2<false>(buf[q].w[m][0], buf[q].w[m][1], buf[q].s[m][0], buf[q].s[m][1], stage,
+                           lane + 32 * m, acc[0], acc[1]);
+      if (i + kPersistDepth < n) load(i + kPersistDepth, buf[q]);
+      dev::team_reduce<2, kBlockThreads>(acc, 32, lane);
+      if (lane == 0) {
+        const int64_t p = p0 + warp + static_cast<int64_t>(i) * kWarps;
+        const int j = static_cast<int>(p / a.inter),
+                  row = static_cast<int>(p - int64_t{j} * a.inter);
+        const int e = __ldg(a.ids + j);
+        const bool ok = e >= 0 && e < a.num_experts;
+        float g = 0.0f, u = 0.0f;
+        if (ok) {
+          g = acc[0] * kUnscale * __ldg(a.global_scale + 2 * e);
+          u = acc[1] * kUnscale * __ldg(a.global_scale + 2 * e + 1);
+        }
+        a.h[p] = dev::float_to_bf16_bits(ok ? dev::silu(g) * u : 0.0f);
+        if (a.gate_up_out != nullptr) {
+          a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + row] = g;
+          a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + row] = u;
+        }
+      }
+    }
+  }
+}
+
 // ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
 //
 // Measured on H200 (cuda/bench/RESULTS.md, session 5): as fast as the FP32 kernels at best (TP=1
@@ -424,6 +514,7 @@ __device__ __forceinline__ uint32_t e4m3_bf16x2_scaled(uint32_t s) {
   return b | (b << 16);
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // a * b per BF16 half, round to nearest (exact here), subnormal inputs honoured.
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -439,6 +530,56 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+#else
+// Below sm_80 (no BF16 arithmetic, no BF16 mma.sync): the same operations in FP32/FP64.
+// The BF16 bits of x rounded to nearest even once: to FP32 rounding to odd (truncate, then set the
+// last bit when inexact), then to BF16 to nearest even (FP32 keeps >= 2 extra bits at every
+// exponent, so the two steps round as one).
+__device__ __forceinline__ uint32_t double_to_bf16_bits(double x) {
+  const float f = __double2float_rz(x);
+  const uint32_t u = __float_as_uint(f) | (static_cast<double>(f) != x ? 1u : 0u);
+  return dev::float_to_bf16_bits(__uint_as_float(u));
+}
+
+// a * b per BF16 half: the FP64 product of two BF16 values is exact, then one rounding to nearest
+// (as fma.rn.bf16x2 with a -0 addend).
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  const double lo = static_cast<double>(dev::bf16_lo(a)) * static_cast<double>(dev::bf16_lo(b));
+  const double hi = static_cast<double>(dev::bf16_hi(a)) * static_cast<double>(dev::bf16_hi(b));
+  return double_to_bf16_bits(lo) | (double_to_bf16_bits(hi) << 16);
+}
+
+// d += A (16x16 BF16, row) * B (16x8 BF16, col) with the m16n8k16 fragment layout of mma.sync
+// (lane (g, t) = (lane / 4, lane % 4): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2/a3 the same
+// at k + 8; b0 = B[2t, 2t+1][g], b1 the same at k + 8; d = D[g][2t, 2t+1], D[g+8][2t, 2t+1]),
+// emulated by warp shuffles and an FP32 FMA chain over k ascending (the products are exact, the
+// sum rounds per step instead of once per MMA). All 32 lanes of the warp must call it.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // k 0..7 (a0, a1, b0), then k 8..15 (a2, a3, b1)
+    const uint32_t ar0 = half == 0 ? a0 : a2, ar1 = half == 0 ? a1 : a3;
+    const uint32_t bc = half == 0 ? b0 : b1;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // k = 8 half + 2q, 2q + 1: held by the lanes with t == q
+      const uint32_t x0 = __shfl_sync(0xffffffffu, ar0, 4 * g + q);           // A[g][k, k+1]
+      const uint32_t x1 = __shfl_sync(0xffffffffu, ar1, 4 * g + q);           // A[g+8][k, k+1]
+      const uint32_t y0 = __shfl_sync(0xffffffffu, bc, 4 * (2 * t) + q);      // B[k, k+1][2t]
+      const uint32_t y1 = __shfl_sync(0xffffffffu, bc, 4 * (2 * t + 1) + q);  // B[k, k+1][2t+1]
+      d[0] = fmaf(dev::bf16_lo(x0), dev::bf16_lo(y0), d[0]);
+      d[0] = fmaf(dev::bf16_hi(x0), dev::bf16_hi(y0), d[0]);
+      d[1] = fmaf(dev::bf16_lo(x0), dev::bf16_lo(y1), d[1]);
+      d[1] = fmaf(dev::bf16_hi(x0), dev::bf16_hi(y1), d[1]);
+      d[2] = fmaf(dev::bf16_lo(x1), dev::bf16_lo(y0), d[2]);
+      d[2] = fmaf(dev::bf16_hi(x1), dev::bf16_hi(y0), d[2]);
+      d[3] = fmaf(dev::bf16_lo(x1), dev::bf16_lo(y1), d[3]);
+      d[3] = fmaf(dev::bf16_hi(x1), dev::bf16_hi(y1), d[3]);
+    }
+  }
+}
+#endif
 
 // The activation staged for the MMAs (see above): unit u (kCodes elements) at byte u * kStride,
 // its 8-element word wi at + 16 wi, permuted to the BF16 pairs (x_q, x_q+4), q = 0..3.
@@ -701,221 +842,6 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
   a.y[dr] = a.accumulate ? a.y[dr] + y : y;
 }
 
-// ---- Stream-K tensor-core gate+up (MoeGateUpParams::mma with a workspace) ----------------------
-//
-// The round-based kernels above give each warp (or team) whole tiles: at the real shapes the
-// tiles do not divide evenly among the SMs (TP=1: 800 tiles of 20 chunks for 132 SMs), so some
-// SMs stream twice the bytes of others, and each lane issues its loads, waits a full DRAM round
-// trip, computes, and only then loads again. Here one wave of warps splits the flattened sequence
-// of (tile, chunk) work items, C = tiles * chunks_per_tile, into W equal contiguous ranges
-// (warp w: [w C / W, (w + 1) C / W)), so every SM streams the same bytes; a warp keeps
-// kStreamDepth chunks in flight in registers (a ring: the chunk after the one it just used is
-// loaded at once), so loads and MMAs overlap. The per-chunk math is the tensor-core kernel's
-// (mma_word on the same staged activation, the same lut). A warp's MMA chain restarts at every
-// tile it enters; where a tile spans several warps (first_warp(tile) .. last_warp(tile)), each
-// writes its partial sums (8 gate + 8 up rows) to the workspace slot w + tile, then counts itself
-// in on the tile's counter; the warp that counts last sums the partials in increasing warp order
-// (deterministic whoever is last), finishes the tile (global scales, SwiGLU, BF16) and resets the
-// counter to zero for the next launch. Summation: per warp its MMA chain over its chunks of the
-// tile in increasing order, then the warps in increasing order, then * 2^26 and * the global
-// scale: bitwise reproducible for a given SM count (W depends on it).
-constexpr int kStreamMinBlocks = 2;
-
-// *p += v at GPU scope with acquire-release semantics; returns the old value.
-__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
-  return old;
-}
-
-// First and last warp of the W equal ranges over C items that hold item c.
-__device__ __forceinline__ int64_t stream_warp_of(int64_t c, int64_t warps, int64_t items) {
-  return ((c + 1) * warps - 1) / items;
-}
-
-template <int kStreamDepth>
-__global__ void __launch_bounds__(kBlockThreads, kStreamMinBlocks)
-    moe_gate_up_stream_kernel(GateUpArgs a) {
-  extern __shared__ float4 smem4[];
-  uint32_t* lut = reinterpret_cast<uint32_t*>(smem4);
-  uint8_t* stage = reinterpret_cast<uint8_t*>(smem4) + kLutBytes;
-  // Every weight address depends on the router's expert ids, and x is the previous kernel's
-  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
-  dev::pdl_begin();
-  using U = Unit<false>;
-  using S = MmaStage<false>;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * (kBlockThreads / 32) + (threadIdx.x >> 5);
-  const int cpt = a.chunks_per_tile;
-  const int tiles = a.top_k * a.tiles_per_j;
-  const int64_t items = static_cast<int64_t>(tiles) * cpt;
-  const int64_t nw = a.stream_warps;
-  const int64_t c0 = w < nw ? w * items / nw : items;
-  const int64_t c1 = w < nw ? (w + 1) * items / nw : items;
-  const int n = static_cast<int>(c1 - c0);  // chunks of this warp (<= items / nw + 1)
-  const int tile0 = static_cast<int>(c0 / cpt), cc0 = static_cast<int>(c0 - int64_t{tile0} * cpt);
-
-  // The load cursor walks the warp's chunks in order without divides: lane (g, t) reads row g of
-  // the cursor's tile, unit 4 cc + t of its gate and up rows (zeros where the id, the row or the
-  // unit is out of range).
-  int lt = tile0, lcc = cc0;
-  bool lrow_ok = false;
-  const uint8_t* lw = a.packed;
-  const uint8_t* ls = a.scales;
-  const auto seek = [&](int tile) {
-    const int j = tile / a.tiles_per_j;
-    const int i = (tile - j * a.tiles_per_j) * 8 + g;
-    const int e = __ldg(a.ids + j);
-    lrow_ok = e >= 0 && e < a.num_experts && i < a.inter;
-    const int64_t row = lrow_ok ? static_cast<int64_t>(e) * 2 * a.inter + i : 0;
-    lw = a.packed + row * (a.k / 2);
-    ls = a.scales + row * (a.k / 16);
-  };
-  struct Chunk {
-    uint4 wg, wu;
-    uint32_t sg, su;
-  };
-  const int64_t up_codes = static_cast<int64_t>(a.inter) * (a.k / 2);
-  const int64_t up_scales = static_cast<int64_t>(a.inter) * (a.k / 16);
-  const auto load_next = [&](Chunk& k) {
-    const int u = 4 * lcc + t;
-    const bool live = lrow_ok && u < a.nvec;
-    k.wg = live ? U::codes(lw, u) : make_uint4(0, 0, 0, 0);
-    k.wu = live ? U::codes(lw + up_codes, u) : make_uint4(0, 0, 0, 0);
-    k.sg = live ? U::scales(ls, u) : 0u;
-    k.su = live ? U::scales(ls + up_scales, u) : 0u;
-    if (++lcc == cpt) {
-      lcc = 0;
-      if (++lt < tiles) seek(lt);
-    }
-  };
-  Chunk buf[kStreamDepth];
-  if (n > 0) {
-    seek(tile0);
-#pragma unroll
-    for (int q = 0; q < kStreamDepth; ++q)
-      if (q < n) load_next(buf[q]);
-  }
-  lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
-  S::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K = 2560: one batch
-  __syncthreads();
-  if (n <= 0) return;  // warp-uniform; no barrier below
-
-  // Epilogue of a tile from its sums v = (gate row 2t, gate row 2t + 1, up row 2t, up 2t + 1),
-  // lanes (0, t).
-  const auto finish = [&](int tile, float4 v, int tt) {
-    const int j = tile / a.tiles_per_j;
-    const int e = __ldg(a.ids + j);
-    const bool ok = e >= 0 && e < a.num_experts;
-    const float gs_g = ok ? __ldg(a.global_scale + 2 * e) : 0.0f;
-    const float gs_u = ok ? __ldg(a.global_scale + 2 * e + 1) : 0.0f;
-    const float sums[2][2] = {{v.x, v.z}, {v.y, v.w}};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = (tile - j * a.tiles_per_j) * 8 + 2 * tt + r;
-      if (i >= a.inter) continue;
-      const float gv = ok ? sums[r][0] * kMmaUnscale * gs_g : 0.0f;
-      const float uv = ok ? sums[r][1] * kMmaUnscale * gs_u : 0.0f;
-      a.h[static_cast<int64_t>(j) * a.inter + i] =
-          dev::float_to_bf16_bits(ok ? dev::silu(gv) * uv : 0.0f);
-      if (a.gate_up_out != nullptr) {
-        a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + i] = gv;
-        a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + i] = uv;
-      }
-    }
-  };
-
-  // Compute: MMA chains restart at every tile; a tile inside [c0, c1) is finished at once; the
-  // first tile when it began before c0 (head) and the last when it ends after c1 (tail) are
-  // shared with neighbouring warps and published at the end, when no load is in flight.
-  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-  float4 head = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const bool has_head = cc0 != 0;
-  int ct = tile0, ccc = cc0;
-  for (int base = 0; base < n; base += kStreamDepth) {
-#pragma unroll
-    for (int q = 0; q < kStreamDepth; ++q) {
-      if (base + q >= n) break;  // warp-uniform
-      const int u = 4 * ccc + t;
-      const bool uv = u < a.nvec;
-#pragma unroll
-      for (int wi = 0; wi < U::kCodes / 8; ++wi) {
-        const uint4 xw = uv ? S::word(stage, u, wi) : make_uint4(0, 0, 0, 0);
-        const int sh = 8 * (wi / 2);
-        mma_word(word_of(buf[q].wg, wi), lut[(buf[q].sg >> sh) & 0xffu], xw, acc[0]);
-        mma_word(word_of(buf[q].wu, wi), lut[(buf[q].su >> sh) & 0xffu], xw, acc[1]);
-      }
-      if (base + q + kStreamDepth < n) load_next(buf[q]);
-      if (++ccc == cpt && base + q + 1 < n) {  // a tile ends before the warp's last chunk
-        const float4 v = make_float4(acc[0][0], acc[0][1], acc[1][0], acc[1][1]);
-        if (ct == tile0 && has_head)
-          head = v;
-        else if (g == 0)
-          finish(ct, v, t);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc[0][r] = acc[1][r] = 0.0f;
-        ++ct;
-        ccc = 0;
-      }
-    }
-  }
-  // Publish: the head (if any) and the tile in progress (ct), unless ct is whole here.
-  const bool tail_shared = ccc != cpt || (ct == tile0 && has_head);
-  const bool head_apart = has_head && ct != tile0;
-  const float4 tail = make_float4(acc[0][0], acc[0][1], acc[1][0], acc[1][1]);
-  if (!tail_shared && !head_apart) {
-    if (g == 0) finish(ct, tail, t);
-    return;
-  }
-  // Lanes (0, t) publish their float4 of each shared tile and count themselves in with an
-  // acquire-release atomic (no fence): the lane that counts last, 4 per contributing warp, has
-  // seen every other lane's partial and finishes the whole tile.
-  if (g != 0) return;
-  if (!tail_shared) finish(ct, tail, t);
-  float4* part = reinterpret_cast<float4*>(a.partials);
-  for (int s = 0; s < 2; ++s) {
-    const bool shared = s == 0 ? head_apart : tail_shared;
-    if (!shared) continue;
-    const int tile = s == 0 ? tile0 : ct;
-    __stcg(part + (w + tile) * 4 + t, s == 0 ? head : tail);
-    const int64_t first = stream_warp_of(static_cast<int64_t>(tile) * cpt, nw, items);
-    const int64_t last = stream_warp_of(static_cast<int64_t>(tile) * cpt + cpt - 1, nw, items);
-    if (atomic_add_acq_rel(a.counters + tile, 1) != 4 * (last - first + 1) - 1) continue;
-    // The partials in increasing warp order, 4 warps' slots (16 loads) in flight at a time.
-    float4 v[4];
-    for (int64_t k0 = first; k0 <= last; k0 += 4) {
-      float4 p[4][4];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int tt = 0; tt < 4; ++tt)
-          p[kk][tt] = k0 + kk <= last ? __ldcg(part + (k0 + kk + tile) * 4 + tt)
-                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        if (k0 + kk > last) break;
-#pragma unroll
-        for (int tt = 0; tt < 4; ++tt) {
-          if (k0 + kk == first) {
-            v[tt] = p[kk][tt];
-          } else {
-            v[tt].x += p[kk][tt].x;
-            v[tt].y += p[kk][tt].y;
-            v[tt].z += p[kk][tt].z;
-            v[tt].w += p[kk][tt].w;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int tt = 0; tt < 4; ++tt) finish(tile, v[tt], tt);
-    a.counters[tile] = 0;  // ready for the next launch
-  }
-}
-
 // Tensor-core plan: the fewest warps per tile (1..8) that take all of a warp's chunks in two rounds
 // (the second prefetched into L2 at the start), doubled while the doubled grid still fits in one
 // wave of min_blocks blocks per SM and the warps keep more than one chunk on average. Returns
@@ -942,19 +868,6 @@ int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count, i
          work_vectors >= 4 * static_cast<int64_t>(team))
     team *= 2;
   return team;
-}
-
-// Stream-K: warps of one wave (kStreamMinBlocks resident blocks per SM) and the workspace of a
-// launch with `tiles` tiles: [wave + tiles][16] FP32 partial slots, then [tiles] int counters.
-int64_t stream_wave_warps(int sm_count) {
-  return static_cast<int64_t>(sm_count > 0 ? sm_count : 1) * kStreamMinBlocks *
-         (kBlockThreads / 32);
-}
-int64_t stream_partial_bytes(int64_t wave, int64_t tiles) {
-  return (wave + tiles) * 16 * 4;
-}
-int64_t stream_workspace_bytes(int64_t wave, int64_t tiles) {
-  return stream_partial_bytes(wave, tiles) + (tiles * 4 + 15) / 16 * 16;
 }
 
 bool aligned(const void* p, uintptr_t n) {
@@ -997,14 +910,6 @@ int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_c
                    kDownUnits, sm_count, kDownMinBlocks);
 }
 
-size_t moe_gate_up_workspace_bytes(int top_k, int64_t intermediate, int sm_count) {
-  FN_CHECK(top_k >= 1 && intermediate >= 1 && sm_count >= 1,
-           "moe_gate_up_workspace_bytes: top_k {}, intermediate {}, sm_count {}", top_k,
-           intermediate, sm_count);
-  return static_cast<size_t>(
-      stream_workspace_bytes(stream_wave_warps(sm_count), top_k * ((intermediate + 7) / 8)));
-}
-
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
   check_experts(p.experts, kOp);
@@ -1036,35 +941,13 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
-  if (p.mma && p.workspace != nullptr && !narrow) {  // stream-K
-    a.tiles_per_j = static_cast<int>((inter + 7) / 8);
-    a.chunks_per_tile = static_cast<int>((a.nvec + 3) / 4);
-    const int64_t tiles = static_cast<int64_t>(p.top_k) * a.tiles_per_j;
-    const int64_t items = tiles * a.chunks_per_tile;
-    const int64_t wave = stream_wave_warps(detail::current_sm_count());
-    a.stream_warps = static_cast<int>(std::min(wave, items));
-    FN_LAUNCH_REQUIRE(p.workspace_bytes >= stream_workspace_bytes(wave, tiles), kOp);
-    FN_LAUNCH_REQUIRE(aligned(p.workspace, 16), kOp);
-    a.partials = static_cast<float*>(p.workspace);
-    a.counters =
-        reinterpret_cast<int*>(static_cast<char*>(p.workspace) + stream_partial_bytes(wave, tiles));
-    const unsigned sblocks =
-        static_cast<unsigned>((a.stream_warps + kBlockThreads / 32 - 1) / (kBlockThreads / 32));
-    const size_t ssmem = kLutBytes + static_cast<size_t>(MmaStage<false>::bytes(p.experts.cols));
-    static const int depth = [] {  // EXPERIMENT (session 7): FN_STREAM_DEPTH 2, 4 or 6
-      const char* v = std::getenv("FN_STREAM_DEPTH");
-      return v != nullptr ? std::atoi(v) : 4;
-    }();
-    if (depth == 2)
-      launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel<2>, sblocks, kBlockThreads,
-                 ssmem, stream, a);
-    else if (depth == 6)
-      launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel<6>, sblocks, kBlockThreads,
-                 ssmem, stream, a);
-    else
-      launch_pdl("moe_gate_up_stream_kernel", moe_gate_up_stream_kernel<4>, sblocks, kBlockThreads,
-                 ssmem, stream, a);
-    FN_CUDA_LAUNCH_CHECK("moe_gate_up_stream_kernel");
+  if (p.persistent && !narrow && a.nvec <= 32 * kPersistUnits) {
+    const unsigned pblocks = static_cast<unsigned>(std::min<int64_t>(
+        static_cast<int64_t>(detail::current_sm_count()) * kPersistMinBlocks,
+        (static_cast<int64_t>(p.top_k) * inter + kBlockThreads / 32 - 1) / (kBlockThreads / 32)));
+    launch_pdl("moe_gate_up_persistent_kernel", moe_gate_up_persistent_kernel, pblocks,
+               kBlockThreads, static_cast<size_t>(p.experts.cols) * 4, stream, a);
+    FN_CUDA_LAUNCH_CHECK("moe_gate_up_persistent_kernel");
     return;
   }
   if (p.mma) {

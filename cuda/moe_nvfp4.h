@@ -11,7 +11,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstddef>
 #include <cstdint>
 
 namespace fn {
@@ -55,13 +54,12 @@ struct MoeGateUpParams {
   /// BF16, FP32 accumulate; moe_nvfp4.cu): another summation order, so other bits; on H200 it is
   /// no faster at TP=1/2 (cuda/bench/RESULTS.md, session 5), kept for A/B.
   bool mma = false;
-  /// Stream-K workspace (tensor-core kernel, cols a multiple of 32; ignored otherwise): when
-  /// non-null, one wave of warps splits all (tile, chunk) work evenly and keeps several chunks of
-  /// loads in flight (moe_nvfp4.cu, "Stream-K"); team_threads is ignored. At least
-  /// moe_gate_up_workspace_bytes(top_k, I, SMs of the device) bytes, 16-byte aligned, zeroed once
-  /// by the owner before the first launch (the kernel leaves it zeroed); one launch at a time.
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  /// true: the persistent FP32 kernel when cols is a multiple of 32 and at most 3,072 (every real
+  /// shape; otherwise the kernel above): one wave of blocks splitting the row pairs evenly, each
+  /// warp keeping the next pair's loads in flight while it computes one (moe_nvfp4.cu,
+  /// "Persistent"); bitwise the FP32 kernel with team_threads = 32. team_threads and mma are
+  /// ignored.
+  bool persistent = false;
 };
 
 /// Down projection summed over the selected experts:
@@ -90,12 +88,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream
 /// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4, with
 /// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).
 void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
-
-/// Bytes of MoeGateUpParams::workspace for top_k experts of `intermediate` (I) rows on a device
-/// with sm_count SMs: (16 * sm_count + top_k * ceil(I / 8)) * 64 partial-sum bytes plus one int
-/// per tile (about 0.2 MB at the real TP=1 shape on 132 SMs). Throws fn::Error on non-positive
-/// arguments.
-size_t moe_gate_up_workspace_bytes(int top_k, int64_t intermediate, int sm_count);
 
 /// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers
 /// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).

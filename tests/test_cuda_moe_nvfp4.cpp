@@ -198,7 +198,7 @@ struct GateUpOut {
 };
 
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
-                      const std::vector<float>& x, int team, bool mma) {
+                      const std::vector<float>& x, int team, bool mma, bool persistent = false) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));
@@ -215,69 +215,12 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
   p.gate_up_out = d_gu.ptr;
   p.team_threads = team;
   p.mma = mma;
+  p.persistent = persistent;
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   GateUpOut out{d_gu.download(), {}};
   for (uint16_t b : d_h.download()) out.h.push_back(fn::bf16_to_float(b));
   return out;
-}
-
-// The stream-K gate+up (MoeGateUpParams::workspace, tensor cores): `launches` launches on one
-// zeroed workspace (each must leave it zeroed for the next); every launch's outputs bitwise equal
-// to the first's is checked here, the first's returned.
-GateUpOut run_gate_up_stream(const DeviceExperts& w, const std::vector<int32_t>& ids,
-                             const std::vector<float>& x, int launches = 3) {
-  const int64_t inter = w.view.rows / 2;
-  DeviceArray<int32_t> d_ids(ids);
-  DeviceArray<uint16_t> d_x(to_bf16(x));
-  DeviceArray<uint16_t> d_h(ids.size() * inter);
-  DeviceArray<float> d_gu(ids.size() * 2 * inter);
-  int dev = 0, sms = 0;
-  FN_CUDA_CHECK(cudaGetDevice(&dev));
-  FN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const size_t ws_bytes = fn::moe_gate_up_workspace_bytes(int(ids.size()), inter, sms);
-  DeviceArray<uint8_t> ws(ws_bytes);
-  FN_CUDA_CHECK(cudaMemset(ws.ptr, 0, ws_bytes));
-  fn::MoeGateUpParams p;
-  p.experts = w.view;
-  p.expert_ids = d_ids.ptr;
-  p.top_k = int(ids.size());
-  p.x = d_x.ptr;
-  p.h = d_h.ptr;
-  p.gate_up_out = d_gu.ptr;
-  p.mma = true;
-  p.workspace = ws.ptr;
-  p.workspace_bytes = ws_bytes;
-  GateUpOut first;
-  for (int l = 0; l < launches; ++l) {
-    FN_CUDA_CHECK(cudaMemset(d_h.ptr, 0xff, d_h.n * 2));
-    FN_CUDA_CHECK(cudaMemset(d_gu.ptr, 0xff, d_gu.n * 4));
-    fn::launch_moe_gate_up_nvfp4(p, nullptr);
-    FN_CUDA_CHECK(cudaDeviceSynchronize());
-    GateUpOut out{d_gu.download(), {}};
-    for (uint16_t b : d_h.download()) out.h.push_back(fn::bf16_to_float(b));
-    if (l == 0) {
-      first = out;
-      continue;
-    }
-    CHECK_MESSAGE(std::memcmp(out.gu.data(), first.gu.data(), out.gu.size() * 4) == 0,
-                  "stream-K launch ", l, " differs from the first");
-    CHECK(std::memcmp(out.h.data(), first.h.data(), out.h.size() * 4) == 0);
-  }
-  const auto left = ws.download();
-  const size_t tiles = ids.size() * size_t((inter + 7) / 8);
-  size_t nonzero = 0;  // the counters (the last tiles * 4 bytes before the 16-byte padding)
-  const size_t counters = (ws_bytes - (tiles * 4 + 15) / 16 * 16);
-  for (size_t b = counters; b < counters + tiles * 4; ++b) nonzero += left[b] != 0;
-  CHECK_MESSAGE(nonzero == 0, "the stream-K launches left ", nonzero, " counter bytes set");
-  return first;
-}
-
-// Rounding depth of the stream-K gate+up: a warp's MMA chain over at most all of a tile's chunks,
-// then the sum over up to chunks_per_tile warps, then the global scale.
-int stream_depth(int64_t cols) {
-  const int chunks = ceil_div(cols / 32, 4);
-  return kMmaDepth * chunks * 8 + chunks + 1;
 }
 
 // y[d] = sum_j rw[j] * gs[e_j] * (W_down[e_j] h_j)[d] in FP64, plus its bound.
@@ -404,61 +347,53 @@ TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1, 2 and 4) wit
   }
 }
 
-TEST_CASE(
-    "cuda moe nvfp4: the stream-K gate+up is exact, within the bound, and leaves its workspace "
-    "zeroed") {
-  // Exact: power-of-two scales and small integers, 12 experts of I = 96 and I = 20 (tiles not a
-  // multiple of 8 rows), repeated and invalid ids; few tiles, so warps hold one chunk each and
-  // every tile is summed from many warps' partials.
-  for (int64_t inter : {96, 20}) {
-    const HostExperts w = make_experts(12, 2 * inter, 2560, 2, true, 1 + inter);
+TEST_CASE("cuda moe nvfp4: the persistent gate+up is bitwise the FP32 kernel at team 32") {
+  // Real shapes (TP=1, 2 and 4; random scales) and small ones (exact sums, I = 96 and 20, repeated
+  // and invalid ids): the persistent kernel's g, u and h equal the FP32 kernel's at team 32 bit
+  // for bit (twice: nothing carries over between launches), and lie within that kernel's bound of
+  // the FP64 reference. Columns that are not a multiple of 32 (48) or wider than 3,072 (3,200)
+  // take the FP32 kernel itself at its planned team.
+  struct Shape {
+    int experts;
+    int64_t inter, cols;
+    bool exact;
+    std::vector<int32_t> ids;
+  };
+  const std::vector<Shape> shapes = {
+      {64, 640, 2560, false, {63, 17, 2, 40, 0, 33, 8, 51, 12, 29}},
+      {64, 320, 2560, false, {63, 17, 2, 40, 0, 33, 8, 51, 12, 29}},
+      {64, 160, 2560, false, {5, 1, 2, 40, 0, 33, 8, 51, 12, 29}},
+      {12, 96, 2560, true, {11, 0, 5, 5, -1, 7, 1 << 30}},
+      {12, 20, 2560, true, {11, 0, 5, 5, -1, 7, 1 << 30}},
+      {6, 20, 48, true, {2, 5, 0, 5, 1}},
+      {6, 24, 3200, true, {2, 5, 0, 5, 1}},
+  };
+  for (const Shape& sh : shapes) {
+    const HostExperts w =
+        make_experts(sh.experts, 2 * sh.inter, sh.cols, 2, sh.exact, 70 + sh.inter + sh.cols);
     const DeviceExperts dw(w);
-    const std::vector<int32_t> ids = {11, 0, 5, 5, -1, 7, 1 << 30};
-    const auto x = random_ints(2560, -4, 4, 2);
-    const GateUpRef ref = gate_up_reference(w, ids, x, stream_depth(2560));
-    const auto got = run_gate_up_stream(dw, ids, x);
-    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "stream-K I ", inter, ": ", c.describe());
-    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "stream-K I ", inter, " h: ", ch.describe());
-    for (int j : {4, 6})
-      for (int64_t i = 0; i < inter; ++i) CHECK(got.h[size_t(j) * inter + i] == 0.0f);
+    const auto x = sh.exact ? random_ints(sh.cols, -4, 4, 71) : random_bf16(sh.cols, 1.0f, 72);
+    const int team =
+        sh.cols % 32 == 0 && sh.cols <= 3072
+            ? 32
+            : fn::plan_moe_gate_up_team(int(sh.ids.size()), sh.inter, sh.cols, sm_count());
+    const auto want = run_gate_up(dw, sh.ids, x, team, false);
+    for (int rep = 0; rep < 2; ++rep) {
+      const auto got = run_gate_up(dw, sh.ids, x, 0, false, true);
+      CHECK_MESSAGE(std::memcmp(got.gu.data(), want.gu.data(), got.gu.size() * 4) == 0, "I ",
+                    sh.inter, " cols ", sh.cols, ": gate/up differ from team ", team);
+      CHECK_MESSAGE(std::memcmp(got.h.data(), want.h.data(), got.h.size() * 4) == 0, "I ", sh.inter,
+                    " cols ", sh.cols, ": h differs from team ", team);
+    }
+    const GateUpRef ref = gate_up_reference(w, sh.ids, x, gate_up_depth(sh.cols, team, false));
+    const auto c = fn::test::compare_bounded(
+        want.gu, ref.gu, sh.exact ? std::vector<double>(ref.gu.size(), 0) : ref.gu_bound);
+    CHECK_MESSAGE(c.wrong == 0, "I ", sh.inter, " cols ", sh.cols, ": ", c.describe());
+    CHECK(fn::test::compare_bounded(want.h, ref.h, ref.h_bound).wrong == 0);
+    for (int j = 0; j < int(sh.ids.size()); ++j)
+      if (sh.ids[j] < 0 || sh.ids[j] >= sh.experts)
+        for (int64_t i = 0; i < sh.inter; ++i) CHECK(want.h[size_t(j) * sh.inter + i] == 0.0f);
   }
-  // The real shapes (TP=1, 2 and 4), random scales, within the derived bound.
-  for (int64_t inter : {640, 320, 160}) {
-    const HostExperts w = make_experts(64, 2 * inter, 2560, 2, false, 10 + inter);
-    const DeviceExperts dw(w);
-    const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
-    const auto x = random_bf16(2560, 1.0f, 3 + inter);
-    const GateUpRef ref = gate_up_reference(w, ids, x, stream_depth(2560));
-    const auto got = run_gate_up_stream(dw, ids, x);
-    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
-    CHECK_MESSAGE(c.wrong == 0, "stream-K I ", inter, " gate/up: ", c.describe());
-    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "stream-K I ", inter, " h: ", ch.describe());
-    const GateUpRef tight = gate_up_reference(
-        w, ids, x,
-        gate_up_depth(2560, fn::plan_moe_gate_up_team(10, inter, 2560, sm_count()), false));
-    MESSAGE("stream-K I ", inter, ": worst gate/up error / own bound ", c.worst_ratio,
-            ", / the FP32 kernel's bound ",
-            fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
-  }
-  // A workspace smaller than moe_gate_up_workspace_bytes is refused before any launch.
-  const HostExperts w = make_experts(4, 2 * 32, 2560, 2, true, 5);
-  const DeviceExperts dw(w);
-  DeviceArray<int32_t> d_ids(std::vector<int32_t>{0, 1});
-  DeviceArray<uint16_t> d_x(2560), d_h(64);
-  DeviceArray<uint8_t> ws(64);
-  fn::MoeGateUpParams p;
-  p.experts = dw.view;
-  p.expert_ids = d_ids.ptr;
-  p.top_k = 2;
-  p.x = d_x.ptr;
-  p.h = d_h.ptr;
-  p.mma = true;
-  p.workspace = ws.ptr;
-  p.workspace_bytes = 64;
-  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(p, nullptr), fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-of-two weights") {

@@ -559,20 +559,12 @@ int main(int argc, char** argv) try {
         fn::launch_moe_down_nvfp4(d, t.stream);
       });
     };
-    {  // the stream-K tensor-core gate+up (MoeGateUpParams::workspace)
-      const size_t ws_bytes =
-          fn::moe_gate_up_workspace_bytes(top_k, inter, prop.multiProcessorCount);
-      void* ws = nullptr;
-      FN_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
-      FN_CUDA_CHECK(cudaMemset(ws, 0, ws_bytes));
-      g.workspace = ws;
-      g.workspace_bytes = ws_bytes;
+    {  // the persistent FP32 gate+up (MoeGateUpParams::persistent)
+      g.persistent = true;
       rows.push_back(
-          report({"moe_gate_up_nvfp4 stream-k", tp + " 10x" + std::to_string(2 * inter) + "x2560",
-                  "wave", gu_bytes, time_gu(true, 0), bw}));
-      g.workspace = nullptr;
-      g.workspace_bytes = 0;
-      FN_CUDA_CHECK(cudaFree(ws));
+          report({"moe_gate_up_nvfp4 persistent", tp + " 10x" + std::to_string(2 * inter) + "x2560",
+                  "wave", gu_bytes, time_gu(false, 0), bw}));
+      g.persistent = false;
     }
     for (bool mma : {false, true}) {
       const std::string kind = mma ? " mma" : " fp32";

@@ -38,9 +38,9 @@ if [ "${FN_SKIP_TEST:-0}" != 1 ]; then
 fi
 for d in ${FN_DEPTHS:-4}; do
   t=$SECONDS
-  FN_STREAM_DEPTH=$d timeout 120 "$b/cuda/cuda_kernel_bench" --nvfp4-only \
+  timeout 120 "$b/cuda/cuda_kernel_bench" --nvfp4-only \
     --json "$out/kernels_d$d.json" >"$out/kernels_d$d.txt" 2>&1
-  echo "== cuda_kernel_bench FN_STREAM_DEPTH=$d rc=$? ($((SECONDS - t)) s)"
+  echo "== cuda_kernel_bench rc=$? ($((SECONDS - t)) s)"
   grep -E "moe_" "$out/kernels_d$d.txt" | grep -v sweep | cut -c1-120
 done
 if [ -n "${FN_SASS:-}" ]; then  # SASS of one object, e.g. FN_SASS=moe_nvfp4
@@ -53,8 +53,8 @@ for sk in ${FN_AB:-0 1 0 1}; do
   t=$SECONDS
   # shellcheck disable=SC2086
   timeout 150 $mpi -np 1 "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json --depth 8192 \
-    --tokens "$tokens" --moe-stream-k "$sk" ${FN_BENCH_ARGS:-} --json "$out/bench_${n}_sk${sk}.json" \
+    --tokens "$tokens" --moe-persistent "$sk" ${FN_BENCH_ARGS:-} --json "$out/bench_${n}_sk${sk}.json" \
     >"$out/bench_${n}_sk$sk.txt" 2>&1
-  echo "== bench TP=1 stream-k $sk rc=$? ($((SECONDS - t)) s)"
+  echo "== bench TP=1 persistent $sk rc=$? ($((SECONDS - t)) s)"
   grep -E "^\| [0-9]" "$out/bench_${n}_sk$sk.txt" | cut -c1-300
 done

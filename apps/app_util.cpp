@@ -1,7 +1,13 @@
 #include "apps/app_util.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <system_error>
 #include <vector>
@@ -36,17 +42,99 @@ void require_model_dir(const std::string& path) {
              path);
 }
 
+namespace {
+
+namespace fs = std::filesystem;
+
+// Symlinks followed from `p` (already absolute) before resolve_output_path gives up: a loop.
+constexpr int kMaxLinkHops = 40;
+
+// True when `path` is `dir` or lies below it (both absolute and normalised).
+bool is_within(const fs::path& path, const fs::path& dir) {
+  const auto [d, p] = std::mismatch(dir.begin(), dir.end(), path.begin(), path.end());
+  // A trailing separator of `dir` is an empty last element.
+  return d == dir.end() || (std::next(d) == dir.end() && d->empty());
+}
+
+}  // namespace
+
+fs::path resolve_output_path(const std::string& path) {
+  std::error_code ec;
+  fs::path p = fs::absolute(path, ec);
+  if (ec) return fs::path(path).lexically_normal();
+  for (int hop = 0; hop < kMaxLinkHops; ++hop) {
+    if (p.filename().empty() || p.filename() == "." || p.filename() == "..") {
+      const fs::path c = fs::weakly_canonical(p, ec);
+      return ec ? p.lexically_normal() : c;
+    }
+    // The directory part: symlinks and ".." resolved where it exists.
+    const fs::path parent = fs::weakly_canonical(p.parent_path(), ec);
+    if (ec) return p.lexically_normal();
+    p = parent / p.filename();
+    // The last part: a symlink, even a dangling one (fopen "wb" creates its target).
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) break;
+    const fs::path target = fs::read_symlink(p, ec);
+    if (ec) break;
+    p = target.is_absolute() ? target : parent / target;
+  }
+  return p.lexically_normal();
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return false;
+  if (a == b || resolve_output_path(a) == resolve_output_path(b)) return true;
+  std::error_code ec;
+  const bool eq = fs::equivalent(a, b, ec);  // both exist: one inode (a hard link)
+  return !ec && eq;
+}
+
 void require_outside_model(const std::string& path, const std::string& model_dir,
                            const char* flag) {
   if (path.empty()) return;
   std::error_code ec;
-  const std::filesystem::path dir = std::filesystem::weakly_canonical(model_dir, ec);
-  const std::filesystem::path parent =
-      std::filesystem::weakly_canonical(std::filesystem::absolute(path, ec).parent_path(), ec);
-  FN_REQUIRE(ec || parent != dir, Usage,
-             "{} {}: inside the model directory {}; write it elsewhere (it could replace the "
+  const fs::path dir = fs::weakly_canonical(fs::absolute(model_dir, ec), ec);
+  if (ec) return;  // require_model_dir names a missing directory
+  const fs::path target = resolve_output_path(path);
+  const std::string via = target.lexically_normal() == fs::absolute(path, ec).lexically_normal()
+                              ? std::string()
+                              : fmt::format(" (it resolves to {})", target.string());
+  FN_REQUIRE(!is_within(target, dir), Usage,
+             "{} {}: inside the model directory {}{}; write it elsewhere (it could replace the "
              "checkpoint's own files)",
-             flag, path, model_dir);
+             flag, path, model_dir, via);
+  // A hard link of a checkpoint file: another name of the same bytes.
+  if (!fs::exists(target, ec)) return;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code eq_ec;
+    const bool eq = fs::equivalent(it->path(), target, eq_ec);
+    FN_REQUIRE(eq_ec || !eq, Usage,
+               "{} {}: the same file as {} in the model directory {} (a hard link); write it "
+               "elsewhere (it would replace the checkpoint's own file)",
+               flag, path, it->path().filename().string(), model_dir);
+  }
+}
+
+void require_not_input(const std::string& out, const char* out_flag, const std::string& in,
+                       const char* in_flag) {
+  FN_REQUIRE(!same_file(out, in), Usage,
+             "{} {} and {} {} name the same file: writing the results would destroy the input; "
+             "give another output path",
+             out_flag, out, in_flag, in);
+}
+
+void check_output_path(const std::string& path, const char* flag) {
+  if (path.empty()) return;
+  std::error_code ec;
+  const fs::path target = resolve_output_path(path);
+  FN_REQUIRE(!fs::is_directory(target, ec), Io, "{} {}: is a directory, not a file", flag, path);
+  const fs::path parent = target.parent_path();
+  FN_REQUIRE(fs::is_directory(parent, ec), Io,
+             "{} {}: cannot open for writing (no such directory {})", flag, path, parent.string());
+  const bool exists = fs::exists(target, ec);
+  const fs::path& what = exists ? target : parent;
+  FN_REQUIRE(::access(what.c_str(), exists ? W_OK : W_OK | X_OK) == 0, Io,
+             "{} {}: cannot open for writing ({}: {})", flag, path, what.string(),
+             std::strerror(errno));
 }
 
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {
@@ -62,8 +150,18 @@ std::vector<std::string> read_jsonl_lines(const std::string& path, const char* f
 }
 
 void write_stdout(std::string_view s) {
-  std::fwrite(s.data(), 1, s.size(), stdout);
-  std::fflush(stdout);
+  const bool ok =
+      std::fwrite(s.data(), 1, s.size(), stdout) == s.size() && std::fflush(stdout) == 0;
+  FN_REQUIRE(ok, Io, "cannot write to standard output ({})", std::strerror(errno));
+}
+
+void check_stdout() {
+  std::cout.flush();
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  FN_REQUIRE(flushed && std::ferror(stdout) == 0 && !std::cout.fail(), Io,
+             "cannot write to standard output{}",
+             flushed ? std::string() : fmt::format(" ({})", std::strerror(err)));
 }
 
 nlohmann::json parse_json_line(const std::string& line) {

@@ -25,18 +25,47 @@ std::string read_file(const std::string& path, const char* flag);
 /// fn::Error(Io) when it does not exist, fn::Error(Usage) when it is a file.
 void require_model_dir(const std::string& path);
 
-/// Refuses an output file (`flag` PATH) that would land in the model directory `model_dir`,
-/// where it could overwrite the checkpoint's own files (config.json, a shard). Throws
-/// fn::Error(Usage) naming both. An empty `path` passes.
+/// Where writing the output file `path` would land: absolute, normalised, every symlink followed,
+/// also a dangling one (opening it for writing creates its target) and one in a directory part.
+/// A link chain longer than 40 (a loop) is left where it stops.
+std::filesystem::path resolve_output_path(const std::string& path);
+
+/// True when `a` and `b` name one file: the same text, the same resolve_output_path (symlinks,
+/// "..", a dangling link to the other), or two existing names of one file (a hard link:
+/// std::filesystem::equivalent). An empty path is never the same file.
+bool same_file(const std::string& a, const std::string& b);
+
+/// Refuses an output file (`flag` PATH) that would land in the model directory `model_dir` or
+/// below it (after resolve_output_path, so a symlink into it counts), or that is a hard link of
+/// one of its files: writing it could overwrite the checkpoint's own files (config.json, a
+/// shard). Throws fn::Error(Usage) naming both. An empty `path` passes.
 void require_outside_model(const std::string& path, const std::string& model_dir, const char* flag);
+
+/// Refuses an output file (`out_flag` OUT) that is the input file (`in_flag` IN) under another
+/// name (same_file): writing the results would destroy the input before it is read. Throws
+/// fn::Error(Usage) naming both. Empty paths pass.
+void require_not_input(const std::string& out, const char* out_flag, const std::string& in,
+                       const char* in_flag);
+
+/// Checks, without creating or truncating anything, that the output file `path` can be written:
+/// it is not a directory, the directory it lands in exists, and the file (when it exists) or the
+/// directory is writable. Run before a model load so that a bad path fails fast; the file itself
+/// is opened only when results are ready. Throws fn::Error(Io) "<flag> <path>: ...".
+void check_output_path(const std::string& path, const char* flag);
 
 /// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line
 /// numbers in messages match the file). Throws what read_file throws, and fn::Error(Format)
 /// "<flag> <path>: no records" when no line holds anything but white space.
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag);
 
-/// Writes `s` to stdout and flushes (results only: text, tables, JSON).
+/// Writes `s` to stdout and flushes (results only: text, tables, JSON). Throws fn::Error(Io)
+/// "cannot write to standard output" when the write or the flush fails (a full disk, /dev/full,
+/// a closed pipe with SIGPIPE ignored).
 void write_stdout(std::string_view s);
+
+/// Flushes stdout (C stdio and std::cout) and throws fn::Error(Io) "cannot write to standard
+/// output" when any earlier write to it failed. main() runs it after every command.
+void check_stdout();
 
 /// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)"; callers put it
 /// into that record's "error" field.

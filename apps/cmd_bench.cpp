@@ -12,7 +12,9 @@
 // prompt (the caches hold zeros; TTFT is not measured). --breakdown times each op family of the
 // decode step after each lane (CudaModel::profile_steps). Each lane runs --warmup discarded
 // repetitions, then -r/--repetitions measured ones, on every rank; rank 0 prints the report
-// (--format md|csv|json|jsonl, stdout or -o FILE) and the per-token record (--per-token FILE). The
+// (--format md|csv|json|jsonl, stdout or -o FILE) and the per-token record (--per-token FILE),
+// both files written only once every lane has run (a failed run leaves them as they were), never
+// into the model directory nor onto each other (apps/app_util.h). The
 // roofline columns come from the shard plan (core/shard_plan.h bytes_per_token at the lane's mean
 // decode depth, the largest over ranks) and the reference bandwidth --bandwidth-gbs. Logs go to
 // stderr.
@@ -31,6 +33,7 @@
 #include "apps/app_util.h"
 #include "apps/backend.h"
 #include "apps/command.h"
+#include "apps/real_number.h"
 #include "apps/whole_number.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
@@ -556,27 +559,19 @@ std::string format_md(const Report& r) {
   return out;
 }
 
-// True when the two output paths (both given) name one file: the same text, or the same path
-// after std::filesystem::weakly_canonical (relative paths, "./", "..", symbolic links).
-bool same_file(const std::string& a, const std::string& b) {
-  if (a.empty() || b.empty()) return false;
-  if (a == b) return true;
-  std::error_code ec_a, ec_b;
-  const fs::path ca = fs::weakly_canonical(fs::absolute(a, ec_a), ec_a);
-  const fs::path cb = fs::weakly_canonical(fs::absolute(b, ec_b), ec_b);
-  return !ec_a && !ec_b && ca == cb;
-}
-
-// Opens `path` for writing on rank 0 (fails fast, before the model load).
+// Opens `path` for writing on rank 0, once the results are ready (check_output_path ran before
+// the model load), so that a failed run leaves an existing file as it was.
 std::FILE* open_output(const std::string& path, const char* flag) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   FN_REQUIRE(f != nullptr, Io, "{} {}: cannot open for writing", flag, path);
   return f;
 }
 
-void write_all(std::FILE* f, const std::string& s, const std::string& path, const char* flag) {
-  FN_REQUIRE(std::fwrite(s.data(), 1, s.size(), f) == s.size() && std::fflush(f) == 0, Io,
-             "{} {}: write failed", flag, path);
+// Writes `s` to the file `path` (opened and truncated only now) and closes it.
+void write_file(const std::string& path, const std::string& s, const char* flag) {
+  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(open_output(path, flag), &std::fclose);
+  FN_REQUIRE(std::fwrite(s.data(), 1, s.size(), f.get()) == s.size() && std::fflush(f.get()) == 0,
+             Io, "{} {}: write failed", flag, path);
 }
 
 // --breakdown of one lane: kBreakdownWarmup + `steps` eager steps, then as many in a graph with
@@ -648,6 +643,18 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   const bool skip_prefill = o.skip_prefill;
 
   if (!o.random_weights) require_model_dir(o.model);
+  // The output files: never a checkpoint file (or the --config file), and writable; opened
+  // (truncated) only when the results are ready, so a run that fails leaves them as they were.
+  if (root) {
+    for (const auto& [path, flag] :
+         {std::pair{o.output, "-o/--output"}, std::pair{o.per_token, "--per-token"}}) {
+      if (o.random_weights)
+        require_not_input(path, flag, o.config, "--config");
+      else
+        require_outside_model(path, o.model, flag);
+      check_output_path(path, flag);
+    }
+  }
   const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
   const ModelConfig cfg = load_model_config(dir);
   const GenerationConfig gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir);
@@ -681,14 +688,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
       ShardPlan::build(cfg, o.random_weights ? load_quant_config_file(dir) : load_quant_config(dir),
                        mpi.world_size());
 
-  std::FILE* out = stdout;
-  std::FILE* per_token = nullptr;
-  if (root && !o.output.empty()) out = open_output(o.output, "-o/--output");
-  if (root && !o.per_token.empty()) per_token = open_output(o.per_token, "--per-token");
-  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
-                                                                  &std::fclose);
-  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> per_token_guard(per_token, &std::fclose);
-
+  std::string per_token_text;  // --per-token records, written with the report
   MpiCollectives coll(mpi.world());
   const LoadedBackend model =
       o.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.seed), mpi,
@@ -763,7 +763,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
         }
         lane.tpot_ms.push_back(r.tpot.mean);
         lane.itl_ms.push_back(r.itl_ms);
-        if (per_token != nullptr) {
+        if (root && !o.per_token.empty()) {
           const json j = {{"lane", rep.lanes.size()},
                           {"n_prompt", p},
                           {"n_gen", n},
@@ -771,7 +771,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
                           {"ttft_ms", skip_prefill ? json(nullptr) : json(r.ttft_ms)},
                           {"prefill_ms", skip_prefill ? json(nullptr) : json(r.prefill_ms)},
                           {"itl_ms", r.itl_ms}};
-          write_all(per_token, j.dump() + "\n", o.per_token, "--per-token");
+          per_token_text += j.dump() + "\n";
         }
       }
       // The timed decode steps see n_prompt + 1 ... n_prompt + n_gen - 1 tokens: mean
@@ -815,10 +815,11 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
     } else {
       text = format_json(rep, o.format == "jsonl");
     }
-    if (out == stdout) {
+    if (!o.per_token.empty()) write_file(o.per_token, per_token_text, "--per-token");
+    if (o.output.empty()) {
       write_stdout(text);
     } else {
-      write_all(out, text, o.output, "-o/--output");
+      write_file(o.output, text, "-o/--output");
     }
   }
   return 0;
@@ -867,8 +868,8 @@ void register_bench(CLI::App& app, CommandList& commands) {
       "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)",
       WholeRange(0, kMaxTokenCount));
   add_whole_option(sub, "-s,--seed", o->seed, "seed of the synthetic prompt ids (default 0)", {});
-  o->o_bandwidth = sub->add_option(
-      "--bandwidth-gbs", o->bandwidth_gbs,
+  o->o_bandwidth = add_real_option(
+      sub, "--bandwidth-gbs", o->bandwidth_gbs,
       "reference memory bandwidth in GB/s for the roofline (default 4300: the measured H200 "
       "device copy bandwidth)");
   add_backend_flags(sub, o->backend);

@@ -9,8 +9,10 @@
 //   score        -i tasks.jsonl: greedy generation per task, <think> stripped, exact or regex
 //                answer match, per-task and total accuracy, JSONL records
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -22,6 +24,7 @@
 #include "apps/app_util.h"
 #include "apps/backend.h"
 #include "apps/command.h"
+#include "apps/real_number.h"
 #include "apps/whole_number.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
@@ -132,6 +135,8 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   FN_REQUIRE(o.chunks == -1 || o.chunks >= 1, Usage,
              "--chunks must be >= 1 (or -1, the default: every window), got {}", o.chunks);
   require_outside_model(o.save_logits, c.model, "--save-logits");
+  require_not_input(o.save_logits, "--save-logits", o.ppl_file, "-f/--file");
+  require_not_input(o.save_logits, "--save-logits", o.ppl_ids_file, "--ids-file");
   const fs::path dir = c.model;
   const ModelConfig cfg = load_model_config(dir);
   FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
@@ -231,6 +236,8 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   FN_REQUIRE(!(o.top_k > 0 && o.values == "logits"), Usage,
              "--values logits needs full rows: --top-k stores log-probs");
   require_outside_model(o.output, c.model, "-o/--output");
+  require_not_input(o.output, "-o/--output", o.file, "-f/--file");
+  require_not_input(o.output, "-o/--output", o.ids_file, "--ids-file");
   const fs::path dir = c.model;
   const ModelConfig cfg = load_model_config(dir);
   FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
@@ -483,6 +490,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   const bool root = mpi.world_rank() == 0;
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
   require_outside_model(o.score_output, c.model, "-o/--output");
+  require_not_input(o.score_output, "-o/--output", o.input, "-i/--input");
   FN_REQUIRE(o.max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}",
              o.max_new_tokens);
   FN_REQUIRE(o.temp >= 0, Usage, "--temp must be >= 0, got {}", o.temp);
@@ -519,8 +527,11 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   }
   const auto emit = [&](const json& j) {
     const std::string s = j.dump() + "\n";
-    std::fwrite(s.data(), 1, s.size(), out);
-    std::fflush(out);
+    const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
+    FN_REQUIRE(ok, Io, "{} ({})",
+               out == stdout ? std::string("cannot write to standard output")
+                             : "-o/--output " + o.score_output + ": cannot write",
+               std::strerror(errno));
   };
   struct Tally {
     int64_t n = 0, correct = 0, errors = 0;
@@ -716,7 +727,7 @@ void register_eval(CLI::App& app, CommandList& commands) {
   add_whole_option(o->score, "-c,--ctx-size", o->score_ctx,
                    "context size (default, or 0: min(max_position_embeddings, 4096))",
                    WholeRange(0, kMaxTokenCount));
-  o->score->add_option("--temp", o->temp, "temperature (default 0 = greedy)");
+  add_real_option(o->score, "--temp", o->temp, "temperature (default 0 = greedy)");
   o->score->add_flag("--chat", o->chat, "render \"prompt\" as a user turn of the chat template");
   o->score->add_option("--system-prompt", o->system_prompt, "system turn for chat prompts");
   o->score->add_flag("--think", o->think, "chat: thinking on");

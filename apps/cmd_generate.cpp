@@ -13,9 +13,11 @@
 // penalty). Flags override both. Context: -c/--ctx-size, default min(max_position_embeddings,
 // 4096) (llama.cpp's default size).
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -27,6 +29,7 @@
 #include "apps/app_util.h"
 #include "apps/backend.h"
 #include "apps/command.h"
+#include "apps/real_number.h"
 #include "apps/whole_number.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
@@ -49,9 +52,9 @@ namespace fs = std::filesystem;
 void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
   if (max_new_tokens <= 0) {
     FN_REQUIRE(n_prompt < ctx, Usage,
-               "the prompt ({} tokens) fills the context size -c/--ctx-size {}: "
+               "the prompt ({} token{}) fills the context size -c/--ctx-size {}: "
                "-n/--max-new-tokens -1 (until the context is full) leaves no room for a token",
-               n_prompt, ctx);
+               n_prompt, n_prompt == 1 ? "" : "s", ctx);
     max_new_tokens = ctx - n_prompt;
   }
   check_context(n_prompt, max_new_tokens, ctx);
@@ -283,7 +286,13 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
              "\"messages\" through -i/--input)");
 
   require_model_dir(o.model);
-  require_outside_model(o.output, o.model, "-o/--output");
+  if (root) {
+    // -o: never a checkpoint file nor the -i file, and writable before the model loads; the
+    // file is opened (truncated) after the load, when the first record is ready.
+    require_outside_model(o.output, o.model, "-o/--output");
+    require_not_input(o.output, "-o/--output", o.input, "-i/--input");
+    check_output_path(o.output, "-o/--output");
+  }
   const fs::path dir = o.model;
   const ModelConfig cfg = load_model_config(dir);
   const GenerationConfig gen = load_generation_config(dir);
@@ -442,6 +451,16 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     out = std::fopen(o.output.c_str(), "wb");
     FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing", o.output);
   }
+  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
+                                                                  &std::fclose);
+  const auto write_record = [&](const json& j) {
+    const std::string s = j.dump() + "\n";
+    const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
+    FN_REQUIRE(ok, Io, "{} ({})",
+               out == stdout ? std::string("cannot write to standard output")
+                             : "-o/--output " + o.output + ": cannot write",
+               std::strerror(errno));
+  };
   int64_t n_lines = static_cast<int64_t>(lines.size());
   coll.broadcast(&n_lines, sizeof(n_lines), 0);
   int64_t n_records = 0, n_errors = 0, n_tokens = 0;
@@ -475,10 +494,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       ++n_errors;
       if (root) {
         FN_LOG_WARN("{}", error);
-        const json j = {{"id", rec_id}, {"finish_reason", "error"}, {"error", error}};
-        const std::string s = j.dump() + "\n";
-        std::fwrite(s.data(), 1, s.size(), out);
-        std::fflush(out);
+        write_record({{"id", rec_id}, {"finish_reason", "error"}, {"error", error}});
       }
       continue;
     }
@@ -504,14 +520,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       j["host_rss_mib"] = current_rss_mib();
       if (model.device_used_mib) j["device_used_mib"] = model.device_used_mib();
       if (model.graph_captures) j["graph_captures"] = model.graph_captures();
-      const std::string s = j.dump() + "\n";
-      std::fwrite(s.data(), 1, s.size(), out);
-      std::fflush(out);
+      write_record(j);
     }
   }
   const std::vector<double> mem = gather_peak_rss_mib(coll);
   if (root) {
-    if (out != stdout) std::fclose(out);
     const LatencyStats tt = latency_stats(ttfts), it = latency_stats(itls);
     const std::string s = fmt::format(
         "\n--- fngen generate (batch): backend {}, TP {}, ctx {}, {}\n"
@@ -523,6 +536,10 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         tt.p90, tt.p99, it.mean, it.p50, it.p90, it.p99, it.max, memory_text(mem));
     std::fwrite(s.data(), 1, s.size(), stderr);
   }
+  // Every rank knows the counts (the statuses are broadcast): all end with the same error.
+  FN_REQUIRE(n_errors < n_records, Format,
+             "-i/--input {}: every record failed ({} of {}; see their \"error\" fields)", o.input,
+             n_errors, n_records);
   return 0;
 }
 
@@ -548,17 +565,18 @@ void register_generate(CLI::App& app, CommandList& commands) {
   add_whole_option(sub, "-c,--ctx-size", o->ctx_size,
                    "context size in tokens (default, or 0: min(max_position_embeddings, 4096))",
                    WholeRange(0, kMaxTokenCount));
-  o->o_temp = sub->add_option("--temp", o->temp, "temperature (0 = greedy)");
+  o->o_temp = add_real_option(sub, "--temp", o->temp, "temperature (0 = greedy)");
   o->o_top_k = add_whole_option(sub, "--top-k", o->top_k, "top-k (0 = off)", {});
-  o->o_top_p = sub->add_option("--top-p", o->top_p, "top-p (1 = off)");
-  o->o_min_p = sub->add_option("--min-p", o->min_p, "min-p (0 = off)");
+  o->o_top_p = add_real_option(sub, "--top-p", o->top_p, "top-p (1 = off)");
+  o->o_min_p = add_real_option(sub, "--min-p", o->min_p, "min-p (0 = off)");
   o->o_repeat_penalty =
-      sub->add_option("--repeat-penalty", o->repeat_penalty, "repetition penalty (1 = off)");
+      add_real_option(sub, "--repeat-penalty", o->repeat_penalty, "repetition penalty (1 = off)");
   add_whole_option(sub, "--repeat-last-n", o->repeat_last_n,
                    "tokens the penalties look back on (0 = off, -1 = all)",
                    WholeRange(0).or_value(-1));
-  o->o_presence = sub->add_option("--presence-penalty", o->presence, "presence penalty (0 = off)");
-  sub->add_option("--frequency-penalty", o->frequency, "frequency penalty (0 = off)");
+  o->o_presence =
+      add_real_option(sub, "--presence-penalty", o->presence, "presence penalty (0 = off)");
+  add_real_option(sub, "--frequency-penalty", o->frequency, "frequency penalty (0 = off)");
   add_whole_option(sub, "-s,--seed", o->seed, "RNG seed (-1 = random, printed in the summary)",
                    WholeRange(0, std::numeric_limits<uint64_t>::max()).or_value(-1));
   sub->add_option("--stop", o->stop, "stop string (repeatable; not printed)")

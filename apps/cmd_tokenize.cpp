@@ -111,6 +111,10 @@ std::string ids_line(const std::vector<int32_t>& ids) {
 }
 
 int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
+  // -o is truncated before -i is read: never the input (nor the tokenizer's own files).
+  require_not_input(o.output, "-o/--output", o.input, "-i/--input");
+  require_not_input(o.output, "-o/--output", o.tokenizer_file, "--tokenizer");
+  if (!o.model.empty()) require_outside_model(o.output, o.model, "-o/--output");
   std::ifstream in(o.input, std::ios::binary);
   FN_REQUIRE(in.good(), Io, "cannot open -i/--input {}", o.input);
   std::ofstream file_out;
@@ -150,10 +154,15 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
     out << rec.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
   }
   out.flush();
-  FN_REQUIRE(out.good(), Io, "cannot write {}", o.output.empty() ? "stdout" : o.output);
-  FN_LOG_INFO("tokenize: {} records, {} tokens, {} records with errors", n, tokens, errors);
+  if (o.output.empty()) check_stdout();
+  FN_REQUIRE(out.good(), Io, "cannot write -o/--output {}", o.output);
+  FN_LOG_INFO("tokenize: {} record{}, {} token{}, {} with errors", n, n == 1 ? "" : "s", tokens,
+              tokens == 1 ? "" : "s", errors);
   if (errors)
     FN_LOG_WARN("tokenize: {} of {} records had errors (see their \"error\" fields)", errors, n);
+  FN_REQUIRE(n == 0 || errors < n, Format,
+             "-i/--input {}: every record failed ({} of {}; see their \"error\" fields)", o.input,
+             errors, n);
   return 0;
 }
 

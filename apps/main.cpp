@@ -8,6 +8,7 @@
 #include <string>
 #include <thread>
 
+#include "apps/app_util.h"
 #include "apps/command.h"
 #include "comm/mpi_context.h"
 #include "core/error.h"
@@ -121,6 +122,8 @@ int main(int argc, char** argv) {
     for (auto& cmd : commands) {
       if (cmd.app->parsed()) code = cmd.run(*mpi);
     }
+    // Results that did not reach stdout (a full disk, `> /dev/full`) are a failed run.
+    fn::check_stdout();
     mpi.reset();
     return code;
   } catch (const fn::Error& e) {

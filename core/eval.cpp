@@ -143,9 +143,9 @@ namespace {
 int64_t chunk_count(std::size_t n_tokens, int64_t n_ctx, int64_t max_chunks) {
   FN_REQUIRE(n_ctx >= 4, Usage, "-c/--ctx-size must be >= 4 for perplexity windows, got {}", n_ctx);
   FN_REQUIRE(static_cast<int64_t>(n_tokens) >= n_ctx, Usage,
-             "the text has {} tokens, fewer than one window of -c/--ctx-size {}; use a smaller "
+             "the text has {} token{}, fewer than one window of -c/--ctx-size {}; use a smaller "
              "-c or a longer text",
-             n_tokens, n_ctx);
+             n_tokens, n_tokens == 1 ? "" : "s", n_ctx);
   const int64_t max_possible = static_cast<int64_t>(n_tokens) / n_ctx;
   return max_chunks > 0 ? std::min(max_chunks, max_possible) : max_possible;
 }

@@ -261,8 +261,64 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
     bench -p 8 -n 4 -o "$tmp/same.txt" --per-token "$tmp/same.txt"
   expect 2 "$same $tmp/./sub/../same.txt name the same file" -- \
     bench -p 8 -n 4 -o "$tmp/same.txt" --per-token "$tmp/./sub/../same.txt"
+  # ... or through a hard link, or a dangling symlink (opening it would create the other path).
+  ln "$tmp/same.txt" "$tmp/same_hard.txt"
+  expect 2 "$same $tmp/same_hard.txt name the same file" -- \
+    bench -p 8 -n 4 -o "$tmp/same.txt" --per-token "$tmp/same_hard.txt"
+  ln -s "$tmp/new_report.txt" "$tmp/dangling.txt"
+  expect 2 "-o/--output $tmp/new_report.txt and --per-token $tmp/dangling.txt name the same file" -- \
+    bench -p 8 -n 4 -o "$tmp/new_report.txt" --per-token "$tmp/dangling.txt"
+  expect 2 "-o/--output $tmp/dangling.txt and --per-token $tmp/new_report.txt name the same file" -- \
+    bench -p 8 -n 4 -o "$tmp/dangling.txt" --per-token "$tmp/new_report.txt"
   [ "$(cat "$tmp/same.txt")" = keep ] && pass "-o = --per-token: the file is left as it was" ||
     fail "-o = --per-token: $tmp/same.txt was written"
+  [ -e "$tmp/new_report.txt" ] && fail "-o = --per-token (dangling link): $tmp/new_report.txt created" ||
+    pass "-o = --per-token (dangling link): nothing created"
+  # -o and --per-token never land in the model directory (a copy of the fixture): as typed, below
+  # it, through a symlink (also a dangling one) or as a hard link of a checkpoint file; refused
+  # before anything is opened, and the checkpoint stays byte for byte.
+  cp -r "$fx" "$tmp/model"
+  (cd "$tmp/model" && md5sum -- * >"$tmp/model.md5")
+  ln -s "$tmp/model/config.json" "$tmp/to_config.json"
+  ln -s "$tmp/model/new.jsonl" "$tmp/to_new.jsonl"
+  ln "$tmp/model/model-bf16-00001.safetensors" "$tmp/hard_shard.bin"
+  mbench() { timeout 300 "$fngen" bench -m "$tmp/model" --backend cpu -p 8 -n 4 -r 1 "$@"; }
+  inside="inside the model directory $tmp/model"
+  expect 2 "-o/--output $tmp/model/config.json: $inside; write it elsewhere" -- \
+    mbench -o "$tmp/model/config.json"
+  expect 2 "--per-token $tmp/model/model-bf16-00002.safetensors: $inside" -- \
+    mbench --per-token "$tmp/model/model-bf16-00002.safetensors"
+  expect 2 "-o/--output $tmp/model/sub/r.md: $inside" -- mbench -o "$tmp/model/sub/r.md"
+  expect 2 "-o/--output $tmp/to_config.json: $inside (it resolves to .*/model/config.json)" -- \
+    mbench -o "$tmp/to_config.json"
+  expect 2 "--per-token $tmp/to_new.jsonl: $inside (it resolves to .*/model/new.jsonl)" -- \
+    mbench --per-token "$tmp/to_new.jsonl"
+  expect 2 "-o/--output $tmp/hard_shard.bin: the same file as model-bf16-00001.safetensors in the model directory" -- \
+    mbench -o "$tmp/hard_shard.bin"
+  if (cd "$tmp/model" && md5sum --quiet -c "$tmp/model.md5") && ! [ -e "$tmp/model/new.jsonl" ] &&
+    ! [ -e "$tmp/model/sub" ]; then
+    pass "-o/--per-token into the model directory: the checkpoint is unchanged"
+  else
+    fail "-o/--per-token into the model directory changed $tmp/model: $(ls "$tmp/model")"
+  fi
+  # A run that fails after the checks (a flag refused once the backend is known, a checkpoint
+  # that does not load) leaves existing -o/--per-token files as they were: they are written only
+  # when the results are ready.
+  echo keep >"$tmp/keep.md"
+  echo keep >"$tmp/keep_pt.jsonl"
+  expect 2 "--skip-prefill needs the cuda backend (this run uses cpu)" -- \
+    bench -p 8 -n 4 -o "$tmp/keep.md" --per-token "$tmp/keep_pt.jsonl" --skip-prefill
+  cp -r "$fx" "$tmp/broken"
+  truncate -s 100 "$tmp/broken/model-bf16-00002.safetensors"
+  expect 3 "model-bf16-00002.safetensors" -- timeout 300 "$fngen" bench -m "$tmp/broken" \
+    --backend cpu -p 8 -n 4 -o "$tmp/keep.md" --per-token "$tmp/keep_pt.jsonl"
+  [ "$(cat "$tmp/keep.md" "$tmp/keep_pt.jsonl")" = "keep
+keep" ] && pass "a failed bench leaves -o and --per-token as they were" ||
+    fail "a failed bench changed -o/--per-token: $(head -c 200 "$tmp/keep.md")"
+  # Results that cannot be written: exit 3, not 0. Real-number flags: no empty value as 0.
+  expect_full 3 "cannot write to standard output" -- bench -p 8 -n 4 -r 1 --warmup 0
+  expect 2 "--bandwidth-gbs: '' is not a decimal number" -- bench -p 8 -n 4 --bandwidth-gbs ""
+  expect 2 "--bandwidth-gbs: '1e3x' is not a decimal number" -- bench -p 8 -n 4 --bandwidth-gbs 1e3x
   # The CUDA-only modes: refused on the cpu backend, and their flag combinations checked.
   expect 2 "give either -m/--model DIR or --random-weights --config FILE" -- \
     timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu
@@ -312,6 +368,17 @@ need(all(len(l['bytes_per_token_by_rank']) == 2 for l in ls), 'per-rank bytes')
     fail "mpirun -np 2 md: $n_head headers, $n_rows rows: $(head -n 3 "$tmp/tp2.md")"
   fi
   expect 2 "-r/--repetitions: '0' is out of range (allowed 1 to" -- mpi 2 -p 8 -n 4 -r 0
+  # Output guards at TP 2 (rank 0 checks, every rank ends non-zero), on a copy of the fixture.
+  cp -r "$fx" "$tmp/model"
+  ln -s "$tmp/model/config.json" "$tmp/to_config.json"
+  expect 2 "-o/--output $tmp/to_config.json: inside the model directory $tmp/model" -- \
+    mpi_fngen 2 bench -m "$tmp/model" --backend cpu -p 8 -n 4 -o "$tmp/to_config.json"
+  cmp -s "$tmp/model/config.json" "$fx/config.json" && pass "np 2: config.json unchanged" ||
+    fail "np 2: -o through a symlink changed config.json"
+  echo keep >"$tmp/keep.md"
+  expect 2 "--skip-prefill needs the cuda backend" -- mpi 2 -p 8 -n 4 -o "$tmp/keep.md" --skip-prefill
+  [ "$(cat "$tmp/keep.md")" = keep ] && pass "np 2: a failed bench leaves -o as it was" ||
+    fail "np 2: a failed bench changed -o: $(head -c 200 "$tmp/keep.md")"
 fi
 
 if [ "$failures" -gt 0 ]; then

@@ -85,6 +85,65 @@ for case in "-n 010:10" "-n 08:8" "-n +3:3" "-n -1 -c 6:4" "-n 3 -s 007 --temp 1
     fail "generate ${case%%:*}: $got tokens (want ${case##*:})"
 done
 
+# Real-number options (apps/real_number.h): a finite decimal number only. CLI11 alone read an
+# empty value as 0 (`--temp ''` meant greedy) and took hex, inf and nan.
+notnum="is not a decimal number (digits with an optional sign, '.' fraction and e exponent"
+expect 2 "--temp: '' $notnum" -- gen --temp ""
+expect 2 "--temp: ' 1' $notnum" -- gen --temp " 1"
+expect 2 "--temp: '0.7x' $notnum" -- gen --temp 0.7x
+expect 2 "--top-p: 'abc' $notnum" -- gen --top-p abc
+expect 2 "--min-p: 'nan' $notnum" -- gen --min-p nan
+expect 2 "--repeat-penalty: 'inf' $notnum" -- gen --repeat-penalty inf
+expect 2 "--presence-penalty: '0x1p3' $notnum" -- gen --presence-penalty 0x1p3
+expect 2 "--frequency-penalty: '1e999' is out of range (beyond a double)" -- gen --frequency-penalty 1e999
+expect 2 "--bandwidth-gbs: '' $notnum" -- "$fngen" bench -m "$tmp/no-model" --bandwidth-gbs ""
+expect 2 "--temp: '-' $notnum" -- "$fngen" eval score -m "$tmp/no-model" -i x --temp -
+temp_of() {  # temp_of VALUE: the temperature a generate run used, or "error"
+  "$fngen" generate -m "$fx" --prompt-ids 1,2 --backend cpu -n 2 --json --temp "$1" 2>/dev/null |
+    $py -c "import json,sys; print(json.load(sys.stdin)['sampling']['temperature'])" 2>/dev/null ||
+    echo error
+}
+for v in 0.5 .5 5e-1 +0.5 0.50 5.E-1; do
+  got=$(temp_of "$v")
+  [ "$got" = 0.5 ] && pass "--temp $v is 0.5" || fail "--temp $v gave $got (want 0.5)"
+done
+# Prompt lengths are counted in the singular too.
+expect 2 "the prompt (1 token) plus -n/--max-new-tokens (2000) is 2001 tokens" -- \
+  "$fngen" generate -m "$fx" --prompt-ids 1 -n 2000 --backend cpu
+
+# Results that cannot be written (stdout on /dev/full) are an io error (exit 3), never exit 0.
+full="cannot write to standard output"
+expect_full 3 "$full" -- "$fngen" inspect "$src/configs/tiny.json"
+expect_full 3 "$full" -- "$fngen" inspect "$src/configs/tiny.json" --json
+expect_full 3 "$full (No space left on device)" -- \
+  "$fngen" generate -m "$fx" --prompt-ids 1,2 --backend cpu -n 2
+expect_full 3 "$full" -- "$fngen" generate -m "$fx" --prompt-ids 1,2 --backend cpu -n 2 --json
+expect_full 3 "$full" -- "$fngen" bench -m "$fx" --backend cpu -p 4 -n 2 -r 1 --warmup 0
+tok=$src/third_party/qwen3-tokenizer/tokenizer.json
+if [ -f "$tok" ]; then
+  expect_full 3 "$full" -- "$fngen" tokenize --tokenizer "$tok" -p hello
+  expect_full 3 "$full" -- "$fngen" tokenize --tokenizer "$tok" -p hello --json
+  printf '{"text": "hi"}\n' >"$tmp/t.jsonl"
+  expect_full 3 "$full" -- "$fngen" tokenize --tokenizer "$tok" -i "$tmp/t.jsonl"
+  # tokenize -i X -o X (as typed, or through a symlink or a hard link) would empty X before
+  # reading it; a batch whose every record failed exits 3.
+  ln -s t.jsonl "$tmp/t_link.jsonl"
+  ln "$tmp/t.jsonl" "$tmp/t_hard.jsonl"
+  for o in "$tmp/t.jsonl" "$tmp/t_link.jsonl" "$tmp/t_hard.jsonl"; do
+    expect 2 "-o/--output $o and -i/--input $tmp/t.jsonl name the same file" -- \
+      "$fngen" tokenize --tokenizer "$tok" -i "$tmp/t.jsonl" -o "$o"
+  done
+  [ "$(cat "$tmp/t.jsonl")" = '{"text": "hi"}' ] && pass "tokenize -i = -o: the input is intact" ||
+    fail "tokenize -i = -o changed the input: $(cat "$tmp/t.jsonl")"
+  printf 'not json\n{"text": 5}\n' >"$tmp/allbad.jsonl"
+  expect 3 "-i/--input $tmp/allbad.jsonl: every record failed (2 of 2" -- \
+    "$fngen" tokenize --tokenizer "$tok" -i "$tmp/allbad.jsonl" -o "$tmp/allbad.out"
+  [ "$(grep -c '"error"' "$tmp/allbad.out")" = 2 ] && pass "the failed records are still written" ||
+    fail "tokenize all-failed output: $(cat "$tmp/allbad.out")"
+else
+  fail "no tokenizer at $tok (run scripts/setup.sh)"
+fi
+
 # A truncated shard: inspect must name the file.
 "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/ck" 2>/dev/null || failures=$((failures + 1))
 truncate -s 100 "$tmp/ck/model-bf16-00002.safetensors"

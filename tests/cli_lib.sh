@@ -1,7 +1,7 @@
 # Shared helpers of the CLI test scripts (tests/*_cli.sh, tests/backend_gpu.sh): a temporary
 # directory removed on exit, Open MPI allowed as root, failure counting, fngen under mpirun, an
-# exit-code + stderr-pattern expectation and a JSON field check. Source it after setting
-# $fngen and $mpiexec; it defines $py, $tmp and $failures.
+# exit-code + stderr-pattern expectation (also with stdout on /dev/full) and a JSON field check.
+# Source it after setting $fngen and $mpiexec; it defines $py, $tmp and $failures.
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -21,9 +21,17 @@ mpi_fngen() {  # mpi_fngen NP fngen-args... (300 s limit: a hang is a failure)
 }
 
 expect() {  # expect CODE PATTERN -- command...
-  local code=$1 pattern=$2
-  shift 3
-  "$@" >"$tmp/out" 2>"$tmp/err"
+  expect_to "$tmp/out" "$@"
+}
+
+expect_full() {  # expect_full CODE PATTERN -- command...: stdout is /dev/full (every write fails)
+  expect_to /dev/full "$@"
+}
+
+expect_to() {  # expect_to STDOUT-FILE CODE PATTERN -- command...
+  local stdout=$1 code=$2 pattern=$3
+  shift 4
+  "$@" >"$stdout" 2>"$tmp/err"
   local got=$?
   if [ "$got" != "$code" ] || ! grep -q -- "$pattern" "$tmp/err"; then
     fail "'$*' exited $got (want $code, stderr matching '$pattern'), stderr: $(grep -v '^$' "$tmp/err" | head -n 5)"

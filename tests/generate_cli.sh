@@ -150,6 +150,49 @@ else
   fail "JSONL batch exited non-zero: $(tail -n 5 "$tmp/err")"
 fi
 
+# ---- output files: never the input nor a checkpoint file, also through links ----
+cp -r "$fx/g3_tiny" "$tmp/g3"
+printf '{"prompt_ids": [1, 2]}\n' >"$tmp/b.jsonl"
+ln -s b.jsonl "$tmp/b_link.jsonl"
+ln "$tmp/b.jsonl" "$tmp/b_hard.jsonl"
+for o in "$tmp/b.jsonl" "$tmp/./b.jsonl" "$tmp/b_link.jsonl" "$tmp/b_hard.jsonl"; do
+  expect 2 "-o/--output $o and -i/--input $tmp/b.jsonl name the same file" -- \
+    mpi 2 -m "$tmp/g3" -i "$tmp/b.jsonl" -o "$o" -n 2
+done
+[ "$(cat "$tmp/b.jsonl")" = '{"prompt_ids": [1, 2]}' ] && echo "ok: -i = -o: the input is intact" ||
+  fail "-i = -o changed the input: $(cat "$tmp/b.jsonl")"
+ln -s "$tmp/g3/config.json" "$tmp/to_config.json"
+ln -s "$tmp/g3/new.jsonl" "$tmp/to_new.jsonl"
+ln "$tmp/g3/generation_config.json" "$tmp/hard_gen.json"
+inside="inside the model directory $tmp/g3"
+expect 2 "-o/--output $tmp/g3/config.json: $inside; write it elsewhere" -- \
+  mpi 2 -m "$tmp/g3" -i "$tmp/b.jsonl" -o "$tmp/g3/config.json" -n 2
+expect 2 "-o/--output $tmp/to_config.json: $inside (it resolves to .*/g3/config.json)" -- \
+  mpi 2 -m "$tmp/g3" -i "$tmp/b.jsonl" -o "$tmp/to_config.json" -n 2
+expect 2 "-o/--output $tmp/to_new.jsonl: $inside (it resolves to .*/g3/new.jsonl)" -- \
+  mpi 2 -m "$tmp/g3" -i "$tmp/b.jsonl" -o "$tmp/to_new.jsonl" -n 2
+expect 2 "-o/--output $tmp/hard_gen.json: the same file as generation_config.json in the model directory" -- \
+  mpi 2 -m "$tmp/g3" -i "$tmp/b.jsonl" -o "$tmp/hard_gen.json" -n 2
+if diff -r "$fx/g3_tiny" "$tmp/g3" >/dev/null; then
+  echo "ok: -o into the model directory (as typed, symlinked, hard-linked): the checkpoint is unchanged"
+else
+  fail "-o into the model directory changed it: $(diff -rq "$fx/g3_tiny" "$tmp/g3")"
+fi
+# An -o that cannot be written fails before the model load; an existing one is kept until then.
+expect 3 "-o/--output $tmp/no-dir/o.jsonl: cannot open for writing (no such directory" -- \
+  mpi 2 -m "$tmp/g3" -i "$tmp/b.jsonl" -o "$tmp/no-dir/o.jsonl" -n 2
+# A batch whose every record failed exits 3 on every rank (the records are still written).
+printf 'not json\n{"prompt_ids": []}\n' >"$tmp/allbad.jsonl"
+expect 3 "-i/--input $tmp/allbad.jsonl: every record failed (2 of 2" -- \
+  mpi 2 -m "$tmp/g3" -i "$tmp/allbad.jsonl" -o "$tmp/allbad.out" -n 2
+[ "$(grep -c '"finish_reason":"error"' "$tmp/allbad.out")" = 2 ] &&
+  echo "ok: the failed records are still written" || fail "all-failed batch: $(cat "$tmp/allbad.out")"
+# stdout on /dev/full: exit 3, not 0. One process: under mpirun, rank 0 writes to mpirun's pipe
+# and mpirun's own failed writes are not reported to it.
+for args in "--prompt-ids 1,2" "--prompt-ids 1,2 --json" "-i $tmp/b.jsonl"; do
+  expect_full 3 "cannot write to standard output" -- "$fngen" generate -m "$tmp/g3" $args -n 2
+done
+
 # ---- text, chat and --stop on a Qwen3-vocab model with a tokenizer ----
 tok=$src/third_party/qwen3-tokenizer
 if [ -f "$tok/tokenizer.json" ]; then

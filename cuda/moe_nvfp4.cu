@@ -30,6 +30,7 @@
 #include "cuda/moe_nvfp4.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -385,6 +386,7 @@ constexpr int kPersistUnits = 3;  // units per lane and row at K = 2560 (80 unit
 constexpr int kPersistDepth = 2;
 constexpr int kPersistMinBlocks = 2;
 
+template <int kProbe>  // EXPERIMENT: 0 normal, 1 loads only, 2 compute only, 3 experts 0..k-1
 __global__ void __launch_bounds__(kBlockThreads, kPersistMinBlocks)
     moe_gate_up_persistent_kernel(GateUpArgs a) {
   extern __shared__ float4 stage4[];
@@ -409,7 +411,7 @@ __global__ void __launch_bounds__(kBlockThreads, kPersistMinBlocks)
   const auto load = [&](int i, Pair& r) {
     const int64_t p = p0 + warp + static_cast<int64_t>(i) * kWarps;
     const int j = static_cast<int>(p / a.inter), row = static_cast<int>(p - int64_t{j} * a.inter);
-    const int e = __ldg(a.ids + j);
+    const int e = kProbe == 3 ? j : __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
     const int64_t g_row = static_cast<int64_t>(ok ? e : 0) * 2 * a.inter + row;
     const uint8_t* wg = a.packed + g_row * (a.k / 2);
@@ -418,6 +420,14 @@ __global__ void __launch_bounds__(kBlockThreads, kPersistMinBlocks)
     for (int m = 0; m < kPersistUnits; ++m) {
       const int v = lane + 32 * m;
       const bool live = ok && m < mine;
+      if constexpr (kProbe == 2) {
+        const uint32_t z = static_cast<uint32_t>(p) * 2654435761u + static_cast<uint32_t>(v);
+        r.w[m][0] = make_uint4(z, z ^ 0x1234567u, z + 77u, z * 3u);
+        r.w[m][1] = make_uint4(z ^ 0x7654321u, z + 5u, z * 7u, z ^ 0xabcdefu);
+        r.s[m][0] = 0x3838u;
+        r.s[m][1] = 0x3838u;
+        continue;
+      }
       r.w[m][0] = live ? U::codes(wg, v) : make_uint4(0, 0, 0, 0);
       r.w[m][1] = live ? U::codes(wg + static_cast<int64_t>(a.inter) * (a.k / 2), v)
                        : make_uint4(0, 0, 0, 0);
@@ -440,9 +450,16 @@ __global__ void __launch_bounds__(kBlockThreads, kPersistMinBlocks)
       float acc[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int m = 0; m < kPersistUnits; ++m)
-        if (m < mine)
-          unit_dot2<false>(buf[q].w[m][0], buf[q].w[m][1], buf[q].s[m][0], buf[q].s[m][1], stage,
-                           lane + 32 * m, acc[0], acc[1]);
+        if (m < mine) {
+          if constexpr (kProbe == 1) {
+            const uint4 x0 = buf[q].w[m][0], x1 = buf[q].w[m][1];
+            acc[0] += static_cast<float>((x0.x ^ x0.y ^ x0.z ^ x0.w ^ buf[q].s[m][0]) & 7u);
+            acc[1] += static_cast<float>((x1.x ^ x1.y ^ x1.z ^ x1.w ^ buf[q].s[m][1]) & 7u);
+          } else {
+            unit_dot2<false>(buf[q].w[m][0], buf[q].w[m][1], buf[q].s[m][0], buf[q].s[m][1],
+                             stage, lane + 32 * m, acc[0], acc[1]);
+          }
+        }
       if (i + kPersistDepth < n) load(i + kPersistDepth, buf[q]);
       dev::team_reduce<2, kBlockThreads>(acc, 32, lane);
       if (lane == 0) {
@@ -945,8 +962,16 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
     const unsigned pblocks = static_cast<unsigned>(std::min<int64_t>(
         static_cast<int64_t>(detail::current_sm_count()) * kPersistMinBlocks,
         (static_cast<int64_t>(p.top_k) * inter + kBlockThreads / 32 - 1) / (kBlockThreads / 32)));
-    launch_pdl("moe_gate_up_persistent_kernel", moe_gate_up_persistent_kernel, pblocks,
-               kBlockThreads, static_cast<size_t>(p.experts.cols) * 4, stream, a);
+    static const int probe = [] {  // EXPERIMENT (session 7)
+      const char* v = std::getenv("FN_MOE_PROBE");
+      return v != nullptr ? std::atoi(v) : 0;
+    }();
+    auto* kern = probe == 1   ? moe_gate_up_persistent_kernel<1>
+                 : probe == 2 ? moe_gate_up_persistent_kernel<2>
+                 : probe == 3 ? moe_gate_up_persistent_kernel<3>
+                              : moe_gate_up_persistent_kernel<0>;
+    launch_pdl("moe_gate_up_persistent_kernel", kern, pblocks, kBlockThreads,
+               static_cast<size_t>(p.experts.cols) * 4, stream, a);
     FN_CUDA_LAUNCH_CHECK("moe_gate_up_persistent_kernel");
     return;
   }

@@ -689,7 +689,8 @@ __global__ void __launch_bounds__(kFThreads, 2) fused_expert_kernel(const FusedA
         const float b = __uint_as_float(static_cast<uint32_t>(bs[k]) << 16);
 #pragma unroll
         for (int r = 0; r < 32; ++r)
-          accf[r] = fmaf(__uint_as_float(static_cast<uint32_t>(as[r * kFLd + k]) << 16), b, accf[r]);
+          accf[r] =
+              fmaf(__uint_as_float(static_cast<uint32_t>(as[r * kFLd + k]) << 16), b, accf[r]);
       }
     }
 #endif

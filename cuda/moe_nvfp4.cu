@@ -383,10 +383,9 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
 // same staged x, dev::team_reduce over the warp), so the results are bitwise those of
 // launch_moe_gate_up_nvfp4 with team_threads = 32 (the test checks it).
 constexpr int kPersistUnits = 3;  // units per lane and row at K = 2560 (80 units, team 32)
-constexpr int kPersistDepth = 2;
-constexpr int kPersistMinBlocks = 2;
 
-template <int kProbe>  // EXPERIMENT: 0 normal, 1 loads only, 2 compute only, 3 experts 0..k-1
+// EXPERIMENT: kProbe 0 normal, 1 loads only, 2 compute only, 3 experts 0..k-1
+template <int kProbe, int kPersistMinBlocks, int kPersistDepth>
 __global__ void __launch_bounds__(kBlockThreads, kPersistMinBlocks)
     moe_gate_up_persistent_kernel(GateUpArgs a) {
   extern __shared__ float4 stage4[];
@@ -959,17 +958,25 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
   if (p.persistent && !narrow && a.nvec <= 32 * kPersistUnits) {
-    const unsigned pblocks = static_cast<unsigned>(std::min<int64_t>(
-        static_cast<int64_t>(detail::current_sm_count()) * kPersistMinBlocks,
-        (static_cast<int64_t>(p.top_k) * inter + kBlockThreads / 32 - 1) / (kBlockThreads / 32)));
     static const int probe = [] {  // EXPERIMENT (session 7)
       const char* v = std::getenv("FN_MOE_PROBE");
       return v != nullptr ? std::atoi(v) : 0;
     }();
-    auto* kern = probe == 1   ? moe_gate_up_persistent_kernel<1>
-                 : probe == 2 ? moe_gate_up_persistent_kernel<2>
-                 : probe == 3 ? moe_gate_up_persistent_kernel<3>
-                              : moe_gate_up_persistent_kernel<0>;
+    static const int mb = [] {  // EXPERIMENT (session 7): blocks per SM 2, 3, 4 (depth 2, 1, 1)
+      const char* v = std::getenv("FN_MOE_MINB");
+      return v != nullptr ? std::atoi(v) : 2;
+    }();
+    auto* kern = mb == 3      ? moe_gate_up_persistent_kernel<0, 3, 1>
+                 : mb == 4    ? moe_gate_up_persistent_kernel<0, 4, 1>
+                 : mb == 5    ? moe_gate_up_persistent_kernel<0, 3, 2>
+                 : probe == 1 ? moe_gate_up_persistent_kernel<1, 2, 2>
+                 : probe == 2 ? moe_gate_up_persistent_kernel<2, 2, 2>
+                 : probe == 3 ? moe_gate_up_persistent_kernel<3, 2, 2>
+                              : moe_gate_up_persistent_kernel<0, 2, 2>;
+    const int per_sm = mb == 5 ? 3 : mb;
+    const unsigned pblocks = static_cast<unsigned>(std::min<int64_t>(
+        static_cast<int64_t>(detail::current_sm_count()) * per_sm,
+        (static_cast<int64_t>(p.top_k) * inter + kBlockThreads / 32 - 1) / (kBlockThreads / 32)));
     launch_pdl("moe_gate_up_persistent_kernel", kern, pblocks, kBlockThreads,
                static_cast<size_t>(p.experts.cols) * 4, stream, a);
     FN_CUDA_LAUNCH_CHECK("moe_gate_up_persistent_kernel");

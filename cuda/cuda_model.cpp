@@ -934,7 +934,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.top_k = static_cast<int>(k);
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
-    gu.persistent = o.moe_persistent;
     launch_moe_gate_up_nvfp4(gu, s);
     MoeDownParams dn;
     dn.experts = mo.down;

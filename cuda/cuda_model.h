@@ -59,11 +59,6 @@ struct CudaModelOptions {
   /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
   int fold_hc_inject = -1;
-  /// Routed experts' gate+up kernel (cuda/moe_nvfp4.h): true: the persistent FP32 kernel (one
-  /// wave, row pairs split evenly, the next pair's loads in flight); false: the FP32 kernel at
-  /// its planned team. Other summation orders (team 32 vs the planned team), so other bits, both
-  /// within the kernels' derived bound.
-  bool moe_persistent = false;
 };
 
 /// Which logits CudaModel::prefill returns.

@@ -29,14 +29,10 @@
 // sums and scale multiplies round, in the order above.
 #include "cuda/moe_nvfp4.h"
 
-#include <algorithm>
-#include <cstdlib>
-
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "comm/cuda_check.h"
-#include "core/error.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/nvfp4_bits.h"
@@ -368,118 +364,6 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   if (lane != 0 || !in_range) return;
   const float v = acc[0] * kUnscale;
   a.y[d] = a.accumulate ? a.y[d] + v : v;
-}
-
-// ---- Persistent gate+up (MoeGateUpParams::persistent) -------------------------------------------
-//
-// The FP32 kernel above gives each team one row pair and sizes the grid to the pairs: at the real
-// shapes that is 1.5 waves (TP=1: 400 blocks for 264 resident), so some SMs stream twice the
-// bytes of others, and a lane issues its loads, waits a DRAM round trip, computes, and is done.
-// Here one wave of blocks (kPersistMinBlocks per SM) splits the P = top_k * I row pairs into
-// equal contiguous ranges (block b: [b P / B, (b + 1) P / B), every SM within one pair of the
-// mean), and each warp walks the pairs p = start + warp, start + warp + 8, ... with the next
-// kPersistDepth - 1 pairs' loads in flight (a ring in registers) while it computes one. The math
-// of a pair is the FP32 kernel's at team 32 (lane l: units l, l + 32, l + 64, unit_dot2 on the
-// same staged x, dev::team_reduce over the warp), so the results are bitwise those of
-// launch_moe_gate_up_nvfp4 with team_threads = 32 (the test checks it).
-constexpr int kPersistUnits = 3;  // units per lane and row at K = 2560 (80 units, team 32)
-
-// EXPERIMENT: kProbe 0 normal, 1 loads only, 2 compute only, 3 experts 0..k-1
-template <int kProbe, int kPersistMinBlocks, int kPersistDepth>
-__global__ void __launch_bounds__(kBlockThreads, kPersistMinBlocks)
-    moe_gate_up_persistent_kernel(GateUpArgs a) {
-  extern __shared__ float4 stage4[];
-  float* stage = reinterpret_cast<float*>(stage4);
-  // Every weight address depends on the router's expert ids, and x is the previous kernel's
-  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
-  dev::pdl_begin();
-  using U = Unit<false>;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t pairs = static_cast<int64_t>(a.top_k) * a.inter;
-  const int64_t p0 = blockIdx.x * pairs / gridDim.x, p1 = (blockIdx.x + 1) * pairs / gridDim.x;
-  constexpr int kWarps = kBlockThreads / 32;
-  const int n = p0 + warp < p1 ? static_cast<int>((p1 - p0 - warp - 1) / kWarps) + 1 : 0;
-  const int mine = lane < a.nvec ? (a.nvec - 1 - lane) / 32 + 1 : 0;  // <= kPersistUnits
-
-  struct Pair {
-    uint4 w[kPersistUnits][2];
-    uint32_t s[kPersistUnits][2];
-  };
-  // Pair i of this warp (p = p0 + warp + 8 i): the codes and scales of the lane's units of the
-  // gate row and the up row (zeros for an id out of range).
-  const auto load = [&](int i, Pair& r) {
-    const int64_t p = p0 + warp + static_cast<int64_t>(i) * kWarps;
-    const int j = static_cast<int>(p / a.inter), row = static_cast<int>(p - int64_t{j} * a.inter);
-    const int e = kProbe == 3 ? j : __ldg(a.ids + j);
-    const bool ok = e >= 0 && e < a.num_experts;
-    const int64_t g_row = static_cast<int64_t>(ok ? e : 0) * 2 * a.inter + row;
-    const uint8_t* wg = a.packed + g_row * (a.k / 2);
-    const uint8_t* sg = a.scales + g_row * (a.k / 16);
-#pragma unroll
-    for (int m = 0; m < kPersistUnits; ++m) {
-      const int v = lane + 32 * m;
-      const bool live = ok && m < mine;
-      if constexpr (kProbe == 2) {
-        const uint32_t z = static_cast<uint32_t>(p) * 2654435761u + static_cast<uint32_t>(v);
-        r.w[m][0] = make_uint4(z, z ^ 0x1234567u, z + 77u, z * 3u);
-        r.w[m][1] = make_uint4(z ^ 0x7654321u, z + 5u, z * 7u, z ^ 0xabcdefu);
-        r.s[m][0] = 0x3838u;
-        r.s[m][1] = 0x3838u;
-        continue;
-      }
-      r.w[m][0] = live ? U::codes(wg, v) : make_uint4(0, 0, 0, 0);
-      r.w[m][1] = live ? U::codes(wg + static_cast<int64_t>(a.inter) * (a.k / 2), v)
-                       : make_uint4(0, 0, 0, 0);
-      r.s[m][0] = live ? U::scales(sg, v) : 0u;
-      r.s[m][1] = live ? U::scales(sg + static_cast<int64_t>(a.inter) * (a.k / 16), v) : 0u;
-    }
-  };
-  Pair buf[kPersistDepth];
-#pragma unroll
-  for (int q = 0; q < kPersistDepth; ++q)
-    if (q < n) load(q, buf[q]);
-  Stage<false>::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K 2560: one batch
-  __syncthreads();
-
-  for (int base = 0; base < n; base += kPersistDepth) {
-#pragma unroll
-    for (int q = 0; q < kPersistDepth; ++q) {
-      const int i = base + q;
-      if (i >= n) break;  // warp-uniform
-      float acc[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int m = 0; m < kPersistUnits; ++m)
-        if (m < mine) {
-          if constexpr (kProbe == 1) {
-            const uint4 x0 = buf[q].w[m][0], x1 = buf[q].w[m][1];
-            acc[0] += static_cast<float>((x0.x ^ x0.y ^ x0.z ^ x0.w ^ buf[q].s[m][0]) & 7u);
-            acc[1] += static_cast<float>((x1.x ^ x1.y ^ x1.z ^ x1.w ^ buf[q].s[m][1]) & 7u);
-          } else {
-            unit_dot2<false>(buf[q].w[m][0], buf[q].w[m][1], buf[q].s[m][0], buf[q].s[m][1],
-                             stage, lane + 32 * m, acc[0], acc[1]);
-          }
-        }
-      if (i + kPersistDepth < n) load(i + kPersistDepth, buf[q]);
-      dev::team_reduce<2, kBlockThreads>(acc, 32, lane);
-      if (lane == 0) {
-        const int64_t p = p0 + warp + static_cast<int64_t>(i) * kWarps;
-        const int j = static_cast<int>(p / a.inter),
-                  row = static_cast<int>(p - int64_t{j} * a.inter);
-        const int e = __ldg(a.ids + j);
-        const bool ok = e >= 0 && e < a.num_experts;
-        float g = 0.0f, u = 0.0f;
-        if (ok) {
-          g = acc[0] * kUnscale * __ldg(a.global_scale + 2 * e);
-          u = acc[1] * kUnscale * __ldg(a.global_scale + 2 * e + 1);
-        }
-        a.h[p] = dev::float_to_bf16_bits(ok ? dev::silu(g) * u : 0.0f);
-        if (a.gate_up_out != nullptr) {
-          a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + row] = g;
-          a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + row] = u;
-        }
-      }
-    }
-  }
 }
 
 // ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
@@ -957,31 +841,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
-  if (p.persistent && !narrow && a.nvec <= 32 * kPersistUnits) {
-    static const int probe = [] {  // EXPERIMENT (session 7)
-      const char* v = std::getenv("FN_MOE_PROBE");
-      return v != nullptr ? std::atoi(v) : 0;
-    }();
-    static const int mb = [] {  // EXPERIMENT (session 7): blocks per SM 2, 3, 4 (depth 2, 1, 1)
-      const char* v = std::getenv("FN_MOE_MINB");
-      return v != nullptr ? std::atoi(v) : 2;
-    }();
-    auto* kern = mb == 3      ? moe_gate_up_persistent_kernel<0, 3, 1>
-                 : mb == 4    ? moe_gate_up_persistent_kernel<0, 4, 1>
-                 : mb == 5    ? moe_gate_up_persistent_kernel<0, 3, 2>
-                 : probe == 1 ? moe_gate_up_persistent_kernel<1, 2, 2>
-                 : probe == 2 ? moe_gate_up_persistent_kernel<2, 2, 2>
-                 : probe == 3 ? moe_gate_up_persistent_kernel<3, 2, 2>
-                              : moe_gate_up_persistent_kernel<0, 2, 2>;
-    const int per_sm = mb == 5 ? 3 : mb;
-    const unsigned pblocks = static_cast<unsigned>(std::min<int64_t>(
-        static_cast<int64_t>(detail::current_sm_count()) * per_sm,
-        (static_cast<int64_t>(p.top_k) * inter + kBlockThreads / 32 - 1) / (kBlockThreads / 32)));
-    launch_pdl("moe_gate_up_persistent_kernel", kern, pblocks, kBlockThreads,
-               static_cast<size_t>(p.experts.cols) * 4, stream, a);
-    FN_CUDA_LAUNCH_CHECK("moe_gate_up_persistent_kernel");
-    return;
-  }
   if (p.mma) {
     a.team_log2 = __builtin_ctz(static_cast<unsigned>(team / 32));
     a.tiles_per_j = static_cast<int>((inter + 7) / 8);

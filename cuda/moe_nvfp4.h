@@ -54,12 +54,6 @@ struct MoeGateUpParams {
   /// BF16, FP32 accumulate; moe_nvfp4.cu): another summation order, so other bits; on H200 it is
   /// no faster at TP=1/2 (cuda/bench/RESULTS.md, session 5), kept for A/B.
   bool mma = false;
-  /// true: the persistent FP32 kernel when cols is a multiple of 32 and at most 3,072 (every real
-  /// shape; otherwise the kernel above): one wave of blocks splitting the row pairs evenly, each
-  /// warp keeping the next pair's loads in flight while it computes one (moe_nvfp4.cu,
-  /// "Persistent"); bitwise the FP32 kernel with team_threads = 32. team_threads and mma are
-  /// ignored.
-  bool persistent = false;
 };
 
 /// Down projection summed over the selected experts:

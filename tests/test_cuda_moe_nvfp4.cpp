@@ -198,7 +198,7 @@ struct GateUpOut {
 };
 
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
-                      const std::vector<float>& x, int team, bool mma, bool persistent = false) {
+                      const std::vector<float>& x, int team, bool mma) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));
@@ -215,7 +215,6 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
   p.gate_up_out = d_gu.ptr;
   p.team_threads = team;
   p.mma = mma;
-  p.persistent = persistent;
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   GateUpOut out{d_gu.download(), {}};
@@ -344,55 +343,6 @@ TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1, 2 and 4) wit
               ", / the FP32 kernel's bound ",
               fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
     }
-  }
-}
-
-TEST_CASE("cuda moe nvfp4: the persistent gate+up is bitwise the FP32 kernel at team 32") {
-  // Real shapes (TP=1, 2 and 4; random scales) and small ones (exact sums, I = 96 and 20, repeated
-  // and invalid ids): the persistent kernel's g, u and h equal the FP32 kernel's at team 32 bit
-  // for bit (twice: nothing carries over between launches), and lie within that kernel's bound of
-  // the FP64 reference. Columns that are not a multiple of 32 (48) or wider than 3,072 (3,200)
-  // take the FP32 kernel itself at its planned team.
-  struct Shape {
-    int experts;
-    int64_t inter, cols;
-    bool exact;
-    std::vector<int32_t> ids;
-  };
-  const std::vector<Shape> shapes = {
-      {64, 640, 2560, false, {63, 17, 2, 40, 0, 33, 8, 51, 12, 29}},
-      {64, 320, 2560, false, {63, 17, 2, 40, 0, 33, 8, 51, 12, 29}},
-      {64, 160, 2560, false, {5, 1, 2, 40, 0, 33, 8, 51, 12, 29}},
-      {12, 96, 2560, true, {11, 0, 5, 5, -1, 7, 1 << 30}},
-      {12, 20, 2560, true, {11, 0, 5, 5, -1, 7, 1 << 30}},
-      {6, 20, 48, true, {2, 5, 0, 5, 1}},
-      {6, 24, 3200, true, {2, 5, 0, 5, 1}},
-  };
-  for (const Shape& sh : shapes) {
-    const HostExperts w =
-        make_experts(sh.experts, 2 * sh.inter, sh.cols, 2, sh.exact, 70 + sh.inter + sh.cols);
-    const DeviceExperts dw(w);
-    const auto x = sh.exact ? random_ints(sh.cols, -4, 4, 71) : random_bf16(sh.cols, 1.0f, 72);
-    const int team =
-        sh.cols % 32 == 0 && sh.cols <= 3072
-            ? 32
-            : fn::plan_moe_gate_up_team(int(sh.ids.size()), sh.inter, sh.cols, sm_count());
-    const auto want = run_gate_up(dw, sh.ids, x, team, false);
-    for (int rep = 0; rep < 2; ++rep) {
-      const auto got = run_gate_up(dw, sh.ids, x, 0, false, true);
-      CHECK_MESSAGE(std::memcmp(got.gu.data(), want.gu.data(), got.gu.size() * 4) == 0, "I ",
-                    sh.inter, " cols ", sh.cols, ": gate/up differ from team ", team);
-      CHECK_MESSAGE(std::memcmp(got.h.data(), want.h.data(), got.h.size() * 4) == 0, "I ", sh.inter,
-                    " cols ", sh.cols, ": h differs from team ", team);
-    }
-    const GateUpRef ref = gate_up_reference(w, sh.ids, x, gate_up_depth(sh.cols, team, false));
-    const auto c = fn::test::compare_bounded(
-        want.gu, ref.gu, sh.exact ? std::vector<double>(ref.gu.size(), 0) : ref.gu_bound);
-    CHECK_MESSAGE(c.wrong == 0, "I ", sh.inter, " cols ", sh.cols, ": ", c.describe());
-    CHECK(fn::test::compare_bounded(want.h, ref.h, ref.h_bound).wrong == 0);
-    for (int j = 0; j < int(sh.ids.size()); ++j)
-      if (sh.ids[j] < 0 || sh.ids[j] >= sh.experts)
-        for (int64_t i = 0; i < sh.inter; ++i) CHECK(want.h[size_t(j) * sh.inter + i] == 0.0f);
   }
 }
 

@@ -559,13 +559,6 @@ int main(int argc, char** argv) try {
         fn::launch_moe_down_nvfp4(d, t.stream);
       });
     };
-    {  // the persistent FP32 gate+up (MoeGateUpParams::persistent)
-      g.persistent = true;
-      rows.push_back(
-          report({"moe_gate_up_nvfp4 persistent", tp + " 10x" + std::to_string(2 * inter) + "x2560",
-                  "wave", gu_bytes, time_gu(false, 0), bw}));
-      g.persistent = false;
-    }
     for (bool mma : {false, true}) {
       const std::string kind = mma ? " mma" : " fp32";
       const int gu_team =

@@ -7,8 +7,8 @@
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
-//     [--fold-inject -1|0|1] [--moe-persistent 0|1] [--json FILE]  (--unfused:
-//     CudaModelOptions::fused_step = false, every launch separate)
+//     [--fold-inject -1|0|1] [--json FILE]  (--unfused: CudaModelOptions::fused_step = false, every
+//     launch separate)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -41,7 +41,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
   int64_t depth = 8192, tokens = 128, warmup = 16;
   bool graph = true, fused = true;
-  int fold = -1, persistent = -1;
+  int fold = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -66,8 +66,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       fused = false;
     else if (a == "--fold-inject")  // CudaModelOptions::fold_hc_inject: -1 auto, 0 never, 1 always
       fold = std::stoi(next());
-    else if (a == "--moe-persistent")  // CudaModelOptions::moe_persistent: 0 off, 1 on
-      persistent = std::stoi(next());
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }
@@ -88,7 +86,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.use_graph = graph;
   o.fused_step = fused;
   o.fold_hc_inject = fold;
-  if (persistent >= 0) o.moe_persistent = persistent != 0;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();

@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
@@ -670,7 +669,6 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& p) {
   // shared memory.
   const int64_t per = (w.max_tokens * p.num_kv_heads + 255) / 256;
   int chunk = static_cast<int>(std::clamp<int64_t>((per + 15) / 16 * 16, 16, 64));
-  if (const char* env = std::getenv("FN_QSA_CHUNK")) chunk = std::atoi(env);  // EXPERIMENT
   while (chunk > 16 && attn_smem_bytes(gmax, p.head_dim, chunk) > kSmemLimit) chunk -= 16;
   FN_LAUNCH_REQUIRE(attn_smem_bytes(gmax, p.head_dim, chunk) <= kSmemLimit, kOp);
   w.chunk = chunk;

@@ -110,17 +110,22 @@ constexpr int kDownUnits = 7;
 // registers): the planner sizes grids to one wave of these where the shape allows.
 constexpr int kGateUpMinBlocks = 2;
 constexpr int kDownMinBlocks = 3;
-/// Shared-memory budget of the staged activation (x for gate+up, h for down) per block.
+/// At most kStageBytes / 4 = 12,288 staged activations (x for gate+up, all of h for down) per
+/// block: FP32 with the padding of Stage, at most 60 KB of shared memory.
 constexpr int64_t kStageBytes = 48 * 1024;
 
 // The activation vector staged in shared memory as FP32 * 2^64 (exact for |v| < 2^64), read by
 // every team of the block. Unit u (the kCodes elements one weight unit multiplies) lies at floats
-// [kCodes u, kCodes (u + 1)); its 4-float chunk c sits in slot (c + u) mod kChunks, so the lanes of
-// a team, which read consecutive units with 16-byte loads, hit distinct banks.
+// [kStride u, kStride u + kCodes): 16 bytes of padding per unit, so the lanes of a team, which read
+// consecutive units with 16-byte loads, hit distinct banks (unit u starts 16 u bytes further along
+// the 128 banks' bytes than unit 0), and a word's two chunks sit at fixed offsets of its unit (no
+// per-load address arithmetic).
 template <bool kNarrow>
 struct Stage {
   static constexpr int kCodes = Unit<kNarrow>::kCodes;
-  static constexpr int kChunks = kCodes / 4;
+  static constexpr int kStride = kCodes + 4;  // floats per unit
+  /// Shared-memory bytes of n staged values (n a multiple of kCodes).
+  static constexpr int64_t bytes(int64_t n) { return n / kCodes * kStride * 4; }
   // Every thread of the block calls it: n BF16 values (a multiple of 16; src 16-byte aligned).
   // Each thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch
   // block-wide passes instead of one per pass; the same values land in the same slots).
@@ -140,21 +145,19 @@ struct Stage {
         const int i = i0 + b * kBlockThreads;
         if (i >= nv) break;
         const int u = (8 * i) / kCodes, c = ((8 * i) % kCodes) / 4;
-        float4* unit = reinterpret_cast<float4*>(s) + kChunks * u;
-        unit[(c + u) & (kChunks - 1)] =
-            make_float4(dev::bf16_lo(q[b].x) * kXScale, dev::bf16_hi(q[b].x) * kXScale,
-                        dev::bf16_lo(q[b].y) * kXScale, dev::bf16_hi(q[b].y) * kXScale);
-        unit[(c + 1 + u) & (kChunks - 1)] =
-            make_float4(dev::bf16_lo(q[b].z) * kXScale, dev::bf16_hi(q[b].z) * kXScale,
-                        dev::bf16_lo(q[b].w) * kXScale, dev::bf16_hi(q[b].w) * kXScale);
+        float4* chunk = reinterpret_cast<float4*>(s + kStride * u) + c;
+        chunk[0] = make_float4(dev::bf16_lo(q[b].x) * kXScale, dev::bf16_hi(q[b].x) * kXScale,
+                               dev::bf16_lo(q[b].y) * kXScale, dev::bf16_hi(q[b].y) * kXScale);
+        chunk[1] = make_float4(dev::bf16_lo(q[b].z) * kXScale, dev::bf16_hi(q[b].z) * kXScale,
+                               dev::bf16_lo(q[b].w) * kXScale, dev::bf16_hi(q[b].w) * kXScale);
       }
     }
   }
   // Elements 8 wi .. 8 wi + 7 of unit u.
   static __device__ __forceinline__ void word(const float* s, int u, int wi, float (&xs)[8]) {
-    const float4* unit = reinterpret_cast<const float4*>(s) + kChunks * u;
-    const float4 p = unit[(2 * wi + u) & (kChunks - 1)];
-    const float4 q = unit[(2 * wi + 1 + u) & (kChunks - 1)];
+    const float4* unit = reinterpret_cast<const float4*>(s + kStride * u);
+    const float4 p = unit[2 * wi];
+    const float4 q = unit[2 * wi + 1];
     xs[0] = p.x;
     xs[1] = p.y;
     xs[2] = p.z;
@@ -770,6 +773,16 @@ int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count, i
   return team;
 }
 
+// The FP32 kernels stage up to 12,288 activations with 16 bytes of padding per unit: up to 60 KB
+// of dynamic shared memory, past the default 48 KB only for shapes wider than the real ones; the
+// opt-in is set where a launch needs it (every supported GPU allows at least 64 KB).
+template <typename KArgs>
+void allow_stage_smem(void (*kernel)(KArgs), size_t smem) {
+  if (smem > 48 * 1024)
+    FN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+}
+
 bool aligned(const void* p, uintptr_t n) {
   return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
 }
@@ -859,13 +872,12 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
     FN_CUDA_LAUNCH_CHECK("moe_gate_up_mma_kernel");
     return;
   }
-  const size_t smem = static_cast<size_t>(p.experts.cols) * 4;
-  if (narrow)
-    launch_pdl("moe_gate_up_nvfp4_kernel", moe_gate_up_nvfp4_kernel<true>,
-               static_cast<unsigned>(blocks), kBlockThreads, smem, stream, a);
-  else
-    launch_pdl("moe_gate_up_nvfp4_kernel", moe_gate_up_nvfp4_kernel<false>,
-               static_cast<unsigned>(blocks), kBlockThreads, smem, stream, a);
+  const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(p.experts.cols)
+                                                 : Stage<false>::bytes(p.experts.cols));
+  auto* kernel = narrow ? moe_gate_up_nvfp4_kernel<true> : moe_gate_up_nvfp4_kernel<false>;
+  allow_stage_smem(kernel, smem);
+  launch_pdl("moe_gate_up_nvfp4_kernel", kernel, static_cast<unsigned>(blocks), kBlockThreads, smem,
+             stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_nvfp4_kernel");
 }
 
@@ -918,13 +930,12 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
     FN_CUDA_LAUNCH_CHECK("moe_down_mma_kernel");
     return;
   }
-  const size_t smem = static_cast<size_t>(p.experts.cols) * p.top_k * 4;
-  if (narrow)
-    launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<true>, static_cast<unsigned>(blocks),
-               kBlockThreads, smem, stream, a);
-  else
-    launch_pdl("moe_down_nvfp4_kernel", moe_down_nvfp4_kernel<false>, static_cast<unsigned>(blocks),
-               kBlockThreads, smem, stream, a);
+  const int64_t n = p.experts.cols * p.top_k;
+  const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
+  auto* kernel = narrow ? moe_down_nvfp4_kernel<true> : moe_down_nvfp4_kernel<false>;
+  allow_stage_smem(kernel, smem);
+  launch_pdl("moe_down_nvfp4_kernel", kernel, static_cast<unsigned>(blocks), kBlockThreads, smem,
+             stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_down_nvfp4_kernel");
 }
 

@@ -452,6 +452,33 @@ TEST_CASE("cuda moe nvfp4: lanes with more units than they hold in registers loo
   }
 }
 
+TEST_CASE("cuda moe nvfp4: the widest staged activations (12,288 values) are exact") {
+  // The FP32 kernels stage x (gate+up) or all of h (down) with 16 bytes of padding per unit: at
+  // 12,288 values that is 54 KB (32-code units) or 60 KB (16-code units), past the default 48 KB
+  // of dynamic shared memory; both kernels, both unit widths, against the exact sums.
+  const std::vector<int32_t> ids = {3, 0, 5, 1};
+  const std::vector<float> rw = {0.5f, 0.25f, 2.0f, 1.0f};
+  for (int64_t cols : {12288, 12288 - 16}) {
+    const HostExperts gu = make_experts(6, 2 * 8, cols, 2, true, 120 + cols);
+    const DeviceExperts dgu(gu);
+    const auto x = random_ints(size_t(cols), -4, 4, 121 + cols);
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(cols, 32, false));
+    const auto got = run_gate_up(dgu, ids, x, 0, false);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "gate/up cols ", cols, ": ", c.describe());
+  }
+  for (int64_t inter : {3072, 3072 - 16}) {
+    const HostExperts dn = make_experts(6, 24, inter, 1, true, 122 + inter);
+    const DeviceExperts ddn(dn);
+    const auto h = random_ints(ids.size() * inter, -4, 4, 123 + inter);
+    std::vector<double> want, bound;
+    down_reference(dn, ids, rw, h, 0, nullptr, want, bound);
+    const auto y = run_down(ddn, ids, rw, h, 0, nullptr, false);
+    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "down I ", inter, ": ", c.describe());
+  }
+}
+
 TEST_CASE("cuda moe nvfp4: the tiny fixtures' shapes (hidden 64, I = 32 and 16) within the bound") {
   for (int64_t inter : {32, 16}) {
     const HostExperts gu = make_experts(8, 2 * inter, 64, 2, false, 80 + inter);

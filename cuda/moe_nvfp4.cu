@@ -111,8 +111,12 @@ constexpr int kDownUnits = 7;
 constexpr int kGateUpMinBlocks = 2;
 constexpr int kDownMinBlocks = 3;
 /// At most kStageBytes / 4 = 12,288 staged activations (x for gate+up, all of h for down) per
-/// block: FP32 with the padding of Stage, at most 60 KB of shared memory.
+/// block: FP32 with the padding of Stage, behind the scale table: at most 61 KB of shared memory.
 constexpr int64_t kStageBytes = 48 * 1024;
+/// Entries of the shared-memory table of E4M3 block scales ahead of the staged activation (one per
+/// scale byte, filled by the block's 256 threads).
+constexpr int kScaleLut = 256;
+static_assert(kScaleLut == kBlockThreads);
 
 // The activation vector staged in shared memory as FP32 * 2^64 (exact for |v| < 2^64), read by
 // every team of the block. Unit u (the kCodes elements one weight unit multiplies) lies at floats
@@ -177,7 +181,8 @@ __device__ __forceinline__ uint32_t word_of(const uint4& w, int wi) {
 // chain over the codes in element order (every product exact), then the blocks' sums times their
 // E4M3 scales, b0 * s0 (narrow) or fmaf(b1, s1, b0 * s0).
 template <bool kNarrow>
-__device__ __forceinline__ float unit_dot(const uint4& w, uint32_t s, const float* stage, int u) {
+__device__ __forceinline__ float unit_dot(const uint4& w, uint32_t s, const float* stage, int u,
+                                          const float* lut) {
   float b[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int wi = 0; wi < Unit<kNarrow>::kCodes / 8; ++wi) {
@@ -186,17 +191,17 @@ __device__ __forceinline__ float unit_dot(const uint4& w, uint32_t s, const floa
     b[wi / 2] = dot8_e2m1(word_of(w, wi), xs, b[wi / 2]);
   }
   if constexpr (kNarrow) {
-    return b[0] * e4m3_scaled(s & 0xffu);
+    return b[0] * lut[s & 0xffu];
   } else {
-    return fmaf(b[1], e4m3_scaled(s >> 8), b[0] * e4m3_scaled(s & 0xffu));
+    return fmaf(b[1], lut[s >> 8], b[0] * lut[s & 0xffu]);
   }
 }
 
 // As unit_dot for the gate and the up row of one unit at once (one read of the staged x).
 template <bool kNarrow>
 __device__ __forceinline__ void unit_dot2(const uint4& wg, const uint4& wu, uint32_t sg,
-                                          uint32_t su, const float* stage, int u, float& acc_g,
-                                          float& acc_u) {
+                                          uint32_t su, const float* stage, const float* lut, int u,
+                                          float& acc_g, float& acc_u) {
   float g[2] = {0.0f, 0.0f}, p[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int wi = 0; wi < Unit<kNarrow>::kCodes / 8; ++wi) {
@@ -206,11 +211,11 @@ __device__ __forceinline__ void unit_dot2(const uint4& wg, const uint4& wu, uint
     p[wi / 2] = dot8_e2m1(word_of(wu, wi), xs, p[wi / 2]);
   }
   if constexpr (kNarrow) {
-    acc_g += g[0] * e4m3_scaled(sg & 0xffu);
-    acc_u += p[0] * e4m3_scaled(su & 0xffu);
+    acc_g += g[0] * lut[sg & 0xffu];
+    acc_u += p[0] * lut[su & 0xffu];
   } else {
-    acc_g += fmaf(g[1], e4m3_scaled(sg >> 8), g[0] * e4m3_scaled(sg & 0xffu));
-    acc_u += fmaf(p[1], e4m3_scaled(su >> 8), p[0] * e4m3_scaled(su & 0xffu));
+    acc_g += fmaf(g[1], lut[sg >> 8], g[0] * lut[sg & 0xffu]);
+    acc_u += fmaf(p[1], lut[su >> 8], p[0] * lut[su & 0xffu]);
   }
 }
 
@@ -239,7 +244,8 @@ template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
     moe_gate_up_nvfp4_kernel(GateUpArgs a) {
   extern __shared__ float4 stage4[];
-  float* stage = reinterpret_cast<float*>(stage4);
+  float* lut = reinterpret_cast<float*>(stage4);  // [kScaleLut]: e4m3_scaled of every scale byte
+  float* stage = lut + kScaleLut;
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
@@ -274,13 +280,14 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
       s[n][1] = live ? U::scales(su, v) : 0u;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
+      lut[threadIdx.x] = e4m3_scaled(threadIdx.x);
       Stage<kNarrow>::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K 2560: one batch
       __syncthreads();
     }
 #pragma unroll
     for (int n = 0; n < kGateUpUnits; ++n)
       if (n0 + n < mine)
-        unit_dot2<kNarrow>(w[n][0], w[n][1], s[n][0], s[n][1], stage, lane + (n0 + n) * team,
+        unit_dot2<kNarrow>(w[n][0], w[n][1], s[n][0], s[n][1], stage, lut, lane + (n0 + n) * team,
                            acc[0], acc[1]);
   }
   dev::team_reduce<2, kBlockThreads>(acc, team, lane);
@@ -324,7 +331,8 @@ struct DownArgs {
 template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_kernel(DownArgs a) {
   extern __shared__ float4 stage4[];
-  float* stage = reinterpret_cast<float*>(stage4);
+  float* lut = reinterpret_cast<float*>(stage4);  // [kScaleLut]: e4m3_scaled of every scale byte
+  float* stage = lut + kScaleLut;
   // The first round's loads go out before the programmatic-dependent wait (cuda/pdl.cuh): the
   // weights, and the router's ids and routing weights, written two launches back (gate+up sits in
   // between) and read through L2; only h, gate+up's output, waits.
@@ -355,13 +363,15 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
       dev::pdl_begin();
+      lut[threadIdx.x] = e4m3_scaled(threadIdx.x);
       Stage<kNarrow>::template fill<4>(a.h, a.top_k * a.inter, stage);  // 10 x 640: one batch
       __syncthreads();
     }
 #pragma unroll
     for (int n = 0; n < kDownUnits; ++n)
       if (live[n])
-        acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
+        acc[0] =
+            fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team, lut), f[n], acc[0]);
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
@@ -773,9 +783,10 @@ int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count, i
   return team;
 }
 
-// The FP32 kernels stage up to 12,288 activations with 16 bytes of padding per unit: up to 60 KB
-// of dynamic shared memory, past the default 48 KB only for shapes wider than the real ones; the
-// opt-in is set where a launch needs it (every supported GPU allows at least 64 KB).
+// The FP32 kernels stage up to 12,288 activations with 16 bytes of padding per unit behind the 1 KB
+// scale table: up to 61 KB of dynamic shared memory, past the default 48 KB only for shapes wider
+// than the real ones; the opt-in is set where a launch needs it (every supported GPU allows at
+// least 64 KB).
 template <typename KArgs>
 void allow_stage_smem(void (*kernel)(KArgs), size_t smem) {
   if (smem > 48 * 1024)
@@ -872,7 +883,8 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
     FN_CUDA_LAUNCH_CHECK("moe_gate_up_mma_kernel");
     return;
   }
-  const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(p.experts.cols)
+  const size_t smem =
+      kScaleLut * 4 + static_cast<size_t>(narrow ? Stage<true>::bytes(p.experts.cols)
                                                  : Stage<false>::bytes(p.experts.cols));
   auto* kernel = narrow ? moe_gate_up_nvfp4_kernel<true> : moe_gate_up_nvfp4_kernel<false>;
   allow_stage_smem(kernel, smem);
@@ -931,7 +943,8 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
     return;
   }
   const int64_t n = p.experts.cols * p.top_k;
-  const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
+  const size_t smem =
+      kScaleLut * 4 + static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
   auto* kernel = narrow ? moe_down_nvfp4_kernel<true> : moe_down_nvfp4_kernel<false>;
   allow_stage_smem(kernel, smem);
   launch_pdl("moe_down_nvfp4_kernel", kernel, static_cast<unsigned>(blocks), kBlockThreads, smem,

@@ -75,7 +75,7 @@ struct MoeDownParams {
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
 /// multiple of 16, odd rows, misalignment, a bad team size or cols > 12,288 (x is staged in shared
-/// memory as FP32, padded, at most 60 KB; the real hidden_size is 2,560); fn::Error(Cuda) on a
+/// memory as FP32, padded, at most 61 KB; the real hidden_size is 2,560); fn::Error(Cuda) on a
 /// failed launch.
 /// Legal during stream capture.
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream);

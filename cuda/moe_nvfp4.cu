@@ -113,8 +113,9 @@ constexpr int kDownMinBlocks = 3;
 /// At most kStageBytes / 4 = 12,288 staged activations (x for gate+up, all of h for down) per
 /// block: FP32 with the padding of Stage, behind the scale table: at most 61 KB of shared memory.
 constexpr int64_t kStageBytes = 48 * 1024;
-/// Entries of the shared-memory table of E4M3 block scales ahead of the staged activation (one per
-/// scale byte, filled by the block's 256 threads).
+/// Entries of gate+up's shared-memory table of E4M3 block scales, ahead of the staged x (one per
+/// scale byte, filled by the block's 256 threads; the down kernel converts its scales in registers:
+/// at its 80-register bound the table's address registers spill, and it measured slower).
 constexpr int kScaleLut = 256;
 static_assert(kScaleLut == kBlockThreads);
 
@@ -181,8 +182,7 @@ __device__ __forceinline__ uint32_t word_of(const uint4& w, int wi) {
 // chain over the codes in element order (every product exact), then the blocks' sums times their
 // E4M3 scales, b0 * s0 (narrow) or fmaf(b1, s1, b0 * s0).
 template <bool kNarrow>
-__device__ __forceinline__ float unit_dot(const uint4& w, uint32_t s, const float* stage, int u,
-                                          const float* lut) {
+__device__ __forceinline__ float unit_dot(const uint4& w, uint32_t s, const float* stage, int u) {
   float b[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int wi = 0; wi < Unit<kNarrow>::kCodes / 8; ++wi) {
@@ -191,9 +191,9 @@ __device__ __forceinline__ float unit_dot(const uint4& w, uint32_t s, const floa
     b[wi / 2] = dot8_e2m1(word_of(w, wi), xs, b[wi / 2]);
   }
   if constexpr (kNarrow) {
-    return b[0] * lut[s & 0xffu];
+    return b[0] * e4m3_scaled(s & 0xffu);
   } else {
-    return fmaf(b[1], lut[s >> 8], b[0] * lut[s & 0xffu]);
+    return fmaf(b[1], e4m3_scaled(s >> 8), b[0] * e4m3_scaled(s & 0xffu));
   }
 }
 
@@ -331,8 +331,7 @@ struct DownArgs {
 template <bool kNarrow>
 __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_kernel(DownArgs a) {
   extern __shared__ float4 stage4[];
-  float* lut = reinterpret_cast<float*>(stage4);  // [kScaleLut]: e4m3_scaled of every scale byte
-  float* stage = lut + kScaleLut;
+  float* stage = reinterpret_cast<float*>(stage4);
   // The first round's loads go out before the programmatic-dependent wait (cuda/pdl.cuh): the
   // weights, and the router's ids and routing weights, written two launches back (gate+up sits in
   // between) and read through L2; only h, gate+up's output, waits.
@@ -363,15 +362,13 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
       dev::pdl_begin();
-      lut[threadIdx.x] = e4m3_scaled(threadIdx.x);
       Stage<kNarrow>::template fill<4>(a.h, a.top_k * a.inter, stage);  // 10 x 640: one batch
       __syncthreads();
     }
 #pragma unroll
     for (int n = 0; n < kDownUnits; ++n)
       if (live[n])
-        acc[0] =
-            fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team, lut), f[n], acc[0]);
+        acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
@@ -783,10 +780,10 @@ int plan_team(int64_t work_vectors, int64_t teams, int per_lane, int sm_count, i
   return team;
 }
 
-// The FP32 kernels stage up to 12,288 activations with 16 bytes of padding per unit behind the 1 KB
-// scale table: up to 61 KB of dynamic shared memory, past the default 48 KB only for shapes wider
-// than the real ones; the opt-in is set where a launch needs it (every supported GPU allows at
-// least 64 KB).
+// The FP32 kernels stage up to 12,288 activations with 16 bytes of padding per unit (gate+up behind
+// its 1 KB scale table): up to 61 KB of dynamic shared memory, past the default 48 KB only for
+// shapes wider than the real ones; the opt-in is set where a launch needs it (every supported GPU
+// allows at least 64 KB).
 template <typename KArgs>
 void allow_stage_smem(void (*kernel)(KArgs), size_t smem) {
   if (smem > 48 * 1024)
@@ -943,8 +940,7 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
     return;
   }
   const int64_t n = p.experts.cols * p.top_k;
-  const size_t smem =
-      kScaleLut * 4 + static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
+  const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
   auto* kernel = narrow ? moe_down_nvfp4_kernel<true> : moe_down_nvfp4_kernel<false>;
   allow_stage_smem(kernel, smem);
   launch_pdl("moe_down_nvfp4_kernel", kernel, static_cast<unsigned>(blocks), kBlockThreads, smem,

@@ -453,9 +453,9 @@ TEST_CASE("cuda moe nvfp4: lanes with more units than they hold in registers loo
 }
 
 TEST_CASE("cuda moe nvfp4: the widest staged activations (12,288 values) are exact") {
-  // The FP32 kernels stage x (gate+up) or all of h (down) with 16 bytes of padding per unit behind
-  // a 1 KB scale table: at 12,288 values 55 KB (32-code units) or 61 KB (16-code units), past the
-  // default 48 KB of dynamic shared memory; both kernels, both unit widths, against the exact sums.
+  // The FP32 kernels stage x (gate+up, behind its 1 KB scale table) or all of h (down) with 16
+  // bytes of padding per unit: at 12,288 values 54-61 KB, past the default 48 KB of dynamic shared
+  // memory; both kernels, both unit widths (32 and 16 codes), against the exact sums.
   const std::vector<int32_t> ids = {3, 0, 5, 1};
   const std::vector<float> rw = {0.5f, 0.25f, 2.0f, 1.0f};
   for (int64_t cols : {12288, 12288 - 16}) {

@@ -9,8 +9,8 @@
 # Usage on the 2-GPU machine, from a `git archive` copy in .carry/hN with the peer carried in
 # .carry/peer: FN_BUILD_DIR=../../build-hN bash scripts/gpu/bench_run.sh
 # Environment: FN_BENCH_P (prompt depth, 8192), FN_BENCH_N (generated tokens, 512), FN_BENCH_R
-# (repetitions, 3), FN_BENCH_NCCL (1: also TP=2 over NCCL), FN_PEER_N (peer tokens, 64), FN_PEER
-# (peer script, ../peer/peer_torch.py).
+# (repetitions, 3), FN_BENCH_NCCL (1: also TP=2 over NCCL), FN_BENCH_LANES (the lanes, e.g. "1"),
+# FN_PEER_N (peer tokens, 64), FN_PEER (peer script, ../peer/peer_torch.py).
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/bench-out}
@@ -53,6 +53,7 @@ fi
 
 lanes="1 2"
 [ "${FN_BENCH_NCCL:-1}" = 1 ] && lanes="1 2 2nccl"
+lanes=${FN_BENCH_LANES:-$lanes}  # e.g. "1" on a one-GPU machine
 for lane in $lanes; do
   np=${lane%nccl}
   ar=auto

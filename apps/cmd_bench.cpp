@@ -48,6 +48,10 @@
 #include <nccl.h>
 #endif
 
+// FN_GIT_COMMIT: the commit of the sources, written at every build (apps/CMakeLists.txt).
+#if __has_include("fn_git_commit.h")
+#include "fn_git_commit.h"
+#endif
 #ifndef FN_GIT_COMMIT
 #define FN_GIT_COMMIT "unknown"
 #endif

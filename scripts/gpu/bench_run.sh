@@ -10,7 +10,9 @@
 # .carry/peer: FN_BUILD_DIR=../../build-hN bash scripts/gpu/bench_run.sh
 # Environment: FN_BENCH_P (prompt depth, 8192), FN_BENCH_N (generated tokens, 512), FN_BENCH_R
 # (repetitions, 3), FN_BENCH_NCCL (1: also TP=2 over NCCL), FN_BENCH_LANES (the lanes, e.g. "1"),
-# FN_PEER_N (peer tokens, 64), FN_PEER (peer script, ../peer/peer_torch.py).
+# FN_PEER_N (peer tokens, 64), FN_PEER (peer script, ../peer/peer_torch.py). The GPU machine's copy
+# of the tree carries a stale git history: put FN_GIT_COMMIT=<this checkout's short hash> in front
+# of the command, or the reports' "commit" names the wrong one (cmake/git_commit.cmake).
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/bench-out}

@@ -21,15 +21,20 @@ __device__ __forceinline__ float rank_key(float p) {
   return isnan(p) ? -INFINITY : p;
 }
 
+// The bits of a non-NaN float mapped so that unsigned order is float order (-0 just below +0).
+__device__ __forceinline__ uint32_t ordered_bits(float v) {
+  const uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+}
+
 // The sort key of expert e with probability p: the higher key comes first in the order
 // (rank_key(p) desc, e asc). High word: the float's bits mapped so that unsigned order is float
 // order (-0 as +0, as the float comparison), low word: ~e. Never 0 (0 marks "no expert").
 __device__ __forceinline__ unsigned long long router_key(float p, int e) {
   float v = rank_key(p);
   if (v == 0.0f) v = 0.0f;
-  uint32_t u = __float_as_uint(v);
-  u = (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(e));
+  return (static_cast<unsigned long long>(ordered_bits(v)) << 32) |
+         (0xffffffffu - static_cast<uint32_t>(e));
 }
 
 __device__ __forceinline__ int key_id(unsigned long long key) {
@@ -39,34 +44,28 @@ __device__ __forceinline__ int key_id(unsigned long long key) {
 // A logit as an unsigned code in float order, for redux.sync: non-NaN floats map to
 // [0x007fffff (-Inf), 0xff800000 (+Inf)] (-0 below +0), NaN to 1; 0 is left for "no expert".
 __device__ __forceinline__ uint32_t logit_code(float l) {
-  if (isnan(l)) return 1u;
-  const uint32_t u = __float_as_uint(l);
-  return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+  return isnan(l) ? 1u : ordered_bits(l);
 }
 
-// Max / min of v over the 32 lanes of a full warp: redux.sync on sm_80+, a butterfly of shuffles
-// below (the same value in every lane).
-__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+// Max (kMax) or min of v over the 32 lanes of a full warp: redux.sync on sm_80+, a butterfly of
+// shuffles below (the same value in every lane).
+template <bool kMax>
+__device__ __forceinline__ uint32_t warp_reduce_u32(uint32_t v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(0xffffffffu, v);
+  return kMax ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
 #else
   for (int off = 16; off > 0; off >>= 1) {
     const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o > v ? o : v;
+    v = (kMax ? o > v : o < v) ? o : v;
   }
   return v;
 #endif
 }
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+  return warp_reduce_u32<true>(v);
+}
 __device__ __forceinline__ uint32_t warp_min_u32(uint32_t v) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(0xffffffffu, v);
-#else
-  for (int off = 16; off > 0; off >>= 1) {
-    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o < v ? o : v;
-  }
-  return v;
-#endif
+  return warp_reduce_u32<false>(v);
 }
 
 // The float of a code >= 2 (a non-NaN logit).

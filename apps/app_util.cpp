@@ -155,6 +155,15 @@ void write_stdout(std::string_view s) {
   FN_REQUIRE(ok, Io, "cannot write to standard output ({})", std::strerror(errno));
 }
 
+void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path) {
+  const std::string s = record.dump() + "\n";
+  const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
+  FN_REQUIRE(ok, Io, "{} ({})",
+             out == stdout ? std::string("cannot write to standard output")
+                           : "-o/--output " + path + ": cannot write",
+             std::strerror(errno));
+}
+
 void check_stdout() {
   std::cout.flush();
   const bool flushed = std::fflush(stdout) == 0;

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -62,6 +63,11 @@ std::vector<std::string> read_jsonl_lines(const std::string& path, const char* f
 /// "cannot write to standard output" when the write or the flush fails (a full disk, /dev/full,
 /// a closed pipe with SIGPIPE ignored).
 void write_stdout(std::string_view s);
+
+/// Writes one JSONL record (record.dump() and a newline) to `out` and flushes it: a batch's
+/// output file, or stdout. Throws fn::Error(Io) "cannot write to standard output (<reason>)" or
+/// "-o/--output <path>: cannot write (<reason>)" when the write or the flush fails.
+void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path);
 
 /// Flushes stdout (C stdio and std::cout) and throws fn::Error(Io) "cannot write to standard
 /// output" when any earlier write to it failed. main() runs it after every command.

@@ -525,14 +525,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     out = std::fopen(o.score_output.c_str(), "wb");
     FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing", o.score_output);
   }
-  const auto emit = [&](const json& j) {
-    const std::string s = j.dump() + "\n";
-    const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
-    FN_REQUIRE(ok, Io, "{} ({})",
-               out == stdout ? std::string("cannot write to standard output")
-                             : "-o/--output " + o.score_output + ": cannot write",
-               std::strerror(errno));
-  };
+  const auto emit = [&](const json& j) { write_jsonl_record(out, j, o.score_output); };
   struct Tally {
     int64_t n = 0, correct = 0, errors = 0;
   };

@@ -453,14 +453,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   }
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
                                                                   &std::fclose);
-  const auto write_record = [&](const json& j) {
-    const std::string s = j.dump() + "\n";
-    const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
-    FN_REQUIRE(ok, Io, "{} ({})",
-               out == stdout ? std::string("cannot write to standard output")
-                             : "-o/--output " + o.output + ": cannot write",
-               std::strerror(errno));
-  };
+  const auto write_record = [&](const json& j) { write_jsonl_record(out, j, o.output); };
   int64_t n_lines = static_cast<int64_t>(lines.size());
   coll.broadcast(&n_lines, sizeof(n_lines), 0);
   int64_t n_records = 0, n_errors = 0, n_tokens = 0;

@@ -6,16 +6,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-bash scripts/setup.sh
-bash scripts/build.sh
+# Everything before the generation logs to stderr, so that stdout carries only the generated text.
+bash scripts/setup.sh >&2
+bash scripts/build.sh >&2
 fngen=./${FN_BUILD_DIR:-build}/fngen
 model=demo-model
 if [ ! -f "$model/model.safetensors.index.json" ]; then
   rm -rf "$model"
   "$fngen" synth --config configs/demo.json --out "$model" --seed 1 \
-    --tokenizer third_party/qwen3-tokenizer
+    --tokenizer third_party/qwen3-tokenizer >&2
 fi
-"$fngen" inspect "$model" --tp 4
+"$fngen" inspect "$model" --tp 4 >&2
 # Streams the text on stdout, then the timing summary (TTFT, per-token ms, TPOT percentiles,
 # tokens/s, peak memory per rank) on stderr. Extra arguments go to generate (e.g. --json).
 mpirun -np 4 --oversubscribe --bind-to none "$fngen" generate --model "$model" \

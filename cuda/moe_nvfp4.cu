@@ -122,9 +122,9 @@ static_assert(kScaleLut == kBlockThreads);
 // The activation vector staged in shared memory as FP32 * 2^64 (exact for |v| < 2^64), read by
 // every team of the block. Unit u (the kCodes elements one weight unit multiplies) lies at floats
 // [kStride u, kStride u + kCodes): 16 bytes of padding per unit, so the lanes of a team, which read
-// consecutive units with 16-byte loads, hit distinct banks (a 32-code unit spans 144 bytes: each starts 16
-// bytes further around the 128-byte bank cycle than the one before), and a word's two chunks sit
-// at fixed offsets of its unit (no per-load address arithmetic).
+// consecutive units with 16-byte loads, hit distinct banks (each unit starts 16 bytes further
+// around the 128-byte bank cycle than the one before), and a word's two chunks sit at fixed
+// offsets of its unit (no per-load address arithmetic).
 template <bool kNarrow>
 struct Stage {
   static constexpr int kCodes = Unit<kNarrow>::kCodes;

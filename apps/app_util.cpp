@@ -157,11 +157,9 @@ void write_stdout(std::string_view s) {
 
 void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path) {
   const std::string s = record.dump() + "\n";
+  if (out == stdout) return write_stdout(s);
   const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
-  FN_REQUIRE(ok, Io, "{} ({})",
-             out == stdout ? std::string("cannot write to standard output")
-                           : "-o/--output " + path + ": cannot write",
-             std::strerror(errno));
+  FN_REQUIRE(ok, Io, "-o/--output {}: cannot write ({})", path, std::strerror(errno));
 }
 
 void check_stdout() {

@@ -91,8 +91,12 @@ LoadedBackend load_cpu(const std::filesystem::path& dir, Collectives& coll) {
   b.all_reduce_name = coll.size() > 1 ? "mpi" : "";
   b.tp_size = coll.size();
   const auto t0 = std::chrono::steady_clock::now();
-  std::shared_ptr<CpuModel> model =
-      with_tp_hint(dir, coll.size(), [&] { return CpuModel::load(dir, coll); });
+  // The shard load does not communicate; a rank-local failure (its slice of a file) is agreed
+  // on, so rank 0 reports it.
+  std::shared_ptr<CpuModel> model;
+  agree_on_error(coll, [&] {
+    model = with_tp_hint(dir, coll.size(), [&] { return CpuModel::load(dir, coll); });
+  });
   b.load_ms = ms_since(t0);
   CpuModel* m = model.get();
   b.forward = [m](int32_t t) { return m->forward(t); };
@@ -115,7 +119,7 @@ struct CudaHold {
 // Sets up this rank's GPU and all-reduce, then builds the model with `make` (a load or random
 // weights) and wraps it.
 LoadedBackend load_cuda(
-    const BackendFlags& flags, const MpiContext& mpi, int64_t ctx_size,
+    const BackendFlags& flags, const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
     const std::function<std::unique_ptr<CudaModel>(const CudaModelOptions&, int tp)>& make) {
   LoadedBackend b;
   b.name = "cuda";
@@ -136,7 +140,9 @@ LoadedBackend load_cuda(
   opt.all_reduce = hold->all_reduce.get();
   opt.record_choices = flags.check_choices;
   opt.prefill_chunk = flags.prefill_chunk;
-  hold->model = make(opt, gpu.size());
+  // Building the model does not communicate; a failure on some ranks only (their shard's bytes,
+  // their GPU's free memory) is agreed on, so rank 0 reports it.
+  agree_on_error(coll, [&] { hold->model = make(opt, gpu.size()); });
   b.load_ms = ms_since(t0);
   CudaModel* m = hold->model.get();
   b.forward = [m](int32_t t) { return m->forward(t); };
@@ -221,7 +227,9 @@ bool built_with_cuda() noexcept {
 #endif
 }
 
-std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
+namespace {
+// resolve_backend's checks: the same on every rank up to its one collective (the device count).
+std::string resolve_backend_checks(const BackendFlags& flags, Collectives& coll) {
   check_backend_and_tp(flags.backend, flags.tp, coll.size());
   FN_REQUIRE(flags.prefill_chunk >= 1, Usage, "--prefill-chunk must be >= 1 token, got {}",
              flags.prefill_chunk);
@@ -251,6 +259,13 @@ std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
            "({}); run on a GPU machine, or use --backend cpu",
            ranks, has_device ? "reported by that rank" : why);
 }
+}  // namespace
+
+std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
+  std::string name;
+  agree_on_error(coll, [&] { name = resolve_backend_checks(flags, coll); });
+  return name;
+}
 
 LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
                            const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
@@ -278,7 +293,7 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
     return b;
   }
 #ifdef FN_HAVE_CUDA
-  LoadedBackend b = load_cuda(flags, mpi, ctx_size, [&](const CudaModelOptions& opt, int tp) {
+  LoadedBackend b = load_cuda(flags, mpi, coll, ctx_size, [&](const CudaModelOptions& opt, int tp) {
     return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
   });
   const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
@@ -328,7 +343,7 @@ LoadedBackend load_backend_random(const BackendFlags& flags,
              "this run uses the cpu backend (--backend {})",
              flags.backend);
 #ifdef FN_HAVE_CUDA
-  LoadedBackend b = load_cuda(flags, mpi, ctx_size, [&](const CudaModelOptions& opt, int tp) {
+  LoadedBackend b = load_cuda(flags, mpi, coll, ctx_size, [&](const CudaModelOptions& opt, int tp) {
     return with_tp_hint(config_file, tp, [&] { return CudaModel::random(cfg, quant, seed, opt); });
   });
   b.random_weights = true;

@@ -50,7 +50,8 @@ bool built_with_cuda() noexcept;
 /// rank calls it): `auto` is cuda only when the build has CUDA and every rank's cudaGetDeviceCount
 /// reports at least one device, else cpu. Throws fn::Error(Usage) on every rank for --backend
 /// cuda when the build has no CUDA or some rank has no usable CUDA device (naming the ranks and
-/// the CUDA runtime's reason), and for a --tp that differs from the world size.
+/// the CUDA runtime's reason), and for a --tp that differs from the world size; every such
+/// error is agreed on (agree_on_error, core/collectives.h), so rank 0 alone prints it.
 std::string resolve_backend(const BackendFlags& flags, Collectives& coll);
 
 /// The per-family time of the real decode step (CUDA only; CudaModel::profile_steps): `ms[i]`
@@ -108,7 +109,9 @@ struct LoadedBackend {
 /// with `ctx_size` tokens of cache and graphs unless --no-graph. Logs one line on rank 0
 /// ("<who>: backend ..., TP, all-reduce, load time, GB and GB/s"). Throws fn::Error: Usage for
 /// the flags (see resolve_backend) or a TP size the model cannot split (naming mpirun -np), and
-/// whatever the loaders throw (Io/Format naming the file, Cuda/Nccl for the device).
+/// whatever the loaders throw (Io/Format naming the file, Cuda/Nccl for the device). A loader
+/// error only some ranks hit (a region of a file that only their shard reads, one GPU's free
+/// memory) is agreed on (agree_on_error): every rank throws it, "rank r: ..." on rank 0.
 LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
                            const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
                            const char* who);

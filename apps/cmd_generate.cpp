@@ -93,13 +93,21 @@ struct TextSide {
                what, dir.string());
   }
 
-  std::vector<int32_t> encode_text(const std::string& text, bool as_chat, const char* what) const {
-    require_tokenizer(what);
-    if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
-    std::vector<ChatMessage> msgs;
-    if (!system_prompt.empty()) msgs.push_back({"system", system_prompt, std::nullopt});
-    msgs.push_back({"user", text, std::nullopt});
-    return encode_chat(*tokenizer, msgs, chat);
+  // `what` names the text's origin ("-p/--prompt", "-f/--file PATH"); a Format error of the
+  // tokenizer (invalid UTF-8 at byte N) is restated with it.
+  std::vector<int32_t> encode_text(const std::string& text, bool as_chat,
+                                   const std::string& what) const {
+    require_tokenizer(what.c_str());
+    try {
+      if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
+      std::vector<ChatMessage> msgs;
+      if (!system_prompt.empty()) msgs.push_back({"system", system_prompt, std::nullopt});
+      msgs.push_back({"user", text, std::nullopt});
+      return encode_chat(*tokenizer, msgs, chat);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Format) throw;
+      FN_THROW(Format, "{}: {}", what, e.what());
+    }
   }
 };
 
@@ -372,8 +380,8 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       } else {
         std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
         if (!o.file.empty() && !text.empty() && text.back() == '\n') text.pop_back();
-        single_ids =
-            ts.encode_text(text, o.chat, o.o_prompt->count() ? "-p/--prompt" : "-f/--file");
+        single_ids = ts.encode_text(
+            text, o.chat, o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file);
       }
       check_room(static_cast<int64_t>(single_ids.size()), o.max_new_tokens, ctx);
     }

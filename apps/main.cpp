@@ -30,7 +30,9 @@ namespace {
 // Most bad input fails on every rank alike. Ranks other than 0 give rank 0 a moment to print the
 // message and abort the job (which ends them here, silently); only an error that rank 0 did not
 // hit is then printed by the rank that did. One message instead of one per rank, and no
-// simultaneous MPI_Abort calls (Open MPI garbles its own help output when they race).
+// simultaneous MPI_Abort calls (Open MPI garbles its own help output when they race). An error
+// every rank is known to share (Error::on_every_rank(), after agree_on_error) does not come here:
+// rank 0 prints it and every rank ends normally with its exit code.
 void wait_for_rank0_abort(const fn::MpiContext* mpi) {
   const int rank = mpi ? mpi->world_rank() : launcher_rank();
   const int size = mpi ? mpi->world_size() : 1;
@@ -127,10 +129,20 @@ int main(int argc, char** argv) {
     mpi.reset();
     return code;
   } catch (const fn::Error& e) {
+    code = fn::exit_code(e.kind());
+    if (e.on_every_rank() && mpi) {
+      // Every rank stands at the same point with the same error: rank 0 prints it and all leave
+      // MPI normally (no MPI_Abort, whose help text Open MPI garbles when it races the exit).
+      if (mpi->world_rank() == 0) {
+        FN_LOG_ERROR("{} error: {}", fn::error_kind_name(e.kind()), e.what());
+        FN_LOG_DEBUG("raised at {}", e.where());
+      }
+      mpi.reset();
+      return code;
+    }
     wait_for_rank0_abort(mpi.get());
     FN_LOG_ERROR("{} error: {}", fn::error_kind_name(e.kind()), e.what());
     FN_LOG_DEBUG("raised at {}", e.where());
-    code = fn::exit_code(e.kind());
   } catch (const std::exception& e) {
     wait_for_rank0_abort(mpi.get());
     FN_LOG_ERROR("internal error: {}", e.what());

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 
 namespace fn {
 
@@ -39,5 +40,17 @@ class LocalCollectives final : public Collectives {
   void all_gather(const float* in, std::size_t n_per_rank, float* out) override;
   void broadcast(void* data, std::size_t bytes, int root) override;
 };
+
+/// Runs `f` on every rank of `coll`, then agrees on its outcome, so that an error only some
+/// ranks hit (a file region or a device only one rank reads) is reported by rank 0 and ends
+/// every rank alike. Collective: every rank calls it at the same point, and `f` must not
+/// communicate (or must fail alike on every rank before it does). When `f` throws on one or more
+/// ranks, every rank throws the fn::Error of the lowest failing rank r: its kind (a
+/// std::exception other than fn::Error counts as Internal), its source location, its message
+/// (as is when every rank failed with that same message; else prefixed "rank r: " when r != 0,
+/// followed by "(also on rank(s) ...)" for the ranks with the same message and "(rank(s) ...
+/// failed with other errors)" for the rest), and Error::on_every_rank() set. Returns normally
+/// when `f` returned on every rank. Throws fn::Error(Mpi) when the agreement itself fails.
+void agree_on_error(Collectives& coll, const std::function<void()>& f);
 
 }  // namespace fn

@@ -30,10 +30,17 @@ class Error : public std::runtime_error {
   ErrorKind kind() const noexcept { return kind_; }
   /// "core/safetensors.cpp:88" or "" when unknown.
   const std::string& where() const noexcept { return where_; }
+  void set_where(std::string where) { where_ = std::move(where); }
+  /// True when every rank of the job raised this same error (agree_on_error() in
+  /// core/collectives.h): main() prints it once, on rank 0, and every rank leaves MPI normally
+  /// with the kind's exit code (no MPI_Abort).
+  bool on_every_rank() const noexcept { return on_every_rank_; }
+  void set_on_every_rank() noexcept { on_every_rank_ = true; }
 
  private:
   ErrorKind kind_;
   std::string where_;
+  bool on_every_rank_ = false;
 };
 
 /// Process exit code for an error kind: 0 ok, 1 other, 2 usage, 3 input/format, 4 CUDA,

@@ -80,6 +80,12 @@ expect 2 "not available" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1 --backend cuda
 expect 2 "must divide linear_num_key_heads" -- mpi 4 -m "$fx/g3_tiny" --prompt-ids 1,2
 grep -q "mpirun -np 4" "$tmp/err" || fail "the TP error does not name the world size"
 expect 2 "got 3" -- mpi 3 -m "$fx/tp4" --prompt-ids 1,2
+# Load errors are agreed on across ranks (agree_on_error): rank 0 alone prints them, and every
+# rank ends normally with the exit code (no MPI_Abort, whose help text Open MPI can garble).
+[ "$(grep -c "got 3" "$tmp/err")" = 1 ] && grep -q "^\[r0/3\].*got 3" "$tmp/err" &&
+  ! grep -q "ORTE_ERROR_LOG\|MPI_ABORT was invoked" "$tmp/err" &&
+  echo "ok: the TP split error is printed once, by rank 0, and the ranks end without MPI_Abort" ||
+  fail "the TP split error was printed $(grep -c "got 3" "$tmp/err") times: $(cat "$tmp/err")"
 expect 2 "--tp 2 must equal the number of MPI ranks" -- mpi 4 -m "$fx/tp4" --prompt-ids 1 --tp 2
 # -n -1 (until the context is full) with a prompt that already fills it: the message says so.
 expect 2 "fills the context size -c/--ctx-size 4: -n/--max-new-tokens -1" -- \
@@ -223,6 +229,9 @@ if [ -f "$tok/tokenizer.json" ]; then
     "$tmp/t.json" "$tmp/f.json" && echo "ok: -f gives the -p result" ||
     fail "-f: $(head -c 300 "$tmp/f.json")"
   expect 3 "nonexistent.txt" -- mpi 2 -m "$tmp/demo" -f "$tmp/nonexistent.txt"
+  printf 'ab\xffc\n' >"$tmp/bad_utf8.txt"
+  expect 3 "-f/--file $tmp/bad_utf8.txt: invalid UTF-8 in text to encode at byte offset 2 (byte 0xFF)" -- \
+    mpi 2 -m "$tmp/demo" -f "$tmp/bad_utf8.txt"
 
   # ---- a rank killed with SIGKILL mid-generation ----
   "$mpiexec" -np 4 --oversubscribe --allow-run-as-root --bind-to none "$fngen" generate \

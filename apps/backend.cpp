@@ -32,18 +32,6 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// A loader's Usage error about the TP split, restated with the launcher's flag.
-template <typename F>
-auto with_tp_hint(const std::filesystem::path& dir, int size, F&& load) {
-  try {
-    return load();
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::Usage) throw;
-    FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
-             size, e.what());
-  }
-}
-
 // This rank's CUDA device count, or 0 with the runtime's reason in `why`. Only called when CUDA
 // is asked for (or probed by auto): the first runtime call loads the driver, which may be absent.
 int cuda_device_count(std::string* why) {

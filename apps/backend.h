@@ -18,6 +18,7 @@
 
 #include "core/collectives.h"
 #include "core/config.h"
+#include "core/error.h"
 #include "core/generate.h"
 #include "core/sampler.h"
 
@@ -45,6 +46,20 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags);
 
 /// True when this binary was built with the CUDA backend (FN_HAVE_CUDA).
 bool built_with_cuda() noexcept;
+
+/// Runs `load` (a model load or a shard plan for TP = `size`) and returns its result; its Usage
+/// error about the TP split is restated as fn::Error(Usage) "DIR: the TP size is the number of
+/// MPI ranks (mpirun -np N): ..." naming `dir`. Other errors pass unchanged.
+template <typename F>
+auto with_tp_hint(const std::filesystem::path& dir, int size, F&& load) {
+  try {
+    return load();
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Usage) throw;
+    FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
+             size, e.what());
+  }
+}
 
 /// "cpu" or "cuda": what `flags.backend` means on this machine. Collective over `coll` (every
 /// rank calls it): `auto` is cuda only when the build has CUDA and every rank's cudaGetDeviceCount

@@ -618,11 +618,24 @@ Breakdown run_breakdown(const LoadedBackend& model, const ModelConfig& cfg, cons
   return b;
 }
 
-int run_bench(BenchCli& o, MpiContext& mpi) {
-  const bool root = mpi.world_rank() == 0;
-  check_backend_and_tp(o.backend.backend, o.backend.tp, mpi.world_size());
-  const std::vector<int64_t> prompts = parse_lengths(o.n_prompt, "-p/--n-prompt", kPromptRange);
-  const std::vector<int64_t> gens = parse_lengths(o.n_gen, "-n/--n-gen", kGenRange);
+// What run_bench settles before the load: the lanes, the model's config and the shard plan.
+struct BenchSetup {
+  std::vector<int64_t> prompts, gens;
+  bool skip_prefill = false;
+  fs::path dir;  // the model directory or the --config file
+  ModelConfig cfg;
+  GenerationConfig gen;
+  int64_t ctx = 0;
+  std::optional<ShardPlan> plan;
+};
+
+// run_bench's checks of the flags, the model's config and the output paths (those on rank 0
+// only), with no communication. Throws fn::Error: Usage for the flags, Io/Format for the files.
+BenchSetup setup_bench(const BenchCli& o, int world_size, bool root) {
+  BenchSetup st;
+  check_backend_and_tp(o.backend.backend, o.backend.tp, world_size);
+  st.prompts = parse_lengths(o.n_prompt, "-p/--n-prompt", kPromptRange);
+  st.gens = parse_lengths(o.n_gen, "-n/--n-gen", kGenRange);
   FN_REQUIRE(o.repetitions >= 1, Usage, "-r/--repetitions must be >= 1, got {}", o.repetitions);
   FN_REQUIRE(o.warmup >= 0, Usage, "--warmup must be >= 0, got {}", o.warmup);
   FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
@@ -644,7 +657,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
              "-o/--output {} and --per-token {} name the same file (the report and the per-token "
              "records would overwrite each other); give two different paths",
              o.output, o.per_token);
-  const bool skip_prefill = o.skip_prefill;
+  st.skip_prefill = o.skip_prefill;
 
   if (!o.random_weights) require_model_dir(o.model);
   // The output files: never a checkpoint file (or the --config file), and writable; opened
@@ -659,12 +672,14 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
       check_output_path(path, flag);
     }
   }
-  const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
-  const ModelConfig cfg = load_model_config(dir);
-  const GenerationConfig gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir);
+  st.dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
+  const fs::path& dir = st.dir;
+  st.cfg = load_model_config(dir);
+  const ModelConfig& cfg = st.cfg;
+  st.gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir);
   int64_t longest = 0, longest_p = 0, longest_n = 0;
-  for (int64_t p : prompts) {
-    for (int64_t n : gens) {
+  for (int64_t p : st.prompts) {
+    for (int64_t n : st.gens) {
       if (p + n > longest) std::tie(longest, longest_p, longest_n) = std::tuple(p + n, p, n);
     }
   }
@@ -677,7 +692,8 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
              longest_p, longest_n, longest, cfg.max_position_embeddings, dir.string());
   // --breakdown profiles after the lane's last repetition: eager then graph, each with warm-up.
   const int64_t extra = o.breakdown ? 2 * (kBreakdownWarmup + o.breakdown_steps) : 0;
-  const int64_t ctx = o.ctx_size > 0 ? o.ctx_size : longest + extra;
+  st.ctx = o.ctx_size > 0 ? o.ctx_size : longest + extra;
+  const int64_t ctx = st.ctx;
   FN_REQUIRE(longest + extra <= ctx, Usage,
              "the lane -p/--n-prompt {} -n/--n-gen {} needs {} tokens{}, more than -c/--ctx-size "
              "{}",
@@ -688,12 +704,28 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
              "max_position_embeddings {} ({})",
              ctx, cfg.max_position_embeddings, dir.string());
   // The roofline side: the shard plan of this TP size (Usage when the model cannot split).
-  const ShardPlan plan =
-      ShardPlan::build(cfg, o.random_weights ? load_quant_config_file(dir) : load_quant_config(dir),
-                       mpi.world_size());
+  const QuantConfig quant = o.random_weights ? load_quant_config_file(dir) : load_quant_config(dir);
+  st.plan = with_tp_hint(dir, world_size, [&] { return ShardPlan::build(cfg, quant, world_size); });
+
+  return st;
+}
+
+int run_bench(BenchCli& o, MpiContext& mpi) {
+  const bool root = mpi.world_rank() == 0;
+  MpiCollectives coll(mpi.world());
+  // Agreed on (collective): bad flags or files end every rank normally, with rank 0's message.
+  BenchSetup st;
+  agree_on_error(coll, [&] { st = setup_bench(o, mpi.world_size(), root); });
+  const std::vector<int64_t>& prompts = st.prompts;
+  const std::vector<int64_t>& gens = st.gens;
+  const bool skip_prefill = st.skip_prefill;
+  const fs::path& dir = st.dir;
+  const ModelConfig& cfg = st.cfg;
+  const GenerationConfig& gen = st.gen;
+  const int64_t ctx = st.ctx;
+  const ShardPlan& plan = *st.plan;
 
   std::string per_token_text;  // --per-token records, written with the report
-  MpiCollectives coll(mpi.world());
   const LoadedBackend model =
       o.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.seed), mpi,
                                              coll, ctx, "bench")

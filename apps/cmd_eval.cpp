@@ -144,7 +144,11 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
              cfg.max_position_embeddings);
   std::vector<int32_t> tokens;
   std::string tok_id = "ids-only";
-  if (root) {
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  agree_on_error(*l.coll, [&] {
+    if (!root) return;
     if (!o.ppl_file.empty()) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
@@ -158,9 +162,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
                  o.ppl_ids_file);
     }
     perplexity_sequences(tokens, o.ctx, o.chunks);  // checks the window sizes before loading
-  }
-  Loaded l;
-  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  });
   load_model(l, c, dir, mpi, o.ctx);  // every window runs from a fresh state
   tokens = broadcast_ids(*l.coll, std::move(tokens));
 
@@ -243,7 +245,11 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
              cfg.vocab_size);
   LogitsHeader h;
-  if (root) {
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  agree_on_error(*l.coll, [&] {
+    if (!root) return;
     std::vector<int32_t> ids;
     h.tokenizer = "ids-only";
     if (!o.prompt_ids.empty()) {
@@ -283,9 +289,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
                 {"model", dir.string()},
                 {"tp_size", mpi.world_size()},
                 {"prompt_len", prompt_len}};
-  }
-  Loaded l;
-  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  });
   LogitsSequence seq;
   if (root) seq = h.sequences[0];
   seq.tokens = broadcast_ids(*l.coll, seq.tokens);
@@ -323,7 +327,11 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
   const fs::path dir = c.model;
   const ModelConfig cfg = load_model_config(dir);
   std::unique_ptr<LogitsReader> reader;
-  if (root) {
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  agree_on_error(*l.coll, [&] {
+    if (!root) return;
     reader = std::make_unique<LogitsReader>(o.base);
     const LogitsHeader& h = reader->header();
     FN_REQUIRE(h.vocab_size == cfg.vocab_size, Format,
@@ -348,9 +356,7 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
     FN_LOG_INFO("kld: {} sequences, {} positions, mode {}, {} ({})", h.sequences.size(),
                 h.n_positions(), h.mode == LogitsMode::Full ? "full" : "topk",
                 h.dtype == LogitsDtype::Float32 ? "float32" : "float16", h.tokenizer);
-  }
-  Loaded l;
-  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  });
   int64_t kld_ctx = 1;  // the longest sequence fed (rank 0 read the header)
   if (root) {
     for (const auto& s : reader->header().sequences)
@@ -504,12 +510,14 @@ int run_score(EvalCli& o, MpiContext& mpi) {
              cfg.max_position_embeddings);
   std::unique_ptr<Tokenizer> tok;
   std::vector<std::string> lines;
-  if (root) {
-    if (has_tokenizer(dir)) tok = load_tokenizer(dir);
-    lines = read_jsonl_lines(o.input, "-i/--input");
-  }
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  agree_on_error(*l.coll, [&] {
+    if (!root) return;
+    if (has_tokenizer(dir)) tok = load_tokenizer(dir);
+    lines = read_jsonl_lines(o.input, "-i/--input");
+  });
   Collectives& coll = *l.coll;
   load_model(l, c, dir, mpi, ctx);
   GenerateOptions go;

@@ -272,9 +272,22 @@ std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) 
   return ids;
 }
 
-int run_generate(GenerateCli& o, MpiContext& mpi) {
-  const bool root = mpi.world_rank() == 0;
-  check_backend_and_tp(o.backend.backend, o.backend.tp, mpi.world_size());
+// What run_generate settles before the prompts and the load: the model's config, the context
+// size, the sampling parameters (generation_config.json, then flags) and the seed.
+struct GenerateSetup {
+  ModelConfig cfg;
+  GenerationConfig gen;
+  int64_t ctx = 0;
+  SamplingParams sampling;
+  bool random_seed = false;
+  uint64_t seed = 0;  // when !random_seed
+};
+
+// run_generate's checks of the flags, the model directory's config files and -o (on rank 0
+// only), with no communication. Throws fn::Error: Usage for the flags, Io/Format for the files.
+GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
+  GenerateSetup st;
+  check_backend_and_tp(o.backend.backend, o.backend.tp, world_size);
   const int sources = static_cast<int>(o.o_prompt->count() > 0) +
                       static_cast<int>(!o.file.empty()) + static_cast<int>(!o.prompt_ids.empty()) +
                       static_cast<int>(!o.input.empty());
@@ -287,8 +300,8 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   FN_REQUIRE(!(o.chat && !o.prompt_ids.empty()), Usage,
              "--chat renders a text prompt with the chat template; --prompt-ids are fed as given "
              "(drop --chat, or give the text with -p/--prompt)");
-  for (const std::string& st : o.stop)
-    FN_REQUIRE(!st.empty(), Usage, "--stop: an empty stop string would stop at once");
+  for (const std::string& stop : o.stop)
+    FN_REQUIRE(!stop.empty(), Usage, "--stop: an empty stop string would stop at once");
   FN_REQUIRE(o.system_prompt.empty() || o.chat || !o.input.empty(), Usage,
              "--system-prompt applies to chat prompts: add --chat (or give JSONL records with "
              "\"messages\" through -i/--input)");
@@ -302,21 +315,22 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     check_output_path(o.output, "-o/--output");
   }
   const fs::path dir = o.model;
-  const ModelConfig cfg = load_model_config(dir);
-  const GenerationConfig gen = load_generation_config(dir);
-  const int64_t ctx =
-      o.ctx_size > 0 ? o.ctx_size : std::min<int64_t>(cfg.max_position_embeddings, 4096);
+  st.cfg = load_model_config(dir);
+  const ModelConfig& cfg = st.cfg;
+  st.gen = load_generation_config(dir);
+  const GenerationConfig& gen = st.gen;
+  st.ctx = o.ctx_size > 0 ? o.ctx_size : std::min<int64_t>(cfg.max_position_embeddings, 4096);
   FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
              o.ctx_size);
-  FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
-             "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
+  FN_REQUIRE(st.ctx <= cfg.max_position_embeddings, Usage,
+             "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", st.ctx,
              cfg.max_position_embeddings);
   FN_REQUIRE(o.max_new_tokens > 0 || o.max_new_tokens == -1, Usage,
              "-n/--max-new-tokens must be > 0 or -1 (until the context is full), got {}",
              o.max_new_tokens);
 
   // Sampling: generation_config.json, then flags.
-  SamplingParams sp;
+  SamplingParams& sp = st.sampling;
   if (gen.temperature) sp.temperature = *gen.temperature;
   if (gen.do_sample && !*gen.do_sample) sp.temperature = 0.0;
   if (gen.top_k) sp.top_k = *gen.top_k;
@@ -332,11 +346,10 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   if (o.o_presence->count()) sp.presence_penalty = o.presence;
   sp.frequency_penalty = o.frequency;
   sp.repeat_last_n = o.repeat_last_n;
-  const bool random_seed = o.seed == "-1";
-  uint64_t seed = 0;
-  if (!random_seed) {
+  st.random_seed = o.seed == "-1";
+  if (!st.random_seed) {
     const char* end = o.seed.data() + o.seed.size();
-    const auto [ptr, ec] = std::from_chars(o.seed.data(), end, seed);
+    const auto [ptr, ec] = std::from_chars(o.seed.data(), end, st.seed);
     FN_REQUIRE(!o.seed.empty() && ec == std::errc() && ptr == end, Usage,
                "-s/--seed must be -1 (random) or an integer in [0, 18446744073709551615], got "
                "'{}'",
@@ -344,7 +357,22 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   }
   validate_sampling_params(sp);
 
+  return st;
+}
+
+int run_generate(GenerateCli& o, MpiContext& mpi) {
+  const bool root = mpi.world_rank() == 0;
   MpiCollectives coll(mpi.world());
+  // Agreed on (collective): bad flags or files end every rank normally, with rank 0's message.
+  GenerateSetup su;
+  agree_on_error(coll, [&] { su = setup_generate(o, mpi.world_size(), root); });
+  const fs::path dir = o.model;
+  const ModelConfig& cfg = su.cfg;
+  const GenerationConfig& gen = su.gen;
+  const int64_t ctx = su.ctx;
+  SamplingParams sp = su.sampling;
+  const bool random_seed = su.random_seed;
+  uint64_t seed = su.seed;
   if (random_seed) {
     if (root) seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
     coll.broadcast(&seed, sizeof(seed), 0);
@@ -368,7 +396,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   const bool batch = !o.input.empty();
   std::vector<int32_t> single_ids;
   std::vector<std::string> lines;
-  if (root) {
+  // Agreed on (collective): a bad prompt ends every rank normally, with rank 0's message.
+  agree_on_error(coll, [&] {
+    if (!root) return;
     if (has_tokenizer(dir)) ts.tokenizer = load_tokenizer(dir);
     FN_REQUIRE(o.stop.empty() || ts.tokenizer, Usage,
                "--stop needs a tokenizer to match text, and {} has none", dir.string());
@@ -385,7 +415,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       }
       check_room(static_cast<int64_t>(single_ids.size()), o.max_new_tokens, ctx);
     }
-  }
+  });
 
   // cuda samples on the device inside the decode graph (the host only copies ids out) unless
   // --host-sampling, a --stop string or a penalty needs the host sampler; cpu always uses it.

@@ -213,6 +213,11 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
 
   # ---- bad input: usage errors (exit 2) naming the flag ----
   expect 2 "--format" -- bench --format xml
+  # A world size the model cannot split: named with the launcher's flag, printed once (rank 0).
+  expect 2 "the TP size is the number of MPI ranks (mpirun -np 3): tp_size must be 1, 2, 4 or 8" -- \
+    mpi 3 -p 4 -n 2
+  [ "$(grep -c "tp_size must be" "$tmp/err")" = 1 ] && pass "bench -np 3: one message" ||
+    fail "bench -np 3 printed $(grep -c "tp_size must be" "$tmp/err") messages: $(cat "$tmp/err")"
   # Whole numbers (apps/whole_number.h): decimal digits only, each list entry alike; a value
   # outside the allowed range says so, with the range and the text as typed.
   range_p="is out of range (allowed 1 to 2147483647)"

@@ -85,7 +85,8 @@ CLI::Option* add_whole_option(CLI::App* app, const std::string& names, T& var,
   } else {
     static_assert(std::is_same_v<T, std::string>, "an integer or std::string variable");
   }
-  return check_whole(app->add_option(names, var, description), std::move(range));
+  // A std::string variable still reads as a number in --help ("INT", not "TEXT").
+  return check_whole(app->add_option(names, var, description)->type_name("INT"), std::move(range));
 }
 
 }  // namespace fn

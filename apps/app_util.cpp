@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tokenizer/unicode.h"
 
 namespace fn {
 
@@ -156,7 +157,10 @@ void write_stdout(std::string_view s) {
 }
 
 void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path) {
-  const std::string s = record.dump() + "\n";
+  // Invalid UTF-8 that reached a string (an error message quoting a bad input line) becomes
+  // U+FFFD instead of failing the dump.
+  const std::string s =
+      record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   if (out == stdout) return write_stdout(s);
   const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
   FN_REQUIRE(ok, Io, "-o/--output {}: cannot write ({})", path, std::strerror(errno));
@@ -175,7 +179,8 @@ nlohmann::json parse_json_line(const std::string& line) {
   try {
     return nlohmann::json::parse(line);
   } catch (const nlohmann::json::parse_error& e) {
-    FN_THROW(Format, "not valid JSON ({})", e.what());
+    // The parser quotes the bytes it read last, which may be invalid UTF-8 (then U+FFFD here).
+    FN_THROW(Format, "not valid JSON ({})", unicode::utf8_lossy(e.what()));
   }
 }
 

@@ -64,7 +64,8 @@ std::vector<std::string> read_jsonl_lines(const std::string& path, const char* f
 /// a closed pipe with SIGPIPE ignored).
 void write_stdout(std::string_view s);
 
-/// Writes one JSONL record (record.dump() and a newline) to `out` and flushes it: a batch's
+/// Writes one JSONL record (record.dump() with invalid UTF-8 in its strings replaced by U+FFFD,
+/// and a newline) to `out` and flushes it: a batch's
 /// output file, or stdout. Throws fn::Error(Io) "cannot write to standard output (<reason>)" or
 /// "-o/--output <path>: cannot write (<reason>)" when the write or the flush fails.
 void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path);
@@ -73,8 +74,8 @@ void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std:
 /// output" when any earlier write to it failed. main() runs it after every command.
 void check_stdout();
 
-/// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)"; callers put it
-/// into that record's "error" field.
+/// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)", with invalid
+/// UTF-8 in the message replaced by U+FFFD; callers put it into that record's "error" field.
 nlohmann::json parse_json_line(const std::string& line);
 
 /// The backend/TP flags every model-running subcommand shares: --backend must be cpu, cuda or

@@ -18,9 +18,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <regex>
 #include <sstream>
 
+#include "apps/answer_pattern.h"
 #include "apps/app_util.h"
 #include "apps/backend.h"
 #include "apps/command.h"
@@ -396,15 +396,11 @@ std::string trim(std::string s) {
   return s.substr(i);
 }
 
-std::optional<std::string> extract_answer(const std::string& content, const std::string& pattern) {
-  if (pattern.empty()) return trim(content);
-  const std::regex re(pattern);
-  std::optional<std::string> last;
-  for (auto it = std::sregex_iterator(content.begin(), content.end(), re);
-       it != std::sregex_iterator(); ++it) {
-    const std::smatch& m = *it;
-    last = trim(m.size() > 1 && m[1].matched ? m[1].str() : m[0].str());
-  }
+std::optional<std::string> extract_answer(const std::string& content,
+                                          const AnswerPattern* pattern) {
+  if (pattern == nullptr) return trim(content);
+  std::optional<std::string> last = pattern->last_match(content);
+  if (last) last = trim(*last);
   return last;
 }
 
@@ -415,6 +411,7 @@ struct Task {
   std::vector<int32_t> ids;
   std::vector<std::string> answers;
   std::string regex;
+  std::shared_ptr<const AnswerPattern> pattern;  // null without "regex"
   bool chat = false;
 };
 
@@ -439,11 +436,7 @@ Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t
   if (rec.contains("regex")) {
     FN_REQUIRE(rec["regex"].is_string(), Format, "\"regex\" must be a string");
     t.regex = rec["regex"].get<std::string>();
-    try {
-      std::regex check(t.regex);
-    } catch (const std::regex_error& e) {
-      FN_THROW(Format, "\"regex\" {} is not a valid ECMAScript regex: {}", t.regex, e.what());
-    }
+    t.pattern = std::make_shared<const AnswerPattern>(t.regex);
   }
   const int given = static_cast<int>(rec.contains("prompt")) +
                     static_cast<int>(rec.contains("prompt_ids")) +
@@ -602,7 +595,16 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       }
     }
     const ReasoningSplit split = split_reasoning(text);
-    const std::optional<std::string> got = extract_answer(split.content, t.regex);
+    // A pattern PCRE2 gives up on (its match or heap limit) makes the record an error.
+    std::optional<std::string> got;
+    std::string match_error;
+    try {
+      got = extract_answer(split.content, t.pattern.get());
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Format) throw;
+      match_error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
+      FN_LOG_WARN("{}", match_error);
+    }
     const bool ok =
         got.has_value() && std::find(t.answers.begin(), t.answers.end(), *got) != t.answers.end();
     Tally& tt = tally[t.task];
@@ -622,6 +624,11 @@ int run_score(EvalCli& o, MpiContext& mpi) {
               {"e2e_ms", r.e2e_ms}};
     if (split.has_reasoning) j["reasoning"] = split.reasoning;
     if (!t.regex.empty()) j["regex"] = t.regex;
+    if (!match_error.empty()) {
+      j["error"] = match_error;
+      ++tt.errors;
+      ++total.errors;
+    }
     emit(j);
   }
   if (root) {
@@ -654,6 +661,12 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       write_stdout(j.dump() + "\n");
     }
   }
+  // As generate -i: a batch whose every record failed is a failed run (rank 0 counted them).
+  agree_on_error(coll, [&] {
+    FN_REQUIRE(!root || total.n == 0 || total.errors < total.n, Format,
+               "-i/--input {}: every record failed ({} of {}; see their \"error\" fields)", o.input,
+               total.errors, total.n);
+  });
   return 0;
 }
 

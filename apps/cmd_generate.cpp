@@ -567,10 +567,13 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         tt.p90, tt.p99, it.mean, it.p50, it.p90, it.p99, it.max, memory_text(mem));
     std::fwrite(s.data(), 1, s.size(), stderr);
   }
-  // Every rank knows the counts (the statuses are broadcast): all end with the same error.
-  FN_REQUIRE(n_errors < n_records, Format,
-             "-i/--input {}: every record failed ({} of {}; see their \"error\" fields)", o.input,
-             n_errors, n_records);
+  // Every rank knows the counts (the statuses are broadcast): all end with the same error,
+  // agreed on so that rank 0 alone prints it and every rank ends normally.
+  agree_on_error(coll, [&] {
+    FN_REQUIRE(n_errors < n_records, Format,
+               "-i/--input {}: every record failed ({} of {}; see their \"error\" fields)", o.input,
+               n_errors, n_records);
+  });
   return 0;
 }
 

@@ -157,6 +157,30 @@ expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt
 expect 2 "inside the model directory" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$fx/tp4/x.fnl"
 : >"$tmp/no_tasks.jsonl"
 expect 3 "no_tasks.jsonl: no records" -- mpi 2 score -m "$fx/tp4" -i "$tmp/no_tasks.jsonl"
+# Answer patterns are PCRE2 under match limits: a catastrophically backtracking pattern on 600
+# generated ids (nested repeats, then a character the text lacks) gives an error record (std::regex used to crash on long texts), a pattern that
+# does not compile another; the good record still scores, and the run exits 0.
+cat >"$tmp/rx.jsonl" <<EOF
+{"id": "blowup", "task": "rx", "prompt_ids": [$pids], "answer": "x", "regex": "^((\\\\d+ ?)+)+[^\\\\d ]"}
+{"id": "last", "task": "rx", "prompt_ids": [$pids], "answer": "x", "regex": "(\\\\d+) *$"}
+{"id": "broken", "task": "rx", "prompt_ids": [$pids], "answer": "x", "regex": "(unclosed"}
+EOF
+if mpi 2 score -m "$fx/tp4" -i "$tmp/rx.jsonl" -o "$tmp/rx.out" -n 600 --ignore-eos 2>"$tmp/err"; then
+  $py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; sys.exit(0 if (
+    len(r) == 3 and 'PCRE2 gave up on the' in r[0]['error'] and r[0]['correct'] is False
+    and len(r[0]['content']) > 1200 and 'error' not in r[1]
+    and r[1]['extracted'] == r[1]['content'].split()[-1]
+    and 'is not a valid PCRE2 pattern (offset 9: missing closing parenthesis)' in r[2]['error'])
+    else 1)" "$tmp/rx.out" &&
+    echo "ok: score: a runaway pattern and a bad pattern become error records" ||
+    fail "score patterns: $(cut -c1-400 "$tmp/rx.out")"
+else
+  fail "score with runaway patterns exited non-zero: $(tail -n 3 "$tmp/err")"
+fi
+# Every record failed: exit 3, as generate -i.
+printf '{"id": 1}\nnot json\n' >"$tmp/allbad_tasks.jsonl"
+expect 3 "allbad_tasks.jsonl: every record failed (2 of 2" -- \
+  mpi 2 score -m "$fx/tp4" -i "$tmp/allbad_tasks.jsonl" -o "$tmp/allbad_tasks.out"
 expect 2 "--backend cuda" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --backend cuda
 expect 2 "item 1 \"x\" is not an integer" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids "1,x" -o "$tmp/x.fnl"
 

@@ -1,6 +1,7 @@
 // UTF-8 and Unicode helpers of the tokenizer: validation, lossy decoding (HF/Rust
 // from_utf8_lossy), NFC through utf8proc (with the HF-compatibility rule below), and the GPT-2
-// byte <-> unicode table of byte-level BPE. Used by tokenizer/*.cpp and the tests only.
+// byte <-> unicode table of byte-level BPE. Used by tokenizer/*.cpp, the tests, and apps/ for
+// the JSONL error messages (utf8_lossy).
 #pragma once
 
 #include <array>

@@ -127,27 +127,29 @@ LogitsDtype parse_dtype(const std::string& s) {
 
 int run_ppl(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.ppl_c;
-  check_common(c, mpi);
   const bool root = mpi.world_rank() == 0;
-  FN_REQUIRE(o.ppl_file.empty() != o.ppl_ids_file.empty(), Usage,
-             "give exactly one of -f/--file (text) or --ids-file (token ids)");
-  FN_REQUIRE(o.save_top_k >= 0, Usage, "--save-top-k must be >= 0, got {}", o.save_top_k);
-  FN_REQUIRE(o.chunks == -1 || o.chunks >= 1, Usage,
-             "--chunks must be >= 1 (or -1, the default: every window), got {}", o.chunks);
-  require_outside_model(o.save_logits, c.model, "--save-logits");
-  require_not_input(o.save_logits, "--save-logits", o.ppl_file, "-f/--file");
-  require_not_input(o.save_logits, "--save-logits", o.ppl_ids_file, "--ids-file");
   const fs::path dir = c.model;
-  const ModelConfig cfg = load_model_config(dir);
-  FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
-             "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", o.ctx,
-             cfg.max_position_embeddings);
-  std::vector<int32_t> tokens;
-  std::string tok_id = "ids-only";
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
-  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  ModelConfig cfg;
+  std::vector<int32_t> tokens;
+  std::string tok_id = "ids-only";
+  // The checks of the flags and files (rank 0's inputs too), agreed on: bad input ends every
+  // rank normally with rank 0's message.
   agree_on_error(*l.coll, [&] {
+    check_common(c, mpi);
+    FN_REQUIRE(o.ppl_file.empty() != o.ppl_ids_file.empty(), Usage,
+               "give exactly one of -f/--file (text) or --ids-file (token ids)");
+    FN_REQUIRE(o.save_top_k >= 0, Usage, "--save-top-k must be >= 0, got {}", o.save_top_k);
+    FN_REQUIRE(o.chunks == -1 || o.chunks >= 1, Usage,
+               "--chunks must be >= 1 (or -1, the default: every window), got {}", o.chunks);
+    require_outside_model(o.save_logits, c.model, "--save-logits");
+    require_not_input(o.save_logits, "--save-logits", o.ppl_file, "-f/--file");
+    require_not_input(o.save_logits, "--save-logits", o.ppl_ids_file, "--ids-file");
+    cfg = load_model_config(dir);
+    FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
+               "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", o.ctx,
+               cfg.max_position_embeddings);
     if (!root) return;
     if (!o.ppl_file.empty()) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
@@ -226,29 +228,31 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
 
 int run_dump(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.dump_c;
-  check_common(c, mpi);
   const bool root = mpi.world_rank() == 0;
-  const int sources = static_cast<int>(o.o_prompt->count() > 0) +
-                      static_cast<int>(!o.file.empty()) + static_cast<int>(!o.prompt_ids.empty()) +
-                      static_cast<int>(!o.ids_file.empty());
-  FN_REQUIRE(sources == 1, Usage,
-             "give exactly one of -p/--prompt, -f/--file, --prompt-ids or --ids-file (got {})",
-             sources);
-  FN_REQUIRE(o.top_k >= 0, Usage, "--top-k must be >= 0 (0 = full rows), got {}", o.top_k);
-  FN_REQUIRE(!(o.top_k > 0 && o.values == "logits"), Usage,
-             "--values logits needs full rows: --top-k stores log-probs");
-  require_outside_model(o.output, c.model, "-o/--output");
-  require_not_input(o.output, "-o/--output", o.file, "-f/--file");
-  require_not_input(o.output, "-o/--output", o.ids_file, "--ids-file");
   const fs::path dir = c.model;
-  const ModelConfig cfg = load_model_config(dir);
-  FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
-             cfg.vocab_size);
-  LogitsHeader h;
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
-  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  ModelConfig cfg;
+  LogitsHeader h;
+  // The checks of the flags and files (rank 0's inputs too), agreed on: bad input ends every
+  // rank normally with rank 0's message.
   agree_on_error(*l.coll, [&] {
+    check_common(c, mpi);
+    const int sources =
+        static_cast<int>(o.o_prompt->count() > 0) + static_cast<int>(!o.file.empty()) +
+        static_cast<int>(!o.prompt_ids.empty()) + static_cast<int>(!o.ids_file.empty());
+    FN_REQUIRE(sources == 1, Usage,
+               "give exactly one of -p/--prompt, -f/--file, --prompt-ids or --ids-file (got {})",
+               sources);
+    FN_REQUIRE(o.top_k >= 0, Usage, "--top-k must be >= 0 (0 = full rows), got {}", o.top_k);
+    FN_REQUIRE(!(o.top_k > 0 && o.values == "logits"), Usage,
+               "--values logits needs full rows: --top-k stores log-probs");
+    require_outside_model(o.output, c.model, "-o/--output");
+    require_not_input(o.output, "-o/--output", o.file, "-f/--file");
+    require_not_input(o.output, "-o/--output", o.ids_file, "--ids-file");
+    cfg = load_model_config(dir);
+    FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
+               cfg.vocab_size);
     if (!root) return;
     std::vector<int32_t> ids;
     h.tokenizer = "ids-only";
@@ -322,15 +326,17 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
 
 int run_kld(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.kld_c;
-  check_common(c, mpi);
   const bool root = mpi.world_rank() == 0;
   const fs::path dir = c.model;
-  const ModelConfig cfg = load_model_config(dir);
-  std::unique_ptr<LogitsReader> reader;
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
-  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  ModelConfig cfg;
+  std::unique_ptr<LogitsReader> reader;
+  // The checks of the flags and files (rank 0's inputs too), agreed on: bad input ends every
+  // rank normally with rank 0's message.
   agree_on_error(*l.coll, [&] {
+    check_common(c, mpi);
+    cfg = load_model_config(dir);
     if (!root) return;
     reader = std::make_unique<LogitsReader>(o.base);
     const LogitsHeader& h = reader->header();
@@ -485,28 +491,31 @@ Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t
 
 int run_score(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.score_c;
-  check_common(c, mpi);
   const bool root = mpi.world_rank() == 0;
-  FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
-  require_outside_model(o.score_output, c.model, "-o/--output");
-  require_not_input(o.score_output, "-o/--output", o.input, "-i/--input");
-  FN_REQUIRE(o.max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}",
-             o.max_new_tokens);
-  FN_REQUIRE(o.temp >= 0, Usage, "--temp must be >= 0, got {}", o.temp);
   const fs::path dir = c.model;
-  const ModelConfig cfg = load_model_config(dir);
-  const GenerationConfig gen = load_generation_config(dir);
-  const int64_t ctx =
-      o.score_ctx > 0 ? o.score_ctx : std::min<int64_t>(cfg.max_position_embeddings, 4096);
-  FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
-             "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
-             cfg.max_position_embeddings);
-  std::unique_ptr<Tokenizer> tok;
-  std::vector<std::string> lines;
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
-  // Rank 0's input checks, agreed on: bad input ends every rank normally with its message.
+  ModelConfig cfg;
+  GenerationConfig gen;
+  int64_t ctx = 0;
+  std::unique_ptr<Tokenizer> tok;
+  std::vector<std::string> lines;
+  // The checks of the flags and files (rank 0's inputs too), agreed on: bad input ends every
+  // rank normally with rank 0's message.
   agree_on_error(*l.coll, [&] {
+    check_common(c, mpi);
+    FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+    require_outside_model(o.score_output, c.model, "-o/--output");
+    require_not_input(o.score_output, "-o/--output", o.input, "-i/--input");
+    FN_REQUIRE(o.max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}",
+               o.max_new_tokens);
+    FN_REQUIRE(o.temp >= 0, Usage, "--temp must be >= 0, got {}", o.temp);
+    cfg = load_model_config(dir);
+    gen = load_generation_config(dir);
+    ctx = o.score_ctx > 0 ? o.score_ctx : std::min<int64_t>(cfg.max_position_embeddings, 4096);
+    FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
+               "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
+               cfg.max_position_embeddings);
     if (!root) return;
     if (has_tokenizer(dir)) tok = load_tokenizer(dir);
     lines = read_jsonl_lines(o.input, "-i/--input");

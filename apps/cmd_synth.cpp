@@ -6,6 +6,7 @@
 
 #include "apps/command.h"
 #include "apps/whole_number.h"
+#include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -35,9 +36,14 @@ void register_synth(CLI::App& app, CommandList& commands) {
   sub->add_option("--tokenizer", opt->tokenizer,
                   "directory whose tokenizer.json/tokenizer_config.json are copied in");
   commands.push_back({sub, [opt](MpiContext& mpi) {
-                        FN_REQUIRE(mpi.world_size() == 1, Usage,
-                                   "fngen synth runs as one process (got {} ranks)",
-                                   mpi.world_size());
+                        // Every rank sees the same world size: agreed on, so rank 0 alone
+                        // prints it and every rank ends normally.
+                        MpiCollectives coll(mpi.world());
+                        agree_on_error(coll, [&] {
+                          FN_REQUIRE(mpi.world_size() == 1, Usage,
+                                     "fngen synth runs as one process (got {} ranks)",
+                                     mpi.world_size());
+                        });
                         SynthOptions o;
                         o.config = opt->config;
                         o.out = opt->out;

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/error.h"
+
 namespace fn {
 
 /// Largest input file read_file accepts (prompts, JSONL batches, token-id and task files).
@@ -73,6 +75,19 @@ void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std:
 /// Flushes stdout (C stdio and std::cout) and throws fn::Error(Io) "cannot write to standard
 /// output" when any earlier write to it failed. main() runs it after every command.
 void check_stdout();
+
+/// Runs `f` (tokenizing text from one source) and returns its result; a Format error it throws
+/// (the tokenizer's "invalid UTF-8 in text to encode at byte offset N") is restated as
+/// fn::Error(Format) "<source>: <message>", e.g. "-f/--file notes.txt: invalid UTF-8 ...".
+template <class F>
+auto with_text_source(const std::string& source, F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::Format) throw;
+    FN_THROW(Format, "{}: {}", source, e.what());
+  }
+}
 
 /// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)", with invalid
 /// UTF-8 in the message replaced by U+FFFD; callers put it into that record's "error" field.

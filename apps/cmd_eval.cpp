@@ -154,7 +154,9 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     if (!o.ppl_file.empty()) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
-      tokens = require_tokenizer(dir, "-f/--file")->encode(text, EncodeMode::Raw);
+      const auto tok = require_tokenizer(dir, "-f/--file");
+      tokens = with_text_source("-f/--file " + o.ppl_file,
+                                [&] { return tok->encode(text, EncodeMode::Raw); });
       check_ids_in_vocab(tokens, cfg.vocab_size, "-f/--file " + o.ppl_file);
       tok_id = tokenizer_id(dir);
     } else {
@@ -265,7 +267,9 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "{}: the prompt is empty",
                  o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file);
-      ids = require_tokenizer(dir, "the prompt")->encode(text, EncodeMode::Raw);
+      const auto tok = require_tokenizer(dir, "the prompt");
+      ids = with_text_source(o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file,
+                             [&] { return tok->encode(text, EncodeMode::Raw); });
       check_ids_in_vocab(ids, cfg.vocab_size, "the prompt");
       h.tokenizer = tokenizer_id(dir);
     }

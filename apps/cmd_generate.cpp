@@ -47,10 +47,28 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// The prompt plus -n must fit the context; -n -1 (until the context is full) needs room for one
-// token. fn::Error(Usage) naming the flag as the user gave it.
+// -n/--max-new-tokens when not given: 256, or fewer when the context ends first (0 stands for it).
+constexpr int64_t kDefaultNewTokens = 256;
+
+// The tokens to generate after a prompt of n_prompt tokens: -n as given, the default capped at
+// the context's end, or (-1) up to the context's end. At least 1 (check_room ran before).
+int64_t new_tokens_for(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
+  if (max_new_tokens > 0) return max_new_tokens;
+  const int64_t room = std::max<int64_t>(ctx - n_prompt, 1);
+  return max_new_tokens == 0 ? std::min(kDefaultNewTokens, room) : room;
+}
+
+// The prompt plus -n must fit the context; the default -n and -n -1 (until the context is full)
+// need room for one token. fn::Error(Usage) naming the flag as the user gave it.
 void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
-  if (max_new_tokens <= 0) {
+  if (max_new_tokens == 0) {
+    FN_REQUIRE(n_prompt < ctx, Usage,
+               "the prompt ({} token{}) fills the context size -c/--ctx-size {}: it leaves no "
+               "room for a generated token",
+               n_prompt, n_prompt == 1 ? "" : "s", ctx);
+    return;
+  }
+  if (max_new_tokens < 0) {
     FN_REQUIRE(n_prompt < ctx, Usage,
                "the prompt ({} token{}) fills the context size -c/--ctx-size {}: "
                "-n/--max-new-tokens -1 (until the context is full) leaves no room for a token",
@@ -64,7 +82,7 @@ struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
   std::string chat_template;
   BackendFlags backend;
-  int64_t max_new_tokens = 256, ctx_size = 0;
+  int64_t max_new_tokens = 0, ctx_size = 0;  // max_new_tokens 0: the default (kDefaultNewTokens)
   double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0,
          frequency = 0.0;
   int64_t top_k = 0, repeat_last_n = 64;
@@ -75,7 +93,7 @@ struct GenerateCli {
   // Set when the flag was given (CLI11 count), so that it overrides generation_config.json.
   CLI::Option *o_temp = nullptr, *o_top_k = nullptr, *o_top_p = nullptr, *o_min_p = nullptr,
               *o_repeat_penalty = nullptr, *o_presence = nullptr, *o_prompt = nullptr,
-              *o_model = nullptr;
+              *o_prompt_ids = nullptr, *o_model = nullptr;
 };
 
 // Rank 0's view of the model directory's text side.
@@ -98,16 +116,13 @@ struct TextSide {
   std::vector<int32_t> encode_text(const std::string& text, bool as_chat,
                                    const std::string& what) const {
     require_tokenizer(what.c_str());
-    try {
+    return with_text_source(what, [&] {
       if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
       std::vector<ChatMessage> msgs;
       if (!system_prompt.empty()) msgs.push_back({"system", system_prompt, std::nullopt});
       msgs.push_back({"user", text, std::nullopt});
       return encode_chat(*tokenizer, msgs, chat);
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::Format) throw;
-      FN_THROW(Format, "{}: {}", what, e.what());
-    }
+    });
   }
 };
 
@@ -288,16 +303,16 @@ struct GenerateSetup {
 GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   GenerateSetup st;
   check_backend_and_tp(o.backend.backend, o.backend.tp, world_size);
-  const int sources = static_cast<int>(o.o_prompt->count() > 0) +
-                      static_cast<int>(!o.file.empty()) + static_cast<int>(!o.prompt_ids.empty()) +
-                      static_cast<int>(!o.input.empty());
+  const int sources =
+      static_cast<int>(o.o_prompt->count() > 0) + static_cast<int>(!o.file.empty()) +
+      static_cast<int>(o.o_prompt_ids->count() > 0) + static_cast<int>(!o.input.empty());
   FN_REQUIRE(sources == 1, Usage,
              "give exactly one of -p/--prompt, -f/--file, --prompt-ids or -i/--input (got {})",
              sources);
   FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
              "-o/--output needs -i/--input (batch mode)");
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
-  FN_REQUIRE(!(o.chat && !o.prompt_ids.empty()), Usage,
+  FN_REQUIRE(!(o.chat && o.o_prompt_ids->count() > 0), Usage,
              "--chat renders a text prompt with the chat template; --prompt-ids are fed as given "
              "(drop --chat, or give the text with -p/--prompt)");
   for (const std::string& stop : o.stop)
@@ -325,7 +340,7 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   FN_REQUIRE(st.ctx <= cfg.max_position_embeddings, Usage,
              "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", st.ctx,
              cfg.max_position_embeddings);
-  FN_REQUIRE(o.max_new_tokens > 0 || o.max_new_tokens == -1, Usage,
+  FN_REQUIRE(o.max_new_tokens >= 0 || o.max_new_tokens == -1, Usage,
              "-n/--max-new-tokens must be > 0 or -1 (until the context is full), got {}",
              o.max_new_tokens);
 
@@ -405,7 +420,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     if (batch) {
       lines = read_jsonl_lines(o.input, "-i/--input");
     } else {
-      if (!o.prompt_ids.empty()) {
+      if (o.o_prompt_ids->count() > 0) {
         single_ids = parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
       } else {
         std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
@@ -439,7 +454,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
                      : generate(forward, coll, ids, go, hooks, model.prefill);
   };
   const auto max_new_for = [&](int64_t n_prompt) {
-    return o.max_new_tokens > 0 ? o.max_new_tokens : std::max<int64_t>(ctx - n_prompt, 1);
+    return new_tokens_for(n_prompt, o.max_new_tokens, ctx);
   };
 
   if (!batch) {
@@ -588,14 +603,16 @@ void register_generate(CLI::App& app, CommandList& commands) {
   o->o_model = sub->add_option("-m,--model", o->model, "model directory")->required();
   o->o_prompt = sub->add_option("-p,--prompt", o->prompt, "prompt text");
   sub->add_option("-f,--file", o->file, "file holding the prompt text (one final newline dropped)");
-  sub->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");
+  o->o_prompt_ids = sub->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");
   sub->add_option("-i,--input", o->input,
                   "JSONL batch: one {\"prompt\"}, {\"prompt_ids\"} or {\"messages\"} per line "
                   "(optional \"id\")");
   sub->add_option("-o,--output", o->output, "JSONL results of -i (default: stdout)");
-  add_whole_option(sub, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
-                   "tokens to generate (default 256; -1: until the context is full)",
-                   WholeRange(1, kMaxTokenCount).or_value(-1));
+  add_whole_option(
+      sub, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
+      "tokens to generate (default 256, fewer when the context ends first; -1: until the "
+      "context is full)",
+      WholeRange(1, kMaxTokenCount).or_value(-1));
   add_whole_option(sub, "-c,--ctx-size", o->ctx_size,
                    "context size in tokens (default, or 0: min(max_position_embeddings, 4096))",
                    WholeRange(0, kMaxTokenCount));

@@ -286,14 +286,20 @@ int run_tokenize(const TokenizeOptions& o) {
   }
   std::vector<int32_t> ids;
   std::string rendered;
-  if (o.chat) {
-    const auto msgs = prompt_messages(o, text);
-    const ChatOptions copt = chat_options(o);
-    rendered = render_chat(msgs, copt);
-    ids = encode_chat(*tok, msgs, copt);
-  } else {
-    ids = tok->encode(text, o.plain ? EncodeMode::Plain : EncodeMode::Raw);
-  }
+  const std::string source = !o.prompt.empty() ? "-p/--prompt"
+                             : !o.file.empty() ? "-f/--file " + o.file
+                                               : std::string("standard input");
+  with_text_source(source, [&] {
+    if (o.chat) {
+      const auto msgs = prompt_messages(o, text);
+      const ChatOptions copt = chat_options(o);
+      rendered = render_chat(msgs, copt);
+      ids = encode_chat(*tok, msgs, copt);
+    } else {
+      ids = tok->encode(text, o.plain ? EncodeMode::Plain : EncodeMode::Raw);
+    }
+    return 0;
+  });
   if (o.json_out) {
     json j{{"ids", ids}, {"n_tokens", ids.size()}};
     if (o.chat) j["text"] = rendered;

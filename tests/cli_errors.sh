@@ -135,6 +135,12 @@ if [ -f "$tok" ]; then
   done
   [ "$(cat "$tmp/t.jsonl")" = '{"text": "hi"}' ] && pass "tokenize -i = -o: the input is intact" ||
     fail "tokenize -i = -o changed the input: $(cat "$tmp/t.jsonl")"
+  # Invalid UTF-8 is named with its source.
+  printf 'ab\xffc' >"$tmp/bad_utf8.txt"
+  expect 3 "-f/--file $tmp/bad_utf8.txt: invalid UTF-8 in text to encode at byte offset 2" -- \
+    "$fngen" tokenize --tokenizer "$tok" -f "$tmp/bad_utf8.txt"
+  expect 3 "-p/--prompt: invalid UTF-8 in text to encode at byte offset 1" -- \
+    "$fngen" tokenize --tokenizer "$tok" -p "$(printf 'a\xffb')"
   printf 'not json\n{"text": 5}\n' >"$tmp/allbad.jsonl"
   expect 3 "-i/--input $tmp/allbad.jsonl: every record failed (2 of 2" -- \
     "$fngen" tokenize --tokenizer "$tok" -i "$tmp/allbad.jsonl" -o "$tmp/allbad.out"

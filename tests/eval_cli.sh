@@ -123,6 +123,10 @@ ln -s "$src/third_party/qwen3-tokenizer/tokenizer.json" "$tmp/tok_model/tokenize
 printf 'x' >"$tmp/one.txt"
 # Qwen3 ids 64 "a", 264 " a", 304 " in": all inside tp4's vocabulary of 384.
 printf 'a a a in a a in in a a a in a a a a in a' >"$tmp/small.txt"
+# Invalid UTF-8 in the text is named with the file.
+printf 'ab\xffc' >"$tmp/bad_utf8.txt"
+expect 3 "-f/--file $tmp/bad_utf8.txt: invalid UTF-8 in text to encode at byte offset 2" -- \
+  mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/bad_utf8.txt" -c 8
 # The tokenizer identity fngen records equals the python writer's.
 mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/small.txt" -c 8 --save-logits "$tmp/tok.fnl" \
   >/dev/null 2>"$tmp/err" || fail "ppl on text: $(tail -n 3 "$tmp/err")"

@@ -73,6 +73,13 @@ expect 2 "ctx-size 50" -- mpi 2 -m "$fx/tp4" --prompt-ids "$ids" -n 32 -c 50
 grep -q "40 tokens" "$tmp/err" || fail "the context error does not name the prompt length"
 expect 2 "max_position_embeddings 1024" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 -c 5000
 expect 2 "empty" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids ","
+expect 2 "the prompt is empty (0 tokens)" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids ""
+# Without -n, the default 256 new tokens stop where a smaller context ends (-n as given must fit).
+mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 -c 8 --ignore-eos --json >"$tmp/small_ctx.json" 2>/dev/null ||
+  fail "generate -c 8 without -n failed"
+check_json "$tmp/small_ctx.json" "len(j['token_ids']) == 5" "-c 8 without -n: 5 new tokens after 3"
+expect 2 "the prompt (3 tokens) plus -n/--max-new-tokens (6) is 9 tokens" -- \
+  mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 -c 8 -n 6
 expect 2 "item 1 = 512 is outside the vocabulary" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,512
 expect 2 "no tokenizer" -- mpi 2 -m "$fx/g3_tiny" -p "hello"
 expect 2 "exactly one of" -- mpi 2 -m "$fx/g3_tiny"
@@ -190,7 +197,7 @@ expect 3 "-o/--output $tmp/no-dir/o.jsonl: cannot open for writing (no such dire
 # A record with raw invalid UTF-8 is an error record (the parser's message quotes the bytes,
 # written as U+FFFD), not an internal error: the batch goes on and exits 0.
 printf '{"id":"ok","prompt_ids":[1,2]}\n{"id":"x","prompt":"a\xff\xfe"}\n' >"$tmp/utf8.jsonl"
-if mpi 2 -m "$tmp/g3" -i "$tmp/utf8.jsonl" -o "$tmp/utf8.out" -n 2 2>"$tmp/err"; then
+if mpi 2 -m "$tmp/g3" -i "$tmp/utf8.jsonl" -o "$tmp/utf8.out" -n 2 --ignore-eos 2>"$tmp/err"; then
   $py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1], encoding='utf-8')]; \
     sys.exit(0 if len(r) == 2 and r[0]['id'] == 'ok' and r[0]['finish_reason'] == 'length' and \
     r[1]['finish_reason'] == 'error' and 'not valid JSON' in r[1]['error'] and \

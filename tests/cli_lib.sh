@@ -1,6 +1,6 @@
 # Shared helpers of the CLI test scripts (tests/*_cli.sh, tests/backend_gpu.sh): a temporary
 # directory removed on exit, Open MPI allowed as root, failure counting, fngen under mpirun, an
-# exit-code + stderr-pattern expectation (also with stdout on /dev/full) and a JSON field check.
+# exit-code + stderr-pattern expectation (also with stdout on /dev/full) and JSON / JSONL checks.
 # Source it after setting $fngen and $mpiexec; it defines $py, $tmp and $failures.
 py=/usr/bin/python3
 tmp=$(mktemp -d)
@@ -45,5 +45,14 @@ check_json() {  # check_json FILE PYTHON-EXPRESSION-ON-j DESCRIPTION
     pass "$3"
   else
     fail "$3: $(head -c 600 "$1")"
+  fi
+}
+
+check_jsonl() {  # check_jsonl FILE PYTHON-EXPRESSION-ON-r (the file's records, a list) DESCRIPTION
+  if $py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1], encoding='utf-8')]; \
+    sys.exit(0 if ($2) else 1)" "$1"; then
+    pass "$3"
+  else
+    fail "$3: $(head -c 600 "$1" | cat -v)"
   fi
 }

@@ -170,14 +170,11 @@ cat >"$tmp/rx.jsonl" <<EOF
 {"id": "broken", "task": "rx", "prompt_ids": [$pids], "answer": "x", "regex": "(unclosed"}
 EOF
 if mpi 2 score -m "$fx/tp4" -i "$tmp/rx.jsonl" -o "$tmp/rx.out" -n 600 --ignore-eos 2>"$tmp/err"; then
-  $py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; sys.exit(0 if (
-    len(r) == 3 and 'PCRE2 gave up on the' in r[0]['error'] and r[0]['correct'] is False
-    and len(r[0]['content']) > 1200 and 'error' not in r[1]
+  check_jsonl "$tmp/rx.out" "len(r) == 3 and 'PCRE2 gave up on the' in r[0]['error']
+    and r[0]['correct'] is False and len(r[0]['content']) > 1200 and 'error' not in r[1]
     and r[1]['extracted'] == r[1]['content'].split()[-1]
-    and 'is not a valid PCRE2 pattern (offset 9: missing closing parenthesis)' in r[2]['error'])
-    else 1)" "$tmp/rx.out" &&
-    echo "ok: score: a runaway pattern and a bad pattern become error records" ||
-    fail "score patterns: $(cut -c1-400 "$tmp/rx.out")"
+    and 'is not a valid PCRE2 pattern (offset 9: missing closing parenthesis)' in r[2]['error']" \
+    "score: a runaway pattern and a bad pattern become error records"
 else
   fail "score with runaway patterns exited non-zero: $(tail -n 3 "$tmp/err")"
 fi

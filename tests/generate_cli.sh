@@ -198,12 +198,10 @@ expect 3 "-o/--output $tmp/no-dir/o.jsonl: cannot open for writing (no such dire
 # written as U+FFFD), not an internal error: the batch goes on and exits 0.
 printf '{"id":"ok","prompt_ids":[1,2]}\n{"id":"x","prompt":"a\xff\xfe"}\n' >"$tmp/utf8.jsonl"
 if mpi 2 -m "$tmp/g3" -i "$tmp/utf8.jsonl" -o "$tmp/utf8.out" -n 2 --ignore-eos 2>"$tmp/err"; then
-  $py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1], encoding='utf-8')]; \
-    sys.exit(0 if len(r) == 2 and r[0]['id'] == 'ok' and r[0]['finish_reason'] == 'length' and \
-    r[1]['finish_reason'] == 'error' and 'not valid JSON' in r[1]['error'] and \
-    '\ufffd' in r[1]['error'] else 1)" "$tmp/utf8.out" &&
-    echo "ok: a record with invalid UTF-8 becomes a valid JSON error record" ||
-    fail "invalid UTF-8 record: $(cat -v "$tmp/utf8.out")"
+  check_jsonl "$tmp/utf8.out" "len(r) == 2 and r[0]['id'] == 'ok'
+    and r[0]['finish_reason'] == 'length' and r[1]['finish_reason'] == 'error'
+    and 'not valid JSON' in r[1]['error'] and '\ufffd' in r[1]['error']" \
+    "a record with invalid UTF-8 becomes a valid JSON error record"
 else
   fail "a record with invalid UTF-8 ended the batch: $(tail -n 3 "$tmp/err" | cat -v)"
 fi

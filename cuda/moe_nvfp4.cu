@@ -234,6 +234,7 @@ struct GateUpArgs {
   float* gate_up_out;
   int team_log2;
   int tiles_per_j;  // tensor-core path: ceil(I / 8) tiles of 8 row pairs per selected expert
+  L2Prefetch l2_prefetch;
 };
 
 // One team per (selected expert j, row i): gate row i and up row I + i of expert ids[j]. Lane l of
@@ -246,6 +247,7 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
   extern __shared__ float4 stage4[];
   float* lut = reinterpret_cast<float*>(stage4);  // [kScaleLut]: e4m3_scaled of every scale byte
   float* stage = lut + kScaleLut;
+  if (threadIdx.x == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
@@ -544,6 +546,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaGateUpMinBlocks)
   uint32_t* lut = reinterpret_cast<uint32_t*>(smem4);
   float* part = reinterpret_cast<float*>(lut + 256);
   uint8_t* stage = reinterpret_cast<uint8_t*>(smem4) + kLutBytes + kPartBytes;
+  if (threadIdx.x == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
@@ -858,6 +861,7 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   a.x = p.x;
   a.h = p.h;
   a.gate_up_out = p.gate_up_out;
+  a.l2_prefetch = p.l2_prefetch;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =

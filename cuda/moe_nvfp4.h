@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "cuda/l2_prefetch.h"
+
 namespace fn {
 
 /// Device layout of one layer's routed experts (the loader stacks the per-expert checkpoint
@@ -54,6 +56,10 @@ struct MoeGateUpParams {
   /// BF16, FP32 accumulate; moe_nvfp4.cu): another summation order, so other bits; on H200 it is
   /// no faster at TP=1/2 (cuda/bench/RESULTS.md, session 5), kept for A/B.
   bool mma = false;
+  /// Weight ranges of later kernels of the step to prefetch into L2 while this instruction-bound
+  /// kernel leaves HBM mostly idle (cuda/l2_prefetch.h; thread 0 of every CTA issues its share
+  /// first). Empty by default; changes no result.
+  L2Prefetch l2_prefetch{};
 };
 
 /// Down projection summed over the selected experts:

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "comm/cuda_check.h"
+#include "cuda/l2_prefetch.h"
 #include "cuda/pdl.h"
 
 namespace fn {
@@ -89,6 +90,23 @@ __device__ __forceinline__ void pdl_begin() {
 /// whatever other kernels do with the line).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+/// Issues part `part` of `parts` of the ranges of l (fn::for_each_l2_prefetch_chunk,
+/// cuda/l2_prefetch.h) as bulk L2 prefetches, one cp.async.bulk.prefetch.L2 per chunk (sm_90+;
+/// nothing below). Called by one thread per CTA (part = the CTA's index, parts = the grid's CTAs),
+/// anywhere in a kernel (a prefetch is memory-safe: the contract above); it does not wait.
+__device__ __forceinline__ void l2_prefetch_part(const L2Prefetch& l, unsigned part,
+                                                 unsigned parts) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  for_each_l2_prefetch_chunk(l, part, parts, [](const char* p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  });
+#else
+  (void)l;
+  (void)part;
+  (void)parts;
+#endif
 }
 
 }  // namespace dev

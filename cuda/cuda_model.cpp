@@ -816,21 +816,12 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   ep.error_flag = error_flag;
   launch_embed(ep, s);
 
-  // CudaModelOptions::l2_prefetch: the weight ranges later launches read, prefetched into L2 by an
-  // earlier launch that leaves HBM mostly idle (cuda/l2_prefetch.h).
+  // CudaModelOptions::l2_prefetch: an HC read's weights, prefetched into L2 by the routed gate+up
+  // launch before it (cuda/l2_prefetch.h).
   auto prefetch_hc = [&](L2Prefetch& l, const DevHc& hc) {
     l.add(hc.down_inj, static_cast<uint64_t>(hc.down_rows) * W * sizeof(uint16_t));
     l.add(hc.up, static_cast<uint64_t>(W) * R * sizeof(uint16_t));
     l.add(hc.norm, static_cast<uint64_t>(W) * sizeof(uint16_t));
-  };
-  auto mixer_prefetch = [&](const DevLayer& L) {
-    L2Prefetch l;
-    if ((o.l2_prefetch & 2) != 0) prefetch_hc(l, L.mlp_hc);
-    if ((o.l2_prefetch & 4) != 0) {
-      l.add(L.moe.router, static_cast<uint64_t>(E + 1) * D * sizeof(uint16_t));
-      l.add(L.moe.s_gate_up, static_cast<uint64_t>(2 * Is_l) * D * sizeof(uint16_t));
-    }
-    return l;
   };
 
   int64_t layer_index = 0, qsa_index = 0;
@@ -869,7 +860,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       q.out = mix_out;
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
-      q.l2_prefetch = mixer_prefetch(L);
       launch_qsa_decode(q, s);
       if (choice_log) {  // the selected blocks, then the counters {count, B, tokens, 0}
         const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
@@ -895,7 +885,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.out = mix_out;
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
-      gp.l2_prefetch = mixer_prefetch(L);
       launch_gdn_decode(gp, s);
       launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
     }
@@ -956,7 +945,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.top_k = static_cast<int>(k);
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
-    if ((o.l2_prefetch & 1) != 0) {
+    if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
     }

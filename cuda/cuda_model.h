@@ -59,14 +59,13 @@ struct CudaModelOptions {
   /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
   int fold_hc_inject = -1;
-  /// L2 prefetch of weights a few launches ahead (cuda/l2_prefetch.h), a bit mask; no bits
-  /// change. Bit 0: the routed gate+up launch (instruction bound, HBM mostly idle) prefetches the
-  /// next HC read's W_dn, W_up and norm (the next layer's attention side, or the final mixer) and
-  /// the shared expert's down matrix. Bit 1: the GDN recurrence / QSA attention launch (latency
-  /// bound) prefetches the MLP-side HC read's weights; bit 2: also the router + shared-expert
-  /// gate rows and the shared gate/up matrix. 0: none (A/B benches). Default bit 0 only: bits 1
-  /// and 2 measured slower on H200 (cuda/bench/RESULTS.md, session 9).
-  int l2_prefetch = 1;
+  /// L2 prefetch of weights a few launches ahead (cuda/l2_prefetch.h); no bits change. The routed
+  /// gate+up launch (instruction bound, HBM mostly idle) prefetches the next HC read's W_dn, W_up
+  /// and norm (the next layer's attention side, or the final mixer) and the shared expert's down
+  /// matrix: -0.01 ms/token at TP=1 on H200. Prefetching from the GDN recurrence / QSA attention
+  /// or the routed down launch measured slower (cuda/bench/RESULTS.md, session 9). false: none
+  /// (A/B benches).
+  bool l2_prefetch = true;
 };
 
 /// Which logits CudaModel::prefill returns.

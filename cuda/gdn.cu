@@ -113,7 +113,6 @@ struct RecArgs {
   int K;
   int fused;  // 1: the conv runs inside this kernel (one launch)
   float eps;
-  L2Prefetch l2_prefetch;
 };
 
 // Sum of two values over the block in a fixed order (butterfly per warp, warps ascending); every
@@ -178,7 +177,6 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   const int cg = tid % CG, rg = tid / CG;
   const int col0 = sl * a.vc + cg * 4;
   float* S = a.state + static_cast<int64_t>(h) * a.dk * a.dv + col0;
-  if (tid == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
 
   // The state tile first: its loads are the kernel's cost and overlap everything below. Two
   // launches: straight into registers before the programmatic-dependent wait (the conv kernel
@@ -394,8 +392,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             conv_dim,
             p.conv_kernel,
             p.fused_conv ? 1 : 0,
-            p.eps,
-            p.l2_prefetch};
+            p.eps};
   const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
   if (!p.fused_conv) {
     launch_pdl("gdn_conv_kernel", gdn_conv_kernel, (conv_dim + kThreads - 1) / kThreads, kThreads,

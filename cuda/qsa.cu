@@ -58,19 +58,10 @@ struct Args {
   float eps;
   int chunk, max_chunks, gmax;
   int combine_stage;  // chunks staged per round by the sliced combine
-  L2Prefetch l2_prefetch;
 };
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
   return t >= 0 && t < ctx;
-}
-
-// The attention launch's share of QsaDecodeParams::l2_prefetch: thread 0 of each CTA, the CTAs
-// numbered over the whole grid (cuda/l2_prefetch.h). Before anything else (memory-safe).
-__device__ __forceinline__ void attn_l2_prefetch(const Args& a) {
-  if (threadIdx.x != 0) return;
-  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  dev::l2_prefetch_part(a.l2_prefetch, cta, gridDim.x * gridDim.y * gridDim.z);
 }
 
 // One CTA per role: query heads [0, hq), KV heads [hq, hq+hkv) (K row + V row), indexer query
@@ -221,7 +212,6 @@ __device__ __forceinline__ void chunk_softmax(const Args& a, float* s_s, int G, 
 // The chunk's K and V rows are staged in shared memory by all threads at once; one FP32
 // accumulator per query head (kMaxG, unrolled) so the heads' chains overlap.
 __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
-  attn_l2_prefetch(a);
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   extern __shared__ __align__(16) float smem[];
   const int64_t t = *a.position;
@@ -333,7 +323,6 @@ using dev::cp_async_wait_all;
 // same partial bits; q and the K/V rows arrive by cp.async (every copy in flight at once), the
 // heads' butterflies are interleaved and PV reads four tokens' weights per shared load.
 __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
-  attn_l2_prefetch(a);
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   extern __shared__ __align__(16) float smem[];
   const int64_t t = *a.position;
@@ -770,7 +759,6 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   const int64_t stage_room =
       (kSmemLimit - 256 - 2 * int64_t{w.max_chunks} * 4) / (kCombineSlice * 4);
   a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
-  a.l2_prefetch = p.l2_prefetch;
 
   a.ticket = reinterpret_cast<int*>(ws + w.ticket);
   const int64_t max_blocks = p.ctx_size / p.ratio;

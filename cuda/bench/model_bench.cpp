@@ -7,7 +7,7 @@
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
-//     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--json FILE]  (--unfused: CudaModelOptions::fused_step = false, every
+//     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--json FILE]  (--unfused: CudaModelOptions::fused_step = false, every
 //     launch separate)
 #include <cuda_runtime_api.h>
 
@@ -42,7 +42,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   int64_t depth = 8192, tokens = 128, warmup = 16;
   bool graph = true, fused = true;
   int fold = -1;
-  int l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
+  bool l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -67,8 +67,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       fused = false;
     else if (a == "--fold-inject")  // CudaModelOptions::fold_hc_inject: -1 auto, 0 never, 1 always
       fold = std::stoi(next());
-    else if (a == "--l2-prefetch")  // CudaModelOptions::l2_prefetch bit mask (0: none)
-      l2_prefetch = std::stoi(next());
+    else if (a == "--l2-prefetch")  // CudaModelOptions::l2_prefetch: 1 on (default), 0 off
+      l2_prefetch = std::stoi(next()) != 0;
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }

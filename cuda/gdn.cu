@@ -361,9 +361,11 @@ int plan_gdn_decode_slice(const GdnDecodeParams& p) {
   while (dv % vc != 0) vc /= 2;  // dv % 4 == 0, so this stops at 4 at the latest
   // Rows per thread: dk / (kThreads / (vc / 4)) must be <= kMaxRows.
   while (vc > 4 && dk * vc > kMaxRows * kThreads * 4) vc /= 2;
-  // Enough CTAs to have every SM stream (>= 2 per SM), keeping >= 32-byte row segments.
-  const int64_t target = 2 * static_cast<int64_t>(detail::current_sm_count());
-  while (vc > 8 && int64_t{p.num_v_heads} * (dv / vc) < target) vc /= 2;
+  // The widest slice that fits: on H200 the step and the kernel alone were fastest at 32 columns
+  // at both real TP sizes (TP=1 48 x 4 CTAs: 8.85 us/layer alone, 5.383 vs 5.399 ms/token in
+  // the model at 16; TP=2 24 x 4 CTAs: 7.71 vs 9.03 us at the 8 the earlier rule of >= 2 CTAs
+  // per SM chose; cuda/bench/RESULTS.md, session 9): fewer CTAs, fewer arrivals and barriers per
+  // column, and the state still streams from L2 (it is prefetched before the wait).
   FN_LAUNCH_REQUIRE(dk * vc <= kMaxRows * kThreads * 4, "plan_gdn_decode_slice");
   return vc;
 }

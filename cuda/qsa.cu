@@ -164,8 +164,13 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
 // Lane `lane`'s share of the query heads' dot products with one K row (BF16 pairs k_row):
 // acc[g] = sum over pairs p = lane, lane + 32, ... of q_g[2p] k[2p] + q_g[2p+1] k[2p+1] (FP32 fmaf
 // chain in ascending p), for g < G; the caller reduces over the lanes.
-__device__ __forceinline__ void qk_lane_dots(const uint32_t* k_row, const float2* q2, int pairs,
-                                             int G, int lane, float (&acc)[kMaxG]) {
+// kG / kPairs > 0: G and pairs fixed at compile time (the same operations, constant addresses).
+template <int kG = 0, int kPairs = 0>
+__device__ __forceinline__ void qk_lane_dots(const uint32_t* k_row, const float2* q2,
+                                             int pairs_rt, int G_rt, int lane,
+                                             float (&acc)[kMaxG]) {
+  const int pairs = kPairs > 0 ? kPairs : pairs_rt;
+  const int G = kG > 0 ? kG : G_rt;
 #pragma unroll
   for (int g = 0; g < kMaxG; ++g) acc[g] = 0.0f;
   for (int p = lane; p < pairs; p += 32) {
@@ -185,16 +190,19 @@ __device__ __forceinline__ void qk_lane_dots(const uint32_t* k_row, const float2
 // The chunk's softmax statistics per query head g < G (one warp per head): the max of the
 // scores s_s[g * chunk + n], n < cnt, then p = exp(s - max) in place and its sum (lane-strided,
 // then a butterfly), stored as part_max / part_sum of head i0 + g, chunk c.
+// kChunk > 0: the chunk fixed at compile time (a.chunk otherwise).
+template <int kChunk = 0>
 __device__ __forceinline__ void chunk_softmax(const Args& a, float* s_s, int G, int cnt, int i0,
                                               int c, int warp, int lane) {
+  const int chunk = kChunk > 0 ? kChunk : a.chunk;
   for (int g = warp; g < G; g += kThreads / 32) {
     float m = -INFINITY;
-    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[g * a.chunk + n]);
+    for (int n = lane; n < cnt; n += 32) m = fmaxf(m, s_s[g * chunk + n]);
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     float l = 0.0f;
     for (int n = lane; n < cnt; n += 32) {
-      const float p = expf(s_s[g * a.chunk + n] - m);
-      s_s[g * a.chunk + n] = p;
+      const float p = expf(s_s[g * chunk + n] - m);
+      s_s[g * chunk + n] = p;
       l += p;
     }
     for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
@@ -322,34 +330,51 @@ using dev::cp_async_wait_all;
 // operations in the same order (dot products, butterflies, max, exp, sums, PV chains), so the
 // same partial bits; q and the K/V rows arrive by cp.async (every copy in flight at once), the
 // heads' butterflies are interleaved and PV reads four tokens' weights per shared load.
+//
+// kG, kHD, kChunk > 0 (qsa_attn_fixed_shape: the real model's 12 query heads per KV head, head
+// dim 256, chunk 32 or 16, no head split, q heads aligned to their KV heads): the head count,
+// head dim and chunk are compile-time constants, so every shared-memory and cache address is a
+// constant offset and the per-head loops have no predicates; the operations and their order are
+// those of the runtime-shape instance <0, 0, 0>, so the same bits. (ncu, session 9: the runtime
+// instance at TP=1 executed ~133 warp-instructions per head and token, most of them integer
+// address arithmetic and predicates, against ~30 of math.)
+template <int kG, int kHD, int kChunk>
 __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
   extern __shared__ __align__(16) float smem[];
   const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) return;
   const int nsel = a.counters[0], B = a.counters[1], n_tokens = a.counters[2];
+  const int chunk = kChunk > 0 ? kChunk : a.chunk;
+  const int gmax = kG > 0 ? kG : a.gmax;
   const int c = blockIdx.x, j = blockIdx.y;
-  const int start = c * a.chunk;
+  const int start = c * chunk;
   if (start >= n_tokens) return;
-  const int cnt = min(a.chunk, n_tokens - start);
-  int i0 = -1, g_all = 0;
-  for (int i = 0; i < a.hq; ++i) {
-    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
-      if (i0 < 0) i0 = i;
-      ++g_all;
+  const int cnt = min(chunk, n_tokens - start);
+  int i0 = -1, G = 0;
+  if constexpr (kG > 0) {  // the launcher checked: KV head j owns local q heads [j kG, +kG)
+    i0 = j * kG;
+    G = kG;
+  } else {
+    int g_all = 0;
+    for (int i = 0; i < a.hq; ++i) {
+      if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
+        if (i0 < 0) i0 = i;
+        ++g_all;
+      }
     }
+    const int g_lo = blockIdx.z * a.gmax;
+    if (g_lo >= g_all) return;
+    G = min(a.gmax, g_all - g_lo);
+    i0 += g_lo;
   }
-  const int g_lo = blockIdx.z * a.gmax;
-  if (g_lo >= g_all) return;
-  const int G = min(a.gmax, g_all - g_lo);
-  i0 += g_lo;
-  const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hd = kHD > 0 ? kHD : a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pairs = hd / 2;
-  float* q_s = smem;                                             // [gmax, hd]
-  float* s_s = q_s + a.gmax * hd;                                // [gmax, chunk]
-  int* tok_s = reinterpret_cast<int*>(s_s + a.gmax * a.chunk);   // [chunk]
-  uint32_t* k_s = reinterpret_cast<uint32_t*>(tok_s + a.chunk);  // [chunk, hd/2] BF16 pairs
-  uint32_t* v_s = k_s + a.chunk * pairs;                         // [chunk, hd/2] BF16 pairs
+  float* q_s = smem;                                           // [gmax, hd]
+  float* s_s = q_s + gmax * hd;                                // [gmax, chunk]
+  int* tok_s = reinterpret_cast<int*>(s_s + gmax * chunk);     // [chunk]
+  uint32_t* k_s = reinterpret_cast<uint32_t*>(tok_s + chunk);  // [chunk, hd/2] BF16 pairs
+  uint32_t* v_s = k_s + chunk * pairs;                         // [chunk, hd/2] BF16 pairs
   const float* qg = a.q + int64_t{i0} * hd;
   for (int i = tid; i < G * hd / 4; i += kThreads) cp_async16(q_s + 4 * i, qg + 4 * i);
   const int nb = nsel * a.ratio;
@@ -373,7 +398,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
   const float2* q2 = reinterpret_cast<const float2*>(q_s);
   for (int n = warp; n < cnt; n += kThreads / 32) {
     float acc[kMaxG];
-    qk_lane_dots(k_s + n * pairs, q2, pairs, G, lane, acc);
+    qk_lane_dots<kG, kHD / 2>(k_s + n * pairs, q2, pairs, G, lane, acc);
     // Each head's butterfly in the same order as qsa_attn_kernel, the heads interleaved.
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -384,11 +409,11 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
     if (lane == 0) {
 #pragma unroll
       for (int g = 0; g < kMaxG; ++g)
-        if (g < G) s_s[g * a.chunk + n] = acc[g] * scale;
+        if (g < G) s_s[g * chunk + n] = acc[g] * scale;
     }
   }
   __syncthreads();
-  chunk_softmax(a, s_s, G, cnt, i0, c, warp, lane);
+  chunk_softmax<kChunk>(a, s_s, G, cnt, i0, c, warp, lane);
   __syncthreads();
   const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_s);
   for (int d = tid; d < hd; d += kThreads) {
@@ -403,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
 #pragma unroll
       for (int g = 0; g < kMaxG; ++g) {
         if (g < G) {
-          const float4 s4 = *reinterpret_cast<const float4*>(s_s + g * a.chunk + n0);
+          const float4 s4 = *reinterpret_cast<const float4*>(s_s + g * chunk + n0);
           acc[g] = fmaf(s4.x, v[0], acc[g]);
           acc[g] = fmaf(s4.y, v[1], acc[g]);
           acc[g] = fmaf(s4.z, v[2], acc[g]);
@@ -415,12 +440,26 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
       const float v = __uint_as_float(uint32_t{v16[n * hd + d]} << 16);
 #pragma unroll
       for (int g = 0; g < kMaxG; ++g)
-        if (g < G) acc[g] = fmaf(s_s[g * a.chunk + n], v, acc[g]);
+        if (g < G) acc[g] = fmaf(s_s[g * chunk + n], v, acc[g]);
     }
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g)
       if (g < G) a.part_out[(int64_t{i0 + g} * a.max_chunks + c) * hd + d] = acc[g];
   }
+}
+
+// The compile-time shape of qsa_attn_split_kernel's fixed instances: the real model's 12 query
+// heads per KV head (24 / 2 globally) and head dim 256.
+constexpr int kFixedG = 12;
+constexpr int kFixedHd = 256;
+
+// Whether a launch of qsa_attn_split_kernel with `heads` query heads per CTA and `zdim` head
+// splits may take a fixed instance: every local KV head j owns exactly the local query heads
+// [j kFixedG, (j + 1) kFixedG) (q_per_kv = kFixedG and the rank's q heads start at its first KV
+// head's), no head split, head dim kFixedHd.
+bool qsa_attn_fixed_shape(const QsaDecodeParams& p, int heads, int zdim) {
+  return heads == kFixedG && zdim == 1 && p.head_dim == kFixedHd && p.q_per_kv == kFixedG &&
+         p.q_head_first == p.kv_head_first * kFixedG && p.num_q_heads == kFixedG * p.num_kv_heads;
 }
 
 // ---- The default four-launch path: prep, scores + select, attention, sliced combine. ----
@@ -815,9 +854,17 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
       Args as = a;
       as.gmax = (a.gmax + split - 1) / split;  // heads per CTA
       const int zdim = (a.gmax + as.gmax - 1) / as.gmax;
-      launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel,
-                 dim3(w.max_chunks, p.num_kv_heads, zdim), kThreads,
-                 attn_smem_bytes(as.gmax, p.head_dim, w.chunk), stream, as);
+      const dim3 grid(w.max_chunks, p.num_kv_heads, zdim);
+      const size_t asmem = attn_smem_bytes(as.gmax, p.head_dim, w.chunk);
+      if (qsa_attn_fixed_shape(p, as.gmax, zdim) && w.chunk == 32)
+        launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 32>, grid,
+                   kThreads, asmem, stream, as);
+      else if (qsa_attn_fixed_shape(p, as.gmax, zdim) && w.chunk == 16)
+        launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 16>, grid,
+                   kThreads, asmem, stream, as);
+      else
+        launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<0, 0, 0>, grid, kThreads, asmem,
+                   stream, as);
       FN_CUDA_LAUNCH_CHECK("qsa_attn_split_kernel");
     } else {
       launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads,

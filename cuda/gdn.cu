@@ -6,12 +6,12 @@
 //   kernel over all channels, the launch boundary being the ordering.
 // - gated norm: a head's dv columns come from several CTAs; the head's last CTA to arrive
 //   normalises the whole head. Sums keep a fixed order, so results never depend on arrival order.
-// Measured on one H200 (graph of 36 layers, states beyond the L2): about 9.5 us per layer at
-// TP=1 fused, 8.4 us in two-launch mode with PDL, against 1.8 us for a state-sized D2D copy: a
-// CTA's chain of dependent round trips (state load, fences, arrival atomic, the last CTA's reads)
-// dominates, not bandwidth. With PDL (cuda/pdl.cuh) the state is prefetched into L2 while the
-// projection GEMV before it finishes. Next step: thread-block clusters (DSMEM) for the per-head
-// norm.
+// Measured on one H200 (graph of 36 layers, states beyond the L2, cuda/bench/RESULTS.md): 8.85 us
+// per layer at TP=1 fused at the planned 32-column slices (9.37 at 16), 8.3 in two-launch mode
+// with PDL at 16, against 1.8 us for a state-sized D2D copy: a CTA's chain of dependent round
+// trips (state load, fences, arrival atomic, the last CTA's reads) dominates, not bandwidth.
+// With PDL (cuda/pdl.cuh) the state is prefetched into L2 while the projection GEMV before it
+// finishes. One CTA per value head (no arrival, 2 barriers) measured slower (12.2 us, session 9).
 #include "cuda/gdn.h"
 
 #include <cuda_runtime.h>

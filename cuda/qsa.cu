@@ -166,9 +166,8 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
 // chain in ascending p), for g < G; the caller reduces over the lanes.
 // kG / kPairs > 0: G and pairs fixed at compile time (the same operations, constant addresses).
 template <int kG = 0, int kPairs = 0>
-__device__ __forceinline__ void qk_lane_dots(const uint32_t* k_row, const float2* q2,
-                                             int pairs_rt, int G_rt, int lane,
-                                             float (&acc)[kMaxG]) {
+__device__ __forceinline__ void qk_lane_dots(const uint32_t* k_row, const float2* q2, int pairs_rt,
+                                             int G_rt, int lane, float (&acc)[kMaxG]) {
   const int pairs = kPairs > 0 ? kPairs : pairs_rt;
   const int G = kG > 0 ? kG : G_rt;
 #pragma unroll
@@ -847,9 +846,9 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   if (mask & 4u) {
     if (p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16)) {
       // Query heads of a KV head split over `split` CTAs per chunk. Default 1: on H200 at
-      // t = 8191 every split measured slower (TP=1 attention alone 20.2 us unsplit, 21.7 / 33.5 /
-      // 68.3 us split 2 / 3 / 12; cuda/bench/RESULTS.md), the per-CTA time falling far less than
-      // the head count.
+      // t = 8191 every split measured slower (TP=1 attention alone 7.9 us unsplit with the
+      // fixed-shape instance, 23.3 / 27.8 / 69.0 us split 2 / 3 / 12 on the runtime-shape one;
+      // cuda/bench/RESULTS.md, sessions 5 and 9).
       const int split = std::clamp(p.attn_head_split > 0 ? p.attn_head_split : 1, 1, a.gmax);
       Args as = a;
       as.gmax = (a.gmax + split - 1) / split;  // heads per CTA

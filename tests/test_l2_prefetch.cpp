@@ -47,11 +47,10 @@ TEST_CASE("l2 prefetch: add() keeps aligned ranges of whole 16-byte granules, at
 TEST_CASE("l2 prefetch: the parts cover every range exactly once in chunks of at most 64 KiB") {
   constexpr uint64_t K = fn::kL2PrefetchChunk;
   REQUIRE(K == 65536);
-  // The real MLP-side list at TP=1 (HC W_dn 324 x 10240, W_up 10240 x 320, norm 10240, router
-  // 513 x 2560, shared gate/up 1280 x 2560, all BF16) and edge sizes: one granule, exactly one
-  // chunk, one chunk and a granule.
-  const std::vector<uint64_t> sizes = {324ull * 10240 * 2, 10240ull * 320 * 2, 10240ull * 2,
-                                       513ull * 2560 * 2,  16,                 K + 16};
+  // Real weight sizes at TP=1 (an HC read's W_dn 324 x 10240, W_up 10240 x 320 and norm 10240,
+  // the router 513 x 2560, all BF16) and edge sizes: one granule, one chunk and a granule.
+  const std::vector<uint64_t> sizes = {
+      324ull * 10240 * 2, 10240ull * 320 * 2, 10240ull * 2, 513ull * 2560 * 2, 16, K + 16};
   fn::L2Prefetch l;
   uintptr_t base = 0x7f0000000000;
   std::vector<uintptr_t> begins;
@@ -74,7 +73,7 @@ TEST_CASE("l2 prefetch: the parts cover every range exactly once in chunks of at
         CHECK(cs[i].bytes >= 16);
         CHECK(cs[i].bytes <= K);
         CHECK(cs[i].bytes % 16 == 0);
-        if (i > 0) CHECK(cs[i].begin > cs[i - 1].begin);  // increasing order within a part
+        if (i > 0) CHECK(cs[i].begin > cs[i - 1].begin);       // increasing order within a part
         CHECK(seen.emplace(cs[i].begin, cs[i].bytes).second);  // no chunk issued twice
       }
       issued += cs.size();

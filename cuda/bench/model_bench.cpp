@@ -7,8 +7,8 @@
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
-//     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--json FILE]  (--unfused: CudaModelOptions::fused_step = false, every
-//     launch separate)
+//     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--json FILE]  (--unfused:
+//     CudaModelOptions::fused_step = false, every launch separate)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>

@@ -326,10 +326,12 @@ LoadedBackend load_backend_random(const BackendFlags& flags,
   const ModelConfig cfg = load_model_config(config_file);
   const QuantConfig quant = load_quant_config_file(config_file);
   const std::string name = resolve_backend(flags, coll);
-  FN_REQUIRE(name == "cuda", Usage,
-             "--random-weights needs the cuda backend (the weights are generated on the GPU); "
-             "this run uses the cpu backend (--backend {})",
-             flags.backend);
+  agree_on_error(coll, [&] {  // every rank resolved the same backend: one message, from rank 0
+    FN_REQUIRE(name == "cuda", Usage,
+               "--random-weights needs the cuda backend (the weights are generated on the GPU); "
+               "this run uses the cpu backend (--backend {})",
+               flags.backend);
+  });
 #ifdef FN_HAVE_CUDA
   LoadedBackend b = load_cuda(flags, mpi, coll, ctx_size, [&](const CudaModelOptions& opt, int tp) {
     return with_tp_hint(config_file, tp, [&] { return CudaModel::random(cfg, quant, seed, opt); });

@@ -716,6 +716,15 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   // Agreed on (collective): bad flags or files end every rank normally, with rank 0's message.
   BenchSetup st;
   agree_on_error(coll, [&] { st = setup_bench(o, mpi.world_size(), root); });
+  // --skip-prefill and --breakdown need the cuda backend: refused before the load, agreed on
+  // like the checks above (with --random-weights the loader names the backend it needs).
+  if (!o.random_weights && (st.skip_prefill || o.breakdown)) {
+    const std::string backend = resolve_backend(o.backend, coll);
+    agree_on_error(coll, [&] {
+      FN_REQUIRE(backend == "cuda", Usage, "{} needs the cuda backend (this run uses {})",
+                 st.skip_prefill ? "--skip-prefill" : "--breakdown", backend);
+    });
+  }
   const std::vector<int64_t>& prompts = st.prompts;
   const std::vector<int64_t>& gens = st.gens;
   const bool skip_prefill = st.skip_prefill;

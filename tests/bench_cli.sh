@@ -339,6 +339,23 @@ keep" ] && pass "a failed bench leaves -o and --per-token as they were" ||
     timeout 60 "$fngen" bench -p 8 -n 4 --backend cpu --random-weights --config /nonexistent.json
   expect 2 "--skip-prefill needs the cuda backend (this run uses cpu)" -- bench -p 8 -n 4 --skip-prefill
   expect 2 "--breakdown needs the cuda backend (this run uses cpu)" -- bench -p 8 -n 4 --breakdown
+  # Under mpirun the CUDA-only flags end every rank normally with rank 0's one message (they went
+  # through MPI_Abort, whose banner Open MPI sometimes garbled), before any weights load.
+  for flags in "--breakdown" "--skip-prefill" "--random-weights --config $src/configs/tiny.json"; do
+    want="${flags%% *} needs the cuda backend"
+    # shellcheck disable=SC2086
+    if [ "${flags%% *}" = --random-weights ]; then
+      expect 2 "$want" -- mpi_fngen 2 bench --backend cpu -p 8 -n 4 $flags
+    else
+      expect 2 "$want" -- mpi 2 -p 8 -n 4 $flags
+    fi
+    if [ "$(grep -c -- "$want" "$tmp/err")" = 1 ] && grep -q "^\[r0/2\]" "$tmp/err" &&
+      ! grep -qE "MPI_ABORT|ORTE_ERROR_LOG|model loaded" "$tmp/err"; then
+      pass "bench -np 2 $flags on cpu: one message from rank 0, no MPI_Abort, nothing loaded"
+    else
+      fail "bench -np 2 $flags on cpu: $(grep -v '^$' "$tmp/err" | head -n 8)"
+    fi
+  done
   expect 2 "--breakdown-steps: '0' is out of range (allowed 1 to 2147483647)" -- \
     bench -p 8 -n 4 --breakdown --breakdown-steps 0
   expect 2 "needs 84 tokens (72 for --breakdown), more than -c/--ctx-size 20" -- \

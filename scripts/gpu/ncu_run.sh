@@ -7,13 +7,8 @@
 # Usage: `run` with carry [".deps"]: bash scripts/gpu/ncu_run.sh [KERNEL_REGEX ...]
 set -u
 cd "$(dirname "$0")/../.."
-out=${OUT:-/tmp/ncu-out}
-mkdir -p "$out"
-export FN_DEPS_DIR=${FN_DEPS_DIR:-$(pwd)/.deps}
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-b=${FN_BUILD_DIR:-build-new}
-t0=$SECONDS
+fn_out_default=/tmp/ncu-out
+source scripts/gpu/common.sh
 if ! FN_BUILD_DIR=$b timeout 300 bash scripts/gpu/build.sh cuda_model_bench >"$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -30
   exit 1

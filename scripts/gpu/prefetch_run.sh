@@ -10,14 +10,8 @@
 # Usage: `run` with carry [".deps"]: bash scripts/gpu/prefetch_run.sh
 set -u
 cd "$(dirname "$0")/../.."
-out=${OUT:-/tmp/prefetch-out}
-mkdir -p "$out"
-export FN_DEPS_DIR=${FN_DEPS_DIR:-$(pwd)/.deps}
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-b=${FN_BUILD_DIR:-build-new}
-mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
-t0=$SECONDS
+fn_out_default=/tmp/prefetch-out
+source scripts/gpu/common.sh
 nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv,noheader
 if ! FN_BUILD_DIR=$b timeout 330 bash scripts/gpu/build.sh fngen cuda_model_bench test_cuda_model \
   test_cuda_moe_nvfp4 test_cuda_gdn test_cuda_qsa >"$out/build.log" 2>&1; then

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The preamble of the session-9 GPU-machine scripts (source it from the repository root, after
+# setting fn_out_default): $out (= $OUT, or fn_out_default) created, the carried .deps folder,
+# the no-multicast NCCL environment, Open MPI allowed as root, $mpi (mpirun as every test and
+# bench of these scripts runs it), $b (the build folder: $FN_BUILD_DIR or build-new) and $t0.
+out=${OUT:-$fn_out_default}
+mkdir -p "$out"
+export FN_DEPS_DIR=${FN_DEPS_DIR:-$(pwd)/.deps}
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# shellcheck disable=SC2034  # used by the sourcing script
+mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
+b=${FN_BUILD_DIR:-build-new}
+t0=$SECONDS

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU-machine call for an A/B of a decode-kernel change on one GPU (session 9, issue 8):
+# builds a base tree (a `git archive` of the base commit in .carry/base) and the working tree side
+# by side; runs the GPU tests FN_AB_TESTS on the new build, the bench case FN_AB_BENCH
+# ("TEST:doctest-filter", run with FN_BENCH=1, its "bench:" lines printed) and the model fixtures
+# against transformers at np 1; then cuda_model_bench TP=1 (depth 8192, 64 tokens) of both builds,
+# alternating base/new twice; last compute-sanitizer memcheck and racecheck of FN_AB_SANITIZE
+# ("TEST:doctest-filter", 60 s each at most). Logs to $OUT.
+# Session 9's calls:
+#   QSA: FN_AB_TESTS="test_cuda_qsa test_cuda_qsa_prefill" FN_AB_BENCH="test_cuda_qsa:*bench*"
+#        FN_AB_SANITIZE="test_cuda_qsa:*graph replay*" bash scripts/gpu/kernel_ab_run.sh
+#   GDN: FN_AB_TESTS="test_cuda_gdn test_cuda_gdn_prefill test_cuda_pdl"
+#        FN_AB_BENCH="test_cuda_gdn:*bench*" FN_AB_SANITIZE="test_cuda_gdn:*tiny*"
+#        bash scripts/gpu/kernel_ab_run.sh
+# Usage: `rm -rf .carry/base && mkdir -p .carry/base && git archive BASE | tar -x -C .carry/base`,
+# then `run` with carry [".deps", ".carry/base"] and the variables above in front of the command.
+set -u
+cd "$(dirname "$0")/../.."
+fn_out_default=/tmp/kernel-ab-out
+source scripts/gpu/common.sh
+n=$b
+tests=${FN_AB_TESTS:-test_cuda_qsa test_cuda_qsa_prefill}
+(cd .carry/base && FN_BUILD_DIR=$(pwd)/../../build-base FN_JOBS=6 timeout 300 \
+  bash scripts/gpu/build.sh cuda_model_bench >"$out/build_base.log" 2>&1) &
+# shellcheck disable=SC2086
+if ! FN_BUILD_DIR=$n timeout 300 bash scripts/gpu/build.sh cuda_model_bench test_cuda_model \
+  $tests >"$out/build_new.log" 2>&1; then
+  grep -E "error|Error" "$out/build_new.log" | head -20
+  exit 1
+fi
+wait
+echo "== builds done ($((SECONDS - t0)) s)"
+for tst in $tests; do
+  timeout 150 "$n/tests/$tst" >"$out/$tst.log" 2>&1
+  echo "$tst rc=$? $(grep -E 'test cases' "$out/$tst.log" | tr -s ' ')"
+  grep -E "ERROR|FAILED" "$out/$tst.log" | head -4 | cut -c1-300
+done
+if [ -n "${FN_AB_BENCH:-}" ]; then
+  FN_BENCH=1 timeout 120 "$n/tests/${FN_AB_BENCH%%:*}" -tc="${FN_AB_BENCH#*:}" >"$out/bench.log" 2>&1
+  echo "bench ${FN_AB_BENCH} rc=$?"
+  grep -E "bench:" "$out/bench.log" | head -40 | cut -c1-160
+fi
+timeout 200 $mpi -np 1 "$n/tests/test_cuda_model" >"$out/model.log" 2>&1
+echo "test_cuda_model np 1 rc=$? $(grep -E 'test cases' "$out/model.log" | tr -s ' ')"
+for b in build-base $n build-base $n; do
+  echo "cuda_model_bench TP=1 $b $(timeout 100 $mpi -np 1 "$b/cuda/cuda_model_bench" \
+    --config configs/qwen3.8-flash-next.json --depth 8192 --tokens 64 2>&1 |
+    grep -E "^\| [0-9]" | cut -c1-80)"
+done
+if [ -n "${FN_AB_SANITIZE:-}" ]; then
+  for tool in memcheck racecheck; do
+    timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "$n/tests/${FN_AB_SANITIZE%%:*}" -tc="${FN_AB_SANITIZE#*:}" >"$out/$tool.log" 2>&1
+    echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/$tool.log" | tail -1)"
+  done
+fi
+echo "== total $((SECONDS - t0)) s"

@@ -43,12 +43,6 @@ struct L2Prefetch {
     ++count;
     return true;
   }
-  /// Total bytes of the ranges.
-  uint64_t total_bytes() const {
-    uint64_t t = 0;
-    for (int i = 0; i < count; ++i) t += bytes[i];
-    return t;
-  }
 };
 
 /// Part `part` of `parts` (part < parts) of the ranges of l: the ranges cut into chunks of

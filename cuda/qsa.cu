@@ -855,10 +855,11 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
       const int zdim = (a.gmax + as.gmax - 1) / as.gmax;
       const dim3 grid(w.max_chunks, p.num_kv_heads, zdim);
       const size_t asmem = attn_smem_bytes(as.gmax, p.head_dim, w.chunk);
-      if (qsa_attn_fixed_shape(p, as.gmax, zdim) && w.chunk == 32)
+      const bool fixed = qsa_attn_fixed_shape(p, as.gmax, zdim);
+      if (fixed && w.chunk == 32)
         launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 32>, grid,
                    kThreads, asmem, stream, as);
-      else if (qsa_attn_fixed_shape(p, as.gmax, zdim) && w.chunk == 16)
+      else if (fixed && w.chunk == 16)
         launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 16>, grid,
                    kThreads, asmem, stream, as);
       else

@@ -36,7 +36,8 @@ timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$b/tests/test_
 echo "memcheck test_cuda_moe_nvfp4 rc=$? $(grep 'ERROR SUMMARY' "$out/memcheck_moe.log")"
 echo "== tests done ($((SECONDS - t0)) s)"
 
-# Bad input on the CUDA backend: a truncated checkpoint, and a context no GPU can hold.
+# Bad input on the CUDA backend: a truncated checkpoint, and a context above the model's
+# max_position_embeddings.
 rm -rf /tmp/bad && cp -r tests/data/fixtures/tp4 /tmp/bad
 st=$(ls /tmp/bad/*.safetensors | head -1)
 truncate -s $(($(stat -c %s "$st") / 2)) "$st"

@@ -799,6 +799,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   // gate/up in one, SwiGLU + shared down + combine in one; same bits as the separate launches.
   // The fused down needs I a multiple of 8 (every real shape; not every tiny fixture's slice).
   const bool fused_shared = o.fused_step && Is_l % 8 == 0 && Is_l <= 8192;
+  const bool moe_bulk = o.moe_bulk && moe_gate_up_bulk_supported(D);
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -945,6 +946,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.top_k = static_cast<int>(k);
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
+    gu.bulk = moe_bulk;
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));

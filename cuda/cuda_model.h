@@ -66,6 +66,10 @@ struct CudaModelOptions {
   /// or the routed down launch measured slower (cuda/bench/RESULTS.md, session 9). false: none
   /// (A/B benches).
   bool l2_prefetch = true;
+  /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
+  /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says). Another
+  /// summation order than the FP32 kernel, so other bits. false: the FP32 kernel (A/B benches).
+  bool moe_bulk = true;
 };
 
 /// Which logits CudaModel::prefill returns.

@@ -56,6 +56,13 @@ struct MoeGateUpParams {
   /// BF16, FP32 accumulate; moe_nvfp4.cu): another summation order, so other bits; on H200 it is
   /// no faster at TP=1/2 (cuda/bench/RESULTS.md, session 5), kept for A/B.
   bool mma = false;
+  /// true: the bulk-copy kernel (cuda/moe_nvfp4_bulk.cu; sm_90+, cols a multiple of 256 and at
+  /// most 2,560): one CTA per SM streams its equal share of the row pairs into shared memory with
+  /// cp.async.bulk while ten warps run the tensor cores on the stages already landed; another
+  /// summation order, so other bits. Takes precedence over mma; team_threads is ignored. The
+  /// launcher throws fn::Error(Internal) where the device or the shape does not allow it
+  /// (moe_gate_up_bulk_supported).
+  bool bulk = false;
   /// Weight ranges of later kernels of the step to prefetch into L2 while this instruction-bound
   /// kernel leaves HBM mostly idle (cuda/l2_prefetch.h; thread 0 of every CTA issues its share
   /// first). Empty by default; changes no result.
@@ -85,6 +92,11 @@ struct MoeDownParams {
 /// failed launch.
 /// Legal during stream capture.
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream);
+
+/// Whether MoeGateUpParams::bulk runs on the current device for input length cols (sm_90+ device
+/// and device code; cols a multiple of 256, at most 2,560). Throws fn::Error(Cuda) when the
+/// device query fails.
+bool moe_gate_up_bulk_supported(int64_t cols);
 
 /// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4, with
 /// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).

@@ -138,6 +138,13 @@ int down_depth(int top_k, int64_t inter, int team, bool mma) {
   return kMmaDepth * int(unit_codes(inter) / 4) + 1 + per_warp + 2 + team / 32;
 }
 
+// The bulk gate+up kernel (cuda/moe_nvfp4_bulk.cu): per chunk and warp one MMA chain over the
+// warp's 128-column groups (8 MMAs each), then the 10 warps' partials in order, the global scale.
+int bulk_gate_up_depth(int64_t cols) {
+  const int per_warp = ceil_div(ceil_div(cols, 128), 10);
+  return kMmaDepth * 8 * per_warp + 10 + 1;
+}
+
 // Team widths each kernel accepts.
 std::vector<int> teams(bool mma) {
   std::vector<int> t;
@@ -198,7 +205,7 @@ struct GateUpOut {
 };
 
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
-                      const std::vector<float>& x, int team, bool mma) {
+                      const std::vector<float>& x, int team, bool mma, bool bulk = false) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));
@@ -215,6 +222,7 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
   p.gate_up_out = d_gu.ptr;
   p.team_threads = team;
   p.mma = mma;
+  p.bulk = bulk;
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   GateUpOut out{d_gu.download(), {}};
@@ -343,6 +351,147 @@ TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1, 2 and 4) wit
               ", / the FP32 kernel's bound ",
               fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
     }
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: bulk gate+up sums are exact with power-of-two scales, every split") {
+  if (!fn::moe_gate_up_bulk_supported(2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  // Shares of one CTA per SM that start and end inside experts, chunks of fewer than 8 rows at
+  // expert boundaries (I = 20, 3), fewer pairs than SMs * 8 (grid shrinks), K = 256 .. 2560.
+  struct Shape {
+    int64_t inter, cols;
+    std::vector<int32_t> ids;
+  };
+  const std::vector<Shape> shapes = {{96, 2560, {11, 0, 5, 5, 7}},
+                                     {20, 2560, {3, 9, 1, 10, 2, 4, 6, 8, 0, 7}},
+                                     {3, 1280, {2, 1}},
+                                     {640, 2560, {11, 10, 9, 8, 7, 6, 5, 4, 3, 2}},
+                                     {40, 256, {0, 1, 2, 3, 4, 5, 6}}};
+  for (const Shape& sh : shapes) {
+    const HostExperts w = make_experts(12, 2 * sh.inter, sh.cols, 2, true, 70 + sh.inter);
+    const DeviceExperts dw(w);
+    const auto x = random_ints(size_t(sh.cols), -4, 4, 71 + sh.inter);
+    const GateUpRef ref = gate_up_reference(w, sh.ids, x, bulk_gate_up_depth(sh.cols));
+    const auto got = run_gate_up(dw, sh.ids, x, 0, false, true);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "bulk I ", sh.inter, " K ", sh.cols, ": ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "bulk I ", sh.inter, " K ", sh.cols, " h: ", ch.describe());
+    // Bitwise the same on a second run (fixed order, no atomics).
+    const auto again = run_gate_up(dw, sh.ids, x, 0, false, true);
+    CHECK(std::memcmp(again.gu.data(), got.gu.data(), got.gu.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) within the bound") {
+  if (!fn::moe_gate_up_bulk_supported(2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  for (int64_t inter : {640, 320, 160}) {
+    const HostExperts w = make_experts(64, 2 * inter, 2560, 2, false, 10 + inter);
+    const DeviceExperts dw(w);
+    const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
+    const auto x = random_bf16(2560, 1.0f, 3 + inter);
+    const GateUpRef ref = gate_up_reference(w, ids, x, bulk_gate_up_depth(2560));
+    const auto got = run_gate_up(dw, ids, x, 0, false, true);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
+    CHECK_MESSAGE(c.wrong == 0, "bulk I ", inter, " gate/up: ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "bulk I ", inter, " h: ", ch.describe());
+    const int t32 = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count(), false);
+    const GateUpRef tight = gate_up_reference(w, ids, x, gate_up_depth(2560, t32, false));
+    MESSAGE("bulk I ", inter, ": worst gate/up error / own bound ", c.worst_ratio,
+            ", / the FP32 kernel's bound ",
+            fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid ids, graphs") {
+  if (!fn::moe_gate_up_bulk_supported(2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  // +-0.5 codes (BF16 subnormals after the decode) with E4M3 subnormal scales: exact.
+  HostExperts w = make_experts(6, 2 * 24, 512, 2, true, 120);
+  std::mt19937_64 rng(121);
+  for (auto& b : w.packed) b = uint8_t((rng() & 1 ? 0x1 : 0x9) | (rng() & 1 ? 0x10 : 0x90));
+  for (auto& sc : w.scales) sc = uint8_t(rng() % 8 == 0 ? 0x08 : 1 + rng() % 7);
+  const DeviceExperts dw(w);
+  const auto x = random_ints(512, -64, 64, 122);
+  {
+    const std::vector<int32_t> ids = {5, 1, 2, 0};
+    const GateUpRef ref = gate_up_reference(w, ids, x, bulk_gate_up_depth(512));
+    const auto got = run_gate_up(dw, ids, x, 0, false, true);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "bulk +-0.5: ", c.describe());
+    double mag = 0;
+    for (double v : ref.gu) mag += std::fabs(v);
+    CHECK(mag > 0);
+  }
+  // Ids outside [0, 6): h = 0 for those, the others right.
+  {
+    const std::vector<int32_t> ids = {-1, 2, 6, 1 << 30, 4};
+    const auto got = run_gate_up(dw, ids, x, 0, false, true);
+    for (int j : {0, 2, 3})
+      for (int i = 0; i < 24; ++i) CHECK(got.h[size_t(j) * 24 + i] == 0.0f);
+    const GateUpRef ref = gate_up_reference(w, ids, x, bulk_gate_up_depth(512));
+    CHECK(fn::test::compare_bounded(got.h, ref.h, ref.h_bound).wrong == 0);
+    const std::vector<int32_t> none = {-5, 6, 7};
+    for (float v : run_gate_up(dw, none, x, 0, false, true).h) CHECK(v == 0.0f);
+  }
+  // A captured graph follows ids changed in device memory, bitwise as eager launches.
+  const HostExperts gu = make_experts(32, 2 * 320, 2560, 2, false, 123);
+  const DeviceExperts dgu(gu);
+  const auto xr = random_bf16(2560, 1.0f, 124);
+  DeviceArray<uint16_t> d_x(to_bf16(xr));
+  DeviceArray<int32_t> d_ids(10);
+  DeviceArray<uint16_t> d_h(10 * 320);
+  fn::MoeGateUpParams pg;
+  pg.experts = dgu.view;
+  pg.expert_ids = d_ids.ptr;
+  pg.top_k = 10;
+  pg.x = d_x.ptr;
+  pg.h = d_h.ptr;
+  pg.bulk = true;
+  cudaStream_t stream;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  fn::launch_moe_gate_up_nvfp4(pg, stream);
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<int32_t>& ids : {std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
+                                          std::vector<int32_t>{31, 30, 7, 19, 3, 22, 14, 9, 27,
+                                                               1}}) {
+    d_ids.upload(ids);
+    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto h_graph = d_h.download();
+    fn::launch_moe_gate_up_nvfp4(pg, stream);
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto h_eager = d_h.download();
+    CHECK(h_graph == h_eager);
+    std::vector<float> hf;
+    for (uint16_t b : h_graph) hf.push_back(fn::bf16_to_float(b));
+    const GateUpRef ref = gate_up_reference(gu, ids, xr, bulk_gate_up_depth(2560));
+    const auto ch = fn::test::compare_bounded(hf, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "bulk graph h: ", ch.describe());
+  }
+  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  // Shapes the kernel does not take are refused, not run: K not a multiple of 256, K > 2560.
+  for (int64_t cols : {int64_t(2576), int64_t(5120)}) {
+    const HostExperts bad = make_experts(2, 16, cols, 2, true, 125);
+    const DeviceExperts dbad(bad);
+    CHECK(!fn::moe_gate_up_bulk_supported(cols));
+    CHECK_THROWS_AS(run_gate_up(dbad, {0}, random_ints(size_t(cols), -1, 1, 126), 0, false, true),
+                    fn::Error);
   }
 }
 

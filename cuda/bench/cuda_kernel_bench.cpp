@@ -25,6 +25,7 @@
 #include "cuda/gemv_bf16.h"
 #include "cuda/hc.h"
 #include "cuda/moe_nvfp4.h"
+#include "cuda/moe_nvfp4_bulk.h"
 #include "cuda/moe_shared.h"
 #include "cuda/pdl.h"
 
@@ -570,6 +571,16 @@ int main(int argc, char** argv) try {
           fn::plan_moe_down_team(top_k, inter, hidden, prop.multiProcessorCount, mma);
       rows.push_back(report({"moe_down_nvfp4" + kind, tp + " 10x2560x" + std::to_string(inter),
                              std::to_string(dn_team) + "t", dn_bytes, time_dn(mma, 0), bw}));
+    }
+    if (fn::moe_gate_up_bulk_supported(hidden)) {  // the bulk-copy kernel (sm_90+)
+      g.bulk = true;
+      rows.push_back(report({"moe_gate_up_nvfp4 bulk",
+                             tp + " 10x" + std::to_string(2 * inter) + "x2560",
+                             std::to_string(fn::detail::bulk_gate_up_ctas(
+                                 top_k, inter, prop.multiProcessorCount)) +
+                                 "cta",
+                             gu_bytes, time_gu(false, 0), bw}));
+      g.bulk = false;
     }
     for (bool mma : {false, true}) {
       if (!mma && !sweep) continue;

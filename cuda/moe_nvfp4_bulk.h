@@ -1,0 +1,36 @@
+// The bulk-copy NVFP4 routed-expert kernels (MoeGateUpParams::bulk, cuda/moe_nvfp4.h): sm_90+,
+// the weights streamed into shared memory by cp.async.bulk (the TMA engine) through a ring of
+// stages, the products on the tensor cores (mma.sync BF16, FP32 accumulate). Internal: called by
+// launch_moe_gate_up_nvfp4 after its common parameter checks.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/moe_nvfp4.h"
+
+namespace fn::detail {
+
+/// Consumer warps of the bulk gate+up kernel; each takes the same 128-column groups of every
+/// chunk (group w, w + kBulkGateUpWarps, ...), at most kBulkGateUpGroups of them.
+inline constexpr int kBulkGateUpWarps = 10;
+inline constexpr int kBulkGateUpGroups = 2;
+
+/// Whether the bulk gate+up kernel takes K = cols: a multiple of 256 (16-byte rows of codes and
+/// of scales for the bulk copies) and at most kBulkGateUpWarps * kBulkGateUpGroups * 128 (2,560,
+/// the real hidden_size). The device check (sm_90+) is the launcher's.
+constexpr bool bulk_gate_up_cols_ok(int64_t cols) {
+  return cols >= 256 && cols % 256 == 0 && cols <= kBulkGateUpWarps * kBulkGateUpGroups * 128;
+}
+
+/// CTAs of the bulk gate+up grid for top_k * inter row pairs on sm_count SMs: one per SM, fewer
+/// when there are fewer than 8 pairs per SM.
+int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count);
+
+/// Launches the bulk gate+up kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when
+/// the device is below sm_90, cols fails bulk_gate_up_cols_ok, or the weights are not 16-byte
+/// aligned; fn::Error(Cuda) on a failed launch. Legal during stream capture.
+void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream);
+
+}  // namespace fn::detail

@@ -799,7 +799,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   // gate/up in one, SwiGLU + shared down + combine in one; same bits as the separate launches.
   // The fused down needs I a multiple of 8 (every real shape; not every tiny fixture's slice).
   const bool fused_shared = o.fused_step && Is_l % 8 == 0 && Is_l <= 8192;
-  const bool moe_bulk = o.moe_bulk && moe_gate_up_bulk_supported(D);
+  const bool moe_bulk_gu = o.moe_bulk && moe_gate_up_bulk_supported(D);
+  const bool moe_bulk_dn =
+      o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -946,7 +948,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.top_k = static_cast<int>(k);
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
-    gu.bulk = moe_bulk;
+    gu.bulk = moe_bulk_gu;
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
@@ -959,6 +961,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.top_k = static_cast<int>(k);
     dn.h = h;
     dn.y = y;
+    dn.bulk = moe_bulk_dn;
     launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch

@@ -67,9 +67,15 @@ struct CudaModelOptions {
   /// (A/B benches).
   bool l2_prefetch = true;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
-  /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says). Another
-  /// summation order than the FP32 kernel, so other bits. false: the FP32 kernel (A/B benches).
+  /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.08 to
+  /// -0.10 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order
+  /// than the FP32 kernel, so other bits. false: the FP32 kernel (A/B benches).
   bool moe_bulk = true;
+  /// The routed down projection on the bulk-copy kernel (MoeDownParams::bulk). Off: 4.4 us faster
+  /// alone at TP=1, but +0.08 to +0.25 ms/token in the step (its whole-SM CTAs hold 105 KB of
+  /// shared memory until they exit, and the shared-expert, router and HC launches around it
+  /// measured slower; RESULTS.md, session 10). true: A/B benches.
+  bool moe_bulk_down = false;
 };
 
 /// Which logits CudaModel::prefill returns.

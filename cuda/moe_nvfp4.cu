@@ -417,42 +417,9 @@ constexpr int kMmaDownMinBlocks = 3;
 constexpr int kLutBytes = 256 * 4;
 constexpr int kPartBytes = (kBlockThreads / 32) * 8 * 2 * 4;  // [warp][row][2] FP32 partials
 
-// The activation staged for the MMAs (see above): unit u (kCodes elements) at byte u * kStride,
-// its 8-element word wi at + 16 wi, permuted to the BF16 pairs (x_q, x_q+4), q = 0..3.
+// The activation staged for the MMAs (nvfp4_mma.cuh), filled by the block's 256 threads.
 template <bool kNarrow>
-struct MmaStage {
-  static constexpr int kCodes = Unit<kNarrow>::kCodes;
-  static constexpr int kStride = 2 * kCodes + 16;
-  static constexpr int64_t bytes(int64_t n) { return n / kCodes * kStride; }
-  // Every thread of the block calls it: n BF16 values (a multiple of kCodes; src 16-byte aligned).
-  // A thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch * 256
-  // vectors, not one per 256: the staging is on every warp's path to its first MMA).
-  template <int kBatch>
-  static __device__ __forceinline__ void fill(const uint16_t* src, int n, uint8_t* s) {
-    const uint4* v = reinterpret_cast<const uint4*>(src);
-    const int nv = n / 8;
-    for (int base = threadIdx.x; base < nv; base += kBatch * kBlockThreads) {
-      uint4 q[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int i = base + b * kBlockThreads;
-        q[b] = i < nv ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int i = base + b * kBlockThreads;
-        if (i >= nv) break;
-        const int u = (8 * i) / kCodes, wi = ((8 * i) % kCodes) / 8;
-        *reinterpret_cast<uint4*>(s + u * kStride + 16 * wi) =
-            make_uint4(__byte_perm(q[b].x, q[b].z, 0x5410), __byte_perm(q[b].x, q[b].z, 0x7632),
-                       __byte_perm(q[b].y, q[b].w, 0x5410), __byte_perm(q[b].y, q[b].w, 0x7632));
-      }
-    }
-  }
-  static __device__ __forceinline__ uint4 word(const uint8_t* s, int u, int wi) {
-    return *reinterpret_cast<const uint4*>(s + u * kStride + 16 * wi);
-  }
-};
+using MmaStage = nvfp4_mma::MmaStage<kNarrow, kBlockThreads>;
 
 // d += the MMAs of one 8-code word wd (block scale pair sc) against the staged activation xw.
 __device__ __forceinline__ void mma_word(uint32_t wd, uint32_t sc, const uint4& xw, float (&d)[4]) {
@@ -762,6 +729,11 @@ bool moe_gate_up_bulk_supported(int64_t cols) {
   return detail::bulk_gate_up_cols_ok(cols) && detail::current_device_has_pdl();
 }
 
+bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
+  return detail::current_device_has_pdl() &&
+         detail::bulk_down_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
+}
+
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
   check_experts(p.experts, kOp);
@@ -834,6 +806,10 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
+  if (p.bulk) {
+    detail::launch_moe_down_bulk(p, stream);
+    return;
+  }
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
                                                             detail::current_sm_count(), p.mma);

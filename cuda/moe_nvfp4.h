@@ -84,6 +84,14 @@ struct MoeDownParams {
   /// (32..256) of the tensor-core kernel; 0 = planned.
   int team_threads = 0;
   bool mma = false;  ///< as MoeGateUpParams::mma
+  /// true: the bulk-copy kernel (cuda/moe_nvfp4_bulk.cu; sm_90+, cols a multiple of 32, rows a
+  /// multiple of 8, top_k * cols <= 12,288): one CTA per SM owns a share of the rows of every
+  /// selected expert, bulk-copies their codes and scales into shared memory before its
+  /// programmatic-dependent wait, and runs the tensor cores after it; another summation order.
+  /// Takes precedence over mma; team_threads is ignored. The launcher throws
+  /// fn::Error(Internal) where the device or the shape does not allow it
+  /// (moe_down_bulk_supported).
+  bool bulk = false;
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
@@ -97,6 +105,11 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream
 /// and device code; cols a multiple of 256, at most 2,560). Throws fn::Error(Cuda) when the
 /// device query fails.
 bool moe_gate_up_bulk_supported(int64_t cols);
+
+/// Whether MoeDownParams::bulk runs top_k experts of [hidden, intermediate] on the current device
+/// (sm_90+; the shape limits of MoeDownParams::bulk). Throws fn::Error(Cuda) when a device query
+/// fails.
+bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden);
 
 /// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4, with
 /// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).

@@ -20,10 +20,11 @@
 // its 8 columns (so D's columns are equal; lane (g, 0) reads gate row g in d[0], up in d[2]); a
 // lane loads its x words once, into registers, before the first chunk.
 //
-// Summation (fixed, so bitwise reproducible; not the order of the other kernels): per chunk and
-// warp one MMA accumulator chain from 0 over the warp's groups in increasing order (the products
-// exact, the tensor core's sum of 16 products + C per MMA), then the 10 warps' partials summed in
-// increasing warp order in FP32, then * 2^26 and * the global scale. Range: exact products for
+// Summation (fixed, so bitwise reproducible; not the order of the other kernels): per chunk, warp
+// and column group one MMA accumulator chain from 0 over the group's 8 MMAs (the products exact,
+// the tensor core's sum of 16 products + C per MMA; two independent chains per warp for latency),
+// the warp's groups added in increasing order, then the 10 warps' partials in increasing warp
+// order in FP32, then * 2^26 and * the global scale. Range: exact products for
 // 2^-90 <= |x| < 2^100 (and 0), as the round-based tensor-core kernel.
 #include "cuda/moe_nvfp4_bulk.h"
 
@@ -49,7 +50,11 @@ using nvfp4_mma::word_of;
 
 constexpr int kWarps = kBulkGateUpWarps;
 constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
-constexpr int kStages = 4;                   // ring depth (4 x 24 KB at K = 2560)
+// Ring depth: stages of 24 KB at K = 2560. At TP=1 a share is 7 or 8 chunks; with 5 or 6 stages
+// the step measured 5.175 / 5.178 ms/token, with 2, 3 or 4 stages 5.33-5.36 (FP32 kernel 5.25;
+// cuda_model_bench, one call, RESULTS.md session 10): the share's loads must go out at once, ahead
+// of the down kernel's pre-wait loads. A share with fewer chunks gets as many stages as chunks.
+constexpr int kMaxStages = 6;
 constexpr int kPairs = 8;                    // row pairs per chunk: one m16 tile
 constexpr int kRowPad = 64;                  // bytes between rows' slots past K / 2
 
@@ -70,6 +75,7 @@ struct BulkGateUpArgs {
   uint16_t* h;
   float* gate_up_out;
   L2Prefetch l2_prefetch;
+  int stages;  // ring depth, <= kMaxStages
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -131,20 +137,42 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 }
 #endif
 
+// d += one unit (32 codes) of the A rows g (codes wa, scale bytes sa) and g + 8 (wb, sb) times the
+// activation words x (permute_word order): per 8-code word two MMAs, codes (q, q + 4) of both rows
+// as BF16x2 times their block scale (lut: E4M3 * 2^100 as BF16x2), q = 0, 1 then 2, 3.
+__device__ __forceinline__ void mma_unit(const uint4& wa, uint32_t sa, const uint4& wb, uint32_t sb,
+                                         const uint4 (&x)[4], const uint32_t* lut, float (&d)[4]) {
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    const uint32_t fa = lut[(sa >> (8 * (wi / 2))) & 0xffu];
+    const uint32_t fb = lut[(sb >> (8 * (wi / 2))) & 0xffu];
+    const uint32_t ca = word_of(wa, wi), cb = word_of(wb, wi);
+    mma_bf16(d, bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 0), fa),
+             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 0), fb),
+             bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 1), fa),
+             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 1), fb), x[wi].x, x[wi].y);
+    mma_bf16(d, bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 2), fa),
+             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 2), fb),
+             bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 3), fa),
+             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 3), fb), x[wi].z, x[wi].w);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateUpArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int nst = a.stages;  // ring depth
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* stages = smem;  // [kStages][stage_bytes], 128-byte aligned
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * a.stage_bytes);
-  uint64_t* empty = full + kStages;
-  uint32_t* lut = reinterpret_cast<uint32_t*>(empty + kStages);  // [256] E4M3 * 2^100, BF16x2
+  uint8_t* ring = smem;  // [nst][stage_bytes], 128-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + nst * a.stage_bytes);
+  uint64_t* empty = full + nst;
+  uint32_t* lut = reinterpret_cast<uint32_t*>(empty + nst);  // [256] E4M3 * 2^100, BF16x2
   int* meta = reinterpret_cast<int*>(lut + 256);                 // [max_chunks][3] j, i, n
   float* part = reinterpret_cast<float*>(meta + 3 * a.max_chunks);  // [chunk][warp][16]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kb = a.k / 16;  // scale bytes per row
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < nst; ++s) {
       mbar_init(full + s, 1);
       mbar_init(empty + s, 32 * kWarps);
     }
@@ -164,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       int j, i, n;
       chunk_at(a, p, p1, j, i, n);
       p += n;
-      const int s = c % kStages;
-      if (c >= kStages) mbar_wait(empty + s, static_cast<uint32_t>((c / kStages - 1) & 1));
+      const int s = c % nst;
+      if (c >= nst) mbar_wait(empty + s, static_cast<uint32_t>((c / nst - 1) & 1));
       const int e = __ldg(a.ids + j);
       const bool live = e >= 0 && e < a.num_experts;
       if (lane == 0) {
@@ -176,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       }
       __syncwarp();
       if (live) {
-        uint8_t* st = stages + s * a.stage_bytes;
+        uint8_t* st = ring + s * a.stage_bytes;
         const int64_t row0 = static_cast<int64_t>(e) * 2 * a.inter + i;  // gate row i
         if (lane < 2 * n) {  // row of codes: gate rows at slots 0..n-1, up rows at 8..8+n-1
           const int r = lane < n ? lane : lane - n;
@@ -205,8 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
         uint4 q = make_uint4(0, 0, 0, 0);
         if (ug < ngroups)
           q = __ldg(reinterpret_cast<const uint4*>(a.x + 32 * (4 * ug + t) + 8 * wi));
-        xr[r][wi] = make_uint4(__byte_perm(q.x, q.z, 0x5410), __byte_perm(q.x, q.z, 0x7632),
-                               __byte_perm(q.y, q.w, 0x5410), __byte_perm(q.y, q.w, 0x7632));
+        xr[r][wi] = nvfp4_mma::permute_word(q);
       }
     }
     int c = 0;
@@ -214,15 +241,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       int j, i, n;
       chunk_at(a, p, p1, j, i, n);
       p += n;
-      const int s = c % kStages;
-      mbar_wait(full + s, static_cast<uint32_t>((c / kStages) & 1));
-      const uint8_t* st = stages + s * a.stage_bytes;
+      const int s = c % nst;
+      mbar_wait(full + s, static_cast<uint32_t>((c / nst) & 1));
+      const uint8_t* st = ring + s * a.stage_bytes;
       const bool row_ok = g < n;
       const uint8_t* cg = st + g * a.row_stride;
       const uint8_t* cu = st + (kPairs + g) * a.row_stride;
       const uint8_t* sg = st + kPairs * 2 * a.row_stride + g * kb;
       const uint8_t* su = sg + kPairs * kb;
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float d[kBulkGateUpGroups][4] = {};  // one MMA chain per column group (independent)
 #pragma unroll
       for (int r = 0; r < kBulkGateUpGroups; ++r) {
         const int ug = warp + r * kWarps;
@@ -236,26 +263,18 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
           scg = *reinterpret_cast<const uint16_t*>(sg + 2 * u);
           scu = *reinterpret_cast<const uint16_t*>(su + 2 * u);
         }
+        mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
+      }
+      float sum_g = d[0][0], sum_u = d[0][2];
 #pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
-          const uint32_t fg = lut[(scg >> (8 * (wi / 2))) & 0xffu];
-          const uint32_t fu = lut[(scu >> (8 * (wi / 2))) & 0xffu];
-          const uint32_t gw = word_of(wg, wi), uw = word_of(wu, wi);
-          const uint4& xw = xr[r][wi];
-          mma_bf16(d, bf16x2_mul(nvfp4::e2m1_bf16_pair(gw, 0), fg),
-                   bf16x2_mul(nvfp4::e2m1_bf16_pair(uw, 0), fu),
-                   bf16x2_mul(nvfp4::e2m1_bf16_pair(gw, 1), fg),
-                   bf16x2_mul(nvfp4::e2m1_bf16_pair(uw, 1), fu), xw.x, xw.y);
-          mma_bf16(d, bf16x2_mul(nvfp4::e2m1_bf16_pair(gw, 2), fg),
-                   bf16x2_mul(nvfp4::e2m1_bf16_pair(uw, 2), fu),
-                   bf16x2_mul(nvfp4::e2m1_bf16_pair(gw, 3), fg),
-                   bf16x2_mul(nvfp4::e2m1_bf16_pair(uw, 3), fu), xw.z, xw.w);
-        }
+      for (int r = 1; r < kBulkGateUpGroups; ++r) {  // the groups' chains in order
+        sum_g += d[r][0];
+        sum_u += d[r][2];
       }
       mbar_arrive(empty + s);  // every consumer lane, after its last read of the stage
       if (t == 0) {  // D[g][0] = gate row g, D[g + 8][0] = up row g
-        part[(c * kWarps + warp) * 16 + g] = d[0];
-        part[(c * kWarps + warp) * 16 + kPairs + g] = d[2];
+        part[(c * kWarps + warp) * 16 + g] = sum_g;
+        part[(c * kWarps + warp) * 16 + kPairs + g] = sum_u;
       }
     }
   }
@@ -292,6 +311,162 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   }
 #else
   (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
+#endif
+}
+
+constexpr int kDownWarps = kBulkDownWarps;
+constexpr int kDownThreads = 32 * (kDownWarps + 1);  // + the producer warp
+constexpr int kRowUnit = 8;  // rows per share unit (16-byte aligned scale copies down to I = 32)
+using DownStage = nvfp4_mma::MmaStage<false, kDownThreads>;
+
+struct BulkDownArgs {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  const float* global_scale;
+  const int32_t* ids;
+  const float* weights;
+  int num_experts;
+  int top_k;
+  int hidden;       // D (rows per expert)
+  int inter;        // I (cols)
+  int row_units;    // D / kRowUnit
+  int rows_max;     // rows of the largest share
+  int slot_codes;   // shared-memory bytes per expert of codes: rows_max * I / 2
+  int slot_scales;  // per expert of scales: rows_max * I / 16, rounded up to 16
+  int stage_off;    // offset of the staged h
+  int tiles_max;    // ceil(rows_max / 16)
+  const uint16_t* h;
+  float* y;
+  bool accumulate;
+};
+
+// The down projection: one CTA per share of rows [r0, r1) (units of 8 rows) of all top_k experts.
+// Before the programmatic-dependent wait the producer warp reads the router's ids through L2 (two
+// launches back: gate+up sits between, cuda/pdl.cuh) and issues one bulk copy of the share's codes
+// and one of its scales per selected expert, all on one mbarrier; so the weights stream while
+// gate+up still runs. After the wait the block stages h (MmaStage order) and the factors
+// f_j = routing_weight_j * gs[e_j]; warp w takes the (16-row tile, expert j) pairs p = w, w + 10,
+// ... (tile-major): per pair one MMA accumulator chain from 0 over the 128-column groups in order
+// (rows g and g + 8 of the tile as A, h_j as B), then acc = fmaf(D, f_j, acc) per tile in pair
+// order; the warps' accumulators are summed per row in increasing warp order, * 2^26.
+__global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDownArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* codes = smem;                                        // [top_k][slot_codes]
+  uint8_t* scl = codes + static_cast<size_t>(a.top_k) * a.slot_codes;  // [top_k][slot_scales]
+  uint8_t* hst = smem + a.stage_off;                            // h, DownStage layout
+  uint32_t* lut = reinterpret_cast<uint32_t*>(hst + DownStage::bytes(a.top_k * a.inter));
+  float* f = reinterpret_cast<float*>(lut + 256);               // [top_k], 0 for dead ids
+  int* live = reinterpret_cast<int*>(f + a.top_k);              // [top_k]
+  float* part = reinterpret_cast<float*>(live + a.top_k);       // [tiles_max][warps][16]
+  uint64_t* bar = reinterpret_cast<uint64_t*>(part + a.tiles_max * kDownWarps * 16);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r0 = kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * blockIdx.x /
+                                             gridDim.x);
+  const int r1 = kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) *
+                                             (blockIdx.x + 1) / gridDim.x);
+  const int nrows = r1 - r0;
+  const int rb_codes = a.inter / 2, rb_scales = a.inter / 16;  // bytes per row
+  if (threadIdx.x == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+  for (int i = threadIdx.x; i < a.tiles_max * kDownWarps * 16; i += kDownThreads) part[i] = 0.0f;
+  __syncthreads();
+  if (warp == kDownWarps) {  // the producer: weights only, before the wait
+    uint32_t bytes = 0;
+    if (lane == 0) {
+      for (int j = 0; j < a.top_k; ++j) {
+        const int e = __ldcg(a.ids + j);
+        if (e >= 0 && e < a.num_experts)
+          bytes += static_cast<uint32_t>(nrows) * static_cast<uint32_t>(rb_codes + rb_scales);
+      }
+      mbar_arrive_expect_tx(bar, bytes);
+    }
+    __syncwarp();
+    for (int j = lane; j < a.top_k; j += 32) {
+      const int e = __ldcg(a.ids + j);
+      if (e < 0 || e >= a.num_experts) continue;
+      const int64_t row = static_cast<int64_t>(e) * a.hidden + r0;
+      bulk_copy(codes + static_cast<size_t>(j) * a.slot_codes, a.packed + row * rb_codes,
+                static_cast<uint32_t>(nrows * rb_codes), bar);
+      bulk_copy(scl + static_cast<size_t>(j) * a.slot_scales, a.scales + row * rb_scales,
+                static_cast<uint32_t>(nrows * rb_scales), bar);
+    }
+  }
+  // h is gate+up's output; the routing weights and ids are read after the wait as well.
+  dev::pdl_begin();
+  DownStage::template fill<2>(a.h, a.top_k * a.inter, hst);
+  for (int j = threadIdx.x; j < a.top_k; j += kDownThreads) {
+    const int e = __ldg(a.ids + j);
+    const bool ok = e >= 0 && e < a.num_experts;
+    live[j] = ok ? 1 : 0;
+    f[j] = ok ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
+  }
+  __syncthreads();
+  if (warp < kDownWarps) {
+    const int g = lane >> 2, t = lane & 3;
+    const int nunits = a.inter / 32, ngroups = (nunits + 3) / 4;
+    const int tiles = (nrows + 15) / 16;
+    mbar_wait(bar, 0u);
+    float acc_a = 0.0f, acc_b = 0.0f;
+    int cur = -1;
+    for (int p = warp; p < tiles * a.top_k; p += kDownWarps) {
+      const int tile = p / a.top_k, j = p - tile * a.top_k;
+      if (tile != cur) {
+        if (cur >= 0 && t == 0) {
+          part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
+          part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
+        }
+        cur = tile;
+        acc_a = acc_b = 0.0f;
+      }
+      if (live[j] == 0) continue;  // warp-uniform
+      const int ra = tile * 16 + g, rb = ra + 8;
+      const uint8_t* ca = codes + static_cast<size_t>(j) * a.slot_codes + ra * rb_codes;
+      const uint8_t* cb = ca + 8 * rb_codes;
+      const uint8_t* sa = scl + static_cast<size_t>(j) * a.slot_scales + ra * rb_scales;
+      const uint8_t* sb = sa + 8 * rb_scales;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int ug = 0; ug < ngroups; ++ug) {
+        const int u = 4 * ug + t;
+        const bool uok = u < nunits;
+        uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0);
+        uint32_t fa = 0, fb = 0;
+        if (uok && ra < nrows) {
+          wa = *reinterpret_cast<const uint4*>(ca + 16 * u);
+          fa = *reinterpret_cast<const uint16_t*>(sa + 2 * u);
+        }
+        if (uok && rb < nrows) {
+          wb = *reinterpret_cast<const uint4*>(cb + 16 * u);
+          fb = *reinterpret_cast<const uint16_t*>(sb + 2 * u);
+        }
+        uint4 x[4];
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi)
+          x[wi] = uok ? DownStage::word(hst, j * nunits + u, wi) : make_uint4(0, 0, 0, 0);
+        mma_unit(wa, fa, wb, fb, x, lut, d);
+      }
+      acc_a = fmaf(d[0], f[j], acc_a);
+      acc_b = fmaf(d[2], f[j], acc_b);
+    }
+    if (cur >= 0 && t == 0) {
+      part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
+      part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
+    }
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < nrows; r += kDownThreads) {
+    const int tile = r / 16, row = r % 16;
+    float sum = 0.0f;
+    for (int w = 0; w < kDownWarps; ++w) sum += part[(tile * kDownWarps + w) * 16 + row];
+    const float v = sum * kMmaUnscale;
+    a.y[r0 + r] = a.accumulate ? a.y[r0 + r] + v : v;
+  }
+#else
+  (void)a;  // never launched below sm_90 (launch_moe_down_bulk refuses)
 #endif
 }
 
@@ -337,7 +512,8 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.l2_prefetch = p.l2_prefetch;
   const int ctas = bulk_gate_up_ctas(p.top_k, inter, current_sm_count());
   a.max_chunks = max_chunks_of(a.pairs, inter, ctas);
-  const size_t smem = static_cast<size_t>(kStages) * a.stage_bytes + 2 * kStages * 8 + 256 * 4 +
+  a.stages = std::min(kMaxStages, a.max_chunks);
+  const size_t smem = static_cast<size_t>(a.stages) * a.stage_bytes + 2 * a.stages * 8 + 256 * 4 +
                       static_cast<size_t>(a.max_chunks) * (3 * 4 + kWarps * 16 * 4);
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -345,6 +521,72 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(ctas),
              kThreads, smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_bulk_kernel");
+}
+
+namespace {
+
+struct DownPlan {
+  int ctas, rows_max, slot_codes, slot_scales, stage_off, tiles_max;
+  size_t smem;
+};
+
+DownPlan plan_down(int top_k, int64_t inter, int64_t hidden, int sm_count) {
+  DownPlan d{};
+  const int64_t units = hidden / kRowUnit;
+  d.ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, units)));
+  d.rows_max = static_cast<int>(kRowUnit * ((units + d.ctas - 1) / d.ctas));
+  d.slot_codes = static_cast<int>(d.rows_max * inter / 2);
+  d.slot_scales = static_cast<int>((d.rows_max * inter / 16 + 15) / 16 * 16);
+  d.stage_off = top_k * (d.slot_codes + d.slot_scales);
+  d.tiles_max = (d.rows_max + 15) / 16;
+  d.smem = static_cast<size_t>(d.stage_off) +
+           static_cast<size_t>(DownStage::bytes(static_cast<int64_t>(top_k) * inter)) + 256 * 4 +
+           static_cast<size_t>(top_k) * 8 + static_cast<size_t>(d.tiles_max) * kDownWarps * 16 * 4 +
+           8;
+  return d;
+}
+
+}  // namespace
+
+bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count) {
+  if (top_k < 1 || inter < 32 || inter % 32 != 0 || hidden < kRowUnit || hidden % kRowUnit != 0)
+    return false;
+  if (hidden > INT32_MAX / 2 || static_cast<int64_t>(top_k) * inter > 12288) return false;
+  return plan_down(top_k, inter, hidden, sm_count).smem <= kBulkDownMaxSmem;
+}
+
+void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_down_nvfp4 (bulk)";
+  const int sms = current_sm_count();
+  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
+  FN_LAUNCH_REQUIRE(bulk_down_shape_ok(p.top_k, p.experts.cols, p.experts.rows, sms), kOp);
+  FN_LAUNCH_REQUIRE(aligned16(p.experts.packed) && aligned16(p.experts.scales), kOp);
+  const DownPlan d = plan_down(p.top_k, p.experts.cols, p.experts.rows, sms);
+  BulkDownArgs a{};
+  a.packed = p.experts.packed;
+  a.scales = p.experts.scales;
+  a.global_scale = p.experts.global_scale;
+  a.ids = p.expert_ids;
+  a.weights = p.routing_weights;
+  a.num_experts = p.experts.num_experts;
+  a.top_k = p.top_k;
+  a.hidden = static_cast<int>(p.experts.rows);
+  a.inter = static_cast<int>(p.experts.cols);
+  a.row_units = a.hidden / kRowUnit;
+  a.rows_max = d.rows_max;
+  a.slot_codes = d.slot_codes;
+  a.slot_scales = d.slot_scales;
+  a.stage_off = d.stage_off;
+  a.tiles_max = d.tiles_max;
+  a.h = p.h;
+  a.y = p.y;
+  a.accumulate = p.accumulate;
+  FN_CUDA_CHECK(cudaFuncSetAttribute(moe_down_bulk_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(d.smem)));
+  launch_pdl("moe_down_bulk_kernel", moe_down_bulk_kernel, static_cast<unsigned>(d.ctas),
+             kDownThreads, d.smem, stream, a);
+  FN_CUDA_LAUNCH_CHECK("moe_down_bulk_kernel");
 }
 
 }  // namespace fn::detail

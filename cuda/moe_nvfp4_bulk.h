@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/moe_nvfp4.h"
@@ -27,6 +28,22 @@ constexpr bool bulk_gate_up_cols_ok(int64_t cols) {
 /// CTAs of the bulk gate+up grid for top_k * inter row pairs on sm_count SMs: one per SM, fewer
 /// when there are fewer than 8 pairs per SM.
 int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count);
+
+/// Consumer warps of the bulk down kernel, and its shared-memory budget (the share's codes and
+/// scales of every selected expert, h staged, partials): at most 120 KB, so that a down CTA fits
+/// beside a bulk gate+up CTA on one SM and streams its weights while gate+up runs.
+inline constexpr int kBulkDownWarps = 10;
+inline constexpr size_t kBulkDownMaxSmem = 120 * 1024;
+
+/// Whether the bulk down kernel takes top_k experts of [hidden, inter] on sm_count SMs: inter a
+/// multiple of 32, hidden a multiple of 8, top_k * inter <= 12,288 and the shared memory within
+/// kBulkDownMaxSmem. The device check (sm_90+) is the launcher's.
+bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count);
+
+/// Launches the bulk down kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when the
+/// device is below sm_90, the shape fails bulk_down_shape_ok, or the weights are not 16-byte
+/// aligned; fn::Error(Cuda) on a failed launch. Legal during stream capture.
+void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream);
 
 /// Launches the bulk gate+up kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when
 /// the device is below sm_90, cols fails bulk_gate_up_cols_ok, or the weights are not 16-byte

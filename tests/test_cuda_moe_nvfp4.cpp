@@ -138,11 +138,19 @@ int down_depth(int top_k, int64_t inter, int team, bool mma) {
   return kMmaDepth * int(unit_codes(inter) / 4) + 1 + per_warp + 2 + team / 32;
 }
 
-// The bulk gate+up kernel (cuda/moe_nvfp4_bulk.cu): per chunk and warp one MMA chain over the
-// warp's 128-column groups (8 MMAs each), then the 10 warps' partials in order, the global scale.
+// The bulk gate+up kernel (cuda/moe_nvfp4_bulk.cu): per chunk, warp and 128-column group one
+// MMA chain (8 MMAs), the warp's groups added, then the 10 warps' partials in order, the global
+// scale.
 int bulk_gate_up_depth(int64_t cols) {
   const int per_warp = ceil_div(ceil_div(cols, 128), 10);
-  return kMmaDepth * 8 * per_warp + 10 + 1;
+  return kMmaDepth * 8 + per_warp + 10 + 1;
+}
+
+// The bulk down kernel: per (tile, expert) one MMA chain over the 128-column groups (8 MMAs each),
+// the f_j = routing weight * gs product and its fmaf into the warp's chain over its pairs (at most
+// top_k of them), the 10 warps in order, the unscale.
+int bulk_down_depth(int top_k, int64_t inter) {
+  return kMmaDepth * 8 * ceil_div(inter, 128) + 2 + top_k + 10 + 1;
 }
 
 // Team widths each kernel accepts.
@@ -264,7 +272,7 @@ void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
 
 std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& ids,
                             const std::vector<float>& rw, const std::vector<float>& h, int team,
-                            const std::vector<float>* y0, bool mma) {
+                            const std::vector<float>* y0, bool mma, bool bulk = false) {
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<float> d_rw(rw);
   DeviceArray<uint16_t> d_h(to_bf16(h));
@@ -283,6 +291,7 @@ std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& 
   p.accumulate = y0 != nullptr;
   p.team_threads = team;
   p.mma = mma;
+  p.bulk = bulk;
   fn::launch_moe_down_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   return d_y.download();
@@ -493,6 +502,170 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
     CHECK_THROWS_AS(run_gate_up(dbad, {0}, random_ints(size_t(cols), -1, 1, 126), 0, false, true),
                     fn::Error);
   }
+}
+
+TEST_CASE("cuda moe nvfp4: bulk down sums experts exactly, every share and tile shape") {
+  if (!fn::moe_down_bulk_supported(10, 640, 2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  // Shares of 8-row units (16 or 24 rows at D = 2560: partial second tiles), D smaller than the
+  // grid (D = 96: 12 CTAs of 8 rows), I = 32 .. 640 (partial 128-column groups), repeated ids,
+  // accumulate on and off.
+  struct Shape {
+    int64_t hidden, inter;
+    std::vector<int32_t> ids;
+  };
+  const std::vector<Shape> shapes = {{2560, 640, {8, 0, 3, 3, 7, 1, 2, 4, 5, 6}},
+                                     {2560, 320, {1, 2, 3}},
+                                     {2560, 160, {8, 7, 6, 5, 4, 3, 2, 1, 0, 2}},
+                                     {96, 32, {0, 4, 2}},
+                                     {1032, 96, {5, 6}}};
+  for (const Shape& sh : shapes) {
+    const HostExperts w = make_experts(9, sh.hidden, sh.inter, 1, true, 80 + sh.inter);
+    const DeviceExperts dw(w);
+    const size_t k = sh.ids.size();
+    std::vector<float> rw(k);
+    for (size_t j = 0; j < k; ++j) rw[j] = std::ldexp(1.0f, -int(j % 3));
+    const auto h = random_ints(k * size_t(sh.inter), -3, 3, 81 + sh.inter);
+    const auto y0 = random_ints(size_t(sh.hidden), -3, 3, 82);
+    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+      std::vector<double> want, bound;
+      down_reference(w, sh.ids, rw, h, bulk_down_depth(int(k), sh.inter), init, want, bound);
+      const auto y = run_down(dw, sh.ids, rw, h, 0, init, false, true);
+      const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, "bulk down D ", sh.hidden, " I ", sh.inter, " accumulate ",
+                    init != nullptr, ": ", c.describe());
+      const auto again = run_down(dw, sh.ids, rw, h, 0, init, false, true);
+      CHECK(std::memcmp(again.data(), y.data(), y.size() * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: bulk down on the real shapes (TP=1, 2 and 4) within the bound") {
+  if (!fn::moe_down_bulk_supported(10, 640, 2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  for (int64_t inter : {640, 320, 160}) {
+    const HostExperts w = make_experts(64, 2560, inter, 1, false, 90 + inter);
+    const DeviceExperts dw(w);
+    const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
+    const std::vector<float> rw = {0.3f, 0.2f, 0.1f, 0.1f, 0.06f, 0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
+    const auto h = random_bf16(10 * size_t(inter), 0.5f, 91 + inter);
+    std::vector<double> want, bound;
+    down_reference(w, ids, rw, h, bulk_down_depth(10, inter), nullptr, want, bound);
+    const auto y = run_down(dw, ids, rw, h, 0, nullptr, false, true);
+    const auto c = fn::test::compare_bounded(y, want, bound);
+    CHECK_MESSAGE(c.wrong == 0, "bulk down I ", inter, ": ", c.describe());
+    MESSAGE("bulk down I ", inter, ": worst error / own bound ", c.worst_ratio);
+  }
+}
+
+TEST_CASE("cuda moe nvfp4: bulk down: +-0.5 codes, subnormal scales, invalid ids, graphs") {
+  if (!fn::moe_down_bulk_supported(10, 640, 2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  HostExperts w = make_experts(6, 256, 96, 1, true, 130);
+  std::mt19937_64 rng(131);
+  for (auto& b : w.packed) b = uint8_t((rng() & 1 ? 0x1 : 0x9) | (rng() & 1 ? 0x10 : 0x90));
+  for (auto& sc : w.scales) sc = uint8_t(rng() % 8 == 0 ? 0x08 : 1 + rng() % 7);
+  const DeviceExperts dw(w);
+  {
+    const std::vector<int32_t> ids = {3, 1, 2};
+    const std::vector<float> rw = {0.5f, 1.0f, 0.25f};
+    const auto h = random_ints(ids.size() * 96, -64, 64, 132);
+    std::vector<double> want, bound;
+    down_reference(w, ids, rw, h, bulk_down_depth(3, 96), nullptr, want, bound);
+    const auto y = run_down(dw, ids, rw, h, 0, nullptr, false, true);
+    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "bulk down +-0.5: ", c.describe());
+    double mag = 0;
+    for (double v : want) mag += std::fabs(v);
+    CHECK(mag > 0);
+  }
+  {  // invalid ids contribute zero; all invalid: y = 0, or y0 untouched when accumulating
+    const std::vector<int32_t> ids = {-1, 2, 6, 1 << 30};
+    const std::vector<float> rw = {1.0f, 0.5f, 1.0f, 1.0f};
+    const auto h = random_ints(ids.size() * 96, -3, 3, 133);
+    const auto y0 = random_ints(256, -3, 3, 134);
+    std::vector<double> want, bound;
+    down_reference(w, ids, rw, h, bulk_down_depth(4, 96), &y0, want, bound);
+    const auto y = run_down(dw, ids, rw, h, 0, &y0, false, true);
+    CHECK(fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0)).wrong == 0);
+    const std::vector<int32_t> none = {-5, 6, 7, -1};
+    const auto yn = run_down(dw, none, rw, h, 0, &y0, false, true);
+    CHECK(std::memcmp(yn.data(), y0.data(), yn.size() * 4) == 0);
+    for (float v : run_down(dw, none, rw, h, 0, nullptr, false, true)) CHECK(v == 0.0f);
+  }
+  // Graph: bulk gate+up then bulk down, ids changed in device memory between replays; bitwise as
+  // eager launches and within the bound of the references on the graph's own h.
+  const HostExperts gu = make_experts(32, 2 * 320, 2560, 2, false, 135);
+  const HostExperts dn = make_experts(32, 2560, 320, 1, false, 136);
+  const DeviceExperts dgu(gu), ddn(dn);
+  const auto x = random_bf16(2560, 1.0f, 137);
+  DeviceArray<uint16_t> d_x(to_bf16(x));
+  DeviceArray<int32_t> d_ids(10);
+  DeviceArray<float> d_rw(10);
+  DeviceArray<uint16_t> d_h(10 * 320);
+  DeviceArray<float> d_y(2560);
+  const std::vector<float> rw = {0.3f, 0.2f, 0.1f, 0.1f, 0.06f, 0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
+  d_rw.upload(rw);
+  fn::MoeGateUpParams pg;
+  pg.experts = dgu.view;
+  pg.expert_ids = d_ids.ptr;
+  pg.top_k = 10;
+  pg.x = d_x.ptr;
+  pg.h = d_h.ptr;
+  pg.bulk = true;
+  fn::MoeDownParams pd;
+  pd.experts = ddn.view;
+  pd.expert_ids = d_ids.ptr;
+  pd.routing_weights = d_rw.ptr;
+  pd.top_k = 10;
+  pd.h = d_h.ptr;
+  pd.y = d_y.ptr;
+  pd.bulk = true;
+  cudaStream_t stream;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  fn::launch_moe_gate_up_nvfp4(pg, stream);
+  fn::launch_moe_down_nvfp4(pd, stream);
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<int32_t>& ids : {std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
+                                          std::vector<int32_t>{31, 30, 7, 19, 3, 22, 14, 9, 27,
+                                                               1}}) {
+    d_ids.upload(ids);
+    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto y_graph = d_y.download();
+    std::vector<float> h_graph;
+    for (uint16_t b : d_h.download()) h_graph.push_back(fn::bf16_to_float(b));
+    fn::launch_moe_gate_up_nvfp4(pg, stream);
+    fn::launch_moe_down_nvfp4(pd, stream);
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto y_eager = d_y.download();
+    CHECK(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0);
+    std::vector<double> want, bound;
+    down_reference(dn, ids, rw, h_graph, bulk_down_depth(10, 320), nullptr, want, bound);
+    const auto c = fn::test::compare_bounded(y_graph, want, bound);
+    CHECK_MESSAGE(c.wrong == 0, "bulk graph y: ", c.describe());
+  }
+  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  // Shapes the kernel does not take are refused: I not a multiple of 32, D not a multiple of 8.
+  CHECK(!fn::moe_down_bulk_supported(2, 48, 256));
+  CHECK(!fn::moe_down_bulk_supported(2, 64, 100));
+  const HostExperts bad = make_experts(2, 256, 48, 1, true, 138);
+  const DeviceExperts dbad(bad);
+  CHECK_THROWS_AS(run_down(dbad, {0, 1}, {1.0f, 1.0f}, random_ints(96, -1, 1, 139), 0, nullptr,
+                           false, true),
+                  fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-of-two weights") {

@@ -582,6 +582,12 @@ int main(int argc, char** argv) try {
                              gu_bytes, time_gu(false, 0), bw}));
       g.bulk = false;
     }
+    if (fn::moe_down_bulk_supported(top_k, inter, hidden)) {
+      d.bulk = true;
+      rows.push_back(report({"moe_down_nvfp4 bulk", tp + " 10x2560x" + std::to_string(inter),
+                             "bulk", dn_bytes, time_dn(false, 0), bw}));
+      d.bulk = false;
+    }
     for (bool mma : {false, true}) {
       if (!mma && !sweep) continue;
       const std::string kind = mma ? " mma sweep" : " fp32 sweep";

@@ -7,7 +7,8 @@
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
-//     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1] [--json FILE]  (--unfused:
+//     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1]
+//     [--moe-bulk-down 0|1] [--json FILE]  (--unfused:
 //     CudaModelOptions::fused_step = false, every launch separate)
 #include <cuda_runtime_api.h>
 
@@ -44,6 +45,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   int fold = -1;
   bool l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
   bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
+  bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -72,6 +74,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       l2_prefetch = std::stoi(next()) != 0;
     else if (a == "--moe-bulk")  // CudaModelOptions::moe_bulk: 1 the bulk gate+up (default), 0 FP32
       moe_bulk = std::stoi(next()) != 0;
+    else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
+      moe_bulk_down = std::stoi(next()) != 0;
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }
@@ -94,6 +98,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.fold_hc_inject = fold;
   o.l2_prefetch = l2_prefetch;
   o.moe_bulk = moe_bulk;
+  o.moe_bulk_down = moe_bulk_down;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();

@@ -72,7 +72,7 @@ struct CudaModelOptions {
   /// than the FP32 kernel, so other bits. false: the FP32 kernel (A/B benches).
   bool moe_bulk = true;
   /// The routed down projection on the bulk-copy kernel (MoeDownParams::bulk). Off: 4.4 us faster
-  /// alone at TP=1, but +0.08 to +0.25 ms/token in the step (its whole-SM CTAs hold 105 KB of
+  /// alone at TP=1, but +0.16 to +0.28 ms/token in the step (its whole-SM CTAs hold 105 KB of
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;

@@ -522,17 +522,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMmaGateUpMinBlocks)
     sum_g += part[((warp + v) * 8 + lane) * 2 + 0];
     sum_u += part[((warp + v) * 8 + lane) * 2 + 1];
   }
-  float gv = 0.0f, uv = 0.0f;
-  if (ok) {
-    gv = sum_g * kMmaUnscale * __ldg(a.global_scale + 2 * e);
-    uv = sum_u * kMmaUnscale * __ldg(a.global_scale + 2 * e + 1);
-  }
-  const float hv = ok ? dev::silu(gv) * uv : 0.0f;
-  a.h[static_cast<int64_t>(j) * a.inter + i] = dev::float_to_bf16_bits(hv);
-  if (a.gate_up_out != nullptr) {
-    a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + i] = gv;
-    a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + i] = uv;
-  }
+  nvfp4_mma::store_gate_up(sum_g, sum_u, e, ok, a.global_scale, j, i, a.inter, a.h, a.gate_up_out);
 }
 
 template <bool kNarrow>

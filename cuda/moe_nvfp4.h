@@ -2,11 +2,14 @@
 // and the down projection summed over the selected experts with their routing weights. Called by
 // the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
 // device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
-// conversion); two kernel families: FP32 FMA (the default, session 3) and tensor cores
-// (`mma = true`: mma.sync BF16 x BF16, FP32 accumulate; the E2M1 x E4M3 weights are exact in BF16;
-// correct, but measured no faster on H200, cuda/bench/RESULTS.md session 5); FP32 accumulation in a
-// fixed order per kernel (moe_nvfp4.cu); 16-byte weight loads, all of a lane's issued before use;
-// the activation staged once per block in shared memory (<= 48 KB); deterministic (no atomics).
+// conversion); three kernel families: FP32 FMA (session 3; the default of the params), tensor
+// cores (`mma = true`: mma.sync BF16 x BF16, FP32 accumulate; the E2M1 x E4M3 weights are exact in
+// BF16; correct, but measured no faster on H200, cuda/bench/RESULTS.md session 5), and the
+// bulk-copy kernels (`bulk = true`, sm_90+, cuda/moe_nvfp4_bulk.cu: weights streamed into shared
+// memory by the TMA engine, the same tensor-core math; the decode step's gate+up, session 10);
+// FP32 accumulation in a fixed order per kernel; the round-based kernels (moe_nvfp4.cu) issue all
+// of a lane's 16-byte weight loads before use and stage the activation once per block in shared
+// memory (<= 48 KB); deterministic (no atomics).
 #pragma once
 
 #include <cuda_runtime_api.h>

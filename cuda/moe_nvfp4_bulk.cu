@@ -55,8 +55,8 @@ constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
 // cuda_model_bench, one call, RESULTS.md session 10): the share's loads must go out at once, ahead
 // of the down kernel's pre-wait loads. A share with fewer chunks gets as many stages as chunks.
 constexpr int kMaxStages = 6;
-constexpr int kPairs = 8;                    // row pairs per chunk: one m16 tile
-constexpr int kRowPad = 64;                  // bytes between rows' slots past K / 2
+constexpr int kPairs = 8;    // row pairs per chunk: one m16 tile
+constexpr int kRowPad = 64;  // bytes between rows' slots past K / 2
 
 struct BulkGateUpArgs {
   const uint8_t* packed;
@@ -165,8 +165,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   uint8_t* ring = smem;  // [nst][stage_bytes], 128-byte aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + nst * a.stage_bytes);
   uint64_t* empty = full + nst;
-  uint32_t* lut = reinterpret_cast<uint32_t*>(empty + nst);  // [256] E4M3 * 2^100, BF16x2
-  int* meta = reinterpret_cast<int*>(lut + 256);                 // [max_chunks][3] j, i, n
+  uint32_t* lut = reinterpret_cast<uint32_t*>(empty + nst);         // [256] E4M3 * 2^100, BF16x2
+  int* meta = reinterpret_cast<int*>(lut + 256);                    // [max_chunks][3] j, i, n
   float* part = reinterpret_cast<float*>(meta + 3 * a.max_chunks);  // [chunk][warp][16]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
         sum_u += d[r][2];
       }
       mbar_arrive(empty + s);  // every consumer lane, after its last read of the stage
-      if (t == 0) {  // D[g][0] = gate row g, D[g + 8][0] = up row g
+      if (t == 0) {            // D[g][0] = gate row g, D[g + 8][0] = up row g
         part[(c * kWarps + warp) * 16 + g] = sum_g;
         part[(c * kWarps + warp) * 16 + kPairs + g] = sum_u;
       }
@@ -297,17 +297,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       sum_g += part[(c * kWarps + w) * 16 + r];
       sum_u += part[(c * kWarps + w) * 16 + kPairs + r];
     }
-    float gv = 0.0f, uv = 0.0f;
-    if (ok) {
-      gv = sum_g * kMmaUnscale * __ldg(a.global_scale + 2 * e);
-      uv = sum_u * kMmaUnscale * __ldg(a.global_scale + 2 * e + 1);
-    }
-    const float hv = ok ? dev::silu(gv) * uv : 0.0f;
-    a.h[static_cast<int64_t>(j) * a.inter + i] = dev::float_to_bf16_bits(hv);
-    if (a.gate_up_out != nullptr) {
-      a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + i] = gv;
-      a.gate_up_out[static_cast<int64_t>(j) * 2 * a.inter + a.inter + i] = uv;
-    }
+    nvfp4_mma::store_gate_up(sum_g, sum_u, e, ok, a.global_scale, j, i, a.inter, a.h,
+                             a.gate_up_out);
   }
 #else
   (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
@@ -352,20 +343,20 @@ struct BulkDownArgs {
 __global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDownArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* codes = smem;                                        // [top_k][slot_codes]
+  uint8_t* codes = smem;                                               // [top_k][slot_codes]
   uint8_t* scl = codes + static_cast<size_t>(a.top_k) * a.slot_codes;  // [top_k][slot_scales]
-  uint8_t* hst = smem + a.stage_off;                            // h, DownStage layout
+  uint8_t* hst = smem + a.stage_off;                                   // h, DownStage layout
   uint32_t* lut = reinterpret_cast<uint32_t*>(hst + DownStage::bytes(a.top_k * a.inter));
-  float* f = reinterpret_cast<float*>(lut + 256);               // [top_k], 0 for dead ids
-  int* live = reinterpret_cast<int*>(f + a.top_k);              // [top_k]
-  float* part = reinterpret_cast<float*>(live + a.top_k);       // [tiles_max][warps][16]
+  float* f = reinterpret_cast<float*>(lut + 256);          // [top_k], 0 for dead ids
+  int* live = reinterpret_cast<int*>(f + a.top_k);         // [top_k]
+  float* part = reinterpret_cast<float*>(live + a.top_k);  // [tiles_max][warps][16]
   uint64_t* bar = reinterpret_cast<uint64_t*>(part + a.tiles_max * kDownWarps * 16);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int r0 = kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * blockIdx.x /
-                                             gridDim.x);
-  const int r1 = kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) *
-                                             (blockIdx.x + 1) / gridDim.x);
+  const int r0 =
+      kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * blockIdx.x / gridDim.x);
+  const int r1 =
+      kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * (blockIdx.x + 1) / gridDim.x);
   const int nrows = r1 - r0;
   const int rb_codes = a.inter / 2, rb_scales = a.inter / 16;  // bytes per row
   if (threadIdx.x == 0) {
@@ -581,9 +572,8 @@ void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
-  FN_CUDA_CHECK(cudaFuncSetAttribute(moe_down_bulk_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(d.smem)));
+  FN_CUDA_CHECK(cudaFuncSetAttribute(
+      moe_down_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(d.smem)));
   launch_pdl("moe_down_bulk_kernel", moe_down_bulk_kernel, static_cast<unsigned>(d.ctas),
              kDownThreads, d.smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_down_bulk_kernel");

@@ -104,6 +104,25 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 }
 #endif
 
+/// The gate+up epilogue of the tensor-core kernels for selected expert j (id e, in range when
+/// ok), row i: g = sum_g * 2^26 * gs[2e], u = sum_u * 2^26 * gs[2e + 1] (both 0 when !ok), then
+/// h[j, i] = BF16(silu(g) * u) and, when gate_up_out is set, its [j, 2I] FP32 g and u.
+__device__ __forceinline__ void store_gate_up(float sum_g, float sum_u, int e, bool ok,
+                                              const float* global_scale, int j, int i, int inter,
+                                              uint16_t* h, float* gate_up_out) {
+  float gv = 0.0f, uv = 0.0f;
+  if (ok) {
+    gv = sum_g * kMmaUnscale * __ldg(global_scale + 2 * e);
+    uv = sum_u * kMmaUnscale * __ldg(global_scale + 2 * e + 1);
+  }
+  const float hv = ok ? dev::silu(gv) * uv : 0.0f;
+  h[static_cast<int64_t>(j) * inter + i] = dev::float_to_bf16_bits(hv);
+  if (gate_up_out != nullptr) {
+    gate_up_out[static_cast<int64_t>(j) * 2 * inter + i] = gv;
+    gate_up_out[static_cast<int64_t>(j) * 2 * inter + inter + i] = uv;
+  }
+}
+
 /// Eight BF16 activations x0..x7 (x0 in the low half of .x) as the pairs (x0, x4) (x1, x5)
 /// (x2, x6) (x3, x7): the column order of e2m1_bf16_pair(word, q), q = 0..3.
 __device__ __forceinline__ uint4 permute_word(const uint4& q) {

@@ -1,5 +1,6 @@
-// GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h), both the FP32-FMA kernels
-// (mma = false, the default) and the tensor-core kernels (mma = true), against host references
+// GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h): the FP32-FMA kernels (mma =
+// false, the default), the tensor-core kernels (mma = true) and, on sm_90+, the bulk-copy kernels
+// (bulk = true: every share and chunk shape, exact and bounded), against host references
 // built from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with
 // power-of-two scales, random codes within the derived FP32 bound, real shapes at TP=1, 2 and 4,
 // the tiny fixtures' shapes (cols 16 and 48: the 16-code path), row counts that are not a multiple
@@ -419,7 +420,7 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) withi
   }
 }
 
-TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid ids, graphs") {
+TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid ids, bad shapes") {
   if (!fn::moe_gate_up_bulk_supported(2560)) {
     MESSAGE("bulk kernel: not on this device (sm_90+ only)");
     return;
@@ -452,48 +453,7 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
     const std::vector<int32_t> none = {-5, 6, 7};
     for (float v : run_gate_up(dw, none, x, 0, false, true).h) CHECK(v == 0.0f);
   }
-  // A captured graph follows ids changed in device memory, bitwise as eager launches.
-  const HostExperts gu = make_experts(32, 2 * 320, 2560, 2, false, 123);
-  const DeviceExperts dgu(gu);
-  const auto xr = random_bf16(2560, 1.0f, 124);
-  DeviceArray<uint16_t> d_x(to_bf16(xr));
-  DeviceArray<int32_t> d_ids(10);
-  DeviceArray<uint16_t> d_h(10 * 320);
-  fn::MoeGateUpParams pg;
-  pg.experts = dgu.view;
-  pg.expert_ids = d_ids.ptr;
-  pg.top_k = 10;
-  pg.x = d_x.ptr;
-  pg.h = d_h.ptr;
-  pg.bulk = true;
-  cudaStream_t stream;
-  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  fn::launch_moe_gate_up_nvfp4(pg, stream);
-  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (const std::vector<int32_t>& ids : {std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
-                                          std::vector<int32_t>{31, 30, 7, 19, 3, 22, 14, 9, 27,
-                                                               1}}) {
-    d_ids.upload(ids);
-    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto h_graph = d_h.download();
-    fn::launch_moe_gate_up_nvfp4(pg, stream);
-    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto h_eager = d_h.download();
-    CHECK(h_graph == h_eager);
-    std::vector<float> hf;
-    for (uint16_t b : h_graph) hf.push_back(fn::bf16_to_float(b));
-    const GateUpRef ref = gate_up_reference(gu, ids, xr, bulk_gate_up_depth(2560));
-    const auto ch = fn::test::compare_bounded(hf, ref.h, ref.h_bound);
-    CHECK_MESSAGE(ch.wrong == 0, "bulk graph h: ", ch.describe());
-  }
-  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  FN_CUDA_CHECK(cudaGraphDestroy(graph));
-  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  // Graph replay of the bulk kernels: the graph test case below runs all three kernel kinds.
   // Shapes the kernel does not take are refused, not run: K not a multiple of 256, K > 2560.
   for (int64_t cols : {int64_t(2576), int64_t(5120)}) {
     const HostExperts bad = make_experts(2, 16, cols, 2, true, 125);
@@ -551,7 +511,8 @@ TEST_CASE("cuda moe nvfp4: bulk down on the real shapes (TP=1, 2 and 4) within t
     const HostExperts w = make_experts(64, 2560, inter, 1, false, 90 + inter);
     const DeviceExperts dw(w);
     const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
-    const std::vector<float> rw = {0.3f, 0.2f, 0.1f, 0.1f, 0.06f, 0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
+    const std::vector<float> rw = {0.3f,  0.2f,  0.1f,  0.1f,  0.06f,
+                                   0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
     const auto h = random_bf16(10 * size_t(inter), 0.5f, 91 + inter);
     std::vector<double> want, bound;
     down_reference(w, ids, rw, h, bulk_down_depth(10, inter), nullptr, want, bound);
@@ -562,7 +523,7 @@ TEST_CASE("cuda moe nvfp4: bulk down on the real shapes (TP=1, 2 and 4) within t
   }
 }
 
-TEST_CASE("cuda moe nvfp4: bulk down: +-0.5 codes, subnormal scales, invalid ids, graphs") {
+TEST_CASE("cuda moe nvfp4: bulk down: +-0.5 codes, subnormal scales, invalid ids, bad shapes") {
   if (!fn::moe_down_bulk_supported(10, 640, 2560)) {
     MESSAGE("bulk kernel: not on this device (sm_90+ only)");
     return;
@@ -599,73 +560,15 @@ TEST_CASE("cuda moe nvfp4: bulk down: +-0.5 codes, subnormal scales, invalid ids
     CHECK(std::memcmp(yn.data(), y0.data(), yn.size() * 4) == 0);
     for (float v : run_down(dw, none, rw, h, 0, nullptr, false, true)) CHECK(v == 0.0f);
   }
-  // Graph: bulk gate+up then bulk down, ids changed in device memory between replays; bitwise as
-  // eager launches and within the bound of the references on the graph's own h.
-  const HostExperts gu = make_experts(32, 2 * 320, 2560, 2, false, 135);
-  const HostExperts dn = make_experts(32, 2560, 320, 1, false, 136);
-  const DeviceExperts dgu(gu), ddn(dn);
-  const auto x = random_bf16(2560, 1.0f, 137);
-  DeviceArray<uint16_t> d_x(to_bf16(x));
-  DeviceArray<int32_t> d_ids(10);
-  DeviceArray<float> d_rw(10);
-  DeviceArray<uint16_t> d_h(10 * 320);
-  DeviceArray<float> d_y(2560);
-  const std::vector<float> rw = {0.3f, 0.2f, 0.1f, 0.1f, 0.06f, 0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
-  d_rw.upload(rw);
-  fn::MoeGateUpParams pg;
-  pg.experts = dgu.view;
-  pg.expert_ids = d_ids.ptr;
-  pg.top_k = 10;
-  pg.x = d_x.ptr;
-  pg.h = d_h.ptr;
-  pg.bulk = true;
-  fn::MoeDownParams pd;
-  pd.experts = ddn.view;
-  pd.expert_ids = d_ids.ptr;
-  pd.routing_weights = d_rw.ptr;
-  pd.top_k = 10;
-  pd.h = d_h.ptr;
-  pd.y = d_y.ptr;
-  pd.bulk = true;
-  cudaStream_t stream;
-  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  fn::launch_moe_gate_up_nvfp4(pg, stream);
-  fn::launch_moe_down_nvfp4(pd, stream);
-  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (const std::vector<int32_t>& ids : {std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
-                                          std::vector<int32_t>{31, 30, 7, 19, 3, 22, 14, 9, 27,
-                                                               1}}) {
-    d_ids.upload(ids);
-    FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto y_graph = d_y.download();
-    std::vector<float> h_graph;
-    for (uint16_t b : d_h.download()) h_graph.push_back(fn::bf16_to_float(b));
-    fn::launch_moe_gate_up_nvfp4(pg, stream);
-    fn::launch_moe_down_nvfp4(pd, stream);
-    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto y_eager = d_y.download();
-    CHECK(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0);
-    std::vector<double> want, bound;
-    down_reference(dn, ids, rw, h_graph, bulk_down_depth(10, 320), nullptr, want, bound);
-    const auto c = fn::test::compare_bounded(y_graph, want, bound);
-    CHECK_MESSAGE(c.wrong == 0, "bulk graph y: ", c.describe());
-  }
-  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  FN_CUDA_CHECK(cudaGraphDestroy(graph));
-  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  // Graph replay of the bulk kernels: the graph test case below runs all three kernel kinds.
   // Shapes the kernel does not take are refused: I not a multiple of 32, D not a multiple of 8.
   CHECK(!fn::moe_down_bulk_supported(2, 48, 256));
   CHECK(!fn::moe_down_bulk_supported(2, 64, 100));
   const HostExperts bad = make_experts(2, 256, 48, 1, true, 138);
   const DeviceExperts dbad(bad);
-  CHECK_THROWS_AS(run_down(dbad, {0, 1}, {1.0f, 1.0f}, random_ints(96, -1, 1, 139), 0, nullptr,
-                           false, true),
-                  fn::Error);
+  CHECK_THROWS_AS(
+      run_down(dbad, {0, 1}, {1.0f, 1.0f}, random_ints(96, -1, 1, 139), 0, nullptr, false, true),
+      fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-of-two weights") {
@@ -970,9 +873,13 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
 
   cudaStream_t stream;
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (bool mma : {false, true}) {
-    pg.mma = mma;
-    pd.mma = mma;
+  // Kinds: 0 the FP32 kernels, 1 the tensor-core kernels, 2 the bulk kernels (sm_90+ only).
+  const int kinds = fn::moe_gate_up_bulk_supported(2560) ? 3 : 2;
+  for (int kind = 0; kind < kinds; ++kind) {
+    const bool mma = kind == 1, bulk = kind == 2;
+    const char* name = bulk ? "bulk kernel" : kernel_name(mma);
+    pg.mma = pd.mma = mma;
+    pg.bulk = pd.bulk = bulk;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -992,18 +899,23 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
       fn::launch_moe_down_nvfp4(pd, stream);
       FN_CUDA_CHECK(cudaStreamSynchronize(stream));
       const auto y_eager = d_y.download();
-      CHECK_MESSAGE(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0,
-                    kernel_name(mma));
+      CHECK_MESSAGE(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0, name);
+      std::vector<float> h_eager;
+      for (uint16_t b : d_h.download()) h_eager.push_back(fn::bf16_to_float(b));
+      CHECK_MESSAGE(std::memcmp(h_graph.data(), h_eager.data(), h_graph.size() * 4) == 0, name);
       // And right: the references on the graph's own h.
       const int tg = fn::plan_moe_gate_up_team(10, 320, 2560, sm_count(), mma);
-      const GateUpRef gref = gate_up_reference(gu, ids, x, gate_up_depth(2560, tg, mma));
+      const GateUpRef gref = gate_up_reference(
+          gu, ids, x, bulk ? bulk_gate_up_depth(2560) : gate_up_depth(2560, tg, mma));
       const auto ch = fn::test::compare_bounded(h_graph, gref.h, gref.h_bound);
-      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " h: ", ch.describe());
+      CHECK_MESSAGE(ch.wrong == 0, name, " h: ", ch.describe());
       const int td = fn::plan_moe_down_team(10, 320, 2560, sm_count(), mma);
       std::vector<double> want, bound;
-      down_reference(dn, ids, rw, h_graph, down_depth(10, 320, td, mma), nullptr, want, bound);
+      down_reference(dn, ids, rw, h_graph,
+                     bulk ? bulk_down_depth(10, 320) : down_depth(10, 320, td, mma), nullptr, want,
+                     bound);
       const auto c = fn::test::compare_bounded(y_graph, want, bound);
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), ": ", c.describe());
+      CHECK_MESSAGE(c.wrong == 0, name, ": ", c.describe());
     }
     FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
     FN_CUDA_CHECK(cudaGraphDestroy(graph));

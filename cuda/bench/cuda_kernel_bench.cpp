@@ -574,12 +574,11 @@ int main(int argc, char** argv) try {
     }
     if (fn::moe_gate_up_bulk_supported(hidden)) {  // the bulk-copy kernel (sm_90+)
       g.bulk = true;
-      rows.push_back(report({"moe_gate_up_nvfp4 bulk",
-                             tp + " 10x" + std::to_string(2 * inter) + "x2560",
-                             std::to_string(fn::detail::bulk_gate_up_ctas(
-                                 top_k, inter, prop.multiProcessorCount)) +
-                                 "cta",
-                             gu_bytes, time_gu(false, 0), bw}));
+      rows.push_back(report(
+          {"moe_gate_up_nvfp4 bulk", tp + " 10x" + std::to_string(2 * inter) + "x2560",
+           std::to_string(fn::detail::bulk_gate_up_ctas(top_k, inter, prop.multiProcessorCount)) +
+               "cta",
+           gu_bytes, time_gu(false, 0), bw}));
       g.bulk = false;
     }
     if (fn::moe_down_bulk_supported(top_k, inter, hidden)) {

@@ -799,7 +799,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   // gate/up in one, SwiGLU + shared down + combine in one; same bits as the separate launches.
   // The fused down needs I a multiple of 8 (every real shape; not every tiny fixture's slice).
   const bool fused_shared = o.fused_step && Is_l % 8 == 0 && Is_l <= 8192;
-  const bool moe_bulk_gu = o.moe_bulk && moe_gate_up_bulk_supported(D);
+  const bool moe_bulk_gu =
+      o.moe_bulk && moe_gate_up_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   auto inject = [&]() {

@@ -715,8 +715,9 @@ int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_c
                    kDownUnits, sm_count, kDownMinBlocks);
 }
 
-bool moe_gate_up_bulk_supported(int64_t cols) {
-  return detail::bulk_gate_up_cols_ok(cols) && detail::current_device_has_pdl();
+bool moe_gate_up_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
+  return detail::current_device_has_pdl() &&
+         detail::bulk_gate_up_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
 }
 
 bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {

@@ -104,10 +104,11 @@ struct MoeDownParams {
 /// Legal during stream capture.
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream);
 
-/// Whether MoeGateUpParams::bulk runs on the current device for input length cols (sm_90+ device
-/// and device code; cols a multiple of 256, at most 2,560). Throws fn::Error(Cuda) when the
-/// device query fails.
-bool moe_gate_up_bulk_supported(int64_t cols);
+/// Whether MoeGateUpParams::bulk runs top_k experts of [2 * intermediate, hidden] on the current
+/// device (sm_90+ device and device code; hidden a multiple of 256, at most 2,560; the shared
+/// memory of the planned shares within a CTA's 227 KB). Throws fn::Error(Cuda) when a device
+/// query fails.
+bool moe_gate_up_bulk_supported(int top_k, int64_t intermediate, int64_t hidden);
 
 /// Whether MoeDownParams::bulk runs top_k experts of [hidden, intermediate] on the current device
 /// (sm_90+; the shape limits of MoeDownParams::bulk). Throws fn::Error(Cuda) when a device query

@@ -1,4 +1,6 @@
-// The bulk-copy gate+up kernel (MoeGateUpParams::bulk; moe_nvfp4_bulk.h), sm_90+.
+// The bulk-copy routed-expert kernels (MoeGateUpParams::bulk, MoeDownParams::bulk;
+// moe_nvfp4_bulk.h), sm_90+. The gate+up kernel first; the down kernel is described at its
+// definition below.
 //
 // Why (issue 8, cuda/bench/RESULTS.md sessions 5, 7, 10): the round-based kernels of
 // moe_nvfp4.cu hold a lane's weights in registers, so a lane waits a full DRAM round trip per
@@ -473,6 +475,33 @@ bool aligned16(const void* p) {
 
 }  // namespace
 
+namespace {
+
+struct GateUpPlan {
+  int ctas, max_chunks, stages, row_stride, stage_bytes;
+  size_t smem;
+};
+
+GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
+  GateUpPlan g{};
+  g.ctas = bulk_gate_up_ctas(top_k, inter, sm_count);
+  g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
+  g.stages = std::min(kMaxStages, g.max_chunks);
+  g.row_stride = static_cast<int>(cols / 2 + kRowPad);
+  g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
+  g.smem = static_cast<size_t>(g.stages) * g.stage_bytes + 2 * g.stages * 8 + 256 * 4 +
+           static_cast<size_t>(g.max_chunks) * (3 * 4 + kWarps * 16 * 4);
+  return g;
+}
+
+}  // namespace
+
+bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count) {
+  if (top_k < 1 || inter < 1 || !bulk_gate_up_cols_ok(cols)) return false;
+  if (static_cast<int64_t>(top_k) * inter > INT32_MAX) return false;
+  return plan_gate_up(top_k, inter, cols, sm_count).smem <= kMaxCtaSmem;
+}
+
 int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count) {
   const int64_t pairs = static_cast<int64_t>(top_k) * inter;
   const int64_t by_work = (pairs + kPairs - 1) / kPairs;
@@ -482,9 +511,11 @@ int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count) {
 void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4 (bulk)";
   FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
-  FN_LAUNCH_REQUIRE(bulk_gate_up_cols_ok(p.experts.cols), kOp);
-  FN_LAUNCH_REQUIRE(aligned16(p.experts.packed) && aligned16(p.experts.scales), kOp);
   const int64_t inter = p.experts.rows / 2;
+  const int sms = current_sm_count();
+  FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
+  FN_LAUNCH_REQUIRE(aligned16(p.experts.packed) && aligned16(p.experts.scales), kOp);
+  const GateUpPlan g = plan_gate_up(p.top_k, inter, p.experts.cols, sms);
   BulkGateUpArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -495,22 +526,19 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.inter = static_cast<int>(inter);
   a.k = static_cast<int>(p.experts.cols);
   a.pairs = static_cast<int64_t>(p.top_k) * inter;
-  a.row_stride = a.k / 2 + kRowPad;
-  a.stage_bytes = 2 * kPairs * a.row_stride + 2 * kPairs * (a.k / 16);  // a multiple of 128
+  a.row_stride = g.row_stride;
+  a.stage_bytes = g.stage_bytes;  // 9 K + 1024: a multiple of 128
   a.x = p.x;
   a.h = p.h;
   a.gate_up_out = p.gate_up_out;
   a.l2_prefetch = p.l2_prefetch;
-  const int ctas = bulk_gate_up_ctas(p.top_k, inter, current_sm_count());
-  a.max_chunks = max_chunks_of(a.pairs, inter, ctas);
-  a.stages = std::min(kMaxStages, a.max_chunks);
-  const size_t smem = static_cast<size_t>(a.stages) * a.stage_bytes + 2 * a.stages * 8 + 256 * 4 +
-                      static_cast<size_t>(a.max_chunks) * (3 * 4 + kWarps * 16 * 4);
+  a.max_chunks = g.max_chunks;
+  a.stages = g.stages;
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(smem)));
-  launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(ctas),
-             kThreads, smem, stream, a);
+                                     static_cast<int>(g.smem)));
+  launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(g.ctas),
+             kThreads, g.smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_bulk_kernel");
 }
 

@@ -13,6 +13,9 @@
 
 namespace fn::detail {
 
+/// Dynamic shared memory one CTA may use on sm_90 (227 KB).
+inline constexpr size_t kMaxCtaSmem = 227 * 1024;
+
 /// Consumer warps of the bulk gate+up kernel; each takes the same 128-column groups of every
 /// chunk (group w, w + kBulkGateUpWarps, ...), at most kBulkGateUpGroups of them.
 inline constexpr int kBulkGateUpWarps = 10;
@@ -24,6 +27,11 @@ inline constexpr int kBulkGateUpGroups = 2;
 constexpr bool bulk_gate_up_cols_ok(int64_t cols) {
   return cols >= 256 && cols % 256 == 0 && cols <= kBulkGateUpWarps * kBulkGateUpGroups * 128;
 }
+
+/// Whether the bulk gate+up kernel takes top_k experts of [2 * inter, cols] on sm_count SMs:
+/// bulk_gate_up_cols_ok(cols) and its shared memory (the ring and the partials of the largest
+/// share) within the 227 KB a CTA may use. The device check (sm_90+) is the launcher's.
+bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count);
 
 /// CTAs of the bulk gate+up grid for top_k * inter row pairs on sm_count SMs: one per SM, fewer
 /// when there are fewer than 8 pairs per SM.
@@ -46,7 +54,7 @@ bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count);
 void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream);
 
 /// Launches the bulk gate+up kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when
-/// the device is below sm_90, cols fails bulk_gate_up_cols_ok, or the weights are not 16-byte
+/// the device is below sm_90, the shape fails bulk_gate_up_shape_ok, or the weights are not 16-byte
 /// aligned; fn::Error(Cuda) on a failed launch. Legal during stream capture.
 void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream);
 

@@ -365,7 +365,7 @@ TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1, 2 and 4) wit
 }
 
 TEST_CASE("cuda moe nvfp4: bulk gate+up sums are exact with power-of-two scales, every split") {
-  if (!fn::moe_gate_up_bulk_supported(2560)) {
+  if (!fn::moe_gate_up_bulk_supported(10, 640, 2560)) {
     MESSAGE("bulk kernel: not on this device (sm_90+ only)");
     return;
   }
@@ -397,7 +397,7 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up sums are exact with power-of-two scales,
 }
 
 TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) within the bound") {
-  if (!fn::moe_gate_up_bulk_supported(2560)) {
+  if (!fn::moe_gate_up_bulk_supported(10, 640, 2560)) {
     MESSAGE("bulk kernel: not on this device (sm_90+ only)");
     return;
   }
@@ -421,7 +421,7 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) withi
 }
 
 TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid ids, bad shapes") {
-  if (!fn::moe_gate_up_bulk_supported(2560)) {
+  if (!fn::moe_gate_up_bulk_supported(10, 640, 2560)) {
     MESSAGE("bulk kernel: not on this device (sm_90+ only)");
     return;
   }
@@ -454,11 +454,13 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
     for (float v : run_gate_up(dw, none, x, 0, false, true).h) CHECK(v == 0.0f);
   }
   // Graph replay of the bulk kernels: the graph test case below runs all three kernel kinds.
+  // A share whose partials would not fit in shared memory (64 x 8192 row pairs) is not taken.
+  CHECK(!fn::moe_gate_up_bulk_supported(64, 8192, 2560));
   // Shapes the kernel does not take are refused, not run: K not a multiple of 256, K > 2560.
   for (int64_t cols : {int64_t(2576), int64_t(5120)}) {
     const HostExperts bad = make_experts(2, 16, cols, 2, true, 125);
     const DeviceExperts dbad(bad);
-    CHECK(!fn::moe_gate_up_bulk_supported(cols));
+    CHECK(!fn::moe_gate_up_bulk_supported(1, 8, cols));
     CHECK_THROWS_AS(run_gate_up(dbad, {0}, random_ints(size_t(cols), -1, 1, 126), 0, false, true),
                     fn::Error);
   }
@@ -874,7 +876,7 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
   cudaStream_t stream;
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // Kinds: 0 the FP32 kernels, 1 the tensor-core kernels, 2 the bulk kernels (sm_90+ only).
-  const int kinds = fn::moe_gate_up_bulk_supported(2560) ? 3 : 2;
+  const int kinds = fn::moe_gate_up_bulk_supported(10, 640, 2560) ? 3 : 2;
   for (int kind = 0; kind < kinds; ++kind) {
     const bool mma = kind == 1, bulk = kind == 2;
     const char* name = bulk ? "bulk kernel" : kernel_name(mma);

@@ -572,7 +572,7 @@ int main(int argc, char** argv) try {
       rows.push_back(report({"moe_down_nvfp4" + kind, tp + " 10x2560x" + std::to_string(inter),
                              std::to_string(dn_team) + "t", dn_bytes, time_dn(mma, 0), bw}));
     }
-    if (fn::moe_gate_up_bulk_supported(hidden)) {  // the bulk-copy kernel (sm_90+)
+    if (fn::moe_gate_up_bulk_supported(top_k, inter, hidden)) {  // the bulk-copy kernel (sm_90+)
       g.bulk = true;
       rows.push_back(report(
           {"moe_gate_up_nvfp4 bulk", tp + " 10x" + std::to_string(2 * inter) + "x2560",

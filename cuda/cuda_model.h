@@ -67,8 +67,8 @@ struct CudaModelOptions {
   /// (A/B benches).
   bool l2_prefetch = true;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
-  /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.08 to
-  /// -0.10 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order
+  /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.06 to
+  /// -0.09 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order
   /// than the FP32 kernel, so other bits. false: the FP32 kernel (A/B benches).
   bool moe_bulk = true;
   /// The routed down projection on the bulk-copy kernel (MoeDownParams::bulk). Off: 4.4 us faster

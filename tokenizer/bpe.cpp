@@ -573,7 +573,9 @@ class BpeTokenizer final : public Tokenizer {
     const SplitStep& st = steps_[step];
     std::string with_space;
     if (st.add_prefix_space && (piece.empty() || piece[0] != ' ')) {
-      with_space = " " + std::string(piece);
+      with_space.reserve(piece.size() + 1);  // (not " " + string: GCC 12 -Wrestrict noise)
+      with_space.push_back(' ');
+      with_space.append(piece);
       piece = with_space;
     }
     if (!st.regex) {

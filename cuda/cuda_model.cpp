@@ -627,6 +627,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   }
   weight_bytes = arena.held() - arena.state_held();
   router_ticket = arena.state_n<unsigned int>(1, "router ticket");
+  moe_barrier = arena.state_n<unsigned int>(2, "routed MoE grid barrier");
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -803,6 +804,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.moe_bulk && moe_gate_up_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
+  const bool moe_fused = o.moe_fused && moe_fused_supported(static_cast<int>(k), rd.moe_inter, D);
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -954,7 +956,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
     }
-    launch_moe_gate_up_nvfp4(gu, s);
     MoeDownParams dn;
     dn.experts = mo.down;
     dn.expert_ids = ids;
@@ -963,7 +964,12 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     dn.bulk = moe_bulk_dn;
-    launch_moe_down_nvfp4(dn, s);
+    if (moe_fused) {
+      launch_moe_fused_nvfp4(gu, dn, moe_barrier, s);
+    } else {
+      launch_moe_gate_up_nvfp4(gu, s);
+      launch_moe_down_nvfp4(dn, s);
+    }
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
       SharedDownCombineParams sd;

@@ -76,6 +76,12 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
+  /// The routed gate+up and down in one launch (launch_moe_fused_nvfp4: sm_90+, the bulk kernels'
+  /// shapes; elsewhere moe_bulk / moe_bulk_down decide): the down weights stream into the gate+up
+  /// ring while its last chunks compute, and a grid barrier replaces the down launch. Takes
+  /// precedence over moe_bulk and moe_bulk_down. The down sums in the bulk kernel's order, so
+  /// other bits than the FP32 down kernel. false: the separate launches (A/B benches).
+  bool moe_fused = true;
 };
 
 /// Which logits CudaModel::prefill returns.

@@ -73,9 +73,7 @@ int64_t blocks_for(int64_t rows, int rows_per_team, int team_threads) {
   return (rows + rows_per_block - 1) / rows_per_block;
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
+using detail::aligned;
 
 }  // namespace
 
@@ -103,7 +101,7 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.rows >= 1 && p.cols >= 8 && p.cols % 8 == 0, kOp);
   FN_LAUNCH_REQUIRE(p.ld >= p.cols && p.ld % 8 == 0, kOp);
   FN_LAUNCH_REQUIRE(p.cols / 8 <= INT32_MAX, kOp);
-  FN_LAUNCH_REQUIRE(aligned16(p.weight) && aligned16(p.x), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.weight, 16) && aligned(p.x, 16), kOp);
   FN_LAUNCH_REQUIRE(p.x_dtype == DType::BF16 || p.x_dtype == DType::F32, kOp);
   FN_LAUNCH_REQUIRE(p.y_dtype == DType::F32 || p.y_dtype == DType::BF16, kOp);
   GemvBf16Plan plan = p.plan;

@@ -431,9 +431,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged
   mix_finish(a, acc, team, lane, i, hv, scale, one_w);
 }
 
-bool aligned(const void* p, uintptr_t n) {
-  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
-}
+using detail::aligned;
 
 // Mix blocks for `team` lanes per output: ceil(hidden / (256 / team)).
 int64_t mix_blocks(int64_t hidden, int team) {

@@ -4,7 +4,13 @@
 // Called before a launch, so it is legal during stream capture.
 #pragma once
 
+#include <cstdint>
+
 namespace fn::detail {
+/// Whether p is a multiple of n bytes (n a power of two): the launchers' alignment checks.
+inline bool aligned(const void* p, uintptr_t n) {
+  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
+}
 /// Throws fn::Error(Internal): "<op>: precondition failed: <cond> (<file>:<line>)".
 [[noreturn]] void throw_launch_precondition(const char* op, const char* cond, const char* file,
                                             int line);

@@ -675,15 +675,32 @@ void allow_stage_smem(void (*kernel)(KArgs), size_t smem) {
                                        static_cast<int>(smem)));
 }
 
-bool aligned(const void* p, uintptr_t n) {
-  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
-}
+using detail::aligned;
 
 void check_experts(const Nvfp4Experts& w, const char* op) {
   FN_LAUNCH_REQUIRE(w.packed != nullptr && w.scales != nullptr && w.global_scale != nullptr, op);
   FN_LAUNCH_REQUIRE(w.num_experts >= 1 && w.rows >= 1, op);
   FN_LAUNCH_REQUIRE(w.cols >= 16 && w.cols % 16 == 0 && w.cols <= (int64_t{1} << 30), op);
   FN_LAUNCH_REQUIRE(aligned(w.packed, 16) && aligned(w.scales, 2), op);
+}
+
+// The checks every gate+up / down launcher makes before picking a kernel.
+void check_gate_up(const MoeGateUpParams& p, const char* op) {
+  check_experts(p.experts, op);
+  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.x != nullptr && p.h != nullptr, op);
+  FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.experts.rows % 2 == 0, op);
+  FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, op);
+  FN_LAUNCH_REQUIRE(aligned(p.x, 16), op);
+  FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, op);  // x staged in shared memory
+}
+
+void check_down(const MoeDownParams& p, const char* op) {
+  check_experts(p.experts, op);
+  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.routing_weights != nullptr, op);
+  FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, op);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, op);
+  FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), op);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, op);  // h staged likewise
 }
 
 // Codes per lane work unit: 32 (fast path) unless cols is an odd multiple of 16.
@@ -725,14 +742,25 @@ bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
          detail::bulk_down_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
 }
 
+bool moe_fused_supported(int top_k, int64_t intermediate, int64_t hidden) {
+  return detail::current_device_has_pdl() &&
+         detail::bulk_fused_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
+}
+
+void launch_moe_fused_nvfp4(const MoeGateUpParams& gu, const MoeDownParams& dn,
+                            unsigned* grid_barrier, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_fused_nvfp4";
+  check_gate_up(gu, kOp);
+  check_down(dn, kOp);
+  FN_LAUNCH_REQUIRE(gu.expert_ids == dn.expert_ids && gu.top_k == dn.top_k && gu.h == dn.h, kOp);
+  FN_LAUNCH_REQUIRE(gu.experts.rows == 2 * dn.experts.cols && gu.experts.cols == dn.experts.rows,
+                    kOp);
+  detail::launch_moe_fused_bulk(gu, dn, grid_barrier, stream);
+}
+
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
-  check_experts(p.experts, kOp);
-  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.x != nullptr && p.h != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.experts.rows % 2 == 0, kOp);
-  FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, kOp);
-  FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
-  FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, kOp);  // x staged in shared memory
+  check_gate_up(p, kOp);
   if (p.bulk) {
     detail::launch_moe_gate_up_bulk(p, stream);
     return;
@@ -791,12 +819,7 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
 
 void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_down_nvfp4";
-  check_experts(p.experts, kOp);
-  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.routing_weights != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, kOp);
-  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
-  FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
-  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
+  check_down(p, kOp);
   if (p.bulk) {
     detail::launch_moe_down_bulk(p, stream);
     return;

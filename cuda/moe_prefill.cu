@@ -287,9 +287,7 @@ void check_shapes(const MoePrefillParams& p, const char* op) {
   FN_LAUNCH_REQUIRE(p.chunk_tokens >= 0, op);
 }
 
-bool aligned(const void* ptr, uintptr_t n) {
-  return (reinterpret_cast<uintptr_t>(ptr) & (n - 1)) == 0;
-}
+using detail::aligned;
 
 void run_per_row(const MoePrefillParams& p, cudaStream_t stream) {
   uint16_t* h = static_cast<uint16_t*>(p.workspace);

@@ -140,9 +140,7 @@ int64_t blocks_for(int64_t rows, int rows_per_team, int team_threads, int block_
   return (rows + rows_per_block - 1) / rows_per_block;
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
+using detail::aligned;
 
 }  // namespace
 
@@ -157,8 +155,8 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   FN_LAUNCH_REQUIRE(p.inter >= 1 && p.inter <= INT32_MAX / 2, kOp);
   FN_LAUNCH_REQUIRE(p.num_experts >= 1 && p.num_experts <= dev::kMaxExperts, kOp);
   FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.top_k <= p.num_experts && p.top_k <= dev::kMaxTopK, kOp);
-  FN_LAUNCH_REQUIRE(aligned16(p.x) && aligned16(p.router_weight) && aligned16(p.gate_up_weight),
-                    kOp);
+  FN_LAUNCH_REQUIRE(
+      aligned(p.x, 16) && aligned(p.router_weight, 16) && aligned(p.gate_up_weight, 16), kOp);
   const int sm = detail::current_sm_count();
   const int64_t rows[2] = {p.num_experts + int64_t{1}, 2 * p.inter};
   const uint16_t* weight[2] = {p.router_weight, p.gate_up_weight};
@@ -210,7 +208,7 @@ void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t s
       kOp);
   FN_LAUNCH_REQUIRE(p.hidden >= 1 && p.inter >= 8 && p.inter % 8 == 0 && p.inter <= kMaxDownInter,
                     kOp);
-  FN_LAUNCH_REQUIRE(aligned16(p.weight), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.weight, 16), kOp);
   const GemvBf16Plan plan = plan_gemv_bf16(p.hidden, p.inter, detail::current_sm_count());
   const int t = plan.team_threads;
   FN_LAUNCH_REQUIRE(t >= 8 && t <= kDownBlockThreads && (t & (t - 1)) == 0, kOp);

@@ -653,9 +653,7 @@ __global__ void __launch_bounds__(kThreads) qsa_combine_slice_kernel(Args a) {
   out[d] = dev::float_to_bf16_bits(o * sg);
 }
 
-bool aligned(const void* p, uintptr_t n) {
-  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
-}
+using detail::aligned;
 
 size_t align256(size_t x) {
   return (x + 255) & ~size_t{255};

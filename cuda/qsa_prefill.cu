@@ -619,9 +619,7 @@ __global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArg
   }
 }
 
-bool aligned(const void* p, uintptr_t n) {
-  return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
-}
+using detail::aligned;
 
 size_t align256(size_t x) {
   return (x + 255) & ~size_t{255};

@@ -952,6 +952,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
     gu.bulk = moe_bulk_gu;
+    gu.ring_stages = o.moe_ring_stages;
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));

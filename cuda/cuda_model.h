@@ -82,6 +82,8 @@ struct CudaModelOptions {
   /// precedence over moe_bulk and moe_bulk_down. The down sums in the bulk kernel's order, so
   /// other bits than the FP32 down kernel. false: the separate launches (A/B benches).
   bool moe_fused = true;
+  /// MoeGateUpParams::ring_stages of the routed gate+up (bulk or fused): 0 planned, 1..6 (A/B).
+  int moe_ring_stages = 0;
 };
 
 /// Which logits CudaModel::prefill returns.

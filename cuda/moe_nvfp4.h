@@ -66,6 +66,12 @@ struct MoeGateUpParams {
   /// launcher throws fn::Error(Internal) where the device or the shape does not allow it
   /// (moe_gate_up_bulk_supported).
   bool bulk = false;
+  /// Ring depth of the bulk-copy kernel and of launch_moe_fused_nvfp4 (stages of 8 row pairs,
+  /// 24 KB each at K = 2,560; at most the share's chunks), 0..6. 0 = planned: 6; the fused
+  /// kernel: the deepest ring beside which its down weights get their own shared memory (4 at
+  /// TP=1, 6 at TP=2). The fused kernel with a ring too deep for that puts the down weights over
+  /// the ring's last stages once they are free. For A/B benches and tests.
+  int ring_stages = 0;
   /// Weight ranges of later kernels of the step to prefetch into L2 while this instruction-bound
   /// kernel leaves HBM mostly idle (cuda/l2_prefetch.h; thread 0 of every CTA issues its share
   /// first). Empty by default; changes no result.

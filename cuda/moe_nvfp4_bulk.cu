@@ -194,11 +194,12 @@ __device__ __forceinline__ void gate_up_init(const BulkGateUpArgs& a, const Gate
 }
 
 // The gate+up work of the CTA after the programmatic-dependent wait, ending with h written (one
-// block barrier before the epilogue, none after). The producer warp calls after_loads(chunks)
-// (every lane) once it has issued the share's last chunk.
-template <typename AfterLoads>
+// block barrier before the epilogue, none after). The producer warp (every lane) calls
+// hook(c, false) before it issues chunk c (before any wait for the chunk's stage) and
+// hook(chunks, true) once it has issued the share's last chunk.
+template <typename Hook>
 __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateUpSmem& m,
-                                            AfterLoads&& after_loads) {
+                                            Hook&& hook) {
   const int nst = a.stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kb = a.k / 16;  // scale bytes per row
@@ -210,6 +211,7 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
       int j, i, n;
       chunk_at(a, p, p1, j, i, n);
       p += n;
+      hook(c, false);
       const int s = c % nst;
       if (c >= nst) mbar_wait(m.empty + s, static_cast<uint32_t>((c / nst - 1) & 1));
       const int e = __ldg(a.ids + j);
@@ -237,7 +239,7 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
         }
       }
     }
-    after_loads(c);
+    hook(c, true);
   } else {  // a consumer warp
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = a.k / 128;
@@ -324,8 +326,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
-  gate_up_run(a, m, [&](int) {
-    if ((threadIdx.x & 31) == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
+  gate_up_run(a, m, [&](int, bool done) {
+    if (done && (threadIdx.x & 31) == 0)
+      dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   });
 #else
   (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
@@ -529,8 +532,8 @@ __global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDown
 struct BulkFusedArgs {
   BulkGateUpArgs gu;
   BulkDownArgs dn;
-  int down_off;       // byte offset of the down weights inside the ring (128-byte aligned)
-  int down_stage_lo;  // first ring stage they overlap
+  int down_off;       // byte offset of the down weights (128-byte aligned)
+  int down_stage_lo;  // first ring stage they overlap; gu.stages: none (their own region)
   int tail_off;       // byte offset of the down kernel's other shared memory (after gate+up's)
   unsigned* barrier;  // [2]: arrival count, generation (both 0 at first use)
 };
@@ -567,9 +570,11 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar) {
 
 // Gate+up, then down, in one grid of at most one CTA per SM (all resident; MoeDownParams and
 // MoeGateUpParams as the two kernels above, the same shares for the same grid, so the same bits).
-// After its last gate+up chunk is issued, the producer waits until the consumers released the
-// ring stages that the down share's weights overlap (their last use) and bulk-copies the weights
-// there: they stream while the last chunks are still computed. h goes to global memory, a grid
+// The down share's weights have their own region when it fits beside a ring of at most
+// ring_stages stages (4 at TP=1, 6 at TP=2): the producer bulk-copies them once the ring's first
+// pass is issued, so they stream while gate+up computes. Otherwise they overlap the ring's last
+// stages: after its last gate+up chunk is issued, the producer waits until the consumers released
+// those stages (their last use) and copies the weights there. h goes to global memory, a grid
 // barrier, then the down work reads h through L2. Saves the down launch and its weights' wait
 // behind gate+up (the separate bulk down kernel could not be resident beside gate+up's CTA).
 __global__ void __launch_bounds__(kThreads, 1) moe_fused_bulk_kernel(BulkFusedArgs f) {
@@ -577,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_fused_bulk_kernel(BulkFusedAr
   extern __shared__ __align__(128) uint8_t smem[];
   const GateUpSmem gm = gate_up_smem(f.gu, smem);
   DownSmem dm;
-  dm.codes = gm.ring + f.down_off;
+  dm.codes = smem + f.down_off;
   dm.scl = dm.codes + static_cast<size_t>(f.dn.top_k) * f.dn.slot_codes;
   dm.bar = reinterpret_cast<uint64_t*>(smem + f.tail_off);
   dm.hst = smem + f.tail_off + 16;
@@ -594,11 +599,16 @@ __global__ void __launch_bounds__(kThreads, 1) moe_fused_bulk_kernel(BulkFusedAr
   }
   __syncthreads();
   dev::pdl_begin();  // the ids and x are the router's and the HC read's outputs
-  gate_up_run(f.gu, gm, [&](int chunks) {
-    const int nst = f.gu.stages;
-    for (int s = f.down_stage_lo; s < nst && s < chunks; ++s)  // the stage's last use released
-      mbar_wait(gm.empty + s, static_cast<uint32_t>(((chunks - 1 - s) / nst) & 1));
-    down_issue(f.dn, dm, r0, nrows);
+  const int nst = f.gu.stages;
+  const bool own = f.down_stage_lo >= nst;  // the weights' own region
+  gate_up_run(f.gu, gm, [&](int c, bool done) {
+    if (own && (c == nst || (done && c <= nst))) down_issue(f.dn, dm, r0, nrows);
+    if (!done) return;
+    if (!own) {
+      for (int s = f.down_stage_lo; s < nst && s < c; ++s)  // the stage's last use released
+        mbar_wait(gm.empty + s, static_cast<uint32_t>(((c - 1 - s) / nst) & 1));
+      down_issue(f.dn, dm, r0, nrows);
+    }
     if ((threadIdx.x & 31) == 0) dev::l2_prefetch_part(f.gu.l2_prefetch, blockIdx.x, gridDim.x);
   });
   grid_barrier(f.barrier);  // every CTA's rows of h written
@@ -619,12 +629,13 @@ struct GateUpPlan {
   size_t smem;
 };
 
-// The gate+up kernel's plan for a grid of `ctas`.
-GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int ctas) {
+// The gate+up kernel's plan for a grid of `ctas` and a ring of at most max_stages stages.
+GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int ctas,
+                        int max_stages = kMaxStages) {
   GateUpPlan g{};
   g.ctas = ctas;
   g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
-  g.stages = std::min(kMaxStages, g.max_chunks);
+  g.stages = std::min(max_stages, g.max_chunks);
   g.row_stride = static_cast<int>(cols / 2 + kRowPad);
   g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
   g.smem = static_cast<size_t>(g.stages) * g.stage_bytes + 2 * g.stages * 8 + 256 * 4 +
@@ -716,8 +727,8 @@ BulkDownArgs down_args(const MoeDownParams& p, const DownPlan& d) {
 }
 
 // The fused kernel: one grid for both (the smaller of the two grids), gate+up's shared memory,
-// then the down kernel's bar (16 bytes), staged h, factors and partials; the down weights at the
-// end of the ring (128-byte aligned).
+// then the down kernel's bar (16 bytes), staged h, factors and partials, then (own region) the
+// down weights; or (no room for them) the weights over the end of a full-depth ring.
 struct FusedPlan {
   GateUpPlan g;
   DownPlan d;
@@ -726,22 +737,41 @@ struct FusedPlan {
   bool fits;
 };
 
-FusedPlan plan_fused(int top_k, int64_t inter, int64_t hidden, int sm_count) {
+FusedPlan plan_fused_with(int top_k, int64_t inter, int64_t hidden, int ctas, int stages,
+                          bool own) {
   FusedPlan f{};
-  const int ctas = std::min(bulk_gate_up_ctas(top_k, inter, sm_count), down_ctas(hidden, sm_count));
-  f.g = plan_gate_up(top_k, inter, hidden, ctas);
+  f.g = plan_gate_up(top_k, inter, hidden, ctas, stages);
   f.d = plan_down(top_k, inter, hidden, ctas);
-  const size_t ring = static_cast<size_t>(f.g.stages) * f.g.stage_bytes;
-  f.fits = f.d.weights <= ring;
-  f.down_off = f.fits ? static_cast<int>((ring - f.d.weights) / 128 * 128) : 0;
-  f.down_stage_lo = f.down_off / f.g.stage_bytes;
   f.tail_off = static_cast<int>((f.g.smem + 15) / 16 * 16);
   f.smem = static_cast<size_t>(f.tail_off) + 16 +
            static_cast<size_t>(DownStage::bytes(static_cast<int64_t>(top_k) * inter)) +
            static_cast<size_t>(top_k) * 8 +
            static_cast<size_t>(f.d.tiles_max) * kDownWarps * 16 * 4;
-  f.fits = f.fits && f.smem <= kMaxCtaSmem;
+  const size_t ring = static_cast<size_t>(f.g.stages) * f.g.stage_bytes;
+  if (own) {
+    f.down_off = static_cast<int>((f.smem + 127) / 128 * 128);
+    f.down_stage_lo = f.g.stages;
+    f.smem = static_cast<size_t>(f.down_off) + f.d.weights;
+    f.fits = f.smem <= kMaxCtaSmem;
+  } else {
+    f.fits = f.d.weights <= ring && f.smem <= kMaxCtaSmem;
+    f.down_off = f.fits ? static_cast<int>((ring - f.d.weights) / 128 * 128) : 0;
+    f.down_stage_lo = f.down_off / f.g.stage_bytes;
+  }
   return f;
+}
+
+// stages 0 (planned): the deepest ring beside which the down weights have their own region,
+// else the weights over the end of a full-depth ring. stages > 0: a ring of that depth (at most
+// the share's chunks), the weights in their own region if it fits beside it, else over its end.
+FusedPlan plan_fused(int top_k, int64_t inter, int64_t hidden, int sm_count, int stages) {
+  const int ctas = std::min(bulk_gate_up_ctas(top_k, inter, sm_count), down_ctas(hidden, sm_count));
+  const int cap = stages > 0 ? std::min(stages, kMaxStages) : kMaxStages;
+  for (int st = cap; st >= (stages > 0 ? cap : 2); --st) {
+    const FusedPlan f = plan_fused_with(top_k, inter, hidden, ctas, st, true);
+    if (f.fits) return f;
+  }
+  return plan_fused_with(top_k, inter, hidden, ctas, cap, false);
 }
 
 }  // namespace
@@ -765,8 +795,10 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   const int sms = current_sm_count();
   FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
   FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
+  FN_LAUNCH_REQUIRE(p.ring_stages >= 0 && p.ring_stages <= kMaxStages, kOp);
   const GateUpPlan g =
-      plan_gate_up(p.top_k, inter, p.experts.cols, bulk_gate_up_ctas(p.top_k, inter, sms));
+      plan_gate_up(p.top_k, inter, p.experts.cols, bulk_gate_up_ctas(p.top_k, inter, sms),
+                   p.ring_stages > 0 ? p.ring_stages : kMaxStages);
   const BulkGateUpArgs a = gate_up_args(p, g);
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -799,7 +831,7 @@ void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
 
 bool bulk_fused_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count) {
   if (!gate_up_shape_ok(top_k, inter, hidden) || !down_shape_ok(top_k, inter, hidden)) return false;
-  return plan_fused(top_k, inter, hidden, sm_count).fits;
+  return plan_fused(top_k, inter, hidden, sm_count, 0).fits;
 }
 
 void launch_moe_fused_bulk(const MoeGateUpParams& gu, const MoeDownParams& dn,
@@ -811,7 +843,10 @@ void launch_moe_fused_bulk(const MoeGateUpParams& gu, const MoeDownParams& dn,
   FN_LAUNCH_REQUIRE(aligned(gu.experts.packed, 16) && aligned(gu.experts.scales, 16), kOp);
   FN_LAUNCH_REQUIRE(aligned(dn.experts.packed, 16) && aligned(dn.experts.scales, 16), kOp);
   FN_LAUNCH_REQUIRE(grid_barrier != nullptr && aligned(grid_barrier, 8), kOp);
-  const FusedPlan fp = plan_fused(gu.top_k, inter, dn.experts.rows, current_sm_count());
+  FN_LAUNCH_REQUIRE(gu.ring_stages >= 0 && gu.ring_stages <= kMaxStages, kOp);
+  const FusedPlan fp =
+      plan_fused(gu.top_k, inter, dn.experts.rows, current_sm_count(), gu.ring_stages);
+  FN_LAUNCH_REQUIRE(fp.fits, kOp);
   BulkFusedArgs a{};
   a.gu = gate_up_args(gu, fp.g);
   a.dn = down_args(dn, fp.d);

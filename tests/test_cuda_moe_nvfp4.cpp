@@ -305,7 +305,8 @@ struct FusedOut {
 
 FusedOut run_fused(const DeviceExperts& wgu, const DeviceExperts& wdn,
                    const std::vector<int32_t>& ids, const std::vector<float>& x,
-                   const std::vector<float>& rw, const std::vector<float>* y0) {
+                   const std::vector<float>& rw, const std::vector<float>* y0,
+                   int ring_stages = 0) {
   const int64_t inter = wdn.view.cols;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));
@@ -328,6 +329,7 @@ FusedOut run_fused(const DeviceExperts& wgu, const DeviceExperts& wdn,
   pg.x = d_x.ptr;
   pg.h = d_h.ptr;
   pg.gate_up_out = d_gu.ptr;
+  pg.ring_stages = ring_stages;
   fn::MoeDownParams pd;
   pd.experts = wdn.view;
   pd.expert_ids = d_ids.ptr;
@@ -898,7 +900,9 @@ TEST_CASE("cuda moe nvfp4: fused gate+up and down equal the two bulk kernels, bi
   // The real shapes (TP = 1, 2, 4: one grid of one CTA per SM for both halves), a grid smaller
   // than the SM count where the down grid is the same (D = 256: 32 CTAs), repeated ids, random
   // codes and scales; then a grid smaller than the down kernel's (D = 512, 8 CTAs: the down bits
-  // differ, checked against the reference on the kernel's own h).
+  // differ, checked against the reference on the kernel's own h). Ring depths: planned (the down
+  // weights in their own shared memory), 6 (at TP=1 they do not fit beside it: they go over the
+  // ring's last stages once released) and 2 (the ring wraps several times).
   struct Shape {
     int64_t hidden, inter;
     std::vector<int32_t> ids;
@@ -918,25 +922,28 @@ TEST_CASE("cuda moe nvfp4: fused gate+up and down equal the two bulk kernels, bi
     std::vector<float> rw(k);
     for (size_t j = 0; j < k; ++j) rw[j] = 0.05f + 0.01f * float(j);
     const auto y0 = random_bf16(size_t(sh.hidden), 1.0f, 303);
-    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-      const FusedOut f = run_fused(dgu, ddn, sh.ids, x, rw, init);
-      const GateUpOut g = run_gate_up(dgu, sh.ids, x, 0, false, true);
-      CHECK_MESSAGE(std::memcmp(f.gu.data(), g.gu.data(), g.gu.size() * 4) == 0, "I ", sh.inter);
-      CHECK_MESSAGE(std::memcmp(f.h.data(), g.h.data(), g.h.size() * 4) == 0, "I ", sh.inter);
-      const auto y = run_down(ddn, sh.ids, rw, f.h, 0, init, false, true);
-      if (sh.same_grid)
-        CHECK_MESSAGE(std::memcmp(f.y.data(), y.data(), y.size() * 4) == 0, "D ", sh.hidden, " I ",
-                      sh.inter, " accumulate ", init != nullptr);
-      std::vector<double> want, bound;
-      down_reference(dn, sh.ids, rw, f.h, bulk_down_depth(int(k), sh.inter), init, want, bound);
-      const auto c = fn::test::compare_bounded(f.y, want, bound);
-      CHECK_MESSAGE(c.wrong == 0, "fused D ", sh.hidden, " I ", sh.inter, ": ", c.describe());
-      const GateUpRef ref = gate_up_reference(gu, sh.ids, x, bulk_gate_up_depth(sh.hidden));
-      const auto ch = fn::test::compare_bounded(f.h, ref.h, ref.h_bound);
-      CHECK_MESSAGE(ch.wrong == 0, "fused I ", sh.inter, " h: ", ch.describe());
-      const FusedOut again = run_fused(dgu, ddn, sh.ids, x, rw, init);
-      CHECK(std::memcmp(again.y.data(), f.y.data(), f.y.size() * 4) == 0);
-    }
+    for (int stages : {0, 6, 2})
+      for (const std::vector<float>* init :
+           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+        CAPTURE(stages);
+        const FusedOut f = run_fused(dgu, ddn, sh.ids, x, rw, init, stages);
+        const GateUpOut g = run_gate_up(dgu, sh.ids, x, 0, false, true);
+        CHECK_MESSAGE(std::memcmp(f.gu.data(), g.gu.data(), g.gu.size() * 4) == 0, "I ", sh.inter);
+        CHECK_MESSAGE(std::memcmp(f.h.data(), g.h.data(), g.h.size() * 4) == 0, "I ", sh.inter);
+        const auto y = run_down(ddn, sh.ids, rw, f.h, 0, init, false, true);
+        if (sh.same_grid)
+          CHECK_MESSAGE(std::memcmp(f.y.data(), y.data(), y.size() * 4) == 0, "D ", sh.hidden,
+                        " I ", sh.inter, " accumulate ", init != nullptr);
+        std::vector<double> want, bound;
+        down_reference(dn, sh.ids, rw, f.h, bulk_down_depth(int(k), sh.inter), init, want, bound);
+        const auto c = fn::test::compare_bounded(f.y, want, bound);
+        CHECK_MESSAGE(c.wrong == 0, "fused D ", sh.hidden, " I ", sh.inter, ": ", c.describe());
+        const GateUpRef ref = gate_up_reference(gu, sh.ids, x, bulk_gate_up_depth(sh.hidden));
+        const auto ch = fn::test::compare_bounded(f.h, ref.h, ref.h_bound);
+        CHECK_MESSAGE(ch.wrong == 0, "fused I ", sh.inter, " h: ", ch.describe());
+        const FusedOut again = run_fused(dgu, ddn, sh.ids, x, rw, init, stages);
+        CHECK(std::memcmp(again.y.data(), f.y.data(), f.y.size() * 4) == 0);
+      }
   }
 }
 
@@ -1009,6 +1016,13 @@ TEST_CASE("cuda moe nvfp4: fused: exact sums, invalid ids, and the launcher's re
   fn::MoeGateUpParams qg = pg;
   qg.x = nullptr;
   CHECK_THROWS_AS(fn::launch_moe_fused_nvfp4(qg, pd, d_bar.ptr, nullptr), fn::Error);
+  for (int stages : {-1, 7}) {
+    qg = pg;
+    qg.ring_stages = stages;
+    CHECK_THROWS_AS(fn::launch_moe_fused_nvfp4(qg, pd, d_bar.ptr, nullptr), fn::Error);
+    qg.bulk = true;
+    CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(qg, nullptr), fn::Error);
+  }
   // Shapes it does not take: I not a multiple of 32, hidden not a multiple of 256, too wide.
   CHECK(!fn::moe_fused_supported(2, 48, 256));
   CHECK(!fn::moe_fused_supported(2, 64, 320));

@@ -3,7 +3,8 @@
 # the working tree, runs the routed-expert tests, the kernel bench rows (--nvfp4-only), the model
 # test at np 1 (and test_cuda_model_realwidth at np 1: part "realwidth"),
 # cuda_model_bench TP=1 (depth 8192, 64 tokens) with the flags $FN_AB_A and $FN_AB_B alternated
-# twice (default --moe-bulk 0 / 1; FN_BULK_EXTRA: extra flags for a fifth run), then
+# twice (default --moe-bulk 0 / 1; FN_BULK_EXTRA: extra flags for a fifth run; FN_AB_LIST: a
+# '|'-separated list of flag sets to run instead, in order), then
 # compute-sanitizer memcheck, racecheck and synccheck of the test cases matching $FN_SAN_TC
 # (default *bulk*). FN_BULK_PARTS (default "tests bench model ab san") picks the parts after the
 # build, so that one warm machine can take the work in two calls. Logs to $OUT.
@@ -42,7 +43,9 @@ if part realwidth; then
   grep -E "worst|ERROR|FAILED" "$out/realwidth.log" | sort -u | head -8 | cut -c1-300
 fi
 ab_a=${FN_AB_A:---moe-bulk 0} ab_b=${FN_AB_B:---moe-bulk 1}
-part ab && for flags in "$ab_a" "$ab_b" "$ab_a" "$ab_b" ${FN_BULK_EXTRA:+"$FN_BULK_EXTRA"}; do
+ab=("$ab_a" "$ab_b" "$ab_a" "$ab_b" ${FN_BULK_EXTRA:+"$FN_BULK_EXTRA"})
+[ -n "${FN_AB_LIST:-}" ] && IFS='|' read -r -a ab <<<"$FN_AB_LIST"
+part ab && for flags in "${ab[@]}"; do
   # shellcheck disable=SC2086
   echo "cuda_model_bench TP=1 $flags $(timeout 100 $mpi -np 1 "$b/cuda/cuda_model_bench" \
     --config configs/qwen3.8-flash-next.json --depth 8192 --tokens 64 $flags 2>&1 |

@@ -66,6 +66,10 @@ struct CudaModelOptions {
   /// or the routed down launch measured slower (cuda/bench/RESULTS.md, session 9). false: none
   /// (A/B benches).
   bool l2_prefetch = true;
+  /// L2 prefetch of each mixer's out / o projection from the latency-bound launches before it
+  /// (the GDN recurrence, the QSA prep: GdnDecodeParams / QsaDecodeParams::l2_prefetch); no bits
+  /// change. false: none (A/B benches).
+  bool l2_prefetch_out = true;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
   /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.06 to
   /// -0.09 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order
@@ -77,11 +81,12 @@ struct CudaModelOptions {
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
   /// The routed gate+up and down in one launch (launch_moe_fused_nvfp4: sm_90+, the bulk kernels'
-  /// shapes; elsewhere moe_bulk / moe_bulk_down decide): the down weights stream into the gate+up
-  /// ring while its last chunks compute, and a grid barrier replaces the down launch. Takes
-  /// precedence over moe_bulk and moe_bulk_down. The down sums in the bulk kernel's order, so
-  /// other bits than the FP32 down kernel. false: the separate launches (A/B benches).
-  bool moe_fused = true;
+  /// shapes; elsewhere moe_bulk / moe_bulk_down decide), taking precedence over moe_bulk and
+  /// moe_bulk_down; the down sums in the bulk kernel's order. Off: 2.3 us faster alone at TP=1
+  /// (23.6 vs 25.9 us), but +0.10 to +0.21 ms/token in the step (cuda/bench/RESULTS.md, session
+  /// 11: its grid barrier and whole-SM CTAs leave the launches after it no early start). true:
+  /// A/B benches.
+  bool moe_fused = false;
   /// MoeGateUpParams::ring_stages of the routed gate+up (bulk or fused): 0 planned, 1..6 (A/B).
   int moe_ring_stages = 0;
 };

@@ -864,8 +864,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       q.position = position;
       q.workspace = a.workspace;
       q.out = mix_out;
-      if (o.l2_prefetch_out)
-        q.l2_prefetch.add(a.o, static_cast<uint64_t>(D) * Hq_l * hd * sizeof(uint16_t));
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
       launch_qsa_decode(q, s);
@@ -893,8 +891,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.out = mix_out;
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
-      if (o.l2_prefetch_out)
-        gp.l2_prefetch.add(g.out, static_cast<uint64_t>(D) * Hv_l * dv * sizeof(uint16_t));
       launch_gdn_decode(gp, s);
       launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
     }

@@ -66,10 +66,6 @@ struct CudaModelOptions {
   /// or the routed down launch measured slower (cuda/bench/RESULTS.md, session 9). false: none
   /// (A/B benches).
   bool l2_prefetch = true;
-  /// L2 prefetch of each mixer's out / o projection from the latency-bound launches before it
-  /// (the GDN recurrence, the QSA prep: GdnDecodeParams / QsaDecodeParams::l2_prefetch); no bits
-  /// change. false: none (A/B benches).
-  bool l2_prefetch_out = true;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
   /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.06 to
   /// -0.09 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order

@@ -113,7 +113,6 @@ struct RecArgs {
   int K;
   int fused;  // 1: the conv runs inside this kernel (one launch)
   float eps;
-  L2Prefetch l2_prefetch;
 };
 
 // Sum of two values over the block in a fixed order (butterfly per warp, warps ascending); every
@@ -207,7 +206,6 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   if (a.fused) load_state();
-  if (tid == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);  // behind the state
   // Step 4: gates of head h (they depend only on the projection).
   const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * a.dv;
   const float beta = sigmoid2(ab[a.Hv + h]);
@@ -396,8 +394,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             conv_dim,
             p.conv_kernel,
             p.fused_conv ? 1 : 0,
-            p.eps,
-            p.l2_prefetch};
+            p.eps};
   const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
   if (!p.fused_conv) {
     launch_pdl("gdn_conv_kernel", gdn_conv_kernel, (conv_dim + kThreads - 1) / kThreads, kThreads,

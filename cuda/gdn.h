@@ -9,8 +9,6 @@
 
 #include <cstdint>
 
-#include "cuda/l2_prefetch.h"
-
 namespace fn {
 
 /// Operands of one GDN decode step of one rank (its TP slice of heads). All pointers are device
@@ -59,11 +57,6 @@ struct GdnDecodeParams {
   /// dv columns per CTA: 0 lets plan_gdn_decode_slice choose; else 4, 8, 16 or 32, dividing dv,
   /// with dk * slice_columns <= 4096 (the state tile fits the registers). For benchmarks/tests.
   int slice_columns = 0;
-  /// Weight ranges of a later kernel to prefetch into L2 while the recurrence (latency bound, HBM
-  /// mostly idle) runs: thread 0 of each recurrence CTA issues its share after its state loads
-  /// (cuda/l2_prefetch.h). The decode step passes the out projection behind it
-  /// (CudaModelOptions::l2_prefetch_out). Empty by default; changes no result.
-  L2Prefetch l2_prefetch{};
 };
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);

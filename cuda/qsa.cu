@@ -57,8 +57,7 @@ struct Args {
   int ni, ihd, ratio, topk;
   float eps;
   int chunk, max_chunks, gmax;
-  int combine_stage;       // chunks staged per round by the sliced combine
-  L2Prefetch l2_prefetch;  // issued by the prep CTAs (QsaDecodeParams::l2_prefetch)
+  int combine_stage;  // chunks staged per round by the sliced combine
 };
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
@@ -69,7 +68,6 @@ __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
 // heads, then one CTA for the raw indexer key and, when a block completes, its block key.
 __global__ void __launch_bounds__(kThreads) qsa_prep_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
-  if (threadIdx.x == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   __shared__ float y[kMaxDim];
   __shared__ float xin[kMaxDim];
   __shared__ double red[kThreads / 32];
@@ -492,7 +490,6 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
     for (int i = 0; i + 1 < a.ratio; ++i) acc += a.raw_keys[(b * a.ratio + i) * a.ihd + tid];
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  if (tid == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   if (role == 0 && tid == 0) *a.ticket = 0;
   if (!ok) return;
   if (kind == 0) {
@@ -768,7 +765,6 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   a.selected = reinterpret_cast<int*>(ws + w.selected);
   a.counters = reinterpret_cast<int*>(ws + w.counters);
   a.forced = p.forced_blocks;
-  a.l2_prefetch = p.l2_prefetch;
   a.part_out = reinterpret_cast<float*>(ws + w.part_out);
   a.part_max = reinterpret_cast<float*>(ws + w.part_max);
   a.part_sum = reinterpret_cast<float*>(ws + w.part_sum);

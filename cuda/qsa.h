@@ -11,8 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/l2_prefetch.h"
-
 namespace fn {
 
 /// Inputs, caches and outputs of one QSA decode step (MODEL.md §C.6). All pointers are device
@@ -73,11 +71,6 @@ struct QsaDecodeParams {
   /// per chunk (clamped to [1, heads per KV head]); 0 (production) means 1, measured fastest
   /// on H200. Every value writes the same bits. Four-launch path with head_dim % 8 == 0 only.
   int attn_head_split = 0;
-  /// Weight ranges of a later kernel to prefetch into L2 while the latency-bound QSA launches
-  /// run (HBM mostly idle): thread 0 of each prep CTA (the first launch) issues its share after
-  /// the programmatic wait (cuda/l2_prefetch.h). The decode step passes the o projection behind
-  /// it (CudaModelOptions::l2_prefetch_out). Empty by default; changes no result.
-  L2Prefetch l2_prefetch{};
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the

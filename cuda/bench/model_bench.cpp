@@ -8,8 +8,7 @@
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1]
-//     [--moe-bulk-down 0|1] [--moe-fused 0|1] [--moe-stages 0..6] [--l2-prefetch-out 0|1]
-//     [--json FILE]  (--unfused:
+//     [--moe-bulk-down 0|1] [--moe-fused 0|1] [--moe-stages 0..6] [--json FILE]  (--unfused:
 //     CudaModelOptions::fused_step = false, every launch separate)
 #include <cuda_runtime_api.h>
 
@@ -49,7 +48,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
   bool moe_fused = fn::CudaModelOptions{}.moe_fused;
   int moe_stages = 0;
-  bool l2_prefetch_out = fn::CudaModelOptions{}.l2_prefetch_out;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -82,8 +80,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk_down = std::stoi(next()) != 0;
     else if (a == "--moe-fused")  // CudaModelOptions::moe_fused: 1 gate+up and down in one launch
       moe_fused = std::stoi(next()) != 0;
-    else if (a == "--l2-prefetch-out")  // CudaModelOptions::l2_prefetch_out: 1 on, 0 off
-      l2_prefetch_out = std::stoi(next()) != 0;
     else if (a == "--moe-stages")  // CudaModelOptions::moe_ring_stages: 0 planned, 1..6
       moe_stages = std::stoi(next());
     else
@@ -111,7 +107,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.moe_bulk_down = moe_bulk_down;
   o.moe_fused = moe_fused;
   o.moe_ring_stages = moe_stages;
-  o.l2_prefetch_out = l2_prefetch_out;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();

@@ -717,6 +717,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   const int64_t Is_l = rd.shared_inter;
   const float eps = static_cast<float>(c.rms_norm_eps);
   cudaStream_t s = stream;
+  // CudaModelOptions::bench_skip: launch kind `bit` is left out (knockout benchmarks only).
+  auto on = [&](StepLaunch bit) { return ((o.bench_skip >> static_cast<int>(bit)) & 1u) == 0; };
   auto all_reduce = [&](float* buf, int64_t count) {
     if (tp > 1) {
       mark(StepFamily::AllReduce);
@@ -754,7 +756,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       down.inject_y = y;
       down.H_out = Hc == H ? H_alt : H;
     }
-    launch_hc_down(down, s);
+    if (on(StepLaunch::HcDown)) launch_hc_down(down, s);
     if (pending) {
       Hc = down.H_out;
       pending = false;
@@ -775,7 +777,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.hc_count = static_cast<int>(S);
     mx.hidden = D;
     mx.rank = R;
-    launch_hc_mix(mx, s);
+    if (on(StepLaunch::HcMix)) launch_hc_mix(mx, s);
   };
   auto settle = [&]() {
     if (!pending) return;
@@ -786,7 +788,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     hi.y = y;
     hi.hc_count = static_cast<int>(S);
     hi.hidden = D;
-    launch_hc_inject(hi, s);
+    if (on(StepLaunch::HcInject)) launch_hc_inject(hi, s);
     pending = false;
     keep_residual(pending_slot);
   };
@@ -858,7 +860,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if (L.qsa) {
       mark(StepFamily::QsaMixer);
       DevQsa& a = L.attn;
-      launch_gemv_bf16(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
+      if (on(StepLaunch::InProj))
+        launch_gemv_bf16(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
       QsaDecodeParams q = qsa_layer(c, o, a);
       q.proj = proj;
       q.position = position;
@@ -866,7 +869,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       q.out = mix_out;
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
-      launch_qsa_decode(q, s);
+      if (on(StepLaunch::Attention)) launch_qsa_decode(q, s);
       if (choice_log) {  // the selected blocks, then the counters {count, B, tokens, 0}
         const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
         const QsaWorkspaceLayout wl = qsa_workspace_layout(q);
@@ -880,19 +883,22 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
                                       cudaMemcpyDeviceToDevice, s));
       }
       ++qsa_index;
-      launch_gemv_bf16(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
+      if (on(StepLaunch::OutProj))
+        launch_gemv_bf16(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
     } else {
       mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
-      launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
+      if (on(StepLaunch::InProj))
+        launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
       GdnDecodeParams gp;
       set_gdn_layer(gp, c, rd, g);
       gp.proj = proj;
       gp.out = mix_out;
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
-      launch_gdn_decode(gp, s);
-      launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
+      if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
+      if (on(StepLaunch::OutProj))
+        launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
     }
     all_reduce(y, D);
     inject();
@@ -916,7 +922,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.weights = rw;
       rs.error_flag = error_flag;
       rs.counter = router_ticket;
-      launch_router_shared_gate_up(rs, s);
+      if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
       RouterParams rp;
@@ -968,8 +974,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if (moe_fused) {
       launch_moe_fused_nvfp4(gu, dn, moe_barrier, s);
     } else {
-      launch_moe_gate_up_nvfp4(gu, s);
-      launch_moe_down_nvfp4(dn, s);
+      if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
+      if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     }
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
@@ -980,7 +986,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       sd.gate_up = sgu;
       sd.gate_logit = rl + E;
       sd.y = y;
-      launch_shared_down_combine(sd, s);
+      if (on(StepLaunch::SharedDown)) launch_shared_down_combine(sd, s);
     } else {
       launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
       SwigluParams sw;

@@ -85,6 +85,26 @@ struct CudaModelOptions {
   bool moe_fused = false;
   /// MoeGateUpParams::ring_stages of the routed gate+up (bulk or fused): 0 planned, 1..6 (A/B).
   int moe_ring_stages = 0;
+  /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
+  /// of that kind out of the decode step, so the step's time without it can be measured; the
+  /// results are then wrong. 0 in production.
+  uint32_t bench_skip = 0;
+};
+
+/// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit
+/// numbers); the fused (fused_step) launches count as the kind named first.
+enum class StepLaunch : int {
+  HcInject = 0,       ///< launch_hc_inject (TP=1; folded into HcDown behind an all-reduce)
+  HcDown = 1,         ///< launch_hc_down
+  HcMix = 2,          ///< launch_hc_mix
+  InProj = 3,         ///< the mixer's input GEMV (GDN in_proj, QSA q/k/v/indexer)
+  Recurrence = 4,     ///< launch_gdn_decode
+  Attention = 5,      ///< launch_qsa_decode (its four launches)
+  OutProj = 6,        ///< the mixer's out / o GEMV
+  Router = 7,         ///< launch_router_shared_gate_up (router + top-k + shared gate/up)
+  ExpertsGateUp = 8,  ///< launch_moe_gate_up_nvfp4
+  ExpertsDown = 9,    ///< launch_moe_down_nvfp4
+  SharedDown = 10,    ///< launch_shared_down_combine
 };
 
 /// Which logits CudaModel::prefill returns.

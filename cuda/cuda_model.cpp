@@ -971,6 +971,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     dn.bulk = moe_bulk_dn;
+    dn.mma = o.moe_down_mma;
     if (moe_fused) {
       launch_moe_fused_nvfp4(gu, dn, moe_barrier, s);
     } else {

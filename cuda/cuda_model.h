@@ -85,6 +85,9 @@ struct CudaModelOptions {
   bool moe_fused = false;
   /// MoeGateUpParams::ring_stages of the routed gate+up (bulk or fused): 0 planned, 1..6 (A/B).
   int moe_ring_stages = 0;
+  /// The routed down on the round-based tensor-core kernel (MoeDownParams::mma) where the bulk
+  /// and fused kernels are off (A/B benches).
+  bool moe_down_mma = false;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

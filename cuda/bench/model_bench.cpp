@@ -49,6 +49,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool moe_fused = fn::CudaModelOptions{}.moe_fused;
   int moe_stages = 0;
   uint32_t skip = 0;
+  bool down_mma = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -81,6 +82,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk_down = std::stoi(next()) != 0;
     else if (a == "--moe-fused")  // CudaModelOptions::moe_fused: 1 gate+up and down in one launch
       moe_fused = std::stoi(next()) != 0;
+    else if (a == "--moe-down-mma")  // CudaModelOptions::moe_down_mma: 1 the tensor-core down
+      down_mma = std::stoi(next()) != 0;
     else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
       skip = static_cast<uint32_t>(std::stoul(next(), nullptr, 0));
     else if (a == "--moe-stages")  // CudaModelOptions::moe_ring_stages: 0 planned, 1..6
@@ -111,6 +114,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.moe_fused = moe_fused;
   o.moe_ring_stages = moe_stages;
   o.bench_skip = skip;
+  o.moe_down_mma = down_mma;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();

@@ -30,6 +30,7 @@
 #include "cuda/gdn.h"
 #include "cuda/gemv_bf16.h"
 #include "cuda/hc.h"
+#include "cuda/launch_check.h"
 #include "cuda/moe_nvfp4.h"
 #include "cuda/moe_shared.h"
 #include "cuda/ple.h"
@@ -525,6 +526,9 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     own_stream = true;
   }
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream, cudaStreamNonBlocking));
+  FN_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event, cudaEventDisableTiming));
+  FN_CUDA_CHECK(cudaEventCreateWithFlags(&join_event, cudaEventDisableTiming));
   Builder b{c, o, src, ck, arena, ngram_fp8};
   const std::string& p = b.p;
   const int tp = o.tp_size, r = o.tp_rank;
@@ -807,6 +811,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_fused = o.moe_fused && moe_fused_supported(static_cast<int>(k), rd.moe_inter, D);
+  // The gated norm in the out GEMV holds Hv * dv inputs in shared memory (launch_gdn_out).
+  const bool gdn_split = o.gdn_split && rd.linear_v_heads * c.linear_value_head_dim <= 16384 &&
+                         c.linear_value_head_dim % 8 == 0;
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -888,17 +895,65 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     } else {
       mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
-      if (on(StepLaunch::InProj))
-        launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
       GdnDecodeParams gp;
       set_gdn_layer(gp, c, rd, g);
       gp.proj = proj;
       gp.out = mix_out;
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
-      if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
-      if (on(StepLaunch::OutProj))
-        launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
+      if (gdn_split) {
+        // CudaModelOptions::gdn_split: the stacked GEMV without its z rows (qkv, then a and b as
+        // a second matrix of the same launch), then the z rows on the side stream while the
+        // recurrence runs, joined before the out projection that applies the gated norm. The
+        // plan of the whole stacked matrix for every part: the same bits as one GEMV.
+        const int64_t z_rows = Hv_l * dv, qkv_rows = g.in_rows - z_rows - 2 * Hv_l;
+        GemvBf16Plan whole = plan_gemv_bf16(g.in_rows, D, detail::current_sm_count());
+        auto part = [&](const uint16_t* w, int64_t rows, float* out) {
+          GemvBf16Params gv;
+          gv.weight = w;
+          gv.rows = rows;
+          gv.cols = D;
+          gv.ld = D;
+          gv.x = m;
+          gv.x_dtype = DType::F32;
+          gv.y = out;
+          gv.y_dtype = DType::F32;
+          gv.plan = whole;
+          gv.plan.blocks = gemv_bf16_blocks(rows, whole);
+          return gv;
+        };
+        GemvBf16Params main = part(g.in_proj, qkv_rows, proj);
+        main.weight2 = g.in_proj + (qkv_rows + z_rows) * D;
+        main.rows2 = 2 * Hv_l;
+        main.y2 = proj + qkv_rows + z_rows;
+        if (on(StepLaunch::InProj)) launch_gemv_bf16(main, s);
+        FN_CUDA_CHECK(cudaEventRecord(fork_event, s));
+        FN_CUDA_CHECK(cudaStreamWaitEvent(side_stream, fork_event, 0));
+        GemvBf16Params zp = part(g.in_proj + qkv_rows * D, z_rows, proj + qkv_rows);
+        zp.pdl = false;  // after the fork's event: nothing to overlap in its own stream
+        if (on(StepLaunch::InProj)) launch_gemv_bf16(zp, side_stream);
+        FN_CUDA_CHECK(cudaEventRecord(join_event, side_stream));
+        gp.defer_norm = true;
+        if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
+        FN_CUDA_CHECK(cudaStreamWaitEvent(s, join_event, 0));
+        GdnOutParams op;
+        op.weight = g.out;
+        op.rows = D;
+        op.o = g.o_scratch;
+        op.z = proj + qkv_rows;
+        op.norm_weight = g.norm;
+        op.num_v_heads = static_cast<int>(Hv_l);
+        op.v_head_dim = static_cast<int>(dv);
+        op.eps = eps;
+        op.y = y;
+        if (on(StepLaunch::OutProj)) launch_gdn_out(op, s);
+      } else {
+        if (on(StepLaunch::InProj))
+          launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
+        if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
+        if (on(StepLaunch::OutProj))
+          launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
+      }
     }
     all_reduce(y, D);
     inject();

@@ -21,6 +21,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/gdn_common.cuh"
+#include "cuda/gemv_bf16.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
 
@@ -113,6 +114,7 @@ struct RecArgs {
   int K;
   int fused;  // 1: the conv runs inside this kernel (one launch)
   float eps;
+  int defer_norm;  // 1: step 7 left to launch_gdn_out (no z read, no `out`)
 };
 
 // Sum of two values over the block in a fixed order (butterfly per warp, warps ascending); every
@@ -285,9 +287,9 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   // which every CTA of the key head has read by now.
   if (tid == 0) {
     __threadfence();
-    const unsigned int prev = atomicAdd(a.counters + h, 1u);
+    const unsigned int prev = a.defer_norm ? 0u : atomicAdd(a.counters + h, 1u);
     const unsigned int prev_k = a.fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
-    last_head = prev == static_cast<unsigned int>(slices - 1);
+    last_head = !a.defer_norm && prev == static_cast<unsigned int>(slices - 1);
     last_key = a.fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
     if (last_head) a.counters[h] = 0u;  // ready for the next launch (stream order)
     if (last_key) a.counters[a.Hv + i] = 0u;
@@ -394,7 +396,8 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             conv_dim,
             p.conv_kernel,
             p.fused_conv ? 1 : 0,
-            p.eps};
+            p.eps,
+            p.defer_norm ? 1 : 0};
   const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
   if (!p.fused_conv) {
     launch_pdl("gdn_conv_kernel", gdn_conv_kernel, (conv_dim + kThreads - 1) / kThreads, kThreads,
@@ -404,6 +407,129 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   launch_maybe_pdl(p.fused_conv || p.overlap_launch, "gdn_recurrent_kernel", gdn_recurrent_kernel,
                    grid, kThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel");
+}
+
+namespace {
+
+constexpr int kOutThreads = 256;          // the GEMV block (gemv_bf16.cu's)
+constexpr int64_t kMaxOutInputs = 16384;  // Hv * dv in 64 KB of shared memory
+
+// The GEMV input of launch_gdn_out: step 7 of every head into shared memory. The sum of squares
+// of head h is formed as the recurrence kernel's last CTA forms it (thread t of a 256-thread block
+// holds fmaf(o, o) over t, t + 256, ...; butterfly per warp; warps added in increasing order):
+// warp w of this block takes heads w, w + 8, ... and forms the 8 virtual warps' butterflies in
+// order, so rs and every x are the same bits.
+struct GatedNormX {
+  const float* o;
+  const float* z;
+  const float* w;
+  int hv, dv;
+  float eps;
+  float* x;  // shared memory: [hv * dv] inputs, then [hv] scales
+  __device__ __forceinline__ void prepare() const {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* rs = x + static_cast<int64_t>(hv) * dv;
+    for (int h = warp; h < hv; h += kOutThreads / 32) {
+      const float* oh = o + static_cast<int64_t>(h) * dv;
+      float ss = 0.0f;
+      for (int vw = 0; vw < kWarps; ++vw) {  // virtual warp vw: threads 32 vw + lane
+        float t_ss = 0.0f;
+        for (int t = 32 * vw + lane; t < dv; t += kThreads)
+          t_ss = fmaf(__ldcg(oh + t), __ldcg(oh + t), t_ss);
+        for (int off = 16; off > 0; off >>= 1) t_ss += __shfl_xor_sync(0xffffffffu, t_ss, off);
+        ss = vw == 0 ? t_ss : ss + t_ss;
+      }
+      if (lane == 0) rs[h] = 1.0f / sqrtf(ss / static_cast<float>(dv) + eps);
+    }
+    __syncthreads();
+    const int n = hv * dv;
+    for (int i = threadIdx.x; i < n; i += kOutThreads) {
+      const int h = i / dv, t = i - h * dv;
+      const float v = __ldcg(o + i) * rs[h] * w[t] * sigmoid2(__ldcg(z + i));
+      x[i] = __uint_as_float(static_cast<uint32_t>(dev::float_to_bf16_bits(v)) << 16);
+    }
+    __syncthreads();
+  }
+  __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
+    const float4 a = reinterpret_cast<const float4*>(x)[2 * v];
+    const float4 b = reinterpret_cast<const float4*>(x)[2 * v + 1];
+    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
+    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+  }
+};
+
+struct OutArgs {
+  dev::GemvRows g;
+  const float* o;
+  const float* z;
+  const float* w;
+  int hv, dv;
+  float eps;
+  float* y;
+};
+
+template <int kRows>
+__global__ void __launch_bounds__(kOutThreads) gdn_out_kernel(OutArgs a) {
+  extern __shared__ float4 x_smem[];
+  float acc[kRows];
+  int lane = 0;
+  const GatedNormX xs{a.o, a.z, a.w, a.hv, a.dv, a.eps, reinterpret_cast<float*>(x_smem)};
+  const int64_t row0 =
+      dev::gemv_bf16_team_rows<kRows, kOutThreads>(a.g, blockIdx.x, xs, acc, &lane);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    if (row0 + r < a.g.rows) a.y[row0 + r] = acc[r];
+}
+
+}  // namespace
+
+void launch_gdn_out(const GdnOutParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_gdn_out";
+  FN_LAUNCH_REQUIRE(p.weight != nullptr && p.o != nullptr && p.z != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.norm_weight != nullptr && p.y != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= INT32_MAX && p.num_v_heads >= 1, kOp);
+  FN_LAUNCH_REQUIRE(p.v_head_dim >= 8 && p.v_head_dim % 8 == 0 && p.v_head_dim <= kMaxHeadDim, kOp);
+  const int64_t n = int64_t{p.num_v_heads} * p.v_head_dim;
+  FN_LAUNCH_REQUIRE(n <= kMaxOutInputs && p.eps >= 0.0f, kOp);
+  FN_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0, kOp);
+  GemvBf16Plan plan = p.plan;
+  if (plan.team_threads == 0) plan = plan_gemv_bf16(p.rows, n, detail::current_sm_count());
+  const int t = plan.team_threads;
+  FN_LAUNCH_REQUIRE(t >= 8 && t <= kOutThreads && (t & (t - 1)) == 0, kOp);
+  FN_LAUNCH_REQUIRE(plan.rows_per_team == 1 || plan.rows_per_team == 2 || plan.rows_per_team == 4,
+                    kOp);
+  if (plan.blocks == 0) plan.blocks = gemv_bf16_blocks(p.rows, plan);
+  FN_LAUNCH_REQUIRE(plan.blocks == gemv_bf16_blocks(p.rows, plan), kOp);
+  OutArgs a{};
+  a.g = dev::GemvRows{p.weight, p.rows, n, static_cast<int>(n / 8),
+                      __builtin_ctz(static_cast<unsigned>(t))};
+  a.o = p.o;
+  a.z = p.z;
+  a.w = p.norm_weight;
+  a.hv = p.num_v_heads;
+  a.dv = p.v_head_dim;
+  a.eps = p.eps;
+  a.y = p.y;
+  const size_t smem = static_cast<size_t>(n + p.num_v_heads) * sizeof(float);
+  const dim3 grid(static_cast<unsigned>(plan.blocks));
+  auto go = [&](auto kernel) {
+    FN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+    launch_pdl("gdn_out_kernel", kernel, grid, kOutThreads, smem, stream, a);
+  };
+  switch (plan.rows_per_team) {
+    case 4:
+      go(gdn_out_kernel<4>);
+      break;
+    case 2:
+      go(gdn_out_kernel<2>);
+      break;
+    default:
+      go(gdn_out_kernel<1>);
+      break;
+  }
+  FN_CUDA_LAUNCH_CHECK("gdn_out_kernel");
 }
 
 }  // namespace fn

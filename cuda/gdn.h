@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "cuda/gemv_bf16.h"
+
 namespace fn {
 
 /// Operands of one GDN decode step of one rank (its TP slice of heads). All pointers are device
@@ -57,7 +59,37 @@ struct GdnDecodeParams {
   /// dv columns per CTA: 0 lets plan_gdn_decode_slice choose; else 4, 8, 16 or 32, dividing dv,
   /// with dk * slice_columns <= 4096 (the state tile fits the registers). For benchmarks/tests.
   int slice_columns = 0;
+  /// true: step 7 (the gated norm) is left to launch_gdn_out: the recurrence writes o to
+  /// o_scratch only (not `out`) and reads no z, so z may still be computed (e.g. by a GEMV on
+  /// another stream) while it runs. false (default): the last CTA of each head writes `out`.
+  bool defer_norm = false;
 };
+
+/// The out projection with step 7 folded into its input (MODEL.md §C.5 steps 7-8), after a
+/// launch_gdn_decode with defer_norm: x = the gated norm of o per head, exactly the BF16 values
+/// that launch_gdn_decode would store in `out` (same operations, same order), then y = W_out x as
+/// launch_gemv_bf16 computes it with the given plan (same bits as launch_gdn_decode +
+/// launch_gemv_bf16 with that plan). Every block of the GEMV recomputes the Hv * dv inputs into
+/// shared memory after the programmatic wait (its weights are loaded before it).
+struct GdnOutParams {
+  const uint16_t* weight = nullptr;    ///< W_out [rows, Hv*dv] BF16 bits, 16-byte aligned
+  int64_t rows = 0;                    ///< hidden_size (2560)
+  const float* o = nullptr;            ///< [Hv*dv] FP32 (GdnDecodeParams::o_scratch)
+  const float* z = nullptr;            ///< [Hv*dv] FP32 (the z rows of the projection)
+  const float* norm_weight = nullptr;  ///< [dv] FP32 (GdnDecodeParams::norm_weight)
+  int num_v_heads = 0;                 ///< Hv (this rank's)
+  int v_head_dim = 0;                  ///< dv: multiple of 8, <= 1024
+  float eps = 1e-6f;                   ///< rms_norm_eps
+  float* y = nullptr;                  ///< out: [rows] FP32
+  /// The GEMV plan; zero: plan_gemv_bf16(rows, Hv*dv) (the plan of launch_gemv_bf16). blocks 0
+  /// with a team set: gemv_bf16_blocks(rows, plan).
+  GemvBf16Plan plan{};
+};
+
+/// Launches the gated-norm out projection. Hv * dv <= 16,384 (the inputs in 64 KB of shared
+/// memory). Throws fn::Error(Internal) on a null pointer, bad sizes, misalignment or a bad plan;
+/// fn::Error(Cuda) on a failed launch. Legal during stream capture.
+void launch_gdn_out(const GdnOutParams& params, cudaStream_t stream);
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);
 /// the state slice stays in registers, loaded and stored once with coalesced 16-byte accesses

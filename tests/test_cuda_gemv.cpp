@@ -259,3 +259,53 @@ TEST_CASE("cuda gemv: the launcher rejects bad shapes, misalignment, dtypes and 
   bad.plan = {4, 32, 1};  // grid too small for the rows
   CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
 }
+
+TEST_CASE("cuda gemv: a stacked matrix split into a two-matrix launch and a plain one, bitwise") {
+  // The GDN projection's split (cuda_model.cpp, CudaModelOptions::gdn_split): rows [0, a) and
+  // [a + b, n) as the two matrices of one launch, rows [a, a + b) alone without PDL, all with
+  // the plan of the whole n rows: each row gets the whole GEMV's bits.
+  const Shape s{16480, 2560, 2560};
+  const Problem p = make_problem(s, false, false, 91);
+  DeviceArray<uint16_t> w(p.w);
+  DeviceArray<float> x(p.x), y_whole(s.rows), y_split(s.rows);
+  FN_CUDA_CHECK(cudaMemset(y_split.ptr, 0xff, s.rows * 4));
+  const fn::GemvBf16Plan whole = fn::plan_gemv_bf16(s.rows, s.cols, sm_count());
+  fn::GemvBf16Params g;
+  g.weight = w.ptr;
+  g.rows = s.rows;
+  g.cols = g.ld = s.cols;
+  g.x = x.ptr;
+  g.x_dtype = DType::F32;
+  g.y = y_whole.ptr;
+  g.plan = whole;
+  fn::launch_gemv_bf16(g, nullptr);
+  const int64_t a = 10240, b = 6144;
+  fn::GemvBf16Params two = g;
+  two.rows = a;
+  two.y = y_split.ptr;
+  two.plan.blocks = fn::gemv_bf16_blocks(a, whole);
+  two.weight2 = w.ptr + (a + b) * s.cols;
+  two.rows2 = s.rows - a - b;
+  two.y2 = y_split.ptr + a + b;
+  fn::launch_gemv_bf16(two, nullptr);
+  fn::GemvBf16Params mid = g;
+  mid.weight = w.ptr + a * s.cols;
+  mid.rows = b;
+  mid.y = y_split.ptr + a;
+  mid.plan.blocks = fn::gemv_bf16_blocks(b, whole);
+  mid.pdl = false;
+  fn::launch_gemv_bf16(mid, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto yw = y_whole.download(), ys = y_split.download();
+  CHECK(std::memcmp(yw.data(), ys.data(), yw.size() * 4) == 0);
+  // A second matrix needs rows, an output and 16-byte alignment.
+  fn::GemvBf16Params bad = two;
+  bad.y2 = nullptr;
+  CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
+  bad = two;
+  bad.rows2 = 0;
+  CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
+  bad = two;
+  bad.weight2 = w.ptr + 1;
+  CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
+}

@@ -526,9 +526,6 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
     FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     own_stream = true;
   }
-  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream, cudaStreamNonBlocking));
-  FN_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event, cudaEventDisableTiming));
-  FN_CUDA_CHECK(cudaEventCreateWithFlags(&join_event, cudaEventDisableTiming));
   Builder b{c, o, src, ck, arena, ngram_fp8};
   const std::string& p = b.p;
   const int tp = o.tp_size, r = o.tp_rank;
@@ -903,9 +900,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.head_counters = g.counters;
       if (gdn_split) {
         // CudaModelOptions::gdn_split: the stacked GEMV without its z rows (qkv, then a and b as
-        // a second matrix of the same launch), then the z rows on the side stream while the
-        // recurrence runs, joined before the out projection that applies the gated norm. The
-        // plan of the whole stacked matrix for every part: the same bits as one GEMV.
+        // a second matrix of the same launch), the recurrence without the gated norm, the z rows
+        // as a GEMV that runs beside the recurrence (its x, m, is three launches back: the whole
+        // dot before its programmatic wait), then the out projection that applies the gated
+        // norm. The plan of the whole stacked matrix for every part: the same bits as one GEMV.
         const int64_t z_rows = Hv_l * dv, qkv_rows = g.in_rows - z_rows - 2 * Hv_l;
         GemvBf16Plan whole = plan_gemv_bf16(g.in_rows, D, detail::current_sm_count());
         auto part = [&](const uint16_t* w, int64_t rows, float* out) {
@@ -927,15 +925,11 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
         main.rows2 = 2 * Hv_l;
         main.y2 = proj + qkv_rows + z_rows;
         if (on(StepLaunch::InProj)) launch_gemv_bf16(main, s);
-        FN_CUDA_CHECK(cudaEventRecord(fork_event, s));
-        FN_CUDA_CHECK(cudaStreamWaitEvent(side_stream, fork_event, 0));
-        GemvBf16Params zp = part(g.in_proj + qkv_rows * D, z_rows, proj + qkv_rows);
-        zp.pdl = false;  // after the fork's event: nothing to overlap in its own stream
-        if (on(StepLaunch::InProj)) launch_gemv_bf16(zp, side_stream);
-        FN_CUDA_CHECK(cudaEventRecord(join_event, side_stream));
         gp.defer_norm = true;
         if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
-        FN_CUDA_CHECK(cudaStreamWaitEvent(s, join_event, 0));
+        GemvBf16Params zp = part(g.in_proj + qkv_rows * D, z_rows, proj + qkv_rows);
+        zp.x_before_wait = true;
+        if (on(StepLaunch::InProj)) launch_gemv_bf16(zp, s);
         GdnOutParams op;
         op.weight = g.out;
         op.rows = D;

@@ -217,9 +217,6 @@ struct CudaModel::Impl {
   model_detail::DeviceArena arena;
   cudaStream_t stream = nullptr;
   bool own_stream = false;
-  // The second stream of the decode step (CudaModelOptions::gdn_split) and its fork/join events.
-  cudaStream_t side_stream = nullptr;
-  cudaEvent_t fork_event = nullptr, join_event = nullptr;
   std::vector<model_detail::DevLayer> layers;
   model_detail::DevHc final_hc;
   const uint16_t* embed = nullptr;    // [V, D]
@@ -329,9 +326,6 @@ struct CudaModel::Impl {
     if (host_logits) cudaFreeHost(host_logits);
     if (host_token) cudaFreeHost(host_token);
     if (host_flag) cudaFreeHost(host_flag);
-    if (fork_event) cudaEventDestroy(fork_event);
-    if (join_event) cudaEventDestroy(join_event);
-    if (side_stream) cudaStreamDestroy(side_stream);
     if (stream && own_stream) cudaStreamDestroy(stream);
   }
 };

@@ -809,8 +809,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_fused = o.moe_fused && moe_fused_supported(static_cast<int>(k), rd.moe_inter, D);
   // The gated norm in the out GEMV holds Hv * dv inputs in shared memory (launch_gdn_out).
-  const bool gdn_split = o.gdn_split && rd.linear_v_heads * c.linear_value_head_dim <= 16384 &&
-                         c.linear_value_head_dim % 8 == 0;
+  const bool gdn_split = o.gdn_split;
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -900,10 +899,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.head_counters = g.counters;
       if (gdn_split) {
         // CudaModelOptions::gdn_split: the stacked GEMV without its z rows (qkv, then a and b as
-        // a second matrix of the same launch), the recurrence without the gated norm, the z rows
-        // as a GEMV that runs beside the recurrence (its x, m, is three launches back: the whole
-        // dot before its programmatic wait), then the out projection that applies the gated
-        // norm. The plan of the whole stacked matrix for every part: the same bits as one GEMV.
+        // a second matrix of the same launch), the recurrence without the gated norm, then the z
+        // rows + gated norm (launch_gdn_gate: its x, m, is three launches back, so its dot runs
+        // beside the recurrence, before its programmatic wait), then the out GEMV. The plan of
+        // the whole stacked matrix for every part: the same bits as one GEMV.
         const int64_t z_rows = Hv_l * dv, qkv_rows = g.in_rows - z_rows - 2 * Hv_l;
         GemvBf16Plan whole = plan_gemv_bf16(g.in_rows, D, detail::current_sm_count());
         auto part = [&](const uint16_t* w, int64_t rows, float* out) {
@@ -927,20 +926,21 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
         if (on(StepLaunch::InProj)) launch_gemv_bf16(main, s);
         gp.defer_norm = true;
         if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
-        GemvBf16Params zp = part(g.in_proj + qkv_rows * D, z_rows, proj + qkv_rows);
-        zp.x_before_wait = true;
-        if (on(StepLaunch::InProj)) launch_gemv_bf16(zp, s);
-        GdnOutParams op;
-        op.weight = g.out;
-        op.rows = D;
-        op.o = g.o_scratch;
-        op.z = proj + qkv_rows;
-        op.norm_weight = g.norm;
-        op.num_v_heads = static_cast<int>(Hv_l);
-        op.v_head_dim = static_cast<int>(dv);
-        op.eps = eps;
-        op.y = y;
-        if (on(StepLaunch::OutProj)) launch_gdn_out(op, s);
+        GdnGateParams gg;
+        gg.weight = g.in_proj + qkv_rows * D;
+        gg.cols = gg.ld = D;
+        gg.x = m;
+        gg.o = g.o_scratch;
+        gg.norm_weight = g.norm;
+        gg.num_v_heads = static_cast<int>(Hv_l);
+        gg.v_head_dim = static_cast<int>(dv);
+        gg.eps = eps;
+        gg.out = mix_out;
+        gg.plan = whole;
+        gg.plan.blocks = gemv_bf16_blocks(z_rows, whole);
+        if (on(StepLaunch::InProj)) launch_gdn_gate(gg, s);
+        if (on(StepLaunch::OutProj))
+          launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
       } else {
         if (on(StepLaunch::InProj))
           launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);

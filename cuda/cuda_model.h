@@ -88,9 +88,9 @@ struct CudaModelOptions {
   /// The routed down on the round-based tensor-core kernel (MoeDownParams::mma) where the bulk
   /// and fused kernels are off (A/B benches).
   bool moe_down_mma = false;
-  /// GDN layers: the z rows of the stacked projection GEMV run beside the recurrence (a GEMV
-  /// launched after it whose whole dot precedes its programmatic wait; the recurrence needs z only
-  /// for the gated norm, which moves into the out GEMV's input: launch_gdn_out). Same bits as the
+  /// GDN layers: the z rows of the stacked projection GEMV run beside the recurrence
+  /// (launch_gdn_gate, launched after it, its whole dot before its programmatic wait; the
+  /// recurrence needs z only for the gated norm, which moves into that kernel). Same bits as the
   /// plain sequence. false: one GEMV, the recurrence with the norm, the out GEMV (A/B benches).
   bool gdn_split = true;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch

@@ -411,125 +411,114 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
 
 namespace {
 
-constexpr int kOutThreads = 256;          // the GEMV block (gemv_bf16.cu's)
-constexpr int64_t kMaxOutInputs = 16384;  // Hv * dv in 64 KB of shared memory
+constexpr int kGateThreads = 256;  // the GEMV block (gemv_bf16.cu's)
 
-// The GEMV input of launch_gdn_out: step 7 of every head into shared memory. The sum of squares
-// of head h is formed as the recurrence kernel's last CTA forms it (thread t of a 256-thread block
-// holds fmaf(o, o) over t, t + 256, ...; butterfly per warp; warps added in increasing order):
-// warp w of this block takes heads w, w + 8, ... and forms the 8 virtual warps' butterflies in
-// order, so rs and every x are the same bits.
-struct GatedNormX {
+struct GateArgs {
+  dev::GemvRows g;  // the z rows of the stacked projection
+  const float* x;   // m, FP32
   const float* o;
-  const float* z;
   const float* w;
   int hv, dv;
   float eps;
-  float* x;  // shared memory: [hv * dv] inputs, then [hv] scales
-  __device__ __forceinline__ void prepare() const {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* rs = x + static_cast<int64_t>(hv) * dv;
-    for (int h = warp; h < hv; h += kOutThreads / 32) {
-      const float* oh = o + static_cast<int64_t>(h) * dv;
-      float ss = 0.0f;
-      for (int vw = 0; vw < kWarps; ++vw) {  // virtual warp vw: threads 32 vw + lane
-        float t_ss = 0.0f;
-        for (int t = 32 * vw + lane; t < dv; t += kThreads)
-          t_ss = fmaf(__ldcg(oh + t), __ldcg(oh + t), t_ss);
-        for (int off = 16; off > 0; off >>= 1) t_ss += __shfl_xor_sync(0xffffffffu, t_ss, off);
-        ss = vw == 0 ? t_ss : ss + t_ss;
-      }
-      if (lane == 0) rs[h] = 1.0f / sqrtf(ss / static_cast<float>(dv) + eps);
-    }
-    __syncthreads();
-    const int n = hv * dv;
-    for (int i = threadIdx.x; i < n; i += kOutThreads) {
-      const int h = i / dv, t = i - h * dv;
-      const float v = __ldcg(o + i) * rs[h] * w[t] * sigmoid2(__ldcg(z + i));
-      x[i] = __uint_as_float(static_cast<uint32_t>(dev::float_to_bf16_bits(v)) << 16);
-    }
-    __syncthreads();
-  }
-  __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
-    const float4 a = reinterpret_cast<const float4*>(x)[2 * v];
-    const float4 b = reinterpret_cast<const float4*>(x)[2 * v + 1];
-    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
-    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
-  }
+  uint16_t* out;
 };
 
-struct OutArgs {
-  dev::GemvRows g;
-  const float* o;
-  const float* z;
-  const float* w;
-  int hv, dv;
-  float eps;
-  float* y;
-};
-
+// The z rows of the projection (dev::gemv_bf16_team_rows with the dot before the programmatic
+// wait: m is three launches back), then step 7 for the block's rows. The sum of squares of head h
+// is formed as the recurrence kernel's last CTA forms it (thread t of a 256-thread block holds
+// fmaf(o, o) over t, t + 256, ...; butterfly per warp; warps added in increasing order): warp w
+// of this block takes the block's heads w, w + 8, ... and forms the 8 virtual warps' butterflies
+// in order, so rs and every output are the bits launch_gdn_decode stores.
 template <int kRows>
-__global__ void __launch_bounds__(kOutThreads) gdn_out_kernel(OutArgs a) {
-  extern __shared__ float4 x_smem[];
+__global__ void __launch_bounds__(kGateThreads) gdn_gate_kernel(GateArgs a) {
+  constexpr int kMaxBlockRows = kGateThreads / 8 * 4;  // teams of >= 8 lanes, <= 4 rows each
+  __shared__ float zs[kMaxBlockRows];
+  __shared__ float rs[kMaxBlockRows / 4 + 2];  // heads of the block's rows (dv >= 4)
   float acc[kRows];
   int lane = 0;
-  const GatedNormX xs{a.o, a.z, a.w, a.hv, a.dv, a.eps, reinterpret_cast<float*>(x_smem)};
   const int64_t row0 =
-      dev::gemv_bf16_team_rows<kRows, kOutThreads>(a.g, blockIdx.x, xs, acc, &lane);
-  if (lane != 0) return;
+      dev::gemv_bf16_team_rows<kRows, kGateThreads, dev::GemvXGlobal<true, true>, true>(
+          a.g, blockIdx.x, dev::GemvXGlobal<true, true>{a.x}, acc, &lane);
+  // After the wait (the last step above): o is the recurrence's output.
+  const int teams = kGateThreads >> a.g.team_log2;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * teams * kRows;
+  const int64_t block_rows = int64_t{teams} * kRows, left = a.g.rows - first;
+  const int nrows = static_cast<int>(left < block_rows ? left : block_rows);
+  if (lane == 0) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    if (row0 + r < a.g.rows) a.y[row0 + r] = acc[r];
+    for (int r = 0; r < kRows; ++r)
+      if (row0 + r < a.g.rows) zs[row0 + r - first] = acc[r];
+  }
+  const int h0 = static_cast<int>(first / a.dv);
+  const int nh = static_cast<int>((first + nrows - 1) / a.dv) - h0 + 1;
+  const int wl = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int hh = warp; hh < nh; hh += kGateThreads / 32) {
+    const float* oh = a.o + static_cast<int64_t>(h0 + hh) * a.dv;
+    float ss = 0.0f;
+    for (int vw = 0; vw < kWarps && 32 * vw < a.dv; ++vw) {  // virtual warp vw: 32 vw + lane
+      float t_ss = 0.0f;
+      for (int t = 32 * vw + wl; t < a.dv; t += kThreads) {
+        const float v = __ldcg(oh + t);
+        t_ss = fmaf(v, v, t_ss);
+      }
+      for (int off = 16; off > 0; off >>= 1) t_ss += __shfl_xor_sync(0xffffffffu, t_ss, off);
+      ss = vw == 0 ? t_ss : ss + t_ss;  // the empty virtual warps add +0: no change
+    }
+    if (wl == 0) rs[hh] = 1.0f / sqrtf(ss / static_cast<float>(a.dv) + a.eps);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nrows; i += kGateThreads) {
+    const int64_t row = first + i;
+    const int h = static_cast<int>(row / a.dv), t = static_cast<int>(row - int64_t{h} * a.dv);
+    const float v = __ldcg(a.o + row) * rs[h - h0] * a.w[t] * sigmoid2(zs[i]);
+    a.out[row] = dev::float_to_bf16_bits(v);
+  }
 }
 
 }  // namespace
 
-void launch_gdn_out(const GdnOutParams& p, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_gdn_out";
-  FN_LAUNCH_REQUIRE(p.weight != nullptr && p.o != nullptr && p.z != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.norm_weight != nullptr && p.y != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= INT32_MAX && p.num_v_heads >= 1, kOp);
-  FN_LAUNCH_REQUIRE(p.v_head_dim >= 8 && p.v_head_dim % 8 == 0 && p.v_head_dim <= kMaxHeadDim, kOp);
-  const int64_t n = int64_t{p.num_v_heads} * p.v_head_dim;
-  FN_LAUNCH_REQUIRE(n <= kMaxOutInputs && p.eps >= 0.0f, kOp);
-  FN_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0, kOp);
+void launch_gdn_gate(const GdnGateParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_gdn_gate";
+  FN_LAUNCH_REQUIRE(p.weight != nullptr && p.x != nullptr && p.o != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.norm_weight != nullptr && p.out != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.cols >= 8 && p.cols % 8 == 0 && p.ld >= p.cols && p.ld % 8 == 0, kOp);
+  FN_LAUNCH_REQUIRE(p.cols / 8 <= INT32_MAX && p.num_v_heads >= 1, kOp);
+  FN_LAUNCH_REQUIRE(p.v_head_dim >= 4 && p.v_head_dim % 4 == 0 && p.v_head_dim <= kMaxHeadDim, kOp);
+  FN_LAUNCH_REQUIRE(p.eps >= 0.0f && int64_t{p.num_v_heads} * p.v_head_dim <= INT32_MAX, kOp);
+  FN_LAUNCH_REQUIRE(detail::aligned(p.weight, 16) && detail::aligned(p.x, 16), kOp);
+  const int64_t rows = int64_t{p.num_v_heads} * p.v_head_dim;
   GemvBf16Plan plan = p.plan;
-  if (plan.team_threads == 0) plan = plan_gemv_bf16(p.rows, n, detail::current_sm_count());
+  if (plan.team_threads == 0) plan = plan_gemv_bf16(rows, p.cols, detail::current_sm_count());
   const int t = plan.team_threads;
-  FN_LAUNCH_REQUIRE(t >= 8 && t <= kOutThreads && (t & (t - 1)) == 0, kOp);
+  FN_LAUNCH_REQUIRE(t >= 8 && t <= kGateThreads && (t & (t - 1)) == 0, kOp);
   FN_LAUNCH_REQUIRE(plan.rows_per_team == 1 || plan.rows_per_team == 2 || plan.rows_per_team == 4,
                     kOp);
-  if (plan.blocks == 0) plan.blocks = gemv_bf16_blocks(p.rows, plan);
-  FN_LAUNCH_REQUIRE(plan.blocks == gemv_bf16_blocks(p.rows, plan), kOp);
-  OutArgs a{};
-  a.g = dev::GemvRows{p.weight, p.rows, n, static_cast<int>(n / 8),
+  if (plan.blocks == 0) plan.blocks = gemv_bf16_blocks(rows, plan);
+  FN_LAUNCH_REQUIRE(plan.blocks == gemv_bf16_blocks(rows, plan) && plan.blocks <= INT32_MAX, kOp);
+  // A block's rows span at most (rows per block - 1) / dv + 2 heads (the rs slots).
+  GateArgs a{};
+  a.g = dev::GemvRows{p.weight, rows, p.ld, static_cast<int>(p.cols / 8),
                       __builtin_ctz(static_cast<unsigned>(t))};
+  a.x = p.x;
   a.o = p.o;
-  a.z = p.z;
   a.w = p.norm_weight;
   a.hv = p.num_v_heads;
   a.dv = p.v_head_dim;
   a.eps = p.eps;
-  a.y = p.y;
-  const size_t smem = static_cast<size_t>(n + p.num_v_heads) * sizeof(float);
+  a.out = p.out;
   const dim3 grid(static_cast<unsigned>(plan.blocks));
-  auto go = [&](auto kernel) {
-    FN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-    launch_pdl("gdn_out_kernel", kernel, grid, kOutThreads, smem, stream, a);
-  };
   switch (plan.rows_per_team) {
     case 4:
-      go(gdn_out_kernel<4>);
+      launch_pdl("gdn_gate_kernel", gdn_gate_kernel<4>, grid, kGateThreads, 0, stream, a);
       break;
     case 2:
-      go(gdn_out_kernel<2>);
+      launch_pdl("gdn_gate_kernel", gdn_gate_kernel<2>, grid, kGateThreads, 0, stream, a);
       break;
     default:
-      go(gdn_out_kernel<1>);
+      launch_pdl("gdn_gate_kernel", gdn_gate_kernel<1>, grid, kGateThreads, 0, stream, a);
       break;
   }
-  FN_CUDA_LAUNCH_CHECK("gdn_out_kernel");
+  FN_CUDA_LAUNCH_CHECK("gdn_gate_kernel");
 }
 
 }  // namespace fn

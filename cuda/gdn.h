@@ -59,37 +59,38 @@ struct GdnDecodeParams {
   /// dv columns per CTA: 0 lets plan_gdn_decode_slice choose; else 4, 8, 16 or 32, dividing dv,
   /// with dk * slice_columns <= 4096 (the state tile fits the registers). For benchmarks/tests.
   int slice_columns = 0;
-  /// true: step 7 (the gated norm) is left to launch_gdn_out: the recurrence writes o to
-  /// o_scratch only (not `out`) and reads no z, so z may still be computed (e.g. by a GEMV on
-  /// another stream) while it runs. false (default): the last CTA of each head writes `out`.
+  /// true: step 7 (the gated norm) is left to launch_gdn_gate: the recurrence writes o to
+  /// o_scratch only (not `out`) and reads no z, so z may still be computed (launch_gdn_gate's
+  /// GEMV runs beside it). false (default): the last CTA of each head writes `out`.
   bool defer_norm = false;
 };
 
-/// The out projection with step 7 folded into its input (MODEL.md §C.5 steps 7-8), after a
-/// launch_gdn_decode with defer_norm: x = the gated norm of o per head, exactly the BF16 values
-/// that launch_gdn_decode would store in `out` (same operations, same order), then y = W_out x as
-/// launch_gemv_bf16 computes it with the given plan (same bits as launch_gdn_decode +
-/// launch_gemv_bf16 with that plan). Every block of the GEMV recomputes the Hv * dv inputs into
-/// shared memory after the programmatic wait (its weights are loaded before it).
-struct GdnOutParams {
-  const uint16_t* weight = nullptr;    ///< W_out [rows, Hv*dv] BF16 bits, 16-byte aligned
-  int64_t rows = 0;                    ///< hidden_size (2560)
+/// The z rows of the stacked projection and step 7, after a launch_gdn_decode with defer_norm
+/// (MODEL.md §C.5 steps 1 (z only) and 7): z = W_z x as launch_gemv_bf16 computes it under the
+/// given plan (the plan of the whole stacked GEMV gives the bits of its z rows), then
+/// out = BF16(o * rsqrt(mean(o^2) + eps) * w * sigmoid(z)) per head, the bits launch_gdn_decode
+/// stores. The whole dot runs before the programmatic wait (x must come from a kernel at least
+/// two launches back, e.g. the HC read before the projection and the recurrence: cuda/pdl.cuh),
+/// so the GEMV overlaps the recurrence launched before it; step 7 runs after the wait.
+struct GdnGateParams {
+  const uint16_t* weight = nullptr;    ///< W_z [Hv*dv, cols] BF16 bits, row stride ld, 16-B aligned
+  int64_t cols = 0;                    ///< hidden_size: multiple of 8
+  int64_t ld = 0;                      ///< row stride of W_z in elements (>= cols, multiple of 8)
+  const float* x = nullptr;            ///< [cols] FP32 (the HC read's m), 16-byte aligned
   const float* o = nullptr;            ///< [Hv*dv] FP32 (GdnDecodeParams::o_scratch)
-  const float* z = nullptr;            ///< [Hv*dv] FP32 (the z rows of the projection)
   const float* norm_weight = nullptr;  ///< [dv] FP32 (GdnDecodeParams::norm_weight)
   int num_v_heads = 0;                 ///< Hv (this rank's)
-  int v_head_dim = 0;                  ///< dv: multiple of 8, <= 1024
+  int v_head_dim = 0;                  ///< dv: multiple of 4, <= 1024
   float eps = 1e-6f;                   ///< rms_norm_eps
-  float* y = nullptr;                  ///< out: [rows] FP32
-  /// The GEMV plan; zero: plan_gemv_bf16(rows, Hv*dv) (the plan of launch_gemv_bf16). blocks 0
-  /// with a team set: gemv_bf16_blocks(rows, plan).
+  uint16_t* out = nullptr;             ///< out: [Hv*dv] BF16 bits (the out projection's input)
+  /// Team and rows per team of the GEMV; zero: planned for Hv*dv rows. blocks 0 with a team set:
+  /// gemv_bf16_blocks(Hv*dv, plan).
   GemvBf16Plan plan{};
 };
 
-/// Launches the gated-norm out projection. Hv * dv <= 16,384 (the inputs in 64 KB of shared
-/// memory). Throws fn::Error(Internal) on a null pointer, bad sizes, misalignment or a bad plan;
-/// fn::Error(Cuda) on a failed launch. Legal during stream capture.
-void launch_gdn_out(const GdnOutParams& params, cudaStream_t stream);
+/// Launches the gate kernel. Throws fn::Error(Internal) on a null pointer, bad sizes,
+/// misalignment or a bad plan; fn::Error(Cuda) on a failed launch. Legal during stream capture.
+void launch_gdn_gate(const GdnGateParams& params, cudaStream_t stream);
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);
 /// the state slice stays in registers, loaded and stored once with coalesced 16-byte accesses

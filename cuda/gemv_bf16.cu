@@ -33,7 +33,7 @@ struct GemvArgs {
 // One team of (1 << team_log2) lanes computes kRows consecutive rows (dev::gemv_bf16_team_rows,
 // cuda/gemv_bf16.cuh: the weight preload before the programmatic-dependent wait, the dot, the
 // fixed-order team reduction); the team's lane 0 stores them.
-template <int kRows, bool kXF32, bool kYBf16, bool kXBeforeWait = false>
+template <int kRows, bool kXF32, bool kYBf16>
 __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
   float acc[kRows];
   int lane = 0;
@@ -41,11 +41,8 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
   const dev::GemvRows g{second ? a.weight2 : a.weight, second ? a.rows2 : a.rows, a.ld, a.nvec,
                         a.team_log2};
   void* y = second ? a.y2 : a.y;
-  const int64_t row0 =
-      dev::gemv_bf16_team_rows<kRows, kBlockThreads, dev::GemvXGlobal<kXF32, kXBeforeWait>,
-                               kXBeforeWait>(g, second ? blockIdx.x - a.blocks1 : blockIdx.x,
-                                             dev::GemvXGlobal<kXF32, kXBeforeWait>{a.x}, acc,
-                                             &lane);
+  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kBlockThreads>(
+      g, second ? blockIdx.x - a.blocks1 : blockIdx.x, dev::GemvXGlobal<kXF32>{a.x}, acc, &lane);
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -60,24 +57,20 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
 }
 
 template <int kRows>
-void dispatch_dtypes(const GemvArgs& a, bool x_f32, bool y_bf16, int64_t blocks, bool pdl,
-                     bool x_before_wait, cudaStream_t stream) {
+void dispatch_dtypes(const GemvArgs& a, bool x_f32, bool y_bf16, int64_t blocks,
+                     cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kBlockThreads);
   constexpr const char* kName = "gemv_bf16_kernel";
-  if (x_before_wait) {  // FP32 x and y only (the launcher checks)
-    launch_maybe_pdl(pdl, kName, gemv_bf16_kernel<kRows, true, false, true>, grid, block, 0, stream,
-                     a);
-  } else if (x_f32) {
+  if (x_f32) {
     if (y_bf16)
-      launch_maybe_pdl(pdl, kName, gemv_bf16_kernel<kRows, true, true>, grid, block, 0, stream, a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, true, true>, grid, block, 0, stream, a);
     else
-      launch_maybe_pdl(pdl, kName, gemv_bf16_kernel<kRows, true, false>, grid, block, 0, stream, a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, true, false>, grid, block, 0, stream, a);
   } else {
     if (y_bf16)
-      launch_maybe_pdl(pdl, kName, gemv_bf16_kernel<kRows, false, true>, grid, block, 0, stream, a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, false, true>, grid, block, 0, stream, a);
     else
-      launch_maybe_pdl(pdl, kName, gemv_bf16_kernel<kRows, false, false>, grid, block, 0, stream,
-                       a);
+      launch_pdl(kName, gemv_bf16_kernel<kRows, false, false>, grid, block, 0, stream, a);
   }
 }
 
@@ -129,7 +122,6 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(plan.rows_per_team == 1 || plan.rows_per_team == 2 || plan.rows_per_team == 4,
                     kOp);
   FN_LAUNCH_REQUIRE(plan.blocks == blocks_for(p.rows, plan.rows_per_team, t), kOp);
-  FN_LAUNCH_REQUIRE(!p.x_before_wait || (p.x_dtype == DType::F32 && p.y_dtype == DType::F32), kOp);
   const bool two = p.weight2 != nullptr;
   FN_LAUNCH_REQUIRE(!two || (p.rows2 >= 1 && p.y2 != nullptr && aligned(p.weight2, 16)), kOp);
   const int64_t blocks2 = two ? blocks_for(p.rows2, plan.rows_per_team, t) : 0;
@@ -151,13 +143,13 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   const bool x_f32 = p.x_dtype == DType::F32, y_bf16 = p.y_dtype == DType::BF16;
   switch (plan.rows_per_team) {
     case 4:
-      dispatch_dtypes<4>(a, x_f32, y_bf16, blocks, p.pdl, p.x_before_wait, stream);
+      dispatch_dtypes<4>(a, x_f32, y_bf16, blocks, stream);
       break;
     case 2:
-      dispatch_dtypes<2>(a, x_f32, y_bf16, blocks, p.pdl, p.x_before_wait, stream);
+      dispatch_dtypes<2>(a, x_f32, y_bf16, blocks, stream);
       break;
     default:
-      dispatch_dtypes<1>(a, x_f32, y_bf16, blocks, p.pdl, p.x_before_wait, stream);
+      dispatch_dtypes<1>(a, x_f32, y_bf16, blocks, stream);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("gemv_bf16_kernel");

@@ -41,13 +41,6 @@ struct GemvBf16Params {
   const uint16_t* weight2 = nullptr;
   int64_t rows2 = 0;
   void* y2 = nullptr;
-  /// false: launched without the programmatic-dependent attribute (it then starts only when the
-  /// work before it in the stream, e.g. an event wait, is complete). true (default): PDL.
-  bool pdl = true;
-  /// true (FP32 x and y only): x was written by a kernel at least two launches back, so the whole
-  /// dot runs before the programmatic wait (x read through L2) and only the stores wait: the
-  /// GEMV overlaps its predecessor (cuda/pdl.cuh). Same bits. false (default): x after the wait.
-  bool x_before_wait = false;
 };
 
 /// The launch plan for a rows x cols GEMV on a GPU with sm_count multiprocessors: at most 16

@@ -262,9 +262,8 @@ TEST_CASE("cuda gemv: the launcher rejects bad shapes, misalignment, dtypes and 
 
 TEST_CASE("cuda gemv: a stacked matrix split into a two-matrix launch and a plain one, bitwise") {
   // The GDN projection's split (cuda_model.cpp, CudaModelOptions::gdn_split): rows [0, a) and
-  // [a + b, n) as the two matrices of one launch, rows [a, a + b) alone (without PDL; then with
-  // the dot before the programmatic wait), all with the plan of the whole n rows: each row gets
-  // the whole GEMV's bits.
+  // [a + b, n) as the two matrices of one launch, rows [a, a + b) alone, all with the plan of the
+  // whole n rows: each row gets the whole GEMV's bits.
   const Shape s{16480, 2560, 2560};
   const Problem p = make_problem(s, false, false, 91);
   DeviceArray<uint16_t> w(p.w);
@@ -294,23 +293,10 @@ TEST_CASE("cuda gemv: a stacked matrix split into a two-matrix launch and a plai
   mid.rows = b;
   mid.y = y_split.ptr + a;
   mid.plan.blocks = fn::gemv_bf16_blocks(b, whole);
-  mid.pdl = false;
   fn::launch_gemv_bf16(mid, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   const auto yw = y_whole.download(), ys = y_split.download();
   CHECK(std::memcmp(yw.data(), ys.data(), yw.size() * 4) == 0);
-  // The middle rows again with the whole dot before the programmatic wait (x through L2).
-  FN_CUDA_CHECK(cudaMemset(y_split.ptr + a, 0xff, b * 4));
-  mid.pdl = true;
-  mid.x_before_wait = true;
-  fn::launch_gemv_bf16(two, nullptr);
-  fn::launch_gemv_bf16(mid, nullptr);
-  FN_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto ys2 = y_split.download();
-  CHECK(std::memcmp(yw.data(), ys2.data(), yw.size() * 4) == 0);
-  fn::GemvBf16Params bf = mid;  // FP32 x and y only
-  bf.y_dtype = DType::BF16;
-  CHECK_THROWS_AS(fn::launch_gemv_bf16(bf, nullptr), fn::Error);
   // A second matrix needs rows, an output and 16-byte alignment.
   fn::GemvBf16Params bad = two;
   bad.y2 = nullptr;

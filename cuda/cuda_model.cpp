@@ -30,7 +30,6 @@
 #include "cuda/gdn.h"
 #include "cuda/gemv_bf16.h"
 #include "cuda/hc.h"
-#include "cuda/launch_check.h"
 #include "cuda/moe_nvfp4.h"
 #include "cuda/moe_shared.h"
 #include "cuda/ple.h"
@@ -808,8 +807,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_fused = o.moe_fused && moe_fused_supported(static_cast<int>(k), rd.moe_inter, D);
-  // The gated norm in the out GEMV holds Hv * dv inputs in shared memory (launch_gdn_out).
-  const bool gdn_split = o.gdn_split;
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -891,63 +888,17 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     } else {
       mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
+      if (on(StepLaunch::InProj))
+        launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
       GdnDecodeParams gp;
       set_gdn_layer(gp, c, rd, g);
       gp.proj = proj;
       gp.out = mix_out;
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
-      if (gdn_split) {
-        // CudaModelOptions::gdn_split: the stacked GEMV without its z rows (qkv, then a and b as
-        // a second matrix of the same launch), the recurrence without the gated norm, then the z
-        // rows + gated norm (launch_gdn_gate: its x, m, is three launches back, so its dot runs
-        // beside the recurrence, before its programmatic wait), then the out GEMV. The plan of
-        // the whole stacked matrix for every part: the same bits as one GEMV.
-        const int64_t z_rows = Hv_l * dv, qkv_rows = g.in_rows - z_rows - 2 * Hv_l;
-        GemvBf16Plan whole = plan_gemv_bf16(g.in_rows, D, detail::current_sm_count());
-        auto part = [&](const uint16_t* w, int64_t rows, float* out) {
-          GemvBf16Params gv;
-          gv.weight = w;
-          gv.rows = rows;
-          gv.cols = D;
-          gv.ld = D;
-          gv.x = m;
-          gv.x_dtype = DType::F32;
-          gv.y = out;
-          gv.y_dtype = DType::F32;
-          gv.plan = whole;
-          gv.plan.blocks = gemv_bf16_blocks(rows, whole);
-          return gv;
-        };
-        GemvBf16Params main = part(g.in_proj, qkv_rows, proj);
-        main.weight2 = g.in_proj + (qkv_rows + z_rows) * D;
-        main.rows2 = 2 * Hv_l;
-        main.y2 = proj + qkv_rows + z_rows;
-        if (on(StepLaunch::InProj)) launch_gemv_bf16(main, s);
-        gp.defer_norm = true;
-        if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
-        GdnGateParams gg;
-        gg.weight = g.in_proj + qkv_rows * D;
-        gg.cols = gg.ld = D;
-        gg.x = m;
-        gg.o = g.o_scratch;
-        gg.norm_weight = g.norm;
-        gg.num_v_heads = static_cast<int>(Hv_l);
-        gg.v_head_dim = static_cast<int>(dv);
-        gg.eps = eps;
-        gg.out = mix_out;
-        gg.plan = whole;
-        gg.plan.blocks = gemv_bf16_blocks(z_rows, whole);
-        if (on(StepLaunch::InProj)) launch_gdn_gate(gg, s);
-        if (on(StepLaunch::OutProj))
-          launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
-      } else {
-        if (on(StepLaunch::InProj))
-          launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
-        if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
-        if (on(StepLaunch::OutProj))
-          launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
-      }
+      if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
+      if (on(StepLaunch::OutProj))
+        launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
     }
     all_reduce(y, D);
     inject();
@@ -1020,7 +971,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     dn.bulk = moe_bulk_dn;
-    dn.mma = o.moe_down_mma;
     if (moe_fused) {
       launch_moe_fused_nvfp4(gu, dn, moe_barrier, s);
     } else {

@@ -85,14 +85,6 @@ struct CudaModelOptions {
   bool moe_fused = false;
   /// MoeGateUpParams::ring_stages of the routed gate+up (bulk or fused): 0 planned, 1..6 (A/B).
   int moe_ring_stages = 0;
-  /// The routed down on the round-based tensor-core kernel (MoeDownParams::mma) where the bulk
-  /// and fused kernels are off (A/B benches).
-  bool moe_down_mma = false;
-  /// GDN layers: the z rows of the stacked projection GEMV run beside the recurrence
-  /// (launch_gdn_gate, launched after it, its whole dot before its programmatic wait; the
-  /// recurrence needs z only for the gated norm, which moves into that kernel). Same bits as the
-  /// plain sequence. false: one GEMV, the recurrence with the norm, the out GEMV (A/B benches).
-  bool gdn_split = true;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

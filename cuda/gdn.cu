@@ -21,7 +21,6 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/gdn_common.cuh"
-#include "cuda/gemv_bf16.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
 
@@ -114,7 +113,6 @@ struct RecArgs {
   int K;
   int fused;  // 1: the conv runs inside this kernel (one launch)
   float eps;
-  int defer_norm;  // 1: step 7 left to launch_gdn_out (no z read, no `out`)
 };
 
 // Sum of two values over the block in a fixed order (butterfly per warp, warps ascending); every
@@ -287,9 +285,9 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   // which every CTA of the key head has read by now.
   if (tid == 0) {
     __threadfence();
-    const unsigned int prev = a.defer_norm ? 0u : atomicAdd(a.counters + h, 1u);
+    const unsigned int prev = atomicAdd(a.counters + h, 1u);
     const unsigned int prev_k = a.fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
-    last_head = !a.defer_norm && prev == static_cast<unsigned int>(slices - 1);
+    last_head = prev == static_cast<unsigned int>(slices - 1);
     last_key = a.fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
     if (last_head) a.counters[h] = 0u;  // ready for the next launch (stream order)
     if (last_key) a.counters[a.Hv + i] = 0u;
@@ -396,8 +394,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             conv_dim,
             p.conv_kernel,
             p.fused_conv ? 1 : 0,
-            p.eps,
-            p.defer_norm ? 1 : 0};
+            p.eps};
   const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
   if (!p.fused_conv) {
     launch_pdl("gdn_conv_kernel", gdn_conv_kernel, (conv_dim + kThreads - 1) / kThreads, kThreads,
@@ -407,118 +404,6 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   launch_maybe_pdl(p.fused_conv || p.overlap_launch, "gdn_recurrent_kernel", gdn_recurrent_kernel,
                    grid, kThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel");
-}
-
-namespace {
-
-constexpr int kGateThreads = 256;  // the GEMV block (gemv_bf16.cu's)
-
-struct GateArgs {
-  dev::GemvRows g;  // the z rows of the stacked projection
-  const float* x;   // m, FP32
-  const float* o;
-  const float* w;
-  int hv, dv;
-  float eps;
-  uint16_t* out;
-};
-
-// The z rows of the projection (dev::gemv_bf16_team_rows with the dot before the programmatic
-// wait: m is three launches back), then step 7 for the block's rows. The sum of squares of head h
-// is formed as the recurrence kernel's last CTA forms it (thread t of a 256-thread block holds
-// fmaf(o, o) over t, t + 256, ...; butterfly per warp; warps added in increasing order): warp w
-// of this block takes the block's heads w, w + 8, ... and forms the 8 virtual warps' butterflies
-// in order, so rs and every output are the bits launch_gdn_decode stores.
-template <int kRows>
-__global__ void __launch_bounds__(kGateThreads) gdn_gate_kernel(GateArgs a) {
-  constexpr int kMaxBlockRows = kGateThreads / 8 * 4;  // teams of >= 8 lanes, <= 4 rows each
-  __shared__ float zs[kMaxBlockRows];
-  __shared__ float rs[kMaxBlockRows / 4 + 2];  // heads of the block's rows (dv >= 4)
-  float acc[kRows];
-  int lane = 0;
-  const int64_t row0 =
-      dev::gemv_bf16_team_rows<kRows, kGateThreads, dev::GemvXGlobal<true, true>, true>(
-          a.g, blockIdx.x, dev::GemvXGlobal<true, true>{a.x}, acc, &lane);
-  // After the wait (the last step above): o is the recurrence's output.
-  const int teams = kGateThreads >> a.g.team_log2;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * teams * kRows;
-  const int64_t block_rows = int64_t{teams} * kRows, left = a.g.rows - first;
-  const int nrows = static_cast<int>(left < block_rows ? left : block_rows);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (row0 + r < a.g.rows) zs[row0 + r - first] = acc[r];
-  }
-  const int h0 = static_cast<int>(first / a.dv);
-  const int nh = static_cast<int>((first + nrows - 1) / a.dv) - h0 + 1;
-  const int wl = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int hh = warp; hh < nh; hh += kGateThreads / 32) {
-    const float* oh = a.o + static_cast<int64_t>(h0 + hh) * a.dv;
-    float ss = 0.0f;
-    for (int vw = 0; vw < kWarps && 32 * vw < a.dv; ++vw) {  // virtual warp vw: 32 vw + lane
-      float t_ss = 0.0f;
-      for (int t = 32 * vw + wl; t < a.dv; t += kThreads) {
-        const float v = __ldcg(oh + t);
-        t_ss = fmaf(v, v, t_ss);
-      }
-      for (int off = 16; off > 0; off >>= 1) t_ss += __shfl_xor_sync(0xffffffffu, t_ss, off);
-      ss = vw == 0 ? t_ss : ss + t_ss;  // the empty virtual warps add +0: no change
-    }
-    if (wl == 0) rs[hh] = 1.0f / sqrtf(ss / static_cast<float>(a.dv) + a.eps);
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < nrows; i += kGateThreads) {
-    const int64_t row = first + i;
-    const int h = static_cast<int>(row / a.dv), t = static_cast<int>(row - int64_t{h} * a.dv);
-    const float v = __ldcg(a.o + row) * rs[h - h0] * a.w[t] * sigmoid2(zs[i]);
-    a.out[row] = dev::float_to_bf16_bits(v);
-  }
-}
-
-}  // namespace
-
-void launch_gdn_gate(const GdnGateParams& p, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_gdn_gate";
-  FN_LAUNCH_REQUIRE(p.weight != nullptr && p.x != nullptr && p.o != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.norm_weight != nullptr && p.out != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.cols >= 8 && p.cols % 8 == 0 && p.ld >= p.cols && p.ld % 8 == 0, kOp);
-  FN_LAUNCH_REQUIRE(p.cols / 8 <= INT32_MAX && p.num_v_heads >= 1, kOp);
-  FN_LAUNCH_REQUIRE(p.v_head_dim >= 4 && p.v_head_dim % 4 == 0 && p.v_head_dim <= kMaxHeadDim, kOp);
-  FN_LAUNCH_REQUIRE(p.eps >= 0.0f && int64_t{p.num_v_heads} * p.v_head_dim <= INT32_MAX, kOp);
-  FN_LAUNCH_REQUIRE(detail::aligned(p.weight, 16) && detail::aligned(p.x, 16), kOp);
-  const int64_t rows = int64_t{p.num_v_heads} * p.v_head_dim;
-  GemvBf16Plan plan = p.plan;
-  if (plan.team_threads == 0) plan = plan_gemv_bf16(rows, p.cols, detail::current_sm_count());
-  const int t = plan.team_threads;
-  FN_LAUNCH_REQUIRE(t >= 8 && t <= kGateThreads && (t & (t - 1)) == 0, kOp);
-  FN_LAUNCH_REQUIRE(plan.rows_per_team == 1 || plan.rows_per_team == 2 || plan.rows_per_team == 4,
-                    kOp);
-  if (plan.blocks == 0) plan.blocks = gemv_bf16_blocks(rows, plan);
-  FN_LAUNCH_REQUIRE(plan.blocks == gemv_bf16_blocks(rows, plan) && plan.blocks <= INT32_MAX, kOp);
-  // A block's rows span at most (rows per block - 1) / dv + 2 heads (the rs slots).
-  GateArgs a{};
-  a.g = dev::GemvRows{p.weight, rows, p.ld, static_cast<int>(p.cols / 8),
-                      __builtin_ctz(static_cast<unsigned>(t))};
-  a.x = p.x;
-  a.o = p.o;
-  a.w = p.norm_weight;
-  a.hv = p.num_v_heads;
-  a.dv = p.v_head_dim;
-  a.eps = p.eps;
-  a.out = p.out;
-  const dim3 grid(static_cast<unsigned>(plan.blocks));
-  switch (plan.rows_per_team) {
-    case 4:
-      launch_pdl("gdn_gate_kernel", gdn_gate_kernel<4>, grid, kGateThreads, 0, stream, a);
-      break;
-    case 2:
-      launch_pdl("gdn_gate_kernel", gdn_gate_kernel<2>, grid, kGateThreads, 0, stream, a);
-      break;
-    default:
-      launch_pdl("gdn_gate_kernel", gdn_gate_kernel<1>, grid, kGateThreads, 0, stream, a);
-      break;
-  }
-  FN_CUDA_LAUNCH_CHECK("gdn_gate_kernel");
 }
 
 }  // namespace fn

@@ -9,8 +9,6 @@
 
 #include <cstdint>
 
-#include "cuda/gemv_bf16.h"
-
 namespace fn {
 
 /// Operands of one GDN decode step of one rank (its TP slice of heads). All pointers are device
@@ -59,38 +57,7 @@ struct GdnDecodeParams {
   /// dv columns per CTA: 0 lets plan_gdn_decode_slice choose; else 4, 8, 16 or 32, dividing dv,
   /// with dk * slice_columns <= 4096 (the state tile fits the registers). For benchmarks/tests.
   int slice_columns = 0;
-  /// true: step 7 (the gated norm) is left to launch_gdn_gate: the recurrence writes o to
-  /// o_scratch only (not `out`) and reads no z, so z may still be computed (launch_gdn_gate's
-  /// GEMV runs beside it). false (default): the last CTA of each head writes `out`.
-  bool defer_norm = false;
 };
-
-/// The z rows of the stacked projection and step 7, after a launch_gdn_decode with defer_norm
-/// (MODEL.md §C.5 steps 1 (z only) and 7): z = W_z x as launch_gemv_bf16 computes it under the
-/// given plan (the plan of the whole stacked GEMV gives the bits of its z rows), then
-/// out = BF16(o * rsqrt(mean(o^2) + eps) * w * sigmoid(z)) per head, the bits launch_gdn_decode
-/// stores. The whole dot runs before the programmatic wait (x must come from a kernel at least
-/// two launches back, e.g. the HC read before the projection and the recurrence: cuda/pdl.cuh),
-/// so the GEMV overlaps the recurrence launched before it; step 7 runs after the wait.
-struct GdnGateParams {
-  const uint16_t* weight = nullptr;    ///< W_z [Hv*dv, cols] BF16 bits, row stride ld, 16-B aligned
-  int64_t cols = 0;                    ///< hidden_size: multiple of 8
-  int64_t ld = 0;                      ///< row stride of W_z in elements (>= cols, multiple of 8)
-  const float* x = nullptr;            ///< [cols] FP32 (the HC read's m), 16-byte aligned
-  const float* o = nullptr;            ///< [Hv*dv] FP32 (GdnDecodeParams::o_scratch)
-  const float* norm_weight = nullptr;  ///< [dv] FP32 (GdnDecodeParams::norm_weight)
-  int num_v_heads = 0;                 ///< Hv (this rank's)
-  int v_head_dim = 0;                  ///< dv: multiple of 4, <= 1024
-  float eps = 1e-6f;                   ///< rms_norm_eps
-  uint16_t* out = nullptr;             ///< out: [Hv*dv] BF16 bits (the out projection's input)
-  /// Team and rows per team of the GEMV; zero: planned for Hv*dv rows. blocks 0 with a team set:
-  /// gemv_bf16_blocks(Hv*dv, plan).
-  GemvBf16Plan plan{};
-};
-
-/// Launches the gate kernel. Throws fn::Error(Internal) on a null pointer, bad sizes,
-/// misalignment or a bad plan; fn::Error(Cuda) on a failed launch. Legal during stream capture.
-void launch_gdn_gate(const GdnGateParams& params, cudaStream_t stream);
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);
 /// the state slice stays in registers, loaded and stored once with coalesced 16-byte accesses

@@ -24,10 +24,6 @@ struct GemvArgs {
   int team_log2;
   const void* x;
   void* y;
-  int64_t blocks1;  // blocks of the first matrix; the rest compute weight2 (GemvBf16Params)
-  const uint16_t* weight2;
-  int64_t rows2;
-  void* y2;
 };
 
 // One team of (1 << team_log2) lanes computes kRows consecutive rows (dev::gemv_bf16_team_rows,
@@ -37,21 +33,18 @@ template <int kRows, bool kXF32, bool kYBf16>
 __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
   float acc[kRows];
   int lane = 0;
-  const bool second = blockIdx.x >= a.blocks1;  // block-uniform
-  const dev::GemvRows g{second ? a.weight2 : a.weight, second ? a.rows2 : a.rows, a.ld, a.nvec,
-                        a.team_log2};
-  void* y = second ? a.y2 : a.y;
+  const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2};
   const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kBlockThreads>(
-      g, second ? blockIdx.x - a.blocks1 : blockIdx.x, dev::GemvXGlobal<kXF32>{a.x}, acc, &lane);
+      g, blockIdx.x, dev::GemvXGlobal<kXF32>{a.x}, acc, &lane);
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t row = row0 + r;
-    if (row < g.rows) {
+    if (row < a.rows) {
       if constexpr (kYBf16)
-        static_cast<uint16_t*>(y)[row] = dev::float_to_bf16_bits(acc[r]);
+        static_cast<uint16_t*>(a.y)[row] = dev::float_to_bf16_bits(acc[r]);
       else
-        static_cast<float*>(y)[row] = acc[r];
+        static_cast<float*>(a.y)[row] = acc[r];
     }
   }
 }
@@ -83,10 +76,6 @@ int64_t blocks_for(int64_t rows, int rows_per_team, int team_threads) {
 using detail::aligned;
 
 }  // namespace
-
-int64_t gemv_bf16_blocks(int64_t rows, const GemvBf16Plan& plan) {
-  return blocks_for(rows, plan.rows_per_team, plan.team_threads);
-}
 
 GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count) {
   const int64_t nvec = cols / 8;
@@ -122,10 +111,7 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(plan.rows_per_team == 1 || plan.rows_per_team == 2 || plan.rows_per_team == 4,
                     kOp);
   FN_LAUNCH_REQUIRE(plan.blocks == blocks_for(p.rows, plan.rows_per_team, t), kOp);
-  const bool two = p.weight2 != nullptr;
-  FN_LAUNCH_REQUIRE(!two || (p.rows2 >= 1 && p.y2 != nullptr && aligned(p.weight2, 16)), kOp);
-  const int64_t blocks2 = two ? blocks_for(p.rows2, plan.rows_per_team, t) : 0;
-  FN_LAUNCH_REQUIRE(plan.blocks + blocks2 <= INT32_MAX, kOp);
+  FN_LAUNCH_REQUIRE(plan.blocks <= INT32_MAX, kOp);
 
   GemvArgs a{};
   a.weight = p.weight;
@@ -135,21 +121,16 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(t));
   a.x = p.x;
   a.y = p.y;
-  a.blocks1 = plan.blocks;
-  a.weight2 = p.weight2;
-  a.rows2 = p.rows2;
-  a.y2 = p.y2;
-  const int64_t blocks = plan.blocks + blocks2;
   const bool x_f32 = p.x_dtype == DType::F32, y_bf16 = p.y_dtype == DType::BF16;
   switch (plan.rows_per_team) {
     case 4:
-      dispatch_dtypes<4>(a, x_f32, y_bf16, blocks, stream);
+      dispatch_dtypes<4>(a, x_f32, y_bf16, plan.blocks, stream);
       break;
     case 2:
-      dispatch_dtypes<2>(a, x_f32, y_bf16, blocks, stream);
+      dispatch_dtypes<2>(a, x_f32, y_bf16, plan.blocks, stream);
       break;
     default:
-      dispatch_dtypes<1>(a, x_f32, y_bf16, blocks, stream);
+      dispatch_dtypes<1>(a, x_f32, y_bf16, plan.blocks, stream);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("gemv_bf16_kernel");

@@ -24,16 +24,15 @@ struct GemvRows {
 };
 
 /// x read from global memory, FP32 (kXF32) or BF16 bits: eight values of 16-byte vector v
-/// (columns 8v .. 8v+7) as floats. prepare() is a no-op. kL2 (FP32 only): loads through L2
-/// (ld.global.cg), for an x read before the programmatic wait (cuda/pdl.cuh).
-template <bool kXF32, bool kL2 = false>
+/// (columns 8v .. 8v+7) as floats. prepare() is a no-op.
+template <bool kXF32>
 struct GemvXGlobal {
   const void* x;
   __device__ __forceinline__ void prepare() const {}
   __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
     if constexpr (kXF32) {
       const float4* p = static_cast<const float4*>(x) + 2 * v;
-      const float4 a = kL2 ? __ldcg(p) : __ldg(p), b = kL2 ? __ldcg(p + 1) : __ldg(p + 1);
+      const float4 a = __ldg(p), b = __ldg(p + 1);
       xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
       xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
     } else {

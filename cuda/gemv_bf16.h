@@ -34,23 +34,12 @@ struct GemvBf16Params {
   void* y = nullptr;                 ///< y: [rows] FP32 or BF16 bits (y_dtype); must not alias x/W
   DType y_dtype = DType::F32;        ///< F32 or BF16 (round to nearest even)
   GemvBf16Plan plan{};               ///< zero: plan_gemv_bf16(rows, cols, SM count) per launch
-  /// Optional second matrix in the same launch: rows2 rows of the same width and row stride at
-  /// weight2 (16-byte aligned), y2 = W2 x ([rows2], y_dtype; must not alias x, W, W2 or y). The
-  /// plan's team applies to both, so each row gets the bits it gets in a single GEMV with that
-  /// team (e.g. a row range of a stacked matrix split in two launches). nullptr: none.
-  const uint16_t* weight2 = nullptr;
-  int64_t rows2 = 0;
-  void* y2 = nullptr;
 };
 
 /// The launch plan for a rows x cols GEMV on a GPU with sm_count multiprocessors: at most 16
 /// vectors per lane per row, and teams widened (then rows per team lowered) until the grid has at
 /// least 2 * sm_count blocks where the shape allows. Pure host arithmetic; deterministic.
 GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count);
-
-/// Grid blocks of a GEMV of `rows` rows under a plan's rows_per_team and team_threads (the
-/// plan's blocks field when it plans `rows`). Throws nothing; plan fields must be valid.
-int64_t gemv_bf16_blocks(int64_t rows, const GemvBf16Plan& plan);
 
 /// y = W x on `stream` (MODEL.md §C: every BF16 linear of the decode step). Each y[r] is
 /// sum_c W[r, c] * x[c] in FP32: every lane sums its columns in ascending order, then the lanes of

@@ -8,8 +8,7 @@
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1]
-//     [--moe-bulk-down 0|1] [--moe-fused 0|1] [--moe-stages 0..6] [--moe-down-mma 0|1]
-//     [--gdn-split 0|1] [--skip MASK] [--json FILE]
+//     [--moe-bulk-down 0|1] [--moe-fused 0|1] [--moe-stages 0..6] [--skip MASK] [--json FILE]
 //     (--unfused: CudaModelOptions::fused_step = false, every launch separate)
 #include <cuda_runtime_api.h>
 
@@ -50,8 +49,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool moe_fused = fn::CudaModelOptions{}.moe_fused;
   int moe_stages = 0;
   uint32_t skip = 0;
-  bool down_mma = false;
-  bool gdn_split = fn::CudaModelOptions{}.gdn_split;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -84,10 +81,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk_down = std::stoi(next()) != 0;
     else if (a == "--moe-fused")  // CudaModelOptions::moe_fused: 1 gate+up and down in one launch
       moe_fused = std::stoi(next()) != 0;
-    else if (a == "--moe-down-mma")  // CudaModelOptions::moe_down_mma: 1 the tensor-core down
-      down_mma = std::stoi(next()) != 0;
-    else if (a == "--gdn-split")  // CudaModelOptions::gdn_split: 1 z GEMV on a second stream
-      gdn_split = std::stoi(next()) != 0;
     else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
       skip = static_cast<uint32_t>(std::stoul(next(), nullptr, 0));
     else if (a == "--moe-stages")  // CudaModelOptions::moe_ring_stages: 0 planned, 1..6
@@ -118,8 +111,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.moe_fused = moe_fused;
   o.moe_ring_stages = moe_stages;
   o.bench_skip = skip;
-  o.moe_down_mma = down_mma;
-  o.gdn_split = gdn_split;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();

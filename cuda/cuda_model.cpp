@@ -627,7 +627,6 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   }
   weight_bytes = arena.held() - arena.state_held();
   router_ticket = arena.state_n<unsigned int>(1, "router ticket");
-  moe_barrier = arena.state_n<unsigned int>(2, "routed MoE grid barrier");
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -806,7 +805,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.moe_bulk && moe_gate_up_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
-  const bool moe_fused = o.moe_fused && moe_fused_supported(static_cast<int>(k), rd.moe_inter, D);
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -958,7 +956,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
     gu.bulk = moe_bulk_gu;
-    gu.ring_stages = o.moe_ring_stages;
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
@@ -971,12 +968,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     dn.bulk = moe_bulk_dn;
-    if (moe_fused) {
-      launch_moe_fused_nvfp4(gu, dn, moe_barrier, s);
-    } else {
-      if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
-      if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
-    }
+    if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
+    if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
       SharedDownCombineParams sd;

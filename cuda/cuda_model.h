@@ -76,15 +76,6 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
-  /// The routed gate+up and down in one launch (launch_moe_fused_nvfp4: sm_90+, the bulk kernels'
-  /// shapes; elsewhere moe_bulk / moe_bulk_down decide), taking precedence over moe_bulk and
-  /// moe_bulk_down; the down sums in the bulk kernel's order. Off: 2.3 us faster alone at TP=1
-  /// (23.6 vs 25.9 us), but +0.10 to +0.21 ms/token in the step (cuda/bench/RESULTS.md, session
-  /// 11: its grid barrier and whole-SM CTAs leave the launches after it no early start). true:
-  /// A/B benches.
-  bool moe_fused = false;
-  /// MoeGateUpParams::ring_stages of the routed gate+up (bulk or fused): 0 planned, 1..6 (A/B).
-  int moe_ring_stages = 0;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

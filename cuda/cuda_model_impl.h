@@ -250,7 +250,6 @@ struct CudaModel::Impl {
   int64_t* context = nullptr;   // device [ngram_size - 1]
   int32_t* error_flag = nullptr;
   unsigned int* router_ticket = nullptr;  // launch_router_shared_gate_up's arrival counter (0)
-  unsigned int* moe_barrier = nullptr;    // [2] launch_moe_fused_nvfp4's grid barrier (0, 0)
   int64_t* sample_step = nullptr;
   float* residuals = nullptr;        // [2 * layers, W] (keep_residuals)
   int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)

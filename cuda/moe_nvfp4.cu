@@ -742,22 +742,6 @@ bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
          detail::bulk_down_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
 }
 
-bool moe_fused_supported(int top_k, int64_t intermediate, int64_t hidden) {
-  return detail::current_device_has_pdl() &&
-         detail::bulk_fused_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
-}
-
-void launch_moe_fused_nvfp4(const MoeGateUpParams& gu, const MoeDownParams& dn,
-                            unsigned* grid_barrier, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_moe_fused_nvfp4";
-  check_gate_up(gu, kOp);
-  check_down(dn, kOp);
-  FN_LAUNCH_REQUIRE(gu.expert_ids == dn.expert_ids && gu.top_k == dn.top_k && gu.h == dn.h, kOp);
-  FN_LAUNCH_REQUIRE(gu.experts.rows == 2 * dn.experts.cols && gu.experts.cols == dn.experts.rows,
-                    kOp);
-  detail::launch_moe_fused_bulk(gu, dn, grid_barrier, stream);
-}
-
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
   check_gate_up(p, kOp);

@@ -66,12 +66,6 @@ struct MoeGateUpParams {
   /// launcher throws fn::Error(Internal) where the device or the shape does not allow it
   /// (moe_gate_up_bulk_supported).
   bool bulk = false;
-  /// Ring depth of the bulk-copy kernel and of launch_moe_fused_nvfp4 (stages of 8 row pairs,
-  /// 24 KB each at K = 2,560; at most the share's chunks), 0..6. 0 = planned: 6; the fused
-  /// kernel: the deepest ring beside which its down weights get their own shared memory (4 at
-  /// TP=1, 6 at TP=2). The fused kernel with a ring too deep for that puts the down weights over
-  /// the ring's last stages once they are free. For A/B benches and tests.
-  int ring_stages = 0;
   /// Weight ranges of later kernels of the step to prefetch into L2 while this instruction-bound
   /// kernel leaves HBM mostly idle (cuda/l2_prefetch.h; thread 0 of every CTA issues its share
   /// first). Empty by default; changes no result.
@@ -124,28 +118,6 @@ bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden);
 /// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4, with
 /// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).
 void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
-
-/// Whether launch_moe_fused_nvfp4 runs top_k experts of gate+up [2 * intermediate, hidden] and
-/// down [hidden, intermediate] on the current device: sm_90+ device and device code, hidden a
-/// multiple of 256 up to 2,560, intermediate a multiple of 32, top_k * intermediate <= 12,288,
-/// and the planned shared memory (the down share's weights inside the gate+up ring) within a CTA's
-/// 227 KB. Throws fn::Error(Cuda) when a device query fails.
-bool moe_fused_supported(int top_k, int64_t intermediate, int64_t hidden);
-
-/// The routed experts' gate+up+SwiGLU and down projection in one launch (sm_90+; the decode
-/// step's routed MoE, CudaModelOptions::moe_fused): one grid of at most one CTA per SM runs the
-/// bulk gate+up work (MoeGateUpParams::bulk: h is written to gate_up.h), streams its share of the
-/// down weights into the freed ring stages meanwhile, waits at a grid-wide barrier until all of h
-/// is written, then runs the bulk down work (MoeDownParams::bulk) into down.y. Same results as the
-/// two bulk kernels on the same grid (bitwise, where their grids agree: every real shape).
-/// gate_up.bulk / down.bulk / mma / team_threads are ignored. grid_barrier: two device words,
-/// zero before the first launch, left so by every launch; one per stream of launches (the
-/// launches of one stream may share it). Throws fn::Error(Internal) on the launchers' null-pointer,
-/// alignment and shape errors, when the two params disagree (expert ids, top_k, h, the
-/// intermediate and hidden sizes) or moe_fused_supported is false; fn::Error(Cuda) on a failed
-/// launch. Legal during stream capture.
-void launch_moe_fused_nvfp4(const MoeGateUpParams& gate_up, const MoeDownParams& down,
-                            unsigned* grid_barrier, cudaStream_t stream);
 
 /// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers
 /// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).

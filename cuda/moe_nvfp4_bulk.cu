@@ -194,12 +194,9 @@ __device__ __forceinline__ void gate_up_init(const BulkGateUpArgs& a, const Gate
 }
 
 // The gate+up work of the CTA after the programmatic-dependent wait, ending with h written (one
-// block barrier before the epilogue, none after). The producer warp (every lane) calls
-// hook(c, false) before it issues chunk c (before any wait for the chunk's stage) and
-// hook(chunks, true) once it has issued the share's last chunk.
-template <typename Hook>
-__device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateUpSmem& m,
-                                            Hook&& hook) {
+// block barrier before the epilogue, none after). The producer warp's lane 0 issues the CTA's
+// share of the L2 prefetch once the share's last chunk is issued.
+__device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateUpSmem& m) {
   const int nst = a.stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kb = a.k / 16;  // scale bytes per row
@@ -211,7 +208,6 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
       int j, i, n;
       chunk_at(a, p, p1, j, i, n);
       p += n;
-      hook(c, false);
       const int s = c % nst;
       if (c >= nst) mbar_wait(m.empty + s, static_cast<uint32_t>((c / nst - 1) & 1));
       const int e = __ldg(a.ids + j);
@@ -239,7 +235,7 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
         }
       }
     }
-    hook(c, true);
+    if (lane == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   } else {  // a consumer warp
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = a.k / 128;
@@ -326,10 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
-  gate_up_run(a, m, [&](int, bool done) {
-    if (done && (threadIdx.x & 31) == 0)
-      dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
-  });
+  gate_up_run(a, m);
 #else
   (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
 #endif
@@ -339,7 +332,6 @@ constexpr int kDownWarps = kBulkDownWarps;
 constexpr int kDownThreads = 32 * (kDownWarps + 1);  // + the producer warp
 constexpr int kRowUnit = 8;  // rows per share unit (16-byte aligned scale copies down to I = 32)
 using DownStage = nvfp4_mma::MmaStage<false, kDownThreads>;
-static_assert(kDownThreads == kThreads, "the fused kernel runs both on one block shape");
 
 struct BulkDownArgs {
   const uint8_t* packed;
@@ -363,8 +355,7 @@ struct BulkDownArgs {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The down kernel's shared memory (placed by the kernel: the fused kernel puts the weights in its
-// gate+up ring and shares the scale table).
+// The down kernel's shared memory.
 struct DownSmem {
   uint8_t* codes;  // [top_k][slot_codes], 16-byte aligned
   uint8_t* scl;    // [top_k][slot_scales]
@@ -411,14 +402,13 @@ __device__ __forceinline__ void down_issue(const BulkDownArgs& a, const DownSmem
   }
 }
 
-// Everything after the weights are requested (and after the wait for h): stage h (kCoherent:
-// through L2, for an h written by this grid), the factors, the MMAs once the weights landed, y.
-template <bool kCoherent>
+// Everything after the weights are requested (and after the wait for h): stage h, the factors,
+// the MMAs once the weights landed, y.
 __device__ __forceinline__ void down_compute(const BulkDownArgs& a, const DownSmem& m, int r0,
                                              int nrows) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rb_codes = a.inter / 2, rb_scales = a.inter / 16;  // bytes per row
-  DownStage::template fill<2, kCoherent>(a.h, a.top_k * a.inter, m.hst);
+  DownStage::template fill<2>(a.h, a.top_k * a.inter, m.hst);
   for (int j = threadIdx.x; j < a.top_k; j += kDownThreads) {
     const int e = __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
@@ -521,100 +511,9 @@ __global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDown
   if ((threadIdx.x >> 5) == kDownWarps) down_issue(a, m, r0, nrows);  // weights, before the wait
   // h is gate+up's output; the routing weights and ids are read after the wait as well.
   dev::pdl_begin();
-  down_compute<false>(a, m, r0, nrows);
+  down_compute(a, m, r0, nrows);
 #else
   (void)a;  // never launched below sm_90 (launch_moe_down_bulk refuses)
-#endif
-}
-
-// Gate+up and down in one grid (launch_moe_fused_bulk): the arguments of both kernels for the
-// same grid, where the down weights go in the ring, and the grid barrier's words.
-struct BulkFusedArgs {
-  BulkGateUpArgs gu;
-  BulkDownArgs dn;
-  int down_off;       // byte offset of the down weights (128-byte aligned)
-  int down_stage_lo;  // first ring stage they overlap; gu.stages: none (their own region)
-  int tail_off;       // byte offset of the down kernel's other shared memory (after gate+up's)
-  unsigned* barrier;  // [2]: arrival count, generation (both 0 at first use)
-};
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Every CTA of the grid waits here until all have arrived; the writes of every thread before it
-// are visible to every thread after it (the pattern of a cooperative grid sync: block barrier,
-// thread 0 fences and arrives, the last arrival resets the count and bumps the generation, the
-// others spin on the generation). Needs all CTAs resident at once (the launcher's grid is at most
-// one CTA per SM, one CTA fits an SM). The words return to count 0 after every use.
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned gen = ld_acquire(bar + 1);
-    __threadfence();
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      while (ld_acquire(bar + 1) == gen) __nanosleep(20);
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-#endif
-
-// Gate+up, then down, in one grid of at most one CTA per SM (all resident; MoeDownParams and
-// MoeGateUpParams as the two kernels above, the same shares for the same grid, so the same bits).
-// The down share's weights have their own region when it fits beside a ring of at most
-// ring_stages stages (4 at TP=1, 6 at TP=2): the producer bulk-copies them once the ring's first
-// pass is issued, so they stream while gate+up computes. Otherwise they overlap the ring's last
-// stages: after its last gate+up chunk is issued, the producer waits until the consumers released
-// those stages (their last use) and copies the weights there. h goes to global memory, a grid
-// barrier, then the down work reads h through L2. Saves the down launch and its weights' wait
-// behind gate+up (the separate bulk down kernel could not be resident beside gate+up's CTA).
-__global__ void __launch_bounds__(kThreads, 1) moe_fused_bulk_kernel(BulkFusedArgs f) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) uint8_t smem[];
-  const GateUpSmem gm = gate_up_smem(f.gu, smem);
-  DownSmem dm;
-  dm.codes = smem + f.down_off;
-  dm.scl = dm.codes + static_cast<size_t>(f.dn.top_k) * f.dn.slot_codes;
-  dm.bar = reinterpret_cast<uint64_t*>(smem + f.tail_off);
-  dm.hst = smem + f.tail_off + 16;
-  dm.lut = gm.lut;
-  dm.f = reinterpret_cast<float*>(dm.hst + DownStage::bytes(f.dn.top_k * f.dn.inter));
-  dm.live = reinterpret_cast<int*>(dm.f + f.dn.top_k);
-  dm.part = reinterpret_cast<float*>(dm.live + f.dn.top_k);
-  int r0, nrows;
-  down_rows(f.dn, r0, nrows);
-  gate_up_init(f.gu, gm);
-  if (threadIdx.x == 0) {
-    mbar_init(dm.bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  dev::pdl_begin();  // the ids and x are the router's and the HC read's outputs
-  const int nst = f.gu.stages;
-  const bool own = f.down_stage_lo >= nst;  // the weights' own region
-  gate_up_run(f.gu, gm, [&](int c, bool done) {
-    if (own && (c == nst || (done && c <= nst))) down_issue(f.dn, dm, r0, nrows);
-    if (!done) return;
-    if (!own) {
-      for (int s = f.down_stage_lo; s < nst && s < c; ++s)  // the stage's last use released
-        mbar_wait(gm.empty + s, static_cast<uint32_t>(((c - 1 - s) / nst) & 1));
-      down_issue(f.dn, dm, r0, nrows);
-    }
-    if ((threadIdx.x & 31) == 0) dev::l2_prefetch_part(f.gu.l2_prefetch, blockIdx.x, gridDim.x);
-  });
-  grid_barrier(f.barrier);  // every CTA's rows of h written
-  down_compute<true>(f.dn, dm, r0, nrows);
-#else
-  (void)f;  // never launched below sm_90 (launch_moe_fused_bulk refuses)
 #endif
 }
 
@@ -629,13 +528,12 @@ struct GateUpPlan {
   size_t smem;
 };
 
-// The gate+up kernel's plan for a grid of `ctas` and a ring of at most max_stages stages.
-GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int ctas,
-                        int max_stages = kMaxStages) {
+// The gate+up kernel's plan for a grid of `ctas`.
+GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int ctas) {
   GateUpPlan g{};
   g.ctas = ctas;
   g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
-  g.stages = std::min(max_stages, g.max_chunks);
+  g.stages = std::min(kMaxStages, g.max_chunks);
   g.row_stride = static_cast<int>(cols / 2 + kRowPad);
   g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
   g.smem = static_cast<size_t>(g.stages) * g.stage_bytes + 2 * g.stages * 8 + 256 * 4 +
@@ -672,7 +570,7 @@ BulkGateUpArgs gate_up_args(const MoeGateUpParams& p, const GateUpPlan& g) {
 
 struct DownPlan {
   int ctas, rows_max, slot_codes, slot_scales, stage_off, tiles_max;
-  size_t weights, smem;  // the share's codes and scales of all top_k experts; the kernel's total
+  size_t smem;
 };
 
 int down_ctas(int64_t hidden, int sm_count) {
@@ -688,7 +586,6 @@ DownPlan plan_down(int top_k, int64_t inter, int64_t hidden, int ctas) {
   d.slot_codes = static_cast<int>(d.rows_max * inter / 2);
   d.slot_scales = static_cast<int>((d.rows_max * inter / 16 + 15) / 16 * 16);
   d.stage_off = top_k * (d.slot_codes + d.slot_scales);
-  d.weights = static_cast<size_t>(d.stage_off);
   d.tiles_max = (d.rows_max + 15) / 16;
   d.smem = static_cast<size_t>(d.stage_off) +
            static_cast<size_t>(DownStage::bytes(static_cast<int64_t>(top_k) * inter)) + 256 * 4 +
@@ -726,54 +623,6 @@ BulkDownArgs down_args(const MoeDownParams& p, const DownPlan& d) {
   return a;
 }
 
-// The fused kernel: one grid for both (the smaller of the two grids), gate+up's shared memory,
-// then the down kernel's bar (16 bytes), staged h, factors and partials, then (own region) the
-// down weights; or (no room for them) the weights over the end of a full-depth ring.
-struct FusedPlan {
-  GateUpPlan g;
-  DownPlan d;
-  int down_off, down_stage_lo, tail_off;
-  size_t smem;
-  bool fits;
-};
-
-FusedPlan plan_fused_with(int top_k, int64_t inter, int64_t hidden, int ctas, int stages,
-                          bool own) {
-  FusedPlan f{};
-  f.g = plan_gate_up(top_k, inter, hidden, ctas, stages);
-  f.d = plan_down(top_k, inter, hidden, ctas);
-  f.tail_off = static_cast<int>((f.g.smem + 15) / 16 * 16);
-  f.smem = static_cast<size_t>(f.tail_off) + 16 +
-           static_cast<size_t>(DownStage::bytes(static_cast<int64_t>(top_k) * inter)) +
-           static_cast<size_t>(top_k) * 8 +
-           static_cast<size_t>(f.d.tiles_max) * kDownWarps * 16 * 4;
-  const size_t ring = static_cast<size_t>(f.g.stages) * f.g.stage_bytes;
-  if (own) {
-    f.down_off = static_cast<int>((f.smem + 127) / 128 * 128);
-    f.down_stage_lo = f.g.stages;
-    f.smem = static_cast<size_t>(f.down_off) + f.d.weights;
-    f.fits = f.smem <= kMaxCtaSmem;
-  } else {
-    f.fits = f.d.weights <= ring && f.smem <= kMaxCtaSmem;
-    f.down_off = f.fits ? static_cast<int>((ring - f.d.weights) / 128 * 128) : 0;
-    f.down_stage_lo = f.down_off / f.g.stage_bytes;
-  }
-  return f;
-}
-
-// stages 0 (planned): the deepest ring beside which the down weights have their own region,
-// else the weights over the end of a full-depth ring. stages > 0: a ring of that depth (at most
-// the share's chunks), the weights in their own region if it fits beside it, else over its end.
-FusedPlan plan_fused(int top_k, int64_t inter, int64_t hidden, int sm_count, int stages) {
-  const int ctas = std::min(bulk_gate_up_ctas(top_k, inter, sm_count), down_ctas(hidden, sm_count));
-  const int cap = stages > 0 ? std::min(stages, kMaxStages) : kMaxStages;
-  for (int st = cap; st >= (stages > 0 ? cap : 2); --st) {
-    const FusedPlan f = plan_fused_with(top_k, inter, hidden, ctas, st, true);
-    if (f.fits) return f;
-  }
-  return plan_fused_with(top_k, inter, hidden, ctas, cap, false);
-}
-
 }  // namespace
 
 bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count) {
@@ -795,10 +644,8 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   const int sms = current_sm_count();
   FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
   FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
-  FN_LAUNCH_REQUIRE(p.ring_stages >= 0 && p.ring_stages <= kMaxStages, kOp);
   const GateUpPlan g =
-      plan_gate_up(p.top_k, inter, p.experts.cols, bulk_gate_up_ctas(p.top_k, inter, sms),
-                   p.ring_stages > 0 ? p.ring_stages : kMaxStages);
+      plan_gate_up(p.top_k, inter, p.experts.cols, bulk_gate_up_ctas(p.top_k, inter, sms));
   const BulkGateUpArgs a = gate_up_args(p, g);
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -827,39 +674,6 @@ void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
   launch_pdl("moe_down_bulk_kernel", moe_down_bulk_kernel, static_cast<unsigned>(d.ctas),
              kDownThreads, d.smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_down_bulk_kernel");
-}
-
-bool bulk_fused_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count) {
-  if (!gate_up_shape_ok(top_k, inter, hidden) || !down_shape_ok(top_k, inter, hidden)) return false;
-  return plan_fused(top_k, inter, hidden, sm_count, 0).fits;
-}
-
-void launch_moe_fused_bulk(const MoeGateUpParams& gu, const MoeDownParams& dn,
-                           unsigned* grid_barrier, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_moe_fused_nvfp4";
-  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
-  const int64_t inter = dn.experts.cols;
-  FN_LAUNCH_REQUIRE(bulk_fused_shape_ok(gu.top_k, inter, dn.experts.rows, current_sm_count()), kOp);
-  FN_LAUNCH_REQUIRE(aligned(gu.experts.packed, 16) && aligned(gu.experts.scales, 16), kOp);
-  FN_LAUNCH_REQUIRE(aligned(dn.experts.packed, 16) && aligned(dn.experts.scales, 16), kOp);
-  FN_LAUNCH_REQUIRE(grid_barrier != nullptr && aligned(grid_barrier, 8), kOp);
-  FN_LAUNCH_REQUIRE(gu.ring_stages >= 0 && gu.ring_stages <= kMaxStages, kOp);
-  const FusedPlan fp =
-      plan_fused(gu.top_k, inter, dn.experts.rows, current_sm_count(), gu.ring_stages);
-  FN_LAUNCH_REQUIRE(fp.fits, kOp);
-  BulkFusedArgs a{};
-  a.gu = gate_up_args(gu, fp.g);
-  a.dn = down_args(dn, fp.d);
-  a.down_off = fp.down_off;
-  a.down_stage_lo = fp.down_stage_lo;
-  a.tail_off = fp.tail_off;
-  a.barrier = grid_barrier;
-  FN_CUDA_CHECK(cudaFuncSetAttribute(moe_fused_bulk_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(fp.smem)));
-  launch_pdl("moe_fused_bulk_kernel", moe_fused_bulk_kernel, static_cast<unsigned>(fp.g.ctas),
-             kThreads, fp.smem, stream, a);
-  FN_CUDA_LAUNCH_CHECK("moe_fused_bulk_kernel");
 }
 
 }  // namespace fn::detail

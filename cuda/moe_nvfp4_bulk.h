@@ -53,20 +53,6 @@ bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count);
 /// aligned; fn::Error(Cuda) on a failed launch. Legal during stream capture.
 void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream);
 
-/// Whether the fused bulk kernel (gate+up and down in one grid) takes top_k experts of
-/// [2 * inter, hidden] and [hidden, inter] on sm_count SMs: both kernels' shape limits, the down
-/// share's weights within the gate+up ring, and the shared memory within 227 KB. The device check
-/// (sm_90+) is the launcher's.
-bool bulk_fused_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count);
-
-/// Launches the fused bulk kernel (see moe_nvfp4_bulk.cu; fn::launch_moe_fused_nvfp4 checks the
-/// two params against each other first). Throws fn::Error(Internal) when the device is below
-/// sm_90, the shape fails bulk_fused_shape_ok, the weights are not 16-byte aligned or
-/// grid_barrier is null or not 8-byte aligned; fn::Error(Cuda) on a failed launch. Legal during
-/// stream capture.
-void launch_moe_fused_bulk(const MoeGateUpParams& gate_up, const MoeDownParams& down,
-                           unsigned* grid_barrier, cudaStream_t stream);
-
 /// Launches the bulk gate+up kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when
 /// the device is below sm_90, the shape fails bulk_gate_up_shape_ok, or the weights are not 16-byte
 /// aligned; fn::Error(Cuda) on a failed launch. Legal during stream capture.

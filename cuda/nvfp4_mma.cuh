@@ -141,9 +141,8 @@ struct MmaStage {
   static constexpr int64_t bytes(int64_t n) { return n / kCodes * kStride; }
   // Every thread of the block calls it: n BF16 values (a multiple of kCodes; src 16-byte aligned).
   // A thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch * 256
-  // vectors, not one per 256: the staging is on every warp's path to its first MMA). kCoherent:
-  // loads through L2 (ld.global.cg), for a src written earlier by the same grid.
-  template <int kBatch, bool kCoherent = false>
+  // vectors, not one per 256: the staging is on every warp's path to its first MMA).
+  template <int kBatch>
   static __device__ __forceinline__ void fill(const uint16_t* src, int n, uint8_t* s) {
     const uint4* v = reinterpret_cast<const uint4*>(src);
     const int nv = n / 8;
@@ -152,7 +151,7 @@ struct MmaStage {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int i = base + b * kThreads;
-        q[b] = i >= nv ? make_uint4(0, 0, 0, 0) : kCoherent ? __ldcg(v + i) : __ldg(v + i);
+        q[b] = i < nv ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {

@@ -298,55 +298,6 @@ std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& 
   return d_y.download();
 }
 
-// The fused kernel (launch_moe_fused_nvfp4): gate+up of x, then down of its own h, one launch.
-struct FusedOut {
-  std::vector<float> gu, h, y;
-};
-
-FusedOut run_fused(const DeviceExperts& wgu, const DeviceExperts& wdn,
-                   const std::vector<int32_t>& ids, const std::vector<float>& x,
-                   const std::vector<float>& rw, const std::vector<float>* y0,
-                   int ring_stages = 0) {
-  const int64_t inter = wdn.view.cols;
-  DeviceArray<int32_t> d_ids(ids);
-  DeviceArray<uint16_t> d_x(to_bf16(x));
-  DeviceArray<uint16_t> d_h(ids.size() * inter);
-  DeviceArray<float> d_gu(ids.size() * 2 * inter);
-  DeviceArray<float> d_rw(rw);
-  DeviceArray<float> d_y(wdn.view.rows);
-  DeviceArray<unsigned> d_bar(2);
-  FN_CUDA_CHECK(cudaMemset(d_bar.ptr, 0, 8));
-  FN_CUDA_CHECK(cudaMemset(d_h.ptr, 0xff, d_h.n * 2));
-  FN_CUDA_CHECK(cudaMemset(d_gu.ptr, 0xff, d_gu.n * 4));
-  if (y0 != nullptr)
-    d_y.upload(*y0);
-  else
-    FN_CUDA_CHECK(cudaMemset(d_y.ptr, 0xff, d_y.n * 4));
-  fn::MoeGateUpParams pg;
-  pg.experts = wgu.view;
-  pg.expert_ids = d_ids.ptr;
-  pg.top_k = int(ids.size());
-  pg.x = d_x.ptr;
-  pg.h = d_h.ptr;
-  pg.gate_up_out = d_gu.ptr;
-  pg.ring_stages = ring_stages;
-  fn::MoeDownParams pd;
-  pd.experts = wdn.view;
-  pd.expert_ids = d_ids.ptr;
-  pd.routing_weights = d_rw.ptr;
-  pd.top_k = int(ids.size());
-  pd.h = d_h.ptr;
-  pd.y = d_y.ptr;
-  pd.accumulate = y0 != nullptr;
-  fn::launch_moe_fused_nvfp4(pg, pd, d_bar.ptr, nullptr);
-  FN_CUDA_CHECK(cudaDeviceSynchronize());
-  FusedOut out{d_gu.download(), {}, d_y.download()};
-  for (uint16_t b : d_h.download()) out.h.push_back(fn::bf16_to_float(b));
-  const auto bar = d_bar.download();  // the barrier is left as the next launch needs it
-  CHECK(bar[0] == 0u);
-  return out;
-}
-
 std::vector<float> random_ints(size_t n, int lo, int hi, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> d(lo, hi);
@@ -892,148 +843,6 @@ TEST_CASE("cuda moe nvfp4: expert ids outside [0, num_experts) contribute zero")
   }
 }
 
-TEST_CASE("cuda moe nvfp4: fused gate+up and down equal the two bulk kernels, bitwise") {
-  if (!fn::moe_fused_supported(10, 640, 2560)) {
-    MESSAGE("fused kernel: not on this device (sm_90+ only)");
-    return;
-  }
-  // The real shapes (TP = 1, 2, 4: one grid of one CTA per SM for both halves), a grid smaller
-  // than the SM count where the down grid is the same (D = 256: 32 CTAs), repeated ids, random
-  // codes and scales; then a grid smaller than the down kernel's (D = 512, 8 CTAs: the down bits
-  // differ, checked against the reference on the kernel's own h). Ring depths: planned (the down
-  // weights in their own shared memory), 6 (at TP=1 they do not fit beside it: they go over the
-  // ring's last stages once released) and 2 (the ring wraps several times).
-  struct Shape {
-    int64_t hidden, inter;
-    std::vector<int32_t> ids;
-    bool same_grid;
-  };
-  const std::vector<Shape> shapes = {{2560, 640, {63, 17, 2, 40, 0, 33, 8, 51, 12, 29}, true},
-                                     {2560, 320, {5, 5, 9, 1, 0, 63, 62, 7, 30, 31}, true},
-                                     {2560, 160, {8, 7, 6, 5, 4, 3, 2, 1, 0, 2}, true},
-                                     {256, 96, {3, 0, 3}, true},
-                                     {512, 32, {1, 4}, false}};
-  for (const Shape& sh : shapes) {
-    const HostExperts gu = make_experts(64, 2 * sh.inter, sh.hidden, 2, false, 300 + sh.inter);
-    const HostExperts dn = make_experts(64, sh.hidden, sh.inter, 1, false, 301 + sh.inter);
-    const DeviceExperts dgu(gu), ddn(dn);
-    const size_t k = sh.ids.size();
-    const auto x = random_bf16(size_t(sh.hidden), 1.0f, 302);
-    std::vector<float> rw(k);
-    for (size_t j = 0; j < k; ++j) rw[j] = 0.05f + 0.01f * float(j);
-    const auto y0 = random_bf16(size_t(sh.hidden), 1.0f, 303);
-    for (int stages : {0, 6, 2})
-      for (const std::vector<float>* init :
-           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-        CAPTURE(stages);
-        const FusedOut f = run_fused(dgu, ddn, sh.ids, x, rw, init, stages);
-        const GateUpOut g = run_gate_up(dgu, sh.ids, x, 0, false, true);
-        CHECK_MESSAGE(std::memcmp(f.gu.data(), g.gu.data(), g.gu.size() * 4) == 0, "I ", sh.inter);
-        CHECK_MESSAGE(std::memcmp(f.h.data(), g.h.data(), g.h.size() * 4) == 0, "I ", sh.inter);
-        const auto y = run_down(ddn, sh.ids, rw, f.h, 0, init, false, true);
-        if (sh.same_grid)
-          CHECK_MESSAGE(std::memcmp(f.y.data(), y.data(), y.size() * 4) == 0, "D ", sh.hidden,
-                        " I ", sh.inter, " accumulate ", init != nullptr);
-        std::vector<double> want, bound;
-        down_reference(dn, sh.ids, rw, f.h, bulk_down_depth(int(k), sh.inter), init, want, bound);
-        const auto c = fn::test::compare_bounded(f.y, want, bound);
-        CHECK_MESSAGE(c.wrong == 0, "fused D ", sh.hidden, " I ", sh.inter, ": ", c.describe());
-        const GateUpRef ref = gate_up_reference(gu, sh.ids, x, bulk_gate_up_depth(sh.hidden));
-        const auto ch = fn::test::compare_bounded(f.h, ref.h, ref.h_bound);
-        CHECK_MESSAGE(ch.wrong == 0, "fused I ", sh.inter, " h: ", ch.describe());
-        const FusedOut again = run_fused(dgu, ddn, sh.ids, x, rw, init, stages);
-        CHECK(std::memcmp(again.y.data(), f.y.data(), f.y.size() * 4) == 0);
-      }
-  }
-}
-
-TEST_CASE("cuda moe nvfp4: fused: exact sums, invalid ids, and the launcher's refusals") {
-  if (!fn::moe_fused_supported(10, 640, 2560)) {
-    MESSAGE("fused kernel: not on this device (sm_90+ only)");
-    return;
-  }
-  const HostExperts gu = make_experts(6, 2 * 96, 256, 2, true, 320);
-  const HostExperts dn = make_experts(6, 256, 96, 1, true, 321);
-  const DeviceExperts dgu(gu), ddn(dn);
-  const auto x = random_ints(256, -4, 4, 322);
-  {  // power-of-two scales, small-integer x: g and u exact; ids outside [0, 6) contribute 0
-    const std::vector<int32_t> ids = {5, -1, 0, 6, 2};
-    const std::vector<float> rw = {0.5f, 1.0f, 0.25f, 1.0f, 2.0f};
-    const FusedOut f = run_fused(dgu, ddn, ids, x, rw, nullptr);
-    const GateUpRef ref = gate_up_reference(gu, ids, x, bulk_gate_up_depth(256));
-    const auto c = fn::test::compare_bounded(f.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "fused exact g/u: ", c.describe());
-    for (int64_t i = 0; i < 96; ++i) {
-      CHECK(f.h[size_t(96) + i] == 0.0f);      // id -1
-      CHECK(f.h[size_t(3 * 96) + i] == 0.0f);  // id 6
-    }
-    std::vector<double> want, bound;
-    down_reference(dn, ids, rw, f.h, bulk_down_depth(5, 96), nullptr, want, bound);
-    CHECK(fn::test::compare_bounded(f.y, want, bound).wrong == 0);
-    const std::vector<int32_t> none = {-5, 6, 7, -1, 1 << 30};
-    const auto y0 = random_ints(256, -3, 3, 323);
-    const FusedOut n = run_fused(dgu, ddn, none, x, rw, &y0);
-    CHECK(std::memcmp(n.y.data(), y0.data(), y0.size() * 4) == 0);
-    for (float v : n.h) CHECK(v == 0.0f);
-  }
-  // The launcher checks the two params against each other and the shape.
-  DeviceArray<int32_t> d_ids(std::vector<int32_t>{0, 1}), d_ids2(std::vector<int32_t>{0, 1});
-  DeviceArray<uint16_t> d_x(to_bf16(x)), d_h(2 * 96), d_h2(2 * 96);
-  DeviceArray<float> d_rw(std::vector<float>{1.0f, 1.0f}), d_y(256);
-  DeviceArray<unsigned> d_bar(2);
-  FN_CUDA_CHECK(cudaMemset(d_bar.ptr, 0, 8));
-  fn::MoeGateUpParams pg;
-  pg.experts = dgu.view;
-  pg.expert_ids = d_ids.ptr;
-  pg.top_k = 2;
-  pg.x = d_x.ptr;
-  pg.h = d_h.ptr;
-  fn::MoeDownParams pd;
-  pd.experts = ddn.view;
-  pd.expert_ids = d_ids.ptr;
-  pd.routing_weights = d_rw.ptr;
-  pd.top_k = 2;
-  pd.h = d_h.ptr;
-  pd.y = d_y.ptr;
-  fn::launch_moe_fused_nvfp4(pg, pd, d_bar.ptr, nullptr);  // the good call
-  FN_CUDA_CHECK(cudaDeviceSynchronize());
-  CHECK_THROWS_AS(fn::launch_moe_fused_nvfp4(pg, pd, nullptr, nullptr), fn::Error);
-  CHECK_THROWS_AS(
-      fn::launch_moe_fused_nvfp4(
-          pg, pd, reinterpret_cast<unsigned*>(reinterpret_cast<char*>(d_bar.ptr) + 4), nullptr),
-      fn::Error);
-  auto bad_down = [&](auto&& mutate) {
-    fn::MoeDownParams q = pd;
-    mutate(q);
-    CHECK_THROWS_AS(fn::launch_moe_fused_nvfp4(pg, q, d_bar.ptr, nullptr), fn::Error);
-  };
-  bad_down([&](fn::MoeDownParams& q) { q.expert_ids = d_ids2.ptr; });
-  bad_down([&](fn::MoeDownParams& q) { q.h = d_h2.ptr; });
-  bad_down([&](fn::MoeDownParams& q) { q.top_k = 1; });
-  bad_down([&](fn::MoeDownParams& q) { q.experts.cols = 64; });
-  bad_down([&](fn::MoeDownParams& q) { q.experts.rows = 512; });
-  bad_down([&](fn::MoeDownParams& q) { q.y = nullptr; });
-  fn::MoeGateUpParams qg = pg;
-  qg.x = nullptr;
-  CHECK_THROWS_AS(fn::launch_moe_fused_nvfp4(qg, pd, d_bar.ptr, nullptr), fn::Error);
-  for (int stages : {-1, 7}) {
-    qg = pg;
-    qg.ring_stages = stages;
-    CHECK_THROWS_AS(fn::launch_moe_fused_nvfp4(qg, pd, d_bar.ptr, nullptr), fn::Error);
-    qg.bulk = true;
-    CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(qg, nullptr), fn::Error);
-  }
-  // Shapes it does not take: I not a multiple of 32, hidden not a multiple of 256, too wide.
-  CHECK(!fn::moe_fused_supported(2, 48, 256));
-  CHECK(!fn::moe_fused_supported(2, 64, 320));
-  CHECK(!fn::moe_fused_supported(2, 64, 5120));
-  CHECK(!fn::moe_fused_supported(64, 8192, 2560));
-  const HostExperts gu48 = make_experts(2, 2 * 48, 256, 2, true, 324);
-  const HostExperts dn48 = make_experts(2, 256, 48, 1, true, 325);
-  const DeviceExperts dgu48(gu48), ddn48(dn48);
-  CHECK_THROWS_AS(run_fused(dgu48, ddn48, {0, 1}, x, {1.0f, 1.0f}, nullptr), fn::Error);
-}
-
 TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device memory, bitwise") {
   const HostExperts gu = make_experts(32, 2 * 320, 2560, 2, false, 50);
   const HostExperts dn = make_experts(32, 2560, 320, 1, false, 51);
@@ -1066,29 +875,18 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
 
   cudaStream_t stream;
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  // Kinds: 0 the FP32 kernels, 1 the tensor-core kernels, 2 the bulk kernels, 3 the fused
-  // kernel (2 and 3 sm_90+ only; 3 through its grid barrier on every replay).
-  DeviceArray<unsigned> d_bar(2);
-  FN_CUDA_CHECK(cudaMemset(d_bar.ptr, 0, 8));
-  const int kinds = fn::moe_gate_up_bulk_supported(10, 640, 2560) ? 4 : 2;
+  // Kinds: 0 the FP32 kernels, 1 the tensor-core kernels, 2 the bulk kernels (sm_90+ only).
+  const int kinds = fn::moe_gate_up_bulk_supported(10, 640, 2560) ? 3 : 2;
   for (int kind = 0; kind < kinds; ++kind) {
-    const bool mma = kind == 1, bulk = kind >= 2, fused = kind == 3;
-    const char* name = fused ? "fused kernel" : bulk ? "bulk kernel" : kernel_name(mma);
-    auto launch = [&]() {
-      if (fused) {
-        fn::launch_moe_fused_nvfp4(pg, pd, d_bar.ptr, stream);
-      } else {
-        fn::launch_moe_gate_up_nvfp4(pg, stream);
-        fn::launch_moe_down_nvfp4(pd, stream);
-      }
-    };
+    const bool mma = kind == 1, bulk = kind == 2;
+    const char* name = bulk ? "bulk kernel" : kernel_name(mma);
     pg.mma = pd.mma = mma;
     pg.bulk = pd.bulk = bulk;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    launch();
-    launch();  // twice: the barrier words are reused within one replay
+    fn::launch_moe_gate_up_nvfp4(pg, stream);
+    fn::launch_moe_down_nvfp4(pd, stream);
     FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (const auto& ids : id_sets) {
@@ -1099,7 +897,8 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
       std::vector<float> h_graph;
       for (uint16_t b : d_h.download()) h_graph.push_back(fn::bf16_to_float(b));
       // Eager launches with the same ids: bitwise the same.
-      launch();
+      fn::launch_moe_gate_up_nvfp4(pg, stream);
+      fn::launch_moe_down_nvfp4(pd, stream);
       FN_CUDA_CHECK(cudaStreamSynchronize(stream));
       const auto y_eager = d_y.download();
       CHECK_MESSAGE(std::memcmp(y_graph.data(), y_eager.data(), y_graph.size() * 4) == 0, name);

@@ -587,36 +587,6 @@ int main(int argc, char** argv) try {
                              "bulk", dn_bytes, time_dn(false, 0), bw}));
       d.bulk = false;
     }
-    if (fn::moe_fused_supported(top_k, inter, hidden)) {  // gate+up and down in one launch
-      unsigned* bar;
-      FN_CUDA_CHECK(cudaMalloc(&bar, 8));
-      FN_CUDA_CHECK(cudaMemset(bar, 0, 8));
-      const std::string shape = tp + " 10x" + std::to_string(2 * inter) + "x2560+down";
-      for (int stages : {0, 6}) {  // planned (the down weights' own region), 6 (over the ring)
-        g.ring_stages = stages;
-        rows.push_back(
-            report({"moe_fused_nvfp4", shape, "ring " + std::to_string(stages), gu_bytes + dn_bytes,
-                    t.time_per_call(calls,
-                                    [&](int i) {
-                                      g.expert_ids = d.expert_ids = d_ids + size_t(i) * top_k;
-                                      fn::launch_moe_fused_nvfp4(g, d, bar, t.stream);
-                                    }),
-                    bw}));
-      }
-      g.ring_stages = 0;
-      g.bulk = fn::moe_gate_up_bulk_supported(top_k, inter, hidden);
-      rows.push_back(
-          report({"moe_gate_up bulk + down fp32", shape, "2 launches", gu_bytes + dn_bytes,
-                  t.time_per_call(calls,
-                                  [&](int i) {
-                                    g.expert_ids = d.expert_ids = d_ids + size_t(i) * top_k;
-                                    fn::launch_moe_gate_up_nvfp4(g, t.stream);
-                                    fn::launch_moe_down_nvfp4(d, t.stream);
-                                  }),
-                  bw}));
-      g.bulk = false;
-      FN_CUDA_CHECK(cudaFree(bar));
-    }
     for (bool mma : {false, true}) {
       if (!mma && !sweep) continue;
       const std::string kind = mma ? " mma sweep" : " fp32 sweep";

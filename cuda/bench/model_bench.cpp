@@ -8,7 +8,7 @@
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1]
-//     [--moe-bulk-down 0|1] [--moe-fused 0|1] [--moe-stages 0..6] [--skip MASK] [--json FILE]
+//     [--moe-bulk-down 0|1] [--skip MASK] [--json FILE]
 //     (--unfused: CudaModelOptions::fused_step = false, every launch separate)
 #include <cuda_runtime_api.h>
 
@@ -46,8 +46,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
   bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
-  bool moe_fused = fn::CudaModelOptions{}.moe_fused;
-  int moe_stages = 0;
   uint32_t skip = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -79,12 +77,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk = std::stoi(next()) != 0;
     else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
       moe_bulk_down = std::stoi(next()) != 0;
-    else if (a == "--moe-fused")  // CudaModelOptions::moe_fused: 1 gate+up and down in one launch
-      moe_fused = std::stoi(next()) != 0;
     else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
       skip = static_cast<uint32_t>(std::stoul(next(), nullptr, 0));
-    else if (a == "--moe-stages")  // CudaModelOptions::moe_ring_stages: 0 planned, 1..6
-      moe_stages = std::stoi(next());
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }
@@ -108,8 +102,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.l2_prefetch = l2_prefetch;
   o.moe_bulk = moe_bulk;
   o.moe_bulk_down = moe_bulk_down;
-  o.moe_fused = moe_fused;
-  o.moe_ring_stages = moe_stages;
   o.bench_skip = skip;
   o.tp_rank = rank;
   o.tp_size = tp;

@@ -850,7 +850,10 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
     }
   }
 
-  if (root) {
+  // Rank 0 writes; a write that fails (-o /dev/full, a full disk) is agreed on, so every rank
+  // ends with rank 0's one message and the io exit code, not through MPI_Abort.
+  agree_on_error(coll, [&] {
+    if (!root) return;
     std::string text;
     if (o.format == "md") {
       text = format_md(rep);
@@ -865,7 +868,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
     } else {
       write_file(o.output, text, "-o/--output");
     }
-  }
+  });
   return 0;
 }
 

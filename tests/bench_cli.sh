@@ -401,6 +401,19 @@ need(all(len(l['bytes_per_token_by_rank']) == 2 for l in ls), 'per-rank bytes')
   expect 2 "--skip-prefill needs the cuda backend" -- mpi 2 -p 8 -n 4 -o "$tmp/keep.md" --skip-prefill
   [ "$(cat "$tmp/keep.md")" = keep ] && pass "np 2: a failed bench leaves -o as it was" ||
     fail "np 2: a failed bench changed -o: $(head -c 200 "$tmp/keep.md")"
+  # A report that cannot be written (-o /dev/full, --per-token /dev/full): exit 3 on every rank,
+  # rank 0's one message, no MPI_Abort.
+  for flag in -o --per-token; do
+    want="$flag"
+    [ "$flag" = -o ] && want="-o/--output"
+    expect 3 "$want /dev/full: write failed" -- mpi 2 -p 8 -n 4 -r 1 --warmup 0 "$flag" /dev/full
+    if [ "$(grep -c -- "write failed" "$tmp/err")" = 1 ] && grep -q "^\[r0/2\]" "$tmp/err" &&
+      ! grep -qE "MPI_ABORT|ORTE_ERROR_LOG" "$tmp/err"; then
+      pass "bench -np 2 $flag /dev/full: one message from rank 0, no MPI_Abort"
+    else
+      fail "bench -np 2 $flag /dev/full: $(grep -v '^$' "$tmp/err" | head -n 8)"
+    fi
+  done
 fi
 
 if [ "$failures" -gt 0 ]; then

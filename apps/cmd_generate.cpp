@@ -506,7 +506,13 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   }
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
                                                                   &std::fclose);
-  const auto write_record = [&](const json& j) { write_jsonl_record(out, j, o.output); };
+  // Rank 0 writes each record; a write that fails (-o /dev/full, a full disk) is agreed on, so
+  // every rank ends with rank 0's one message and the io exit code, not through MPI_Abort.
+  const auto write_record = [&](const std::function<json()>& make) {
+    agree_on_error(coll, [&] {
+      if (root) write_jsonl_record(out, make(), o.output);
+    });
+  };
   int64_t n_lines = static_cast<int64_t>(lines.size());
   coll.broadcast(&n_lines, sizeof(n_lines), 0);
   int64_t n_records = 0, n_errors = 0, n_tokens = 0;
@@ -538,10 +544,10 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     ++n_records;
     if (status == 2) {
       ++n_errors;
-      if (root) {
-        FN_LOG_WARN("{}", error);
-        write_record({{"id", rec_id}, {"finish_reason", "error"}, {"error", error}});
-      }
+      if (root) FN_LOG_WARN("{}", error);
+      write_record([&] {
+        return json{{"id", rec_id}, {"finish_reason", "error"}, {"error", error}};
+      });
       continue;
     }
     ids = broadcast_ids(coll, ids);
@@ -558,7 +564,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     n_tokens += static_cast<int64_t>(r.token_ids.size());
     ttfts.push_back(r.ttft_ms);
     itls.insert(itls.end(), r.itl_ms.begin(), r.itl_ms.end());
-    if (root) {
+    write_record([&] {
       json j = result_json(r, rec_chat);
       j["id"] = rec_id;
       j["sampling"] = sampling_json(sp);
@@ -566,8 +572,8 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       j["host_rss_mib"] = current_rss_mib();
       if (model.device_used_mib) j["device_used_mib"] = model.device_used_mib();
       if (model.graph_captures) j["graph_captures"] = model.graph_captures();
-      write_record(j);
-    }
+      return j;
+    });
   }
   const std::vector<double> mem = gather_peak_rss_mib(coll);
   if (root) {

@@ -211,6 +211,15 @@ expect 3 "-i/--input $tmp/allbad.jsonl: every record failed (2 of 2" -- \
   mpi 2 -m "$tmp/g3" -i "$tmp/allbad.jsonl" -o "$tmp/allbad.out" -n 2
 [ "$(grep -c '"finish_reason":"error"' "$tmp/allbad.out")" = 2 ] &&
   echo "ok: the failed records are still written" || fail "all-failed batch: $(cat "$tmp/allbad.out")"
+# -o on /dev/full: the first record's write fails on rank 0; agreed on, every rank exits 3 with
+# rank 0's one message (no MPI_Abort).
+expect 3 "-o/--output /dev/full: cannot write (No space left on device)" -- \
+  mpi 2 -m "$tmp/g3" -i "$tmp/b.jsonl" -o /dev/full -n 2
+if [ "$(grep -c "cannot write" "$tmp/err")" = 1 ] && ! grep -qE "MPI_ABORT|ORTE_ERROR_LOG" "$tmp/err"; then
+  echo "ok: -np 2 -o /dev/full: one message, no MPI_Abort"
+else
+  fail "-np 2 -o /dev/full: $(grep -v '^$' "$tmp/err" | head -n 8)"
+fi
 # stdout on /dev/full: exit 3, not 0. One process: under mpirun, rank 0 writes to mpirun's pipe
 # and mpirun's own failed writes are not reported to it.
 for args in "--prompt-ids 1,2" "--prompt-ids 1,2 --json" "-i $tmp/b.jsonl"; do

@@ -231,6 +231,10 @@ SafetensorsWriter::Fill make_fill(const ExpectedTensor& t, const ModelConfig& cf
 }
 
 json read_json_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  FN_REQUIRE(!std::filesystem::is_directory(path, ec), Usage,
+             "synth: --config '{}' is a directory; give the config file itself (e.g. '{}')",
+             path.string(), (path / "config.json").string());
   std::ifstream in(path);
   FN_REQUIRE(in.good(), Io, "synth: cannot open config '{}'", path.string());
   try {

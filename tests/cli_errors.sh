@@ -25,6 +25,9 @@ printf 'not json' >"$tmp/bad.json"
 expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }
 expect 2 "layers" -- "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o2" --layers 9
+# A directory as --config: a usage error naming the file to give (it was a C++ stream exception).
+expect 2 "synth: --config '$src/configs' is a directory; give the config file itself (e.g. '$src/configs/config.json')" -- \
+  "$fngen" synth --config "$src/configs" --out "$tmp/o5"
 expect 2 "--seed: '-1' is out of range (allowed 0 to 18446744073709551615)" -- \
   "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o3" --seed -1
 [ -e "$tmp/o3" ] && { echo "FAIL: partial output left in $tmp/o3"; failures=$((failures + 1)); }

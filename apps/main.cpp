@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <regex>
 #include <string>
 #include <thread>
 
@@ -54,6 +55,15 @@ int main(int argc, char** argv) {
                  "error|warn|info|debug|trace (default: env FN_LOG_LEVEL, else info)")
       ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
   app.add_flag("--log-all-ranks", log_all_ranks, "print INFO messages of every rank");
+  // Parse errors in the form of the other usage errors ("fngen: usage error: ..."), and CLI11's
+  // "OPT: 1 required TEXT missing" (an option given without its value) said plainly.
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    std::string msg = e.what();
+    static const std::regex missing(R"(^(\S+): \d+ required \S+ missing$)");
+    std::smatch m;
+    if (std::regex_match(msg, m, missing)) msg = m[1].str() + ": needs a value";
+    return "fngen: usage error: " + msg + "\nRun with --help for more information.\n";
+  });
 
   fn::CommandList commands;
   fn::register_commands(app, commands);

@@ -213,6 +213,9 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
 
   # ---- bad input: usage errors (exit 2) naming the flag ----
   expect 2 "--format" -- bench --format xml
+  # CLI11's parse errors read as the other usage errors; a flag without its value says so.
+  expect 2 "fngen: usage error: --n-prompt: needs a value" -- bench -p
+  expect 2 "fngen: usage error: The following argument was not expected: --bogus" -- bench --bogus
   # A world size the model cannot split: named with the launcher's flag, printed once (rank 0).
   expect 2 "the TP size is the number of MPI ranks (mpirun -np 3): tp_size must be 1, 2, 4 or 8" -- \
     mpi 3 -p 4 -n 2

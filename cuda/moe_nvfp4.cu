@@ -684,25 +684,6 @@ void check_experts(const Nvfp4Experts& w, const char* op) {
   FN_LAUNCH_REQUIRE(aligned(w.packed, 16) && aligned(w.scales, 2), op);
 }
 
-// The checks every gate+up / down launcher makes before picking a kernel.
-void check_gate_up(const MoeGateUpParams& p, const char* op) {
-  check_experts(p.experts, op);
-  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.x != nullptr && p.h != nullptr, op);
-  FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.experts.rows % 2 == 0, op);
-  FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, op);
-  FN_LAUNCH_REQUIRE(aligned(p.x, 16), op);
-  FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, op);  // x staged in shared memory
-}
-
-void check_down(const MoeDownParams& p, const char* op) {
-  check_experts(p.experts, op);
-  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.routing_weights != nullptr, op);
-  FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, op);
-  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, op);
-  FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), op);
-  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, op);  // h staged likewise
-}
-
 // Codes per lane work unit: 32 (fast path) unless cols is an odd multiple of 16.
 int64_t unit_codes(int64_t cols) {
   return cols % 32 == 0 ? 32 : 16;
@@ -744,7 +725,12 @@ bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
 
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4";
-  check_gate_up(p, kOp);
+  check_experts(p.experts, kOp);
+  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.x != nullptr && p.h != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.experts.rows % 2 == 0, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, kOp);  // x staged in shared memory
   if (p.bulk) {
     detail::launch_moe_gate_up_bulk(p, stream);
     return;
@@ -803,7 +789,12 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
 
 void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_down_nvfp4";
-  check_down(p, kOp);
+  check_experts(p.experts, kOp);
+  FN_LAUNCH_REQUIRE(p.expert_ids != nullptr && p.routing_weights != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.h != nullptr && p.y != nullptr && p.top_k >= 1, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
+  FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
+  FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
   if (p.bulk) {
     detail::launch_moe_down_bulk(p, stream);
     return;

@@ -83,7 +83,8 @@ struct CudaModelOptions {
 };
 
 /// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit
-/// numbers); the fused (fused_step) launches count as the kind named first.
+/// numbers). Router and SharedDown are the fused_step launches (the default); the separate
+/// launches of fused_step = false are never left out.
 enum class StepLaunch : int {
   HcInject = 0,       ///< launch_hc_inject (TP=1; folded into HcDown behind an all-reduce)
   HcDown = 1,         ///< launch_hc_down

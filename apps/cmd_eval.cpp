@@ -170,8 +170,11 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   load_model(l, c, dir, mpi, o.ctx);  // every window runs from a fresh state
   tokens = broadcast_ids(*l.coll, std::move(tokens));
 
+  // Rank 0's file: created, and closed after the run (LogitsWriter::close reports a write that
+  // failed during it), each agreed on, so that every rank ends with rank 0's error (no MPI_Abort).
   std::unique_ptr<LogitsWriter> writer;
-  if (root && !o.save_logits.empty()) {
+  agree_on_error(*l.coll, [&] {
+    if (!root || o.save_logits.empty()) return;
     LogitsHeader h;
     h.vocab_size = cfg.vocab_size;
     h.tokenizer = tok_id;
@@ -186,7 +189,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
                 {"tp_size", l.coll->size()},
                 {"n_ctx", o.ctx}};
     writer = std::make_unique<LogitsWriter>(o.save_logits, std::move(h));
-  }
+  });
   if (root) {
     FN_LOG_INFO("perplexity: tokenized {} tokens; calculating perplexity over {} chunks, n_ctx={}",
                 tokens.size(), perplexity_sequences(tokens, o.ctx, o.chunks).size(), o.ctx);
@@ -199,7 +202,9 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
           write_stdout(fmt::format("[{}]{:.4f},", i + 1, p.running_ppl.back()));
       },
       writer.get());
-  if (writer) writer->close();
+  agree_on_error(*l.coll, [&] {
+    if (writer) writer->close();
+  });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (root) {
     if (c.json_out) {
@@ -305,9 +310,16 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   seq.n_rows = static_cast<int64_t>(seq.tokens.size());
   load_model(l, c, dir, mpi, seq.n_rows);  // one sequence of seq.n_rows tokens
   h.source["backend"] = l.model.name;
+  // Rank 0's file: created and closed (a write that failed during the run) on every rank's
+  // agreement, so that every rank ends with rank 0's error (no MPI_Abort).
   std::unique_ptr<LogitsWriter> writer;
-  if (root) writer = std::make_unique<LogitsWriter>(o.output, h);
+  agree_on_error(*l.coll, [&] {
+    if (root) writer = std::make_unique<LogitsWriter>(o.output, h);
+  });
   dump_logits(l.backend, {seq}, writer.get());
+  agree_on_error(*l.coll, [&] {
+    if (writer) writer->close();
+  });
   if (root) {
     const json j = {{"output", o.output},
                     {"n_positions", seq.n_rows},
@@ -534,12 +546,20 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   go.stop_token_ids = stop_token_ids(cfg, gen);
   go.ignore_eos = o.ignore_eos;
 
+  // Rank 0 opens and writes; a failure is agreed on (every rank ends with rank 0's error, no
+  // MPI_Abort), once for the open and once per record.
   std::FILE* out = stdout;
-  if (root && !o.score_output.empty()) {
+  agree_on_error(coll, [&] {
+    if (!root || o.score_output.empty()) return;
     out = std::fopen(o.score_output.c_str(), "wb");
-    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing", o.score_output);
-  }
-  const auto emit = [&](const json& j) { write_jsonl_record(out, j, o.score_output); };
+    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing ({})", o.score_output,
+               std::strerror(errno));
+  });
+  const auto emit = [&](const std::function<json()>& make) {
+    agree_on_error(coll, [&] {
+      if (root) write_jsonl_record(out, make(), o.score_output);
+    });
+  };
   struct Tally {
     int64_t n = 0, correct = 0, errors = 0;
   };
@@ -581,8 +601,10 @@ int run_score(EvalCli& o, MpiContext& mpi) {
         ++tally[t.task].n;
         ++total.errors;
         ++total.n;
-        emit({{"id", t.id}, {"task", t.task}, {"correct", false}, {"error", error}});
       }
+      emit([&] {
+        return json{{"id", t.id}, {"task", t.task}, {"correct", false}, {"error", error}};
+      });
       continue;
     }
     t.ids = broadcast_ids(coll, t.ids);
@@ -597,52 +619,54 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
     }
     const GenerationResult r = generate(l.backend.forward, coll, t.ids, go, hooks);
-    if (!root) continue;
-    std::string text = r.text;
-    if (!tok) {
-      // ids-only model: the text is the generated ids without the stop id, space separated.
-      text.clear();
-      for (const int32_t id : r.token_ids) {
-        if (r.finish == FinishReason::Eos && &id == &r.token_ids.back()) break;
-        text += std::to_string(id) + " ";
+    json j;  // rank 0's record
+    if (root) {
+      std::string text = r.text;
+      if (!tok) {
+        // ids-only model: the text is the generated ids without the stop id, space separated.
+        text.clear();
+        for (const int32_t id : r.token_ids) {
+          if (r.finish == FinishReason::Eos && &id == &r.token_ids.back()) break;
+          text += std::to_string(id) + " ";
+        }
+      }
+      const ReasoningSplit split = split_reasoning(text);
+      // A pattern PCRE2 gives up on (its match or heap limit) makes the record an error.
+      std::optional<std::string> got;
+      std::string match_error;
+      try {
+        got = extract_answer(split.content, t.pattern.get());
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::Format) throw;
+        match_error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
+        FN_LOG_WARN("{}", match_error);
+      }
+      const bool ok =
+          got.has_value() && std::find(t.answers.begin(), t.answers.end(), *got) != t.answers.end();
+      Tally& tt = tally[t.task];
+      ++tt.n;
+      ++total.n;
+      tt.correct += ok;
+      total.correct += ok;
+      j = {{"id", t.id},
+           {"task", t.task},
+           {"correct", ok},
+           {"extracted", got ? json(*got) : json(nullptr)},
+           {"answer", t.answers.size() == 1 ? json(t.answers[0]) : json(t.answers)},
+           {"content", split.content},
+           {"finish_reason", finish_reason_name(r.finish)},
+           {"n_prompt_tokens", r.n_prompt_tokens},
+           {"n_gen_tokens", r.token_ids.size()},
+           {"e2e_ms", r.e2e_ms}};
+      if (split.has_reasoning) j["reasoning"] = split.reasoning;
+      if (!t.regex.empty()) j["regex"] = t.regex;
+      if (!match_error.empty()) {
+        j["error"] = match_error;
+        ++tt.errors;
+        ++total.errors;
       }
     }
-    const ReasoningSplit split = split_reasoning(text);
-    // A pattern PCRE2 gives up on (its match or heap limit) makes the record an error.
-    std::optional<std::string> got;
-    std::string match_error;
-    try {
-      got = extract_answer(split.content, t.pattern.get());
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::Format) throw;
-      match_error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
-      FN_LOG_WARN("{}", match_error);
-    }
-    const bool ok =
-        got.has_value() && std::find(t.answers.begin(), t.answers.end(), *got) != t.answers.end();
-    Tally& tt = tally[t.task];
-    ++tt.n;
-    ++total.n;
-    tt.correct += ok;
-    total.correct += ok;
-    json j = {{"id", t.id},
-              {"task", t.task},
-              {"correct", ok},
-              {"extracted", got ? json(*got) : json(nullptr)},
-              {"answer", t.answers.size() == 1 ? json(t.answers[0]) : json(t.answers)},
-              {"content", split.content},
-              {"finish_reason", finish_reason_name(r.finish)},
-              {"n_prompt_tokens", r.n_prompt_tokens},
-              {"n_gen_tokens", r.token_ids.size()},
-              {"e2e_ms", r.e2e_ms}};
-    if (split.has_reasoning) j["reasoning"] = split.reasoning;
-    if (!t.regex.empty()) j["regex"] = t.regex;
-    if (!match_error.empty()) {
-      j["error"] = match_error;
-      ++tt.errors;
-      ++total.errors;
-    }
-    emit(j);
+    emit([&] { return j; });
   }
   if (root) {
     if (out != stdout) std::fclose(out);

@@ -344,6 +344,24 @@ void LogitsWriter::append(std::span<const float> logits) {
   FN_CHECK(n_written_ < n, "{}: more rows than the header's {}", path_.string(), n);
   FN_CHECK(static_cast<int64_t>(logits.size()) == header_.vocab_size, "row of {} values, vocab {}",
            logits.size(), header_.vocab_size);
+  if (write_error_.empty()) {
+    try {
+      write_row(logits);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Io) throw;
+      write_error_ = e.what();
+    }
+  }
+  ++n_written_;
+  ++pos_;
+  const LogitsSequence& s = header_.sequences[static_cast<std::size_t>(seq_)];
+  if (pos_ >= s.first + s.n_rows && seq_ + 1 < static_cast<int64_t>(header_.sequences.size())) {
+    ++seq_;
+    pos_ = header_.sequences[static_cast<std::size_t>(seq_)].first;
+  }
+}
+
+void LogitsWriter::write_row(std::span<const float> logits) {
   const LogitsSequence& s = header_.sequences[static_cast<std::size_t>(seq_)];
   const int32_t target = s.target(pos_);
   const uint64_t V = static_cast<uint64_t>(header_.vocab_size);
@@ -395,12 +413,6 @@ void LogitsWriter::append(std::span<const float> logits) {
     write_at(file_, data_start_ + offsets_[2] + row * 4, &residual, 4, path_);
     write_at(file_, data_start_ + offsets_[3] + row * 4, &tl, 4, path_);
   }
-  ++n_written_;
-  ++pos_;
-  if (pos_ >= s.first + s.n_rows && seq_ + 1 < static_cast<int64_t>(header_.sequences.size())) {
-    ++seq_;
-    pos_ = header_.sequences[static_cast<std::size_t>(seq_)].first;
-  }
 }
 
 void LogitsWriter::close() {
@@ -409,6 +421,7 @@ void LogitsWriter::close() {
   file_ = nullptr;
   const int64_t n = header_.n_positions();
   const bool ok = std::fclose(f) == 0;
+  FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
   FN_REQUIRE(ok, Io, "{}: closing failed", path_.string());
   FN_REQUIRE(n_written_ == n, Internal, "{}: {} of {} rows written", path_.string(), n_written_, n);
 }
@@ -910,7 +923,6 @@ void dump_logits(const EvalBackend& backend, const std::vector<LogitsSequence>& 
       if (p >= s.first && writer) writer->append(logits);
     }
   }
-  if (writer) writer->close();
 }
 
 }  // namespace fn

@@ -184,20 +184,24 @@ class LogitsWriter {
   LogitsWriter& operator=(const LogitsWriter&) = delete;
   /// Appends the next row: `logits` are the raw FP32 logits (V values) of that position; the
   /// writer converts to the header's values/dtype/mode. Throws fn::Error(Internal) past the last
-  /// row or for a wrong length, Io on a write failure.
+  /// row or for a wrong length. A failed write does not throw here (the run it is part of holds
+  /// every TP rank in lockstep): the writer stops writing and close() reports it.
   void append(std::span<const float> logits);
-  /// Checks that every row was written (Internal otherwise) and closes the file (Io on failure).
-  /// Without close(), the destructor closes the file and logs a warning if rows are missing.
+  /// Closes the file. Throws fn::Error(Io) naming the first failed write or a failed close, else
+  /// Internal unless every row was written. Without close(), the destructor closes the file and
+  /// logs a warning if rows are missing.
   void close();
   const LogitsHeader& header() const noexcept { return header_; }
 
  private:
+  void write_row(std::span<const float> logits);  // the next row's bytes (Io on failure)
   LogitsHeader header_;
   std::filesystem::path path_;
   std::FILE* file_ = nullptr;
   uint64_t data_start_ = 0;
   int64_t n_written_ = 0;
   int64_t seq_ = 0, pos_ = 0;  // sequence and position of the next row
+  std::string write_error_;    // the first failed write's message (append stops writing)
   std::vector<uint64_t> offsets_;
 };
 
@@ -273,7 +277,8 @@ KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsRead
                        const std::function<void(int64_t, const KldStats&)>& on_sequence);
 
 /// Feeds each sequence of `header` (identical on every rank) and appends its rows to `writer`
-/// (non-null on rank 0 only): the engine side of `fngen eval dump-logits`.
+/// (non-null on rank 0 only): the engine side of `fngen eval dump-logits`. The caller closes the
+/// writer (LogitsWriter::close, which reports a failed write), on every rank's agreement.
 void dump_logits(const EvalBackend& backend, const std::vector<LogitsSequence>& sequences,
                  LogitsWriter* writer);
 

@@ -161,6 +161,27 @@ expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt
 expect 2 "inside the model directory" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$fx/tp4/x.fnl"
 : >"$tmp/no_tasks.jsonl"
 expect 3 "no_tasks.jsonl: no records" -- mpi 2 score -m "$fx/tp4" -i "$tmp/no_tasks.jsonl"
+# Output files that cannot be created or written, at -np 2: every rank exits 3 with rank 0's one
+# message (agreed on), never through MPI_Abort.
+no_abort() {  # no_abort WHAT: the last expect's stderr has one message and no MPI_Abort
+  if [ "$(grep -c "io error" "$tmp/err")" = 1 ] && ! grep -qE "MPI_ABORT|ORTE_ERROR_LOG" "$tmp/err"; then
+    echo "ok: $1: one message, no MPI_Abort"
+  else
+    fail "$1: $(grep -v '^$' "$tmp/err" | head -n 8)"
+  fi
+}
+expect 3 "/dev/full: write failed" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o /dev/full
+no_abort "dump-logits -o /dev/full"
+expect 3 "$tmp: cannot create the logits file" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp"
+no_abort "dump-logits -o DIR"
+expect 3 "/dev/full: write failed" -- \
+  mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits /dev/full
+no_abort "ppl --save-logits /dev/full"
+expect 3 "-o/--output /dev/full: cannot write" -- mpi 2 score -m "$fx/tp4" -i "$tmp/tasks.jsonl" -o /dev/full -n 4
+no_abort "score -o /dev/full"
+expect 3 "-o/--output $tmp/no-dir/s.jsonl: cannot open for writing" -- \
+  mpi 2 score -m "$fx/tp4" -i "$tmp/tasks.jsonl" -o "$tmp/no-dir/s.jsonl" -n 4
+no_abort "score -o in a missing directory"
 # Answer patterns are PCRE2 under match limits: a catastrophically backtracking pattern on 600
 # generated ids (nested repeats, then a character the text lacks) gives an error record (std::regex used to crash on long texts), a pattern that
 # does not compile another; the good record still scores, and the run exits 0.

@@ -415,6 +415,7 @@ TEST_CASE(
   {
     fn::LogitsWriter w(p, h);
     fn::dump_logits(fb.get(), h.sequences, &w);
+    w.close();
   }
   fn::LogitsReader rd(p);
   fn::LocalCollectives coll;

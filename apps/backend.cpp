@@ -187,9 +187,10 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
                   "cpu | cuda | auto (default auto: cuda when this build has CUDA and every rank "
                   "sees a GPU, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  add_whole_option(sub, "--tp", flags.tp,
-                   "tensor-parallel size; must equal the number of MPI ranks",
-                   WholeRange(0, std::numeric_limits<int>::max()));
+  add_whole_option(
+      sub, "--tp", flags.tp,
+      "tensor-parallel size; must equal the number of MPI ranks (default: that number)",
+      WholeRange(1, std::numeric_limits<int>::max()));
   sub->add_option("--allreduce", flags.allreduce,
                   "cuda, TP > 1: auto | custom | nccl (default auto: the IPC custom all-reduce "
                   "where peer access allows, else NCCL)")

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -574,8 +575,9 @@ std::FILE* open_output(const std::string& path, const char* flag) {
 // Writes `s` to the file `path` (opened and truncated only now) and closes it.
 void write_file(const std::string& path, const std::string& s, const char* flag) {
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(open_output(path, flag), &std::fclose);
-  FN_REQUIRE(std::fwrite(s.data(), 1, s.size(), f.get()) == s.size() && std::fflush(f.get()) == 0,
-             Io, "{} {}: write failed", flag, path);
+  const bool ok =
+      std::fwrite(s.data(), 1, s.size(), f.get()) == s.size() && std::fflush(f.get()) == 0;
+  FN_REQUIRE(ok, Io, "{} {}: write failed ({})", flag, path, std::strerror(errno));
 }
 
 // --breakdown of one lane: kBreakdownWarmup + `steps` eager steps, then as many in a graph with

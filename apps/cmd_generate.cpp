@@ -320,6 +320,13 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   FN_REQUIRE(o.system_prompt.empty() || o.chat || !o.input.empty(), Usage,
              "--system-prompt applies to chat prompts: add --chat (or give JSONL records with "
              "\"messages\" through -i/--input)");
+  for (const auto& [given, flag] :
+       {std::pair{o.think, "--think"}, std::pair{o.no_think, "--no-think"},
+        std::pair{!o.chat_template.empty(), "--chat-template"}})
+    FN_REQUIRE(!given || o.chat || !o.input.empty(), Usage,
+               "{} applies to chat prompts: add --chat (or give JSONL records with \"messages\" "
+               "through -i/--input)",
+               flag);
 
   require_model_dir(o.model);
   if (root) {

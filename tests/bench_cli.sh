@@ -245,7 +245,8 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
   expect 2 "--prefill-chunk: '99999999999999999999' is out of range (allowed 1 to 9223372036854775807)" -- \
     bench -p 8 -n 4 --prefill-chunk 99999999999999999999
   expect 2 "--breakdown-steps: '08x' is not a decimal whole number" -- bench -p 8 -n 4 --breakdown-steps 08x
-  expect 2 "--tp: '-2' is out of range (allowed 0 to 2147483647)" -- bench -p 8 -n 4 --tp -2
+  expect 2 "--tp: '-2' is out of range (allowed 1 to 2147483647)" -- bench -p 8 -n 4 --tp -2
+  expect 2 "--tp: '0' is out of range (allowed 1 to 2147483647)" -- bench -p 8 -n 4 --tp 0
   # Leading zeros are decimal ("010" is ten, not octal eight; "08" is eight, not an error).
   bench -p 010 -n 08 -r 1 --warmup 0 --format json >"$tmp/dec.json" 2>"$tmp/err" ||
     fail "bench -p 010 -n 08: $(tail -n 2 "$tmp/err")"

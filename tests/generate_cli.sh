@@ -67,6 +67,11 @@ expect 2 "--prefill-chunk: 'x' is not a decimal whole number" -- mpi 1 -m "$fx/t
   --prefill-chunk x
 expect 2 "--system-prompt applies to chat prompts: add --chat" -- mpi 1 -m "$fx/tp4" \
   --prompt-ids 1,2 --system-prompt "be brief"
+# The other chat-only flags are refused without --chat too (they were ignored silently).
+expect 2 "--think applies to chat prompts: add --chat" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 --think
+expect 2 "--no-think applies to chat prompts: add --chat" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 --no-think
+expect 2 "--chat-template applies to chat prompts: add --chat" -- mpi 1 -m "$fx/tp4" \
+  --prompt-ids 1,2 --chat-template qwen3
 expect 2 "-c/--ctx-size: '-3' is out of range (allowed 0 to" -- mpi 1 -m "$fx/tp4" \
   --prompt-ids 1,2 -c -3
 expect 2 "ctx-size 50" -- mpi 2 -m "$fx/tp4" --prompt-ids "$ids" -n 32 -c 50

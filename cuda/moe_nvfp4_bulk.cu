@@ -160,46 +160,31 @@ __device__ __forceinline__ void mma_unit(const uint4& wa, uint32_t sa, const uin
   }
 }
 
+__global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateUpArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The gate+up kernel's shared memory: [ring: stages x stage_bytes][full][empty][lut][meta][part].
-struct GateUpSmem {
-  uint8_t* ring;   // [stages][stage_bytes], 128-byte aligned
-  uint64_t* full;  // [stages]
-  uint64_t* empty;
-  uint32_t* lut;  // [256] E4M3 * 2^100, BF16x2
-  int* meta;      // [max_chunks][3] j, i, n
-  float* part;    // [chunk][warp][16]
-};
+  const int nst = a.stages;  // ring depth
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;  // [nst][stage_bytes], 128-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + nst * a.stage_bytes);
+  uint64_t* empty = full + nst;
+  uint32_t* lut = reinterpret_cast<uint32_t*>(empty + nst);         // [256] E4M3 * 2^100, BF16x2
+  int* meta = reinterpret_cast<int*>(lut + 256);                    // [max_chunks][3] j, i, n
+  float* part = reinterpret_cast<float*>(meta + 3 * a.max_chunks);  // [chunk][warp][16]
 
-__device__ __forceinline__ GateUpSmem gate_up_smem(const BulkGateUpArgs& a, uint8_t* smem) {
-  GateUpSmem m;
-  m.ring = smem;
-  m.full = reinterpret_cast<uint64_t*>(smem + a.stages * a.stage_bytes);
-  m.empty = m.full + a.stages;
-  m.lut = reinterpret_cast<uint32_t*>(m.empty + a.stages);
-  m.meta = reinterpret_cast<int*>(m.lut + 256);
-  m.part = reinterpret_cast<float*>(m.meta + 3 * a.max_chunks);
-  return m;
-}
-
-// Before the block's first barrier: the ring's mbarriers (thread 0) and the scale table.
-__device__ __forceinline__ void gate_up_init(const BulkGateUpArgs& a, const GateUpSmem& m) {
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < a.stages; ++s) {
-      mbar_init(m.full + s, 1);
-      mbar_init(m.empty + s, 32 * kWarps);
-    }
-  }
-  if (threadIdx.x < 256) m.lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
-}
-
-// The gate+up work of the CTA after the programmatic-dependent wait, ending with h written (one
-// block barrier before the epilogue, none after). The producer warp's lane 0 issues the CTA's
-// share of the L2 prefetch once the share's last chunk is issued.
-__device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateUpSmem& m) {
-  const int nst = a.stages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kb = a.k / 16;  // scale bytes per row
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nst; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, 32 * kWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+  __syncthreads();
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
   int64_t p0, p1;
   share_of(a, p0, p1);
   int c = 0;             // chunks of the share (every thread walks them all)
@@ -209,29 +194,29 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
       chunk_at(a, p, p1, j, i, n);
       p += n;
       const int s = c % nst;
-      if (c >= nst) mbar_wait(m.empty + s, static_cast<uint32_t>((c / nst - 1) & 1));
+      if (c >= nst) mbar_wait(empty + s, static_cast<uint32_t>((c / nst - 1) & 1));
       const int e = __ldg(a.ids + j);
       const bool live = e >= 0 && e < a.num_experts;
       if (lane == 0) {
-        m.meta[3 * c] = j;
-        m.meta[3 * c + 1] = i;
-        m.meta[3 * c + 2] = n;
-        mbar_arrive_expect_tx(m.full + s, live ? static_cast<uint32_t>(n) * (a.k + 2 * kb) : 0u);
+        meta[3 * c] = j;
+        meta[3 * c + 1] = i;
+        meta[3 * c + 2] = n;
+        mbar_arrive_expect_tx(full + s, live ? static_cast<uint32_t>(n) * (a.k + 2 * kb) : 0u);
       }
       __syncwarp();
       if (live) {
-        uint8_t* st = m.ring + s * a.stage_bytes;
+        uint8_t* st = ring + s * a.stage_bytes;
         const int64_t row0 = static_cast<int64_t>(e) * 2 * a.inter + i;  // gate row i
         if (lane < 2 * n) {  // row of codes: gate rows at slots 0..n-1, up rows at 8..8+n-1
           const int r = lane < n ? lane : lane - n;
           const int64_t row = row0 + r + (lane < n ? 0 : a.inter);
           bulk_copy(st + (lane < n ? r : kPairs + r) * a.row_stride, a.packed + row * (a.k / 2),
-                    static_cast<uint32_t>(a.k / 2), m.full + s);
+                    static_cast<uint32_t>(a.k / 2), full + s);
         } else if (lane == 2 * n || lane == 2 * n + 1) {  // the n rows' scales, gate or up
           const bool up = lane == 2 * n + 1;
           const int64_t row = row0 + (up ? a.inter : 0);
           bulk_copy(st + kPairs * 2 * a.row_stride + (up ? kPairs * kb : 0), a.scales + row * kb,
-                    static_cast<uint32_t>(n * kb), m.full + s);
+                    static_cast<uint32_t>(n * kb), full + s);
         }
       }
     }
@@ -257,8 +242,8 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
       chunk_at(a, p, p1, j, i, n);
       p += n;
       const int s = c % nst;
-      mbar_wait(m.full + s, static_cast<uint32_t>((c / nst) & 1));
-      const uint8_t* st = m.ring + s * a.stage_bytes;
+      mbar_wait(full + s, static_cast<uint32_t>((c / nst) & 1));
+      const uint8_t* st = ring + s * a.stage_bytes;
       const bool row_ok = g < n;
       const uint8_t* cg = st + g * a.row_stride;
       const uint8_t* cu = st + (kPairs + g) * a.row_stride;
@@ -278,7 +263,7 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
           scg = *reinterpret_cast<const uint16_t*>(sg + 2 * u);
           scu = *reinterpret_cast<const uint16_t*>(su + 2 * u);
         }
-        mma_unit(wg, scg, wu, scu, xr[r], m.lut, d[r]);
+        mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
       }
       float sum_g = d[0][0], sum_u = d[0][2];
 #pragma unroll
@@ -286,10 +271,10 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
         sum_g += d[r][0];
         sum_u += d[r][2];
       }
-      mbar_arrive(m.empty + s);  // every consumer lane, after its last read of the stage
-      if (t == 0) {              // D[g][0] = gate row g, D[g + 8][0] = up row g
-        m.part[(c * kWarps + warp) * 16 + g] = sum_g;
-        m.part[(c * kWarps + warp) * 16 + kPairs + g] = sum_u;
+      mbar_arrive(empty + s);  // every consumer lane, after its last read of the stage
+      if (t == 0) {            // D[g][0] = gate row g, D[g + 8][0] = up row g
+        part[(c * kWarps + warp) * 16 + g] = sum_g;
+        part[(c * kWarps + warp) * 16 + kPairs + g] = sum_u;
       }
     }
   }
@@ -297,32 +282,18 @@ __device__ __forceinline__ void gate_up_run(const BulkGateUpArgs& a, const GateU
   // One thread per (chunk, row): the warps' partials in order, the scales, SwiGLU.
   for (int idx = threadIdx.x; idx < c * kPairs; idx += kThreads) {
     const int ci = idx / kPairs, r = idx % kPairs;
-    const int j = m.meta[3 * ci], i = m.meta[3 * ci + 1] + r, n = m.meta[3 * ci + 2];
+    const int j = meta[3 * ci], i = meta[3 * ci + 1] + r, n = meta[3 * ci + 2];
     if (r >= n) continue;
     const int e = __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
     float sum_g = 0.0f, sum_u = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
-      sum_g += m.part[(ci * kWarps + w) * 16 + r];
-      sum_u += m.part[(ci * kWarps + w) * 16 + kPairs + r];
+      sum_g += part[(ci * kWarps + w) * 16 + r];
+      sum_u += part[(ci * kWarps + w) * 16 + kPairs + r];
     }
     nvfp4_mma::store_gate_up(sum_g, sum_u, e, ok, a.global_scale, j, i, a.inter, a.h,
                              a.gate_up_out);
   }
-}
-#endif
-
-__global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateUpArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) uint8_t smem[];
-  const GateUpSmem m = gate_up_smem(a, smem);
-  gate_up_init(a, m);
-  if (threadIdx.x == 0) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  __syncthreads();
-  // Every weight address depends on the router's expert ids, and x is the previous kernel's
-  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
-  dev::pdl_begin();
-  gate_up_run(a, m);
 #else
   (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
 #endif
@@ -354,91 +325,94 @@ struct BulkDownArgs {
   bool accumulate;
 };
 
+// The down projection: one CTA per share of rows [r0, r1) (units of 8 rows) of all top_k experts.
+// Before the programmatic-dependent wait the producer warp reads the router's ids through L2 (two
+// launches back: gate+up sits between, cuda/pdl.cuh) and issues one bulk copy of the share's codes
+// and one of its scales per selected expert, all on one mbarrier; so the weights stream while
+// gate+up still runs. After the wait the block stages h (MmaStage order) and the factors
+// f_j = routing_weight_j * gs[e_j]; warp w takes the (16-row tile, expert j) pairs p = w, w + 10,
+// ... (tile-major): per pair one MMA accumulator chain from 0 over the 128-column groups in order
+// (rows g and g + 8 of the tile as A, h_j as B), then acc = fmaf(D, f_j, acc) per tile in pair
+// order; the warps' accumulators are summed per row in increasing warp order, * 2^26.
+__global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDownArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The down kernel's shared memory.
-struct DownSmem {
-  uint8_t* codes;  // [top_k][slot_codes], 16-byte aligned
-  uint8_t* scl;    // [top_k][slot_scales]
-  uint8_t* hst;    // h, DownStage layout
-  uint32_t* lut;   // [256] E4M3 * 2^100, BF16x2
-  float* f;        // [top_k], 0 for dead ids
-  int* live;       // [top_k]
-  float* part;     // [tiles_max][warps][16]
-  uint64_t* bar;   // the weights' mbarrier (one phase per launch)
-};
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* codes = smem;                                               // [top_k][slot_codes]
+  uint8_t* scl = codes + static_cast<size_t>(a.top_k) * a.slot_codes;  // [top_k][slot_scales]
+  uint8_t* hst = smem + a.stage_off;                                   // h, DownStage layout
+  uint32_t* lut = reinterpret_cast<uint32_t*>(hst + DownStage::bytes(a.top_k * a.inter));
+  float* f = reinterpret_cast<float*>(lut + 256);          // [top_k], 0 for dead ids
+  int* live = reinterpret_cast<int*>(f + a.top_k);         // [top_k]
+  float* part = reinterpret_cast<float*>(live + a.top_k);  // [tiles_max][warps][16]
+  uint64_t* bar = reinterpret_cast<uint64_t*>(part + a.tiles_max * kDownWarps * 16);
 
-// The CTA's rows [r0, r0 + nrows) (units of 8 rows).
-__device__ __forceinline__ void down_rows(const BulkDownArgs& a, int& r0, int& nrows) {
-  r0 = kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * blockIdx.x / gridDim.x);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r0 =
+      kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * blockIdx.x / gridDim.x);
   const int r1 =
       kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * (blockIdx.x + 1) / gridDim.x);
-  nrows = r1 - r0;
-}
-
-// The producer warp (every lane): one bulk copy of the share's codes and one of its scales per
-// selected expert, all on m.bar. The ids are read through L2 (written by an earlier kernel).
-__device__ __forceinline__ void down_issue(const BulkDownArgs& a, const DownSmem& m, int r0,
-                                           int nrows) {
-  const int lane = threadIdx.x & 31;
+  const int nrows = r1 - r0;
   const int rb_codes = a.inter / 2, rb_scales = a.inter / 16;  // bytes per row
-  uint32_t bytes = 0;
-  if (lane == 0) {
-    for (int j = 0; j < a.top_k; ++j) {
-      const int e = __ldcg(a.ids + j);
-      if (e >= 0 && e < a.num_experts)
-        bytes += static_cast<uint32_t>(nrows) * static_cast<uint32_t>(rb_codes + rb_scales);
+  if (threadIdx.x == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+  for (int i = threadIdx.x; i < a.tiles_max * kDownWarps * 16; i += kDownThreads) part[i] = 0.0f;
+  __syncthreads();
+  if (warp == kDownWarps) {  // the producer: weights only, before the wait
+    uint32_t bytes = 0;
+    if (lane == 0) {
+      for (int j = 0; j < a.top_k; ++j) {
+        const int e = __ldcg(a.ids + j);
+        if (e >= 0 && e < a.num_experts)
+          bytes += static_cast<uint32_t>(nrows) * static_cast<uint32_t>(rb_codes + rb_scales);
+      }
+      mbar_arrive_expect_tx(bar, bytes);
     }
-    mbar_arrive_expect_tx(m.bar, bytes);
+    __syncwarp();
+    for (int j = lane; j < a.top_k; j += 32) {
+      const int e = __ldcg(a.ids + j);
+      if (e < 0 || e >= a.num_experts) continue;
+      const int64_t row = static_cast<int64_t>(e) * a.hidden + r0;
+      bulk_copy(codes + static_cast<size_t>(j) * a.slot_codes, a.packed + row * rb_codes,
+                static_cast<uint32_t>(nrows * rb_codes), bar);
+      bulk_copy(scl + static_cast<size_t>(j) * a.slot_scales, a.scales + row * rb_scales,
+                static_cast<uint32_t>(nrows * rb_scales), bar);
+    }
   }
-  __syncwarp();
-  for (int j = lane; j < a.top_k; j += 32) {
-    const int e = __ldcg(a.ids + j);
-    if (e < 0 || e >= a.num_experts) continue;
-    const int64_t row = static_cast<int64_t>(e) * a.hidden + r0;
-    bulk_copy(m.codes + static_cast<size_t>(j) * a.slot_codes, a.packed + row * rb_codes,
-              static_cast<uint32_t>(nrows * rb_codes), m.bar);
-    bulk_copy(m.scl + static_cast<size_t>(j) * a.slot_scales, a.scales + row * rb_scales,
-              static_cast<uint32_t>(nrows * rb_scales), m.bar);
-  }
-}
-
-// Everything after the weights are requested (and after the wait for h): stage h, the factors,
-// the MMAs once the weights landed, y.
-__device__ __forceinline__ void down_compute(const BulkDownArgs& a, const DownSmem& m, int r0,
-                                             int nrows) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int rb_codes = a.inter / 2, rb_scales = a.inter / 16;  // bytes per row
-  DownStage::template fill<2>(a.h, a.top_k * a.inter, m.hst);
+  // h is gate+up's output; the routing weights and ids are read after the wait as well.
+  dev::pdl_begin();
+  DownStage::template fill<2>(a.h, a.top_k * a.inter, hst);
   for (int j = threadIdx.x; j < a.top_k; j += kDownThreads) {
     const int e = __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
-    m.live[j] = ok ? 1 : 0;
-    m.f[j] = ok ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
+    live[j] = ok ? 1 : 0;
+    f[j] = ok ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
   }
-  for (int i = threadIdx.x; i < a.tiles_max * kDownWarps * 16; i += kDownThreads) m.part[i] = 0.0f;
   __syncthreads();
   if (warp < kDownWarps) {
     const int g = lane >> 2, t = lane & 3;
     const int nunits = a.inter / 32, ngroups = (nunits + 3) / 4;
     const int tiles = (nrows + 15) / 16;
-    mbar_wait(m.bar, 0u);
+    mbar_wait(bar, 0u);
     float acc_a = 0.0f, acc_b = 0.0f;
     int cur = -1;
     for (int p = warp; p < tiles * a.top_k; p += kDownWarps) {
       const int tile = p / a.top_k, j = p - tile * a.top_k;
       if (tile != cur) {
         if (cur >= 0 && t == 0) {
-          m.part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
-          m.part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
+          part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
+          part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
         }
         cur = tile;
         acc_a = acc_b = 0.0f;
       }
-      if (m.live[j] == 0) continue;  // warp-uniform
+      if (live[j] == 0) continue;  // warp-uniform
       const int ra = tile * 16 + g, rb = ra + 8;
-      const uint8_t* ca = m.codes + static_cast<size_t>(j) * a.slot_codes + ra * rb_codes;
+      const uint8_t* ca = codes + static_cast<size_t>(j) * a.slot_codes + ra * rb_codes;
       const uint8_t* cb = ca + 8 * rb_codes;
-      const uint8_t* sa = m.scl + static_cast<size_t>(j) * a.slot_scales + ra * rb_scales;
+      const uint8_t* sa = scl + static_cast<size_t>(j) * a.slot_scales + ra * rb_scales;
       const uint8_t* sb = sa + 8 * rb_scales;
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int ug = 0; ug < ngroups; ++ug) {
@@ -457,61 +431,25 @@ __device__ __forceinline__ void down_compute(const BulkDownArgs& a, const DownSm
         uint4 x[4];
 #pragma unroll
         for (int wi = 0; wi < 4; ++wi)
-          x[wi] = uok ? DownStage::word(m.hst, j * nunits + u, wi) : make_uint4(0, 0, 0, 0);
-        mma_unit(wa, fa, wb, fb, x, m.lut, d);
+          x[wi] = uok ? DownStage::word(hst, j * nunits + u, wi) : make_uint4(0, 0, 0, 0);
+        mma_unit(wa, fa, wb, fb, x, lut, d);
       }
-      acc_a = fmaf(d[0], m.f[j], acc_a);
-      acc_b = fmaf(d[2], m.f[j], acc_b);
+      acc_a = fmaf(d[0], f[j], acc_a);
+      acc_b = fmaf(d[2], f[j], acc_b);
     }
     if (cur >= 0 && t == 0) {
-      m.part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
-      m.part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
+      part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
+      part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
     }
   }
   __syncthreads();
   for (int r = threadIdx.x; r < nrows; r += kDownThreads) {
     const int tile = r / 16, row = r % 16;
     float sum = 0.0f;
-    for (int w = 0; w < kDownWarps; ++w) sum += m.part[(tile * kDownWarps + w) * 16 + row];
+    for (int w = 0; w < kDownWarps; ++w) sum += part[(tile * kDownWarps + w) * 16 + row];
     const float v = sum * kMmaUnscale;
     a.y[r0 + r] = a.accumulate ? a.y[r0 + r] + v : v;
   }
-}
-#endif
-
-// The down projection: one CTA per share of rows [r0, r1) (units of 8 rows) of all top_k experts.
-// Before the programmatic-dependent wait the producer warp reads the router's ids through L2 (two
-// launches back: gate+up sits between, cuda/pdl.cuh) and issues one bulk copy of the share's codes
-// and one of its scales per selected expert, all on one mbarrier; so the weights stream while
-// gate+up still runs. After the wait the block stages h (MmaStage order) and the factors
-// f_j = routing_weight_j * gs[e_j]; warp w takes the (16-row tile, expert j) pairs p = w, w + 10,
-// ... (tile-major): per pair one MMA accumulator chain from 0 over the 128-column groups in order
-// (rows g and g + 8 of the tile as A, h_j as B), then acc = fmaf(D, f_j, acc) per tile in pair
-// order; the warps' accumulators are summed per row in increasing warp order, * 2^26.
-__global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDownArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) uint8_t smem[];
-  DownSmem m;
-  m.codes = smem;
-  m.scl = m.codes + static_cast<size_t>(a.top_k) * a.slot_codes;
-  m.hst = smem + a.stage_off;
-  m.lut = reinterpret_cast<uint32_t*>(m.hst + DownStage::bytes(a.top_k * a.inter));
-  m.f = reinterpret_cast<float*>(m.lut + 256);
-  m.live = reinterpret_cast<int*>(m.f + a.top_k);
-  m.part = reinterpret_cast<float*>(m.live + a.top_k);
-  m.bar = reinterpret_cast<uint64_t*>(m.part + a.tiles_max * kDownWarps * 16);
-  int r0, nrows;
-  down_rows(a, r0, nrows);
-  if (threadIdx.x == 0) {
-    mbar_init(m.bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  if (threadIdx.x < 256) m.lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
-  __syncthreads();
-  if ((threadIdx.x >> 5) == kDownWarps) down_issue(a, m, r0, nrows);  // weights, before the wait
-  // h is gate+up's output; the routing weights and ids are read after the wait as well.
-  dev::pdl_begin();
-  down_compute(a, m, r0, nrows);
 #else
   (void)a;  // never launched below sm_90 (launch_moe_down_bulk refuses)
 #endif
@@ -523,15 +461,18 @@ int max_chunks_of(int64_t pairs, int64_t inter, int ctas) {
   return static_cast<int>((len + kPairs - 1) / kPairs + (len + inter - 1) / inter + 1);
 }
 
+}  // namespace
+
+namespace {
+
 struct GateUpPlan {
   int ctas, max_chunks, stages, row_stride, stage_bytes;
   size_t smem;
 };
 
-// The gate+up kernel's plan for a grid of `ctas`.
-GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int ctas) {
+GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
   GateUpPlan g{};
-  g.ctas = ctas;
+  g.ctas = bulk_gate_up_ctas(top_k, inter, sm_count);
   g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
   g.stages = std::min(kMaxStages, g.max_chunks);
   g.row_stride = static_cast<int>(cols / 2 + kRowPad);
@@ -541,12 +482,28 @@ GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int ctas) {
   return g;
 }
 
-bool gate_up_shape_ok(int top_k, int64_t inter, int64_t cols) {
-  return top_k >= 1 && inter >= 1 && bulk_gate_up_cols_ok(cols) &&
-         static_cast<int64_t>(top_k) * inter <= INT32_MAX;
+}  // namespace
+
+bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count) {
+  if (top_k < 1 || inter < 1 || !bulk_gate_up_cols_ok(cols)) return false;
+  if (static_cast<int64_t>(top_k) * inter > INT32_MAX) return false;
+  return plan_gate_up(top_k, inter, cols, sm_count).smem <= kMaxCtaSmem;
 }
 
-BulkGateUpArgs gate_up_args(const MoeGateUpParams& p, const GateUpPlan& g) {
+int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count) {
+  const int64_t pairs = static_cast<int64_t>(top_k) * inter;
+  const int64_t by_work = (pairs + kPairs - 1) / kPairs;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, by_work)));
+}
+
+void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_gate_up_nvfp4 (bulk)";
+  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
+  const int64_t inter = p.experts.rows / 2;
+  const int sms = current_sm_count();
+  FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
+  const GateUpPlan g = plan_gate_up(p.top_k, inter, p.experts.cols, sms);
   BulkGateUpArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -554,9 +511,9 @@ BulkGateUpArgs gate_up_args(const MoeGateUpParams& p, const GateUpPlan& g) {
   a.ids = p.expert_ids;
   a.num_experts = p.experts.num_experts;
   a.top_k = p.top_k;
-  a.inter = static_cast<int>(p.experts.rows / 2);
+  a.inter = static_cast<int>(inter);
   a.k = static_cast<int>(p.experts.cols);
-  a.pairs = static_cast<int64_t>(p.top_k) * a.inter;
+  a.pairs = static_cast<int64_t>(p.top_k) * inter;
   a.row_stride = g.row_stride;
   a.stage_bytes = g.stage_bytes;  // 9 K + 1024: a multiple of 128
   a.x = p.x;
@@ -565,23 +522,25 @@ BulkGateUpArgs gate_up_args(const MoeGateUpParams& p, const GateUpPlan& g) {
   a.l2_prefetch = p.l2_prefetch;
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
-  return a;
+  FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(g.smem)));
+  launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(g.ctas),
+             kThreads, g.smem, stream, a);
+  FN_CUDA_LAUNCH_CHECK("moe_gate_up_bulk_kernel");
 }
+
+namespace {
 
 struct DownPlan {
   int ctas, rows_max, slot_codes, slot_scales, stage_off, tiles_max;
   size_t smem;
 };
 
-int down_ctas(int64_t hidden, int sm_count) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, hidden / kRowUnit)));
-}
-
-// The down kernel's plan for a grid of `ctas`.
-DownPlan plan_down(int top_k, int64_t inter, int64_t hidden, int ctas) {
+DownPlan plan_down(int top_k, int64_t inter, int64_t hidden, int sm_count) {
   DownPlan d{};
   const int64_t units = hidden / kRowUnit;
-  d.ctas = ctas;
+  d.ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, units)));
   d.rows_max = static_cast<int>(kRowUnit * ((units + d.ctas - 1) / d.ctas));
   d.slot_codes = static_cast<int>(d.rows_max * inter / 2);
   d.slot_scales = static_cast<int>((d.rows_max * inter / 16 + 15) / 16 * 16);
@@ -594,13 +553,22 @@ DownPlan plan_down(int top_k, int64_t inter, int64_t hidden, int ctas) {
   return d;
 }
 
-bool down_shape_ok(int top_k, int64_t inter, int64_t hidden) {
+}  // namespace
+
+bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count) {
   if (top_k < 1 || inter < 32 || inter % 32 != 0 || hidden < kRowUnit || hidden % kRowUnit != 0)
     return false;
-  return hidden <= INT32_MAX / 2 && static_cast<int64_t>(top_k) * inter <= 12288;
+  if (hidden > INT32_MAX / 2 || static_cast<int64_t>(top_k) * inter > 12288) return false;
+  return plan_down(top_k, inter, hidden, sm_count).smem <= kBulkDownMaxSmem;
 }
 
-BulkDownArgs down_args(const MoeDownParams& p, const DownPlan& d) {
+void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_down_nvfp4 (bulk)";
+  const int sms = current_sm_count();
+  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
+  FN_LAUNCH_REQUIRE(bulk_down_shape_ok(p.top_k, p.experts.cols, p.experts.rows, sms), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
+  const DownPlan d = plan_down(p.top_k, p.experts.cols, p.experts.rows, sms);
   BulkDownArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -620,55 +588,6 @@ BulkDownArgs down_args(const MoeDownParams& p, const DownPlan& d) {
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
-  return a;
-}
-
-}  // namespace
-
-bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count) {
-  if (!gate_up_shape_ok(top_k, inter, cols)) return false;
-  const int ctas = bulk_gate_up_ctas(top_k, inter, sm_count);
-  return plan_gate_up(top_k, inter, cols, ctas).smem <= kMaxCtaSmem;
-}
-
-int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count) {
-  const int64_t pairs = static_cast<int64_t>(top_k) * inter;
-  const int64_t by_work = (pairs + kPairs - 1) / kPairs;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, by_work)));
-}
-
-void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_moe_gate_up_nvfp4 (bulk)";
-  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
-  const int64_t inter = p.experts.rows / 2;
-  const int sms = current_sm_count();
-  FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
-  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
-  const GateUpPlan g =
-      plan_gate_up(p.top_k, inter, p.experts.cols, bulk_gate_up_ctas(p.top_k, inter, sms));
-  const BulkGateUpArgs a = gate_up_args(p, g);
-  FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(g.smem)));
-  launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(g.ctas),
-             kThreads, g.smem, stream, a);
-  FN_CUDA_LAUNCH_CHECK("moe_gate_up_bulk_kernel");
-}
-
-bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count) {
-  if (!down_shape_ok(top_k, inter, hidden)) return false;
-  return plan_down(top_k, inter, hidden, down_ctas(hidden, sm_count)).smem <= kBulkDownMaxSmem;
-}
-
-void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_moe_down_nvfp4 (bulk)";
-  const int sms = current_sm_count();
-  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
-  FN_LAUNCH_REQUIRE(bulk_down_shape_ok(p.top_k, p.experts.cols, p.experts.rows, sms), kOp);
-  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
-  const DownPlan d =
-      plan_down(p.top_k, p.experts.cols, p.experts.rows, down_ctas(p.experts.rows, sms));
-  const BulkDownArgs a = down_args(p, d);
   FN_CUDA_CHECK(cudaFuncSetAttribute(
       moe_down_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(d.smem)));
   launch_pdl("moe_down_bulk_kernel", moe_down_bulk_kernel, static_cast<unsigned>(d.ctas),

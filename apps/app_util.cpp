@@ -166,6 +166,14 @@ void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std:
   FN_REQUIRE(ok, Io, "-o/--output {}: cannot write ({})", path, std::strerror(errno));
 }
 
+void write_jsonl_record_agreed(Collectives& coll, std::FILE* out,
+                               const std::function<nlohmann::json()>& make,
+                               const std::string& path) {
+  agree_on_error(coll, [&] {
+    if (coll.rank() == 0) write_jsonl_record(out, make(), path);
+  });
+}
+
 void check_stdout() {
   std::cout.flush();
   const bool flushed = std::fflush(stdout) == 0;

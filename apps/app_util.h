@@ -8,10 +8,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "core/collectives.h"
 #include "core/error.h"
 
 namespace fn {
@@ -71,6 +73,14 @@ void write_stdout(std::string_view s);
 /// output file, or stdout. Throws fn::Error(Io) "cannot write to standard output (<reason>)" or
 /// "-o/--output <path>: cannot write (<reason>)" when the write or the flush fails.
 void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path);
+
+/// write_jsonl_record of `make()` on rank 0 of `coll`, agreed on (agree_on_error,
+/// core/collectives.h): every rank calls it for every record, and a write that fails on rank 0
+/// (-o /dev/full, a full disk) ends every rank with rank 0's error instead of MPI_Abort. `make`
+/// runs on rank 0 only. Throws as write_jsonl_record, on every rank.
+void write_jsonl_record_agreed(Collectives& coll, std::FILE* out,
+                               const std::function<nlohmann::json()>& make,
+                               const std::string& path);
 
 /// Flushes stdout (C stdio and std::cout) and throws fn::Error(Io) "cannot write to standard
 /// output" when any earlier write to it failed. main() runs it after every command.

@@ -556,9 +556,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
                std::strerror(errno));
   });
   const auto emit = [&](const std::function<json()>& make) {
-    agree_on_error(coll, [&] {
-      if (root) write_jsonl_record(out, make(), o.score_output);
-    });
+    write_jsonl_record_agreed(coll, out, make, o.score_output);
   };
   struct Tally {
     int64_t n = 0, correct = 0, errors = 0;

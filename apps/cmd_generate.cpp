@@ -513,12 +513,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   }
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
                                                                   &std::fclose);
-  // Rank 0 writes each record; a write that fails (-o /dev/full, a full disk) is agreed on, so
-  // every rank ends with rank 0's one message and the io exit code, not through MPI_Abort.
+  // Rank 0 writes each record, on every rank's agreement (no MPI_Abort when a write fails).
   const auto write_record = [&](const std::function<json()>& make) {
-    agree_on_error(coll, [&] {
-      if (root) write_jsonl_record(out, make(), o.output);
-    });
+    write_jsonl_record_agreed(coll, out, make, o.output);
   };
   int64_t n_lines = static_cast<int64_t>(lines.size());
   coll.broadcast(&n_lines, sizeof(n_lines), 0);

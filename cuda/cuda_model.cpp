@@ -920,13 +920,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.weights = rw;
       rs.error_flag = error_flag;
       rs.counter = router_ticket;
-      auto prefetch_experts = [&](const Nvfp4Experts& x) {
-        rs.expert_prefetch.num_experts = x.num_experts;
-        rs.expert_prefetch.add(x.packed, static_cast<uint64_t>(x.rows * x.cols / 2));
-        rs.expert_prefetch.add(x.scales, static_cast<uint64_t>(x.rows * x.cols / 16));
-      };
-      if ((o.expert_prefetch & 1) != 0) prefetch_experts(mo.gate_up);
-      if ((o.expert_prefetch & 2) != 0) prefetch_experts(mo.down);
       if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);

@@ -76,11 +76,6 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
-  /// L2 prefetch of the routed experts' weights from the router's top-k block the moment it has
-  /// chosen them (RouterSharedGateUpParams::expert_prefetch; fused_step only): bit 0 the chosen
-  /// experts' gate+up codes and block scales, bit 1 their down codes and scales. No bits change.
-  /// 0: none (A/B benches).
-  int expert_prefetch = 1;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

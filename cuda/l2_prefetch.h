@@ -45,51 +45,6 @@ struct L2Prefetch {
   }
 };
 
-/// The routed experts' weight ranges to prefetch into L2 as soon as the router has chosen the
-/// experts (RouterSharedGateUpParams::expert_prefetch): range r of expert e is
-/// [base[r] + e * stride[r], + stride[r]), e.g. an expert's packed codes or its block scales. The
-/// gate+up kernel after the router can only issue its own weight loads once it has read the ids
-/// back; the router's top-k block issues these prefetches the moment it writes them.
-struct ExpertL2Prefetch {
-  static constexpr int kMaxRanges = 4;
-  const void* base[kMaxRanges] = {};
-  uint64_t stride[kMaxRanges] = {};  ///< bytes per expert (the range length)
-  int count = 0;
-  int num_experts = 0;  ///< ids outside [0, num_experts) are not prefetched
-
-  /// Appends the per-expert range of an [experts, ...] array at p with bytes_per_expert bytes per
-  /// expert, when p is non-null, bytes_per_expert > 0 and a slot is free; returns whether it was
-  /// added (a missed prefetch only costs time).
-  bool add(const void* p, uint64_t bytes_per_expert) {
-    if (p == nullptr || bytes_per_expert == 0 || count >= kMaxRanges) return false;
-    base[count] = p;
-    stride[count] = bytes_per_expert;
-    ++count;
-    return true;
-  }
-};
-
-/// The chunks of expert e's ranges of l: each range shrunk to the 16-byte aligned bytes inside it
-/// (the bulk prefetch's granule; at most 15 bytes at each end are left out), cut into chunks of
-/// kL2PrefetchChunk bytes. Calls f(const char* begin, uint32_t bytes) per chunk; nothing when e
-/// is outside [0, l.num_experts). Host and device (the device issuer is dev::expert_l2_prefetch,
-/// cuda/pdl.cuh).
-template <class F>
-FN_L2_PREFETCH_HD inline void for_each_expert_prefetch_chunk(const ExpertL2Prefetch& l, int e,
-                                                             F&& f) {
-  if (e < 0 || e >= l.num_experts) return;
-  for (int r = 0; r < l.count && r < ExpertL2Prefetch::kMaxRanges; ++r) {
-    const uintptr_t begin =
-        reinterpret_cast<uintptr_t>(l.base[r]) + static_cast<uint64_t>(e) * l.stride[r];
-    const uintptr_t lo = (begin + 15) & ~uintptr_t{15}, hi = (begin + l.stride[r]) & ~uintptr_t{15};
-    for (uintptr_t c = lo; c < hi; c += kL2PrefetchChunk) {
-      const uint64_t left = hi - c;
-      f(reinterpret_cast<const char*>(c),
-        left < kL2PrefetchChunk ? static_cast<uint32_t>(left) : kL2PrefetchChunk);
-    }
-  }
-}
-
 /// Part `part` of `parts` (part < parts) of the ranges of l: the ranges cut into chunks of
 /// kL2PrefetchChunk bytes (the last chunk of a range shorter), numbered across the ranges in
 /// order, and chunk c belongs to part c % parts. Calls f(const char* begin, uint32_t bytes) for

@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "cuda/device_util.cuh"
-#include "cuda/pdl.cuh"
 
 namespace fn::dev {
 
@@ -112,12 +111,9 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list, int
 /// barriers when at most 64 experts are candidates (the usual case), four otherwise; the time is
 /// the dependent chain (load, redux, barrier, expf, FP64 butterfly, barrier, FP64 sum of the 16
 /// warp sums, FP64 divide, ranking, FP64 sum of the selected, FP64 divide), not the code size (a
-/// 16 KB straight-line probe ran at its FFMA latency on H200). With `prefetch` (a pointer to
-/// kernel-parameter or shared memory), lane r of warp 0 issues the L2 prefetch of the experts
-/// it places (dev::expert_l2_prefetch) before the outputs are written; no value changes.
+/// 16 KB straight-line probe ran at its FFMA latency on H200).
 __device__ __forceinline__ void router_topk_block(const float* logits, int E, int k, bool norm,
-                                                  int32_t* ids, float* weights, int32_t* flag,
-                                                  const ExpertL2Prefetch* prefetch = nullptr) {
+                                                  int32_t* ids, float* weights, int32_t* flag) {
   constexpr int kWarps = kRouterThreads / 32;
   constexpr int kMaxBound = kMaxTopK;  // bound entries: kWarps * ceil(k / kWarps) <= 64
   static_assert(kMaxExperts <= 2 * kRouterThreads, "two experts per thread at most");
@@ -270,9 +266,7 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
   if (warp != 0) return;
 
   // 5. Warp 0 writes place r from lane r (and r - 32); each lane sums the selected p in place
-  // order (the same FP64 sum). The L2 prefetch of the chosen experts' weights goes out first.
-  if (prefetch != nullptr)
-    for (int i = lane; i < k; i += 32) expert_l2_prefetch(*prefetch, key_id(s_skey[i]));
+  // order (the same FP64 sum).
   double sel_sum = 0.0;
   if (norm)
     for (int j = 0; j < k; ++j) sel_sum += static_cast<double>(s_sp[j]);

@@ -36,7 +36,6 @@ struct RouterGateUpArgs {
   float* weights;
   int32_t* flag;
   unsigned int* counter;
-  ExpertL2Prefetch prefetch;  // count 0: none
 };
 
 template <int kRows>
@@ -84,8 +83,7 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
   }
   __syncthreads();
   if (s_last == 0) return;
-  dev::router_topk_block(a.y[0], a.num_experts, a.top_k, a.norm, a.ids, a.weights, a.flag,
-                         a.prefetch.count > 0 ? &a.prefetch : nullptr);
+  dev::router_topk_block(a.y[0], a.num_experts, a.top_k, a.norm, a.ids, a.weights, a.flag);
 }
 
 // ---- SwiGLU + shared down + combine ------------------------------------------------------------
@@ -197,7 +195,6 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.weights = p.weights;
   a.flag = p.error_flag;
   a.counter = p.counter;
-  a.prefetch = p.expert_prefetch;
   launch_pdl("router_shared_gate_up_kernel", router_shared_gate_up_kernel,
              dim3(static_cast<unsigned>(blocks[0] + blocks[1])), dim3(kRouterBlockThreads), 0,
              stream, a);

@@ -11,8 +11,6 @@
 
 #include <cstdint>
 
-#include "cuda/l2_prefetch.h"
-
 namespace fn {
 
 /// Operands of launch_router_shared_gate_up. All pointers are device memory.
@@ -38,10 +36,6 @@ struct RouterSharedGateUpParams {
   /// (cudaMemset once, outside capture); every launch leaves it 0 again. One counter may serve
   /// every launch of a stream (they run one after another), not two launches in flight at once.
   unsigned int* counter = nullptr;
-  /// The chosen experts' weights to prefetch into L2 from the top-k block the moment it has
-  /// chosen them (cuda/l2_prefetch.h; the routed gate+up launch behind this one reads them only
-  /// after its wait and an L2 round trip for the ids). Empty by default; changes no result.
-  ExpertL2Prefetch expert_prefetch{};
 };
 
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)

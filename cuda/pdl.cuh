@@ -109,18 +109,5 @@ __device__ __forceinline__ void l2_prefetch_part(const L2Prefetch& l, unsigned p
 #endif
 }
 
-/// Issues expert e's ranges of l (fn::for_each_expert_prefetch_chunk) as bulk L2 prefetches from
-/// the calling thread (sm_90+; nothing below); it does not wait.
-__device__ __forceinline__ void expert_l2_prefetch(const ExpertL2Prefetch& l, int e) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  for_each_expert_prefetch_chunk(l, e, [](const char* p, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-  });
-#else
-  (void)l;
-  (void)e;
-#endif
-}
-
 }  // namespace dev
 }  // namespace fn

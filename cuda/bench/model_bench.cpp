@@ -46,7 +46,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
   bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
-  int expert_prefetch = fn::CudaModelOptions{}.expert_prefetch;
   uint32_t skip = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -78,8 +77,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk = std::stoi(next()) != 0;
     else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
       moe_bulk_down = std::stoi(next()) != 0;
-    else if (a == "--expert-prefetch")  // CudaModelOptions::expert_prefetch: bit 0 gate+up, 1 down
-      expert_prefetch = std::stoi(next());
     else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
       skip = static_cast<uint32_t>(std::stoul(next(), nullptr, 0));
     else
@@ -105,7 +102,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.l2_prefetch = l2_prefetch;
   o.moe_bulk = moe_bulk;
   o.moe_bulk_down = moe_bulk_down;
-  o.expert_prefetch = expert_prefetch;
   o.bench_skip = skip;
   o.tp_rank = rank;
   o.tp_size = tp;

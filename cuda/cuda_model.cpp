@@ -867,6 +867,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       q.out = mix_out;
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
+      q.bench_skip_select = !on(StepLaunch::QsaSelect);
       if (on(StepLaunch::Attention)) launch_qsa_decode(q, s);
       if (choice_log) {  // the selected blocks, then the counters {count, B, tokens, 0}
         const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
@@ -920,6 +921,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.weights = rw;
       rs.error_flag = error_flag;
       rs.counter = router_ticket;
+      rs.bench_skip_topk = !on(StepLaunch::RouterTopK);
       if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
@@ -944,6 +946,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rf.weights = rw;
       launch_router_force(rf, s);
     }
+    for (int i = 0; i < o.bench_empty_launches; ++i) launch_bench_empty(s);
     if (choice_log)
       FN_CUDA_CHECK(cudaMemcpyAsync(choice_log + layer_index * k, ids, sizeof(int32_t) * k,
                                     cudaMemcpyDeviceToDevice, s));
@@ -956,6 +959,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
     gu.h = h;
     gu.bulk = moe_bulk_gu;
+    gu.bench_loads_only = !on(StepLaunch::GateUpMath);
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));

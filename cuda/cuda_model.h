@@ -80,6 +80,10 @@ struct CudaModelOptions {
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.
   uint32_t bench_skip = 0;
+  /// Benchmarks only (cuda_model_bench --empty-launches): this many empty launches
+  /// (launch_bench_empty) between each layer's router and its routed gate+up, to measure what one
+  /// launch boundary costs in the step. 0 in production.
+  int bench_empty_launches = 0;
 };
 
 /// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit
@@ -97,6 +101,10 @@ enum class StepLaunch : int {
   ExpertsGateUp = 8,  ///< launch_moe_gate_up_nvfp4
   ExpertsDown = 9,    ///< launch_moe_down_nvfp4
   SharedDown = 10,    ///< launch_shared_down_combine
+  // Parts of a launch (probes: the launch runs, this part of it does not):
+  RouterTopK = 11,   ///< the router launch's top-k block (the previous layer's ids stay)
+  GateUpMath = 12,   ///< the bulk gate+up's tensor-core math (its loads stay: loads only)
+  QsaSelect = 13,    ///< the QSA scores launch's top-k block select (the last selection stays)
 };
 
 /// Which logits CudaModel::prefill returns.

@@ -70,6 +70,9 @@ struct MoeGateUpParams {
   /// kernel leaves HBM mostly idle (cuda/l2_prefetch.h; thread 0 of every CTA issues its share
   /// first). Empty by default; changes no result.
   L2Prefetch l2_prefetch{};
+  /// Knockout benchmarks only (StepLaunch::GateUpMath; bulk kernel only): the consumers wait for
+  /// every stage and release it without the math, so h is wrong. false in production.
+  bool bench_loads_only = false;
 };
 
 /// Down projection summed over the selected experts:

@@ -78,6 +78,7 @@ struct BulkGateUpArgs {
   float* gate_up_out;
   L2Prefetch l2_prefetch;
   int stages;  // ring depth, <= kMaxStages
+  bool loads_only;  // MoeGateUpParams::bench_loads_only
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
           scg = *reinterpret_cast<const uint16_t*>(sg + 2 * u);
           scu = *reinterpret_cast<const uint16_t*>(su + 2 * u);
         }
-        mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
+        if (!a.loads_only) mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
       }
       float sum_g = d[0][0], sum_u = d[0][2];
 #pragma unroll
@@ -522,6 +523,7 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.l2_prefetch = p.l2_prefetch;
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
+  a.loads_only = p.bench_loads_only;
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(g.smem)));

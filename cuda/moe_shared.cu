@@ -36,6 +36,7 @@ struct RouterGateUpArgs {
   float* weights;
   int32_t* flag;
   unsigned int* counter;
+  bool skip_topk;  // RouterSharedGateUpParams::bench_skip_topk
 };
 
 template <int kRows>
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
     __threadfence();
   }
   __syncthreads();
-  if (s_last == 0) return;
+  if (s_last == 0 || a.skip_topk) return;
   dev::router_topk_block(a.y[0], a.num_experts, a.top_k, a.norm, a.ids, a.weights, a.flag);
 }
 
@@ -195,6 +196,7 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.weights = p.weights;
   a.flag = p.error_flag;
   a.counter = p.counter;
+  a.skip_topk = p.bench_skip_topk;
   launch_pdl("router_shared_gate_up_kernel", router_shared_gate_up_kernel,
              dim3(static_cast<unsigned>(blocks[0] + blocks[1])), dim3(kRouterBlockThreads), 0,
              stream, a);

@@ -36,6 +36,9 @@ struct RouterSharedGateUpParams {
   /// (cudaMemset once, outside capture); every launch leaves it 0 again. One counter may serve
   /// every launch of a stream (they run one after another), not two launches in flight at once.
   unsigned int* counter = nullptr;
+  /// Knockout benchmarks only (StepLaunch::RouterTopK): the last block skips the top-k, so ids
+  /// and weights keep their previous values. false in production.
+  bool bench_skip_topk = false;
 };
 
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)

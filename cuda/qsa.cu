@@ -58,6 +58,7 @@ struct Args {
   float eps;
   int chunk, max_chunks, gmax;
   int combine_stage;  // chunks staged per round by the sliced combine
+  bool skip_select;   // QsaDecodeParams::bench_skip_select
 };
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
@@ -587,6 +588,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
     for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
     return;
   }
+  if (a.skip_select) return;
   qsa_dev::select_top_blocks_cg(a.scores, Bi, k, a.selected, buf);
 }
 
@@ -795,6 +797,7 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   const int64_t stage_room =
       (kSmemLimit - 256 - 2 * int64_t{w.max_chunks} * 4) / (kCombineSlice * 4);
   a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
+  a.skip_select = p.bench_skip_select;
 
   a.ticket = reinterpret_cast<int*>(ws + w.ticket);
   const int64_t max_blocks = p.ctx_size / p.ratio;

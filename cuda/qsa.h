@@ -71,6 +71,9 @@ struct QsaDecodeParams {
   /// per chunk (clamped to [1, heads per KV head]); 0 (production) means 1, measured fastest
   /// on H200. Every value writes the same bits. Four-launch path with head_dim % 8 == 0 only.
   int attn_head_split = 0;
+  /// Knockout benchmarks only (StepLaunch::QsaSelect; four-launch path): the scores launch's last
+  /// CTA skips the top-k block select, so the previous selection stays. false in production.
+  bool bench_skip_select = false;
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the

@@ -29,7 +29,16 @@ __global__ void router_force_kernel(RouterForceParams p) {
   }
 }
 
+__global__ void bench_empty_kernel() {
+  dev::pdl_begin();
+}
+
 }  // namespace
+
+void launch_bench_empty(cudaStream_t stream) {
+  launch_pdl("bench_empty_kernel", bench_empty_kernel, 1, 32, 0, stream);
+  FN_CUDA_LAUNCH_CHECK("bench_empty_kernel");
+}
 
 void launch_router_force(const RouterForceParams& p, cudaStream_t stream) {
   constexpr const char* op = "launch_router_force";

@@ -35,4 +35,10 @@ struct RouterForceParams {
 /// Enqueues the replacement. Throws fn::Error(Internal) on bad parameters.
 void launch_router_force(const RouterForceParams& params, cudaStream_t stream);
 
+/// Benchmarks only (CudaModelOptions::bench_empty_launches): one CTA of 32 threads that waits for
+/// its predecessor (programmatic dependent launch, cuda/pdl.cuh) and exits, so the cost of one
+/// more launch boundary in the decode step can be measured. Throws fn::Error(Cuda) when the launch
+/// fails.
+void launch_bench_empty(cudaStream_t stream);
+
 }  // namespace fn

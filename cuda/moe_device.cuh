@@ -279,6 +279,155 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
   if (lane == 0 && isnan(total) && flag != nullptr) *flag = 4;
 }
 
+/// Top-k limit of router_topk_warp (one bound entry per lane).
+constexpr int kWarpTopKMax = 32;
+
+/// Shared-memory bytes router_topk_warp needs as scratch for E experts: the candidate list (E
+/// keys + 1, then E floats) and the k placed keys and probabilities; a multiple of 16.
+__host__ __device__ constexpr int router_topk_warp_scratch_bytes(int E) {
+  return ((8 * (E + 1) + 15) / 16) * 16 + ((4 * E + 15) / 16) * 16 + 8 * kWarpTopKMax +
+         4 * kWarpTopKMax;
+}
+
+template <int kPer>
+__device__ __forceinline__ void router_topk_warp_impl(const float* logits, int E, int k, bool norm,
+                                                      int32_t* ids, float* weights,
+                                                      bool* nan_total, uint8_t* scratch) {
+  unsigned long long* s_key = reinterpret_cast<unsigned long long*>(scratch);
+  float* s_p = reinterpret_cast<float*>(scratch + ((8 * (E + 1) + 15) / 16) * 16);
+  unsigned long long* s_skey = reinterpret_cast<unsigned long long*>(
+      reinterpret_cast<uint8_t*>(s_p) + ((4 * E + 15) / 16) * 16);
+  float* s_sp = reinterpret_cast<float*>(s_skey + kWarpTopKMax);
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  // Lane l holds experts l + 32 w; router_topk_block's thread t = 32 vw + l holds experts t and
+  // t + 512, i.e. this lane's w = vw and w = vw + 16.
+  float l[kPer];
+#pragma unroll
+  for (int w = 0; w < kPer; ++w) l[w] = 32 * w + lane < E ? __ldcg(logits + 32 * w + lane) : 0.0f;
+  uint32_t mc = 0u;
+  bool nan_l = false;
+#pragma unroll
+  for (int w = 0; w < kPer; ++w) {
+    if (32 * w + lane < E) {
+      const uint32_t c = logit_code(l[w]);
+      mc = c > mc ? c : mc;
+      nan_l = nan_l || isnan(l[w]);
+    }
+  }
+  mc = warp_max_u32(mc);
+  const bool nan_logit = __any_sync(0xffffffffu, nan_l);
+  const float mx = mc <= 1u ? -INFINITY : code_logit(mc);
+  const bool nan_terms = nan_logit || isinf(mx);
+  float v[kPer];
+#pragma unroll
+  for (int w = 0; w < kPer; ++w) v[w] = 32 * w + lane < E ? expf(l[w] - mx) : 0.0f;
+  // The FP64 sum in router_topk_block's tree: per virtual thread 0.0 + v(t) + v(t + 512), the
+  // butterfly xor 16..1 per virtual warp, then the 16 warp sums in ascending order.
+  double total = 0.0;
+  {
+    double sw[16];
+#pragma unroll
+    for (int vw = 0; vw < 16; ++vw) {
+      double sum = 0.0;
+      if (vw < kPer && 32 * vw + lane < E) sum += static_cast<double>(v[vw < kPer ? vw : 0]);
+      if (vw + 16 < kPer && 32 * vw + lane + 512 < E)
+        sum += static_cast<double>(v[vw + 16 < kPer ? vw + 16 : 0]);
+      sw[vw] = sum;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+      for (int vw = 0; vw < 16; ++vw) sw[vw] += __shfl_xor_sync(0xffffffffu, sw[vw], off);
+    }
+    total = sw[0];
+#pragma unroll
+    for (int vw = 1; vw < 16; ++vw) total += sw[vw];
+  }
+  // Candidates: k distinct experts (the largest term of k lanes: ranked by (term desc, lane asc))
+  // bound the k-th largest key from below by p(vb), vb their least term; an expert with
+  // p(v) = p(vb) and v < vb lies within router_topk_block's margin below vb, so every top-k
+  // expert has v >= thr. With NaN terms every key ties on -Inf: the top k are 0..k-1.
+  float thr = 0.0f;
+  if (!nan_terms) {
+    float mv = -1.0f;  // the lane's largest term; lanes without experts (lane >= E) stay below 0
+#pragma unroll
+    for (int w = 0; w < kPer; ++w)
+      if (32 * w + lane < E) mv = fmaxf(mv, v[w]);
+    int rank = 0;
+#pragma unroll 8
+    for (int j = 0; j < 32; ++j) {
+      const float o = __shfl_sync(0xffffffffu, mv, j);
+      rank += (o > mv || (o == mv && j < lane)) ? 1 : 0;
+    }
+    const uint32_t b = rank < k && mv >= 0.0f ? __float_as_uint(mv) : 0xffffffffu;
+    const float vb = __uint_as_float(warp_min_u32(b));
+    thr = fmaf(vb, -0x1p-16f, vb) - 0x1p-120f;
+  }
+  // The candidate list in ascending id: (term bits, id) packed into the key slots, then each
+  // candidate's p and key (one FP64 divide per candidate, spread over the lanes).
+  int n = 0;
+#pragma unroll
+  for (int w = 0; w < kPer; ++w) {
+    const int e = 32 * w + lane;
+    const bool cand = e < E && (nan_terms ? e < k : v[w] >= thr);
+    const unsigned bal = __ballot_sync(0xffffffffu, cand);
+    if (cand)
+      s_key[n + __popc(bal & below)] =
+          (static_cast<unsigned long long>(__float_as_uint(v[w])) << 32) | static_cast<uint32_t>(e);
+    n += __popc(bal);
+  }
+  __syncwarp();
+#pragma unroll 1
+  for (int i = lane; i < n; i += 32) {
+    const unsigned long long c = s_key[i];
+    const float p = static_cast<float>(
+        static_cast<double>(__uint_as_float(static_cast<uint32_t>(c >> 32))) / total);
+    s_key[i] = router_key(p, static_cast<int>(c & 0xffffffffull));
+    s_p[i] = p;
+  }
+  if (lane == 0 && (n & 1) != 0) s_key[n] = 0ull;  // count_greater reads pairs
+  __syncwarp();
+#pragma unroll 1
+  for (int i = lane; i < n; i += 32) {
+    const unsigned long long key = s_key[i];
+    const int rank = count_greater(s_key, n, key, k);
+    if (rank < k) {
+      s_skey[rank] = key;
+      s_sp[rank] = s_p[i];
+    }
+  }
+  __syncwarp();
+  double sel_sum = 0.0;
+  if (norm)
+    for (int j = 0; j < k; ++j) sel_sum += static_cast<double>(s_sp[j]);
+  if (lane < k) {
+    const float pe = s_sp[lane];
+    ids[lane] = key_id(s_skey[lane]);
+    weights[lane] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
+  }
+  *nan_total = isnan(total);
+}
+
+/// router_topk_block's ids and weights (the same bits) computed by ONE warp, for consumers of the
+/// router logits that run the top-k themselves (the routed gate+up kernel of the decode step,
+/// instead of a last block of the router launch): logits [E] FP32 read with ld.global.cg (so the
+/// previous kernel's output, after the programmatic wait), 1 <= E <= kMaxExperts,
+/// 1 <= k <= min(E, kWarpTopKMax). All 32 lanes of a warp call it (warp-synchronous, no block
+/// barrier); scratch: router_topk_warp_scratch_bytes(E) bytes of shared memory, 16-byte aligned,
+/// private to the warp. Lane j < k writes ids[j] and weights[j] (any memory the warp may write);
+/// every lane gets *nan_total = whether the softmax sum is NaN (router_topk_block's flag 4). The
+/// candidate set differs from the block's (a lower bound from the lanes' largest terms instead of
+/// the warps'), but both contain the top k and rank them by the same keys, so the result is the
+/// same; tests/test_cuda_decode_ops.cpp compares the two bitwise.
+__device__ inline void router_topk_warp(const float* logits, int E, int k, bool norm, int32_t* ids,
+                                        float* weights, bool* nan_total, uint8_t* scratch) {
+  if (E <= 512)
+    router_topk_warp_impl<16>(logits, E, k, norm, ids, weights, nan_total, scratch);
+  else
+    router_topk_warp_impl<32>(logits, E, k, norm, ids, weights, nan_total, scratch);
+}
+
 /// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; MODEL.md §C.7 step 4,
 /// the shared-expert gate).
 __device__ __forceinline__ float sigmoid_2branch(float x) {

@@ -16,8 +16,10 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
+#include "cuda/decode_ops.h"
 #include "cuda/moe_nvfp4.h"
 #include "tests/cuda_test_util.h"
+#include "tests/pdl_late_writer.h"
 
 namespace {
 
@@ -464,6 +466,158 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
     CHECK_THROWS_AS(run_gate_up(dbad, {0}, random_ints(size_t(cols), -1, 1, 126), 0, false, true),
                     fn::Error);
   }
+}
+
+TEST_CASE(
+    "cuda moe nvfp4: bulk gate+up running the router top-k itself gives launch_router_topk's ids, "
+    "weights and flag, and the h of the given ids, bitwise") {
+  if (!fn::moe_gate_up_bulk_supported(10, 640, 2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  struct Shape {
+    int experts, top_k;
+    int64_t inter, cols;
+    bool norm;
+    int nan_at;  // a NaN logit at this expert (-1: none): flag 4, ids 0..k-1
+  };
+  const std::vector<Shape> shapes = {{64, 10, 96, 2560, true, -1}, {8, 3, 40, 256, true, -1},
+                                     {1000, 32, 8, 256, false, -1}, {64, 10, 96, 2560, true, 17},
+                                     {600, 17, 20, 512, true, -1}};
+  for (const Shape& sh : shapes) {
+    CAPTURE(sh.experts);
+    CAPTURE(sh.top_k);
+    const HostExperts w = make_experts(sh.experts, 2 * sh.inter, sh.cols, 2, false, 90 + sh.inter);
+    const DeviceExperts dw(w);
+    const auto x = random_bf16(size_t(sh.cols), 1.0f, 91 + sh.inter);
+    auto logits = random_bf16(size_t(sh.experts), 2.0f, 92 + sh.experts);
+    if (sh.nan_at >= 0) logits[size_t(sh.nan_at)] = NAN;
+    DeviceArray<float> d_logits(logits);
+    // The reference: launch_router_topk, then the bulk kernel on its ids.
+    DeviceArray<int32_t> ref_ids(size_t(sh.top_k)), ref_flag(std::vector<int32_t>{0});
+    DeviceArray<float> ref_w(size_t(sh.top_k));
+    fn::RouterParams rp;
+    rp.logits = d_logits.ptr;
+    rp.num_experts = sh.experts;
+    rp.top_k = sh.top_k;
+    rp.norm_topk_prob = sh.norm;
+    rp.ids = ref_ids.ptr;
+    rp.weights = ref_w.ptr;
+    rp.error_flag = ref_flag.ptr;
+    fn::launch_router_topk(rp, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<int32_t> ids = ref_ids.download();
+    CHECK(ref_flag.download()[0] == (sh.nan_at >= 0 ? 4 : 0));
+    const auto ref = run_gate_up(dw, ids, x, 0, false, true);
+    // The kernel with the top-k inside (expert_ids is not read: filled with -1).
+    DeviceArray<int32_t> in_ids(std::vector<int32_t>(size_t(sh.top_k), -1)),
+        out_ids(size_t(sh.top_k)), flag(std::vector<int32_t>{0});
+    DeviceArray<float> out_w(size_t(sh.top_k));
+    DeviceArray<uint16_t> d_x(to_bf16(x)), d_h(size_t(sh.top_k) * sh.inter);
+    DeviceArray<float> d_gu(size_t(sh.top_k) * 2 * sh.inter);
+    fn::MoeGateUpParams p;
+    p.experts = dw.view;
+    p.expert_ids = in_ids.ptr;
+    p.top_k = sh.top_k;
+    p.x = d_x.ptr;
+    p.h = d_h.ptr;
+    p.gate_up_out = d_gu.ptr;
+    p.bulk = true;
+    p.router_logits = d_logits.ptr;
+    p.norm_topk_prob = sh.norm;
+    p.expert_ids_out = out_ids.ptr;
+    p.routing_weights_out = out_w.ptr;
+    p.error_flag = flag.ptr;
+    fn::launch_moe_gate_up_nvfp4(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK(out_ids.download() == ids);
+    const auto rw = ref_w.download(), gw = out_w.download();
+    CHECK(std::memcmp(gw.data(), rw.data(), rw.size() * 4) == 0);
+    CHECK(flag.download()[0] == (sh.nan_at >= 0 ? 4 : 0));
+    const auto gu = d_gu.download();
+    CHECK(std::memcmp(gu.data(), ref.gu.data(), gu.size() * 4) == 0);
+    std::vector<float> h;
+    for (uint16_t b : d_h.download()) h.push_back(fn::bf16_to_float(b));
+    CHECK(std::memcmp(h.data(), ref.h.data(), h.size() * 4) == 0);
+  }
+  // Refused: top_k above 32 (the one-warp top-k), no weights output, or a non-bulk kernel.
+  const HostExperts w = make_experts(64, 2 * 8, 256, 2, true, 5);
+  const DeviceExperts dw(w);
+  DeviceArray<float> d_logits(std::vector<float>(64, 0.0f)), out_w(40);
+  DeviceArray<int32_t> ids(40);
+  DeviceArray<uint16_t> d_x(256), d_h(40 * 8);
+  fn::MoeGateUpParams p;
+  p.experts = dw.view;
+  p.expert_ids = ids.ptr;
+  p.top_k = 33;
+  p.x = d_x.ptr;
+  p.h = d_h.ptr;
+  p.bulk = true;
+  p.router_logits = d_logits.ptr;
+  p.expert_ids_out = ids.ptr;
+  p.routing_weights_out = out_w.ptr;
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(p, nullptr), fn::Error);
+  p.top_k = 10;
+  p.routing_weights_out = nullptr;
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(p, nullptr), fn::Error);
+  p.routing_weights_out = out_w.ptr;
+  p.bulk = false;
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(p, nullptr), fn::Error);
+}
+
+TEST_CASE(
+    "cuda moe nvfp4: the down kernel with ids_recheck uses the final ids when its predecessor "
+    "changes them after letting it start") {
+  const int k = 10;
+  const int64_t inter = 640, hidden = 2560;
+  const HostExperts w = make_experts(16, hidden, inter, 1, false, 31);
+  const DeviceExperts dw(w);
+  const auto h = random_bf16(size_t(k) * inter, 1.0f, 32);
+  const std::vector<int32_t> old_ids{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
+      new_ids{15, 3, 12, 9, 0, 14, 6, 11, 2, 8};
+  const std::vector<float> old_w(k, 0.1f), new_w{0.3f, 0.2f, 0.1f, 0.1f, 0.05f,
+                                                 0.05f, 0.05f, 0.05f, 0.05f, 0.05f};
+  const std::vector<float> ref = run_down(dw, new_ids, new_w, h, 0, nullptr, false);
+  cudaStream_t stream = nullptr;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceArray<int32_t> src_ids(new_ids);
+  DeviceArray<float> src_w(new_w);
+  DeviceArray<uint16_t> d_h(to_bf16(h));
+  for (const bool recheck : {true, false}) {
+    DeviceArray<int32_t> d_ids(old_ids);
+    DeviceArray<float> d_rw(old_w), d_y{size_t(hidden)};
+    fn::MoeDownParams p;
+    p.experts = dw.view;
+    p.expert_ids = d_ids.ptr;
+    p.routing_weights = d_rw.ptr;
+    p.top_k = k;
+    p.h = d_h.ptr;
+    p.y = d_y.ptr;
+    p.ids_recheck = recheck;
+    fn::test::launch_late_ids_writer(d_ids.ptr, src_ids.ptr, d_rw.ptr, src_w.ptr, k, 50, stream);
+    fn::launch_moe_down_nvfp4(p, stream);
+    FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> y = d_y.download();
+    const bool same = std::memcmp(y.data(), ref.data(), y.size() * 4) == 0;
+    if (recheck)
+      CHECK_MESSAGE(same, "the recheck must give the final ids' result");
+    else  // a report of whether this device let the down start early (PDL): not a check
+      MESSAGE("without the recheck the down kernel ",
+              same ? "saw the final ids (no early start here)" : "read the stale ids");
+  }
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  fn::MoeDownParams bad;  // refused outside the FP32 kernel
+  bad.experts = dw.view;
+  DeviceArray<int32_t> d_ids(old_ids);
+  DeviceArray<float> d_rw(old_w), d_y{size_t(hidden)};
+  bad.expert_ids = d_ids.ptr;
+  bad.routing_weights = d_rw.ptr;
+  bad.top_k = k;
+  bad.h = d_h.ptr;
+  bad.y = d_y.ptr;
+  bad.ids_recheck = true;
+  bad.mma = true;
+  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: bulk down sums experts exactly, every share and tile shape") {

@@ -805,9 +805,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.moe_bulk && moe_gate_up_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
-  // CudaModelOptions::router_topk_in_experts: the routed gate+up launch runs the router top-k.
-  const bool topk_in_experts = o.router_topk_in_experts && fused_shared && moe_bulk_gu &&
-                               !moe_bulk_dn && forced_router == nullptr && k <= 32 && E <= 1024;
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -925,7 +922,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.error_flag = error_flag;
       rs.counter = router_ticket;
       rs.bench_skip_topk = !on(StepLaunch::RouterTopK);
-      rs.top_k_here = !topk_in_experts;
       if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
@@ -951,12 +947,10 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       launch_router_force(rf, s);
     }
     for (int i = 0; i < o.bench_empty_launches; ++i) launch_bench_empty(s);
-    auto log_choices = [&]() {
-      if (choice_log)
-        FN_CUDA_CHECK(cudaMemcpyAsync(choice_log + layer_index * k, ids, sizeof(int32_t) * k,
-                                      cudaMemcpyDeviceToDevice, s));
-    };
-    if (!topk_in_experts) log_choices();
+    if (choice_log)
+      FN_CUDA_CHECK(cudaMemcpyAsync(choice_log + layer_index * k, ids, sizeof(int32_t) * k,
+                                    cudaMemcpyDeviceToDevice, s));
+    ++layer_index;
     mark(StepFamily::RoutedMoe);
     MoeGateUpParams gu;
     gu.experts = mo.gate_up;
@@ -966,13 +960,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.h = h;
     gu.bulk = moe_bulk_gu;
     gu.bench_loads_only = !on(StepLaunch::GateUpMath);
-    if (topk_in_experts) {
-      gu.router_logits = rl;
-      gu.norm_topk_prob = c.norm_topk_prob;
-      gu.expert_ids_out = ids;
-      gu.routing_weights_out = rw;
-      gu.error_flag = error_flag;
-    }
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
@@ -985,10 +972,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     dn.bulk = moe_bulk_dn;
-    dn.ids_recheck = topk_in_experts;
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
-    if (topk_in_experts) log_choices();
-    ++layer_index;
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch

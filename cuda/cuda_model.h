@@ -76,12 +76,6 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
-  /// The router's top-k run by the routed gate+up launch (MoeGateUpParams::router_logits: every
-  /// CTA ranks the logits itself after its wait) instead of by the last block of the router
-  /// launch, whose completion the gate+up wait would include; same bits. Applies with fused_step,
-  /// the bulk gate+up and the FP32 down, top_k <= 32, and not while router choices are replayed.
-  /// false: the router launch's top-k (A/B benches).
-  bool router_topk_in_experts = true;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

@@ -111,7 +111,6 @@ struct Unit {
 // (7 units at TP=1, 4 at TP=2).
 constexpr int kGateUpUnits = 5;
 constexpr int kDownUnits = 7;
-constexpr int kMaxDownTopKRecheck = 64;  // MoeDownParams::ids_recheck: top_k snapshot entries
 // Resident blocks per SM each kernel is compiled for (__launch_bounds__; <= 128 and <= 85
 // registers): the planner sizes grids to one wave of these where the shape allows.
 constexpr int kGateUpMinBlocks = 2;
@@ -325,7 +324,6 @@ struct DownArgs {
   bool accumulate;
   float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
-  bool ids_recheck;  // MoeDownParams::ids_recheck (FP32 kernel)
 };
 
 // One team per output row d: lane l takes the flattened (expert j, unit v) indices
@@ -353,58 +351,27 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   float f[kDownUnits];
   bool live[kDownUnits];
   float acc[1] = {0.0f};
-  // MoeDownParams::ids_recheck: the first round reads the ids and weights from a snapshot that
-  // threads 0..top_k-1 take before the wait; after it they compare the snapshot with the
-  // (now final) arrays and, when any entry changed, every thread loads its first round again.
-  __shared__ int32_t s_ids[kMaxDownTopKRecheck];
-  __shared__ float s_rw[kMaxDownTopKRecheck];
-  __shared__ int s_changed;
-  // Unit n of round n0: expert e (< 0: none) with routing weight r.
-  auto load = [&](int n, int n0, int e, float r) {
-    const int idx = lane + (n0 + n) * team;
-    const int v = idx - (idx / a.nvec) * a.nvec;
-    live[n] = e >= 0 && e < a.num_experts;
-    const int64_t row = static_cast<int64_t>(live[n] ? e : 0) * a.hidden + d;
-    w[n] = live[n] ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
-    s[n] = live[n] ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
-    f[n] = live[n] ? r * __ldg(a.global_scale + e) : 0.0f;
-  };
-  if (a.ids_recheck) {  // block-uniform
-    if (threadIdx.x < a.top_k) {
-      s_ids[threadIdx.x] = __ldcg(a.ids + threadIdx.x);
-      s_rw[threadIdx.x] = __ldcg(a.weights + threadIdx.x);
-    }
-    if (threadIdx.x == 0) s_changed = 0;
-    __syncthreads();
-  }
-  bool waited = false;
-  for (int n0 = 0; n0 == 0 || n0 < mine;) {
-    const bool snap = a.ids_recheck && !waited;
+  for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kDownUnits) {
 #pragma unroll
     for (int n = 0; n < kDownUnits; ++n) {
-      const int jj = (lane + (n0 + n) * team) / a.nvec;
-      const bool mine_n = n0 + n < mine;
-      const int e = !mine_n ? -1 : snap ? s_ids[jj] : __ldcg(a.ids + jj);
-      const float r = !mine_n ? 0.0f : snap ? s_rw[jj] : __ldcg(a.weights + jj);
-      load(n, n0, e, r);
+      const int idx = lane + (n0 + n) * team;
+      const int jj = idx / a.nvec, v = idx - jj * a.nvec;
+      const int e = n0 + n < mine ? __ldcg(a.ids + jj) : -1;
+      live[n] = e >= 0 && e < a.num_experts;
+      const int64_t row = static_cast<int64_t>(live[n] ? e : 0) * a.hidden + d;
+      w[n] = live[n] ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
+      s[n] = live[n] ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
+      f[n] = live[n] ? __ldcg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
-    if (!waited) {  // every thread: the loop runs at least once for all
-      waited = true;
+    if (n0 == 0) {  // every thread: the loop runs at least once for all
       dev::pdl_begin();
-      if (a.ids_recheck && threadIdx.x < a.top_k &&
-          (__ldcg(a.ids + threadIdx.x) != s_ids[threadIdx.x] ||
-           __float_as_uint(__ldcg(a.weights + threadIdx.x)) !=
-               __float_as_uint(s_rw[threadIdx.x])))
-        s_changed = 1;
       Stage<kNarrow>::template fill<4>(a.h, a.top_k * a.inter, stage);  // 10 x 640: one batch
       __syncthreads();
-      if (a.ids_recheck && s_changed != 0) continue;  // block-uniform: round 0 again, from a.ids
     }
 #pragma unroll
     for (int n = 0; n < kDownUnits; ++n)
       if (live[n])
         acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
-    n0 += kDownUnits;
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
@@ -768,7 +735,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
     detail::launch_moe_gate_up_bulk(p, stream);
     return;
   }
-  FN_LAUNCH_REQUIRE(p.router_logits == nullptr, kOp);  // the top-k runs in the bulk kernel only
   const int64_t inter = p.experts.rows / 2;
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols,
@@ -829,8 +795,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
-  // ids_recheck: the FP32 kernel only, its snapshot of the ids in static shared memory
-  FN_LAUNCH_REQUIRE(!p.ids_recheck || (!p.bulk && !p.mma && p.top_k <= kMaxDownTopKRecheck), kOp);
   if (p.bulk) {
     detail::launch_moe_down_bulk(p, stream);
     return;
@@ -855,7 +819,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.y = p.y;
   a.accumulate = p.accumulate;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
-  a.ids_recheck = p.ids_recheck;
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
   if (p.mma) {

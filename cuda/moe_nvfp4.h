@@ -73,20 +73,6 @@ struct MoeGateUpParams {
   /// Knockout benchmarks only (StepLaunch::GateUpMath; bulk kernel only): the consumers wait for
   /// every stage and release it without the math, so h is wrong. false in production.
   bool bench_loads_only = false;
-  /// The router's top-k in this launch (bulk only; the decode step's default, measured in
-  /// cuda/bench/RESULTS.md session 12): when set, [experts.num_experts] FP32 router logits from
-  /// the previous kernel, and every CTA runs dev::router_topk_warp on them after its wait (the
-  /// bits of launch_router_topk) instead of reading expert_ids; CTA 0 then writes the ids to
-  /// expert_ids_out and the weights to routing_weights_out, sets *error_flag = 4
-  /// when the softmax sum is NaN, fences, and only then lets the next launch start (the routed
-  /// down kernel reads them before its wait and checks them after it: MoeDownParams::ids_recheck).
-  /// Saves the router launch's last-block top-k, whose completion the gate+up wait would otherwise
-  /// include. Needs top_k <= 32 and num_experts <= 1024. nullptr: expert_ids is an input.
-  const float* router_logits = nullptr;
-  bool norm_topk_prob = true;             ///< with router_logits: renormalise the top-k
-  int32_t* expert_ids_out = nullptr;      ///< with router_logits: [top_k] out (best first)
-  float* routing_weights_out = nullptr;   ///< with router_logits: [top_k] FP32 out
-  int32_t* error_flag = nullptr;          ///< with router_logits: optional device scalar
 };
 
 /// Down projection summed over the selected experts:
@@ -112,11 +98,6 @@ struct MoeDownParams {
   /// fn::Error(Internal) where the device or the shape does not allow it
   /// (moe_down_bulk_supported).
   bool bulk = false;
-  /// The FP32 kernel (not mma, not bulk) only: expert_ids and routing_weights were written by
-  /// the previous kernel before it let this one start (MoeGateUpParams::router_logits), not two
-  /// launches back, so the reads issued before the programmatic wait are a guess: after the wait
-  /// every lane reads them again and reloads the units whose expert or weight changed. Same bits.
-  bool ids_recheck = false;
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a

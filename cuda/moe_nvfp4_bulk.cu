@@ -37,7 +37,6 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
-#include "cuda/moe_device.cuh"
 #include "cuda/nvfp4_bits.h"
 #include "cuda/nvfp4_mma.cuh"
 #include "cuda/pdl.cuh"
@@ -80,14 +79,6 @@ struct BulkGateUpArgs {
   L2Prefetch l2_prefetch;
   int stages;  // ring depth, <= kMaxStages
   bool loads_only;  // MoeGateUpParams::bench_loads_only
-  // MoeGateUpParams::router_logits (nullptr: ids is the input): the top-k in every CTA, its
-  // scratch at byte scratch_off of the dynamic shared memory; CTA 0 writes ids and weights.
-  const float* logits;
-  bool norm;
-  int32_t* ids_out;
-  float* weights_out;
-  int32_t* flag;
-  int scratch_off;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -193,41 +184,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
   __syncthreads();
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
-  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh). With the top-k
-  // here, CTA 0 lets the next launch start only once the ids it writes are fenced (below).
-  __shared__ int32_t s_ids[dev::kWarpTopKMax];
-  __shared__ float s_w[dev::kWarpTopKMax];
-  const bool topk_here = a.logits != nullptr;
-  dev::pdl_wait();
-  if (!topk_here || blockIdx.x != 0) dev::pdl_launch_dependents();
-  auto id_of = [&](int j) { return topk_here ? s_ids[j] : __ldg(a.ids + j); };
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
   int64_t p0, p1;
   share_of(a, p0, p1);
   int c = 0;             // chunks of the share (every thread walks them all)
   if (warp == kWarps) {  // the producer
-    if (topk_here) {
-      bool nan_total = false;
-      dev::router_topk_warp(a.logits, a.num_experts, a.top_k, a.norm, s_ids, s_w, &nan_total,
-                            smem + a.scratch_off);
-      __syncwarp();
-      if (blockIdx.x == 0) {
-        if (lane < a.top_k) {
-          a.ids_out[lane] = s_ids[lane];
-          a.weights_out[lane] = s_w[lane];
-        }
-        if (lane == 0 && nan_total && a.flag != nullptr) *a.flag = 4;
-        __threadfence();
-        __syncwarp();
-        dev::pdl_launch_dependents();
-      }
-    }
     for (int64_t p = p0; p < p1; ++c) {
       int j, i, n;
       chunk_at(a, p, p1, j, i, n);
       p += n;
       const int s = c % nst;
       if (c >= nst) mbar_wait(empty + s, static_cast<uint32_t>((c / nst - 1) & 1));
-      const int e = id_of(j);
+      const int e = __ldg(a.ids + j);
       const bool live = e >= 0 && e < a.num_experts;
       if (lane == 0) {
         meta[3 * c] = j;
@@ -316,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
     const int ci = idx / kPairs, r = idx % kPairs;
     const int j = meta[3 * ci], i = meta[3 * ci + 1] + r, n = meta[3 * ci + 2];
     if (r >= n) continue;
-    const int e = id_of(j);
+    const int e = __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
     float sum_g = 0.0f, sum_u = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
@@ -498,14 +467,11 @@ int max_chunks_of(int64_t pairs, int64_t inter, int ctas) {
 namespace {
 
 struct GateUpPlan {
-  int ctas, max_chunks, stages, row_stride, stage_bytes, scratch_off;
+  int ctas, max_chunks, stages, row_stride, stage_bytes;
   size_t smem;
 };
 
-// router_experts > 0: the router top-k runs in the kernel (MoeGateUpParams::router_logits), its
-// scratch after the partials.
-GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count,
-                        int router_experts = 0) {
+GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
   GateUpPlan g{};
   g.ctas = bulk_gate_up_ctas(top_k, inter, sm_count);
   g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
@@ -514,9 +480,6 @@ GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count,
   g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
   g.smem = static_cast<size_t>(g.stages) * g.stage_bytes + 2 * g.stages * 8 + 256 * 4 +
            static_cast<size_t>(g.max_chunks) * (3 * 4 + kWarps * 16 * 4);
-  g.scratch_off = static_cast<int>((g.smem + 15) / 16 * 16);
-  if (router_experts > 0)
-    g.smem = static_cast<size_t>(g.scratch_off) + dev::router_topk_warp_scratch_bytes(router_experts);
   return g;
 }
 
@@ -541,16 +504,7 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   const int sms = current_sm_count();
   FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
   FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
-  const bool topk_here = p.router_logits != nullptr;
-  if (topk_here) {
-    FN_LAUNCH_REQUIRE(p.top_k <= dev::kWarpTopKMax && p.experts.num_experts <= dev::kMaxExperts &&
-                          p.top_k <= p.experts.num_experts && p.expert_ids_out != nullptr &&
-                          p.routing_weights_out != nullptr,
-                      kOp);
-  }
-  const GateUpPlan g =
-      plan_gate_up(p.top_k, inter, p.experts.cols, sms, topk_here ? p.experts.num_experts : 0);
-  FN_LAUNCH_REQUIRE(g.smem <= kMaxCtaSmem, kOp);
+  const GateUpPlan g = plan_gate_up(p.top_k, inter, p.experts.cols, sms);
   BulkGateUpArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -570,12 +524,6 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
   a.loads_only = p.bench_loads_only;
-  a.logits = p.router_logits;
-  a.norm = p.norm_topk_prob;
-  a.ids_out = p.expert_ids_out;
-  a.weights_out = p.routing_weights_out;
-  a.flag = p.error_flag;
-  a.scratch_off = g.scratch_off;
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(g.smem)));

@@ -37,7 +37,6 @@ struct RouterGateUpArgs {
   int32_t* flag;
   unsigned int* counter;
   bool skip_topk;  // RouterSharedGateUpParams::bench_skip_topk
-  bool topk;       // RouterSharedGateUpParams::top_k_here
 };
 
 template <int kRows>
@@ -71,7 +70,7 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
       store_rows<1>(a.seg[s], block, a.x, a.y[s]);
       break;
   }
-  if (!router || !a.topk) return;
+  if (!router) return;
   // Arrival of this router block (integer ticket, so the order of arrival changes no value): its
   // stores are made visible device-wide first; the last arriving block resets the counter for
   // the next launch (stream order) and runs the top-k on the complete logits.
@@ -150,9 +149,8 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   constexpr const char* kOp = "launch_router_shared_gate_up";
   FN_LAUNCH_REQUIRE(p.x != nullptr && p.router_weight != nullptr && p.gate_up_weight != nullptr,
                     kOp);
-  FN_LAUNCH_REQUIRE(p.logits != nullptr && p.gate_up != nullptr &&
-                        (!p.top_k_here ||
-                         (p.ids != nullptr && p.weights != nullptr && p.counter != nullptr)),
+  FN_LAUNCH_REQUIRE(p.logits != nullptr && p.gate_up != nullptr && p.ids != nullptr &&
+                        p.weights != nullptr && p.counter != nullptr,
                     kOp);
   FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden % 8 == 0 && p.hidden / 8 <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.inter >= 1 && p.inter <= INT32_MAX / 2, kOp);
@@ -199,7 +197,6 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.flag = p.error_flag;
   a.counter = p.counter;
   a.skip_topk = p.bench_skip_topk;
-  a.topk = p.top_k_here;
   launch_pdl("router_shared_gate_up_kernel", router_shared_gate_up_kernel,
              dim3(static_cast<unsigned>(blocks[0] + blocks[1])), dim3(kRouterBlockThreads), 0,
              stream, a);

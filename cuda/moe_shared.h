@@ -39,9 +39,6 @@ struct RouterSharedGateUpParams {
   /// Knockout benchmarks only (StepLaunch::RouterTopK): the last block skips the top-k, so ids
   /// and weights keep their previous values. false in production.
   bool bench_skip_topk = false;
-  /// false: logits and gate_up only, no top-k (ids, weights, error_flag and counter unused): the
-  /// routed gate+up launch behind runs it (MoeGateUpParams::router_logits).
-  bool top_k_here = true;
 };
 
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)

@@ -201,27 +201,7 @@ __global__ void __launch_bounds__(kRouterThreads)
                              flags + row);
 }
 
-__global__ void __launch_bounds__(32)
-    warp_rows_kernel(const float* logits, int64_t stride, int E, int k, bool norm, int32_t* ids,
-                     float* weights, int32_t* flags) {
-  extern __shared__ __align__(16) uint8_t scratch[];
-  const int64_t row = blockIdx.x;
-  bool nan_total = false;
-  fn::dev::router_topk_warp(logits + row * stride, E, k, norm, ids + row * k, weights + row * k,
-                            &nan_total, scratch);
-  if (threadIdx.x == 0 && nan_total) flags[row] = 4;
-}
-
 }  // namespace
-
-void router_topk_warp_rows(const float* logits, int64_t stride, int rows, int E, int k, bool norm,
-                           int32_t* ids, float* weights, int32_t* flags, cudaStream_t stream) {
-  if (rows <= 0) return;
-  const int smem = fn::dev::router_topk_warp_scratch_bytes(E);
-  warp_rows_kernel<<<static_cast<unsigned>(rows), 32, static_cast<size_t>(smem), stream>>>(
-      logits, stride, E, k, norm, ids, weights, flags);
-  FN_CUDA_CHECK(cudaGetLastError());
-}
 
 void router_topk_rows(bool reference, const float* logits, int64_t stride, int rows, int E, int k,
                       bool norm, int32_t* ids, float* weights, int32_t* flags,

@@ -18,9 +18,4 @@ namespace fn::test {
 void router_topk_rows(bool reference, const float* logits, int64_t stride, int rows, int E, int k,
                       bool norm, int32_t* ids, float* weights, int32_t* flags, cudaStream_t stream);
 
-/// As router_topk_rows with fn::dev::router_topk_warp (one 32-thread block per row, its scratch in
-/// dynamic shared memory), which must give the bits of router_topk_block. 1 <= k <= min(E, 32).
-void router_topk_warp_rows(const float* logits, int64_t stride, int rows, int E, int k, bool norm,
-                           int32_t* ids, float* weights, int32_t* flags, cudaStream_t stream);
-
 }  // namespace fn::test

@@ -716,12 +716,11 @@ std::vector<float> router_row(int kind, int E, int k, std::mt19937_64& rng) {
   return l;
 }
 
-// Runs the current block and the reference (warp: the current block and router_topk_warp) on
-// `rows` rows of E experts (kinds as given, a stride past E so rows start unaligned) for norm true
-// and false; returns the rows that differ in any bit of ids, weights or flag, and describes the
-// first.
+// Runs the current block and the reference on `rows` rows of E experts (kinds as given, a stride
+// past E so rows start unaligned) for norm true and false; returns the rows that differ in any
+// bit of ids, weights or flag, and describes the first.
 int64_t router_rows_differ(int E, int k, const std::vector<int>& kinds, uint64_t seed,
-                           std::string* first, bool warp = false) {
+                           std::string* first) {
   const int rows = static_cast<int>(kinds.size());
   const int64_t stride = E + static_cast<int64_t>(seed % 3);
   std::mt19937_64 rng(seed);
@@ -737,14 +736,10 @@ int64_t router_rows_differ(int E, int k, const std::vector<int>& kinds, uint64_t
     DeviceArray<int32_t> ids_a(n), ids_b(n), flags_a(std::vector<int32_t>(rows, 0)),
         flags_b(std::vector<int32_t>(rows, 0));
     DeviceArray<float> w_a(n), w_b(n);
-    fn::test::router_topk_rows(!warp, logits.ptr, stride, rows, E, k, norm, ids_a.ptr, w_a.ptr,
+    fn::test::router_topk_rows(true, logits.ptr, stride, rows, E, k, norm, ids_a.ptr, w_a.ptr,
                                flags_a.ptr, nullptr);
-    if (warp)
-      fn::test::router_topk_warp_rows(logits.ptr, stride, rows, E, k, norm, ids_b.ptr, w_b.ptr,
-                                      flags_b.ptr, nullptr);
-    else
-      fn::test::router_topk_rows(false, logits.ptr, stride, rows, E, k, norm, ids_b.ptr, w_b.ptr,
-                                 flags_b.ptr, nullptr);
+    fn::test::router_topk_rows(false, logits.ptr, stride, rows, E, k, norm, ids_b.ptr, w_b.ptr,
+                               flags_b.ptr, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     const auto ia = ids_a.download(), ib = ids_b.download();
     const auto wa = w_a.download(), wb = w_b.download();
@@ -759,8 +754,7 @@ int64_t router_rows_differ(int E, int k, const std::vector<int>& kinds, uint64_t
         std::ostringstream os;
         os << "E " << E << " k " << k << " norm " << norm << " row " << r << " kind "
            << kinds[static_cast<size_t>(r)] << ": flag " << fa[static_cast<size_t>(r)] << " vs "
-           << fb[static_cast<size_t>(r)]
-           << (warp ? ", ids (block/warp)" : ", ids (reference/current)");
+           << fb[static_cast<size_t>(r)] << ", ids (reference/current)";
         for (int i = 0; i < k; ++i) os << " " << ia[o + i] << "/" << ib[o + i];
         *first = os.str();
       }
@@ -784,43 +778,6 @@ TEST_CASE(
       CHECK_MESSAGE(differ == 0, differ, " rows differ; first: ", first);
     }
   }
-}
-
-TEST_CASE(
-    "cuda decode ops: the one-warp router top-k gives the router top-k block's bits on random and "
-    "adversarial rows of every shape with k <= 32") {
-  {  // the real shape (E 512, k 10): 4000 rows of every kind, most of them continuous logits
-    std::vector<int> kinds;
-    for (int r = 0; r < 4000; ++r) kinds.push_back(r < 40 * kRowKinds ? r % kRowKinds : r % 3);
-    std::string first;
-    const int64_t differ = router_rows_differ(512, 10, kinds, 23, &first, true);
-    CHECK_MESSAGE(differ == 0, differ, " rows differ; first: ", first);
-  }
-  std::vector<int> kinds;
-  for (int r = 0; r < 2 * kRowKinds; ++r) kinds.push_back(r % kRowKinds);
-  int shapes = 0;
-  for (int E : {1, 2, 3, 5, 8, 13, 16, 31, 32, 33, 63, 64, 65, 100, 128, 129, 255, 256, 257, 500,
-                511, 512, 513, 600, 777, 1000, 1023, 1024}) {
-    for (int k : {1, 2, 3, 4, 7, 8, 10, 15, 16, 17, 31, 32}) {
-      if (k > E) continue;
-      std::string first;
-      const int64_t differ =
-          router_rows_differ(E, k, kinds, uint64_t(E) * 1000 + uint64_t(k) + 7, &first, true);
-      CHECK_MESSAGE(differ == 0, differ, " rows differ; first: ", first);
-      ++shapes;
-    }
-  }
-  CHECK(shapes > 250);
-  // Time of one row (E 512, k 10, continuous logits), one warp: printed, not a check.
-  const auto l = normal_floats(512, 2.0f, 99);
-  DeviceArray<float> dl(l), dw(10);
-  DeviceArray<int32_t> di(10), flag(std::vector<int32_t>{0});
-  const double us = graph_us_per_launch(
-      [&](cudaStream_t s) {
-        fn::test::router_topk_warp_rows(dl.ptr, 512, 1, 512, 10, true, di.ptr, dw.ptr, flag.ptr, s);
-      },
-      100);
-  MESSAGE("one-warp router top-k, E 512 k 10: ", us, " us per launch in a graph");
 }
 
 TEST_CASE(

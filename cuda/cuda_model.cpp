@@ -960,7 +960,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.h = h;
     gu.bulk = moe_bulk_gu;
     gu.bench_loads_only = !on(StepLaunch::GateUpMath);
-    gu.pdl_wait_one = (o.bench_wait_one & 1) != 0;
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
@@ -973,7 +972,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     dn.bulk = moe_bulk_dn;
-    dn.pdl_wait_one = (o.bench_wait_one & 2) != 0;
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);

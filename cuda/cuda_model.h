@@ -84,10 +84,6 @@ struct CudaModelOptions {
   /// (launch_bench_empty) between each layer's router and its routed gate+up, to measure what one
   /// launch boundary costs in the step. 0 in production.
   int bench_empty_launches = 0;
-  /// A/B benches (cuda_model_bench --wait-one): bit 0 the routed gate+up, bit 1 the routed down
-  /// wait for their predecessor with one thread per block (MoeGateUpParams::pdl_wait_one). 0 in
-  /// production.
-  int bench_wait_one = 0;
 };
 
 /// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit

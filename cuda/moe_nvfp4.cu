@@ -324,7 +324,6 @@ struct DownArgs {
   bool accumulate;
   float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
-  bool wait_one;  // MoeDownParams::pdl_wait_one (FP32 kernel)
 };
 
 // One team per output row d: lane l takes the flattened (expert j, unit v) indices
@@ -365,10 +364,7 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
       f[n] = live[n] ? __ldcg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
-      if (a.wait_one)
-        dev::pdl_begin_block();
-      else
-        dev::pdl_begin();
+      dev::pdl_begin();
       Stage<kNarrow>::template fill<4>(a.h, a.top_k * a.inter, stage);  // 10 x 640: one batch
       __syncthreads();
     }
@@ -822,7 +818,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
-  a.wait_one = p.pdl_wait_one;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;

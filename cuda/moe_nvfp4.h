@@ -73,9 +73,6 @@ struct MoeGateUpParams {
   /// Knockout benchmarks only (StepLaunch::GateUpMath; bulk kernel only): the consumers wait for
   /// every stage and release it without the math, so h is wrong. false in production.
   bool bench_loads_only = false;
-  /// Bulk kernel: thread 0 alone waits for the predecessor, the others at a block barrier
-  /// (dev::pdl_begin_block); same results. A/B benches.
-  bool pdl_wait_one = false;
 };
 
 /// Down projection summed over the selected experts:
@@ -101,9 +98,6 @@ struct MoeDownParams {
   /// fn::Error(Internal) where the device or the shape does not allow it
   /// (moe_down_bulk_supported).
   bool bulk = false;
-  /// FP32 kernel: thread 0 alone waits for the predecessor, the others at a block barrier
-  /// (dev::pdl_begin_block); same results. A/B benches.
-  bool pdl_wait_one = false;
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a

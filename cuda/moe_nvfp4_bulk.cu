@@ -79,7 +79,6 @@ struct BulkGateUpArgs {
   L2Prefetch l2_prefetch;
   int stages;  // ring depth, <= kMaxStages
   bool loads_only;  // MoeGateUpParams::bench_loads_only
-  bool wait_one;    // MoeGateUpParams::pdl_wait_one
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -186,10 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   __syncthreads();
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
-  if (a.wait_one)
-    dev::pdl_begin_block();
-  else
-    dev::pdl_begin();
+  dev::pdl_begin();
   int64_t p0, p1;
   share_of(a, p0, p1);
   int c = 0;             // chunks of the share (every thread walks them all)
@@ -528,7 +524,6 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
   a.loads_only = p.bench_loads_only;
-  a.wait_one = p.pdl_wait_one;
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(g.smem)));

@@ -86,15 +86,6 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_launch_dependents();
 }
 
-/// pdl_begin for a whole block with thread 0 alone in griddepcontrol.wait and the others held at
-/// a block barrier behind it (the wait makes the prerequisite grids' memory visible to the whole
-/// grid). Every thread of the block calls it at one program point (it is a __syncthreads).
-__device__ __forceinline__ void pdl_begin_block() {
-  if (threadIdx.x == 0) pdl_wait();
-  __syncthreads();
-  pdl_launch_dependents();
-}
-
 /// Prefetches the 128-byte line holding p into L2 (prefetch.global.L2; a hint, memory-safe
 /// whatever other kernels do with the line).
 __device__ __forceinline__ void prefetch_l2(const void* p) {

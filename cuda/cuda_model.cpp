@@ -922,6 +922,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.error_flag = error_flag;
       rs.counter = router_ticket;
       rs.bench_skip_topk = !on(StepLaunch::RouterTopK);
+      rs.bench_skip_router_rows = !on(StepLaunch::RouterRows);
+      rs.bench_skip_shared_rows = !on(StepLaunch::RouterSharedRows);
       if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
@@ -972,6 +974,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.h = h;
     dn.y = y;
     dn.bulk = moe_bulk_dn;
+    dn.bench_skip_math = !on(StepLaunch::DownMath);
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);

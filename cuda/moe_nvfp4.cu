@@ -324,6 +324,7 @@ struct DownArgs {
   bool accumulate;
   float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
+  bool skip_math;  // MoeDownParams::bench_skip_math
 };
 
 // One team per output row d: lane l takes the flattened (expert j, unit v) indices
@@ -370,7 +371,7 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
     }
 #pragma unroll
     for (int n = 0; n < kDownUnits; ++n)
-      if (live[n])
+      if (live[n] && !a.skip_math)
         acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
@@ -818,6 +819,7 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
+  a.skip_math = p.bench_skip_math;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;

@@ -98,6 +98,9 @@ struct MoeDownParams {
   /// fn::Error(Internal) where the device or the shape does not allow it
   /// (moe_down_bulk_supported).
   bool bulk = false;
+  /// Knockout benchmarks only (StepLaunch::DownMath; FP32 kernel): the loads stay, the
+  /// arithmetic is skipped, so y is wrong. false in production.
+  bool bench_skip_math = false;
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a

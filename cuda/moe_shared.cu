@@ -37,6 +37,7 @@ struct RouterGateUpArgs {
   int32_t* flag;
   unsigned int* counter;
   bool skip_topk;  // RouterSharedGateUpParams::bench_skip_topk
+  bool skip_rows[2];  // bench_skip_router_rows, bench_skip_shared_rows
 };
 
 template <int kRows>
@@ -59,7 +60,10 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
   const int s = router ? 0 : 1;
   const int64_t block = router ? blockIdx.x : blockIdx.x - a.router_blocks;
   // Block-uniform branch (rows per team is fixed per segment); the PDL wait is inside.
-  switch (a.rows_per_team[s]) {
+  switch (a.skip_rows[s] ? 0 : a.rows_per_team[s]) {
+    case 0:
+      dev::pdl_begin();
+      break;
     case 4:
       store_rows<4>(a.seg[s], block, a.x, a.y[s]);
       break;
@@ -197,6 +201,8 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.flag = p.error_flag;
   a.counter = p.counter;
   a.skip_topk = p.bench_skip_topk;
+  a.skip_rows[0] = p.bench_skip_router_rows;
+  a.skip_rows[1] = p.bench_skip_shared_rows;
   launch_pdl("router_shared_gate_up_kernel", router_shared_gate_up_kernel,
              dim3(static_cast<unsigned>(blocks[0] + blocks[1])), dim3(kRouterBlockThreads), 0,
              stream, a);

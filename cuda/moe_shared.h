@@ -39,6 +39,10 @@ struct RouterSharedGateUpParams {
   /// Knockout benchmarks only (StepLaunch::RouterTopK): the last block skips the top-k, so ids
   /// and weights keep their previous values. false in production.
   bool bench_skip_topk = false;
+  /// Knockout benchmarks only (StepLaunch::RouterRows / RouterSharedRows): the blocks of the
+  /// router rows / of the shared gate/up rows only wait and skip their GEMV. false in production.
+  bool bench_skip_router_rows = false;
+  bool bench_skip_shared_rows = false;
 };
 
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)

@@ -582,14 +582,22 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   const std::vector<double> mem = gather_peak_rss_mib(coll);
   if (root) {
     const LatencyStats tt = latency_stats(ttfts), it = latency_stats(itls);
+    // No successful record (TTFT) or no record with a second token (TPOT): no number to print.
+    const std::string ttft_line =
+        ttfts.empty() ? std::string("n/a (no record succeeded)")
+                      : fmt::format("p50 {:.2f}  p90 {:.2f}  p99 {:.2f}", tt.p50, tt.p90, tt.p99);
+    const std::string tpot_line =
+        itls.empty() ? std::string("n/a (no record generated a second token)")
+                     : fmt::format("mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}",
+                                   it.mean, it.p50, it.p90, it.p99, it.max);
     const std::string s = fmt::format(
         "\n--- fngen generate (batch): backend {}, TP {}, ctx {}, {}\n"
         "records {}, errors {}, generated tokens {}\n"
-        "TTFT ms: p50 {:.2f}  p90 {:.2f}  p99 {:.2f}\n"
-        "TPOT ms: mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}\n"
+        "TTFT ms: {}\n"
+        "TPOT ms: {}\n"
         "peak host memory (MiB, per rank):{}\n",
-        model.name, coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, tt.p50,
-        tt.p90, tt.p99, it.mean, it.p50, it.p90, it.p99, it.max, memory_text(mem));
+        model.name, coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, ttft_line,
+        tpot_line, memory_text(mem));
     std::fwrite(s.data(), 1, s.size(), stderr);
   }
   // Every rank knows the counts (the statuses are broadcast): all end with the same error,

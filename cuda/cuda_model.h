@@ -102,9 +102,9 @@ enum class StepLaunch : int {
   ExpertsDown = 9,    ///< launch_moe_down_nvfp4
   SharedDown = 10,    ///< launch_shared_down_combine
   // Parts of a launch (probes: the launch runs, this part of it does not):
-  RouterTopK = 11,   ///< the router launch's top-k block (the previous layer's ids stay)
-  GateUpMath = 12,   ///< the bulk gate+up's tensor-core math (its loads stay: loads only)
-  QsaSelect = 13,    ///< the QSA scores launch's top-k block select (the last selection stays)
+  RouterTopK = 11,        ///< the router launch's top-k block (the previous layer's ids stay)
+  GateUpMath = 12,        ///< the bulk gate+up's tensor-core math (its loads stay: loads only)
+  QsaSelect = 13,         ///< the QSA scores launch's top-k block select (the last selection stays)
   RouterSharedRows = 14,  ///< the router launch's shared-expert gate/up rows (blocks only wait)
   RouterRows = 15,        ///< the router launch's router rows (the top-k ranks stale logits)
   DownMath = 16,          ///< the FP32 routed down's arithmetic (its loads stay)

@@ -77,7 +77,7 @@ struct BulkGateUpArgs {
   uint16_t* h;
   float* gate_up_out;
   L2Prefetch l2_prefetch;
-  int stages;  // ring depth, <= kMaxStages
+  int stages;       // ring depth, <= kMaxStages
   bool loads_only;  // MoeGateUpParams::bench_loads_only
 };
 
@@ -138,7 +138,6 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
-#endif
 
 // d += one unit (32 codes) of the A rows g (codes wa, scale bytes sa) and g + 8 (wb, sb) times the
 // activation words x (permute_word order): per 8-code word two MMAs, codes (q, q + 4) of both rows
@@ -160,6 +159,7 @@ __device__ __forceinline__ void mma_unit(const uint4& wa, uint32_t sa, const uin
              bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 3), fb), x[wi].z, x[wi].w);
   }
 }
+#endif  // the device code of sm_90+; the kernels below are empty elsewhere
 
 __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateUpArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -36,7 +36,7 @@ struct RouterGateUpArgs {
   float* weights;
   int32_t* flag;
   unsigned int* counter;
-  bool skip_topk;  // RouterSharedGateUpParams::bench_skip_topk
+  bool skip_topk;     // RouterSharedGateUpParams::bench_skip_topk
   bool skip_rows[2];  // bench_skip_router_rows, bench_skip_shared_rows
 };
 

@@ -214,6 +214,14 @@ fi
 printf 'not json\n{"prompt_ids": []}\n' >"$tmp/allbad.jsonl"
 expect 3 "-i/--input $tmp/allbad.jsonl: every record failed (2 of 2" -- \
   mpi 2 -m "$tmp/g3" -i "$tmp/allbad.jsonl" -o "$tmp/allbad.out" -n 2
+# ... and its summary prints no latency numbers (there are none), not zeros.
+if grep -q "TTFT ms: n/a (no record succeeded)" "$tmp/err" &&
+  grep -q "TPOT ms: n/a (no record generated a second token)" "$tmp/err" &&
+  ! grep -q "p50 0.00" "$tmp/err"; then
+  pass "the all-failed batch's summary says n/a"
+else
+  fail "all-failed batch summary: $(grep -E "TTFT|TPOT" "$tmp/err")"
+fi
 [ "$(grep -c '"finish_reason":"error"' "$tmp/allbad.out")" = 2 ] &&
   echo "ok: the failed records are still written" || fail "all-failed batch: $(cat "$tmp/allbad.out")"
 # -o on /dev/full: the first record's write fails on rank 0; agreed on, every rank exits 3 with

@@ -80,7 +80,10 @@ std::vector<std::string> run_lines(const std::string& cmd, const std::vector<std
 
 std::string join(const Ids& ids) {
   std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i > 0) s += ' ';
+    s += std::to_string(ids[i]);
+  }
   return s;
 }
 

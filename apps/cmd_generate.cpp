@@ -198,9 +198,11 @@ json sampling_json(const SamplingParams& s) {
           {"seed", s.seed}};
 }
 
+// No inter-token gap (a single generated token): null statistics, not zeros.
 json tpot_json(const LatencyStats& s) {
-  return {{"mean", s.mean}, {"p50", s.p50}, {"p90", s.p90},
-          {"p99", s.p99},   {"max", s.max}, {"count", s.count}};
+  auto v = [&](double x) { return s.count > 0 ? json(x) : json(nullptr); };
+  return {{"mean", v(s.mean)}, {"p50", v(s.p50)}, {"p90", v(s.p90)},
+          {"p99", v(s.p99)},   {"max", v(s.max)}, {"count", s.count}};
 }
 
 // The result fields shared by --json and the JSONL records.
@@ -215,7 +217,7 @@ json result_json(const GenerationResult& r, bool chat) {
             {"per_token_ms", r.itl_ms},
             {"tpot_ms", tpot_json(r.tpot)},
             {"e2e_ms", r.e2e_ms},
-            {"decode_tokens_per_s", r.decode_tokens_per_s},
+            {"decode_tokens_per_s", r.itl_ms.empty() ? json(nullptr) : json(r.decode_tokens_per_s)},
             {"prefill_tokens_per_s", r.prefill_tokens_per_s}};
   if (chat) {
     const ReasoningSplit split = split_reasoning(r.text);
@@ -259,13 +261,18 @@ void print_summary(const GenerationResult& r, const std::vector<double>& mem,
       r.n_prompt_tokens > 0 ? r.prefill_ms / static_cast<double>(r.n_prompt_tokens) : 0.0,
       r.prefill_tokens_per_s);
   out += fmt::format("TTFT             = {:10.2f} ms\n", r.ttft_ms);
-  out += fmt::format(
-      "eval time        = {:10.2f} ms / {:5} tokens ({:8.2f} ms per token, {:8.2f} tokens per "
-      "second)\n",
-      r.e2e_ms - r.ttft_ms, r.itl_ms.size(), r.tpot.mean, r.decode_tokens_per_s);
-  out += fmt::format(
-      "TPOT ms          = mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}\n",
-      r.tpot.mean, r.tpot.p50, r.tpot.p90, r.tpot.p99, r.tpot.max);
+  if (r.itl_ms.empty()) {  // one token generated: no inter-token gap, so no decode rate
+    out += "eval time        = n/a (one token generated: no inter-token gap)\n";
+    out += "TPOT ms          = n/a\n";
+  } else {
+    out += fmt::format(
+        "eval time        = {:10.2f} ms / {:5} tokens ({:8.2f} ms per token, {:8.2f} tokens per "
+        "second)\n",
+        r.e2e_ms - r.ttft_ms, r.itl_ms.size(), r.tpot.mean, r.decode_tokens_per_s);
+    out += fmt::format(
+        "TPOT ms          = mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}\n",
+        r.tpot.mean, r.tpot.p50, r.tpot.p90, r.tpot.p99, r.tpot.max);
+  }
   std::string per;
   const std::size_t shown = std::min<std::size_t>(r.itl_ms.size(), 64);
   for (std::size_t i = 0; i < shown; ++i) per += fmt::format(" {:.2f}", r.itl_ms[i]);

@@ -210,6 +210,21 @@ if mpi 2 -m "$tmp/g3" -i "$tmp/utf8.jsonl" -o "$tmp/utf8.out" -n 2 --ignore-eos 
 else
   fail "a record with invalid UTF-8 ended the batch: $(tail -n 3 "$tmp/err" | cat -v)"
 fi
+# One generated token has no inter-token gap: the summary says n/a and the JSON has null
+# TPOT statistics and decode rate, not zeros.
+mpi 1 -m "$fx/g3_tiny" --prompt-ids 1,2 --temp 0 -n 1 --json >"$tmp/one.json" 2>"$tmp/err" ||
+  fail "-n 1 exited non-zero: $(tail -n 3 "$tmp/err")"
+check_json "$tmp/one.json" "j['n_gen_tokens'] == 1 and j['per_token_ms'] == [] \
+  and j['tpot_ms']['count'] == 0 and j['tpot_ms']['mean'] is None \
+  and j['decode_tokens_per_s'] is None and j['ttft_ms'] > 0" \
+  "-n 1: null TPOT statistics and decode rate in the JSON"
+mpi 1 -m "$fx/g3_tiny" --prompt-ids 1,2 --temp 0 -n 1 >/dev/null 2>"$tmp/err" ||
+  fail "-n 1 (summary) exited non-zero: $(tail -n 3 "$tmp/err")"
+if grep -q "TPOT ms          = n/a" "$tmp/err" && ! grep -q "mean 0.000" "$tmp/err"; then
+  pass "-n 1: the summary says TPOT n/a"
+else
+  fail "-n 1 summary: $(grep -E "eval time|TPOT" "$tmp/err")"
+fi
 # A batch whose every record failed exits 3 on every rank (the records are still written).
 printf 'not json\n{"prompt_ids": []}\n' >"$tmp/allbad.jsonl"
 expect 3 "-i/--input $tmp/allbad.jsonl: every record failed (2 of 2" -- \

@@ -48,8 +48,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
   uint32_t skip = 0;
-  int empty_launches = 0;
-  int router_blocks_per_sm = 2;
+  int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
+  int router_blocks_per_sm = fn::CudaModelOptions{}.bench_router_blocks_per_sm;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {

@@ -5,7 +5,10 @@
 // error bounds derived from the rounding steps of both sides; graph replay bitwise equal to eager;
 // launcher checks; the default four-launch path bitwise equal to the previous five-launch path
 // (outputs, caches, every workspace intermediate) including a workspace that starts as garbage;
-// a bench at t = 8191 per path and per kernel (FN_BENCH=1).
+// the decode step's block select (select_top_blocks_cg) equal to the prefill's four-pass radix
+// select and to cpu::top_k on adversarial scores (ties, zeros of both signs, infinities, NaN,
+// subnormals, B past the on-chip keys); a bench at t = 8191 per path and per kernel and of the
+// two selects (FN_BENCH=1).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -25,6 +28,7 @@
 #include "core/error.h"
 #include "cuda/qsa.h"
 #include "tests/cuda_test_util.h"
+#include "tests/qsa_select_probe.h"
 
 namespace {
 
@@ -683,6 +687,129 @@ TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, r
     compare_paths(real_tp1(8192), {2051, 8191}, 700, false, split);
     compare_paths(real_tp2r1(4100), {4099}, 700, false, split);
   }
+}
+
+// Scores of one kind for the select test: kind 0 Gaussian, 1 uniform [0, 1), 2 sums of four
+// ReLUs (zeros and a long tail), 3 all equal, 4 two values, 5 eight levels (ties at every
+// threshold), 6 1000 + tiny noise (keys differ in the low bits only), 7 signed powers of two
+// (every exponent), 8 +0 and -0 with a few positives, 9 +-inf among Gaussians, 10 subnormals,
+// 11 NaN of both signs among Gaussians (cpu::top_k rejects NaN: select vs select only).
+std::vector<float> select_scores(int kind, int B, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 7);
+  std::vector<float> v(B);
+  for (int i = 0; i < B; ++i) {
+    float x = nd(rng);
+    switch (kind) {
+      case 1:
+        x = ud(rng);
+        break;
+      case 2:
+        x = std::max(x, 0.0f) + std::max(nd(rng), 0.0f) + std::max(nd(rng), 0.0f) +
+            std::max(nd(rng), 0.0f);
+        break;
+      case 3:
+        x = 0.75f;
+        break;
+      case 4:
+        x = pick(rng) < 4 ? 1.0f : -2.0f;
+        break;
+      case 5:
+        x = 0.25f * static_cast<float>(pick(rng));
+        break;
+      case 6:
+        x = 1000.0f + 1e-4f * x;
+        break;
+      case 7:
+        x = std::ldexp(x < 0 ? -1.0f : 1.0f, static_cast<int>(ud(rng) * 250.0f) - 125);
+        break;
+      case 8:
+        x = pick(rng) == 0 ? ud(rng) : (pick(rng) < 4 ? 0.0f : -0.0f);
+        break;
+      case 9:
+        if (pick(rng) == 0) x = pick(rng) < 4 ? INFINITY : -INFINITY;
+        break;
+      case 10:
+        x = std::ldexp(ud(rng), -130);
+        break;
+      case 11:
+        if (pick(rng) == 0) x = pick(rng) < 4 ? NAN : -NAN;
+        break;
+      default:
+        break;
+    }
+    v[i] = x;
+  }
+  return v;
+}
+
+TEST_CASE("cuda qsa: the decode step's block select equals the radix select and cpu::top_k") {
+  std::mt19937_64 rng(17);
+  cudaStream_t stream = nullptr;
+  int cases = 0;
+  for (int B : {2, 3, 33, 1000, 2048, 4096, 8192, 8193, 10000})
+    for (int kind = 0; kind <= 11; ++kind)
+      for (int k : {1, B / 4, 512, B - 1}) {
+        if (k < 1 || k >= B) continue;
+        const std::vector<float> scores = select_scores(kind, B, rng);
+        DeviceArray<float> d_scores(scores);
+        DeviceArray<int32_t> d_ref(k), d_cg(k);
+        fn::test::qsa_select_blocks(true, d_scores.ptr, B, k, d_ref.ptr, stream);
+        fn::test::qsa_select_blocks(false, d_scores.ptr, B, k, d_cg.ptr, stream);
+        const std::vector<int32_t> ref = d_ref.download(), cg = d_cg.download();
+        INFO("B ", B, " k ", k, " kind ", kind);
+        REQUIRE(cg == ref);
+        if (kind != 11) {
+          std::vector<int32_t> want = fn::cpu::top_k(scores.data(), B, k);
+          std::sort(want.begin(), want.end());
+          REQUIRE(cg == want);
+        }
+        ++cases;
+      }
+  MESSAGE(cases, " (B, k, kind) cases equal");
+
+  const char* env = std::getenv("FN_BENCH");
+  if (env == nullptr || std::string(env) != "1") return;
+  // Microseconds per select (one CTA, alone), graphs of 50, best of 3: B = 2048 (t = 8191), k 512.
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  FN_CUDA_CHECK(cudaEventCreate(&e0));
+  FN_CUDA_CHECK(cudaEventCreate(&e1));
+  for (int kind : {0, 2, 5}) {
+    const std::vector<float> scores = select_scores(kind, 2048, rng);
+    DeviceArray<float> d_scores(scores);
+    DeviceArray<int32_t> d_sel(512);
+    for (bool reference : {true, false}) {
+      constexpr int kPerGraph = 50;
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      for (int i = 0; i < kPerGraph; ++i)
+        fn::test::qsa_select_blocks(reference, d_scores.ptr, 2048, 512, d_sel.ptr, stream);
+      FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      float best = 1e30f;
+      for (int rep = 0; rep < 3; ++rep) {
+        FN_CUDA_CHECK(cudaEventRecord(e0, stream));
+        FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        FN_CUDA_CHECK(cudaEventRecord(e1, stream));
+        FN_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        best = std::min(best, ms);
+      }
+      MESSAGE("select kind ", kind, reference ? " radix (reference)" : " decode step (cg)", ": ",
+              1000.0 * best / kPerGraph, " us per select, launch included");
+      FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      FN_CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+  }
+  FN_CUDA_CHECK(cudaEventDestroy(e0));
+  FN_CUDA_CHECK(cudaEventDestroy(e1));
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes (FN_BENCH=1)") {

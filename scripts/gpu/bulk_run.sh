@@ -14,7 +14,8 @@ cd "$(dirname "$0")/../.."
 fn_out_default=/tmp/bulk-out
 source scripts/gpu/common.sh
 if ! FN_BUILD_DIR=$b timeout 300 bash scripts/gpu/build.sh cuda_model_bench cuda_kernel_bench \
-  test_cuda_model test_cuda_moe_nvfp4 test_cuda_moe_prefill test_cuda_model_realwidth \
+  test_cuda_model test_cuda_moe_nvfp4 test_cuda_moe_prefill test_cuda_moe_shared \
+  test_cuda_model_realwidth \
   >"$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -20
   exit 1
@@ -22,7 +23,7 @@ fi
 echo "== build done ($((SECONDS - t0)) s)"
 parts=" ${FN_BULK_PARTS:-tests bench model ab san} "
 part() { [[ "$parts" == *" $1 "* ]]; }
-part tests && for tst in test_cuda_moe_nvfp4 test_cuda_moe_prefill; do
+part tests && for tst in test_cuda_moe_nvfp4 test_cuda_moe_prefill test_cuda_moe_shared; do
   timeout 150 "$b/tests/$tst" >"$out/$tst.log" 2>&1
   echo "$tst rc=$? $(grep -E 'test cases' "$out/$tst.log" | tr -s ' ')"
   grep -E "ERROR|FAILED|bulk I|worst" "$out/$tst.log" | head -12 | cut -c1-300

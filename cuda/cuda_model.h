@@ -84,9 +84,6 @@ struct CudaModelOptions {
   /// (launch_bench_empty) between each layer's router and its routed gate+up, to measure what one
   /// launch boundary costs in the step. 0 in production.
   int bench_empty_launches = 0;
-  /// A/B benches (cuda_model_bench --router-blocks-per-sm): RouterSharedGateUpParams::
-  /// blocks_per_sm of the router launch (1 or 2). 2 in production.
-  int bench_router_blocks_per_sm = 2;
 };
 
 /// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit

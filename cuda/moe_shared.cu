@@ -178,11 +178,9 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
     blocks[s] = blocks_for(rows[s], plan.rows_per_team, t, kRouterBlockThreads);
   }
   // Rows per team do not change a row's bits; raise them (the segment with fewer first) until
-  // the grid fits p.blocks_per_sm blocks per SM (2 by default), so that every block is resident
-  // and has its weights in flight before the wait (the real shapes: 289 blocks at the planned
-  // rows per team, 225 / 209 after).
-  FN_LAUNCH_REQUIRE(p.blocks_per_sm == 1 || p.blocks_per_sm == 2, kOp);
-  while (blocks[0] + blocks[1] > p.blocks_per_sm * static_cast<int64_t>(sm) &&
+  // the grid fits 2 blocks per SM, so that every block is resident and has its weights in flight
+  // before the wait (the real shapes: 289 blocks at the planned rows per team, 225 / 209 after).
+  while (blocks[0] + blocks[1] > 2 * static_cast<int64_t>(sm) &&
          (a.rows_per_team[0] < 4 || a.rows_per_team[1] < 4)) {
     int s = a.rows_per_team[0] < a.rows_per_team[1] ? 0 : 1;
     if (a.rows_per_team[0] == a.rows_per_team[1]) s = blocks[0] >= blocks[1] ? 0 : 1;

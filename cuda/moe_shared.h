@@ -43,12 +43,6 @@ struct RouterSharedGateUpParams {
   /// router rows / of the shared gate/up rows only wait and skip their GEMV. false in production.
   bool bench_skip_router_rows = false;
   bool bench_skip_shared_rows = false;
-  /// The grid's target in blocks per SM (1 or 2; rows per team are raised until it fits, which
-  /// changes no bits). 2 (default): every block resident at once. 1: at most one 512-thread block
-  /// per SM, so that the routed gate+up CTA behind (352 threads, 82 registers) can be resident
-  /// beside it on every SM from the start (two such blocks fill an SM's registers). For A/B
-  /// benches; not yet measured in the step (cuda/bench/RESULTS.md, session 12).
-  int blocks_per_sm = 2;
 };
 
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)

@@ -8,8 +8,7 @@
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1]
-//     [--moe-bulk-down 0|1] [--skip MASK] [--empty-launches N]
-//     [--router-blocks-per-sm 1|2] [--json FILE]
+//     [--moe-bulk-down 0|1] [--skip MASK] [--empty-launches N] [--json FILE]
 //     (--unfused: CudaModelOptions::fused_step = false, every launch separate)
 #include <cuda_runtime_api.h>
 
@@ -49,7 +48,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
-  int router_blocks_per_sm = fn::CudaModelOptions{}.bench_router_blocks_per_sm;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -80,8 +78,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk = std::stoi(next()) != 0;
     else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
       moe_bulk_down = std::stoi(next()) != 0;
-    else if (a == "--router-blocks-per-sm")  // CudaModelOptions::bench_router_blocks_per_sm
-      router_blocks_per_sm = std::stoi(next());
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
       empty_launches = std::stoi(next());
     else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
@@ -111,7 +107,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.moe_bulk_down = moe_bulk_down;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;
-  o.bench_router_blocks_per_sm = router_blocks_per_sm;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();

@@ -315,10 +315,10 @@ json lane_json(const LaneResult& l, double bandwidth_gbs) {
   json j = {{"n_prompt", l.n_prompt},
             {"n_gen", l.n_gen},
             {"ttft_ms", no_ttft ? json(nullptr) : json(ttft)},
-            {"ttft_ms_std", no_ttft ? json(nullptr) : json(ttft_std)},
+            {"ttft_ms_std", no_ttft || l.ttft_ms.size() < 2 ? json(nullptr) : json(ttft_std)},
             {"prefill_ms", no_ttft ? json(nullptr) : json(prefill)},
             {"tpot_ms", tpot},
-            {"tpot_ms_std", tpot_std},
+            {"tpot_ms_std", l.tpot_ms.size() < 2 ? json(nullptr) : json(tpot_std)},
             {"itl_p50_ms", itl.p50},
             {"itl_p90_ms", itl.p90},
             {"itl_p99_ms", itl.p99},
@@ -501,16 +501,21 @@ std::string format_md(const Report& r) {
     const json j = lane_json(l, r.bandwidth_gbs);
     auto d = [&j](const char* k) { return j.at(k).get<double>(); };
     const bool no_ttft = j.at("ttft_ms").is_null();
+    // One repetition has no spread: "± n/a" (JSON null), not a standard deviation of 0.
+    auto spread = [&j](const char* k, int digits) {
+      return j.at(k).is_null() ? std::string("n/a")
+                               : fmt::format("{:.{}f}", j.at(k).get<double>(), digits);
+    };
     const std::string ttft =
-        no_ttft ? "n/a" : fmt::format("{:.3f} ± {:.3f}", d("ttft_ms"), d("ttft_ms_std"));
+        no_ttft ? "n/a" : fmt::format("{:.3f} ± {}", d("ttft_ms"), spread("ttft_ms_std", 3));
     const std::string prefill_rate =
         no_ttft ? "n/a" : fmt::format("{:.2f}", d("prefill_tokens_per_s"));
     out += fmt::format(
-        "| {} | {} | {} | {:.4f} ± {:.4f} | {:.4f} | {:.4f} | {:.4f} | {:.2f} | "
+        "| {} | {} | {} | {:.4f} ± {} | {:.4f} | {:.4f} | {:.4f} | {:.2f} | "
         "{} | {:.4f} | {:.4g} | {:.2f} | {:.3f} |\n",
-        l.n_prompt, l.n_gen, ttft, d("tpot_ms"), d("tpot_ms_std"), d("itl_p50_ms"), d("itl_p90_ms"),
-        d("itl_p99_ms"), d("decode_tokens_per_s"), prefill_rate, d("bytes_per_token") / 1e6,
-        d("floor_ms"), d("achieved_gbs"), d("pct_of_bandwidth"));
+        l.n_prompt, l.n_gen, ttft, d("tpot_ms"), spread("tpot_ms_std", 4), d("itl_p50_ms"),
+        d("itl_p90_ms"), d("itl_p99_ms"), d("decode_tokens_per_s"), prefill_rate,
+        d("bytes_per_token") / 1e6, d("floor_ms"), d("achieved_gbs"), d("pct_of_bandwidth"));
   }
   for (const auto& l : r.lanes) {
     if (!l.breakdown) continue;

@@ -77,14 +77,14 @@ def plot_tpot_vs_floor(run, lanes, outdir):
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(lanes) + 3), 4.5))
     w = 0.27
     ax.bar([i - w for i in x], [l["tpot_ms"] for l in lanes], w,
-           yerr=[l.get("tpot_ms_std", 0) for l in lanes], capsize=3, label="TPOT mean ± std")
+           yerr=[l.get("tpot_ms_std") or 0 for l in lanes], capsize=3, label="TPOT mean ± std")
     ax.bar(list(x), [l["itl_p99_ms"] for l in lanes], w, label="ITL p99")
     ax.bar([i + w for i in x], [l["floor_ms"] for l in lanes], w,
            label=f"byte floor @ {run.get('bandwidth_gbs', '?')} GB/s")
     for i, l in enumerate(lanes):
         ax.annotate(f"{l['pct_of_bandwidth']:.3g}%", (i - w, l["tpot_ms"]), ha="center",
                     va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
-    ax.set_ylim(0, 1.15 * max(max(l["itl_p99_ms"], l["tpot_ms"] + l.get("tpot_ms_std", 0))
+    ax.set_ylim(0, 1.15 * max(max(l["itl_p99_ms"], l["tpot_ms"] + (l.get("tpot_ms_std") or 0))
                               for l in lanes))
     ax.set_xticks(list(x))
     ax.set_xticklabels(names)

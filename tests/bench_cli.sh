@@ -256,6 +256,12 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
   bench -p 8 -n 2 -r 1 --warmup 0 >"$tmp/r1.md" 2>/dev/null || fail "bench -r 1 md run"
   grep -q ", 1 repetition after 0 warmup," "$tmp/r1.md" && pass "md header: '1 repetition'" ||
     fail "md header with -r 1: $(head -n 1 "$tmp/r1.md")"
+  # One repetition has no spread: the table says n/a, JSON null (not a standard deviation of 0).
+  grep -Eq "^\| 8 \| 2 \| [0-9.]+ ± n/a \| [0-9.]+ ± n/a \|" "$tmp/r1.md" &&
+    pass "md table with -r 1: TTFT and TPOT '± n/a'" ||
+    fail "md table with -r 1: $(grep -E '^\| 8 ' "$tmp/r1.md")"
+  check_json "$tmp/dec.json" "j['lanes'][0]['tpot_ms_std'] is None and j['lanes'][0]['ttft_ms_std'] is None" \
+    "json with -r 1: tpot_ms_std and ttft_ms_std null"
   expect 2 "-p/--n-prompt 1000 -n/--n-gen 128 needs 1128 tokens, more than the model's max_position_embeddings 1024" -- bench -p 8,1000 -n 128
   expect 2 "-p/--n-prompt 16 -n/--n-gen 4 needs 20 tokens, more than -c/--ctx-size 12" -- bench -p 8,16 -n 4 -c 12
   expect 2 "-c/--ctx-size 2000 exceeds the model's max_position_embeddings 1024" -- bench -p 8 -n 4 -c 2000

@@ -266,6 +266,10 @@ int run_tokenize(const TokenizeOptions& o) {
     FN_REQUIRE(o.prompt.empty() && o.file.empty() && !o.chat, Usage,
                "--ids decodes ids: it takes no -p/-f/--chat");
     const auto ids = parse_ids(o.ids);
+    for (size_t i = 0; i < ids.size(); ++i)  // a usage error, as generate --prompt-ids
+      FN_REQUIRE(ids[i] < tok->vocab_size(), Usage,
+                 "--ids: id {} (position {}) is outside the vocabulary [0, {})", ids[i], i,
+                 tok->vocab_size());
     const std::string text = tok->decode(ids);
     write_stdout(o.json_out
                      ? json{{"text", text}}.dump(-1, ' ', false, json::error_handler_t::replace) +

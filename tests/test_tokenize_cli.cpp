@@ -101,6 +101,8 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen("-m /nonexistent -p x").code == 3);
   CHECK(fngen(kModel + " --tokenizer " + fn::test::qwen3_json_path() + " -p x").code == 2);
   CHECK(fngen(kModel + " --ids '1 x'").code == 2);
+  CHECK(fngen(kModel + " --ids '1 999999999'").code == 2);  // outside the vocabulary, as generate
+  CHECK(fngen(kModel + " --ids '151668'").code == 0);       // the last id of the vocabulary
   CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
   CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
 }

@@ -40,6 +40,9 @@ int cuda_device_count(std::string* why) {
   const cudaError_t rc = cudaGetDeviceCount(&n);
   if (rc != cudaSuccess) {
     *why = fmt::format("cudaGetDeviceCount: {}: {}", cudaGetErrorName(rc), cudaGetErrorString(rc));
+    // The runtime reports a missing driver (no libcuda.so.1) as an insufficient one.
+    if (rc == cudaErrorInsufficientDriver)
+      *why += "; no CUDA driver is installed, or it is too old";
     cudaGetLastError();  // clear the runtime's last error
     return 0;
   }

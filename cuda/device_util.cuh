@@ -1,7 +1,7 @@
 // Small device helpers shared by the decode kernels in cuda/*.cu: streaming 16-byte loads, async
-// global -> shared copies (cp.async), exact BF16/FP16-bit unpacking, SiLU, warp min/max of
-// unsigned words. Device code only; included by .cu files, never by host headers. Every helper is
-// exact bit manipulation except silu (expf).
+// global -> shared copies (cp.async), exact BF16/FP16-bit unpacking, SiLU. Device code only;
+// included by .cu files, never by host headers. Every helper is exact bit manipulation except
+// silu (expf).
 #pragma once
 
 #include <cstdint>
@@ -120,27 +120,6 @@ __device__ __forceinline__ void team_reduce(float (&acc)[kN], int team, int lane
       }
     }
   }
-}
-
-// Max (kMax) or min of v over the 32 lanes of a full warp: redux.sync on sm_80+, a butterfly of
-// shuffles below (the same value in every lane).
-template <bool kMax>
-__device__ __forceinline__ uint32_t warp_reduce_u32(uint32_t v) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  return kMax ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
-#else
-  for (int off = 16; off > 0; off >>= 1) {
-    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = (kMax ? o > v : o < v) ? o : v;
-  }
-  return v;
-#endif
-}
-__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
-  return warp_reduce_u32<true>(v);
-}
-__device__ __forceinline__ uint32_t warp_min_u32(uint32_t v) {
-  return warp_reduce_u32<false>(v);
 }
 
 }  // namespace fn::dev

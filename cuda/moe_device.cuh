@@ -47,6 +47,27 @@ __device__ __forceinline__ uint32_t logit_code(float l) {
   return isnan(l) ? 1u : ordered_bits(l);
 }
 
+// Max (kMax) or min of v over the 32 lanes of a full warp: redux.sync on sm_80+, a butterfly of
+// shuffles below (the same value in every lane).
+template <bool kMax>
+__device__ __forceinline__ uint32_t warp_reduce_u32(uint32_t v) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  return kMax ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
+#else
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = (kMax ? o > v : o < v) ? o : v;
+  }
+  return v;
+#endif
+}
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+  return warp_reduce_u32<true>(v);
+}
+__device__ __forceinline__ uint32_t warp_min_u32(uint32_t v) {
+  return warp_reduce_u32<false>(v);
+}
+
 // The float of a code >= 2 (a non-NaN logit).
 __device__ __forceinline__ float code_logit(uint32_t c) {
   return __uint_as_float((c & 0x80000000u) != 0u ? (c & 0x7fffffffu) : ~c);

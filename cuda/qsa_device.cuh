@@ -135,41 +135,37 @@ __device__ __forceinline__ uint32_t order_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Exclusive prefix sum over the CTA (kQsaSelectThreads threads) of an integer type (int, or
-// unsigned long long carrying two 32-bit counts that never overflow), so order-free. sh holds
-// kQsaSelectThreads / 32 values.
-template <typename T>
-__device__ inline T block_exclusive_scan(T v, T* sh) {
+// Exclusive prefix sum over the CTA (kQsaSelectThreads threads), integer so order-free.
+__device__ inline int block_exclusive_scan(int v, int* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  T incl = v;
+  int incl = v;
   for (int off = 1; off < 32; off <<= 1) {
-    const T n = __shfl_up_sync(0xffffffffu, incl, off);
+    const int n = __shfl_up_sync(0xffffffffu, incl, off);
     if (lane >= off) incl += n;
   }
   if (lane == 31) sh[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    const T w = lane < kQsaSelectThreads / 32 ? sh[lane] : T{0};
-    T wi = w;
+    const int w = lane < kQsaSelectThreads / 32 ? sh[lane] : 0;
+    int wi = w;
     for (int off = 1; off < 32; off <<= 1) {
-      const T n = __shfl_up_sync(0xffffffffu, wi, off);
+      const int n = __shfl_up_sync(0xffffffffu, wi, off);
       if (lane >= off) wi += n;
     }
     if (lane < kQsaSelectThreads / 32) sh[lane] = wi - w;
   }
   __syncthreads();
-  const T r = sh[warp] + incl - v;
+  const int r = sh[warp] + incl - v;
   __syncthreads();
   return r;
 }
 
 // One radix-select pass's bin choice, run by the 32 lanes of warp 0 over the 256-bin histogram:
 // lane l holds bins 255-8l .. 248-8l (from the top); the lane whose bins hold the
-// remaining-th largest key writes the extended prefix, the rank left inside that bin and (when
-// s_count is not null) the bin's key count.
+// remaining-th largest key writes the extended prefix and the rank left inside that bin.
 __device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int lane, uint32_t prefix,
                                                int shift, int remaining, uint32_t* s_prefix,
-                                               int* s_remaining, unsigned* s_count = nullptr) {
+                                               int* s_remaining) {
   unsigned c[8], tot = 0;
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
@@ -185,14 +181,11 @@ __device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int lane, u
   const unsigned rem = static_cast<unsigned>(remaining);
   if (excl < rem && rem <= incl) {
     unsigned cum = excl;
-    bool found = false;
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {  // unrolled without a break: c[] stays in registers
-      if (!found && cum + c[r] >= rem) {
+    for (int r = 0; r < 8; ++r) {
+      if (cum + c[r] >= rem) {
         *s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
         *s_remaining = static_cast<int>(rem - cum);
-        if (s_count != nullptr) *s_count = c[r];
-        found = true;
+        break;
       }
       cum += c[r];
     }
@@ -262,83 +255,20 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
   compact_selected(key, B, prefix, remaining, scan_sh, selected);
 }
 
-// The compaction of compact_selected with one block scan instead of two: the pair (count of keys
-// > T, count of keys == T) is scanned as one 64-bit word, and the keys == T taken before thread
-// tid's range are min(remaining, equal keys before it) (they are taken greedily in index order).
-// The same indices in the same slots. Every thread of a kQsaSelectThreads CTA must call it.
-template <typename Key>
-__device__ __forceinline__ void compact_selected_one_scan(const Key& key, int B, uint32_t T,
-                                                          int remaining,
-                                                          unsigned long long* scan_sh,
-                                                          int* selected) {
-  const int tid = threadIdx.x;
-  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
-  const int lo = min(B, tid * per), hi = min(B, lo + per);
-  unsigned gt = 0, eq = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    gt += u > T;
-    eq += u == T;
-  }
-  const unsigned long long before =
-      block_exclusive_scan((static_cast<unsigned long long>(gt) << 32) | eq, scan_sh);
-  int eq_seen = static_cast<int>(before & 0xffffffffull);  // keys == T below lo
-  int off = static_cast<int>(before >> 32) + min(remaining, eq_seen);
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    if (u > T || (u == T && eq_seen++ < remaining)) selected[off++] = i;
-  }
-}
-
-// Warp 0's exact finish of a radix select whose pivot bin holds c <= 32 keys (cand[0, c), any
-// order) of which the remaining (1 <= remaining <= c) largest are to be taken: T = the
-// remaining-th largest of them counted with multiplicity, *s_rem = remaining - (keys > T among
-// them), i.e. the threshold key and the rank left that the radix passes over the lower bits
-// would reach.
-__device__ __forceinline__ void resolve_bin_warp(const uint32_t* cand, int c, int remaining,
-                                                 int lane, uint32_t* s_T, int* s_rem) {
-  const uint32_t mine = lane < c ? cand[lane] : 0u;
-  int gt = 0, eq = 0;
-  for (int j = 0; j < c; ++j) {
-    const uint32_t o = __shfl_sync(0xffffffffu, mine, j);
-    gt += o > mine ? 1 : 0;
-    eq += o == mine ? 1 : 0;
-  }
-  const unsigned hit =
-      __ballot_sync(0xffffffffu, lane < c && gt < remaining && remaining <= gt + eq);
-  if (lane == __ffs(hit) - 1) {
-    *s_T = mine;
-    *s_rem = remaining - gt;
-  }
-}
-
 // select_top_blocks with the same result (the same threshold key T and tie rule, so the same
 // blocks in the same order) for a CTA that reaches it after other CTAs wrote `scores` (read
-// through L2 with ld.global.cg after the caller's fence), with the keys of the first
-// kQsaSelectCache blocks in the caller's shared array `keys` (kQsaSelectCache words). Faster
-// than the four fixed passes of select_top_blocks (issue 8):
-// - the first 8-bit digit starts at the highest bit where the keys differ (their min and max,
-//   taken while they are loaded; B > kQsaSelectCache starts at bit 31 as before), so one pass
-//   usually narrows the pivot bin to a few hundred keys and a second to a few;
-// - after a pass, a pivot bin taken whole (its key count equals the rank left) ends the select
-//   on the bits seen so far, and a pivot bin of <= 32 keys is finished by one warp comparing
-//   them (resolve_bin_warp); otherwise the next 8 bits (fewer at the bottom) follow;
-// - warp-aggregated histogram atomics (all keys of a warp in one bin cost one atomic), two
-//   histograms used in turn (one barrier less per pass), and the one-scan compaction.
+// through L2 with ld.global.cg after the caller's fence): warp-aggregated histogram atomics
+// (all keys of a warp in one bin cost one atomic, not 32 serialised ones) and the keys of the
+// first kQsaSelectCache blocks in the caller's shared array `keys` (kQsaSelectCache words).
 // Every thread of a kQsaSelectThreads CTA must call it.
 __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, int* selected,
                                             uint32_t* keys) {
-  __shared__ unsigned hist[2][256];
-  __shared__ __align__(16) uint32_t s_wmin[kQsaSelectThreads / 32];
-  __shared__ __align__(16) uint32_t s_wmax[kQsaSelectThreads / 32];
-  __shared__ uint32_t s_prefix, s_T;
-  __shared__ int s_remaining, s_rem, s_nc;
-  __shared__ unsigned s_count;
-  __shared__ uint32_t s_cand[32];
-  __shared__ unsigned long long scan_sh[kQsaSelectThreads / 32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __shared__ unsigned hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_remaining;
+  __shared__ int scan_sh[32];
+  const int tid = threadIdx.x, lane = tid & 31;
   const int cached = min(B, kQsaSelectCache);
-  uint32_t kmin = 0xffffffffu, kmax = 0u;
   {  // every load in flight before the first shared store (one L2 round trip)
     constexpr int kPer = kQsaSelectCache / kQsaSelectThreads;
     float v[kPer];
@@ -350,51 +280,16 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
 #pragma unroll
     for (int r = 0; r < kPer; ++r) {
       const int i = tid + r * kQsaSelectThreads;
-      if (i < cached) {
-        const uint32_t u = order_key(v[r]);
-        keys[i] = u;
-        kmin = min(kmin, u);
-        kmax = max(kmax, u);
-      }
+      if (i < cached) keys[i] = order_key(v[r]);
     }
   }
-  kmin = dev::warp_min_u32(kmin);
-  kmax = dev::warp_max_u32(kmax);
-  if (lane == 0) {
-    s_wmin[warp] = kmin;
-    s_wmax[warp] = kmax;
-  }
-  if (tid < 256) hist[0][tid] = 0;
-  if (tid == 0) s_nc = 0;
   __syncthreads();
   auto key = [&](int i) { return i < kQsaSelectCache ? keys[i] : order_key(__ldcg(scores + i)); };
-#pragma unroll
-  for (int w = 0; w < kQsaSelectThreads / 32; w += 4) {
-    const uint4 a = *reinterpret_cast<const uint4*>(s_wmin + w);
-    const uint4 b = *reinterpret_cast<const uint4*>(s_wmax + w);
-    kmin = min(kmin, min(min(a.x, a.y), min(a.z, a.w)));
-    kmax = max(kmax, max(max(b.x, b.y), max(b.z, b.w)));
-  }
-  // Bits above `mask`'s ones are the same in every key of the pivot bin; the digit is
-  // bits [shift, shift + width).
-  uint32_t mask = 0, prefix = 0;
-  int shift = 24, width = 8;
-  if (B <= kQsaSelectCache) {
-    if (kmin == kmax) {  // every key equal: the lowest k indices
-      compact_selected_one_scan(key, B, kmin, k, scan_sh, selected);
-      return;
-    }
-    const int h = 31 - __clz(static_cast<int>(kmin ^ kmax));
-    mask = ~((2u << h) - 1u);  // h = 31: 2u << 31 wraps to 0, mask 0
-    prefix = kmin & mask;
-    shift = max(h - 7, 0);
-    width = h + 1 - shift;
-  }
+  uint32_t prefix = 0, mask = 0;
   int remaining = k;
-  for (int pass = 0;; ++pass) {
-    unsigned* hc = hist[pass & 1];
-    if (tid < 256) hist[(pass + 1) & 1][tid] = 0;  // last read by the pick two barriers back
-    const uint32_t digit = (1u << width) - 1u;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (tid < 256) hist[tid] = 0;
+    __syncthreads();
     for (int i0 = 0; i0 < B; i0 += kQsaSelectThreads) {  // uniform trip count over the CTA
       const int i = i0 + tid;
       bool in = false;
@@ -402,54 +297,28 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
       if (i < B) {
         const uint32_t u = key(i);
         in = (u & mask) == prefix;
-        bin = (u >> shift) & digit;
+        bin = (u >> shift) & 255u;
       }
       const unsigned act = __ballot_sync(0xffffffffu, in);
       if (in) {
         const int leader = __ffs(act) - 1;
         if (__all_sync(act, bin == __shfl_sync(act, bin, leader))) {  // one bin: one atomic
-          if (lane == leader) atomicAdd(&hc[bin], static_cast<unsigned>(__popc(act)));
+          if (lane == leader) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(act)));
         } else {
           const unsigned peers = __match_any_sync(act, bin);
-          if (__ffs(peers) - 1 == lane) atomicAdd(&hc[bin], static_cast<unsigned>(__popc(peers)));
+          if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
         }
       }
     }
     __syncthreads();
-    if (tid < 32)
-      radix_pick_bin(hc, lane, prefix, shift, remaining, &s_prefix, &s_remaining, &s_count);
+    if (tid < 32) radix_pick_bin(hist, lane, prefix, shift, remaining, &s_prefix, &s_remaining);
     __syncthreads();
     prefix = s_prefix;
     remaining = s_remaining;
-    const int c = static_cast<int>(s_count);
-    mask |= digit << shift;
-    if (shift == 0) {  // every bit resolved: prefix is T
-      compact_selected_one_scan(key, B, prefix, remaining, scan_sh, selected);
-      return;
-    }
-    if (c == remaining) {  // the whole pivot bin is taken: compare the resolved bits only
-      auto masked = [&](int i) { return key(i) & mask; };
-      compact_selected_one_scan(masked, B, prefix, remaining, scan_sh, selected);
-      return;
-    }
-    if (c <= 32) {
-      for (int i0 = 0; i0 < B; i0 += kQsaSelectThreads) {
-        const int i = i0 + tid;
-        if (i < B) {
-          const uint32_t u = key(i);
-          if ((u & mask) == prefix) s_cand[atomicAdd(&s_nc, 1)] = u;
-        }
-      }
-      __syncthreads();
-      if (tid < 32) resolve_bin_warp(s_cand, c, remaining, lane, &s_T, &s_rem);
-      __syncthreads();
-      compact_selected_one_scan(key, B, s_T, s_rem, scan_sh, selected);
-      return;
-    }
-    const int next = max(shift - 8, 0);
-    width = shift - next;
-    shift = next;
+    mask |= 255u << shift;
+    __syncthreads();
   }
+  compact_selected(key, B, prefix, remaining, scan_sh, selected);
 }
 
 // The chunk weights of a combine over nc chunks: sc[c] = ps[c] and wc[c] = exp(pm[c] - M) with

@@ -106,8 +106,11 @@ enum class StepLaunch : int {
   GateUpMath = 12,        ///< the bulk gate+up's tensor-core math (its loads stay: loads only)
   QsaSelect = 13,         ///< the QSA scores launch's top-k block select (the last selection stays)
   RouterSharedRows = 14,  ///< the router launch's shared-expert gate/up rows (blocks only wait)
-  RouterRows = 15,        ///< the router launch's router rows (the top-k ranks stale logits)
-  DownMath = 16,          ///< the FP32 routed down's arithmetic (its loads stay)
+  /// The router launch's router rows (the top-k ranks stale logits). Confounded: it measured
+  /// +0.49 ms/token, probably because the never-written logits all tie and the top-k takes its
+  /// slower block-wide path (cuda/bench/RESULTS.md, session 13).
+  RouterRows = 15,
+  DownMath = 16,  ///< the FP32 routed down's arithmetic (its loads stay)
 };
 
 /// Which logits CudaModel::prefill returns.

@@ -27,6 +27,7 @@ struct TokenizeOptions {
   std::string model, tokenizer_file, prompt, file, ids, input, output, system_prompt, chat_mode;
   bool chat = false, think = false, no_think = false, json_out = false, plain = false,
        bench = false;
+  bool ids_given = false;  ///< --ids was on the command line (perhaps with an empty list)
 };
 
 ChatMode default_chat_mode(const TokenizeOptions& o) {
@@ -260,12 +261,15 @@ int run_tokenize(const TokenizeOptions& o) {
   const auto tok =
       o.model.empty() ? load_tokenizer_file(o.tokenizer_file) : load_tokenizer(o.model);
   FN_LOG_DEBUG("tokenizer loaded in {:.3f} s ({} ids)", seconds_since(t0), tok->vocab_size());
+  FN_REQUIRE(!o.ids_given || (o.input.empty() && !o.bench), Usage,
+             "--ids decodes ids: it takes no -i/--input or --bench");
   if (o.bench) return run_bench(*tok, o);
   if (!o.input.empty()) return run_batch(*tok, o);
-  if (!o.ids.empty()) {
+  if (o.ids_given) {
     FN_REQUIRE(o.prompt.empty() && o.file.empty() && !o.chat, Usage,
                "--ids decodes ids: it takes no -p/-f/--chat");
     const auto ids = parse_ids(o.ids);
+    FN_REQUIRE(!ids.empty(), Usage, "--ids: no token ids given");
     for (size_t i = 0; i < ids.size(); ++i)  // a usage error, as generate --prompt-ids
       FN_REQUIRE(ids[i] < tok->vocab_size(), Usage,
                  "--ids: id {} (position {}) is outside the vocabulary [0, {})", ids[i], i,
@@ -325,10 +329,11 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
       "tokenize", "text -> token ids (or ids -> text with --ids); JSONL batches");
   sub->add_option("-m,--model", o->model, "model directory (tokenizer.json, else tokenizer.model)");
   sub->add_option("--tokenizer", o->tokenizer_file,
-                  "a tokenizer.json or SentencePiece .model file");
+                  "a tokenizer.json or SentencePiece .model file (or a directory holding one)");
   sub->add_option("-p,--prompt", o->prompt, "text to encode (default: stdin)");
   sub->add_option("-f,--file", o->file, "file whose text to encode (with --bench: English prose)");
-  sub->add_option("--ids", o->ids, "decode these ids (\"1 2 3\" or \"1,2,3\") to text");
+  CLI::Option* ids =
+      sub->add_option("--ids", o->ids, "decode these ids (\"1 2 3\" or \"1,2,3\") to text");
   sub->add_flag("--chat", o->chat, "wrap the text as a user turn of the chat template");
   sub->add_option("--system-prompt", o->system_prompt, "system turn for --chat");
   sub->add_flag("--think", o->think, "chat: thinking on (the default)");
@@ -342,8 +347,10 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
   sub->add_option("-o,--output", o->output,
                   "JSONL output for -i (default stdout): {\"ids\"} or {\"error\"}");
   sub->add_flag("--bench", o->bench, "benchmark: MB/s on -f prose, 1 MiB adversarial inputs");
-  commands.push_back(
-      {sub, [o](MpiContext& mpi) { return mpi.world_rank() == 0 ? run_tokenize(*o) : 0; }});
+  commands.push_back({sub, [o, ids](MpiContext& mpi) {
+                        o->ids_given = ids->count() > 0;
+                        return mpi.world_rank() == 0 ? run_tokenize(*o) : 0;
+                      }});
 }
 
 }  // namespace fn

@@ -42,6 +42,8 @@ def load_report(path):
         return lanes[0], lanes
     if isinstance(doc, list):  # a json array of lane records
         return (doc[0] if doc else {}), doc
+    if "lanes" not in doc and "n_prompt" in doc:  # a one-lane jsonl report
+        return doc, [doc]
     if "lanes" not in doc:
         sys.exit(f'{path}: not a fngen bench report (no "lanes")')
     return doc, doc["lanes"]

@@ -211,6 +211,15 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
       fail "plot_bench message: $(cat "$tmp/plot.err")"
   fi
 
+  # A one-lane jsonl report (one line: a JSON object) plots like a json one.
+  head -n 1 "$tmp/j.jsonl" >"$tmp/one.jsonl"
+  if $py "$plot" "$tmp/one.jsonl" -o "$tmp/png4" >"$tmp/plot.out" 2>"$tmp/plot.err" &&
+    grep -qx "$tmp/png4/tpot_vs_floor.png" "$tmp/plot.out"; then
+    pass "plot_bench: a one-lane jsonl report plots"
+  else
+    fail "plot_bench on a one-lane jsonl report: $(cat "$tmp/plot.err")"
+  fi
+
   # ---- bad input: usage errors (exit 2) naming the flag ----
   expect 2 "--format" -- bench --format xml
   # CLI11's parse errors read as the other usage errors; a flag without its value says so.

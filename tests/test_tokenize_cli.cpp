@@ -43,6 +43,9 @@ TEST_CASE("tokenize cli: text to ids and ids back to text") {
   CHECK(r.out == "Hello world");
   r = fngen("--tokenizer " + fn::test::qwen3_json_path() + " --json --ids '[9707,1879]'");
   CHECK(nlohmann::json::parse(r.out)["text"] == "Hello world");
+  r = fngen(std::string("--tokenizer ") + FN_TOKENIZER_DIR + " --ids '9707 1879'");  // a directory
+  CHECK(r.code == 0);
+  CHECK(r.out == "Hello world");
 }
 
 TEST_CASE("tokenize cli: --chat --json gives the chat ids, the rendered text and the tokens") {
@@ -103,6 +106,9 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(kModel + " --ids '1 x'").code == 2);
   CHECK(fngen(kModel + " --ids '1 999999999'").code == 2);  // outside the vocabulary, as generate
   CHECK(fngen(kModel + " --ids '151668'").code == 0);       // the last id of the vocabulary
+  CHECK(fngen(kModel + " --ids '' </dev/null").code == 2);  // no ids: not stdin encoded
+  CHECK(fngen(kModel + " --ids ' , ' </dev/null").code == 2);
+  CHECK(fngen(kModel + " --ids 9707 -i /dev/null").code == 2);      // --ids with a batch
   CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
   CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
 }

@@ -92,6 +92,7 @@ std::unique_ptr<Tokenizer> load_sentencepiece(const std::filesystem::path& file)
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer_file(const std::filesystem::path& file) {
+  if (std::filesystem::is_directory(file)) return load_tokenizer(file);  // as synth --tokenizer
   if (file.extension() == ".json") return load_tokenizer_json(file);
   return load_sentencepiece(file);
 }

@@ -70,7 +70,9 @@ std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view json, const
 /// Loads a SentencePiece tokenizer.model through libsentencepiece.
 std::unique_ptr<Tokenizer> load_sentencepiece(const std::filesystem::path& file);
 
-/// Loads a tokenizer file by kind: *.json -> BPE, anything else -> SentencePiece.
+/// Loads a tokenizer file by kind: *.json -> BPE, anything else -> SentencePiece; a directory
+/// is read as load_tokenizer does. Throws as those loaders do (fn::Error(Io) for a missing file,
+/// fn::Error(Format) for a malformed one).
 std::unique_ptr<Tokenizer> load_tokenizer_file(const std::filesystem::path& file);
 
 /// Incremental decode for generation output: feed ids one at a time, get back only complete

@@ -255,7 +255,7 @@ int run_bench(const Tokenizer& tok, const TokenizeOptions& o) {
 
 int run_tokenize(const TokenizeOptions& o) {
   FN_REQUIRE(o.model.empty() != o.tokenizer_file.empty(), Usage,
-             "give exactly one of -m/--model DIR and --tokenizer FILE");
+             "give exactly one of -m/--model DIR and --tokenizer FILE or DIR");
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
   const auto t0 = std::chrono::steady_clock::now();
   const auto tok =

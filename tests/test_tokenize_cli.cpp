@@ -108,7 +108,12 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(kModel + " --ids '151668'").code == 0);       // the last id of the vocabulary
   CHECK(fngen(kModel + " --ids '' </dev/null").code == 2);  // no ids: not stdin encoded
   CHECK(fngen(kModel + " --ids ' , ' </dev/null").code == 2);
-  CHECK(fngen(kModel + " --ids 9707 -i /dev/null").code == 2);      // --ids with a batch
+  CHECK(fngen(kModel + " --ids 9707 -i /dev/null").code == 2);  // --ids with a batch
+  // --tokenizer DIR guards its files as -m DIR does: -o inside it is refused before it is opened.
+  const std::string inside = std::string(FN_TOKENIZER_DIR) + "/never.jsonl";
+  CHECK(fngen(std::string("--tokenizer ") + FN_TOKENIZER_DIR + " -i /dev/null -o " + inside).code ==
+        2);
+  CHECK(!std::ifstream(inside).good());
   CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
   CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
 }

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -112,6 +113,40 @@ inline std::vector<uint16_t> random_bf16_bits(size_t n, float sigma, uint64_t se
   std::vector<uint16_t> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = fn::float_to_bf16(f[i]);
   return v;
+}
+
+/// Microseconds per call of `enqueue(stream)` for the GPU benches (FN_BENCH=1): per_graph calls
+/// captured into one CUDA graph on `stream`, one warm-up launch, then `replays` back-to-back
+/// launches between two events, best of 3 such timings, divided by per_graph * replays. Throws
+/// fn::Error(Cuda) on a failed CUDA call.
+template <typename Enqueue>
+double graph_us_per_call(cudaStream_t stream, int per_graph, int replays, Enqueue&& enqueue) {
+  cudaEvent_t e0, e1;
+  FN_CUDA_CHECK(cudaEventCreate(&e0));
+  FN_CUDA_CHECK(cudaEventCreate(&e1));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < per_graph; ++i) enqueue(stream);
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
+  FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    FN_CUDA_CHECK(cudaEventRecord(e0, stream));
+    for (int r = 0; r < replays; ++r) FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    FN_CUDA_CHECK(cudaEventRecord(e1, stream));
+    FN_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    best = std::min(best, 1000.0 * ms / (per_graph * replays));
+  }
+  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  FN_CUDA_CHECK(cudaEventDestroy(e0));
+  FN_CUDA_CHECK(cudaEventDestroy(e1));
+  return best;
 }
 
 }  // namespace fn::test

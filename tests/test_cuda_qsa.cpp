@@ -774,42 +774,18 @@ TEST_CASE("cuda qsa: the decode step's block select equals the radix select and 
   // Microseconds per select (one CTA alone, launch included), graphs of 50 launches, best of 3;
   // B = 2048 (t = 8191), k = 512.
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t e0, e1;
-  FN_CUDA_CHECK(cudaEventCreate(&e0));
-  FN_CUDA_CHECK(cudaEventCreate(&e1));
   for (int kind : {0, 2, 5}) {
     const std::vector<float> scores = select_scores(kind, 2048, rng);
     DeviceArray<float> d_scores(scores);
     DeviceArray<int32_t> d_sel(512);
     for (bool reference : {true, false}) {
-      constexpr int kPerGraph = 50;
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < kPerGraph; ++i)
-        fn::test::qsa_select_blocks(reference, d_scores.ptr, 2048, 512, d_sel.ptr, stream);
-      FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-      float best = 1e30f;
-      for (int rep = 0; rep < 3; ++rep) {
-        FN_CUDA_CHECK(cudaEventRecord(e0, stream));
-        FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-        FN_CUDA_CHECK(cudaEventRecord(e1, stream));
-        FN_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        best = std::min(best, ms);
-      }
+      const double us = fn::test::graph_us_per_call(stream, 50, 1, [&](cudaStream_t st) {
+        fn::test::qsa_select_blocks(reference, d_scores.ptr, 2048, 512, d_sel.ptr, st);
+      });
       std::printf("qsa select bench: kind %d %s: %.3f us per select, launch included\n", kind,
-                  reference ? "radix (reference)" : "decode step (cg)", 1000.0 * best / kPerGraph);
-      FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      FN_CUDA_CHECK(cudaGraphDestroy(graph));
+                  reference ? "radix (reference)" : "decode step (cg)", us);
     }
   }
-  FN_CUDA_CHECK(cudaEventDestroy(e0));
-  FN_CUDA_CHECK(cudaEventDestroy(e1));
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
@@ -824,38 +800,15 @@ TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes
     g.set_position(8191);
     cudaStream_t stream;
     FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    FN_CUDA_CHECK(cudaEventCreate(&e0));
-    FN_CUDA_CHECK(cudaEventCreate(&e1));
-    // Microseconds per launch_qsa_decode (or per enqueued subset, launch_mask) over graphs of
-    // kPerGraph back-to-back calls, replayed kReplays times; best of 3 timings.
+    // Microseconds per launch_qsa_decode (or per enqueued subset, launch_mask) over graphs of 20
+    // back-to-back calls, replayed 25 times; best of 3 timings.
     auto time_us = [&](bool five, unsigned mask, int split = 0) {
-      constexpr int kPerGraph = 20, kReplays = 25;
       fn::QsaDecodeParams p = g.p;
       p.five_launch_path = five;
       p.launch_mask = mask;
       p.attn_head_split = split;
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      for (int i = 0; i < kPerGraph; ++i) fn::launch_qsa_decode(p, stream);
-      FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up
-      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-      double best = 1e30;
-      for (int rep = 0; rep < 3; ++rep) {
-        FN_CUDA_CHECK(cudaEventRecord(e0, stream));
-        for (int r = 0; r < kReplays; ++r) FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-        FN_CUDA_CHECK(cudaEventRecord(e1, stream));
-        FN_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0;
-        FN_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        best = std::min(best, 1000.0 * ms / (kPerGraph * kReplays));
-      }
-      FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      FN_CUDA_CHECK(cudaGraphDestroy(graph));
-      return best;
+      return fn::test::graph_us_per_call(stream, 20, 25,
+                                         [&](cudaStream_t st) { fn::launch_qsa_decode(p, st); });
     };
     struct Path {
       bool five;
@@ -892,8 +845,6 @@ TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes
     }
     // The per-kernel runs reuse the last full step's inputs: every output stays equal.
     for (size_t i = 1; i < outs.size(); ++i) CHECK(outs[0] == outs[i]);
-    FN_CUDA_CHECK(cudaEventDestroy(e0));
-    FN_CUDA_CHECK(cudaEventDestroy(e1));
     FN_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

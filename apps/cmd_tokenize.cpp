@@ -14,6 +14,7 @@
 #include "apps/command.h"
 #include "comm/mpi_context.h"
 #include "core/error.h"
+#include "core/eval.h"
 #include "core/log.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
@@ -72,34 +73,6 @@ std::vector<ChatMessage> prompt_messages(const TokenizeOptions& o, const std::st
   if (!o.system_prompt.empty()) m.push_back({"system", o.system_prompt, std::nullopt});
   m.push_back({"user", text, std::nullopt});
   return m;
-}
-
-std::vector<int32_t> parse_ids(const std::string& s) {
-  std::vector<int32_t> ids;
-  std::string cur;
-  auto flush = [&] {
-    if (cur.empty()) return;
-    size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(cur, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    FN_REQUIRE(used == cur.size() && v >= 0 && v <= INT32_MAX, Usage,
-               "--ids: '{}' is not a token id", cur);
-    ids.push_back(static_cast<int32_t>(v));
-    cur.clear();
-  };
-  for (char c : s) {
-    if (c == ',' || c == ' ' || c == '\n' || c == '\t' || c == '[' || c == ']') {
-      flush();
-    } else {
-      cur += c;
-    }
-  }
-  flush();
-  return ids;
 }
 
 std::string ids_line(const std::vector<int32_t>& ids) {
@@ -259,23 +232,27 @@ int run_tokenize(const TokenizeOptions& o) {
   FN_REQUIRE(o.model.empty() != o.tokenizer_file.empty(), Usage,
              "give exactly one of -m/--model DIR and --tokenizer FILE or DIR");
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+  if (o.ids_given) {
+    FN_REQUIRE(o.input.empty() && !o.bench, Usage,
+               "--ids decodes ids: it takes no -i/--input or --bench");
+    FN_REQUIRE(o.prompt.empty() && o.file.empty() && !o.chat, Usage,
+               "--ids decodes ids: it takes no -p/-f/--chat");
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const auto tok =
       o.model.empty() ? load_tokenizer_file(o.tokenizer_file) : load_tokenizer(o.model);
   FN_LOG_DEBUG("tokenizer loaded in {:.3f} s ({} ids)", seconds_since(t0), tok->vocab_size());
-  FN_REQUIRE(!o.ids_given || (o.input.empty() && !o.bench), Usage,
-             "--ids decodes ids: it takes no -i/--input or --bench");
   if (o.bench) return run_bench(*tok, o);
   if (!o.input.empty()) return run_batch(*tok, o);
   if (o.ids_given) {
-    FN_REQUIRE(o.prompt.empty() && o.file.empty() && !o.chat, Usage,
-               "--ids decodes ids: it takes no -p/-f/--chat");
-    const auto ids = parse_ids(o.ids);
+    // parse_token_ids (as generate --prompt-ids), after one enclosing [ ] (a JSON array) is
+    // dropped.
+    std::string_view list = o.ids;
+    const size_t first = list.find_first_not_of(" \t\r\n"), last = list.find_last_not_of(" \t\r\n");
+    if (first != std::string_view::npos && list[first] == '[' && last > first && list[last] == ']')
+      list = list.substr(first + 1, last - first - 1);
+    const auto ids = parse_token_ids(list, tok->vocab_size(), "--ids");
     FN_REQUIRE(!ids.empty(), Usage, "--ids: no token ids given");
-    for (size_t i = 0; i < ids.size(); ++i)  // a usage error, as generate --prompt-ids
-      FN_REQUIRE(ids[i] < tok->vocab_size(), Usage,
-                 "--ids: id {} (position {}) is outside the vocabulary [0, {})", ids[i], i,
-                 tok->vocab_size());
     const std::string text = tok->decode(ids);
     write_stdout(o.json_out
                      ? json{{"text", text}}.dump(-1, ' ', false, json::error_handler_t::replace) +
@@ -334,8 +311,8 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
                   "a tokenizer.json or SentencePiece .model file (or a directory holding one)");
   sub->add_option("-p,--prompt", o->prompt, "text to encode (default: stdin)");
   sub->add_option("-f,--file", o->file, "file whose text to encode (with --bench: English prose)");
-  CLI::Option* ids =
-      sub->add_option("--ids", o->ids, "decode these ids (\"1 2 3\" or \"1,2,3\") to text");
+  CLI::Option* ids = sub->add_option(
+      "--ids", o->ids, "decode these ids (\"1 2 3\", \"1,2,3\" or \"[1,2,3]\") to text");
   sub->add_flag("--chat", o->chat, "wrap the text as a user turn of the chat template");
   sub->add_option("--system-prompt", o->system_prompt, "system turn for --chat");
   sub->add_flag("--think", o->think, "chat: thinking on (the default)");

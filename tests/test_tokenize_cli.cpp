@@ -106,6 +106,8 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(kModel + " --ids '1 x'").code == 2);
   CHECK(fngen(kModel + " --ids '1 999999999'").code == 2);  // outside the vocabulary, as generate
   CHECK(fngen(kModel + " --ids '151668'").code == 0);       // the last id of the vocabulary
+  CHECK(fngen(kModel + " --ids '1,,2'").code == 2);         // parse_token_ids' rules, as generate
+  CHECK(fngen(kModel + " --ids '+5'").code == 2);
   CHECK(fngen(kModel + " --ids '' </dev/null").code == 2);  // no ids: not stdin encoded
   CHECK(fngen(kModel + " --ids ' , ' </dev/null").code == 2);
   CHECK(fngen(kModel + " --ids 9707 -i /dev/null").code == 2);  // --ids with a batch

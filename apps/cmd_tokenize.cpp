@@ -89,8 +89,11 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
   require_not_input(o.output, "-o/--output", o.input, "-i/--input");
   require_not_input(o.output, "-o/--output", o.tokenizer_file, "--tokenizer");
   if (!o.model.empty()) require_outside_model(o.output, o.model, "-o/--output");
-  if (std::filesystem::is_directory(o.tokenizer_file))  // --tokenizer DIR: as -m DIR
-    require_outside_model(o.output, o.tokenizer_file, "-o/--output");
+  if (!o.tokenizer_file.empty()) {  // --tokenizer DIR, or FILE's directory: guarded as -m DIR
+    const std::filesystem::path t = o.tokenizer_file;
+    const std::filesystem::path dir = std::filesystem::is_directory(t) ? t : t.parent_path();
+    require_outside_model(o.output, dir.empty() ? "." : dir.string(), "-o/--output");
+  }
   std::ifstream in(o.input, std::ios::binary);
   FN_REQUIRE(in.good(), Io, "cannot open -i/--input {}", o.input);
   std::ofstream file_out;

@@ -116,6 +116,9 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(std::string("--tokenizer ") + FN_TOKENIZER_DIR + " -i /dev/null -o " + inside).code ==
         2);
   CHECK(!std::ifstream(inside).good());
+  CHECK(fngen("--tokenizer " + fn::test::qwen3_json_path() + " -i /dev/null -o " + inside).code ==
+        2);  // --tokenizer FILE: its directory likewise
+  CHECK(!std::ifstream(inside).good());
   CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
   CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
 }

@@ -12,7 +12,6 @@
 
 #include "apps/app_util.h"
 #include "apps/command.h"
-#include "comm/mpi_context.h"
 #include "core/error.h"
 #include "core/eval.h"
 #include "core/log.h"
@@ -241,6 +240,8 @@ int run_tokenize(const TokenizeOptions& o) {
     FN_REQUIRE(o.prompt.empty() && o.file.empty() && !o.chat, Usage,
                "--ids decodes ids: it takes no -p/-f/--chat");
   }
+  FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
+             "-o/--output is where the -i/--input batch goes; other results go to standard output");
   const auto t0 = std::chrono::steady_clock::now();
   const auto tok =
       o.model.empty() ? load_tokenizer_file(o.tokenizer_file) : load_tokenizer(o.model);
@@ -329,10 +330,14 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
   sub->add_option("-o,--output", o->output,
                   "JSONL output for -i (default stdout): {\"ids\"} or {\"error\"}");
   sub->add_flag("--bench", o->bench, "benchmark: MB/s on -f prose, 1 MiB adversarial inputs");
-  commands.push_back({sub, [o, ids](MpiContext& mpi) {
-                        o->ids_given = ids->count() > 0;
-                        return mpi.world_rank() == 0 ? run_tokenize(*o) : 0;
-                      }});
+  // Tokenizing needs no other rank: it runs without MPI_Init (under mpirun, on rank 0 only).
+  Command c;
+  c.app = sub;
+  c.run_alone = [o, ids] {
+    o->ids_given = ids->count() > 0;
+    return run_tokenize(*o);
+  };
+  commands.push_back(std::move(c));
 }
 
 }  // namespace fn

@@ -12,10 +12,15 @@ namespace fn {
 
 class MpiContext;
 
-/// One subcommand: its CLI11 node and what runs when it is chosen. run returns the exit code.
+/// One subcommand: its CLI11 node and what runs when it is chosen; each returns the exit code.
+/// Exactly one of run and run_alone is set.
 struct Command {
   CLI::App* app = nullptr;
+  /// Runs on every rank after MPI_Init (single-rank work checks world_rank() itself).
   std::function<int(MpiContext&)> run;
+  /// A single-process tool: runs without MPI on launcher rank 0 (OMPI_COMM_WORLD_RANK etc.);
+  /// the other ranks of an mpirun job return 0 at once. Its errors exit without MPI_Abort.
+  std::function<int()> run_alone{};
 };
 
 using CommandList = std::vector<Command>;

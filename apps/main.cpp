@@ -130,9 +130,15 @@ int main(int argc, char** argv) {
   try {
     fn::set_log_level(fn::parse_log_level(log_level));
     fn::set_log_all_ranks(log_all_ranks);
-    mpi = std::make_unique<fn::MpiContext>(&argc, &argv);
-    for (auto& cmd : commands) {
-      if (cmd.app->parsed()) code = cmd.run(*mpi);
+    const fn::Command* chosen = nullptr;
+    for (const auto& cmd : commands) {
+      if (cmd.app->parsed()) chosen = &cmd;
+    }
+    if (chosen->run_alone) {
+      code = launcher_rank() == 0 ? chosen->run_alone() : 0;
+    } else {
+      mpi = std::make_unique<fn::MpiContext>(&argc, &argv);
+      code = chosen->run(*mpi);
     }
     // Results that did not reach stdout (a full disk, `> /dev/full`) are a failed run.
     fn::check_stdout();

@@ -17,8 +17,10 @@ struct Run {
   std::string out;
 };
 
-Run fngen(const std::string& args) {
-  const std::string cmd = std::string(FN_BINARY_DIR) + "/fngen tokenize " + args + " 2>/dev/null";
+// `fngen tokenize ARGS` with stderr dropped; env: VAR=value assignments put before it.
+Run fngen(const std::string& args, const std::string& env = "") {
+  const std::string cmd =
+      env + " " + std::string(FN_BINARY_DIR) + "/fngen tokenize " + args + " 2>/dev/null";
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   std::string out;
@@ -46,6 +48,14 @@ TEST_CASE("tokenize cli: text to ids and ids back to text") {
   r = fngen(std::string("--tokenizer ") + FN_TOKENIZER_DIR + " --ids '9707 1879'");  // a directory
   CHECK(r.code == 0);
   CHECK(r.out == "Hello world");
+  // Under mpirun only rank 0 tokenizes (without MPI); the other ranks print nothing, even for
+  // input that rank 0 refuses.
+  r = fngen(kModel + " -p 'Hello world'", "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2");
+  CHECK(r.code == 0);
+  CHECK(r.out == "9707 1879\n");
+  r = fngen("-m /nonexistent -p x", "OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2");
+  CHECK(r.code == 0);
+  CHECK(r.out.empty());
 }
 
 TEST_CASE("tokenize cli: --chat --json gives the chat ids, the rendered text and the tokens") {
@@ -111,6 +121,9 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(kModel + " --ids '' </dev/null").code == 2);  // no ids: not stdin encoded
   CHECK(fngen(kModel + " --ids ' , ' </dev/null").code == 2);
   CHECK(fngen(kModel + " --ids 9707 -i /dev/null").code == 2);  // --ids with a batch
+  const std::string unused = std::string(FN_BINARY_DIR) + "/test_tokenize_cli_unused.jsonl";
+  CHECK(fngen(kModel + " -p x -o " + unused).code == 2);  // -o without -i: not silently ignored
+  CHECK(!std::ifstream(unused).good());
   // --tokenizer DIR guards its files as -m DIR does: -o inside it is refused before it is opened.
   const std::string inside = std::string(FN_TOKENIZER_DIR) + "/never.jsonl";
   CHECK(fngen(std::string("--tokenizer ") + FN_TOKENIZER_DIR + " -i /dev/null -o " + inside).code ==

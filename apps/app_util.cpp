@@ -10,6 +10,7 @@
 #include <iostream>
 #include <sstream>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -113,6 +114,17 @@ void require_outside_model(const std::string& path, const std::string& model_dir
                "elsewhere (it would replace the checkpoint's own file)",
                flag, path, it->path().filename().string(), model_dir);
   }
+}
+
+void require_chat_prompt(const ChatFlagsGiven& given, bool chat_prompt) {
+  for (const auto& [on, flag] :
+       {std::pair{given.system_prompt, "--system-prompt"}, std::pair{given.think, "--think"},
+        std::pair{given.no_think, "--no-think"},
+        std::pair{given.chat_template, given.chat_template_flag}})
+    FN_REQUIRE(!on || chat_prompt, Usage,
+               "{} applies to chat prompts: add --chat (or give JSONL records with \"messages\" "
+               "through -i/--input)",
+               flag);
 }
 
 void require_not_input(const std::string& out, const char* out_flag, const std::string& in,

@@ -46,6 +46,17 @@ bool same_file(const std::string& a, const std::string& b);
 /// shard). Throws fn::Error(Usage) naming both. An empty `path` passes.
 void require_outside_model(const std::string& path, const std::string& model_dir, const char* flag);
 
+/// The chat options a command was given, to refuse those that would do nothing.
+struct ChatFlagsGiven {
+  bool system_prompt = false, think = false, no_think = false, chat_template = false;
+  const char* chat_template_flag = "--chat-template";  ///< its name in this command
+};
+
+/// Refuses chat options without a chat prompt: --system-prompt, --think, --no-think and the
+/// template flag apply only with --chat or to a -i batch (whose "messages" records are chats);
+/// `chat_prompt` says whether either is given. Throws fn::Error(Usage) naming the first flag.
+void require_chat_prompt(const ChatFlagsGiven& given, bool chat_prompt);
+
 /// Refuses an output file (`out_flag` OUT) that is the input file (`in_flag` IN) under another
 /// name (same_file): writing the results would destroy the input before it is read. Throws
 /// fn::Error(Usage) naming both. Empty paths pass.

@@ -155,30 +155,7 @@ std::vector<int32_t> record_ids(const json& rec, const TextSide& ts, bool chat, 
                rec["prompt"].type_name());
     return ts.encode_text(rec["prompt"].get<std::string>(), chat, "\"prompt\"");
   }
-  const json& m = rec["messages"];
-  FN_REQUIRE(m.is_array(), Format,
-             "\"messages\" must be a list of {{\"role\", \"content\"}} objects, got {}",
-             m.type_name());
-  std::vector<ChatMessage> msgs;
-  for (std::size_t i = 0; i < m.size(); ++i) {
-    FN_REQUIRE(m[i].is_object(), Format, "\"messages\"[{}] must be an object, got {}", i,
-               m[i].type_name());
-    FN_REQUIRE(m[i].contains("role") && m[i]["role"].is_string(), Format,
-               "\"messages\"[{}].role must be a string", i);
-    const std::string role = m[i]["role"].get<std::string>();
-    FN_REQUIRE(role == "system" || role == "user" || role == "assistant" || role == "tool", Format,
-               "\"messages\"[{}].role \"{}\" is not one of system, user, assistant, tool", i, role);
-    FN_REQUIRE(m[i].contains("content") && m[i]["content"].is_string(), Format,
-               "\"messages\"[{}].content must be a string", i);
-    ChatMessage msg{role, m[i]["content"].get<std::string>(), std::nullopt};
-    if (m[i].contains("reasoning_content")) {
-      FN_REQUIRE(m[i]["reasoning_content"].is_string(), Format,
-                 "\"messages\"[{}].reasoning_content must be a string", i);
-      msg.reasoning_content = m[i]["reasoning_content"].get<std::string>();
-    }
-    msgs.push_back(std::move(msg));
-  }
-  FN_REQUIRE(!msgs.empty(), Format, "\"messages\" is empty");
+  std::vector<ChatMessage> msgs = chat_messages_from_json(rec["messages"]);
   ts.require_tokenizer("\"messages\"");
   if (!ts.system_prompt.empty() && msgs.front().role != "system") {
     msgs.insert(msgs.begin(), ChatMessage{"system", ts.system_prompt, std::nullopt});
@@ -324,16 +301,11 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
              "(drop --chat, or give the text with -p/--prompt)");
   for (const std::string& stop : o.stop)
     FN_REQUIRE(!stop.empty(), Usage, "--stop: an empty stop string would stop at once");
-  FN_REQUIRE(o.system_prompt.empty() || o.chat || !o.input.empty(), Usage,
-             "--system-prompt applies to chat prompts: add --chat (or give JSONL records with "
-             "\"messages\" through -i/--input)");
-  for (const auto& [given, flag] :
-       {std::pair{o.think, "--think"}, std::pair{o.no_think, "--no-think"},
-        std::pair{!o.chat_template.empty(), "--chat-template"}})
-    FN_REQUIRE(!given || o.chat || !o.input.empty(), Usage,
-               "{} applies to chat prompts: add --chat (or give JSONL records with \"messages\" "
-               "through -i/--input)",
-               flag);
+  require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
+                       .think = o.think,
+                       .no_think = o.no_think,
+                       .chat_template = !o.chat_template.empty()},
+                      o.chat || !o.input.empty());
 
   require_model_dir(o.model);
   if (root) {

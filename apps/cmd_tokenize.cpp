@@ -52,21 +52,6 @@ ChatOptions chat_options(const TokenizeOptions& o) {
   return c;
 }
 
-std::vector<ChatMessage> messages_from_json(const json& arr) {
-  FN_REQUIRE(arr.is_array(), Format, "\"messages\" is not an array");
-  std::vector<ChatMessage> out;
-  for (const auto& m : arr) {
-    FN_REQUIRE(m.is_object() && m.contains("role") && m.contains("content") &&
-                   m["role"].is_string() && m["content"].is_string(),
-               Format, "a message lacks string \"role\" and \"content\"");
-    ChatMessage msg{m["role"].get<std::string>(), m["content"].get<std::string>(), std::nullopt};
-    if (m.contains("reasoning_content") && m["reasoning_content"].is_string())
-      msg.reasoning_content = m["reasoning_content"].get<std::string>();
-    out.push_back(std::move(msg));
-  }
-  return out;
-}
-
 std::vector<ChatMessage> prompt_messages(const TokenizeOptions& o, const std::string& text) {
   std::vector<ChatMessage> m;
   if (!o.system_prompt.empty()) m.push_back({"system", o.system_prompt, std::nullopt});
@@ -113,7 +98,10 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
       FN_REQUIRE(j.is_object(), Format, "the record is not a JSON object");
       std::vector<int32_t> ids;
       if (j.contains("messages")) {
-        ids = encode_chat(tok, messages_from_json(j["messages"]), copt);
+        auto msgs = chat_messages_from_json(j["messages"]);
+        if (!o.system_prompt.empty() && msgs.front().role != "system")  // as generate -i
+          msgs.insert(msgs.begin(), ChatMessage{"system", o.system_prompt, std::nullopt});
+        ids = encode_chat(tok, msgs, copt);
       } else {
         FN_REQUIRE(j.contains("text") && j["text"].is_string(), Format,
                    "the record has no string \"text\"");
@@ -241,7 +229,13 @@ int run_tokenize(const TokenizeOptions& o) {
                "--ids decodes ids: it takes no -p/-f/--chat");
   }
   FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
-             "-o/--output is where the -i/--input batch goes; other results go to standard output");
+             "-o/--output needs -i/--input (batch mode)");
+  require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
+                       .think = o.think,
+                       .no_think = o.no_think,
+                       .chat_template = !o.chat_mode.empty(),
+                       .chat_template_flag = "--chat-mode"},
+                      o.chat || !o.input.empty());
   const auto t0 = std::chrono::steady_clock::now();
   const auto tok =
       o.model.empty() ? load_tokenizer_file(o.tokenizer_file) : load_tokenizer(o.model);

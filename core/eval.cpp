@@ -62,8 +62,12 @@ std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
     const std::string_view item = text.substr(i, j - i);
     int64_t v = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
-    FN_REQUIRE(ec == std::errc() && end == item.data() + item.size(), Usage,
-               "{}: item {} \"{}\" is not an integer", what, ids.size(), item);
+    const bool whole = end == item.data() + item.size();
+    FN_REQUIRE(!(whole && ec == std::errc::result_out_of_range), Usage,
+               "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size(), item,
+               vocab_size);
+    FN_REQUIRE(whole && ec == std::errc(), Usage, "{}: item {} \"{}\" is not an integer", what,
+               ids.size(), item);
     FN_REQUIRE(v >= 0 && v < vocab_size, Usage,
                "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size(), v,
                vocab_size);

@@ -138,6 +138,32 @@ TEST_CASE("chat: an unknown role and an unknown chat mode are usage errors namin
   CHECK(fn::parse_chat_mode("qwen3.8") == fn::ChatMode::Qwen38);
 }
 
+TEST_CASE("chat: chat_messages_from_json reads OpenAI-style messages and names a bad element") {
+  using nlohmann::json;
+  const auto msgs = fn::chat_messages_from_json(json::parse(
+      R"([{"role": "user", "content": "hi"},
+          {"role": "assistant", "content": "yes", "reasoning_content": "think"}])"));
+  REQUIRE(msgs.size() == 2);
+  CHECK(msgs[0].role == "user");
+  CHECK(msgs[0].content == "hi");
+  CHECK(!msgs[0].reasoning_content.has_value());
+  CHECK(msgs[1].reasoning_content == std::optional<std::string>("think"));
+  const std::pair<const char*, const char*> bad[] = {
+      {R"({"role": "user"})", "\"messages\" must be a list"},
+      {"[]", "\"messages\" is empty"},
+      {R"([{"role": "user", "content": "a"}, 3])", "\"messages\"[1] must be an object, got number"},
+      {R"([{"content": "a"}])", "\"messages\"[0].role must be a string"},
+      {R"([{"role": "robot", "content": "a"}])", "\"messages\"[0].role \"robot\" is not one of"},
+      {R"([{"role": "user", "content": 5}])", "\"messages\"[0].content must be a string"},
+      {R"([{"role": "user", "content": "a", "reasoning_content": null}])",
+       "\"messages\"[0].reasoning_content must be a string"}};
+  for (const auto& [text, message] : bad) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH_AS(fn::chat_messages_from_json(json::parse(text)), doctest::Contains(message),
+                         fn::Error);
+  }
+}
+
 TEST_CASE("chat: split_reasoning cuts generated text at the first </think>") {
   auto r = fn::split_reasoning("<think>\nstep 1\nstep 2\n</think>\n\nThe answer is 4.");
   CHECK(r.has_reasoning);

@@ -156,6 +156,13 @@ TEST_CASE("eval: parse_token_ids accepts commas, spaces and newlines and rejects
           fn::parse_token_ids("1 10", 10, "--ids-file f");
         }).find("--ids-file f: item 1 = 10 is outside the vocabulary [0, 10)") !=
         std::string::npos);
+  // Past int64: still a number, so "outside the vocabulary"; trailing junk: not an integer.
+  CHECK(message_of([] {
+          fn::parse_token_ids("1 99999999999999999999", 10, "x");
+        }).find("x: item 1 = 99999999999999999999 is outside the vocabulary") != std::string::npos);
+  CHECK(message_of([] {
+          fn::parse_token_ids("99999999999999999999x", 10, "x");
+        }).find("x: item 0 \"99999999999999999999x\" is not an integer") != std::string::npos);
   // An empty item between commas, or a comma at either end, is a mistake, not a separator.
   CHECK(fn::parse_token_ids("1 , 2 ,3", 10, "x") == std::vector<int32_t>{1, 2, 3});
   for (const char* bad : {"1,,2", ",1,2", "1,2,", ",", "1, ,2"}) {

@@ -107,7 +107,8 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   o.mode = fn::ChatMode::Qwen3;
   const std::vector<fn::ChatMessage> msgs = {{"user", "x", std::nullopt}};
   CHECK(recs[5]["ids"].get<std::vector<int32_t>>() == fn::encode_chat(fn::test::qwen3(), msgs, o));
-  CHECK(recs[6]["error"].get<std::string>().find("role 'robot'") != std::string::npos);
+  CHECK(recs[6]["error"] ==
+        "line 7: \"messages\"[0].role \"robot\" is not one of system, user, assistant, tool");
 }
 
 TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
@@ -134,4 +135,8 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(!std::ifstream(inside).good());
   CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
   CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
+  // Chat options without a chat prompt would do nothing: refused, as in generate.
+  CHECK(fngen(kModel + " -p x --system-prompt S").code == 2);
+  CHECK(fngen(kModel + " -p x --no-think").code == 2);
+  CHECK(fngen(kModel + " -p x --chat-mode qwen3").code == 2);
 }

@@ -28,9 +28,12 @@ using nlohmann::json;
 constexpr const char* kGpt2Regex =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
+// Transparent (lookups by string_view). Deliberately not noexcept: libstdc++ then stores each
+// node's hash code, and a lookup no longer rehashes the strings of its bucket's chain (which
+// was a quarter of a tokenizer.json load).
 struct StringHash {
   using is_transparent = void;
-  size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
 };
 template <class V>
 using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>>;
@@ -330,6 +333,8 @@ class BpeTokenizer final : public Tokenizer {
     }
     ignore_merges_ = m.value("ignore_merges", false);
     byte_fallback_ = m.value("byte_fallback", false);
+    vocab_.reserve(m["vocab"].size());
+    bytes_to_id_.reserve(m["vocab"].size());
     for (const auto& [tok, idj] : m["vocab"].items()) {
       FN_REQUIRE(idj.is_number_integer(), Format, "{}: model.vocab['{}'] is not an integer", name_,
                  tok);

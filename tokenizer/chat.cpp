@@ -2,6 +2,8 @@
 // it), and the Qwen3.8 variant of MODEL.md A.5.
 #include "tokenizer/chat.h"
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 
 namespace fn {
@@ -192,6 +194,33 @@ std::vector<ChatSegment> render_qwen38(std::span<const ChatMessage> messages,
 }
 
 }  // namespace
+
+std::vector<ChatMessage> chat_messages_from_json(const nlohmann::json& m) {
+  FN_REQUIRE(m.is_array(), Format,
+             "\"messages\" must be a list of {{\"role\", \"content\"}} objects, got {}",
+             m.type_name());
+  std::vector<ChatMessage> msgs;
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    FN_REQUIRE(m[i].is_object(), Format, "\"messages\"[{}] must be an object, got {}", i,
+               m[i].type_name());
+    FN_REQUIRE(m[i].contains("role") && m[i]["role"].is_string(), Format,
+               "\"messages\"[{}].role must be a string", i);
+    const std::string role = m[i]["role"].get<std::string>();
+    FN_REQUIRE(role == "system" || role == "user" || role == "assistant" || role == "tool", Format,
+               "\"messages\"[{}].role \"{}\" is not one of system, user, assistant, tool", i, role);
+    FN_REQUIRE(m[i].contains("content") && m[i]["content"].is_string(), Format,
+               "\"messages\"[{}].content must be a string", i);
+    ChatMessage msg{role, m[i]["content"].get<std::string>(), std::nullopt};
+    if (m[i].contains("reasoning_content")) {
+      FN_REQUIRE(m[i]["reasoning_content"].is_string(), Format,
+                 "\"messages\"[{}].reasoning_content must be a string", i);
+      msg.reasoning_content = m[i]["reasoning_content"].get<std::string>();
+    }
+    msgs.push_back(std::move(msg));
+  }
+  FN_REQUIRE(!msgs.empty(), Format, "\"messages\" is empty");
+  return msgs;
+}
 
 ChatMode parse_chat_mode(std::string_view name) {
   if (name == "qwen3") return ChatMode::Qwen3;

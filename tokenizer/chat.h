@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -21,6 +22,12 @@ struct ChatMessage {
   std::string content;
   std::optional<std::string> reasoning_content;  ///< assistant thinking; nullopt = not given
 };
+
+/// The "messages" of an OpenAI-style chat request (a JSONL record of fngen generate -i or
+/// tokenize -i): a non-empty JSON array of {"role", "content", "reasoning_content"?} objects with
+/// string fields and role system|user|assistant|tool. Throws fn::Error(Format) naming the first
+/// bad element, e.g. "\"messages\"[2].role must be a string".
+std::vector<ChatMessage> chat_messages_from_json(const nlohmann::json& messages);
 
 enum class ChatMode {
   Qwen3,   ///< the Qwen3 tokenizer_config.json template, exactly

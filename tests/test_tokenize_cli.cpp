@@ -92,7 +92,8 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
       << R"({"messages": [{"role": "robot", "content": "x"}]})"
       << "\n";
   }
-  const auto r = fngen(kModel + " --chat-mode qwen3 -i " + in + " -o " + out);
+  // --system-prompt goes before the messages of a record (as in generate -i), not into "text".
+  const auto r = fngen(kModel + " --chat-mode qwen3 --system-prompt S -i " + in + " -o " + out);
   CHECK(r.code == 0);
   std::ifstream f(out);
   std::vector<nlohmann::json> recs;
@@ -105,7 +106,8 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   CHECK(recs[4]["ids"] == std::vector<int32_t>{151645});
   fn::ChatOptions o;
   o.mode = fn::ChatMode::Qwen3;
-  const std::vector<fn::ChatMessage> msgs = {{"user", "x", std::nullopt}};
+  const std::vector<fn::ChatMessage> msgs = {{"system", "S", std::nullopt},
+                                             {"user", "x", std::nullopt}};
   CHECK(recs[5]["ids"].get<std::vector<int32_t>>() == fn::encode_chat(fn::test::qwen3(), msgs, o));
   CHECK(recs[6]["error"] ==
         "line 7: \"messages\"[0].role \"robot\" is not one of system, user, assistant, tool");

@@ -146,8 +146,11 @@ TEST_CASE("sentencepiece: invalid UTF-8, unknown ids and a corrupt model file ar
                        doctest::Contains("token id 400 is not in the vocabulary"), fn::Error);
   const fs::path bad = model_dir() / "corrupt.model";
   std::ofstream(bad) << "this is not a protobuf";
-  CHECK_THROWS_WITH_AS(fn::load_sentencepiece(bad), doctest::Contains("not a SentencePiece model"),
-                       fn::Error);
+  // Said plainly, without SentencePiece's internal "ParseFromArray" source-line message.
+  const std::string plain = bad.string() +
+                            ": not a SentencePiece model (a tokenizer file is a Hugging Face "
+                            "tokenizer.json, named *.json, or a SentencePiece tokenizer.model)";
+  CHECK_THROWS_WITH_AS(fn::load_sentencepiece(bad), plain.c_str(), fn::Error);
   CHECK_THROWS_WITH_AS(fn::load_sentencepiece(model_dir() / "missing.model"),
                        doctest::Contains("cannot open"), fn::Error);
 }

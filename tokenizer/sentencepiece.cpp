@@ -16,7 +16,15 @@ class SentencePieceTokenizer final : public Tokenizer {
   explicit SentencePieceTokenizer(const std::filesystem::path& file) : name_(file.string()) {
     FN_REQUIRE(std::filesystem::exists(file), Io, "cannot open tokenizer file {}", name_);
     const auto status = sp_.Load(name_);
-    FN_REQUIRE(status.ok(), Format, "{}: not a SentencePiece model: {}", name_, status.ToString());
+    // A file that is no ModelProto at all fails in protobuf's parser, which SentencePiece reports
+    // as an internal error with its own source line: say what the file is not, instead.
+    const bool unparsed = status.code() == sentencepiece::util::StatusCode::kInternal &&
+                          std::string(status.message()).find("ParseFromArray") != std::string::npos;
+    FN_REQUIRE(
+        status.ok(), Format,
+        "{}: not a SentencePiece model{} (a tokenizer file is a Hugging Face tokenizer.json, "
+        "named *.json, or a SentencePiece tokenizer.model)",
+        name_, unparsed ? "" : ": " + status.ToString());
   }
 
   std::vector<int32_t> encode(std::string_view text, EncodeMode) const override {

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 
@@ -201,7 +202,9 @@ void validate(const Fields& f, ModelConfig& c) {
   auto positive = [&](std::string_view field, int64_t v) {
     FN_CONFIG_RULE(v > 0, f, field, "> 0", v);
   };
-  positive("vocab_size", c.vocab_size);
+  // Token ids are int32 everywhere (prompts, sampler, kernels).
+  FN_CONFIG_RULE(c.vocab_size > 0 && c.vocab_size <= std::numeric_limits<int32_t>::max(), f,
+                 "vocab_size", "in [1, 2^31 - 1] (token ids are 32-bit)", c.vocab_size);
   positive("hidden_size", c.hidden_size);
   positive("num_hidden_layers", c.num_hidden_layers);
   positive("num_attention_heads", c.num_attention_heads);

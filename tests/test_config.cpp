@@ -254,6 +254,10 @@ TEST_CASE("config: every invalid config is rejected with a message naming the fi
     t["num_experts_per_tok"] = 513;
     want = "text_config.num_experts_per_tok must be in [1, num_experts = 512], got 513";
   }
+  SUBCASE("vocab_size past 32-bit token ids") {
+    t["vocab_size"] = int64_t{1} << 31;
+    want = "text_config.vocab_size must be in [1, 2^31 - 1] (token ids are 32-bit), got 2147483648";
+  }
   SUBCASE("intermediate size zero") {
     t["moe_intermediate_size"] = 0;
     want = "text_config.moe_intermediate_size must be > 0, got 0";

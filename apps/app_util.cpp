@@ -90,8 +90,8 @@ bool same_file(const std::string& a, const std::string& b) {
   return !ec && eq;
 }
 
-void require_outside_model(const std::string& path, const std::string& model_dir,
-                           const char* flag) {
+void require_outside_model(const std::string& path, const std::string& model_dir, const char* flag,
+                           const char* what) {
   if (path.empty()) return;
   std::error_code ec;
   const fs::path dir = fs::weakly_canonical(fs::absolute(model_dir, ec), ec);
@@ -101,18 +101,17 @@ void require_outside_model(const std::string& path, const std::string& model_dir
                               ? std::string()
                               : fmt::format(" (it resolves to {})", target.string());
   FN_REQUIRE(!is_within(target, dir), Usage,
-             "{} {}: inside the model directory {}{}; write it elsewhere (it could replace the "
-             "checkpoint's own files)",
-             flag, path, model_dir, via);
+             "{} {}: inside the {} {}{}; write it elsewhere (it could replace its own files)", flag,
+             path, what, model_dir, via);
   // A hard link of a checkpoint file: another name of the same bytes.
   if (!fs::exists(target, ec)) return;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code eq_ec;
     const bool eq = fs::equivalent(it->path(), target, eq_ec);
     FN_REQUIRE(eq_ec || !eq, Usage,
-               "{} {}: the same file as {} in the model directory {} (a hard link); write it "
-               "elsewhere (it would replace the checkpoint's own file)",
-               flag, path, it->path().filename().string(), model_dir);
+               "{} {}: the same file as {} in the {} {} (a hard link); write it elsewhere (it "
+               "would replace that file)",
+               flag, path, it->path().filename().string(), what, model_dir);
   }
 }
 

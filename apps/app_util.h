@@ -43,8 +43,10 @@ bool same_file(const std::string& a, const std::string& b);
 /// Refuses an output file (`flag` PATH) that would land in the model directory `model_dir` or
 /// below it (after resolve_output_path, so a symlink into it counts), or that is a hard link of
 /// one of its files: writing it could overwrite the checkpoint's own files (config.json, a
-/// shard). Throws fn::Error(Usage) naming both. An empty `path` passes.
-void require_outside_model(const std::string& path, const std::string& model_dir, const char* flag);
+/// shard). Throws fn::Error(Usage) naming both, the directory as `what` ("model directory",
+/// "tokenizer directory"). An empty `path` passes.
+void require_outside_model(const std::string& path, const std::string& model_dir, const char* flag,
+                           const char* what = "model directory");
 
 /// The chat options a command was given, to refuse those that would do nothing.
 struct ChatFlagsGiven {

@@ -68,18 +68,25 @@ std::string ids_line(const std::vector<int32_t>& ids) {
   return s + "\n";
 }
 
-int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
-  // -o is truncated before -i is read: never the input (nor the tokenizer's own files).
+// The -i batch's lines, read before the tokenizer loads (an empty file or a directory fails
+// fast), after checking -o: it is truncated when the results are written, so it is never the
+// input, nor a file of the tokenizer's or the model's directory.
+std::vector<std::string> read_batch(const TokenizeOptions& o) {
   require_not_input(o.output, "-o/--output", o.input, "-i/--input");
   require_not_input(o.output, "-o/--output", o.tokenizer_file, "--tokenizer");
   if (!o.model.empty()) require_outside_model(o.output, o.model, "-o/--output");
   if (!o.tokenizer_file.empty()) {  // --tokenizer DIR, or FILE's directory: guarded as -m DIR
     const std::filesystem::path t = o.tokenizer_file;
     const std::filesystem::path dir = std::filesystem::is_directory(t) ? t : t.parent_path();
-    require_outside_model(o.output, dir.empty() ? "." : dir.string(), "-o/--output");
+    require_outside_model(o.output, dir.empty() ? "." : dir.string(), "-o/--output",
+                          "tokenizer directory");
   }
-  std::ifstream in(o.input, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "cannot open -i/--input {}", o.input);
+  return read_jsonl_lines(o.input, "-i/--input");
+}
+
+// One output record per non-blank input line, in order: {"id", "ids"} or {"id", "error"}.
+int run_batch(const Tokenizer& tok, const TokenizeOptions& o,
+              const std::vector<std::string>& lines) {
   std::ofstream file_out;
   if (!o.output.empty()) {
     file_out.open(o.output, std::ios::binary);
@@ -89,13 +96,17 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
   const ChatOptions copt = chat_options(o);
   const EncodeMode mode = o.plain ? EncodeMode::Plain : EncodeMode::Raw;
   size_t n = 0, errors = 0, tokens = 0;
-  std::string line;
-  while (std::getline(in, line)) {
+  for (size_t li = 0; li < lines.size(); ++li) {
+    const std::string& line = lines[li];
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank: no record
     ++n;
-    json rec;
+    json rec = {{"id", li + 1}};  // the record's own "id" when it has one, as generate -i
     try {
       const json j = json::parse(line);
       FN_REQUIRE(j.is_object(), Format, "the record is not a JSON object");
+      if (j.contains("id")) rec["id"] = j["id"];
+      FN_REQUIRE(j.contains("text") != j.contains("messages"), Format,
+                 "the record needs exactly one of \"text\" or \"messages\"");
       std::vector<int32_t> ids;
       if (j.contains("messages")) {
         auto msgs = chat_messages_from_json(j["messages"]);
@@ -103,8 +114,8 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
           msgs.insert(msgs.begin(), ChatMessage{"system", o.system_prompt, std::nullopt});
         ids = encode_chat(tok, msgs, copt);
       } else {
-        FN_REQUIRE(j.contains("text") && j["text"].is_string(), Format,
-                   "the record has no string \"text\"");
+        FN_REQUIRE(j["text"].is_string(), Format, "\"text\" must be a string, got {}",
+                   j["text"].type_name());
         const auto& text = j["text"].get_ref<const std::string&>();
         ids = o.chat ? encode_chat(tok, prompt_messages(o, text), copt) : tok.encode(text, mode);
       }
@@ -112,10 +123,10 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o) {
       rec["ids"] = std::move(ids);
     } catch (const json::exception& e) {
       ++errors;
-      rec = {{"error", fmt::format("line {}: not valid JSON: {}", n, e.what())}};
+      rec["error"] = fmt::format("line {}: not valid JSON: {}", li + 1, e.what());
     } catch (const Error& e) {
       ++errors;
-      rec = {{"error", fmt::format("line {}: {}", n, e.what())}};
+      rec["error"] = fmt::format("line {}: {}", li + 1, e.what());
     }
     out << rec.dump(-1, ' ', false, json::error_handler_t::replace) << '\n';
   }
@@ -230,18 +241,22 @@ int run_tokenize(const TokenizeOptions& o) {
   }
   FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
              "-o/--output needs -i/--input (batch mode)");
+  FN_REQUIRE(o.input.empty() || (o.prompt.empty() && o.file.empty() && !o.bench), Usage,
+             "-i/--input holds the texts: give no -p/--prompt, -f/--file or --bench with it");
   require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
                        .think = o.think,
                        .no_think = o.no_think,
                        .chat_template = !o.chat_mode.empty(),
                        .chat_template_flag = "--chat-mode"},
                       o.chat || !o.input.empty());
+  const std::vector<std::string> batch =
+      o.input.empty() ? std::vector<std::string>{} : read_batch(o);
   const auto t0 = std::chrono::steady_clock::now();
   const auto tok =
       o.model.empty() ? load_tokenizer_file(o.tokenizer_file) : load_tokenizer(o.model);
   FN_LOG_DEBUG("tokenizer loaded in {:.3f} s ({} ids)", seconds_since(t0), tok->vocab_size());
   if (o.bench) return run_bench(*tok, o);
-  if (!o.input.empty()) return run_batch(*tok, o);
+  if (!o.input.empty()) return run_batch(*tok, o, batch);
   if (o.ids_given) {
     // parse_token_ids (as generate --prompt-ids), after one enclosing [ ] (a JSON array) is
     // dropped.

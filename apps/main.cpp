@@ -1,6 +1,7 @@
 // fngen entry point: CLI11 parsing, MPI start-up and the one error funnel of the process
 // (STYLE.md "Errors and logs"): an fn::Error is logged once with the rank prefix and every
 // rank ends with the exit code of its kind (MPI_Abort when several ranks run).
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
@@ -23,6 +24,14 @@ int launcher_rank() {
     if (const char* v = std::getenv(var)) return std::atoi(v);
   }
   return 0;
+}
+
+// The launcher's number of ranks (1 without one).
+int launcher_size() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
+  }
+  return 1;
 }
 
 }  // namespace
@@ -135,6 +144,7 @@ int main(int argc, char** argv) {
       if (cmd.app->parsed()) chosen = &cmd;
     }
     if (chosen->run_alone) {
+      fn::set_log_rank(launcher_rank(), launcher_size());  // no MPI_Init to set it
       code = launcher_rank() == 0 ? chosen->run_alone() : 0;
     } else {
       mpi = std::make_unique<fn::MpiContext>(&argc, &argv);

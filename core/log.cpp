@@ -76,6 +76,40 @@ bool log_enabled(LogLevel level) noexcept {
   return true;
 }
 
+std::string escape_for_log(std::string_view m) {
+  std::string out;
+  out.reserve(m.size());
+  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(m[i]); };
+  const auto cont = [&](std::size_t i) { return i < m.size() && (byte(i) & 0xC0u) == 0x80u; };
+  for (std::size_t i = 0; i < m.size();) {
+    const unsigned char c = byte(i);
+    std::size_t len = 0;  // length of a well-formed sequence starting at i, 0 if none
+    if (c >= 0x20 && c < 0x7F) {
+      len = 1;
+    } else if (c == '\t' || c == '\n') {
+      len = 1;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      len = cont(i + 1) ? 2 : 0;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      const unsigned char lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+      len = i + 1 < m.size() && byte(i + 1) >= lo && byte(i + 1) <= hi && cont(i + 2) ? 3 : 0;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      const unsigned char lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+      len = i + 1 < m.size() && byte(i + 1) >= lo && byte(i + 1) <= hi && cont(i + 2) && cont(i + 3)
+                ? 4
+                : 0;
+    }
+    if (len == 0) {
+      out += fmt::format("\\x{:02X}", c);
+      ++i;
+    } else {
+      out.append(m.substr(i, len));
+      i += len;
+    }
+  }
+  return out;
+}
+
 void log_write(LogLevel level, std::string_view message) noexcept {
   try {
     using namespace std::chrono;
@@ -85,9 +119,9 @@ void log_write(LogLevel level, std::string_view message) noexcept {
         static_cast<int>(duration_cast<milliseconds>(now.time_since_epoch()).count() % 1000);
     std::tm tm{};
     localtime_r(&secs, &tm);
-    std::string line =
-        fmt::format("[r{}/{}] [{}] {:02}:{:02}:{:02}.{:03} {}\n", g_rank.load(), g_world.load(),
-                    level_letter(level), tm.tm_hour, tm.tm_min, tm.tm_sec, ms, message);
+    std::string line = fmt::format("[r{}/{}] [{}] {:02}:{:02}:{:02}.{:03} {}\n", g_rank.load(),
+                                   g_world.load(), level_letter(level), tm.tm_hour, tm.tm_min,
+                                   tm.tm_sec, ms, escape_for_log(message));
     // One write() per line so lines of different ranks/threads never interleave mid-line.
     ssize_t ignored = ::write(STDERR_FILENO, line.data(), line.size());
     (void)ignored;

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <string>
 #include <string_view>
 
 namespace fn {
@@ -21,7 +22,13 @@ LogLevel parse_log_level(std::string_view name);
 void set_log_all_ranks(bool all) noexcept;
 /// True when a message of this level would be printed by this rank.
 bool log_enabled(LogLevel level) noexcept;
-/// Writes one prefixed line to stderr (thread-safe, one write per line).
+/// `message` safe to print on a terminal: valid UTF-8, tab and newline kept; every other byte
+/// below 0x20, DEL, and every byte that is not part of a well-formed UTF-8 sequence (RFC 3629:
+/// no overlong forms, surrogates or code points past U+10FFFF) becomes the four characters
+/// "\xNN". Messages quote input (a file's bytes in a JSON parse error, a bad prompt), so a
+/// hostile file cannot write raw bytes or escape sequences to stderr.
+std::string escape_for_log(std::string_view message);
+/// Writes one prefixed line to stderr (thread-safe, one write per line), escape_for_log'd.
 void log_write(LogLevel level, std::string_view message) noexcept;
 
 }  // namespace fn

@@ -39,3 +39,17 @@ TEST_CASE("log: levels parse by name and unknown names are usage errors") {
   CHECK(fn::parse_log_level("debug") == fn::LogLevel::Debug);
   CHECK_THROWS_AS(fn::parse_log_level("loud"), fn::Error);
 }
+
+TEST_CASE("log: escape_for_log keeps valid UTF-8, tab and newline, and escapes every other byte") {
+  using fn::escape_for_log;
+  CHECK(escape_for_log("plain ascii\tand\nlines") == "plain ascii\tand\nlines");
+  CHECK(escape_for_log("caf\xC3\xA9 \xE4\xB8\xAD \xF0\x9F\x98\x80") ==
+        "caf\xC3\xA9 \xE4\xB8\xAD \xF0\x9F\x98\x80");  // 2-, 3- and 4-byte sequences
+  CHECK(escape_for_log("last read: '\x98'") == "last read: '\\x98'");      // a lone continuation
+  CHECK(escape_for_log("\x1B[31mred\x7F\r") == "\\x1B[31mred\\x7F\\x0D");  // controls, DEL, CR
+  CHECK(escape_for_log("\xC0\xAF") == "\\xC0\\xAF");                       // overlong '/'
+  CHECK(escape_for_log("\xED\xA0\x80") == "\\xED\\xA0\\x80");              // a surrogate
+  CHECK(escape_for_log("\xF4\x90\x80\x80") == "\\xF4\\x90\\x80\\x80");     // past U+10FFFF
+  CHECK(escape_for_log("\xE4\xB8") == "\\xE4\\xB8");                       // truncated at the end
+  CHECK(escape_for_log(std::string_view("a\0b", 3)) == "a\\x00b");
+}

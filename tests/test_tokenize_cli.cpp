@@ -85,11 +85,14 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
       << R"({"prompt": "wrong field"})"
       << "\n"
       << "{\"text\": \"bad \xFF utf8\"}\n"
-      << R"({"text": "<|im_end|>"})"
+      << "  \n"  // blank: no record, as in generate -i
+      << R"({"text": "<|im_end|>", "id": "eot"})"
       << "\n"
       << R"({"messages": [{"role": "user", "content": "x"}]})"
       << "\n"
       << R"({"messages": [{"role": "robot", "content": "x"}]})"
+      << "\n"
+      << R"({"text": "a", "messages": [{"role": "user", "content": "x"}]})"
       << "\n";
   }
   // --system-prompt goes before the messages of a record (as in generate -i), not into "text".
@@ -98,19 +101,23 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   std::ifstream f(out);
   std::vector<nlohmann::json> recs;
   for (std::string l; std::getline(f, l);) recs.push_back(nlohmann::json::parse(l));
-  REQUIRE(recs.size() == 7);
+  REQUIRE(recs.size() == 8);
   CHECK(recs[0]["ids"] == std::vector<int32_t>{9707, 1879});
+  CHECK(recs[0]["id"] == 1);  // the line number, without an "id" of the record's own
   CHECK(recs[1]["error"].get<std::string>().find("line 2: not valid JSON") == 0);
-  CHECK(recs[2]["error"] == "line 3: the record has no string \"text\"");
+  CHECK(recs[2]["error"] == "line 3: the record needs exactly one of \"text\" or \"messages\"");
   CHECK(recs[3]["error"].get<std::string>().find("line 4: not valid JSON") == 0);
   CHECK(recs[4]["ids"] == std::vector<int32_t>{151645});
+  CHECK(recs[4]["id"] == "eot");
   fn::ChatOptions o;
   o.mode = fn::ChatMode::Qwen3;
   const std::vector<fn::ChatMessage> msgs = {{"system", "S", std::nullopt},
                                              {"user", "x", std::nullopt}};
   CHECK(recs[5]["ids"].get<std::vector<int32_t>>() == fn::encode_chat(fn::test::qwen3(), msgs, o));
+  CHECK(recs[5]["id"] == 7);
   CHECK(recs[6]["error"] ==
-        "line 7: \"messages\"[0].role \"robot\" is not one of system, user, assistant, tool");
+        "line 8: \"messages\"[0].role \"robot\" is not one of system, user, assistant, tool");
+  CHECK(recs[7]["error"] == "line 9: the record needs exactly one of \"text\" or \"messages\"");
 }
 
 TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
@@ -124,6 +131,10 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(kModel + " --ids '' </dev/null").code == 2);  // no ids: not stdin encoded
   CHECK(fngen(kModel + " --ids ' , ' </dev/null").code == 2);
   CHECK(fngen(kModel + " --ids 9707 -i /dev/null").code == 2);  // --ids with a batch
+  CHECK(fngen(kModel + " -i /dev/null -p x").code == 2);        // texts from both
+  // A batch that is a directory or has no record fails before the tokenizer loads (exit 3).
+  CHECK(fngen(kModel + " -i " + FN_BINARY_DIR).code == 3);
+  CHECK(fngen(kModel + " -i /dev/null").code == 3);
   const std::string unused = std::string(FN_BINARY_DIR) + "/test_tokenize_cli_unused.jsonl";
   CHECK(fngen(kModel + " -p x -o " + unused).code == 2);  // -o without -i: not silently ignored
   CHECK(!std::ifstream(unused).good());

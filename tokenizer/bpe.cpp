@@ -313,8 +313,8 @@ class BpeTokenizer final : public Tokenizer {
   }
 
   void load_model(const json& j) {
-    FN_REQUIRE(j.contains("model") && j["model"].is_object(), Format, "{}: no \"model\" object",
-               name_);
+    FN_REQUIRE(j.contains("model") && j["model"].is_object(), Format,
+               "{}: not a Hugging Face tokenizer.json (no \"model\" object)", name_);
     const json& m = j["model"];
     const std::string type = m.value("type", std::string("BPE"));
     FN_REQUIRE(type == "BPE", Format, "{}: model type '{}' is not supported (only BPE)", name_,
@@ -720,7 +720,8 @@ std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view text,
   } catch (const json::exception& e) {
     FN_THROW(Format, "{}: not valid JSON: {}", name, e.what());
   }
-  FN_REQUIRE(j.is_object(), Format, "{}: top level is not a JSON object", name);
+  FN_REQUIRE(j.is_object(), Format,
+             "{}: not a Hugging Face tokenizer.json (the top level is not a JSON object)", name);
   try {
     return std::make_unique<BpeTokenizer>(j, name);
   } catch (const json::exception& e) {

@@ -18,8 +18,12 @@ class SentencePieceTokenizer final : public Tokenizer {
     const auto status = sp_.Load(name_);
     // A file that is no ModelProto at all fails in protobuf's parser, which SentencePiece reports
     // as an internal error with its own source line: say what the file is not, instead.
-    const bool unparsed = status.code() == sentencepiece::util::StatusCode::kInternal &&
-                          std::string(status.message()).find("ParseFromArray") != std::string::npos;
+    // An empty file parses as an empty ModelProto, which then lacks its unk piece.
+    std::error_code ec;
+    const bool unparsed =
+        (status.code() == sentencepiece::util::StatusCode::kInternal &&
+         std::string(status.message()).find("ParseFromArray") != std::string::npos) ||
+        std::filesystem::file_size(file, ec) == 0;
     FN_REQUIRE(
         status.ok(), Format,
         "{}: not a SentencePiece model{} (a tokenizer file is a Hugging Face tokenizer.json, "

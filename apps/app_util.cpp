@@ -118,8 +118,7 @@ void require_outside_model(const std::string& path, const std::string& model_dir
 void require_chat_prompt(const ChatFlagsGiven& given, bool chat_prompt) {
   for (const auto& [on, flag] :
        {std::pair{given.system_prompt, "--system-prompt"}, std::pair{given.think, "--think"},
-        std::pair{given.no_think, "--no-think"},
-        std::pair{given.chat_template, given.chat_template_flag}})
+        std::pair{given.no_think, "--no-think"}, std::pair{given.chat_template, "--chat-template"}})
     FN_REQUIRE(!on || chat_prompt, Usage,
                "{} applies to chat prompts: add --chat (or give JSONL records with \"messages\" "
                "through -i/--input)",

@@ -51,11 +51,10 @@ void require_outside_model(const std::string& path, const std::string& model_dir
 /// The chat options a command was given, to refuse those that would do nothing.
 struct ChatFlagsGiven {
   bool system_prompt = false, think = false, no_think = false, chat_template = false;
-  const char* chat_template_flag = "--chat-template";  ///< its name in this command
 };
 
-/// Refuses chat options without a chat prompt: --system-prompt, --think, --no-think and the
-/// template flag apply only with --chat or to a -i batch (whose "messages" records are chats);
+/// Refuses chat options without a chat prompt: --system-prompt, --think, --no-think and
+/// --chat-template apply only with --chat or to a -i batch (whose "messages" records are chats);
 /// `chat_prompt` says whether either is given. Throws fn::Error(Usage) naming the first flag.
 void require_chat_prompt(const ChatFlagsGiven& given, bool chat_prompt);
 

@@ -246,8 +246,7 @@ int run_tokenize(const TokenizeOptions& o) {
   require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
                        .think = o.think,
                        .no_think = o.no_think,
-                       .chat_template = !o.chat_mode.empty(),
-                       .chat_template_flag = "--chat-mode"},
+                       .chat_template = !o.chat_mode.empty()},
                       o.chat || !o.input.empty());
   const std::vector<std::string> batch =
       o.input.empty() ? std::vector<std::string>{} : read_batch(o);
@@ -330,8 +329,9 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
   sub->add_option("--system-prompt", o->system_prompt, "system turn for --chat");
   sub->add_flag("--think", o->think, "chat: thinking on (the default)");
   sub->add_flag("--no-think", o->no_think, "chat: thinking off (empty think block)");
-  sub->add_option("--chat-mode", o->chat_mode,
-                  "qwen3 | qwen3.8 (default: from config.json, else qwen3.8)");
+  sub->add_option("--chat-template,--chat-mode", o->chat_mode,
+                  "qwen3 | qwen3.8 (default: qwen3 for a config.json of model_type qwen3*, else "
+                  "qwen3.8); --chat-mode is an older name");
   sub->add_flag("--plain", o->plain, "special-token strings in the text are ordinary text");
   sub->add_flag("--json", o->json_out,
                 "print JSON ({\"ids\", \"n_tokens\", \"tokens\"} or {\"text\"})");

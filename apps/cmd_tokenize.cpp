@@ -27,13 +27,17 @@ struct TokenizeOptions {
   std::string model, tokenizer_file, prompt, file, ids, input, output, system_prompt, chat_mode;
   bool chat = false, think = false, no_think = false, json_out = false, plain = false,
        bench = false;
-  bool ids_given = false;  ///< --ids was on the command line (perhaps with an empty list)
+  bool ids_given = false;     ///< --ids was on the command line (perhaps with an empty list)
+  bool prompt_given = false;  ///< -p was on the command line (perhaps with empty text)
 };
 
 ChatMode default_chat_mode(const TokenizeOptions& o) {
   if (!o.chat_mode.empty()) return parse_chat_mode(o.chat_mode);
-  if (!o.model.empty()) {
-    std::ifstream in(std::filesystem::path(o.model) / "config.json");
+  // -m DIR or --tokenizer DIR: a plain Qwen3 directory says so in its config.json.
+  const std::string dir = !o.model.empty() ? o.model : o.tokenizer_file;
+  std::error_code ec;
+  if (std::filesystem::is_directory(dir, ec)) {
+    std::ifstream in(std::filesystem::path(dir) / "config.json");
     if (in.good()) {
       const json cfg = json::parse(in, nullptr, /*allow_exceptions=*/false);
       const std::string type = cfg.is_object() ? cfg.value("model_type", "") : "";
@@ -70,17 +74,17 @@ std::string ids_line(const std::vector<int32_t>& ids) {
 
 // The -i batch's lines, read before the tokenizer loads (an empty file or a directory fails
 // fast), after checking -o: it is truncated when the results are written, so it is never the
-// input, nor a file of the tokenizer's or the model's directory.
+// input nor a file fngen reads (the tokenizer file, a file of the model or tokenizer directory).
 std::vector<std::string> read_batch(const TokenizeOptions& o) {
   require_not_input(o.output, "-o/--output", o.input, "-i/--input");
   require_not_input(o.output, "-o/--output", o.tokenizer_file, "--tokenizer");
   if (!o.model.empty()) require_outside_model(o.output, o.model, "-o/--output");
-  if (!o.tokenizer_file.empty()) {  // --tokenizer DIR, or FILE's directory: guarded as -m DIR
-    const std::filesystem::path t = o.tokenizer_file;
-    const std::filesystem::path dir = std::filesystem::is_directory(t) ? t : t.parent_path();
-    require_outside_model(o.output, dir.empty() ? "." : dir.string(), "-o/--output",
-                          "tokenizer directory");
-  }
+  // --tokenizer DIR is guarded as -m DIR (its tokenizer_config.json, config.json are read);
+  // --tokenizer FILE reads that file alone, guarded above.
+  std::error_code ec;
+  if (std::filesystem::is_directory(o.tokenizer_file, ec))
+    require_outside_model(o.output, o.tokenizer_file, "-o/--output", "tokenizer directory");
+  check_output_path(o.output, "-o/--output");  // a missing directory before the load
   return read_jsonl_lines(o.input, "-i/--input");
 }
 
@@ -236,12 +240,12 @@ int run_tokenize(const TokenizeOptions& o) {
   if (o.ids_given) {
     FN_REQUIRE(o.input.empty() && !o.bench, Usage,
                "--ids decodes ids: it takes no -i/--input or --bench");
-    FN_REQUIRE(o.prompt.empty() && o.file.empty() && !o.chat, Usage,
+    FN_REQUIRE(!o.prompt_given && o.file.empty() && !o.chat, Usage,
                "--ids decodes ids: it takes no -p/-f/--chat");
   }
   FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
              "-o/--output needs -i/--input (batch mode)");
-  FN_REQUIRE(o.input.empty() || (o.prompt.empty() && o.file.empty() && !o.bench), Usage,
+  FN_REQUIRE(o.input.empty() || (!o.prompt_given && o.file.empty() && !o.bench), Usage,
              "-i/--input holds the texts: give no -p/--prompt, -f/--file or --bench with it");
   require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
                        .think = o.think,
@@ -272,9 +276,9 @@ int run_tokenize(const TokenizeOptions& o) {
                      : text);
     return 0;
   }
-  FN_REQUIRE(o.prompt.empty() || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
+  FN_REQUIRE(!o.prompt_given || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
   std::string text;
-  if (!o.prompt.empty()) {
+  if (o.prompt_given) {
     text = o.prompt;
   } else if (!o.file.empty()) {
     text = read_file(o.file, "-f/--file");
@@ -285,7 +289,7 @@ int run_tokenize(const TokenizeOptions& o) {
   }
   std::vector<int32_t> ids;
   std::string rendered;
-  const std::string source = !o.prompt.empty() ? "-p/--prompt"
+  const std::string source = o.prompt_given    ? "-p/--prompt"
                              : !o.file.empty() ? "-f/--file " + o.file
                                                : std::string("standard input");
   with_text_source(source, [&] {
@@ -318,11 +322,17 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
   auto o = std::make_shared<TokenizeOptions>();
   CLI::App* sub = app.add_subcommand(
       "tokenize", "text -> token ids (or ids -> text with --ids); JSONL batches");
-  sub->add_option("-m,--model", o->model, "model directory (tokenizer.json, else tokenizer.model)");
+  // A path given as '' would read as "not given" (stdin, no batch): refused while parsing.
+  const auto path = [](const std::string& s) { return s.empty() ? "an empty path" : ""; };
+  sub->add_option("-m,--model", o->model, "model directory (tokenizer.json, else tokenizer.model)")
+      ->check(path);
   sub->add_option("--tokenizer", o->tokenizer_file,
-                  "a tokenizer.json or SentencePiece .model file (or a directory holding one)");
-  sub->add_option("-p,--prompt", o->prompt, "text to encode (default: stdin)");
-  sub->add_option("-f,--file", o->file, "file whose text to encode (with --bench: English prose)");
+                  "a tokenizer.json or SentencePiece .model file (or a directory holding one)")
+      ->check(path);
+  CLI::Option* prompt =
+      sub->add_option("-p,--prompt", o->prompt, "text to encode (default: stdin)");
+  sub->add_option("-f,--file", o->file, "file whose text to encode (with --bench: English prose)")
+      ->check(path);
   CLI::Option* ids = sub->add_option(
       "--ids", o->ids, "decode these ids (\"1 2 3\", \"1,2,3\" or \"[1,2,3]\") to text");
   sub->add_flag("--chat", o->chat, "wrap the text as a user turn of the chat template");
@@ -331,19 +341,23 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
   sub->add_flag("--no-think", o->no_think, "chat: thinking off (empty think block)");
   sub->add_option("--chat-template,--chat-mode", o->chat_mode,
                   "qwen3 | qwen3.8 (default: qwen3 for a config.json of model_type qwen3*, else "
-                  "qwen3.8); --chat-mode is an older name");
+                  "qwen3.8); --chat-mode is an older name")
+      ->check(CLI::IsMember({"qwen3", "qwen3.8"}));
   sub->add_flag("--plain", o->plain, "special-token strings in the text are ordinary text");
   sub->add_flag("--json", o->json_out,
                 "print JSON ({\"ids\", \"n_tokens\", \"tokens\"} or {\"text\"})");
-  sub->add_option("-i,--input", o->input, "JSONL input: one {\"text\"} or {\"messages\"} per line");
+  sub->add_option("-i,--input", o->input, "JSONL input: one {\"text\"} or {\"messages\"} per line")
+      ->check(path);
   sub->add_option("-o,--output", o->output,
-                  "JSONL output for -i (default stdout): {\"ids\"} or {\"error\"}");
+                  "JSONL output for -i (default stdout): {\"ids\"} or {\"error\"}")
+      ->check(path);
   sub->add_flag("--bench", o->bench, "benchmark: MB/s on -f prose, 1 MiB adversarial inputs");
   // Tokenizing needs no other rank: it runs without MPI_Init (under mpirun, on rank 0 only).
   Command c;
   c.app = sub;
-  c.run_alone = [o, ids] {
+  c.run_alone = [o, ids, prompt] {
     o->ids_given = ids->count() > 0;
+    o->prompt_given = prompt->count() > 0;
     return run_tokenize(*o);
   };
   commands.push_back(std::move(c));

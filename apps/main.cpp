@@ -71,7 +71,9 @@ int main(int argc, char** argv) {
     static const std::regex missing(R"(^(\S+): \d+ required \S+ missing$)");
     std::smatch m;
     if (std::regex_match(msg, m, missing)) msg = m[1].str() + ": needs a value";
-    return "fngen: usage error: " + msg + "\nRun with --help for more information.\n";
+    // The arguments are quoted as typed: escaped, so that they cannot put control bytes on stderr.
+    return "fngen: usage error: " + fn::escape_for_log(msg) +
+           "\nRun with --help for more information.\n";
   });
 
   fn::CommandList commands;

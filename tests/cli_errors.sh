@@ -9,6 +9,8 @@ source "$src/tests/cli_lib.sh"
 
 expect 2 "subcommand" -- "$fngen"
 expect 2 "bogus" -- "$fngen" --bogus
+# An argument quoted in a usage error is escaped: no raw control byte (here ESC) on stderr.
+expect 2 'The following argument was not expected: --\\x1Bbogus' -- "$fngen" inspect "$tmp" $'--\x1bbogus'
 expect 2 "unknown subcommand 'frobnicate'" -- "$fngen" frobnicate -m x
 expect 2 "unknown subcommand 'eval frobnicate'" -- "$fngen" eval frobnicate -m x
 expect 2 "bogus" -- "$fngen" inspect "$tmp" --bogus

@@ -40,6 +40,9 @@ TEST_CASE("tokenize cli: text to ids and ids back to text") {
   auto r = fngen(kModel + " -p 'Hello world'");
   CHECK(r.code == 0);
   CHECK(r.out == "9707 1879\n");
+  r = fngen(kModel + " -p '' </dev/null");  // empty text: no ids (not stdin)
+  CHECK(r.code == 0);
+  CHECK(r.out == "\n");
   r = fngen(kModel + " --ids '9707, 1879'");
   CHECK(r.code == 0);
   CHECK(r.out == "Hello world");
@@ -132,6 +135,7 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(kModel + " --ids ' , ' </dev/null").code == 2);
   CHECK(fngen(kModel + " --ids 9707 -i /dev/null").code == 2);  // --ids with a batch
   CHECK(fngen(kModel + " -i /dev/null -p x").code == 2);        // texts from both
+  CHECK(fngen(kModel + " -i /dev/null -p ''").code == 2);       // even an empty -p
   // A batch that is a directory or has no record fails before the tokenizer loads (exit 3).
   CHECK(fngen(kModel + " -i " + FN_BINARY_DIR).code == 3);
   CHECK(fngen(kModel + " -i /dev/null").code == 3);
@@ -143,9 +147,24 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(std::string("--tokenizer ") + FN_TOKENIZER_DIR + " -i /dev/null -o " + inside).code ==
         2);
   CHECK(!std::ifstream(inside).good());
-  CHECK(fngen("--tokenizer " + fn::test::qwen3_json_path() + " -i /dev/null -o " + inside).code ==
-        2);  // --tokenizer FILE: its directory likewise
-  CHECK(!std::ifstream(inside).good());
+  // --tokenizer FILE reads that file alone: -o may not be it (the other files beside it are not
+  // read, so a tokenizer file in the working directory does not block outputs there).
+  CHECK(fngen("--tokenizer " + fn::test::qwen3_json_path() + " -i /dev/null -o " +
+              fn::test::qwen3_json_path())
+            .code == 2);
+  // Checked while parsing or before the tokenizer loads, so -o is never truncated by them: a
+  // bad --chat-template value, an -o in a missing directory, paths given as ''.
+  const std::string kept = std::string(FN_BINARY_DIR) + "/test_tokenize_cli_kept.jsonl";
+  std::ofstream(kept) << "precious\n";
+  CHECK(fngen(kModel + " -i /dev/null -o " + kept + " --chat-template qwen4").code == 2);
+  CHECK(fngen(kModel + " -i " + kept + "x -o " + kept + " --chat-mode qwen4").code == 2);
+  std::string text;
+  std::getline(std::ifstream(kept), text);
+  CHECK(text == "precious");
+  CHECK(fngen(kModel + " -i " + kept + " -o /nonexistent-dir/out.jsonl").code == 3);
+  CHECK(fngen(kModel + " -i '' </dev/null").code == 2);
+  CHECK(fngen(kModel + " -f '' </dev/null").code == 2);
+  CHECK(fngen("--tokenizer '' -p x").code == 2);
   CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
   CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
   // Chat options without a chat prompt would do nothing: refused, as in generate.

@@ -281,6 +281,18 @@ TEST_CASE("tokenizer: a missing or corrupt tokenizer file is a clear error") {
                        doctest::Contains("not a JSON object"), fn::Error);
   CHECK_THROWS_WITH_AS(fn::load_tokenizer_json_text("{}", "empty.json"),
                        doctest::Contains("no \"model\""), fn::Error);
+  // A device is never read (/dev/zero would fill memory), nor is a directory as a file.
+  CHECK_THROWS_WITH_AS(fn::load_tokenizer_json("/dev/zero"),
+                       "tokenizer file /dev/zero is not a regular file (a directory or a device)",
+                       fn::Error);
+  CHECK_THROWS_WITH_AS(fn::load_sentencepiece("/dev/zero"),
+                       doctest::Contains("/dev/zero is not a regular file"), fn::Error);
+  // An id far past any vocabulary is refused before its tables are sized (it was bad_alloc).
+  json huge = tiny_tokenizer({});
+  huge["model"]["vocab"]["zz"] = 1 << 24;
+  CHECK_THROWS_WITH_AS(fn::load_tokenizer_json_text(huge.dump(), "huge.json"),
+                       doctest::Contains("huge.json: token 'zz' has invalid id 16777216"),
+                       fn::Error);
 }
 
 TEST_CASE("tokenizer: merges naming unknown tokens are rejected with the merge and token") {

@@ -278,7 +278,7 @@ class BpeTokenizer final : public Tokenizer {
   }
 
   void set_id(int32_t id, const std::string& spelling) {
-    FN_REQUIRE(id >= 0 && id < (1 << 30), Format, "{}: token '{}' has invalid id {}", name_,
+    FN_REQUIRE(id >= 0 && id < kMaxTokenId, Format, "{}: token '{}' has invalid id {}", name_,
                spelling, id);
     const auto n = static_cast<size_t>(id) + 1;
     if (id_to_token_.size() < n) {
@@ -712,6 +712,18 @@ class BpeTokenizer final : public Tokenizer {
 
 }  // namespace
 
+void require_tokenizer_file_size(const std::filesystem::path& file) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(file, ec);
+  FN_REQUIRE(std::filesystem::exists(st), Io, "cannot open tokenizer file {}", file.string());
+  FN_REQUIRE(std::filesystem::is_regular_file(st), Format,
+             "tokenizer file {} is not a regular file (a directory or a device)", file.string());
+  const auto size = std::filesystem::file_size(file, ec);
+  FN_REQUIRE(!ec && size <= kMaxTokenizerFileBytes, Format,
+             "tokenizer file {}: {} bytes, more than any tokenizer's {} MiB: not a tokenizer",
+             file.string(), size, kMaxTokenizerFileBytes >> 20);
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view text,
                                                     const std::string& name) {
   json j;
@@ -730,6 +742,7 @@ std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view text,
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer_json(const std::filesystem::path& file) {
+  require_tokenizer_file_size(file);
   std::ifstream in(file, std::ios::binary);
   FN_REQUIRE(in.good(), Io, "cannot open tokenizer file {}", file.string());
   std::stringstream ss;

@@ -14,7 +14,7 @@ namespace {
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::filesystem::path& file) : name_(file.string()) {
-    FN_REQUIRE(std::filesystem::exists(file), Io, "cannot open tokenizer file {}", name_);
+    require_tokenizer_file_size(file);
     const auto status = sp_.Load(name_);
     // A file that is no ModelProto at all fails in protobuf's parser, which SentencePiece reports
     // as an internal error with its own source line: say what the file is not, instead.

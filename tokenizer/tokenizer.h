@@ -57,6 +57,16 @@ class Tokenizer {
   virtual bool is_special(int32_t id) const = 0;
 };
 
+/// Largest tokenizer file read (real ones: 11 MB for Qwen3's tokenizer.json, 4 MB for a
+/// SentencePiece model), and the id limit of a token (real vocabularies: under 2^20).
+inline constexpr std::uintmax_t kMaxTokenizerFileBytes = std::uintmax_t{1} << 30;
+inline constexpr int32_t kMaxTokenId = int32_t{1} << 24;
+
+/// Checks a tokenizer file before it is read: it exists (else fn::Error(Io)), is a regular file
+/// (not a directory or a device such as /dev/zero) of at most kMaxTokenizerFileBytes (else
+/// fn::Error(Format)).
+void require_tokenizer_file_size(const std::filesystem::path& file);
+
 /// Loads <model_dir>/tokenizer.json (preferred) or <model_dir>/tokenizer.model. Throws
 /// fn::Error(Io) when neither exists, fn::Error(Format) for a malformed or unsupported file.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& model_dir);

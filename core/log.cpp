@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/utf8.h"
 
 namespace fn {
 namespace {
@@ -79,32 +80,16 @@ bool log_enabled(LogLevel level) noexcept {
 std::string escape_for_log(std::string_view m) {
   std::string out;
   out.reserve(m.size());
-  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(m[i]); };
-  const auto cont = [&](std::size_t i) { return i < m.size() && (byte(i) & 0xC0u) == 0x80u; };
   for (std::size_t i = 0; i < m.size();) {
-    const unsigned char c = byte(i);
-    std::size_t len = 0;  // length of a well-formed sequence starting at i, 0 if none
-    if (c >= 0x20 && c < 0x7F) {
-      len = 1;
-    } else if (c == '\t' || c == '\n') {
-      len = 1;
-    } else if (c >= 0xC2 && c <= 0xDF) {
-      len = cont(i + 1) ? 2 : 0;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      const unsigned char lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
-      len = i + 1 < m.size() && byte(i + 1) >= lo && byte(i + 1) <= hi && cont(i + 2) ? 3 : 0;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      const unsigned char lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
-      len = i + 1 < m.size() && byte(i + 1) >= lo && byte(i + 1) <= hi && cont(i + 2) && cont(i + 3)
-                ? 4
-                : 0;
-    }
-    if (len == 0) {
+    const auto c = static_cast<unsigned char>(m[i]);
+    const bool control = c < 0x80 && (c < 0x20 || c == 0x7F) && c != '\t' && c != '\n';
+    const int len = control ? -1 : utf8_sequence_length(m, i);
+    if (len <= 0) {  // one byte at a time: the next may start a well-formed sequence
       out += fmt::format("\\x{:02X}", c);
       ++i;
     } else {
-      out.append(m.substr(i, len));
-      i += len;
+      out.append(m.substr(i, static_cast<std::size_t>(len)));
+      i += static_cast<std::size_t>(len);
     }
   }
   return out;

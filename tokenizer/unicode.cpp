@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/utf8.h"
 
 namespace fn::unicode {
 namespace {
@@ -49,36 +50,6 @@ char32_t next_cp(std::string_view s, size_t& i) {
   return cp;
 }
 
-// Length of the valid sequence starting at s[i] (1..4), or -(bytes of the maximal invalid
-// subpart) when invalid, or 0 when s ends inside a so far valid sequence.
-int check_seq(std::string_view s, size_t i) {
-  const auto b0 = static_cast<unsigned char>(s[i]);
-  if (b0 < 0x80) return 1;
-  int n;
-  unsigned char lo = 0x80, hi = 0xBF;
-  if (b0 >= 0xC2 && b0 <= 0xDF) {
-    n = 2;
-  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-    n = 3;
-    if (b0 == 0xE0) lo = 0xA0;
-    if (b0 == 0xED) hi = 0x9F;
-  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-    n = 4;
-    if (b0 == 0xF0) lo = 0x90;
-    if (b0 == 0xF4) hi = 0x8F;
-  } else {
-    return -1;
-  }
-  for (int k = 1; k < n; ++k) {
-    if (i + k >= s.size()) return 0;
-    const auto b = static_cast<unsigned char>(s[i + k]);
-    if (b < lo || b > hi) return -k;
-    lo = 0x80;
-    hi = 0xBF;
-  }
-  return n;
-}
-
 std::string utf8proc_nfc_segment(std::string_view s) {
   if (s.empty()) return {};
   utf8proc_uint8_t* out = nullptr;
@@ -106,7 +77,7 @@ size_t find_invalid_utf8(std::string_view s) {
       ++i;
       continue;
     }
-    const int n = check_seq(s, i);
+    const int n = utf8_sequence_length(s, i);
     if (n <= 0) return i;
     i += static_cast<size_t>(n);
   }
@@ -125,7 +96,7 @@ std::string utf8_lossy(std::string_view s) {
   out.reserve(s.size());
   size_t i = 0;
   while (i < s.size()) {
-    const int n = check_seq(s, i);
+    const int n = utf8_sequence_length(s, i);
     if (n > 0) {
       out.append(s.substr(i, static_cast<size_t>(n)));
       i += static_cast<size_t>(n);
@@ -142,7 +113,7 @@ size_t incomplete_utf8_tail(std::string_view s) {
     const size_t i = s.size() - k;
     const auto b = static_cast<unsigned char>(s[i]);
     if (b >= 0x80 && b < 0xC0) continue;  // continuation byte: look further back
-    return check_seq(s, i) == 0 ? k : 0;
+    return utf8_sequence_length(s, i) == 0 ? k : 0;
   }
   return 0;
 }

@@ -14,6 +14,10 @@
 #        bash scripts/gpu/kernel_ab_run.sh
 # Usage: `rm -rf .carry/base && mkdir -p .carry/base && git archive BASE | tar -x -C .carry/base`,
 # then `run` with carry [".deps", ".carry/base"] and the variables above in front of the command.
+# FN_AB_VARIANTS=".carry/v1 .carry/v2" (session 15): more trees (each a `git archive` of another
+# commit, carried too), built beside the two and benched in the same alternation (base, new,
+# variants..., twice); FN_AB_TESTS and test_cuda_model run on
+# every variant too, the sanitizer on the working tree only.
 set -u
 cd "$(dirname "$0")/../.."
 fn_out_default=/tmp/kernel-ab-out
@@ -22,6 +26,12 @@ n=$b
 tests=${FN_AB_TESTS:-test_cuda_qsa test_cuda_qsa_prefill}
 (cd .carry/base && FN_BUILD_DIR=$(pwd)/../../build-base FN_JOBS=6 timeout 300 \
   bash scripts/gpu/build.sh cuda_model_bench >"$out/build_base.log" 2>&1) &
+variants=${FN_AB_VARIANTS:-}
+for v in $variants; do
+  (cd "$v" && FN_BUILD_DIR=$(pwd)/build-v FN_JOBS=4 timeout 300 \
+    bash scripts/gpu/build.sh cuda_model_bench test_cuda_model $tests \
+    >"$out/build_$(basename "$v").log" 2>&1) &
+done
 # shellcheck disable=SC2086
 if ! FN_BUILD_DIR=$n timeout 300 bash scripts/gpu/build.sh cuda_model_bench test_cuda_model \
   $tests >"$out/build_new.log" 2>&1; then
@@ -42,7 +52,18 @@ if [ -n "${FN_AB_BENCH:-}" ]; then
 fi
 timeout 200 $mpi -np 1 "$n/tests/test_cuda_model" >"$out/model.log" 2>&1
 echo "test_cuda_model np 1 rc=$? $(grep -E 'test cases' "$out/model.log" | tr -s ' ')"
-for b in build-base $n build-base $n; do
+trees="build-base $n"
+for v in $variants; do
+  vb=$v/build-v
+  for tst in $tests; do
+    timeout 150 "$vb/tests/$tst" >"$out/${tst}_$(basename "$v").log" 2>&1
+    echo "$tst $v rc=$? $(grep -E 'test cases' "$out/${tst}_$(basename "$v").log" | tr -s ' ')"
+  done
+  timeout 200 $mpi -np 1 "$vb/tests/test_cuda_model" >"$out/model_$(basename "$v").log" 2>&1
+  echo "test_cuda_model np 1 $v rc=$? $(grep -E 'test cases' "$out/model_$(basename "$v").log" | tr -s ' ')"
+  trees="$trees $vb"
+done
+for b in $trees $trees; do
   echo "cuda_model_bench TP=1 $b $(timeout 100 $mpi -np 1 "$b/cuda/cuda_model_bench" \
     --config configs/qwen3.8-flash-next.json --depth 8192 --tokens 64 2>&1 |
     grep -E "^\| [0-9]" | cut -c1-80)"

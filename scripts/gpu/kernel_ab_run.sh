@@ -17,18 +17,23 @@
 # FN_AB_VARIANTS=".carry/v1 .carry/v2" (session 15): more trees (each a `git archive` of another
 # commit, carried too), built beside the two and benched in the same alternation (base, new,
 # variants..., twice); FN_AB_TESTS and test_cuda_model run on
-# every variant too, the sanitizer on the working tree only.
+# every variant too, the sanitizer on the working tree only. FN_AB_NEW_FLAGS="--moe-bulk-down 0|
+# --moe-bulk-down 1": the working tree is benched once per flag set (|-separated) in each round.
 set -u
 cd "$(dirname "$0")/../.."
 fn_out_default=/tmp/kernel-ab-out
 source scripts/gpu/common.sh
 n=$b
 tests=${FN_AB_TESTS:-test_cuda_qsa test_cuda_qsa_prefill}
-(cd .carry/base && FN_BUILD_DIR=$(pwd)/../../build-base FN_JOBS=6 timeout 300 \
+# Each tree unpacks the carried .deps into a root of its own (concurrent dpkg -x into one root
+# failed with "File exists").
+(cd .carry/base && FN_DEPS_ROOT=$FN_DEPS_DIR/root-base FN_BUILD_DIR=$(pwd)/../../build-base \
+  FN_JOBS=6 timeout 300 \
   bash scripts/gpu/build.sh cuda_model_bench >"$out/build_base.log" 2>&1) &
 variants=${FN_AB_VARIANTS:-}
 for v in $variants; do
-  (cd "$v" && FN_BUILD_DIR=$(pwd)/build-v FN_JOBS=4 timeout 300 \
+  (cd "$v" && FN_DEPS_ROOT=$FN_DEPS_DIR/root-$(basename "$v") FN_BUILD_DIR=$(pwd)/build-v \
+    FN_JOBS=4 timeout 300 \
     bash scripts/gpu/build.sh cuda_model_bench test_cuda_model $tests \
     >"$out/build_$(basename "$v").log" 2>&1) &
 done
@@ -63,10 +68,17 @@ for v in $variants; do
   echo "test_cuda_model np 1 $v rc=$? $(grep -E 'test cases' "$out/model_$(basename "$v").log" | tr -s ' ')"
   trees="$trees $vb"
 done
+IFS='|' read -r -a new_flags <<<"${FN_AB_NEW_FLAGS:-}"
+[ ${#new_flags[@]} -eq 0 ] && new_flags=("")
 for b in $trees $trees; do
-  echo "cuda_model_bench TP=1 $b $(timeout 100 $mpi -np 1 "$b/cuda/cuda_model_bench" \
-    --config configs/qwen3.8-flash-next.json --depth 8192 --tokens 64 2>&1 |
-    grep -E "^\| [0-9]" | cut -c1-80)"
+  flag_sets=("")
+  [ "$b" = "$n" ] && flag_sets=("${new_flags[@]}")
+  for f in "${flag_sets[@]}"; do
+    # shellcheck disable=SC2086
+    echo "cuda_model_bench TP=1 $b $f $(timeout 100 $mpi -np 1 "$b/cuda/cuda_model_bench" \
+      --config configs/qwen3.8-flash-next.json --depth 8192 --tokens 64 $f 2>&1 |
+      grep -E "^\| [0-9]" | cut -c1-80)"
+  done
 done
 if [ -n "${FN_AB_SANITIZE:-}" ]; then
   for tool in memcheck racecheck; do

@@ -38,8 +38,10 @@ bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count)
 int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count);
 
 /// Consumer warps of the bulk down kernel, and its shared-memory budget (the share's codes and
-/// scales of every selected expert, h staged, partials): at most 120 KB, so that a down CTA fits
-/// beside a bulk gate+up CTA on one SM and streams its weights while gate+up runs.
+/// scales of every selected expert, h staged, partials): at most 120 KB. Written so that a down
+/// CTA fits beside a 4-stage bulk gate+up CTA; at TP=1 it takes 104.8 KB and the 6-stage gate+up
+/// 147.8 KB, so they never share an SM (a fitting variant measured slower still: RESULTS.md,
+/// session 15).
 inline constexpr int kBulkDownWarps = 10;
 inline constexpr size_t kBulkDownMaxSmem = 120 * 1024;
 

@@ -18,6 +18,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/l2_prefetch.h"
 #include "cuda/pdl.h"
+#include "cuda/step_trace.h"
 
 namespace fn {
 
@@ -59,14 +60,63 @@ void launch_pdl(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 bloc
   launch_maybe_pdl(true, what, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
+#if defined(FN_STEP_TRACE)
 namespace dev {
+// This translation unit's trace pointers (no relocatable device code: one copy per .cu file),
+// set through the registry of cuda/step_trace.h.
+static __device__ StepTraceRecord* g_step_trace_records = nullptr;
+static __device__ uint32_t* g_step_trace_count = nullptr;
+static __device__ uint32_t g_step_trace_capacity = 0;
+}  // namespace dev
+namespace detail {
+static void step_trace_set_this_unit(StepTraceRecord* records, uint32_t* count, uint32_t capacity) {
+  FN_CUDA_CHECK(cudaMemcpyToSymbol(dev::g_step_trace_records, &records, sizeof records));
+  FN_CUDA_CHECK(cudaMemcpyToSymbol(dev::g_step_trace_count, &count, sizeof count));
+  FN_CUDA_CHECK(cudaMemcpyToSymbol(dev::g_step_trace_capacity, &capacity, sizeof capacity));
+}
+[[maybe_unused]] static const bool g_step_trace_registered =
+    step_trace_register(&step_trace_set_this_unit);
+}  // namespace detail
+#endif
+
+namespace dev {
+
+#if defined(FN_STEP_TRACE) && defined(__CUDA_ARCH__)
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Thread 0 of the CTA appends its record (cuda/step_trace.h).
+__device__ __forceinline__ void step_trace_record(uint64_t t_arrive) {
+  const uint64_t t_release = global_timer_ns();
+  StepTraceRecord* records = g_step_trace_records;
+  if (records == nullptr || threadIdx.x != 0 || threadIdx.y != 0 || threadIdx.z != 0) return;
+  uint64_t grid_id;
+  uint32_t sm;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid_id));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  const uint32_t at = atomicAdd(g_step_trace_count, 1u);
+  if (at < g_step_trace_capacity)
+    records[at] =
+        StepTraceRecord{grid_id, t_arrive, t_release, blockIdx.x, gridDim.x, blockDim.x, sm};
+}
+#endif
 
 /// Waits until every prerequisite grid has completed and its memory is visible
 /// (griddepcontrol.wait). A no-op when the kernel was not launched as a programmatic dependent,
-/// and compiled to nothing below sm_90.
+/// and compiled to nothing below sm_90. With FN_STEP_TRACE, thread 0 of each CTA also records
+/// when it arrived and when it was released (cuda/step_trace.h).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(FN_STEP_TRACE)
+  const uint64_t t_arrive = global_timer_ns();
+#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#if defined(FN_STEP_TRACE)
+  step_trace_record(t_arrive);
+#endif
 #endif
 }
 

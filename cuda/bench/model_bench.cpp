@@ -9,7 +9,11 @@
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1]
 //     [--moe-bulk-down 0|1] [--skip MASK] [--empty-launches N] [--json FILE]
-//     (--unfused: CudaModelOptions::fused_step = false, every launch separate)
+//     [--trace FILE.csv [--trace-steps 4]]
+//     (--unfused: CudaModelOptions::fused_step = false, every launch separate; --trace: after
+//     the timed tokens, --trace-steps more with the step timeline of cuda/step_trace.h recorded
+//     (a build with -DFN_STEP_TRACE=ON only), rank 0's records written as CSV for
+//     scripts/step_timeline.py)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -33,14 +37,55 @@
 #include "core/log.h"
 #include "core/shard_plan.h"
 #include "cuda/cuda_model.h"
+#include "cuda/step_trace.h"
 
 namespace {
 
 constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (performance-anchors §2.3)
 
+// --trace: decodes `steps` more tokens with every CTA's PDL wait recorded (cuda/step_trace.h)
+// and writes rank 0's records as CSV, times in ns from the first arrival.
+void write_step_trace(fn::CudaModel& model, const std::string& path, int64_t steps, int rank) {
+  // 256 Ki records (10 MiB) per step: a TP=1 step at the real shape has ~155 K CTAs.
+  const auto capacity = static_cast<uint32_t>(steps) << 18;
+  fn::StepTraceRecord* records = nullptr;
+  uint32_t* count = nullptr;
+  FN_CUDA_CHECK(cudaMalloc(&records, sizeof(fn::StepTraceRecord) * capacity));
+  FN_CUDA_CHECK(cudaMalloc(&count, sizeof(uint32_t)));
+  FN_CUDA_CHECK(cudaMemset(count, 0, sizeof(uint32_t)));
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  fn::step_trace_attach(records, count, capacity);
+  fn::SamplingParams greedy;
+  greedy.temperature = 0;
+  model.decode(1, steps, greedy, 0, [](int32_t) { return true; });
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  fn::step_trace_attach(nullptr, nullptr, 0);
+  uint32_t n = 0;
+  FN_CUDA_CHECK(cudaMemcpy(&n, count, sizeof n, cudaMemcpyDeviceToHost));
+  FN_REQUIRE(n <= capacity, Internal, "--trace: {} records, more than the {} the buffer holds", n,
+             capacity);
+  std::vector<fn::StepTraceRecord> host(n);
+  FN_CUDA_CHECK(
+      cudaMemcpy(host.data(), records, sizeof(fn::StepTraceRecord) * n, cudaMemcpyDeviceToHost));
+  FN_CUDA_CHECK(cudaFree(records));
+  FN_CUDA_CHECK(cudaFree(count));
+  if (rank != 0) return;
+  FN_REQUIRE(n > 0, Internal, "--trace: no record (did the kernels run through dev::pdl_wait?)");
+  uint64_t t0 = host[0].t_arrive;
+  for (const auto& r : host) t0 = std::min(t0, r.t_arrive);
+  std::ofstream out(path);
+  FN_REQUIRE(out.good(), Io, "--trace: cannot write {}", path);
+  out << "grid_id,block,grid,threads,sm,arrive_ns,release_ns\n";
+  for (const auto& r : host)
+    out << r.grid_id << ',' << r.block << ',' << r.grid << ',' << r.threads << ',' << r.sm << ','
+        << (r.t_arrive - t0) << ',' << (r.t_release - t0) << '\n';
+  FN_LOG_INFO("--trace: {} records of {} steps written to {}", n, steps, path);
+}
+
 int run(int argc, char** argv, fn::MpiContext& mpi) {
   std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
-  int64_t depth = 8192, tokens = 128, warmup = 16;
+  std::string trace_path;
+  int64_t depth = 8192, tokens = 128, warmup = 16, trace_steps = 4;
   bool graph = true, fused = true;
   int fold = -1;
   bool l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
@@ -80,11 +125,18 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk_down = std::stoi(next()) != 0;
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
       empty_launches = std::stoi(next());
+    else if (a == "--trace")
+      trace_path = next();
+    else if (a == "--trace-steps")
+      trace_steps = std::stoll(next());
     else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
       skip = static_cast<uint32_t>(std::stoul(next(), nullptr, 0));
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }
+  FN_REQUIRE(trace_path.empty() || fn::step_trace_compiled(), Usage,
+             "--trace needs a build configured with -DFN_STEP_TRACE=ON");
+  FN_REQUIRE(trace_steps >= 1 && trace_steps <= 64, Usage, "--trace-steps must be in [1, 64]");
   const fn::ModelConfig cfg = fn::load_model_config(config);
   std::ifstream cf(config);
   const nlohmann::json cj = nlohmann::json::parse(cf);
@@ -98,7 +150,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
     ar = fn::make_device_all_reduce(fn::parse_all_reduce_strategy(allreduce), gpu,
                                     fn::CustomAllReduceOptions{});
   fn::CudaModelOptions o;
-  o.ctx_size = depth + warmup + tokens + 1;
+  o.ctx_size = depth + warmup + tokens + (trace_path.empty() ? 0 : trace_steps) + 1;
   o.use_graph = graph;
   o.fused_step = fused;
   o.fold_hc_inject = fold;
@@ -131,6 +183,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
     t_prev = now;
     return true;
   });
+  if (!trace_path.empty()) write_step_trace(*model, trace_path, trace_steps, rank);
   const fn::LatencyStats st = fn::latency_stats(itl);
   const fn::ShardPlan plan = fn::ShardPlan::build(cfg, quant, tp);
   const double bytes = static_cast<double>(fn::bytes_per_token(plan, cfg, rank, depth + 1).total());

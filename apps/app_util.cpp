@@ -22,8 +22,12 @@ std::string read_file(const std::string& path, const char* flag) {
   std::error_code ec;
   FN_REQUIRE(!std::filesystem::is_directory(path, ec), Io, "{} {}: is a directory, not a file",
              flag, path);
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file", flag, path);
+  // std::ifstream sets errno from open(2) on glibc (not promised by the standard: then no reason).
+  const int open_errno = errno;
+  FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file{}", flag, path,
+             open_errno != 0 ? fmt::format(" ({})", std::strerror(open_errno)) : std::string());
   std::string out;
   std::vector<char> buf(std::size_t{1} << 20);
   while (in.read(buf.data(), static_cast<std::streamsize>(buf.size())) || in.gcount() > 0) {

@@ -21,8 +21,8 @@ namespace fn {
 /// Largest input file read_file accepts (prompts, JSONL batches, token-id and task files).
 inline constexpr std::size_t kMaxInputFileBytes = std::size_t{1} << 30;
 
-/// The whole file as bytes. Throws fn::Error(Io) "<flag> <path>: cannot open the file", for a
-/// directory, and for a file (or device such as /dev/zero) longer than kMaxInputFileBytes.
+/// The whole file as bytes. Throws fn::Error(Io) "<flag> <path>: cannot open the file (reason)",
+/// for a directory, and for a file (or device such as /dev/zero) longer than kMaxInputFileBytes.
 std::string read_file(const std::string& path, const char* flag);
 
 /// Checks that `path` (the value of -m/--model) is a directory, so that a config.json given in

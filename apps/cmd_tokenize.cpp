@@ -168,8 +168,6 @@ std::pair<double, double> timed(F&& f) {
 }
 
 int run_bench(const Tokenizer& tok, const TokenizeOptions& o) {
-  FN_REQUIRE(!o.file.empty(), Usage,
-             "--bench needs -f/--file with English prose (scripts/tokenizer/bench.sh)");
   const std::string prose = read_file(o.file, "-f/--file");
   const double mb = static_cast<double>(prose.size()) / 1e6;
   size_t n_tokens = 0;
@@ -233,20 +231,43 @@ int run_bench(const Tokenizer& tok, const TokenizeOptions& o) {
   return 0;
 }
 
+// The --ids list for parse_token_ids (as generate --prompt-ids): one enclosing [ ] (a JSON
+// array) dropped.
+std::string_view ids_without_brackets(std::string_view list) {
+  const size_t first = list.find_first_not_of(" \t\r\n"), last = list.find_last_not_of(" \t\r\n");
+  if (first != std::string_view::npos && list[first] == '[' && last > first && list[last] == ']')
+    list = list.substr(first + 1, last - first - 1);
+  return list;
+}
+
 int run_tokenize(const TokenizeOptions& o) {
   FN_REQUIRE(o.model.empty() != o.tokenizer_file.empty(), Usage,
              "give exactly one of -m/--model DIR and --tokenizer FILE or DIR");
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
+  // Every combination is checked here, before the tokenizer loads (~1 s), so that a mistyped
+  // command fails at once and never after a load.
+  const std::string_view id_list = ids_without_brackets(o.ids);
   if (o.ids_given) {
     FN_REQUIRE(o.input.empty() && !o.bench, Usage,
                "--ids decodes ids: it takes no -i/--input or --bench");
-    FN_REQUIRE(!o.prompt_given && o.file.empty() && !o.chat, Usage,
-               "--ids decodes ids: it takes no -p/-f/--chat");
+    FN_REQUIRE(!o.prompt_given && o.file.empty() && !o.chat && !o.plain, Usage,
+               "--ids decodes ids: it takes no -p/-f/--chat/--plain");
+    FN_REQUIRE(id_list.find_first_not_of(" \t\r\n,") != std::string_view::npos, Usage,
+               "--ids: no token ids given");
   }
   FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
              "-o/--output needs -i/--input (batch mode)");
   FN_REQUIRE(o.input.empty() || (!o.prompt_given && o.file.empty() && !o.bench), Usage,
              "-i/--input holds the texts: give no -p/--prompt, -f/--file or --bench with it");
+  FN_REQUIRE(o.input.empty() || !o.json_out, Usage,
+             "-i/--input writes JSONL records whatever is asked: --json has no effect there");
+  if (o.bench) {
+    FN_REQUIRE(!o.file.empty(), Usage,
+               "--bench needs -f/--file with English prose (scripts/tokenizer/bench.sh)");
+    FN_REQUIRE(!o.prompt_given && !o.chat && !o.plain, Usage,
+               "--bench times the plain encoding of -f/--file: it takes no -p/--chat/--plain");
+  }
+  FN_REQUIRE(!o.prompt_given || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
   require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
                        .think = o.think,
                        .no_think = o.no_think,
@@ -261,13 +282,7 @@ int run_tokenize(const TokenizeOptions& o) {
   if (o.bench) return run_bench(*tok, o);
   if (!o.input.empty()) return run_batch(*tok, o, batch);
   if (o.ids_given) {
-    // parse_token_ids (as generate --prompt-ids), after one enclosing [ ] (a JSON array) is
-    // dropped.
-    std::string_view list = o.ids;
-    const size_t first = list.find_first_not_of(" \t\r\n"), last = list.find_last_not_of(" \t\r\n");
-    if (first != std::string_view::npos && list[first] == '[' && last > first && list[last] == ']')
-      list = list.substr(first + 1, last - first - 1);
-    const auto ids = parse_token_ids(list, tok->vocab_size(), "--ids");
+    const auto ids = parse_token_ids(id_list, tok->vocab_size(), "--ids");
     FN_REQUIRE(!ids.empty(), Usage, "--ids: no token ids given");
     const std::string text = tok->decode(ids);
     write_stdout(o.json_out
@@ -276,7 +291,6 @@ int run_tokenize(const TokenizeOptions& o) {
                      : text);
     return 0;
   }
-  FN_REQUIRE(!o.prompt_given || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
   std::string text;
   if (o.prompt_given) {
     text = o.prompt;

@@ -130,6 +130,9 @@ tok=$src/third_party/qwen3-tokenizer/tokenizer.json
 lsan=${LSAN_OPTIONS:-}
 tk=(env "LSAN_OPTIONS=${lsan//:fast_unwind_on_malloc=0/}" "$fngen" tokenize)
 if [ -f "$tok" ]; then
+  # A file that cannot be opened says why (errno), before the tokenizer loads.
+  expect 3 "-i/--input $tmp/nonexistent.jsonl: cannot open the file (No such file or directory)" \
+    -- "${tk[@]}" --tokenizer "$tok" -i "$tmp/nonexistent.jsonl"
   expect_full 3 "$full" -- "${tk[@]}" --tokenizer "$tok" -p hello
   expect_full 3 "$full" -- "${tk[@]}" --tokenizer "$tok" -p hello --json
   printf '{"text": "hi"}\n' >"$tmp/t.jsonl"

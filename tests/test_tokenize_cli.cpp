@@ -167,6 +167,19 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen("--tokenizer '' -p x").code == 2);
   CHECK(fngen(kModel + " -p \"$(printf 'bad\\377')\"").code == 3);  // invalid UTF-8
   CHECK(fngen(kModel + " -p x --think --no-think").code == 2);
+  // Combinations that would do nothing or contradict each other are usage errors found before
+  // the tokenizer loads: with a missing model directory they still exit 2 (the load's error is 3).
+  const std::string missing = "-m /nonexistent";
+  CHECK(fngen(missing + " -p x").code == 3);  // the load's error: the checks below come first
+  CHECK(fngen(missing + " -p x -f y").code == 2);
+  CHECK(fngen(missing + " --ids '' </dev/null").code == 2);
+  CHECK(fngen(missing + " --ids '[ , ]' </dev/null").code == 2);
+  CHECK(fngen(missing + " --ids 9707 --plain").code == 2);  // --plain encodes; --ids decodes
+  CHECK(fngen(missing + " --bench").code == 2);             // --bench needs -f prose
+  CHECK(fngen(missing + " --bench -f y --chat").code == 2);
+  CHECK(fngen(missing + " --bench -f y --plain").code == 2);
+  CHECK(fngen(missing + " --bench -f y -p x").code == 2);
+  CHECK(fngen(missing + " -i y --json").code == 2);  // a batch always writes JSONL
   // Chat options without a chat prompt would do nothing: refused, as in generate.
   CHECK(fngen(kModel + " -p x --system-prompt S").code == 2);
   CHECK(fngen(kModel + " -p x --no-think").code == 2);

@@ -8,9 +8,12 @@ when the wait released it (ns). Per launch (one %gridid): the first arrival, the
 (the predecessor's completion as this launch saw it), and how many CTAs arrived only after that
 release (they were not resident when the predecessor finished). A launch's critical-path cost is
 the next launch's first release minus its own: its run after release, its completion and the
-wait's latency. The launches of the N traced steps are told apart by time (a graph replays its nodes under the same %gridid, so the records of
-one id are split by time). Prints step K (default: the middle one) launch by launch, then the
-cost per launch shape (grid x threads) summed over the step and averaged over the steps.
+wait's latency. The launches of the N traced steps are told apart by time (a graph replays its
+nodes under the same %gridid, so the records of one id are split by time). Prints step K
+(default: the middle one) launch by launch, then the cost per launch shape (grid x threads)
+summed over the step and averaged over the steps. Bad input (a file that is not such a CSV, a
+value that cannot come from the bench, options out of range, a trace that does not split into
+N steps) exits non-zero with a one-line message.
 Standard library only.
 """
 
@@ -21,39 +24,122 @@ import statistics
 import sys
 
 
+COLUMNS = ("grid_id", "block", "grid", "threads", "sm", "arrive_ns", "release_ns")
+GAP_NS = 1_000_000  # a release-time jump that starts a new instance of one grid id
+
+
+def fail(message):
+    """Exits with status 1 and the one-line `step_timeline: message`."""
+    sys.exit(f"step_timeline: {message}")
+
+
+def is_int(text):
+    """Whether a CSV field is an integer."""
+    try:
+        int(text)
+        return True
+    except ValueError:
+        return False
+
+
+def read(path):
+    """The records of a trace by grid id: {grid_id: [(arrive, release, block, grid, threads)]}.
+
+    Exits with a one-line message where the file is not the CSV `cuda_model_bench --trace` writes:
+    unreadable, binary or gzipped, no header or a column missing, a row with another number of
+    fields, a value that is not an integer or a negative id, block, grid, threads or sm (the
+    times are offsets: any sign), a release before its arrival, a block index past its grid, or
+    no record at all.
+    """
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(2)
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror}")
+    if magic == b"\x1f\x8b":
+        fail(f"{path} is gzip-compressed (scripts/gpu/trace_run.sh writes trace.csv.gz):"
+             " gunzip it first")
+    by_grid = collections.defaultdict(list)
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        try:
+            header = [h.strip() for h in next(reader, [])]
+            if not header:
+                fail(f"{path} is empty (expected the header {','.join(COLUMNS)})")
+            missing = [c for c in COLUMNS if c not in header]
+            if missing:
+                fail(f"{path}: the header lacks {', '.join(missing)}"
+                     f" (expected {','.join(COLUMNS)})")
+            idx = [header.index(c) for c in COLUMNS]
+            for row in reader:
+                if not row:
+                    continue  # a blank line
+                where = f"{path} line {reader.line_num}"
+                if len(row) != len(header):
+                    fail(f"{where}: {len(row)} fields, the header has {len(header)}")
+                try:
+                    v = [int(row[i]) for i in idx]
+                except ValueError:
+                    c, i = next((c, i) for c, i in zip(COLUMNS, idx) if not is_int(row[i]))
+                    fail(f"{where}: {c} is {row[i][:40]!r}, not an integer")
+                gid, block, grid, threads, sm, arrive, release = v
+                if min(gid, block, grid, threads, sm) < 0:  # the times are offsets, any sign
+                    c, x = next((c, x) for c, x in zip(COLUMNS, v) if x < 0)
+                    fail(f"{where}: {c} is {x}, negative")
+                if release < arrive:
+                    fail(f"{where}: release_ns {release} before arrive_ns {arrive}")
+                if block >= grid:
+                    fail(f"{where}: block {block} not below grid {grid}")
+                by_grid[gid].append((arrive, release, block, grid, threads))
+        except UnicodeDecodeError:
+            fail(f"{path} is not UTF-8 text (a binary file?)")
+        except csv.Error as e:
+            fail(f"{path} line {reader.line_num}: {e}")
+    if not by_grid:
+        fail(f"{path} has no records, only the header")
+    return by_grid
+
+
 def load(path, steps):
-    """The launches of every step, each a list ordered by first release.
+    """The launches of every step, each a list ordered by first release, and how many grid ids
+    were left out.
 
     A CUDA graph replays its nodes under the same %gridid, so one id holds one launch per step:
     its records are split where the release time jumps by more than a millisecond (a step takes
     ~5 ms, a launch's CTAs are released within microseconds), and instance s goes to step s.
+    Exits with a one-line message when no id splits into `steps` instances or a launch's records
+    disagree on its shape.
     """
-    by_grid = collections.defaultdict(list)  # grid_id -> [(arrive, release, block, grid, threads)]
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            by_grid[int(row["grid_id"])].append(
-                (int(row["arrive_ns"]), int(row["release_ns"]), int(row["block"]),
-                 int(row["grid"]), int(row["threads"])))
-    per_step = [[] for _ in range(steps)]
-    skipped = 0
-    for gid, recs in by_grid.items():
+    split = {}  # grid_id -> its instances, each a list of records ordered by release
+    for gid, recs in read(path).items():
         recs.sort(key=lambda r: r[1])
         instances, cur = [], [recs[0]]
         for r in recs[1:]:
-            if r[1] - cur[-1][1] > 1_000_000:
+            if r[1] - cur[-1][1] > GAP_NS:
                 instances.append(cur)
                 cur = []
             cur.append(r)
         instances.append(cur)
-        if len(instances) != steps:  # a launch outside the replayed graph
-            skipped += 1
-            continue
+        split[gid] = instances
+    kept = {gid: inst for gid, inst in split.items() if len(inst) == steps}
+    if not kept:  # a launch outside the replayed graph has another count; all of them cannot
+        counts = collections.Counter(len(inst) for inst in split.values())
+        seen = ", ".join(f"{n} in {counts[n]} ids" for n in sorted(counts)[:8])
+        fail(f"no launch id splits into {steps} steps at release gaps > 1 ms (instances per id:"
+             f" {seen}); is --steps the run's --trace-steps?")
+    per_step = [[] for _ in range(steps)]
+    for gid, instances in kept.items():
         for s, inst in enumerate(instances):
             first = {}  # block -> its first pass
             for r in inst:
                 if r[2] not in first or r[0] < first[r[2]][0]:
                     first[r[2]] = r
             cta = list(first.values())
+            shapes = {(r[3], r[4]) for r in cta}
+            if len(shapes) > 1:
+                seen = ", ".join(f"{g}x{t}" for g, t in sorted(shapes)[:4])
+                fail(f"grid_id {gid}: its records disagree on the launch shape (grid x threads):"
+                     f" {seen}")
             release = min(r[1] for r in cta)
             per_step[s].append({
                 "grid_id": gid,
@@ -66,7 +152,7 @@ def load(path, steps):
             })
     for step in per_step:
         step.sort(key=lambda l: (l["release"], l["grid_id"]))
-    return per_step, skipped
+    return per_step, len(split) - len(kept)
 
 
 def main():
@@ -77,14 +163,16 @@ def main():
     ap.add_argument("--top", type=int, default=25, help="rows of the per-shape table")
     args = ap.parse_args()
     if args.steps < 1:
-        sys.exit("step_timeline: --steps must be >= 1")
+        fail("--steps must be >= 1")
+    if args.step < -1:
+        fail(f"--step {args.step}: must be >= 0, or -1 for the middle step")
+    if args.step >= args.steps:
+        fail(f"--step {args.step} past the {args.steps} steps")
+    if args.top < 1:
+        fail(f"--top {args.top}: must be >= 1")
     steps, skipped = load(args.trace, args.steps)
-    per = len(steps[0])
-    if per == 0 or any(len(s) != per for s in steps):
-        sys.exit(f"step_timeline: launches per step differ: {[len(s) for s in steps]}")
+    per = len(steps[0])  # every kept id adds one launch to each step
     k = args.step if args.step >= 0 else args.steps // 2
-    if k >= args.steps:
-        sys.exit(f"step_timeline: --step {k} past the {args.steps} steps")
 
     def costs(step):
         return [step[i + 1]["release"] - step[i]["release"] for i in range(len(step) - 1)]

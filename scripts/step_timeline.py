@@ -20,6 +20,7 @@ Standard library only.
 import argparse
 import collections
 import csv
+import signal
 import statistics
 import sys
 
@@ -156,6 +157,7 @@ def load(path, steps):
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the output, not a traceback
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, required=True, help="the --trace-steps of the run")

@@ -19,7 +19,7 @@ namespace fn {
 
 /// One CTA's pass through dev::pdl_wait(): 40 bytes, the same layout on host and device.
 struct StepTraceRecord {
-  uint64_t grid_id;    ///< %gridid: unique per launch (ascending in launch order)
+  uint64_t grid_id;    ///< %gridid: one per launch; a CUDA graph's replays of a node share it
   uint64_t t_arrive;   ///< ns (%globaltimer) when thread 0 reached the wait
   uint64_t t_release;  ///< ns when the wait returned in thread 0
   uint32_t block;      ///< blockIdx.x

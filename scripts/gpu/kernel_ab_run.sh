@@ -14,11 +14,11 @@
 #        bash scripts/gpu/kernel_ab_run.sh
 # Usage: `rm -rf .carry/base && mkdir -p .carry/base && git archive BASE | tar -x -C .carry/base`,
 # then `run` with carry [".deps", ".carry/base"] and the variables above in front of the command.
-# FN_AB_VARIANTS=".carry/v1 .carry/v2" (session 15): more trees (each a `git archive` of another
+# Session 15: FN_AB_VARIANTS=".carry/v1 .carry/v2" adds trees (each a `git archive` of another
 # commit, carried too), built beside the two and benched in the same alternation (base, new,
-# variants..., twice); FN_AB_TESTS and test_cuda_model run on
-# every variant too, the sanitizer on the working tree only. FN_AB_NEW_FLAGS="--moe-bulk-down 0|
-# --moe-bulk-down 1": the working tree is benched once per flag set (|-separated) in each round.
+# variants..., twice); FN_AB_TESTS and test_cuda_model run on every variant too, the sanitizer on
+# the working tree only. FN_AB_NEW_FLAGS="--moe-bulk-down 0|--moe-bulk-down 1" benches the
+# working tree once per flag set (|-separated) in each round.
 set -u
 cd "$(dirname "$0")/../.."
 fn_out_default=/tmp/kernel-ab-out

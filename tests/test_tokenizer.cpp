@@ -293,6 +293,11 @@ TEST_CASE("tokenizer: a missing or corrupt tokenizer file is a clear error") {
   CHECK_THROWS_WITH_AS(fn::load_tokenizer_json_text(huge.dump(), "huge.json"),
                        doctest::Contains("huge.json: token 'zz' has invalid id 16777216"),
                        fn::Error);
+  // Two vocabulary entries with one id (decode could only give one of them back).
+  json twice = tiny_tokenizer({});
+  twice["model"]["vocab"]["zz"] = 97;  // the id of "a"
+  CHECK_THROWS_WITH_AS(fn::load_tokenizer_json_text(twice.dump(), "twice.json"),
+                       doctest::Contains("twice.json: model.vocab gives id 97 to both"), fn::Error);
 }
 
 TEST_CASE("tokenizer: merges naming unknown tokens are rejected with the merge and token") {

@@ -339,6 +339,12 @@ class BpeTokenizer final : public Tokenizer {
       FN_REQUIRE(idj.is_number_integer(), Format, "{}: model.vocab['{}'] is not an integer", name_,
                  tok);
       const auto id = idj.get<int32_t>();
+      // Two spellings of one id: decode would give one of them for both (added_tokens may reuse
+      // a vocabulary id for the same token; model.vocab itself may not).
+      FN_REQUIRE(id < 0 || static_cast<size_t>(id) >= present_.size() ||
+                     present_[static_cast<size_t>(id)] == 0,
+                 Format, "{}: model.vocab gives id {} to both '{}' and '{}'", name_, id,
+                 id_to_token_[static_cast<size_t>(id)], tok);
       vocab_[tok] = id;
       set_id(id, tok);
     }

@@ -167,8 +167,7 @@ std::pair<double, double> timed(F&& f) {
   return {seconds_since(t0), thread_cpu_seconds() - c0};
 }
 
-int run_bench(const Tokenizer& tok, const TokenizeOptions& o) {
-  const std::string prose = read_file(o.file, "-f/--file");
+int run_bench(const Tokenizer& tok, const TokenizeOptions& o, const std::string& prose) {
   const double mb = static_cast<double>(prose.size()) / 1e6;
   size_t n_tokens = 0;
   const auto cold = timed([&] { n_tokens = tok.encode(prose).size(); });
@@ -268,6 +267,10 @@ int run_tokenize(const TokenizeOptions& o) {
                "--bench times the plain encoding of -f/--file: it takes no -p/--chat/--plain");
   }
   FN_REQUIRE(!o.prompt_given || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
+  FN_REQUIRE(!(o.chat && o.plain), Usage,
+             "--plain has no effect with --chat (chat content is always encoded as plain text)");
+  if (o.ids_given) (void)parse_token_ids(id_list, kMaxTokenId, "--ids");  // its syntax, now
+  if (!o.model.empty()) require_model_dir(o.model);
   require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
                        .think = o.think,
                        .no_think = o.no_think,
@@ -275,31 +278,36 @@ int run_tokenize(const TokenizeOptions& o) {
                       o.chat || !o.input.empty());
   const std::vector<std::string> batch =
       o.input.empty() ? std::vector<std::string>{} : read_batch(o);
+  // The text to encode (or the --bench prose), read before the load as the batch is.
+  std::string text;
+  if (o.input.empty() && !o.ids_given) {
+    if (o.prompt_given) {
+      text = o.prompt;
+    } else if (!o.file.empty()) {
+      text = read_file(o.file, "-f/--file");
+    } else {
+      std::stringstream ss;
+      ss << std::cin.rdbuf();
+      text = ss.str();
+    }
+  }
+  FN_REQUIRE(!o.bench || !text.empty(), Format, "-f/--file {}: no text to time (--bench)", o.file);
   const auto t0 = std::chrono::steady_clock::now();
   const auto tok =
       o.model.empty() ? load_tokenizer_file(o.tokenizer_file) : load_tokenizer(o.model);
   FN_LOG_DEBUG("tokenizer loaded in {:.3f} s ({} ids)", seconds_since(t0), tok->vocab_size());
-  if (o.bench) return run_bench(*tok, o);
+  if (o.bench)
+    return with_text_source("-f/--file " + o.file, [&] { return run_bench(*tok, o, text); });
   if (!o.input.empty()) return run_batch(*tok, o, batch);
   if (o.ids_given) {
     const auto ids = parse_token_ids(id_list, tok->vocab_size(), "--ids");
     FN_REQUIRE(!ids.empty(), Usage, "--ids: no token ids given");
-    const std::string text = tok->decode(ids);
-    write_stdout(o.json_out
-                     ? json{{"text", text}}.dump(-1, ' ', false, json::error_handler_t::replace) +
-                           "\n"
-                     : text);
+    const std::string decoded = tok->decode(ids);
+    write_stdout(
+        o.json_out
+            ? json{{"text", decoded}}.dump(-1, ' ', false, json::error_handler_t::replace) + "\n"
+            : decoded);
     return 0;
-  }
-  std::string text;
-  if (o.prompt_given) {
-    text = o.prompt;
-  } else if (!o.file.empty()) {
-    text = read_file(o.file, "-f/--file");
-  } else {
-    std::stringstream ss;
-    ss << std::cin.rdbuf();
-    text = ss.str();
   }
   std::vector<int32_t> ids;
   std::string rendered;

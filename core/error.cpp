@@ -2,8 +2,27 @@
 
 namespace fn {
 
+namespace {
+
+// what() is a C string: a NUL inside the message (a hostile file's text quoted in it) would end
+// it there, so NUL bytes are written as \x00 (escape_for_log's spelling, core/log.h).
+std::string without_nul(std::string message) {
+  if (message.find('\0') == std::string::npos) return message;
+  std::string out;
+  out.reserve(message.size() + 8);
+  for (const char c : message) {
+    if (c == '\0')
+      out += "\\x00";
+    else
+      out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
 Error::Error(ErrorKind kind, std::string message, const char* file, int line)
-    : std::runtime_error(std::move(message)), kind_(kind) {
+    : std::runtime_error(without_nul(std::move(message))), kind_(kind) {
   if (file != nullptr && file[0] != '\0') where_ = fmt::format("{}:{}", file, line);
 }
 

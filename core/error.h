@@ -23,7 +23,8 @@ enum class ErrorKind {
 };
 
 /// The exception every fngen failure travels as. what() is the full message, already naming
-/// the file, tensor, rank or flag at fault; where() is the source location that raised it.
+/// the file, tensor, rank or flag at fault (a NUL byte in it is written as \x00, so what() is
+/// never cut short); where() is the source location that raised it.
 class Error : public std::runtime_error {
  public:
   Error(ErrorKind kind, std::string message, const char* file = "", int line = 0);

@@ -14,6 +14,12 @@ TEST_CASE("error: FN_REQUIRE throws the given kind with the message and its loca
   }
 }
 
+TEST_CASE("error: a NUL byte in the message is written as \\x00, so what() is not cut there") {
+  const fn::Error e(fn::ErrorKind::Format, std::string("token 'a\0b' is bad", 18));
+  CHECK(std::string(e.what()) == "token 'a\\x00b' is bad");
+  CHECK(std::string(fn::Error(fn::ErrorKind::Io, "plain").what()) == "plain");
+}
+
 TEST_CASE("error: FN_CHECK raises an internal error naming the failed condition") {
   try {
     int n = 2;

@@ -179,7 +179,14 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(missing + " --bench -f y --chat").code == 2);
   CHECK(fngen(missing + " --bench -f y --plain").code == 2);
   CHECK(fngen(missing + " --bench -f y -p x").code == 2);
-  CHECK(fngen(missing + " -i y --json").code == 2);  // a batch always writes JSONL
+  CHECK(fngen(missing + " -i y --json").code == 2);          // a batch always writes JSONL
+  CHECK(fngen(missing + " --chat --plain -p x").code == 2);  // chat content is always plain
+  CHECK(fngen(missing + " --ids abc").code == 2);            // the list's syntax, before the load
+  CHECK(fngen(missing + " --ids '1,,2'").code == 2);
+  CHECK(fngen(missing + " --ids=-1").code == 2);
+  CHECK(fngen(kModel + " --bench -f /dev/null").code == 3);  // no prose to time (was exit 0)
+  // -m names the model directory: a file there is a usage error (as generate), not "missing".
+  CHECK(fngen("-m " + fn::test::qwen3_json_path() + " -p x").code == 2);
   // Chat options without a chat prompt would do nothing: refused, as in generate.
   CHECK(fngen(kModel + " -p x --system-prompt S").code == 2);
   CHECK(fngen(kModel + " -p x --no-think").code == 2);

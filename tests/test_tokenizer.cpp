@@ -305,6 +305,11 @@ TEST_CASE("tokenizer: merges naming unknown tokens are rejected with the merge a
   j["model"]["merges"].push_back(json::array({"zz", "a"}));
   CHECK_THROWS_WITH_AS(load(j), "tiny.json: merge 1 ('zz', 'a') names unknown token 'zz'",
                        fn::Error);
+  // A NUL inside a hostile token name stays in the message (what() would end at it).
+  json z = tiny_tokenizer({{"a", "b"}});
+  z["model"]["merges"].push_back(json::array({std::string("z\0z", 3), "a"}));
+  CHECK_THROWS_WITH_AS(load(z), "tiny.json: merge 1 ('z\\x00z', 'a') names unknown token 'z\\x00z'",
+                       fn::Error);
   json k = tiny_tokenizer({{"a", "b"}});
   k["model"]["merges"].push_back("a c");  // "ac" is not in the vocabulary
   CHECK_THROWS_WITH_AS(load(k),

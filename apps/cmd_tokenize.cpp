@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "apps/app_util.h"
@@ -37,10 +38,18 @@ ChatMode default_chat_mode(const TokenizeOptions& o) {
   const std::string dir = !o.model.empty() ? o.model : o.tokenizer_file;
   std::error_code ec;
   if (std::filesystem::is_directory(dir, ec)) {
-    std::ifstream in(std::filesystem::path(dir) / "config.json");
+    const std::filesystem::path path = std::filesystem::path(dir) / "config.json";
+    std::ifstream in(path);
     if (in.good()) {
+      // A damaged config.json would silently give the wrong template (qwen3.8 for a Qwen3
+      // directory): an error naming it instead, as every other reader of config.json does.
       const json cfg = json::parse(in, nullptr, /*allow_exceptions=*/false);
-      const std::string type = cfg.is_object() ? cfg.value("model_type", "") : "";
+      FN_REQUIRE(cfg.is_object() && (!cfg.contains("model_type") || cfg["model_type"].is_string()),
+                 Format,
+                 "{}: not a JSON object with a string model_type (it picks the default chat "
+                 "template; fix it or give --chat-template)",
+                 path.string());
+      const std::string type = cfg.value("model_type", "");
       if (type.rfind("qwen3", 0) == 0) return ChatMode::Qwen3;
     }
   }
@@ -97,7 +106,12 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o,
     FN_REQUIRE(file_out.good(), Io, "cannot open -o/--output {}", o.output);
   }
   std::ostream& out = o.output.empty() ? std::cout : file_out;
-  const ChatOptions copt = chat_options(o);
+  // The chat options only when a record needs them (their default template may read config.json).
+  std::optional<ChatOptions> chat;
+  const auto copt = [&]() -> const ChatOptions& {
+    if (!chat) chat = chat_options(o);
+    return *chat;
+  };
   const EncodeMode mode = o.plain ? EncodeMode::Plain : EncodeMode::Raw;
   size_t n = 0, errors = 0, tokens = 0;
   for (size_t li = 0; li < lines.size(); ++li) {
@@ -116,12 +130,12 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o,
         auto msgs = chat_messages_from_json(j["messages"]);
         if (!o.system_prompt.empty() && msgs.front().role != "system")  // as generate -i
           msgs.insert(msgs.begin(), ChatMessage{"system", o.system_prompt, std::nullopt});
-        ids = encode_chat(tok, msgs, copt);
+        ids = encode_chat(tok, msgs, copt());
       } else {
         FN_REQUIRE(j["text"].is_string(), Format, "\"text\" must be a string, got {}",
                    j["text"].type_name());
         const auto& text = j["text"].get_ref<const std::string&>();
-        ids = o.chat ? encode_chat(tok, prompt_messages(o, text), copt) : tok.encode(text, mode);
+        ids = o.chat ? encode_chat(tok, prompt_messages(o, text), copt()) : tok.encode(text, mode);
       }
       tokens += ids.size();
       rec["ids"] = std::move(ids);
@@ -251,6 +265,9 @@ int run_tokenize(const TokenizeOptions& o) {
                "--ids decodes ids: it takes no -i/--input or --bench");
     FN_REQUIRE(!o.prompt_given && o.file.empty() && !o.chat && !o.plain, Usage,
                "--ids decodes ids: it takes no -p/-f/--chat/--plain");
+    FN_REQUIRE(o.system_prompt.empty() && !o.think && !o.no_think && o.chat_mode.empty(), Usage,
+               "--ids decodes ids: it takes no chat option (--system-prompt, --think, "
+               "--no-think, --chat-template)");
     FN_REQUIRE(id_list.find_first_not_of(" \t\r\n,") != std::string_view::npos, Usage,
                "--ids: no token ids given");
   }
@@ -314,10 +331,11 @@ int run_tokenize(const TokenizeOptions& o) {
   const std::string source = o.prompt_given    ? "-p/--prompt"
                              : !o.file.empty() ? "-f/--file " + o.file
                                                : std::string("standard input");
+  const ChatOptions copt =
+      o.chat ? chat_options(o) : ChatOptions{};  // its errors are not the text's
   with_text_source(source, [&] {
     if (o.chat) {
       const auto msgs = prompt_messages(o, text);
-      const ChatOptions copt = chat_options(o);
       rendered = render_chat(msgs, copt);
       ids = encode_chat(*tok, msgs, copt);
     } else {

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -179,9 +180,10 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(missing + " --bench -f y --chat").code == 2);
   CHECK(fngen(missing + " --bench -f y --plain").code == 2);
   CHECK(fngen(missing + " --bench -f y -p x").code == 2);
-  CHECK(fngen(missing + " -i y --json").code == 2);          // a batch always writes JSONL
-  CHECK(fngen(missing + " --chat --plain -p x").code == 2);  // chat content is always plain
-  CHECK(fngen(missing + " --ids abc").code == 2);            // the list's syntax, before the load
+  CHECK(fngen(missing + " -i y --json").code == 2);                // a batch always writes JSONL
+  CHECK(fngen(missing + " --chat --plain -p x").code == 2);        // chat content is always plain
+  CHECK(fngen(missing + " --ids 1 --system-prompt S").code == 2);  // no chat options with --ids
+  CHECK(fngen(missing + " --ids abc").code == 2);  // the list's syntax, before the load
   CHECK(fngen(missing + " --ids '1,,2'").code == 2);
   CHECK(fngen(missing + " --ids=-1").code == 2);
   CHECK(fngen(kModel + " --bench -f /dev/null").code == 3);  // no prose to time (was exit 0)
@@ -191,4 +193,27 @@ TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {
   CHECK(fngen(kModel + " -p x --system-prompt S").code == 2);
   CHECK(fngen(kModel + " -p x --no-think").code == 2);
   CHECK(fngen(kModel + " -p x --chat-mode qwen3").code == 2);
+}
+
+TEST_CASE(
+    "tokenize cli: a damaged config.json beside the tokenizer is named when it picks the "
+    "template") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(FN_BINARY_DIR) / "test_tokenize_cli_damaged";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(fn::test::qwen3_json_path(), dir / "tokenizer.json");
+  const std::string tk = "--tokenizer " + dir.string();
+  for (const char* cfg : {"{\"model_type\": 5}", "{\"model_type\": \"qwen3\"", "[1]"}) {
+    CAPTURE(cfg);
+    std::ofstream(dir / "config.json") << cfg;
+    CHECK(fngen(tk + " --chat -p hi").code == 3);  // was: exit 1, or qwen3.8 without a word
+    CHECK(fngen(tk + " --chat --chat-template qwen3 -p hi").code == 0);  // not read then
+    CHECK(fngen(tk + " -p hi").code == 0);                               // no template needed
+  }
+  std::ofstream(dir / "config.json") << "{\"model_type\": \"qwen3\"}";
+  const Run r = fngen(tk + " --chat --no-think -p hi");
+  CHECK(r.code == 0);
+  CHECK(r.out == fngen(kModel + " --chat --no-think --chat-template qwen3 -p hi").out);
+  fs::remove_all(dir);
 }

@@ -212,7 +212,7 @@ def main():
     # different roles (an HC mix, an out GEMV and the routed down can all be 320 x 256) mostly
     # follow different launches.
     by_pair = collections.defaultdict(list)
-    for i, cost in enumerate(costs(step)):
+    for i, cost in enumerate(c):
         prev = step[i - 1]["shape"] if i > 0 else "start"
         by_pair[f"{prev} -> {step[i]['shape']}"].append(cost / 1e3)
     print(f"\nstep {k}, cost by (previous shape -> shape), us:")

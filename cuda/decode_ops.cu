@@ -44,10 +44,22 @@ __global__ void __launch_bounds__(kThreads)
   dev::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= D) return;
-  const float yi = y[i];
-  for (int s = 0; s < hc; ++s) {
-    // Product and sum rounded separately (no contraction), as fn::cpu::hc_inject.
-    H[s * D + i] = __fadd_rn(H[s * D + i], __fmul_rn(iota[s], yi));
+  const float yi = __ldg(y + i);
+  // Four streams at a time, every load before any store: a store to H could alias a later
+  // stream's H or iota for all the compiler knows, so interleaved it would serialise one memory
+  // round trip per stream (the kernel sits on the step's critical path 96 times per token).
+  constexpr int kBatch = 4;
+  for (int s0 = 0; s0 < hc; s0 += kBatch) {
+    float h[kBatch], io[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const bool ok = s0 + k < hc;
+      h[k] = ok ? H[(s0 + k) * D + i] : 0.0f;
+      io[k] = ok ? __ldg(iota + s0 + k) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k)
+      if (s0 + k < hc) H[(s0 + k) * D + i] = dev::hc_inject_value(h[k], io[k], yi);
   }
 }
 

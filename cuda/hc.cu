@@ -83,11 +83,10 @@ __device__ __forceinline__ void down_finish(const DownArgs& a, float (&v)[kDownR
   if (blockIdx.y == 0 && warp == 0) a.sumsq[p] = v[kDownRows];
 }
 
-// x + iota * y per component, the product and the sum each rounded once (no FMA), as
-// hc_inject_kernel and fn::cpu::hc_inject.
+// x + iota * y per component (dev::hc_inject_value: the bits of hc_inject_kernel).
 __device__ __forceinline__ float4 inject4(float4 h, float iota, float4 y) {
-  return make_float4(__fadd_rn(h.x, __fmul_rn(iota, y.x)), __fadd_rn(h.y, __fmul_rn(iota, y.y)),
-                     __fadd_rn(h.z, __fmul_rn(iota, y.z)), __fadd_rn(h.w, __fmul_rn(iota, y.w)));
+  return make_float4(dev::hc_inject_value(h.x, iota, y.x), dev::hc_inject_value(h.y, iota, y.y),
+                     dev::hc_inject_value(h.z, iota, y.z), dev::hc_inject_value(h.w, iota, y.w));
 }
 
 // H at the lane's kDownVecPerLane vectors of the chunk (zeros past the group): the only load of
@@ -107,13 +106,23 @@ __device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int
   const int g = static_cast<int>(col0 / a.hidden);
   const int64_t i0 = col0 - g * a.hidden;  // column of the chunk's first vector within the group
   const float iota = __ldg(a.iota + g);
+  // Every y load before the first H_out store (interleaved, each store would hold back the next
+  // load: the compiler cannot tell H_out from y apart).
+  float4 yv[kDownVecPerLane][2];
+#pragma unroll
+  for (int u = 0; u < kDownVecPerLane; ++u) {
+    const int vl = lane + 32 * u;
+    const float4* yp = reinterpret_cast<const float4*>(a.y + i0 + 8 * static_cast<int64_t>(vl));
+    const bool ok = vbeg + vl < a.gvec;
+    yv[u][0] = ok ? __ldg(yp) : make_float4(0, 0, 0, 0);
+    yv[u][1] = ok ? __ldg(yp + 1) : make_float4(0, 0, 0, 0);
+  }
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
     const int vl = lane + 32 * u;
     if (vbeg + vl >= a.gvec) continue;
-    const float4* yp = reinterpret_cast<const float4*>(a.y + i0 + 8 * static_cast<int64_t>(vl));
-    hx[u][0] = inject4(hx[u][0], iota, __ldg(yp));
-    hx[u][1] = inject4(hx[u][1], iota, __ldg(yp + 1));
+    hx[u][0] = inject4(hx[u][0], iota, yv[u][0]);
+    hx[u][1] = inject4(hx[u][1], iota, yv[u][1]);
     if (blockIdx.y == 0) {
       float4* op = reinterpret_cast<float4*>(a.H_out + col0 + 8 * static_cast<int64_t>(vl));
       op[0] = hx[u][0];

@@ -106,23 +106,13 @@ __device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int
   const int g = static_cast<int>(col0 / a.hidden);
   const int64_t i0 = col0 - g * a.hidden;  // column of the chunk's first vector within the group
   const float iota = __ldg(a.iota + g);
-  // Every y load before the first H_out store (interleaved, each store would hold back the next
-  // load: the compiler cannot tell H_out from y apart).
-  float4 yv[kDownVecPerLane][2];
-#pragma unroll
-  for (int u = 0; u < kDownVecPerLane; ++u) {
-    const int vl = lane + 32 * u;
-    const float4* yp = reinterpret_cast<const float4*>(a.y + i0 + 8 * static_cast<int64_t>(vl));
-    const bool ok = vbeg + vl < a.gvec;
-    yv[u][0] = ok ? __ldg(yp) : make_float4(0, 0, 0, 0);
-    yv[u][1] = ok ? __ldg(yp + 1) : make_float4(0, 0, 0, 0);
-  }
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
     const int vl = lane + 32 * u;
     if (vbeg + vl >= a.gvec) continue;
-    hx[u][0] = inject4(hx[u][0], iota, yv[u][0]);
-    hx[u][1] = inject4(hx[u][1], iota, yv[u][1]);
+    const float4* yp = reinterpret_cast<const float4*>(a.y + i0 + 8 * static_cast<int64_t>(vl));
+    hx[u][0] = inject4(hx[u][0], iota, __ldg(yp));
+    hx[u][1] = inject4(hx[u][1], iota, __ldg(yp + 1));
     if (blockIdx.y == 0) {
       float4* op = reinterpret_cast<float4*>(a.H_out + col0 + 8 * static_cast<int64_t>(vl));
       op[0] = hx[u][0];

@@ -913,7 +913,7 @@ void register_bench(CLI::App& app, CommandList& commands) {
                    "discarded repetitions per lane before the measured ones (default 1)", {});
   sub->add_option("--format", o->format, "report format: md | csv | json | jsonl (default md)")
       ->check(CLI::IsMember({"md", "csv", "json", "jsonl"}));
-  sub->add_option("-o,--output", o->output, "write the report to FILE instead of stdout");
+  add_stdout_option(sub, "-o,--output", o->output, "write the report to FILE");
   sub->add_option("--per-token", o->per_token,
                   "JSONL: one record per lane and measured repetition with its TTFT and every "
                   "inter-token latency (n_gen - 1 gaps)");

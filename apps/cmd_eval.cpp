@@ -746,7 +746,12 @@ void register_eval(CLI::App& app, CommandList& commands) {
   o->dump->add_option("--ids-file", o->ids_file, "file of prompt token ids");
   o->dump->add_option("--continuation-ids", o->continuation_ids,
                       "token ids fed after the prompt (teacher-forced)");
-  o->dump->add_option("-o,--output", o->output, "reference-logits file to write")->required();
+  o->dump->add_option("-o,--output", o->output, "reference-logits file to write")
+      ->required()
+      ->check([](const std::string& s) {
+        return s == "-" ? std::string("'-': the reference-logits file is binary, give a file path")
+                        : std::string();
+      });
   o->dump->add_option("--dtype", o->dtype, "float32 | float16 (default float32)")
       ->check(CLI::IsMember({"float32", "float16"}));
   add_whole_option(o->dump, "--top-k", o->top_k,
@@ -770,7 +775,7 @@ void register_eval(CLI::App& app, CommandList& commands) {
       "task, id) and score the answer after stripping <think>...</think>");
   add_common(o->score, o->score_c);
   o->score->add_option("-i,--input", o->input, "tasks JSONL")->required();
-  o->score->add_option("-o,--output", o->score_output, "JSONL records (default: stdout)");
+  add_stdout_option(o->score, "-o,--output", o->score_output, "JSONL records");
   add_whole_option(o->score, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
                    "tokens to generate per task (default 256)", WholeRange(1, kMaxTokenCount));
   add_whole_option(o->score, "-c,--ctx-size", o->score_ctx,

@@ -604,7 +604,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
   sub->add_option("-i,--input", o->input,
                   "JSONL batch: one {\"prompt\"}, {\"prompt_ids\"} or {\"messages\"} per line "
                   "(optional \"id\")");
-  sub->add_option("-o,--output", o->output, "JSONL results of -i (default: stdout)");
+  add_stdout_option(sub, "-o,--output", o->output, "JSONL results of -i");
   add_whole_option(
       sub, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
       "tokens to generate (default 256, fewer when the context ends first; -1: until the "

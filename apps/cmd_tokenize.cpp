@@ -388,8 +388,7 @@ void register_tokenize(CLI::App& app, CommandList& commands) {
                 "print JSON ({\"ids\", \"n_tokens\", \"tokens\"} or {\"text\"})");
   sub->add_option("-i,--input", o->input, "JSONL input: one {\"text\"} or {\"messages\"} per line")
       ->check(path);
-  sub->add_option("-o,--output", o->output,
-                  "JSONL output for -i (default stdout): {\"ids\"} or {\"error\"}")
+  add_stdout_option(sub, "-o,--output", o->output, "JSONL output for -i: {\"ids\"} or {\"error\"}")
       ->check(path);
   sub->add_flag("--bench", o->bench, "benchmark: MB/s on -f prose, 1 MiB adversarial inputs");
   // Tokenizing needs no other rank: it runs without MPI_Init (under mpirun, on rank 0 only).

@@ -25,6 +25,13 @@ struct Command {
 
 using CommandList = std::vector<Command>;
 
+/// Adds the option `names` (e.g. "-o,--output") to `sub` for an output file whose default is
+/// standard output (`path` empty): "-" then names standard output too, as in most command-line
+/// tools (the value is cleared once the subcommand is parsed). One per subcommand: it takes the
+/// subcommand's parse-complete callback. Returns the option for further checks.
+CLI::Option* add_stdout_option(CLI::App* sub, const std::string& names, std::string& path,
+                               const std::string& help);
+
 /// Adds every subcommand (apps/commands.cpp lists them).
 void register_commands(CLI::App& app, CommandList& commands);
 

@@ -3,6 +3,15 @@
 
 namespace fn {
 
+CLI::Option* add_stdout_option(CLI::App* sub, const std::string& names, std::string& path,
+                               const std::string& help) {
+  std::string* target = &path;
+  sub->parse_complete_callback([target] {
+    if (*target == "-") target->clear();
+  });
+  return sub->add_option(names, path, help + " (default, or '-': standard output)");
+}
+
 void register_commands(CLI::App& app, CommandList& commands) {
   register_inspect(app, commands);
   register_synth(app, commands);

@@ -261,6 +261,12 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
     fail "bench -p 010 -n 08: $(tail -n 2 "$tmp/err")"
   check_json "$tmp/dec.json" "[(l['n_prompt'], l['n_gen']) for l in j['lanes']] == [(10, 8)] and j['repetitions'] == 1" \
     "-p 010 -n 08 read as decimal: one lane (10, 8)"
+  # -o - is standard output (not a file named "-").
+  (cd "$tmp" && rm -f ./- && timeout 300 "$fngen" bench -m "$fx" --backend cpu -p 8 -n 2 -r 1 \
+    --warmup 0 --format json -o - >"$tmp/dash.json" 2>/dev/null) || fail "bench -o - run"
+  [ -e "$tmp/-" ] && fail "bench -o -: wrote a file named '-'" || pass "bench -o -: no file '-'"
+  check_json "$tmp/dash.json" "[(l['n_prompt'], l['n_gen']) for l in j['lanes']] == [(8, 2)]" \
+    "bench -o -: the report on stdout"
   # One measured repetition is named in the singular.
   bench -p 8 -n 2 -r 1 --warmup 0 >"$tmp/r1.md" 2>/dev/null || fail "bench -r 1 md run"
   grep -q ", 1 repetition after 0 warmup," "$tmp/r1.md" && pass "md header: '1 repetition'" ||

@@ -151,6 +151,7 @@ expect 3 "outside the model's vocabulary" -- mpi 1 ppl -m "$tmp/tok_model" -f "$
 expect 2 "has no tokenizer" -- mpi 1 ppl -m "$fx/tp4" -f "$src/README.md"
 expect 2 "The following argument was not expected: --bogus" -- mpi 1 kld -m "$fx/tp4" --base x --bogus
 expect 2 "base is required" -- mpi 1 kld -m "$fx/tp4"
+expect 2 "the reference-logits file is binary" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o -
 expect 2 "A subcommand" -- "$fngen" eval
 expect 2 "exactly one of -f/--file" -- mpi 1 ppl -m "$fx/tp4"
 expect 2 "--chunks: '-3' is out of range (allowed -1, or 1 to" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks -3

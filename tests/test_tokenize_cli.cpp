@@ -122,6 +122,14 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   CHECK(recs[6]["error"] ==
         "line 8: \"messages\"[0].role \"robot\" is not one of system, user, assistant, tool");
   CHECK(recs[7]["error"] == "line 9: the record needs exactly one of \"text\" or \"messages\"");
+
+  // -o - is standard output (not a file named "-"): the same records.
+  std::filesystem::remove("-");
+  const auto d = fngen(kModel + " --chat-mode qwen3 --system-prompt S -i " + in + " -o -");
+  CHECK(d.code == 0);
+  std::ifstream again(out);
+  CHECK(d.out == std::string(std::istreambuf_iterator<char>(again), {}));
+  CHECK(!std::filesystem::exists("-"));
 }
 
 TEST_CASE("tokenize cli: bad invocations exit with the usage and input codes") {

@@ -608,7 +608,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
   add_whole_option(
       sub, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
       "tokens to generate (default 256, fewer when the context ends first; -1: until the "
-      "context is full)",
+      "context is full; an explicit N that does not fit in -c/--ctx-size is an error)",
       WholeRange(1, kMaxTokenCount).or_value(-1));
   add_whole_option(sub, "-c,--ctx-size", o->ctx_size,
                    "context size in tokens (default, or 0: min(max_position_embeddings, 4096))",

@@ -129,6 +129,10 @@ void require_chat_prompt(const ChatFlagsGiven& given, bool chat_prompt) {
                flag);
 }
 
+void require_utf8_system_prompt(const std::string& system_prompt) {
+  unicode::require_valid_utf8(system_prompt, "--system-prompt");
+}
+
 void require_not_input(const std::string& out, const char* out_flag, const std::string& in,
                        const char* in_flag) {
   FN_REQUIRE(!same_file(out, in), Usage,

@@ -58,6 +58,11 @@ struct ChatFlagsGiven {
 /// `chat_prompt` says whether either is given. Throws fn::Error(Usage) naming the first flag.
 void require_chat_prompt(const ChatFlagsGiven& given, bool chat_prompt);
 
+/// Refuses a --system-prompt that is not valid UTF-8, naming that flag (the encode would blame
+/// the prompt): fn::Error(Format) "invalid UTF-8 in --system-prompt at byte offset N", exit 3
+/// as for a prompt. The empty string passes.
+void require_utf8_system_prompt(const std::string& system_prompt);
+
 /// Refuses an output file (`out_flag` OUT) that is the input file (`in_flag` IN) under another
 /// name (same_file): writing the results would destroy the input before it is read. Throws
 /// fn::Error(Usage) naming both. Empty paths pass.

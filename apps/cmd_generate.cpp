@@ -59,8 +59,10 @@ int64_t new_tokens_for(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
 }
 
 // The prompt plus -n must fit the context; the default -n and -n -1 (until the context is full)
-// need room for one token. fn::Error(Usage) naming the flag as the user gave it.
+// need room for one token; an empty prompt is refused here, before the load (whatever -n is).
+// fn::Error(Usage) naming the flag as the user gave it.
 void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
+  FN_REQUIRE(n_prompt > 0, Usage, "the prompt is empty (0 tokens): give at least one token");
   if (max_new_tokens == 0) {
     FN_REQUIRE(n_prompt < ctx, Usage,
                "the prompt ({} token{}) fills the context size -c/--ctx-size {}: it leaves no "
@@ -306,6 +308,7 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
                        .no_think = o.no_think,
                        .chat_template = !o.chat_template.empty()},
                       o.chat || !o.input.empty());
+  require_utf8_system_prompt(o.system_prompt);
 
   require_model_dir(o.model);
   if (root) {

@@ -286,13 +286,14 @@ int run_tokenize(const TokenizeOptions& o) {
   FN_REQUIRE(!o.prompt_given || o.file.empty(), Usage, "give -p/--prompt or -f/--file, not both");
   FN_REQUIRE(!(o.chat && o.plain), Usage,
              "--plain has no effect with --chat (chat content is always encoded as plain text)");
-  if (o.ids_given) (void)parse_token_ids(id_list, kMaxTokenId, "--ids");  // its syntax, now
+  if (o.ids_given) (void)parse_token_ids(id_list, 0, "--ids");  // its syntax, now
   if (!o.model.empty()) require_model_dir(o.model);
   require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
                        .think = o.think,
                        .no_think = o.no_think,
                        .chat_template = !o.chat_mode.empty()},
                       o.chat || !o.input.empty());
+  require_utf8_system_prompt(o.system_prompt);
   const std::vector<std::string> batch =
       o.input.empty() ? std::vector<std::string>{} : read_batch(o);
   // The text to encode (or the --bench prose), read before the load as the batch is.

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <new>
 #include <regex>
 #include <string>
 #include <thread>
@@ -171,6 +172,12 @@ int main(int argc, char** argv) {
     wait_for_rank0_abort(mpi.get());
     FN_LOG_ERROR("{} error: {}", fn::error_kind_name(e.kind()), e.what());
     FN_LOG_DEBUG("raised at {}", e.where());
+  } catch (const std::bad_alloc&) {
+    wait_for_rank0_abort(mpi.get());
+    FN_LOG_ERROR(
+        "out of host memory (std::bad_alloc): a size in the input (config.json, a tensor shape, "
+        "a flag) may be more than this machine can hold");
+    code = 1;
   } catch (const std::exception& e) {
     wait_for_rank0_abort(mpi.get());
     FN_LOG_ERROR("internal error: {}", e.what());

@@ -22,6 +22,11 @@ enum class LayerType { LinearAttention, QwenSparseAttention };
 /// Activation of the GDN output gate (MODEL.md §F.1.2: the real model says sigmoid).
 enum class GateActivation { Sigmoid, Silu };
 
+/// The most routed experts a config may declare (validate refuses more): the CUDA router's top-k
+/// keeps every expert's score in shared memory (kMaxExperts, cuda/moe_device.cuh); the real model
+/// has 512.
+inline constexpr int64_t kMaxNumExperts = 1024;
+
 /// The text_config of a qwen4_exp checkpoint (MODEL.md §A.2), config.json names as member
 /// names. Fields absent from the file take the transformers 5.17 defaults of MODEL.md §G.1.
 struct ModelConfig {

@@ -63,15 +63,18 @@ std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
     int64_t v = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
     const bool whole = end == item.data() + item.size();
-    FN_REQUIRE(!(whole && ec == std::errc::result_out_of_range), Usage,
+    const bool too_long = whole && ec == std::errc::result_out_of_range;
+    FN_REQUIRE(whole && (ec == std::errc() || too_long), Usage,
+               "{}: item {} \"{}\" is not an integer", what, ids.size(), item);
+    FN_REQUIRE(!(too_long ? item.front() == '-' : v < 0), Usage,
+               "{}: item {} = {} is negative (token ids are 0 or more)", what, ids.size(), item);
+    const bool syntax_only = vocab_size == 0;
+    FN_REQUIRE(syntax_only || (!too_long && v < vocab_size), Usage,
                "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size(), item,
                vocab_size);
-    FN_REQUIRE(whole && ec == std::errc(), Usage, "{}: item {} \"{}\" is not an integer", what,
-               ids.size(), item);
-    FN_REQUIRE(v >= 0 && v < vocab_size, Usage,
-               "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size(), v,
-               vocab_size);
-    ids.push_back(static_cast<int32_t>(v));
+    ids.push_back(syntax_only && (too_long || v > std::numeric_limits<int32_t>::max())
+                      ? 0
+                      : static_cast<int32_t>(v));
     need_item = false;
     i = j;
   }

@@ -67,8 +67,10 @@ uint64_t fnv1a64(std::string_view bytes) noexcept;
 std::string tokenizer_id(const std::filesystem::path& model_dir);
 
 /// Parses token ids separated by one comma (spaces around it allowed) or by whitespace (newlines
-/// included); each must lie in [0, vocab_size). An empty item (",1", "1,,2", "1,") is an error.
-/// `what` names the flag or file in errors (fn::Error Usage).
+/// included); each must lie in [0, vocab_size). An empty item (",1", "1,,2", "1,") is an error,
+/// and so is a negative id whatever the vocabulary. vocab_size 0 checks the syntax alone (before
+/// the vocabulary is known): ids past the int32 range then come back as 0 and are the caller's
+/// to check again. `what` names the flag or file in errors (fn::Error Usage).
 std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
                                      const std::string& what);
 

@@ -23,6 +23,8 @@ expect 2 "max_position_embeddings (4096)" -- "$fngen" inspect "$src/configs/tiny
 expect 2 "is a file; give the model directory" -- "$fngen" generate -m "$src/configs/tiny.json" --prompt-ids 1
 expect 2 "is a file; give the model directory" -- "$fngen" eval ppl -m "$src/configs/tiny.json" --ids-file x
 expect 3 "no such directory" -- "$fngen" generate -m "$tmp/no-model" --prompt-ids 1
+expect 3 "invalid UTF-8 in --system-prompt at byte offset 0" -- \
+  "$fngen" generate -m "$tmp/no-model" -p hi --chat --system-prompt $'\xff'
 printf 'not json' >"$tmp/bad.json"
 expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }
@@ -147,6 +149,15 @@ if [ -f "$tok" ]; then
   done
   [ "$(cat "$tmp/t.jsonl")" = '{"text": "hi"}' ] && pass "tokenize -i = -o: the input is intact" ||
     fail "tokenize -i = -o changed the input: $(cat "$tmp/t.jsonl")"
+  # --ids: a negative id is named as such before the load; one past int64 is checked against the
+  # real vocabulary after it (not against the syntax pass's bound).
+  expect 2 "--ids: item 1 = -1 is negative (token ids are 0 or more)" -- \
+    "${tk[@]}" --tokenizer "$tok" --ids "5 -1"
+  expect 2 "--ids: item 0 = 99999999999999999999 is outside the vocabulary \\[0, 151669)" -- \
+    "${tk[@]}" --tokenizer "$tok" --ids 99999999999999999999
+  # Invalid UTF-8 in --system-prompt is named as such (it used to be blamed on -p).
+  expect 3 "invalid UTF-8 in --system-prompt at byte offset 1" -- \
+    "${tk[@]}" --tokenizer "$tok" --chat --system-prompt $'a\xff' -p hi
   # Invalid UTF-8 is named with its source.
   printf 'ab\xffc' >"$tmp/bad_utf8.txt"
   expect 3 "-f/--file $tmp/bad_utf8.txt: invalid UTF-8 in text to encode at byte offset 2" -- \

@@ -79,6 +79,10 @@ grep -q "40 tokens" "$tmp/err" || fail "the context error does not name the prom
 expect 2 "max_position_embeddings 1024" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 -c 5000
 expect 2 "empty" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids ","
 expect 2 "the prompt is empty (0 tokens)" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids ""
+# Refused before the load on rank 0 and agreed on: every rank ends without MPI_Abort.
+! grep -q "ORTE_ERROR_LOG\|MPI_ABORT was invoked" "$tmp/err" &&
+  echo "ok: the empty prompt ends every rank without MPI_Abort" ||
+  fail "the empty prompt went through MPI_Abort: $(cat "$tmp/err")"
 # Without -n, the default 256 new tokens stop where a smaller context ends (-n as given must fit).
 mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 -c 8 --ignore-eos --json >"$tmp/small_ctx.json" 2>/dev/null ||
   fail "generate -c 8 without -n failed"

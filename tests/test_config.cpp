@@ -248,7 +248,11 @@ TEST_CASE("config: every invalid config is rejected with a message naming the fi
   }
   SUBCASE("num_experts zero") {
     t["num_experts"] = 0;
-    want = "config.json: text_config.num_experts must be > 0, got 0";
+    want = "config.json: text_config.num_experts must be in [1, 1024], got 0";
+  }
+  SUBCASE("num_experts past the router's limit (a hostile count sized host tables)") {
+    t["num_experts"] = int64_t{1000000000000};
+    want = "config.json: text_config.num_experts must be in [1, 1024], got 1000000000000";
   }
   SUBCASE("top-k above num_experts") {
     t["num_experts_per_tok"] = 513;

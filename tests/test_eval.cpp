@@ -163,6 +163,20 @@ TEST_CASE("eval: parse_token_ids accepts commas, spaces and newlines and rejects
   CHECK(message_of([] {
           fn::parse_token_ids("99999999999999999999x", 10, "x");
         }).find("x: item 0 \"99999999999999999999x\" is not an integer") != std::string::npos);
+  // A negative id is named as such, whatever the vocabulary (also past int64).
+  CHECK(message_of([] {
+          fn::parse_token_ids("3 -1", 10, "--ids");
+        }).find("--ids: item 1 = -1 is negative (token ids are 0 or more)") != std::string::npos);
+  CHECK(message_of([] {
+          fn::parse_token_ids("-99999999999999999999", 10, "x");
+        }).find("x: item 0 = -99999999999999999999 is negative") != std::string::npos);
+  // vocab_size 0: the syntax alone (before the vocabulary is known); ids past int32 come back 0.
+  CHECK(fn::parse_token_ids("5 99999999999999999999 3000000000", 0, "x") ==
+        std::vector<int32_t>{5, 0, 0});
+  CHECK(message_of([] { fn::parse_token_ids("5 -2", 0, "x"); }).find("is negative") !=
+        std::string::npos);
+  CHECK(message_of([] { fn::parse_token_ids("5 z", 0, "x"); }).find("is not an integer") !=
+        std::string::npos);
   // An empty item between commas, or a comma at either end, is a mistake, not a separator.
   CHECK(fn::parse_token_ids("1 , 2 ,3", 10, "x") == std::vector<int32_t>{1, 2, 3});
   for (const char* bad : {"1,,2", ",1,2", "1,2,", ",", "1, ,2"}) {

@@ -330,6 +330,22 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
     FN_REQUIRE(fs::is_directory(options.out) && fs::is_empty(options.out), Usage,
                "--out '{}' exists and is not an empty directory", options.out.string());
   }
+  // The bytes the tensors need (in long double: an absurd config could overflow int64) against
+  // the free space where they go, before anything is written: a config with hidden_size 10^6
+  // would otherwise start writing ~300 GB.
+  long double need = 0;
+  for (const ExpectedTensor& t : tensors) {
+    long double n = static_cast<long double>(dtype_size(t.dtype));
+    for (int64_t d : t.shape) n *= static_cast<long double>(d);
+    need += n;
+  }
+  const fs::path parent = fs::absolute(options.out).parent_path();
+  std::error_code space_ec;
+  const fs::space_info space = fs::space(parent, space_ec);
+  FN_REQUIRE(space_ec || need <= static_cast<long double>(space.available), Io,
+             "synth: the checkpoint of '{}' needs {:.1f} GB, more than the {:.1f} GB free in '{}'",
+             source, static_cast<double>(need / 1e9), static_cast<double>(space.available) / 1e9,
+             parent.string());
   // Everything goes to a staging directory renamed at the end: a failure leaves no partial
   // checkpoint behind.
   const fs::path out = options.out.string() + ".partial";

@@ -52,7 +52,8 @@ struct SynthResult {
 /// Writes the checkpoint. The config is validated first (parse_model_config rules) and the
 /// written checkpoint is the one expected_tensors() describes for the adjusted config. Writes
 /// each file to a temporary name and renames it, so a failure leaves no partial file.
-/// Throws Usage (out directory not empty, bad --layers), Format (bad config), Io (write failed).
+/// Throws Usage (out directory not empty, bad --layers), Format (bad config), Io (write failed,
+/// or the tensors' bytes exceed the free space where --out goes: checked before any write).
 SynthResult synth_checkpoint(const SynthOptions& options);
 
 }  // namespace fn

@@ -29,6 +29,12 @@ printf 'not json' >"$tmp/bad.json"
 expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }
 expect 2 "layers" -- "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o2" --layers 9
+# A config whose checkpoint would not fit on the disk is refused before anything is written.
+sed 's/"hidden_size": 64,/"hidden_size": 1000000,/' "$src/configs/demo.json" >"$tmp/huge.json"
+expect 3 "more than the .* GB free in" -- "$fngen" synth --config "$tmp/huge.json" --out "$tmp/o_huge"
+[ ! -e "$tmp/o_huge" ] && [ ! -e "$tmp/o_huge.partial" ] &&
+  pass "synth of a checkpoint too big for the disk wrote nothing" ||
+  fail "synth of a too-big checkpoint left $(ls -d "$tmp"/o_huge* 2>/dev/null)"
 # A directory as --config: a usage error naming the file to give (it was a C++ stream exception).
 expect 2 "synth: --config '$src/configs' is a directory; give the config file itself (e.g. '$src/configs/config.json')" -- \
   "$fngen" synth --config "$src/configs" --out "$tmp/o5"

@@ -332,7 +332,7 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
   }
   // The bytes the tensors need (in long double: an absurd config could overflow int64) against
   // the free space where they go, before anything is written: a config with hidden_size 10^6
-  // would otherwise start writing ~300 GB.
+  // would otherwise start writing some 600 GB.
   long double need = 0;
   for (const ExpectedTensor& t : tensors) {
     long double n = static_cast<long double>(dtype_size(t.dtype));

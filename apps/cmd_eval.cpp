@@ -270,8 +270,9 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
                             "--ids-file " + o.ids_file);
     } else {
       std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
-      FN_REQUIRE(!text.empty(), Format, "{}: the prompt is empty",
-                 o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file);
+      // An empty -p is a flag mistake (exit 2, as generate's); an empty file is bad input (3).
+      FN_REQUIRE(!text.empty() || !o.o_prompt->count(), Usage, "-p/--prompt: the prompt is empty");
+      FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the prompt is empty", o.file);
       const auto tok = require_tokenizer(dir, "the prompt");
       ids = with_text_source(o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file,
                              [&] { return tok->encode(text, EncodeMode::Raw); });

@@ -236,8 +236,8 @@ void validate(const Fields& f, ModelConfig& c) {
                  c.linear_num_value_heads);
   FN_CONFIG_RULE(c.hc_count > 1, f, "hc_count", "> 1", c.hc_count);
   positive("hc_lowrank", c.hc_lowrank);
-  // The CUDA router keeps every expert's score in shared memory (kMaxExperts in
-  // cuda/moe_device.cuh); a cap also keeps a hostile count from sizing host tables.
+  // The CUDA router's shared-memory limit (kMaxNumExperts); it also keeps a hostile count from
+  // sizing host tables.
   FN_CONFIG_RULE(c.num_experts > 0 && c.num_experts <= kMaxNumExperts, f, "num_experts",
                  fmt::format("in [1, {}]", kMaxNumExperts), c.num_experts);
   FN_CONFIG_RULE(c.num_experts_per_tok > 0 && c.num_experts_per_tok <= c.num_experts, f,

@@ -8,13 +8,15 @@
 
 #include <cstdint>
 
+#include "core/config.h"
 #include "cuda/device_util.cuh"
 
 namespace fn::dev {
 
 constexpr int kRouterThreads = 512;  // threads of a block running router_topk_block
-constexpr int kMaxExperts = 1024;    // E limit of router_topk_block (shared-memory lists)
-constexpr int kMaxTopK = 64;         // k limit of router_topk_block
+// E limit of router_topk_block (shared-memory lists): the config's cap (core/config.h).
+constexpr int kMaxExperts = static_cast<int>(kMaxNumExperts);
+constexpr int kMaxTopK = 64;  // k limit of router_topk_block
 
 // Ranking key of a probability: NaN ranks as -Inf (so the order stays total).
 __device__ __forceinline__ float rank_key(float p) {

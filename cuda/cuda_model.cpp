@@ -755,6 +755,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       down.inject_y = y;
       down.H_out = Hc == H ? H_alt : H;
     }
+    down.fixed_shape = (o.hc_fixed_shape & 1) != 0;
     if (on(StepLaunch::HcDown)) launch_hc_down(down, s);
     if (pending) {
       Hc = down.H_out;
@@ -776,6 +777,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.hc_count = static_cast<int>(S);
     mx.hidden = D;
     mx.rank = R;
+    mx.fixed_shape = (o.hc_fixed_shape & 2) != 0;
     if (on(StepLaunch::HcMix)) launch_hc_mix(mx, s);
   };
   auto settle = [&]() {

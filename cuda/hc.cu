@@ -27,6 +27,13 @@ constexpr std::size_t kMixStageMaxBytes = 48 * 1024;
 // thread's loads are in flight at once, so this bounds its registers.
 constexpr int kMaxSplits = 8;
 
+// The real read's shape (MODEL.md §A.2: hc_lowrank 320, hidden 2560; the down pass's 2 chunks
+// per group; 32-lane teams, as mix_team plans them on a 132-SM H200).
+constexpr int kFixedRank = 320;
+constexpr int kFixedHidden = 2560;
+constexpr int kFixedTeamLog2 = 5;
+constexpr int kFixedSplits = 8;
+
 // HC down tiling: a warp owns kDownRows rows and the block's chunk of kDownChunkVec 16-byte
 // vectors inside one group (lane l: vectors l, l + 32, ..., l + 128), so every thread has 10
 // weight loads in flight; at the real shape 8 chunks x 21 row blocks hold the whole matrix, two
@@ -51,6 +58,34 @@ struct DownArgs {
   const float* y;
   float* H_out;
 };
+
+// The down pass's sizes: the launch's DownArgs in the runtime-shape instance (kHidden = 0);
+// compile-time constants in the real read's instance (D = kHidden, 4 groups), so that the
+// chunk bounds fold (2560 columns are exactly 2 chunks per group) and the row addresses are
+// constant offsets. The same operations in the same order either way: the same bits.
+struct DownDims {
+  int64_t hidden;
+  int64_t width;  // hc_count * hidden
+  int gvec;       // hidden / 8
+  int cpg;        // chunks per group
+  bool whole;     // the groups are whole chunks (known at compile time only; false: check)
+};
+
+template <int kHidden>
+__device__ __forceinline__ DownDims down_dims(const DownArgs& a) {
+  static_assert(kHidden % 8 == 0);
+  if constexpr (kHidden > 0)
+    return {kHidden, int64_t{kStreams} * kHidden, kHidden / 8,
+            (kHidden / 8 + kDownChunkVec - 1) / kDownChunkVec, kHidden / 8 % kDownChunkVec == 0};
+  else
+    return {a.hidden, a.width, a.gvec, a.cpg, false};
+}
+
+// Whether vector vl (< kDownChunkVec) of the chunk that starts at vector vbeg of its group lies
+// inside the group: always when the groups are whole chunks (the fixed instance at D = 2560).
+__device__ __forceinline__ bool down_in_group(const DownDims& d, int vbeg, int vl) {
+  return d.whole || vbeg + vl < d.gvec;
+}
 
 // v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns (MODEL.md
 // §C.2's N without its group scale; (1 + w) never rounded to BF16); v[2] += the vector's sum of
@@ -92,24 +127,24 @@ __device__ __forceinline__ float4 inject4(float4 h, float iota, float4 y) {
 // H at the lane's kDownVecPerLane vectors of the chunk (zeros past the group): the only load of
 // the down pass after the PDL wait, all in flight at once. With the inject folded in (a.y), H' =
 // H + iota[g] * y instead, and the first row block writes H' to H_out.
-__device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int vbeg, int lane,
-                                            float4 (&hx)[kDownVecPerLane][2]) {
+__device__ __forceinline__ void down_load_h(const DownArgs& a, const DownDims& d, int64_t col0,
+                                            int vbeg, int lane, float4 (&hx)[kDownVecPerLane][2]) {
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
     const int vl = lane + 32 * u;
     const float4* hp = reinterpret_cast<const float4*>(a.H + col0 + 8 * static_cast<int64_t>(vl));
-    const bool ok = vbeg + vl < a.gvec;
+    const bool ok = down_in_group(d, vbeg, vl);
     hx[u][0] = ok ? __ldg(hp) : make_float4(0, 0, 0, 0);
     hx[u][1] = ok ? __ldg(hp + 1) : make_float4(0, 0, 0, 0);
   }
   if (a.y == nullptr) return;
-  const int g = static_cast<int>(col0 / a.hidden);
-  const int64_t i0 = col0 - g * a.hidden;  // column of the chunk's first vector within the group
+  const int g = static_cast<int>(col0 / d.hidden);
+  const int64_t i0 = col0 - g * d.hidden;  // column of the chunk's first vector within the group
   const float iota = __ldg(a.iota + g);
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
     const int vl = lane + 32 * u;
-    if (vbeg + vl >= a.gvec) continue;
+    if (!down_in_group(d, vbeg, vl)) continue;
     const float4* yp = reinterpret_cast<const float4*>(a.y + i0 + 8 * static_cast<int64_t>(vl));
     hx[u][0] = inject4(hx[u][0], iota, __ldg(yp));
     hx[u][1] = inject4(hx[u][1], iota, __ldg(yp + 1));
@@ -125,10 +160,11 @@ __device__ __forceinline__ void down_load_h(const DownArgs& a, int64_t col0, int
 // chunk p % cpg of group p / cpg; it never crosses a group, so its dot needs no norm scale.
 __global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DownDims d = down_dims<0>(a);
   const int p = static_cast<int>(blockIdx.x);
-  const int g = p / a.cpg;
-  const int vbeg = (p - g * a.cpg) * kDownChunkVec;  // first vector of the chunk in its group
-  const int64_t col0 = g * a.hidden + 8 * static_cast<int64_t>(vbeg);
+  const int g = p / d.cpg;
+  const int vbeg = (p - g * d.cpg) * kDownChunkVec;  // first vector of the chunk in its group
+  const int64_t col0 = g * d.hidden + 8 * static_cast<int64_t>(vbeg);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kDownRowsPerBlock + warp * kDownRows;
   // Weights (W and the norm weight: no kernel writes them) load before the dependency wait, so
   // the whole matrix is in flight while the previous kernel finishes (cuda/pdl.cuh).
@@ -137,22 +173,22 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
     const int vl = lane + 32 * u;  // vector within the chunk
-    const bool ok = vbeg + vl < a.gvec;
+    const bool ok = down_in_group(d, vbeg, vl);
     const int64_t col = col0 + 8 * static_cast<int64_t>(vl);
 #pragma unroll
     for (int r = 0; r < kDownRows; ++r)
-      w[u][r] = ok && row0 + r < a.rows ? dev::ld_stream16(a.w + (row0 + r) * a.width + col)
+      w[u][r] = ok && row0 + r < a.rows ? dev::ld_stream16(a.w + (row0 + r) * d.width + col)
                                         : make_uint4(0, 0, 0, 0);
     nw[u] = ok ? __ldg(reinterpret_cast<const uint4*>(a.norm + col)) : make_uint4(0, 0, 0, 0);
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   float4 hx[kDownVecPerLane][2];
-  down_load_h(a, col0, vbeg, lane, hx);
+  down_load_h(a, d, col0, vbeg, lane, hx);
   float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u)
-    if (vbeg + lane + 32 * u < a.gvec) down_step(v, hx[u], nw[u], w[u]);
+    if (down_in_group(d, vbeg, lane + 32 * u)) down_step(v, hx[u], nw[u], w[u]);
   down_finish(a, v, p, row0, warp, lane);
 }
 
@@ -165,27 +201,31 @@ constexpr std::size_t kDownStageBytes = (kDownStageVec + kDownChunkVec) * sizeof
 // same bits), but the weights go to shared memory with cp.async before the PDL wait instead of
 // registers: ~64 registers instead of 115, so up to 4 blocks fit an SM and the whole grid (and
 // the mix launched behind it) is resident while the previous kernel drains.
+template <int kHidden = 0>
 __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
     hc_down_staged_kernel(DownArgs a) {
   extern __shared__ uint4 stage4[];  // [kDownRowsPerBlock][kDownChunkVec] W, [kDownChunkVec] w
   uint4* nw_s = stage4 + kDownStageVec;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const DownDims d = down_dims<kHidden>(a);
   const int p = static_cast<int>(blockIdx.x);
-  const int g = p / a.cpg;
-  const int vbeg = (p - g * a.cpg) * kDownChunkVec;
-  const int64_t col0 = g * a.hidden + 8 * static_cast<int64_t>(vbeg);
+  const int g = p / d.cpg;
+  const int vbeg = (p - g * d.cpg) * kDownChunkVec;
+  const int64_t col0 = g * d.hidden + 8 * static_cast<int64_t>(vbeg);
   const int64_t rowb = static_cast<int64_t>(blockIdx.y) * kDownRowsPerBlock;
-  const int nv = min(kDownChunkVec, a.gvec - vbeg);  // vectors of the chunk inside the group
   // Weights only before the wait (cuda/pdl.cuh); zeros where the chunk or the rows end.
-  for (int q = threadIdx.x; q < kDownStageVec; q += kBlockThreads) {
+  static_assert(kDownStageVec % kBlockThreads == 0 && kDownChunkVec <= kBlockThreads);
+#pragma unroll 5
+  for (int rd = 0; rd < kDownStageVec / kBlockThreads; ++rd) {
+    const int q = static_cast<int>(threadIdx.x) + rd * kBlockThreads;
     const int rr = q / kDownChunkVec, vl = q - rr * kDownChunkVec;
-    if (vl < nv && rowb + rr < a.rows)
-      dev::cp_async16(stage4 + q, a.w + (rowb + rr) * a.width + col0 + 8 * vl);
+    if (down_in_group(d, vbeg, vl) && rowb + rr < a.rows)
+      dev::cp_async16(stage4 + q, a.w + (rowb + rr) * d.width + col0 + 8 * vl);
     else
       stage4[q] = make_uint4(0, 0, 0, 0);
   }
-  for (int vl = threadIdx.x; vl < kDownChunkVec; vl += kBlockThreads) {
-    if (vl < nv)
+  if (const int vl = static_cast<int>(threadIdx.x); vl < kDownChunkVec) {
+    if (down_in_group(d, vbeg, vl))
       dev::cp_async16(nw_s + vl, a.norm + col0 + 8 * vl);
     else
       nw_s[vl] = make_uint4(0, 0, 0, 0);
@@ -193,14 +233,14 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   float4 hx[kDownVecPerLane][2];
-  down_load_h(a, col0, vbeg, lane, hx);
+  down_load_h(a, d, col0, vbeg, lane, hx);
   dev::cp_async_wait_all();
   __syncthreads();
   float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int u = 0; u < kDownVecPerLane; ++u) {
     const int vl = lane + 32 * u;
-    if (vbeg + vl >= a.gvec) continue;
+    if (!down_in_group(d, vbeg, vl)) continue;
     uint4 w[kDownRows];
 #pragma unroll
     for (int r = 0; r < kDownRows; ++r) w[r] = stage4[(warp * kDownRows + r) * kDownChunkVec + vl];
@@ -230,6 +270,30 @@ struct MixArgs {
 
 constexpr float kInvStreams = 1.0f / kStreams;  // 0.25: exact
 
+// The mix's sizes. The launch's MixArgs in the runtime-shape instances (template arguments 0);
+// compile-time constants in the real read's instance (every argument > 0), so that its loops
+// have fixed trip counts, its predicates fold and its addresses are constant offsets. The same
+// operations in the same order either way: the same bits.
+struct MixDims {
+  int rank;
+  int nvec;  // rank / 8
+  int team_log2;
+  int splits;
+  int cpg;  // splits / 4
+  int64_t hidden;
+};
+
+template <int kRank, int kHidden, int kTeamLog2, int kSplits>
+__device__ __forceinline__ MixDims mix_dims(const MixArgs& a) {
+  static_assert(kRank % 8 == 0 && kSplits % kStreams == 0 && kSplits <= kMaxSplits);
+  return {kRank > 0 ? kRank : a.rank,
+          kRank > 0 ? kRank / 8 : a.nvec,
+          kTeamLog2 > 0 ? kTeamLog2 : a.team_log2,
+          kSplits > 0 ? kSplits : a.splits,
+          kSplits > 0 ? kSplits / kStreams : a.cpg,
+          kHidden > 0 ? kHidden : a.hidden};
+}
+
 // acc[s] += W_up[row i + s*D, vector v] . u[vector v] for the 4 streams (FP32 fmaf chain in
 // ascending column order).
 __device__ __forceinline__ void mix_accumulate(float (&acc)[kStreams], const uint4 (&w)[kStreams],
@@ -247,30 +311,40 @@ __device__ __forceinline__ void mix_accumulate(float (&acc)[kStreams], const uin
   }
 }
 
+// The stream a lane of a team finishes in mix_finish: lane s < 4 stream s (teams have >= 8
+// lanes; lanes 4.. repeat streams 0-3 and their results are not used).
+__device__ __forceinline__ int mix_lane_stream(int lane) {
+  return lane & (kStreams - 1);
+}
+
 // The mix's work right after the PDL wait (no barrier inside): every load of the thread at once
-// (H at output ic, the partial squares, its first two t values' partials) before any math that
-// depends on them; the group scales into scale[]; u = silu(t / 4) into u_s (and iota from block
-// 0). The caller syncs the block before reading u_s.
-__device__ __forceinline__ void mix_after_wait(const MixArgs& a, int64_t ic, float* u_s,
-                                               float (&hv)[kStreams], float (&scale)[kStreams]) {
-#pragma unroll
-  for (int s = 0; s < kStreams; ++s) hv[s] = __ldg(a.H + ic + s * a.hidden);
+// (H of its stream at output ic, the partial squares, its first two t values' partials) before
+// any math that depends on them; the group scales into scale[]; u = silu(t / 4) into u_s (and
+// iota from block 0). The caller syncs the block before reading u_s.
+__device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& d, int64_t ic,
+                                               int lane, float* u_s, float& hv,
+                                               float (&scale)[kStreams]) {
+  hv = __ldg(a.H + ic + mix_lane_stream(lane) * d.hidden);
   float sq[kMaxSplits];
 #pragma unroll
-  for (int p = 0; p < kMaxSplits; ++p) sq[p] = p < a.splits ? __ldg(a.sumsq + p) : 0.0f;
-  const int nt = a.rank + (a.iota != nullptr ? kStreams : 0);  // t values this kernel needs
+  for (int p = 0; p < kMaxSplits; ++p) sq[p] = p < d.splits ? __ldg(a.sumsq + p) : 0.0f;
+  const int nt = d.rank + (a.iota != nullptr ? kStreams : 0);  // t values this kernel needs
   float v0[kMaxSplits], v1[kMaxSplits];
-  auto load = [&](int j) {
+  // In the first round j = threadIdx.x < 256 <= nt when rank >= 256 (a constant in the fixed
+  // instance): no predicate.
+  auto load = [&](int j, bool first) {
 #pragma unroll
     for (int p = 0; p < kMaxSplits; ++p) {
-      v0[p] = p < a.splits && j < nt ? __ldg(a.t + p * a.t_stride + j) : 0.0f;
-      v1[p] = p < a.splits && j + kBlockThreads < nt
+      v0[p] = p < d.splits && ((first && d.rank >= kBlockThreads) || j < nt)
+                  ? __ldg(a.t + p * a.t_stride + j)
+                  : 0.0f;
+      v1[p] = p < d.splits && j + kBlockThreads < nt
                   ? __ldg(a.t + p * a.t_stride + j + kBlockThreads)
                   : 0.0f;
     }
   };
   int j = threadIdx.x;
-  load(j);
+  load(j, true);
   // scale_g = rsqrt(mean(H_g^2) + eps) from the group's partial squares, ascending chunks
   // (MODEL.md §C.2); sp[p]: the scale of chunk p's group.
 #pragma unroll
@@ -278,59 +352,76 @@ __device__ __forceinline__ void mix_after_wait(const MixArgs& a, int64_t ic, flo
     float s = 0.0f;
 #pragma unroll
     for (int p = 0; p < kMaxSplits; ++p)
-      if (p >= g * a.cpg && p < (g + 1) * a.cpg) s += sq[p];
-    scale[g] = rsqrtf(s / static_cast<float>(a.hidden) + a.eps);
+      if (p >= g * d.cpg && p < (g + 1) * d.cpg) s += sq[p];
+    scale[g] = rsqrtf(s / static_cast<float>(d.hidden) + a.eps);
   }
   float sp[kMaxSplits];
 #pragma unroll
   for (int p = 0; p < kMaxSplits; ++p)
-    sp[p] = p < a.cpg ? scale[0] : p < 2 * a.cpg ? scale[1] : p < 3 * a.cpg ? scale[2] : scale[3];
+    sp[p] = p < d.cpg ? scale[0] : p < 2 * d.cpg ? scale[1] : p < 3 * d.cpg ? scale[2] : scale[3];
   // t[jj] = sum_p scale_g(p) * partial (fmaf, ascending p), then u or iota.
   auto finish = [&](int jj, const float(&v)[kMaxSplits]) {
     float tv = 0.0f;
 #pragma unroll
     for (int p = 0; p < kMaxSplits; ++p)
-      if (p < a.splits) tv = fmaf(sp[p], v[p], tv);
+      if (p < d.splits) tv = fmaf(sp[p], v[p], tv);
     const float x = tv * kInvStreams;
-    if (jj < a.rank)
+    if (jj < d.rank)
       u_s[jj] = dev::silu(x);
     else if (blockIdx.x == 0)
-      a.iota[jj - a.rank] = 2.0f / (1.0f + expf(-x));
+      a.iota[jj - d.rank] = 2.0f / (1.0f + expf(-x));
   };
-  for (;;) {
-    if (j < nt) finish(j, v0);
+  for (bool first = true;; first = false) {
+    if ((first && d.rank >= kBlockThreads) || j < nt) finish(j, v0);
     if (j + kBlockThreads < nt) finish(j + kBlockThreads, v1);
+    // Two rounds cover every t value when nt <= 512 (rank 320: a constant in the fixed instance).
+    if (d.rank + kStreams <= 2 * kBlockThreads) break;
     j += 2 * kBlockThreads;
     if (j >= nt) break;
-    load(j);
+    load(j, false);
   }
 }
 
-// The team's butterfly, then lane 0 of an in-range team: G = sigmoid(acc), N = H * scale *
-// (1 + w) (MODEL.md §C.2, FP32), m = (1/4) sum_s G N (fmaf chain over the streams).
-__device__ __forceinline__ void mix_finish(const MixArgs& a, float (&acc)[kStreams], int team,
-                                           int lane, int64_t i, const float (&hv)[kStreams],
-                                           const float (&scale)[kStreams],
-                                           const float (&one_w)[kStreams]) {
+// The team's butterfly; then lane s < 4 of the team computes stream s's G_s = sigmoid(acc_s) and
+// N_s = H * scale_s * (1 + w) (MODEL.md §C.2, FP32), and lane 0 of an in-range team gathers them:
+// m = (1/4) sum_s G_s N_s (fmaf chain over the streams, ascending). hv and one_w: the lane's
+// stream's H and 1 + w at the output.
+__device__ __forceinline__ void mix_finish(const MixArgs& a, const MixDims& d,
+                                           float (&acc)[kStreams], int lane, bool store, float hv,
+                                           const float (&scale)[kStreams], float one_w, int64_t i) {
+  const int team = 1 << d.team_log2;
   dev::team_reduce<kStreams, kBlockThreads>(acc, team, lane);
-  if (lane != 0 || i >= a.hidden) return;
-  float m = 0.0f;
+  if (team > 32) {  // the sums are in the team's lane 0 only: give them to its warp
+#pragma unroll
+    for (int s = 0; s < kStreams; ++s) acc[s] = __shfl_sync(0xffffffffu, acc[s], 0);
+  }
+  const int ls = mix_lane_stream(lane);
+  const float acc_s = ls == 0 ? acc[0] : ls == 1 ? acc[1] : ls == 2 ? acc[2] : acc[3];
+  const float scale_s = ls == 0 ? scale[0] : ls == 1 ? scale[1] : ls == 2 ? scale[2] : scale[3];
+  const float g_s = 1.0f / (1.0f + expf(-acc_s));
+  const float n_s = hv * scale_s * one_w;  // N (MODEL.md §C.2), FP32
+  const int width = team < 32 ? team : 32;
+  float g[kStreams], n[kStreams];
 #pragma unroll
   for (int s = 0; s < kStreams; ++s) {
-    const float g = 1.0f / (1.0f + expf(-acc[s]));
-    const float n = hv[s] * scale[s] * one_w[s];  // N (MODEL.md §C.2), FP32
-    m = fmaf(g, n, m);
+    g[s] = __shfl_sync(0xffffffffu, g_s, s, width);
+    n[s] = __shfl_sync(0xffffffffu, n_s, s, width);
   }
+  if (lane != 0 || !store) return;
+  float m = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kStreams; ++s) m = fmaf(g[s], n[s], m);
   m *= kInvStreams;
   a.m[i] = m;
   if (a.m_bf16 != nullptr) a.m_bf16[i] = dev::float_to_bf16_bits(m);
 }
 
-// 1 + w at output ic of each stream (FP32, never rounded to BF16): weights, read before the wait.
-__device__ __forceinline__ void mix_one_w(const MixArgs& a, int64_t ic, float (&one_w)[kStreams]) {
-#pragma unroll
-  for (int s = 0; s < kStreams; ++s)
-    one_w[s] = 1.0f + dev::bf16_lo(static_cast<uint32_t>(__ldg(a.norm + ic + s * a.hidden)));
+// 1 + w at output ic of the lane's stream (FP32, never rounded to BF16): a weight, read before
+// the wait.
+__device__ __forceinline__ float mix_one_w(const MixArgs& a, const MixDims& d, int64_t ic,
+                                           int lane) {
+  return 1.0f +
+         dev::bf16_lo(static_cast<uint32_t>(__ldg(a.norm + ic + mix_lane_stream(lane) * d.hidden)));
 }
 
 // One team per output i: rows i + s*D (s < 4) of W_up against u = silu(t / 4), which every block
@@ -338,12 +429,13 @@ __device__ __forceinline__ void mix_one_w(const MixArgs& a, int64_t ic, float (&
 __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
   extern __shared__ float4 u_s4[];  // [rank / 4]
   float* u_s = reinterpret_cast<float*>(u_s4);
-  const int team = 1 << a.team_log2;
+  const MixDims d = mix_dims<0, 0, 0, 0>(a);
+  const int team = 1 << d.team_log2;
   const int lane = threadIdx.x & (team - 1);
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
-                    (threadIdx.x >> a.team_log2);
-  const int64_t ic = i < a.hidden ? i : a.hidden - 1;  // out-of-range teams compute, never store
-  // The lane's first kMixPre vectors of each W_up row and the norm weights of output i (weights:
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> d.team_log2) +
+                    (threadIdx.x >> d.team_log2);
+  const int64_t ic = i < d.hidden ? i : d.hidden - 1;  // out-of-range teams compute, never store
+  // The lane's first kMixPre vectors of each W_up row and the norm weight of output i (weights:
   // no kernel writes them) load before the programmatic-dependent wait, so the whole matrix
   // streams while the previous kernel finishes (rank 320: at most 3 vectors per lane); t, the
   // partial squares and H come from earlier kernels (cuda/pdl.cuh). Vectors are summed in
@@ -354,28 +446,27 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
     const int v = lane + j * team;
 #pragma unroll
     for (int s = 0; s < kStreams; ++s)
-      pre[j][s] = v < a.nvec ? dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v)
+      pre[j][s] = v < d.nvec ? dev::ld_stream16(a.w_up + (ic + s * d.hidden) * d.rank + 8 * v)
                              : make_uint4(0, 0, 0, 0);
   }
-  float one_w[kStreams];
-  mix_one_w(a, ic, one_w);
+  const float one_w = mix_one_w(a, d, ic, lane);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  float hv[kStreams], scale[kStreams];
-  mix_after_wait(a, ic, u_s, hv, scale);
+  float hv, scale[kStreams];
+  mix_after_wait(a, d, ic, lane, u_s, hv, scale);
   __syncthreads();
   float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int jv = 0; jv < kMixPre; ++jv)
-    if (lane + jv * team < a.nvec) mix_accumulate(acc, pre[jv], u_s4, lane + jv * team);
-  for (int v = lane + kMixPre * team; v < a.nvec; v += team) {
+    if (lane + jv * team < d.nvec) mix_accumulate(acc, pre[jv], u_s4, lane + jv * team);
+  for (int v = lane + kMixPre * team; v < d.nvec; v += team) {
     uint4 w[kStreams];
 #pragma unroll
     for (int s = 0; s < kStreams; ++s)
-      w[s] = dev::ld_stream16(a.w_up + (ic + s * a.hidden) * a.rank + 8 * v);
+      w[s] = dev::ld_stream16(a.w_up + (ic + s * d.hidden) * d.rank + 8 * v);
     mix_accumulate(acc, w, u_s4, v);
   }
-  mix_finish(a, acc, team, lane, i, hv, scale, one_w);
+  mix_finish(a, d, acc, lane, i < d.hidden, hv, scale, one_w, i);
 }
 
 // Shared memory of the staged mix: the block's 4 x (256 / team) W_up rows, then u (FP32).
@@ -388,23 +479,38 @@ std::size_t mix_stage_bytes(int64_t rank, int team) {
 // bits), but the block's W_up rows (rows i0 .. i0 + outs - 1 of each stream: 4 contiguous runs)
 // go to shared memory with cp.async before the PDL wait, so the kernel holds ~64 registers, up to
 // 4 blocks fit an SM and the whole grid is resident (its weights in flight) while the down pass
-// runs; after the wait only t, the partial squares and H are read from memory.
+// runs; after the wait only t, the partial squares and H are read from memory. The instance
+// <kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits> is the real read at compile-time
+// shape (ncu, session 16: the runtime-shape instance ran ~1,170 instructions per warp at this
+// shape, most of them address arithmetic, predicates and loop control on runtime sizes).
+template <int kRank = 0, int kHidden = 0, int kTeamLog2 = 0, int kSplits = 0>
 __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged_kernel(MixArgs a) {
   extern __shared__ uint4 stage4[];  // [kStreams][outs][nvec] W_up, then u [rank] FP32
-  const int team = 1 << a.team_log2;
-  const int outs = kBlockThreads >> a.team_log2;
-  const int k = threadIdx.x >> a.team_log2;
+  const MixDims d = mix_dims<kRank, kHidden, kTeamLog2, kSplits>(a);
+  const int team = 1 << d.team_log2;
+  const int outs = kBlockThreads >> d.team_log2;
+  const int k = threadIdx.x >> d.team_log2;
   const int lane = threadIdx.x & (team - 1);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * outs;
   const int64_t i = i0 + k;
-  const int64_t ic = i < a.hidden ? i : a.hidden - 1;  // out-of-range teams compute, never store
-  const int per_stream = outs * a.nvec;                // vectors per stream
-  const int n_ok = static_cast<int>(min(static_cast<int64_t>(outs), a.hidden - i0)) * a.nvec;
+  // Every block is full when outs divides D (the grid is D / outs blocks): a constant in the
+  // fixed instance. Otherwise the last block's out-of-range teams compute and never store.
+  const bool full = d.hidden % outs == 0;
+  const bool in_range = full || i < d.hidden;
+  const int64_t ic = in_range ? i : d.hidden - 1;
+  const int per_stream = outs * d.nvec;  // vectors per stream
+  const int n_ok =
+      full ? per_stream : static_cast<int>(min(static_cast<int64_t>(outs), d.hidden - i0)) * d.nvec;
 #pragma unroll
   for (int s = 0; s < kStreams; ++s) {
-    const uint16_t* src = a.w_up + (i0 + s * a.hidden) * a.rank;
+    const uint16_t* src = a.w_up + (i0 + s * d.hidden) * d.rank;
     uint4* dst = stage4 + s * per_stream;
-    for (int q = threadIdx.x; q < per_stream; q += kBlockThreads) {
+    // A loop over rounds, not over q, so that the fixed instance's trip count is a constant.
+    const int rounds = (per_stream + kBlockThreads - 1) / kBlockThreads;
+#pragma unroll 4
+    for (int rd = 0; rd < rounds; ++rd) {
+      const int q = static_cast<int>(threadIdx.x) + rd * kBlockThreads;
+      if (q >= per_stream) break;
       if (q < n_ok)
         dev::cp_async16(dst + q, src + 8 * static_cast<int64_t>(q));
       else
@@ -412,22 +518,21 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged
     }
   }
   float4* u_s4 = reinterpret_cast<float4*>(stage4 + kStreams * per_stream);
-  float one_w[kStreams];
-  mix_one_w(a, ic, one_w);
+  const float one_w = mix_one_w(a, d, ic, lane);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  float hv[kStreams], scale[kStreams];
-  mix_after_wait(a, ic, reinterpret_cast<float*>(u_s4), hv, scale);
+  float hv, scale[kStreams];
+  mix_after_wait(a, d, ic, lane, reinterpret_cast<float*>(u_s4), hv, scale);
   dev::cp_async_wait_all();
   __syncthreads();
   float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int v = lane; v < a.nvec; v += team) {
+  for (int v = lane; v < d.nvec; v += team) {
     uint4 w[kStreams];
 #pragma unroll
-    for (int s = 0; s < kStreams; ++s) w[s] = stage4[(s * outs + k) * a.nvec + v];
+    for (int s = 0; s < kStreams; ++s) w[s] = stage4[(s * outs + k) * d.nvec + v];
     mix_accumulate(acc, w, u_s4, v);
   }
-  mix_finish(a, acc, team, lane, i, hv, scale, one_w);
+  mix_finish(a, d, acc, lane, in_range, hv, scale, one_w, i);
 }
 
 using detail::aligned;
@@ -438,7 +543,7 @@ int64_t mix_blocks(int64_t hidden, int team) {
 }
 
 // Team: the narrowest power of two with <= 16 vectors per lane, widened while the grid has fewer
-// than 2 blocks per SM and lanes keep >= 2 vectors (rank 320: 16 lanes, 160 blocks).
+// than 2 blocks per SM and lanes keep >= 2 vectors (rank 320 on 132 SMs: 32 lanes, 320 blocks).
 int mix_team(int64_t hidden, int64_t rank) {
   const int64_t nvec = rank / 8, target = 2 * static_cast<int64_t>(detail::current_sm_count());
   int team = 8;
@@ -496,8 +601,11 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              inject ? p.H_out : nullptr};
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
   if (p.staged) {
-    launch_pdl("hc_down_staged_kernel", hc_down_staged_kernel, grid, dim3(kBlockThreads),
-               kDownStageBytes, stream, a);
+    const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
+    void (*kernel)(DownArgs) =
+        fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>;
+    launch_pdl("hc_down_staged_kernel", kernel, grid, dim3(kBlockThreads), kDownStageBytes, stream,
+               a);
     FN_CUDA_LAUNCH_CHECK("hc_down_staged_kernel");
   } else {
     launch_pdl("hc_down_kernel", hc_down_kernel, grid, dim3(kBlockThreads), 0, stream, a);
@@ -539,8 +647,13 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
             static_cast<int>(p.t_splits / kStreams)};
   const auto grid = static_cast<unsigned>(mix_blocks(p.hidden, team));
   if (hc_mix_uses_staging(p)) {
-    launch_pdl("hc_mix_staged_kernel", hc_mix_staged_kernel, grid, kBlockThreads,
-               mix_stage_bytes(p.rank, team), stream, a);
+    const bool fixed = p.fixed_shape && p.rank == kFixedRank && p.hidden == kFixedHidden &&
+                       team == (1 << kFixedTeamLog2) && p.t_splits == kFixedSplits;
+    void (*kernel)(MixArgs) =
+        fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits>
+              : hc_mix_staged_kernel<>;
+    launch_pdl("hc_mix_staged_kernel", kernel, grid, kBlockThreads, mix_stage_bytes(p.rank, team),
+               stream, a);
     FN_CUDA_LAUNCH_CHECK("hc_mix_staged_kernel");
   } else {
     launch_pdl("hc_mix_kernel", hc_mix_kernel, grid, kBlockThreads,

@@ -51,6 +51,10 @@ struct HcDownParams {
   /// holds them in registers (115 per thread, 2 blocks per SM), kept for A/B benches. Both give
   /// the same bits (same lanes, same summation order).
   bool staged = true;
+  /// true: the staged kernel runs its compile-time-shape instance when hc_count is 4 and D is
+  /// 2560 (the real model); false: always the runtime-shape instance (kept for A/B benches and
+  /// tests). Same bits.
+  bool fixed_shape = true;
 };
 
 /// Column chunks per group of `hidden` columns: ceil(hidden / 1280) (2 at D = 2560).
@@ -96,15 +100,20 @@ struct HcMixParams {
   int64_t hidden = 0;     ///< D (2560)
   int64_t rank = 0;       ///< r = hc_lowrank (320), multiple of 8, <= 8192 (u in shared memory)
   /// true: each block stages its W_up rows in shared memory with cp.async before the PDL wait
-  /// when they fit in 48 KB with u (rank 320: 42 KB; see hc_mix_uses_staging), else the register
-  /// kernel runs; false: always the previous kernel that holds the W_up vectors in registers
-  /// (kept for A/B benches). Both give the same bits (same teams, same summation order).
+  /// when they fit in 48 KB with u (rank 320 with 32-lane teams: 21.8 KB; see
+  /// hc_mix_uses_staging), else the register kernel runs; false: always the previous kernel that
+  /// holds the W_up vectors in registers (kept for A/B benches). Both give the same bits (same
+  /// teams, same summation order).
   bool staged = true;
+  /// true: the staged kernel runs its compile-time-shape instance when the read is the real
+  /// model's (rank 320, D 2560, 8 partials) and the launcher plans 32-lane teams (132 SMs);
+  /// false: always the runtime-shape instance (kept for A/B benches and tests). Same bits.
+  bool fixed_shape = true;
 };
 
 /// Whether launch_hc_mix(p) runs the shared-memory staged kernel: p.staged and the block's W_up
 /// rows plus u fit in 48 KB (4 * (256 / team) * rank * 2 + rank * 4 bytes, the team as planned
-/// by the launcher: 16 lanes at rank 320). False for sizes the launcher rejects.
+/// by the launcher: 32 lanes at rank 320 on 132 SMs). False for sizes the launcher rejects.
 bool hc_mix_uses_staging(const HcMixParams& p);
 
 /// Launches the mix: after the PDL wait every thread issues all its loads at once (partials,

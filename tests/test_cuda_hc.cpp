@@ -219,6 +219,18 @@ TEST_CASE(
                   "register kernel t ", c.groups, "x", D, " rows ", R);
     CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0,
                   "register kernel sumsq ", c.groups, "x", D);
+    // The staged kernel's runtime-shape instance (fixed_shape = false; at 4 x 2560 the default
+    // launch above ran the compile-time-shape one): the same bits.
+    FN_CUDA_CHECK(cudaMemset(dt.ptr, 0xff, splits * R * 4));
+    FN_CUDA_CHECK(cudaMemset(dss.ptr, 0xff, splits * 4));
+    p.staged = true;
+    p.fixed_shape = false;
+    fn::launch_hc_down(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0,
+                  "runtime-shape kernel t ", c.groups, "x", D, " rows ", R);
+    CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0,
+                  "runtime-shape kernel sumsq ", c.groups, "x", D);
   }
 }
 
@@ -271,7 +283,9 @@ TEST_CASE(
     const auto Href = dHref.download();
     CHECK_MESSAGE(std::memcmp(Href.data(), want_H.data(), W * 4) == 0, "inject ", c.groups, "x", D);
     const auto tref = dtref.download(), ssref = dssref.download();
-    for (bool staged : {true, false}) {
+    // Staged (its compile-time-shape instance at 4 x 2560), staged at runtime shape, registers.
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool staged = variant < 2;
       DeviceArray<float> dH(H), dHout(W), dt(splits * R), dss(splits);
       FN_CUDA_CHECK(cudaMemset(dHout.ptr, 0xff, W * 4));
       fn::HcDownParams f = p;
@@ -282,16 +296,17 @@ TEST_CASE(
       f.inject_y = dy.ptr;
       f.H_out = dHout.ptr;
       f.staged = staged;
+      f.fixed_shape = variant == 0;
       fn::launch_hc_down(f, nullptr);
       FN_CUDA_CHECK(cudaDeviceSynchronize());
       CHECK_MESSAGE(std::memcmp(dHout.download().data(), Href.data(), W * 4) == 0, "H_out ",
-                    c.groups, "x", D, " staged ", staged);
+                    c.groups, "x", D, " variant ", variant);
       CHECK_MESSAGE(std::memcmp(dH.download().data(), H.data(), W * 4) == 0, "H untouched ",
                     c.groups, "x", D);
       CHECK_MESSAGE(std::memcmp(dt.download().data(), tref.data(), splits * R * 4) == 0, "t ",
-                    c.groups, "x", D, " staged ", staged);
+                    c.groups, "x", D, " variant ", variant);
       CHECK_MESSAGE(std::memcmp(dss.download().data(), ssref.data(), splits * 4) == 0, "sumsq ",
-                    c.groups, "x", D, " staged ", staged);
+                    c.groups, "x", D, " variant ", variant);
     }
     // Half-given inject operands and H_out aliasing H are refused.
     fn::HcDownParams bad = p;
@@ -409,6 +424,21 @@ TEST_CASE(
                   D, " r ", r);
     CHECK(std::memcmp(dmb.download().data(), mb.data(), D * 2) == 0);
     CHECK(std::memcmp(diota.download().data(), iota.data(), 16) == 0);
+    // The staged kernel's runtime-shape instance (fixed_shape = false; at D 2560, r 320 and 8
+    // partials on a 132-SM GPU the first launch ran the compile-time-shape one): the same bits.
+    p.staged = true;
+    p.fixed_shape = false;
+    if (fn::hc_mix_uses_staging(p)) {
+      FN_CUDA_CHECK(cudaMemset(dm.ptr, 0xff, D * 4));
+      FN_CUDA_CHECK(cudaMemset(dmb.ptr, 0xff, D * 2));
+      FN_CUDA_CHECK(cudaMemset(diota.ptr, 0xff, 16));
+      fn::launch_hc_mix(p, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0,
+                    "runtime-shape kernel m, D ", D, " r ", r);
+      CHECK(std::memcmp(dmb.download().data(), mb.data(), D * 2) == 0);
+      CHECK(std::memcmp(diota.download().data(), iota.data(), 16) == 0);
+    }
   }
 }
 

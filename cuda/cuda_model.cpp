@@ -755,7 +755,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       down.inject_y = y;
       down.H_out = Hc == H ? H_alt : H;
     }
-    down.fixed_shape = (o.hc_fixed_shape & 1) != 0;
+    down.fixed_shape = (o.fixed_shape_kernels & 1) != 0;
     if (on(StepLaunch::HcDown)) launch_hc_down(down, s);
     if (pending) {
       Hc = down.H_out;
@@ -777,7 +777,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.hc_count = static_cast<int>(S);
     mx.hidden = D;
     mx.rank = R;
-    mx.fixed_shape = (o.hc_fixed_shape & 2) != 0;
+    mx.fixed_shape = (o.fixed_shape_kernels & 2) != 0;
     if (on(StepLaunch::HcMix)) launch_hc_mix(mx, s);
   };
   auto settle = [&]() {
@@ -897,6 +897,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.out = mix_out;
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
+      gp.fixed_shape = (o.fixed_shape_kernels & 4) != 0;
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
       if (on(StepLaunch::OutProj))
         launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);

@@ -76,10 +76,10 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
-  /// The HC read's staged kernels at the real model's compile-time shape where it applies
-  /// (HcDownParams / HcMixParams::fixed_shape; same bits): bit 0 the down pass, bit 1 the mix.
-  /// 0: the runtime-shape instances (A/B benches).
-  int hc_fixed_shape = 3;
+  /// Kernels at the real model's compile-time shape where it applies (their params'
+  /// fixed_shape; the same bits): bit 0 the HC down pass, bit 1 the HC mix, bit 2 the GDN
+  /// recurrence. 0: the runtime-shape instances everywhere (A/B benches).
+  int fixed_shape_kernels = 7;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

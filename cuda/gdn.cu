@@ -33,6 +33,11 @@ constexpr int kMaxRows = 4;  // state rows per thread (registers: kMaxRows float
 constexpr int kMaxHeadDim = 1024;
 constexpr int kMaxSlice = 32;  // dv columns per CTA
 constexpr int kMaxConvKernel = 8;
+// The real layer's shape (MODEL.md §A.2: linear key/value head dim 128, conv kernel 4) with the
+// slice width plan_gdn_decode_slice picks for it: the compile-time-shape instance.
+constexpr int kFixedDk = 128;
+constexpr int kFixedSlice = 32;
+constexpr int kFixedConv = 4;
 
 using dev::sigmoid2;
 using dev::softplus;
@@ -164,19 +169,30 @@ __device__ __forceinline__ void column_sum(float (&acc)[4], int CG, int vc,
 // Fused mode also does step 2 for the channels it reads: q_i and k_i (2 dk channels, read by the
 // ratio * slices CTAs of key head i: the last of them to arrive shifts their history) and its own
 // vc channels of v (shifted at once: no other CTA reads them).
+//
+// The instance <kFixedDk, kFixedDk, kFixedSlice, kFixedConv> is the real layer (dk = dv = 128,
+// 32-column slices, conv kernel 4, fused conv) at compile-time shape: its loops have fixed trip
+// counts and its row and column predicates fold. The runtime-shape instance <0, 0, 0, 0> runs
+// every other shape (and fused = false); the same operations in the same order, so the same bits.
+template <int kDk = 0, int kDv = 0, int kVc = 0, int kK = 0>
 __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
+  static_assert((kDk > 0) == (kDv > 0) && (kDk > 0) == (kVc > 0) && (kDk > 0) == (kK > 0));
+  __builtin_assume(threadIdx.x < kThreads);  // the launcher's block size
+  const int dk = kDk > 0 ? kDk : a.dk, dv = kDv > 0 ? kDv : a.dv;
+  const int vc = kVc > 0 ? kVc : a.vc, K = kK > 0 ? kK : a.K;
+  const bool fused = kDk > 0 || a.fused != 0;  // the fixed instance is the one-launch mode
   __shared__ float qs[kMaxHeadDim], ks[kMaxHeadDim];
   __shared__ float part[kWarps][kMaxSlice];
   __shared__ float col[kMaxSlice], delta[kMaxSlice];
   __shared__ int last_head, last_key;
-  const int slices = a.dv / a.vc;
+  const int slices = dv / vc;
   const int h = blockIdx.x / slices, sl = blockIdx.x - h * slices;
   const int i = h / a.ratio;  // repeat-interleave: value head h reads key head h / (Hv/Hk)
   const int tid = threadIdx.x;
-  const int CG = a.vc >> 2, RG = kThreads / CG;
+  const int CG = vc >> 2, RG = kThreads / CG;
   const int cg = tid % CG, rg = tid / CG;
-  const int col0 = sl * a.vc + cg * 4;
-  float* S = a.state + static_cast<int64_t>(h) * a.dk * a.dv + col0;
+  const int col0 = sl * vc + cg * 4;
+  float* S = a.state + static_cast<int64_t>(h) * dk * dv + col0;
 
   // The state tile first: its loads are the kernel's cost and overlap everything below. Two
   // launches: straight into registers before the programmatic-dependent wait (the conv kernel
@@ -188,16 +204,16 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
 #pragma unroll
     for (int j = 0; j < kMaxRows; ++j) {
       const int row = rg + j * RG;
-      s[j] = row < a.dk ? *reinterpret_cast<const float4*>(S + static_cast<int64_t>(row) * a.dv)
-                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      s[j] = row < dk ? *reinterpret_cast<const float4*>(S + static_cast<int64_t>(row) * dv)
+                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
   };
-  if (a.fused) {
+  if (fused) {
     if ((cg & 7) == 0) {  // one prefetch per 128 bytes of a row
 #pragma unroll
       for (int j = 0; j < kMaxRows; ++j) {
         const int row = rg + j * RG;
-        if (row < a.dk) dev::prefetch_l2(S + static_cast<int64_t>(row) * a.dv);
+        if (row < dk) dev::prefetch_l2(S + static_cast<int64_t>(row) * dv);
       }
     }
   } else {
@@ -205,37 +221,36 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  if (a.fused) load_state();
+  if (fused) load_state();
   // Step 4: gates of head h (they depend only on the projection).
-  const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * a.dv;
+  const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * dv;
   const float beta = sigmoid2(ab[a.Hv + h]);
   const float g = -expf(a.A_log[h]) * softplus(ab[h] + a.dt_bias[h]);
   const float decay = expf(g);
 
   // Step 2 (fused) or its output (two launches): q_i, k_i and this CTA's v columns.
-  const int64_t q_base = static_cast<int64_t>(i) * a.dk;
-  const int64_t k_base = static_cast<int64_t>(a.Hk) * a.dk + q_base;
+  const int64_t q_base = static_cast<int64_t>(i) * dk;
+  const int64_t k_base = static_cast<int64_t>(a.Hk) * dk + q_base;
   const int64_t v_chan =
-      2 * static_cast<int64_t>(a.Hk) * a.dk + static_cast<int64_t>(h) * a.dv + sl * a.vc + tid;
+      2 * static_cast<int64_t>(a.Hk) * dk + static_cast<int64_t>(h) * dv + sl * vc + tid;
   float sq = 0.0f, sk = 0.0f, v = 0.0f;
-  for (int t = tid; t < a.dk; t += kThreads) {
-    const float qv = a.fused ? conv_channel(a.proj, a.conv_w, a.conv_state, q_base + t, a.K, false)
-                             : a.conv_out[q_base + t];
-    const float kv = a.fused ? conv_channel(a.proj, a.conv_w, a.conv_state, k_base + t, a.K, false)
-                             : a.conv_out[k_base + t];
+  for (int t = tid; t < dk; t += kThreads) {
+    const float qv = fused ? conv_channel(a.proj, a.conv_w, a.conv_state, q_base + t, K, false)
+                           : a.conv_out[q_base + t];
+    const float kv = fused ? conv_channel(a.proj, a.conv_w, a.conv_state, k_base + t, K, false)
+                           : a.conv_out[k_base + t];
     qs[t] = qv;
     ks[t] = kv;
     sq = fmaf(qv, qv, sq);
     sk = fmaf(kv, kv, sk);
   }
-  if (tid < a.vc)
-    v = a.fused ? conv_channel(a.proj, a.conv_w, a.conv_state, v_chan, a.K, true)
-                : a.conv_out[v_chan];
+  if (tid < vc)
+    v = fused ? conv_channel(a.proj, a.conv_w, a.conv_state, v_chan, K, true) : a.conv_out[v_chan];
 
   // Step 5: L2 norms of q_i and k_i (eps inside the rsqrt of the sum), q scaled by 1/sqrt(dk).
   block_sum2(sq, sk);  // also the barrier for qs / ks
   const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-  const float q_scale = 1.0f / sqrtf(static_cast<float>(a.dk));
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
 
   // Step 6: S *= exp(g); r = S^T kh; delta = beta (v - r); S += kh delta^T; o = S^T qh.
   float kh[kMaxRows], qh[kMaxRows];
@@ -243,8 +258,8 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
 #pragma unroll
   for (int j = 0; j < kMaxRows; ++j) {
     const int row = rg + j * RG;
-    kh[j] = row < a.dk ? ks[row] * rk : 0.0f;
-    qh[j] = row < a.dk ? qs[row] * rq * q_scale : 0.0f;
+    kh[j] = row < dk ? ks[row] * rk : 0.0f;
+    qh[j] = row < dk ? qs[row] * rq * q_scale : 0.0f;
     s[j].x *= decay;
     s[j].y *= decay;
     s[j].z *= decay;
@@ -254,8 +269,8 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     acc[2] = fmaf(s[j].z, kh[j], acc[2]);
     acc[3] = fmaf(s[j].w, kh[j], acc[3]);
   }
-  column_sum(acc, CG, a.vc, part, col);
-  if (tid < a.vc) delta[tid] = beta * (v - col[tid]);
+  column_sum(acc, CG, vc, part, col);
+  if (tid < vc) delta[tid] = beta * (v - col[tid]);
   __syncthreads();
   const float d0 = delta[cg * 4], d1 = delta[cg * 4 + 1], d2 = delta[cg * 4 + 2],
               d3 = delta[cg * 4 + 3];
@@ -267,16 +282,16 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     s[j].y = fmaf(kh[j], d1, s[j].y);
     s[j].z = fmaf(kh[j], d2, s[j].z);
     s[j].w = fmaf(kh[j], d3, s[j].w);
-    if (row < a.dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * a.dv) = s[j];
+    if (row < dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * dv) = s[j];
     acc[0] = fmaf(s[j].x, qh[j], acc[0]);
     acc[1] = fmaf(s[j].y, qh[j], acc[1]);
     acc[2] = fmaf(s[j].z, qh[j], acc[2]);
     acc[3] = fmaf(s[j].w, qh[j], acc[3]);
   }
-  column_sum(acc, CG, a.vc, part, col);
-  float* o = a.o_scratch + static_cast<int64_t>(h) * a.dv;
-  if (tid < a.vc) {
-    o[sl * a.vc + tid] = col[tid];
+  column_sum(acc, CG, vc, part, col);
+  float* o = a.o_scratch + static_cast<int64_t>(h) * dv;
+  if (tid < vc) {
+    o[sl * vc + tid] = col[tid];
     __threadfence();  // visible to the head's last CTA before the arrival below
   }
   __syncthreads();
@@ -286,43 +301,43 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   if (tid == 0) {
     __threadfence();
     const unsigned int prev = atomicAdd(a.counters + h, 1u);
-    const unsigned int prev_k = a.fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
+    const unsigned int prev_k = fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
     last_head = prev == static_cast<unsigned int>(slices - 1);
-    last_key = a.fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
+    last_key = fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
     if (last_head) a.counters[h] = 0u;  // ready for the next launch (stream order)
     if (last_key) a.counters[a.Hv + i] = 0u;
     __threadfence();
   }
   __syncthreads();
   if (last_key) {
-    for (int t = tid; t < a.dk; t += kThreads) {
-      conv_shift(a.proj, a.conv_state, q_base + t, a.K);
-      conv_shift(a.proj, a.conv_state, k_base + t, a.K);
+    for (int t = tid; t < dk; t += kThreads) {
+      conv_shift(a.proj, a.conv_state, q_base + t, K);
+      conv_shift(a.proj, a.conv_state, k_base + t, K);
     }
   }
   if (!last_head) return;
 
   // Step 7 (last CTA of head h): o * rsqrt(mean(o^2) + eps) * w * sigmoid(z) -> BF16.
   // The loads of o, w and z are independent: one round trip.
-  const float* z = a.proj + a.conv_dim + static_cast<int64_t>(h) * a.dv;
+  const float* z = a.proj + a.conv_dim + static_cast<int64_t>(h) * dv;
   float ov[kMaxRows], nw[kMaxRows], nz[kMaxRows];
   float ss = 0.0f, unused = 0.0f;
 #pragma unroll
   for (int j = 0; j < kMaxRows; ++j) {
     const int t = tid + j * kThreads;
-    ov[j] = t < a.dv ? __ldcg(o + t) : 0.0f;
-    nw[j] = t < a.dv ? a.norm_w[t] : 0.0f;
-    nz[j] = t < a.dv ? z[t] : 0.0f;
+    ov[j] = t < dv ? __ldcg(o + t) : 0.0f;
+    nw[j] = t < dv ? a.norm_w[t] : 0.0f;
+    nz[j] = t < dv ? z[t] : 0.0f;
     ss = fmaf(ov[j], ov[j], ss);
   }
   block_sum2(ss, unused);
-  const float mean = ss / static_cast<float>(a.dv);
+  const float mean = ss / static_cast<float>(dv);
   const float rs = 1.0f / sqrtf(mean + a.eps);
-  uint16_t* out = a.out + static_cast<int64_t>(h) * a.dv;
+  uint16_t* out = a.out + static_cast<int64_t>(h) * dv;
 #pragma unroll
   for (int j = 0; j < kMaxRows; ++j) {
     const int t = tid + j * kThreads;
-    if (t < a.dv) out[t] = dev::float_to_bf16_bits(ov[j] * rs * nw[j] * sigmoid2(nz[j]));
+    if (t < dv) out[t] = dev::float_to_bf16_bits(ov[j] * rs * nw[j] * sigmoid2(nz[j]));
   }
 }
 
@@ -401,8 +416,13 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
                0, stream, p.proj, p.conv_weight, p.conv_state, p.conv_out, conv_dim, p.conv_kernel);
     FN_CUDA_LAUNCH_CHECK("gdn_conv_kernel");
   }
-  launch_maybe_pdl(p.fused_conv || p.overlap_launch, "gdn_recurrent_kernel", gdn_recurrent_kernel,
-                   grid, kThreads, 0, stream, a);
+  const bool fixed = p.fixed_shape && p.fused_conv && dk == kFixedDk && dv == kFixedDk &&
+                     vc == kFixedSlice && p.conv_kernel == kFixedConv;
+  void (*kernel)(RecArgs) = fixed
+                                ? gdn_recurrent_kernel<kFixedDk, kFixedDk, kFixedSlice, kFixedConv>
+                                : gdn_recurrent_kernel<>;
+  launch_maybe_pdl(p.fused_conv || p.overlap_launch, "gdn_recurrent_kernel", kernel, grid, kThreads,
+                   0, stream, a);
   FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel");
 }
 

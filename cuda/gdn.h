@@ -57,6 +57,10 @@ struct GdnDecodeParams {
   /// dv columns per CTA: 0 lets plan_gdn_decode_slice choose; else 4, 8, 16 or 32, dividing dv,
   /// with dk * slice_columns <= 4096 (the state tile fits the registers). For benchmarks/tests.
   int slice_columns = 0;
+  /// true: the compile-time-shape instance of the recurrence kernel runs when the shape is the
+  /// real layer's (dk = dv = 128, 32-column slices, conv kernel 4, fused_conv); false: always
+  /// the runtime-shape instance (A/B benches and tests). The same bits either way.
+  bool fixed_shape = true;
 };
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);

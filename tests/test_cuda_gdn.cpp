@@ -399,7 +399,9 @@ TEST_CASE("cuda gdn: the launcher rejects null pointers, bad head counts and dim
   FN_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-TEST_CASE("cuda gdn: graph replay and both launch modes give the eager steps bitwise") {
+TEST_CASE(
+    "cuda gdn: graph replay, both launch modes and the runtime-shape kernel give the eager steps "
+    "bitwise") {
   const Shape s{8, 24, 128, 128};
   std::mt19937_64 rng(14);
   const Weights w(s, rng);
@@ -441,6 +443,11 @@ TEST_CASE("cuda gdn: graph replay and both launch modes give the eager steps bit
   p_two.fused_conv = false;
   fn::GdnDecodeParams p_serial = p_two;  // two launches in plain stream order
   p_serial.overlap_launch = false;
+  // One launch, the runtime-shape instance (at dk = dv = 128, 32-column slices and conv kernel
+  // 4, p runs the compile-time-shape one).
+  fn::GdnDecodeParams p_runtime = p;
+  p_runtime.fixed_shape = false;
+  REQUIRE(fn::plan_gdn_decode_slice(p) == 32);
   const auto eager = run([&] { fn::launch_gdn_decode(p, stream); });
   // The states did move (the comparisons are not between untouched buffers).
   CHECK(std::memcmp(eager.back().S.data(), S0.data(), S0.size() * 4) != 0);
@@ -459,6 +466,7 @@ TEST_CASE("cuda gdn: graph replay and both launch modes give the eager steps bit
   }
   same(eager, run([&] { fn::launch_gdn_decode(p_two, stream); }));
   same(eager, run([&] { fn::launch_gdn_decode(p_serial, stream); }));
+  same(eager, run([&] { fn::launch_gdn_decode(p_runtime, stream); }));
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

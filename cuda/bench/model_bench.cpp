@@ -8,7 +8,7 @@
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch 0|1] [--moe-bulk 0|1]
-//     [--moe-bulk-down 0|1] [--hc-fixed MASK] [--skip MASK] [--empty-launches N] [--json FILE]
+//     [--moe-bulk-down 0|1] [--fixed-shape MASK] [--skip MASK] [--empty-launches N] [--json FILE]
 //     [--trace FILE.csv [--trace-steps 4]]
 //     (--unfused: CudaModelOptions::fused_step = false, every launch separate; --trace: after
 //     the timed tokens, --trace-steps more with the step timeline of cuda/step_trace.h recorded
@@ -91,7 +91,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
   bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
-  int hc_fixed = fn::CudaModelOptions{}.hc_fixed_shape;
+  int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
   for (int i = 1; i < argc; ++i) {
@@ -124,8 +124,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       moe_bulk = std::stoi(next()) != 0;
     else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
       moe_bulk_down = std::stoi(next()) != 0;
-    else if (a == "--hc-fixed")  // CudaModelOptions::hc_fixed_shape: bit 0 down, bit 1 mix
-      hc_fixed = std::stoi(next());
+    else if (a == "--fixed-shape")  // CudaModelOptions::fixed_shape_kernels (bit mask)
+      fixed_shape = std::stoi(next());
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
       empty_launches = std::stoi(next());
     else if (a == "--trace")
@@ -160,7 +160,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.l2_prefetch = l2_prefetch;
   o.moe_bulk = moe_bulk;
   o.moe_bulk_down = moe_bulk_down;
-  o.hc_fixed_shape = hc_fixed;
+  o.fixed_shape_kernels = fixed_shape;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;
   o.tp_rank = rank;

@@ -438,7 +438,7 @@ TEST_CASE(
       fn::launch_hc_mix(p, nullptr);
       FN_CUDA_CHECK(cudaDeviceSynchronize());
       CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0,
-                    wide ? "512-thread blocks" : "runtime-shape kernel", " m, D ", D, " r ", r);
+                    (wide ? "512-thread blocks" : "runtime-shape kernel"), " m, D ", D, " r ", r);
       CHECK(std::memcmp(dmb.download().data(), mb.data(), D * 2) == 0);
       CHECK(std::memcmp(diota.download().data(), iota.data(), 16) == 0);
     }

@@ -5,7 +5,7 @@
 # ("TEST:doctest-filter", run with FN_BENCH=1, its "bench:" lines printed) and the model fixtures
 # against transformers at np 1; then cuda_model_bench TP=1 (depth 8192, 64 tokens) of both builds,
 # alternating base/new twice; last compute-sanitizer memcheck and racecheck of FN_AB_SANITIZE
-# ("TEST:doctest-filter", 60 s each at most; several entries space-separated). Logs to $OUT.
+# ("TEST:doctest-filter", 60 s each at most; several entries |-separated). Logs to $OUT.
 # Session 9's calls:
 #   QSA: FN_AB_TESTS="test_cuda_qsa test_cuda_qsa_prefill" FN_AB_BENCH="test_cuda_qsa:*bench*"
 #        FN_AB_SANITIZE="test_cuda_qsa:*graph replay*" bash scripts/gpu/kernel_ab_run.sh
@@ -80,8 +80,9 @@ for b in $trees $trees; do
       grep -E "^\| [0-9]" | cut -c1-80)"
   done
 done
-# FN_AB_SANITIZE may name several "TEST:filter" entries, space-separated (session 17).
-for entry in ${FN_AB_SANITIZE:-}; do
+# FN_AB_SANITIZE may name several "TEST:filter" entries, |-separated (session 17).
+IFS='|' read -r -a sanitize <<<"${FN_AB_SANITIZE:-}"
+for entry in "${sanitize[@]}"; do
   for tool in memcheck racecheck; do
     log="$out/${tool}_${entry%%:*}.log"
     timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \

@@ -778,7 +778,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.hidden = D;
     mx.rank = R;
     mx.fixed_shape = (o.fixed_shape_kernels & 2) != 0;
-    mx.fixed_wide_blocks = (o.fixed_shape_kernels & 8) != 0;
     if (on(StepLaunch::HcMix)) launch_hc_mix(mx, s);
   };
   auto settle = [&]() {

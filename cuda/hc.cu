@@ -321,7 +321,6 @@ __device__ __forceinline__ int mix_lane_stream(int lane) {
 // (H of its stream at output ic, the partial squares, its first two t values' partials) before
 // any math that depends on them; the group scales into scale[]; u = silu(t / 4) into u_s (and
 // iota from block 0). The caller syncs the block before reading u_s.
-template <int kThreads>
 __device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& d, int64_t ic,
                                                int lane, float* u_s, float& hv,
                                                float (&scale)[kStreams]) {
@@ -336,10 +335,12 @@ __device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& 
   auto load = [&](int j, bool first) {
 #pragma unroll
     for (int p = 0; p < kMaxSplits; ++p) {
-      v0[p] = p < d.splits && ((first && d.rank >= kThreads) || j < nt)
+      v0[p] = p < d.splits && ((first && d.rank >= kBlockThreads) || j < nt)
                   ? __ldg(a.t + p * a.t_stride + j)
                   : 0.0f;
-      v1[p] = p < d.splits && j + kThreads < nt ? __ldg(a.t + p * a.t_stride + j + kThreads) : 0.0f;
+      v1[p] = p < d.splits && j + kBlockThreads < nt
+                  ? __ldg(a.t + p * a.t_stride + j + kBlockThreads)
+                  : 0.0f;
     }
   };
   int j = threadIdx.x;
@@ -371,12 +372,11 @@ __device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& 
       a.iota[jj - d.rank] = 2.0f / (1.0f + expf(-x));
   };
   for (bool first = true;; first = false) {
-    if ((first && d.rank >= kThreads) || j < nt) finish(j, v0);
-    if (j + kThreads < nt) finish(j + kThreads, v1);
-    // Two rounds cover every t value when nt <= 2 * kThreads (rank 320: a constant in the fixed
-    // instance).
-    if (d.rank + kStreams <= 2 * kThreads) break;
-    j += 2 * kThreads;
+    if ((first && d.rank >= kBlockThreads) || j < nt) finish(j, v0);
+    if (j + kBlockThreads < nt) finish(j + kBlockThreads, v1);
+    // Two rounds cover every t value when nt <= 512 (rank 320: a constant in the fixed instance).
+    if (d.rank + kStreams <= 2 * kBlockThreads) break;
+    j += 2 * kBlockThreads;
     if (j >= nt) break;
     load(j, false);
   }
@@ -386,12 +386,11 @@ __device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& 
 // N_s = H * scale_s * (1 + w) (MODEL.md §C.2, FP32), and lane 0 of an in-range team gathers them:
 // m = (1/4) sum_s G_s N_s (fmaf chain over the streams, ascending). hv and one_w: the lane's
 // stream's H and 1 + w at the output.
-template <int kThreads>
 __device__ __forceinline__ void mix_finish(const MixArgs& a, const MixDims& d,
                                            float (&acc)[kStreams], int lane, bool store, float hv,
                                            const float (&scale)[kStreams], float one_w, int64_t i) {
   const int team = 1 << d.team_log2;
-  dev::team_reduce<kStreams, kThreads>(acc, team, lane);
+  dev::team_reduce<kStreams, kBlockThreads>(acc, team, lane);
   if (team > 32) {  // the sums are in the team's lane 0 only: give them to its warp
 #pragma unroll
     for (int s = 0; s < kStreams; ++s) acc[s] = __shfl_sync(0xffffffffu, acc[s], 0);
@@ -454,7 +453,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   float hv, scale[kStreams];
-  mix_after_wait<kBlockThreads>(a, d, ic, lane, u_s, hv, scale);
+  mix_after_wait(a, d, ic, lane, u_s, hv, scale);
   __syncthreads();
   float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -467,12 +466,12 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
       w[s] = dev::ld_stream16(a.w_up + (ic + s * d.hidden) * d.rank + 8 * v);
     mix_accumulate(acc, w, u_s4, v);
   }
-  mix_finish<kBlockThreads>(a, d, acc, lane, i < d.hidden, hv, scale, one_w, i);
+  mix_finish(a, d, acc, lane, i < d.hidden, hv, scale, one_w, i);
 }
 
-// Shared memory of the staged mix: the block's 4 x (threads / team) W_up rows, then u (FP32).
-std::size_t mix_stage_bytes(int64_t rank, int team, int threads = kBlockThreads) {
-  return static_cast<std::size_t>(kStreams) * (threads / team) * rank * 2 +
+// Shared memory of the staged mix: the block's 4 x (256 / team) W_up rows, then u (FP32).
+std::size_t mix_stage_bytes(int64_t rank, int team) {
+  return static_cast<std::size_t>(kStreams) * (kBlockThreads / team) * rank * 2 +
          static_cast<std::size_t>(rank) * sizeof(float);
 }
 
@@ -484,14 +483,12 @@ std::size_t mix_stage_bytes(int64_t rank, int team, int threads = kBlockThreads)
 // <kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits> is the real read at compile-time
 // shape (ncu, session 16: the runtime-shape instance ran ~1,170 instructions per warp at this
 // shape, most of them address arithmetic, predicates and loop control on runtime sizes).
-template <int kRank = 0, int kHidden = 0, int kTeamLog2 = 0, int kSplits = 0,
-          int kThreads = kBlockThreads>
-__global__ void __launch_bounds__(kThreads, kStagedMinBlocks* kBlockThreads / kThreads)
-    hc_mix_staged_kernel(MixArgs a) {
+template <int kRank = 0, int kHidden = 0, int kTeamLog2 = 0, int kSplits = 0>
+__global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged_kernel(MixArgs a) {
   extern __shared__ uint4 stage4[];  // [kStreams][outs][nvec] W_up, then u [rank] FP32
   const MixDims d = mix_dims<kRank, kHidden, kTeamLog2, kSplits>(a);
   const int team = 1 << d.team_log2;
-  const int outs = kThreads >> d.team_log2;
+  const int outs = kBlockThreads >> d.team_log2;
   const int k = threadIdx.x >> d.team_log2;
   const int lane = threadIdx.x & (team - 1);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * outs;
@@ -509,10 +506,10 @@ __global__ void __launch_bounds__(kThreads, kStagedMinBlocks* kBlockThreads / kT
     const uint16_t* src = a.w_up + (i0 + s * d.hidden) * d.rank;
     uint4* dst = stage4 + s * per_stream;
     // A loop over rounds, not over q, so that the fixed instance's trip count is a constant.
-    const int rounds = (per_stream + kThreads - 1) / kThreads;
+    const int rounds = (per_stream + kBlockThreads - 1) / kBlockThreads;
 #pragma unroll 4
     for (int rd = 0; rd < rounds; ++rd) {
-      const int q = static_cast<int>(threadIdx.x) + rd * kThreads;
+      const int q = static_cast<int>(threadIdx.x) + rd * kBlockThreads;
       if (q >= per_stream) break;
       if (q < n_ok)
         dev::cp_async16(dst + q, src + 8 * static_cast<int64_t>(q));
@@ -525,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, kStagedMinBlocks* kBlockThreads / kT
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   float hv, scale[kStreams];
-  mix_after_wait<kThreads>(a, d, ic, lane, reinterpret_cast<float*>(u_s4), hv, scale);
+  mix_after_wait(a, d, ic, lane, reinterpret_cast<float*>(u_s4), hv, scale);
   dev::cp_async_wait_all();
   __syncthreads();
   float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -535,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, kStagedMinBlocks* kBlockThreads / kT
     for (int s = 0; s < kStreams; ++s) w[s] = stage4[(s * outs + k) * d.nvec + v];
     mix_accumulate(acc, w, u_s4, v);
   }
-  mix_finish<kThreads>(a, d, acc, lane, in_range, hv, scale, one_w, i);
+  mix_finish(a, d, acc, lane, in_range, hv, scale, one_w, i);
 }
 
 using detail::aligned;
@@ -652,16 +649,6 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
   if (hc_mix_uses_staging(p)) {
     const bool fixed = p.fixed_shape && p.rank == kFixedRank && p.hidden == kFixedHidden &&
                        team == (1 << kFixedTeamLog2) && p.t_splits == kFixedSplits;
-    if (fixed && p.fixed_wide_blocks) {  // 512 threads: 16 outputs per block, D / 16 blocks
-      constexpr int kWide = 2 * kBlockThreads;
-      launch_pdl(
-          "hc_mix_staged_kernel",
-          hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits, kWide>,
-          dim3(kFixedHidden / (kWide >> kFixedTeamLog2)), dim3(kWide),
-          mix_stage_bytes(p.rank, team, kWide), stream, a);
-      FN_CUDA_LAUNCH_CHECK("hc_mix_staged_kernel");
-      return;
-    }
     void (*kernel)(MixArgs) =
         fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits>
               : hc_mix_staged_kernel<>;

@@ -109,10 +109,6 @@ struct HcMixParams {
   /// model's (rank 320, D 2560, 8 partials) and the launcher plans 32-lane teams (132 SMs);
   /// false: always the runtime-shape instance (kept for A/B benches and tests). Same bits.
   bool fixed_shape = true;
-  /// With the compile-time-shape instance: blocks of 512 threads (16 outputs each, 160 blocks at
-  /// D 2560) instead of 256, so half as many blocks repeat the computation of u and each thread
-  /// finishes at most one t value. The same teams and orders: the same bits.
-  bool fixed_wide_blocks = false;
 };
 
 /// Whether launch_hc_mix(p) runs the shared-memory staged kernel: p.staged and the block's W_up

@@ -979,6 +979,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.bulk = moe_bulk_dn;
     dn.bench_skip_math = !on(StepLaunch::DownMath);
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
+    dn.fixed_shape = (o.fixed_shape_kernels & 8) != 0;
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch

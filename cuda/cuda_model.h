@@ -78,8 +78,9 @@ struct CudaModelOptions {
   bool moe_bulk_down = false;
   /// Kernels at the real model's compile-time shape where it applies (their params'
   /// fixed_shape; the same bits): bit 0 the HC down pass, bit 1 the HC mix, bit 2 the GDN
-  /// recurrence. 0: the runtime-shape instances everywhere (A/B benches).
-  int fixed_shape_kernels = 7;
+  /// recurrence, bit 3 the routed experts' down projection (FP32 kernel). 0: the runtime-shape
+  /// instances everywhere (A/B benches).
+  int fixed_shape_kernels = 15;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

@@ -111,6 +111,12 @@ struct Unit {
 // (7 units at TP=1, 4 at TP=2).
 constexpr int kGateUpUnits = 5;
 constexpr int kDownUnits = 7;
+// The routed down's compile-time shape (MODEL.md §A.2 at TP=1: num_experts_per_tok 10,
+// moe_intermediate_size 640 = 20 units of 32 codes, the planner's 32-lane teams).
+constexpr int kFixedTopK = 10;
+constexpr int kFixedDownNvec = 20;
+constexpr int kFixedDownTeamLog2 = 5;
+static_assert(kFixedTopK * kFixedDownNvec <= kDownUnits << kFixedDownTeamLog2, "one round");
 // Resident blocks per SM each kernel is compiled for (__launch_bounds__; <= 128 and <= 85
 // registers): the planner sizes grids to one wave of these where the shape allows.
 constexpr int kGateUpMinBlocks = 2;
@@ -331,21 +337,30 @@ struct DownArgs {
 // idx = j * nvec + v = l, l + team, ...; it issues the loads of up to kDownUnits of them before h
 // (all top_k rows) is staged in shared memory, then accumulates
 // acc = fmaf(unit_dot, routing_weights[j] * gs[e_j], acc) in increasing idx; the team sums its
-// lanes with dev::team_reduce.
-template <bool kNarrow>
+// lanes with dev::team_reduce. The instance <false, kFixedTopK, kFixedDownNvec, kFixedDownTeamLog2>
+// is the real TP=1 shape at compile time (top_k 10, I = 640: 20 units per expert row, 32-lane
+// teams, so one round of at most 7 units per lane): the flattened index's division by nvec is by
+// a constant and the round loop and its predicates fold. The runtime-shape instances
+// <kNarrow, 0, 0, 0> run every other shape; the same operations in the same order either way.
+template <bool kNarrow, int kTopK = 0, int kNvec = 0, int kTeamLog2 = 0>
 __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_kernel(DownArgs a) {
+  static_assert((kTopK > 0) == (kNvec > 0) && (kTopK > 0) == (kTeamLog2 > 0));
+  const int top_k = kTopK > 0 ? kTopK : a.top_k;
+  const int nvec = kNvec > 0 ? kNvec : a.nvec;
+  const int inter = kNvec > 0 ? kNvec * Unit<kNarrow>::kCodes : a.inter;
+  const int team_log2 = kTeamLog2 > 0 ? kTeamLog2 : a.team_log2;
   extern __shared__ float4 stage4[];
   float* stage = reinterpret_cast<float*>(stage4);
   // The first round's loads go out before the programmatic-dependent wait (cuda/pdl.cuh): the
   // weights, and the router's ids and routing weights, written two launches back (gate+up sits in
   // between) and read through L2; only h, gate+up's output, waits.
   using U = Unit<kNarrow>;
-  const int team = 1 << a.team_log2;
+  const int team = 1 << team_log2;
   const int lane = threadIdx.x & (team - 1);
-  const int64_t d = static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> a.team_log2) +
-                    (threadIdx.x >> a.team_log2);
+  const int64_t d =
+      static_cast<int64_t>(blockIdx.x) * (kBlockThreads >> team_log2) + (threadIdx.x >> team_log2);
   const bool in_range = d < a.hidden;
-  const int nflat = a.top_k * a.nvec;
+  const int nflat = top_k * nvec;
   const int mine = in_range && lane < nflat ? (nflat - 1 - lane) / team + 1 : 0;
   uint4 w[kDownUnits];
   uint32_t s[kDownUnits];
@@ -356,17 +371,17 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
 #pragma unroll
     for (int n = 0; n < kDownUnits; ++n) {
       const int idx = lane + (n0 + n) * team;
-      const int jj = idx / a.nvec, v = idx - jj * a.nvec;
+      const int jj = idx / nvec, v = idx - jj * nvec;
       const int e = n0 + n < mine ? __ldcg(a.ids + jj) : -1;
       live[n] = e >= 0 && e < a.num_experts;
       const int64_t row = static_cast<int64_t>(live[n] ? e : 0) * a.hidden + d;
-      w[n] = live[n] ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
-      s[n] = live[n] ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
+      w[n] = live[n] ? U::codes(a.packed + row * (inter / 2), v) : make_uint4(0, 0, 0, 0);
+      s[n] = live[n] ? U::scales(a.scales + row * (inter / 16), v) : 0u;
       f[n] = live[n] ? __ldcg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
       dev::pdl_begin();
-      Stage<kNarrow>::template fill<4>(a.h, a.top_k * a.inter, stage);  // 10 x 640: one batch
+      Stage<kNarrow>::template fill<4>(a.h, top_k * inter, stage);  // 10 x 640: one batch
       __syncthreads();
     }
 #pragma unroll
@@ -844,7 +859,12 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   }
   const int64_t n = p.experts.cols * p.top_k;
   const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
-  auto* kernel = narrow ? moe_down_nvfp4_kernel<true> : moe_down_nvfp4_kernel<false>;
+  const bool fixed = p.fixed_shape && !narrow && p.top_k == kFixedTopK &&
+                     a.nvec == kFixedDownNvec && team == (1 << kFixedDownTeamLog2);
+  auto* kernel = fixed
+                     ? moe_down_nvfp4_kernel<false, kFixedTopK, kFixedDownNvec, kFixedDownTeamLog2>
+                 : narrow ? moe_down_nvfp4_kernel<true>
+                          : moe_down_nvfp4_kernel<false>;
   allow_stage_smem(kernel, smem);
   launch_pdl("moe_down_nvfp4_kernel", kernel, static_cast<unsigned>(blocks), kBlockThreads, smem,
              stream, a);

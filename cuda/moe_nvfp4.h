@@ -101,6 +101,10 @@ struct MoeDownParams {
   /// Knockout benchmarks only (StepLaunch::DownMath; FP32 kernel): the loads stay, the
   /// arithmetic is skipped, so y is wrong. false in production.
   bool bench_skip_math = false;
+  /// true: the FP32 kernel runs its compile-time-shape instance at the real TP=1 shape (top_k
+  /// 10, cols 640, 32-lane teams); false: always the runtime-shape instance (A/B benches and
+  /// tests). The same bits either way.
+  bool fixed_shape = true;
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a

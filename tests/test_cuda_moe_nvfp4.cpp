@@ -273,7 +273,8 @@ void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
 
 std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& ids,
                             const std::vector<float>& rw, const std::vector<float>& h, int team,
-                            const std::vector<float>* y0, bool mma, bool bulk = false) {
+                            const std::vector<float>* y0, bool mma, bool bulk = false,
+                            bool fixed_shape = true) {
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<float> d_rw(rw);
   DeviceArray<uint16_t> d_h(to_bf16(h));
@@ -293,6 +294,7 @@ std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& 
   p.team_threads = team;
   p.mma = mma;
   p.bulk = bulk;
+  p.fixed_shape = fixed_shape;
   fn::launch_moe_down_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   return d_y.download();
@@ -607,6 +609,13 @@ TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1, 2 and 4
         const auto c = fn::test::compare_bounded(got, want, bound);
         CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, " accumulate ", init != nullptr,
                       ": ", c.describe());
+        // The FP32 kernel's runtime-shape instance (at I = 640 with 32-lane teams the launch above
+        // ran the compile-time-shape one): the same bits.
+        if (!mma) {
+          const auto rt = run_down(dw, ids, rw, h, 0, init, false, false, false);
+          CHECK_MESSAGE(std::memcmp(rt.data(), got.data(), got.size() * 4) == 0,
+                        "runtime-shape instance I ", inter, " accumulate ", init != nullptr);
+        }
         // Information only: the worst error against the FP32 kernel's (tighter) bound.
         const int t32 = fn::plan_moe_down_team(10, inter, 2560, sm_count(), false);
         std::vector<double> want32, bound32;

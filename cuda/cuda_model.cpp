@@ -927,6 +927,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.bench_skip_topk = !on(StepLaunch::RouterTopK);
       rs.bench_skip_router_rows = !on(StepLaunch::RouterRows);
       rs.bench_skip_shared_rows = !on(StepLaunch::RouterSharedRows);
+      rs.fixed_shape = (o.fixed_shape_kernels & 16) != 0;
       if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);

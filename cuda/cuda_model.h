@@ -78,9 +78,9 @@ struct CudaModelOptions {
   bool moe_bulk_down = false;
   /// Kernels at the real model's compile-time shape where it applies (their params'
   /// fixed_shape; the same bits): bit 0 the HC down pass, bit 1 the HC mix, bit 2 the GDN
-  /// recurrence, bit 3 the routed experts' down projection (FP32 kernel). 0: the runtime-shape
-  /// instances everywhere (A/B benches).
-  int fixed_shape_kernels = 15;
+  /// recurrence, bit 3 the routed experts' down projection (FP32 kernel), bit 4 the fused
+  /// router's top-k. 0: the runtime-shape instances everywhere (A/B benches).
+  int fixed_shape_kernels = 31;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
   /// results are then wrong. 0 in production.

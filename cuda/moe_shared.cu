@@ -53,6 +53,12 @@ __device__ __forceinline__ void store_rows(const dev::GemvRows& g, int64_t block
     if (row0 + r < g.rows) y[row0 + r] = acc[r];
 }
 
+// The instance <kFixedExperts, kFixedTopK> runs the real router (E 512, k 10) with the top-k's
+// sizes as constants; <0, 0> any other; the same operations, the same bits.
+constexpr int kFixedExperts = 512;
+constexpr int kFixedTopK = 10;
+
+template <int kE = 0, int kK = 0>
 __global__ void __launch_bounds__(kRouterBlockThreads)
     router_shared_gate_up_kernel(RouterGateUpArgs a) {
   __shared__ int s_last;
@@ -88,7 +94,8 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
   }
   __syncthreads();
   if (s_last == 0 || a.skip_topk) return;
-  dev::router_topk_block(a.y[0], a.num_experts, a.top_k, a.norm, a.ids, a.weights, a.flag);
+  dev::router_topk_block(a.y[0], kE > 0 ? kE : a.num_experts, kK > 0 ? kK : a.top_k, a.norm, a.ids,
+                         a.weights, a.flag);
 }
 
 // ---- SwiGLU + shared down + combine ------------------------------------------------------------
@@ -203,7 +210,10 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.skip_topk = p.bench_skip_topk;
   a.skip_rows[0] = p.bench_skip_router_rows;
   a.skip_rows[1] = p.bench_skip_shared_rows;
-  launch_pdl("router_shared_gate_up_kernel", router_shared_gate_up_kernel,
+  const bool fixed = p.fixed_shape && p.num_experts == kFixedExperts && p.top_k == kFixedTopK;
+  launch_pdl("router_shared_gate_up_kernel",
+             fixed ? router_shared_gate_up_kernel<kFixedExperts, kFixedTopK>
+                   : router_shared_gate_up_kernel<>,
              dim3(static_cast<unsigned>(blocks[0] + blocks[1])), dim3(kRouterBlockThreads), 0,
              stream, a);
   FN_CUDA_LAUNCH_CHECK("router_shared_gate_up_kernel");

@@ -43,6 +43,9 @@ struct RouterSharedGateUpParams {
   /// router rows / of the shared gate/up rows only wait and skip their GEMV. false in production.
   bool bench_skip_router_rows = false;
   bool bench_skip_shared_rows = false;
+  /// true: the kernel's compile-time-shape instance runs for the real router (E 512, k 10): the
+  /// top-k's sizes are constants; false: the runtime-shape instance (A/B benches). Same bits.
+  bool fixed_shape = true;
 };
 
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)

@@ -772,7 +772,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   rep.bandwidth_source = o.o_bandwidth->count() > 0
                              ? "given with --bandwidth-gbs"
                              : "the measured H200 device copy bandwidth (default of "
-                               "--bandwidth-gbs; performance-anchors.md §2.3)";
+                               "--bandwidth-gbs; docs/performance.md)";
   rep.env = query_environment(model.name);
 
   GenerateOptions go;

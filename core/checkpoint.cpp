@@ -74,9 +74,10 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
       weight_map.emplace(name, fname);
     }
     for (const std::string& fname : file_names) {
+      const bool present = std::filesystem::exists(dir / fname, ec);
       FN_REQUIRE(std::filesystem::is_regular_file(dir / fname, ec), Io,
-                 "checkpoint index '{}' names file '{}', which does not exist in '{}'",
-                 index_path.string(), fname, dir.string());
+                 "checkpoint index '{}' names file '{}', which {} in '{}'", index_path.string(),
+                 fname, present ? "is not a regular file" : "does not exist", dir.string());
     }
   } else if (std::filesystem::exists(dir / kSingleName, ec)) {
     file_names.push_back(kSingleName);

@@ -116,8 +116,13 @@ TEST_CASE("checkpoint: an index naming a missing file is an Io error naming both
   TempDir dir;
   write_sharded(dir);
   std::filesystem::remove(dir / "model-00002-of-00002.safetensors");
+  check_error(
+      [&] { Checkpoint::open(dir.path()); }, ErrorKind::Io,
+      {"model.safetensors.index.json", "model-00002-of-00002.safetensors", "does not exist"});
+  // A directory where the shard should be is named as such, not as missing.
+  std::filesystem::create_directory(dir / "model-00002-of-00002.safetensors");
   check_error([&] { Checkpoint::open(dir.path()); }, ErrorKind::Io,
-              {"model.safetensors.index.json", "model-00002-of-00002.safetensors"});
+              {"model-00002-of-00002.safetensors", "is not a regular file"});
 }
 
 TEST_CASE("checkpoint: a tensor of the index absent from its file is rejected") {

@@ -74,10 +74,12 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
       weight_map.emplace(name, fname);
     }
     for (const std::string& fname : file_names) {
-      const bool present = std::filesystem::exists(dir / fname, ec);
-      FN_REQUIRE(std::filesystem::is_regular_file(dir / fname, ec), Io,
-                 "checkpoint index '{}' names file '{}', which {} in '{}'", index_path.string(),
-                 fname, present ? "is not a regular file" : "does not exist", dir.string());
+      // The message's exists() runs only on failure (FN_REQUIRE formats lazily).
+      FN_REQUIRE(
+          std::filesystem::is_regular_file(dir / fname, ec), Io,
+          "checkpoint index '{}' names file '{}', which {} in '{}'", index_path.string(), fname,
+          std::filesystem::exists(dir / fname, ec) ? "is not a regular file" : "does not exist",
+          dir.string());
     }
   } else if (std::filesystem::exists(dir / kSingleName, ec)) {
     file_names.push_back(kSingleName);

@@ -23,6 +23,7 @@
 #include "cuda/gdn_common.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
+#include "cuda/real_shape.h"
 
 namespace fn {
 namespace {
@@ -35,9 +36,9 @@ constexpr int kMaxSlice = 32;  // dv columns per CTA
 constexpr int kMaxConvKernel = 8;
 // The real layer's shape (MODEL.md §A.2: linear key/value head dim 128, conv kernel 4) with the
 // slice width plan_gdn_decode_slice picks for it: the compile-time-shape instance.
-constexpr int kFixedDk = 128;
+constexpr int kFixedDk = real_shape::kGdnHeadDim;
 constexpr int kFixedSlice = 32;
-constexpr int kFixedConv = 4;
+constexpr int kFixedConv = real_shape::kGdnConvKernel;
 
 using dev::sigmoid2;
 using dev::softplus;

@@ -10,6 +10,7 @@
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
+#include "cuda/real_shape.h"
 
 namespace fn {
 namespace {
@@ -29,8 +30,8 @@ constexpr int kMaxSplits = 8;
 
 // The real read's shape (MODEL.md §A.2: hc_lowrank 320, hidden 2560; the down pass's 2 chunks
 // per group; 32-lane teams, as mix_team plans them on a 132-SM H200).
-constexpr int kFixedRank = 320;
-constexpr int kFixedHidden = 2560;
+constexpr int kFixedRank = real_shape::kHcRank;
+constexpr int kFixedHidden = real_shape::kHidden;
 constexpr int kFixedTeamLog2 = 5;
 constexpr int kFixedSplits = 8;
 

@@ -39,6 +39,7 @@
 #include "cuda/nvfp4_bits.h"
 #include "cuda/nvfp4_mma.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/real_shape.h"
 
 namespace fn {
 namespace {
@@ -113,8 +114,8 @@ constexpr int kGateUpUnits = 5;
 constexpr int kDownUnits = 7;
 // The routed down's compile-time shape (MODEL.md §A.2 at TP=1: num_experts_per_tok 10,
 // moe_intermediate_size 640 = 20 units of 32 codes, the planner's 32-lane teams).
-constexpr int kFixedTopK = 10;
-constexpr int kFixedDownNvec = 20;
+constexpr int kFixedTopK = real_shape::kTopK;
+constexpr int kFixedDownNvec = real_shape::kMoeInter / Unit<false>::kCodes;
 constexpr int kFixedDownTeamLog2 = 5;
 static_assert(kFixedTopK * kFixedDownNvec <= kDownUnits << kFixedDownTeamLog2, "one round");
 // Resident blocks per SM each kernel is compiled for (__launch_bounds__; <= 128 and <= 85

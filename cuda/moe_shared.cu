@@ -13,6 +13,7 @@
 #include "cuda/launch_check.h"
 #include "cuda/moe_device.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/real_shape.h"
 
 namespace fn {
 namespace {
@@ -55,8 +56,8 @@ __device__ __forceinline__ void store_rows(const dev::GemvRows& g, int64_t block
 
 // The instance <kFixedExperts, kFixedTopK> runs the real router (E 512, k 10) with the top-k's
 // sizes as constants; <0, 0> any other; the same operations, the same bits.
-constexpr int kFixedExperts = 512;
-constexpr int kFixedTopK = 10;
+constexpr int kFixedExperts = real_shape::kNumExperts;
+constexpr int kFixedTopK = real_shape::kTopK;
 
 template <int kE = 0, int kK = 0>
 __global__ void __launch_bounds__(kRouterBlockThreads)

@@ -11,6 +11,7 @@
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
 #include "cuda/qsa_device.cuh"
+#include "cuda/real_shape.h"
 
 namespace fn {
 namespace {
@@ -450,8 +451,8 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
 
 // The compile-time shape of qsa_attn_split_kernel's fixed instances: the real model's 12 query
 // heads per KV head (24 / 2 globally) and head dim 256.
-constexpr int kFixedG = 12;
-constexpr int kFixedHd = 256;
+constexpr int kFixedG = real_shape::kQsaQPerKv;
+constexpr int kFixedHd = real_shape::kQsaHeadDim;
 
 // Whether a launch of qsa_attn_split_kernel with `heads` query heads per CTA and `zdim` head
 // splits may take a fixed instance: every local KV head j owns exactly the local query heads

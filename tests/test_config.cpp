@@ -8,6 +8,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
+#include "cuda/real_shape.h"
 
 namespace {
 
@@ -111,6 +112,20 @@ TEST_CASE("config: the real Qwen3.8-Flash-Next config parses with the values of 
   CHECK(!c.pad_token_id);
   CHECK(!c.tie_word_embeddings);
   CHECK(c.ple_embedding_dtype == "float8_e4m3fn");
+}
+
+TEST_CASE("config: the CUDA kernels' compile-time shape (cuda/real_shape.h) is the real config's") {
+  const fn::ModelConfig c = fn::load_model_config(kReal);
+  CHECK(c.hidden_size == fn::real_shape::kHidden);
+  CHECK(c.hc_lowrank == fn::real_shape::kHcRank);
+  CHECK(c.linear_key_head_dim == fn::real_shape::kGdnHeadDim);
+  CHECK(c.linear_value_head_dim == fn::real_shape::kGdnHeadDim);
+  CHECK(c.linear_conv_kernel_dim == fn::real_shape::kGdnConvKernel);
+  CHECK(c.num_experts == fn::real_shape::kNumExperts);
+  CHECK(c.num_experts_per_tok == fn::real_shape::kTopK);
+  CHECK(c.moe_intermediate_size == fn::real_shape::kMoeInter);
+  CHECK(c.num_attention_heads / c.num_key_value_heads == fn::real_shape::kQsaQPerKv);
+  CHECK(c.head_dim == fn::real_shape::kQsaHeadDim);
 }
 
 TEST_CASE("config: the tiny config parses with the values of MODEL.md G.3") {

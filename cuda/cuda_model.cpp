@@ -718,6 +718,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   cudaStream_t s = stream;
   // CudaModelOptions::bench_skip: launch kind `bit` is left out (knockout benchmarks only).
   auto on = [&](StepLaunch bit) { return ((o.bench_skip >> static_cast<int>(bit)) & 1u) == 0; };
+  auto fixed = [&](FixedShapeKernel bit) {
+    return ((o.fixed_shape_kernels >> static_cast<int>(bit)) & 1) != 0;
+  };
   auto all_reduce = [&](float* buf, int64_t count) {
     if (tp > 1) {
       mark(StepFamily::AllReduce);
@@ -755,7 +758,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       down.inject_y = y;
       down.H_out = Hc == H ? H_alt : H;
     }
-    down.fixed_shape = (o.fixed_shape_kernels & 1) != 0;
+    down.fixed_shape = fixed(FixedShapeKernel::HcDown);
     if (on(StepLaunch::HcDown)) launch_hc_down(down, s);
     if (pending) {
       Hc = down.H_out;
@@ -777,7 +780,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     mx.hc_count = static_cast<int>(S);
     mx.hidden = D;
     mx.rank = R;
-    mx.fixed_shape = (o.fixed_shape_kernels & 2) != 0;
+    mx.fixed_shape = fixed(FixedShapeKernel::HcMix);
     if (on(StepLaunch::HcMix)) launch_hc_mix(mx, s);
   };
   auto settle = [&]() {
@@ -897,7 +900,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.out = mix_out;
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
-      gp.fixed_shape = (o.fixed_shape_kernels & 4) != 0;
+      gp.fixed_shape = fixed(FixedShapeKernel::Recurrence);
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
       if (on(StepLaunch::OutProj))
         launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
@@ -927,7 +930,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.bench_skip_topk = !on(StepLaunch::RouterTopK);
       rs.bench_skip_router_rows = !on(StepLaunch::RouterRows);
       rs.bench_skip_shared_rows = !on(StepLaunch::RouterSharedRows);
-      rs.fixed_shape = (o.fixed_shape_kernels & 16) != 0;
+      rs.fixed_shape = fixed(FixedShapeKernel::Router);
       if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
@@ -980,7 +983,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.bulk = moe_bulk_dn;
     dn.bench_skip_math = !on(StepLaunch::DownMath);
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
-    dn.fixed_shape = (o.fixed_shape_kernels & 8) != 0;
+    dn.fixed_shape = fixed(FixedShapeKernel::ExpertsDown);
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
     if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch

@@ -76,10 +76,9 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
-  /// Kernels at the real model's compile-time shape where it applies (their params'
-  /// fixed_shape; the same bits): bit 0 the HC down pass, bit 1 the HC mix, bit 2 the GDN
-  /// recurrence, bit 3 the routed experts' down projection (FP32 kernel), bit 4 the fused
-  /// router's top-k. 0: the runtime-shape instances everywhere (A/B benches).
+  /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
+  /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
+  /// instance. 0: the runtime-shape instances everywhere (A/B benches).
   int fixed_shape_kernels = 31;
   /// Knockout benchmarks only (cuda_model_bench --skip): bit StepLaunch k set leaves every launch
   /// of that kind out of the decode step, so the step's time without it can be measured; the
@@ -94,6 +93,16 @@ struct CudaModelOptions {
 /// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit
 /// numbers). Router and SharedDown are the fused_step launches (the default); the separate
 /// launches of fused_step = false are never left out.
+/// The kernels with a compile-time-shape instance (bit numbers of
+/// CudaModelOptions::fixed_shape_kernels, cuda_model_bench --fixed-shape).
+enum class FixedShapeKernel : int {
+  HcDown = 0,       ///< HcDownParams::fixed_shape
+  HcMix = 1,        ///< HcMixParams::fixed_shape
+  Recurrence = 2,   ///< GdnDecodeParams::fixed_shape
+  ExpertsDown = 3,  ///< MoeDownParams::fixed_shape (FP32 kernel)
+  Router = 4,       ///< RouterSharedGateUpParams::fixed_shape (the top-k)
+};
+
 enum class StepLaunch : int {
   HcInject = 0,       ///< launch_hc_inject (TP=1; folded into HcDown behind an all-reduce)
   HcDown = 1,         ///< launch_hc_down

@@ -209,28 +209,24 @@ TEST_CASE(
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0);
     CHECK(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0);
-    // The register kernel (staged = false) sums in the same order: the same bits.
-    FN_CUDA_CHECK(cudaMemset(dt.ptr, 0xff, splits * R * 4));
-    FN_CUDA_CHECK(cudaMemset(dss.ptr, 0xff, splits * 4));
-    p.staged = false;
-    fn::launch_hc_down(p, nullptr);
-    FN_CUDA_CHECK(cudaDeviceSynchronize());
-    CHECK_MESSAGE(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0,
-                  "register kernel t ", c.groups, "x", D, " rows ", R);
-    CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0,
-                  "register kernel sumsq ", c.groups, "x", D);
-    // The staged kernel's runtime-shape instance (fixed_shape = false; at 4 x 2560 the default
-    // launch above ran the compile-time-shape one): the same bits.
-    FN_CUDA_CHECK(cudaMemset(dt.ptr, 0xff, splits * R * 4));
-    FN_CUDA_CHECK(cudaMemset(dss.ptr, 0xff, splits * 4));
-    p.staged = true;
-    p.fixed_shape = false;
-    fn::launch_hc_down(p, nullptr);
-    FN_CUDA_CHECK(cudaDeviceSynchronize());
-    CHECK_MESSAGE(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0,
-                  "runtime-shape kernel t ", c.groups, "x", D, " rows ", R);
-    CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0,
-                  "runtime-shape kernel sumsq ", c.groups, "x", D);
+    // The register kernel (staged = false) sums in the same order, and the staged kernel's
+    // runtime-shape instance (fixed_shape = false; at 4 x 2560 the default launch above ran the
+    // compile-time-shape one) does the same operations: the same bits from both.
+    auto same_bits = [&](bool staged, bool fixed_shape, const char* what) {
+      FN_CUDA_CHECK(cudaMemset(dt.ptr, 0xff, splits * R * 4));
+      FN_CUDA_CHECK(cudaMemset(dss.ptr, 0xff, splits * 4));
+      fn::HcDownParams q = p;
+      q.staged = staged;
+      q.fixed_shape = fixed_shape;
+      fn::launch_hc_down(q, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      CHECK_MESSAGE(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0, what, " t ",
+                    c.groups, "x", D, " rows ", R);
+      CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0, what, " sumsq ",
+                    c.groups, "x", D);
+    };
+    same_bits(false, true, "register kernel");
+    same_bits(true, false, "runtime-shape kernel");
   }
 }
 
@@ -412,33 +408,27 @@ TEST_CASE(
 
     // Rank 2048 (4 x 8 rows x 4 KB) does not fit the 48 KB stage: the register kernel runs. The
     // register kernel (staged = false) sums in the same order as the staged one: the same bits.
-    CHECK(fn::hc_mix_uses_staging(p) == (r != 2048));
-    p.staged = false;
-    CHECK_FALSE(fn::hc_mix_uses_staging(p));
-    FN_CUDA_CHECK(cudaMemset(dm.ptr, 0xff, D * 4));
-    FN_CUDA_CHECK(cudaMemset(dmb.ptr, 0xff, D * 2));
-    FN_CUDA_CHECK(cudaMemset(diota.ptr, 0xff, 16));
-    fn::launch_hc_mix(p, nullptr);
-    FN_CUDA_CHECK(cudaDeviceSynchronize());
-    CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0, "register kernel m, D ",
-                  D, " r ", r);
-    CHECK(std::memcmp(dmb.download().data(), mb.data(), D * 2) == 0);
-    CHECK(std::memcmp(diota.download().data(), iota.data(), 16) == 0);
     // The staged kernel's runtime-shape instance (fixed_shape = false; at D 2560, r 320 and 8
     // partials on a 132-SM GPU the first launch ran the compile-time-shape one): the same bits.
-    p.staged = true;
-    p.fixed_shape = false;
-    if (fn::hc_mix_uses_staging(p)) {
+    CHECK(fn::hc_mix_uses_staging(p) == (r != 2048));
+    auto same_bits = [&](const fn::HcMixParams& q, const char* what) {
       FN_CUDA_CHECK(cudaMemset(dm.ptr, 0xff, D * 4));
       FN_CUDA_CHECK(cudaMemset(dmb.ptr, 0xff, D * 2));
       FN_CUDA_CHECK(cudaMemset(diota.ptr, 0xff, 16));
-      fn::launch_hc_mix(p, nullptr);
+      fn::launch_hc_mix(q, nullptr);
       FN_CUDA_CHECK(cudaDeviceSynchronize());
-      CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0,
-                    "runtime-shape kernel m, D ", D, " r ", r);
+      CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0, what, " m, D ", D,
+                    " r ", r);
       CHECK(std::memcmp(dmb.download().data(), mb.data(), D * 2) == 0);
       CHECK(std::memcmp(diota.download().data(), iota.data(), 16) == 0);
-    }
+    };
+    fn::HcMixParams reg = p;
+    reg.staged = false;
+    CHECK_FALSE(fn::hc_mix_uses_staging(reg));
+    same_bits(reg, "register kernel");
+    fn::HcMixParams runtime = p;
+    runtime.fixed_shape = false;
+    if (fn::hc_mix_uses_staging(runtime)) same_bits(runtime, "runtime-shape kernel");
   }
 }
 

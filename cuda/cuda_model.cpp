@@ -439,6 +439,10 @@ struct Builder {
             src.scalar(base + ".weight_scale_2", 1.0f / (2.93f * std::sqrt(static_cast<float>(D))));
       }
     }
+    // The kernels read the codes in the decode layout (Nvfp4Experts). On the legacy default
+    // stream: after the fills (the random fill runs on it; the checkpoint's staging stream is a
+    // blocking one), and before anything else touches the buffer.
+    nvfp4_codes_to_decode_layout(packed, E * rows * cols / 2, nullptr);
     Nvfp4Experts x;
     x.packed = packed;
     x.scales = scales;

@@ -18,8 +18,9 @@
 // (~4.6 instructions per code; the ALU time alone is about the byte floor), not load bound.
 //
 // Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): the
-// codes of a 32-bit word become, two at a time with a few mask/shift operations, BF16 bit patterns
-// worth exactly code * 2^-126 (cuda/nvfp4_bits.h, checked for every code on the host), widened to
+// codes of a 32-bit word (in the decode layout, Nvfp4Experts) become, two at a time with one
+// rotation and one mask (pair 3: two of each; cuda/nvfp4_bits.h, checked for every code on the
+// host), BF16 bit patterns worth exactly code * 2^-126, widened to
 // FP32 by a shift or a mask -- no conversion instruction per element (the earlier FP16 path spent
 // a quarter-rate cvt per element and was instruction bound at 15-24% of the bandwidth). x is
 // widened from BF16 and scaled by 2^64 (exact) so that every product code * 2^-126 * x * 2^64 is
@@ -31,6 +32,8 @@
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
@@ -66,7 +69,7 @@ __device__ __forceinline__ float dot8_e2m1(uint32_t w, const float* xs, float ac
   float f[8];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const uint32_t p = nvfp4::e2m1_bf16_pair(w, q);  // code q low half, code q + 4 high half
+    const uint32_t p = nvfp4::decode_layout_pair(w, q);  // code q low half, code q + 4 high
     f[q] = __uint_as_float(p << 16);
     f[q + 4] = __uint_as_float(p & 0xffff0000u);
   }
@@ -408,14 +411,14 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
 // row), the activation the A operand. Lane (g, t) = (lane / 4, lane % 4) holds row g; per chunk of
 // the row it loads one unit (32 codes, 16 bytes; 16 codes, 8 bytes on the narrow path), the
 // chunk's units being 4c + t: the 4 lanes of a row read 64 contiguous bytes. A unit's 8-code word
-// gives two MMAs: codes (q, q + 4) as one BF16x2 register (nvfp4::e2m1_bf16_pair: code * 2^-126,
-// subnormal for +-0.5) times the block scale as BF16x2 (a shared-memory table: E4M3 * 2^100) =
-// code * scale * 2^-26, exact (at most 6 significant bits, normal). The k order inside an MMA is a
-// permutation of the columns; the activation is staged in shared memory in the same permutation
-// (per 8 elements x0 x4 x1 x5 x2 x6 x3 x7, BF16 as given: no conversion), 16 bytes of padding per
-// unit so that the 4 distinct 16-byte reads of a warp hit distinct banks. W warps share a tile (a
-// block of 256 threads holds 8 / W tiles) and take its chunks round-robin; every lane issues the
-// loads of up to kMma*Chunks chunks before the block stages the activation.
+// gives two MMAs: codes (q, q + 4) as one BF16x2 register (nvfp4::decode_layout_pair: code *
+// 2^-126, subnormal for +-0.5) times the block scale as BF16x2 (a shared-memory table: E4M3 *
+// 2^100) = code * scale * 2^-26, exact (at most 6 significant bits, normal). The k order inside an
+// MMA is a permutation of the columns; the activation is staged in shared memory in the same
+// permutation (per 8 elements x0 x4 x1 x5 x2 x6 x3 x7, BF16 as given: no conversion), 16 bytes of
+// padding per unit so that the 4 distinct 16-byte reads of a warp hit distinct banks. W warps share
+// a tile (a block of 256 threads holds 8 / W tiles) and take its chunks round-robin; every lane
+// issues the loads of up to kMma*Chunks chunks before the block stages the activation.
 //
 // Summation (fixed, so bitwise reproducible; not the order of the FP32 kernels): gate+up: per
 // warp one MMA accumulator chain over its chunks in increasing order (the products exact, the
@@ -442,7 +445,7 @@ using MmaStage = nvfp4_mma::MmaStage<kNarrow, kBlockThreads>;
 __device__ __forceinline__ void mma_word(uint32_t wd, uint32_t sc, const uint4& xw, float (&d)[4]) {
   uint32_t b[4];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) b[q] = bf16x2_mul(nvfp4::e2m1_bf16_pair(wd, q), sc);
+  for (int q = 0; q < 4; ++q) b[q] = bf16x2_mul(nvfp4::decode_layout_pair(wd, q), sc);
   mma_bf16(d, xw.x, xw.x, xw.y, xw.y, b[0], b[1]);
   mma_bf16(d, xw.z, xw.z, xw.w, xw.w, b[2], b[3]);
 }
@@ -711,6 +714,29 @@ bool valid_team(int t) {
 }
 
 }  // namespace
+
+namespace {
+
+// One 32-bit word of codes per thread, grid-stride.
+__global__ void __launch_bounds__(kBlockThreads)
+    to_decode_layout_kernel(uint32_t* words, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kBlockThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kBlockThreads)
+    words[i] = nvfp4::to_decode_layout(words[i]);
+}
+
+}  // namespace
+
+void nvfp4_codes_to_decode_layout(uint8_t* packed, int64_t bytes, cudaStream_t stream) {
+  constexpr const char* kOp = "nvfp4_codes_to_decode_layout";
+  FN_LAUNCH_REQUIRE(packed != nullptr && aligned(packed, 4), kOp);
+  FN_LAUNCH_REQUIRE(bytes > 0 && bytes % 4 == 0, kOp);
+  const int64_t n = bytes / 4;
+  const int64_t blocks = std::min<int64_t>((n + kBlockThreads - 1) / kBlockThreads, 65535);
+  to_decode_layout_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(
+      reinterpret_cast<uint32_t*>(packed), n);
+  FN_CUDA_LAUNCH_CHECK("to_decode_layout_kernel");
+}
 
 int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count, bool mma) {
   if (mma)

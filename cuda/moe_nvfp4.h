@@ -22,9 +22,12 @@ namespace fn {
 
 /// Device layout of one layer's routed experts (the loader stacks the per-expert checkpoint
 /// tensors, MODEL.md §B.2, in expert order). For gate+up, rows [0, I) of an expert are gate_proj
-/// and rows [I, 2I) are up_proj (TP: the rank's I rows of each). Packed codes: byte j of a row
-/// holds element 2j in its low nibble, 2j+1 in its high nibble; block scales F8_E4M3, one per 16
-/// elements of a row, linear row-major (not swizzled).
+/// and rows [I, 2I) are up_proj (TP: the rank's I rows of each). Packed codes in the decode
+/// layout: the checkpoint's layout (byte j of a row holds element 2j in its low nibble, 2j+1 in
+/// its high nibble) with the bits of every 32-bit word (8 elements) permuted by
+/// nvfp4::to_decode_layout (cuda/nvfp4_bits.h; nvfp4_codes_to_decode_layout does it in place at
+/// load time); block scales F8_E4M3, one per 16 elements of a row, linear row-major (not
+/// swizzled). Every kernel that reads these codes (decode and prefill) expects that layout.
 struct Nvfp4Experts {
   const uint8_t* packed = nullptr;  ///< [num_experts, rows, cols/2] U8, 16-byte aligned
   const uint8_t* scales = nullptr;  ///< [num_experts, rows, cols/16] F8_E4M3, 2-byte aligned
@@ -128,6 +131,13 @@ bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden);
 /// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4, with
 /// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).
 void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
+
+/// Permutes the bits of every 32-bit word of NVFP4 codes in place, from the checkpoint's layout
+/// into the decode layout of Nvfp4Experts::packed (nvfp4::to_decode_layout), on `stream`.
+/// packed: [bytes] U8 on the device, 4-byte aligned; bytes a multiple of 4 (any [rows, cols / 2]
+/// with cols % 16 == 0). Throws fn::Error(Internal) on a null pointer, misalignment or a bad
+/// size; fn::Error(Cuda) on a failed launch. Not idempotent: run it exactly once per buffer.
+void nvfp4_codes_to_decode_layout(uint8_t* packed, int64_t bytes, cudaStream_t stream);
 
 /// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers
 /// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).

@@ -16,7 +16,7 @@
 // g + 8 of lane (g, t) = gate and up row g of the chunk). Lane (g, t) of consumer warp w takes
 // the units (32 codes, 16 bytes) u = 4 ug + t of the column groups ug = w, w + 10 (a group = 128
 // columns, the 4 lanes of a row read 64 contiguous bytes); an 8-code word of a unit gives two
-// MMAs: codes (q, q + 4) as one BF16x2 register (nvfp4::e2m1_bf16_pair: code * 2^-126) times
+// MMAs: codes (q, q + 4) as one BF16x2 register (nvfp4::decode_layout_pair: code * 2^-126) times
 // the block scale as BF16x2 (E4M3 * 2^100) = code * scale * 2^-26 exactly, q = 0, 1 for the first
 // MMA, 2, 3 for the second. B is the activation x in the same column permutation in every one of
 // its 8 columns (so D's columns are equal; lane (g, 0) reads gate row g in d[0], up in d[2]); a
@@ -149,14 +149,14 @@ __device__ __forceinline__ void mma_unit(const uint4& wa, uint32_t sa, const uin
     const uint32_t fa = lut[(sa >> (8 * (wi / 2))) & 0xffu];
     const uint32_t fb = lut[(sb >> (8 * (wi / 2))) & 0xffu];
     const uint32_t ca = word_of(wa, wi), cb = word_of(wb, wi);
-    mma_bf16(d, bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 0), fa),
-             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 0), fb),
-             bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 1), fa),
-             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 1), fb), x[wi].x, x[wi].y);
-    mma_bf16(d, bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 2), fa),
-             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 2), fb),
-             bf16x2_mul(nvfp4::e2m1_bf16_pair(ca, 3), fa),
-             bf16x2_mul(nvfp4::e2m1_bf16_pair(cb, 3), fb), x[wi].z, x[wi].w);
+    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 0), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 0), fb),
+             bf16x2_mul(nvfp4::decode_layout_pair(ca, 1), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 1), fb), x[wi].x, x[wi].y);
+    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 2), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 2), fb),
+             bf16x2_mul(nvfp4::decode_layout_pair(ca, 3), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 3), fb), x[wi].z, x[wi].w);
   }
 }
 #endif  // the device code of sm_90+; the kernels below are empty elsewhere

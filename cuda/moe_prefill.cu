@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint2 q = __ldg(reinterpret_cast<const uint2*>(packed) + src);
   const float sc = e4m3_value(__ldg(scales + src));
   uint32_t out[8];
-  const uint32_t words[2] = {q.x, q.y};
+  // Back to the checkpoint's layout (Nvfp4Experts: the codes are stored in the decode layout).
+  const uint32_t words[2] = {nvfp4::from_decode_layout(q.x), nvfp4::from_decode_layout(q.y)};
 #pragma unroll
   for (int wi = 0; wi < 2; ++wi) {
 #pragma unroll
@@ -535,7 +536,8 @@ struct FusedArgs {
 __device__ __forceinline__ void decode16_bf16(uint2 q, uint32_t scale_code, uint4& o0, uint4& o1) {
   const float sc = e4m3_value(scale_code) * 16384.0f;
   uint32_t out[8];
-  const uint32_t words[2] = {q.x, q.y};
+  // Back to the checkpoint's layout (Nvfp4Experts: the codes are stored in the decode layout).
+  const uint32_t words[2] = {nvfp4::from_decode_layout(q.x), nvfp4::from_decode_layout(q.y)};
 #pragma unroll
   for (int wi = 0; wi < 2; ++wi) {
 #pragma unroll

@@ -1,4 +1,4 @@
-// Bit-level NVFP4 decoding used by the expert kernels (cuda/moe_nvfp4.cu) and checked
+// Bit-level NVFP4 decoding used by the expert kernels (cuda/moe_nvfp4*.cu) and checked
 // exhaustively on the host (tests/test_cuda_nvfp4_bits.cpp, label cpu): E2M1 codes and E4M3
 // block-scale bytes mapped to FP16 bit patterns whose values are the codes' values times fixed
 // powers of two (MODEL.md §B.4). Plain constexpr C++ (no CUDA syntax); device code calls these
@@ -35,6 +35,61 @@ inline constexpr float kE2m1Bf16Scale = 1.1754943508222875e-38f;  // 2^-126
 constexpr uint32_t e2m1_bf16_pair(uint32_t word, int q) {
   const uint32_t t = word >> (4 * q);
   return ((t & 0x00070007u) << 6) | ((t & 0x00080008u) << 12);
+}
+
+/// ---- The decode layout of the GPU's expert codes (issue 8) ------------------------------------
+///
+/// e2m1_bf16_pair above costs four instructions per pair on the checkpoint's layout (two shifts,
+/// a mask, a mask-or): a code's sign and magnitude bits must move by different distances. The
+/// CUDA model therefore permutes the bits of every 32-bit word of expert codes once, at load time
+/// (to_decode_layout), so that pair q comes out of one rotation and one mask: bits
+/// 0x81C081C0 are exactly the BF16 sign (15, 31), exponent low bits (7-8, 23-24) and mantissa top
+/// bit (6, 22) that e2m1_bf16_pair fills. Four translates of that pattern cannot tile a word
+/// (checked by search), so pair 3 takes two rotations; the cheapest assignment (rotations by 0,
+/// 4, 10 and 6 + 14 bits) costs 9 instructions per word instead of 16. decode_layout_pair gives
+/// the same bits as e2m1_bf16_pair on the original word, so every kernel's results are unchanged.
+/// The permutation stays inside each 32-bit word (8 codes), so rows of any cols % 8 == 0 keep
+/// their bytes, and 16-byte unit loads see the same codes as before.
+inline constexpr uint32_t kBf16PairMask = 0x81C081C0u;
+
+/// x rotated left by k bits (0 <= k < 32): bit i moves to bit (i + k) % 32.
+constexpr uint32_t rotl32(uint32_t x, int k) {
+  return k == 0 ? x : (x << k) | (x >> (32 - k));
+}
+
+/// e2m1_bf16_pair(w, q) of the word w whose decode-layout form is d = to_decode_layout(w).
+constexpr uint32_t decode_layout_pair(uint32_t d, int q) {
+  switch (q) {
+    case 0:
+      return d & kBf16PairMask;
+    case 1:
+      return rotl32(d, 4) & kBf16PairMask;
+    case 2:
+      return rotl32(d, 10) & kBf16PairMask;
+    default:  // the mantissa bits by 6, the exponent and sign bits by 14
+      return (rotl32(d, 6) & 0x00400040u) | (rotl32(d, 14) & 0x81808180u);
+  }
+}
+
+/// A word of codes in the checkpoint's layout (code i in nibble i) -> its decode layout: pair
+/// q's bits (e2m1_bf16_pair) rotated back by the rotation decode_layout_pair applies. A bit
+/// permutation (the placed groups are disjoint; tests/test_cuda_nvfp4_bits.cpp checks every bit).
+constexpr uint32_t to_decode_layout(uint32_t w) {
+  const uint32_t p3 = e2m1_bf16_pair(w, 3);
+  return e2m1_bf16_pair(w, 0) | rotl32(e2m1_bf16_pair(w, 1), 28) |
+         rotl32(e2m1_bf16_pair(w, 2), 22) | rotl32(p3 & 0x00400040u, 26) |
+         rotl32(p3 & 0x81808180u, 18);
+}
+
+/// The inverse of to_decode_layout: pair q's sign and magnitude bits back to nibbles q, q + 4.
+constexpr uint32_t from_decode_layout(uint32_t d) {
+  uint32_t w = 0;
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t p = decode_layout_pair(d, q);
+    w |= ((p >> 6) & 0x00070007u) << (4 * q);   // magnitudes: bits 6-8, 22-24
+    w |= ((p >> 12) & 0x00080008u) << (4 * q);  // signs: bits 15, 31
+  }
+  return w;
 }
 
 /// True for the two E4M3 NaN codes (0x7F, 0xFF), which e4m3_fp16_bits does not map to NaN.

@@ -15,6 +15,7 @@
 
 #include "comm/cuda_check.h"
 #include "core/codecs.h"
+#include "cuda/moe_nvfp4.h"
 
 namespace fn::test {
 
@@ -54,6 +55,13 @@ struct DeviceArray {
     return host;
   }
 };
+
+/// NVFP4 expert codes uploaded in the checkpoint's layout -> the decode layout the expert kernels
+/// read (Nvfp4Experts::packed, cuda/nvfp4_bits.h), in place; waits for the device.
+inline void to_decode_layout(DeviceArray<uint8_t>& packed) {
+  fn::nvfp4_codes_to_decode_layout(packed.ptr, static_cast<int64_t>(packed.n), nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 /// Result of compare_bounded: how many elements broke their bound and the worst one.
 struct Comparison {

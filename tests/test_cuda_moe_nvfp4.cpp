@@ -17,6 +17,7 @@
 #include "core/cpu_ops.h"
 #include "core/error.h"
 #include "cuda/moe_nvfp4.h"
+#include "cuda/nvfp4_bits.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -65,6 +66,7 @@ struct DeviceExperts {
   fn::Nvfp4Experts view;
   explicit DeviceExperts(const HostExperts& h)
       : packed(h.packed), scales(h.scales), gscale(h.gscale) {
+    fn::test::to_decode_layout(packed);  // the host copy h keeps the checkpoint's layout
     view.packed = packed.ptr;
     view.scales = scales.ptr;
     view.global_scale = gscale.ptr;
@@ -996,4 +998,29 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   d.team_threads = 0;
   d.top_k = 193;  // 193 x 64 columns of h staged as FP32: over 48 KB
   CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
+}
+
+TEST_CASE(
+    "cuda moe nvfp4: the load-time decode layout matches the host permutation, word by word") {
+  // 64 MiB + 12 bytes of random codes: 16.8 M words, more than the 65,535 x 256 threads of one
+  // pass, so the grid-stride loop runs; every word must come out as nvfp4::to_decode_layout says.
+  std::mt19937_64 rng(91);
+  std::vector<uint8_t> codes((size_t{64} << 20) + 12);
+  for (auto& b : codes) b = uint8_t(rng());
+  DeviceArray<uint8_t> dev(codes);
+  fn::test::to_decode_layout(dev);
+  const std::vector<uint8_t> got = dev.download();
+  int64_t wrong = 0;
+  for (size_t i = 0; i < codes.size(); i += 4) {
+    uint32_t w = 0, g = 0;
+    std::memcpy(&w, codes.data() + i, 4);
+    std::memcpy(&g, got.data() + i, 4);
+    if (g != fn::nvfp4::to_decode_layout(w) || fn::nvfp4::from_decode_layout(g) != w) ++wrong;
+  }
+  CHECK(wrong == 0);
+  // Bad arguments are refused before any launch.
+  CHECK_THROWS_AS(fn::nvfp4_codes_to_decode_layout(nullptr, 16, nullptr), fn::Error);
+  CHECK_THROWS_AS(fn::nvfp4_codes_to_decode_layout(dev.ptr + 2, 16, nullptr), fn::Error);
+  CHECK_THROWS_AS(fn::nvfp4_codes_to_decode_layout(dev.ptr, 18, nullptr), fn::Error);
+  CHECK_THROWS_AS(fn::nvfp4_codes_to_decode_layout(dev.ptr, 0, nullptr), fn::Error);
 }

@@ -56,6 +56,7 @@ struct DeviceExperts {
   fn::Nvfp4Experts view;
   explicit DeviceExperts(const HostExperts& h)
       : packed(h.packed), scales(h.scales), gscale(h.gscale) {
+    fn::test::to_decode_layout(packed);  // the host copy h keeps the checkpoint's layout
     view.packed = packed.ptr;
     view.scales = scales.ptr;
     view.global_scale = gscale.ptr;

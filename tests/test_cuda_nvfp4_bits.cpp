@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <random>
 
 #include "core/codecs.h"
 #include "cuda/nvfp4_bits.h"
@@ -80,4 +81,46 @@ TEST_CASE("nvfp4 bits: every E4M3 scale byte decodes to its value times 2^-8, Na
   // Hand-checked: 0x38 is 1.0 -> FP16 2^-8 (0x1C00); 0x01 is 2^-9 -> FP16 2^-17 (0x0080).
   CHECK(fn::nvfp4::e4m3_fp16_bits(0x38) == 0x1c00u);
   CHECK(fn::nvfp4::e4m3_fp16_bits(0x01) == 0x0080u);
+}
+
+TEST_CASE("nvfp4 bits: the decode layout is a bit permutation whose pairs equal e2m1_bf16_pair") {
+  using fn::nvfp4::decode_layout_pair;
+  using fn::nvfp4::e2m1_bf16_pair;
+  using fn::nvfp4::from_decode_layout;
+  using fn::nvfp4::to_decode_layout;
+  // Every bit lands on exactly one bit and comes back: a permutation of the 32 bits (all three
+  // maps are made of rotations, masks and ORs of disjoint groups, so single bits decide it).
+  uint32_t seen = 0;
+  for (int b = 0; b < 32; ++b) {
+    const uint32_t d = to_decode_layout(uint32_t{1} << b);
+    CHECK_MESSAGE((d != 0 && (d & (d - 1)) == 0), "bit ", b, " -> ", d);
+    CHECK_MESSAGE((seen & d) == 0, "bit ", b, " collides");
+    seen |= d;
+    CHECK(from_decode_layout(d) == uint32_t{1} << b);
+  }
+  CHECK(seen == 0xffffffffu);
+  // Every code in every nibble, with varying fillers, and random words: the same pairs as the
+  // checkpoint's layout gives through e2m1_bf16_pair (checked against the codecs above).
+  std::mt19937 rng(7);
+  int checked = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t w = i < 256 ? uint32_t(i) * 0x11111111u ^ uint32_t(i >> 4) : uint32_t(rng());
+    const uint32_t d = to_decode_layout(w);
+    CHECK(from_decode_layout(d) == w);
+    for (int q = 0; q < 4; ++q) {
+      if (decode_layout_pair(d, q) != e2m1_bf16_pair(w, q)) {
+        FAIL_CHECK("word ", w, " pair ", q);
+      }
+      ++checked;
+    }
+  }
+  CHECK(checked == 800000);
+  // Hand-checked: code 1 (+0.5) in nibble 0 is its mantissa bit; pair 0 takes its bits
+  // unrotated, so it is stored at BF16 bit 6, and pair 0 reads BF16 0x0040 = 0.5 * 2^-126.
+  CHECK(to_decode_layout(0x00000001u) == 0x00000040u);
+  CHECK(decode_layout_pair(0x00000040u, 0) == 0x00000040u);
+  // Code 7 (+6.0) in nibble 7 (pair 3 high half): mantissa -> stored bit 16 (22 - 6), exponent
+  // bits -> 23 - 14 = 9 and 24 - 14 = 10; pair 3 gives BF16 0x01C0 in the high half.
+  CHECK(to_decode_layout(0x70000000u) == 0x00010600u);
+  CHECK(decode_layout_pair(0x00010600u, 3) == 0x01c00000u);
 }

@@ -327,8 +327,12 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
 
   namespace fs = std::filesystem;
   if (fs::exists(options.out)) {
-    FN_REQUIRE(fs::is_directory(options.out) && fs::is_empty(options.out), Usage,
-               "--out '{}' exists and is not an empty directory", options.out.string());
+    FN_REQUIRE(fs::is_directory(options.out), Usage,
+               "--out '{}' exists and is not a directory (synth writes a model directory)",
+               options.out.string());
+    FN_REQUIRE(fs::is_empty(options.out), Usage,
+               "--out '{}' is a directory that is not empty (synth never overwrites files)",
+               options.out.string());
   }
   // The bytes the tensors need (in long double: an absurd config could overflow int64) against
   // the free space where they go, before anything is written: a config with hidden_size 10^6

@@ -235,7 +235,23 @@ TEST_CASE("synth: bad options fail before anything is written") {
   fn::testing::write_file(tmp / "full" / "x", "x");
   o.config = kTinyConfig;
   o.out = tmp / "full";
-  CHECK_THROWS_AS(fn::synth_checkpoint(o), fn::Error);
+  // Each kind of existing --out gets its own message: a non-empty directory, and a plain file.
+  try {
+    fn::synth_checkpoint(o);
+    FAIL("accepted a non-empty --out directory");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Usage);
+    CHECK(std::string(e.what()).find("is a directory that is not empty") != std::string::npos);
+  }
+  o.out = tmp / "full" / "x";
+  try {
+    fn::synth_checkpoint(o);
+    FAIL("accepted a plain file as --out");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Usage);
+    CHECK(std::string(e.what()).find("exists and is not a directory") != std::string::npos);
+  }
+  CHECK(fn::testing::read_file(tmp / "full" / "x") == "x");  // left as it was
 }
 
 TEST_CASE("inspect: a missing tensor is reported by name") {

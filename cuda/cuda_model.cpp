@@ -814,8 +814,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.moe_bulk && moe_gate_up_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
-  // CudaModelOptions::shared_expert_first: the shared down's launch before the routed down.
-  const bool shared_first = o.shared_expert_first && fused_shared && !moe_bulk_dn;
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -977,9 +975,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.bench_loads_only = !on(StepLaunch::GateUpMath);
     if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
       prefetch_hc(gu.l2_prefetch, next_hc);
-      // (In the shared-first order the shared launch right behind reads it at once.)
-      if (!shared_first)
-        gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
+      gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
     }
     MoeDownParams dn;
     dn.experts = mo.down;
@@ -990,28 +986,18 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.y = y;
     dn.bulk = moe_bulk_dn;
     dn.bench_skip_math = !on(StepLaunch::DownMath);
-    dn.fixed_shape = fixed(FixedShapeKernel::ExpertsDown);
-    SharedDownCombineParams sd;  // SwiGLU + shared down GEMV + gated combine: one launch
-    sd.weight = mo.s_down;
-    sd.hidden = D;
-    sd.inter = Is_l;
-    sd.gate_up = sgu;
-    sd.gate_logit = rl + E;
-    sd.y = y;
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
-    if (shared_first) {  // the shared GEMV beside the gate+up, the combine in the routed down
-      mark(StepFamily::SharedExpert);
-      sd.y_shared = ys;
-      if (on(StepLaunch::SharedDown)) launch_shared_down_combine(sd, s);
-      mark(StepFamily::RoutedMoe);
-      dn.shared_y = ys;
-      dn.shared_gate_logit = rl + E;
-    }
+    dn.fixed_shape = fixed(FixedShapeKernel::ExpertsDown);
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
-    if (!shared_first) mark(StepFamily::SharedExpert);
-    if (shared_first) {
-      // The shared expert's launch went before the routed down, which did the combine.
-    } else if (fused_shared) {
+    mark(StepFamily::SharedExpert);
+    if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
+      SharedDownCombineParams sd;
+      sd.weight = mo.s_down;
+      sd.hidden = D;
+      sd.inter = Is_l;
+      sd.gate_up = sgu;
+      sd.gate_logit = rl + E;
+      sd.y = y;
       if (on(StepLaunch::SharedDown)) launch_shared_down_combine(sd, s);
     } else {
       launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);

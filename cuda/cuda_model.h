@@ -76,12 +76,6 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
-  /// The shared expert's down GEMV launched between the routed gate+up and the routed down (its
-  /// GEMV runs beside the gate+up; the routed down's epilogue does the gated combine:
-  /// SharedDownCombineParams::y_shared, MoeDownParams::shared_y), instead of after the routed down
-  /// with the combine as its own post-wait step. The same bits either way. Applies with the fused
-  /// step, the FP32 routed down (not moe_bulk_down) and the fused shared-expert launches.
-  bool shared_expert_first = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

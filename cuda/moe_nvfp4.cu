@@ -38,7 +38,6 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
-#include "cuda/moe_device.cuh"
 #include "cuda/moe_nvfp4_bulk.h"
 #include "cuda/nvfp4_bits.h"
 #include "cuda/nvfp4_mma.cuh"
@@ -333,8 +332,6 @@ struct DownArgs {
   const uint16_t* h;
   float* y;
   bool accumulate;
-  const float* shared_y;           // MoeDownParams::shared_y (FP32 kernel)
-  const float* shared_gate_logit;  // MoeDownParams::shared_gate_logit
   float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
   bool skip_math;  // MoeDownParams::bench_skip_math
@@ -399,11 +396,7 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
   const float v = acc[0] * kUnscale;
-  const float routed = a.accumulate ? a.y[d] + v : v;
-  // Shared-first order: launch_shared_down_combine's epilogue, on the value it would read from y.
-  a.y[d] = a.shared_y == nullptr
-               ? routed
-               : fmaf(dev::sigmoid_2branch(*a.shared_gate_logit), __ldcg(a.shared_y + d), routed);
+  a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
 // ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
@@ -845,9 +838,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
-  // The shared-first combine: the FP32 kernel only, with its gate logit.
-  FN_LAUNCH_REQUIRE(p.shared_y == nullptr || (!p.bulk && !p.mma && p.shared_gate_logit != nullptr),
-                    kOp);
   if (p.bulk) {
     detail::launch_moe_down_bulk(p, stream);
     return;
@@ -871,8 +861,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
-  a.shared_y = p.shared_y;
-  a.shared_gate_logit = p.shared_gate_logit;
   a.skip_math = p.bench_skip_math;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;

@@ -89,13 +89,6 @@ struct MoeDownParams {
   const uint16_t* h = nullptr;             ///< [top_k, I] BF16 bits (MoeGateUpParams::h)
   float* y = nullptr;                      ///< [D] FP32
   bool accumulate = false;                 ///< true: y += sum (e.g. onto the shared expert's y)
-  /// Shared-first order (CudaModelOptions::shared_expert_first; FP32 kernel only, the launcher
-  /// refuses it with mma or bulk): when set, [D] FP32 ys (SharedDownCombineParams::y_shared,
-  /// written by the launch just before this one), and the epilogue is the gated combine
-  /// y[d] = fmaf(sigmoid(*shared_gate_logit), ys[d], s) with s the routed sum (plus y[d] first
-  /// when accumulate): the bits of this launch followed by launch_shared_down_combine.
-  const float* shared_y = nullptr;
-  const float* shared_gate_logit = nullptr;  ///< device scalar; required with shared_y
   /// Lanes per output row (8..256, power of 2) of the FP32 kernel, or per tile of 8 rows
   /// (32..256) of the tensor-core kernel; 0 = planned.
   int team_threads = 0;

@@ -130,11 +130,8 @@ struct SwigluXShared {
 template <int kRows>
 __global__ void __launch_bounds__(kDownBlockThreads)
     shared_down_combine_kernel(dev::GemvRows g, const float* gate_up, const float* gate_logit,
-                               float* y, float* y_shared) {
+                               float* y) {
   extern __shared__ float4 h_smem[];
-  // Shared-first order (SharedDownCombineParams::y_shared): nothing after this launch reads what
-  // it writes before its own wait, so the routed down may launch and start its loads at once.
-  if (y_shared != nullptr) dev::pdl_launch_dependents();
   float acc[kRows];
   int lane = 0;
   const SwigluXShared xs{gate_up, g.nvec * 8, reinterpret_cast<float*>(h_smem)};
@@ -142,12 +139,6 @@ __global__ void __launch_bounds__(kDownBlockThreads)
       g, blockIdx.x, xs, acc, &lane);
   // After the wait (the last step above): y is the routed experts' output.
   if (lane != 0) return;
-  if (y_shared != nullptr) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (row0 + r < g.rows) y_shared[row0 + r] = acc[r];
-    return;
-  }
   const float gamma = dev::sigmoid_2branch(*gate_logit);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -231,9 +222,9 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
 
 void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_shared_down_combine";
-  FN_LAUNCH_REQUIRE(p.weight != nullptr && p.gate_up != nullptr &&
-                        (p.y_shared != nullptr || (p.gate_logit != nullptr && p.y != nullptr)),
-                    kOp);
+  FN_LAUNCH_REQUIRE(
+      p.weight != nullptr && p.gate_up != nullptr && p.gate_logit != nullptr && p.y != nullptr,
+      kOp);
   FN_LAUNCH_REQUIRE(p.hidden >= 1 && p.inter >= 8 && p.inter % 8 == 0 && p.inter <= kMaxDownInter,
                     kOp);
   FN_LAUNCH_REQUIRE(aligned(p.weight, 16), kOp);
@@ -250,15 +241,15 @@ void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t s
   switch (plan.rows_per_team) {
     case 4:
       launch_pdl(kName, shared_down_combine_kernel<4>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.y_shared);
+                 p.gate_logit, p.y);
       break;
     case 2:
       launch_pdl(kName, shared_down_combine_kernel<2>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.y_shared);
+                 p.gate_logit, p.y);
       break;
     default:
       launch_pdl(kName, shared_down_combine_kernel<1>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.y_shared);
+                 p.gate_logit, p.y);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("shared_down_combine_kernel");

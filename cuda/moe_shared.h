@@ -69,12 +69,6 @@ struct SharedDownCombineParams {
   const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
   const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
   float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
-  /// Shared-first order (CudaModelOptions::shared_expert_first): when set, [hidden] FP32 out
-  /// ys = W_down . h, and y and gate_logit are not used (may be null): the launch goes between
-  /// the routed gate+up and the routed down, whose epilogue does the gated combine
-  /// (MoeDownParams::shared_y). It lets its dependents launch at its start, and it still waits for
-  /// its predecessor before it exits, so the routed down's wait covers the gate+up's h as well.
-  float* y_shared = nullptr;
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
@@ -84,10 +78,9 @@ struct SharedDownCombineParams {
 /// launch_moe_combine's expression (two-branch sigmoid), so y has the bits of launch_swiglu +
 /// launch_gemv_bf16 + launch_moe_combine. Runs after the kernel that writes the routed sum into y;
 /// gate_up and gate_logit must come from a kernel at least two launches earlier on the stream (as
-/// in the decode step: the routed experts' two launches sit in between, or the routed gate+up in
-/// the shared-first order), because the SwiGLU and the whole GEMV run before the
-/// programmatic-dependent wait (cuda/pdl.cuh); only the combine waits for y. With y_shared set,
-/// ys[d] = (W_down . h)[d] alone, with the bits of the GEMV above.
+/// in the decode step: the routed experts' two launches sit in between), because the SwiGLU and
+/// the whole GEMV run before the programmatic-dependent wait (cuda/pdl.cuh); only the combine
+/// waits for y.
 /// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
 /// fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);

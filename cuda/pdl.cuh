@@ -7,12 +7,7 @@
 // weights (data no kernel of the stream writes), prefetches into L2 (always memory-safe), or reads
 // through L2 (ld.global.cg) what a kernel at least two launches back wrote (complete: see the
 // next rule); it calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel
-// never runs ahead of more than one unfinished predecessor. One exception, the shared-first order
-// (SharedDownCombineParams::y_shared): that launch lets its dependent (the routed down) launch at
-// its start, so the routed down runs ahead of it and of the routed gate+up; before its wait the
-// routed down reads only weights and the router's outputs (three launches back, complete since
-// the gate+up passed its wait before it let the shared launch start), and its wait covers the
-// gate+up too, because the shared launch waits for the gate+up before it exits.
+// never runs ahead of more than one unfinished predecessor.
 #pragma once
 
 #include <cuda_runtime.h>

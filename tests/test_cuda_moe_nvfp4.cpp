@@ -16,7 +16,6 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/decode_ops.h"
 #include "cuda/moe_nvfp4.h"
 #include "cuda/nvfp4_bits.h"
 #include "tests/cuda_test_util.h"
@@ -999,64 +998,6 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   d.team_threads = 0;
   d.top_k = 193;  // 193 x 64 columns of h staged as FP32: over 48 KB
   CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
-}
-
-TEST_CASE("cuda moe nvfp4: the down's shared-first combine equals the down then the combine") {
-  // MoeDownParams::shared_y: y = fmaf(sigmoid(gate), ys, routed) in the down's epilogue must be
-  // launch_moe_combine after the plain down, bit for bit (the compile-time-shape instance at
-  // I = 640, the runtime one at 320; with and without accumulate; both sigmoid branches).
-  for (int64_t inter : {640, 320}) {
-    const HostExperts w = make_experts(32, 2560, inter, 1, false, 300 + inter);
-    const DeviceExperts dw(w);
-    const std::vector<int32_t> ids = {5, 31, 0, 22, 17, 7, 19, 26, 30, 11};
-    const std::vector<float> rw = {0.2f,  0.15f, 0.12f, 0.1f,  0.1f,
-                                   0.08f, 0.07f, 0.06f, 0.06f, 0.06f};
-    DeviceArray<int32_t> d_ids(ids);
-    DeviceArray<float> d_rw(rw);
-    DeviceArray<uint16_t> d_h(to_bf16(random_bf16(ids.size() * inter, 0.5f, 301 + inter)));
-    const auto y0 = random_bf16(2560, 0.3f, 302 + inter);
-    DeviceArray<float> d_ys(random_bf16(2560, 0.4f, 303 + inter));
-    for (float gate : {0.8f, -1.1f}) {
-      DeviceArray<float> d_gate(std::vector<float>{gate});
-      for (bool acc : {false, true}) {
-        DeviceArray<float> y_ref(y0), y_first(y0);
-        fn::MoeDownParams p;
-        p.experts = dw.view;
-        p.expert_ids = d_ids.ptr;
-        p.routing_weights = d_rw.ptr;
-        p.top_k = int(ids.size());
-        p.h = d_h.ptr;
-        p.y = y_ref.ptr;
-        p.accumulate = acc;
-        fn::launch_moe_down_nvfp4(p, nullptr);
-        fn::MoeCombineParams mc;
-        mc.y = y_ref.ptr;
-        mc.y_shared = d_ys.ptr;
-        mc.gate_logit = d_gate.ptr;
-        mc.hidden = 2560;
-        fn::launch_moe_combine(mc, nullptr);
-        p.y = y_first.ptr;
-        p.shared_y = d_ys.ptr;
-        p.shared_gate_logit = d_gate.ptr;
-        fn::launch_moe_down_nvfp4(p, nullptr);
-        FN_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto want = y_ref.download(), got = y_first.download();
-        CHECK_MESSAGE(std::memcmp(want.data(), got.data(), want.size() * 4) == 0, "I ", inter,
-                      " gate ", gate, " accumulate ", acc);
-        CHECK(std::memcmp(want.data(), y0.data(), y0.size() * 4) != 0);
-        // Refused: the tensor-core and bulk kernels, and a missing gate logit.
-        auto bad = p;
-        bad.mma = true;
-        CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
-        bad = p;
-        bad.bulk = true;
-        CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
-        bad = p;
-        bad.shared_gate_logit = nullptr;
-        CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
-      }
-    }
-  }
 }
 
 TEST_CASE(

@@ -122,8 +122,7 @@ struct RecArgs {
 };
 
 // Sum of two values over the block in a fixed order (butterfly per warp, warps ascending); every
-// thread gets both totals. No barrier after the reads of `part`: a caller that calls it again
-// must pass a barrier in between (gdn_recurrent_kernel passes several).
+// thread gets both totals.
 __device__ __forceinline__ void block_sum2(float& a, float& b) {
   __shared__ float part[2][kWarps];
   for (int off = 16; off > 0; off >>= 1) {
@@ -141,13 +140,11 @@ __device__ __forceinline__ void block_sum2(float& a, float& b) {
     a += part[0][w];
     b += part[1][w];
   }
+  __syncthreads();  // part may be reused
 }
 
 // Sums acc[c] (column cg*4 + c of the slice) over the row groups: butterfly over the lanes of a
-// warp with the same cg (thread = rg * CG + cg), then warps ascending. col[t] for t < vc, written
-// by thread t: no barrier at the end, so thread t may read col[t] at once; a caller that lets
-// other threads read col, or calls it again (part), must pass a barrier first (both callers in
-// gdn_recurrent_kernel have one right after their own col reads).
+// warp with the same cg (thread = rg * CG + cg), then warps ascending. col[t] for t < vc.
 __device__ __forceinline__ void column_sum(float (&acc)[4], int CG, int vc,
                                            float (*part)[kMaxSlice], float* col) {
   for (int off = CG; off < 32; off <<= 1) {
@@ -165,6 +162,7 @@ __device__ __forceinline__ void column_sum(float (&acc)[4], int CG, int vc,
     for (int w = 1; w < kWarps; ++w) s += part[w][threadIdx.x];
     col[threadIdx.x] = s;
   }
+  __syncthreads();
 }
 
 // Steps 3-7 for one (value head h, slice of vc columns): the CTA's state tile [dk, vc] lives in
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   }
   column_sum(acc, CG, vc, part, col);
   if (tid < vc) delta[tid] = beta * (v - col[tid]);
-  __syncthreads();  // delta for all; part free for the next column_sum
+  __syncthreads();
   const float d0 = delta[cg * 4], d1 = delta[cg * 4 + 1], d2 = delta[cg * 4 + 2],
               d3 = delta[cg * 4 + 3];
   acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;

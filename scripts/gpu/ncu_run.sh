@@ -14,7 +14,7 @@ if ! FN_BUILD_DIR=$b timeout 300 bash scripts/gpu/build.sh cuda_model_bench >"$o
   exit 1
 fi
 echo "== build ok ($((SECONDS - t0)) s)"
-for f in qsa gdn hc moe_nvfp4 moe_shared; do
+for f in qsa gdn hc moe_nvfp4 moe_nvfp4_bulk moe_shared; do
   cuobjdump -sass "$b/cuda/CMakeFiles/fngen_cuda.dir/$f.cu.o" >"$out/$f.sass" 2>&1
 done
 kernels=("$@")

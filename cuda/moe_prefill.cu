@@ -74,6 +74,19 @@ __device__ __forceinline__ float e4m3_value(uint32_t s) {
          256.0f;
 }
 
+// The 8 codes of a word in the decode layout (Nvfp4Experts::packed) as their exact FP32 values,
+// in element order: nvfp4::decode_layout_pair gives codes (q, q + 4) as BF16 worth code * 2^-126,
+// widened by a shift (low half) or a mask (high half), then * 2^126 (exact). Cheaper than going
+// back to the checkpoint's layout and decoding byte by byte, and the same values.
+__device__ __forceinline__ void decode_word(uint32_t d, float (&v)[8]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t p = nvfp4::decode_layout_pair(d, q);
+    v[q] = __uint_as_float(p << 16) * 0x1p126f;
+    v[q + 4] = __uint_as_float(p & 0xffff0000u) * 0x1p126f;
+  }
+}
+
 // dequant: W[s, n, c] = bf16(e2m1(code) * e4m3(block scale)) of expert seg_expert[s] (exact:
 // at most 6 significant bits, magnitudes 2^-10 .. 2688). One thread per 16 codes (8 bytes).
 __global__ void __launch_bounds__(kThreads)
@@ -88,21 +101,15 @@ __global__ void __launch_bounds__(kThreads)
   const uint2 q = __ldg(reinterpret_cast<const uint2*>(packed) + src);
   const float sc = e4m3_value(__ldg(scales + src));
   uint32_t out[8];
-  // Back to the checkpoint's layout (Nvfp4Experts: the codes are stored in the decode layout).
-  const uint32_t words[2] = {nvfp4::from_decode_layout(q.x), nvfp4::from_decode_layout(q.y)};
+  const uint32_t words[2] = {q.x, q.y};
 #pragma unroll
   for (int wi = 0; wi < 2; ++wi) {
+    float v[8];
+    decode_word(words[wi], v);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {  // byte c of the word: codes 2c (low), 2c + 1 (high)
-      const uint32_t byte = (words[wi] >> (8 * c)) & 0xffu;
-      const uint32_t pair = nvfp4::e2m1_fp16_pair(byte);  // value * 2^-14 each
-      const float lo =
-          __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xffffu))) * 16384.0f;
-      const float hi =
-          __half2float(__ushort_as_half(static_cast<unsigned short>(pair >> 16))) * 16384.0f;
-      out[wi * 4 + c] = static_cast<uint32_t>(dev::float_to_bf16_bits(lo * sc)) |
-                        (static_cast<uint32_t>(dev::float_to_bf16_bits(hi * sc)) << 16);
-    }
+    for (int c = 0; c < 4; ++c)  // elements 2c (low half), 2c + 1 (high half)
+      out[wi * 4 + c] = static_cast<uint32_t>(dev::float_to_bf16_bits(v[2 * c] * sc)) |
+                        (static_cast<uint32_t>(dev::float_to_bf16_bits(v[2 * c + 1] * sc)) << 16);
   }
   uint4* dst = reinterpret_cast<uint4*>(w + (s * blocks_per_expert + b) * 16);
   dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
@@ -534,19 +541,17 @@ struct FusedArgs {
 // 16 NVFP4 codes (8 bytes) with their E4M3 block scale -> 16 BF16 (exact products, so the
 // truncating conversion is exact; a NaN scale gives NaN).
 __device__ __forceinline__ void decode16_bf16(uint2 q, uint32_t scale_code, uint4& o0, uint4& o1) {
-  const float sc = e4m3_value(scale_code) * 16384.0f;
+  const float sc = e4m3_value(scale_code);
   uint32_t out[8];
-  // Back to the checkpoint's layout (Nvfp4Experts: the codes are stored in the decode layout).
-  const uint32_t words[2] = {nvfp4::from_decode_layout(q.x), nvfp4::from_decode_layout(q.y)};
+  const uint32_t words[2] = {q.x, q.y};
 #pragma unroll
   for (int wi = 0; wi < 2; ++wi) {
+    float v[8];
+    decode_word(words[wi], v);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint32_t pair = nvfp4::e2m1_fp16_pair((words[wi] >> (8 * c)) & 0xffu);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pair));
-      out[wi * 4 + c] =
-          (__float_as_uint(f.x * sc) >> 16) | (__float_as_uint(f.y * sc) & 0xffff0000u);
-    }
+    for (int c = 0; c < 4; ++c)
+      out[wi * 4 + c] = (__float_as_uint(v[2 * c] * sc) >> 16) |
+                        (__float_as_uint(v[2 * c + 1] * sc) & 0xffff0000u);
   }
   o0 = make_uint4(out[0], out[1], out[2], out[3]);
   o1 = make_uint4(out[4], out[5], out[6], out[7]);

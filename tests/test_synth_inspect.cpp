@@ -217,40 +217,32 @@ TEST_CASE("synth: bad options fail before anything is written") {
   CHECK_FALSE(fs::exists(tmp / "out"));
   CHECK_FALSE(fs::exists(tmp / "out.partial"));
 
+  // synth_checkpoint(o) must throw an fn::Error of `kind` whose message contains `text`.
+  auto expect_error = [](const fn::SynthOptions& opt, fn::ErrorKind kind, const std::string& text) {
+    try {
+      fn::synth_checkpoint(opt);
+      FAIL("accepted: expected an error containing '" << text << "'");
+    } catch (const fn::Error& e) {
+      CHECK(e.kind() == kind);
+      CHECK_MESSAGE(std::string(e.what()).find(text) != std::string::npos, e.what());
+    }
+  };
   json j = read_json(kTinyConfig);
   j["text_config"]["num_experts"] = 0;
   write_json(tmp / "bad.json", j);
   o.config = tmp / "bad.json";
   o.layers = 0;
-  try {
-    fn::synth_checkpoint(o);
-    FAIL("accepted num_experts 0");
-  } catch (const fn::Error& e) {
-    CHECK(e.kind() == fn::ErrorKind::Format);
-    CHECK(std::string(e.what()).find("num_experts") != std::string::npos);
-  }
+  expect_error(o, fn::ErrorKind::Format, "num_experts");
   CHECK_FALSE(fs::exists(tmp / "out"));
 
   fs::create_directories(tmp / "full");
   fn::testing::write_file(tmp / "full" / "x", "x");
   o.config = kTinyConfig;
-  o.out = tmp / "full";
   // Each kind of existing --out gets its own message: a non-empty directory, and a plain file.
-  try {
-    fn::synth_checkpoint(o);
-    FAIL("accepted a non-empty --out directory");
-  } catch (const fn::Error& e) {
-    CHECK(e.kind() == fn::ErrorKind::Usage);
-    CHECK(std::string(e.what()).find("is a directory that is not empty") != std::string::npos);
-  }
+  o.out = tmp / "full";
+  expect_error(o, fn::ErrorKind::Usage, "is a directory that is not empty");
   o.out = tmp / "full" / "x";
-  try {
-    fn::synth_checkpoint(o);
-    FAIL("accepted a plain file as --out");
-  } catch (const fn::Error& e) {
-    CHECK(e.kind() == fn::ErrorKind::Usage);
-    CHECK(std::string(e.what()).find("exists and is not a directory") != std::string::npos);
-  }
+  expect_error(o, fn::ErrorKind::Usage, "exists and is not a directory");
   CHECK(fn::testing::read_file(tmp / "full" / "x") == "x");  // left as it was
 }
 

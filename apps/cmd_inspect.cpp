@@ -23,7 +23,10 @@ void register_inspect(CLI::App& app, CommandList& commands) {
       "validate a checkpoint against its config and print its summary, weights per "
       "TP rank, bytes read per decoded token and the CUDA backend's device memory per GPU at "
       "--ctx-size, 8192, 65536 and 262144 tokens");
-  sub->add_option("dir,-m,--model", opt->dir, "checkpoint directory")->required();
+  sub->add_option("dir,-m,--model", opt->dir,
+                  "checkpoint directory, or a config.json alone (its geometry's tables); given "
+                  "as the positional argument or with -m/--model")
+      ->required();
   add_whole_option(sub, "--tp", opt->tp,
                    "tensor-parallel size for the per-rank figures (1, 2, 4, 8)", WholeRange(1, 8));
   add_whole_option(sub, "-c,--ctx-size", opt->ctx_size,

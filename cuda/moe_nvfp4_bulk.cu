@@ -8,9 +8,8 @@
 // issue bound (~8.5 instructions per code). Here one CTA per SM owns a contiguous, equal share of
 // the top_k * I row pairs; a producer warp streams the share's rows into a ring of shared-memory
 // stages with cp.async.bulk (one copy per row of codes, so that rows land 64 bytes apart around
-// the bank cycle, and one per row of scales, 16 bytes apart), each stage completing on an
-// mbarrier; ten consumer warps run the tensor cores from shared memory while the next stages are
-// in flight.
+// the bank cycle, and one per 8 rows of scales), each stage completing on an mbarrier; ten
+// consumer warps run the tensor cores from shared memory while the next stages are in flight.
 //
 // Work split: a chunk is up to 8 consecutive row pairs of one expert (the share cut at expert
 // boundaries); its 16 rows (8 gate, 8 up) are the A operand of mma.sync m16n8k16 (rows g and
@@ -60,12 +59,6 @@ constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
 constexpr int kMaxStages = 6;
 constexpr int kPairs = 8;    // row pairs per chunk: one m16 tile
 constexpr int kRowPad = 64;  // bytes between rows' slots past K / 2
-// Bytes between rows' scale slots past K / 16 (a row's scales are one bulk copy of their own):
-// K / 16 is a multiple of 16, so rows g and g + 4 of a chunk would sit 32 words apart and a
-// warp's 2-byte scale reads (lane (g, t): row g, unit 4 ug + t) would hit their banks twice; 16
-// more bytes per row put the 8 rows on distinct banks (ncu, session 18: 2-way conflicts on 15.6 %
-// of the kernel's shared-load wavefronts).
-constexpr int kScalePad = 16;
 
 struct BulkGateUpArgs {
   const uint8_t* packed;
@@ -215,19 +208,16 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       if (live) {
         uint8_t* st = ring + s * a.stage_bytes;
         const int64_t row0 = static_cast<int64_t>(e) * 2 * a.inter + i;  // gate row i
-        // Lanes 0..2n-1: a row of codes each, lanes 16..16+2n-1: that row's scales (n <= 8):
-        // gate rows at slots 0..n-1, up rows at 8..8+n-1.
-        const int rl = lane & 15;
-        if (rl < 2 * n) {
-          const int r = rl < n ? rl : rl - n;
-          const int slot = rl < n ? r : kPairs + r;
-          const int64_t row = row0 + r + (rl < n ? 0 : a.inter);
-          if (lane < 16)
-            bulk_copy(st + slot * a.row_stride, a.packed + row * (a.k / 2),
-                      static_cast<uint32_t>(a.k / 2), full + s);
-          else
-            bulk_copy(st + kPairs * 2 * a.row_stride + slot * (kb + kScalePad), a.scales + row * kb,
-                      static_cast<uint32_t>(kb), full + s);
+        if (lane < 2 * n) {  // row of codes: gate rows at slots 0..n-1, up rows at 8..8+n-1
+          const int r = lane < n ? lane : lane - n;
+          const int64_t row = row0 + r + (lane < n ? 0 : a.inter);
+          bulk_copy(st + (lane < n ? r : kPairs + r) * a.row_stride, a.packed + row * (a.k / 2),
+                    static_cast<uint32_t>(a.k / 2), full + s);
+        } else if (lane == 2 * n || lane == 2 * n + 1) {  // the n rows' scales, gate or up
+          const bool up = lane == 2 * n + 1;
+          const int64_t row = row0 + (up ? a.inter : 0);
+          bulk_copy(st + kPairs * 2 * a.row_stride + (up ? kPairs * kb : 0), a.scales + row * kb,
+                    static_cast<uint32_t>(n * kb), full + s);
         }
       }
     }
@@ -258,8 +248,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       const bool row_ok = g < n;
       const uint8_t* cg = st + g * a.row_stride;
       const uint8_t* cu = st + (kPairs + g) * a.row_stride;
-      const uint8_t* sg = st + kPairs * 2 * a.row_stride + g * (kb + kScalePad);
-      const uint8_t* su = sg + kPairs * (kb + kScalePad);
+      const uint8_t* sg = st + kPairs * 2 * a.row_stride + g * kb;
+      const uint8_t* su = sg + kPairs * kb;
       float d[kBulkGateUpGroups][4] = {};  // one MMA chain per column group (independent)
 #pragma unroll
       for (int r = 0; r < kBulkGateUpGroups; ++r) {
@@ -487,8 +477,7 @@ GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
   g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
   g.stages = std::min(kMaxStages, g.max_chunks);
   g.row_stride = static_cast<int>(cols / 2 + kRowPad);
-  g.stage_bytes =
-      static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16 + kScalePad));
+  g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
   g.smem = static_cast<size_t>(g.stages) * g.stage_bytes + 2 * g.stages * 8 + 256 * 4 +
            static_cast<size_t>(g.max_chunks) * (3 * 4 + kWarps * 16 * 4);
   return g;
@@ -527,7 +516,7 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.k = static_cast<int>(p.experts.cols);
   a.pairs = static_cast<int64_t>(p.top_k) * inter;
   a.row_stride = g.row_stride;
-  a.stage_bytes = g.stage_bytes;  // 9 K + 1280: a multiple of 128
+  a.stage_bytes = g.stage_bytes;  // 9 K + 1024: a multiple of 128
   a.x = p.x;
   a.h = p.h;
   a.gate_up_out = p.gate_up_out;

@@ -90,9 +90,6 @@ struct CudaModelOptions {
   int bench_empty_launches = 0;
 };
 
-/// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit
-/// numbers). Router and SharedDown are the fused_step launches (the default); the separate
-/// launches of fused_step = false are never left out.
 /// The kernels with a compile-time-shape instance (bit numbers of
 /// CudaModelOptions::fixed_shape_kernels, cuda_model_bench --fixed-shape).
 enum class FixedShapeKernel : int {
@@ -103,6 +100,9 @@ enum class FixedShapeKernel : int {
   Router = 4,       ///< RouterSharedGateUpParams::fixed_shape (the top-k)
 };
 
+/// The launch kinds of the decode step that CudaModelOptions::bench_skip can leave out (bit
+/// numbers). Router and SharedDown are the fused_step launches (the default); the separate
+/// launches of fused_step = false are never left out.
 enum class StepLaunch : int {
   HcInject = 0,       ///< launch_hc_inject (TP=1; folded into HcDown behind an all-reduce)
   HcDown = 1,         ///< launch_hc_down

@@ -20,8 +20,8 @@
 // Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): the
 // codes of a 32-bit word (in the decode layout, Nvfp4Experts) become, two at a time with one
 // rotation and one mask (pair 3: two of each; cuda/nvfp4_bits.h, checked for every code on the
-// host), BF16 bit patterns worth exactly code * 2^-126, widened to
-// FP32 by a shift or a mask -- no conversion instruction per element (the earlier FP16 path spent
+// host), BF16 bit patterns worth exactly code * 2^-126, widened to FP32 by a shift or a mask --
+// no conversion instruction per element (the earlier FP16 path spent
 // a quarter-rate cvt per element and was instruction bound at 15-24% of the bandwidth). x is
 // widened from BF16 and scaled by 2^64 (exact) so that every product code * 2^-126 * x * 2^64 is
 // a normal FP32 number; E4M3 scale bytes become FP16 bit patterns worth scale * 2^-8 (NaN codes
@@ -48,6 +48,7 @@ namespace fn {
 namespace {
 
 using nvfp4_mma::bf16x2_mul;
+using nvfp4_mma::decode_layout_f32;
 using nvfp4_mma::e4m3_bf16x2_scaled;
 using nvfp4_mma::half_bits_to_float;
 using nvfp4_mma::kMmaUnscale;
@@ -64,15 +65,10 @@ __device__ __forceinline__ float e4m3_scaled(uint32_t s) {
   return half_bits_to_float(nvfp4::e4m3_fp16_bits(s));
 }
 
-// acc + sum_{i<8} e2m1(code i of w) * 2^-126 * xs[i], in element order (code i in nibble i).
+// acc + sum_{i<8} e2m1(code i of w) * 2^-126 * xs[i], in element order (w in the decode layout).
 __device__ __forceinline__ float dot8_e2m1(uint32_t w, const float* xs, float acc) {
   float f[8];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t p = nvfp4::decode_layout_pair(w, q);  // code q low half, code q + 4 high
-    f[q] = __uint_as_float(p << 16);
-    f[q + 4] = __uint_as_float(p & 0xffff0000u);
-  }
+  decode_layout_f32(w, f);
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc = fmaf(f[i], xs[i], acc);
   return acc;
@@ -712,10 +708,6 @@ int64_t unit_codes(int64_t cols) {
 bool valid_team(int t) {
   return t >= 8 && t <= kBlockThreads && (t & (t - 1)) == 0;
 }
-
-}  // namespace
-
-namespace {
 
 // One 32-bit word of codes per thread, grid-stride.
 __global__ void __launch_bounds__(kBlockThreads)

@@ -39,6 +39,7 @@
 #include "cuda/device_util.cuh"
 #include "cuda/launch_check.h"
 #include "cuda/nvfp4_bits.h"
+#include "cuda/nvfp4_mma.cuh"
 
 namespace fn {
 namespace {
@@ -75,16 +76,12 @@ __device__ __forceinline__ float e4m3_value(uint32_t s) {
 }
 
 // The 8 codes of a word in the decode layout (Nvfp4Experts::packed) as their exact FP32 values,
-// in element order: nvfp4::decode_layout_pair gives codes (q, q + 4) as BF16 worth code * 2^-126,
-// widened by a shift (low half) or a mask (high half), then * 2^126 (exact). Cheaper than going
-// back to the checkpoint's layout and decoding byte by byte, and the same values.
+// in element order: nvfp4_mma::decode_layout_f32 (code * 2^-126), then * 2^126 (exact). Cheaper
+// than going back to the checkpoint's layout and decoding byte by byte, and the same values.
 __device__ __forceinline__ void decode_word(uint32_t d, float (&v)[8]) {
+  nvfp4_mma::decode_layout_f32(d, v);
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t p = nvfp4::decode_layout_pair(d, q);
-    v[q] = __uint_as_float(p << 16) * 0x1p126f;
-    v[q + 4] = __uint_as_float(p & 0xffff0000u) * 0x1p126f;
-  }
+  for (int i = 0; i < 8; ++i) v[i] *= 0x1p126f;
 }
 
 // dequant: W[s, n, c] = bf16(e2m1(code) * e4m3(block scale)) of expert seg_expert[s] (exact:

@@ -82,6 +82,7 @@ constexpr uint32_t to_decode_layout(uint32_t w) {
 }
 
 /// The inverse of to_decode_layout: pair q's sign and magnitude bits back to nibbles q, q + 4.
+/// No kernel needs it (they decode the layout directly); the tests check the permutation with it.
 constexpr uint32_t from_decode_layout(uint32_t d) {
   uint32_t w = 0;
   for (int q = 0; q < 4; ++q) {

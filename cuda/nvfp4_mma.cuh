@@ -1,7 +1,8 @@
-// Device helpers shared by the tensor-core NVFP4 expert kernels (cuda/moe_nvfp4.cu: the
-// round-based kernels; cuda/moe_nvfp4_bulk.cu: the bulk-copy kernels): the E4M3 block scale as a
-// BF16 pair, the BF16x2 multiply and the m16n8k16 BF16 MMA (with exact emulations below sm_80),
-// and the word picker. Included by .cu files only.
+// Device helpers shared by the NVFP4 expert kernels (cuda/moe_nvfp4.cu: the round-based
+// kernels; cuda/moe_nvfp4_bulk.cu: the bulk-copy kernels; cuda/moe_prefill.cu: the prefill's
+// dequantisation): the decode-layout word as FP32 values, the E4M3 block scale as a BF16 pair,
+// the BF16x2 multiply and the m16n8k16 BF16 MMA (with exact emulations below sm_80), and the word
+// picker. Included by .cu files only.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -17,6 +18,18 @@ namespace fn::nvfp4_mma {
 /// 2^26 = 2^126 / 2^100: puts back the powers of two of e2m1_bf16_pair (code * 2^-126) times
 /// e4m3_bf16x2_scaled (scale * 2^100) once per output.
 inline constexpr float kMmaUnscale = 67108864.0f;
+
+/// The 8 codes of a word in the decode layout (Nvfp4Experts::packed) as FP32 values code * 2^-126,
+/// in element order: nvfp4::decode_layout_pair's BF16 halves widened by a shift (low half: code q)
+/// or a mask (high half: code q + 4). Exact (e = 0 codes land on FP32 subnormals).
+__device__ __forceinline__ void decode_layout_f32(uint32_t d, float (&f)[8]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t p = nvfp4::decode_layout_pair(d, q);
+    f[q] = __uint_as_float(p << 16);
+    f[q + 4] = __uint_as_float(p & 0xffff0000u);
+  }
+}
 
 /// FP16 bit pattern (low 16 bits) -> float.
 __device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {

@@ -44,9 +44,12 @@ namespace {
 // simultaneous MPI_Abort calls (Open MPI garbles its own help output when they race). An error
 // every rank is known to share (Error::on_every_rank(), after agree_on_error) does not come here:
 // rank 0 prints it and every rank ends normally with its exit code.
+// Before MPI_Init (mpi null: a usage error of the command line, which every rank hits alike)
+// the launcher's rank and size decide: a quiet rank that exited at once could make mpirun end the
+// job before rank 0 had printed its message.
 void wait_for_rank0_abort(const fn::MpiContext* mpi) {
   const int rank = mpi ? mpi->world_rank() : launcher_rank();
-  const int size = mpi ? mpi->world_size() : 1;
+  const int size = mpi ? mpi->world_size() : launcher_size();
   if (rank != 0 && size > 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
 }
 }  // namespace
@@ -106,6 +109,7 @@ int main(int argc, char** argv) {
       if (launcher_rank() == 0)
         std::cerr << "fngen: unknown subcommand '" << unknown << "' (see fngen "
                   << (known ? a + " " : std::string()) << "--help)\n";
+      wait_for_rank0_abort(nullptr);
       return fn::exit_code(fn::ErrorKind::Usage);
     }
     break;
@@ -123,6 +127,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (!quiet) app.exit(e, std::cout, std::cerr);
+    wait_for_rank0_abort(nullptr);
     return fn::exit_code(fn::ErrorKind::Usage);
   }
   if (log_level.empty()) {
@@ -132,6 +137,7 @@ int main(int argc, char** argv) {
       fn::parse_log_level(log_level);
     } catch (const fn::Error& e) {
       if (launcher_rank() == 0) std::cerr << "fngen: FN_LOG_LEVEL: " << e.what() << "\n";
+      wait_for_rank0_abort(nullptr);
       return fn::exit_code(fn::ErrorKind::Usage);
     }
   }

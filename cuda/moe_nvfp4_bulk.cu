@@ -7,26 +7,33 @@
 // round and a block's loads end with the block (1.5 waves at TP=1); the FP32 kernel is besides
 // issue bound (~8.5 instructions per code). Here one CTA per SM owns a contiguous, equal share of
 // the top_k * I row pairs; a producer warp streams the share's rows into a ring of shared-memory
-// stages with cp.async.bulk (one copy per row of codes, so that rows land 64 bytes apart around
-// the bank cycle, and one per 8 rows of scales), each stage completing on an mbarrier; ten
-// consumer warps run the tensor cores from shared memory while the next stages are in flight.
+// stages with cp.async.bulk (per chunk four copies: its gate rows' codes, its up rows' codes, and
+// the scales of each), each stage completing on an mbarrier; ten consumer warps run the tensor
+// cores from shared memory while the next stages are in flight.
 //
 // Work split: a chunk is up to 8 consecutive row pairs of one expert (the share cut at expert
 // boundaries); its 16 rows (8 gate, 8 up) are the A operand of mma.sync m16n8k16 (rows g and
 // g + 8 of lane (g, t) = gate and up row g of the chunk). Lane (g, t) of consumer warp w takes
-// the units (32 codes, 16 bytes) u = 4 ug + t of the column groups ug = w, w + 10 (a group = 128
-// columns, the 4 lanes of a row read 64 contiguous bytes); an 8-code word of a unit gives two
-// MMAs: codes (q, q + 4) as one BF16x2 register (nvfp4::decode_layout_pair: code * 2^-126) times
-// the block scale as BF16x2 (E4M3 * 2^100) = code * scale * 2^-26 exactly, q = 0, 1 for the first
-// MMA, 2, 3 for the second. B is the activation x in the same column permutation in every one of
-// its 8 columns (so D's columns are equal; lane (g, 0) reads gate row g in d[0], up in d[2]); a
-// lane loads its x words once, into registers, before the first chunk.
+// the units (32 codes, 16 bytes) u = 4 ug' + t of the column groups ug' = group_of(ug, g) for
+// ug = w, w + 10 (a group = 128 columns, the 4 lanes of a row read 64 contiguous bytes); an
+// 8-code word of a unit gives two MMAs: codes (q, q + 4) as one BF16x2 register
+// (nvfp4::decode_layout_pair: code * 2^-126) times the block scale as BF16x2 (E4M3 * 2^100) =
+// code * scale * 2^-26 exactly, q = 0, 1 for the first MMA, 2, 3 for the second. Column n of B
+// is the activation x in the column order of A's row n (lane (n, t) loads it with the same
+// group_of as its A rows, once, into registers, before the first chunk), so D[g][g] is row g's
+// dot product: lane (g, g / 2) reads gate row g in d[g % 2], up row g in d[2 + g % 2].
+//
+// Why the rows take their groups in different orders: a stage holds the rows K / 2 bytes apart
+// (one copy per 8 rows), a multiple of 128, so the same group of every row sits on the same
+// banks; group_of puts rows g and g + 1 (one 128-bit load phase) in opposite 64-byte halves and
+// rows g and g + 4 (same banks for the scale bytes, rows K / 16 bytes apart) in different
+// groups, and the loads are free of bank conflicts.
 //
 // Summation (fixed, so bitwise reproducible; not the order of the other kernels): per chunk, warp
-// and column group one MMA accumulator chain from 0 over the group's 8 MMAs (the products exact,
-// the tensor core's sum of 16 products + C per MMA; two independent chains per warp for latency),
-// the warp's groups added in increasing order, then the 10 warps' partials in increasing warp
-// order in FP32, then * 2^26 and * the global scale. Range: exact products for
+// and column group (of the row: group_of) one MMA accumulator chain from 0 over the group's 8 MMAs
+// (the products exact, the tensor core's sum of 16 products + C per MMA; two independent chains per
+// warp for latency), the warp's groups added in increasing order, then the 10 warps' partials in
+// increasing warp order in FP32, then * 2^26 and * the global scale. Range: exact products for
 // 2^-90 <= |x| < 2^100 (and 0), as the round-based tensor-core kernel.
 #include "cuda/moe_nvfp4_bulk.h"
 
@@ -57,8 +64,7 @@ constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
 // cuda_model_bench, one call, RESULTS.md session 10): the share's loads must go out at once, ahead
 // of the down kernel's pre-wait loads. A share with fewer chunks gets as many stages as chunks.
 constexpr int kMaxStages = 6;
-constexpr int kPairs = 8;    // row pairs per chunk: one m16 tile
-constexpr int kRowPad = 64;  // bytes between rows' slots past K / 2
+constexpr int kPairs = 8;  // row pairs per chunk: one m16 tile
 
 struct BulkGateUpArgs {
   const uint8_t* packed;
@@ -70,7 +76,7 @@ struct BulkGateUpArgs {
   int inter;       // I
   int k;           // K (cols)
   int64_t pairs;   // top_k * I
-  int row_stride;  // shared-memory bytes per row slot: K / 2 + kRowPad
+  int row_stride;  // shared-memory bytes per row slot: K / 2
   int stage_bytes;
   int max_chunks;  // chunks of any CTA's share (sizes the partials)
   const uint16_t* x;
@@ -82,19 +88,47 @@ struct BulkGateUpArgs {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The CTA's share [p0, p1) of the row pairs p = j * I + i.
-__device__ __forceinline__ void share_of(const BulkGateUpArgs& a, int64_t& p0, int64_t& p1) {
-  p0 = a.pairs * blockIdx.x / gridDim.x;
-  p1 = a.pairs * (blockIdx.x + 1) / gridDim.x;
-}
+// The chunks of the CTA's share [p0, p1) of the row pairs p = j * I + i (pairs <= INT32_MAX:
+// bulk_gate_up_shape_ok), walked in order: chunk c covers rows [i, i + n) of selected expert j and
+// sits in ring stage c % stages, filled for the (c / stages + 1)-th time (parity = (c / stages) &
+// 1). One division at the start; each step only adds (a 64-bit division per chunk, and two 32-bit
+// ones for the stage, were subroutines in every thread's loop).
+struct ChunkWalk {
+  int p, p1, j, i, n;
+  int stage = 0;
+  uint32_t parity = 0;
+  __device__ __forceinline__ explicit ChunkWalk(const BulkGateUpArgs& a) {
+    p = static_cast<int>(a.pairs * blockIdx.x / gridDim.x);
+    p1 = static_cast<int>(a.pairs * (blockIdx.x + 1) / gridDim.x);
+    j = p / a.inter;
+    i = p - j * a.inter;
+    n = 0;
+  }
+  // Whether a chunk is left; if so j, i and n describe it (call next() after it).
+  __device__ __forceinline__ bool more(int inter) {
+    n = min(min(kPairs, inter - i), p1 - p);
+    return p < p1;
+  }
+  __device__ __forceinline__ void next(int inter, int stages) {
+    p += n;
+    i += n;
+    if (i == inter) {
+      ++j;
+      i = 0;
+    }
+    if (++stage == stages) {
+      stage = 0;
+      parity ^= 1u;
+    }
+  }
+};
 
-// The chunk starting at pair p (< p1): selected expert j, first row i, n rows.
-__device__ __forceinline__ void chunk_at(const BulkGateUpArgs& a, int64_t p, int64_t p1, int& j,
-                                         int& i, int& n) {
-  j = static_cast<int>(p / a.inter);
-  i = static_cast<int>(p - static_cast<int64_t>(j) * a.inter);
-  const int64_t left = p1 - p;
-  n = static_cast<int>(min(static_cast<int64_t>(min(kPairs, a.inter - i)), left));
+// The column group that row (and B column) g of a chunk reads in place of group ug: ug XOR m, m =
+// (g & 1) | (g & 4) >> 1, or ug itself where the partner is past the last group (an involution on
+// [0, ngroups), so every row still reads every group once).
+__device__ __forceinline__ int group_of(int ug, int g, int ngroups) {
+  const int p = ug ^ ((g & 1) | ((g & 4) >> 1));
+  return p < ngroups ? p : ug;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -186,16 +220,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
   dev::pdl_begin();
-  int64_t p0, p1;
-  share_of(a, p0, p1);
+  ChunkWalk walk(a);
   int c = 0;             // chunks of the share (every thread walks them all)
   if (warp == kWarps) {  // the producer
-    for (int64_t p = p0; p < p1; ++c) {
-      int j, i, n;
-      chunk_at(a, p, p1, j, i, n);
-      p += n;
-      const int s = c % nst;
-      if (c >= nst) mbar_wait(empty + s, static_cast<uint32_t>((c / nst - 1) & 1));
+    for (; walk.more(a.inter); walk.next(a.inter, nst), ++c) {
+      const int j = walk.j, i = walk.i, n = walk.n;
+      const int s = walk.stage;
+      if (c >= nst) mbar_wait(empty + s, walk.parity ^ 1u);  // the consumers' last round
       const int e = __ldg(a.ids + j);
       const bool live = e >= 0 && e < a.num_experts;
       if (lane == 0) {
@@ -205,27 +236,24 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
         mbar_arrive_expect_tx(full + s, live ? static_cast<uint32_t>(n) * (a.k + 2 * kb) : 0u);
       }
       __syncwarp();
-      if (live) {
+      if (live && lane < 4) {  // gate codes, up codes, gate scales, up scales: n rows each
         uint8_t* st = ring + s * a.stage_bytes;
-        const int64_t row0 = static_cast<int64_t>(e) * 2 * a.inter + i;  // gate row i
-        if (lane < 2 * n) {  // row of codes: gate rows at slots 0..n-1, up rows at 8..8+n-1
-          const int r = lane < n ? lane : lane - n;
-          const int64_t row = row0 + r + (lane < n ? 0 : a.inter);
-          bulk_copy(st + (lane < n ? r : kPairs + r) * a.row_stride, a.packed + row * (a.k / 2),
-                    static_cast<uint32_t>(a.k / 2), full + s);
-        } else if (lane == 2 * n || lane == 2 * n + 1) {  // the n rows' scales, gate or up
-          const bool up = lane == 2 * n + 1;
-          const int64_t row = row0 + (up ? a.inter : 0);
+        const bool up = (lane & 1) != 0;
+        const int64_t row = static_cast<int64_t>(e) * 2 * a.inter + i + (up ? a.inter : 0);
+        if (lane < 2)  // gate rows at slots 0..n-1, up rows at 8..8+n-1
+          bulk_copy(st + (up ? kPairs : 0) * a.row_stride, a.packed + row * (a.k / 2),
+                    static_cast<uint32_t>(n * (a.k / 2)), full + s);
+        else
           bulk_copy(st + kPairs * 2 * a.row_stride + (up ? kPairs * kb : 0), a.scales + row * kb,
                     static_cast<uint32_t>(n * kb), full + s);
-        }
       }
     }
     if (lane == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   } else {  // a consumer warp
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = a.k / 128;
-    // x for this lane's units, permuted per 8 elements to (x0, x4) (x1, x5) (x2, x6) (x3, x7).
+    // x for this lane's units (B column g), permuted per 8 elements to (x0, x4) (x1, x5) (x2, x6)
+    // (x3, x7).
     uint4 xr[kBulkGateUpGroups][4];
 #pragma unroll
     for (int r = 0; r < kBulkGateUpGroups; ++r) {
@@ -234,16 +262,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       for (int wi = 0; wi < 4; ++wi) {
         uint4 q = make_uint4(0, 0, 0, 0);
         if (ug < ngroups)
-          q = __ldg(reinterpret_cast<const uint4*>(a.x + 32 * (4 * ug + t) + 8 * wi));
+          q = __ldg(reinterpret_cast<const uint4*>(a.x + 32 * (4 * group_of(ug, g, ngroups) + t) +
+                                                   8 * wi));
         xr[r][wi] = nvfp4_mma::permute_word(q);
       }
     }
-    for (int64_t p = p0; p < p1; ++c) {
-      int j, i, n;
-      chunk_at(a, p, p1, j, i, n);
-      p += n;
-      const int s = c % nst;
-      mbar_wait(full + s, static_cast<uint32_t>((c / nst) & 1));
+    for (; walk.more(a.inter); walk.next(a.inter, nst), ++c) {
+      const int n = walk.n;
+      const int s = walk.stage;
+      mbar_wait(full + s, walk.parity);
       const uint8_t* st = ring + s * a.stage_bytes;
       const bool row_ok = g < n;
       const uint8_t* cg = st + g * a.row_stride;
@@ -255,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       for (int r = 0; r < kBulkGateUpGroups; ++r) {
         const int ug = warp + r * kWarps;
         if (ug >= ngroups) break;  // warp-uniform
-        const int u = 4 * ug + t;
+        const int u = 4 * group_of(ug, g, ngroups) + t;
         uint4 wg = make_uint4(0, 0, 0, 0), wu = make_uint4(0, 0, 0, 0);
         uint32_t scg = 0, scu = 0;
         if (row_ok) {
@@ -266,14 +293,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
         }
         if (!a.loads_only) mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
       }
-      float sum_g = d[0][0], sum_u = d[0][2];
+      const int col = g & 1;  // D[g][g] = gate row g, D[g + 8][g] = up row g (lane t = g / 2)
+      float sum_g = col ? d[0][1] : d[0][0], sum_u = col ? d[0][3] : d[0][2];
 #pragma unroll
       for (int r = 1; r < kBulkGateUpGroups; ++r) {  // the groups' chains in order
-        sum_g += d[r][0];
-        sum_u += d[r][2];
+        sum_g += col ? d[r][1] : d[r][0];
+        sum_u += col ? d[r][3] : d[r][2];
       }
       mbar_arrive(empty + s);  // every consumer lane, after its last read of the stage
-      if (t == 0) {            // D[g][0] = gate row g, D[g + 8][0] = up row g
+      if (t == g >> 1) {
         part[(c * kWarps + warp) * 16 + g] = sum_g;
         part[(c * kWarps + warp) * 16 + kPairs + g] = sum_u;
       }
@@ -476,7 +504,7 @@ GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
   g.ctas = bulk_gate_up_ctas(top_k, inter, sm_count);
   g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
   g.stages = std::min(kMaxStages, g.max_chunks);
-  g.row_stride = static_cast<int>(cols / 2 + kRowPad);
+  g.row_stride = static_cast<int>(cols / 2);
   g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
   g.smem = static_cast<size_t>(g.stages) * g.stage_bytes + 2 * g.stages * 8 + 256 * 4 +
            static_cast<size_t>(g.max_chunks) * (3 * 4 + kWarps * 16 * 4);
@@ -516,7 +544,7 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.k = static_cast<int>(p.experts.cols);
   a.pairs = static_cast<int64_t>(p.top_k) * inter;
   a.row_stride = g.row_stride;
-  a.stage_bytes = g.stage_bytes;  // 9 K + 1024: a multiple of 128
+  a.stage_bytes = g.stage_bytes;  // 9 K: a multiple of 128 (K % 256 == 0)
   a.x = p.x;
   a.h = p.h;
   a.gate_up_out = p.gate_up_out;

@@ -17,7 +17,8 @@ namespace fn::detail {
 inline constexpr size_t kMaxCtaSmem = 227 * 1024;
 
 /// Consumer warps of the bulk gate+up kernel; each takes the same 128-column groups of every
-/// chunk (group w, w + kBulkGateUpWarps, ...), at most kBulkGateUpGroups of them.
+/// chunk (groups w, w + kBulkGateUpWarps, ..., each row through its own involution of the group
+/// numbers: group_of in moe_nvfp4_bulk.cu), at most kBulkGateUpGroups of them.
 inline constexpr int kBulkGateUpWarps = 10;
 inline constexpr int kBulkGateUpGroups = 2;
 
@@ -40,8 +41,8 @@ int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count);
 /// Consumer warps of the bulk down kernel, and its shared-memory budget (the share's codes and
 /// scales of every selected expert, h staged, partials): at most 120 KB. Written so that a down
 /// CTA fits beside a 4-stage bulk gate+up CTA; at TP=1 it takes 104.8 KB and the 6-stage gate+up
-/// 147.8 KB, so they never share an SM (a fitting variant measured slower still: RESULTS.md,
-/// session 15).
+/// 141.8 KB (147.8 before session 19 dropped the row padding), so they never share an SM (a fitting
+/// variant measured slower still: RESULTS.md, session 15).
 inline constexpr int kBulkDownWarps = 10;
 inline constexpr size_t kBulkDownMaxSmem = 120 * 1024;
 

@@ -60,12 +60,14 @@ struct CudaModelOptions {
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
   int fold_hc_inject = -1;
   /// L2 prefetch of weights a few launches ahead (cuda/l2_prefetch.h); no bits change. The routed
-  /// gate+up launch (instruction bound, HBM mostly idle) prefetches the next HC read's W_dn, W_up
-  /// and norm (the next layer's attention side, or the final mixer) and the shared expert's down
-  /// matrix: -0.01 ms/token at TP=1 on H200. Prefetching from the GDN recurrence / QSA attention
-  /// or the routed down launch measured slower (cuda/bench/RESULTS.md, session 9). false: none
-  /// (A/B benches).
-  bool l2_prefetch = true;
+  /// gate+up launch prefetches the next HC read's W_dn, W_up and norm (the next layer's attention
+  /// side, or the final mixer) and the shared expert's down matrix. Off by default since session
+  /// 19: with the routed gate+up faster (its chunk walk without divisions) the ~16 MB per layer
+  /// beside it cost more than they save, +0.03 to +0.04 ms/token at TP=1 on H200 (it was -0.01
+  /// with the older gate+up; sessions 9 and 17). Prefetching from the GDN recurrence / QSA
+  /// attention or the routed down launch measured slower too (cuda/bench/RESULTS.md, sessions 9
+  /// and 11). true: A/B benches.
+  bool l2_prefetch = false;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
   /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.06 to
   /// -0.09 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order

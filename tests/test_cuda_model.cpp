@@ -104,15 +104,15 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     CHECK(std::memcmp(u.data(), g.data(), g.size() * sizeof(float)) == 0);
     unfused.reset();
 
-    // Without the L2 prefetches (CudaModelOptions::l2_prefetch = false; on by default): the same
+    // With the L2 prefetches (CudaModelOptions::l2_prefetch = true; off by default): the same
     // bits, as a prefetch is only a hint.
-    auto no_prefetch_o = options(0, 1, nullptr, true);
-    no_prefetch_o.l2_prefetch = false;
-    auto no_prefetch = fn::CudaModel::load(f.dir, no_prefetch_o);
-    const std::vector<float> np = run_rows(*no_prefetch, f);
-    REQUIRE(np.size() == g.size());
-    CHECK(std::memcmp(np.data(), g.data(), g.size() * sizeof(float)) == 0);
-    no_prefetch.reset();
+    auto prefetch_o = options(0, 1, nullptr, true);
+    prefetch_o.l2_prefetch = true;
+    auto with_prefetch = fn::CudaModel::load(f.dir, prefetch_o);
+    const std::vector<float> wp = run_rows(*with_prefetch, f);
+    REQUIRE(wp.size() == g.size());
+    CHECK(std::memcmp(wp.data(), g.data(), g.size() * sizeof(float)) == 0);
+    with_prefetch.reset();
 
     // reset() then the same sequence: bitwise the same again (states really cleared).
     graph->reset();

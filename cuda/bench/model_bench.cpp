@@ -118,7 +118,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       fused = false;
     else if (a == "--fold-inject")  // CudaModelOptions::fold_hc_inject: -1 auto, 0 never, 1 always
       fold = std::stoi(next());
-    else if (a == "--l2-prefetch")  // CudaModelOptions::l2_prefetch: 1 on (default), 0 off
+    else if (a == "--l2-prefetch")  // CudaModelOptions::l2_prefetch: 0 off (default), 1 on
       l2_prefetch = std::stoi(next()) != 0;
     else if (a == "--moe-bulk")  // CudaModelOptions::moe_bulk: 1 the bulk gate+up (default), 0 FP32
       moe_bulk = std::stoi(next()) != 0;

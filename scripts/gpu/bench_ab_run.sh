@@ -8,15 +8,17 @@
 # is the lane of the closing benches (a real prefill of random ids, 512 tokens), so a change whose
 # effect the two lanes disagree on can be settled in one call. Logs and JSON to $OUT.
 # Usage: `rm -rf .carry/base && mkdir -p .carry/base && git archive BASE | tar -x -C .carry/base`,
-# then `run` with carry [".deps", ".carry/base"]: `bash scripts/gpu/bench_ab_run.sh`.
+# then `run` with carry [".deps", ".carry/base"]: `FN_AB_BASE_COMMIT=<base short hash>
+# FN_AB_NEW_COMMIT=<this checkout's short hash> bash scripts/gpu/bench_ab_run.sh` (the machine's
+# copy carries a stale git history, so without them the reports' "commit" names the wrong one).
 set -u
 cd "$(dirname "$0")/../.."
 fn_out_default=/tmp/bench-ab-out
 source scripts/gpu/common.sh
 n=$b
-(cd .carry/base && FN_DEPS_ROOT=$FN_DEPS_DIR/root-base FN_BUILD_DIR=$(pwd)/../../build-base \
+(cd .carry/base && FN_GIT_COMMIT=${FN_AB_BASE_COMMIT:-} FN_DEPS_ROOT=$FN_DEPS_DIR/root-base FN_BUILD_DIR=$(pwd)/../../build-base \
   FN_JOBS=6 timeout 300 bash scripts/gpu/build.sh fngen >"$out/build_base.log" 2>&1) &
-if ! FN_BUILD_DIR=$n timeout 300 bash scripts/gpu/build.sh fngen >"$out/build_new.log" 2>&1; then
+if ! FN_GIT_COMMIT=${FN_AB_NEW_COMMIT:-} FN_BUILD_DIR=$n timeout 300 bash scripts/gpu/build.sh fngen >"$out/build_new.log" 2>&1; then
   grep -E "error|Error" "$out/build_new.log" | head -20
   exit 1
 fi

@@ -69,12 +69,16 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
   app.add_flag("--log-all-ranks", log_all_ranks, "print INFO messages of every rank");
   // Parse errors in the form of the other usage errors ("fngen: usage error: ..."), and CLI11's
-  // "OPT: 1 required TEXT missing" (an option given without its value) said plainly.
+  // "OPT: 1 required TEXT missing" (an option given without its value) and "OPT: At Most 1
+  // required but received N" (a single-value option given N times) said plainly.
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     std::string msg = e.what();
     static const std::regex missing(R"(^(\S+): \d+ required \S+ missing$)");
+    static const std::regex repeated(R"(^(\S+): At Most 1 required but received (\d+)$)");
     std::smatch m;
     if (std::regex_match(msg, m, missing)) msg = m[1].str() + ": needs a value";
+    if (std::regex_match(msg, m, repeated))
+      msg = m[1].str() + ": given " + m[2].str() + " times; give it once";
     // The arguments are quoted as typed: escaped, so that they cannot put control bytes on stderr.
     return "fngen: usage error: " + fn::escape_for_log(msg) +
            "\nRun with --help for more information.\n";

@@ -475,12 +475,19 @@ std::span<const float> CpuModel::forward(int32_t token) {
   cpu::gemv(*top_->lm_head, m.data(), logits_local_.data());
   coll_.all_gather(logits_local_.data(), static_cast<std::size_t>(V_l), logits_.data());
   // Garbage weights (NaN/Inf bytes pass every dtype and shape check) must not reach the sampler
-  // as a vague internal error: say where they surfaced.
-  for (std::size_t v = 0; v < logits_.size(); ++v) {
-    FN_REQUIRE(std::isfinite(logits_[v]), Format,
-               "the model produced a non-finite logit ({} for token {}) at position {}: the "
-               "checkpoint's weights hold NaN/Inf or overflow",
-               logits_[v], v, position_);
+  // as a vague internal error: say where they surfaced. The logits are all-gathered, the same on
+  // every rank, so every rank stops here with this same error: marked so, rank 0 alone prints it
+  // and every rank ends with its exit code instead of through MPI_Abort (apps/main.cpp).
+  try {
+    for (std::size_t v = 0; v < logits_.size(); ++v) {
+      FN_REQUIRE(std::isfinite(logits_[v]), Format,
+                 "the model produced a non-finite logit ({} for token {}) at position {}: the "
+                 "checkpoint's weights hold NaN/Inf or overflow",
+                 logits_[v], v, position_);
+    }
+  } catch (Error& e) {
+    e.set_on_every_rank();
+    throw;
   }
   ++position_;
   return logits_;

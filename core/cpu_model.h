@@ -48,7 +48,9 @@ class CpuModel {
   /// reset(). Prefill is forward() over the prompt tokens in order (MODEL.md §D: the same
   /// function, token by token). Collectives per call at TP > 1: one all-reduce per PLE layer
   /// (2560), two per decoder layer (2560 each), one all-gather of the logits.
-  /// Throws fn::Error(Usage) for a token outside [0, vocab_size).
+  /// Throws fn::Error(Usage) for a token outside [0, vocab_size), fn::Error(Format) with
+  /// on_every_rank() set for a non-finite logit (NaN/Inf weights; every rank holds the same
+  /// logits, so every rank throws it).
   std::span<const float> forward(int32_t token);
 
   /// Prefill: forward() over `tokens` in order (MODEL.md §D; token by token, so prefill(T) is

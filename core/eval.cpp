@@ -51,7 +51,7 @@ std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
     if (i >= text.size() || text[i] == ',') {
       FN_REQUIRE(!need_item && (i >= text.size() || !ids.empty()), Usage,
                  "{}: empty item {} (ids are separated by one comma or by whitespace)", what,
-                 ids.size());
+                 ids.size() + 1);
       if (i >= text.size()) break;
       ++i;  // the comma
       need_item = true;
@@ -65,12 +65,13 @@ std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
     const bool whole = end == item.data() + item.size();
     const bool too_long = whole && ec == std::errc::result_out_of_range;
     FN_REQUIRE(whole && (ec == std::errc() || too_long), Usage,
-               "{}: item {} \"{}\" is not an integer", what, ids.size(), item);
+               "{}: item {} \"{}\" is not an integer", what, ids.size() + 1, item);
     FN_REQUIRE(!(too_long ? item.front() == '-' : v < 0), Usage,
-               "{}: item {} = {} is negative (token ids are 0 or more)", what, ids.size(), item);
+               "{}: item {} = {} is negative (token ids are 0 or more)", what, ids.size() + 1,
+               item);
     const bool syntax_only = vocab_size == 0;
     FN_REQUIRE(syntax_only || (!too_long && v < vocab_size), Usage,
-               "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size(), item,
+               "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size() + 1, item,
                vocab_size);
     ids.push_back(syntax_only && (too_long || v > std::numeric_limits<int32_t>::max())
                       ? 0

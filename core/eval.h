@@ -70,7 +70,8 @@ std::string tokenizer_id(const std::filesystem::path& model_dir);
 /// included); each must lie in [0, vocab_size). An empty item (",1", "1,,2", "1,") is an error,
 /// and so is a negative id whatever the vocabulary. vocab_size 0 checks the syntax alone (before
 /// the vocabulary is known): ids past the int32 range then come back as 0 and are the caller's
-/// to check again. `what` names the flag or file in errors (fn::Error Usage).
+/// to check again. `what` names the flag or file in errors (fn::Error Usage), and an error names
+/// the item by its place in the list counted from 1 ("item 2 = 512").
 std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
                                      const std::string& what);
 

@@ -58,6 +58,8 @@ expect 2 "-n/--max-new-tokens: '0' is out of range (allowed -1, or 1 to $i32)" -
 expect 2 "-c/--ctx-size: '9999999999999999999999' is out of range (allowed 0 to $i32)" -- \
   gen -c 9999999999999999999999
 expect 2 "-c/--ctx-size: '-3' is out of range (allowed 0 to $i32)" -- gen -c -3
+# A single-value option given twice: said plainly (CLI11's "At Most 1 required but received 2").
+expect 2 "usage error: --max-new-tokens: given 2 times; give it once" -- gen -n 2 -n 3
 expect 2 "--prefill-chunk: '99999999999999999999' is out of range (allowed 1 to $i64)" -- \
   gen --prefill-chunk 99999999999999999999
 expect 2 "--prefill-chunk: 'x' $nan, no hex" -- gen --prefill-chunk x
@@ -157,9 +159,9 @@ if [ -f "$tok" ]; then
     fail "tokenize -i = -o changed the input: $(cat "$tmp/t.jsonl")"
   # --ids: a negative id is named as such before the load; one past int64 is checked against the
   # real vocabulary after it (not against the syntax pass's bound).
-  expect 2 "--ids: item 1 = -1 is negative (token ids are 0 or more)" -- \
+  expect 2 "--ids: item 2 = -1 is negative (token ids are 0 or more)" -- \
     "${tk[@]}" --tokenizer "$tok" --ids "5 -1"
-  expect 2 "--ids: item 0 = 99999999999999999999 is outside the vocabulary \\[0, 151669)" -- \
+  expect 2 "--ids: item 1 = 99999999999999999999 is outside the vocabulary \\[0, 151669)" -- \
     "${tk[@]}" --tokenizer "$tok" --ids 99999999999999999999
   # Invalid UTF-8 in --system-prompt is named as such (it used to be blamed on -p).
   expect 3 "invalid UTF-8 in --system-prompt at byte offset 1" -- \

@@ -209,7 +209,7 @@ printf '{"id": 1}\nnot json\n' >"$tmp/allbad_tasks.jsonl"
 expect 3 "allbad_tasks.jsonl: every record failed (2 of 2" -- \
   mpi 2 score -m "$fx/tp4" -i "$tmp/allbad_tasks.jsonl" -o "$tmp/allbad_tasks.out"
 expect 2 "--backend cuda" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --backend cuda
-expect 2 "item 1 \"x\" is not an integer" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids "1,x" -o "$tmp/x.fnl"
+expect 2 "item 2 \"x\" is not an integer" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids "1,x" -o "$tmp/x.fnl"
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed"

@@ -89,7 +89,7 @@ mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 -c 8 --ignore-eos --json >"$tmp/small_
 check_json "$tmp/small_ctx.json" "len(j['token_ids']) == 5" "-c 8 without -n: 5 new tokens after 3"
 expect 2 "the prompt (3 tokens) plus -n/--max-new-tokens (6) is 9 tokens" -- \
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 -c 8 -n 6
-expect 2 "item 1 = 512 is outside the vocabulary" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,512
+expect 2 "item 2 = 512 is outside the vocabulary" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,512
 expect 2 "no tokenizer" -- mpi 2 -m "$fx/g3_tiny" -p "hello"
 expect 2 "exactly one of" -- mpi 2 -m "$fx/g3_tiny"
 expect 2 "not available" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1 --backend cuda
@@ -103,9 +103,31 @@ expect 2 "got 3" -- mpi 3 -m "$fx/tp4" --prompt-ids 1,2
   echo "ok: the TP split error is printed once, by rank 0, and the ranks end without MPI_Abort" ||
   fail "the TP split error was printed $(grep -c "got 3" "$tmp/err") times: $(cat "$tmp/err")"
 expect 2 "--tp 2 must equal the number of MPI ranks" -- mpi 4 -m "$fx/tp4" --prompt-ids 1 --tp 2
+# NaN weights (one BF16 NaN in lm_head row 0, rank 0's vocab slice): the non-finite logit is raised
+# on every rank alike (the logits are all-gathered), so rank 0 alone prints it and every rank ends
+# with exit 3 (fresh-user report, session 19: it went through MPI_Abort, whose notice Open MPI
+# garbled in about 1 run in 3).
+cp -r "$fx/tp4" "$tmp/nan_lm"
+$py - "$tmp/nan_lm/model-bf16-00002.safetensors" <<'PY'
+import json, struct, sys
+with open(sys.argv[1], "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    f.seek(8 + n + json.loads(f.read(n))["lm_head.weight"]["data_offsets"][0])
+    f.write(struct.pack("<H", 0x7FC0))
+PY
+for np in 1 4; do
+  expect 3 "non-finite logit (nan for token 0) at position" -- \
+    mpi $np -m "$tmp/nan_lm" --backend cpu --prompt-ids "$ids" --temp 0 -n 4
+  [ "$(grep -c "non-finite logit" "$tmp/err")" = 1 ] && grep -q "^\[r0/$np\].*non-finite" "$tmp/err" &&
+    ! grep -q "ORTE_ERROR_LOG\|MPI_ABORT was invoked" "$tmp/err" &&
+    echo "ok: -np $np NaN logit: one message, by rank 0, no MPI_Abort" ||
+    fail "-np $np NaN logit: $(grep -v '^$' "$tmp/err" | head -n 8)"
+done
 # -n -1 (until the context is full) with a prompt that already fills it: the message says so.
 expect 2 "fills the context size -c/--ctx-size 4: -n/--max-new-tokens -1" -- \
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4 -c 4 -n -1
+expect 2 "the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it leaves no room" -- \
+  mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4,5 -c 4
 expect 2 "--chat renders a text prompt" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --chat
 expect 2 "--stop: an empty stop string" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --stop ""
 # Input files: a directory, an empty JSONL batch.

@@ -154,22 +154,22 @@ TEST_CASE("eval: parse_token_ids accepts commas, spaces and newlines and rejects
   CHECK(kind_of([] { fn::parse_token_ids("1,x", 10, "--ids-file f"); }) == ErrorKind::Usage);
   CHECK(message_of([] {
           fn::parse_token_ids("1 10", 10, "--ids-file f");
-        }).find("--ids-file f: item 1 = 10 is outside the vocabulary [0, 10)") !=
+        }).find("--ids-file f: item 2 = 10 is outside the vocabulary [0, 10)") !=
         std::string::npos);
   // Past int64: still a number, so "outside the vocabulary"; trailing junk: not an integer.
   CHECK(message_of([] {
           fn::parse_token_ids("1 99999999999999999999", 10, "x");
-        }).find("x: item 1 = 99999999999999999999 is outside the vocabulary") != std::string::npos);
+        }).find("x: item 2 = 99999999999999999999 is outside the vocabulary") != std::string::npos);
   CHECK(message_of([] {
           fn::parse_token_ids("99999999999999999999x", 10, "x");
-        }).find("x: item 0 \"99999999999999999999x\" is not an integer") != std::string::npos);
+        }).find("x: item 1 \"99999999999999999999x\" is not an integer") != std::string::npos);
   // A negative id is named as such, whatever the vocabulary (also past int64).
   CHECK(message_of([] {
           fn::parse_token_ids("3 -1", 10, "--ids");
-        }).find("--ids: item 1 = -1 is negative (token ids are 0 or more)") != std::string::npos);
+        }).find("--ids: item 2 = -1 is negative (token ids are 0 or more)") != std::string::npos);
   CHECK(message_of([] {
           fn::parse_token_ids("-99999999999999999999", 10, "x");
-        }).find("x: item 0 = -99999999999999999999 is negative") != std::string::npos);
+        }).find("x: item 1 = -99999999999999999999 is negative") != std::string::npos);
   // vocab_size 0: the syntax alone (before the vocabulary is known); ids past int32 come back 0.
   CHECK(fn::parse_token_ids("5 99999999999999999999 3000000000", 0, "x") ==
         std::vector<int32_t>{5, 0, 0});
@@ -185,6 +185,9 @@ TEST_CASE("eval: parse_token_ids accepts commas, spaces and newlines and rejects
             fn::parse_token_ids(bad, 10, "--prompt-ids");
           }).find("--prompt-ids: empty item") != std::string::npos);
   }
+  // Items are counted from 1 in the messages: the empty one between "1," and ",2" is the second.
+  CHECK(message_of([] { fn::parse_token_ids("1,,2", 10, "x"); }).find("x: empty item 2 (") !=
+        std::string::npos);
 }
 
 TEST_CASE("eval: fnv1a64 gives the published FNV-1a test vectors") {

@@ -130,7 +130,9 @@ InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, 
   }
   r.validation = validate_tensors(expected, found);
   check_ple_buffers(ckpt, r.config, expected, r.validation);
-  if (!r.validation.ok()) {
+  // Every problem on its own line only when require_valid's message cannot list them all (it
+  // shows the first kValidationProblemsShown): one wrong tensor was reported twice.
+  if (r.validation.problems.size() > kValidationProblemsShown) {
     for (const auto& p : r.validation.problems) FN_LOG_ERROR("{}: {}", r.dir, p);
   }
   require_valid(r.validation, r.dir);

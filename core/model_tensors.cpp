@@ -337,7 +337,7 @@ ValidationReport validate_tensors(const std::vector<ExpectedTensor>& expected,
 
 void require_valid(const ValidationReport& r, std::string_view checkpoint_dir) {
   if (r.ok()) return;
-  constexpr std::size_t kShown = 10;
+  constexpr std::size_t kShown = kValidationProblemsShown;
   std::string list;
   for (std::size_t i = 0; i < r.problems.size() && i < kShown; ++i) {
     list += (i ? "; " : "") + r.problems[i];

@@ -130,6 +130,9 @@ struct ValidationReport {
 ValidationReport validate_tensors(const std::vector<ExpectedTensor>& expected,
                                   const std::vector<FoundTensor>& found);
 
+/// Problems require_valid's message lists; it counts the rest ("... and N more").
+inline constexpr std::size_t kValidationProblemsShown = 10;
+
 /// Throws Format "<checkpoint_dir>: N tensor problems (M missing, ...): <first 10>; ..." unless
 /// report.ok().
 void require_valid(const ValidationReport& report, std::string_view checkpoint_dir);

@@ -186,6 +186,20 @@ fi
 truncate -s 100 "$tmp/ck/model-bf16-00002.safetensors"
 expect 3 "model-bf16-00002.safetensors" -- "$fngen" inspect "$tmp/ck"
 [ -s "$tmp/out" ] && { echo "FAIL: inspect printed results for a bad checkpoint"; failures=$((failures + 1)); }
+# One tensor with a wrong shape (lm_head [384, 64] stored as [64, 384], the same bytes): named
+# once, in the format error (it was also logged on a line of its own before it).
+cp -r "$src/tests/data/fixtures/tp4" "$tmp/shape"
+$py - "$tmp/shape/model-bf16-00002.safetensors" <<'PY'
+import sys
+p = sys.argv[1]
+b = open(p, "rb").read()
+assert b.count(b'"shape":[384,64]') == 1
+open(p, "wb").write(b.replace(b'"shape":[384,64]', b'"shape":[64,384]'))
+PY
+expect 3 "1 tensor problem (0 missing, 0 unexpected, 0 wrong dtype, 1 wrong shape, 0 duplicated): tensor 'lm_head.weight' has shape \[64, 384\], expected \[384, 64\]" -- \
+  "$fngen" inspect "$tmp/shape" --tp 4
+[ "$(grep -c "has shape \[64, 384\]" "$tmp/err")" = 1 ] && pass "one wrong tensor is reported once" ||
+  fail "the wrong shape was reported $(grep -c "has shape" "$tmp/err") times: $(cat "$tmp/err")"
 
 echo "cli_errors: $failures failure(s)"
 [ "$failures" = 0 ]

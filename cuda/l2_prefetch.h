@@ -6,7 +6,9 @@
 // (cp.async.bulk.prefetch.L2, sm_90+; nothing on older devices) before anything else. A prefetch
 // is a hint: it changes no result and is memory-safe whatever other kernels do. Measured on H200
 // (cuda/bench/RESULTS.md, session 9): -0.01 ms/token at TP=1; issuing such prefetches from the
-// GDN recurrence, the QSA attention or the routed down kernel made the step slower.
+// GDN recurrence, the QSA attention or the routed down kernel made the step slower. Since session
+// 19 the step leaves it off (CudaModelOptions::l2_prefetch): the faster gate+up is no longer
+// instruction bound enough to hide the traffic (+0.03 to +0.04 ms/token with it).
 #pragma once
 
 #include <cstdint>

@@ -478,16 +478,16 @@ std::span<const float> CpuModel::forward(int32_t token) {
   // as a vague internal error: say where they surfaced. The logits are all-gathered, the same on
   // every rank, so every rank stops here with this same error: marked so, rank 0 alone prints it
   // and every rank ends with its exit code instead of through MPI_Abort (apps/main.cpp).
-  try {
-    for (std::size_t v = 0; v < logits_.size(); ++v) {
-      FN_REQUIRE(std::isfinite(logits_[v]), Format,
-                 "the model produced a non-finite logit ({} for token {}) at position {}: the "
-                 "checkpoint's weights hold NaN/Inf or overflow",
-                 logits_[v], v, position_);
-    }
-  } catch (Error& e) {
+  const auto bad =
+      std::find_if(logits_.begin(), logits_.end(), [](float l) { return !std::isfinite(l); });
+  if (bad != logits_.end()) [[unlikely]] {
+    Error e(ErrorKind::Format,
+            fmt::format("the model produced a non-finite logit ({} for token {}) at position {}: "
+                        "the checkpoint's weights hold NaN/Inf or overflow",
+                        *bad, bad - logits_.begin(), position_),
+            __FILE__, __LINE__);
     e.set_on_every_rank();
-    throw;
+    throw e;
   }
   ++position_;
   return logits_;

@@ -337,13 +337,12 @@ ValidationReport validate_tensors(const std::vector<ExpectedTensor>& expected,
 
 void require_valid(const ValidationReport& r, std::string_view checkpoint_dir) {
   if (r.ok()) return;
-  constexpr std::size_t kShown = kValidationProblemsShown;
   std::string list;
-  for (std::size_t i = 0; i < r.problems.size() && i < kShown; ++i) {
+  for (std::size_t i = 0; i < r.problems.size() && i < kValidationProblemsShown; ++i) {
     list += (i ? "; " : "") + r.problems[i];
   }
-  if (r.problems.size() > kShown) {
-    list += fmt::format("; ... and {} more", r.problems.size() - kShown);
+  if (r.problems.size() > kValidationProblemsShown) {
+    list += fmt::format("; ... and {} more", r.problems.size() - kValidationProblemsShown);
   }
   FN_THROW(Format,
            "{}: {} tensor problem{} ({} missing, {} unexpected, {} wrong dtype, {} wrong shape, {} "

@@ -905,6 +905,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.o_scratch = g.o_scratch;
       gp.head_counters = g.counters;
       gp.fixed_shape = fixed(FixedShapeKernel::Recurrence);
+      gp.cluster = o.gdn_cluster;
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
       if (on(StepLaunch::OutProj))
         launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);

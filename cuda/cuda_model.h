@@ -78,6 +78,10 @@ struct CudaModelOptions {
   /// shared memory until they exit, and the shared-expert, router and HC launches around it
   /// measured slower; RESULTS.md, session 10). true: A/B benches.
   bool moe_bulk_down = false;
+  /// The GDN recurrence in thread-block clusters of one key head's CTAs where it can
+  /// (GdnDecodeParams::cluster: sm_90+, the real head shape; the same bits). false: the arrival
+  /// counters (A/B benches).
+  bool gdn_cluster = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -14,8 +14,10 @@
 // finishes. One CTA per value head (no arrival, 2 barriers) measured slower (12.2 us, session 9).
 #include "cuda/gdn.h"
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 
 #include "comm/cuda_check.h"
@@ -165,6 +167,18 @@ __device__ __forceinline__ void column_sum(float (&acc)[4], int CG, int vc,
   __syncthreads();
 }
 
+// The gated norm's per-element operands of one head (thread t = tid + j * kThreads): the norm
+// weight w[t] and the gate z[t] (0 past dv).
+__device__ __forceinline__ void load_norm_operands(const RecArgs& a, const float* z, int dv,
+                                                   float (&nw)[kMaxRows], float (&nz)[kMaxRows]) {
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j) {
+    const int t = static_cast<int>(threadIdx.x) + j * kThreads;
+    nw[j] = t < dv ? a.norm_w[t] : 0.0f;
+    nz[j] = t < dv ? z[t] : 0.0f;
+  }
+}
+
 // Steps 3-7 for one (value head h, slice of vc columns): the CTA's state tile [dk, vc] lives in
 // registers, thread (rg, cg) holding rows rg, rg + RG, ... and columns cg*4 .. cg*4+3.
 // Fused mode also does step 2 for the channels it reads: q_i and k_i (2 dk channels, read by the
@@ -175,9 +189,18 @@ __device__ __forceinline__ void column_sum(float (&acc)[4], int CG, int vc,
 // 32-column slices, conv kernel 4, fused conv) at compile-time shape: its loops have fixed trip
 // counts and its row and column predicates fold. The runtime-shape instance <0, 0, 0, 0> runs
 // every other shape (and fused = false); the same operations in the same order, so the same bits.
-template <int kDk = 0, int kDv = 0, int kVc = 0, int kK = 0>
+//
+// kCl (sm_90+, fixed instance only; launch_gdn_decode picks it): the grid runs in clusters of
+// ratio * slices CTAs, one key head each, and the arrivals become one cluster barrier: every CTA
+// stores its o columns into the shared memory of its value head's slice-0 CTA (distributed
+// shared memory), the barrier orders them and every CTA's q/k history reads before the key
+// head's first CTA shifts that history, and the slice-0 CTA normalises the head from its own
+// shared memory. No fence, atomic or L2 round trip after the o columns; the same operations on
+// the same values in the same order, so the same bits as the arrival path.
+template <int kDk = 0, int kDv = 0, int kVc = 0, int kK = 0, bool kCl = false>
 __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   static_assert((kDk > 0) == (kDv > 0) && (kDk > 0) == (kVc > 0) && (kDk > 0) == (kK > 0));
+  static_assert(!kCl || kDk > 0, "the cluster path is the fixed instance's");
   __builtin_assume(threadIdx.x < kThreads);  // the launcher's block size
   const int dk = kDk > 0 ? kDk : a.dk, dv = kDv > 0 ? kDv : a.dv;
   const int vc = kVc > 0 ? kVc : a.vc, K = kK > 0 ? kK : a.K;
@@ -283,54 +306,84 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     s[j].y = fmaf(kh[j], d1, s[j].y);
     s[j].z = fmaf(kh[j], d2, s[j].z);
     s[j].w = fmaf(kh[j], d3, s[j].w);
-    if (row < dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * dv) = s[j];
+    if (!kCl && row < dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * dv) = s[j];
     acc[0] = fmaf(s[j].x, qh[j], acc[0]);
     acc[1] = fmaf(s[j].y, qh[j], acc[1]);
     acc[2] = fmaf(s[j].z, qh[j], acc[2]);
     acc[3] = fmaf(s[j].w, qh[j], acc[3]);
   }
   column_sum(acc, CG, vc, part, col);
-  float* o = a.o_scratch + static_cast<int64_t>(h) * dv;
-  if (tid < vc) {
-    o[sl * vc + tid] = col[tid];
-    __threadfence();  // visible to the head's last CTA before the arrival below
-  }
-  __syncthreads();
-  // Arrivals (integer atomics; the order of arrival never changes a value): the head's last CTA
-  // normalises the head; in fused mode the key head's last CTA shifts the q_i / k_i history,
-  // which every CTA of the key head has read by now.
-  if (tid == 0) {
-    __threadfence();
-    const unsigned int prev = atomicAdd(a.counters + h, 1u);
-    const unsigned int prev_k = fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
-    last_head = prev == static_cast<unsigned int>(slices - 1);
-    last_key = fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
-    if (last_head) a.counters[h] = 0u;  // ready for the next launch (stream order)
-    if (last_key) a.counters[a.Hv + i] = 0u;
-    __threadfence();
-  }
-  __syncthreads();
-  if (last_key) {
-    for (int t = tid; t < dk; t += kThreads) {
-      conv_shift(a.proj, a.conv_state, q_base + t, K);
-      conv_shift(a.proj, a.conv_state, k_base + t, K);
-    }
-  }
-  if (!last_head) return;
-
-  // Step 7 (last CTA of head h): o * rsqrt(mean(o^2) + eps) * w * sigmoid(z) -> BF16.
-  // The loads of o, w and z are independent: one round trip.
   const float* z = a.proj + a.conv_dim + static_cast<int64_t>(h) * dv;
   float ov[kMaxRows], nw[kMaxRows], nz[kMaxRows];
+  if constexpr (kCl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __shared__ float o_head[kDv > 0 ? kDv : 1];  // the value head's o (slice-0 CTA's copy used)
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    const unsigned rank = cluster.block_rank();         // = blockIdx.x % (ratio * slices)
+    if (sl == 0) load_norm_operands(a, z, dv, nw, nz);  // before the barrier: off the chain
+    if (tid < vc) *cluster.map_shared_rank(o_head + sl * vc + tid, rank - sl) = col[tid];
+    cluster.sync();  // release / acquire: o_head complete, every q/k history read done
+#pragma unroll
+    for (int j = 0; j < kMaxRows; ++j) {
+      const int row = rg + j * RG;
+      if (row < dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * dv) = s[j];
+    }
+    if (rank == 0) {
+      for (int t = tid; t < dk; t += kThreads) {
+        conv_shift(a.proj, a.conv_state, q_base + t, K);
+        conv_shift(a.proj, a.conv_state, k_base + t, K);
+      }
+    }
+    if (sl != 0) return;
+#pragma unroll
+    for (int j = 0; j < kMaxRows; ++j) {
+      const int t = tid + j * kThreads;
+      ov[j] = t < dv ? o_head[t] : 0.0f;
+    }
+#else
+    return;  // not launched below sm_90 (launch_gdn_decode)
+#endif
+  } else {
+    float* o = a.o_scratch + static_cast<int64_t>(h) * dv;
+    if (tid < vc) {
+      o[sl * vc + tid] = col[tid];
+      __threadfence();  // visible to the head's last CTA before the arrival below
+    }
+    __syncthreads();
+    // Arrivals (integer atomics; the order of arrival never changes a value): the head's last
+    // CTA normalises the head; in fused mode the key head's last CTA shifts the q_i / k_i
+    // history, which every CTA of the key head has read by now.
+    if (tid == 0) {
+      __threadfence();
+      const unsigned int prev = atomicAdd(a.counters + h, 1u);
+      const unsigned int prev_k = fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
+      last_head = prev == static_cast<unsigned int>(slices - 1);
+      last_key = fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
+      if (last_head) a.counters[h] = 0u;  // ready for the next launch (stream order)
+      if (last_key) a.counters[a.Hv + i] = 0u;
+      __threadfence();
+    }
+    __syncthreads();
+    if (last_key) {
+      for (int t = tid; t < dk; t += kThreads) {
+        conv_shift(a.proj, a.conv_state, q_base + t, K);
+        conv_shift(a.proj, a.conv_state, k_base + t, K);
+      }
+    }
+    if (!last_head) return;
+      // The loads of o, w and z are independent: one round trip.
+#pragma unroll
+    for (int j = 0; j < kMaxRows; ++j) {
+      const int t = tid + j * kThreads;
+      ov[j] = t < dv ? __ldcg(o + t) : 0.0f;
+    }
+    load_norm_operands(a, z, dv, nw, nz);
+  }
+
+  // Step 7 (one CTA of head h): o * rsqrt(mean(o^2) + eps) * w * sigmoid(z) -> BF16.
   float ss = 0.0f, unused = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kMaxRows; ++j) {
-    const int t = tid + j * kThreads;
-    ov[j] = t < dv ? __ldcg(o + t) : 0.0f;
-    nw[j] = t < dv ? a.norm_w[t] : 0.0f;
-    nz[j] = t < dv ? z[t] : 0.0f;
-    ss = fmaf(ov[j], ov[j], ss);
-  }
+  for (int j = 0; j < kMaxRows; ++j) ss = fmaf(ov[j], ov[j], ss);
   block_sum2(ss, unused);
   const float mean = ss / static_cast<float>(dv);
   const float rs = 1.0f / sqrtf(mean + a.eps);
@@ -340,6 +393,25 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     const int t = tid + j * kThreads;
     if (t < dv) out[t] = dev::float_to_bf16_bits(ov[j] * rs * nw[j] * sigmoid2(nz[j]));
   }
+}
+
+constexpr int kMaxCluster = kMaxClusterSize;
+
+// Whether the cluster instance fits in clusters of `cluster` CTAs on this device (cached per
+// device and size: the query is not repeated during graph capture).
+bool cluster_fits(void (*kernel)(RecArgs), int cluster) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices][kMaxCluster + 1] = {};  // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) return false;
+  std::atomic<int>& c = cache[device][cluster];
+  int v = c.load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = cluster_launch_fits(kernel, dim3(kThreads), 0, cluster) ? 2 : 1;
+    c.store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
 }
 
 void check_params(const GdnDecodeParams& p) {
@@ -419,6 +491,16 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   }
   const bool fixed = p.fixed_shape && p.fused_conv && dk == kFixedDk && dv == kFixedDk &&
                      vc == kFixedSlice && p.conv_kernel == kFixedConv;
+  const int cluster = (Hv / Hk) * (dv / vc);  // a key head's CTAs
+  if (fixed && p.cluster && cluster <= kMaxCluster && detail::current_device_has_pdl()) {
+    constexpr auto kernel = gdn_recurrent_kernel<kFixedDk, kFixedDk, kFixedSlice, kFixedConv, true>;
+    if (cluster_fits(kernel, cluster)) {
+      launch_cluster_pdl("gdn_recurrent_kernel (clusters)", kernel, grid, kThreads, 0, cluster,
+                         stream, a);
+      FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel (clusters)");
+      return;
+    }
+  }
   void (*kernel)(RecArgs) = fixed
                                 ? gdn_recurrent_kernel<kFixedDk, kFixedDk, kFixedSlice, kFixedConv>
                                 : gdn_recurrent_kernel<>;

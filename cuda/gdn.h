@@ -61,6 +61,12 @@ struct GdnDecodeParams {
   /// real layer's (dk = dv = 128, 32-column slices, conv kernel 4, fused_conv); false: always
   /// the runtime-shape instance (A/B benches and tests). The same bits either way.
   bool fixed_shape = true;
+  /// true (default): where the compile-time-shape instance runs on an sm_90+ device, it runs in
+  /// thread-block clusters of one key head's (Hv / Hk) * (dv / slice) CTAs (12 at the real shape,
+  /// at most 16): a cluster barrier and distributed shared memory instead of the arrival counters
+  /// and o_scratch (which stay untouched). false: the arrival path (A/B benches and tests). The
+  /// same bits either way.
+  bool cluster = true;
 };
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);

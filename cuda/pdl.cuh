@@ -60,6 +60,61 @@ void launch_pdl(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 bloc
   launch_maybe_pdl(true, what, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
+/// The largest thread-block cluster launch_cluster_pdl takes (the non-portable limit of sm_90).
+inline constexpr int kMaxClusterSize = 16;
+
+/// Whether `kernel` can run in clusters of `cluster` CTAs (1-D, along x) of `block` threads and
+/// `smem` dynamic shared-memory bytes on the current device: at least one such cluster fits at
+/// once (cudaOccupancyMaxActiveClusters). Allows cluster sizes above the portable 8 on the kernel
+/// first. Only for sm_90+ code on an sm_90+ device (detail::current_device_has_pdl()); 1 <=
+/// cluster <= kMaxClusterSize. Throws fn::Error(Cuda) when a query fails.
+template <typename... KArgs>
+bool cluster_launch_fits(void (*kernel)(KArgs...), dim3 block, std::size_t smem, int cluster) {
+  if (cluster > 8)
+    FN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(cluster));
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  FN_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+  return clusters >= 1;
+}
+
+/// As launch_pdl, with the grid in clusters of `cluster` CTAs along x (gridDim.x a multiple of
+/// it). Only after cluster_launch_fits(kernel, block, smem, cluster) returned true. Throws
+/// fn::Error(Cuda) naming `what` when the launch is refused. Legal during capture.
+template <typename... KArgs, typename... Args>
+void launch_cluster_pdl(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                        std::size_t smem, int cluster, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (rc != cudaSuccess) [[unlikely]] {
+    (void)cudaGetLastError();  // the error is reported here, not by the next launch check
+    detail::throw_cuda_error(rc, what, __FILE__, __LINE__);
+  }
+}
+
 #if defined(FN_STEP_TRACE)
 namespace dev {
 // This translation unit's trace pointers (no relocatable device code: one copy per .cu file),

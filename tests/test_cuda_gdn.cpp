@@ -447,13 +447,17 @@ TEST_CASE(
   // 4, p runs the compile-time-shape one).
   fn::GdnDecodeParams p_runtime = p;
   p_runtime.fixed_shape = false;
+  // The compile-time-shape instance on the arrival counters (p runs it in clusters on sm_90+).
+  fn::GdnDecodeParams p_arrival = p;
+  p_arrival.cluster = false;
   REQUIRE(fn::plan_gdn_decode_slice(p) == 32);
   const auto eager = run([&] { fn::launch_gdn_decode(p, stream); });
   // The states did move (the comparisons are not between untouched buffers).
   CHECK(std::memcmp(eager.back().S.data(), S0.data(), S0.size() * 4) != 0);
   CHECK(eager.back().cs != cs0);
-  for (const fn::GdnDecodeParams* q : {&p, static_cast<const fn::GdnDecodeParams*>(&p_two)}) {
-    INFO("fused ", q->fused_conv);
+  for (const fn::GdnDecodeParams* q : {&p, static_cast<const fn::GdnDecodeParams*>(&p_two),
+                                       static_cast<const fn::GdnDecodeParams*>(&p_arrival)}) {
+    INFO("fused ", q->fused_conv, " cluster ", q->cluster);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -467,7 +471,55 @@ TEST_CASE(
   same(eager, run([&] { fn::launch_gdn_decode(p_two, stream); }));
   same(eager, run([&] { fn::launch_gdn_decode(p_serial, stream); }));
   same(eager, run([&] { fn::launch_gdn_decode(p_runtime, stream); }));
+  same(eager, run([&] { fn::launch_gdn_decode(p_arrival, stream); }));
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE(
+    "cuda gdn: on sm_90+ the real shape runs in key-head clusters (no o scratch, no counters) and "
+    "alternates with the arrival path step by step") {
+  int device = 0, major = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&device));
+  FN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  for (const Shape s : {Shape{16, 48, 128, 128}, Shape{8, 24, 128, 128}, Shape{4, 12, 128, 128}}) {
+    INFO("Hk ", s.Hk, " Hv ", s.Hv);
+    std::mt19937_64 rng(uint64_t(70 + s.Hk));
+    const Weights w(s, rng);
+    DeviceLayer d(s, w), e(s, w);  // d: clusters and arrivals alternating; e: arrivals only
+    const auto cs0 = normal(sz(s.conv_dim() * (s.K - 1)), 0.0f, 1.0f, rng);
+    const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
+    for (DeviceLayer* l : {&d, &e}) {
+      l->conv_state.upload(cs0);
+      l->state.upload(S0);
+    }
+    // A sentinel in d's o scratch: the cluster path never writes it.
+    const std::vector<float> sentinel(sz(s.Hv) * s.dv, -7.25f);
+    d.o_scratch.upload(sentinel);
+    fn::GdnDecodeParams pc = d.params(s), pa = d.params(s), pe = e.params(s);
+    pa.cluster = false;
+    pe.cluster = false;
+    for (int step = 0; step < 5; ++step) {
+      INFO("step ", step);
+      const auto proj = normal(sz(s.proj_len()), 0.0f, 1.0f, rng);
+      d.proj.upload(proj);
+      e.proj.upload(proj);
+      const bool clustered = step % 2 == 0;  // steps 0, 2, 4 in clusters; 1, 3 on arrivals
+      fn::launch_gdn_decode(clustered ? pc : pa, nullptr);
+      fn::launch_gdn_decode(pe, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      CHECK(d.conv_state.download() == e.conv_state.download());
+      const auto Sd = d.state.download(), Se = e.state.download();
+      CHECK(std::memcmp(Sd.data(), Se.data(), Sd.size() * 4) == 0);
+      CHECK(d.out.download() == e.out.download());
+      // The counters are left zero by both paths (the arrival path relies on it).
+      const auto counters = d.counters.download();
+      CHECK(std::all_of(counters.begin(), counters.end(), [](unsigned c) { return c == 0u; }));
+      if (step == 0 && major >= 9) {
+        const auto o = d.o_scratch.download();
+        CHECK(std::memcmp(o.data(), sentinel.data(), o.size() * 4) == 0);
+      }
+    }
+  }
 }
 
 // Bench (no assertion on time): one graph of `layers` decode steps, each on its own layer's

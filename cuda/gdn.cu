@@ -167,6 +167,20 @@ __device__ __forceinline__ void column_sum(float (&acc)[4], int CG, int vc,
   __syncthreads();
 }
 
+// barrier.cluster arrive (relaxed: no memory ordering) and wait: the first barrier phase of the
+// cluster path, which only says that every CTA of the cluster has started (sm_90+; nothing
+// below, where the cluster path is never launched).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
 // The gated norm's per-element operands of one head (thread t = tid + j * kThreads): the norm
 // weight w[t] and the gate z[t] (0 past dv).
 __device__ __forceinline__ void load_norm_operands(const RecArgs& a, const float* z, int dv,
@@ -217,6 +231,9 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   const int cg = tid % CG, rg = tid / CG;
   const int col0 = sl * vc + cg * 4;
   float* S = a.state + static_cast<int64_t>(h) * dk * dv + col0;
+  // Cluster path: this CTA's arrival at the cluster's first barrier phase, waited for before the
+  // first access to another CTA's shared memory (which must have started by then).
+  if constexpr (kCl) cluster_arrive_relaxed();
 
   // The state tile first: its loads are the kernel's cost and overlap everything below. Two
   // launches: straight into registers before the programmatic-dependent wait (the conv kernel
@@ -306,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     s[j].y = fmaf(kh[j], d1, s[j].y);
     s[j].z = fmaf(kh[j], d2, s[j].z);
     s[j].w = fmaf(kh[j], d3, s[j].w);
-    if (!kCl && row < dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * dv) = s[j];
+    if (row < dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * dv) = s[j];
     acc[0] = fmaf(s[j].x, qh[j], acc[0]);
     acc[1] = fmaf(s[j].y, qh[j], acc[1]);
     acc[2] = fmaf(s[j].z, qh[j], acc[2]);
@@ -321,13 +338,9 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
     const unsigned rank = cluster.block_rank();         // = blockIdx.x % (ratio * slices)
     if (sl == 0) load_norm_operands(a, z, dv, nw, nz);  // before the barrier: off the chain
+    cluster_wait();  // every CTA of the cluster has started (the arrival at the kernel's start)
     if (tid < vc) *cluster.map_shared_rank(o_head + sl * vc + tid, rank - sl) = col[tid];
     cluster.sync();  // release / acquire: o_head complete, every q/k history read done
-#pragma unroll
-    for (int j = 0; j < kMaxRows; ++j) {
-      const int row = rg + j * RG;
-      if (row < dk) *reinterpret_cast<float4*>(S + static_cast<int64_t>(row) * dv) = s[j];
-    }
     if (rank == 0) {
       for (int t = tid; t < dk; t += kThreads) {
         conv_shift(a.proj, a.conv_state, q_base + t, K);

@@ -82,6 +82,10 @@ struct CudaModelOptions {
   /// (GdnDecodeParams::cluster: sm_90+, the real head shape; the same bits). false: the arrival
   /// counters (A/B benches).
   bool gdn_cluster = true;
+  /// The routed gate+up (bulk kernel) prefetches the selected experts' down weights into L2 for
+  /// the routed down after it (MoeGateUpParams::down_prefetch_at): 0 no, 1 after each CTA's
+  /// last copy is issued, 2 after it has landed. No bits change.
+  int moe_down_prefetch = 0;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

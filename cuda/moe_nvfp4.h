@@ -73,6 +73,14 @@ struct MoeGateUpParams {
   /// kernel leaves HBM mostly idle (cuda/l2_prefetch.h; thread 0 of every CTA issues its share
   /// first). Empty by default; changes no result.
   L2Prefetch l2_prefetch{};
+  /// Bulk kernel only: prefetch the selected experts' down weights (codes and scales of
+  /// down_prefetch, the MoeDownParams::experts of the launch after this one) into L2, each CTA
+  /// its share (the ids are known here, so only the 10 experts' 9.2 MB at TP=1 are fetched):
+  /// 0 none (default), 1 as soon as the CTA's producer has issued its last copy, 2 once that
+  /// copy has landed. A hint: changes no result. down_prefetch: rows = hidden, cols = I (a
+  /// multiple of 32, rows * I / 16 a multiple of 16), the same num_experts as experts.
+  int down_prefetch_at = 0;
+  Nvfp4Experts down_prefetch{};
   /// Knockout benchmarks only (StepLaunch::GateUpMath; bulk kernel only): the consumers wait for
   /// every stage and release it without the math, so h is wrong. false in production.
   bool bench_loads_only = false;

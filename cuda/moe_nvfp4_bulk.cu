@@ -83,6 +83,13 @@ struct BulkGateUpArgs {
   uint16_t* h;
   float* gate_up_out;
   L2Prefetch l2_prefetch;
+  // MoeGateUpParams::down_prefetch: the selected experts' down codes and scales, per expert
+  // code_bytes and scale_bytes apart; prefetch_at 0 (none), 1 or 2 (down_prefetch_at).
+  const uint8_t* down_packed;
+  const uint8_t* down_scales;
+  int64_t down_code_bytes;
+  int64_t down_scale_bytes;
+  int down_prefetch_at;
   int stages;       // ring depth, <= kMaxStages
   bool loads_only;  // MoeGateUpParams::bench_loads_only
 };
@@ -173,6 +180,31 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// Part blockIdx.x of gridDim.x of the selected experts' down weights (ranges: expert j's codes,
+// then its scales, j ascending; cut into kL2PrefetchChunk-byte chunks numbered across the ranges,
+// chunk c to CTA c % gridDim.x) as bulk L2 prefetches. A hint: changes no value. Invalid ids are
+// skipped.
+__device__ __forceinline__ void prefetch_down_share(const BulkGateUpArgs& a) {
+  const int64_t code_chunks = (a.down_code_bytes + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
+  const int64_t scale_chunks = (a.down_scale_bytes + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
+  const int64_t per_expert = code_chunks + scale_chunks;
+  for (int64_t c = blockIdx.x; c < per_expert * a.top_k; c += gridDim.x) {
+    const int j = static_cast<int>(c / per_expert);
+    const int64_t r = c - j * per_expert;
+    const int e = __ldg(a.ids + j);
+    if (e < 0 || e >= a.num_experts) continue;
+    const bool code = r < code_chunks;
+    const int64_t off = (code ? r : r - code_chunks) * kL2PrefetchChunk;
+    const int64_t total = code ? a.down_code_bytes : a.down_scale_bytes;
+    const uint8_t* base =
+        code ? a.down_packed + e * a.down_code_bytes : a.down_scales + e * a.down_scale_bytes;
+    const int64_t left = total - off;
+    const uint32_t bytes = left < kL2PrefetchChunk ? static_cast<uint32_t>(left) : kL2PrefetchChunk;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + off), "r"(bytes)
+                 : "memory");
+  }
+}
+
 // d += one unit (32 codes) of the A rows g (codes wa, scale bytes sa) and g + 8 (wb, sb) times the
 // activation words x (permute_word order): per 8-code word two MMAs, codes (q, q + 4) of both rows
 // as BF16x2 times their block scale (lut: E4M3 * 2^100 as BF16x2), q = 0, 1 then 2, 3.
@@ -223,9 +255,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   ChunkWalk walk(a);
   int c = 0;             // chunks of the share (every thread walks them all)
   if (warp == kWarps) {  // the producer
+    int last_stage = 0;
+    uint32_t last_parity = 0;
     for (; walk.more(a.inter); walk.next(a.inter, nst), ++c) {
       const int j = walk.j, i = walk.i, n = walk.n;
       const int s = walk.stage;
+      last_stage = s;
+      last_parity = walk.parity;
       if (c >= nst) mbar_wait(empty + s, walk.parity ^ 1u);  // the consumers' last round
       const int e = __ldg(a.ids + j);
       const bool live = e >= 0 && e < a.num_experts;
@@ -249,6 +285,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       }
     }
     if (lane == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
+    if (a.down_prefetch_at != 0 && lane == 0) {
+      // 2: once this CTA's last chunk has landed (its share's loads are done), so the down
+      // weights' traffic follows the gate+up's instead of competing with it.
+      if (a.down_prefetch_at == 2 && c > 0) mbar_wait(full + last_stage, last_parity);
+      prefetch_down_share(a);
+    }
   } else {  // a consumer warp
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = a.k / 128;
@@ -549,6 +591,20 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.gate_up_out = p.gate_up_out;
   a.l2_prefetch = p.l2_prefetch;
+  if (p.down_prefetch_at != 0) {
+    const Nvfp4Experts& d = p.down_prefetch;
+    FN_LAUNCH_REQUIRE(p.down_prefetch_at == 1 || p.down_prefetch_at == 2, kOp);
+    FN_LAUNCH_REQUIRE(d.packed != nullptr && d.scales != nullptr && d.rows >= 1 && d.cols >= 32 &&
+                          d.cols % 32 == 0 && d.num_experts == p.experts.num_experts,
+                      kOp);
+    FN_LAUNCH_REQUIRE(aligned(d.packed, 16) && aligned(d.scales, 16), kOp);
+    a.down_packed = d.packed;
+    a.down_scales = d.scales;
+    a.down_code_bytes = d.rows * (d.cols / 2);    // a multiple of 16 (cols % 32 == 0)
+    a.down_scale_bytes = d.rows * (d.cols / 16);  // a multiple of 2; the prefetch needs 16
+    FN_LAUNCH_REQUIRE(a.down_scale_bytes % 16 == 0, kOp);
+    a.down_prefetch_at = p.down_prefetch_at;
+  }
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
   a.loads_only = p.bench_loads_only;

@@ -978,10 +978,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       prefetch_hc(gu.l2_prefetch, next_hc);
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
     }
-    if (moe_bulk_gu && o.moe_down_prefetch != 0) {
-      gu.down_prefetch_at = o.moe_down_prefetch;
-      gu.down_prefetch = mo.down;
-    }
+    if (moe_bulk_gu && o.moe_down_prefetch) gu.down_prefetch = mo.down;
     MoeDownParams dn;
     dn.experts = mo.down;
     dn.expert_ids = ids;

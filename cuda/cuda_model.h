@@ -83,9 +83,11 @@ struct CudaModelOptions {
   /// counters (A/B benches).
   bool gdn_cluster = true;
   /// The routed gate+up (bulk kernel) prefetches the selected experts' down weights into L2 for
-  /// the routed down after it (MoeGateUpParams::down_prefetch_at): 0 no, 1 after each CTA's
-  /// last copy is issued, 2 after it has landed. No bits change.
-  int moe_down_prefetch = 0;
+  /// the routed down after it, each CTA once its own loads have landed
+  /// (MoeGateUpParams::down_prefetch): -0.048 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md,
+  /// session 20; -0.023 with the prefetch issued right after the CTA's last copy). No bits
+  /// change. false: A/B benches.
+  bool moe_down_prefetch = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -8,7 +8,9 @@
 // (cuda/bench/RESULTS.md, session 9): -0.01 ms/token at TP=1; issuing such prefetches from the
 // GDN recurrence, the QSA attention or the routed down kernel made the step slower. Since session
 // 19 the step leaves it off (CudaModelOptions::l2_prefetch): the faster gate+up is no longer
-// instruction bound enough to hide the traffic (+0.03 to +0.04 ms/token with it).
+// instruction bound enough to hide the traffic (+0.03 to +0.04 ms/token with it). Since session
+// 20 the bulk gate+up issues its share once its own loads have landed (after the selected
+// experts' down weights, MoeGateUpParams::down_prefetch), not first thing.
 #pragma once
 
 #include <cstdint>

@@ -69,17 +69,17 @@ struct MoeGateUpParams {
   /// launcher throws fn::Error(Internal) where the device or the shape does not allow it
   /// (moe_gate_up_bulk_supported).
   bool bulk = false;
-  /// Weight ranges of later kernels of the step to prefetch into L2 while this instruction-bound
-  /// kernel leaves HBM mostly idle (cuda/l2_prefetch.h; thread 0 of every CTA issues its share
-  /// first). Empty by default; changes no result.
+  /// Weight ranges of later kernels of the step to prefetch into L2 while this kernel leaves HBM
+  /// partly idle (cuda/l2_prefetch.h): each CTA issues its share, first thing in the FP32 and
+  /// tensor-core kernels, once its own loads have landed in the bulk kernel. Empty by default;
+  /// changes no result.
   L2Prefetch l2_prefetch{};
-  /// Bulk kernel only: prefetch the selected experts' down weights (codes and scales of
-  /// down_prefetch, the MoeDownParams::experts of the launch after this one) into L2, each CTA
-  /// its share (the ids are known here, so only the 10 experts' 9.2 MB at TP=1 are fetched):
-  /// 0 none (default), 1 as soon as the CTA's producer has issued its last copy, 2 once that
-  /// copy has landed. A hint: changes no result. down_prefetch: rows = hidden, cols = I (a
-  /// multiple of 32, rows * I / 16 a multiple of 16), the same num_experts as experts.
-  int down_prefetch_at = 0;
+  /// Bulk kernel only, when down_prefetch.packed is set: the selected experts' down weights
+  /// (codes and scales of the MoeDownParams::experts of the launch after this one; the ids are
+  /// known here, so only the top_k experts' 9.2 MB at TP=1) prefetched into L2, each CTA its
+  /// share once its own loads have landed (before l2_prefetch). A hint: changes no result.
+  /// Shape: rows = hidden, cols = I (a multiple of 32, rows * I / 16 a multiple of 16), the same
+  /// num_experts as experts; 16-byte aligned. Otherwise the launcher throws fn::Error(Internal).
   Nvfp4Experts down_prefetch{};
   /// Knockout benchmarks only (StepLaunch::GateUpMath; bulk kernel only): the consumers wait for
   /// every stage and release it without the math, so h is wrong. false in production.

@@ -217,7 +217,7 @@ struct GateUpOut {
 
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
                       const std::vector<float>& x, int team, bool mma, bool bulk = false,
-                      const fn::Nvfp4Experts* down_prefetch = nullptr, int prefetch_at = 0) {
+                      const fn::Nvfp4Experts* down_prefetch = nullptr) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));
@@ -235,10 +235,7 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
   p.team_threads = team;
   p.mma = mma;
   p.bulk = bulk;
-  if (down_prefetch != nullptr) {
-    p.down_prefetch = *down_prefetch;
-    p.down_prefetch_at = prefetch_at;
-  }
+  if (down_prefetch != nullptr) p.down_prefetch = *down_prefetch;
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   GateUpOut out{d_gu.download(), {}};
@@ -426,15 +423,12 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) withi
     MESSAGE("bulk I ", inter, ": worst gate/up error / own bound ", c.worst_ratio,
             ", / the FP32 kernel's bound ",
             fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
-    // The L2 prefetch of the selected experts' down weights (both points in the kernel) is a
-    // hint: the same bits.
+    // The L2 prefetch of the selected experts' down weights is a hint: the same bits.
     const HostExperts wd = make_experts(64, 2560, inter, 1, false, 20 + inter);
     const DeviceExperts dwd(wd);
-    for (int at : {1, 2}) {
-      const auto pre = run_gate_up(dw, ids, x, 0, false, true, &dwd.view, at);
-      CHECK_MESSAGE(pre.gu == got.gu, "down prefetch at ", at);
-      CHECK_MESSAGE(pre.h == got.h, "down prefetch at ", at);
-    }
+    const auto pre = run_gate_up(dw, ids, x, 0, false, true, &dwd.view);
+    CHECK(pre.gu == got.gu);
+    CHECK(pre.h == got.h);
   }
 }
 
@@ -473,13 +467,15 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
     // The down weights' prefetch skips the invalid ids (no access outside the experts).
     const HostExperts wd = make_experts(6, 512, 32, 1, true, 127);
     const DeviceExperts dwd(wd);
-    const auto pre = run_gate_up(dw, ids, x, 0, false, true, &dwd.view, 2);
+    const auto pre = run_gate_up(dw, ids, x, 0, false, true, &dwd.view);
     CHECK(pre.h == got.h);
-    // A prefetch point other than 0, 1, 2 or down experts of another count are refused.
-    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, false, true, &dwd.view, 3), fn::Error);
+    // Down experts of another count, or of I not a multiple of 32, are refused.
     const HostExperts wd7 = make_experts(7, 512, 32, 1, true, 128);
     const DeviceExperts dwd7(wd7);
-    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, false, true, &dwd7.view, 1), fn::Error);
+    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, false, true, &dwd7.view), fn::Error);
+    const HostExperts wd48 = make_experts(6, 512, 48, 1, true, 129);
+    const DeviceExperts dwd48(wd48);
+    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, false, true, &dwd48.view), fn::Error);
   }
   // Graph replay of the bulk kernels: the graph test case below runs all three kernel kinds.
   // A share whose partials would not fit in shared memory (64 x 8192 row pairs) is not taken.

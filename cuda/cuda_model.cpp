@@ -833,10 +833,13 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
 
   // CudaModelOptions::l2_prefetch: an HC read's weights, prefetched into L2 by the routed gate+up
   // launch before it (cuda/l2_prefetch.h).
-  auto prefetch_hc = [&](L2Prefetch& l, const DevHc& hc) {
-    l.add(hc.down_inj, static_cast<uint64_t>(hc.down_rows) * W * sizeof(uint16_t));
-    l.add(hc.up, static_cast<uint64_t>(W) * R * sizeof(uint16_t));
-    l.add(hc.norm, static_cast<uint64_t>(W) * sizeof(uint16_t));
+  // mask bit 0: W_dn (+ inject rows) and the norm; bit 1: W_up.
+  auto prefetch_hc = [&](L2Prefetch& l, const DevHc& hc, int mask) {
+    if ((mask & 1) != 0) {
+      l.add(hc.down_inj, static_cast<uint64_t>(hc.down_rows) * W * sizeof(uint16_t));
+      l.add(hc.norm, static_cast<uint64_t>(W) * sizeof(uint16_t));
+    }
+    if ((mask & 2) != 0) l.add(hc.up, static_cast<uint64_t>(W) * R * sizeof(uint16_t));
   };
 
   int64_t layer_index = 0, qsa_index = 0;
@@ -906,6 +909,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.head_counters = g.counters;
       gp.fixed_shape = fixed(FixedShapeKernel::Recurrence);
       gp.cluster = o.gdn_cluster;
+      prefetch_hc(gp.l2_prefetch, L.mlp_hc, o.gdn_l2_prefetch);
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
       if (on(StepLaunch::OutProj))
         launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
@@ -974,10 +978,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.h = h;
     gu.bulk = moe_bulk_gu;
     gu.bench_loads_only = !on(StepLaunch::GateUpMath);
-    if (o.l2_prefetch) {  // the next HC read and the shared expert's down matrix
-      prefetch_hc(gu.l2_prefetch, next_hc);
+    prefetch_hc(gu.l2_prefetch, next_hc, o.l2_prefetch);  // the next HC read
+    if ((o.l2_prefetch & 4) != 0)                         // the shared expert's down matrix
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
-    }
     if (moe_bulk_gu && o.moe_down_prefetch) gu.down_prefetch = mo.down;
     MoeDownParams dn;
     dn.experts = mo.down;

@@ -880,7 +880,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
       q.bench_skip_select = !on(StepLaunch::QsaSelect);
-      prefetch_hc(q.l2_prefetch, L.mlp_hc, o.mixer_l2_prefetch);
       if (on(StepLaunch::Attention)) launch_qsa_decode(q, s);
       if (choice_log) {  // the selected blocks, then the counters {count, B, tokens, 0}
         const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
@@ -910,7 +909,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.head_counters = g.counters;
       gp.fixed_shape = fixed(FixedShapeKernel::Recurrence);
       gp.cluster = o.gdn_cluster;
-      prefetch_hc(gp.l2_prefetch, L.mlp_hc, o.mixer_l2_prefetch);
+      prefetch_hc(gp.l2_prefetch, L.mlp_hc, o.gdn_l2_prefetch);
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
       if (on(StepLaunch::OutProj))
         launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);

@@ -70,11 +70,10 @@ struct CudaModelOptions {
   /// landed): bit 0 the next HC read's W_dn (+ inject rows) and norm, bit 1 its W_up, bit 2 the
   /// shared expert's down matrix; 0 nothing. A/B benches.
   int l2_prefetch = 0;
-  /// A/B benches: what the attention side's latency-bound launch (the GDN recurrence, the QSA
-  /// attention) prefetches into L2 at its end for the MLP-side HC read a few launches after it
-  /// (GdnDecodeParams::l2_prefetch, QsaDecodeParams::l2_prefetch): bit 0 its W_dn (+ inject
-  /// rows) and norm, bit 1 its W_up; 0 nothing. No bits change.
-  int mixer_l2_prefetch = 0;
+  /// A/B benches: what the GDN recurrence prefetches into L2 at its end for the MLP-side HC read
+  /// two launches after it (GdnDecodeParams::l2_prefetch): bit 0 its W_dn (+ inject rows) and
+  /// norm, bit 1 its W_up; 0 nothing. No bits change.
+  int gdn_l2_prefetch = 0;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
   /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.06 to
   /// -0.09 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order

@@ -60,7 +60,6 @@ struct Args {
   int chunk, max_chunks, gmax;
   int combine_stage;  // chunks staged per round by the sliced combine
   bool skip_select;   // QsaDecodeParams::bench_skip_select
-  L2Prefetch l2_prefetch;
 };
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
@@ -298,10 +297,6 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g)
       if (g < G) a.part_out[(int64_t{i0 + g} * a.max_chunks + c) * hd + d] = acc[g];
-  }
-  if (tid == 0) {
-    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    dev::l2_prefetch_part(a.l2_prefetch, cta, gridDim.x * gridDim.y * gridDim.z);
   }
 }
 
@@ -804,7 +799,6 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
       (kSmemLimit - 256 - 2 * int64_t{w.max_chunks} * 4) / (kCombineSlice * 4);
   a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
   a.skip_select = p.bench_skip_select;
-  a.l2_prefetch = p.l2_prefetch;
 
   a.ticket = reinterpret_cast<int*>(ws + w.ticket);
   const int64_t max_blocks = p.ctx_size / p.ratio;

@@ -11,8 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/l2_prefetch.h"
-
 namespace fn {
 
 /// Inputs, caches and outputs of one QSA decode step (MODEL.md §C.6). All pointers are device
@@ -76,10 +74,6 @@ struct QsaDecodeParams {
   /// Knockout benchmarks only (StepLaunch::QsaSelect; four-launch path): the scores launch's last
   /// CTA skips the top-k block select, so the previous selection stays. false in production.
   bool bench_skip_select = false;
-  /// Weights of a later kernel prefetched into L2 at the end of the attention launch (thread 0 of
-  /// each CTA its share, cuda/l2_prefetch.h; four-launch path with head_dim % 8 == 0); empty by
-  /// default. A hint: changes no result.
-  L2Prefetch l2_prefetch{};
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the

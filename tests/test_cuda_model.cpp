@@ -108,7 +108,7 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     // bits, as a prefetch is only a hint.
     auto prefetch_o = options(0, 1, nullptr, true);
     prefetch_o.l2_prefetch = 7;
-    prefetch_o.mixer_l2_prefetch = 3;
+    prefetch_o.gdn_l2_prefetch = 3;
     auto with_prefetch = fn::CudaModel::load(f.dir, prefetch_o);
     const std::vector<float> wp = run_rows(*with_prefetch, f);
     REQUIRE(wp.size() == g.size());

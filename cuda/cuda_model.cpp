@@ -909,7 +909,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.head_counters = g.counters;
       gp.fixed_shape = fixed(FixedShapeKernel::Recurrence);
       gp.cluster = o.gdn_cluster;
-      prefetch_hc(gp.l2_prefetch, L.mlp_hc, o.gdn_l2_prefetch);
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
       if (on(StepLaunch::OutProj))
         launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);

@@ -59,21 +59,16 @@ struct CudaModelOptions {
   /// Where fused_step folds the HC inject into the next down pass: -1 behind an all-reduce only
   /// (TP > 1; measured best, see cuda_model.cpp), 1 everywhere, 0 nowhere (A/B benches).
   int fold_hc_inject = -1;
-  /// L2 prefetch of weights a few launches ahead (cuda/l2_prefetch.h); no bits change. The routed
-  /// gate+up launch prefetches the next HC read's W_dn, W_up and norm (the next layer's attention
-  /// side, or the final mixer) and the shared expert's down matrix. Off by default since session
-  /// 19: with the routed gate+up faster (its chunk walk without divisions) the ~16 MB per layer
-  /// beside it cost more than they save, +0.03 to +0.04 ms/token at TP=1 on H200 (it was -0.01
-  /// with the older gate+up; sessions 9 and 17). Prefetching from the GDN recurrence / QSA
-  /// attention or the routed down launch measured slower too (cuda/bench/RESULTS.md, sessions 9
-  /// and 11). Since session 20 a mask of what the gate+up prefetches (once its own loads have
-  /// landed): bit 0 the next HC read's W_dn (+ inject rows) and norm, bit 1 its W_up, bit 2 the
-  /// shared expert's down matrix; 0 nothing. A/B benches.
-  int l2_prefetch = 0;
-  /// A/B benches: what the GDN recurrence prefetches into L2 at its end for the MLP-side HC read
-  /// two launches after it (GdnDecodeParams::l2_prefetch): bit 0 its W_dn (+ inject rows) and
-  /// norm, bit 1 its W_up; 0 nothing. No bits change.
-  int gdn_l2_prefetch = 0;
+  /// L2 prefetch of weights a few launches ahead by the routed gate+up, once each CTA's own loads
+  /// have landed (cuda/l2_prefetch.h; no bits change), a mask: bit 0 the next HC read's W_dn
+  /// (+ inject rows) and norm (the next layer's attention side, or the final mixer), bit 1 its
+  /// W_up, bit 2 the shared expert's down matrix. Default 3 since session 20: -0.009 ms/token at
+  /// TP=1 on H200 (1: -0.006, 7: -0.005; cuda/bench/RESULTS.md). Issued at the start of the
+  /// gate+up (before session 20) the same ranges cost +0.03 to +0.04 (session 19); the same
+  /// prefetch for the MLP-side HC read from the GDN recurrence and the QSA attention measured
+  /// +0.01 to +0.02 (session 20), from the recurrence / QSA / routed down of other ranges slower
+  /// too (sessions 9 and 11). 0: A/B benches.
+  int l2_prefetch = 3;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
   /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.06 to
   /// -0.09 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order

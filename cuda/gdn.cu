@@ -113,7 +113,6 @@ struct RecArgs {
   float* state;
   float* o_scratch;
   unsigned int* counters;
-  L2Prefetch l2_prefetch;
   uint16_t* out;
   int Hk, Hv, dk, dv;
   int vc;     // dv columns per CTA
@@ -342,7 +341,6 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     cluster_wait();  // every CTA of the cluster has started (the arrival at the kernel's start)
     if (tid < vc) *cluster.map_shared_rank(o_head + sl * vc + tid, rank - sl) = col[tid];
     cluster.sync();  // release / acquire: o_head complete, every q/k history read done
-    if (tid == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
     if (rank == 0) {
       for (int t = tid; t < dk; t += kThreads) {
         conv_shift(a.proj, a.conv_state, q_base + t, K);
@@ -379,7 +377,6 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
       __threadfence();
     }
     __syncthreads();
-    if (tid == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
     if (last_key) {
       for (int t = tid; t < dk; t += kThreads) {
         conv_shift(a.proj, a.conv_state, q_base + t, K);
@@ -488,7 +485,6 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             p.state,
             p.o_scratch,
             p.head_counters,
-            p.l2_prefetch,
             p.out,
             Hk,
             Hv,

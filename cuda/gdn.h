@@ -9,8 +9,6 @@
 
 #include <cstdint>
 
-#include "cuda/l2_prefetch.h"
-
 namespace fn {
 
 /// Operands of one GDN decode step of one rank (its TP slice of heads). All pointers are device
@@ -69,9 +67,6 @@ struct GdnDecodeParams {
   /// and o_scratch (which stay untouched). false: the arrival path (A/B benches and tests). The
   /// same bits either way.
   bool cluster = true;
-  /// Weights of a later kernel prefetched into L2 at the end of the recurrence (thread 0 of each
-  /// CTA its share, cuda/l2_prefetch.h); empty by default. A hint: changes no result.
-  L2Prefetch l2_prefetch{};
 };
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);

@@ -104,16 +104,19 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     CHECK(std::memcmp(u.data(), g.data(), g.size() * sizeof(float)) == 0);
     unfused.reset();
 
-    // With the L2 prefetches (CudaModelOptions::l2_prefetch = true; off by default): the same
-    // bits, as a prefetch is only a hint.
-    auto prefetch_o = options(0, 1, nullptr, true);
-    prefetch_o.l2_prefetch = 7;
-    prefetch_o.gdn_l2_prefetch = 3;
-    auto with_prefetch = fn::CudaModel::load(f.dir, prefetch_o);
-    const std::vector<float> wp = run_rows(*with_prefetch, f);
-    REQUIRE(wp.size() == g.size());
-    CHECK(std::memcmp(wp.data(), g.data(), g.size() * sizeof(float)) == 0);
-    with_prefetch.reset();
+    // Without any L2 prefetch (CudaModelOptions::l2_prefetch = 0, moe_down_prefetch = false) and
+    // with every range (l2_prefetch = 7; the default is 3 and the down weights): the same bits,
+    // as a prefetch is only a hint.
+    for (const int mask : {0, 7}) {
+      CAPTURE(mask);
+      auto prefetch_o = options(0, 1, nullptr, true);
+      prefetch_o.l2_prefetch = mask;
+      prefetch_o.moe_down_prefetch = mask != 0;
+      auto with_prefetch = fn::CudaModel::load(f.dir, prefetch_o);
+      const std::vector<float> wp = run_rows(*with_prefetch, f);
+      REQUIRE(wp.size() == g.size());
+      CHECK(std::memcmp(wp.data(), g.data(), g.size() * sizeof(float)) == 0);
+    }
 
     // reset() then the same sequence: bitwise the same again (states really cleared).
     graph->reset();

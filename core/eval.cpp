@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/codecs.h"
+#include "core/collectives.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -586,8 +587,8 @@ void LogitsReader::read_row(int64_t i, int32_t target, RefRow& row) {
     decode_values(buf_.data(), V, header_.dtype, row.logprobs);
     for (std::size_t k = 0; k < V; ++k) {
       FN_REQUIRE(std::isfinite(row.logprobs[k]), Format,
-                 "{}: row {}: value {} is not finite ({}): a reference-logits file must hold "
-                 "finite values",
+                 "{}: row {}: the value of token id {} is not finite ({}): a reference-logits "
+                 "file must hold finite values",
                  path_.string(), i, k, row.logprobs[k]);
     }
     // Normalised in double whatever was stored: raw logits need it, and FP16-rounded log-probs no
@@ -629,6 +630,23 @@ void LogitsReader::read_row(int64_t i, int32_t target, RefRow& row) {
     FN_REQUIRE(row.topk_ids[k] >= 0 && row.topk_ids[k] < header_.vocab_size, Format,
                "{}: row {}: topk_ids[{}] = {} is outside the vocabulary", path_.string(), i, k,
                row.topk_ids[k]);
+  // Log-probabilities of distinct tokens: each <= 0 (p <= 1; kLogprobSlack allows a producer's
+  // rounding), and together with the residual at most probability 1 (the same slack).
+  double mass = residual;
+  for (std::size_t k = 0; k < K; ++k) {
+    FN_REQUIRE(row.topk_logprobs[k] <= kLogprobSlack, Format,
+               "{}: row {}: topk_logprobs[{}] = {} is above 0 (a probability above 1)",
+               path_.string(), i, k, row.topk_logprobs[k]);
+    mass += std::exp(row.topk_logprobs[k]);
+  }
+  FN_REQUIRE(mass <= 1.0 + kLogprobSlack, Format,
+             "{}: row {}: the top-{} probabilities and residual_mass add up to {} (above 1)",
+             path_.string(), i, K, mass);
+  sorted_ids_.assign(row.topk_ids.begin(), row.topk_ids.end());
+  std::sort(sorted_ids_.begin(), sorted_ids_.end());
+  const auto dup = std::adjacent_find(sorted_ids_.begin(), sorted_ids_.end());
+  FN_REQUIRE(dup == sorted_ids_.end(), Format, "{}: row {}: token id {} appears twice in topk_ids",
+             path_.string(), i, dup == sorted_ids_.end() ? 0 : *dup);
   row.residual_mass = residual;
   row.target_logprob = tl;
   row.top1 = row.topk_ids[0];
@@ -912,9 +930,15 @@ KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsRead
     backend.reset();
     for (int64_t p = 0; p < s.first + s.n_rows; ++p) {
       const std::span<const float> logits = backend.forward(s.tokens[static_cast<std::size_t>(p)]);
-      if (p < s.first || !reader) continue;
+      if (p < s.first) continue;
       const int32_t target = s.target(p);
-      reader->read_row(row++, target, ref);
+      // Rank 0 reads and checks the reference row; a bad row is then every rank's error (agreed
+      // per row), so that all ranks stop together instead of rank 0 aborting the job.
+      agree_on_error(coll, [&] {
+        if (reader) reader->read_row(row, target, ref);
+      });
+      if (!reader) continue;
+      ++row;
       stats.add(logits, ref, target);
     }
     if (reader && on_sequence) on_sequence(static_cast<int64_t>(i), stats);

@@ -221,8 +221,14 @@ class LogitsReader {
   LogitsReader& operator=(const LogitsReader&) = delete;
   const LogitsHeader& header() const noexcept { return header_; }
   /// Row `i` (0 <= i < n_positions) whose target is `target` (-1 none). Throws Io on a read
-  /// failure, Internal for i out of range.
+  /// failure, Internal for i out of range, Format naming the row for values a reference cannot
+  /// hold: a non-finite value; in top-K mode also an id outside the vocabulary or twice in the
+  /// row, a log-probability above kLogprobSlack, a negative residual_mass, or probabilities that
+  /// add up to more than 1 + kLogprobSlack.
   void read_row(int64_t i, int32_t target, RefRow& row);
+  /// The rounding a producer may leave in stored top-K log-probabilities (above 0) and in their
+  /// total probability (above 1).
+  static constexpr double kLogprobSlack = 1e-3;
 
  private:
   LogitsHeader header_;
@@ -231,6 +237,7 @@ class LogitsReader {
   uint64_t data_start_ = 0;
   std::vector<uint64_t> offsets_;  // per array in header order
   std::vector<char> buf_;
+  std::vector<int32_t> sorted_ids_;  // the duplicate check's scratch
 };
 
 /// Serialises a header to its JSON form (as written to the file; "arrays" excluded).

@@ -143,6 +143,17 @@ head -c 100 "$tmp/tp4.fnl" >"$tmp/trunc2.fnl"
 expect 3 "truncated" -- mpi 1 kld -m "$fx/tp4" --base "$tmp/trunc2.fnl"
 expect 3 "not a fngen logits file\|not valid JSON\|truncated" -- mpi 1 kld -m "$fx/tp4" --base "$src/README.md"
 expect 3 "cannot open" -- mpi 1 kld -m "$fx/tp4" --base "$tmp/missing.fnl"
+# A NaN in the base's last row (found by rank 0 mid-run): at -np 2 every rank exits 3 with rank
+# 0's one message (agreed on per row), not through MPI_Abort.
+cp "$tmp/tp4.fnl" "$tmp/nan.fnl"
+printf '\x00\x00\xc0\x7f' | dd of="$tmp/nan.fnl" bs=1 seek=$(($(stat -c %s "$tmp/nan.fnl") - 4)) \
+  conv=notrunc status=none
+expect 3 "the value of token id 383 is not finite (nan)" -- mpi 2 kld -m "$fx/tp4" --base "$tmp/nan.fnl"
+if [ "$(grep -c "format error" "$tmp/err")" = 1 ] && ! grep -qE "MPI_ABORT|ORTE_ERROR_LOG" "$tmp/err"; then
+  echo "ok: kld with a NaN row at -np 2: one message, no MPI_Abort"
+else
+  fail "kld with a NaN row at -np 2: $(grep -v '^$' "$tmp/err" | head -n 8)"
+fi
 : >"$tmp/empty.txt"
 expect 3 "the file is empty" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/empty.txt"
 expect 3 "the file is empty" -- mpi 2 ppl -m "$tmp/tok_model" -f "$tmp/empty.txt"

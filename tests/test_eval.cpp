@@ -374,6 +374,65 @@ TEST_CASE("eval: float16 log-probs and top-K rows read back within FP16 rounding
   }
 }
 
+TEST_CASE("eval: a top-K row with a repeated id or probabilities above 1 is a format error") {
+  // A one-row top-2 file of the logits {0, 1, 2, 3} (ids {3, 2}), then its bytes patched: the
+  // first occurrence after the header of a known field value replaced by a bad one.
+  const std::vector<float> r0 = {0.0f, 1.0f, 2.0f, 3.0f};
+  std::vector<double> lp;
+  fn::log_softmax(r0, lp);
+  const float lp3 = static_cast<float>(lp[3]), lp2 = static_cast<float>(lp[2]);
+  auto patched = [&](const void* from, const void* to, std::size_t n) {
+    const fs::path p = tmp_path("topk_patch.fnl");
+    fn::LogitsHeader h = one_sequence_header(4, {3}, 0);
+    h.mode = fn::LogitsMode::TopK;
+    h.top_k = 2;
+    h.values_are_logprobs = true;
+    fn::LogitsWriter(p, h).append(r0);
+    std::string bytes;
+    {
+      std::ifstream in(p, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    // The first occurrence: the JSON header before the arrays holds no such (non-text) bytes.
+    const std::size_t at = bytes.find(std::string(static_cast<const char*>(from), n));
+    REQUIRE(at != std::string::npos);
+    bytes.replace(at, n, static_cast<const char*>(to), n);
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+    return p;
+  };
+  auto read_error = [](const fs::path& p) {
+    fn::LogitsReader rd(p);
+    fn::RefRow row;
+    try {
+      rd.read_row(0, 0, row);
+    } catch (const fn::Error& e) {
+      CHECK(e.kind() == fn::ErrorKind::Format);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  {  // ids {3, 2} -> {3, 3}
+    const int32_t from[2] = {3, 2}, to[2] = {3, 3};
+    const std::string e = read_error(patched(from, to, sizeof from));
+    CHECK(e.find("row 0: token id 3 appears twice in topk_ids") != std::string::npos);
+  }
+  {  // log p of id 3 -> +0.5 (p > 1)
+    const float to = 0.5f;
+    const std::string e = read_error(patched(&lp3, &to, 4));
+    CHECK(e.find("row 0: topk_logprobs[0] = 0.5 is above 0") != std::string::npos);
+  }
+  {  // log p of id 2 -> log 0.9: p(3) + p(2) = 0.64 + 0.9 > 1
+    const float to = std::log(0.9f);
+    const std::string e = read_error(patched(&lp2, &to, 4));
+    CHECK(e.find("row 0: the top-2 probabilities and residual_mass add up to") != std::string::npos);
+  }
+  {  // the unpatched row reads (the checks pass on a writer's own file)
+    const float same = lp3;
+    CHECK(read_error(patched(&lp3, &same, 4)).empty());
+  }
+  fs::remove(tmp_path("topk_patch.fnl"));
+}
+
 TEST_CASE("eval: a truncated, foreign or inconsistent logits file is rejected as a format error") {
   const fs::path p = tmp_path("bad.fnl");
   fn::LogitsHeader h = one_sequence_header(3, {0, 1}, -1);

@@ -81,6 +81,29 @@ void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
   check_context(n_prompt, max_new_tokens, ctx);
 }
 
+// A prompt text many times the context: refused from a prefix before all of it is encoded (a
+// 300 MB file took minutes and GBs to encode before the context check). The prefix is the first
+// kPrefixBytesPerToken * ctx bytes cut after a whitespace byte in its second half (so that only
+// the pre-tokens at the cut can encode differently from the whole text; kCutSlack tokens cover
+// them). A text of any other shape is encoded whole and checked as usual.
+constexpr int64_t kPrefixBytesPerToken = 32;
+constexpr int64_t kCutSlack = 16;
+
+// fn::Error(Usage) when the text's prefix already encodes to more than ctx + kCutSlack tokens.
+void refuse_long_text(const Tokenizer& tok, const std::string& text, int64_t ctx,
+                      const std::string& what) {
+  const auto limit = static_cast<std::size_t>(kPrefixBytesPerToken * ctx);
+  if (text.size() <= limit) return;
+  std::size_t cut = limit;
+  while (cut > limit / 2 && text[cut - 1] != ' ' && text[cut - 1] != '\n') --cut;
+  if (cut <= limit / 2) return;
+  const std::size_t n = tok.encode(std::string_view(text).substr(0, cut), EncodeMode::Raw).size();
+  FN_REQUIRE(static_cast<int64_t>(n) <= ctx + kCutSlack, Usage,
+             "{}: the prompt ({} bytes) exceeds the context size -c/--ctx-size {}: its first {} "
+             "bytes already encode to {} tokens",
+             what, text.size(), ctx, cut, n);
+}
+
 struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
   std::string chat_template;
@@ -415,8 +438,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       } else {
         std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
         if (!o.file.empty() && !text.empty() && text.back() == '\n') text.pop_back();
-        single_ids = ts.encode_text(
-            text, o.chat, o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file);
+        const std::string what =
+            o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file;
+        ts.require_tokenizer(what.c_str());
+        with_text_source(what, [&] { refuse_long_text(*ts.tokenizer, text, ctx, what); });
+        single_ids = ts.encode_text(text, o.chat, what);
       }
       check_room(static_cast<int64_t>(single_ids.size()), o.max_new_tokens, ctx);
     }

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <set>
@@ -119,7 +121,7 @@ class Fields {
 
 json read_json_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "{}: cannot open file", path.string());
+  FN_REQUIRE(in.good(), Io, "{}: cannot open file ({})", path.string(), std::strerror(errno));
   std::stringstream ss;
   ss << in.rdbuf();
   FN_REQUIRE(!in.bad(), Io, "{}: read failed", path.string());

@@ -2,6 +2,7 @@
 #include "core/eval.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -455,7 +456,8 @@ T field(const json& j, const char* key, const std::string& where) {
 LogitsReader::LogitsReader(const fs::path& path) : path_(path) {
   const std::string where = path.string();
   file_ = std::fopen(path.c_str(), "rb");
-  FN_REQUIRE(file_ != nullptr, Io, "{}: cannot open the logits file", where);
+  FN_REQUIRE(file_ != nullptr, Io, "{}: cannot open the logits file ({})", where,
+             std::strerror(errno));
   std::error_code ec;
   const uint64_t size = fs::file_size(path, ec);
   FN_REQUIRE(!ec, Io, "{}: cannot read the file size", where);

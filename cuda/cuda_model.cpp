@@ -842,22 +842,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if ((mask & 2) != 0) l.add(hc.up, static_cast<uint64_t>(W) * R * sizeof(uint16_t));
   };
 
-  // The attention side's out GEMV: y = W_out mix_out (cols = the mixer's width), with
-  // CudaModelOptions::out_l2_prefetch's share of the MLP-side HC read's weights.
-  auto out_gemv = [&](const uint16_t* w, int64_t cols, const DevHc& next) {
-    GemvBf16Params gp;
-    gp.weight = w;
-    gp.rows = D;
-    gp.cols = cols;
-    gp.ld = cols;
-    gp.x = mix_out;
-    gp.x_dtype = DType::BF16;
-    gp.y = y;
-    gp.y_dtype = DType::F32;
-    prefetch_hc(gp.l2_prefetch, next, o.out_l2_prefetch);
-    launch_gemv_bf16(gp, s);
-  };
-
   int64_t layer_index = 0, qsa_index = 0;
   for (DevLayer& L : layers) {
     const DevHc& next_hc = layer_index + 1 < static_cast<int64_t>(layers.size())
@@ -910,7 +894,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
                                       cudaMemcpyDeviceToDevice, s));
       }
       ++qsa_index;
-      if (on(StepLaunch::OutProj)) out_gemv(a.o, Hq_l * hd, L.mlp_hc);
+      if (on(StepLaunch::OutProj))
+        launch_gemv_bf16(a.o, D, Hq_l * hd, mix_out, DType::BF16, y, DType::F32, s);
     } else {
       mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
@@ -925,7 +910,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.fixed_shape = fixed(FixedShapeKernel::Recurrence);
       gp.cluster = o.gdn_cluster;
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
-      if (on(StepLaunch::OutProj)) out_gemv(g.out, Hv_l * dv, L.mlp_hc);
+      if (on(StepLaunch::OutProj))
+        launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
     }
     all_reduce(y, D);
     inject();

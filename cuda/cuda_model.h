@@ -69,11 +69,6 @@ struct CudaModelOptions {
   /// +0.01 to +0.02 (session 20), from the recurrence / QSA / routed down of other ranges slower
   /// too (sessions 9 and 11). 0: A/B benches.
   int l2_prefetch = 3;
-  /// A/B benches: what the attention side's out GEMV (GDN out_proj, QSA o_proj) prefetches into
-  /// L2 for the MLP-side HC read after it, each block once its rows are done
-  /// (GemvBf16Params::l2_prefetch): bit 0 its W_dn (+ inject rows) and norm, bit 1 its W_up;
-  /// 0 nothing. No bits change.
-  int out_l2_prefetch = 0;
   /// The routed gate+up on the bulk-copy kernel (MoeGateUpParams::bulk: sm_90+, hidden_size a
   /// multiple of 256 up to 2,560; elsewhere the FP32 kernel runs whatever this says): -0.06 to
   /// -0.09 ms/token at TP=1 on H200 (cuda/bench/RESULTS.md, session 10). Another summation order

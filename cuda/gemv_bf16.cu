@@ -24,7 +24,6 @@ struct GemvArgs {
   int team_log2;
   const void* x;
   void* y;
-  L2Prefetch l2_prefetch;
 };
 
 // One team of (1 << team_log2) lanes computes kRows consecutive rows (dev::gemv_bf16_team_rows,
@@ -37,8 +36,6 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
   const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2};
   const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kBlockThreads>(
       g, blockIdx.x, dev::GemvXGlobal<kXF32>{a.x}, acc, &lane);
-  if (threadIdx.x == 0 && a.l2_prefetch.count > 0)  // the block's loads are done
-    dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -124,7 +121,6 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(t));
   a.x = p.x;
   a.y = p.y;
-  a.l2_prefetch = p.l2_prefetch;
   const bool x_f32 = p.x_dtype == DType::F32, y_bf16 = p.y_dtype == DType::BF16;
   switch (plan.rows_per_team) {
     case 4:

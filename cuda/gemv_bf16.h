@@ -10,7 +10,6 @@
 #include <cstdint>
 
 #include "core/dtype.h"
-#include "cuda/l2_prefetch.h"
 
 namespace fn {
 
@@ -35,10 +34,6 @@ struct GemvBf16Params {
   void* y = nullptr;                 ///< y: [rows] FP32 or BF16 bits (y_dtype); must not alias x/W
   DType y_dtype = DType::F32;        ///< F32 or BF16 (round to nearest even)
   GemvBf16Plan plan{};               ///< zero: plan_gemv_bf16(rows, cols, SM count) per launch
-  /// Weights of a later kernel prefetched into L2 by each block once its own rows are done
-  /// (thread 0 its block's share, cuda/l2_prefetch.h), so that the traffic fills the GEMV's
-  /// tail; empty by default. A hint: changes no result.
-  L2Prefetch l2_prefetch{};
 };
 
 /// The launch plan for a rows x cols GEMV on a GPU with sm_count multiprocessors: at most 16

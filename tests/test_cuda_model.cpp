@@ -111,7 +111,6 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
       CAPTURE(mask);
       auto prefetch_o = options(0, 1, nullptr, true);
       prefetch_o.l2_prefetch = mask;
-      prefetch_o.out_l2_prefetch = mask & 3;
       prefetch_o.moe_down_prefetch = mask != 0;
       auto with_prefetch = fn::CudaModel::load(f.dir, prefetch_o);
       const std::vector<float> wp = run_rows(*with_prefetch, f);

@@ -7,7 +7,7 @@
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
-//     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--out-l2-prefetch MASK] [--moe-bulk 0|1]
+//     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
 //     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--fixed-shape MASK]
 //     [--skip MASK] [--empty-launches N] [--json FILE]
 //     [--trace FILE.csv [--trace-steps 4]]
@@ -90,7 +90,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool graph = true, fused = true;
   int fold = -1;
   int l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
-  int out_l2_prefetch = fn::CudaModelOptions{}.out_l2_prefetch;
   bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
   bool gdn_cluster = fn::CudaModelOptions{}.gdn_cluster;
@@ -124,8 +123,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       fold = std::stoi(next());
     else if (a == "--l2-prefetch")  // CudaModelOptions::l2_prefetch (mask; 3 default)
       l2_prefetch = std::stoi(next());
-    else if (a == "--out-l2-prefetch")  // CudaModelOptions::out_l2_prefetch (mask; 0 default)
-      out_l2_prefetch = std::stoi(next());
     else if (a == "--moe-bulk")  // CudaModelOptions::moe_bulk: 1 the bulk gate+up (default), 0 FP32
       moe_bulk = std::stoi(next()) != 0;
     else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
@@ -168,7 +165,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.fused_step = fused;
   o.fold_hc_inject = fold;
   o.l2_prefetch = l2_prefetch;
-  o.out_l2_prefetch = out_l2_prefetch;
   o.moe_bulk = moe_bulk;
   o.moe_bulk_down = moe_bulk_down;
   o.gdn_cluster = gdn_cluster;

@@ -16,6 +16,7 @@ cd "$(dirname "$0")/../.."
 fn_out_default=/tmp/bench-ab-out
 source scripts/gpu/common.sh
 n=$b
+fresh_build_dir build-base .carry/base  # kept on a warm machine only for the same base tree
 (cd .carry/base && FN_GIT_COMMIT=${FN_AB_BASE_COMMIT:-} FN_DEPS_ROOT=$FN_DEPS_DIR/root-base FN_BUILD_DIR=$(pwd)/../../build-base \
   FN_JOBS=6 timeout 300 bash scripts/gpu/build.sh fngen >"$out/build_base.log" 2>&1) &
 if ! FN_GIT_COMMIT=${FN_AB_NEW_COMMIT:-} FN_BUILD_DIR=$n timeout 300 bash scripts/gpu/build.sh fngen >"$out/build_new.log" 2>&1; then

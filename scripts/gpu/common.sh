@@ -12,3 +12,19 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
 b=${FN_BUILD_DIR:-build-new}
 t0=$SECONDS
+
+# fresh_build_dir DIR TREE: empties DIR unless it was last built from TREE's exact files. A
+# `git archive` extraction gives every file its commit's time, older than the objects a warm
+# machine keeps from an earlier call's tree, so ninja would reuse those objects and relink some of
+# them with the few it does rebuild (objects of two versions in one binary: session 20's base
+# printed garbage and hung). The key is a checksum of TREE's files (build folders excluded).
+fresh_build_dir() {
+  local dir=$1 tree=$2 sum
+  sum=$(cd "$tree" && find . -path './build*' -prune -o -type f -print0 | sort -z |
+    xargs -0 md5sum | md5sum | cut -c1-16)
+  if [ "$(cat "$dir/.fn_tree" 2>/dev/null)" != "$sum" ]; then
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    echo "$sum" >"$dir/.fn_tree"
+  fi
+}

@@ -26,7 +26,8 @@ source scripts/gpu/common.sh
 n=$b
 tests=${FN_AB_TESTS:-test_cuda_qsa test_cuda_qsa_prefill}
 # Each tree unpacks the carried .deps into a root of its own (concurrent dpkg -x into one root
-# failed with "File exists").
+# failed with "File exists"). build-base is kept on a warm machine only for the same base tree.
+fresh_build_dir build-base .carry/base
 (cd .carry/base && FN_DEPS_ROOT=$FN_DEPS_DIR/root-base FN_BUILD_DIR=$(pwd)/../../build-base \
   FN_JOBS=6 timeout 300 \
   bash scripts/gpu/build.sh cuda_model_bench >"$out/build_base.log" 2>&1) &

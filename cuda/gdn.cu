@@ -12,6 +12,9 @@
 // trips (state load, fences, arrival atomic, the last CTA's reads) dominates, not bandwidth.
 // With PDL (cuda/pdl.cuh) the state is prefetched into L2 while the projection GEMV before it
 // finishes. One CTA per value head (no arrival, 2 barriers) measured slower (12.2 us, session 9).
+// Since session 20 the real shape runs on sm_90 in thread-block clusters of one key head's CTAs
+// (the kCl instance): distributed shared memory and one cluster barrier instead of the fences,
+// tickets and L2 round trips above; 6.86 us per layer alone, -0.02 ms/token in the step.
 #include "cuda/gdn.h"
 
 #include <cooperative_groups.h>

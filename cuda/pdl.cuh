@@ -28,6 +28,51 @@ namespace detail {
 /// attribute query during capture after the first call). Throws fn::Error(Cuda) when the query
 /// fails.
 bool current_device_has_pdl();
+
+/// The launch configuration of kernel<<<grid, block, smem, stream>>> with the first `n` of
+/// `attrs` (which must outlive the launch).
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, std::size_t smem,
+                                        cudaStream_t stream, cudaLaunchAttribute* attrs,
+                                        unsigned n) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  return cfg;
+}
+
+/// The programmatic-stream-serialization attribute (PDL).
+inline cudaLaunchAttribute pdl_attribute() {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
+/// Thread-block clusters of `cluster` CTAs along x.
+inline cudaLaunchAttribute cluster_attribute(int cluster) {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = static_cast<unsigned>(cluster);
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+
+/// cudaLaunchKernelEx(&cfg, kernel, args...); throws fn::Error(Cuda) naming `what` when the
+/// launch is refused (the error is cleared, so the next launch check does not report it again).
+template <typename... KArgs, typename... Args>
+void launch_ex(const cudaLaunchConfig_t& cfg, const char* what, void (*kernel)(KArgs...),
+               Args&&... args) {
+  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (rc != cudaSuccess) [[unlikely]] {
+    (void)cudaGetLastError();
+    throw_cuda_error(rc, what, __FILE__, __LINE__);
+  }
+}
 }  // namespace detail
 
 /// Enqueues kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, with the
@@ -36,21 +81,10 @@ bool current_device_has_pdl();
 template <typename... KArgs, typename... Args>
 void launch_maybe_pdl(bool pdl, const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block,
                       std::size_t smem, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl && pdl_enabled() && detail::current_device_has_pdl() ? 1 : 0;
-  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (rc != cudaSuccess) [[unlikely]] {
-    (void)cudaGetLastError();  // the error is reported here, not by the next launch check
-    detail::throw_cuda_error(rc, what, __FILE__, __LINE__);
-  }
+  cudaLaunchAttribute attr[1] = {detail::pdl_attribute()};
+  const bool on = pdl && pdl_enabled() && detail::current_device_has_pdl();
+  detail::launch_ex(detail::launch_config(grid, block, smem, stream, attr, on ? 1 : 0), what,
+                    kernel, std::forward<Args>(args)...);
 }
 
 /// As above with the attribute whenever pdl_enabled() (the usual case: every decode kernel).
@@ -72,17 +106,9 @@ template <typename... KArgs>
 bool cluster_launch_fits(void (*kernel)(KArgs...), dim3 block, std::size_t smem, int cluster) {
   if (cluster > 8)
     FN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(cluster));
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr[1] = {detail::cluster_attribute(cluster)};
+  const cudaLaunchConfig_t cfg =
+      detail::launch_config(dim3(static_cast<unsigned>(cluster)), block, smem, nullptr, attr, 1);
   int clusters = 0;
   FN_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
   return clusters >= 1;
@@ -94,25 +120,9 @@ bool cluster_launch_fits(void (*kernel)(KArgs...), dim3 block, std::size_t smem,
 template <typename... KArgs, typename... Args>
 void launch_cluster_pdl(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block,
                         std::size_t smem, int cluster, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 2 : 1;
-  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (rc != cudaSuccess) [[unlikely]] {
-    (void)cudaGetLastError();  // the error is reported here, not by the next launch check
-    detail::throw_cuda_error(rc, what, __FILE__, __LINE__);
-  }
+  cudaLaunchAttribute attr[2] = {detail::cluster_attribute(cluster), detail::pdl_attribute()};
+  detail::launch_ex(detail::launch_config(grid, block, smem, stream, attr, pdl_enabled() ? 2 : 1),
+                    what, kernel, std::forward<Args>(args)...);
 }
 
 #if defined(FN_STEP_TRACE)

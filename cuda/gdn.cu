@@ -178,11 +178,11 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-#endif
 }
+#endif
 
 // The gated norm's per-element operands of one head (thread t = tid + j * kThreads): the norm
 // weight w[t] and the gate z[t] (0 past dv).

@@ -424,7 +424,8 @@ TEST_CASE("eval: a top-K row with a repeated id or probabilities above 1 is a fo
   {  // log p of id 2 -> log 0.9: p(3) + p(2) = 0.64 + 0.9 > 1
     const float to = std::log(0.9f);
     const std::string e = read_error(patched(&lp2, &to, 4));
-    CHECK(e.find("row 0: the top-2 probabilities and residual_mass add up to") != std::string::npos);
+    CHECK(e.find("row 0: the top-2 probabilities and residual_mass add up to") !=
+          std::string::npos);
   }
   {  // the unpatched row reads (the checks pass on a writer's own file)
     const float same = lp3;

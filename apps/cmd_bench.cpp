@@ -683,7 +683,7 @@ BenchSetup setup_bench(const BenchCli& o, int world_size, bool root) {
   const fs::path& dir = st.dir;
   st.cfg = load_model_config(dir);
   const ModelConfig& cfg = st.cfg;
-  st.gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir);
+  st.gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir, cfg.vocab_size);
   int64_t longest = 0, longest_p = 0, longest_n = 0;
   for (int64_t p : st.prompts) {
     for (int64_t n : st.gens) {

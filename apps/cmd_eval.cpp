@@ -529,7 +529,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.temp >= 0, Usage, "--temp must be >= 0, got {}", o.temp);
     require_utf8_system_prompt(o.system_prompt);
     cfg = load_model_config(dir);
-    gen = load_generation_config(dir);
+    gen = load_generation_config(dir, cfg.vocab_size);
     ctx = o.score_ctx > 0 ? o.score_ctx : std::min<int64_t>(cfg.max_position_embeddings, 4096);
     FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
                "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,

@@ -345,7 +345,7 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   const fs::path dir = o.model;
   st.cfg = load_model_config(dir);
   const ModelConfig& cfg = st.cfg;
-  st.gen = load_generation_config(dir);
+  st.gen = load_generation_config(dir, cfg.vocab_size);
   const GenerationConfig& gen = st.gen;
   st.ctx = o.ctx_size > 0 ? o.ctx_size : std::min<int64_t>(cfg.max_position_embeddings, 4096);
   FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",

@@ -690,13 +690,18 @@ QuantConfig load_quant_config(const std::filesystem::path& dir) {
 
 // ---------------------------------------------------------------- generation config
 
-GenerationConfig parse_generation_config(const json& j, std::string_view source) {
+GenerationConfig parse_generation_config(const json& j, std::string_view source,
+                                         int64_t vocab_size) {
   std::string src(source);
   FN_REQUIRE(j.is_object(), Format, "{}: the top level must be a JSON object, got {}", src,
              json_type(j));
   Fields f(j, src, "");
   GenerationConfig g;
   g.eos_token_id = f.int_or_list("eos_token_id");
+  for (std::size_t i = 0; vocab_size > 0 && i < g.eos_token_id.size(); ++i) {
+    FN_CONFIG_RULE(g.eos_token_id[i] >= 0 && g.eos_token_id[i] < vocab_size, f, "eos_token_id",
+                   fmt::format("in [0, vocab_size = {})", vocab_size), g.eos_token_id[i]);
+  }
   g.bos_token_id = f.opt_int("bos_token_id");
   g.pad_token_id = f.opt_int("pad_token_id");
   if (const json* v = f.get("do_sample")) g.do_sample = f.as_bool(*v, "do_sample");
@@ -713,10 +718,10 @@ GenerationConfig parse_generation_config(const json& j, std::string_view source)
   return g;
 }
 
-GenerationConfig load_generation_config(const std::filesystem::path& dir) {
+GenerationConfig load_generation_config(const std::filesystem::path& dir, int64_t vocab_size) {
   std::filesystem::path path = dir / "generation_config.json";
   if (!std::filesystem::exists(path)) return GenerationConfig{};
-  return parse_generation_config(read_json_file(path), path.string());
+  return parse_generation_config(read_json_file(path), path.string(), vocab_size);
 }
 
 std::vector<int64_t> stop_token_ids(const ModelConfig& model, const GenerationConfig& gen) {

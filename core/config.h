@@ -189,10 +189,14 @@ struct GenerationConfig {
   std::optional<double> presence_penalty;
 };
 
-/// Parses generation_config.json content. Throws Format naming the field on a wrong type.
-GenerationConfig parse_generation_config(const nlohmann::json& j, std::string_view source);
-/// Reads dir/generation_config.json; an absent file gives an empty GenerationConfig.
-GenerationConfig load_generation_config(const std::filesystem::path& dir);
+/// Parses generation_config.json content. Throws Format naming the field on a wrong type or a
+/// value out of range, and (when vocab_size > 0) on an eos_token_id outside [0, vocab_size), as
+/// config.json's own eos ids are checked.
+GenerationConfig parse_generation_config(const nlohmann::json& j, std::string_view source,
+                                         int64_t vocab_size = 0);
+/// Reads dir/generation_config.json (checked as parse_generation_config does); an absent file
+/// gives an empty GenerationConfig. Throws Io when the file cannot be read.
+GenerationConfig load_generation_config(const std::filesystem::path& dir, int64_t vocab_size = 0);
 
 /// Union of the model's and the generation config's eos ids, in first-seen order (model first).
 std::vector<int64_t> stop_token_ids(const ModelConfig& model, const GenerationConfig& gen);

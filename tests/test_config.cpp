@@ -572,5 +572,18 @@ TEST_CASE("config: generation_config.json is optional and its eos ids join the s
   write(dir / "generation_config.json", R"({"top_p": 1.5})");
   CHECK_THROWS_WITH_AS(fn::load_generation_config(dir),
                        doctest::Contains("top_p must be in (0, 1], got 1.5"), fn::Error);
+  // eos ids outside the model's vocabulary: refused when the vocabulary is given (as
+  // config.json's).
+  write(dir / "generation_config.json", R"({"eos_token_id": [1, 99999999]})");
+  CHECK(fn::load_generation_config(dir).eos_token_id == std::vector<int64_t>{1, 99999999});
+  CHECK_THROWS_WITH_AS(
+      fn::load_generation_config(dir, 1000),
+      doctest::Contains("generation_config.json: eos_token_id must be in [0, vocab_size = 1000), "
+                        "got 99999999"),
+      fn::Error);
+  write(dir / "generation_config.json", R"({"eos_token_id": -1})");
+  CHECK_THROWS_AS(fn::load_generation_config(dir, 1000), fn::Error);
+  write(dir / "generation_config.json", R"({"eos_token_id": 999})");
+  CHECK(fn::load_generation_config(dir, 1000).eos_token_id == std::vector<int64_t>{999});
   std::filesystem::remove_all(dir);
 }

@@ -315,13 +315,14 @@ LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header)
   std::string text = j.dump();
   while ((8 + text.size()) % 64 != 0) text.push_back(' ');
   file_ = std::fopen(path.c_str(), "wb");
-  FN_REQUIRE(file_ != nullptr, Io, "{}: cannot create the logits file", path.string());
+  FN_REQUIRE(file_ != nullptr, Io, "{}: cannot create the logits file ({})", path.string(),
+             std::strerror(errno));
   uint8_t len[8];
   for (int i = 0; i < 8; ++i)
     len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
   FN_REQUIRE(std::fwrite(len, 1, 8, file_) == 8 &&
                  std::fwrite(text.data(), 1, text.size(), file_) == text.size(),
-             Io, "{}: write failed", path.string());
+             Io, "{}: write failed ({})", path.string(), std::strerror(errno));
   data_start_ = 8 + text.size();
   seq_ = 0;
   pos_ = header_.sequences.empty() ? 0 : header_.sequences[0].first;
@@ -344,7 +345,7 @@ void write_at(std::FILE* f, uint64_t offset, const void* data, std::size_t bytes
               const fs::path& path) {
   FN_REQUIRE(fseeko(f, static_cast<off_t>(offset), SEEK_SET) == 0 &&
                  std::fwrite(data, 1, bytes, f) == bytes,
-             Io, "{}: write failed at byte {}", path.string(), offset);
+             Io, "{}: write failed at byte {} ({})", path.string(), offset, std::strerror(errno));
 }
 
 }  // namespace
@@ -431,8 +432,9 @@ void LogitsWriter::close() {
   file_ = nullptr;
   const int64_t n = header_.n_positions();
   const bool ok = std::fclose(f) == 0;
+  const int close_errno = errno;
   FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
-  FN_REQUIRE(ok, Io, "{}: closing failed", path_.string());
+  FN_REQUIRE(ok, Io, "{}: closing failed ({})", path_.string(), std::strerror(close_errno));
   FN_REQUIRE(n_written_ == n, Internal, "{}: {} of {} rows written", path_.string(), n_written_, n);
 }
 

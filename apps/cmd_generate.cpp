@@ -138,11 +138,13 @@ struct TextSide {
   }
 
   // `what` names the text's origin ("-p/--prompt", "-f/--file PATH"); a Format error of the
-  // tokenizer (invalid UTF-8 at byte N) is restated with it.
-  std::vector<int32_t> encode_text(const std::string& text, bool as_chat,
-                                   const std::string& what) const {
+  // tokenizer (invalid UTF-8 at byte N) is restated with it. ctx > 0: a text many times the
+  // context is refused from its prefix first (refuse_long_text).
+  std::vector<int32_t> encode_text(const std::string& text, bool as_chat, const std::string& what,
+                                   int64_t ctx = 0) const {
     require_tokenizer(what.c_str());
     return with_text_source(what, [&] {
+      if (ctx > 0) refuse_long_text(*tokenizer, text, ctx, what);
       if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
       std::vector<ChatMessage> msgs;
       if (!system_prompt.empty()) msgs.push_back({"system", system_prompt, std::nullopt});
@@ -438,11 +440,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       } else {
         std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
         if (!o.file.empty() && !text.empty() && text.back() == '\n') text.pop_back();
-        const std::string what =
-            o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file;
-        ts.require_tokenizer(what.c_str());
-        with_text_source(what, [&] { refuse_long_text(*ts.tokenizer, text, ctx, what); });
-        single_ids = ts.encode_text(text, o.chat, what);
+        single_ids = ts.encode_text(
+            text, o.chat, o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file,
+            ctx);
       }
       check_room(static_cast<int64_t>(single_ids.size()), o.max_new_tokens, ctx);
     }

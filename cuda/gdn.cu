@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
       }
     }
     if (!last_head) return;
-      // The loads of o, w and z are independent: one round trip.
+      // o here, w and z below: independent loads, one round trip.
 #pragma unroll
     for (int j = 0; j < kMaxRows; ++j) {
       const int t = tid + j * kThreads;
@@ -411,13 +411,11 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   }
 }
 
-constexpr int kMaxCluster = kMaxClusterSize;
-
 // Whether the cluster instance fits in clusters of `cluster` CTAs on this device (cached per
 // device and size: the query is not repeated during graph capture).
 bool cluster_fits(void (*kernel)(RecArgs), int cluster) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][kMaxCluster + 1] = {};  // 0 unknown, 1 no, 2 yes
+  static std::atomic<int> cache[kMaxDevices][kMaxClusterSize + 1] = {};  // 0 unknown, 1 no, 2 yes
   int device = 0;
   FN_CUDA_CHECK(cudaGetDevice(&device));
   if (device < 0 || device >= kMaxDevices) return false;
@@ -508,7 +506,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   const bool fixed = p.fixed_shape && p.fused_conv && dk == kFixedDk && dv == kFixedDk &&
                      vc == kFixedSlice && p.conv_kernel == kFixedConv;
   const int cluster = (Hv / Hk) * (dv / vc);  // a key head's CTAs
-  if (fixed && p.cluster && cluster <= kMaxCluster && detail::current_device_has_pdl()) {
+  if (fixed && p.cluster && cluster <= kMaxClusterSize && detail::current_device_has_pdl()) {
     constexpr auto kernel = gdn_recurrent_kernel<kFixedDk, kFixedDk, kFixedSlice, kFixedConv, true>;
     if (cluster_fits(kernel, cluster)) {
       launch_cluster_pdl("gdn_recurrent_kernel (clusters)", kernel, grid, kThreads, 0, cluster,

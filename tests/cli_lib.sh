@@ -40,6 +40,15 @@ expect_to() {  # expect_to STDOUT-FILE CODE PATTERN -- command...
   fi
 }
 
+no_abort() {  # no_abort WHAT [KIND]: the last expect's stderr has one KIND (default "io error")
+  # message and no MPI_Abort banner (an error every rank agreed on, not rank 0 aborting the job)
+  if [ "$(grep -c "${2:-io error}" "$tmp/err")" = 1 ] && ! grep -qE "MPI_ABORT|ORTE_ERROR_LOG" "$tmp/err"; then
+    pass "$1: one message, no MPI_Abort"
+  else
+    fail "$1: $(grep -v '^$' "$tmp/err" | head -n 8)"
+  fi
+}
+
 check_json() {  # check_json FILE PYTHON-EXPRESSION-ON-j DESCRIPTION
   if $py -c "import json,sys; j=json.load(open(sys.argv[1])); sys.exit(0 if ($2) else 1)" "$1"; then
     pass "$3"

@@ -97,25 +97,25 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list, int
 }
 
 /// Router softmax + top-k of one row (MODEL.md §C.7 step 1; the semantics of
-/// fn::launch_router_topk, cuda/decode_ops.h): p = softmax(logits[0, E)) (FP32 expf(l - max), FP64
-/// sum), the top k of p in the order (p desc, id asc), w = p / sum(p_selected) (FP64) when norm,
-/// else p; a NaN p ranks as -Inf and sets *flag = 4 (flag may be null). 1 <= E <= kMaxExperts,
-/// 1 <= k <= min(E, kMaxTopK). Must be called by all kRouterThreads threads of a block (uniformly:
-/// it uses __syncthreads; warp 0 writes the outputs, the other warps return from it early), after
-/// the logits are complete and visible to the block; the logits are read once, with ld.global.cg
-/// (L2, not L1), so a block may read logits that other blocks of its own grid wrote before a
-/// __threadfence() and an atomic arrival. The same code for every caller, so the same bits.
+/// fn::launch_router_topk, cuda/decode_ops.h) on logits the caller already holds: thread t passes
+/// l0 = logit of expert t and l1 = logit of expert t + 512 (any value where the expert is >= E).
+/// p = softmax(logits[0, E)) (FP32 expf(l - max), FP64 sum), the top k of p in the order (p desc,
+/// id asc), w = p / sum(p_selected) (FP64) when norm, else p; a NaN p ranks as -Inf and sets
+/// *flag = 4 (flag may be null). 1 <= E <= kMaxExperts, 1 <= k <= min(E, kMaxTopK). Must be called
+/// by all kRouterThreads threads of a block (uniformly: it uses __syncthreads; warp 0 writes the
+/// outputs, the other warps return from it early). The same code for every caller, so the same
+/// bits.
 ///
 /// The bits: the sum is one fixed tree (thread t adds the terms of experts t and t + 512 to 0.0,
 /// then a butterfly xor 16..1 in each warp, then the 16 warp sums in ascending order), p and w
 /// are correctly rounded divisions, the selection is exact; tests/router_topk_reference.cu keeps
 /// the earlier sorted-list version, which test_cuda_decode_ops compares bitwise. Two block
 /// barriers when at most 64 experts are candidates (the usual case), four otherwise; the time is
-/// the dependent chain (load, redux, barrier, expf, FP64 butterfly, barrier, FP64 sum of the 16
+/// the dependent chain (redux, barrier, expf, FP64 butterfly, barrier, FP64 sum of the 16
 /// warp sums, FP64 divide, ranking, FP64 sum of the selected, FP64 divide), not the code size (a
 /// 16 KB straight-line probe ran at its FFMA latency on H200).
-__device__ __forceinline__ void router_topk_block(const float* logits, int E, int k, bool norm,
-                                                  int32_t* ids, float* weights, int32_t* flag) {
+__device__ __forceinline__ void router_topk_values(float l0, float l1, int E, int k, bool norm,
+                                                   int32_t* ids, float* weights, int32_t* flag) {
   constexpr int kWarps = kRouterThreads / 32;
   constexpr int kMaxBound = kMaxTopK;  // bound entries: kWarps * ceil(k / kWarps) <= 64
   static_assert(kMaxExperts <= 2 * kRouterThreads, "two experts per thread at most");
@@ -135,8 +135,6 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
   // Thread t holds experts t and t + 512 (the sum tree's per-thread terms).
   const int e0 = tid, e1 = tid + kRouterThreads;
   const bool has0 = e0 < E, has1 = e1 < E;
-  const float l0 = has0 ? __ldcg(logits + e0) : 0.0f;
-  const float l1 = has1 ? __ldcg(logits + e1) : 0.0f;
   if (tid == 0) s_n = 0;
 
   // 1. Per warp, by redux.sync on logit codes: the max (round 0) and the bound set S, the warp's
@@ -279,6 +277,61 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
     weights[i] = norm ? static_cast<float>(static_cast<double>(pe) / sel_sum) : pe;
   }
   if (lane == 0 && isnan(total) && flag != nullptr) *flag = 4;
+}
+
+/// router_topk_values on logits[0, E) read from memory once, with ld.global.cg (L2, not L1), so a
+/// block may read logits that other blocks of its own grid wrote before a __threadfence() and an
+/// atomic arrival. Called after the logits are complete and visible to the block; the rest as
+/// router_topk_values.
+__device__ __forceinline__ void router_topk_block(const float* logits, int E, int k, bool norm,
+                                                  int32_t* ids, float* weights, int32_t* flag) {
+  const int e0 = threadIdx.x, e1 = threadIdx.x + kRouterThreads;
+  const float l0 = e0 < E ? __ldcg(logits + e0) : 0.0f;
+  const float l1 = e1 < E ? __ldcg(logits + e1) : 0.0f;
+  router_topk_values(l0, l1, E, k, norm, ids, weights, flag);
+}
+
+// ---- The router mailbox (launch_router_shared_gate_up) ------------------------------------------
+// A slot per expert that holds kMailEmpty (all bits set: cudaMemset 0xFF) until the router row's
+// logit is posted, so that one block can wait for the logits of its whole grid without an arrival
+// ticket: it reads each slot until it is no longer empty, then empties it again for the next
+// launch. A posted logit never has the empty bits (a NaN with those bits is posted as the
+// canonical NaN; every NaN ranks alike in router_topk_values).
+constexpr uint32_t kMailEmpty = 0xffffffffu;
+
+__device__ __forceinline__ void router_mail_post(float* mail, float v) {
+  uint32_t b = __float_as_uint(v);
+  if (b == kMailEmpty) b = 0x7fffffffu;
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mail), "r"(b) : "memory");
+}
+
+__device__ __forceinline__ uint32_t router_mail_peek(const float* mail) {
+  uint32_t b;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(mail) : "memory");
+  return b;
+}
+
+__device__ __forceinline__ void router_mail_clear(float* mail) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mail), "r"(kMailEmpty) : "memory");
+}
+
+/// The logits of experts threadIdx.x and threadIdx.x + kRouterThreads (0 past E) from the
+/// mailbox, each read until posted, then emptied for the next launch. Every slot [0, E) must be
+/// posted once by this grid, else the caller spins forever: the poster blocks must all be
+/// resident or finished (they are: the launch's dependents start only after every block of the
+/// grid has passed its programmatic wait, cuda/pdl.cuh).
+__device__ __forceinline__ void router_mail_take(float* mail, int E, float& l0, float& l1) {
+  const int e0 = threadIdx.x, e1 = threadIdx.x + kRouterThreads;
+  uint32_t b0 = e0 < E ? router_mail_peek(mail + e0) : 0u;
+  uint32_t b1 = e1 < E ? router_mail_peek(mail + e1) : 0u;
+  while (b0 == kMailEmpty || b1 == kMailEmpty) {
+    if (b0 == kMailEmpty) b0 = router_mail_peek(mail + e0);
+    if (b1 == kMailEmpty) b1 = router_mail_peek(mail + e1);
+  }
+  if (e0 < E) router_mail_clear(mail + e0);
+  if (e1 < E) router_mail_clear(mail + e1);
+  l0 = __uint_as_float(b0);
+  l1 = __uint_as_float(b1);
 }
 
 /// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; MODEL.md §C.7 step 4,

@@ -36,22 +36,27 @@ struct RouterGateUpArgs {
   int32_t* ids;
   float* weights;
   int32_t* flag;
-  unsigned int* counter;
+  float* mailbox;     // [num_experts]: dev::router_mail_post / router_mail_take
   bool skip_topk;     // RouterSharedGateUpParams::bench_skip_topk
   bool skip_rows[2];  // bench_skip_router_rows, bench_skip_shared_rows
 };
 
+// The team's rows of segment g into y; rows below `mail_rows` (the router's experts; 0 for the
+// shared gate/up) are also posted to the mailbox.
 template <int kRows>
 __device__ __forceinline__ void store_rows(const dev::GemvRows& g, int64_t block, const float* x,
-                                           float* y) {
+                                           float* y, float* mail, int64_t mail_rows) {
   float acc[kRows];
   int lane = 0;
   const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kRouterBlockThreads>(
       g, block, dev::GemvXGlobal<true>{x}, acc, &lane);
   if (lane != 0) return;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    if (row0 + r < g.rows) y[row0 + r] = acc[r];
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r;
+    if (row < g.rows) y[row] = acc[r];
+    if (row < mail_rows) dev::router_mail_post(mail + row, acc[r]);
+  }
 }
 
 // The instance <kFixedExperts, kFixedTopK> runs the real router (E 512, k 10) with the top-k's
@@ -62,41 +67,33 @@ constexpr int kFixedTopK = real_shape::kTopK;
 template <int kE = 0, int kK = 0>
 __global__ void __launch_bounds__(kRouterBlockThreads)
     router_shared_gate_up_kernel(RouterGateUpArgs a) {
-  __shared__ int s_last;
   const bool router = blockIdx.x < a.router_blocks;
   const int s = router ? 0 : 1;
   const int64_t block = router ? blockIdx.x : blockIdx.x - a.router_blocks;
+  const int E = kE > 0 ? kE : a.num_experts;
+  const int64_t mail_rows = router ? E : 0;
   // Block-uniform branch (rows per team is fixed per segment); the PDL wait is inside.
   switch (a.skip_rows[s] ? 0 : a.rows_per_team[s]) {
     case 0:
       dev::pdl_begin();
       break;
     case 4:
-      store_rows<4>(a.seg[s], block, a.x, a.y[s]);
+      store_rows<4>(a.seg[s], block, a.x, a.y[s], a.mailbox, mail_rows);
       break;
     case 2:
-      store_rows<2>(a.seg[s], block, a.x, a.y[s]);
+      store_rows<2>(a.seg[s], block, a.x, a.y[s], a.mailbox, mail_rows);
       break;
     default:
-      store_rows<1>(a.seg[s], block, a.x, a.y[s]);
+      store_rows<1>(a.seg[s], block, a.x, a.y[s], a.mailbox, mail_rows);
       break;
   }
-  if (!router) return;
-  // Arrival of this router block (integer ticket, so the order of arrival changes no value): its
-  // stores are made visible device-wide first; the last arriving block resets the counter for
-  // the next launch (stream order) and runs the top-k on the complete logits.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int prev = atomicAdd(a.counter, 1u);
-    s_last = prev == a.router_blocks - 1u ? 1 : 0;
-    if (s_last != 0) *a.counter = 0u;
-    __threadfence();
-  }
-  __syncthreads();
-  if (s_last == 0 || a.skip_topk) return;
-  dev::router_topk_block(a.y[0], kE > 0 ? kE : a.num_experts, kK > 0 ? kK : a.top_k, a.norm, a.ids,
-                         a.weights, a.flag);
+  // The last router block, after its own rows, takes every router logit from the mailbox as it
+  // is posted (no arrival ticket: no fence or atomic in any block) and runs the top-k. Every
+  // other block is done.
+  if (blockIdx.x + 1u != a.router_blocks || a.skip_topk || a.skip_rows[0]) return;
+  float l0, l1;
+  dev::router_mail_take(a.mailbox, E, l0, l1);
+  dev::router_topk_values(l0, l1, E, kK > 0 ? kK : a.top_k, a.norm, a.ids, a.weights, a.flag);
 }
 
 // ---- SwiGLU + shared down + combine ------------------------------------------------------------
@@ -127,18 +124,29 @@ struct SwigluXShared {
   }
 };
 
+// ys_out set (SharedDownCombineParams::y_shared): ys is stored before the wait and y is left
+// alone (the HC inject combines); else the combine after the wait.
 template <int kRows>
 __global__ void __launch_bounds__(kDownBlockThreads)
     shared_down_combine_kernel(dev::GemvRows g, const float* gate_up, const float* gate_logit,
-                               float* y) {
+                               float* y, float* ys_out) {
   extern __shared__ float4 h_smem[];
   float acc[kRows];
   int lane = 0;
   const SwigluXShared xs{gate_up, g.nvec * 8, reinterpret_cast<float*>(h_smem)};
-  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true>(
-      g, blockIdx.x, xs, acc, &lane);
-  // After the wait (the last step above): y is the routed experts' output.
-  if (lane != 0) return;
+  const int64_t row0 =
+      dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true, true>(g, blockIdx.x,
+                                                                                    xs, acc, &lane);
+  if (ys_out != nullptr && lane == 0) {
+    // Before the wait: ys's only reader is the HC inject after this launch (cuda/pdl.cuh).
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (row0 + r < g.rows) ys_out[row0 + r] = acc[r];
+  }
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  // After the wait: y is the routed experts' output.
+  if (lane != 0 || ys_out != nullptr) return;
   const float gamma = dev::sigmoid_2branch(*gate_logit);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -162,7 +170,7 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   FN_LAUNCH_REQUIRE(p.x != nullptr && p.router_weight != nullptr && p.gate_up_weight != nullptr,
                     kOp);
   FN_LAUNCH_REQUIRE(p.logits != nullptr && p.gate_up != nullptr && p.ids != nullptr &&
-                        p.weights != nullptr && p.counter != nullptr,
+                        p.weights != nullptr && p.mailbox != nullptr,
                     kOp);
   FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden % 8 == 0 && p.hidden / 8 <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.inter >= 1 && p.inter <= INT32_MAX / 2, kOp);
@@ -207,7 +215,7 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.ids = p.ids;
   a.weights = p.weights;
   a.flag = p.error_flag;
-  a.counter = p.counter;
+  a.mailbox = p.mailbox;
   a.skip_topk = p.bench_skip_topk;
   a.skip_rows[0] = p.bench_skip_router_rows;
   a.skip_rows[1] = p.bench_skip_shared_rows;
@@ -218,6 +226,11 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
              dim3(static_cast<unsigned>(blocks[0] + blocks[1])), dim3(kRouterBlockThreads), 0,
              stream, a);
   FN_CUDA_LAUNCH_CHECK("router_shared_gate_up_kernel");
+}
+
+void router_mailbox_init(float* mailbox, int num_experts, cudaStream_t stream) {
+  FN_CUDA_CHECK(
+      cudaMemsetAsync(mailbox, 0xff, sizeof(float) * static_cast<size_t>(num_experts), stream));
 }
 
 void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t stream) {
@@ -241,15 +254,15 @@ void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t s
   switch (plan.rows_per_team) {
     case 4:
       launch_pdl(kName, shared_down_combine_kernel<4>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y);
+                 p.gate_logit, p.y, p.y_shared);
       break;
     case 2:
       launch_pdl(kName, shared_down_combine_kernel<2>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y);
+                 p.gate_logit, p.y, p.y_shared);
       break;
     default:
       launch_pdl(kName, shared_down_combine_kernel<1>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y);
+                 p.gate_logit, p.y, p.y_shared);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("shared_down_combine_kernel");

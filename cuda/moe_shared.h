@@ -32,10 +32,11 @@ struct RouterSharedGateUpParams {
   int32_t* ids = nullptr;      ///< out: [top_k] expert ids, best first
   float* weights = nullptr;    ///< out: [top_k] FP32 routing weights, same order
   int32_t* error_flag = nullptr;  ///< optional device scalar; set to 4 on NaN probabilities
-  /// Device scalar, the arrival ticket of the router blocks: must be 0 before the first launch
-  /// (cudaMemset once, outside capture); every launch leaves it 0 again. One counter may serve
-  /// every launch of a stream (they run one after another), not two launches in flight at once.
-  unsigned int* counter = nullptr;
+  /// [num_experts] FP32 device scratch, the router blocks' mailbox to the block that runs the
+  /// top-k: every slot must hold all bits set (cudaMemset 0xFF, see router_mailbox_init) before
+  /// the first launch; every launch leaves it so again. One mailbox may serve every launch of a
+  /// stream (they run one after another), not two launches in flight at once.
+  float* mailbox = nullptr;
   /// Knockout benchmarks only (StepLaunch::RouterTopK): the last block skips the top-k, so ids
   /// and weights keep their previous values. false in production.
   bool bench_skip_topk = false;
@@ -51,13 +52,18 @@ struct RouterSharedGateUpParams {
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)
 /// (MODEL.md §C.7 steps 1-2), in one launch. The two matrices are the two row segments of one
 /// grid of 512-thread blocks; each segment uses the team width that plan_gemv_bf16 picks for it
-/// alone, so every row has the bits of launch_gemv_bf16 (planned, x F32, y F32). The last router
-/// block to finish (an integer ticket: __threadfence + atomicAdd on *counter, which that block
-/// resets to 0) runs the top-k device code of launch_router_topk on the finished logits, so ids,
-/// weights and the error flag have launch_router_topk's bits. Throws fn::Error(Internal) on null
-/// pointers, misalignment or sizes out of range; fn::Error(Cuda) when the launch fails. Legal
-/// during stream capture.
+/// alone, so every row has the bits of launch_gemv_bf16 (planned, x F32, y F32). Each router row
+/// is also posted to params.mailbox; the last router block, after its own rows, reads every slot
+/// until it is posted (no fence, atomic or arrival ticket in any block), empties it again and runs
+/// the top-k device code of launch_router_topk on those logits, so ids, weights and the error flag
+/// have launch_router_topk's bits. Throws fn::Error(Internal) on null pointers, misalignment or
+/// sizes out of range; fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_router_shared_gate_up(const RouterSharedGateUpParams& params, cudaStream_t stream);
+
+/// Empties a router mailbox of `num_experts` slots (all bits set, cudaMemsetAsync on `stream`):
+/// once after allocating it, before the first launch_router_shared_gate_up that uses it. Throws
+/// fn::Error(Cuda) when the memset fails. Legal during stream capture.
+void router_mailbox_init(float* mailbox, int num_experts, cudaStream_t stream);
 
 /// Operands of launch_shared_down_combine. All pointers are device memory.
 struct SharedDownCombineParams {
@@ -69,6 +75,10 @@ struct SharedDownCombineParams {
   const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
   const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
   float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
+  /// Optional [hidden] FP32: ys = W_down . h is stored here, before the programmatic-dependent
+  /// wait, and y is left alone; the combine is then the HC inject's (HcInjectParams::y_shared,
+  /// cuda/decode_ops.h), which must be the next launch on the stream and the buffer's only reader.
+  float* y_shared = nullptr;
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
@@ -80,7 +90,8 @@ struct SharedDownCombineParams {
 /// gate_up and gate_logit must come from a kernel at least two launches earlier on the stream (as
 /// in the decode step: the routed experts' two launches sit in between), because the SwiGLU and
 /// the whole GEMV run before the programmatic-dependent wait (cuda/pdl.cuh); only the combine
-/// waits for y.
+/// waits for y. With y_shared set, ys goes there instead and the launch does nothing after its
+/// wait (one launch boundary less on the step's critical path than the combine).
 /// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
 /// fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);

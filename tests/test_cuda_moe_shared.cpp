@@ -1,7 +1,7 @@
 // GPU tests of the fused MoE shared-expert launches (cuda/moe_shared.h) against the unfused
 // launches they replace in the decode step (launch_gemv_bf16 x 2 + launch_router_topk;
 // launch_swiglu + launch_gemv_bf16 + launch_moe_combine): bitwise equal (memcmp), eager and
-// replayed in a CUDA graph (the arrival counter is reset by every launch), on the real shapes
+// replayed in a CUDA graph (every launch leaves the router mailbox empty), on the real shapes
 // (D 2560, E 512, k 10, shared I 640 and 320 at TP=2) and the tiny fixture's (D 64, E 8, k 3,
 // I 32); plus the GEMV rows against an FP64 evaluation of MODEL.md §C.7 with Higham's bound.
 #include <doctest/doctest.h>
@@ -96,7 +96,7 @@ struct RouterRig {
   DeviceArray<float> x;
   DeviceArray<float> logits, gate_up, weights, ref_logits, ref_gate_up, ref_weights;
   DeviceArray<int32_t> ids, ref_ids, flag, ref_flag;
-  DeviceArray<unsigned int> counter;
+  DeviceArray<float> mailbox;
   std::vector<uint16_t> h_router, h_gate_up;
 
   RouterRig(const RouterShape& shape, uint64_t seed)
@@ -114,14 +114,25 @@ struct RouterRig {
         ref_ids(shape.k),
         flag(1),
         ref_flag(1),
-        counter(1) {
+        mailbox(static_cast<size_t>(shape.E)) {
     // Logits of standard deviation ~1 (0.02 * sqrt(2560)): a spread-out softmax.
     const float sigma = 1.0f / std::sqrt(static_cast<float>(shape.D));
     h_router = random_bf16_bits(w_router.n, sigma, seed);
     h_gate_up = random_bf16_bits(w_gate_up.n, sigma, seed + 1);
     w_router.upload(h_router);
     w_gate_up.upload(h_gate_up);
-    counter.upload({0u});
+    fn::router_mailbox_init(mailbox.ptr, shape.E, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  // Whether every mailbox slot is empty again (all bits set), as each launch must leave it.
+  bool mailbox_empty() {
+    for (float v : mailbox.download()) {
+      uint32_t b;
+      std::memcpy(&b, &v, sizeof b);
+      if (b != 0xffffffffu) return false;
+    }
+    return true;
   }
 
   fn::RouterSharedGateUpParams params() {
@@ -139,7 +150,7 @@ struct RouterRig {
     p.ids = ids.ptr;
     p.weights = weights.ptr;
     p.error_flag = flag.ptr;
-    p.counter = counter.ptr;
+    p.mailbox = mailbox.ptr;
     return p;
   }
 
@@ -203,7 +214,7 @@ TEST_CASE("cuda moe shared: router + shared gate/up + top-k equal the unfused la
     const RouterOut got = rig.fused_out();
     check_router_equal(got, want);
     CHECK(want.flag == 0);
-    CHECK(rig.counter.download().at(0) == 0u);
+    CHECK(rig.mailbox_empty());
 
     // Independent check of the GEMV rows: FP64 MODEL.md §C.7 and Higham's bound.
     std::vector<double> w64, b64;
@@ -230,7 +241,7 @@ TEST_CASE("cuda moe shared: the fused router replayed in a CUDA graph recomputes
   for (const RouterShape& s : kRouterShapes) {
     CAPTURE(describe(s));
     RouterRig rig(s, seed);
-    // Two launches per graph (two layers sharing one counter), then replays on new inputs.
+    // Two launches per graph (two layers sharing one mailbox), then replays on new inputs.
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     FN_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -248,7 +259,7 @@ TEST_CASE("cuda moe shared: the fused router replayed in a CUDA graph recomputes
       FN_CUDA_CHECK(cudaGraphLaunch(exec, st));
       FN_CUDA_CHECK(cudaStreamSynchronize(st));
       check_router_equal(rig.fused_out(), want);
-      CHECK(rig.counter.download().at(0) == 0u);
+      CHECK(rig.mailbox_empty());
       ids_seen.push_back(want.ids);
     }
     if (s.E == 512) {  // new inputs choose new experts, so a stale top-k could not pass
@@ -286,7 +297,7 @@ TEST_CASE("cuda moe shared: a NaN router logit sets the flag 4 as the unfused to
       CHECK(got.ids[i] >= 0);
       CHECK(got.ids[i] < s.E);
     }
-    CHECK(rig.counter.download().at(0) == 0u);
+    CHECK(rig.mailbox_empty());
     // A NaN x: every logit and every gate/up row NaN; still the unfused bits.
     auto x = normal_floats(static_cast<size_t>(s.D), 1.0f, 502);
     x[5] = std::numeric_limits<float>::quiet_NaN();
@@ -363,6 +374,39 @@ void check_down_combine(const DownShape& s, float gate, uint64_t seed, cudaStrea
   }
   FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
   FN_CUDA_CHECK(cudaGraphDestroy(graph));
+
+  // ys stored apart (SharedDownCombineParams::y_shared) and the combine in the HC inject
+  // (HcInjectParams::y_shared): H gets the bits of the combine + inject; y is not written.
+  const int hc = 4;
+  const auto H0 = normal_floats(static_cast<size_t>(hc * s.D), 1.0f, seed + 3);
+  const std::vector<float> iota = {0.6f, 1.3f, 0.9f, 1.7f};
+  DeviceArray<float> d_H(H0), d_Href(H0), d_iota(iota), d_ysep(static_cast<size_t>(s.D));
+  d_yref.upload(y0);
+  fn::MoeCombineParams mc2 = mc;
+  mc2.y = d_yref.ptr;
+  fn::launch_moe_combine(mc2, st);
+  fn::HcInjectParams hi;
+  hi.H = d_Href.ptr;
+  hi.iota = d_iota.ptr;
+  hi.y = d_yref.ptr;
+  hi.hc_count = hc;
+  hi.hidden = s.D;
+  fn::launch_hc_inject(hi, st);
+  d_y.upload(y0);
+  p.y_shared = d_ysep.ptr;
+  fn::launch_shared_down_combine(p, st);
+  hi.H = d_H.ptr;
+  hi.y = d_y.ptr;
+  hi.y_shared = d_ysep.ptr;
+  hi.gate_logit = d_logits.ptr + 2;
+  fn::launch_hc_inject(hi, st);
+  FN_CUDA_CHECK(cudaStreamSynchronize(st));
+  const auto Hwant = d_Href.download(), Hgot = d_H.download();
+  CHECK_MESSAGE(same_bits(Hgot, Hwant), "H differs first at " << first_diff(Hgot, Hwant));
+  CHECK(same_bits(d_ysep.download(), d_ys.download()));  // ys: the unfused down GEMV's bits
+  CHECK(same_bits(d_y.download(), y0));                  // y untouched
+  hi.gate_logit = nullptr;                               // one of the pair alone is refused
+  CHECK_THROWS_AS(fn::launch_hc_inject(hi, st), fn::Error);
 }
 
 }  // namespace
@@ -387,7 +431,7 @@ TEST_CASE("cuda moe shared: launchers reject null pointers and sizes out of rang
   DeviceArray<float> buf(4096);
   DeviceArray<uint16_t> w(4096);
   DeviceArray<int32_t> ids(16);
-  DeviceArray<unsigned int> counter(1);
+  DeviceArray<float> mailbox(8);
   fn::RouterSharedGateUpParams p;
   p.x = buf.ptr;
   p.hidden = 64;
@@ -400,9 +444,9 @@ TEST_CASE("cuda moe shared: launchers reject null pointers and sizes out of rang
   p.gate_up = buf.ptr + 2048;
   p.ids = ids.ptr;
   p.weights = buf.ptr + 3072;
-  p.counter = counter.ptr;
+  p.mailbox = mailbox.ptr;
   auto bad = p;
-  bad.counter = nullptr;
+  bad.mailbox = nullptr;
   CHECK_THROWS_AS(fn::launch_router_shared_gate_up(bad, nullptr), fn::Error);
   bad = p;
   bad.num_experts = 1025;

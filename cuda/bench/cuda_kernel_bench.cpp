@@ -208,7 +208,7 @@ int main(int argc, char** argv) try {
     uint16_t *w, *sh;
     float *xm, *rl, *rw, *sgu, *ys, *yv;
     int32_t *d_ids, *flag;
-    unsigned int* counter;
+    float* mailbox;
     FN_CUDA_CHECK(cudaMalloc(&w, set_bytes * copies));
     FN_CUDA_CHECK(cudaMalloc(&sh, inter * 2));
     FN_CUDA_CHECK(cudaMalloc(&xm, D * 4));
@@ -219,8 +219,8 @@ int main(int argc, char** argv) try {
     FN_CUDA_CHECK(cudaMalloc(&yv, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&d_ids, k * 4));
     FN_CUDA_CHECK(cudaMalloc(&flag, 4));
-    FN_CUDA_CHECK(cudaMalloc(&counter, 4));
-    FN_CUDA_CHECK(cudaMemset(counter, 0, 4));
+    FN_CUDA_CHECK(cudaMalloc(&mailbox, sizeof(float) * E));
+    fn::router_mailbox_init(mailbox, static_cast<int>(E), nullptr);
     FN_CUDA_CHECK(cudaMemset(flag, 0, 4));
     fill_random(w, set_bytes * copies, 31);
     fill_random(xm, D * 4, 32);
@@ -271,7 +271,7 @@ int main(int argc, char** argv) try {
     fp.ids = d_ids;
     fp.weights = rw;
     fp.error_flag = flag;
-    fp.counter = counter;
+    fp.mailbox = mailbox;
     const double k1_us = t.time_per_call(calls, [&](int i) {
       fp.router_weight = set(i);
       fp.gate_up_weight = set(i) + r_elems;
@@ -328,7 +328,7 @@ int main(int argc, char** argv) try {
         "%.2f us -> %.2f us fused; total %.2f -> %.2f us per layer\n",
         tp.c_str(), seq1_us, k1_us, seq2_us, k2_us, seq1_us + seq2_us, k1_us + k2_us);
     for (void* ptr : {(void*)w, (void*)sh, (void*)xm, (void*)rl, (void*)rw, (void*)sgu, (void*)ys,
-                      (void*)yv, (void*)d_ids, (void*)flag, (void*)counter})
+                      (void*)yv, (void*)d_ids, (void*)flag, (void*)mailbox})
       FN_CUDA_CHECK(cudaFree(ptr));
   }
   if (moe_shared_only) {

@@ -739,9 +739,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   float* Hc = H;
   bool pending = false;
   int64_t n_injects = 0, pending_slot = 0;
-  // The MoE's gated combine for the pending inject (CudaModelOptions::shared_expert_fold 2).
-  const float* pending_ys = nullptr;
-  const float* pending_gate = nullptr;
   auto keep_residual = [&](int64_t slot) {
     if (residuals)
       FN_CUDA_CHECK(cudaMemcpyAsync(residuals + slot * W, Hc, sizeof(float) * W,
@@ -800,11 +797,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     hi.y = y;
     hi.hc_count = static_cast<int>(S);
     hi.hidden = D;
-    hi.y_shared = pending_ys;
-    hi.gate_logit = pending_gate;
     if (on(StepLaunch::HcInject)) launch_hc_inject(hi, s);
     pending = false;
-    pending_ys = pending_gate = nullptr;
     keep_residual(pending_slot);
   };
   // Folded only behind an all-reduce (TP > 1): at TP = 1 the separate inject measured faster
@@ -997,21 +991,11 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.y = y;
     dn.bulk = moe_bulk_dn;
     dn.bench_skip_math = !on(StepLaunch::DownMath);
-    dn.fixed_shape = fixed(FixedShapeKernel::ExpertsDown);
-    bool shared_folded = false;
-    if (fused_shared && o.shared_expert_fold == 1 && on(StepLaunch::ExpertsDown) &&
-        on(StepLaunch::SharedDown)) {  // the shared expert in the routed down's epilogue
-      dn.shared_weight = mo.s_down;
-      dn.shared_inter = Is_l;
-      dn.shared_gate_up = sgu;
-      dn.shared_gate_logit = rl + E;
-      shared_folded = moe_down_folds_shared(dn);
-      if (!shared_folded) dn.shared_weight = nullptr;
-    }
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
+    dn.fixed_shape = fixed(FixedShapeKernel::ExpertsDown);
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
-    if (fused_shared && !shared_folded) {  // SwiGLU + shared down GEMV + gated combine: one launch
+    if (fused_shared) {  // SwiGLU + shared down GEMV + gated combine: one launch
       SharedDownCombineParams sd;
       sd.weight = mo.s_down;
       sd.hidden = D;
@@ -1019,16 +1003,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       sd.gate_up = sgu;
       sd.gate_logit = rl + E;
       sd.y = y;
-      // The combine in the HC inject right after (no all-reduce between at TP = 1).
-      const bool combine_in_inject = o.shared_expert_fold == 2 && tp == 1 && !fold_inject &&
-                                     on(StepLaunch::SharedDown) && on(StepLaunch::HcInject);
-      if (combine_in_inject) {
-        sd.y_shared = ys;
-        pending_ys = ys;
-        pending_gate = rl + E;
-      }
       if (on(StepLaunch::SharedDown)) launch_shared_down_combine(sd, s);
-    } else if (!fused_shared) {
+    } else {
       launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);
       SwigluParams sw;
       sw.gate_up = sgu;

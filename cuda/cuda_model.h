@@ -89,13 +89,6 @@ struct CudaModelOptions {
   /// session 20; -0.023 with the prefetch issued right after the CTA's last copy). No bits
   /// change. false: A/B benches.
   bool moe_down_prefetch = true;
-  /// Where the fused step's shared-expert down GEMV and gated combine go (the same bits each
-  /// way): 0 one launch after the routed down, both (launch_shared_down_combine); 1 both in the
-  /// routed down's epilogue where it can (MoeDownParams::shared_weight, moe_down_folds_shared;
-  /// the FP32 down); 2 the GEMV in that launch, stored before its wait, and the combine in the HC
-  /// inject after it (SharedDownCombineParams::y_shared, HcInjectParams::y_shared; TP = 1 with
-  /// the inject launched: else 0). A/B benches and tests set the others.
-  int shared_expert_fold = 2;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -40,15 +40,11 @@ __global__ void __launch_bounds__(kThreads)
 // ---- HC inject ---------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kThreads)
-    hc_inject_kernel(float* H, const float* iota, const float* y, int hc, int64_t D,
-                     const float* y_shared, const float* gate_logit) {
-  // The gate logit comes from the router, several launches back: its sigmoid before the wait.
-  const float gamma = y_shared != nullptr ? dev::sigmoid_2branch(__ldcg(gate_logit)) : 0.0f;
+    hc_inject_kernel(float* H, const float* iota, const float* y, int hc, int64_t D) {
   dev::pdl_begin();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= D) return;
-  const float yi =
-      y_shared != nullptr ? fmaf(gamma, __ldg(y_shared + i), __ldg(y + i)) : __ldg(y + i);
+  const float yi = __ldg(y + i);
   // Four streams at a time, every load before any store: a store to H could alias a later
   // stream's H or iota for all the compiler knows, so interleaved it would serialise one memory
   // round trip per stream (the kernel sits on the step's critical path 96 times per token).
@@ -132,9 +128,8 @@ void launch_hc_inject(const HcInjectParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_hc_inject";
   FN_LAUNCH_REQUIRE(p.H != nullptr && p.iota != nullptr && p.y != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.hc_count >= 1 && p.hidden >= 1, kOp);
-  FN_LAUNCH_REQUIRE((p.y_shared == nullptr) == (p.gate_logit == nullptr), kOp);
   launch_pdl("hc_inject_kernel", hc_inject_kernel, grid_for(p.hidden), kThreads, 0, stream, p.H,
-             p.iota, p.y, p.hc_count, p.hidden, p.y_shared, p.gate_logit);
+             p.iota, p.y, p.hc_count, p.hidden);
   FN_CUDA_LAUNCH_CHECK("hc_inject_kernel");
 }
 

@@ -37,13 +37,6 @@ struct HcInjectParams {
   const float* y = nullptr;     ///< [D] FP32 block output (after the all-reduce)
   int hc_count = 0;             ///< >= 1
   int64_t hidden = 0;           ///< D (2560)
-  /// Optional, the MoE's gated combine folded in (MODEL.md §C.7 step 4; TP = 1, where no
-  /// all-reduce sits between): y_i = fmaf(sigmoid(*gate_logit), y_shared[i], y[i]) (the
-  /// two-branch sigmoid: the bits of launch_shared_down_combine's combine) is injected instead of
-  /// y[i]; y itself is not written. y_shared: [D] FP32 from launch_shared_down_combine with
-  /// SharedDownCombineParams::y_shared (the launch just before); gate_logit: device scalar.
-  const float* y_shared = nullptr;
-  const float* gate_logit = nullptr;
 };
 
 /// Throws fn::Error(Internal) on null pointers or bad sizes; fn::Error(Cuda) on a failed launch.

@@ -37,9 +37,7 @@
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
-#include "cuda/gemv_bf16.h"
 #include "cuda/launch_check.h"
-#include "cuda/moe_device.cuh"
 #include "cuda/moe_nvfp4_bulk.h"
 #include "cuda/nvfp4_bits.h"
 #include "cuda/nvfp4_mma.cuh"
@@ -333,65 +331,7 @@ struct DownArgs {
   float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
   bool skip_math;  // MoeDownParams::bench_skip_math
-  // The folded shared expert (MoeDownParams::shared_weight; sh_w null: none).
-  const uint16_t* sh_w;
-  const float* sh_gate_up;
-  const float* sh_gate_logit;
-  int sh_inter;      // I_s
-  int sh_team_log2;  // launch_shared_down_combine's planned team width (<= the down's team)
 };
-
-// The folded shared expert's shared memory behind the staged h: h_s [I_s] FP32 (the floats of
-// its BF16 values), the block's W_sd rows [rows per block][I_s] BF16, sigmoid of the gate logit.
-struct SharedFold {
-  float* h;
-  const uint4* w;
-  float* gamma;
-  static int64_t bytes(int64_t inter, int rows) { return 4 * inter + 2 * inter * rows + 16; }
-  __device__ __forceinline__ SharedFold(float* base, int inter, int rows)
-      : h(base),
-        w(reinterpret_cast<const uint4*>(base + inter)),
-        gamma(base + inter + inter / 2 * rows) {}
-};
-
-// Before the programmatic wait (every input comes from a kernel at least two launches back, or
-// is a weight): the block's W_sd rows by cp.async, h_s = bf16(silu(g) * u) as
-// launch_shared_down_combine stages it, and the gate's two-branch sigmoid. Every thread of the
-// block calls it; the caller waits for the copies and syncs the block before the first read.
-__device__ __forceinline__ void shared_fold_stage(const DownArgs& a, const SharedFold& f,
-                                                  int64_t row0, int rows) {
-  const int nvec = a.sh_inter / 8;
-  for (int q = threadIdx.x; q < rows * nvec; q += kBlockThreads) {
-    const int r = q / nvec, v = q - r * nvec;
-    const int64_t row = min(row0 + r, a.hidden - 1);
-    dev::cp_async16(const_cast<uint4*>(f.w) + q,
-                    reinterpret_cast<const uint4*>(a.sh_w + row * a.sh_inter) + v);
-  }
-  for (int i = threadIdx.x; i < a.sh_inter; i += kBlockThreads)
-    f.h[i] = __uint_as_float(static_cast<uint32_t>(dev::swiglu_bf16_bits(
-                                 __ldcg(a.sh_gate_up + i), __ldcg(a.sh_gate_up + a.sh_inter + i)))
-                             << 16);
-  if (threadIdx.x == 0) *f.gamma = dev::sigmoid_2branch(__ldcg(a.sh_gate_logit));
-}
-
-// ys of the team's row r of the block in the team's lane 0: lanes l < T_s (the shared GEMV's
-// team) sum vectors l, l + T_s, ... with fma8_bf16 in ascending order, then a butterfly of width
-// T_s (dev::gemv_bf16_team_rows and dev::team_reduce for a T_s-lane team: the same bits).
-__device__ __forceinline__ float shared_fold_dot(const DownArgs& a, const SharedFold& f, int r,
-                                                 int lane) {
-  const int nvec = a.sh_inter / 8, ts = 1 << a.sh_team_log2;
-  float acc = 0.0f;
-  if (lane < ts) {
-    const float4* h4 = reinterpret_cast<const float4*>(f.h);
-    for (int v = lane; v < nvec; v += ts) {
-      const float4 p = h4[2 * v], q = h4[2 * v + 1];
-      const float xf[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
-      acc = dev::fma8_bf16(f.w[r * nvec + v], xf, acc);
-    }
-  }
-  for (int off = ts >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  return acc;
-}
 
 // One team per output row d: lane l takes the flattened (expert j, unit v) indices
 // idx = j * nvec + v = l, l + team, ...; it issues the loads of up to kDownUnits of them before h
@@ -411,11 +351,6 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   const int team_log2 = kTeamLog2 > 0 ? kTeamLog2 : a.team_log2;
   extern __shared__ float4 stage4[];
   float* stage = reinterpret_cast<float*>(stage4);
-  // The folded shared expert's region (built where used: no registers live across the loop).
-  auto fold = [&] {
-    return SharedFold(stage + Stage<kNarrow>::bytes(int64_t{top_k} * inter) / 4, a.sh_inter,
-                      kBlockThreads >> team_log2);
-  };
   // The first round's loads go out before the programmatic-dependent wait (cuda/pdl.cuh): the
   // weights, and the router's ids and routing weights, written two launches back (gate+up sits in
   // between) and read through L2; only h, gate+up's output, waits.
@@ -445,11 +380,8 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
       f[n] = live[n] ? __ldcg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
     if (n0 == 0) {  // every thread: the loop runs at least once for all
-      if (a.sh_w != nullptr)
-        shared_fold_stage(a, fold(), d - (threadIdx.x >> team_log2), kBlockThreads >> team_log2);
       dev::pdl_begin();
       Stage<kNarrow>::template fill<4>(a.h, top_k * inter, stage);  // 10 x 640: one batch
-      if (a.sh_w != nullptr) dev::cp_async_wait_all();
       __syncthreads();
     }
 #pragma unroll
@@ -458,12 +390,9 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
         acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
-  const float ys =
-      a.sh_w != nullptr ? shared_fold_dot(a, fold(), threadIdx.x >> team_log2, lane) : 0.0f;
   if (lane != 0 || !in_range) return;
   const float v = acc[0] * kUnscale;
-  const float routed = a.accumulate ? a.y[d] + v : v;
-  a.y[d] = a.sh_w != nullptr ? fmaf(*fold().gamma, ys, routed) : routed;
+  a.y[d] = a.accumulate ? a.y[d] + v : v;
 }
 
 // ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
@@ -893,34 +822,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_nvfp4_kernel");
 }
 
-namespace {
-
-// The routed down FP32 kernel's team for p (planned unless set).
-int down_team(const MoeDownParams& p) {
-  return p.team_threads != 0 ? p.team_threads
-                             : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
-                                                  detail::current_sm_count(), p.mma);
-}
-
-// launch_shared_down_combine's team for the shared expert's down GEMV (its bits follow it).
-int shared_down_team(const MoeDownParams& p) {
-  return plan_gemv_bf16(p.experts.rows, p.shared_inter, detail::current_sm_count()).team_threads;
-}
-
-}  // namespace
-
-bool moe_down_folds_shared(const MoeDownParams& p) {
-  if (p.shared_weight == nullptr || p.bulk || p.mma) return false;
-  if (p.shared_gate_up == nullptr || p.shared_gate_logit == nullptr) return false;
-  if (p.shared_inter < 8 || p.shared_inter % 8 != 0 || p.shared_inter > kStageBytes / 4)
-    return false;
-  if (!aligned(p.shared_weight, 16) || !aligned(p.shared_gate_up, 16)) return false;
-  const int team = down_team(p), ts = shared_down_team(p);
-  if (!valid_team(team) || ts < 1 || ts > 32 || ts > team || (ts & (ts - 1)) != 0) return false;
-  const int rows = kBlockThreads / team;
-  return SharedFold::bytes(p.shared_inter, rows) <= 16 * 1024;
-}
-
 void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_down_nvfp4";
   check_experts(p.experts, kOp);
@@ -929,22 +830,15 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
-  FN_LAUNCH_REQUIRE(p.shared_weight == nullptr || moe_down_folds_shared(p), kOp);
   if (p.bulk) {
     detail::launch_moe_down_bulk(p, stream);
     return;
   }
-  const bool fold = p.shared_weight != nullptr;
-  const int team = down_team(p);
+  const int team = p.team_threads != 0 ? p.team_threads
+                                       : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
+                                                            detail::current_sm_count(), p.mma);
   FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
   DownArgs a{};
-  if (fold) {
-    a.sh_w = p.shared_weight;
-    a.sh_gate_up = p.shared_gate_up;
-    a.sh_gate_logit = p.shared_gate_logit;
-    a.sh_inter = static_cast<int>(p.shared_inter);
-    a.sh_team_log2 = __builtin_ctz(static_cast<unsigned>(shared_down_team(p)));
-  }
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
   a.global_scale = p.experts.global_scale;
@@ -983,9 +877,7 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
     return;
   }
   const int64_t n = p.experts.cols * p.top_k;
-  const size_t smem =
-      static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n)) +
-      (fold ? static_cast<size_t>(SharedFold::bytes(p.shared_inter, kBlockThreads / team)) : 0);
+  const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
   const bool fixed = p.fixed_shape && !narrow && p.top_k == kFixedTopK &&
                      a.nvec == kFixedDownNvec && team == (1 << kFixedDownTeamLog2);
   auto* kernel = fixed

@@ -116,27 +116,7 @@ struct MoeDownParams {
   /// 10, cols 640, 32-lane teams); false: always the runtime-shape instance (A/B benches and
   /// tests). The same bits either way.
   bool fixed_shape = true;
-  /// The shared expert's down GEMV and gated combine folded into the epilogue (MODEL.md §C.7
-  /// steps 3-4), in place of a launch_shared_down_combine after this launch: when shared_weight
-  /// is set, y[d] = fmaf(sigmoid(*shared_gate_logit), ys[d], routed[d]) with ys = W_sd . h_s and
-  /// h_s[i] = bf16(silu(g[i]) * u[i]), g = shared_gate_up[0, I_s), u = shared_gate_up[I_s, 2 I_s),
-  /// every row computed as launch_shared_down_combine does (its planned team width, the same
-  /// device expressions), so y has its bits. FP32 kernel only (not bulk, not mma), and only where
-  /// moe_down_folds_shared says so; the launcher throws fn::Error(Internal) otherwise.
-  /// shared_gate_up and shared_gate_logit must come from a kernel at least two launches earlier
-  /// on the stream (the decode step's router launch): they are read before the
-  /// programmatic-dependent wait (cuda/pdl.cuh).
-  const uint16_t* shared_weight = nullptr;   ///< [rows, shared_inter] BF16 bits, 16-byte aligned
-  int64_t shared_inter = 0;                  ///< I_s (640, 320 at TP=2): a multiple of 8
-  const float* shared_gate_up = nullptr;     ///< [2 * shared_inter] FP32, 16-byte aligned
-  const float* shared_gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m
 };
-
-/// Whether launch_moe_down_nvfp4 folds the shared expert into `params` as set (the FP32 kernel;
-/// the shared GEMV's planned team no wider than the routed down's and at most 32 lanes; the
-/// staged rows within the kernel's shared memory). false when params.shared_weight is null.
-/// Throws fn::Error(Cuda) when a device query fails.
-bool moe_down_folds_shared(const MoeDownParams& params);
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a
 /// multiple of 16, odd rows, misalignment, a bad team size or cols > 12,288 (x is staged in shared

@@ -124,29 +124,18 @@ struct SwigluXShared {
   }
 };
 
-// ys_out set (SharedDownCombineParams::y_shared): ys is stored before the wait and y is left
-// alone (the HC inject combines); else the combine after the wait.
 template <int kRows>
 __global__ void __launch_bounds__(kDownBlockThreads)
     shared_down_combine_kernel(dev::GemvRows g, const float* gate_up, const float* gate_logit,
-                               float* y, float* ys_out) {
+                               float* y) {
   extern __shared__ float4 h_smem[];
   float acc[kRows];
   int lane = 0;
   const SwigluXShared xs{gate_up, g.nvec * 8, reinterpret_cast<float*>(h_smem)};
-  const int64_t row0 =
-      dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true, true>(g, blockIdx.x,
-                                                                                    xs, acc, &lane);
-  if (ys_out != nullptr && lane == 0) {
-    // Before the wait: ys's only reader is the HC inject after this launch (cuda/pdl.cuh).
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (row0 + r < g.rows) ys_out[row0 + r] = acc[r];
-  }
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  // After the wait: y is the routed experts' output.
-  if (lane != 0 || ys_out != nullptr) return;
+  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true>(
+      g, blockIdx.x, xs, acc, &lane);
+  // After the wait (the last step above): y is the routed experts' output.
+  if (lane != 0) return;
   const float gamma = dev::sigmoid_2branch(*gate_logit);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -254,15 +243,15 @@ void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t s
   switch (plan.rows_per_team) {
     case 4:
       launch_pdl(kName, shared_down_combine_kernel<4>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.y_shared);
+                 p.gate_logit, p.y);
       break;
     case 2:
       launch_pdl(kName, shared_down_combine_kernel<2>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.y_shared);
+                 p.gate_logit, p.y);
       break;
     default:
       launch_pdl(kName, shared_down_combine_kernel<1>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.y_shared);
+                 p.gate_logit, p.y);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("shared_down_combine_kernel");

@@ -75,10 +75,6 @@ struct SharedDownCombineParams {
   const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
   const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
   float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
-  /// Optional [hidden] FP32: ys = W_down . h is stored here, before the programmatic-dependent
-  /// wait, and y is left alone; the combine is then the HC inject's (HcInjectParams::y_shared,
-  /// cuda/decode_ops.h), which must be the next launch on the stream and the buffer's only reader.
-  float* y_shared = nullptr;
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
@@ -90,8 +86,7 @@ struct SharedDownCombineParams {
 /// gate_up and gate_logit must come from a kernel at least two launches earlier on the stream (as
 /// in the decode step: the routed experts' two launches sit in between), because the SwiGLU and
 /// the whole GEMV run before the programmatic-dependent wait (cuda/pdl.cuh); only the combine
-/// waits for y. With y_shared set, ys goes there instead and the launch does nothing after its
-/// wait (one launch boundary less on the step's critical path than the combine).
+/// waits for y.
 /// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
 /// fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);

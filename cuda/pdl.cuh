@@ -6,10 +6,8 @@
 // kernel wrote, writes anything an earlier kernel reads, or exits; before the wait it only reads
 // weights (data no kernel of the stream writes), prefetches into L2 (always memory-safe), or reads
 // through L2 (ld.global.cg) what a kernel at least two launches back wrote (complete: see the
-// next rule), or writes a scratch buffer whose readers all come after it in the stream (the
-// earlier readers are complete by the same rule: launch_shared_down_combine's y_shared); it calls
-// dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel never runs ahead of more
-// than one unfinished predecessor.
+// next rule); it calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel
+// never runs ahead of more than one unfinished predecessor.
 #pragma once
 
 #include <cuda_runtime.h>

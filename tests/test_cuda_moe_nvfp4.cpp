@@ -17,7 +17,6 @@
 #include "core/cpu_ops.h"
 #include "core/error.h"
 #include "cuda/moe_nvfp4.h"
-#include "cuda/moe_shared.h"
 #include "cuda/nvfp4_bits.h"
 #include "tests/cuda_test_util.h"
 
@@ -596,104 +595,6 @@ TEST_CASE("cuda moe nvfp4: bulk down: +-0.5 codes, subnormal scales, invalid ids
   CHECK_THROWS_AS(
       run_down(dbad, {0, 1}, {1.0f, 1.0f}, random_ints(96, -1, 1, 139), 0, nullptr, false, true),
       fn::Error);
-}
-
-TEST_CASE("cuda moe nvfp4: the shared expert folded into the down equals the separate launch") {
-  // MoeDownParams::shared_weight against launch_moe_down_nvfp4 + launch_shared_down_combine
-  // (tested against FP64 in test_cuda_moe_shared): bitwise, on the real TP=1 / TP=2 shapes (both
-  // instances of the FP32 kernel at TP=1) and the tiny fixture's, both branches of the gate.
-  struct Shape {
-    int64_t D, I, Is;
-    int k;
-  };
-  uint64_t seed = 900;
-  for (const Shape sh :
-       {Shape{2560, 640, 640, 10}, Shape{2560, 320, 320, 10}, Shape{64, 32, 32, 3}}) {
-    const HostExperts w = make_experts(16, sh.D, sh.I, 1, false, seed);
-    const DeviceExperts dw(w);
-    std::vector<int32_t> ids;
-    for (int j = 0; j < sh.k; ++j) ids.push_back((5 * j + 3) % 16);
-    std::vector<float> rw(size_t(sh.k), 1.0f / float(sh.k));
-    const auto h = random_bf16(size_t(sh.k) * sh.I, 0.5f, seed + 1);
-    const auto w_sd = random_bf16(size_t(sh.D * sh.Is), 0.05f, seed + 2);
-    const auto sgu = random_bf16(size_t(2 * sh.Is), 1.5f, seed + 3);
-    DeviceArray<int32_t> d_ids(ids);
-    DeviceArray<float> d_rw(rw), d_sgu(sgu), d_y(size_t(sh.D)), d_ref(size_t(sh.D));
-    DeviceArray<uint16_t> d_h(to_bf16(h)), d_wsd(to_bf16(w_sd));
-    for (float gate : {0.8f, -1.7f}) {
-      for (bool fixed : {true, false}) {
-        CAPTURE(sh.I);
-        CAPTURE(gate);
-        CAPTURE(fixed);
-        DeviceArray<float> d_gate(std::vector<float>{gate});
-        fn::MoeDownParams p;
-        p.experts = dw.view;
-        p.expert_ids = d_ids.ptr;
-        p.routing_weights = d_rw.ptr;
-        p.top_k = sh.k;
-        p.h = d_h.ptr;
-        p.y = d_ref.ptr;
-        p.fixed_shape = fixed;
-        fn::launch_moe_down_nvfp4(p, nullptr);
-        fn::SharedDownCombineParams sd;
-        sd.weight = d_wsd.ptr;
-        sd.hidden = sh.D;
-        sd.inter = sh.Is;
-        sd.gate_up = d_sgu.ptr;
-        sd.gate_logit = d_gate.ptr;
-        sd.y = d_ref.ptr;
-        fn::launch_shared_down_combine(sd, nullptr);
-        p.y = d_y.ptr;
-        p.shared_weight = d_wsd.ptr;
-        p.shared_inter = sh.Is;
-        p.shared_gate_up = d_sgu.ptr;
-        p.shared_gate_logit = d_gate.ptr;
-        REQUIRE(fn::moe_down_folds_shared(p));
-        FN_CUDA_CHECK(cudaMemset(d_y.ptr, 0xff, d_y.n * 4));
-        fn::launch_moe_down_nvfp4(p, nullptr);
-        FN_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto want = d_ref.download(), got = d_y.download();
-        CHECK(std::memcmp(want.data(), got.data(), want.size() * 4) == 0);
-        // The shared expert is in y: the routed sum alone differs.
-        p.shared_weight = nullptr;
-        fn::launch_moe_down_nvfp4(p, nullptr);
-        FN_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto routed = d_y.download();
-        CHECK(std::memcmp(routed.data(), got.data(), got.size() * 4) != 0);
-      }
-    }
-    seed += 10;
-  }
-  // Not folded (and refused by the launcher): the tensor-core and bulk kernels, a missing input.
-  const HostExperts w = make_experts(4, 64, 32, 1, false, 950);
-  const DeviceExperts dw(w);
-  DeviceArray<int32_t> d_ids(std::vector<int32_t>{0});
-  DeviceArray<float> d_rw(std::vector<float>{1.0f}), d_sgu(64), d_y(64), d_gate(1);
-  DeviceArray<uint16_t> d_h(32), d_wsd(64 * 32);
-  fn::MoeDownParams p;
-  p.experts = dw.view;
-  p.expert_ids = d_ids.ptr;
-  p.routing_weights = d_rw.ptr;
-  p.top_k = 1;
-  p.h = d_h.ptr;
-  p.y = d_y.ptr;
-  p.shared_weight = d_wsd.ptr;
-  p.shared_inter = 32;
-  p.shared_gate_up = d_sgu.ptr;
-  p.shared_gate_logit = d_gate.ptr;
-  CHECK(fn::moe_down_folds_shared(p));
-  auto bad = p;
-  bad.mma = true;
-  CHECK_FALSE(fn::moe_down_folds_shared(bad));
-  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
-  bad = p;
-  bad.shared_gate_logit = nullptr;
-  CHECK_FALSE(fn::moe_down_folds_shared(bad));
-  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
-  bad = p;
-  bad.shared_inter = 12;  // not a multiple of 8
-  CHECK_FALSE(fn::moe_down_folds_shared(bad));
-  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(bad, nullptr), fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-of-two weights") {

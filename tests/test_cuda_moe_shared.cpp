@@ -374,39 +374,6 @@ void check_down_combine(const DownShape& s, float gate, uint64_t seed, cudaStrea
   }
   FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
   FN_CUDA_CHECK(cudaGraphDestroy(graph));
-
-  // ys stored apart (SharedDownCombineParams::y_shared) and the combine in the HC inject
-  // (HcInjectParams::y_shared): H gets the bits of the combine + inject; y is not written.
-  const int hc = 4;
-  const auto H0 = normal_floats(static_cast<size_t>(hc * s.D), 1.0f, seed + 3);
-  const std::vector<float> iota = {0.6f, 1.3f, 0.9f, 1.7f};
-  DeviceArray<float> d_H(H0), d_Href(H0), d_iota(iota), d_ysep(static_cast<size_t>(s.D));
-  d_yref.upload(y0);
-  fn::MoeCombineParams mc2 = mc;
-  mc2.y = d_yref.ptr;
-  fn::launch_moe_combine(mc2, st);
-  fn::HcInjectParams hi;
-  hi.H = d_Href.ptr;
-  hi.iota = d_iota.ptr;
-  hi.y = d_yref.ptr;
-  hi.hc_count = hc;
-  hi.hidden = s.D;
-  fn::launch_hc_inject(hi, st);
-  d_y.upload(y0);
-  p.y_shared = d_ysep.ptr;
-  fn::launch_shared_down_combine(p, st);
-  hi.H = d_H.ptr;
-  hi.y = d_y.ptr;
-  hi.y_shared = d_ysep.ptr;
-  hi.gate_logit = d_logits.ptr + 2;
-  fn::launch_hc_inject(hi, st);
-  FN_CUDA_CHECK(cudaStreamSynchronize(st));
-  const auto Hwant = d_Href.download(), Hgot = d_H.download();
-  CHECK_MESSAGE(same_bits(Hgot, Hwant), "H differs first at " << first_diff(Hgot, Hwant));
-  CHECK(same_bits(d_ysep.download(), d_ys.download()));  // ys: the unfused down GEMV's bits
-  CHECK(same_bits(d_y.download(), y0));                  // y untouched
-  hi.gate_logit = nullptr;                               // one of the pair alone is refused
-  CHECK_THROWS_AS(fn::launch_hc_inject(hi, st), fn::Error);
 }
 
 }  // namespace

@@ -1003,6 +1003,15 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       sd.gate_up = sgu;
       sd.gate_logit = rl + E;
       sd.y = y;
+      if (o.in_proj_prefetch_mb > 0 && layer_index < static_cast<int64_t>(layers.size())) {
+        const DevLayer& nx = layers[static_cast<size_t>(layer_index)];  // the next layer
+        const uint16_t* w = nx.qsa ? nx.attn.in_proj : nx.gdn.in_proj;
+        const int64_t rows = nx.qsa ? nx.attn.in_rows : nx.gdn.in_rows;
+        const uint64_t bytes =
+            std::min<uint64_t>(static_cast<uint64_t>(rows) * D * sizeof(uint16_t),
+                               static_cast<uint64_t>(o.in_proj_prefetch_mb) << 20);
+        sd.l2_prefetch.add(w, bytes / 16 * 16);
+      }
       if (on(StepLaunch::SharedDown)) launch_shared_down_combine(sd, s);
     } else {
       launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);

@@ -89,6 +89,12 @@ struct CudaModelOptions {
   /// session 20; -0.023 with the prefetch issued right after the CTA's last copy). No bits
   /// change. false: A/B benches.
   bool moe_down_prefetch = true;
+  /// MB of the next layer's input projection (GDN or QSA in_proj, its first rows) the shared
+  /// expert's down launch prefetches into L2 once its rows are done
+  /// (SharedDownCombineParams::l2_prefetch), for the bandwidth-bound GEMV after the HC read. No
+  /// bits change. 0: none. TP=1 on H200 (cuda/bench/RESULTS.md, session 21): 4 and 8 MB -0.01 to
+  /// -0.016 ms/token, 12 MB and more slower (+0.02 to +0.06).
+  int in_proj_prefetch_mb = 8;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

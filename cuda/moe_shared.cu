@@ -127,14 +127,19 @@ struct SwigluXShared {
 template <int kRows>
 __global__ void __launch_bounds__(kDownBlockThreads)
     shared_down_combine_kernel(dev::GemvRows g, const float* gate_up, const float* gate_logit,
-                               float* y) {
+                               float* y, L2Prefetch prefetch) {
   extern __shared__ float4 h_smem[];
   float acc[kRows];
   int lane = 0;
   const SwigluXShared xs{gate_up, g.nvec * 8, reinterpret_cast<float*>(h_smem)};
-  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true>(
-      g, blockIdx.x, xs, acc, &lane);
-  // After the wait (the last step above): y is the routed experts' output.
+  const int64_t row0 =
+      dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true, true>(g, blockIdx.x,
+                                                                                    xs, acc, &lane);
+  // The block's rows are done (its loads landed): its share of the prefetch, then the wait.
+  if (threadIdx.x == 0) dev::l2_prefetch_part(prefetch, blockIdx.x, gridDim.x);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  // After the wait: y is the routed experts' output.
   if (lane != 0) return;
   const float gamma = dev::sigmoid_2branch(*gate_logit);
 #pragma unroll
@@ -243,15 +248,15 @@ void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t s
   switch (plan.rows_per_team) {
     case 4:
       launch_pdl(kName, shared_down_combine_kernel<4>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y);
+                 p.gate_logit, p.y, p.l2_prefetch);
       break;
     case 2:
       launch_pdl(kName, shared_down_combine_kernel<2>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y);
+                 p.gate_logit, p.y, p.l2_prefetch);
       break;
     default:
       launch_pdl(kName, shared_down_combine_kernel<1>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y);
+                 p.gate_logit, p.y, p.l2_prefetch);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("shared_down_combine_kernel");

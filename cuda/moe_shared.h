@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "cuda/l2_prefetch.h"
+
 namespace fn {
 
 /// Operands of launch_router_shared_gate_up. All pointers are device memory.
@@ -75,6 +77,10 @@ struct SharedDownCombineParams {
   const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
   const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
   float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
+  /// Weight ranges of later kernels to prefetch into L2 (cuda/l2_prefetch.h): thread 0 of each
+  /// block issues its part once the block's rows are done, before the programmatic wait. Empty
+  /// by default; changes no result.
+  L2Prefetch l2_prefetch{};
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and

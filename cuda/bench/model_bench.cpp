@@ -8,7 +8,8 @@
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
-//     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--fixed-shape MASK]
+//     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--in-proj-prefetch MB]
+//     [--fixed-shape MASK]
 //     [--skip MASK] [--empty-launches N] [--json FILE]
 //     [--trace FILE.csv [--trace-steps 4]]
 //     (--unfused: CudaModelOptions::fused_step = false, every launch separate; --trace: after
@@ -94,6 +95,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
   bool gdn_cluster = fn::CudaModelOptions{}.gdn_cluster;
   bool down_prefetch = fn::CudaModelOptions{}.moe_down_prefetch;
+  int in_proj_prefetch = fn::CudaModelOptions{}.in_proj_prefetch_mb;
   int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
@@ -131,6 +133,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       gdn_cluster = std::stoi(next()) != 0;
     else if (a == "--down-prefetch")  // CudaModelOptions::moe_down_prefetch: 1 on (default), 0 off
       down_prefetch = std::stoi(next()) != 0;
+    else if (a == "--in-proj-prefetch")  // CudaModelOptions::in_proj_prefetch_mb (MB, 0 off)
+      in_proj_prefetch = std::stoi(next());
     else if (a == "--fixed-shape")  // CudaModelOptions::fixed_shape_kernels (bit mask)
       fixed_shape = std::stoi(next());
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
@@ -169,6 +173,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.moe_bulk_down = moe_bulk_down;
   o.gdn_cluster = gdn_cluster;
   o.moe_down_prefetch = down_prefetch;
+  o.in_proj_prefetch_mb = in_proj_prefetch;
   o.fixed_shape_kernels = fixed_shape;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;

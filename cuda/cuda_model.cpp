@@ -894,11 +894,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
       q.bench_skip_select = !on(StepLaunch::QsaSelect);
-      if (o.qsa_out_prefetch_mb > 0)
-        q.l2_prefetch.add(a.o,
-                          std::min<uint64_t>(static_cast<uint64_t>(D) * Hq_l * hd * 2,
-                                             static_cast<uint64_t>(o.qsa_out_prefetch_mb) << 20) /
-                              16 * 16);
       if (on(StepLaunch::Attention)) launch_qsa_decode(q, s);
       if (choice_log) {  // the selected blocks, then the counters {count, B, tokens, 0}
         const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;

@@ -98,10 +98,6 @@ struct CudaModelOptions {
   /// MB of the layer's input projection after those, prefetched by the attention-side HC down
   /// pass once each block's dot is done (HcDownParams::l2_prefetch). No bits change. 0: none.
   int in_proj_prefetch2_mb = 0;
-  /// MB of a QSA layer's output projection (o_proj, 31.5 MB at TP=1) its scores + select launch
-  /// prefetches into L2 (QsaDecodeParams::l2_prefetch), for the GEMV after the attention. No
-  /// bits change. 0: none.
-  int qsa_out_prefetch_mb = 0;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -58,9 +58,8 @@ struct Args {
   int ni, ihd, ratio, topk;
   float eps;
   int chunk, max_chunks, gmax;
-  int combine_stage;    // chunks staged per round by the sliced combine
-  bool skip_select;     // QsaDecodeParams::bench_skip_select
-  L2Prefetch prefetch;  // QsaDecodeParams::l2_prefetch (the scores + select launch issues it)
+  int combine_stage;  // chunks staged per round by the sliced combine
+  bool skip_select;   // QsaDecodeParams::bench_skip_select
 };
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
@@ -557,7 +556,6 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
       if (lane == 0) a.scores[b] = sc;
     }
   }
-  if (tid == 0) dev::l2_prefetch_part(a.prefetch, blockIdx.x, gridDim.x);  // empty unless asked
   // The CTA's scores are written (and its queries in buf no longer read) at the barrier; thread
   // 0's fence (cumulative over what the barrier ordered before it) then publishes them before
   // its ticket, and the last CTA's fence after its ticket orders its reads after all of them.
@@ -800,7 +798,6 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   const int64_t stage_room =
       (kSmemLimit - 256 - 2 * int64_t{w.max_chunks} * 4) / (kCombineSlice * 4);
   a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
-  a.prefetch = p.l2_prefetch;
   a.skip_select = p.bench_skip_select;
 
   a.ticket = reinterpret_cast<int*>(ws + w.ticket);

@@ -11,8 +11,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/l2_prefetch.h"
-
 namespace fn {
 
 /// Inputs, caches and outputs of one QSA decode step (MODEL.md §C.6). All pointers are device
@@ -76,10 +74,6 @@ struct QsaDecodeParams {
   /// Knockout benchmarks only (StepLaunch::QsaSelect; four-launch path): the scores launch's last
   /// CTA skips the top-k block select, so the previous selection stays. false in production.
   bool bench_skip_select = false;
-  /// Weight ranges of later kernels to prefetch into L2 (cuda/l2_prefetch.h; four-launch path):
-  /// thread 0 of each scores + select CTA issues its part after the CTA's scores. Empty by
-  /// default; changes no result.
-  L2Prefetch l2_prefetch{};
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the

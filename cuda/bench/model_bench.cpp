@@ -9,7 +9,7 @@
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
 //     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--in-proj-prefetch MB]
-//     [--in-proj-prefetch2 MB] [--qsa-out-prefetch MB]
+//     [--in-proj-prefetch2 MB]
 //     [--fixed-shape MASK]
 //     [--skip MASK] [--empty-launches N] [--json FILE]
 //     [--trace FILE.csv [--trace-steps 4]]
@@ -98,7 +98,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool down_prefetch = fn::CudaModelOptions{}.moe_down_prefetch;
   int in_proj_prefetch = fn::CudaModelOptions{}.in_proj_prefetch_mb;
   int in_proj_prefetch2 = fn::CudaModelOptions{}.in_proj_prefetch2_mb;
-  int qsa_out_prefetch = fn::CudaModelOptions{}.qsa_out_prefetch_mb;
   int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
@@ -140,8 +139,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       in_proj_prefetch = std::stoi(next());
     else if (a == "--in-proj-prefetch2")  // CudaModelOptions::in_proj_prefetch2_mb (MB, 0 off)
       in_proj_prefetch2 = std::stoi(next());
-    else if (a == "--qsa-out-prefetch")  // CudaModelOptions::qsa_out_prefetch_mb (MB, 0 off)
-      qsa_out_prefetch = std::stoi(next());
     else if (a == "--fixed-shape")  // CudaModelOptions::fixed_shape_kernels (bit mask)
       fixed_shape = std::stoi(next());
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
@@ -182,7 +179,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.moe_down_prefetch = down_prefetch;
   o.in_proj_prefetch_mb = in_proj_prefetch;
   o.in_proj_prefetch2_mb = in_proj_prefetch2;
-  o.qsa_out_prefetch_mb = qsa_out_prefetch;
   o.fixed_shape_kernels = fixed_shape;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;

@@ -747,11 +747,9 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   // The HC read (hc.h): the split-K down/inject GEMV against H * (1 + w) with partial squares,
   // then the mix (norm scales, t, G, N -> m). m_out_bf16: the BF16 copy of m for the NVFP4 routed
   // experts (MLP side only), or nullptr.
-  auto hc_read = [&](const DevHc& hc, float* iota_out, uint16_t* m_out_bf16,
-                     const L2Prefetch& prefetch = L2Prefetch{}) {
+  auto hc_read = [&](const DevHc& hc, float* iota_out, uint16_t* m_out_bf16) {
     mark(StepFamily::Hc);
     HcDownParams down;
-    down.l2_prefetch = prefetch;
     down.H = Hc;
     down.norm = hc.norm;
     down.weight = hc.down_inj;
@@ -869,18 +867,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       launch_ple_apply(pa, s);
       keep_residual(n_injects++);
     }
-    {
-      // The input projection's bytes after the in_proj_prefetch_mb the shared down prefetched.
-      L2Prefetch pf;
-      const uint16_t* w = L.qsa ? L.attn.in_proj : L.gdn.in_proj;
-      const uint64_t total =
-          static_cast<uint64_t>(L.qsa ? L.attn.in_rows : L.gdn.in_rows) * D * sizeof(uint16_t);
-      const uint64_t skip = static_cast<uint64_t>(std::max(o.in_proj_prefetch_mb, 0)) << 20;
-      const uint64_t want = static_cast<uint64_t>(std::max(o.in_proj_prefetch2_mb, 0)) << 20;
-      if (want > 0 && skip < total)
-        pf.add(reinterpret_cast<const char*>(w) + skip, std::min(want, total - skip) / 16 * 16);
-      hc_read(L.attn_hc, iota, nullptr, pf);
-    }
+    hc_read(L.attn_hc, iota, nullptr);
     if (L.qsa) {
       mark(StepFamily::QsaMixer);
       DevQsa& a = L.attn;

@@ -95,9 +95,6 @@ struct CudaModelOptions {
   /// bits change. 0: none. TP=1 on H200 (cuda/bench/RESULTS.md, session 21): 4 and 8 MB -0.01 to
   /// -0.016 ms/token, 12 MB and more slower (+0.02 to +0.06).
   int in_proj_prefetch_mb = 8;
-  /// MB of the layer's input projection after those, prefetched by the attention-side HC down
-  /// pass once each block's dot is done (HcDownParams::l2_prefetch). No bits change. 0: none.
-  int in_proj_prefetch2_mb = 0;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -58,7 +58,6 @@ struct DownArgs {
   const float* iota;  // inject (nullptr: none): H' = H + iota[g] * y, written to H_out
   const float* y;
   float* H_out;
-  L2Prefetch prefetch;  // HcDownParams::l2_prefetch
 };
 
 // The down pass's sizes: the launch's DownArgs in the runtime-shape instance (kHidden = 0);
@@ -248,9 +247,6 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
     for (int r = 0; r < kDownRows; ++r) w[r] = stage4[(warp * kDownRows + r) * kDownChunkVec + vl];
     down_step(v, hx[u], nw_s[vl], w);
   }
-  // The block's loads have landed: its share of the prefetch (empty unless asked).
-  if (threadIdx.x == 0)
-    dev::l2_prefetch_part(a.prefetch, blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y);
   down_finish(a, v, p, rowb + warp * kDownRows, warp, lane);
 }
 
@@ -603,8 +599,7 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              p.sumsq,
              inject ? p.inject_iota : nullptr,
              inject ? p.inject_y : nullptr,
-             inject ? p.H_out : nullptr,
-             p.l2_prefetch};
+             inject ? p.H_out : nullptr};
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
   if (p.staged) {
     const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;

@@ -15,8 +15,6 @@
 
 #include <cstdint>
 
-#include "cuda/l2_prefetch.h"
-
 namespace fn {
 
 /// The HC down pass (MODEL.md §C.2 and §C.3 step 1-2 and 5's GEMV) without the norm's scale:
@@ -57,10 +55,6 @@ struct HcDownParams {
   /// 2560 (the real model); false: always the runtime-shape instance (kept for A/B benches and
   /// tests). Same bits.
   bool fixed_shape = true;
-  /// Weight ranges of later kernels to prefetch into L2 (cuda/l2_prefetch.h; the staged kernel
-  /// only): thread 0 of each block issues its part after the block's dot. Empty by default;
-  /// changes no result.
-  L2Prefetch l2_prefetch{};
 };
 
 /// Column chunks per group of `hidden` columns: ceil(hidden / 1280) (2 at D = 2560).

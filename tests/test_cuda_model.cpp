@@ -105,15 +105,15 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     unfused.reset();
 
     // Without any L2 prefetch (CudaModelOptions::l2_prefetch = 0, moe_down_prefetch = false) and
-    // with every range (l2_prefetch = 7, in_proj_prefetch_mb and _2_mb 64; the default is 3 and the
-    // down weights): the same bits, as a prefetch is only a hint.
+    // with every range (l2_prefetch = 7, in_proj_prefetch_mb = 64; the default is 3 and the down
+    // weights): the same bits,
+    // as a prefetch is only a hint.
     for (const int mask : {0, 7}) {
       CAPTURE(mask);
       auto prefetch_o = options(0, 1, nullptr, true);
       prefetch_o.l2_prefetch = mask;
       prefetch_o.moe_down_prefetch = mask != 0;
       prefetch_o.in_proj_prefetch_mb = mask != 0 ? 64 : 0;
-      prefetch_o.in_proj_prefetch2_mb = mask != 0 ? 64 : 0;
       auto with_prefetch = fn::CudaModel::load(f.dir, prefetch_o);
       const std::vector<float> wp = run_rows(*with_prefetch, f);
       REQUIRE(wp.size() == g.size());

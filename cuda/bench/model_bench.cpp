@@ -9,7 +9,6 @@
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
 //     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--in-proj-prefetch MB]
-//     [--in-proj-prefetch2 MB]
 //     [--fixed-shape MASK]
 //     [--skip MASK] [--empty-launches N] [--json FILE]
 //     [--trace FILE.csv [--trace-steps 4]]
@@ -97,7 +96,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool gdn_cluster = fn::CudaModelOptions{}.gdn_cluster;
   bool down_prefetch = fn::CudaModelOptions{}.moe_down_prefetch;
   int in_proj_prefetch = fn::CudaModelOptions{}.in_proj_prefetch_mb;
-  int in_proj_prefetch2 = fn::CudaModelOptions{}.in_proj_prefetch2_mb;
   int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
@@ -137,8 +135,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       down_prefetch = std::stoi(next()) != 0;
     else if (a == "--in-proj-prefetch")  // CudaModelOptions::in_proj_prefetch_mb (MB, 0 off)
       in_proj_prefetch = std::stoi(next());
-    else if (a == "--in-proj-prefetch2")  // CudaModelOptions::in_proj_prefetch2_mb (MB, 0 off)
-      in_proj_prefetch2 = std::stoi(next());
     else if (a == "--fixed-shape")  // CudaModelOptions::fixed_shape_kernels (bit mask)
       fixed_shape = std::stoi(next());
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
@@ -178,7 +174,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.gdn_cluster = gdn_cluster;
   o.moe_down_prefetch = down_prefetch;
   o.in_proj_prefetch_mb = in_proj_prefetch;
-  o.in_proj_prefetch2_mb = in_proj_prefetch2;
   o.fixed_shape_kernels = fixed_shape;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;

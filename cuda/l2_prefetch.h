@@ -10,7 +10,10 @@
 // 19 the step leaves it off (CudaModelOptions::l2_prefetch): the faster gate+up is no longer
 // instruction bound enough to hide the traffic (+0.03 to +0.04 ms/token with it). Since session
 // 20 the bulk gate+up issues its share once its own loads have landed (after the selected
-// experts' down weights, MoeGateUpParams::down_prefetch), not first thing.
+// experts' down weights, MoeGateUpParams::down_prefetch), not first thing. Since session 21 the
+// shared expert's down launch carries one too (SharedDownCombineParams::l2_prefetch), for the
+// first 8 MB of the next input projection (a bandwidth-bound GEMV): small ranges only, as bursts
+// slow the latency-bound launches beside them (RESULTS.md, session 21).
 #pragma once
 
 #include <cstdint>

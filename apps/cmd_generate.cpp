@@ -100,8 +100,8 @@ void refuse_long_text(const Tokenizer& tok, const std::string& text, int64_t ctx
   const std::size_t n = tok.encode(std::string_view(text).substr(0, cut), EncodeMode::Raw).size();
   FN_REQUIRE(static_cast<int64_t>(n) <= ctx + kCutSlack, Usage,
              "{}: the prompt ({} bytes) exceeds the context size -c/--ctx-size {}: its first {} "
-             "bytes already encode to {} tokens",
-             what, text.size(), ctx, cut, n);
+             "bytes alone encode to {} tokens, more than the {}-token context",
+             what, text.size(), ctx, cut, n, ctx);
 }
 
 struct GenerateCli {

@@ -40,7 +40,8 @@ struct RouterSharedGateUpParams {
   /// stream (they run one after another), not two launches in flight at once.
   float* mailbox = nullptr;
   /// Knockout benchmarks only (StepLaunch::RouterTopK): the last block skips the top-k, so ids
-  /// and weights keep their previous values. false in production.
+  /// and weights keep their previous values, and the mailbox is left full (a later launch
+  /// without the skip would take stale logits until router_mailbox_init). false in production.
   bool bench_skip_topk = false;
   /// Knockout benchmarks only (StepLaunch::RouterRows / RouterSharedRows): the blocks of the
   /// router rows / of the shared gate/up rows only wait and skip their GEMV. false in production.

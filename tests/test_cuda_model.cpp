@@ -104,10 +104,9 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     CHECK(std::memcmp(u.data(), g.data(), g.size() * sizeof(float)) == 0);
     unfused.reset();
 
-    // Without any L2 prefetch (CudaModelOptions::l2_prefetch = 0, moe_down_prefetch = false) and
-    // with every range (l2_prefetch = 7, in_proj_prefetch_mb = 64; the default is 3 and the down
-    // weights): the same bits,
-    // as a prefetch is only a hint.
+    // Without any L2 prefetch (CudaModelOptions::l2_prefetch = 0, moe_down_prefetch = false,
+    // in_proj_prefetch_mb = 0) and with every range (l2_prefetch = 7, in_proj_prefetch_mb = 64;
+    // the default is 3, the down weights and 8 MB): the same bits, as a prefetch is only a hint.
     for (const int mask : {0, 7}) {
       CAPTURE(mask);
       auto prefetch_o = options(0, 1, nullptr, true);

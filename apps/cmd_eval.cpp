@@ -161,7 +161,8 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
       tok_id = tokenizer_id(dir);
     } else {
       const std::string text = read_file(o.ppl_ids_file, "--ids-file");
-      tokens = parse_token_ids(text, cfg.vocab_size, "--ids-file " + o.ppl_ids_file);
+      tokens =
+          parse_token_ids(text, cfg.vocab_size, "--ids-file " + o.ppl_ids_file, ErrorKind::Format);
       FN_REQUIRE(!tokens.empty(), Format, "--ids-file {}: the file holds no token ids",
                  o.ppl_ids_file);
     }
@@ -267,7 +268,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       ids = parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
     } else if (!o.ids_file.empty()) {
       ids = parse_token_ids(read_file(o.ids_file, "--ids-file"), cfg.vocab_size,
-                            "--ids-file " + o.ids_file);
+                            "--ids-file " + o.ids_file, ErrorKind::Format);
     } else {
       std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
       // An empty -p is a flag mistake (exit 2, as generate's); an empty file is bad input (3).

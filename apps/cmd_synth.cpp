@@ -32,7 +32,9 @@ void register_synth(CLI::App& app, CommandList& commands) {
   add_whole_option(sub, "--layers", opt->layers,
                    "keep only the first N decoder layers (real widths; 0 keeps all)", {});
   add_whole_option(sub, "--ngram-vocab-base", opt->ngram_vocab_base,
-                   "override ngram_vocab_size_base (shrinks the n-gram table)", {});
+                   "override ngram_vocab_size_base (shrinks the n-gram table; 0 keeps the "
+                   "config's)",
+                   {});
   sub->add_option("--tokenizer", opt->tokenizer,
                   "directory whose tokenizer.json/tokenizer_config.json are copied in");
   commands.push_back({sub, [opt](MpiContext& mpi) {

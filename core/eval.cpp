@@ -43,7 +43,11 @@ std::string tokenizer_id(const fs::path& model_dir) {
 }
 
 std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
-                                     const std::string& what) {
+                                     const std::string& what, ErrorKind kind) {
+  // The error of `kind` (called only on a bad item: the message is formatted then).
+  const auto fail = [&](std::string message) {
+    detail::throw_error(kind, __FILE__, __LINE__, std::move(message));
+  };
   std::vector<int32_t> ids;
   const auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
   std::size_t i = 0;
@@ -51,9 +55,9 @@ std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
   for (;;) {
     while (i < text.size() && is_space(text[i])) ++i;
     if (i >= text.size() || text[i] == ',') {
-      FN_REQUIRE(!need_item && (i >= text.size() || !ids.empty()), Usage,
-                 "{}: empty item {} (ids are separated by one comma or by whitespace)", what,
-                 ids.size() + 1);
+      if (need_item || (i < text.size() && ids.empty()))
+        fail(fmt::format("{}: empty item {} (ids are separated by one comma or by whitespace)",
+                         what, ids.size() + 1));
       if (i >= text.size()) break;
       ++i;  // the comma
       need_item = true;
@@ -66,15 +70,15 @@ std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
     const bool whole = end == item.data() + item.size();
     const bool too_long = whole && ec == std::errc::result_out_of_range;
-    FN_REQUIRE(whole && (ec == std::errc() || too_long), Usage,
-               "{}: item {} \"{}\" is not an integer", what, ids.size() + 1, item);
-    FN_REQUIRE(!(too_long ? item.front() == '-' : v < 0), Usage,
-               "{}: item {} = {} is negative (token ids are 0 or more)", what, ids.size() + 1,
-               item);
+    if (!whole || (ec != std::errc() && !too_long))
+      fail(fmt::format("{}: item {} \"{}\" is not an integer", what, ids.size() + 1, item));
+    if (too_long ? item.front() == '-' : v < 0)
+      fail(fmt::format("{}: item {} = {} is negative (token ids are 0 or more)", what,
+                       ids.size() + 1, item));
     const bool syntax_only = vocab_size == 0;
-    FN_REQUIRE(syntax_only || (!too_long && v < vocab_size), Usage,
-               "{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size() + 1, item,
-               vocab_size);
+    if (!syntax_only && (too_long || v >= vocab_size))
+      fail(fmt::format("{}: item {} = {} is outside the vocabulary [0, {})", what, ids.size() + 1,
+                       item, vocab_size));
     ids.push_back(syntax_only && (too_long || v > std::numeric_limits<int32_t>::max())
                       ? 0
                       : static_cast<int32_t>(v));

@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/generate.h"
 
 namespace fn {
@@ -70,10 +71,11 @@ std::string tokenizer_id(const std::filesystem::path& model_dir);
 /// included); each must lie in [0, vocab_size). An empty item (",1", "1,,2", "1,") is an error,
 /// and so is a negative id whatever the vocabulary. vocab_size 0 checks the syntax alone (before
 /// the vocabulary is known): ids past the int32 range then come back as 0 and are the caller's
-/// to check again. `what` names the flag or file in errors (fn::Error Usage), and an error names
-/// the item by its place in the list counted from 1 ("item 2 = 512").
+/// to check again. `what` names the flag or file in errors (fn::Error of `kind`: Usage for a
+/// flag's value, Format for a file's content), and an error names the item by its place in the
+/// list counted from 1 ("item 2 = 512").
 std::vector<int32_t> parse_token_ids(std::string_view text, int64_t vocab_size,
-                                     const std::string& what);
+                                     const std::string& what, ErrorKind kind = ErrorKind::Usage);
 
 // ---------------------------------------------------------------- per-row math
 

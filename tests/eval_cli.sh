@@ -168,6 +168,12 @@ expect 2 "exactly one of -f/--file" -- mpi 1 ppl -m "$fx/tp4"
 expect 2 "--chunks: '-3' is out of range (allowed -1, or 1 to" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks -3
 expect 2 "--chunks: '0' is out of range (allowed -1, or 1 to" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --chunks 0
 expect 3 "is a directory, not a file" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp"
+# A bad id inside an ids file is the file's fault (exit 3), as bad content of every other input.
+printf '1 2 x 4\n' >"$tmp/bad.ids"
+expect 3 "--ids-file $tmp/bad.ids: item 3 \"x\" is not an integer" -- \
+  mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/bad.ids" -c 18
+expect 3 "--ids-file $tmp/bad.ids: item 3 \"x\" is not an integer" -- \
+  mpi 1 dump-logits -m "$fx/tp4" --ids-file "$tmp/bad.ids" -o "$tmp/bad.fnl"
 # Outputs never land in the model directory (they could replace config.json or a shard).
 expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o "$fx/tp4/config.json"
 expect 2 "inside the model directory" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$fx/tp4/x.fnl"

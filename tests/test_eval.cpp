@@ -151,7 +151,11 @@ TEST_CASE("eval: parse_token_ids accepts commas, spaces and newlines and rejects
   CHECK(fn::parse_token_ids("1, 2,3\n4\t5\r\n", 10, "--ids-file x") ==
         std::vector<int32_t>{1, 2, 3, 4, 5});
   CHECK(fn::parse_token_ids("  \n", 10, "x").empty());
-  CHECK(kind_of([] { fn::parse_token_ids("1,x", 10, "--ids-file f"); }) == ErrorKind::Usage);
+  CHECK(kind_of([] { fn::parse_token_ids("1,x", 10, "--prompt-ids"); }) == ErrorKind::Usage);
+  // A file's content: a format error (exit 3), every kind of bad item.
+  for (const char* bad : {"1,x", "1,,2", "-1", "1 10"})
+    CHECK(kind_of([&] { fn::parse_token_ids(bad, 10, "--ids-file f", ErrorKind::Format); }) ==
+          ErrorKind::Format);
   CHECK(message_of([] {
           fn::parse_token_ids("1 10", 10, "--ids-file f");
         }).find("--ids-file f: item 2 = 10 is outside the vocabulary [0, 10)") !=

@@ -189,7 +189,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
                 {"backend", l.model.name},
                 {"tp_size", l.coll->size()},
                 {"n_ctx", o.ctx}};
-    writer = std::make_unique<LogitsWriter>(o.save_logits, std::move(h));
+    writer = std::make_unique<LogitsWriter>(o.save_logits, std::move(h), "--save-logits");
   });
   if (root) {
     FN_LOG_INFO("perplexity: tokenized {} tokens; calculating perplexity over {} chunks, n_ctx={}",
@@ -316,7 +316,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   // agreement, so that every rank ends with rank 0's error (no MPI_Abort).
   std::unique_ptr<LogitsWriter> writer;
   agree_on_error(*l.coll, [&] {
-    if (root) writer = std::make_unique<LogitsWriter>(o.output, h);
+    if (root) writer = std::make_unique<LogitsWriter>(o.output, h, "-o/--output");
   });
   dump_logits(l.backend, {seq}, writer.get());
   agree_on_error(*l.coll, [&] {

@@ -303,8 +303,10 @@ json header_to_json(const LogitsHeader& h) {
   return j;
 }
 
-LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header)
-    : header_(std::move(header)), path_(path) {
+LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std::string& what)
+    : header_(std::move(header)),
+      path_(path),
+      name_(what.empty() ? path.string() : what + " " + path.string()) {
   validate_header(header_, ErrorKind::Usage, path.string());
   json j = header_to_json(header_);
   const std::vector<ArraySpec> specs = array_specs(header_);
@@ -319,14 +321,14 @@ LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header)
   std::string text = j.dump();
   while ((8 + text.size()) % 64 != 0) text.push_back(' ');
   file_ = std::fopen(path.c_str(), "wb");
-  FN_REQUIRE(file_ != nullptr, Io, "{}: cannot create the logits file ({})", path.string(),
+  FN_REQUIRE(file_ != nullptr, Io, "{}: cannot create the logits file ({})", name_,
              std::strerror(errno));
   uint8_t len[8];
   for (int i = 0; i < 8; ++i)
     len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
   FN_REQUIRE(std::fwrite(len, 1, 8, file_) == 8 &&
                  std::fwrite(text.data(), 1, text.size(), file_) == text.size(),
-             Io, "{}: write failed ({})", path.string(), std::strerror(errno));
+             Io, "{}: write failed ({})", name_, std::strerror(errno));
   data_start_ = 8 + text.size();
   seq_ = 0;
   pos_ = header_.sequences.empty() ? 0 : header_.sequences[0].first;
@@ -346,10 +348,10 @@ LogitsWriter::~LogitsWriter() {
 namespace {
 
 void write_at(std::FILE* f, uint64_t offset, const void* data, std::size_t bytes,
-              const fs::path& path) {
+              const std::string& name) {
   FN_REQUIRE(fseeko(f, static_cast<off_t>(offset), SEEK_SET) == 0 &&
                  std::fwrite(data, 1, bytes, f) == bytes,
-             Io, "{}: write failed at byte {} ({})", path.string(), offset, std::strerror(errno));
+             Io, "{}: write failed at byte {} ({})", name, offset, std::strerror(errno));
 }
 
 }  // namespace
@@ -404,7 +406,7 @@ void LogitsWriter::write_row(std::span<const float> logits) {
     std::vector<std::size_t> idx(V);
     for (std::size_t i = 0; i < V; ++i) idx[i] = i;
     encode(idx, bytes);
-    write_at(file_, data_start_ + offsets_[0] + row * V * es, bytes.data(), bytes.size(), path_);
+    write_at(file_, data_start_ + offsets_[0] + row * V * es, bytes.data(), bytes.size(), name_);
   } else {
     const std::size_t K = static_cast<std::size_t>(header_.top_k);
     std::vector<std::size_t> idx(V);
@@ -422,11 +424,11 @@ void LogitsWriter::write_row(std::span<const float> logits) {
     const float residual = static_cast<float>(std::max(0.0, 1.0 - mass));
     const float tl = target >= 0 ? static_cast<float>(lp[static_cast<std::size_t>(target)])
                                  : std::numeric_limits<float>::quiet_NaN();
-    write_at(file_, data_start_ + offsets_[0] + row * K * 4, ids.data(), K * 4, path_);
+    write_at(file_, data_start_ + offsets_[0] + row * K * 4, ids.data(), K * 4, name_);
     encode(idx, bytes);
-    write_at(file_, data_start_ + offsets_[1] + row * K * es, bytes.data(), bytes.size(), path_);
-    write_at(file_, data_start_ + offsets_[2] + row * 4, &residual, 4, path_);
-    write_at(file_, data_start_ + offsets_[3] + row * 4, &tl, 4, path_);
+    write_at(file_, data_start_ + offsets_[1] + row * K * es, bytes.data(), bytes.size(), name_);
+    write_at(file_, data_start_ + offsets_[2] + row * 4, &residual, 4, name_);
+    write_at(file_, data_start_ + offsets_[3] + row * 4, &tl, 4, name_);
   }
 }
 
@@ -438,7 +440,7 @@ void LogitsWriter::close() {
   const bool ok = std::fclose(f) == 0;
   const int close_errno = errno;
   FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
-  FN_REQUIRE(ok, Io, "{}: closing failed ({})", path_.string(), std::strerror(close_errno));
+  FN_REQUIRE(ok, Io, "{}: closing failed ({})", name_, std::strerror(close_errno));
   FN_REQUIRE(n_written_ == n, Internal, "{}: {} of {} rows written", path_.string(), n_written_, n);
 }
 

@@ -181,9 +181,11 @@ struct RefRow {
 class LogitsWriter {
  public:
   /// Validates the header (vocab_size > 0, top_k in [1, V] for topk, sequences' ranges and ids),
-  /// creates `path` and writes the header. Throws fn::Error(Usage) for a bad header, Io when the
-  /// file cannot be created.
-  LogitsWriter(const std::filesystem::path& path, LogitsHeader header);
+  /// creates `path` and writes the header. `what` (e.g. "-o/--output") names the flag that gave
+  /// the path in every I/O error ("-o/--output /dev/full: write failed at byte 448 (...)").
+  /// Throws fn::Error(Usage) for a bad header, Io when the file cannot be created.
+  LogitsWriter(const std::filesystem::path& path, LogitsHeader header,
+               const std::string& what = {});
   ~LogitsWriter();
   LogitsWriter(const LogitsWriter&) = delete;
   LogitsWriter& operator=(const LogitsWriter&) = delete;
@@ -202,6 +204,7 @@ class LogitsWriter {
   void write_row(std::span<const float> logits);  // the next row's bytes (Io on failure)
   LogitsHeader header_;
   std::filesystem::path path_;
+  std::string name_;  // the flag and the path, for messages
   std::FILE* file_ = nullptr;
   uint64_t data_start_ = 0;
   int64_t n_written_ = 0;

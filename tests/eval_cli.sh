@@ -181,11 +181,11 @@ expect 2 "inside the model directory" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp
 expect 3 "no_tasks.jsonl: no records" -- mpi 2 score -m "$fx/tp4" -i "$tmp/no_tasks.jsonl"
 # Output files that cannot be created or written, at -np 2: every rank exits 3 with rank 0's one
 # message (agreed on), never through MPI_Abort.
-expect 3 "/dev/full: write failed" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o /dev/full
+expect 3 "-o/--output /dev/full: write failed" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o /dev/full
 no_abort "dump-logits -o /dev/full"
-expect 3 "$tmp: cannot create the logits file" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp"
+expect 3 "-o/--output $tmp: cannot create the logits file" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp"
 no_abort "dump-logits -o DIR"
-expect 3 "/dev/full: write failed" -- \
+expect 3 "--save-logits /dev/full: write failed" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits /dev/full
 no_abort "ppl --save-logits /dev/full"
 expect 3 "-o/--output /dev/full: cannot write" -- mpi 2 score -m "$fx/tp4" -i "$tmp/tasks.jsonl" -o /dev/full -n 4

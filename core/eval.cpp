@@ -304,9 +304,7 @@ json header_to_json(const LogitsHeader& h) {
 }
 
 LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std::string& what)
-    : header_(std::move(header)),
-      path_(path),
-      name_(what.empty() ? path.string() : what + " " + path.string()) {
+    : header_(std::move(header)), name_(what.empty() ? path.string() : what + " " + path.string()) {
   validate_header(header_, ErrorKind::Usage, path.string());
   json j = header_to_json(header_);
   const std::vector<ArraySpec> specs = array_specs(header_);
@@ -340,8 +338,8 @@ LogitsWriter::~LogitsWriter() {
   std::fclose(file_);
   file_ = nullptr;
   if (n_written_ < header_.n_positions()) {
-    FN_LOG_WARN("{}: incomplete, {} of {} rows written (kld will reject it as truncated)",
-                path_.string(), n_written_, header_.n_positions());
+    FN_LOG_WARN("{}: incomplete, {} of {} rows written (kld will reject it as truncated)", name_,
+                n_written_, header_.n_positions());
   }
 }
 
@@ -358,7 +356,7 @@ void write_at(std::FILE* f, uint64_t offset, const void* data, std::size_t bytes
 
 void LogitsWriter::append(std::span<const float> logits) {
   const int64_t n = header_.n_positions();
-  FN_CHECK(n_written_ < n, "{}: more rows than the header's {}", path_.string(), n);
+  FN_CHECK(n_written_ < n, "{}: more rows than the header's {}", name_, n);
   FN_CHECK(static_cast<int64_t>(logits.size()) == header_.vocab_size, "row of {} values, vocab {}",
            logits.size(), header_.vocab_size);
   if (write_error_.empty()) {
@@ -441,7 +439,7 @@ void LogitsWriter::close() {
   const int close_errno = errno;
   FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
   FN_REQUIRE(ok, Io, "{}: closing failed ({})", name_, std::strerror(close_errno));
-  FN_REQUIRE(n_written_ == n, Internal, "{}: {} of {} rows written", path_.string(), n_written_, n);
+  FN_REQUIRE(n_written_ == n, Internal, "{}: {} of {} rows written", name_, n_written_, n);
 }
 
 // ---------------------------------------------------------------- reader

@@ -203,8 +203,7 @@ class LogitsWriter {
  private:
   void write_row(std::span<const float> logits);  // the next row's bytes (Io on failure)
   LogitsHeader header_;
-  std::filesystem::path path_;
-  std::string name_;  // the flag and the path, for messages
+  std::string name_;  // the flag (if given) and the path, for messages
   std::FILE* file_ = nullptr;
   uint64_t data_start_ = 0;
   int64_t n_written_ = 0;

@@ -67,14 +67,13 @@ __device__ __forceinline__ void gemv_load_tile(const uint4* const (&wrow)[kRows]
 /// next ones into L2 before dev::pdl_wait() (W is a weight; x comes from earlier kernels); then
 /// pdl_wait, pdl_launch_dependents, xs.prepare() (every thread of the block), the dot. With
 /// kXBeforeWait, x comes from a kernel at least two launches back (xs reads it through L2,
-/// cuda/pdl.cuh): xs.prepare() and the whole dot run before the wait, which comes last (only the
-/// caller's epilogue waits on the previous kernel; with kCallerWaits too, the caller calls
-/// dev::pdl_wait() and dev::pdl_launch_dependents() itself). Returns the team's first row; acc[r]
+/// cuda/pdl.cuh): xs.prepare() and the whole dot run before the wait, which this function does
+/// not do: the caller calls dev::pdl_wait() and dev::pdl_launch_dependents() itself before its
+/// epilogue reads anything the previous kernel wrote. Returns the team's first row; acc[r]
 /// holds row r's sum in the team's lane 0 (*lane_out == 0). Rows past a.rows re-read the last row
 /// (in bounds) and must not be stored. Every thread of the block must call it with the same
 /// team_log2 (dev::team_reduce may __syncthreads).
-template <int kRows, int kBlockThreads, class XSource, bool kXBeforeWait = false,
-          bool kCallerWaits = false>
+template <int kRows, int kBlockThreads, class XSource, bool kXBeforeWait = false>
 __device__ __forceinline__ int64_t gemv_bf16_team_rows(const GemvRows& a, int64_t block,
                                                        const XSource& xs, float (&acc)[kRows],
                                                        int* lane_out) {
@@ -127,10 +126,6 @@ __device__ __forceinline__ int64_t gemv_bf16_team_rows(const GemvRows& a, int64_
   }
 
   team_reduce<kRows, kBlockThreads>(acc, team, lane);
-  if constexpr (kXBeforeWait && !kCallerWaits) {
-    pdl_wait();
-    pdl_launch_dependents();
-  }
   *lane_out = lane;
   return row0;
 }

@@ -299,20 +299,19 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
 // canonical NaN; every NaN ranks alike in router_topk_values).
 constexpr uint32_t kMailEmpty = 0xffffffffu;
 
+__device__ __forceinline__ void router_mail_store(float* mail, uint32_t bits) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mail), "r"(bits) : "memory");
+}
+
 __device__ __forceinline__ void router_mail_post(float* mail, float v) {
-  uint32_t b = __float_as_uint(v);
-  if (b == kMailEmpty) b = 0x7fffffffu;
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mail), "r"(b) : "memory");
+  const uint32_t b = __float_as_uint(v);
+  router_mail_store(mail, b == kMailEmpty ? 0x7fffffffu : b);
 }
 
 __device__ __forceinline__ uint32_t router_mail_peek(const float* mail) {
   uint32_t b;
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(mail) : "memory");
   return b;
-}
-
-__device__ __forceinline__ void router_mail_clear(float* mail) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mail), "r"(kMailEmpty) : "memory");
 }
 
 /// The logits of experts threadIdx.x and threadIdx.x + kRouterThreads (0 past E) from the
@@ -328,8 +327,8 @@ __device__ __forceinline__ void router_mail_take(float* mail, int E, float& l0, 
     if (b0 == kMailEmpty) b0 = router_mail_peek(mail + e0);
     if (b1 == kMailEmpty) b1 = router_mail_peek(mail + e1);
   }
-  if (e0 < E) router_mail_clear(mail + e0);
-  if (e1 < E) router_mail_clear(mail + e1);
+  if (e0 < E) router_mail_store(mail + e0, kMailEmpty);
+  if (e1 < E) router_mail_store(mail + e1, kMailEmpty);
   l0 = __uint_as_float(b0);
   l1 = __uint_as_float(b1);
 }

@@ -132,9 +132,8 @@ __global__ void __launch_bounds__(kDownBlockThreads)
   float acc[kRows];
   int lane = 0;
   const SwigluXShared xs{gate_up, g.nvec * 8, reinterpret_cast<float*>(h_smem)};
-  const int64_t row0 =
-      dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true, true>(g, blockIdx.x,
-                                                                                    xs, acc, &lane);
+  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kDownBlockThreads, SwigluXShared, true>(
+      g, blockIdx.x, xs, acc, &lane);
   // The block's rows are done (its loads landed): its share of the prefetch, then the wait.
   if (threadIdx.x == 0) dev::l2_prefetch_part(prefetch, blockIdx.x, gridDim.x);
   dev::pdl_wait();

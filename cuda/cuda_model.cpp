@@ -690,8 +690,8 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
         "forced indexer blocks");
   }
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_logits), sizeof(float) * V));
-  FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_token), sizeof(int32_t) * 2));
-  FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_flag), sizeof(int32_t)));
+  FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_token), sizeof(int32_t) * 3));
+  FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_flag), sizeof(int32_t) * 2));
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   require_prefill_fits(c, o, layers, v_local);
   reset_state(c);
@@ -1245,9 +1245,9 @@ void CudaModel::set_forced_choices(const std::vector<std::vector<int32_t>>& rout
   }
 }
 
-void CudaModel::check_step_errors(int32_t token) {
+void CudaModel::check_step_errors(int32_t token, int slot) {
   Impl& I = *impl_;
-  const int32_t flag = *I.host_flag;
+  const int32_t flag = I.host_flag[slot];
   if (flag == 0) return;
   FN_CUDA_CHECK(cudaMemsetAsync(I.error_flag, 0, sizeof(int32_t), I.stream));
   switch (flag) {
@@ -1363,34 +1363,75 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
     ++I.captures;
   }
 
-  std::vector<int32_t> out;
-  out.reserve(static_cast<std::size_t>(count));
-  cudaEvent_t ev = nullptr;
-  FN_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-  struct EventGuard {
-    cudaEvent_t e;
-    ~EventGuard() { cudaEventDestroy(e); }
-  } guard{ev};
-  int32_t fed = token;
-  for (int64_t i = 0; i < count; ++i) {
+  // Step i's id lands in pinned slot i % 2 (host_token[1 + slot], its error flag in
+  // host_flag[slot]) and event ev[slot] marks it. With the lookahead (decode_lookahead) step i + 1
+  // is queued before the host waits for step i, so the GPU does not idle while the host wakes,
+  // takes the id and launches again; it reads the id step i leaves on the device.
+  const bool ahead = opt_.use_graph && opt_.decode_lookahead;
+  struct Events {
+    cudaEvent_t e[2] = {nullptr, nullptr};
+    ~Events() {
+      for (cudaEvent_t x : e)
+        if (x) cudaEventDestroy(x);
+    }
+  } ev;
+  for (cudaEvent_t& e : ev.e) FN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  const auto enqueue = [&](int64_t i) {
+    const int slot = static_cast<int>(i & 1);
     if (opt_.use_graph) {
       FN_CUDA_CHECK(cudaGraphLaunch(I.sample_graph, I.stream));
     } else {
       I.encode_step(cfg_, opt_, &I.sample_graph_params);
     }
-    // The id lands in pinned memory while the host waits on the event: one small copy per token.
-    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_token + 1, I.token, sizeof(int32_t),
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_token + 1 + slot, I.token, sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, I.stream));
-    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t),
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag + slot, I.error_flag, sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, I.stream));
-    FN_CUDA_CHECK(cudaEventRecord(ev, I.stream));
-    FN_CUDA_CHECK(cudaEventSynchronize(ev));
+    FN_CUDA_CHECK(cudaEventRecord(ev.e[slot], I.stream));
+  };
+  // Waits for step i, which fed `fed`: its position counts, its errors throw, its id returns.
+  const auto take = [&](int64_t i, int32_t fed) {
+    const int slot = static_cast<int>(i & 1);
+    FN_CUDA_CHECK(cudaEventSynchronize(ev.e[slot]));
     ++position_;
-    check_step_errors(fed);
-    const int32_t id = I.host_token[1];
+    check_step_errors(fed, slot);
+    return I.host_token[1 + slot];
+  };
+  // A step queued ahead still runs when the loop leaves early (a stop, or an exception from a
+  // check or from on_token): its position counts, so position() matches the device's states.
+  int64_t queued = 0, taken = 0;
+  struct Drain {
+    CudaModel& m;
+    Impl& impl;
+    const int64_t& queued;
+    const int64_t& taken;
+    ~Drain() {
+      if (queued > taken) {
+        cudaStreamSynchronize(impl.stream);
+        m.position_ += queued - taken;
+      }
+    }
+  } drain{*this, I, queued, taken};
+
+  std::vector<int32_t> out;
+  out.reserve(static_cast<std::size_t>(count));
+  int32_t fed = token;
+  if (count > 0) enqueue(queued++);
+  for (int64_t i = 0; i < count; ++i) {
+    if (ahead && queued < count) enqueue(queued++);
+    const int32_t id = take(i, fed);
+    ++taken;
     out.push_back(id);
     fed = id;
-    if (on_token && !on_token(id)) break;
+    if (on_token && !on_token(id)) {
+      // The step queued ahead has fed the stop id: it counts (its id is dropped).
+      if (queued > taken) {
+        take(taken, fed);
+        ++taken;
+      }
+      break;
+    }
+    if (!ahead && queued < count) enqueue(queued++);
   }
   if (opt_.all_reduce) opt_.all_reduce->check_health();
   return out;

@@ -95,6 +95,11 @@ struct CudaModelOptions {
   /// bits change. 0: none. TP=1 on H200 (cuda/bench/RESULTS.md, session 21): 4 and 8 MB -0.01 to
   /// -0.016 ms/token, 12 MB and more slower (+0.02 to +0.06).
   int in_proj_prefetch_mb = 8;
+  /// decode() queues step i + 1's graph before it waits for step i's id (the id stays on the
+  /// device), so the GPU does not idle while the host wakes, takes the id and launches again.
+  /// When on_token stops early the step queued ahead has already fed the stop id: it counts in
+  /// position() (its own id is dropped). false: one step at a time (A/B benches).
+  bool decode_lookahead = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).
@@ -262,7 +267,9 @@ class CudaModel {
   /// position(), then for each of `count` steps samples the next id on the device (identical on
   /// every rank) and feeds it back inside the same graph; the host only replays and copies ids
   /// out. `on_token(id)` is called for every sampled id as soon as its copy lands and may
-  /// return false to stop early (a stop id); ids after a stop are not fed. Returns the ids.
+  /// return false to stop early (a stop id). Without CudaModelOptions::decode_lookahead the stop
+  /// id is not fed; with it (the default) the step queued ahead has fed it, and position()
+  /// counts that step (ids after the stop id are never fed). Returns the ids up to the stop.
   /// Throws as forward().
   std::vector<int32_t> decode(int32_t token, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token);
@@ -311,8 +318,9 @@ class CudaModel {
  private:
   struct Impl;
   CudaModel(ModelConfig cfg, const CudaModelOptions& options);
-  // Throws the error a kernel flagged in the last step (then clears the flag).
-  void check_step_errors(int32_t token);
+  // Throws the error a kernel flagged in the step whose flag was copied to host_flag[slot] (then
+  // clears the device flag).
+  void check_step_errors(int32_t token, int slot = 0);
   // Allocates what the sampling step needs for `sampling` and drops a sampling graph captured
   // with other settings.
   void prepare_sampling(const SamplingParams& sampling, uint64_t seed);

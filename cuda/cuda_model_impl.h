@@ -261,8 +261,8 @@ struct CudaModel::Impl {
   std::size_t sample_ws_bytes = 0;
 
   float* host_logits = nullptr;   // pinned [V]
-  int32_t* host_token = nullptr;  // pinned
-  int32_t* host_flag = nullptr;   // pinned
+  int32_t* host_token = nullptr;  // pinned [3]: the fed id, then decode()'s two id slots
+  int32_t* host_flag = nullptr;   // pinned [2]: the error flag, per decode() slot
 
   cudaGraphExec_t logits_graph = nullptr;
   cudaGraphExec_t sample_graph = nullptr;

@@ -145,6 +145,33 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
       l = eager->forward(id);
     }
     CHECK(dev == host);
+
+    // A stop from on_token after step k: decode() returns ids 0..k. Without the lookahead the
+    // stop id is not fed (position P + k); with it (the default) the step queued ahead has fed
+    // it (position P + k + 1) and the next id to feed is host[k + 1]. Either way the states match
+    // position(): the rest of the chain continues bit for bit.
+    if (steps >= 4) {
+      const int64_t k = 1;
+      for (const bool lookahead : {true, false}) {
+        CAPTURE(lookahead);
+        auto stop_o = options(0, 1, nullptr, true);
+        stop_o.decode_lookahead = lookahead;
+        auto m = fn::CudaModel::load(f.dir, stop_o);
+        for (std::size_t i = 0; i + 1 < P; ++i) m->forward(f.prompt_ids[i]);
+        int64_t seen = 0;
+        const std::vector<int32_t> head = m->decode(f.prompt_ids[P - 1], steps, greedy, 0,
+                                                    [&](int32_t) { return seen++ < k; });
+        REQUIRE(static_cast<int64_t>(head.size()) == k + 1);
+        CHECK(std::equal(head.begin(), head.end(), host.begin()));
+        const int64_t fed = lookahead ? k + 2 : k + 1;  // decode steps that ran
+        CHECK(m->position() == static_cast<int64_t>(P) - 1 + fed);
+        const std::vector<int32_t> tail =
+            m->decode(host[static_cast<std::size_t>(fed - 1)], steps - fed, greedy, 0,
+                      [](int32_t) { return true; });
+        CHECK(std::equal(tail.begin(), tail.end(), host.begin() + fed, host.end()));
+        CHECK(m->position() == static_cast<int64_t>(P) - 1 + steps);
+      }
+    }
     int64_t agree = 0;
     for (int64_t s = 0; s < steps; ++s) {
       const float* ref = f.row(P - 1 + static_cast<std::size_t>(s));

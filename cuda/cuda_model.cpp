@@ -881,6 +881,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       if (forced_blocks)
         q.forced_blocks = forced_blocks + qsa_index * (c.indexer_budget / c.indexer_compress_ratio);
       q.bench_skip_select = !on(StepLaunch::QsaSelect);
+      q.select_mailbox = o.qsa_select_mailbox;
       if (on(StepLaunch::Attention)) launch_qsa_decode(q, s);
       if (choice_log) {  // the selected blocks, then the counters {count, B, tokens, 0}
         const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;

@@ -100,6 +100,10 @@ struct CudaModelOptions {
   /// When on_token stops early the step queued ahead has already fed the stop id: it counts in
   /// position() (its own id is dropped). false: one step at a time (A/B benches).
   bool decode_lookahead = true;
+  /// The QSA select takes the block scores from mailbox slots as they are posted
+  /// (QsaDecodeParams::select_mailbox) instead of after an arrival ticket. The same bits. false:
+  /// the ticket (A/B benches).
+  bool qsa_select_mailbox = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -129,4 +129,40 @@ __device__ __forceinline__ void team_reduce(float (&acc)[kN], int team, int lane
   }
 }
 
+// ---- Mailbox slots (issue 8) --------------------------------------------------------------
+// One block waits for values that the other blocks of its grid store, without an arrival ticket:
+// a slot holds kMailEmpty (all bits set) until its value is posted, and the waiting block reads
+// each slot until it is no longer empty. A value is never posted with the empty bits (the poster
+// names the bits it stands in for them, a NaN of the same sign). Relaxed gpu-scope accesses: the
+// waiter reads only the slots themselves, so no fence orders anything else. Users: the router's
+// top-k (cuda/moe_device.cuh), the QSA select (cuda/qsa.cu).
+constexpr uint32_t kMailEmpty = 0xffffffffu;
+
+/// Stores `bits` into a mailbox slot (relaxed, gpu scope).
+__device__ __forceinline__ void mail_store(float* slot, uint32_t bits) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(slot), "r"(bits) : "memory");
+}
+
+/// Posts v; a v whose bits are kMailEmpty (a NaN) is posted as `empty_as` instead.
+__device__ __forceinline__ void mail_post(float* slot, float v, uint32_t empty_as) {
+  const uint32_t b = __float_as_uint(v);
+  mail_store(slot, b == kMailEmpty ? empty_as : b);
+}
+
+/// The slot's bits now (relaxed, gpu scope): kMailEmpty until posted.
+__device__ __forceinline__ uint32_t mail_peek(const float* slot) {
+  uint32_t b;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(slot) : "memory");
+  return b;
+}
+
+/// The slot's value, read until posted. The poster must be resident or done, else this spins
+/// forever (the callers' posters are blocks of the same grid, each of which posts its slots
+/// without waiting for anything).
+__device__ __forceinline__ float mail_wait(const float* slot) {
+  uint32_t b = mail_peek(slot);
+  while (b == kMailEmpty) b = mail_peek(slot);
+  return __uint_as_float(b);
+}
+
 }  // namespace fn::dev

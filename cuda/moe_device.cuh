@@ -292,27 +292,11 @@ __device__ __forceinline__ void router_topk_block(const float* logits, int E, in
 }
 
 // ---- The router mailbox (launch_router_shared_gate_up) ------------------------------------------
-// A slot per expert that holds kMailEmpty (all bits set: cudaMemset 0xFF) until the router row's
-// logit is posted, so that one block can wait for the logits of its whole grid without an arrival
-// ticket: it reads each slot until it is no longer empty, then empties it again for the next
-// launch. A posted logit never has the empty bits (a NaN with those bits is posted as the
-// canonical NaN; every NaN ranks alike in router_topk_values).
-constexpr uint32_t kMailEmpty = 0xffffffffu;
-
-__device__ __forceinline__ void router_mail_store(float* mail, uint32_t bits) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mail), "r"(bits) : "memory");
-}
-
-__device__ __forceinline__ void router_mail_post(float* mail, float v) {
-  const uint32_t b = __float_as_uint(v);
-  router_mail_store(mail, b == kMailEmpty ? 0x7fffffffu : b);
-}
-
-__device__ __forceinline__ uint32_t router_mail_peek(const float* mail) {
-  uint32_t b;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(mail) : "memory");
-  return b;
-}
+// A slot per expert (dev::kMailEmpty until posted: cudaMemset 0xFF at allocation) so that one
+// block can wait for the logits of its whole grid without an arrival ticket (device_util.cuh); it
+// empties each slot again for the next launch. A NaN logit with the empty bits is posted as the
+// canonical NaN (kRouterNanPost; every NaN ranks alike in router_topk_values).
+constexpr uint32_t kRouterNanPost = 0x7fffffffu;
 
 /// The logits of experts threadIdx.x and threadIdx.x + kRouterThreads (0 past E) from the
 /// mailbox, each read until posted, then emptied for the next launch. Every slot [0, E) must be
@@ -321,14 +305,14 @@ __device__ __forceinline__ uint32_t router_mail_peek(const float* mail) {
 /// grid has passed its programmatic wait, cuda/pdl.cuh).
 __device__ __forceinline__ void router_mail_take(float* mail, int E, float& l0, float& l1) {
   const int e0 = threadIdx.x, e1 = threadIdx.x + kRouterThreads;
-  uint32_t b0 = e0 < E ? router_mail_peek(mail + e0) : 0u;
-  uint32_t b1 = e1 < E ? router_mail_peek(mail + e1) : 0u;
+  uint32_t b0 = e0 < E ? mail_peek(mail + e0) : 0u;
+  uint32_t b1 = e1 < E ? mail_peek(mail + e1) : 0u;
   while (b0 == kMailEmpty || b1 == kMailEmpty) {
-    if (b0 == kMailEmpty) b0 = router_mail_peek(mail + e0);
-    if (b1 == kMailEmpty) b1 = router_mail_peek(mail + e1);
+    if (b0 == kMailEmpty) b0 = mail_peek(mail + e0);
+    if (b1 == kMailEmpty) b1 = mail_peek(mail + e1);
   }
-  if (e0 < E) router_mail_store(mail + e0, kMailEmpty);
-  if (e1 < E) router_mail_store(mail + e1, kMailEmpty);
+  if (e0 < E) mail_store(mail + e0, kMailEmpty);
+  if (e1 < E) mail_store(mail + e1, kMailEmpty);
   l0 = __uint_as_float(b0);
   l1 = __uint_as_float(b1);
 }

@@ -36,7 +36,7 @@ struct RouterGateUpArgs {
   int32_t* ids;
   float* weights;
   int32_t* flag;
-  float* mailbox;     // [num_experts]: dev::router_mail_post / router_mail_take
+  float* mailbox;     // [num_experts]: dev::mail_post / router_mail_take
   bool skip_topk;     // RouterSharedGateUpParams::bench_skip_topk
   bool skip_rows[2];  // bench_skip_router_rows, bench_skip_shared_rows
 };
@@ -55,7 +55,7 @@ __device__ __forceinline__ void store_rows(const dev::GemvRows& g, int64_t block
   for (int r = 0; r < kRows; ++r) {
     const int64_t row = row0 + r;
     if (row < g.rows) y[row] = acc[r];
-    if (row < mail_rows) dev::router_mail_post(mail + row, acc[r]);
+    if (row < mail_rows) dev::mail_post(mail + row, acc[r], dev::kRouterNanPost);
   }
 }
 

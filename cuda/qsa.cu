@@ -60,6 +60,7 @@ struct Args {
   int chunk, max_chunks, gmax;
   int combine_stage;  // chunks staged per round by the sliced combine
   bool skip_select;   // QsaDecodeParams::bench_skip_select
+  bool mailbox;       // QsaDecodeParams::select_mailbox (four-launch path)
 };
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
@@ -493,6 +494,11 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   if (role == 0 && tid == 0) *a.ticket = 0;
+  if (a.mailbox) {  // the scores launch's mailbox slots [0, B) emptied for its posts
+    const int64_t nb = ok ? (t + 1) / a.ratio : 0;
+    for (int64_t i = int64_t{role} * kThreads + tid; i < nb; i += int64_t{gridDim.x} * kThreads)
+      dev::mail_store(a.scores + i, dev::kMailEmpty);
+  }
   if (!ok) return;
   if (kind == 0) {
     const float xv = tid < n ? a.proj[role * 2 * hd + tid] : 0.0f;
@@ -529,7 +535,9 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
 // indexer_scores (as qsa_scores_kernel, one warp per block, kSelectThreads per CTA) with each
 // warp's first block key loaded before the programmatic wait when an earlier step wrote it (every
 // block but the one completing now), then the select of qsa_select_kernel in the CTA that takes
-// the last arrival ticket (integer atomic after a fence; it resets the ticket for the next launch).
+// the last arrival ticket (integer atomic after a fence; it resets the ticket for the next launch)
+// or, with a.mailbox, in the grid's last CTA, which reads each score from its mailbox slot as it
+// is posted (the prep launch emptied the slots; no fence or atomic in any CTA).
 __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Args a) {
   __shared__ __align__(16) uint32_t buf[kSelectCache];  // indexer queries, then select keys
   __shared__ int s_last;
@@ -553,21 +561,31 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
     for (int64_t b = b0; b < B; b += warps) {
       if (b != b0 || !early) qsa_dev::load_block_key(a.block_keys + b * a.ihd, a.ihd, lane, kv);
       const float sc = qsa_dev::block_score_kv(qs, kv, a.ni, a.ihd, lane, scale);
-      if (lane == 0) a.scores[b] = sc;
+      if (lane == 0) {
+        if (a.mailbox)  // a -NaN with the empty bits posted as the -NaN next to it
+          dev::mail_post(a.scores + b, sc, dev::kMailEmpty - 1u);
+        else
+          a.scores[b] = sc;
+      }
     }
   }
-  // The CTA's scores are written (and its queries in buf no longer read) at the barrier; thread
-  // 0's fence (cumulative over what the barrier ordered before it) then publishes them before
-  // its ticket, and the last CTA's fence after its ticket orders its reads after all of them.
-  __syncthreads();
-  if (tid == 0) {
+  if (a.mailbox) {
+    if (blockIdx.x + 1u != gridDim.x) return;  // uniform over the CTA
+    __syncthreads();                           // its queries in buf no longer read
+  } else {
+    // The CTA's scores are written (and its queries in buf no longer read) at the barrier;
+    // thread 0's fence (cumulative over what the barrier ordered before it) then publishes them
+    // before its ticket, and the last CTA's fence after its ticket orders its reads after all.
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      s_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
     __threadfence();
-    s_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
+    if (tid == 0) *a.ticket = 0;
   }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (tid == 0) *a.ticket = 0;
   if (!ok) {
     if (tid < 4) a.counters[tid] = 0;
     return;
@@ -590,7 +608,10 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
     return;
   }
   if (a.skip_select) return;
-  qsa_dev::select_top_blocks_cg(a.scores, Bi, k, a.selected, buf);
+  if (a.mailbox)
+    qsa_dev::select_top_blocks_cg<true>(a.scores, Bi, k, a.selected, buf);
+  else
+    qsa_dev::select_top_blocks_cg<false>(a.scores, Bi, k, a.selected, buf);
 }
 
 constexpr int kCombineSlice = 32;  // head dims per sliced-combine CTA (one warp of chains)
@@ -799,6 +820,7 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
       (kSmemLimit - 256 - 2 * int64_t{w.max_chunks} * 4) / (kCombineSlice * 4);
   a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
   a.skip_select = p.bench_skip_select;
+  a.mailbox = p.select_mailbox && !p.five_launch_path;
 
   a.ticket = reinterpret_cast<int*>(ws + w.ticket);
   const int64_t max_blocks = p.ctx_size / p.ratio;

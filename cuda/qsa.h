@@ -74,6 +74,11 @@ struct QsaDecodeParams {
   /// Knockout benchmarks only (StepLaunch::QsaSelect; four-launch path): the scores launch's last
   /// CTA skips the top-k block select, so the previous selection stays. false in production.
   bool bench_skip_select = false;
+  /// Four-launch path: the select CTA (the scores launch's last) takes each block score from a
+  /// mailbox slot as it is posted (the prep launch empties the slots [0, B) every step) instead
+  /// of the last-arriving CTA after an arrival ticket (two fences and an atomic per CTA). The
+  /// same bits. false: the ticket (A/B benches and tests).
+  bool select_mailbox = true;
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the
@@ -111,7 +116,8 @@ size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
 /// steps loaded before the wait) whose last CTA runs the top-k block select (radix select on the
 /// scores, ties to the lower block index), chunked attention (FP32 partial softmax per chunk of
 /// selected tokens) and a fixed-order combine with the sigmoid gate -> BF16 split over head-dim
-/// slices. Deterministic (no float atomics; the one integer ticket only picks the select CTA),
+/// slices. Deterministic (no float atomics; the integer ticket, when select_mailbox is off, only
+/// picks the select CTA),
 /// graph-capturable. params.five_launch_path runs the previous five-kernel sequence (same bits).
 /// Throws fn::Error(Internal) on null pointers, bad shapes (including more than 16 local q heads
 /// per local KV head), a q head mapped outside the local KV heads or a misaligned workspace;

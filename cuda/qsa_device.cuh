@@ -256,10 +256,13 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
 }
 
 // select_top_blocks with the same result (the same threshold key T and tie rule, so the same
-// blocks in the same order) for a CTA that reaches it after other CTAs wrote `scores` (read
-// through L2 with ld.global.cg after the caller's fence), with the keys of the first
-// kQsaSelectCache blocks in the caller's shared array `keys` (kQsaSelectCache words).
-// Every thread of a kQsaSelectThreads CTA must call it.
+// blocks in the same order) for a CTA that reaches it after other CTAs wrote `scores`, with the
+// keys of the first kQsaSelectCache blocks in the caller's shared array `keys` (kQsaSelectCache
+// words). kMail false: the scores are read through L2 (ld.global.cg) after the caller's fence;
+// true: `scores` is a mailbox (device_util.cuh) whose slots [0, B) other CTAs of the grid post,
+// each read until posted (the slots stay posted). Every thread of a kQsaSelectThreads CTA must
+// call it.
+template <bool kMail>
 __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, int* selected,
                                             uint32_t* keys) {
   __shared__ unsigned hist[256];
@@ -274,16 +277,22 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
 #pragma unroll
     for (int r = 0; r < kPer; ++r) {
       const int i = tid + r * kQsaSelectThreads;
-      v[r] = i < cached ? __ldcg(scores + i) : 0.0f;
+      v[r] = i < cached ? (kMail ? dev::mail_wait(scores + i) : __ldcg(scores + i)) : 0.0f;
     }
 #pragma unroll
     for (int r = 0; r < kPer; ++r) {
       const int i = tid + r * kQsaSelectThreads;
       if (i < cached) keys[i] = order_key(v[r]);
     }
+    // Past the cache (B > kQsaSelectCache): each slot posted before any thread reads it below.
+    if (kMail)
+      for (int i = kQsaSelectCache + tid; i < B; i += kQsaSelectThreads) dev::mail_wait(scores + i);
   }
   __syncthreads();
-  auto key = [&](int i) { return i < kQsaSelectCache ? keys[i] : order_key(__ldcg(scores + i)); };
+  auto key = [&](int i) {
+    if (i < kQsaSelectCache) return keys[i];
+    return order_key(kMail ? __uint_as_float(dev::mail_peek(scores + i)) : __ldcg(scores + i));
+  };
   uint32_t prefix = 0, mask = 0;
   int remaining = k;
   for (int shift = 24; shift >= 0; shift -= 8) {

@@ -626,11 +626,12 @@ void check_paths_equal(Gpu& f, Gpu& l, int64_t t) {
 
 // Runs both paths step by step on identical state and compares them after every step.
 void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t period,
-                   bool forced = false, int split = 0) {
-  INFO("attention head split ", split);
+                   bool forced = false, int split = 0, bool mailbox = true) {
+  INFO("attention head split ", split, ", select mailbox ", mailbox);
   Gpu f(s, 51), l(s, 51);
   l.p.five_launch_path = true;
   f.p.attn_head_split = split;
+  f.p.select_mailbox = mailbox;
   std::mt19937_64 r1(17), r2(17);
   if (period > 0) {
     prefill(f, r1, period);
@@ -662,8 +663,10 @@ void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t perio
 TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, tiny shapes") {
   std::vector<int64_t> ts;
   for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);  // 45 = ctx: out NaN, nothing written
-  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3})
+  for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
     for (int split : {0, 1, 2, 4}) compare_paths(s, ts, 0, false, split);
+    compare_paths(s, ts, 0, false, 0, false);  // the select after the arrival ticket
+  }
 }
 
 // Small enough for compute-sanitizer racecheck: every kernel of both paths, the radix select
@@ -672,6 +675,7 @@ TEST_CASE("cuda qsa: sanitizer case: g3_tiny TP=1 paths equal over t = 0..45, sp
   std::vector<int64_t> ts;
   for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);
   for (int split : {0, 1}) compare_paths(kG3Tp1, ts, 0, false, split);
+  compare_paths(kG3Tp1, ts, 0, false, 0, false);
 }
 
 TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, real shapes") {
@@ -680,6 +684,9 @@ TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, r
   compare_paths(real_tp2r1(8192), {2050, 2051, 8190, 8191}, 1 << 20);
   // Exact ties everywhere (period 64) and B = 10000 past the select's on-chip keys.
   compare_paths(real_tp2r1(40000), {39999, 39998}, 64);
+  // The select after the arrival ticket (select_mailbox false) at the same points.
+  compare_paths(real_tp1(8192), {0, 2047, 2051, 8191, 8192}, 700, false, 0, false);
+  compare_paths(real_tp2r1(40000), {39999}, 64, false, 0, false);
   // A reference's forced choice replayed.
   compare_paths(real_tp1(8192), {8191}, 700, true);
   // Every split of the 12 query heads of a KV head over attention CTAs.

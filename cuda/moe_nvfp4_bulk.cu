@@ -65,7 +65,7 @@ constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
 // of the down kernel's pre-wait loads. A share with fewer chunks gets as many stages as chunks.
 constexpr int kMaxStages = 6;
 constexpr int kMaxBulkTopK = 64;  // selected experts the gate+up CTA keeps in shared memory
-constexpr int kPairs = 8;  // row pairs per chunk: one m16 tile
+constexpr int kPairs = 8;         // row pairs per chunk: one m16 tile
 
 struct BulkGateUpArgs {
   const uint8_t* packed;
@@ -627,8 +627,8 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
   a.loads_only = p.bench_loads_only;
-  FN_LAUNCH_REQUIRE(p.ids_ready == nullptr || (p.position != nullptr && p.layer >= 0 && p.layer <= 255),
-                    kOp);
+  FN_LAUNCH_REQUIRE(
+      p.ids_ready == nullptr || (p.position != nullptr && p.layer >= 0 && p.layer <= 255), kOp);
   a.ids_ready = p.ids_ready;
   a.position = p.position;
   a.layer = p.layer;

@@ -36,12 +36,12 @@ struct RouterGateUpArgs {
   int32_t* ids;
   float* weights;
   int32_t* flag;
-  float* mailbox;     // [num_experts]: dev::mail_post / router_mail_take
-  uint32_t* ids_ready;        // RouterSharedGateUpParams::ids_ready (nullptr: off)
-  const int64_t* position;    // with ids_ready
-  int layer;                  // with ids_ready
-  bool skip_topk;     // RouterSharedGateUpParams::bench_skip_topk
-  bool skip_rows[2];  // bench_skip_router_rows, bench_skip_shared_rows
+  float* mailbox;           // [num_experts]: dev::mail_post / router_mail_take
+  uint32_t* ids_ready;      // RouterSharedGateUpParams::ids_ready (nullptr: off)
+  const int64_t* position;  // with ids_ready
+  int layer;                // with ids_ready
+  bool skip_topk;           // RouterSharedGateUpParams::bench_skip_topk
+  bool skip_rows[2];        // bench_skip_router_rows, bench_skip_shared_rows
 };
 
 // The team's rows of segment g into y; rows below `mail_rows` (the router's experts; 0 for the
@@ -181,10 +181,10 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   FN_LAUNCH_REQUIRE(
       aligned(p.x, 16) && aligned(p.router_weight, 16) && aligned(p.gate_up_weight, 16), kOp);
   // A launch that waits on ids_ready needs the post: no knockout may skip the top-k.
-  FN_LAUNCH_REQUIRE(p.ids_ready == nullptr || (p.position != nullptr && p.layer >= 0 &&
-                                               p.layer <= 255 && !p.bench_skip_topk &&
-                                               !p.bench_skip_router_rows),
-                    kOp);
+  FN_LAUNCH_REQUIRE(
+      p.ids_ready == nullptr || (p.position != nullptr && p.layer >= 0 && p.layer <= 255 &&
+                                 !p.bench_skip_topk && !p.bench_skip_router_rows),
+      kOp);
   const int sm = detail::current_sm_count();
   const int64_t rows[2] = {p.num_experts + int64_t{1}, 2 * p.inter};
   const uint16_t* weight[2] = {p.router_weight, p.gate_up_weight};

@@ -159,8 +159,8 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
         auto m = fn::CudaModel::load(f.dir, stop_o);
         for (std::size_t i = 0; i + 1 < P; ++i) m->forward(f.prompt_ids[i]);
         int64_t seen = 0;
-        const std::vector<int32_t> head = m->decode(f.prompt_ids[P - 1], steps, greedy, 0,
-                                                    [&](int32_t) { return seen++ < k; });
+        const std::vector<int32_t> head =
+            m->decode(f.prompt_ids[P - 1], steps, greedy, 0, [&](int32_t) { return seen++ < k; });
         REQUIRE(static_cast<int64_t>(head.size()) == k + 1);
         CHECK(std::equal(head.begin(), head.end(), host.begin()));
         const int64_t fed = lookahead ? k + 2 : k + 1;  // decode steps that ran

@@ -219,8 +219,7 @@ struct GateUpOut {
 // that already holds early_epoch, as the router launch would have posted it.
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
                       const std::vector<float>& x, int team, bool mma, bool bulk = false,
-                      const fn::Nvfp4Experts* down_prefetch = nullptr,
-                      int64_t early_epoch = -1) {
+                      const fn::Nvfp4Experts* down_prefetch = nullptr, int64_t early_epoch = -1) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));

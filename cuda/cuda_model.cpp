@@ -1448,9 +1448,11 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
     out.push_back(id);
     fed = id;
     if (on_token && !on_token(id)) {
-      // The step queued ahead has fed the stop id: it counts (its id is dropped).
+      // The step queued ahead has fed the stop id: it counts (its id is dropped). Not waited
+      // for: later work on the stream follows it, and its error flag stays set for the next
+      // step's check.
       if (queued > taken) {
-        take(taken, fed);
+        ++position_;
         ++taken;
       }
       break;

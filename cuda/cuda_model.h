@@ -98,7 +98,8 @@ struct CudaModelOptions {
   /// decode() queues step i + 1's graph before it waits for step i's id (the id stays on the
   /// device), so the GPU does not idle while the host wakes, takes the id and launches again.
   /// When on_token stops early the step queued ahead has already fed the stop id: it counts in
-  /// position() (its own id is dropped). false: one step at a time (A/B benches).
+  /// position() (its own id is dropped) and decode() returns without waiting for it (a fault in
+  /// it is reported by the next step's check). false: one step at a time (A/B benches).
   bool decode_lookahead = true;
   /// The QSA select takes the block scores from mailbox slots as they are posted
   /// (QsaDecodeParams::select_mailbox) instead of after an arrival ticket. The same bits. false:

@@ -632,7 +632,6 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   weight_bytes = arena.held() - arena.state_held();
   router_mailbox = arena.state_n<float>(E, "router mailbox");
   router_ready = arena.state_n<uint32_t>(1, "router ids epoch");
-  gate_up_done = arena.state_n<uint32_t>(1, "routed gate+up CTA count");
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -823,11 +822,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
   const bool early_ids = o.router_early_ids && fused_shared && moe_bulk_gu &&
                          forced_router == nullptr && choice_log == nullptr &&
                          o.bench_empty_launches == 0 && c.num_hidden_layers <= 256;
-  // The routed down (FP32 kernel) waits for the gate+up's CTA count instead of its completion
-  // (CudaModelOptions::gate_up_early_h); the fused shared-down launch zeroes the count.
-  const bool early_h = o.gate_up_early_h && fused_shared && moe_bulk_gu && !moe_bulk_dn &&
-                       on(StepLaunch::ExpertsGateUp) && on(StepLaunch::ExpertsDown) &&
-                       on(StepLaunch::SharedDown);
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -1020,12 +1014,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     dn.bulk = moe_bulk_dn;
     dn.bench_skip_math = !on(StepLaunch::DownMath);
     if (on(StepLaunch::ExpertsGateUp)) launch_moe_gate_up_nvfp4(gu, s);
-    if (early_h) {
-      gu.done_count = gate_up_done;
-      dn.h_ready = gate_up_done;
-      dn.h_ready_count =
-          static_cast<uint32_t>(moe_gate_up_bulk_ctas(static_cast<int>(k), rd.moe_inter, D));
-    }
     dn.fixed_shape = fixed(FixedShapeKernel::ExpertsDown);
     if (on(StepLaunch::ExpertsDown)) launch_moe_down_nvfp4(dn, s);
     mark(StepFamily::SharedExpert);
@@ -1046,7 +1034,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
                                static_cast<uint64_t>(o.in_proj_prefetch_mb) << 20);
         sd.l2_prefetch.add(w, bytes / 16 * 16);
       }
-      if (early_h) sd.reset_count = gate_up_done;
       if (on(StepLaunch::SharedDown)) launch_shared_down_combine(sd, s);
     } else {
       launch_gemv_bf16(mo.s_gate_up, 2 * Is_l, D, m, DType::F32, sgu, DType::F32, s);

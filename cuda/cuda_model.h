@@ -109,10 +109,6 @@ struct CudaModelOptions {
   /// block posts them (MoeGateUpParams::ids_ready) instead of after the router launch completes.
   /// The same bits. false: the programmatic wait (A/B benches).
   bool router_early_ids = true;
-  /// The routed down (FP32 kernel) starts on h once every routed gate+up CTA has counted its
-  /// rows in (MoeDownParams::h_ready) instead of after the gate+up launch completes. The same
-  /// bits. false: the programmatic wait (A/B benches).
-  bool gate_up_early_h = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

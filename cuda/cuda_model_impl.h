@@ -251,7 +251,6 @@ struct CudaModel::Impl {
   int32_t* error_flag = nullptr;
   float* router_mailbox = nullptr;   // launch_router_shared_gate_up's mailbox (empty: reset_state)
   uint32_t* router_ready = nullptr;  // RouterSharedGateUpParams::ids_ready (0: reset_state)
-  uint32_t* gate_up_done = nullptr;  // MoeGateUpParams::done_count (0: reset_state, shared down)
   int64_t* sample_step = nullptr;
   float* residuals = nullptr;        // [2 * layers, W] (keep_residuals)
   int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)

@@ -191,25 +191,4 @@ __device__ __forceinline__ void epoch_wait(const uint32_t* word, uint32_t epoch)
   } while (v != epoch);
 }
 
-// ---- Arrival counts (issue 8) ---------------------------------------------------------------
-// Every block of a launch adds 1 to a device word once its results are stored (a release
-// reduction: no round trip, the block does not wait for it); a block of the next launch waits
-// until the word reaches the launch's block count instead of for the grid's completion. A later
-// launch that runs only after every waiter has passed (its programmatic wait covers them) zeroes
-// the word for the next use.
-
-/// *word += 1 (release, gpu scope; cumulative over the stores the caller's block ordered before
-/// it with a barrier).
-__device__ __forceinline__ void count_post(uint32_t* word) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(word) : "memory");
-}
-
-/// Reads *word (acquire, gpu scope) until it is >= target. The posters must be resident or done.
-__device__ __forceinline__ void count_wait(const uint32_t* word, uint32_t target) {
-  uint32_t v;
-  do {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
-  } while (v < target);
-}
-
 }  // namespace fn::dev

@@ -142,8 +142,7 @@ struct Stage {
   static constexpr int kStride = kCodes + 4;  // floats per unit
   /// Shared-memory bytes of n staged values (n a multiple of kCodes).
   static constexpr int64_t bytes(int64_t n) { return n / kCodes * kStride * 4; }
-  // Every thread of the block calls it: n BF16 values (a multiple of 16; src 16-byte aligned),
-  // read through L2 (an earlier launch may still be running: MoeDownParams::h_ready).
+  // Every thread of the block calls it: n BF16 values (a multiple of 16; src 16-byte aligned).
   // Each thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch
   // block-wide passes instead of one per pass; the same values land in the same slots).
   template <int kBatch>
@@ -155,7 +154,7 @@ struct Stage {
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int i = i0 + b * kBlockThreads;
-        q[b] = i < nv ? __ldcg(v + i) : make_uint4(0, 0, 0, 0);
+        q[b] = i < nv ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
@@ -331,9 +330,7 @@ struct DownArgs {
   bool accumulate;
   float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
-  bool skip_math;           // MoeDownParams::bench_skip_math
-  const uint32_t* h_ready;  // MoeDownParams::h_ready (nullptr: the programmatic wait)
-  uint32_t h_ready_count;
+  bool skip_math;  // MoeDownParams::bench_skip_math
 };
 
 // One team per output row d: lane l takes the flattened (expert j, unit v) indices
@@ -382,14 +379,8 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
       s[n] = live[n] ? U::scales(a.scales + row * (inter / 16), v) : 0u;
       f[n] = live[n] ? __ldcg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
     }
-    if (n0 == 0) {                 // every thread: the loop runs at least once for all
-      if (a.h_ready != nullptr) {  // h counted in by the gate+up's CTAs (thread 0 acquires)
-        if (threadIdx.x == 0) dev::count_wait(a.h_ready, a.h_ready_count);
-        __syncthreads();
-        dev::pdl_launch_dependents();
-      } else {
-        dev::pdl_begin();
-      }
+    if (n0 == 0) {  // every thread: the loop runs at least once for all
+      dev::pdl_begin();
       Stage<kNarrow>::template fill<4>(a.h, top_k * inter, stage);  // 10 x 640: one batch
       __syncthreads();
     }
@@ -399,8 +390,6 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
         acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
-  // With h_ready the gate+up launch may still be finishing: this grid completes only after it.
-  if (a.h_ready != nullptr && threadIdx.x == 0) dev::pdl_wait();
   if (lane != 0 || !in_range) return;
   const float v = acc[0] * kUnscale;
   a.y[d] = a.accumulate ? a.y[d] + v : v;
@@ -764,11 +753,6 @@ bool moe_gate_up_bulk_supported(int top_k, int64_t intermediate, int64_t hidden)
          detail::bulk_gate_up_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
 }
 
-int moe_gate_up_bulk_ctas(int top_k, int64_t intermediate, int64_t hidden) {
-  (void)hidden;
-  return detail::bulk_gate_up_ctas(top_k, intermediate, detail::current_sm_count());
-}
-
 bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
   return detail::current_device_has_pdl() &&
          detail::bulk_down_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
@@ -892,8 +876,6 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
     FN_CUDA_LAUNCH_CHECK("moe_down_mma_kernel");
     return;
   }
-  a.h_ready = p.h_ready;  // the FP32 kernel only
-  a.h_ready_count = p.h_ready_count;
   const int64_t n = p.experts.cols * p.top_k;
   const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
   const bool fixed = p.fixed_shape && !narrow && p.top_k == kFixedTopK &&

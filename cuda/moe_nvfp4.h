@@ -95,17 +95,7 @@ struct MoeGateUpParams {
   const uint32_t* ids_ready = nullptr;
   const int64_t* position = nullptr;
   int layer = 0;
-  /// Bulk kernel only, optional (nullptr: off): every CTA adds 1 to this device word once its h
-  /// rows are stored (dev::count_post), for a down launch that waits on it
-  /// (MoeDownParams::h_ready). The word must be 0 before the launch (a later launch zeroes it:
-  /// SharedDownCombineParams::reset_count).
-  uint32_t* done_count = nullptr;
 };
-
-/// CTAs of the bulk gate+up launch for top_k experts of [2 * intermediate, hidden] on the current
-/// device (what MoeGateUpParams::done_count reaches). Throws fn::Error(Cuda) when a device query
-/// fails.
-int moe_gate_up_bulk_ctas(int top_k, int64_t intermediate, int64_t hidden);
 
 /// Down projection summed over the selected experts:
 ///   y[d] (+)= sum_{j < top_k, in order} routing_weights[j] * gs[e_j] * (W_down[e_j] h[j, :])[d]
@@ -137,13 +127,6 @@ struct MoeDownParams {
   /// 10, cols 640, 32-lane teams); false: always the runtime-shape instance (A/B benches and
   /// tests). The same bits either way.
   bool fixed_shape = true;
-  /// FP32 kernel only, optional (nullptr: off; the other kernels ignore it): the gate+up launch
-  /// just before this one counts its CTAs into this word as their h rows are stored
-  /// (MoeGateUpParams::done_count); this launch's blocks wait until it reaches h_ready_count
-  /// instead of for that launch's completion, and for the completion only before they exit.
-  /// The gate+up launch must post that many, or this one never ends.
-  const uint32_t* h_ready = nullptr;
-  uint32_t h_ready_count = 0;
 };
 
 /// Launches gate+up+SwiGLU on `stream`. Throws fn::Error(Internal) on null pointers, cols not a

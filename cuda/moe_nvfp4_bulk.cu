@@ -96,7 +96,6 @@ struct BulkGateUpArgs {
   const uint32_t* ids_ready;
   const int64_t* position;
   int layer;
-  uint32_t* done_count;  // MoeGateUpParams::done_count (nullptr: none)
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -384,13 +383,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
     nvfp4_mma::store_gate_up(sum_g, sum_u, e, ok, a.global_scale, j, i, a.inter, a.h,
                              a.gate_up_out);
   }
-  if (a.done_count != nullptr) {  // this CTA's h rows are stored: count it in for the down
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      dev::count_post(a.done_count);
-    }
-  }
   // With ids_ready the router launch may still be finishing: this grid completes only after it
   // (the next launch's programmatic wait then covers both, as the chain of cuda/pdl.cuh needs).
   if (early && threadIdx.x == 0) dev::pdl_wait();
@@ -640,7 +632,6 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.ids_ready = p.ids_ready;
   a.position = p.position;
   a.layer = p.layer;
-  a.done_count = p.done_count;
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(g.smem)));

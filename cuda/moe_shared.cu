@@ -136,7 +136,7 @@ struct SwigluXShared {
 template <int kRows>
 __global__ void __launch_bounds__(kDownBlockThreads)
     shared_down_combine_kernel(dev::GemvRows g, const float* gate_up, const float* gate_logit,
-                               float* y, L2Prefetch prefetch, uint32_t* reset_count) {
+                               float* y, L2Prefetch prefetch) {
   extern __shared__ float4 h_smem[];
   float acc[kRows];
   int lane = 0;
@@ -147,7 +147,6 @@ __global__ void __launch_bounds__(kDownBlockThreads)
   if (threadIdx.x == 0) dev::l2_prefetch_part(prefetch, blockIdx.x, gridDim.x);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  if (reset_count != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *reset_count = 0;
   // After the wait: y is the routed experts' output.
   if (lane != 0) return;
   const float gamma = dev::sigmoid_2branch(*gate_logit);
@@ -265,15 +264,15 @@ void launch_shared_down_combine(const SharedDownCombineParams& p, cudaStream_t s
   switch (plan.rows_per_team) {
     case 4:
       launch_pdl(kName, shared_down_combine_kernel<4>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.l2_prefetch, p.reset_count);
+                 p.gate_logit, p.y, p.l2_prefetch);
       break;
     case 2:
       launch_pdl(kName, shared_down_combine_kernel<2>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.l2_prefetch, p.reset_count);
+                 p.gate_logit, p.y, p.l2_prefetch);
       break;
     default:
       launch_pdl(kName, shared_down_combine_kernel<1>, grid, block, smem, stream, g, p.gate_up,
-                 p.gate_logit, p.y, p.l2_prefetch, p.reset_count);
+                 p.gate_logit, p.y, p.l2_prefetch);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("shared_down_combine_kernel");

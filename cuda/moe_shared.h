@@ -89,10 +89,6 @@ struct SharedDownCombineParams {
   /// block issues its part once the block's rows are done, before the programmatic wait. Empty
   /// by default; changes no result.
   L2Prefetch l2_prefetch{};
-  /// Optional (nullptr: none): a device word this launch zeroes after its programmatic wait, when
-  /// every block of the launches before it has passed (the routed gate+up's
-  /// MoeGateUpParams::done_count, so that the next layer counts from 0).
-  uint32_t* reset_count = nullptr;
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and

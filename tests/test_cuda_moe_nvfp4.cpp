@@ -287,7 +287,7 @@ void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
 std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& ids,
                             const std::vector<float>& rw, const std::vector<float>& h, int team,
                             const std::vector<float>* y0, bool mma, bool bulk = false,
-                            bool fixed_shape = true, uint32_t h_ready_count = 0) {
+                            bool fixed_shape = true) {
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<float> d_rw(rw);
   DeviceArray<uint16_t> d_h(to_bf16(h));
@@ -308,13 +308,6 @@ std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& 
   p.mma = mma;
   p.bulk = bulk;
   p.fixed_shape = fixed_shape;
-  // h_ready_count > 0: the launch waits on a count word that already holds it, as the gate+up's
-  // CTAs would have left it (MoeDownParams::h_ready).
-  DeviceArray<uint32_t> count(std::vector<uint32_t>{h_ready_count});
-  if (h_ready_count > 0) {
-    p.h_ready = count.ptr;
-    p.h_ready_count = h_ready_count;
-  }
   fn::launch_moe_down_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   return d_y.download();
@@ -658,13 +651,6 @@ TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1, 2 and 4
           const auto rt = run_down(dw, ids, rw, h, 0, init, false, false, false);
           CHECK_MESSAGE(std::memcmp(rt.data(), got.data(), got.size() * 4) == 0,
                         "runtime-shape instance I ", inter, " accumulate ", init != nullptr);
-          // h taken on the gate+up's CTA count (h_ready) instead of after the programmatic wait,
-          // both instances: the same bits.
-          for (const bool fixed : {true, false}) {
-            const auto counted = run_down(dw, ids, rw, h, 0, init, false, false, fixed, 132);
-            CHECK_MESSAGE(std::memcmp(counted.data(), got.data(), got.size() * 4) == 0,
-                          "h_ready I ", inter, " fixed ", fixed);
-          }
         }
         // Information only: the worst error against the FP32 kernel's (tighter) bound.
         const int t32 = fn::plan_moe_down_team(10, inter, 2560, sm_count(), false);

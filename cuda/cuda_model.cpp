@@ -708,6 +708,7 @@ void CudaModel::Impl::reset_state(const ModelConfig& c) {
   FN_CUDA_CHECK(cudaMemsetAsync(sample_step, 0, sizeof(int64_t), stream));
   FN_CUDA_CHECK(cudaMemsetAsync(error_flag, 0, sizeof(int32_t), stream));
   router_mailbox_init(router_mailbox, c.num_experts, stream);
+  FN_CUDA_CHECK(cudaMemsetAsync(router_ready, 0, sizeof(uint32_t), stream));
   FN_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 

@@ -183,12 +183,15 @@ __device__ __forceinline__ void epoch_post(uint32_t* word, uint32_t epoch) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(word), "r"(epoch) : "memory");
 }
 
-/// Reads *word (acquire, gpu scope) until it holds `epoch`. The poster must be resident or done.
+/// Reads *word until it holds `epoch`, then fences (acquire, gpu scope). The poll itself is
+/// relaxed: an acquire load on sm_70+ also invalidates the SM's L1 each time, which slowed the
+/// launch still running beside the pollers. The poster must be resident or done.
 __device__ __forceinline__ void epoch_wait(const uint32_t* word, uint32_t epoch) {
   uint32_t v;
   do {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
   } while (v != epoch);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 }  // namespace fn::dev

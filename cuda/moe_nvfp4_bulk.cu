@@ -255,8 +255,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   __syncthreads();
   // Every weight address depends on the router's expert ids: nothing is read before the
   // programmatic-dependent wait (cuda/pdl.cuh), or, with ids_ready, before the router launch's
-  // top-k block has posted this layer's epoch (thread 0 reads it with acquire, the barrier then
-  // orders every thread's reads after it). x is the HC read's output, two launches back.
+  // top-k block has posted this layer's epoch (thread 0 polls it, then fences: acquire; the barrier
+  // then orders every thread's reads after it). x is the HC read's output, two launches back,
+  // complete before this grid started (read-only for its lifetime: __ldg); the ids are not (L2
+  // reads).
   const bool early = a.ids_ready != nullptr;
   if (early) {
     if (threadIdx.x == 0)
@@ -322,8 +324,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       for (int wi = 0; wi < 4; ++wi) {
         uint4 q = make_uint4(0, 0, 0, 0);
         if (ug < ngroups)
-          q = __ldcg(reinterpret_cast<const uint4*>(a.x + 32 * (4 * group_of(ug, g, ngroups) + t) +
-                                                    8 * wi));
+          q = __ldg(reinterpret_cast<const uint4*>(a.x + 32 * (4 * group_of(ug, g, ngroups) + t) +
+                                                   8 * wi));
         xr[r][wi] = nvfp4_mma::permute_word(q);
       }
     }

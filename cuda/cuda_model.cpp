@@ -631,7 +631,6 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
   }
   weight_bytes = arena.held() - arena.state_held();
   router_mailbox = arena.state_n<float>(E, "router mailbox");
-  router_ready = arena.state_n<uint32_t>(1, "router ids epoch");
 
   // Activations and step scalars.
   Carver sizing(nullptr);
@@ -708,7 +707,6 @@ void CudaModel::Impl::reset_state(const ModelConfig& c) {
   FN_CUDA_CHECK(cudaMemsetAsync(sample_step, 0, sizeof(int64_t), stream));
   FN_CUDA_CHECK(cudaMemsetAsync(error_flag, 0, sizeof(int32_t), stream));
   router_mailbox_init(router_mailbox, c.num_experts, stream);
-  FN_CUDA_CHECK(cudaMemsetAsync(router_ready, 0, sizeof(uint32_t), stream));
   FN_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
@@ -817,12 +815,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       o.moe_bulk && moe_gate_up_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
   const bool moe_bulk_dn =
       o.moe_bulk_down && moe_down_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
-  // The routed gate+up waits for the router's posted ids instead of its completion
-  // (CudaModelOptions::router_early_ids): fused router launch, bulk gate+up, and nothing that
-  // rewrites or copies the ids (a forced choice, the choice log) or runs between the two.
-  const bool early_ids = o.router_early_ids && fused_shared && moe_bulk_gu &&
-                         forced_router == nullptr && choice_log == nullptr &&
-                         o.bench_empty_launches == 0 && c.num_hidden_layers <= 256;
   auto inject = [&]() {
     pending = true;
     pending_slot = n_injects++;
@@ -949,14 +941,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       rs.bench_skip_router_rows = !on(StepLaunch::RouterRows);
       rs.bench_skip_shared_rows = !on(StepLaunch::RouterSharedRows);
       rs.fixed_shape = fixed(FixedShapeKernel::Router);
-      // The routed gate+up starts on the ids as the top-k block posts them (bulk kernel; not
-      // when a forced choice, a choice log, empty launches or a knockout sits between).
-      if (early_ids && on(StepLaunch::Router) && on(StepLaunch::RouterTopK) &&
-          on(StepLaunch::RouterRows) && on(StepLaunch::ExpertsGateUp)) {
-        rs.ids_ready = router_ready;
-        rs.position = position;
-        rs.layer = static_cast<int>(layer_index);
-      }
       if (on(StepLaunch::Router)) launch_router_shared_gate_up(rs, s);
     } else {
       launch_gemv_bf16(mo.router, E + 1, D, m, DType::F32, rl, DType::F32, s);
@@ -995,12 +979,6 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     gu.h = h;
     gu.bulk = moe_bulk_gu;
     gu.bench_loads_only = !on(StepLaunch::GateUpMath);
-    if (fused_shared && early_ids && on(StepLaunch::Router) && on(StepLaunch::RouterTopK) &&
-        on(StepLaunch::RouterRows)) {
-      gu.ids_ready = router_ready;  // RouterSharedGateUpParams::ids_ready above
-      gu.position = position;
-      gu.layer = static_cast<int>(layer_index - 1);
-    }
     prefetch_hc(gu.l2_prefetch, next_hc, o.l2_prefetch);  // the next HC read
     if ((o.l2_prefetch & 4) != 0)                         // the shared expert's down matrix
       gu.l2_prefetch.add(mo.s_down, static_cast<uint64_t>(D) * Is_l * sizeof(uint16_t));
@@ -1190,8 +1168,6 @@ void CudaModel::set_position_for_benchmark(int64_t position) {
              "benchmark position {} is outside the context [0, {})", position, opt_.ctx_size);
   FN_CUDA_CHECK(cudaMemcpyAsync(impl_->position, &position, sizeof(int64_t), cudaMemcpyHostToDevice,
                                 impl_->stream));
-  // A position may repeat now: the router's posted epoch must not match a later step's.
-  FN_CUDA_CHECK(cudaMemsetAsync(impl_->router_ready, 0, sizeof(uint32_t), impl_->stream));
   FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
   position_ = position;
 }

@@ -105,10 +105,6 @@ struct CudaModelOptions {
   /// (QsaDecodeParams::select_mailbox) instead of after an arrival ticket. The same bits. false:
   /// the ticket (A/B benches).
   bool qsa_select_mailbox = true;
-  /// The routed gate+up (bulk kernel) starts on the router's expert ids as soon as its top-k
-  /// block posts them (MoeGateUpParams::ids_ready) instead of after the router launch completes.
-  /// The same bits. false: the programmatic wait (A/B benches).
-  bool router_early_ids = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -249,8 +249,7 @@ struct CudaModel::Impl {
   int64_t* position = nullptr;  // device: its position
   int64_t* context = nullptr;   // device [ngram_size - 1]
   int32_t* error_flag = nullptr;
-  float* router_mailbox = nullptr;   // launch_router_shared_gate_up's mailbox (empty: reset_state)
-  uint32_t* router_ready = nullptr;  // RouterSharedGateUpParams::ids_ready (0: reset_state)
+  float* router_mailbox = nullptr;  // launch_router_shared_gate_up's mailbox (empty: reset_state)
   int64_t* sample_step = nullptr;
   float* residuals = nullptr;        // [2 * layers, W] (keep_residuals)
   int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)

@@ -165,33 +165,4 @@ __device__ __forceinline__ float mail_wait(const float* slot) {
   return __uint_as_float(b);
 }
 
-// ---- Step epochs (issue 8) ----------------------------------------------------------------
-// A launch hands a result to the next launch before it completes: it stores the step's epoch for
-// that layer into a device word (release) once the result is stored, and the next launch's
-// blocks wait for that value (acquire) instead of for the grid's completion. The epoch differs
-// for every (position, layer) pair of positions below 2^24, so a word left by an earlier layer or
-// step never matches; the owner zeroes it whenever the position may repeat (reset).
-
-/// The epoch of layer `layer` (0..255) at position t: t * 256 + layer + 1 (never 0).
-__device__ __forceinline__ uint32_t step_epoch(int64_t t, int layer) {
-  return static_cast<uint32_t>(t) * 256u + static_cast<uint32_t>(layer) + 1u;
-}
-
-/// Stores `epoch` into *word (release, gpu scope: every store ordered before it is visible to a
-/// block that reads the value with epoch_wait).
-__device__ __forceinline__ void epoch_post(uint32_t* word, uint32_t epoch) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(word), "r"(epoch) : "memory");
-}
-
-/// Reads *word until it holds `epoch`, then fences (acquire, gpu scope). The poll itself is
-/// relaxed: an acquire load on sm_70+ also invalidates the SM's L1 each time, which slowed the
-/// launch still running beside the pollers. The poster must be resident or done.
-__device__ __forceinline__ void epoch_wait(const uint32_t* word, uint32_t epoch) {
-  uint32_t v;
-  do {
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
-  } while (v != epoch);
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
-}
-
 }  // namespace fn::dev

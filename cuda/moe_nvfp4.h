@@ -84,17 +84,6 @@ struct MoeGateUpParams {
   /// Knockout benchmarks only (StepLaunch::GateUpMath; bulk kernel only): the consumers wait for
   /// every stage and release it without the math, so h is wrong. false in production.
   bool bench_loads_only = false;
-  /// Bulk kernel only, optional (nullptr: off; the other kernels ignore it): the device word the
-  /// router launch just before this one posts the step's epoch to once expert_ids are stored
-  /// (RouterSharedGateUpParams::ids_ready, the same position and layer). The CTAs wait for
-  /// dev::step_epoch(*position, layer) there instead of for the router launch's completion, so
-  /// their copies start as soon as the ids are known; each CTA still waits for that completion
-  /// before it exits. x must then come from a launch at least two back. That launch must post
-  /// the epoch, or this one never ends. The launcher throws fn::Error(Internal) without a
-  /// position or with layer outside [0, 255].
-  const uint32_t* ids_ready = nullptr;
-  const int64_t* position = nullptr;
-  int layer = 0;
 };
 
 /// Down projection summed over the selected experts:

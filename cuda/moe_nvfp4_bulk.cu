@@ -64,8 +64,7 @@ constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
 // cuda_model_bench, one call, RESULTS.md session 10): the share's loads must go out at once, ahead
 // of the down kernel's pre-wait loads. A share with fewer chunks gets as many stages as chunks.
 constexpr int kMaxStages = 6;
-constexpr int kMaxBulkTopK = 64;  // selected experts the gate+up CTA keeps in shared memory
-constexpr int kPairs = 8;         // row pairs per chunk: one m16 tile
+constexpr int kPairs = 8;  // row pairs per chunk: one m16 tile
 
 struct BulkGateUpArgs {
   const uint8_t* packed;
@@ -92,10 +91,6 @@ struct BulkGateUpArgs {
   int64_t down_scale_bytes;
   int stages;       // ring depth, <= kMaxStages
   bool loads_only;  // MoeGateUpParams::bench_loads_only
-  // MoeGateUpParams::ids_ready (nullptr: the programmatic wait first), position, layer.
-  const uint32_t* ids_ready;
-  const int64_t* position;
-  int layer;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -188,14 +183,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 // then its scales, j ascending; cut into kL2PrefetchChunk-byte chunks numbered across the ranges,
 // chunk c to CTA c % gridDim.x) as bulk L2 prefetches. A hint: changes no value. Invalid ids are
 // skipped.
-__device__ __forceinline__ void prefetch_down_share(const BulkGateUpArgs& a, const int* ids) {
+__device__ __forceinline__ void prefetch_down_share(const BulkGateUpArgs& a) {
   const int64_t code_chunks = (a.down_code_bytes + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
   const int64_t scale_chunks = (a.down_scale_bytes + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
   const int64_t per_expert = code_chunks + scale_chunks;
   for (int64_t c = blockIdx.x; c < per_expert * a.top_k; c += gridDim.x) {
     const int j = static_cast<int>(c / per_expert);
     const int64_t r = c - j * per_expert;
-    const int e = ids[j];
+    const int e = __ldg(a.ids + j);
     if (e < 0 || e >= a.num_experts) continue;
     const bool code = r < code_chunks;
     const int64_t off = (code ? r : r - code_chunks) * kL2PrefetchChunk;
@@ -253,24 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   }
   if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
   __syncthreads();
-  // Every weight address depends on the router's expert ids: nothing is read before the
-  // programmatic-dependent wait (cuda/pdl.cuh), or, with ids_ready, before the router launch's
-  // top-k block has posted this layer's epoch (thread 0 polls it, then fences: acquire; the barrier
-  // then orders every thread's reads after it). x is the HC read's output, two launches back,
-  // complete before this grid started (read-only for its lifetime: __ldg); the ids are not (L2
-  // reads).
-  const bool early = a.ids_ready != nullptr;
-  if (early) {
-    if (threadIdx.x == 0)
-      dev::epoch_wait(a.ids_ready, dev::step_epoch(__ldcg(a.position), a.layer));
-    __syncthreads();
-    dev::pdl_launch_dependents();
-  } else {
-    dev::pdl_begin();
-  }
-  __shared__ int s_ids[kMaxBulkTopK];
-  if (threadIdx.x < a.top_k) s_ids[threadIdx.x] = __ldcg(a.ids + threadIdx.x);
-  __syncthreads();
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/pdl.cuh).
+  dev::pdl_begin();
   ChunkWalk walk(a);
   int c = 0;             // chunks of the share (every thread walks them all)
   if (warp == kWarps) {  // the producer
@@ -282,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       last_stage = s;
       last_parity = walk.parity;
       if (c >= nst) mbar_wait(empty + s, walk.parity ^ 1u);  // the consumers' last round
-      const int e = s_ids[j];
+      const int e = __ldg(a.ids + j);
       const bool live = e >= 0 && e < a.num_experts;
       if (lane == 0) {
         meta[3 * c] = j;
@@ -308,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
     // ms/token for the down weights against issuing them after the last copy).
     if (lane == 0 && (a.down_packed != nullptr || a.l2_prefetch.count > 0)) {
       if (c > 0) mbar_wait(full + last_stage, last_parity);
-      if (a.down_packed != nullptr) prefetch_down_share(a, s_ids);
+      if (a.down_packed != nullptr) prefetch_down_share(a);
       dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
     }
   } else {  // a consumer warp
@@ -375,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
     const int ci = idx / kPairs, r = idx % kPairs;
     const int j = meta[3 * ci], i = meta[3 * ci + 1] + r, n = meta[3 * ci + 2];
     if (r >= n) continue;
-    const int e = s_ids[j];
+    const int e = __ldg(a.ids + j);
     const bool ok = e >= 0 && e < a.num_experts;
     float sum_g = 0.0f, sum_u = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
@@ -385,9 +365,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
     nvfp4_mma::store_gate_up(sum_g, sum_u, e, ok, a.global_scale, j, i, a.inter, a.h,
                              a.gate_up_out);
   }
-  // With ids_ready the router launch may still be finishing: this grid completes only after it
-  // (the next launch's programmatic wait then covers both, as the chain of cuda/pdl.cuh needs).
-  if (early && threadIdx.x == 0) dev::pdl_wait();
 #else
   (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
 #endif
@@ -579,7 +556,7 @@ GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
 }  // namespace
 
 bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count) {
-  if (top_k < 1 || top_k > kMaxBulkTopK || inter < 1 || !bulk_gate_up_cols_ok(cols)) return false;
+  if (top_k < 1 || inter < 1 || !bulk_gate_up_cols_ok(cols)) return false;
   if (static_cast<int64_t>(top_k) * inter > INT32_MAX) return false;
   return plan_gate_up(top_k, inter, cols, sm_count).smem <= kMaxCtaSmem;
 }
@@ -629,11 +606,6 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
   a.loads_only = p.bench_loads_only;
-  FN_LAUNCH_REQUIRE(
-      p.ids_ready == nullptr || (p.position != nullptr && p.layer >= 0 && p.layer <= 255), kOp);
-  a.ids_ready = p.ids_ready;
-  a.position = p.position;
-  a.layer = p.layer;
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(g.smem)));

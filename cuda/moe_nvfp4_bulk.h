@@ -30,8 +30,8 @@ constexpr bool bulk_gate_up_cols_ok(int64_t cols) {
 }
 
 /// Whether the bulk gate+up kernel takes top_k experts of [2 * inter, cols] on sm_count SMs:
-/// 1 <= top_k <= 64, bulk_gate_up_cols_ok(cols) and its shared memory (the ring and the partials of
-/// the largest share) within the 227 KB a CTA may use. The device check (sm_90+) is the launcher's.
+/// bulk_gate_up_cols_ok(cols) and its shared memory (the ring and the partials of the largest
+/// share) within the 227 KB a CTA may use. The device check (sm_90+) is the launcher's.
 bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count);
 
 /// CTAs of the bulk gate+up grid for top_k * inter row pairs on sm_count SMs: one per SM, fewer

@@ -36,12 +36,9 @@ struct RouterGateUpArgs {
   int32_t* ids;
   float* weights;
   int32_t* flag;
-  float* mailbox;           // [num_experts]: dev::mail_post / router_mail_take
-  uint32_t* ids_ready;      // RouterSharedGateUpParams::ids_ready (nullptr: off)
-  const int64_t* position;  // with ids_ready
-  int layer;                // with ids_ready
-  bool skip_topk;           // RouterSharedGateUpParams::bench_skip_topk
-  bool skip_rows[2];        // bench_skip_router_rows, bench_skip_shared_rows
+  float* mailbox;     // [num_experts]: dev::mail_post / router_mail_take
+  bool skip_topk;     // RouterSharedGateUpParams::bench_skip_topk
+  bool skip_rows[2];  // bench_skip_router_rows, bench_skip_shared_rows
 };
 
 // The team's rows of segment g into y; rows below `mail_rows` (the router's experts; 0 for the
@@ -97,12 +94,6 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
   float l0, l1;
   dev::router_mail_take(a.mailbox, E, l0, l1);
   dev::router_topk_values(l0, l1, E, kK > 0 ? kK : a.top_k, a.norm, a.ids, a.weights, a.flag);
-  if (a.ids_ready == nullptr) return;
-  __syncthreads();  // every thread's ids, weights and flag stored
-  if (threadIdx.x == 0) {
-    __threadfence();
-    dev::epoch_post(a.ids_ready, dev::step_epoch(__ldcg(a.position), a.layer));
-  }
 }
 
 // ---- SwiGLU + shared down + combine ------------------------------------------------------------
@@ -180,11 +171,6 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   FN_LAUNCH_REQUIRE(p.top_k >= 1 && p.top_k <= p.num_experts && p.top_k <= dev::kMaxTopK, kOp);
   FN_LAUNCH_REQUIRE(
       aligned(p.x, 16) && aligned(p.router_weight, 16) && aligned(p.gate_up_weight, 16), kOp);
-  // A launch that waits on ids_ready needs the post: no knockout may skip the top-k.
-  FN_LAUNCH_REQUIRE(
-      p.ids_ready == nullptr || (p.position != nullptr && p.layer >= 0 && p.layer <= 255 &&
-                                 !p.bench_skip_topk && !p.bench_skip_router_rows),
-      kOp);
   const int sm = detail::current_sm_count();
   const int64_t rows[2] = {p.num_experts + int64_t{1}, 2 * p.inter};
   const uint16_t* weight[2] = {p.router_weight, p.gate_up_weight};
@@ -223,9 +209,6 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.weights = p.weights;
   a.flag = p.error_flag;
   a.mailbox = p.mailbox;
-  a.ids_ready = p.ids_ready;
-  a.position = p.position;
-  a.layer = p.layer;
   a.skip_topk = p.bench_skip_topk;
   a.skip_rows[0] = p.bench_skip_router_rows;
   a.skip_rows[1] = p.bench_skip_shared_rows;

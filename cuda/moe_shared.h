@@ -47,13 +47,6 @@ struct RouterSharedGateUpParams {
   /// router rows / of the shared gate/up rows only wait and skip their GEMV. false in production.
   bool bench_skip_router_rows = false;
   bool bench_skip_shared_rows = false;
-  /// Optional (nullptr: off): the block that runs the top-k, once ids and weights are stored,
-  /// stores dev::step_epoch(*position, layer) into this device word (release), so that the
-  /// routed gate+up (MoeGateUpParams::ids_ready) starts on the ids before this launch completes.
-  /// position: the step's device position (int64); layer: 0..255.
-  uint32_t* ids_ready = nullptr;
-  const int64_t* position = nullptr;
-  int layer = 0;
   /// true: the kernel's compile-time-shape instance runs for the real router (E 512, k 10): the
   /// top-k's sizes are constants; false: the runtime-shape instance (A/B benches). Same bits.
   bool fixed_shape = true;

@@ -215,11 +215,9 @@ struct GateUpOut {
   std::vector<float> gu, h;
 };
 
-// early_epoch >= 0 (bulk only): the launch waits on an ids_ready word (layer 5 at position 1000)
-// that already holds early_epoch, as the router launch would have posted it.
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
                       const std::vector<float>& x, int team, bool mma, bool bulk = false,
-                      const fn::Nvfp4Experts* down_prefetch = nullptr, int64_t early_epoch = -1) {
+                      const fn::Nvfp4Experts* down_prefetch = nullptr) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<uint16_t> d_x(to_bf16(x));
@@ -238,13 +236,6 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
   p.mma = mma;
   p.bulk = bulk;
   if (down_prefetch != nullptr) p.down_prefetch = *down_prefetch;
-  DeviceArray<uint32_t> ready(std::vector<uint32_t>{static_cast<uint32_t>(early_epoch)});
-  DeviceArray<int64_t> position(std::vector<int64_t>{1000});
-  if (early_epoch >= 0) {
-    p.ids_ready = ready.ptr;
-    p.position = position.ptr;
-    p.layer = 5;
-  }
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   GateUpOut out{d_gu.download(), {}};
@@ -438,11 +429,6 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) withi
     const auto pre = run_gate_up(dw, ids, x, 0, false, true, &dwd.view);
     CHECK(pre.gu == got.gu);
     CHECK(pre.h == got.h);
-    // The ids taken on the router's posted epoch (ids_ready; step_epoch(1000, 5) = 1000 * 256 +
-    // 6) instead of after the programmatic wait: the same bits.
-    const auto early = run_gate_up(dw, ids, x, 0, false, true, &dwd.view, 1000 * 256 + 6);
-    CHECK(early.gu == got.gu);
-    CHECK(early.h == got.h);
   }
 }
 

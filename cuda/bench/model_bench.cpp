@@ -9,7 +9,7 @@
 //     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
 //     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
 //     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--in-proj-prefetch MB]
-//     [--fixed-shape MASK] [--lookahead 0|1] [--qsa-mailbox 0|1] [--early-ids 0|1]
+//     [--fixed-shape MASK] [--lookahead 0|1] [--qsa-mailbox 0|1]
 //     [--skip MASK] [--empty-launches N] [--json FILE]
 //     [--trace FILE.csv [--trace-steps 4]]
 //     (--unfused: CudaModelOptions::fused_step = false, every launch separate; --trace: after
@@ -99,7 +99,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
   bool lookahead = fn::CudaModelOptions{}.decode_lookahead;
   bool qsa_mailbox = fn::CudaModelOptions{}.qsa_select_mailbox;
-  bool early_ids = fn::CudaModelOptions{}.router_early_ids;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
   for (int i = 1; i < argc; ++i) {
@@ -144,8 +143,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       lookahead = std::stoi(next()) != 0;
     else if (a == "--qsa-mailbox")  // CudaModelOptions::qsa_select_mailbox: 1 (default), 0 ticket
       qsa_mailbox = std::stoi(next()) != 0;
-    else if (a == "--early-ids")  // CudaModelOptions::router_early_ids: 1 (default), 0 the wait
-      early_ids = std::stoi(next()) != 0;
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
       empty_launches = std::stoi(next());
     else if (a == "--trace")
@@ -186,7 +183,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.fixed_shape_kernels = fixed_shape;
   o.decode_lookahead = lookahead;
   o.qsa_select_mailbox = qsa_mailbox;
-  o.router_early_ids = early_ids;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;
   o.tp_rank = rank;

@@ -1390,17 +1390,19 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
                                   cudaMemcpyDeviceToHost, I.stream));
     FN_CUDA_CHECK(cudaEventRecord(ev.e[slot], I.stream));
   };
-  // Waits for step i, which fed `fed`: its position counts, its errors throw, its id returns.
+  int64_t queued = 0, taken = 0;  // steps launched, steps counted in position_
+  // Waits for step i (= taken), which fed `fed`: its position counts, its errors throw, its id
+  // returns.
   const auto take = [&](int64_t i, int32_t fed) {
     const int slot = static_cast<int>(i & 1);
     FN_CUDA_CHECK(cudaEventSynchronize(ev.e[slot]));
     ++position_;
+    ++taken;
     check_step_errors(fed, slot);
     return I.host_token[1 + slot];
   };
   // A step queued ahead still runs when the loop leaves early (a stop, or an exception from a
   // check or from on_token): its position counts, so position() matches the device's states.
-  int64_t queued = 0, taken = 0;
   struct Drain {
     CudaModel& m;
     Impl& impl;
@@ -1421,7 +1423,6 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
   for (int64_t i = 0; i < count; ++i) {
     if (ahead && queued < count) enqueue(queued++);
     const int32_t id = take(i, fed);
-    ++taken;
     out.push_back(id);
     fed = id;
     if (on_token && !on_token(id)) {

@@ -1,7 +1,7 @@
 // Small device helpers shared by the decode kernels in cuda/*.cu: streaming 16-byte loads, async
-// global -> shared copies (cp.async), exact BF16/FP16-bit unpacking, SiLU. Device code only;
-// included by .cu files, never by host headers. Every helper is exact bit manipulation except
-// silu (expf).
+// global -> shared copies (cp.async), exact BF16/FP16-bit unpacking, SiLU, mailbox slots. Device
+// code only; included by .cu files, never by host headers. Every helper is exact bit manipulation
+// except silu (expf).
 #pragma once
 
 #include <cstdint>
@@ -132,8 +132,8 @@ __device__ __forceinline__ void team_reduce(float (&acc)[kN], int team, int lane
 // ---- Mailbox slots (issue 8) --------------------------------------------------------------
 // One block waits for values that the other blocks of its grid store, without an arrival ticket:
 // a slot holds kMailEmpty (all bits set) until its value is posted, and the waiting block reads
-// each slot until it is no longer empty. A value is never posted with the empty bits (the poster
-// names the bits it stands in for them, a NaN of the same sign). Relaxed gpu-scope accesses: the
+// each slot until it is no longer empty. A value is never posted with the empty bits (a NaN; the
+// poster names the NaN bits that stand in for it). Relaxed gpu-scope accesses: the
 // waiter reads only the slots themselves, so no fence orders anything else. Users: the router's
 // top-k (cuda/moe_device.cuh), the QSA select (cuda/qsa.cu).
 constexpr uint32_t kMailEmpty = 0xffffffffu;

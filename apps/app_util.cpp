@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
 
 namespace fn {
@@ -221,6 +222,25 @@ void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size
 bool has_tokenizer(const std::filesystem::path& dir) {
   return std::filesystem::exists(dir / "tokenizer.json") ||
          std::filesystem::exists(dir / "tokenizer.model");
+}
+
+namespace {
+constexpr int64_t kPrefixBytesPerToken = 32;
+constexpr int64_t kCutSlack = 16;
+}  // namespace
+
+void refuse_long_text(const Tokenizer& tok, std::string_view text, int64_t limit,
+                      const std::string& what, const std::string& limit_name) {
+  const auto bytes = static_cast<std::size_t>(kPrefixBytesPerToken * limit);
+  if (text.size() <= bytes) return;
+  std::size_t cut = bytes;
+  while (cut > bytes / 2 && text[cut - 1] != ' ' && text[cut - 1] != '\n') --cut;
+  if (cut <= bytes / 2) return;
+  const std::size_t n = tok.encode(text.substr(0, cut), EncodeMode::Raw).size();
+  FN_REQUIRE(static_cast<int64_t>(n) <= limit + kCutSlack, Usage,
+             "{}: the prompt ({} bytes) exceeds {}: its first {} bytes alone encode to {} tokens, "
+             "more than {}",
+             what, text.size(), limit_name, cut, n, limit);
 }
 
 }  // namespace fn

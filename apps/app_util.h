@@ -18,6 +18,8 @@
 
 namespace fn {
 
+class Tokenizer;
+
 /// Largest input file read_file accepts (prompts, JSONL batches, token-id and task files).
 inline constexpr std::size_t kMaxInputFileBytes = std::size_t{1} << 30;
 
@@ -127,5 +129,16 @@ void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size
 
 /// True when `dir` holds tokenizer.json or tokenizer.model.
 bool has_tokenizer(const std::filesystem::path& dir);
+
+/// A prompt text many times a token limit is refused from a prefix before all of it is encoded (a
+/// 300 MB file took minutes and GBs to encode before the length check). The prefix is the first
+/// 32 * limit bytes cut after a whitespace byte in its second half, so that only the pre-tokens
+/// at the cut can encode differently from the whole text (16 tokens of slack cover them); a text
+/// of any other shape returns, for the caller to encode whole and check. Throws
+/// fn::Error(Usage) "<what>: the prompt (B bytes) exceeds <limit_name>: its first C bytes alone
+/// encode to N tokens, more than <limit>" when the prefix encodes to more than limit + 16 tokens;
+/// a Format error of the tokenizer (invalid UTF-8 in the prefix) passes through.
+void refuse_long_text(const Tokenizer& tok, std::string_view text, int64_t limit,
+                      const std::string& what, const std::string& limit_name);
 
 }  // namespace fn

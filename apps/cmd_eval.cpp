@@ -192,20 +192,32 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     writer = std::make_unique<LogitsWriter>(o.save_logits, std::move(h), "--save-logits");
   });
   if (root) {
-    FN_LOG_INFO("perplexity: tokenized {} tokens; calculating perplexity over {} chunks, n_ctx={}",
-                tokens.size(), perplexity_sequences(tokens, o.ctx, o.chunks).size(), o.ctx);
+    FN_LOG_INFO("perplexity: {} {} tokens; calculating perplexity over {} chunks, n_ctx={}",
+                o.ppl_file.empty() ? "read" : "tokenized", tokens.size(),
+                perplexity_sequences(tokens, o.ctx, o.chunks).size(), o.ctx);
   }
+  // The running "[i]PPL," line on stdout ends with a newline however the run ends (an error
+  // after the first chunk would otherwise leave it open before the shell's prompt).
+  struct ProgressLine {
+    bool open = false;
+    ~ProgressLine() {
+      if (open && std::fputc('\n', stdout) != EOF) std::fflush(stdout);  // never throws
+    }
+  } progress;
   const auto t0 = std::chrono::steady_clock::now();
   const PerplexityResult r = perplexity(
       l.backend, tokens, o.ctx, o.chunks,
       [&](int64_t i, const PerplexityResult& p) {
-        if (root && !c.json_out)
+        if (root && !c.json_out) {
           write_stdout(fmt::format("[{}]{:.4f},", i + 1, p.running_ppl.back()));
+          progress.open = true;
+        }
       },
       writer.get());
   agree_on_error(*l.coll, [&] {
     if (writer) writer->close();
   });
+  progress.open = false;  // the summary below starts with the newline
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (root) {
     if (c.json_out) {
@@ -275,8 +287,13 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       FN_REQUIRE(!text.empty() || !o.o_prompt->count(), Usage, "-p/--prompt: the prompt is empty");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the prompt is empty", o.file);
       const auto tok = require_tokenizer(dir, "the prompt");
-      ids = with_text_source(o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file,
-                             [&] { return tok->encode(text, EncodeMode::Raw); });
+      const std::string what = o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file;
+      ids = with_text_source(what, [&] {
+        refuse_long_text(
+            *tok, text, cfg.max_position_embeddings, what,
+            fmt::format("the model's max_position_embeddings {}", cfg.max_position_embeddings));
+        return tok->encode(text, EncodeMode::Raw);
+      });
       check_ids_in_vocab(ids, cfg.vocab_size, "the prompt");
       h.tokenizer = tokenizer_id(dir);
     }

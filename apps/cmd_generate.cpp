@@ -81,29 +81,6 @@ void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
   check_context(n_prompt, max_new_tokens, ctx);
 }
 
-// A prompt text many times the context: refused from a prefix before all of it is encoded (a
-// 300 MB file took minutes and GBs to encode before the context check). The prefix is the first
-// kPrefixBytesPerToken * ctx bytes cut after a whitespace byte in its second half (so that only
-// the pre-tokens at the cut can encode differently from the whole text; kCutSlack tokens cover
-// them). A text of any other shape is encoded whole and checked as usual.
-constexpr int64_t kPrefixBytesPerToken = 32;
-constexpr int64_t kCutSlack = 16;
-
-// fn::Error(Usage) when the text's prefix already encodes to more than ctx + kCutSlack tokens.
-void refuse_long_text(const Tokenizer& tok, const std::string& text, int64_t ctx,
-                      const std::string& what) {
-  const auto limit = static_cast<std::size_t>(kPrefixBytesPerToken * ctx);
-  if (text.size() <= limit) return;
-  std::size_t cut = limit;
-  while (cut > limit / 2 && text[cut - 1] != ' ' && text[cut - 1] != '\n') --cut;
-  if (cut <= limit / 2) return;
-  const std::size_t n = tok.encode(std::string_view(text).substr(0, cut), EncodeMode::Raw).size();
-  FN_REQUIRE(static_cast<int64_t>(n) <= ctx + kCutSlack, Usage,
-             "{}: the prompt ({} bytes) exceeds the context size -c/--ctx-size {}: its first {} "
-             "bytes alone encode to {} tokens, more than the {}-token context",
-             what, text.size(), ctx, cut, n, ctx);
-}
-
 struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
   std::string chat_template;
@@ -144,7 +121,9 @@ struct TextSide {
                                    int64_t ctx = 0) const {
     require_tokenizer(what.c_str());
     return with_text_source(what, [&] {
-      if (ctx > 0) refuse_long_text(*tokenizer, text, ctx, what);
+      if (ctx > 0)
+        refuse_long_text(*tokenizer, text, ctx, what,
+                         fmt::format("the context size -c/--ctx-size {}", ctx));
       if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
       std::vector<ChatMessage> msgs;
       if (!system_prompt.empty()) msgs.push_back({"system", system_prompt, std::nullopt});

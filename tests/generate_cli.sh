@@ -319,7 +319,7 @@ if [ -f "$tok/tokenizer.json" ]; then
   expect 3 "nonexistent.txt" -- mpi 2 -m "$tmp/demo" -f "$tmp/nonexistent.txt"
   # A prompt file many times the context is refused from its prefix (not encoded whole first).
   $py -c "import sys; open(sys.argv[1], 'w').write('hello world ' * 400000)" "$tmp/big.txt"
-  expect 2 "-f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the context size -c/--ctx-size 64: its first 2046 bytes alone encode to 342 tokens, more than the 64-token context" -- \
+  expect 2 "-f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the context size -c/--ctx-size 64: its first 2046 bytes alone encode to 342 tokens, more than 64" -- \
     mpi 2 -m "$tmp/demo" -f "$tmp/big.txt" -c 64
   printf 'ab\xffc\n' >"$tmp/bad_utf8.txt"
   expect 3 "-f/--file $tmp/bad_utf8.txt: invalid UTF-8 in text to encode at byte offset 2 (byte 0xFF)" -- \

@@ -150,7 +150,10 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
                "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", o.ctx,
                cfg.max_position_embeddings);
+    FN_REQUIRE(o.save_top_k <= cfg.vocab_size, Usage, "--save-top-k {} exceeds vocab_size {}",
+               o.save_top_k, cfg.vocab_size);
     if (!root) return;
+    check_output_path(o.save_logits, "--save-logits");  // before the load, not after it
     if (!o.ppl_file.empty()) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
@@ -274,6 +277,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
                cfg.vocab_size);
     if (!root) return;
+    check_output_path(o.output, "-o/--output");  // before the load, not after it
     std::vector<int32_t> ids;
     h.tokenizer = "ids-only";
     if (!o.prompt_ids.empty()) {

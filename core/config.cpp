@@ -11,6 +11,7 @@
 #include <limits>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "core/error.h"
 #include "core/ngram.h"
@@ -164,6 +165,51 @@ void parse_rope(const Fields& f, ModelConfig& c) {
     r.double_field("rope_theta", c.rope_theta);
     r.double_field("partial_rotary_factor", c.partial_rotary_factor);
   }
+}
+
+// Upper bounds on the sizes, checked before anything is sized from them (layer_types is built
+// from num_hidden_layers): a hostile config (num_hidden_layers 10^6, hidden_size 2^62) took all
+// host memory or overflowed the 64-bit byte counts of inspect and the loaders. The real model
+// sits far inside each bound (MODEL.md A.2); every product of bounded sizes fits in 64 bits.
+void check_size_bounds(const Fields& f, const ModelConfig& c) {
+  constexpr int64_t kMaxDim = int64_t{1} << 20;  // a width, head count or head dimension
+  constexpr int64_t kMaxSmall = 1024;            // layers, kernel sizes, per-n-gram counts
+  const std::pair<const char*, int64_t> dims[] = {
+      {"hidden_size", c.hidden_size},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim},
+      {"linear_key_head_dim", c.linear_key_head_dim},
+      {"linear_value_head_dim", c.linear_value_head_dim},
+      {"linear_num_key_heads", c.linear_num_key_heads},
+      {"linear_num_value_heads", c.linear_num_value_heads},
+      {"moe_intermediate_size", c.moe_intermediate_size},
+      {"shared_expert_intermediate_size", c.shared_expert_intermediate_size},
+      {"hc_lowrank", c.hc_lowrank},
+      {"indexer_n_heads", c.indexer_n_heads},
+      {"indexer_kv_heads", c.indexer_kv_heads},
+      {"indexer_head_dim", c.indexer_head_dim},
+      {"indexer_budget", c.indexer_budget},
+      {"ple_embed_dim", c.ple_embed_dim},
+      {"make_ngram_vocab_size_divisible_by", c.make_ngram_vocab_size_divisible_by},
+      {"split_ngram_parts", c.split_ngram_parts}};
+  for (const auto& [name, v] : dims)
+    FN_CONFIG_RULE(v <= kMaxDim, f, name, fmt::format("at most {} (2^20)", kMaxDim), v);
+  const std::pair<const char*, int64_t> small[] = {
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"full_attention_interval", c.full_attention_interval},
+      {"linear_conv_kernel_dim", c.linear_conv_kernel_dim},
+      {"hc_count", c.hc_count},
+      {"indexer_compress_ratio", c.indexer_compress_ratio},
+      {"ple_conv_kernel_size", c.ple_conv_kernel_size},
+      {"ngram_size", c.ngram_size},
+      {"heads_per_ngram", c.heads_per_ngram}};
+  for (const auto& [name, v] : small)
+    FN_CONFIG_RULE(v <= kMaxSmall, f, name, fmt::format("at most {}", kMaxSmall), v);
+  FN_CONFIG_RULE(c.max_position_embeddings <= (int64_t{1} << 24), f, "max_position_embeddings",
+                 "at most 16777216 (2^24)", c.max_position_embeddings);
+  FN_CONFIG_RULE(c.ngram_vocab_size_base <= std::numeric_limits<int32_t>::max(), f,
+                 "ngram_vocab_size_base", "at most 2^31 - 1", c.ngram_vocab_size_base);
 }
 
 void parse_layer_types(const Fields& f, ModelConfig& c) {
@@ -451,6 +497,7 @@ ModelConfig parse_model_config(const json& j, std::string_view source) {
   if (const json* d = f.get("ple_embedding_dtype")) {
     c.ple_embedding_dtype = f.as_string(*d, "ple_embedding_dtype");
   }
+  check_size_bounds(f, c);
   parse_layer_types(f, c);
   validate(f, c);
   return c;

@@ -255,7 +255,9 @@ void validate_header(const LogitsHeader& h, ErrorKind kind, const std::string& w
   const auto fail = [&](const std::string& msg) {
     throw Error(kind, fmt::format("{}: {}", where, msg), __FILE__, __LINE__);
   };
-  if (h.vocab_size <= 0) fail(fmt::format("vocab_size must be > 0, got {}", h.vocab_size));
+  // Token ids are 32-bit everywhere; a larger vocab_size also overflowed the array sizes.
+  if (h.vocab_size <= 0 || h.vocab_size > std::numeric_limits<int32_t>::max())
+    fail(fmt::format("vocab_size must be in [1, 2^31 - 1], got {}", h.vocab_size));
   if (h.mode == LogitsMode::TopK && (h.top_k < 1 || h.top_k > h.vocab_size))
     fail(fmt::format("top_k {} is outside [1, vocab_size {}]", h.top_k, h.vocab_size));
   if (h.mode == LogitsMode::TopK && !h.values_are_logprobs)
@@ -265,7 +267,8 @@ void validate_header(const LogitsHeader& h, ErrorKind kind, const std::string& w
     const LogitsSequence& s = h.sequences[i];
     const int64_t len = static_cast<int64_t>(s.tokens.size());
     if (len == 0) fail(fmt::format("sequences[{}] has no tokens", i));
-    if (s.first < 0 || s.n_rows < 1 || s.first + s.n_rows > len)
+    if (s.n_rows < 1) fail(fmt::format("sequences[{}]: n_rows must be >= 1, got {}", i, s.n_rows));
+    if (s.first < 0 || s.first > len - s.n_rows)
       fail(fmt::format("sequences[{}]: rows first {} + n_rows {} do not fit its {} tokens", i,
                        s.first, s.n_rows, len));
     for (std::size_t t = 0; t < s.tokens.size(); ++t)

@@ -30,7 +30,7 @@ expect 3 "bad.json" -- "$fngen" synth --config "$tmp/bad.json" --out "$tmp/o1"
 [ -e "$tmp/o1" ] && { echo "FAIL: partial output left in $tmp/o1"; failures=$((failures + 1)); }
 expect 2 "layers" -- "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/o2" --layers 9
 # A config whose checkpoint would not fit on the disk is refused before anything is written.
-sed 's/"hidden_size": 64,/"hidden_size": 100000000,/' "$src/configs/demo.json" >"$tmp/huge.json"
+sed 's/"hidden_size": 64,/"hidden_size": 1048576,/' "$src/configs/demo.json" >"$tmp/huge.json"
 expect 3 "more than the .* GB free in" -- "$fngen" synth --config "$tmp/huge.json" --out "$tmp/o_huge"
 [ ! -e "$tmp/o_huge" ] && [ ! -e "$tmp/o_huge.partial" ] &&
   pass "synth of a checkpoint too big for the disk wrote nothing" ||

@@ -188,8 +188,19 @@ expect 3 "no_tasks.jsonl: no records" -- mpi 2 score -m "$fx/tp4" -i "$tmp/no_ta
 # message (agreed on), never through MPI_Abort.
 expect 3 "-o/--output /dev/full: write failed" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o /dev/full
 no_abort "dump-logits -o /dev/full"
-expect 3 "-o/--output $tmp: cannot create the logits file" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp"
+expect 3 "-o/--output $tmp: is a directory, not a file" -- mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp"
 no_abort "dump-logits -o DIR"
+# Output paths and --save-top-k are checked before the model loads (a real model takes minutes).
+before_load() {  # the last command failed before any rank loaded the model
+  grep -q "model loaded" "$tmp/err" && fail "$1: refused only after the model load" || echo "ok: $1 before the load"
+}
+before_load "dump-logits -o DIR"
+expect 3 "--save-logits $tmp/no-dir/x.fnl: cannot open for writing (no such directory" -- \
+  mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/no-dir/x.fnl"
+before_load "ppl --save-logits in a missing directory"
+expect 2 "--save-top-k 999999 exceeds vocab_size" -- \
+  mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/k.fnl" --save-top-k 999999
+before_load "ppl --save-top-k past the vocabulary"
 expect 3 "--save-logits /dev/full: write failed" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits /dev/full
 no_abort "ppl --save-logits /dev/full"

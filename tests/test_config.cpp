@@ -269,6 +269,27 @@ TEST_CASE("config: every invalid config is rejected with a message naming the fi
     t["num_experts"] = int64_t{1000000000000};
     want = "config.json: text_config.num_experts must be in [1, 1024], got 1000000000000";
   }
+  SUBCASE("num_hidden_layers past 1024 (10^6 layers took all host memory before)") {
+    t["num_hidden_layers"] = 1000000;
+    t.erase("layer_types");
+    want = "config.json: text_config.num_hidden_layers must be at most 1024, got 1000000";
+  }
+  SUBCASE("hidden_size past 2^20 (2^62 overflowed the byte counts)") {
+    t["hidden_size"] = int64_t{1} << 62;
+    want =
+        "config.json: text_config.hidden_size must be at most 1048576 (2^20), got "
+        "4611686018427387904";
+  }
+  SUBCASE("max_position_embeddings past 2^24") {
+    t["max_position_embeddings"] = int64_t{1} << 40;
+    want =
+        "text_config.max_position_embeddings must be at most 16777216 (2^24), got "
+        "1099511627776";
+  }
+  SUBCASE("heads_per_ngram past 1024") {
+    t["heads_per_ngram"] = 4096;
+    want = "text_config.heads_per_ngram must be at most 1024, got 4096";
+  }
   SUBCASE("top-k above num_experts") {
     t["num_experts_per_tok"] = 513;
     want = "text_config.num_experts_per_tok must be in [1, num_experts = 512], got 513";

@@ -490,6 +490,19 @@ TEST_CASE("eval: the writer refuses headers it could not read back") {
   h.top_k = 4;
   h.values_are_logprobs = true;
   CHECK(kind_of([&] { fn::LogitsWriter w(p, h); }) == ErrorKind::Usage);
+  // n_rows 0 is named as such (it was reported as rows that "do not fit" the tokens); a
+  // vocab_size past the 32-bit token ids (2^62 overflowed the array sizes) is refused.
+  h = one_sequence_header(3, {0, 1}, -1);
+  h.sequences[0].n_rows = 0;
+  CHECK(message_of([&] {
+          fn::LogitsWriter w(p, h);
+        }).find("sequences[0]: n_rows must be >= 1, got 0") != std::string::npos);
+  h = one_sequence_header(3, {0, 1}, -1);
+  h.vocab_size = int64_t{1} << 62;
+  CHECK(message_of([&] {
+          fn::LogitsWriter w(p, h);
+        }).find("vocab_size must be in [1, 2^31 - 1], got 4611686018427387904") !=
+        std::string::npos);
   fs::remove(p);
 }
 

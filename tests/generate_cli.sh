@@ -317,6 +317,12 @@ if [ -f "$tok/tokenizer.json" ]; then
     "$tmp/t.json" "$tmp/f.json" && echo "ok: -f gives the -p result" ||
     fail "-f: $(head -c 300 "$tmp/f.json")"
   expect 3 "nonexistent.txt" -- mpi 2 -m "$tmp/demo" -f "$tmp/nonexistent.txt"
+  # An empty prompt file is bad input (3, as in eval); an empty -p is a flag mistake (2).
+  : >"$tmp/empty.txt"
+  expect 3 "-f/--file $tmp/empty.txt: the prompt is empty" -- mpi 2 -m "$tmp/demo" -f "$tmp/empty.txt"
+  printf '\n' >"$tmp/newline.txt"
+  expect 3 "-f/--file $tmp/newline.txt: the prompt is empty" -- mpi 2 -m "$tmp/demo" -f "$tmp/newline.txt"
+  expect 2 "the prompt is empty" -- mpi 2 -m "$tmp/demo" -p ""
   # A prompt file many times the context is refused from its prefix (not encoded whole first).
   $py -c "import sys; open(sys.argv[1], 'w').write('hello world ' * 400000)" "$tmp/big.txt"
   expect 2 "-f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the context size -c/--ctx-size 64: its first 2046 bytes alone encode to 342 tokens, more than 64" -- \

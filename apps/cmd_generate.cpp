@@ -419,8 +419,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       } else {
         std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
         if (!o.file.empty() && !text.empty() && text.back() == '\n') text.pop_back();
-        // An empty file is bad input (3), as in eval; an empty -p stays a flag mistake (2).
-        FN_REQUIRE(!text.empty() || o.o_prompt->count() > 0, Format,
+        // An empty file is bad input (3), as in eval; an empty -p stays a flag mistake (2). A
+        // chat prompt is never empty (the template's tokens), so --chat takes either, as before.
+        FN_REQUIRE(!text.empty() || o.o_prompt->count() > 0 || o.chat, Format,
                    "-f/--file {}: the prompt is empty", o.file);
         single_ids = ts.encode_text(
             text, o.chat, o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file,

@@ -323,6 +323,9 @@ if [ -f "$tok/tokenizer.json" ]; then
   printf '\n' >"$tmp/newline.txt"
   expect 3 "-f/--file $tmp/newline.txt: the prompt is empty" -- mpi 2 -m "$tmp/demo" -f "$tmp/newline.txt"
   expect 2 "the prompt is empty" -- mpi 2 -m "$tmp/demo" -p ""
+  # With --chat an empty file is an empty user turn, as -p "" is: the template's tokens run.
+  mpi 2 -m "$tmp/demo" -f "$tmp/empty.txt" --chat --temp 0 -n 2 --json >"$tmp/ce.json" 2>/dev/null
+  check_json "$tmp/ce.json" "j['n_prompt_tokens'] > 5" "demo: --chat with an empty -f/--file"
   # A prompt file many times the context is refused from its prefix (not encoded whole first).
   $py -c "import sys; open(sys.argv[1], 'w').write('hello world ' * 400000)" "$tmp/big.txt"
   expect 2 "-f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the context size -c/--ctx-size 64: its first 2046 bytes alone encode to 342 tokens, more than 64" -- \

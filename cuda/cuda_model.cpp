@@ -1401,20 +1401,16 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
     check_step_errors(fed, slot);
     return I.host_token[1 + slot];
   };
-  // A step queued ahead still runs when the loop leaves early (a stop, or an exception from a
-  // check or from on_token): its position counts, so position() matches the device's states.
-  struct Drain {
+  // A step queued ahead still runs when the loop leaves early (a stop: it has fed the stop id;
+  // or an exception from a check or from on_token): its position counts, so position() matches
+  // the device's states. Not waited for: later work on the stream follows it, and its error flag
+  // stays set for the next step's check.
+  struct CountQueued {
     CudaModel& m;
-    Impl& impl;
     const int64_t& queued;
     const int64_t& taken;
-    ~Drain() {
-      if (queued > taken) {
-        cudaStreamSynchronize(impl.stream);
-        m.position_ += queued - taken;
-      }
-    }
-  } drain{*this, I, queued, taken};
+    ~CountQueued() { m.position_ += queued - taken; }
+  } count_queued{*this, queued, taken};
 
   std::vector<int32_t> out;
   out.reserve(static_cast<std::size_t>(count));
@@ -1425,16 +1421,7 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
     const int32_t id = take(i, fed);
     out.push_back(id);
     fed = id;
-    if (on_token && !on_token(id)) {
-      // The step queued ahead has fed the stop id: it counts (its id is dropped). Not waited
-      // for: later work on the stream follows it, and its error flag stays set for the next
-      // step's check.
-      if (queued > taken) {
-        ++position_;
-        ++taken;
-      }
-      break;
-    }
+    if (on_token && !on_token(id)) break;  // a step queued ahead counts (count_queued)
     if (!ahead && queued < count) enqueue(queued++);
   }
   if (opt_.all_reduce) opt_.all_reduce->check_health();

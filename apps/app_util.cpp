@@ -1,5 +1,6 @@
 #include "apps/app_util.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -155,6 +156,17 @@ void check_output_path(const std::string& path, const char* flag) {
   FN_REQUIRE(::access(what.c_str(), exists ? W_OK : W_OK | X_OK) == 0, Io,
              "{} {}: cannot open for writing ({}: {})", flag, path, what.string(),
              std::strerror(errno));
+  if (exists) return;
+  // A writable directory can still refuse the name (/proc, a file name too long, a read-only
+  // mount that access() lets root pass): create the file and remove it again. O_EXCL: only a
+  // file this call created is removed; one that appeared meanwhile is left alone.
+  const int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  const int err = errno;
+  if (fd < 0 && err == EEXIST) return;
+  FN_REQUIRE(fd >= 0, Io, "{} {}: cannot create the file ({}: {})", flag, path, target.string(),
+             std::strerror(err));
+  ::close(fd);
+  ::unlink(target.c_str());
 }
 
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {

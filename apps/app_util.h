@@ -71,10 +71,12 @@ void require_utf8_system_prompt(const std::string& system_prompt);
 void require_not_input(const std::string& out, const char* out_flag, const std::string& in,
                        const char* in_flag);
 
-/// Checks, without creating or truncating anything, that the output file `path` can be written:
-/// it is not a directory, the directory it lands in exists, and the file (when it exists) or the
-/// directory is writable. Run before a model load so that a bad path fails fast; the file itself
-/// is opened only when results are ready. Throws fn::Error(Io) "<flag> <path>: ...".
+/// Checks, without truncating anything, that the output file `path` can be written: it is not a
+/// directory, the directory it lands in exists, and the file (when it exists) or the directory is
+/// writable; a file that does not exist yet is created and removed again (a file that existed is
+/// never removed), so that a name the file system refuses (/proc/x) fails here. Run before a
+/// model load so that a bad path fails fast; the file itself is opened only when results are
+/// ready. Throws fn::Error(Io) "<flag> <path>: ...".
 void check_output_path(const std::string& path, const char* flag);
 
 /// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line

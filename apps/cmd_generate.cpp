@@ -40,6 +40,7 @@
 #include "core/log.h"
 #include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/unicode.h"
 
 namespace fn {
 namespace {
@@ -306,8 +307,16 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   FN_REQUIRE(!(o.chat && o.o_prompt_ids->count() > 0), Usage,
              "--chat renders a text prompt with the chat template; --prompt-ids are fed as given "
              "(drop --chat, or give the text with -p/--prompt)");
-  for (const std::string& stop : o.stop)
+  for (const std::string& stop : o.stop) {
     FN_REQUIRE(!stop.empty(), Usage, "--stop: an empty stop string would stop at once");
+    // The text a stop string is matched against is decoded lossily (valid UTF-8), so an invalid
+    // one could never match: refused instead of ignored.
+    const size_t bad = unicode::find_invalid_utf8(stop);
+    FN_REQUIRE(bad == std::string::npos, Usage,
+               "--stop: invalid UTF-8 at byte offset {} (byte 0x{:02X}); the generated text it "
+               "is matched against is valid UTF-8, so it could never match",
+               bad, bad == std::string::npos ? 0 : static_cast<unsigned char>(stop[bad]));
+  }
   require_chat_prompt({.system_prompt = !o.system_prompt.empty(),
                        .think = o.think,
                        .no_think = o.no_think,

@@ -23,10 +23,17 @@ void register_inspect(CLI::App& app, CommandList& commands) {
       "validate a checkpoint against its config and print its summary, weights per "
       "TP rank, bytes read per decoded token and the CUDA backend's device memory per GPU at "
       "--ctx-size, 8192, 65536 and 262144 tokens");
-  sub->add_option("dir,-m,--model", opt->dir,
-                  "checkpoint directory, or a config.json alone (its geometry's tables); given "
-                  "as the positional argument or with -m/--model")
-      ->required();
+  // One option under two names, given exactly once: not ->required(), which --help would print
+  // as REQUIRED next to both `dir` and -m/--model although either one suffices. The final
+  // callback raises the error ->required() would ("--model is required"); a second value is
+  // CLI11's "received 2" ("--model: given 2 times", apps/main.cpp).
+  CLI::Option* model =
+      sub->add_option("dir,-m,--model", opt->dir,
+                      "checkpoint directory, or a config.json alone (its geometry's tables); "
+                      "required, once: as the positional argument or with -m/--model");
+  sub->callback([model] {
+    if (model->count() == 0) throw CLI::RequiredError(model->get_name());
+  });
   add_whole_option(sub, "--tp", opt->tp,
                    "tensor-parallel size for the per-rank figures (1, 2, 4, 8)", WholeRange(1, 8));
   add_whole_option(sub, "-c,--ctx-size", opt->ctx_size,

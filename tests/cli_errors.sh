@@ -19,6 +19,15 @@ expect 3 "$tmp/nonexistent" -- "$fngen" inspect "$tmp/nonexistent"
 expect 2 "got 3" -- "$fngen" inspect "$src/configs/tiny.json" --tp 3
 expect 2 "ctx-size" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size -5
 expect 2 "max_position_embeddings (4096)" -- "$fngen" inspect "$src/configs/tiny.json" --ctx-size 99999999
+# The checkpoint is one option under two names (the positional dir, -m/--model): --help marks
+# neither REQUIRED (either one suffices), and it is still needed exactly once.
+"$fngen" inspect --help >"$tmp/help" 2>&1
+grep -E "^ +(dir|-m,--model) " "$tmp/help" | grep -q REQUIRED &&
+  fail "inspect --help marks dir or -m/--model REQUIRED: $(grep -E "^ +(dir|-m,--model) " "$tmp/help")" ||
+  pass "inspect --help: neither dir nor -m/--model is marked REQUIRED"
+expect 2 "usage error: --model is required" -- "$fngen" inspect --tp 2
+expect 2 "usage error: --model: given 2 times; give it once" -- \
+  "$fngen" inspect "$src/configs/tiny.json" -m "$src/configs/tiny.json"
 # -m takes the model directory: a config file or a missing path is named as such.
 expect 2 "is a file; give the model directory" -- "$fngen" generate -m "$src/configs/tiny.json" --prompt-ids 1
 expect 2 "is a file; give the model directory" -- "$fngen" eval ppl -m "$src/configs/tiny.json" --ids-file x

@@ -179,6 +179,9 @@ expect 3 "--ids-file $tmp/bad.ids: item 3 \"x\" is not an integer" -- \
   mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/bad.ids" -c 18
 expect 3 "--ids-file $tmp/bad.ids: item 3 \"x\" is not an integer" -- \
   mpi 1 dump-logits -m "$fx/tp4" --ids-file "$tmp/bad.ids" -o "$tmp/bad.fnl"
+# The output path was checked by creating the file before the ids were read: removed again.
+[ ! -e "$tmp/bad.fnl" ] && pass "a failed dump-logits leaves no -o file behind" ||
+  fail "dump-logits left the -o file $tmp/bad.fnl behind"
 # Outputs never land in the model directory (they could replace config.json or a shard).
 expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o "$fx/tp4/config.json"
 expect 2 "inside the model directory" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$fx/tp4/x.fnl"
@@ -198,6 +201,16 @@ before_load "dump-logits -o DIR"
 expect 3 "--save-logits $tmp/no-dir/x.fnl: cannot open for writing (no such directory" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/no-dir/x.fnl"
 before_load "ppl --save-logits in a missing directory"
+# A directory that exists but refuses the file (/proc; a name over NAME_MAX anywhere): found by
+# creating the file (and removing it) before the load, not when the results are written.
+expect 3 "--save-logits /proc/x.fnl: cannot" -- \
+  mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits /proc/x.fnl
+before_load "ppl --save-logits /proc/x.fnl"
+no_abort "ppl --save-logits /proc/x.fnl"
+long=$tmp/$(printf 'x%.0s' $(seq 300)).fnl
+expect 3 "-o/--output $long: cannot create the file" -- \
+  mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
+before_load "dump-logits -o with a file name too long"
 expect 2 "--save-top-k 999999 exceeds vocab_size" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/k.fnl" --save-top-k 999999
 before_load "ppl --save-top-k past the vocabulary"

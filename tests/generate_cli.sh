@@ -130,6 +130,8 @@ expect 2 "the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it lea
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4,5 -c 4
 expect 2 "--chat renders a text prompt" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --chat
 expect 2 "--stop: an empty stop string" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --stop ""
+expect 2 "--stop: invalid UTF-8 at byte offset 1 (byte 0xFF)" -- \
+  mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --stop "ok" --stop $'a\xff'
 # Input files: a directory, an empty JSONL batch.
 expect 3 "is a directory, not a file" -- mpi 2 -m "$fx/g3_tiny" -f "$tmp"
 : >"$tmp/empty.jsonl"
@@ -303,6 +305,12 @@ if [ -f "$tok/tokenizer.json" ]; then
     sys.exit(0 if s['finish_reason']=='stop' and s['text']==t[:t.find(sys.argv[3])] else 1)" \
     "$tmp/t.json" "$tmp/s.json" "$stop" && echo "ok: --stop cuts the text before the stop string" ||
     fail "--stop: $(cat "$tmp/s.json")"
+  # A stop string that is not valid UTF-8 could never match the (lossily decoded) text: a usage
+  # error before the load, not a run that ignores it.
+  expect 2 "--stop: invalid UTF-8 at byte offset 0 (byte 0xC3)" -- \
+    mpi 1 -m "$tmp/demo" --prompt-ids 1,2 -n 2 --stop $'\xc3('
+  ! grep -q "model loaded" "$tmp/err" && pass "--stop with invalid UTF-8: refused before the load" ||
+    fail "--stop with invalid UTF-8: refused only after the model load"
   mpi 4 -m "$tmp/demo" -p "Hi" --chat --no-think --system-prompt "Be brief." --temp 0 -n 3 \
     --json >"$tmp/c.json" 2>/dev/null
   # system turn + user turn + generation prompt with the empty think block:

@@ -769,10 +769,17 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   rep.vocab_size = model.vocab_size;
   rep.load_ms = model.load_ms;
   rep.bandwidth_gbs = o.bandwidth_gbs;
+  // The default is an H200 figure: on the cpu backend the source says it is not this machine's
+  // (the % of ref is then against an H200, not the CPU's memory bandwidth).
   rep.bandwidth_source = o.o_bandwidth->count() > 0
                              ? "given with --bandwidth-gbs"
                              : "the measured H200 device copy bandwidth (default of "
                                "--bandwidth-gbs; docs/performance.md)";
+  if (o.o_bandwidth->count() == 0 && model.name == "cpu")
+    rep.bandwidth_source +=
+        ": an H200 figure, not this CPU's (give --bandwidth-gbs for a CPU roofline)";
+  if (root)
+    FN_LOG_INFO("bench: reference bandwidth {} GB/s = {}", rep.bandwidth_gbs, rep.bandwidth_source);
   rep.env = query_environment(model.name);
 
   GenerateOptions go;
@@ -845,7 +852,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
         const json j = lane_json(lane, rep.bandwidth_gbs);
         FN_LOG_INFO(
             "bench: lane {}/{} (-p {} -n {}): TTFT {} ms, TPOT {:.4f} ms, {:.1f} tokens/s, "
-            "{:.2f} GB/s ({:.3f}% of {} GB/s)",
+            "{:.2f} GB/s ({:.3f}% of the {} GB/s reference)",
             rep.lanes.size() + 1, n_lanes, p, n,
             j["ttft_ms"].is_null() ? std::string("n/a")
                                    : fmt::format("{:.3f}", j["ttft_ms"].get<double>()),

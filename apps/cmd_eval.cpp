@@ -292,12 +292,11 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the prompt is empty", o.file);
       const auto tok = require_tokenizer(dir, "the prompt");
       const std::string what = o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file;
-      ids = with_text_source(what, [&] {
-        refuse_long_text(
-            *tok, text, cfg.max_position_embeddings, what,
-            fmt::format("the model's max_position_embeddings {}", cfg.max_position_embeddings));
-        return tok->encode(text, EncodeMode::Raw);
-      });
+      refuse_long_text(
+          *tok, text, cfg.max_position_embeddings, what,
+          fmt::format("the model's max_position_embeddings {}", cfg.max_position_embeddings),
+          ErrorKind::Usage);
+      ids = with_text_source(what, [&] { return tok->encode(text, EncodeMode::Raw); });
       check_ids_in_vocab(ids, cfg.vocab_size, "the prompt");
       h.tokenizer = tokenizer_id(dir);
     }

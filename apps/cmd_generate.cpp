@@ -61,25 +61,33 @@ int64_t new_tokens_for(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
 
 // The prompt plus -n must fit the context; the default -n and -n -1 (until the context is full)
 // need room for one token; an empty prompt is refused here, before the load (whatever -n is).
-// fn::Error(Usage) naming the flag as the user gave it.
+// A prompt that leaves no room for a generated token (n_prompt >= ctx) is bad input,
+// fn::Error(Format), exit 3, as the same prompt is a bad record in a batch (README "Exit codes");
+// a prompt with room that -n/--max-new-tokens overruns is fn::Error(Usage), exit 2. The message
+// names the flag as the user gave it.
 void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
   FN_REQUIRE(n_prompt > 0, Usage, "the prompt is empty (0 tokens): give at least one token");
   const char* fills = n_prompt > ctx ? "exceeds" : "fills";
   if (max_new_tokens == 0) {
-    FN_REQUIRE(n_prompt < ctx, Usage,
+    FN_REQUIRE(n_prompt < ctx, Format,
                "the prompt ({} token{}) {} the context size -c/--ctx-size {}: it leaves no "
                "room for a generated token",
                n_prompt, n_prompt == 1 ? "" : "s", fills, ctx);
     return;
   }
   if (max_new_tokens < 0) {
-    FN_REQUIRE(n_prompt < ctx, Usage,
+    FN_REQUIRE(n_prompt < ctx, Format,
                "the prompt ({} token{}) {} the context size -c/--ctx-size {}: "
                "-n/--max-new-tokens -1 (until the context is full) leaves no room for a token",
                n_prompt, n_prompt == 1 ? "" : "s", fills, ctx);
     max_new_tokens = ctx - n_prompt;
   }
-  check_context(n_prompt, max_new_tokens, ctx);
+  try {
+    check_context(n_prompt, max_new_tokens, ctx);
+  } catch (const Error& e) {
+    if (n_prompt < ctx || e.kind() != ErrorKind::Usage) throw;
+    FN_THROW(Format, "{}", e.what());  // check_context's message, as bad input
+  }
 }
 
 struct GenerateCli {
@@ -117,14 +125,15 @@ struct TextSide {
 
   // `what` names the text's origin ("-p/--prompt", "-f/--file PATH"); a Format error of the
   // tokenizer (invalid UTF-8 at byte N) is restated with it. ctx > 0: a text many times the
-  // context is refused from its prefix first (refuse_long_text).
+  // context is refused from its prefix first (refuse_long_text; Format, exit 3, as check_room's
+  // prompt the context cannot hold).
   std::vector<int32_t> encode_text(const std::string& text, bool as_chat, const std::string& what,
                                    int64_t ctx = 0) const {
     require_tokenizer(what.c_str());
+    if (ctx > 0)
+      refuse_long_text(*tokenizer, text, ctx, what,
+                       fmt::format("the context size -c/--ctx-size {}", ctx), ErrorKind::Format);
     return with_text_source(what, [&] {
-      if (ctx > 0)
-        refuse_long_text(*tokenizer, text, ctx, what,
-                         fmt::format("the context size -c/--ctx-size {}", ctx));
       if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
       std::vector<ChatMessage> msgs;
       if (!system_prompt.empty()) msgs.push_back({"system", system_prompt, std::nullopt});

@@ -77,6 +77,9 @@ def check_run(r, tp):
     need(r["backend"] == "cpu" and int(r["tp_size"]) == tp, "backend/tp %s %s" % (r["backend"], r["tp_size"]))
     need(r["all_reduce"] == ("mpi" if tp > 1 else "none"), "all_reduce %s" % r["all_reduce"])
     need(float(r["bandwidth_gbs"]) == 4300 and "H200" in r["bandwidth_source"], "bandwidth reference")
+    # The default is an H200 figure: on the cpu backend the source says so.
+    need(r["bandwidth_source"].endswith(": an H200 figure, not this CPU\x27s (give --bandwidth-gbs for a CPU roofline)"),
+         "the cpu run does not say its reference is an H200 figure: %s" % r["bandwidth_source"])
     need(r["gpu"] == "none" and r["driver"] == "none" and r["nccl"] == "none", "GPU fields on cpu")
     need(r["commit"] != "", "commit empty")
     need(r["weights"] == "checkpoint" and r["prefill"] == "run", "weights/prefill %s %s" % (r["weights"], r["prefill"]))
@@ -107,8 +110,9 @@ need([c[9] for c in cells] == [f'{b / 1e6:.4f}' for b in want], f'MB/token {[c[9
 for c in cells:
     tpot = float(c[3].split('±')[0])
     need(abs(float(c[7]) - 1000 / tpot) <= 0.01 * float(c[7]), 'decode t/s vs TPOT')
-need(any('reference bandwidth: 4300 GB/s = the measured H200 device copy bandwidth' in l for l in md),
-     'the reference bandwidth is not named')
+need(any('reference bandwidth: 4300 GB/s = the measured H200 device copy bandwidth' in l
+         and l.endswith(\"an H200 figure, not this CPU's (give --bandwidth-gbs for a CPU roofline)\") for l in md),
+     'the reference bandwidth is not named as an H200 figure on the cpu backend')
 need(any(l.startswith('GPU: none, driver: none') for l in md), 'environment line')
 " "$tmp/md" "$fngen" "$fx"
   else
@@ -116,6 +120,11 @@ need(any(l.startswith('GPU: none, driver: none') for l in md), 'environment line
   fi
   grep -q "bench: lane 2/2" "$tmp/err" && pass "progress logs go to stderr" ||
     fail "no lane log on stderr"
+  # The lane log names the reference as such, and the run's source once (not a CPU figure).
+  grep -q "% of the 4300 GB/s reference)" "$tmp/err" &&
+    [ "$(grep -c "bench: reference bandwidth 4300 GB/s = .*an H200 figure, not this CPU's" "$tmp/err")" = 1 ] &&
+    pass "stderr: % of the 4300 GB/s reference, named once as an H200 figure on the cpu backend" ||
+    fail "the reference bandwidth on stderr: $(grep "GB/s" "$tmp/err" | head -n 3)"
 
   # ---- json, jsonl, csv: parse, same deterministic numbers, relations hold ----
   bench -p 8,16 -n 4 -r 2 --format json >"$tmp/j.json" 2>/dev/null || fail "json run"

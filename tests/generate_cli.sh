@@ -124,10 +124,20 @@ for np in 1 4; do
     fail "-np $np NaN logit: $(grep -v '^$' "$tmp/err" | head -n 8)"
 done
 # -n -1 (until the context is full) with a prompt that already fills it: the message says so.
-expect 2 "fills the context size -c/--ctx-size 4: -n/--max-new-tokens -1" -- \
+# A prompt the context cannot hold is bad input (exit 3, README "Exit codes"), whatever -n is,
+# as the same prompt is a bad record in a batch; -n past the room a prompt leaves stays a usage
+# error (2, above).
+expect 3 "format error: the prompt (4 tokens) fills the context size -c/--ctx-size 4: -n/--max-new-tokens -1" -- \
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4 -c 4 -n -1
-expect 2 "the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it leaves no room" -- \
+expect 3 "format error: the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it leaves no room" -- \
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4,5 -c 4
+expect 3 "format error: the prompt (5 tokens) plus -n/--max-new-tokens (2) is 7 tokens, more than the context size -c/--ctx-size 4" -- \
+  mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4,5 -c 4 -n 2
+no_abort "a prompt over the context" "format error"
+# The same prompt as the only record of a batch: the same message in its error record, exit 3.
+echo '{"prompt_ids": [1, 2, 3, 4, 5]}' >"$tmp/long.jsonl"
+expect 3 "long.jsonl: line 1: the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it leaves no room" -- \
+  mpi 2 -m "$fx/g3_tiny" -i "$tmp/long.jsonl" -c 4
 expect 2 "--chat renders a text prompt" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --chat
 expect 2 "--stop: an empty stop string" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --stop ""
 expect 2 "--stop: invalid UTF-8 at byte offset 1 (byte 0xFF)" -- \
@@ -336,8 +346,14 @@ if [ -f "$tok/tokenizer.json" ]; then
   check_json "$tmp/ce.json" "j['n_prompt_tokens'] > 5" "demo: --chat with an empty -f/--file"
   # A prompt file many times the context is refused from its prefix (not encoded whole first).
   $py -c "import sys; open(sys.argv[1], 'w').write('hello world ' * 400000)" "$tmp/big.txt"
-  expect 2 "-f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the context size -c/--ctx-size 64: its first 2046 bytes alone encode to 342 tokens, more than 64" -- \
+  # Bad input (3), as a prompt over the context is; the message names the file once.
+  expect 3 "format error: -f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the context size -c/--ctx-size 64: its first 2046 bytes alone encode to 342 tokens, more than 64" -- \
     mpi 2 -m "$tmp/demo" -f "$tmp/big.txt" -c 64
+  # A text prompt over the context, encoded whole (-p, -f): bad input (3) too.
+  expect 3 "format error: the prompt (5 tokens) exceeds the context size -c/--ctx-size 4" -- \
+    mpi 2 -m "$tmp/demo" -p "The capital of France is" -c 4
+  expect 3 "format error: the prompt (5 tokens) exceeds the context size -c/--ctx-size 4" -- \
+    mpi 2 -m "$tmp/demo" -f "$tmp/prompt.txt" -c 4
   printf 'ab\xffc\n' >"$tmp/bad_utf8.txt"
   expect 3 "-f/--file $tmp/bad_utf8.txt: invalid UTF-8 in text to encode at byte offset 2 (byte 0xFF)" -- \
     mpi 2 -m "$tmp/demo" -f "$tmp/bad_utf8.txt"

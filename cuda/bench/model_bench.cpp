@@ -6,8 +6,8 @@
 // ms/token (mean, p50, p90, p99) next to the bytes-per-token floor of the shard plan at the
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
-//     [--tokens 128] [--warmup 16] [--allreduce auto|custom|nccl] [--no-graph] [--unfused]
-//     [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
+//     [--tokens 128] [--warmup 16] [--ctx N] [--allreduce auto|custom|nccl] [--no-graph]
+//     [--unfused] [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
 //     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--in-proj-prefetch MB]
 //     [--fixed-shape MASK] [--lookahead 0|1] [--qsa-mailbox 0|1]
 //     [--skip MASK] [--empty-launches N] [--json FILE]
@@ -87,7 +87,7 @@ void write_step_trace(fn::CudaModel& model, const std::string& path, int64_t ste
 int run(int argc, char** argv, fn::MpiContext& mpi) {
   std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
   std::string trace_path;
-  int64_t depth = 8192, tokens = 128, warmup = 16, trace_steps = 4;
+  int64_t depth = 8192, tokens = 128, warmup = 16, trace_steps = 4, ctx = 0;
   bool graph = true, fused = true;
   int fold = -1;
   int l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
@@ -111,6 +111,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       config = next();
     else if (a == "--depth")
       depth = std::stoll(next());
+    else if (a == "--ctx")  // context size (0: the least the run needs); it sizes some grids
+      ctx = std::stoll(next());
     else if (a == "--tokens")
       tokens = std::stoll(next());
     else if (a == "--warmup")
@@ -170,7 +172,10 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
     ar = fn::make_device_all_reduce(fn::parse_all_reduce_strategy(allreduce), gpu,
                                     fn::CustomAllReduceOptions{});
   fn::CudaModelOptions o;
-  o.ctx_size = depth + warmup + tokens + (trace_path.empty() ? 0 : trace_steps) + 1;
+  const int64_t ctx_needed = depth + warmup + tokens + (trace_path.empty() ? 0 : trace_steps) + 1;
+  FN_REQUIRE(ctx == 0 || ctx >= ctx_needed, Usage, "--ctx {} is below the {} tokens the run needs",
+             ctx, ctx_needed);
+  o.ctx_size = ctx == 0 ? ctx_needed : ctx;
   o.use_graph = graph;
   o.fused_step = fused;
   o.fold_hc_inject = fold;

@@ -18,7 +18,9 @@
 # commit, carried too), built beside the two and benched in the same alternation (base, new,
 # variants..., twice); FN_AB_TESTS and test_cuda_model run on every variant too, the sanitizer on
 # the working tree only. FN_AB_NEW_FLAGS="--moe-bulk-down 0|--moe-bulk-down 1" benches the
-# working tree once per flag set (|-separated) in each round.
+# working tree once per flag set (|-separated) in each round. Session 23: FN_AB_BENCH_ARGS
+# (|-separated argument sets, default "--depth 8192 --tokens 64") benches every tree once per set
+# in each round, e.g. "--depth 8300 --tokens 48 --ctx 8704|--depth 8460 --tokens 48 --ctx 8704".
 set -u
 cd "$(dirname "$0")/../.."
 fn_out_default=/tmp/kernel-ab-out
@@ -71,14 +73,17 @@ for v in $variants; do
 done
 IFS='|' read -r -a new_flags <<<"${FN_AB_NEW_FLAGS:-}"
 [ ${#new_flags[@]} -eq 0 ] && new_flags=("")
+IFS='|' read -r -a bench_args <<<"${FN_AB_BENCH_ARGS:---depth 8192 --tokens 64}"
 for b in $trees $trees; do
   flag_sets=("")
   [ "$b" = "$n" ] && flag_sets=("${new_flags[@]}")
-  for f in "${flag_sets[@]}"; do
-    # shellcheck disable=SC2086
-    echo "cuda_model_bench TP=1 $b $f $(timeout 100 $mpi -np 1 "$b/cuda/cuda_model_bench" \
-      --config configs/qwen3.8-flash-next.json --depth 8192 --tokens 64 $f 2>&1 |
-      grep -E "^\| [0-9]" | cut -c1-80)"
+  for args in "${bench_args[@]}"; do
+    for f in "${flag_sets[@]}"; do
+      # shellcheck disable=SC2086
+      echo "cuda_model_bench TP=1 $b $args $f $(timeout 100 $mpi -np 1 "$b/cuda/cuda_model_bench" \
+        --config configs/qwen3.8-flash-next.json $args $f 2>&1 |
+        grep -E "^\| [0-9]" | cut -c1-80)"
+    done
   done
 done
 # FN_AB_SANITIZE may name several "TEST:filter" entries, |-separated (session 17).

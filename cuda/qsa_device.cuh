@@ -135,27 +135,29 @@ __device__ __forceinline__ uint32_t order_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Exclusive prefix sum over the CTA (kQsaSelectThreads threads), integer so order-free.
-__device__ inline int block_exclusive_scan(int v, int* sh) {
+// Exclusive prefix sum over the CTA (kQsaSelectThreads threads), integer so order-free
+// (T: int, or unsigned long long for two 32-bit counts packed in one scan).
+template <typename T>
+__device__ inline T block_exclusive_scan(T v, T* sh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = v;
+  T incl = v;
   for (int off = 1; off < 32; off <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, incl, off);
+    const T n = __shfl_up_sync(0xffffffffu, incl, off);
     if (lane >= off) incl += n;
   }
   if (lane == 31) sh[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    const int w = lane < kQsaSelectThreads / 32 ? sh[lane] : 0;
-    int wi = w;
+    const T w = lane < kQsaSelectThreads / 32 ? sh[lane] : T{0};
+    T wi = w;
     for (int off = 1; off < 32; off <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, wi, off);
+      const T n = __shfl_up_sync(0xffffffffu, wi, off);
       if (lane >= off) wi += n;
     }
     if (lane < kQsaSelectThreads / 32) sh[lane] = wi - w;
   }
   __syncthreads();
-  const int r = sh[warp] + incl - v;
+  const T r = sh[warp] + incl - v;
   __syncthreads();
   return r;
 }
@@ -165,7 +167,7 @@ __device__ inline int block_exclusive_scan(int v, int* sh) {
 // remaining-th largest key writes the extended prefix and the rank left inside that bin.
 __device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int lane, uint32_t prefix,
                                                int shift, int remaining, uint32_t* s_prefix,
-                                               int* s_remaining) {
+                                               int* s_remaining, int* s_count = nullptr) {
   unsigned c[8], tot = 0;
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
@@ -181,11 +183,14 @@ __device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int lane, u
   const unsigned rem = static_cast<unsigned>(remaining);
   if (excl < rem && rem <= incl) {
     unsigned cum = excl;
-    for (int r = 0; r < 8; ++r) {
-      if (cum + c[r] >= rem) {
+    bool found = false;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {  // unrolled: c stays in registers
+      if (!found && cum + c[r] >= rem) {
         *s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - r) << shift);
         *s_remaining = static_cast<int>(rem - cum);
-        break;
+        if (s_count != nullptr) *s_count = static_cast<int>(c[r]);
+        found = true;
       }
       cum += c[r];
     }
@@ -255,38 +260,51 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
   compact_selected(key, B, prefix, remaining, scan_sh, selected);
 }
 
-// select_top_blocks with the same result (the same threshold key T and tie rule, so the same
-// blocks in the same order) for a CTA that reaches it after other CTAs wrote `scores`, with the
-// keys of the first kQsaSelectCache blocks in the caller's shared array `keys` (kQsaSelectCache
-// words). kMail false: the scores are read through L2 (ld.global.cg) after the caller's fence;
-// true: `scores` is a mailbox (device_util.cuh) whose slots [0, B) other CTAs of the grid post,
-// each read until posted (the slots stay posted). Every thread of a kQsaSelectThreads CTA must
-// call it.
+// select_top_blocks with the same result (the same blocks in the same order) for a CTA that
+// reaches it after other CTAs wrote `scores`, with the keys of the first kQsaSelectCache blocks
+// in the caller's shared array `keys` (kQsaSelectCache words). kMail false: the scores are read
+// through L2 (ld.global.cg) after the caller's fence; true: `scores` is a mailbox
+// (device_util.cuh) whose slots [0, B) other CTAs of the grid post, each read until posted (the
+// slots stay posted). Every thread of a kQsaSelectThreads CTA must call it.
+// The same radix select as select_top_blocks with fewer barriers on its critical path: each
+// thread's slot reads all in flight before the first wait; two histograms and prefix slots
+// alternate between passes (the next pass's histogram is zeroed during this one), so a pass
+// takes two barriers instead of four; the passes stop once the chosen bin holds exactly the keys
+// still wanted (all of them are selected, so finer bits cannot change the set); and the
+// compaction takes its greater and equal counts in one packed scan.
 template <bool kMail>
 __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, int* selected,
                                             uint32_t* keys) {
-  __shared__ unsigned hist[256];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_remaining;
-  __shared__ int scan_sh[32];
+  __shared__ unsigned hist[2][256];
+  __shared__ uint32_t s_prefix[2];
+  __shared__ int s_remaining[2], s_count[2];
+  __shared__ unsigned long long scan_sh[32];
   const int tid = threadIdx.x, lane = tid & 31;
   const int cached = min(B, kQsaSelectCache);
-  {  // every load in flight before the first shared store (one L2 round trip)
+  {
     constexpr int kPer = kQsaSelectCache / kQsaSelectThreads;
-    float v[kPer];
+    uint32_t v[kPer];
 #pragma unroll
-    for (int r = 0; r < kPer; ++r) {
+    for (int r = 0; r < kPer; ++r) {  // every read in flight before the first wait
       const int i = tid + r * kQsaSelectThreads;
-      v[r] = i < cached ? (kMail ? dev::mail_wait(scores + i) : __ldcg(scores + i)) : 0.0f;
+      v[r] = i < cached ? (kMail ? dev::mail_peek(scores + i) : __float_as_uint(__ldcg(scores + i)))
+                        : 0u;
     }
 #pragma unroll
-    for (int r = 0; r < kPer; ++r) {
+    for (int r = 0; r < kPer; ++r) {  // the bits as read, in this thread's own words of keys
       const int i = tid + r * kQsaSelectThreads;
-      if (i < cached) keys[i] = order_key(v[r]);
+      if (i < cached) keys[i] = v[r];
+    }
+    for (int i = tid; i < cached; i += kQsaSelectThreads) {  // a slot read empty: read again
+      uint32_t x = keys[i];
+      if (kMail)
+        while (x == dev::kMailEmpty) x = dev::mail_peek(scores + i);
+      keys[i] = order_key(__uint_as_float(x));
     }
     // Past the cache (B > kQsaSelectCache): each slot posted before any thread reads it below.
     if (kMail)
       for (int i = kQsaSelectCache + tid; i < B; i += kQsaSelectThreads) dev::mail_wait(scores + i);
+    if (tid < 256) hist[0][tid] = 0;
   }
   __syncthreads();
   auto key = [&](int i) {
@@ -295,9 +313,11 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
   };
   uint32_t prefix = 0, mask = 0;
   int remaining = k;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    if (tid < 256) hist[tid] = 0;
-    __syncthreads();
+  for (int pass = 0, shift = 24; shift >= 0; ++pass, shift -= 8) {
+    unsigned* h = hist[pass & 1];
+    // The other histogram: its last reader (the previous pass's bin pick) finished before the
+    // barrier that ended that pass.
+    if (tid < 256) hist[(pass + 1) & 1][tid] = 0;
     for (int i0 = 0; i0 < B; i0 += kQsaSelectThreads) {  // uniform trip count over the CTA
       const int i = i0 + tid;
       bool in = false;
@@ -307,17 +327,42 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
         in = (u & mask) == prefix;
         bin = (u >> shift) & 255u;
       }
-      if (in) atomicAdd(&hist[bin], 1u);  // plain: measured faster than warp aggregation
+      if (in) atomicAdd(&h[bin], 1u);  // plain: measured faster than warp aggregation
     }
     __syncthreads();
-    if (tid < 32) radix_pick_bin(hist, lane, prefix, shift, remaining, &s_prefix, &s_remaining);
+    if (tid < 32)
+      radix_pick_bin(h, lane, prefix, shift, remaining, &s_prefix[pass & 1], &s_remaining[pass & 1],
+                     &s_count[pass & 1]);
     __syncthreads();
-    prefix = s_prefix;
-    remaining = s_remaining;
+    // Read before the next pass's first barrier; written again two passes on.
+    prefix = s_prefix[pass & 1];
+    remaining = s_remaining[pass & 1];
     mask |= 255u << shift;
-    __syncthreads();
+    if (s_count[pass & 1] == remaining) break;  // uniform: every key of the bin is selected
   }
-  compact_selected(key, B, prefix, remaining, scan_sh, selected);
+  // Compaction (compact_selected's rule under `mask`): index i is selected when its key's masked
+  // bits exceed prefix, or equal it and it is among the lowest-indexed `remaining` such keys.
+  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
+  const int lo = min(B, tid * per), hi = min(B, lo + per);
+  unsigned gt = 0, eq = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i) & mask;
+    gt += u > prefix;
+    eq += u == prefix;
+  }
+  const unsigned long long before =
+      block_exclusive_scan((static_cast<unsigned long long>(gt) << 32) | eq, scan_sh);
+  const int gt_before = static_cast<int>(before >> 32);
+  const int eq_before = static_cast<int>(before & 0xffffffffull);
+  const int take_eq = max(0, min(remaining - eq_before, static_cast<int>(eq)));
+  int off = gt_before + min(eq_before, remaining);
+  int eq_seen = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t u = key(i) & mask;
+    bool sel = u > prefix;
+    if (u == prefix) sel = eq_seen++ < take_eq;
+    if (sel) selected[off++] = i;
+  }
 }
 
 // The chunk weights of a combine over nc chunks: sc[c] = ps[c] and wc[c] = exp(pm[c] - M) with

@@ -242,7 +242,7 @@ constexpr int64_t kCutSlack = 16;
 }  // namespace
 
 void refuse_long_text(const Tokenizer& tok, std::string_view text, int64_t limit,
-                      const std::string& what, const std::string& limit_name, ErrorKind kind) {
+                      const std::string& what, const std::string& limit_name) {
   const auto bytes = static_cast<std::size_t>(kPrefixBytesPerToken * limit);
   if (text.size() <= bytes) return;
   std::size_t cut = bytes;
@@ -250,11 +250,10 @@ void refuse_long_text(const Tokenizer& tok, std::string_view text, int64_t limit
   if (cut <= bytes / 2) return;
   const std::size_t n = with_text_source(
       what, [&] { return tok.encode(text.substr(0, cut), EncodeMode::Raw).size(); });
-  if (static_cast<int64_t>(n) <= limit + kCutSlack) return;
-  detail::throw_error(kind, __FILE__, __LINE__,
-                      fmt::format("{}: the prompt ({} bytes) exceeds {}: its first {} bytes alone "
-                                  "encode to {} tokens, more than {}",
-                                  what, text.size(), limit_name, cut, n, limit));
+  FN_REQUIRE(static_cast<int64_t>(n) <= limit + kCutSlack, Format,
+             "{}: the prompt ({} bytes) exceeds {}: its first {} bytes alone encode to {} tokens, "
+             "more than {}",
+             what, text.size(), limit_name, cut, n, limit);
 }
 
 }  // namespace fn

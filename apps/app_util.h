@@ -136,13 +136,13 @@ bool has_tokenizer(const std::filesystem::path& dir);
 /// 300 MB file took minutes and GBs to encode before the length check). The prefix is the first
 /// 32 * limit bytes cut after a whitespace byte in its second half, so that only the pre-tokens
 /// at the cut can encode differently from the whole text (16 tokens of slack cover them); a text
-/// of any other shape returns, for the caller to encode whole and check. Throws fn::Error of
-/// `kind` "<what>: the prompt (B bytes) exceeds <limit_name>: its first C bytes alone encode to N
-/// tokens, more than <limit>" when the prefix encodes to more than limit + 16 tokens (generate:
-/// Format, a prompt the context cannot hold is bad input; eval dump-logits: Usage); a Format
-/// error of the tokenizer (invalid UTF-8 in the prefix) is restated with `what`
-/// (with_text_source), so callers call it outside their own with_text_source.
+/// of any other shape returns, for the caller to encode whole and check. Throws
+/// fn::Error(Format) "<what>: the prompt (B bytes) exceeds <limit_name>: its first C bytes alone
+/// encode to N tokens, more than <limit>" when the prefix encodes to more than limit + 16 tokens
+/// (a prompt the context cannot hold is bad input, exit 3); a Format error of the tokenizer
+/// (invalid UTF-8 in the prefix) is restated with `what` (with_text_source), so callers call it
+/// outside their own with_text_source.
 void refuse_long_text(const Tokenizer& tok, std::string_view text, int64_t limit,
-                      const std::string& what, const std::string& limit_name, ErrorKind kind);
+                      const std::string& what, const std::string& limit_name);
 
 }  // namespace fn

@@ -294,8 +294,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       const std::string what = o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file;
       refuse_long_text(
           *tok, text, cfg.max_position_embeddings, what,
-          fmt::format("the model's max_position_embeddings {}", cfg.max_position_embeddings),
-          ErrorKind::Usage);
+          fmt::format("the model's max_position_embeddings {}", cfg.max_position_embeddings));
       ids = with_text_source(what, [&] { return tok->encode(text, EncodeMode::Raw); });
       check_ids_in_vocab(ids, cfg.vocab_size, "the prompt");
       h.tokenizer = tokenizer_id(dir);
@@ -305,7 +304,8 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
         parse_token_ids(o.continuation_ids, cfg.vocab_size, "--continuation-ids");
     const int64_t prompt_len = static_cast<int64_t>(ids.size());
     ids.insert(ids.end(), cont.begin(), cont.end());
-    FN_REQUIRE(static_cast<int64_t>(ids.size()) <= cfg.max_position_embeddings, Usage,
+    // Bad input (exit 3), as generate's prompt that its context cannot hold.
+    FN_REQUIRE(static_cast<int64_t>(ids.size()) <= cfg.max_position_embeddings, Format,
                "{} tokens exceed the model's max_position_embeddings {}", ids.size(),
                cfg.max_position_embeddings);
     LogitsSequence s;

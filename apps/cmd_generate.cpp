@@ -132,7 +132,7 @@ struct TextSide {
     require_tokenizer(what.c_str());
     if (ctx > 0)
       refuse_long_text(*tokenizer, text, ctx, what,
-                       fmt::format("the context size -c/--ctx-size {}", ctx), ErrorKind::Format);
+                       fmt::format("the context size -c/--ctx-size {}", ctx));
     return with_text_source(what, [&] {
       if (!as_chat) return tokenizer->encode(text, EncodeMode::Raw);
       std::vector<ChatMessage> msgs;

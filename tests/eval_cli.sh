@@ -166,7 +166,7 @@ expect 3 "-f/--file $tmp/empty_prompt.txt: the prompt is empty" -- \
 # A prompt file many times the model's position limit is refused from its prefix (not encoded
 # whole first), as generate refuses one over its context.
 $py -c "import sys; open(sys.argv[1], 'w').write('hello world ' * 400000)" "$tmp/big.txt"
-expect 2 "-f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the model's max_position_embeddings 1024: its first" -- \
+expect 3 "-f/--file $tmp/big.txt: the prompt (4800000 bytes) exceeds the model's max_position_embeddings 1024: its first" -- \
   mpi 1 dump-logits -m "$tmp/tok_model" -f "$tmp/big.txt" -o "$tmp/big.fnl"
 expect 2 "A subcommand" -- "$fngen" eval
 expect 2 "exactly one of -f/--file" -- mpi 1 ppl -m "$fx/tp4"

@@ -33,10 +33,12 @@ std::string read_file(const std::string& path, const char* flag) {
   std::string out;
   std::vector<char> buf(std::size_t{1} << 20);
   while (in.read(buf.data(), static_cast<std::streamsize>(buf.size())) || in.gcount() > 0) {
-    out.append(buf.data(), static_cast<std::size_t>(in.gcount()));
-    FN_REQUIRE(out.size() <= kMaxInputFileBytes, Io,
+    // Checked before the append, so that a stream (/dev/zero) stops without growing `out` past
+    // the limit.
+    FN_REQUIRE(out.size() + static_cast<std::size_t>(in.gcount()) <= kMaxInputFileBytes, Io,
                "{} {}: larger than {} GiB (input files are read whole; is it the right file?)",
                flag, path, kMaxInputFileBytes >> 30);
+    out.append(buf.data(), static_cast<std::size_t>(in.gcount()));
   }
   return out;
 }
@@ -215,8 +217,16 @@ void check_stdout() {
 }
 
 nlohmann::json parse_json_line(const std::string& line) {
+  // Refused while parsing (the parser keeps its own stack): writing a record's value back (an
+  // "id" is echoed) recurses once per level, and 100,000 levels overflowed the stack.
+  const nlohmann::json::parser_callback_t depth_guard = [](int depth, nlohmann::json::parse_event_t,
+                                                           nlohmann::json&) {
+    FN_REQUIRE(depth <= kMaxJsonDepth, Format, "a value nested deeper than {} levels",
+               kMaxJsonDepth);
+    return true;
+  };
   try {
-    return nlohmann::json::parse(line);
+    return nlohmann::json::parse(line, depth_guard);
   } catch (const nlohmann::json::parse_error& e) {
     // The parser quotes the bytes it read last, which may be invalid UTF-8 (then U+FFFD here).
     FN_THROW(Format, "not valid JSON ({})", unicode::utf8_lossy(e.what()));

@@ -120,8 +120,13 @@ auto with_text_source(const std::string& source, F&& f) {
   }
 }
 
+/// Nesting depth of a JSONL record's values above which parse_json_line refuses the record.
+inline constexpr int kMaxJsonDepth = 128;
+
 /// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)", with invalid
-/// UTF-8 in the message replaced by U+FFFD; callers put it into that record's "error" field.
+/// UTF-8 in the message replaced by U+FFFD, or "a value nested deeper than 128 levels"
+/// (kMaxJsonDepth; such a value could not be written back); callers put it into that record's
+/// "error" field.
 nlohmann::json parse_json_line(const std::string& line);
 
 /// The backend/TP flags every model-running subcommand shares: --backend must be cpu, cuda or

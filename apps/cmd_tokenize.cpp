@@ -120,7 +120,7 @@ int run_batch(const Tokenizer& tok, const TokenizeOptions& o,
     ++n;
     json rec = {{"id", li + 1}};  // the record's own "id" when it has one, as generate -i
     try {
-      const json j = json::parse(line);
+      const json j = parse_json_line(line);
       FN_REQUIRE(j.is_object(), Format, "the record is not a JSON object");
       if (j.contains("id")) rec["id"] = j["id"];
       FN_REQUIRE(j.contains("text") != j.contains("messages"), Format,

@@ -343,20 +343,24 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
     for (int64_t d : t.shape) n *= static_cast<long double>(d);
     need += n;
   }
-  const fs::path parent = fs::absolute(options.out).parent_path();
-  std::error_code space_ec;
-  const fs::space_info space = fs::space(parent, space_ec);
-  FN_REQUIRE(space_ec || need <= static_cast<long double>(space.available), Io,
-             "synth: the checkpoint of '{}' needs {:.1f} GB, more than the {:.1f} GB free in '{}'",
-             source, static_cast<double>(need / 1e9), static_cast<double>(space.available) / 1e9,
-             parent.string());
   // Everything goes to a staging directory renamed at the end: a failure leaves no partial
-  // checkpoint behind.
+  // checkpoint behind. Created first, so that a place that takes no directory (/proc) is named as
+  // such, and the free space is that of the file system the files go to.
   const fs::path out = options.out.string() + ".partial";
   std::error_code ec;
   fs::remove_all(out, ec);
   fs::create_directories(out, ec);
-  FN_REQUIRE(!ec, Io, "cannot create '{}': {}", out.string(), ec.message());
+  FN_REQUIRE(!ec, Io, "--out '{}': cannot create the staging directory '{}': {}",
+             options.out.string(), out.string(), ec.message());
+  std::error_code space_ec;
+  const fs::space_info space = fs::space(out, space_ec);
+  if (!space_ec && need > static_cast<long double>(space.available)) {
+    fs::remove_all(out, ec);
+    FN_THROW(Io,
+             "synth: the checkpoint of '{}' needs {:.1f} GB, more than the {:.1f} GB free in '{}'",
+             source, static_cast<double>(need / 1e9), static_cast<double>(space.available) / 1e9,
+             fs::absolute(options.out).parent_path().string());
+  }
   SynthResult result;
   try {
     auto files = assign_files(tensors, cfg);

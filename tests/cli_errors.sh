@@ -44,6 +44,10 @@ expect 3 "more than the .* GB free in" -- "$fngen" synth --config "$tmp/huge.jso
 [ ! -e "$tmp/o_huge" ] && [ ! -e "$tmp/o_huge.partial" ] &&
   pass "synth of a checkpoint too big for the disk wrote nothing" ||
   fail "synth of a too-big checkpoint left $(ls -d "$tmp"/o_huge* 2>/dev/null)"
+# A place where no directory can be made (/proc takes none, even for root) is named as such, not
+# as a lack of free space (0 GB free in /proc).
+expect 3 "--out '/proc/fn_synth_out': cannot create the staging directory" -- \
+  "$fngen" synth --config "$src/configs/tiny.json" --out /proc/fn_synth_out
 # A directory as --config: a usage error naming the file to give (it was a C++ stream exception).
 expect 2 "synth: --config '$src/configs' is a directory; give the config file itself (e.g. '$src/configs/config.json')" -- \
   "$fngen" synth --config "$src/configs" --out "$tmp/o5"

@@ -97,7 +97,11 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
       << R"({"messages": [{"role": "robot", "content": "x"}]})"
       << "\n"
       << R"({"text": "a", "messages": [{"role": "user", "content": "x"}]})"
-      << "\n";
+      << "\n"
+      // An "id" nested 128 levels deep is echoed; 100,000 levels (writing it back overflowed the
+      // stack: exit 139) is refused as the record's error.
+      << R"({"text": "a", "id": )" << std::string(127, '[') << std::string(127, ']') << "}\n"
+      << R"({"text": "a", "id": )" << std::string(100000, '[') << std::string(100000, ']') << "}\n";
   }
   // --system-prompt goes before the messages of a record (as in generate -i), not into "text".
   const auto r = fngen(kModel + " --chat-mode qwen3 --system-prompt S -i " + in + " -o " + out);
@@ -105,7 +109,7 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   std::ifstream f(out);
   std::vector<nlohmann::json> recs;
   for (std::string l; std::getline(f, l);) recs.push_back(nlohmann::json::parse(l));
-  REQUIRE(recs.size() == 8);
+  REQUIRE(recs.size() == 10);
   CHECK(recs[0]["ids"] == std::vector<int32_t>{9707, 1879});
   CHECK(recs[0]["id"] == 1);  // the line number, without an "id" of the record's own
   CHECK(recs[1]["error"].get<std::string>().find("line 2: not valid JSON") == 0);
@@ -122,6 +126,10 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   CHECK(recs[6]["error"] ==
         "line 8: \"messages\"[0].role \"robot\" is not one of system, user, assistant, tool");
   CHECK(recs[7]["error"] == "line 9: the record needs exactly one of \"text\" or \"messages\"");
+  CHECK(recs[8]["ids"] == std::vector<int32_t>{64});
+  CHECK(recs[8]["id"].dump() == std::string(127, '[') + std::string(127, ']'));
+  CHECK(recs[9]["error"] == "line 11: a value nested deeper than 128 levels");
+  CHECK(recs[9]["id"] == 11);
 
   // -o - is standard output (not a file named "-"): the same records.
   std::filesystem::remove("-");

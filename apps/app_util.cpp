@@ -45,7 +45,10 @@ std::string read_file(const std::string& path, const char* flag) {
 
 void require_model_dir(const std::string& path) {
   std::error_code ec;
-  FN_REQUIRE(std::filesystem::exists(path, ec), Io, "-m/--model {}: no such directory", path);
+  const bool exists = std::filesystem::exists(path, ec);
+  // A symlink loop (ELOOP) or a path the process may not search, named as such.
+  FN_REQUIRE(!ec, Io, "-m/--model {}: {}", path, ec.message());
+  FN_REQUIRE(exists, Io, "-m/--model {}: no such directory", path);
   FN_REQUIRE(std::filesystem::is_directory(path, ec), Usage,
              "-m/--model {}: is a file; give the model directory (the one holding config.json and "
              "the safetensors files)",

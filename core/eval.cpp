@@ -464,6 +464,8 @@ T field(const json& j, const char* key, const std::string& where) {
 
 LogitsReader::LogitsReader(const fs::path& path) : path_(path) {
   const std::string where = path.string();
+  std::error_code dir_ec;
+  FN_REQUIRE(!fs::is_directory(path, dir_ec), Io, "{}: is a directory, not a logits file", where);
   file_ = std::fopen(path.c_str(), "rb");
   FN_REQUIRE(file_ != nullptr, Io, "{}: cannot open the logits file ({})", where,
              std::strerror(errno));

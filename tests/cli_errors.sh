@@ -32,6 +32,10 @@ expect 2 "usage error: --model: given 2 times; give it once" -- \
 expect 2 "is a file; give the model directory" -- "$fngen" generate -m "$src/configs/tiny.json" --prompt-ids 1
 expect 2 "is a file; give the model directory" -- "$fngen" eval ppl -m "$src/configs/tiny.json" --ids-file x
 expect 3 "no such directory" -- "$fngen" generate -m "$tmp/no-model" --prompt-ids 1
+# A model path that is a symlink loop is named as one, not as a missing directory.
+ln -s "$tmp/loop_b" "$tmp/loop_a" && ln -s "$tmp/loop_a" "$tmp/loop_b"
+expect 3 "-m/--model $tmp/loop_a: Too many levels of symbolic links" -- \
+  "$fngen" generate -m "$tmp/loop_a" --prompt-ids 1
 expect 3 "invalid UTF-8 in --system-prompt at byte offset 0" -- \
   "$fngen" generate -m "$tmp/no-model" -p hi --chat --system-prompt $'\xff'
 printf 'not json' >"$tmp/bad.json"

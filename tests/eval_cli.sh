@@ -142,6 +142,7 @@ expect 3 "truncated" -- mpi 2 kld -m "$fx/tp4" --base "$tmp/trunc.fnl"
 head -c 100 "$tmp/tp4.fnl" >"$tmp/trunc2.fnl"
 expect 3 "truncated" -- mpi 1 kld -m "$fx/tp4" --base "$tmp/trunc2.fnl"
 expect 3 "not a fngen logits file\|not valid JSON\|truncated" -- mpi 1 kld -m "$fx/tp4" --base "$src/README.md"
+expect 3 "$tmp: is a directory, not a logits file" -- mpi 2 kld -m "$fx/tp4" --base "$tmp"
 expect 3 "cannot open" -- mpi 1 kld -m "$fx/tp4" --base "$tmp/missing.fnl"
 # A NaN in the base's last row (found by rank 0 mid-run): at -np 2 every rank exits 3 with rank
 # 0's one message (agreed on per row), not through MPI_Abort.

@@ -82,12 +82,7 @@ void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
                n_prompt, n_prompt == 1 ? "" : "s", fills, ctx);
     max_new_tokens = ctx - n_prompt;
   }
-  try {
-    check_context(n_prompt, max_new_tokens, ctx);
-  } catch (const Error& e) {
-    if (n_prompt < ctx || e.kind() != ErrorKind::Usage) throw;
-    FN_THROW(Format, "{}", e.what());  // check_context's message, as bad input
-  }
+  check_context(n_prompt, max_new_tokens, ctx);
 }
 
 struct GenerateCli {

@@ -80,8 +80,9 @@ struct GenerationResult {
 };
 
 /// Throws fn::Error(Usage) unless 0 < prompt_len, max_new_tokens > 0 and prompt_len +
-/// max_new_tokens <= ctx_size; the message names both numbers and the flags (-c/--ctx-size,
-/// -n/--max-new-tokens).
+/// max_new_tokens <= ctx_size, except that the last is fn::Error(Format) when the prompt alone
+/// leaves no room (prompt_len >= ctx_size: bad input, README "Exit codes"); the message names
+/// both numbers and the flags (-c/--ctx-size, -n/--max-new-tokens).
 void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size);
 
 /// A backend's batched prefill (CudaModel::prefill): runs `tokens` at the next positions and
@@ -96,7 +97,7 @@ std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t
 /// Generates from `prompt` on a freshly reset backend (the caller resets it). Runs on every rank
 /// of `coll` with the same arguments; `hooks` matter on rank 0 only. Per step: sample (every
 /// rank), rank 0 checks stop ids / stop strings / length and broadcasts {token, stop} (8 bytes),
-/// every rank accepts the broadcast token. Throws check_context's Usage error before any
+/// every rank accepts the broadcast token. Throws check_context's error before any
 /// forward; fn::Error(Usage) when stop_strings are given without hooks.feed on rank 0.
 /// `batch_prefill`, when set, runs the prompt instead of one forward per token.
 GenerationResult generate(const ForwardFn& forward, Collectives& coll,
@@ -119,7 +120,7 @@ bool device_sampling_supported(const GenerateOptions& options);
 /// unused), then `decode` from the last prompt token. Every rank sees the same ids (the device
 /// sampler is deterministic and the logits are identical on all ranks), so no per-token
 /// broadcast is needed; stop ids end the loop on every rank alike. Timing fields as generate().
-/// Throws check_context's Usage error, and fn::Error(Usage) when !device_sampling_supported.
+/// Throws check_context's error, and fn::Error(Usage) when !device_sampling_supported.
 /// `batch_prefill`, when set, runs prompt[0 .. n-2] instead of one forward per token.
 GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& decode,
                                     Collectives& coll, std::span<const int32_t> prompt,

@@ -196,6 +196,16 @@ TEST_CASE("generate: a prompt longer than the context is a usage error naming bo
   CHECK(m.fed.empty());  // checked before any forward
   o.max_new_tokens = 5;  // exactly fills the context: fine
   CHECK(fn::generate(m.fn(), coll, prompt, o).token_ids.size() == 5);
+  // A prompt that alone fills the context is bad input (Format), whatever -n is.
+  const std::vector<int32_t> full(10, 1);
+  o.max_new_tokens = 1;
+  try {
+    fn::generate(m.fn(), coll, full, o);
+    FAIL("no error");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Format);
+    CHECK(std::string(e.what()).find("10 tokens") != std::string::npos);
+  }
 }
 
 TEST_CASE("generate: an empty prompt is a usage error") {

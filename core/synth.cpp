@@ -352,17 +352,15 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
   fs::create_directories(out, ec);
   FN_REQUIRE(!ec, Io, "--out '{}': cannot create the staging directory '{}': {}",
              options.out.string(), out.string(), ec.message());
-  std::error_code space_ec;
-  const fs::space_info space = fs::space(out, space_ec);
-  if (!space_ec && need > static_cast<long double>(space.available)) {
-    fs::remove_all(out, ec);
-    FN_THROW(Io,
-             "synth: the checkpoint of '{}' needs {:.1f} GB, more than the {:.1f} GB free in '{}'",
-             source, static_cast<double>(need / 1e9), static_cast<double>(space.available) / 1e9,
-             fs::absolute(options.out).parent_path().string());
-  }
   SynthResult result;
-  try {
+  try {  // every failure below removes the staging directory (the catch)
+    std::error_code space_ec;
+    const fs::space_info space = fs::space(out, space_ec);
+    FN_REQUIRE(
+        space_ec || need <= static_cast<long double>(space.available), Io,
+        "synth: the checkpoint of '{}' needs {:.1f} GB, more than the {:.1f} GB free in '{}'",
+        source, static_cast<double>(need / 1e9), static_cast<double>(space.available) / 1e9,
+        fs::absolute(options.out).parent_path().string());
     auto files = assign_files(tensors, cfg);
     // A few tensors a text-only loader must skip (MODEL.md §B.3).
     std::vector<ExpectedTensor> skipped = {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <new>
@@ -188,6 +189,12 @@ int main(int argc, char** argv) {
         "out of host memory (std::bad_alloc): a size in the input (config.json, a tensor shape, "
         "a flag) may be more than this machine can hold");
     code = 1;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path the file system refuses where no check of ours looked first (a symlink loop as
+    // `inspect DIR` or `synth --out`): input, not an internal error. e.what() names the path.
+    wait_for_rank0_abort(mpi.get());
+    FN_LOG_ERROR("io error: {}", e.what());
+    code = fn::exit_code(fn::ErrorKind::Io);
   } catch (const std::exception& e) {
     wait_for_rank0_abort(mpi.get());
     FN_LOG_ERROR("internal error: {}", e.what());

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,6 +46,8 @@ void agree_on_error(Collectives& coll, const std::function<void()>& f) {
     f();
   } catch (const Error& e) {
     err = e;
+  } catch (const std::filesystem::filesystem_error& e) {  // a path the file system refuses
+    err = Error(ErrorKind::Io, e.what());
   } catch (const std::exception& e) {
     err = Error(ErrorKind::Internal, e.what());
   }

@@ -36,6 +36,12 @@ expect 3 "no such directory" -- "$fngen" generate -m "$tmp/no-model" --prompt-id
 ln -s "$tmp/loop_b" "$tmp/loop_a" && ln -s "$tmp/loop_a" "$tmp/loop_b"
 expect 3 "-m/--model $tmp/loop_a: Too many levels of symbolic links" -- \
   "$fngen" generate -m "$tmp/loop_a" --prompt-ids 1
+# Where no check of ours looks first, the file system's own error is still input (exit 3, "io
+# error"), not an internal error (exit 1).
+expect 3 "io error: filesystem error: .*Too many levels of symbolic links" -- \
+  "$fngen" inspect "$tmp/loop_a"
+expect 3 "io error: filesystem error: .*Too many levels of symbolic links" -- \
+  "$fngen" synth --config "$src/configs/tiny.json" --out "$tmp/loop_a"
 expect 3 "invalid UTF-8 in --system-prompt at byte offset 0" -- \
   "$fngen" generate -m "$tmp/no-model" -p hi --chat --system-prompt $'\xff'
 printf 'not json' >"$tmp/bad.json"

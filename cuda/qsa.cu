@@ -558,7 +558,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
     for (int i = tid; i < a.ni * a.ihd; i += kSelectThreads) qs[i] = a.qi[i];
     __syncthreads();
     const double scale = 1.0 / sqrt(static_cast<double>(a.ihd));
-    for (int64_t b = b0; b < B; b += warps) {
+    for (int64_t b = b0; b < B; b += warps) {  // a warp scores several blocks past 32 x grid
       if (b != b0 || !early) qsa_dev::load_block_key(a.block_keys + b * a.ihd, a.ihd, lane, kv);
       const float sc = qsa_dev::block_score_kv(qs, kv, a.ni, a.ihd, lane, scale);
       if (lane == 0) {
@@ -861,8 +861,12 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
   }
   if (mask & 2u) {
+    // One warp per block, in at most half the SMs plus one CTAs (67 on H200); past that a warp
+    // scores several blocks. On H200 a 68th scoring CTA made the select 3.7 us later, more than
+    // a warp's second block costs (cuda/bench/RESULTS.md, sessions 23 and 24).
+    const int64_t cap = std::max(1, detail::current_sm_count() / 2 + 1);
     const int ctas = static_cast<int>(std::clamp<int64_t>(
-        (max_blocks + kSelectThreads / 32 - 1) / (kSelectThreads / 32), 1, 1024));
+        (max_blocks + kSelectThreads / 32 - 1) / (kSelectThreads / 32), 1, cap));
     launch_pdl("qsa_scores_select_kernel", qsa_scores_select_kernel, ctas, kSelectThreads, 0,
                stream, a);
     FN_CUDA_LAUNCH_CHECK("qsa_scores_select_kernel");

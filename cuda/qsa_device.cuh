@@ -135,33 +135,6 @@ __device__ __forceinline__ uint32_t order_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Exclusive prefix sum over the CTA (kQsaSelectThreads threads), integer so order-free
-// (T: int, or unsigned long long for two 32-bit counts packed in one scan).
-template <typename T>
-__device__ inline T block_exclusive_scan(T v, T* sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  T incl = v;
-  for (int off = 1; off < 32; off <<= 1) {
-    const T n = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += n;
-  }
-  if (lane == 31) sh[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    const T w = lane < kQsaSelectThreads / 32 ? sh[lane] : T{0};
-    T wi = w;
-    for (int off = 1; off < 32; off <<= 1) {
-      const T n = __shfl_up_sync(0xffffffffu, wi, off);
-      if (lane >= off) wi += n;
-    }
-    if (lane < kQsaSelectThreads / 32) sh[lane] = wi - w;
-  }
-  __syncthreads();
-  const T r = sh[warp] + incl - v;
-  __syncthreads();
-  return r;
-}
-
 // One radix-select pass's bin choice, run by the 32 lanes of warp 0 over the 256-bin histogram:
 // lane l holds bins 255-8l .. 248-8l (from the top); the lane whose bins hold the
 // remaining-th largest key writes the extended prefix and the rank left inside that bin.
@@ -198,29 +171,42 @@ __device__ __forceinline__ void radix_pick_bin(const unsigned* hist, int lane, u
 }
 
 // The compaction of a radix select with threshold key T: every index i < B with key(i) > T, plus
-// the lowest-indexed `remaining` ones with key(i) == T, written ascending to selected (thread tid
-// owns the contiguous index range [lo, hi)). Every thread of a kQsaSelectThreads CTA must call it.
+// the lowest-indexed `remaining` ones with key(i) == T, written ascending to selected (i goes to
+// selected[#greater before i + min(#equal before i, remaining)]). Warp w owns the indices
+// [32 R w, 32 R (w + 1)), R = ceil(B / kQsaSelectThreads), in R rounds of 32 consecutive ones;
+// ballots count within a warp and one barrier passes the warps' totals (scan_sh: 32 words).
+// Every thread of a kQsaSelectThreads CTA must call it.
 template <typename Key>
 __device__ __forceinline__ void compact_selected(const Key& key, int B, uint32_t T, int remaining,
-                                                 int* scan_sh, int* selected) {
-  const int tid = threadIdx.x;
-  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
-  const int lo = min(B, tid * per), hi = min(B, lo + per);
-  int gt = 0, eq = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    gt += u > T;
-    eq += u == T;
+                                                 unsigned long long* scan_sh, int* selected) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned lt = (1u << lane) - 1u;
+  const int rounds = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
+  const int first = warp * 32 * rounds;
+  unsigned gt = 0, eq = 0;
+  for (int r = 0; r < rounds; ++r) {  // uniform over the CTA
+    const int i = first + 32 * r + lane;
+    const uint32_t u = i < B ? key(i) : 0u;
+    gt += __popc(__ballot_sync(0xffffffffu, i < B && u > T));
+    eq += __popc(__ballot_sync(0xffffffffu, i < B && u == T));
   }
-  const int eq_before = block_exclusive_scan(eq, scan_sh);
-  const int take_eq = max(0, min(remaining - eq_before, eq));
-  int off = block_exclusive_scan(gt + take_eq, scan_sh);
-  int eq_seen = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i);
-    bool sel = u > T;
-    if (u == T) sel = eq_seen++ < take_eq;
-    if (sel) selected[off++] = i;
+  if (lane == 0) scan_sh[warp] = (static_cast<unsigned long long>(gt) << 32) | eq;
+  __syncthreads();
+  unsigned long long before = lane < warp ? scan_sh[lane] : 0ull;  // the warps ahead of this one
+  for (int off = 16; off > 0; off >>= 1) before += __shfl_xor_sync(0xffffffffu, before, off);
+  unsigned gt_before = static_cast<unsigned>(before >> 32);
+  unsigned eq_before = static_cast<unsigned>(before & 0xffffffffull);
+  const unsigned rem = static_cast<unsigned>(remaining);
+  for (int r = 0; r < rounds; ++r) {
+    const int i = first + 32 * r + lane;
+    const uint32_t u = i < B ? key(i) : 0u;
+    const unsigned g = __ballot_sync(0xffffffffu, i < B && u > T);
+    const unsigned e = __ballot_sync(0xffffffffu, i < B && u == T);
+    const unsigned eq_rank = eq_before + __popc(e & lt);  // equal keys before i
+    if (i < B && (u > T || (u == T && eq_rank < rem)))
+      selected[gt_before + __popc(g & lt) + min(eq_rank, rem)] = i;
+    gt_before += __popc(g);
+    eq_before += __popc(e);
   }
 }
 
@@ -233,7 +219,7 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
   __shared__ uint32_t keys[kQsaSelectCache];
   __shared__ uint32_t s_prefix;
   __shared__ int s_remaining;
-  __shared__ int scan_sh[32];
+  __shared__ unsigned long long scan_sh[32];
   const int tid = threadIdx.x, lane = tid & 31;
   // Keys of the first kQsaSelectCache blocks in shared memory; later ones are re-read.
   const int cached = min(B, kQsaSelectCache);
@@ -271,7 +257,8 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
 // alternate between passes (the next pass's histogram is zeroed during this one), so a pass
 // takes two barriers instead of four; the passes stop once the chosen bin holds exactly the keys
 // still wanted (all of them are selected, so finer bits cannot change the set); and the
-// compaction takes its greater and equal counts in one packed scan.
+// compaction (compact_selected) counts with warp ballots and passes the warps' totals through
+// one barrier.
 template <bool kMail>
 __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, int* selected,
                                             uint32_t* keys) {
@@ -340,29 +327,7 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
     mask |= 255u << shift;
     if (s_count[pass & 1] == remaining) break;  // uniform: every key of the bin is selected
   }
-  // Compaction (compact_selected's rule under `mask`): index i is selected when its key's masked
-  // bits exceed prefix, or equal it and it is among the lowest-indexed `remaining` such keys.
-  const int per = (B + kQsaSelectThreads - 1) / kQsaSelectThreads;
-  const int lo = min(B, tid * per), hi = min(B, lo + per);
-  unsigned gt = 0, eq = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i) & mask;
-    gt += u > prefix;
-    eq += u == prefix;
-  }
-  const unsigned long long before =
-      block_exclusive_scan((static_cast<unsigned long long>(gt) << 32) | eq, scan_sh);
-  const int gt_before = static_cast<int>(before >> 32);
-  const int eq_before = static_cast<int>(before & 0xffffffffull);
-  const int take_eq = max(0, min(remaining - eq_before, static_cast<int>(eq)));
-  int off = gt_before + min(eq_before, remaining);
-  int eq_seen = 0;
-  for (int i = lo; i < hi; ++i) {
-    const uint32_t u = key(i) & mask;
-    bool sel = u > prefix;
-    if (u == prefix) sel = eq_seen++ < take_eq;
-    if (sel) selected[off++] = i;
-  }
+  compact_selected([&](int i) { return key(i) & mask; }, B, prefix, remaining, scan_sh, selected);
 }
 
 // The chunk weights of a combine over nc chunks: sc[c] = ps[c] and wc[c] = exp(pm[c] - M) with

@@ -425,6 +425,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.stop.empty() || ts.tokenizer, Usage,
                "--stop needs a tokenizer to match text, and {} has none", dir.string());
     if (batch) {
+      // -n past the context fails every record whatever its prompt: a flag mistake, said once.
+      FN_REQUIRE(o.max_new_tokens < ctx, Usage,
+                 "-n/--max-new-tokens {} leaves no room for a prompt token in the context size "
+                 "-c/--ctx-size {} (every record of -i/--input needs at least one)",
+                 o.max_new_tokens, ctx);
       lines = read_jsonl_lines(o.input, "-i/--input");
     } else {
       if (o.o_prompt_ids->count() > 0) {

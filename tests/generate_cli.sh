@@ -138,6 +138,10 @@ no_abort "a prompt over the context" "format error"
 echo '{"prompt_ids": [1, 2, 3, 4, 5]}' >"$tmp/long.jsonl"
 expect 3 "long.jsonl: line 1: the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it leaves no room" -- \
   mpi 2 -m "$fx/g3_tiny" -i "$tmp/long.jsonl" -c 4
+# An -n that no record can fit (-n >= -c) is refused once, before the load, as a usage error.
+echo '{"prompt_ids": [1]}' >"$tmp/one.jsonl"
+expect 2 "-n/--max-new-tokens 4 leaves no room for a prompt token in the context size -c/--ctx-size 4" -- \
+  mpi 2 -m "$fx/g3_tiny" -i "$tmp/one.jsonl" -c 4 -n 4
 expect 2 "--chat renders a text prompt" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --chat
 expect 2 "--stop: an empty stop string" -- mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2 --stop ""
 expect 2 "--stop: invalid UTF-8 at byte offset 1 (byte 0xFF)" -- \

@@ -148,7 +148,7 @@ void require_not_input(const std::string& out, const char* out_flag, const std::
              out_flag, out, in_flag, in);
 }
 
-void check_output_path(const std::string& path, const char* flag) {
+void check_output_path(const std::string& path, const char* flag, const char* staging_suffix) {
   if (path.empty()) return;
   std::error_code ec;
   const fs::path target = resolve_output_path(path);
@@ -156,22 +156,29 @@ void check_output_path(const std::string& path, const char* flag) {
   const fs::path parent = target.parent_path();
   FN_REQUIRE(fs::is_directory(parent, ec), Io,
              "{} {}: cannot open for writing (no such directory {})", flag, path, parent.string());
-  const bool exists = fs::exists(target, ec);
+  const fs::file_status st = fs::status(target, ec);
+  const bool exists = fs::exists(st);
   const fs::path& what = exists ? target : parent;
   FN_REQUIRE(::access(what.c_str(), exists ? W_OK : W_OK | X_OK) == 0, Io,
              "{} {}: cannot open for writing ({}: {})", flag, path, what.string(),
              std::strerror(errno));
-  if (exists) return;
+  // Staged: a regular file (or none yet) is replaced by a rename of the staging file beside it.
+  const bool staged = staging_suffix != nullptr && (!exists || fs::is_regular_file(st));
+  const fs::path probe = staged ? fs::path(target.string() + staging_suffix) : target;
+  FN_REQUIRE(!staged || !exists || ::access(parent.c_str(), W_OK | X_OK) == 0, Io,
+             "{} {}: cannot create its staging file {} ({}: {})", flag, path, probe.string(),
+             parent.string(), std::strerror(errno));
+  if (exists && !staged) return;
   // A writable directory can still refuse the name (/proc, a file name too long, a read-only
   // mount that access() lets root pass): create the file and remove it again. O_EXCL: only a
   // file this call created is removed; one that appeared meanwhile is left alone.
-  const int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   const int err = errno;
   if (fd < 0 && err == EEXIST) return;
-  FN_REQUIRE(fd >= 0, Io, "{} {}: cannot create the file ({}: {})", flag, path, target.string(),
+  FN_REQUIRE(fd >= 0, Io, "{} {}: cannot create the file ({}: {})", flag, path, probe.string(),
              std::strerror(err));
   ::close(fd);
-  ::unlink(target.c_str());
+  ::unlink(probe.c_str());
 }
 
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {

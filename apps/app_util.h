@@ -76,8 +76,14 @@ void require_not_input(const std::string& out, const char* out_flag, const std::
 /// writable; a file that does not exist yet is created and removed again (a file that existed is
 /// never removed), so that a name the file system refuses (/proc/x) fails here. Run before a
 /// model load so that a bad path fails fast; the file itself is opened only when results are
-/// ready. Throws fn::Error(Io) "<flag> <path>: ...".
-void check_output_path(const std::string& path, const char* flag);
+/// ready. With a `staging_suffix` (LogitsWriter::kStagingSuffix) the writer writes
+/// "<path><suffix>" beside the file and renames it onto the file (where the file is regular or
+/// not there yet; a device is written in place): then the directory must be writable even when
+/// the file exists, and the name created and removed is that staging name (the longer one, so
+/// that a name past NAME_MAX fails here; a stale staging file is left for the writer to
+/// replace). Throws fn::Error(Io) "<flag> <path>: ...".
+void check_output_path(const std::string& path, const char* flag,
+                       const char* staging_suffix = nullptr);
 
 /// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line
 /// numbers in messages match the file). Throws what read_file throws, and fn::Error(Format)

@@ -153,7 +153,8 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.save_top_k <= cfg.vocab_size, Usage, "--save-top-k {} exceeds vocab_size {}",
                o.save_top_k, cfg.vocab_size);
     if (!root) return;
-    check_output_path(o.save_logits, "--save-logits");  // before the load, not after it
+    // Before the load, not after it; the writer stages the file beside the path.
+    check_output_path(o.save_logits, "--save-logits", LogitsWriter::kStagingSuffix);
     if (!o.ppl_file.empty()) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
@@ -174,8 +175,9 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   load_model(l, c, dir, mpi, o.ctx);  // every window runs from a fresh state
   tokens = broadcast_ids(*l.coll, std::move(tokens));
 
-  // Rank 0's file: created, and closed after the run (LogitsWriter::close reports a write that
-  // failed during it), each agreed on, so that every rank ends with rank 0's error (no MPI_Abort).
+  // Rank 0's file: created (as <path>.partial), and closed after the run (LogitsWriter::close
+  // reports a write that failed during it, else renames the file into place), each agreed on, so
+  // that every rank ends with rank 0's error (no MPI_Abort).
   std::unique_ptr<LogitsWriter> writer;
   agree_on_error(*l.coll, [&] {
     if (!root || o.save_logits.empty()) return;
@@ -277,7 +279,8 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
                cfg.vocab_size);
     if (!root) return;
-    check_output_path(o.output, "-o/--output");  // before the load, not after it
+    // Before the load, not after it; the writer stages the file beside the path.
+    check_output_path(o.output, "-o/--output", LogitsWriter::kStagingSuffix);
     std::vector<int32_t> ids;
     h.tokenizer = "ids-only";
     if (!o.prompt_ids.empty()) {
@@ -332,8 +335,9 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   seq.n_rows = static_cast<int64_t>(seq.tokens.size());
   load_model(l, c, dir, mpi, seq.n_rows);  // one sequence of seq.n_rows tokens
   h.source["backend"] = l.model.name;
-  // Rank 0's file: created and closed (a write that failed during the run) on every rank's
-  // agreement, so that every rank ends with rank 0's error (no MPI_Abort).
+  // Rank 0's file: created (as <path>.partial) and closed (a write that failed during the run;
+  // else renamed into place) on every rank's agreement, so that every rank ends with rank 0's
+  // error (no MPI_Abort).
   std::unique_ptr<LogitsWriter> writer;
   agree_on_error(*l.coll, [&] {
     if (root) writer = std::make_unique<LogitsWriter>(o.output, h, "-o/--output");

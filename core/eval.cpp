@@ -1,6 +1,10 @@
 // fngen eval: perplexity windows, KL-divergence statistics, reference-logits file (core/eval.h).
 #include "core/eval.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
@@ -306,6 +310,27 @@ json header_to_json(const LogitsHeader& h) {
   return j;
 }
 
+namespace {
+
+// Symlinks followed from `p` before follow_last_symlinks gives up: a loop (as the kernel's 40).
+constexpr int kMaxLinkHops = 40;
+
+// `path` with the symlinks of its last component followed, a dangling one included (fopen "wb"
+// writes through them): the file the staging file is renamed onto, so that the rename replaces
+// the file the link names, not the link. Throws fn::Error(Io) for a loop, as fopen's ELOOP.
+fs::path follow_last_symlinks(fs::path p, const std::string& name) {
+  for (int hop = 0; hop < kMaxLinkHops; ++hop) {
+    std::error_code ec;
+    if (!fs::is_symlink(fs::symlink_status(p, ec))) return p;
+    const fs::path target = fs::read_symlink(p, ec);
+    if (ec) return p;
+    p = target.is_absolute() ? target : p.parent_path() / target;
+  }
+  FN_THROW(Io, "{}: cannot create the logits file ({})", name, std::strerror(ELOOP));
+}
+
+}  // namespace
+
 LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std::string& what)
     : header_(std::move(header)), name_(what.empty() ? path.string() : what + " " + path.string()) {
   validate_header(header_, ErrorKind::Usage, path.string());
@@ -321,38 +346,88 @@ LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std:
   j["arrays"] = std::move(arrays);
   std::string text = j.dump();
   while ((8 + text.size()) % 64 != 0) text.push_back(' ');
-  file_ = std::fopen(path.c_str(), "wb");
-  FN_REQUIRE(file_ != nullptr, Io, "{}: cannot create the logits file ({})", name_,
-             std::strerror(errno));
+  final_ = follow_last_symlinks(path, name_);
+  std::error_code ec;
+  const fs::file_status st = fs::status(final_, ec);
+  if (fs::exists(st) && !fs::is_regular_file(st)) {
+    // A device or a FIFO (/dev/null, /dev/full): no rename can replace it; written in place (a
+    // directory fails here, EISDIR).
+    file_ = std::fopen(final_.c_str(), "wb");
+    FN_REQUIRE(file_ != nullptr, Io, "{}: cannot create the logits file ({})", name_,
+               std::strerror(errno));
+  } else {
+    staging_ = final_;
+    staging_ += kStagingSuffix;
+    at_ = " of " + staging_.string();
+    // A stale .partial (a killed run) is replaced; O_EXCL then creates a file of our own, never
+    // writing through a symlink or into something another process just put there.
+    fs::remove(staging_, ec);
+    const int fd = ::open(staging_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0) {
+      const int err = errno;
+      const std::string staging = staging_.string();
+      staging_.clear();  // not ours: never removed
+      FN_THROW(Io, "{}: cannot create the staging file {} ({})", name_, staging,
+               std::strerror(err));
+    }
+    // The file the rename replaces keeps its permission bits (as the truncation in place did).
+    if (fs::is_regular_file(st)) {
+      (void)::fchmod(fd, static_cast<mode_t>(st.permissions() & fs::perms::all));
+    }
+    file_ = ::fdopen(fd, "wb");
+    if (file_ == nullptr) {
+      const int err = errno;
+      ::close(fd);
+      const std::string staging = staging_.string();
+      discard();
+      FN_THROW(Io, "{}: cannot open the staging file {} ({})", name_, staging, std::strerror(err));
+    }
+  }
   uint8_t len[8];
   for (int i = 0; i < 8; ++i)
     len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  FN_REQUIRE(std::fwrite(len, 1, 8, file_) == 8 &&
-                 std::fwrite(text.data(), 1, text.size(), file_) == text.size(),
-             Io, "{}: write failed ({})", name_, std::strerror(errno));
+  if (std::fwrite(len, 1, 8, file_) != 8 ||
+      std::fwrite(text.data(), 1, text.size(), file_) != text.size()) {
+    const int err = errno;
+    discard();
+    FN_THROW(Io, "{}: write failed{} ({})", name_, at_, std::strerror(err));
+  }
   data_start_ = 8 + text.size();
   seq_ = 0;
   pos_ = header_.sequences.empty() ? 0 : header_.sequences[0].first;
 }
 
 LogitsWriter::~LogitsWriter() {
-  if (!file_) return;
-  // Reached without close() only when the run failed: keep the partial file, say so.
-  std::fclose(file_);
-  file_ = nullptr;
-  if (n_written_ < header_.n_positions()) {
-    FN_LOG_WARN("{}: incomplete, {} of {} rows written (kld will reject it as truncated)", name_,
-                n_written_, header_.n_positions());
+  // close() ran: the file was renamed into place, or close() threw and removed the staging file.
+  if (closing_) return;
+  // Reached without close() only when the run failed (an exception unwinding): nothing lands at
+  // the final path; say so.
+  if (!staging_.empty()) {
+    FN_LOG_WARN("{}: not written ({} of {} rows, never closed); removed the staging file {}", name_,
+                n_written_, header_.n_positions(), staging_.string());
+  } else if (n_written_ < header_.n_positions()) {
+    FN_LOG_WARN("{}: incomplete, {} of {} rows written", name_, n_written_, header_.n_positions());
   }
+  discard();
+}
+
+void LogitsWriter::discard() noexcept {
+  if (file_) std::fclose(file_);
+  file_ = nullptr;
+  if (staging_.empty()) return;
+  std::error_code ec;
+  fs::remove(staging_, ec);
+  staging_.clear();
 }
 
 namespace {
 
+// `at` is " of <staging file>" (empty when the file is written in place).
 void write_at(std::FILE* f, uint64_t offset, const void* data, std::size_t bytes,
-              const std::string& name) {
+              const std::string& name, const std::string& at) {
   FN_REQUIRE(fseeko(f, static_cast<off_t>(offset), SEEK_SET) == 0 &&
                  std::fwrite(data, 1, bytes, f) == bytes,
-             Io, "{}: write failed at byte {} ({})", name, offset, std::strerror(errno));
+             Io, "{}: write failed at byte {}{} ({})", name, offset, at, std::strerror(errno));
 }
 
 }  // namespace
@@ -407,7 +482,8 @@ void LogitsWriter::write_row(std::span<const float> logits) {
     std::vector<std::size_t> idx(V);
     for (std::size_t i = 0; i < V; ++i) idx[i] = i;
     encode(idx, bytes);
-    write_at(file_, data_start_ + offsets_[0] + row * V * es, bytes.data(), bytes.size(), name_);
+    write_at(file_, data_start_ + offsets_[0] + row * V * es, bytes.data(), bytes.size(), name_,
+             at_);
   } else {
     const std::size_t K = static_cast<std::size_t>(header_.top_k);
     std::vector<std::size_t> idx(V);
@@ -425,24 +501,44 @@ void LogitsWriter::write_row(std::span<const float> logits) {
     const float residual = static_cast<float>(std::max(0.0, 1.0 - mass));
     const float tl = target >= 0 ? static_cast<float>(lp[static_cast<std::size_t>(target)])
                                  : std::numeric_limits<float>::quiet_NaN();
-    write_at(file_, data_start_ + offsets_[0] + row * K * 4, ids.data(), K * 4, name_);
+    write_at(file_, data_start_ + offsets_[0] + row * K * 4, ids.data(), K * 4, name_, at_);
     encode(idx, bytes);
-    write_at(file_, data_start_ + offsets_[1] + row * K * es, bytes.data(), bytes.size(), name_);
-    write_at(file_, data_start_ + offsets_[2] + row * 4, &residual, 4, name_);
-    write_at(file_, data_start_ + offsets_[3] + row * 4, &tl, 4, name_);
+    write_at(file_, data_start_ + offsets_[1] + row * K * es, bytes.data(), bytes.size(), name_,
+             at_);
+    write_at(file_, data_start_ + offsets_[2] + row * 4, &residual, 4, name_, at_);
+    write_at(file_, data_start_ + offsets_[3] + row * 4, &tl, 4, name_, at_);
   }
 }
 
 void LogitsWriter::close() {
-  if (!file_) return;
-  std::FILE* f = file_;
-  file_ = nullptr;
+  if (closing_) return;
+  closing_ = true;
   const int64_t n = header_.n_positions();
-  const bool ok = std::fclose(f) == 0;
-  const int close_errno = errno;
-  FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
-  FN_REQUIRE(ok, Io, "{}: closing failed ({})", name_, std::strerror(close_errno));
-  FN_REQUIRE(n_written_ == n, Internal, "{}: {} of {} rows written", name_, n_written_, n);
+  try {  // every failure below removes the staging file (the catch): nothing at the final path
+    FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
+    FN_REQUIRE(std::fflush(file_) == 0, Io, "{}: write failed at the end{} ({})", name_, at_,
+               std::strerror(errno));
+    // On the disk before the rename, so that a crash cannot leave the new name on missing data
+    // (a device written in place has nothing to sync).
+    FN_REQUIRE(staging_.empty() || ::fsync(::fileno(file_)) == 0, Io,
+               "{}: syncing the staging file {} failed ({})", name_, staging_.string(),
+               std::strerror(errno));
+    std::FILE* f = file_;
+    file_ = nullptr;
+    FN_REQUIRE(std::fclose(f) == 0, Io, "{}: closing{} failed ({})", name_, at_,
+               std::strerror(errno));
+    FN_REQUIRE(n_written_ == n, Internal, "{}: {} of {} rows written", name_, n_written_, n);
+    if (!staging_.empty()) {
+      std::error_code ec;
+      fs::rename(staging_, final_, ec);
+      FN_REQUIRE(!ec, Io, "{}: cannot rename the staging file {} onto {} ({})", name_,
+                 staging_.string(), final_.string(), ec.message());
+      staging_.clear();  // renamed: the destructor has nothing to remove
+    }
+  } catch (...) {
+    discard();
+    throw;
+  }
 }
 
 // ---------------------------------------------------------------- reader

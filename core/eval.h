@@ -178,14 +178,30 @@ struct RefRow {
 };
 
 /// Writes a reference-logits file row by row. Rows must come in the header's order.
+///
+/// Staged: the bytes go to a sibling "<path>.partial" (kStagingSuffix, in the directory of the
+/// file `path` names, a symlink followed as fopen would, so that the rename stays inside one
+/// file system), and only a successful close() renames it onto that file. Until then a file
+/// already at `path` is untouched; a writer destroyed without a successful close() (an exception
+/// unwinding, a failed write, missing rows) removes the .partial, so the final path never holds a
+/// truncated file. A killed process can leave the .partial (never the final file); the next
+/// writer to the same path replaces it. A `path` that exists and is not a regular file (/dev/null,
+/// /dev/full, a FIFO) cannot be renamed onto: it is written in place, as a plain fopen would.
 class LogitsWriter {
  public:
+  /// The staging file's suffix: "<path>.partial".
+  static constexpr const char* kStagingSuffix = ".partial";
   /// Validates the header (vocab_size > 0, top_k in [1, V] for topk, sequences' ranges and ids),
-  /// creates `path` and writes the header. `what` (e.g. "-o/--output") names the flag that gave
-  /// the path in every I/O error ("-o/--output /dev/full: write failed at byte 448 (...)").
-  /// Throws fn::Error(Usage) for a bad header, Io when the file cannot be created.
+  /// creates the staging file "<path>.partial" (replacing a stale one; a file at `path` keeps its
+  /// permission bits through the rename) and writes the header. `what` (e.g. "-o/--output")
+  /// names the flag that gave the path in every I/O error ("-o/--output out.fnl: write failed at
+  /// byte 448 of out.fnl.partial (...)"; in place: "-o/--output /dev/full: write failed at byte
+  /// 448 (...)"). Throws fn::Error(Usage) for a bad header, Io when the staging file (or, in
+  /// place, `path`) cannot be created or its header written; nothing is left behind then.
   LogitsWriter(const std::filesystem::path& path, LogitsHeader header,
                const std::string& what = {});
+  /// Without a successful close(): closes the file, removes the .partial and logs a warning
+  /// naming the path and the rows written (never throws).
   ~LogitsWriter();
   LogitsWriter(const LogitsWriter&) = delete;
   LogitsWriter& operator=(const LogitsWriter&) = delete;
@@ -194,17 +210,24 @@ class LogitsWriter {
   /// row or for a wrong length. A failed write does not throw here (the run it is part of holds
   /// every TP rank in lockstep): the writer stops writing and close() reports it.
   void append(std::span<const float> logits);
-  /// Closes the file. Throws fn::Error(Io) naming the first failed write or a failed close, else
-  /// Internal unless every row was written. Without close(), the destructor closes the file and
-  /// logs a warning if rows are missing.
+  /// Flushes, syncs (fsync) and closes the staging file and renames it onto `path`: the final
+  /// file appears here, complete, or not at all. Throws fn::Error(Io) naming the first failed
+  /// write, a failed flush/sync/close or a failed rename (each naming the file), else Internal
+  /// unless every row was written; on any throw the .partial is removed and `path` is as it was.
+  /// A second call does nothing.
   void close();
   const LogitsHeader& header() const noexcept { return header_; }
 
  private:
   void write_row(std::span<const float> logits);  // the next row's bytes (Io on failure)
+  void discard() noexcept;                        // closes file_, removes staging_ (if any)
   LogitsHeader header_;
-  std::string name_;  // the flag (if given) and the path, for messages
+  std::string name_;               // the flag (if given) and the path, for messages
+  std::filesystem::path final_;    // the file renamed onto (symlinks at `path` followed)
+  std::filesystem::path staging_;  // "<final_>.partial"; empty in place or once renamed/removed
+  std::string at_;                 // " of <staging_>" in write messages (empty in place)
   std::FILE* file_ = nullptr;
+  bool closing_ = false;  // close() ran (its own error was thrown: no warning)
   uint64_t data_start_ = 0;
   int64_t n_written_ = 0;
   int64_t seq_ = 0, pos_ = 0;  // sequence and position of the next row

@@ -73,9 +73,14 @@ if grep -q '^\[1\][0-9.]*,\[2\][0-9.]*,\[3\][0-9.]*,\[4\][0-9.]*,$' "$tmp/ppl.tx
 else
   fail "ppl text output: $(cat "$tmp/ppl.txt")"
 fi
-# ppl --save-logits writes a base that kld reads back: KLD 0, same top-1 100 %.
+# ppl --save-logits writes a base that kld reads back: KLD 0, same top-1 100 %. The file is
+# written as ppl.fnl.partial and renamed: a stale .partial (a killed run's) is replaced, and none
+# is left beside the file.
+printf 'stale' >"$tmp/ppl.fnl.partial"
 mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/ppl.fnl" >/dev/null 2>&1 ||
   fail "ppl --save-logits"
+[ -f "$tmp/ppl.fnl" ] && [ ! -e "$tmp/ppl.fnl.partial" ] && pass "ppl --save-logits left no .partial" ||
+  fail "ppl --save-logits: $(ls "$tmp"/ppl.fnl*)"
 mpi 2 kld -m "$fx/tp4" --base "$tmp/ppl.fnl" --json >"$tmp/self.json" 2>/dev/null || fail "kld of ppl windows"
 $py -c "import json,sys; j=json.load(open(sys.argv[1])); \
   sys.exit(0 if j['kld']['max'] < 1e-9 and j['same_top1'] == 1 and j['count'] == 4 * 8 else 1)" \
@@ -83,10 +88,12 @@ $py -c "import json,sys; j=json.load(open(sys.argv[1])); \
   fail "kld over ppl windows: $(cat "$tmp/self.json")"
 
 # ---- dump-logits: the C++ writer read by the python reader, rows vs the reference ----
+printf 'an older file' >"$tmp/dump.fnl"  # replaced whole by the rename
 mpi 2 dump-logits -m "$fx/tp4" --prompt-ids "$(ids_of tp4 prompt_ids)" \
   --continuation-ids "$(ids_of tp4 generated_ids '[:32]')" -o "$tmp/dump.fnl" >/dev/null 2>&1 ||
   fail "dump-logits"
 check dump-fixture "$fx/tp4" "$tmp/dump.fnl" "dump-logits tp4 at -np 2"
+[ ! -e "$tmp/dump.fnl.partial" ] && pass "dump-logits left no .partial" || fail "dump-logits left dump.fnl.partial"
 
 # ---- float16 and top-K bases written by python: every statistic recomputed independently ----
 for mode in "--dtype float16" "--top-k 16" "--top-k 16 --dtype float16" "--dtype float16 --values logits"; do
@@ -180,9 +187,11 @@ expect 3 "--ids-file $tmp/bad.ids: item 3 \"x\" is not an integer" -- \
   mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/bad.ids" -c 18
 expect 3 "--ids-file $tmp/bad.ids: item 3 \"x\" is not an integer" -- \
   mpi 1 dump-logits -m "$fx/tp4" --ids-file "$tmp/bad.ids" -o "$tmp/bad.fnl"
-# The output path was checked by creating the file before the ids were read: removed again.
-[ ! -e "$tmp/bad.fnl" ] && pass "a failed dump-logits leaves no -o file behind" ||
-  fail "dump-logits left the -o file $tmp/bad.fnl behind"
+# The output path was checked by creating its staging file before the ids were read: removed
+# again.
+[ ! -e "$tmp/bad.fnl" ] && [ ! -e "$tmp/bad.fnl.partial" ] &&
+  pass "a failed dump-logits leaves no -o file (nor its .partial) behind" ||
+  fail "dump-logits left $(ls "$tmp"/bad.fnl*) behind"
 # Outputs never land in the model directory (they could replace config.json or a shard).
 expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o "$fx/tp4/config.json"
 expect 2 "inside the model directory" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$fx/tp4/x.fnl"
@@ -212,6 +221,13 @@ long=$tmp/$(printf 'x%.0s' $(seq 300)).fnl
 expect 3 "-o/--output $long: cannot create the file" -- \
   mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
 before_load "dump-logits -o with a file name too long"
+# A name that fits NAME_MAX (255) while its staging name (+ ".partial") does not: refused before
+# the load, not when the results are written.
+long=$tmp/$(printf 'x%.0s' $(seq 247)).fnl
+expect 3 "-o/--output $long: cannot create the file ($long.partial: File name too long)" -- \
+  mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
+before_load "dump-logits -o whose staging name is too long"
+[ ! -e "$long" ] && pass "no file left for the name too long" || fail "left $long"
 expect 2 "--save-top-k 999999 exceeds vocab_size" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/k.fnl" --save-top-k 999999
 before_load "ppl --save-top-k past the vocabulary"

@@ -1,13 +1,18 @@
 // core/eval: per-row math, llama-perplexity windows, llama.cpp KLD statistics and the
 // reference-logits file, against hand-computed values (label cpu).
 #include <doctest/doctest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <numeric>
+#include <string>
 
 #include "core/collectives.h"
 #include "core/error.h"
@@ -332,7 +337,11 @@ TEST_CASE("eval: float16 log-probs and top-K rows read back within FP16 rounding
     fn::LogitsHeader h = one_sequence_header(4, {3}, -1);
     h.dtype = fn::LogitsDtype::Float16;
     h.values_are_logprobs = true;
-    fn::LogitsWriter(p, h).append(r0);
+    {
+      fn::LogitsWriter w(p, h);
+      w.append(r0);
+      w.close();
+    }
     fn::LogitsReader rd(p);
     fn::RefRow row;
     rd.read_row(0, -1, row);
@@ -363,6 +372,7 @@ TEST_CASE("eval: float16 log-probs and top-K rows read back within FP16 rounding
       fn::LogitsWriter w(p, h);
       w.append(r0);
       w.append(r0);
+      w.close();
     }
     fn::LogitsReader rd(p);
     fn::RefRow row;
@@ -391,7 +401,11 @@ TEST_CASE("eval: a top-K row with a repeated id or probabilities above 1 is a fo
     h.mode = fn::LogitsMode::TopK;
     h.top_k = 2;
     h.values_are_logprobs = true;
-    fn::LogitsWriter(p, h).append(r0);
+    {
+      fn::LogitsWriter w(p, h);
+      w.append(r0);
+      w.close();
+    }
     std::string bytes;
     {
       std::ifstream in(p, std::ios::binary);
@@ -445,6 +459,7 @@ TEST_CASE("eval: a truncated, foreign or inconsistent logits file is rejected as
     fn::LogitsWriter w(p, h);
     w.append(std::vector<float>{1, 2, 3});
     w.append(std::vector<float>{1, 2, 3});
+    w.close();
   }
   const uint64_t size = fs::file_size(p);
   SUBCASE("one byte missing") {
@@ -529,4 +544,188 @@ TEST_CASE(
   CHECK(s.same_top1() == 1.0);
   CHECK(s.ppl_q() == doctest::Approx(s.ppl_base()).epsilon(1e-12));
   fs::remove(p);
+}
+
+// ---------------------------------------------------------------- the writer's staging file
+
+namespace {
+
+// A fresh empty directory of its own (its listing is what a writer left), removed on scope exit.
+struct TmpDir {
+  fs::path dir;
+  explicit TmpDir(const std::string& name) : dir(tmp_path(name)) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  ~TmpDir() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  std::vector<std::string> listing() const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+};
+
+std::string read_all(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+fs::path partial_of(const fs::path& p) {
+  return fs::path(p.string() + ".partial");
+}
+
+}  // namespace
+
+TEST_CASE("eval: the writer's file appears at its path only when close() succeeds") {
+  TmpDir d("stage_ok");
+  const fs::path p = d.dir / "out.fnl";
+  {
+    fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+    w.append(std::vector<float>{1, 2, 3});
+    // Mid-run: the rows go to the .partial beside the path; the path itself does not exist yet.
+    CHECK(d.listing() == std::vector<std::string>{"out.fnl.partial"});
+    w.append(std::vector<float>{4, 5, 6});
+    CHECK(!fs::exists(p));
+    w.close();
+    CHECK(d.listing() == std::vector<std::string>{"out.fnl"});
+    w.close();  // a second close does nothing
+  }
+  CHECK(d.listing() == std::vector<std::string>{"out.fnl"});  // the destructor keeps it
+  fn::LogitsReader rd(p);
+  CHECK(rd.header().n_positions() == 2);
+}
+
+TEST_CASE("eval: a writer destroyed without close() leaves neither the file nor the .partial") {
+  TmpDir d("stage_abort");
+  const fs::path p = d.dir / "out.fnl";
+  SUBCASE("every row written, never closed") {
+    fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+    w.append(std::vector<float>{1, 2, 3});
+    w.append(std::vector<float>{4, 5, 6});
+  }
+  SUBCASE("an exception unwinding mid-run") {
+    try {
+      fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+      w.append(std::vector<float>{1, 2, 3});
+      throw std::runtime_error("the run failed");
+    } catch (const std::runtime_error&) {
+    }
+  }
+  SUBCASE("close() refusing missing rows (Internal), then the destructor") {
+    fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+    w.append(std::vector<float>{1, 2, 3});
+    CHECK(kind_of([&] { w.close(); }) == ErrorKind::Internal);
+    CHECK(d.listing().empty());  // close() removed it, before the destructor
+  }
+  SUBCASE("a stale .partial of a killed run is replaced, then removed") {
+    std::ofstream(partial_of(p)) << "stale";
+    fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+    w.append(std::vector<float>{1, 2, 3});
+  }
+  CHECK(d.listing().empty());
+}
+
+TEST_CASE("eval: a file already at the writer's path is untouched until close() replaces it") {
+  TmpDir d("stage_keep");
+  const fs::path p = d.dir / "out.fnl";
+  std::ofstream(p) << "the previous reference";
+  fs::permissions(p, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  {  // aborted: the old bytes stay, nothing beside them
+    fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+    w.append(std::vector<float>{1, 2, 3});
+    CHECK(read_all(p) == "the previous reference");
+  }
+  CHECK(read_all(p) == "the previous reference");
+  CHECK(d.listing() == std::vector<std::string>{"out.fnl"});
+  {  // closed: replaced whole, with the old file's permission bits
+    fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+    w.append(std::vector<float>{1, 2, 3});
+    w.append(std::vector<float>{4, 5, 6});
+    CHECK(read_all(p) == "the previous reference");
+    w.close();
+  }
+  CHECK(d.listing() == std::vector<std::string>{"out.fnl"});
+  CHECK(fn::LogitsReader(p).header().n_positions() == 2);
+  CHECK((fs::status(p).permissions() & fs::perms::all) ==
+        (fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read));
+}
+
+TEST_CASE(
+    "eval: a write that fails mid-run is an io error from close() that removes the .partial") {
+  // The file-size limit stands in for a full disk: with SIGXFSZ ignored, write() past it fails
+  // (EFBIG) as one on a full disk does (ENOSPC). Restored on scope exit, whatever happens.
+  struct FileSizeLimit {
+    rlimit old{};
+    void (*old_handler)(int) = SIG_DFL;
+    explicit FileSizeLimit(rlim_t bytes) {
+      REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+      rlimit small = old;
+      small.rlim_cur = bytes;
+      old_handler = std::signal(SIGXFSZ, SIG_IGN);
+      REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+    }
+    ~FileSizeLimit() {
+      ::setrlimit(RLIMIT_FSIZE, &old);
+      std::signal(SIGXFSZ, old_handler);
+    }
+  };
+  TmpDir d("stage_efbig");
+  const fs::path p = d.dir / "out.fnl";
+  std::ofstream(p) << "the previous reference";
+  ErrorKind kind = ErrorKind::Internal;
+  std::string msg = "(no error)";
+  {
+    fn::LogitsWriter w(p, one_sequence_header(1024, {0, 1, 2, 3}, -1));  // 4 KiB rows
+    {
+      FileSizeLimit limit(4096);  // the header and less than one row
+      const std::vector<float> row(1024, 0.5f);
+      for (int i = 0; i < 4; ++i) w.append(row);  // no throw: close() reports the failure
+      try {
+        w.close();
+      } catch (const fn::Error& e) {
+        kind = e.kind();
+        msg = e.what();
+      }
+    }
+    CHECK(d.listing() == std::vector<std::string>{"out.fnl"});  // before the destructor
+  }
+  CHECK(kind == ErrorKind::Io);
+  CHECK(msg.find(p.string() + ": write failed at ") != std::string::npos);
+  CHECK(msg.find("of " + partial_of(p).string() + " (File too large)") != std::string::npos);
+  CHECK(read_all(p) == "the previous reference");
+  CHECK(d.listing() == std::vector<std::string>{"out.fnl"});
+}
+
+TEST_CASE("eval: a writer through a symlink replaces the file it names, staged beside that file") {
+  TmpDir d("stage_link");
+  fs::create_directories(d.dir / "real");
+  const fs::path target = d.dir / "real" / "out.fnl";
+  const fs::path link = d.dir / "link.fnl";
+  fs::create_symlink("real/out.fnl", link);  // dangling until the close
+  {
+    fn::LogitsWriter w(link, one_sequence_header(3, {0}, -1));
+    w.append(std::vector<float>{1, 2, 3});
+    CHECK(fs::exists(partial_of(target)));
+    CHECK(!fs::exists(partial_of(link)));
+    w.close();
+  }
+  CHECK(fs::is_symlink(link));
+  CHECK(fn::LogitsReader(link).header().n_positions() == 1);
+  CHECK(!fs::exists(partial_of(target)));
+}
+
+TEST_CASE("eval: a writer to a device (/dev/null) writes in place: no .partial, no rename") {
+  REQUIRE(fs::is_character_file("/dev/null"));
+  {
+    fn::LogitsWriter w("/dev/null", one_sequence_header(3, {0}, -1));
+    w.append(std::vector<float>{1, 2, 3});
+    CHECK(!fs::exists("/dev/null.partial"));
+    w.close();
+  }
+  CHECK(fs::is_character_file("/dev/null"));
+  CHECK(!fs::exists("/dev/null.partial"));
 }

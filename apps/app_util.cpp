@@ -152,6 +152,9 @@ void check_output_path(const std::string& path, const char* flag, const char* st
   if (path.empty()) return;
   std::error_code ec;
   const fs::path target = resolve_output_path(path);
+  // resolve_output_path stops on a loop (or a chain past kMaxLinkHops) at a link.
+  FN_REQUIRE(!fs::is_symlink(fs::symlink_status(target, ec)), Io,
+             "{} {}: cannot open for writing (a symlink loop at {})", flag, path, target.string());
   FN_REQUIRE(!fs::is_directory(target, ec), Io, "{} {}: is a directory, not a file", flag, path);
   const fs::path parent = target.parent_path();
   FN_REQUIRE(fs::is_directory(parent, ec), Io,
@@ -163,8 +166,19 @@ void check_output_path(const std::string& path, const char* flag, const char* st
              "{} {}: cannot open for writing ({}: {})", flag, path, what.string(),
              std::strerror(errno));
   // Staged: a regular file (or none yet) is replaced by a rename of the staging file beside it.
+  // The staged writer (LogitsWriter) writes at offsets: a pipe or socket cannot take that.
+  FN_REQUIRE(staging_suffix == nullptr || !(fs::is_fifo(st) || fs::is_socket(st)), Usage,
+             "{} {}: is a pipe or socket, and the file is written at offsets: give a regular "
+             "file",
+             flag, path);
   const bool staged = staging_suffix != nullptr && (!exists || fs::is_regular_file(st));
   const fs::path probe = staged ? fs::path(target.string() + staging_suffix) : target;
+  if (staged) {  // a stale staging file is replaced; anything else there is not fngen's to remove
+    const fs::file_status ps = fs::symlink_status(probe, ec);
+    FN_REQUIRE(!fs::exists(ps) || fs::is_regular_file(ps) || fs::is_symlink(ps), Io,
+               "{} {}: {} exists and is not a file (fngen stages the output under that name)", flag,
+               path, probe.string());
+  }
   FN_REQUIRE(!staged || !exists || ::access(parent.c_str(), W_OK | X_OK) == 0, Io,
              "{} {}: cannot create its staging file {} ({}: {})", flag, path, probe.string(),
              parent.string(), std::strerror(errno));

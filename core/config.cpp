@@ -121,6 +121,9 @@ class Fields {
   FN_REQUIRE(cond, Format, "{}: {} must be {}, got {}", (f).source(), (f).name(field), what, value)
 
 json read_json_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  FN_REQUIRE(!std::filesystem::is_directory(path, ec), Format,
+             "{}: is a directory, not a JSON file", path.string());
   std::ifstream in(path, std::ios::binary);
   FN_REQUIRE(in.good(), Io, "{}: cannot open file ({})", path.string(), std::strerror(errno));
   std::stringstream ss;

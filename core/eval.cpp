@@ -360,7 +360,14 @@ LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std:
     staging_ += kStagingSuffix;
     at_ = " of " + staging_.string();
     // A stale .partial (a killed run) is replaced; O_EXCL then creates a file of our own, never
-    // writing through a symlink or into something another process just put there.
+    // writing through a symlink or into something another process just put there. A directory
+    // of that name is not ours to remove.
+    if (fs::is_directory(fs::symlink_status(staging_, ec))) {
+      const std::string staging = staging_.string();
+      staging_.clear();
+      FN_THROW(Io, "{}: cannot create the staging file {} (a directory of that name exists)", name_,
+               staging);
+    }
     fs::remove(staging_, ec);
     const int fd = ::open(staging_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd < 0) {

@@ -224,5 +224,11 @@ expect 3 "1 tensor problem (0 missing, 0 unexpected, 0 wrong dtype, 1 wrong shap
 [ "$(grep -c "has shape \[64, 384\]" "$tmp/err")" = 1 ] && pass "one wrong tensor is reported once" ||
   fail "the wrong shape was reported $(grep -c "has shape" "$tmp/err") times: $(cat "$tmp/err")"
 
+# A config.json that is a directory: said so, not "not valid JSON".
+mkdir -p "$tmp/cfgdir"
+cp "$src/tests/data/fixtures/tp4/"*.safetensors "$tmp/cfgdir/" 2>/dev/null
+mkdir -p "$tmp/cfgdir/config.json"
+expect 3 "config.json: is a directory, not a JSON file" -- "$fngen" inspect "$tmp/cfgdir"
+
 echo "cli_errors: $failures failure(s)"
 [ "$failures" = 0 ]

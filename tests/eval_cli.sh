@@ -228,6 +228,24 @@ expect 3 "-o/--output $long: cannot create the file ($long.partial: File name to
   mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
 before_load "dump-logits -o whose staging name is too long"
 [ ! -e "$long" ] && pass "no file left for the name too long" || fail "left $long"
+# The logits file is written at offsets: a pipe is refused before the load (a usage error, as
+# -o - is), not after it with "Illegal seek".
+mkfifo "$tmp/pipe.fnl"
+expect 2 "-o/--output $tmp/pipe.fnl: is a pipe or socket, and the file is written at offsets" -- \
+  mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp/pipe.fnl"
+before_load "dump-logits -o FIFO"
+# A symlink loop, and a directory where the staging file goes: refused before the load; the
+# directory is left alone.
+ln -s "$tmp/loop-b.fnl" "$tmp/loop-a.fnl" && ln -s "$tmp/loop-a.fnl" "$tmp/loop-b.fnl"
+expect 3 "--save-logits $tmp/loop-a.fnl: cannot open for writing (a symlink loop" -- \
+  mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/loop-a.fnl"
+before_load "ppl --save-logits on a symlink loop"
+mkdir -p "$tmp/busy.fnl.partial/x"
+expect 3 "-o/--output $tmp/busy.fnl: $tmp/busy.fnl.partial exists and is not a file" -- \
+  mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp/busy.fnl"
+before_load "dump-logits -o whose staging name is a directory"
+[ -d "$tmp/busy.fnl.partial/x" ] && [ ! -e "$tmp/busy.fnl" ] &&
+  pass "the directory at the staging name is left alone" || fail "busy.fnl.partial: $(ls -la "$tmp"/busy.fnl*)"
 expect 2 "--save-top-k 999999 exceeds vocab_size" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/k.fnl" --save-top-k 999999
 before_load "ppl --save-top-k past the vocabulary"

@@ -213,6 +213,9 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   const PerplexityResult r = perplexity(
       l.backend, tokens, o.ctx, o.chunks,
       [&](int64_t i, const PerplexityResult& p) {
+        agree_on_error(*l.coll, [&] {  // a failed write ends the run here, not at its end
+          if (writer) writer->check();
+        });
         if (root && !c.json_out) {
           write_stdout(fmt::format("[{}]{:.4f},", i + 1, p.running_ppl.back()));
           progress.open = true;
@@ -342,7 +345,13 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   agree_on_error(*l.coll, [&] {
     if (root) writer = std::make_unique<LogitsWriter>(o.output, h, "-o/--output");
   });
-  dump_logits(l.backend, {seq}, writer.get());
+  // A failed write ends the run within 64 rows (agreed on), not after the last one.
+  dump_logits(l.backend, {seq}, writer.get(), [&](int64_t rows) {
+    if (rows % 64 == 0)
+      agree_on_error(*l.coll, [&] {
+        if (writer) writer->check();
+      });
+  });
   agree_on_error(*l.coll, [&] {
     if (writer) writer->close();
   });

@@ -439,6 +439,10 @@ void write_at(std::FILE* f, uint64_t offset, const void* data, std::size_t bytes
 
 }  // namespace
 
+void LogitsWriter::check() const {
+  FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
+}
+
 void LogitsWriter::append(std::span<const float> logits) {
   const int64_t n = header_.n_positions();
   FN_CHECK(n_written_ < n, "{}: more rows than the header's {}", name_, n);
@@ -1063,12 +1067,15 @@ KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsRead
 }
 
 void dump_logits(const EvalBackend& backend, const std::vector<LogitsSequence>& sequences,
-                 LogitsWriter* writer) {
+                 LogitsWriter* writer, const std::function<void(int64_t)>& on_row) {
+  int64_t rows = 0;
   for (const LogitsSequence& s : sequences) {
     backend.reset();
     for (int64_t p = 0; p < s.first + s.n_rows; ++p) {
       const std::span<const float> logits = backend.forward(s.tokens[static_cast<std::size_t>(p)]);
-      if (p >= s.first && writer) writer->append(logits);
+      if (p < s.first) continue;
+      if (writer) writer->append(logits);
+      if (on_row) on_row(++rows);
     }
   }
 }

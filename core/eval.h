@@ -208,8 +208,11 @@ class LogitsWriter {
   /// Appends the next row: `logits` are the raw FP32 logits (V values) of that position; the
   /// writer converts to the header's values/dtype/mode. Throws fn::Error(Internal) past the last
   /// row or for a wrong length. A failed write does not throw here (the run it is part of holds
-  /// every TP rank in lockstep): the writer stops writing and close() reports it.
+  /// every TP rank in lockstep): the writer stops writing and check() / close() report it.
   void append(std::span<const float> logits);
+  /// Throws fn::Error(Io) naming the first failed write, if one failed; the caller runs it where
+  /// every rank agrees (agree_on_error) so that a run stops soon after a full disk, not at its end.
+  void check() const;
   /// Flushes, syncs (fsync) and closes the staging file and renames it onto `path`: the final
   /// file appears here, complete, or not at all. Throws fn::Error(Io) naming the first failed
   /// write, a failed flush/sync/close or a failed rename (each naming the file), else Internal
@@ -314,9 +317,11 @@ KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsRead
                        const std::function<void(int64_t, const KldStats&)>& on_sequence);
 
 /// Feeds each sequence of `header` (identical on every rank) and appends its rows to `writer`
-/// (non-null on rank 0 only): the engine side of `fngen eval dump-logits`. The caller closes the
-/// writer (LogitsWriter::close, which reports a failed write), on every rank's agreement.
+/// (non-null on rank 0 only): the engine side of `fngen eval dump-logits`. `on_row(n)` runs on
+/// every rank after row n (1-based count over all sequences) is written, e.g. to agree on
+/// LogitsWriter::check. The caller closes the writer (LogitsWriter::close, which reports a failed
+/// write), on every rank's agreement.
 void dump_logits(const EvalBackend& backend, const std::vector<LogitsSequence>& sequences,
-                 LogitsWriter* writer);
+                 LogitsWriter* writer, const std::function<void(int64_t)>& on_row = {});
 
 }  // namespace fn

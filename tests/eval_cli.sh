@@ -228,6 +228,13 @@ expect 3 "-o/--output $long: cannot create the file ($long.partial: File name to
   mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
 before_load "dump-logits -o whose staging name is too long"
 [ ! -e "$long" ] && pass "no file left for the name too long" || fail "left $long"
+# A failed write (here /dev/full, written in place) ends the run within 64 rows, agreed on by
+# every rank, not after the last row.
+ids150=$($py -c "print(','.join(str(i % 300 + 1) for i in range(150)))")
+expect 3 "-o/--output /dev/full: write failed at byte" -- \
+  mpi 2 dump-logits -m "$fx/tp4" --prompt-ids "$ids150" -o /dev/full
+grep -q "incomplete, 64 of 150 rows written" "$tmp/err" && pass "a failed write stops the run at row 64" ||
+  fail "dump-logits -o /dev/full: $(grep -v '^$' "$tmp/err" | head -n 4)"
 # The logits file is written at offsets: a pipe is refused before the load (a usage error, as
 # -o - is), not after it with "Illegal seek".
 mkfifo "$tmp/pipe.fnl"

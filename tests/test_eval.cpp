@@ -683,7 +683,15 @@ TEST_CASE(
     {
       FileSizeLimit limit(4096);  // the header and less than one row
       const std::vector<float> row(1024, 0.5f);
-      for (int i = 0; i < 4; ++i) w.append(row);  // no throw: close() reports the failure
+      w.check();                                  // nothing failed yet: no throw
+      for (int i = 0; i < 4; ++i) w.append(row);  // no throw: check() and close() report it
+      try {
+        w.check();
+        FAIL("check() did not report the failed write");
+      } catch (const fn::Error& e) {
+        CHECK(e.kind() == ErrorKind::Io);
+        CHECK(std::string(e.what()).find("(File too large)") != std::string::npos);
+      }
       try {
         w.close();
       } catch (const fn::Error& e) {

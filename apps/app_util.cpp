@@ -166,11 +166,21 @@ void check_output_path(const std::string& path, const char* flag, const char* st
              "{} {}: cannot open for writing ({}: {})", flag, path, what.string(),
              std::strerror(errno));
   // Staged: a regular file (or none yet) is replaced by a rename of the staging file beside it.
-  // The staged writer (LogitsWriter) writes at offsets: a pipe or socket cannot take that.
-  FN_REQUIRE(staging_suffix == nullptr || !(fs::is_fifo(st) || fs::is_socket(st)), Usage,
-             "{} {}: is a pipe or socket, and the file is written at offsets: give a regular "
-             "file",
-             flag, path);
+  // The staged writer (LogitsWriter) writes at offsets: a pipe, socket or terminal cannot take
+  // that. Asked of `path` itself (the kernel follows /dev/stdout's /proc link to the pipe).
+  if (staging_suffix != nullptr) {
+    const fs::file_status own = fs::status(path, ec);
+    bool seekable = !(fs::is_fifo(own) || fs::is_socket(own));
+    if (seekable && fs::is_character_file(own)) {  // /dev/null seeks; a terminal does not
+      const int dev = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+      seekable = dev < 0 || ::lseek(dev, 0, SEEK_CUR) >= 0;
+      if (dev >= 0) ::close(dev);
+    }
+    FN_REQUIRE(seekable, Usage,
+               "{} {}: is a pipe, socket or terminal, and the file is written at offsets: give "
+               "a regular file",
+               flag, path);
+  }
   const bool staged = staging_suffix != nullptr && (!exists || fs::is_regular_file(st));
   const fs::path probe = staged ? fs::path(target.string() + staging_suffix) : target;
   if (staged) {  // a stale staging file is replaced; anything else there is not fngen's to remove

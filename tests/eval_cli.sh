@@ -238,9 +238,14 @@ grep -q "incomplete, 64 of 150 rows written" "$tmp/err" && pass "a failed write 
 # The logits file is written at offsets: a pipe is refused before the load (a usage error, as
 # -o - is), not after it with "Illegal seek".
 mkfifo "$tmp/pipe.fnl"
-expect 2 "-o/--output $tmp/pipe.fnl: is a pipe or socket, and the file is written at offsets" -- \
+expect 2 "-o/--output $tmp/pipe.fnl: is a pipe, socket or terminal, and the file is written at offsets" -- \
   mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp/pipe.fnl"
 before_load "dump-logits -o FIFO"
+# /dev/stdout on a pipe (the kernel's /proc link, not a path name): the same refusal.
+"$fngen" eval dump-logits -m "$fx/tp4" --backend cpu --prompt-ids 1,2,3 -o /dev/stdout \
+  2>"$tmp/err" | cat >/dev/null
+grep -q "usage error: -o/--output /dev/stdout: is a pipe, socket or terminal" "$tmp/err" &&
+  pass "dump-logits -o /dev/stdout on a pipe: refused" || fail "-o /dev/stdout | cat: $(head -n 3 "$tmp/err")"
 # A symlink loop, and a directory where the staging file goes: refused before the load; the
 # directory is left alone.
 ln -s "$tmp/loop-b.fnl" "$tmp/loop-a.fnl" && ln -s "$tmp/loop-a.fnl" "$tmp/loop-b.fnl"

@@ -59,9 +59,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Symlinks followed from `p` (already absolute) before resolve_output_path gives up: a loop.
-constexpr int kMaxLinkHops = 40;
-
 // True when `path` is `dir` or lies below it (both absolute and normalised).
 bool is_within(const fs::path& path, const fs::path& dir) {
   const auto [d, p] = std::mismatch(dir.begin(), dir.end(), path.begin(), path.end());
@@ -70,28 +67,6 @@ bool is_within(const fs::path& path, const fs::path& dir) {
 }
 
 }  // namespace
-
-fs::path resolve_output_path(const std::string& path) {
-  std::error_code ec;
-  fs::path p = fs::absolute(path, ec);
-  if (ec) return fs::path(path).lexically_normal();
-  for (int hop = 0; hop < kMaxLinkHops; ++hop) {
-    if (p.filename().empty() || p.filename() == "." || p.filename() == "..") {
-      const fs::path c = fs::weakly_canonical(p, ec);
-      return ec ? p.lexically_normal() : c;
-    }
-    // The directory part: symlinks and ".." resolved where it exists.
-    const fs::path parent = fs::weakly_canonical(p.parent_path(), ec);
-    if (ec) return p.lexically_normal();
-    p = parent / p.filename();
-    // The last part: a symlink, even a dangling one (fopen "wb" creates its target).
-    if (!fs::is_symlink(fs::symlink_status(p, ec))) break;
-    const fs::path target = fs::read_symlink(p, ec);
-    if (ec) break;
-    p = target.is_absolute() ? target : parent / target;
-  }
-  return p.lexically_normal();
-}
 
 bool same_file(const std::string& a, const std::string& b) {
   if (a.empty() || b.empty()) return false;

@@ -15,6 +15,7 @@
 
 #include "core/collectives.h"
 #include "core/error.h"
+#include "core/paths.h"  // resolve_output_path
 
 namespace fn {
 
@@ -31,11 +32,6 @@ std::string read_file(const std::string& path, const char* flag);
 /// its place is named as such instead of failing later on "<file>/config.json". Throws
 /// fn::Error(Io) when it does not exist, fn::Error(Usage) when it is a file.
 void require_model_dir(const std::string& path);
-
-/// Where writing the output file `path` would land: absolute, normalised, every symlink followed,
-/// also a dangling one (opening it for writing creates its target) and one in a directory part.
-/// A link chain longer than 40 (a loop) is left where it stops.
-std::filesystem::path resolve_output_path(const std::string& path);
 
 /// True when `a` and `b` name one file: the same text, the same resolve_output_path (symlinks,
 /// "..", a dangling link to the other), or two existing names of one file (a hard link:

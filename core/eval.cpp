@@ -18,6 +18,7 @@
 #include "core/collectives.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/paths.h"
 
 namespace fn {
 
@@ -310,27 +311,6 @@ json header_to_json(const LogitsHeader& h) {
   return j;
 }
 
-namespace {
-
-// Symlinks followed from `p` before follow_last_symlinks gives up: a loop (as the kernel's 40).
-constexpr int kMaxLinkHops = 40;
-
-// `path` with the symlinks of its last component followed, a dangling one included (fopen "wb"
-// writes through them): the file the staging file is renamed onto, so that the rename replaces
-// the file the link names, not the link. Throws fn::Error(Io) for a loop, as fopen's ELOOP.
-fs::path follow_last_symlinks(fs::path p, const std::string& name) {
-  for (int hop = 0; hop < kMaxLinkHops; ++hop) {
-    std::error_code ec;
-    if (!fs::is_symlink(fs::symlink_status(p, ec))) return p;
-    const fs::path target = fs::read_symlink(p, ec);
-    if (ec) return p;
-    p = target.is_absolute() ? target : p.parent_path() / target;
-  }
-  FN_THROW(Io, "{}: cannot create the logits file ({})", name, std::strerror(ELOOP));
-}
-
-}  // namespace
-
 LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std::string& what)
     : header_(std::move(header)), name_(what.empty() ? path.string() : what + " " + path.string()) {
   validate_header(header_, ErrorKind::Usage, path.string());
@@ -346,8 +326,12 @@ LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std:
   j["arrays"] = std::move(arrays);
   std::string text = j.dump();
   while ((8 + text.size()) % 64 != 0) text.push_back(' ');
-  final_ = follow_last_symlinks(path, name_);
+  // A symlink at `path` is followed (as fopen "wb" would), so that the rename replaces the file
+  // it names, not the link; a path that stays a link is a loop (fopen's ELOOP).
   std::error_code ec;
+  final_ = fs::is_symlink(fs::symlink_status(path, ec)) ? resolve_output_path(path.string()) : path;
+  FN_REQUIRE(!fs::is_symlink(fs::symlink_status(final_, ec)), Io,
+             "{}: cannot create the logits file ({})", name_, std::strerror(ELOOP));
   const fs::file_status st = fs::status(final_, ec);
   if (fs::exists(st) && !fs::is_regular_file(st)) {
     // A device or a FIFO (/dev/null, /dev/full): no rename can replace it; written in place (a
@@ -526,7 +510,7 @@ void LogitsWriter::close() {
   closing_ = true;
   const int64_t n = header_.n_positions();
   try {  // every failure below removes the staging file (the catch): nothing at the final path
-    FN_REQUIRE(write_error_.empty(), Io, "{}", write_error_);
+    check();
     FN_REQUIRE(std::fflush(file_) == 0, Io, "{}: write failed at the end{} ({})", name_, at_,
                std::strerror(errno));
     // On the disk before the rename, so that a crash cannot leave the new name on missing data

@@ -843,6 +843,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if ((mask & 2) != 0) l.add(hc.up, static_cast<uint64_t>(W) * R * sizeof(uint16_t));
   };
 
+  const bool qsa_overlap = o.qsa_overlap_in_proj && o.qsa_select_mailbox &&
+                           on(StepLaunch::InProj) && on(StepLaunch::Attention);
   int64_t layer_index = 0, qsa_index = 0;
   for (DevLayer& L : layers) {
     const DevHc& next_hc = layer_index + 1 < static_cast<int64_t>(layers.size())
@@ -871,10 +873,18 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     if (L.qsa) {
       mark(StepFamily::QsaMixer);
       DevQsa& a = L.attn;
-      if (on(StepLaunch::InProj))
+      // The projection inside the QSA launcher, beside the select (qsa_overlap_in_proj), or as
+      // one GEMV before it.
+      const bool overlap = qsa_overlap;
+      if (on(StepLaunch::InProj) && !overlap)
         launch_gemv_bf16(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
       QsaDecodeParams q = qsa_layer(c, o, a);
       q.proj = proj;
+      if (overlap) {
+        q.in_proj = a.in_proj;
+        q.x = m;
+        q.hidden = D;
+      }
       q.position = position;
       q.workspace = a.workspace;
       q.out = mix_out;

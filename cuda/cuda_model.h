@@ -105,6 +105,11 @@ struct CudaModelOptions {
   /// (QsaDecodeParams::select_mailbox) instead of after an arrival ticket. The same bits. false:
   /// the ticket (A/B benches).
   bool qsa_select_mailbox = true;
+  /// The QSA layers' input projection runs inside the QSA launcher, overlapped with the
+  /// indexer's scores and select (QsaDecodeParams::in_proj): the indexer's rows first, the query
+  /// and KV rows beside the select. The same bits. Needs qsa_select_mailbox. false: the
+  /// projection as one GEMV before the QSA launches (A/B benches).
+  bool qsa_overlap_in_proj = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

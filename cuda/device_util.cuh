@@ -165,4 +165,27 @@ __device__ __forceinline__ float mail_wait(const float* slot) {
   return __uint_as_float(b);
 }
 
+// ---- Done flags (issue 8) ---------------------------------------------------------------
+// One CTA of a grid still running tells CTAs of a later launch that its results are out, where
+// the later launch's programmatic wait covers a different predecessor (the QSA select beside the
+// overlapped projection, cuda/qsa.cu). The flag is zeroed by a kernel that both sides follow.
+
+/// Publishes the caller's CTA's earlier writes (ordered before this thread by a barrier), then
+/// sets *flag = 1 (relaxed, gpu scope). One thread.
+__device__ __forceinline__ void flag_publish(int* flag) {
+  __threadfence();
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(1u) : "memory");
+}
+
+/// Reads *flag until it is 1, then fences so that this thread's later reads (and those the
+/// caller's barrier orders after it) see what the publisher wrote before flag_publish. The
+/// publisher must be resident or done, else this spins forever. One thread.
+__device__ __forceinline__ void flag_wait(const int* flag) {
+  uint32_t b;
+  do {
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(flag) : "memory");
+  } while (b != 1u);
+  __threadfence();
+}
+
 }  // namespace fn::dev

@@ -15,6 +15,9 @@ namespace fn {
 namespace {
 
 constexpr int kBlockThreads = 256;  // 8 warps: enough resident warps per SM at 2+ blocks/SM
+// The overlapped launch stages x (FP32) in shared memory: at most 32 KiB, inside the 48 KiB a
+// block may take without the opt-in attribute beside team_reduce's static shared memory.
+constexpr int64_t kOverlapMaxCols = 8192;
 
 struct GemvArgs {
   const uint16_t* weight;
@@ -25,6 +28,45 @@ struct GemvArgs {
   const void* x;
   void* y;
 };
+
+// x FP32 staged in shared memory by the whole block through L2 (__ldcg: it was written by a kernel
+// several launches back, so no L1 line of it may be trusted without a programmatic wait), then
+// read eight values at a time: the floats of dev::GemvXGlobal<true>, so the same row sums.
+struct GemvXStagedF32 {
+  const float* x;
+  float* s;   // shared memory, [4 * nvec4]
+  int nvec4;  // cols / 4
+  __device__ __forceinline__ void prepare() const {
+    for (int i = threadIdx.x; i < nvec4; i += kBlockThreads)
+      reinterpret_cast<float4*>(s)[i] = __ldcg(reinterpret_cast<const float4*>(x) + i);
+    __syncthreads();
+  }
+  __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
+    const float4 a = reinterpret_cast<const float4*>(s)[2 * v];
+    const float4 b = reinterpret_cast<const float4*>(s)[2 * v + 1];
+    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
+    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+  }
+};
+
+// The launch that overlaps its predecessor (GemvBf16Params::no_pdl_wait): it lets its successor
+// launch at once and computes and stores without a programmatic wait. x FP32 (staged in shared
+// memory), y FP32; the rows of gemv_bf16_kernel<kRows, true, false> bit for bit.
+template <int kRows>
+__global__ void __launch_bounds__(kBlockThreads) gemv_bf16_overlap_kernel(GemvArgs a) {
+  extern __shared__ __align__(16) float x_smem[];
+  dev::pdl_launch_dependents();
+  float acc[kRows];
+  int lane = 0;
+  const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2};
+  const GemvXStagedF32 xs{static_cast<const float*>(a.x), x_smem, 2 * a.nvec};
+  const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kBlockThreads, GemvXStagedF32, true>(
+      g, blockIdx.x, xs, acc, &lane);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    if (row0 + r < a.rows) static_cast<float*>(a.y)[row0 + r] = acc[r];
+}
 
 // One team of (1 << team_log2) lanes computes kRows consecutive rows (dev::gemv_bf16_team_rows,
 // cuda/gemv_bf16.cuh: the weight preload before the programmatic-dependent wait, the dot, the
@@ -50,11 +92,14 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
 }
 
 template <int kRows>
-void dispatch_dtypes(const GemvArgs& a, bool x_f32, bool y_bf16, int64_t blocks,
+void dispatch_dtypes(const GemvArgs& a, bool x_f32, bool y_bf16, bool overlap, int64_t blocks,
                      cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks)), block(kBlockThreads);
   constexpr const char* kName = "gemv_bf16_kernel";
-  if (x_f32) {
+  if (overlap) {  // x and y FP32 (checked by the launcher)
+    launch_pdl("gemv_bf16_overlap_kernel", gemv_bf16_overlap_kernel<kRows>, grid, block,
+               static_cast<size_t>(a.nvec) * 8 * sizeof(float), stream, a);
+  } else if (x_f32) {
     if (y_bf16)
       launch_pdl(kName, gemv_bf16_kernel<kRows, true, true>, grid, block, 0, stream, a);
     else
@@ -104,6 +149,9 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(aligned(p.weight, 16) && aligned(p.x, 16), kOp);
   FN_LAUNCH_REQUIRE(p.x_dtype == DType::BF16 || p.x_dtype == DType::F32, kOp);
   FN_LAUNCH_REQUIRE(p.y_dtype == DType::F32 || p.y_dtype == DType::BF16, kOp);
+  FN_LAUNCH_REQUIRE(!p.no_pdl_wait || (p.x_dtype == DType::F32 && p.y_dtype == DType::F32 &&
+                                       p.cols <= kOverlapMaxCols),
+                    kOp);
   GemvBf16Plan plan = p.plan;
   if (plan.team_threads == 0) plan = plan_gemv_bf16(p.rows, p.cols, detail::current_sm_count());
   const int t = plan.team_threads;
@@ -124,13 +172,13 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   const bool x_f32 = p.x_dtype == DType::F32, y_bf16 = p.y_dtype == DType::BF16;
   switch (plan.rows_per_team) {
     case 4:
-      dispatch_dtypes<4>(a, x_f32, y_bf16, plan.blocks, stream);
+      dispatch_dtypes<4>(a, x_f32, y_bf16, p.no_pdl_wait, plan.blocks, stream);
       break;
     case 2:
-      dispatch_dtypes<2>(a, x_f32, y_bf16, plan.blocks, stream);
+      dispatch_dtypes<2>(a, x_f32, y_bf16, p.no_pdl_wait, plan.blocks, stream);
       break;
     default:
-      dispatch_dtypes<1>(a, x_f32, y_bf16, plan.blocks, stream);
+      dispatch_dtypes<1>(a, x_f32, y_bf16, p.no_pdl_wait, plan.blocks, stream);
       break;
   }
   FN_CUDA_LAUNCH_CHECK("gemv_bf16_kernel");

@@ -34,6 +34,13 @@ struct GemvBf16Params {
   void* y = nullptr;                 ///< y: [rows] FP32 or BF16 bits (y_dtype); must not alias x/W
   DType y_dtype = DType::F32;        ///< F32 or BF16 (round to nearest even)
   GemvBf16Plan plan{};               ///< zero: plan_gemv_bf16(rows, cols, SM count) per launch
+  /// Overlap with the stream predecessor (the QSA decode launcher's projection beside the
+  /// indexer's select): the kernel lets its successor launch at once and computes and stores
+  /// without a programmatic wait (cuda/pdl.cuh), reading x through L2 into shared memory. Legal
+  /// only when x was complete before the predecessor was launched (written at least two launches
+  /// back, the predecessor having waited) and no unfinished kernel reads or writes y. x and y
+  /// FP32, cols <= 8192. The same bits as the plain launch.
+  bool no_pdl_wait = false;
 };
 
 /// The launch plan for a rows x cols GEMV on a GPU with sm_count multiprocessors: at most 16

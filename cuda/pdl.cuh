@@ -7,7 +7,10 @@
 // weights (data no kernel of the stream writes), prefetches into L2 (always memory-safe), or reads
 // through L2 (ld.global.cg) what a kernel at least two launches back wrote (complete: see the
 // next rule); it calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel
-// never runs ahead of more than one unfinished predecessor.
+// never runs ahead of more than one unfinished predecessor. The one exception is the QSA
+// launcher's overlapped projection (GemvBf16Params::no_pdl_wait, QsaDecodeParams::in_proj): a
+// GEMV that never waits, beside the select it follows, whose x is complete by the chain before
+// it; the select hands its results to the attention through a done flag instead.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -8,6 +8,7 @@
 
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/gemv_bf16.h"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
 #include "cuda/qsa_device.cuh"
@@ -61,7 +62,19 @@ struct Args {
   int combine_stage;  // chunks staged per round by the sliced combine
   bool skip_select;   // QsaDecodeParams::bench_skip_select
   bool mailbox;       // QsaDecodeParams::select_mailbox (four-launch path)
+  int role0;          // qsa_prep_early_kernel: the role of CTA 0 (a part of the roles)
+  bool prep_resets;   // qsa_prep_early_kernel: empties the mailbox, zeroes ticket and flag
+  int* select_done;   // the select's done flag (overlapped projection), else nullptr
 };
+
+// The attention's wait for the select when the select runs beside the projection (the
+// programmatic wait covers the query heads' prep only): thread 0 reads the done flag, and the
+// barrier orders every thread's reads of the selection after it.
+__device__ __forceinline__ void wait_select(const Args& a) {
+  if (a.select_done == nullptr) return;  // uniform over the grid
+  if (threadIdx.x == 0) dev::flag_wait(a.select_done);
+  __syncthreads();
+}
 
 __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
   return t >= 0 && t < ctx;
@@ -223,6 +236,7 @@ __device__ __forceinline__ void chunk_softmax(const Args& a, float* s_s, int G, 
 // accumulator per query head (kMaxG, unrolled) so the heads' chains overlap.
 __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  wait_select(a);
   extern __shared__ __align__(16) float smem[];
   const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) return;
@@ -343,6 +357,7 @@ using dev::cp_async_wait_all;
 template <int kG, int kHD, int kChunk>
 __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  wait_select(a);
   extern __shared__ __align__(16) float smem[];
   const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) return;
@@ -476,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
   __shared__ double red[kThreads / 32];
   const int64_t t = *a.position;  // not written by the last two launches
   const bool ok = valid_t(t, a.ctx);
-  const int role = blockIdx.x, tid = threadIdx.x;
+  const int role = blockIdx.x + a.role0, tid = threadIdx.x;
   const int64_t hd = a.hd, qkv = int64_t{a.hq} * 2 * hd;
   const int64_t idx_off = qkv + 2 * int64_t{a.hkv} * hd;
   const int kind = role < a.hq ? 0 : role < a.hq + a.hkv ? 1 : role < a.hq + a.hkv + a.ni ? 2 : 3;
@@ -493,10 +508,14 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
     for (int i = 0; i + 1 < a.ratio; ++i) acc += a.raw_keys[(b * a.ratio + i) * a.ihd + tid];
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  if (role == 0 && tid == 0) *a.ticket = 0;
-  if (a.mailbox) {  // the scores launch's mailbox slots [0, B) emptied for its posts
+  if (a.prep_resets && blockIdx.x == 0 && tid == 0) {
+    *a.ticket = 0;
+    if (a.select_done != nullptr) *a.select_done = 0;
+  }
+  if (a.prep_resets && a.mailbox) {  // the scores launch's mailbox slots [0, B) emptied
     const int64_t nb = ok ? (t + 1) / a.ratio : 0;
-    for (int64_t i = int64_t{role} * kThreads + tid; i < nb; i += int64_t{gridDim.x} * kThreads)
+    for (int64_t i = int64_t{blockIdx.x} * kThreads + tid; i < nb;
+         i += int64_t{gridDim.x} * kThreads)
       dev::mail_store(a.scores + i, dev::kMailEmpty);
   }
   if (!ok) return;
@@ -530,6 +549,40 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
     qsa_dev::norm_rope_cs(xv, wv, n, a.eps, a.rot, c, s, y, red);
     if (tid < a.ihd) a.block_keys[b * a.ihd + tid] = y[tid];
   }
+}
+
+// The select CTA's work after every score is in: the counters, then the selected blocks (all,
+// the forced ones, or the top-k select of qsa_dev::select_top_blocks_cg). Every thread of the
+// CTA calls it; each return is uniform over the CTA.
+__device__ __forceinline__ void select_blocks(const Args& a, int64_t t, bool ok, int64_t B,
+                                              uint32_t* buf) {
+  const int tid = threadIdx.x;
+  if (!ok) {
+    if (tid < 4) a.counters[tid] = 0;
+    return;
+  }
+  const int Bi = static_cast<int>(B);
+  const int k = min(a.topk, Bi);
+  const int tail = static_cast<int>(t + 1 - int64_t{Bi} * a.ratio);
+  if (tid == 0) {
+    a.counters[0] = k;
+    a.counters[1] = Bi;
+    a.counters[2] = k * a.ratio + tail;
+    a.counters[3] = 0;
+  }
+  if (k == Bi) {
+    for (int i = tid; i < Bi; i += kSelectThreads) a.selected[i] = i;
+    return;
+  }
+  if (a.forced != nullptr) {
+    for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
+    return;
+  }
+  if (a.skip_select) return;
+  if (a.mailbox)
+    qsa_dev::select_top_blocks_cg<true>(a.scores, Bi, k, a.selected, buf);
+  else
+    qsa_dev::select_top_blocks_cg<false>(a.scores, Bi, k, a.selected, buf);
 }
 
 // indexer_scores (as qsa_scores_kernel, one warp per block, kSelectThreads per CTA) with each
@@ -586,32 +639,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
     __threadfence();
     if (tid == 0) *a.ticket = 0;
   }
-  if (!ok) {
-    if (tid < 4) a.counters[tid] = 0;
-    return;
+  select_blocks(a, t, ok, B, buf);
+  if (a.select_done != nullptr) {  // the attention waits for this CTA's results
+    __syncthreads();
+    if (tid == 0) dev::flag_publish(a.select_done);
   }
-  const int Bi = static_cast<int>(B);
-  const int k = min(a.topk, Bi);
-  const int tail = static_cast<int>(t + 1 - int64_t{Bi} * a.ratio);
-  if (tid == 0) {
-    a.counters[0] = k;
-    a.counters[1] = Bi;
-    a.counters[2] = k * a.ratio + tail;
-    a.counters[3] = 0;
-  }
-  if (k == Bi) {
-    for (int i = tid; i < Bi; i += kSelectThreads) a.selected[i] = i;
-    return;
-  }
-  if (a.forced != nullptr) {
-    for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
-    return;
-  }
-  if (a.skip_select) return;
-  if (a.mailbox)
-    qsa_dev::select_top_blocks_cg<true>(a.scores, Bi, k, a.selected, buf);
-  else
-    qsa_dev::select_top_blocks_cg<false>(a.scores, Bi, k, a.selected, buf);
 }
 
 constexpr int kCombineSlice = 32;  // head dims per sliced-combine CTA (one warp of chains)
@@ -746,7 +778,8 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& p) {
   off = align256(off + size_t(std::max<int64_t>(sel_max, 1)) * 4);
   w.counters = off;
   w.ticket = off + 32;
-  off = align256(off + 36);
+  w.select_done = off + 64;
+  off = align256(off + 68);
   w.part_out = off;
   off = align256(off + hq * w.max_chunks * hd * 4);
   w.part_max = off;
@@ -821,11 +854,22 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
   a.skip_select = p.bench_skip_select;
   a.mailbox = p.select_mailbox && !p.five_launch_path;
+  a.role0 = 0;
+  a.prep_resets = true;
+  a.select_done = nullptr;
+  const unsigned mask = p.launch_mask;
+  const bool overlap = p.in_proj != nullptr;
+  if (overlap) {
+    FN_LAUNCH_REQUIRE(p.x != nullptr && !p.five_launch_path && p.select_mailbox, kOp);
+    FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden <= 8192 && p.hidden % 8 == 0, kOp);
+    FN_LAUNCH_REQUIRE(aligned(p.in_proj, 16) && aligned(p.x, 16), kOp);
+    // Without the scores launch nothing would set the flag (benchmark masks): no wait then.
+    if (mask & 2u) a.select_done = reinterpret_cast<int*>(ws + w.select_done);
+  }
 
   a.ticket = reinterpret_cast<int*>(ws + w.ticket);
   const int64_t max_blocks = p.ctx_size / p.ratio;
   const size_t smem = attn_smem_bytes(a.gmax, p.head_dim, w.chunk);
-  const unsigned mask = p.launch_mask;
   if (p.five_launch_path) {
     // Five programmatic dependent launches (cuda/pdl.cuh): each waits for the one before it.
     if (mask & 1u) {
@@ -854,10 +898,42 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     }
     return;
   }
-  // Four programmatic dependent launches: prep, scores + select, attention, sliced combine.
+  // Four programmatic dependent launches: prep, scores + select, attention, sliced combine. With
+  // the overlapped projection: the indexer's rows, their prep, scores + select, the query and KV
+  // rows beside the select, their prep, attention (after the select's flag), sliced combine.
+  const int head_roles = p.num_q_heads + p.num_kv_heads, idx_roles = p.indexer_heads + 1;
+  const int64_t idx_off =
+      int64_t{p.num_q_heads} * 2 * p.head_dim + 2 * int64_t{p.num_kv_heads} * p.head_dim;
+  GemvBf16Params g;
+  if (overlap) {
+    // Both parts at the team width of one GEMV over all rows: a row's sum depends only on it
+    // (cuda/gemv_bf16.cuh), so the same bits as launch_gemv_bf16 over the stacked matrix.
+    const int64_t idx_rows = int64_t{idx_roles} * p.indexer_head_dim;
+    const GemvBf16Plan whole =
+        plan_gemv_bf16(idx_off + idx_rows, p.hidden, detail::current_sm_count());
+    const int64_t teams = 256 / whole.team_threads;  // gemv_bf16.cu's 256-thread blocks
+    g.weight = p.in_proj + idx_off * p.hidden;
+    g.rows = idx_rows;
+    g.cols = p.hidden;
+    g.ld = p.hidden;
+    g.x = p.x;
+    g.x_dtype = DType::F32;
+    g.y = p.proj + idx_off;
+    g.y_dtype = DType::F32;
+    g.plan = {1, whole.team_threads, (idx_rows + teams - 1) / teams};
+    launch_gemv_bf16(g, stream);
+    g.weight = p.in_proj;
+    g.rows = idx_off;
+    g.y = p.proj;
+    const int64_t per_block = teams * whole.rows_per_team;
+    g.plan = {whole.rows_per_team, whole.team_threads, (idx_off + per_block - 1) / per_block};
+    g.no_pdl_wait = true;
+  }
   if (mask & 1u) {
+    Args ai = a;
+    if (overlap) ai.role0 = head_roles;
     launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel,
-               p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream, a);
+               overlap ? idx_roles : head_roles + idx_roles, kThreads, 0, stream, ai);
     FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
   }
   if (mask & 2u) {
@@ -870,6 +946,16 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     launch_pdl("qsa_scores_select_kernel", qsa_scores_select_kernel, ctas, kSelectThreads, 0,
                stream, a);
     FN_CUDA_LAUNCH_CHECK("qsa_scores_select_kernel");
+  }
+  if (overlap) {
+    launch_gemv_bf16(g, stream);  // beside the select: x was complete before the indexer's rows
+    if (mask & 1u) {
+      Args ah = a;
+      ah.prep_resets = false;
+      launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel, head_roles, kThreads, 0, stream,
+                 ah);
+      FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
+    }
   }
   if (mask & 4u) {
     if (p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16)) {

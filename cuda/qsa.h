@@ -1,9 +1,10 @@
 // QSA decode (MODEL.md §C.6 steps 2-7 without o_proj, §C.9 RoPE) for one token on one TP rank:
 // q/k norm + RoPE, KV-cache append, the lightning indexer (block keys, scores, deterministic
 // top-k block selection) and flash-decoding attention over the selected tokens with the sigmoid
-// output gate. Called by the CUDA decode step between the stacked QSA GEMV and o_proj. Four
-// launches (five on the previous path kept for A/B), no host sync, position read from device
-// memory: legal inside CUDA graph capture.
+// output gate. Called by the CUDA decode step after the HC read and before o_proj; it runs the
+// stacked QSA GEMV itself, beside the indexer's select (seven launches), or follows the caller's
+// GEMV (four launches; five on the previous path kept for A/B). No host sync, position read from
+// device memory: legal inside CUDA graph capture.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,8 +22,21 @@ namespace fn {
 struct QsaDecodeParams {
   /// FP32, the output of ONE stacked GEMV: [ q|gate per local query head interleaved
   /// (Hq * 2 * hd: head i has q at i*2*hd, gate at i*2*hd+hd) | k (Hkv*hd) | v (Hkv*hd) |
-  /// indexer (indexer_heads query heads * ihd, then 1 key * ihd) ]
-  const float* proj = nullptr;
+  /// indexer (indexer_heads query heads * ihd, then 1 key * ihd) ]. Written by the launcher
+  /// itself when in_proj is set, else read only.
+  float* proj = nullptr;
+  /// The overlapped projection (the decode step's default; four-launch path with select_mailbox
+  /// only): when non-null, the launcher computes proj = in_proj . x itself (BF16 GEMV, FP32 sums,
+  /// the same bits as one launch_gemv_bf16 over all rows) in two parts. The indexer's rows go
+  /// first, then its prep and the scores + select; the query and KV rows run beside the select
+  /// (GemvBf16Params::no_pdl_wait), then their prep, and the attention waits for the select's
+  /// done flag in the workspace. Seven launches. in_proj: BF16 bits [proj rows, hidden],
+  /// row-major, 16-byte aligned; x: FP32 [hidden], written at least one launch before this call
+  /// by a kernel that waited for its predecessor (the HC mix); hidden a multiple of 8,
+  /// 8..8192. nullptr: the caller wrote proj (four launches).
+  const uint16_t* in_proj = nullptr;
+  const float* x = nullptr;        ///< FP32 [hidden], the projection's input (with in_proj)
+  int64_t hidden = 0;              ///< the projection's input length (with in_proj)
   const float* q_norm = nullptr;   ///< [hd] FP32 q_norm weight w (the kernel uses 1 + w)
   const float* k_norm = nullptr;   ///< [hd] FP32 k_norm weight w (1 + w)
   const float* iq_norm = nullptr;  ///< [ihd] FP32 indexer q_layernorm weight w (1 + w)
@@ -94,6 +108,10 @@ struct QsaWorkspaceLayout {
   /// launch and by the last CTA, so the workspace needs no initialisation. Inside the counters'
   /// 256-byte slot (counters + 32).
   size_t ticket = 0;
+  /// int32: the select's done flag of the overlapped projection (QsaDecodeParams::in_proj): the
+  /// indexer prep zeroes it, the select CTA sets it to 1 after its results, the attention waits
+  /// for 1. Inside the counters' slot (counters + 64).
+  size_t select_done = 0;
   size_t part_out = 0;     ///< [Hq, max_chunks, hd] FP32: per-chunk unnormalised outputs
   size_t part_max = 0;     ///< [Hq, max_chunks] FP32: per-chunk score maxima
   size_t part_sum = 0;     ///< [Hq, max_chunks] FP32: per-chunk sums of exp(s - max)
@@ -119,8 +137,13 @@ size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
 /// slices. Deterministic (no float atomics; the integer ticket, when select_mailbox is off, only
 /// picks the select CTA),
 /// graph-capturable. params.five_launch_path runs the previous five-kernel sequence (same bits).
+/// With params.in_proj the launcher also runs the stacked projection, overlapped with the
+/// select (seven launches, see QsaDecodeParams::in_proj; the same bits as the projection GEMV
+/// followed by the four launches).
 /// Throws fn::Error(Internal) on null pointers, bad shapes (including more than 16 local q heads
 /// per local KV head), a q head mapped outside the local KV heads or a misaligned workspace;
+/// fn::Error(Internal) also on an in_proj without x, with a bad hidden size, a misaligned
+/// in_proj or x, or with five_launch_path or without select_mailbox;
 /// fn::Error(Cuda) when a launch fails. NaN scores (NaN/Inf weights) are ranked above +inf
 /// rather than reported (the CPU's top_k throws on them).
 void launch_qsa_decode(const QsaDecodeParams& params, cudaStream_t stream);

@@ -1,6 +1,7 @@
 // GPU tests of launch_gemv_bf16 (cuda/gemv_bf16.h) against host references: exact integer sums
 // on every decode shape, random values within the FP32 summation bound, every variant (rows per
-// team x team width x dtypes), and the launcher's precondition checks.
+// team x team width x dtypes), the overlapped launch (no programmatic wait) bitwise equal to the
+// plain one, and the launcher's precondition checks.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -65,7 +66,8 @@ Problem make_problem(Shape s, bool integers, bool x_bf16, uint64_t seed) {
 }
 
 // Runs the kernel; returns y as floats (BF16 outputs widened exactly).
-std::vector<float> run(const Problem& p, DType x_dtype, DType y_dtype, fn::GemvBf16Plan plan = {}) {
+std::vector<float> run(const Problem& p, DType x_dtype, DType y_dtype, fn::GemvBf16Plan plan = {},
+                       bool no_pdl_wait = false) {
   DeviceArray<uint16_t> w(p.w);
   DeviceArray<uint8_t> x(p.s.cols * (x_dtype == DType::F32 ? 4 : 2));
   if (x_dtype == DType::F32) {
@@ -87,6 +89,7 @@ std::vector<float> run(const Problem& p, DType x_dtype, DType y_dtype, fn::GemvB
   prm.y = y.ptr;
   prm.y_dtype = y_dtype;
   prm.plan = plan;
+  prm.no_pdl_wait = no_pdl_wait;
   fn::launch_gemv_bf16(prm, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<uint8_t> raw = y.download();
@@ -206,6 +209,26 @@ TEST_CASE("cuda gemv: random values stay within the FP32 summation bound (all dt
   }
 }
 
+TEST_CASE("cuda gemv: the overlapped launch (no programmatic wait) gives the plain launch's bits") {
+  // Random values, so the bits depend on the summation order: the x staged in shared memory and
+  // the rows per team must not change it (the QSA launcher splits its projection on this).
+  const std::vector<Shape> shapes = {
+      {13952, 2560, 2560}, {640, 2560, 2560}, {37, 2584, 2584}, {33, 2560, 2624}, {5, 8192, 8192}};
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const Problem p = make_problem(shapes[i], false, false, 500 + i);
+    const auto want = run(p, DType::F32, DType::F32);
+    const fn::GemvBf16Plan whole = fn::plan_gemv_bf16(p.s.rows, p.s.cols, sm_count());
+    for (int r : {1, 2, 4}) {
+      const int64_t rows_per_block = int64_t(r) * (256 / whole.team_threads);
+      const fn::GemvBf16Plan plan{r, whole.team_threads,
+                                  (p.s.rows + rows_per_block - 1) / rows_per_block};
+      const auto got = run(p, DType::F32, DType::F32, plan, true);
+      CHECK_MESSAGE(std::memcmp(got.data(), want.data(), want.size() * 4) == 0, "rows ", p.s.rows,
+                    " cols ", p.s.cols, " rows per team ", r);
+    }
+  }
+}
+
 TEST_CASE("cuda gemv: the plan fills the GPU on the decode shapes and keeps lanes busy") {
   const int sms = sm_count();
   for (const Shape& s : kDecodeShapes) {
@@ -257,5 +280,22 @@ TEST_CASE("cuda gemv: the launcher rejects bad shapes, misalignment, dtypes and 
   bad.plan = {3, 32, 22};  // 3 rows per team is not a variant
   CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
   bad.plan = {4, 32, 1};  // grid too small for the rows
+  CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
+  bad = ok;
+  bad.no_pdl_wait = true;  // the overlapped launch takes FP32 x and y only
+  CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
+  bad.x_dtype = DType::F32;
+  bad.y_dtype = DType::BF16;
+  CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
+  DeviceArray<uint16_t> wide(8200);
+  DeviceArray<float> xw(8200);
+  bad = ok;  // more columns than its shared-memory copy of x takes
+  bad.weight = wide.ptr;
+  bad.rows = 1;
+  bad.cols = 8200;
+  bad.ld = 8200;
+  bad.x = xw.ptr;
+  bad.x_dtype = DType::F32;
+  bad.no_pdl_wait = true;
   CHECK_THROWS_AS(fn::launch_gemv_bf16(bad, nullptr), fn::Error);
 }

@@ -4,7 +4,8 @@
 // over positions 0..40 and on the real shapes (MODEL.md §A.3) with caches prefilled up to 39999;
 // error bounds derived from the rounding steps of both sides; graph replay bitwise equal to eager;
 // launcher checks; the default four-launch path bitwise equal to the previous five-launch path
-// (outputs, caches, every workspace intermediate) including a workspace that starts as garbage;
+// (outputs, caches, every workspace intermediate) including a workspace that starts as garbage,
+// and so is the seven-launch path with the overlapped projection (proj too, against one GEMV);
 // the decode step's block select (select_top_blocks_cg) equal to the prefill's four-pass radix
 // select and to cpu::top_k on adversarial scores (ties, zeros of both signs, infinities, NaN,
 // subnormals, B past the on-chip keys); a bench at t = 8191 per path and per kernel and of the
@@ -26,6 +27,7 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
+#include "cuda/gemv_bf16.h"
 #include "cuda/qsa.h"
 #include "tests/cuda_test_util.h"
 #include "tests/qsa_select_probe.h"
@@ -566,6 +568,21 @@ TEST_CASE("cuda qsa: the launcher rejects bad parameters; a position past the ca
   bad([](fn::QsaDecodeParams& p) { p.block_topk = 0; });
   bad([](fn::QsaDecodeParams& p) { p.indexer_head_dim = 300; });
   bad([](fn::QsaDecodeParams& p) { p.ctx_size = 0; });
+  // The overlapped projection: x missing, a bad input size, the paths it cannot run on.
+  DeviceArray<uint16_t> w(size_t(proj_size(g.s)) * 64);
+  DeviceArray<float> x(64);
+  const auto overlapped = [&](fn::QsaDecodeParams& p) {
+    p.in_proj = w.ptr;
+    p.x = x.ptr;
+    p.hidden = 64;
+  };
+  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.x = nullptr; });
+  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.hidden = 60; });
+  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.hidden = 0; });
+  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.hidden = 8200; });
+  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.in_proj = w.ptr + 1; });
+  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.five_launch_path = true; });
+  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.select_mailbox = false; });
   fn::QsaDecodeParams shape = g.p;
   shape.num_q_heads = 0;
   CHECK_THROWS_AS((void)fn::qsa_decode_workspace_bytes(shape), fn::Error);
@@ -624,14 +641,29 @@ void check_paths_equal(Gpu& f, Gpu& l, int64_t t) {
   }
 }
 
-// Runs both paths step by step on identical state and compares them after every step.
+// Runs both paths step by step on identical state and compares them after every step. With
+// hidden > 0 the default path computes proj itself (QsaDecodeParams::in_proj: the overlapped
+// projection of a random BF16 matrix and FP32 input) and the five-launch path gets it from one
+// launch_gemv_bf16 over all rows; proj is compared too.
 void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t period,
-                   bool forced = false, int split = 0, bool mailbox = true) {
-  INFO("attention head split ", split, ", select mailbox ", mailbox);
+                   bool forced = false, int split = 0, bool mailbox = true, int64_t hidden = 0) {
+  INFO("attention head split ", split, ", select mailbox ", mailbox, ", projection input ", hidden);
   Gpu f(s, 51), l(s, 51);
   l.p.five_launch_path = true;
   f.p.attn_head_split = split;
   f.p.select_mailbox = mailbox;
+  std::unique_ptr<DeviceArray<uint16_t>> w;
+  std::unique_ptr<DeviceArray<float>> x;
+  if (hidden > 0) {
+    std::mt19937_64 wr(29);
+    w = std::make_unique<DeviceArray<uint16_t>>(
+        random_bf16(size_t(proj_size(s)) * hidden, 1.0f / std::sqrt(float(hidden)), wr));
+    x = std::make_unique<DeviceArray<float>>(size_t(hidden));
+    f.p.in_proj = w->ptr;
+    f.p.x = x->ptr;
+    f.p.hidden = hidden;
+    FN_CUDA_CHECK(cudaMemset(f.proj->ptr, 0xff, f.proj->n * 4));  // every row must be written
+  }
   std::mt19937_64 r1(17), r2(17);
   if (period > 0) {
     prefill(f, r1, period);
@@ -647,14 +679,25 @@ void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t perio
   }
   std::mt19937_64 rng(23);
   for (int64_t t : ts) {
-    const auto proj = random_proj(s, rng);
+    if (hidden > 0) {
+      x->upload(random_floats(size_t(hidden), 1.0f, rng));
+      fn::launch_gemv_bf16(w->ptr, proj_size(s), hidden, x->ptr, fn::DType::F32, l.proj->ptr,
+                           fn::DType::F32, nullptr);
+    } else {
+      const auto proj = random_proj(s, rng);
+      f.proj->upload(proj);
+      l.proj->upload(proj);
+    }
     for (Gpu* g : {&f, &l}) {
-      g->proj->upload(proj);
       g->set_position(t);
       fn::launch_qsa_decode(g->p, nullptr);
     }
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     check_paths_equal(f, l, t);
+    if (hidden > 0) {
+      const auto pf = f.proj->download(), pl = l.proj->download();
+      CHECK_MESSAGE(same_bits(pf.data(), pl.data(), pf.size()), "proj, t=", t);
+    }
   }
 }
 
@@ -666,6 +709,7 @@ TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, t
   for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
     for (int split : {0, 1, 2, 4}) compare_paths(s, ts, 0, false, split);
     compare_paths(s, ts, 0, false, 0, false);  // the select after the arrival ticket
+    for (int split : {0, 2}) compare_paths(s, ts, 0, false, split, true, 64);  // overlapped
   }
 }
 
@@ -676,6 +720,7 @@ TEST_CASE("cuda qsa: sanitizer case: g3_tiny TP=1 paths equal over t = 0..45, sp
   for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);
   for (int split : {0, 1}) compare_paths(kG3Tp1, ts, 0, false, split);
   compare_paths(kG3Tp1, ts, 0, false, 0, false);
+  compare_paths(kG3Tp1, ts, 0, false, 0, true, 64);  // the overlapped projection
 }
 
 TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, real shapes") {
@@ -689,6 +734,10 @@ TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, r
   compare_paths(real_tp2r1(40000), {39999}, 64, false, 0, false);
   // A reference's forced choice replayed.
   compare_paths(real_tp1(8192), {8191}, 700, true);
+  // The overlapped projection (hidden 2560, the decode step's default) at the same points.
+  compare_paths(real_tp1(8192), {0, 3, 2047, 2051, 8191, 8192}, 700, false, 0, true, 2560);
+  compare_paths(real_tp2r1(40000), {39999, 39998}, 64, false, 0, true, 2560);
+  compare_paths(real_tp1(8192), {8191}, 700, true, 0, true, 2560);
   // Every split of the 12 query heads of a KV head over attention CTAs.
   for (int split : {1, 2, 3, 4, 5, 6, 12, 16}) {
     compare_paths(real_tp1(8192), {2051, 8191}, 700, false, split);

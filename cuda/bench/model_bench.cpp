@@ -99,6 +99,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
   bool lookahead = fn::CudaModelOptions{}.decode_lookahead;
   bool qsa_mailbox = fn::CudaModelOptions{}.qsa_select_mailbox;
+  bool qsa_overlap = fn::CudaModelOptions{}.qsa_overlap_in_proj;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
   for (int i = 1; i < argc; ++i) {
@@ -145,6 +146,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       lookahead = std::stoi(next()) != 0;
     else if (a == "--qsa-mailbox")  // CudaModelOptions::qsa_select_mailbox: 1 (default), 0 ticket
       qsa_mailbox = std::stoi(next()) != 0;
+    else if (a == "--qsa-overlap")  // CudaModelOptions::qsa_overlap_in_proj: 1 (default), 0 off
+      qsa_overlap = std::stoi(next()) != 0;
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
       empty_launches = std::stoi(next());
     else if (a == "--trace")
@@ -188,6 +191,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.fixed_shape_kernels = fixed_shape;
   o.decode_lookahead = lookahead;
   o.qsa_select_mailbox = qsa_mailbox;
+  o.qsa_overlap_in_proj = qsa_overlap;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;
   o.tp_rank = rank;

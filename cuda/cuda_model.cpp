@@ -611,7 +611,8 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o, Wei
       }
       g.conv_state = arena.state_n<float>(conv_l * (Kc - 1), "GDN conv state");
       g.S = arena.state_n<float>(Hv_l * dk * dv, "GDN recurrent state");
-      g.counters = arena.state_n<unsigned int>(Hv_l + Hk_l, "GDN counters");
+      // The head counters, then the overlapped projection's two join words.
+      g.counters = arena.state_n<unsigned int>(Hv_l + Hk_l + 2, "GDN counters");
       g.o_scratch = arena.state_n<float>(Hv_l * dv, "GDN output");
       state_blocks.emplace_back(g.conv_state, sizeof(float) * conv_l * (Kc - 1));
       state_blocks.emplace_back(g.S, sizeof(float) * Hv_l * dk * dv);
@@ -845,6 +846,8 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
 
   const bool qsa_overlap = o.qsa_overlap_in_proj && o.qsa_select_mailbox &&
                            on(StepLaunch::InProj) && on(StepLaunch::Attention);
+  const bool gdn_overlap = o.gdn_overlap_z && on(StepLaunch::InProj) &&
+                           on(StepLaunch::Recurrence) && on(StepLaunch::OutProj);
   int64_t layer_index = 0, qsa_index = 0;
   for (DevLayer& L : layers) {
     const DevHc& next_hc = layer_index + 1 < static_cast<int64_t>(layers.size())
@@ -911,7 +914,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     } else {
       mark(StepFamily::GdnMixer);
       DevGdn& g = L.gdn;
-      if (on(StepLaunch::InProj))
+      if (on(StepLaunch::InProj) && !gdn_overlap)
         launch_gemv_bf16(g.in_proj, g.in_rows, D, m, DType::F32, proj, DType::F32, s);
       GdnDecodeParams gp;
       set_gdn_layer(gp, c, rd, g);
@@ -921,8 +924,16 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       gp.head_counters = g.counters;
       gp.fixed_shape = fixed(FixedShapeKernel::Recurrence);
       gp.cluster = o.gdn_cluster;
+      if (gdn_overlap) {  // the projections inside the GDN launcher, z beside the recurrence
+        gp.in_proj = g.in_proj;
+        gp.x = m;
+        gp.hidden = D;
+        gp.out_weight = g.out;
+        gp.y = y;
+        gp.join = g.counters + Hv_l + rd.linear_k_heads;
+      }
       if (on(StepLaunch::Recurrence)) launch_gdn_decode(gp, s);
-      if (on(StepLaunch::OutProj))
+      if (on(StepLaunch::OutProj) && !gdn_overlap)
         launch_gemv_bf16(g.out, D, Hv_l * dv, mix_out, DType::BF16, y, DType::F32, s);
     }
     all_reduce(y, D);

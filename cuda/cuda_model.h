@@ -110,6 +110,10 @@ struct CudaModelOptions {
   /// and KV rows beside the select. The same bits. Needs qsa_select_mailbox. false: the
   /// projection as one GEMV before the QSA launches (A/B benches).
   bool qsa_overlap_in_proj = true;
+  /// The GDN layers' input projection and out_proj run inside the GDN launcher
+  /// (GdnDecodeParams::in_proj): the rows but z, the recurrence, the z rows beside it, out_proj
+  /// after both. The same bits. false: the three launches in a row (A/B benches).
+  bool gdn_overlap_z = true;
   /// Kernels at the real model's compile-time shape (cuda/real_shape.h) where it applies (their
   /// params' fixed_shape; the same bits): bit FixedShapeKernel k set = kernel k's fixed
   /// instance. 0: the runtime-shape instances everywhere (A/B benches).

@@ -188,4 +188,30 @@ __device__ __forceinline__ void flag_wait(const int* flag) {
   __threadfence();
 }
 
+// ---- Join words (issue 8) -------------------------------------------------------------------
+// A launch that needs the results of a launch other than its stream predecessor (which it waits
+// for programmatically): the writer's CTAs each add one signal (the low 16 bits) after their
+// results; every reader CTA waits for the full count, then adds a reader ticket (the high 16
+// bits), and the last reader resets the word to 0 for the next use. The word starts at 0
+// (zeroed once at allocation) and is 0 again after every use.
+
+/// One signal after the calling CTA's results (ordered before this thread by a barrier).
+__device__ __forceinline__ void join_signal(unsigned* word) {
+  __threadfence();
+  atomicAdd(word, 1u);
+}
+
+/// Waits until *word counts `signals` signals, fences (this thread's later reads, and those its
+/// barrier orders after it, see the writers' results), then takes a reader ticket; the last of
+/// `readers` readers resets the word. One thread per reader CTA. The writers must be resident or
+/// done, else this spins forever.
+__device__ __forceinline__ void join_wait(unsigned* word, unsigned signals, unsigned readers) {
+  uint32_t b;
+  do {
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(word) : "memory");
+  } while ((b & 0xffffu) != signals);
+  __threadfence();
+  if ((atomicAdd(word, 0x10000u) >> 16) == readers - 1) atomicExch(word, 0u);
+}
+
 }  // namespace fn::dev

@@ -26,6 +26,7 @@
 #include "comm/cuda_check.h"
 #include "cuda/device_util.cuh"
 #include "cuda/gdn_common.cuh"
+#include "cuda/gemv_bf16.h"
 #include "cuda/launch_check.h"
 #include "cuda/pdl.cuh"
 #include "cuda/real_shape.h"
@@ -124,6 +125,11 @@ struct RecArgs {
   int K;
   int fused;  // 1: the conv runs inside this kernel (one launch)
   float eps;
+  // The overlapped projection: the join words of the rows but z (awaited instead of the
+  // programmatic wait) and of the z rows (awaited by the gated norm), and their launches' blocks.
+  unsigned int* aword = nullptr;
+  unsigned int* zword = nullptr;
+  unsigned int a_signals = 0, z_signals = 0;
 };
 
 // Sum of two values over the block in a fixed order (butterfly per warp, warps ascending); every
@@ -192,7 +198,7 @@ __device__ __forceinline__ void load_norm_operands(const RecArgs& a, const float
   for (int j = 0; j < kMaxRows; ++j) {
     const int t = static_cast<int>(threadIdx.x) + j * kThreads;
     nw[j] = t < dv ? a.norm_w[t] : 0.0f;
-    nz[j] = t < dv ? z[t] : 0.0f;
+    nz[j] = t < dv ? __ldcg(z + t) : 0.0f;  // through L2: the overlapped z rows
   }
 }
 
@@ -263,8 +269,17 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   } else {
     load_state();
   }
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
+  if (a.aword != nullptr) {
+    // The overlapped projection: this launch follows the z rows, which do not wait for the
+    // rows before them; those rows' join word stands for the programmatic wait (out_proj,
+    // after this launch, waits for it programmatically).
+    dev::pdl_launch_dependents();
+    if (threadIdx.x == 0) dev::join_wait(a.aword, a.a_signals, gridDim.x);
+    __syncthreads();
+  } else {
+    dev::pdl_wait();
+    dev::pdl_launch_dependents();
+  }
   if (fused) load_state();
   // Step 4: gates of head h (they depend only on the projection).
   const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * dv;
@@ -339,8 +354,9 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     __shared__ float o_head[kDv > 0 ? kDv : 1];  // the value head's o (slice-0 CTA's copy used)
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    const unsigned rank = cluster.block_rank();         // = blockIdx.x % (ratio * slices)
-    if (sl == 0) load_norm_operands(a, z, dv, nw, nz);  // before the barrier: off the chain
+    const unsigned rank = cluster.block_rank();  // = blockIdx.x % (ratio * slices)
+    if (sl == 0 && a.zword == nullptr)
+      load_norm_operands(a, z, dv, nw, nz);  // before the barrier: off the chain
     cluster_wait();  // every CTA of the cluster has started (the arrival at the kernel's start)
     if (tid < vc) *cluster.map_shared_rank(o_head + sl * vc + tid, rank - sl) = col[tid];
     cluster.sync();  // release / acquire: o_head complete, every q/k history read done
@@ -393,6 +409,11 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
       const int t = tid + j * kThreads;
       ov[j] = t < dv ? __ldcg(o + t) : 0.0f;
     }
+    if (a.zword == nullptr) load_norm_operands(a, z, dv, nw, nz);
+  }
+  if (a.zword != nullptr) {  // the z rows come from the launch beside this one
+    if (tid == 0) dev::join_wait(a.zword, a.z_signals, static_cast<unsigned>(a.Hv));
+    __syncthreads();
     load_norm_operands(a, z, dv, nw, nz);
   }
 
@@ -498,6 +519,60 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             p.fused_conv ? 1 : 0,
             p.eps};
   const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
+  // The overlapped projection (with programmatic dependent launches; else the same four launches
+  // run one after another and every join is met on arrival): the rows but z, the z rows beside
+  // them and the recurrence, the recurrence waiting for the first through a join word and its
+  // gated norm for the second; out_proj after the recurrence.
+  const bool overlap = p.in_proj != nullptr;
+  if (overlap) {
+    constexpr const char* kOp = "launch_gdn_decode";
+    FN_LAUNCH_REQUIRE(p.fused_conv && p.x != nullptr && p.out_weight != nullptr && p.y != nullptr &&
+                          p.join != nullptr,
+                      kOp);
+    FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden <= 8192 && p.hidden % 8 == 0, kOp);
+    FN_LAUNCH_REQUIRE(detail::aligned(p.in_proj, 16) && detail::aligned(p.x, 16) &&
+                          detail::aligned(p.out_weight, 16),
+                      kOp);
+    const int64_t zrows = int64_t{Hv} * dv, rows = conv_dim + zrows + 2 * int64_t{Hv};
+    // Both parts at the team width of one GEMV over all rows: a row's sum depends only on it
+    // (cuda/gemv_bf16.cuh), so the same bits as launch_gemv_bf16 over the stacked matrix.
+    const GemvBf16Plan whole = plan_gemv_bf16(rows, p.hidden, detail::current_sm_count());
+    const int64_t per_block = whole.rows_per_team * (256 / whole.team_threads);
+    GemvBf16Params g;
+    g.weight = p.in_proj;
+    g.rows = rows - zrows;
+    g.cols = p.hidden;
+    g.ld = p.hidden;
+    g.x = p.x;
+    g.x_dtype = DType::F32;
+    g.y = p.proj;
+    g.y_dtype = DType::F32;
+    g.skip_at = conv_dim;
+    g.skip = zrows;
+    g.plan = {whole.rows_per_team, whole.team_threads, (g.rows + per_block - 1) / per_block};
+    g.done_word = p.join;
+    GemvBf16Params z = g;
+    z.weight = p.in_proj + int64_t{conv_dim} * p.hidden;
+    z.rows = zrows;
+    z.y = p.proj + conv_dim;
+    z.skip_at = z.skip = 0;
+    z.plan.blocks = (zrows + per_block - 1) / per_block;
+    z.no_pdl_wait = true;  // x was complete before the rows above were let start
+    z.done_word = p.join + 1;
+    FN_LAUNCH_REQUIRE(g.plan.blocks <= 0xffff && z.plan.blocks <= 0xffff, kOp);
+    launch_gemv_bf16(g, stream);
+    launch_gemv_bf16(z, stream);
+    a.aword = p.join;
+    a.zword = p.join + 1;
+    a.a_signals = static_cast<unsigned>(g.plan.blocks);
+    a.z_signals = static_cast<unsigned>(z.plan.blocks);
+  }
+  // After the recurrence (whichever instance ran): out_proj.
+  auto finish = [&] {
+    if (overlap)
+      launch_gemv_bf16(p.out_weight, p.hidden, int64_t{Hv} * dv, p.out, DType::BF16, p.y,
+                       DType::F32, stream);
+  };
   if (!p.fused_conv) {
     launch_pdl("gdn_conv_kernel", gdn_conv_kernel, (conv_dim + kThreads - 1) / kThreads, kThreads,
                0, stream, p.proj, p.conv_weight, p.conv_state, p.conv_out, conv_dim, p.conv_kernel);
@@ -512,6 +587,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
       launch_cluster_pdl("gdn_recurrent_kernel (clusters)", kernel, grid, kThreads, 0, cluster,
                          stream, a);
       FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel (clusters)");
+      finish();
       return;
     }
   }
@@ -521,6 +597,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   launch_maybe_pdl(p.fused_conv || p.overlap_launch, "gdn_recurrent_kernel", kernel, grid, kThreads,
                    0, stream, a);
   FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel");
+  finish();
 }
 
 }  // namespace fn

@@ -17,8 +17,9 @@ namespace fn {
 /// cpu::gated_rms_norm per head), FP32 throughout, BF16 only at the output store.
 struct GdnDecodeParams {
   /// [conv_dim + Hv*dv + 2*Hv] FP32: the output of one stacked GEMV, laid out as
-  /// [ qkv (q [Hk*dk], k [Hk*dk], v [Hv*dv]) | z [Hv*dv] | a [Hv] | b [Hv] ].
-  const float* proj = nullptr;
+  /// [ qkv (q [Hk*dk], k [Hk*dk], v [Hv*dv]) | z [Hv*dv] | a [Hv] | b [Hv] ]. Written by the
+  /// launcher itself when in_proj is set, else read only.
+  float* proj = nullptr;
   const float* conv_weight = nullptr;  ///< [conv_dim, conv_kernel] FP32 (conv1d.weight squeezed)
   const float* A_log = nullptr;        ///< [Hv] FP32
   const float* dt_bias = nullptr;      ///< [Hv] FP32
@@ -67,13 +68,31 @@ struct GdnDecodeParams {
   /// and o_scratch (which stay untouched). false: the arrival path (A/B benches and tests). The
   /// same bits either way.
   bool cluster = true;
+  /// The overlapped projection (the decode step's default; fused_conv only): when non-null, the
+  /// launcher also runs the layer's input projection and out_proj, four launches: the
+  /// projection's rows but z (in_proj . x into proj), the z rows (a GEMV without a programmatic
+  /// wait), the recurrence beside them (it waits for the first rows through join word 0, and
+  /// its gated norm for the z rows through join word 1), then out_proj (y = out_weight . out).
+  /// The same bits as the three launches in a row; without programmatic dependent launches the
+  /// four run one after another. in_proj: BF16 [conv_dim + Hv*dv + 2*Hv, hidden] (the rows
+  /// of proj); x: FP32 [hidden], written at least one launch before by a kernel that waited for
+  /// its predecessor (the HC mix); hidden a multiple of 8, 8..8192. nullptr: the caller runs
+  /// both GEMVs (one launch here).
+  const uint16_t* in_proj = nullptr;
+  const float* x = nullptr;              ///< FP32 [hidden] (with in_proj)
+  int64_t hidden = 0;                    ///< the projection's input length (with in_proj)
+  const uint16_t* out_weight = nullptr;  ///< BF16 [hidden, Hv*dv] out_proj (with in_proj)
+  float* y = nullptr;                    ///< FP32 [hidden]: out_proj's output (with in_proj)
+  /// [2] join words (with in_proj): zeroed once after allocation; every launch leaves them 0.
+  unsigned int* join = nullptr;
 };
 
 /// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);
 /// the state slice stays in registers, loaded and stored once with coalesced 16-byte accesses
-/// (preceded by a conv kernel over all channels when fused_conv is false). Throws
-/// fn::Error(Internal) on a null pointer, bad sizes (see the field comments) or a misaligned state;
-/// fn::Error(Cuda) on a failed launch.
+/// (preceded by a conv kernel over all channels when fused_conv is false; with in_proj, the
+/// projections around it, four launches). Throws fn::Error(Internal) on a null pointer, bad sizes
+/// (see the field comments), a misaligned state, in_proj, x or out_weight, or in_proj without
+/// fused_conv; fn::Error(Cuda) on a failed launch.
 void launch_gdn_decode(const GdnDecodeParams& params, cudaStream_t stream);
 
 /// Columns of dv per CTA of the recurrence kernel that launch_gdn_decode uses for these params

@@ -27,6 +27,8 @@ struct GemvArgs {
   int team_log2;
   const void* x;
   void* y;
+  int64_t skip_at, skip;  // GemvBf16Params::skip_at / skip
+  unsigned* done_word;    // GemvBf16Params::done_word
 };
 
 // x FP32 staged in shared memory by the whole block through L2 (__ldcg: it was written by a kernel
@@ -58,14 +60,19 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_overlap_kernel(GemvAr
   dev::pdl_launch_dependents();
   float acc[kRows];
   int lane = 0;
-  const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2};
+  const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2, a.skip_at, a.skip};
   const GemvXStagedF32 xs{static_cast<const float*>(a.x), x_smem, 2 * a.nvec};
   const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kBlockThreads, GemvXStagedF32, true>(
       g, blockIdx.x, xs, acc, &lane);
-  if (lane != 0) return;
+  if (lane == 0) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    if (row0 + r < a.rows) static_cast<float*>(a.y)[row0 + r] = acc[r];
+    for (int r = 0; r < kRows; ++r)
+      if (row0 + r < a.rows) static_cast<float*>(a.y)[dev::gemv_row(g, row0 + r)] = acc[r];
+  }
+  if (a.done_word != nullptr) {  // the block's rows are out: one signal (dev::join_signal)
+    __syncthreads();
+    if (threadIdx.x == 0) dev::join_signal(a.done_word);
+  }
 }
 
 // One team of (1 << team_log2) lanes computes kRows consecutive rows (dev::gemv_bf16_team_rows,
@@ -75,19 +82,24 @@ template <int kRows, bool kXF32, bool kYBf16>
 __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
   float acc[kRows];
   int lane = 0;
-  const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2};
+  const dev::GemvRows g{a.weight, a.rows, a.ld, a.nvec, a.team_log2, a.skip_at, a.skip};
   const int64_t row0 = dev::gemv_bf16_team_rows<kRows, kBlockThreads>(
       g, blockIdx.x, dev::GemvXGlobal<kXF32>{a.x}, acc, &lane);
-  if (lane != 0) return;
+  if (lane == 0) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int64_t row = row0 + r;
-    if (row < a.rows) {
-      if constexpr (kYBf16)
-        static_cast<uint16_t*>(a.y)[row] = dev::float_to_bf16_bits(acc[r]);
-      else
-        static_cast<float*>(a.y)[row] = acc[r];
+    for (int r = 0; r < kRows; ++r) {
+      if (row0 + r < a.rows) {
+        const int64_t row = dev::gemv_row(g, row0 + r);
+        if constexpr (kYBf16)
+          static_cast<uint16_t*>(a.y)[row] = dev::float_to_bf16_bits(acc[r]);
+        else
+          static_cast<float*>(a.y)[row] = acc[r];
+      }
     }
+  }
+  if (a.done_word != nullptr) {  // the block's rows are out: one signal (dev::join_signal)
+    __syncthreads();
+    if (threadIdx.x == 0) dev::join_signal(a.done_word);
   }
 }
 
@@ -152,6 +164,7 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(!p.no_pdl_wait || (p.x_dtype == DType::F32 && p.y_dtype == DType::F32 &&
                                        p.cols <= kOverlapMaxCols),
                     kOp);
+  FN_LAUNCH_REQUIRE(p.skip_at >= 0 && p.skip >= 0, kOp);
   GemvBf16Plan plan = p.plan;
   if (plan.team_threads == 0) plan = plan_gemv_bf16(p.rows, p.cols, detail::current_sm_count());
   const int t = plan.team_threads;
@@ -160,6 +173,7 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
                     kOp);
   FN_LAUNCH_REQUIRE(plan.blocks == blocks_for(p.rows, plan.rows_per_team, t), kOp);
   FN_LAUNCH_REQUIRE(plan.blocks <= INT32_MAX, kOp);
+  FN_LAUNCH_REQUIRE(p.done_word == nullptr || plan.blocks <= 0xffff, kOp);  // its signals
 
   GemvArgs a{};
   a.weight = p.weight;
@@ -169,6 +183,9 @@ void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(t));
   a.x = p.x;
   a.y = p.y;
+  a.skip_at = p.skip_at;
+  a.skip = p.skip;
+  a.done_word = p.done_word;
   const bool x_f32 = p.x_dtype == DType::F32, y_bf16 = p.y_dtype == DType::BF16;
   switch (plan.rows_per_team) {
     case 4:

@@ -21,7 +21,14 @@ struct GemvRows {
   int64_t ld;
   int nvec;
   int team_log2;
+  int64_t skip_at = 0;  ///< with skip > 0: rows r >= skip_at are W's (and y's) rows r + skip
+  int64_t skip = 0;
 };
+
+/// The row of W (and y) that computed row r is: r, or r + skip from skip_at on.
+__device__ __forceinline__ int64_t gemv_row(const GemvRows& a, int64_t r) {
+  return a.skip > 0 && r >= a.skip_at ? r + a.skip : r;
+}
 
 /// x read from global memory, FP32 (kXF32) or BF16 bits: eight values of 16-byte vector v
 /// (columns 8v .. 8v+7) as floats. prepare() is a no-op.
@@ -86,7 +93,7 @@ __device__ __forceinline__ int64_t gemv_bf16_team_rows(const GemvRows& a, int64_
   const uint4* wrow[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const int64_t row = min(row0 + r, a.rows - 1);
+    const int64_t row = gemv_row(a, min(row0 + r, a.rows - 1));
     wrow[r] = reinterpret_cast<const uint4*>(a.weight + row * a.ld);
   }
 #pragma unroll

@@ -41,6 +41,14 @@ struct GemvBf16Params {
   /// back, the predecessor having waited) and no unfinished kernel reads or writes y. x and y
   /// FP32, cols <= 8192. The same bits as the plain launch.
   bool no_pdl_wait = false;
+  /// When non-null, each block adds one signal to this join word once its rows are stored
+  /// (dev::join_signal, cuda/device_util.cuh), for a reader in a launch that does not wait for
+  /// this one (the GDN recurrence, cuda/gdn.h). At most 65535 blocks then.
+  unsigned* done_word = nullptr;
+  /// Rows left out: with skip > 0, computed row r >= skip_at is row r + skip of W and of y
+  /// (W and y then hold rows + skip rows). The same bits per row.
+  int64_t skip_at = 0;
+  int64_t skip = 0;
 };
 
 /// The launch plan for a rows x cols GEMV on a GPU with sm_count multiprocessors: at most 16

@@ -7,10 +7,14 @@
 // weights (data no kernel of the stream writes), prefetches into L2 (always memory-safe), or reads
 // through L2 (ld.global.cg) what a kernel at least two launches back wrote (complete: see the
 // next rule); it calls dev::pdl_launch_dependents() only after its own pdl_wait(), so a kernel
-// never runs ahead of more than one unfinished predecessor. The one exception is the QSA
-// launcher's overlapped projection (GemvBf16Params::no_pdl_wait, QsaDecodeParams::in_proj): a
-// GEMV that never waits, beside the select it follows, whose x is complete by the chain before
-// it; the select hands its results to the attention through a done flag instead.
+// never runs ahead of more than one unfinished predecessor. The exceptions are the overlapped
+// projections of the QSA and GDN launchers (QsaDecodeParams::in_proj, GdnDecodeParams::in_proj):
+// a GEMV that never waits (GemvBf16Params::no_pdl_wait), whose x is complete by the chain before
+// it, and a launch that lets it start at once (the QSA scores + select) or follows it and waits
+// for its other predecessor through a join word instead (the GDN recurrence); results cross
+// between launches that do not wait for each other through a done flag or join words
+// (cuda/device_util.cuh), each written by a launch that comes first in stream order, so they are
+// met on arrival when the launches run one after another.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -603,9 +603,13 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
   const int64_t b0 = int64_t{blockIdx.x} * (kSelectThreads / 32) + warp;
   float kv[kMaxDim / 32];
   const bool early = b0 < b_old;
+  // Beside the overlapped projection the successor is the projection's query and KV rows, which
+  // read only x (complete: the indexer prep waited for the indexer's rows, which waited for x's
+  // writer, before it let this launch start): it may start now.
+  if (a.select_done != nullptr) dev::pdl_launch_dependents();
   if (early) qsa_dev::load_block_key(a.block_keys + b0 * a.ihd, a.ihd, lane, kv);
   dev::pdl_wait();
-  dev::pdl_launch_dependents();
+  if (a.select_done == nullptr) dev::pdl_launch_dependents();
   if (int64_t{blockIdx.x} * (kSelectThreads / 32) < B) {  // uniform over the CTA
     float* qs = reinterpret_cast<float*>(buf);
     for (int i = tid; i < a.ni * a.ihd; i += kSelectThreads) qs[i] = a.qi[i];

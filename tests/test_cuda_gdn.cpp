@@ -19,6 +19,7 @@
 #include "core/cpu_ops.h"
 #include "core/error.h"
 #include "cuda/gdn.h"
+#include "cuda/gemv_bf16.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -518,6 +519,103 @@ TEST_CASE(
         const auto o = d.o_scratch.download();
         CHECK(std::memcmp(o.data(), sentinel.data(), o.size() * 4) == 0);
       }
+    }
+  }
+}
+
+// The overlapped projection (GdnDecodeParams::in_proj): the rows but z, the recurrence, the z rows
+// beside it and out_proj after both, against launch_gemv_bf16 over all rows, the recurrence and
+// launch_gemv_bf16 of out_proj in a row: proj, both states, the gated norm output and y bitwise,
+// step by step, in clusters, on the arrival counters and replayed from a graph; the join words
+// left zero. Then the launcher's checks of the overlapped mode.
+TEST_CASE(
+    "cuda gdn: the overlapped projection (z beside the recurrence, out_proj joined) equals the "
+    "three launches bitwise") {
+  for (const Shape s : {Shape{16, 48, 128, 128}, Shape{8, 24, 128, 128}, Shape{2, 4, 16, 16}}) {
+    for (int mode = 0; mode < 3; ++mode) {  // 0 eager, 1 arrivals (eager), 2 graph replay
+      INFO("Hk ", s.Hk, " Hv ", s.Hv, " mode ", mode);
+      const int64_t hidden = s.dk == 128 ? 2560 : 64, vd = int64_t{s.Hv} * s.dv;
+      std::mt19937_64 rng(uint64_t(90 + s.Hk + mode));
+      const Weights w(s, rng);
+      DeviceLayer d(s, w), e(s, w);
+      std::normal_distribution<float> nd(0.0f, 1.0f / std::sqrt(float(hidden)));
+      std::vector<uint16_t> win(sz(s.proj_len() * hidden)), wout(sz(hidden * vd));
+      for (auto& b : win) b = fn::float_to_bf16(nd(rng));
+      for (auto& b : wout) b = fn::float_to_bf16(nd(rng) * 0.2f);
+      DeviceArray<uint16_t> d_win(win), d_wout(wout);
+      DeviceArray<float> x(sz(hidden)), yd(sz(hidden)), ye(sz(hidden));
+      DeviceArray<unsigned int> join(2);
+      FN_CUDA_CHECK(cudaMemset(join.ptr, 0, 2 * sizeof(unsigned int)));
+      const auto cs0 = normal(sz(s.conv_dim() * (s.K - 1)), 0.0f, 1.0f, rng);
+      const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
+      for (DeviceLayer* l : {&d, &e}) {
+        l->conv_state.upload(cs0);
+        l->state.upload(S0);
+      }
+      FN_CUDA_CHECK(cudaMemset(d.proj.ptr, 0xff, d.proj.n * 4));  // every row must be written
+      fn::GdnDecodeParams pd = d.params(s), pe = e.params(s);
+      pd.cluster = pe.cluster = mode != 1;
+      pd.in_proj = d_win.ptr;
+      pd.x = x.ptr;
+      pd.hidden = hidden;
+      pd.out_weight = d_wout.ptr;
+      pd.y = yd.ptr;
+      pd.join = join.ptr;
+      cudaStream_t stream;
+      FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      cudaGraphExec_t exec = nullptr;
+      if (mode == 2) {
+        cudaGraph_t graph;
+        FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        fn::launch_gdn_decode(pd, stream);
+        FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+        FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        FN_CUDA_CHECK(cudaGraphDestroy(graph));
+      }
+      for (int step = 0; step < 4; ++step) {
+        INFO("step ", step);
+        x.upload(normal(sz(hidden), 0.0f, 1.0f, rng));
+        FN_CUDA_CHECK(cudaDeviceSynchronize());
+        fn::launch_gemv_bf16(d_win.ptr, s.proj_len(), hidden, x.ptr, fn::DType::F32, e.proj.ptr,
+                             fn::DType::F32, stream);
+        fn::launch_gdn_decode(pe, stream);
+        fn::launch_gemv_bf16(d_wout.ptr, hidden, vd, e.out.ptr, fn::DType::BF16, ye.ptr,
+                             fn::DType::F32, stream);
+        if (exec != nullptr)
+          FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        else
+          fn::launch_gdn_decode(pd, stream);
+        FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+        const auto pjd = d.proj.download(), pje = e.proj.download();
+        CHECK(std::memcmp(pjd.data(), pje.data(), pjd.size() * 4) == 0);
+        CHECK(d.conv_state.download() == e.conv_state.download());
+        const auto Sd = d.state.download(), Se = e.state.download();
+        CHECK(std::memcmp(Sd.data(), Se.data(), Sd.size() * 4) == 0);
+        CHECK(d.out.download() == e.out.download());
+        const auto y1 = yd.download(), y2 = ye.download();
+        CHECK(std::memcmp(y1.data(), y2.data(), y1.size() * 4) == 0);
+        const auto jw = join.download();
+        CHECK(jw[0] == 0u);
+        CHECK(jw[1] == 0u);
+      }
+      // The states did move (the comparisons are not between untouched buffers).
+      CHECK(std::memcmp(d.state.download().data(), S0.data(), S0.size() * 4) != 0);
+      if (exec != nullptr) FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      FN_CUDA_CHECK(cudaStreamDestroy(stream));
+      if (mode != 0 || s.dk != 16) continue;
+      auto rejects = [&](auto mutate) {
+        fn::GdnDecodeParams q = pd;
+        mutate(q);
+        CHECK_THROWS_AS(fn::launch_gdn_decode(q, nullptr), fn::Error);
+      };
+      rejects([](fn::GdnDecodeParams& q) { q.x = nullptr; });
+      rejects([](fn::GdnDecodeParams& q) { q.out_weight = nullptr; });
+      rejects([](fn::GdnDecodeParams& q) { q.y = nullptr; });
+      rejects([](fn::GdnDecodeParams& q) { q.join = nullptr; });
+      rejects([](fn::GdnDecodeParams& q) { q.hidden = 60; });
+      rejects([](fn::GdnDecodeParams& q) { q.hidden = 8200; });
+      rejects([](fn::GdnDecodeParams& q) { q.fused_conv = false; });
+      rejects([&](fn::GdnDecodeParams& q) { q.in_proj = d_win.ptr + 1; });
     }
   }
 }

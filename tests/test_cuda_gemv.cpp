@@ -229,6 +229,38 @@ TEST_CASE("cuda gemv: the overlapped launch (no programmatic wait) gives the pla
   }
 }
 
+TEST_CASE("cuda gemv: rows left out (skip_at, skip) keep the other rows' bits and stay unwritten") {
+  // The GDN launcher computes its projection's rows but z this way (cuda/gdn.h).
+  const Problem p = make_problem({1000, 2560, 2560}, false, false, 600);
+  const auto want = run(p, DType::F32, DType::F32);
+  DeviceArray<uint16_t> w(p.w);
+  DeviceArray<float> x(p.x), y(size_t(p.s.rows));
+  FN_CUDA_CHECK(cudaMemset(y.ptr, 0xff, y.n * 4));
+  fn::GemvBf16Params prm;
+  prm.weight = w.ptr;
+  prm.rows = 1000 - 300;  // rows [400, 700) left out
+  prm.cols = prm.ld = 2560;
+  prm.x = x.ptr;
+  prm.x_dtype = DType::F32;
+  prm.y = y.ptr;
+  prm.skip_at = 400;
+  prm.skip = 300;
+  const auto whole = fn::plan_gemv_bf16(1000, 2560, sm_count());
+  const int64_t per_block = int64_t(whole.rows_per_team) * (256 / whole.team_threads);
+  prm.plan = {whole.rows_per_team, whole.team_threads, (prm.rows + per_block - 1) / per_block};
+  fn::launch_gemv_bf16(prm, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = y.download();
+  for (int64_t r = 0; r < 1000; ++r) {
+    uint32_t bits;
+    std::memcpy(&bits, &got[size_t(r)], 4);
+    if (r >= 400 && r < 700)
+      CHECK_MESSAGE(bits == 0xffffffffu, "row ", r, " was written");
+    else
+      CHECK_MESSAGE(std::memcmp(&got[size_t(r)], &want[size_t(r)], 4) == 0, "row ", r);
+  }
+}
+
 TEST_CASE("cuda gemv: the plan fills the GPU on the decode shapes and keeps lanes busy") {
   const int sms = sm_count();
   for (const Shape& s : kDecodeShapes) {

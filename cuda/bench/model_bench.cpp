@@ -100,6 +100,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   bool lookahead = fn::CudaModelOptions{}.decode_lookahead;
   bool qsa_mailbox = fn::CudaModelOptions{}.qsa_select_mailbox;
   bool qsa_overlap = fn::CudaModelOptions{}.qsa_overlap_in_proj;
+  bool gdn_overlap = fn::CudaModelOptions{}.gdn_overlap_z;
   uint32_t skip = 0;
   int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
   for (int i = 1; i < argc; ++i) {
@@ -148,6 +149,8 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       qsa_mailbox = std::stoi(next()) != 0;
     else if (a == "--qsa-overlap")  // CudaModelOptions::qsa_overlap_in_proj: 1 (default), 0 off
       qsa_overlap = std::stoi(next()) != 0;
+    else if (a == "--gdn-overlap")  // CudaModelOptions::gdn_overlap_z: 1 (default), 0 off
+      gdn_overlap = std::stoi(next()) != 0;
     else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
       empty_launches = std::stoi(next());
     else if (a == "--trace")
@@ -192,6 +195,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   o.decode_lookahead = lookahead;
   o.qsa_select_mailbox = qsa_mailbox;
   o.qsa_overlap_in_proj = qsa_overlap;
+  o.gdn_overlap_z = gdn_overlap;
   o.bench_skip = skip;
   o.bench_empty_launches = empty_launches;
   o.tp_rank = rank;

@@ -142,15 +142,19 @@ LatencyStats latency_stats(std::span<const double> ms) {
 void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size) {
   FN_REQUIRE(prompt_len > 0, Usage, "the prompt is empty (0 tokens): give at least one token");
   FN_REQUIRE(max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}", max_new_tokens);
-  // A prompt that leaves no room (prompt_len >= ctx_size) is bad input, as a batch record; a
-  // prompt with room that -n overruns is a flag mistake.
-  if (prompt_len + max_new_tokens > ctx_size)
-    detail::throw_error(
-        prompt_len < ctx_size ? ErrorKind::Usage : ErrorKind::Format, __FILE__, __LINE__,
-        fmt::format("the prompt ({} token{}) plus -n/--max-new-tokens ({}) is {} tokens, more "
-                    "than the context size -c/--ctx-size {}",
-                    prompt_len, prompt_len == 1 ? "" : "s", max_new_tokens,
-                    prompt_len + max_new_tokens, ctx_size));
+  // A prompt that leaves no room (prompt_len >= ctx_size) is bad input, as a batch record: the
+  // message names the prompt alone, since no -n would help. A prompt with room that -n overruns
+  // is a flag mistake (usage).
+  FN_REQUIRE(prompt_len < ctx_size, Format,
+             "the prompt ({} token{}) {} the context size -c/--ctx-size {}: it leaves no room for "
+             "a generated token",
+             prompt_len, prompt_len == 1 ? "" : "s", prompt_len > ctx_size ? "exceeds" : "fills",
+             ctx_size);
+  FN_REQUIRE(prompt_len + max_new_tokens <= ctx_size, Usage,
+             "the prompt ({} token{}) plus -n/--max-new-tokens ({}) is {} tokens, more than the "
+             "context size -c/--ctx-size {}",
+             prompt_len, prompt_len == 1 ? "" : "s", max_new_tokens, prompt_len + max_new_tokens,
+             ctx_size);
 }
 
 std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t> prompt) {

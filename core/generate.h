@@ -82,7 +82,8 @@ struct GenerationResult {
 /// Throws fn::Error(Usage) unless 0 < prompt_len, max_new_tokens > 0 and prompt_len +
 /// max_new_tokens <= ctx_size, except that the last is fn::Error(Format) when the prompt alone
 /// leaves no room (prompt_len >= ctx_size: bad input, README "Exit codes"); the message names
-/// both numbers and the flags (-c/--ctx-size, -n/--max-new-tokens).
+/// the numbers and the flags (-c/--ctx-size, and -n/--max-new-tokens unless the prompt alone
+/// leaves no room).
 void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size);
 
 /// A backend's batched prefill (CudaModel::prefill): runs `tokens` at the next positions and

@@ -93,7 +93,8 @@ struct ExpectedTensor {
 /// per-expert U8/F8_E4M3/F32 tensors; unquantized ones the fused BF16 experts. The n-gram table
 /// is split_ngram_parts shards: FP8 (+ BF16 weight_scale [1]) when quant.ngram_fp8(cfg), BF16
 /// otherwise. Throws Format when the quantization marks a non-expert linear NVFP4, or leaves only
-/// some experts quantized (layouts fngen does not support).
+/// some experts quantized, or the config ties the embeddings (tie_word_embeddings; layouts fngen
+/// does not support).
 std::vector<ExpectedTensor> expected_tensors(const ModelConfig& cfg, const QuantConfig& quant);
 
 /// Why a checkpoint tensor is skipped.

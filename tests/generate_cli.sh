@@ -131,7 +131,7 @@ expect 3 "format error: the prompt (4 tokens) fills the context size -c/--ctx-si
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4 -c 4 -n -1
 expect 3 "format error: the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it leaves no room" -- \
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4,5 -c 4
-expect 3 "format error: the prompt (5 tokens) plus -n/--max-new-tokens (2) is 7 tokens, more than the context size -c/--ctx-size 4" -- \
+expect 3 "format error: the prompt (5 tokens) exceeds the context size -c/--ctx-size 4: it leaves no room for a generated token" -- \
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3,4,5 -c 4 -n 2
 no_abort "a prompt over the context" "format error"
 # The same prompt as the only record of a batch: the same message in its error record, exit 3.

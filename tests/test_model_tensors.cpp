@@ -223,6 +223,13 @@ TEST_CASE("model tensors: a quantization that makes a non-expert linear NVFP4 is
                        fn::Error);
 }
 
+TEST_CASE("model tensors: a config with tied embeddings is rejected, not run untied") {
+  Model m = load(kReal);
+  m.cfg.tie_word_embeddings = true;
+  CHECK_THROWS_WITH_AS(fn::expected_tensors(m.cfg, m.quant),
+                       doctest::Contains("tie_word_embeddings = true"), fn::Error);
+}
+
 TEST_CASE("model tensors: vision and MTP tensors are skipped, text tensors are not") {
   CHECK(fn::skipped_tensor("model.visual.blocks.0.attn.qkv.weight") == fn::SkipReason::Vision);
   CHECK(fn::skipped_tensor("mtp.fc_hidden.weight") == fn::SkipReason::Mtp);

@@ -367,6 +367,16 @@ TEST_CASE("config: every invalid config is rejected with a message naming the fi
     t["eos_token_id"] = 248320;
     want = "text_config.eos_token_id must be in [0, vocab_size = 248320), got 248320";
   }
+  SUBCASE("bos_token_id and pad_token_id outside the vocabulary") {
+    SUBCASE("bos") {
+      t["bos_token_id"] = -5;
+      want = "text_config.bos_token_id must be in [0, vocab_size = 248320), got -5";
+    }
+    SUBCASE("pad") {
+      t["pad_token_id"] = 248320;
+      want = "text_config.pad_token_id must be in [0, vocab_size = 248320), got 248320";
+    }
+  }
   SUBCASE("split_ngram_parts not dividing the table") {
     t["split_ngram_parts"] = 100;
     want = "text_config.split_ngram_parts (100) must divide the n-gram table rows (320001536)";

@@ -67,19 +67,15 @@ int64_t new_tokens_for(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
 // names the flag as the user gave it.
 void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
   FN_REQUIRE(n_prompt > 0, Usage, "the prompt is empty (0 tokens): give at least one token");
-  const char* fills = n_prompt > ctx ? "exceeds" : "fills";
-  if (max_new_tokens == 0) {
-    FN_REQUIRE(n_prompt < ctx, Format,
-               "the prompt ({} token{}) {} the context size -c/--ctx-size {}: it leaves no "
-               "room for a generated token",
-               n_prompt, n_prompt == 1 ? "" : "s", fills, ctx);
+  if (max_new_tokens == 0) {  // the default: room for one token (check_context's own message)
+    check_context(n_prompt, 1, ctx);
     return;
   }
   if (max_new_tokens < 0) {
     FN_REQUIRE(n_prompt < ctx, Format,
                "the prompt ({} token{}) {} the context size -c/--ctx-size {}: "
                "-n/--max-new-tokens -1 (until the context is full) leaves no room for a token",
-               n_prompt, n_prompt == 1 ? "" : "s", fills, ctx);
+               n_prompt, n_prompt == 1 ? "" : "s", n_prompt > ctx ? "exceeds" : "fills", ctx);
     max_new_tokens = ctx - n_prompt;
   }
   check_context(n_prompt, max_new_tokens, ctx);

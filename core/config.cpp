@@ -352,17 +352,14 @@ void validate(const Fields& f, ModelConfig& c) {
                  f.name("split_ngram_parts"), c.split_ngram_parts, rows);
     }
   }
-  for (std::size_t i = 0; i < c.eos_token_id.size(); ++i) {
-    FN_CONFIG_RULE(c.eos_token_id[i] >= 0 && c.eos_token_id[i] < c.vocab_size, f, "eos_token_id",
-                   fmt::format("in [0, vocab_size = {})", c.vocab_size), c.eos_token_id[i]);
-  }
-  // bos and pad (null allowed) are token ids like eos: checked the same way.
-  if (c.bos_token_id)
-    FN_CONFIG_RULE(*c.bos_token_id >= 0 && *c.bos_token_id < c.vocab_size, f, "bos_token_id",
-                   fmt::format("in [0, vocab_size = {})", c.vocab_size), *c.bos_token_id);
-  if (c.pad_token_id)
-    FN_CONFIG_RULE(*c.pad_token_id >= 0 && *c.pad_token_id < c.vocab_size, f, "pad_token_id",
-                   fmt::format("in [0, vocab_size = {})", c.vocab_size), *c.pad_token_id);
+  // Token ids (eos, and bos and pad when not null) lie in the vocabulary.
+  const auto token_id = [&](const char* field, int64_t id) {
+    FN_CONFIG_RULE(id >= 0 && id < c.vocab_size, f, field,
+                   fmt::format("in [0, vocab_size = {})", c.vocab_size), id);
+  };
+  for (int64_t id : c.eos_token_id) token_id("eos_token_id", id);
+  if (c.bos_token_id) token_id("bos_token_id", *c.bos_token_id);
+  if (c.pad_token_id) token_id("pad_token_id", *c.pad_token_id);
   if (c.ple_embedding_dtype) {
     FN_REQUIRE(*c.ple_embedding_dtype == "float8_e4m3fn" || *c.ple_embedding_dtype == "bfloat16",
                Format, "{}: {} must be \"float8_e4m3fn\" or \"bfloat16\", got \"{}\"", f.source(),

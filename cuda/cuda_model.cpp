@@ -878,12 +878,11 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
       DevQsa& a = L.attn;
       // The projection inside the QSA launcher, beside the select (qsa_overlap_in_proj), or as
       // one GEMV before it.
-      const bool overlap = qsa_overlap;
-      if (on(StepLaunch::InProj) && !overlap)
+      if (on(StepLaunch::InProj) && !qsa_overlap)
         launch_gemv_bf16(a.in_proj, a.in_rows, D, m, DType::F32, proj, DType::F32, s);
       QsaDecodeParams q = qsa_layer(c, o, a);
       q.proj = proj;
-      if (overlap) {
+      if (qsa_overlap) {
         q.in_proj = a.in_proj;
         q.x = m;
         q.hidden = D;

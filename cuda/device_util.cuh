@@ -138,9 +138,20 @@ __device__ __forceinline__ void team_reduce(float (&acc)[kN], int team, int lane
 // top-k (cuda/moe_device.cuh), the QSA select (cuda/qsa.cu).
 constexpr uint32_t kMailEmpty = 0xffffffffu;
 
+/// A 32-bit word of global memory stored / loaded relaxed at gpu scope: the accesses of the
+/// mailbox slots, the done flags and the join words below.
+__device__ __forceinline__ void st_relaxed_u32(void* p, uint32_t bits) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(bits) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_relaxed_u32(const void* p) {
+  uint32_t b;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(p) : "memory");
+  return b;
+}
+
 /// Stores `bits` into a mailbox slot (relaxed, gpu scope).
 __device__ __forceinline__ void mail_store(float* slot, uint32_t bits) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(slot), "r"(bits) : "memory");
+  st_relaxed_u32(slot, bits);
 }
 
 /// Posts v; a v whose bits are kMailEmpty (a NaN) is posted as `empty_as` instead.
@@ -151,9 +162,7 @@ __device__ __forceinline__ void mail_post(float* slot, float v, uint32_t empty_a
 
 /// The slot's bits now (relaxed, gpu scope): kMailEmpty until posted.
 __device__ __forceinline__ uint32_t mail_peek(const float* slot) {
-  uint32_t b;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(slot) : "memory");
-  return b;
+  return ld_relaxed_u32(slot);
 }
 
 /// The slot's value, read until posted. The poster must be resident or done, else this spins
@@ -174,17 +183,15 @@ __device__ __forceinline__ float mail_wait(const float* slot) {
 /// sets *flag = 1 (relaxed, gpu scope). One thread.
 __device__ __forceinline__ void flag_publish(int* flag) {
   __threadfence();
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(1u) : "memory");
+  st_relaxed_u32(flag, 1u);
 }
 
 /// Reads *flag until it is 1, then fences so that this thread's later reads (and those the
 /// caller's barrier orders after it) see what the publisher wrote before flag_publish. The
 /// publisher must be resident or done, else this spins forever. One thread.
 __device__ __forceinline__ void flag_wait(const int* flag) {
-  uint32_t b;
-  do {
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(flag) : "memory");
-  } while (b != 1u);
+  while (ld_relaxed_u32(flag) != 1u) {
+  }
   __threadfence();
 }
 
@@ -206,10 +213,8 @@ __device__ __forceinline__ void join_signal(unsigned* word) {
 /// `readers` readers resets the word. One thread per reader CTA. The writers must be resident or
 /// done, else this spins forever.
 __device__ __forceinline__ void join_wait(unsigned* word, unsigned signals, unsigned readers) {
-  uint32_t b;
-  do {
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(b) : "l"(word) : "memory");
-  } while ((b & 0xffffu) != signals);
+  while ((ld_relaxed_u32(word) & 0xffffu) != signals) {
+  }
   __threadfence();
   if ((atomicAdd(word, 0x10000u) >> 16) == readers - 1) atomicExch(word, 0u);
 }

@@ -537,7 +537,6 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
     // Both parts at the team width of one GEMV over all rows: a row's sum depends only on it
     // (cuda/gemv_bf16.cuh), so the same bits as launch_gemv_bf16 over the stacked matrix.
     const GemvBf16Plan whole = plan_gemv_bf16(rows, p.hidden, detail::current_sm_count());
-    const int64_t per_block = whole.rows_per_team * (256 / whole.team_threads);
     GemvBf16Params g;
     g.weight = p.in_proj;
     g.rows = rows - zrows;
@@ -549,17 +548,16 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
     g.y_dtype = DType::F32;
     g.skip_at = conv_dim;
     g.skip = zrows;
-    g.plan = {whole.rows_per_team, whole.team_threads, (g.rows + per_block - 1) / per_block};
+    g.plan = plan_gemv_bf16_part(whole, g.rows, whole.rows_per_team);
     g.done_word = p.join;
     GemvBf16Params z = g;
     z.weight = p.in_proj + int64_t{conv_dim} * p.hidden;
     z.rows = zrows;
     z.y = p.proj + conv_dim;
     z.skip_at = z.skip = 0;
-    z.plan.blocks = (zrows + per_block - 1) / per_block;
+    z.plan = plan_gemv_bf16_part(whole, zrows, whole.rows_per_team);
     z.no_pdl_wait = true;  // x was complete before the rows above were let start
     z.done_word = p.join + 1;
-    FN_LAUNCH_REQUIRE(g.plan.blocks <= 0xffff && z.plan.blocks <= 0xffff, kOp);
     launch_gemv_bf16(g, stream);
     launch_gemv_bf16(z, stream);
     a.aword = p.join;

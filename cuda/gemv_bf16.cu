@@ -44,10 +44,8 @@ struct GemvXStagedF32 {
     __syncthreads();
   }
   __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
-    const float4 a = reinterpret_cast<const float4*>(s)[2 * v];
-    const float4 b = reinterpret_cast<const float4*>(s)[2 * v + 1];
-    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
-    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+    const float4* s4 = reinterpret_cast<const float4*>(s);
+    dev::unpack8(s4[2 * v], s4[2 * v + 1], xf);
   }
 };
 
@@ -150,6 +148,10 @@ GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count) {
     if (plan.blocks >= target) break;
   }
   return plan;
+}
+
+GemvBf16Plan plan_gemv_bf16_part(const GemvBf16Plan& whole, int64_t rows, int rows_per_team) {
+  return {rows_per_team, whole.team_threads, blocks_for(rows, rows_per_team, whole.team_threads)};
 }
 
 void launch_gemv_bf16(const GemvBf16Params& p, cudaStream_t stream) {

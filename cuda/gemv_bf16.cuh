@@ -30,6 +30,12 @@ __device__ __forceinline__ int64_t gemv_row(const GemvRows& a, int64_t r) {
   return a.skip > 0 && r >= a.skip_at ? r + a.skip : r;
 }
 
+/// xf = the eight floats of a, then b (an x source's 16-byte vector pair).
+__device__ __forceinline__ void unpack8(float4 a, float4 b, float (&xf)[8]) {
+  xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
+  xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+}
+
 /// x read from global memory, FP32 (kXF32) or BF16 bits: eight values of 16-byte vector v
 /// (columns 8v .. 8v+7) as floats. prepare() is a no-op.
 template <bool kXF32>
@@ -39,9 +45,7 @@ struct GemvXGlobal {
   __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
     if constexpr (kXF32) {
       const float4* p = static_cast<const float4*>(x) + 2 * v;
-      const float4 a = __ldg(p), b = __ldg(p + 1);
-      xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
-      xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+      unpack8(__ldg(p), __ldg(p + 1), xf);
     } else {
       const uint4 u = ld_cached16(static_cast<const uint4*>(x) + v);
       xf[0] = bf16_lo(u.x), xf[1] = bf16_hi(u.x);

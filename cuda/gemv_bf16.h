@@ -56,6 +56,12 @@ struct GemvBf16Params {
 /// least 2 * sm_count blocks where the shape allows. Pure host arithmetic; deterministic.
 GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count);
 
+/// The plan for `rows` rows of a matrix whose GEMV over all rows plans as `whole`: the same team
+/// width (so each row gets the bits it gets in the whole's launch: a row's sum depends only on
+/// the team width, cuda/gemv_bf16.cuh) and `rows_per_team` (1, 2 or 4) rows per team. Used where
+/// a matrix's rows are split over launches (the QSA and GDN projections). Pure host arithmetic.
+GemvBf16Plan plan_gemv_bf16_part(const GemvBf16Plan& whole, int64_t rows, int rows_per_team);
+
 /// y = W x on `stream` (MODEL.md §C: every BF16 linear of the decode step). Each y[r] is
 /// sum_c W[r, c] * x[c] in FP32: every lane sums its columns in ascending order, then the lanes of
 /// a team are combined in a fixed butterfly/tree order, so results are bitwise reproducible.

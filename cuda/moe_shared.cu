@@ -117,10 +117,8 @@ struct SwigluXShared {
     __syncthreads();
   }
   __device__ __forceinline__ void load8(int v, float (&xf)[8]) const {
-    const float4 a = reinterpret_cast<const float4*>(h)[2 * v];
-    const float4 b = reinterpret_cast<const float4*>(h)[2 * v + 1];
-    xf[0] = a.x, xf[1] = a.y, xf[2] = a.z, xf[3] = a.w;
-    xf[4] = b.x, xf[5] = b.y, xf[6] = b.z, xf[7] = b.w;
+    const float4* h4 = reinterpret_cast<const float4*>(h);
+    dev::unpack8(h4[2 * v], h4[2 * v + 1], xf);
   }
 };
 

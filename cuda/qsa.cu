@@ -63,7 +63,6 @@ struct Args {
   bool skip_select;   // QsaDecodeParams::bench_skip_select
   bool mailbox;       // QsaDecodeParams::select_mailbox (four-launch path)
   int role0;          // qsa_prep_early_kernel: the role of CTA 0 (a part of the roles)
-  bool prep_resets;   // qsa_prep_early_kernel: empties the mailbox, zeroes ticket and flag
   int* select_done;   // the select's done flag (overlapped projection), else nullptr
 };
 
@@ -146,18 +145,17 @@ __global__ void __launch_bounds__(kThreads) qsa_scores_kernel(Args a) {
   }
 }
 
-// top_k + qsa_selected_tokens' block part: k = min(topk, B) blocks, higher score first, equal
-// scores -> lower index, written ascending. Radix select (4 passes of 8 bits) finds the k-th key
-// T; every key > T is selected plus the lowest-indexed (k - #greater) keys equal to T.
-__global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
-  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+// The select's work before the top-k itself, shared by both selects (qsa_select_kernel and the
+// scores launch's select CTA): the counters ({0, 0, 0, 0} for a t outside the cache), then every
+// complete block when at most k are (dense attention) or a forced choice (tests). Returns the k
+// the top-k select must still pick, 0 when nothing is left to do. Every thread of the CTA calls
+// it with B = (t + 1) / ratio.
+__device__ __forceinline__ int select_prologue(const Args& a, int64_t t, int B) {
   const int tid = threadIdx.x;
-  const int64_t t = *a.position;
   if (!valid_t(t, a.ctx)) {
     if (tid < 4) a.counters[tid] = 0;
-    return;
+    return 0;
   }
-  const int B = static_cast<int>((t + 1) / a.ratio);
   const int k = min(a.topk, B);
   const int tail = static_cast<int>(t + 1 - int64_t{B} * a.ratio);
   if (tid == 0) {
@@ -168,13 +166,24 @@ __global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
   }
   if (k == B) {  // every complete block is selected (dense attention)
     for (int i = tid; i < B; i += kSelectThreads) a.selected[i] = i;
-    return;
+    return 0;
   }
   if (a.forced != nullptr) {  // tests: a reference's choice replayed
     for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
-    return;
+    return 0;
   }
-  qsa_dev::select_top_blocks(a.scores, B, k, a.selected);
+  return k;
+}
+
+// top_k + qsa_selected_tokens' block part: k = min(topk, B) blocks, higher score first, equal
+// scores -> lower index, written ascending. Radix select (4 passes of 8 bits) finds the k-th key
+// T; every key > T is selected plus the lowest-indexed (k - #greater) keys equal to T.
+__global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/pdl.cuh)
+  const int64_t t = *a.position;
+  const int B = valid_t(t, a.ctx) ? static_cast<int>((t + 1) / a.ratio) : 0;
+  const int k = select_prologue(a, t, B);
+  if (k > 0) qsa_dev::select_top_blocks(a.scores, B, k, a.selected);
 }
 
 // Lane `lane`'s share of the query heads' dot products with one K row (BF16 pairs k_row):
@@ -508,11 +517,14 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
     for (int i = 0; i + 1 < a.ratio; ++i) acc += a.raw_keys[(b * a.ratio + i) * a.ihd + tid];
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  if (a.prep_resets && blockIdx.x == 0 && tid == 0) {
+  // The launch that holds the indexer's roles (all roles, or the indexer's part beside the
+  // overlapped projection) readies the scores launch: its ticket, its done flag, its mailbox.
+  const bool indexer_part = a.role0 + static_cast<int>(gridDim.x) > a.hq + a.hkv;
+  if (indexer_part && blockIdx.x == 0 && tid == 0) {
     *a.ticket = 0;
     if (a.select_done != nullptr) *a.select_done = 0;
   }
-  if (a.prep_resets && a.mailbox) {  // the scores launch's mailbox slots [0, B) emptied
+  if (indexer_part && a.mailbox) {  // the scores launch's mailbox slots [0, B) emptied
     const int64_t nb = ok ? (t + 1) / a.ratio : 0;
     for (int64_t i = int64_t{blockIdx.x} * kThreads + tid; i < nb;
          i += int64_t{gridDim.x} * kThreads)
@@ -549,40 +561,6 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
     qsa_dev::norm_rope_cs(xv, wv, n, a.eps, a.rot, c, s, y, red);
     if (tid < a.ihd) a.block_keys[b * a.ihd + tid] = y[tid];
   }
-}
-
-// The select CTA's work after every score is in: the counters, then the selected blocks (all,
-// the forced ones, or the top-k select of qsa_dev::select_top_blocks_cg). Every thread of the
-// CTA calls it; each return is uniform over the CTA.
-__device__ __forceinline__ void select_blocks(const Args& a, int64_t t, bool ok, int64_t B,
-                                              uint32_t* buf) {
-  const int tid = threadIdx.x;
-  if (!ok) {
-    if (tid < 4) a.counters[tid] = 0;
-    return;
-  }
-  const int Bi = static_cast<int>(B);
-  const int k = min(a.topk, Bi);
-  const int tail = static_cast<int>(t + 1 - int64_t{Bi} * a.ratio);
-  if (tid == 0) {
-    a.counters[0] = k;
-    a.counters[1] = Bi;
-    a.counters[2] = k * a.ratio + tail;
-    a.counters[3] = 0;
-  }
-  if (k == Bi) {
-    for (int i = tid; i < Bi; i += kSelectThreads) a.selected[i] = i;
-    return;
-  }
-  if (a.forced != nullptr) {
-    for (int i = tid; i < k; i += kSelectThreads) a.selected[i] = a.forced[i];
-    return;
-  }
-  if (a.skip_select) return;
-  if (a.mailbox)
-    qsa_dev::select_top_blocks_cg<true>(a.scores, Bi, k, a.selected, buf);
-  else
-    qsa_dev::select_top_blocks_cg<false>(a.scores, Bi, k, a.selected, buf);
 }
 
 // indexer_scores (as qsa_scores_kernel, one warp per block, kSelectThreads per CTA) with each
@@ -643,7 +621,14 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
     __threadfence();
     if (tid == 0) *a.ticket = 0;
   }
-  select_blocks(a, t, ok, B, buf);
+  const int Bi = static_cast<int>(B);
+  const int k = select_prologue(a, t, Bi);
+  if (k > 0 && !a.skip_select) {
+    if (a.mailbox)
+      qsa_dev::select_top_blocks_cg<true>(a.scores, Bi, k, a.selected, buf);
+    else
+      qsa_dev::select_top_blocks_cg<false>(a.scores, Bi, k, a.selected, buf);
+  }
   if (a.select_done != nullptr) {  // the attention waits for this CTA's results
     __syncthreads();
     if (tid == 0) dev::flag_publish(a.select_done);
@@ -859,7 +844,6 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   a.skip_select = p.bench_skip_select;
   a.mailbox = p.select_mailbox && !p.five_launch_path;
   a.role0 = 0;
-  a.prep_resets = true;
   a.select_done = nullptr;
   const unsigned mask = p.launch_mask;
   const bool overlap = p.in_proj != nullptr;
@@ -915,7 +899,6 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     const int64_t idx_rows = int64_t{idx_roles} * p.indexer_head_dim;
     const GemvBf16Plan whole =
         plan_gemv_bf16(idx_off + idx_rows, p.hidden, detail::current_sm_count());
-    const int64_t teams = 256 / whole.team_threads;  // gemv_bf16.cu's 256-thread blocks
     g.weight = p.in_proj + idx_off * p.hidden;
     g.rows = idx_rows;
     g.cols = p.hidden;
@@ -924,13 +907,12 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     g.x_dtype = DType::F32;
     g.y = p.proj + idx_off;
     g.y_dtype = DType::F32;
-    g.plan = {1, whole.team_threads, (idx_rows + teams - 1) / teams};
+    g.plan = plan_gemv_bf16_part(whole, idx_rows, 1);
     launch_gemv_bf16(g, stream);
     g.weight = p.in_proj;
     g.rows = idx_off;
     g.y = p.proj;
-    const int64_t per_block = teams * whole.rows_per_team;
-    g.plan = {whole.rows_per_team, whole.team_threads, (idx_off + per_block - 1) / per_block};
+    g.plan = plan_gemv_bf16_part(whole, idx_off, whole.rows_per_team);
     g.no_pdl_wait = true;
   }
   if (mask & 1u) {
@@ -953,11 +935,9 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   }
   if (overlap) {
     launch_gemv_bf16(g, stream);  // beside the select: x was complete before the indexer's rows
-    if (mask & 1u) {
-      Args ah = a;
-      ah.prep_resets = false;
+    if (mask & 1u) {              // the query and KV heads' roles (role0 0)
       launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel, head_roles, kThreads, 0, stream,
-                 ah);
+                 a);
       FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
     }
   }

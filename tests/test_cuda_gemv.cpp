@@ -219,10 +219,8 @@ TEST_CASE("cuda gemv: the overlapped launch (no programmatic wait) gives the pla
     const auto want = run(p, DType::F32, DType::F32);
     const fn::GemvBf16Plan whole = fn::plan_gemv_bf16(p.s.rows, p.s.cols, sm_count());
     for (int r : {1, 2, 4}) {
-      const int64_t rows_per_block = int64_t(r) * (256 / whole.team_threads);
-      const fn::GemvBf16Plan plan{r, whole.team_threads,
-                                  (p.s.rows + rows_per_block - 1) / rows_per_block};
-      const auto got = run(p, DType::F32, DType::F32, plan, true);
+      const auto got =
+          run(p, DType::F32, DType::F32, fn::plan_gemv_bf16_part(whole, p.s.rows, r), true);
       CHECK_MESSAGE(std::memcmp(got.data(), want.data(), want.size() * 4) == 0, "rows ", p.s.rows,
                     " cols ", p.s.cols, " rows per team ", r);
     }
@@ -246,8 +244,7 @@ TEST_CASE("cuda gemv: rows left out (skip_at, skip) keep the other rows' bits an
   prm.skip_at = 400;
   prm.skip = 300;
   const auto whole = fn::plan_gemv_bf16(1000, 2560, sm_count());
-  const int64_t per_block = int64_t(whole.rows_per_team) * (256 / whole.team_threads);
-  prm.plan = {whole.rows_per_team, whole.team_threads, (prm.rows + per_block - 1) / per_block};
+  prm.plan = fn::plan_gemv_bf16_part(whole, prm.rows, whole.rows_per_team);
   fn::launch_gemv_bf16(prm, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got = y.download();
@@ -278,6 +275,11 @@ TEST_CASE("cuda gemv: the plan fills the GPU on the decode shapes and keeps lane
   CHECK(p.rows_per_team == 4);
   CHECK(p.team_threads == 32);
   CHECK(p.blocks == 320);
+  // A part of it keeps the team width: 640 rows at 1 row per team are 640 / 8 = 80 blocks.
+  const auto part = fn::plan_gemv_bf16_part(p, 640, 1);
+  CHECK(part.rows_per_team == 1);
+  CHECK(part.team_threads == 32);
+  CHECK(part.blocks == 80);
 }
 
 TEST_CASE("cuda gemv: the launcher rejects bad shapes, misalignment, dtypes and plans") {

@@ -18,11 +18,11 @@
 #ifdef FN_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
-#include "cuda/cuda_model.h"
+#include "cuda/model/cuda_model.h"
 #endif
 
 namespace fn {

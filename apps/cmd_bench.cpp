@@ -215,7 +215,7 @@ struct Breakdown {
 // rank: weights by tensor family; the GDN state and its conv ring to gdn, the KV and indexer
 // caches to qsa, the PLE conv ring and n-gram rows to ple, the embedding row to other; the
 // shared expert's gate/up rows to router (the fused decode step reads them in the router's launch,
-// cuda/moe_shared.h), its down rows and gate row to shared_expert. Activations and collectives
+// cuda/kernels/moe_shared.h), its down rows and gate row to shared_expert. Activations and collectives
 // count 0 (all_reduce).
 uint64_t family_bytes(const std::string& family, const TokenBytes& tb, const ModelConfig& cfg,
                       int tp) {

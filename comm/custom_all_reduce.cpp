@@ -7,7 +7,8 @@
 #include <cstring>
 #include <string_view>
 
-#include "comm/cuda_check.h"
+#include "comm/nccl_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
 #include "core/log.h"

@@ -28,7 +28,7 @@
 //   return without waiting; the host reports the error (CustomAllReduce::check_health).
 // - Grids never exceed the smallest multiprocessor count of the group, so every CTA of a call
 //   can be resident at once (a CTA waits only for its same-index peer CTAs).
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce_kernels.h"
 
 namespace fn::detail {

@@ -7,7 +7,8 @@
 #include <exception>
 
 #include "comm/abort_hooks.h"
-#include "comm/cuda_check.h"
+#include "comm/nccl_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/mpi_check.h"
 #include "comm/mpi_context.h"
 #include "core/log.h"

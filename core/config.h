@@ -24,7 +24,7 @@ enum class GateActivation { Sigmoid, Silu };
 
 /// The most routed experts a config may declare (validate refuses more): the CUDA router's top-k
 /// keeps every expert's score in shared memory, sized by this (dev::kMaxExperts,
-/// cuda/moe_device.cuh); the real model has 512.
+/// cuda/kernels/moe_device.cuh); the real model has 512.
 inline constexpr int64_t kMaxNumExperts = 1024;
 
 /// The text_config of a qwen4_exp checkpoint (MODEL.md §A.2), config.json names as member

@@ -16,7 +16,7 @@ uint64_t align256(uint64_t bytes) {
 }
 
 /// One piece of an aligned block: max(count, 1) elements of `size` bytes, rounded to 256 B (the
-/// Carver of cuda/cuda_model.cpp and the align256 of cuda/qsa.cu).
+/// Carver of cuda/model/cuda_model.cpp and the align256 of cuda/kernels/qsa.cu).
 uint64_t piece(int64_t count, uint64_t size) {
   return align256(static_cast<uint64_t>(std::max<int64_t>(count, 1)) * size);
 }
@@ -67,7 +67,7 @@ double gib(uint64_t bytes) {
 
 }  // namespace
 
-// The layout of qsa_workspace_layout (cuda/qsa.cu), recomputed without CUDA;
+// The layout of qsa_workspace_layout (cuda/kernels/qsa.cu), recomputed without CUDA;
 // tests/test_memory_plan_cuda.cpp compares the two where CUDA is built.
 uint64_t qsa_workspace_estimate(const ModelConfig& c, int tp, int64_t ctx) {
   FN_REQUIRE(ctx >= 1, Usage, "-c/--ctx-size must be >= 1, got {}", ctx);

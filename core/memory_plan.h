@@ -1,6 +1,6 @@
 // Per-rank device-memory plan of the CUDA backend: the bytes one TP rank's CudaModel allocates
 // for weights (by shard-plan family), the QSA KV and indexer caches, the GDN and PLE states and
-// an estimate of its activations/workspace, at a given context size. cuda/cuda_model.cpp
+// an estimate of its activations/workspace, at a given context size. cuda/model/cuda_model.cpp
 // (Impl::build) is the source of truth; this file mirrors its allocations on the CPU so that
 // `fngen inspect` can print the table and the CUDA model can refuse a context that does not fit
 // (require_fits with cudaMemGetInfo) before allocating anything. No CUDA here.
@@ -74,7 +74,7 @@ MemoryPlan plan_device_memory(const ModelConfig& cfg, const ShardPlan& plan, int
                               int64_t ctx_size);
 
 /// Bytes of one QSA layer's decode workspace at TP `tp_size` and `ctx_size` tokens: the layout
-/// of cuda/qsa.h's qsa_workspace_layout recomputed without CUDA (the same for every rank; q,
+/// of cuda/kernels/qsa.h's qsa_workspace_layout recomputed without CUDA (the same for every rank; q,
 /// indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; MODEL.md §C.6).
 /// Part of MemoryPlan::workspace. Throws Usage when ctx_size < 1.
 uint64_t qsa_workspace_estimate(const ModelConfig& cfg, int tp_size, int64_t ctx_size);

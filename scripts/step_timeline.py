@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Summarises a decode-step timeline (`cuda_model_bench --trace FILE.csv`, cuda/step_trace.h).
+"""Summarises a decode-step timeline (`cuda_model_bench --trace FILE.csv`, cuda/common/step_trace.h).
 
 Usage: /usr/bin/python3 scripts/step_timeline.py TRACE.csv --steps N [--step K] [--top 25]
 

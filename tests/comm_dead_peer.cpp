@@ -12,7 +12,7 @@
 #include <memory>
 #include <string>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_context.h"

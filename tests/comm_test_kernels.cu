@@ -1,4 +1,4 @@
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "tests/comm_test_kernels.h"
 
 namespace fn::test {

@@ -1,4 +1,4 @@
-# Decode-step helper kernels (cuda/decode_ops.h) and on-device sampling (cuda/sample.h) against
+# Decode-step helper kernels (cuda/kernels/decode_ops.h) and on-device sampling (cuda/kernels/sample.h) against
 # the CPU oracle (core/cpu_ops.h, core/sampler.h). Label gpu: the GPU machine only.
 if(TARGET fngen_cuda)
   # router_topk_reference.cu: the earlier router top-k block, the bitwise reference of the current.

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/mpi_check.h"
 #include "core/collectives.h"
 #include "core/cpu_model.h"
-#include "cuda/cuda_model.h"
+#include "cuda/model/cuda_model.h"
 #include "test_cpu_fixture.h"
 
 namespace fn::test {

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "core/codecs.h"
-#include "cuda/moe_nvfp4.h"
+#include "cuda/kernels/moe_nvfp4.h"
 
 namespace fn::test {
 
@@ -57,7 +57,7 @@ struct DeviceArray {
 };
 
 /// NVFP4 expert codes uploaded in the checkpoint's layout -> the decode layout the expert kernels
-/// read (Nvfp4Experts::packed, cuda/nvfp4_bits.h), in place; waits for the device.
+/// read (Nvfp4Experts::packed, cuda/common/nvfp4_bits.h), in place; waits for the device.
 inline void to_decode_layout(DeviceArray<uint8_t>& packed) {
   fn::nvfp4_codes_to_decode_layout(packed.ptr, static_cast<int64_t>(packed.n), nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());

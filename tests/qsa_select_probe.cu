@@ -1,9 +1,9 @@
 // Kernels of tests/qsa_select_probe.h: each runs one of the QSA block selects of
-// cuda/qsa_device.cuh as the decode and prefill kernels do (one 1024-thread CTA).
+// cuda/kernels/qsa_device.cuh as the decode and prefill kernels do (one 1024-thread CTA).
 #include <cuda_runtime.h>
 
-#include "comm/cuda_check.h"
-#include "cuda/qsa_device.cuh"
+#include "cuda/common/cuda_check.h"
+#include "cuda/kernels/qsa_device.cuh"
 #include "tests/qsa_select_probe.h"
 
 namespace fn::test {

@@ -1,4 +1,4 @@
-// Launchers of the two QSA top-k block selects of cuda/qsa_device.cuh on given scores, for the GPU
+// Launchers of the two QSA top-k block selects of cuda/kernels/qsa_device.cuh on given scores, for the GPU
 // tests (tests/qsa_select_probe.cu): the radix select of the prefill and five-launch paths
 // (qsa_dev::select_top_blocks), the reference, and the select of the decode step's scores launch
 // (qsa_dev::select_top_blocks_cg: warp-aggregated histogram atomics, keys in the caller's shared

@@ -8,7 +8,7 @@
 
 #include "core/config.h"
 #include "core/error.h"
-#include "cuda/real_shape.h"
+#include "cuda/common/real_shape.h"
 
 namespace {
 
@@ -114,7 +114,7 @@ TEST_CASE("config: the real Qwen3.8-Flash-Next config parses with the values of 
   CHECK(c.ple_embedding_dtype == "float8_e4m3fn");
 }
 
-TEST_CASE("config: the CUDA kernels' compile-time shape (cuda/real_shape.h) is the real config's") {
+TEST_CASE("config: the CUDA kernels' compile-time shape (cuda/common/real_shape.h) is the real config's") {
   const fn::ModelConfig c = fn::load_model_config(kReal);
   CHECK(c.hidden_size == fn::real_shape::kHidden);
   CHECK(c.hc_lowrank == fn::real_shape::kHcRank);

@@ -1,4 +1,4 @@
-// GPU tests of the small decode-step kernels (cuda/decode_ops.h) against the CPU oracle
+// GPU tests of the small decode-step kernels (cuda/kernels/decode_ops.h) against the CPU oracle
 // (core/cpu_ops.h: hc_inject, route_top_k, silu, sigmoid; core/codecs.h for BF16) and FP64
 // evaluations of MODEL.md §C.1, §C.3, §C.7, §C.8, on the real shapes (D 2560, E 512, k 10, shared
 // I 640 / 320 at TP=2, V 248320 split over TP=2) and the tiny fixtures' (D 64, E 8, k 3, I 32 /
@@ -16,8 +16,8 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/decode_ops.h"
-#include "cuda/pdl.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/common/pdl.h"
 #include "tests/cuda_test_util.h"
 #include "tests/router_topk_reference.h"
 

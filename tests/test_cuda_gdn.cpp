@@ -1,4 +1,4 @@
-// GPU tests of the Gated DeltaNet decode kernels (cuda/gdn.h): every step is checked against the
+// GPU tests of the Gated DeltaNet decode kernels (cuda/kernels/gdn.h): every step is checked against the
 // CPU ops chained as CpuModel::gdn_step does (cpu::causal_conv_step, cpu::gdn_gates,
 // cpu::gdn_recurrent_step, cpu::gated_rms_norm; MODEL.md §C.5 steps 2-7) fed the GPU's previous
 // states, with error bounds propagated in FP64 from the rounding steps of both implementations;
@@ -18,8 +18,8 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/gdn.h"
-#include "cuda/gemv_bf16.h"
+#include "cuda/kernels/gdn.h"
+#include "cuda/kernels/gemv_bf16.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

@@ -1,5 +1,5 @@
-// GPU tests of the Gated DeltaNet prefill kernels (cuda/gdn_prefill.h) against their definition:
-// M successive launch_gdn_decode calls (cuda/gdn.h, itself checked against the CPU ops in
+// GPU tests of the Gated DeltaNet prefill kernels (cuda/kernels/gdn_prefill.h) against their definition:
+// M successive launch_gdn_decode calls (cuda/kernels/gdn.h, itself checked against the CPU ops in
 // test_cuda_gdn.cpp) on copies of the same inputs, from a non-zero initial state and conv state.
 // Compared: the conv state (bitwise: pure data movement), the FP32 state (within 1e-5 of its
 // largest magnitude), the BF16 outputs (one BF16 ulp of the element plus 1e-5 of the largest
@@ -18,8 +18,8 @@
 
 #include "core/codecs.h"
 #include "core/error.h"
-#include "cuda/gdn.h"
-#include "cuda/gdn_prefill.h"
+#include "cuda/kernels/gdn.h"
+#include "cuda/kernels/gdn_prefill.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// GPU tests of launch_gemv_bf16 (cuda/gemv_bf16.h) against host references: exact integer sums
+// GPU tests of launch_gemv_bf16 (cuda/kernels/gemv_bf16.h) against host references: exact integer sums
 // on every decode shape, random values within the FP32 summation bound, every variant (rows per
 // team x team width x dtypes), the overlapped launch (no programmatic wait) bitwise equal to the
 // plain one, and the launcher's precondition checks.
@@ -12,7 +12,7 @@
 
 #include "core/codecs.h"
 #include "core/error.h"
-#include "cuda/gemv_bf16.h"
+#include "cuda/kernels/gemv_bf16.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -228,7 +228,7 @@ TEST_CASE("cuda gemv: the overlapped launch (no programmatic wait) gives the pla
 }
 
 TEST_CASE("cuda gemv: rows left out (skip_at, skip) keep the other rows' bits and stay unwritten") {
-  // The GDN launcher computes its projection's rows but z this way (cuda/gdn.h).
+  // The GDN launcher computes its projection's rows but z this way (cuda/kernels/gdn.h).
   const Problem p = make_problem({1000, 2560, 2560}, false, false, 600);
   const auto want = run(p, DType::F32, DType::F32);
   DeviceArray<uint16_t> w(p.w);

@@ -1,4 +1,4 @@
-// GPU tests of the HC read (cuda/hc.h): the split-K down pass (partial dots against H * (1 + w)
+// GPU tests of the HC read (cuda/kernels/hc.h): the split-K down pass (partial dots against H * (1 + w)
 // and partial sums of H^2 per group-aligned chunk), the mix (the group norm scales from the
 // partial squares, t, m FP32 and its BF16 copy, iota), and the two chained against an FP64
 // evaluation of MODEL.md §C.2 and §C.3, with error bounds derived from the kernels' FP32 rounding
@@ -15,8 +15,8 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/decode_ops.h"
-#include "cuda/hc.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/hc.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -38,7 +38,7 @@ std::vector<float> widen(const std::vector<uint16_t>& b) {
   return f;
 }
 
-constexpr int64_t kChunk = 1280;  // columns per chunk of the down pass (cuda/hc.h)
+constexpr int64_t kChunk = 1280;  // columns per chunk of the down pass (cuda/kernels/hc.h)
 
 // The columns [first, last) of chunk p for groups of `hidden` columns.
 void chunk_cols(int64_t p, int64_t hidden, int64_t* first, int64_t* last) {

@@ -1,4 +1,4 @@
-// CudaModel (cuda/cuda_model.h) against the transformers FP32 reference fixtures, teacher-forced
+// CudaModel (cuda/model/cuda_model.h) against the transformers FP32 reference fixtures, teacher-forced
 // (issue 6 acceptance): on the GPU machine with mpirun -np 2 (one GPU per rank) every fixture at
 // TP=1 (each rank alone) and TP = world size (2, or 4 on a 4-GPU machine); max |logit - ref| <=
 // 2e-2 * max |ref| at every row; argmax equal to the reference's wherever the reference's top-1
@@ -17,7 +17,7 @@
 
 #include <fmt/format.h>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
@@ -27,7 +27,7 @@
 #include "core/collectives.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
-#include "cuda/cuda_model.h"
+#include "cuda/model/cuda_model.h"
 #include "cuda_model_check.h"
 #include "test_cpu_fixture.h"
 

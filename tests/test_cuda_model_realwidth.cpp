@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"

@@ -1,4 +1,4 @@
-// GPU tests of the NVFP4 routed-expert kernels (cuda/moe_nvfp4.h): the FP32-FMA kernels (mma =
+// GPU tests of the NVFP4 routed-expert kernels (cuda/kernels/moe_nvfp4.h): the FP32-FMA kernels (mma =
 // false, the default), the tensor-core kernels (mma = true) and, on sm_90+, the bulk-copy kernels
 // (bulk = true: every share and chunk shape, exact and bounded), against host references
 // built from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with
@@ -16,8 +16,8 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/moe_nvfp4.h"
-#include "cuda/nvfp4_bits.h"
+#include "cuda/kernels/moe_nvfp4.h"
+#include "cuda/common/nvfp4_bits.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -141,7 +141,7 @@ int down_depth(int top_k, int64_t inter, int team, bool mma) {
   return kMmaDepth * int(unit_codes(inter) / 4) + 1 + per_warp + 2 + team / 32;
 }
 
-// The bulk gate+up kernel (cuda/moe_nvfp4_bulk.cu): per chunk, warp and 128-column group one
+// The bulk gate+up kernel (cuda/kernels/moe_nvfp4_bulk.cu): per chunk, warp and 128-column group one
 // MMA chain (8 MMAs), the warp's groups added, then the 10 warps' partials in order, the global
 // scale.
 int bulk_gate_up_depth(int64_t cols) {

@@ -1,5 +1,5 @@
-// GPU tests of the batched routed experts (cuda/moe_prefill.h) against the decode kernels run
-// once per row (cuda/decode_ops.h launch_router_topk, cuda/moe_nvfp4.h gate+up and down): router
+// GPU tests of the batched routed experts (cuda/kernels/moe_prefill.h) against the decode kernels run
+// once per row (cuda/kernels/decode_ops.h launch_router_topk, cuda/kernels/moe_nvfp4.h gate+up and down): router
 // rows bitwise; h bitwise or one BF16 step apart (only where FP32 summation order moves a value
 // across a rounding boundary); y against decode's down kernel fed the same h, within FP32
 // accumulation-order error; the per-row path bitwise. FN_BENCH=1 adds the real-shape timings.
@@ -15,10 +15,10 @@
 
 #include "core/codecs.h"
 #include "core/error.h"
-#include "cuda/decode_ops.h"
-#include "cuda/moe_nvfp4.h"
-#include "cuda/moe_prefill.h"
-#include "cuda/weight_fill.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/moe_nvfp4.h"
+#include "cuda/kernels/moe_prefill.h"
+#include "cuda/kernels/weight_fill.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

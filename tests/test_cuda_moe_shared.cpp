@@ -1,4 +1,4 @@
-// GPU tests of the fused MoE shared-expert launches (cuda/moe_shared.h) against the unfused
+// GPU tests of the fused MoE shared-expert launches (cuda/kernels/moe_shared.h) against the unfused
 // launches they replace in the decode step (launch_gemv_bf16 x 2 + launch_router_topk;
 // launch_swiglu + launch_gemv_bf16 + launch_moe_combine): bitwise equal (memcmp), eager and
 // replayed in a CUDA graph (every launch leaves the router mailbox empty), on the real shapes
@@ -16,9 +16,9 @@
 #include "core/codecs.h"
 #include "core/dtype.h"
 #include "core/error.h"
-#include "cuda/decode_ops.h"
-#include "cuda/gemv_bf16.h"
-#include "cuda/moe_shared.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/gemv_bf16.h"
+#include "cuda/kernels/moe_shared.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

@@ -1,5 +1,5 @@
 // Host test (label cpu, no GPU) of the bit-level NVFP4 decoding the expert kernels use
-// (cuda/nvfp4_bits.h): every E2M1 code and every E4M3 byte against the core codecs (core/codecs.h,
+// (cuda/common/nvfp4_bits.h): every E2M1 code and every E4M3 byte against the core codecs (core/codecs.h,
 // table-driven), through the core FP16 decoder.
 #include <doctest/doctest.h>
 
@@ -9,7 +9,7 @@
 #include <random>
 
 #include "core/codecs.h"
-#include "cuda/nvfp4_bits.h"
+#include "cuda/common/nvfp4_bits.h"
 
 TEST_CASE("nvfp4 bits: both nibbles of every byte decode to the E2M1 value times 2^-14") {
   for (uint32_t b = 0; b < 256; ++b) {

@@ -1,4 +1,4 @@
-// GPU tests of programmatic dependent launch (cuda/pdl.h, cuda/pdl.cuh): a chain of decode-step
+// GPU tests of programmatic dependent launch (cuda/common/pdl.h, cuda/common/pdl.cuh): a chain of decode-step
 // kernels launched back to back in one stream (HC read: fused norm + down pass and mix, BF16 GEMVs
 // on the FP32 block input, GDN, router, NVFP4 experts on its BF16 copy, SwiGLU, combine, inject;
 // every step reads what the one before wrote, and the GDN state and H carry over from step to step)
@@ -13,15 +13,15 @@
 #include <string>
 #include <vector>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "core/error.h"
-#include "cuda/decode_ops.h"
-#include "cuda/gdn.h"
-#include "cuda/gemv_bf16.h"
-#include "cuda/hc.h"
-#include "cuda/moe_nvfp4.h"
-#include "cuda/pdl.h"
-#include "cuda/weight_fill.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/gdn.h"
+#include "cuda/kernels/gemv_bf16.h"
+#include "cuda/kernels/hc.h"
+#include "cuda/kernels/moe_nvfp4.h"
+#include "cuda/common/pdl.h"
+#include "cuda/kernels/weight_fill.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

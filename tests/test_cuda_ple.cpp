@@ -1,4 +1,4 @@
-// GPU tests of the PLE kernels (cuda/ple.h): the n-gram gather against fn::ngram_ids plus the
+// GPU tests of the PLE kernels (cuda/kernels/ple.h): the n-gram gather against fn::ngram_ids plus the
 // table rows (real constants and the tiny fixtures', rows held and not held, EOS contexts), the
 // context shift, and ple_apply against fn::cpu::ple_apply and an FP64 evaluation of MODEL.md §C.4
 // steps 2-8 over consecutive steps (dilated conv state carried) with error bounds derived from the
@@ -17,7 +17,7 @@
 #include "core/cpu_ops.h"
 #include "core/error.h"
 #include "core/ngram.h"
-#include "cuda/ple.h"
+#include "cuda/kernels/ple.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -351,7 +351,7 @@ TEST_CASE("cuda ple: the gather launcher rejects inconsistent constants") {
 
 namespace {
 
-constexpr int kApplyThreads = 1024;  // cuda/ple.cu's block size (sets the summation depth)
+constexpr int kApplyThreads = 1024;  // cuda/kernels/ple.cu's block size (sets the summation depth)
 
 double gamma_h(int h) {
   return fn::test::gamma_fp32(h);
@@ -393,7 +393,7 @@ PleCase make_case(int S, int64_t P, uint64_t seed) {
 }
 
 // FP64 evaluation of steps 2-8 for one step plus the bound of the kernel's deviation from it
-// (first-order propagation of every FP32 rounding of cuda/ple.cu; the CPU op rounds no more
+// (first-order propagation of every FP32 rounding of cuda/kernels/ple.cu; the CPU op rounds no more
 // often). state/state_bound: [S*P, L] the exact Nc history and the bound of the kernel's copy.
 struct ExactPle {
   std::vector<double> state, state_bound;

@@ -1,4 +1,4 @@
-// GPU tests of the batched-prefill PLE kernels (cuda/ple.h *_rows): for M tokens the row gather,
+// GPU tests of the batched-prefill PLE kernels (cuda/kernels/ple.h *_rows): for M tokens the row gather,
 // the context shift and ple_apply_rows against M successive decode launches (launch_ngram_gather +
 // launch_ngram_context_advance, launch_ple_apply) on an identical copy of the state, from the reset
 // state and from a populated one, at the tiny fixture's and the real shapes; the gather's ids also
@@ -18,7 +18,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/ngram.h"
-#include "cuda/ple.h"
+#include "cuda/kernels/ple.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

@@ -20,14 +20,14 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "comm/cuda_check.h"
+#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
 #include "core/config.h"
 #include "core/error.h"
-#include "cuda/cuda_model.h"
+#include "cuda/model/cuda_model.h"
 #include "cuda_model_check.h"
 #include "test_cpu_fixture.h"
 

@@ -1,4 +1,4 @@
-// GPU tests of the QSA decode kernels (cuda/qsa.h) against the CPU ops that CpuModel::qsa_step
+// GPU tests of the QSA decode kernels (cuda/kernels/qsa.h) against the CPU ops that CpuModel::qsa_step
 // chains (core/cpu_ops.h: rms_norm_1p, rope_neox, indexer_block_key, indexer_scores,
 // qsa_selected_tokens, gqa_attention, sigmoid_gate_mul), on the tiny fixture shapes at TP=1/2/4
 // over positions 0..40 and on the real shapes (MODEL.md §A.3) with caches prefilled up to 39999;
@@ -27,8 +27,8 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/gemv_bf16.h"
-#include "cuda/qsa.h"
+#include "cuda/kernels/gemv_bf16.h"
+#include "cuda/kernels/qsa.h"
 #include "tests/cuda_test_util.h"
 #include "tests/qsa_select_probe.h"
 

@@ -1,5 +1,5 @@
-// GPU tests of the QSA prefill (cuda/qsa_prefill.h) against M successive QSA decode steps
-// (cuda/qsa.h, itself checked against the CPU ops in test_cuda_qsa.cpp) on an identical copy of
+// GPU tests of the QSA prefill (cuda/kernels/qsa_prefill.h) against M successive QSA decode steps
+// (cuda/kernels/qsa.h, itself checked against the CPU ops in test_cuda_qsa.cpp) on an identical copy of
 // the caches: tiny shapes at TP=1/2/4 from position 0 and from a cache populated by 13 decode
 // steps, M in {1, 2, 3, 4, 5, 17, 63, 64, 65}, with automatic and forced small row groups; the
 // real head sizes (hd 256, ihd 128) over 300 tokens with block_topk 8; launcher checks; a bench
@@ -7,7 +7,7 @@
 // (selected_log, counters_log) row by row with decode's workspace after the step at that position.
 //
 // Every case runs both attention variants. Caches and choice logs: bitwise equal to decode's in
-// both. Outputs: kDecodeChunks runs decode's device code (cuda/qsa_device.cuh) and decode's
+// both. Outputs: kDecodeChunks runs decode's device code (cuda/kernels/qsa_device.cuh) and decode's
 // attention operation sequence with decode's chunking, so every output row must be bitwise what
 // the decode steps wrote. kFused computes the same softmax(q.k) v in another FP32 summation order
 // (online softmax over 64-token tiles, the dot products summed in four quarters), so its FP32
@@ -29,8 +29,8 @@
 
 #include "core/codecs.h"
 #include "core/error.h"
-#include "cuda/qsa.h"
-#include "cuda/qsa_prefill.h"
+#include "cuda/kernels/qsa.h"
+#include "cuda/kernels/qsa_prefill.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// GPU tests of on-device greedy choice and sampling (cuda/sample.h) against the host sampler
+// GPU tests of on-device greedy choice and sampling (cuda/kernels/sample.h) against the host sampler
 // (core/sampler.h): greedy = fn::argmax_lowest on the real vocabulary (248320) with planted ties;
 // the kept candidate set after top-k/top-p/min-p equal to fn::Sampler's; sampled frequencies
 // against the host sampler's filtered probabilities (chi-square at a fixed significance);
@@ -17,7 +17,7 @@
 
 #include "core/error.h"
 #include "core/sampler.h"
-#include "cuda/sample.h"
+#include "cuda/kernels/sample.h"
 #include "tests/cuda_test_util.h"
 
 namespace {

@@ -1,5 +1,5 @@
 // core/memory_plan's QSA workspace estimate (recomputed without CUDA) against the workspace the
-// CUDA launcher really asks for (cuda/qsa.h qsa_decode_workspace_bytes, a pure host function: no
+// CUDA launcher really asks for (cuda/kernels/qsa.h qsa_decode_workspace_bytes, a pure host function: no
 // GPU needed), for every rank of the real geometry at TP 1, 2, 4 and 8.
 #include <doctest/doctest.h>
 
@@ -7,7 +7,7 @@
 
 #include "core/config.h"
 #include "core/memory_plan.h"
-#include "cuda/qsa.h"
+#include "cuda/kernels/qsa.h"
 
 TEST_CASE(
     "memory plan: the QSA workspace estimate equals qsa_decode_workspace_bytes on every "
@@ -20,7 +20,7 @@ TEST_CASE(
         CAPTURE(tp);
         CAPTURE(r);
         CAPTURE(t);
-        // The launch shape of cuda/cuda_model.cpp's qsa_shape for this rank.
+        // The launch shape of cuda/model/cuda_model.cpp's qsa_shape for this rank.
         const int64_t hkv = c.num_key_value_heads, hq_l = c.num_attention_heads / tp;
         const int64_t hkv_l = tp <= hkv ? hkv / tp : 1;
         fn::QsaDecodeParams q;

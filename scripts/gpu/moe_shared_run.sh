@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the fused MoE shared-expert launches (cuda/moe_shared.h, issue 8):
+# One GPU-machine call for the fused MoE shared-expert launches (cuda/kernels/moe_shared.h, issue 8):
 # build, the gpu tests of the fused kernels and of the kernels whose device code they share
 # (gemv, decode ops), compute-sanitizer memcheck and racecheck on test_cuda_moe_shared, and
 # cuda_kernel_bench --moe-shared-only (fused vs unfused, µs). Logs go to $OUT (or /tmp/ms-out).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the QSA decode launches (cuda/qsa.h, issue 8): build, test_cuda_qsa
+# One GPU-machine call for the QSA decode launches (cuda/kernels/qsa.h, issue 8): build, test_cuda_qsa
 # (the four-launch path against the CPU ops and bitwise against the five-launch path) and
 # test_cuda_qsa_prefill (prefill rows bitwise equal to decode steps), the FN_BENCH=1 bench (us per
 # step of both paths and of each kernel alone at t = 8191, real shapes), compute-sanitizer

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the decode step's timeline (session 15, issue 8; cuda/step_trace.h):
+# One GPU-machine call for the decode step's timeline (session 15, issue 8; cuda/common/step_trace.h):
 # builds cuda_model_bench with -DFN_STEP_TRACE=ON into build-trace, records FN_TRACE_STEPS steps
 # (default 3) at TP=1, depth 8192, after 64 timed tokens (the recording build is ~6 % slower), and
 # writes scripts/step_timeline.py's summary ($OUT/timeline.md) and the gzipped records

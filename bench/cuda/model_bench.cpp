@@ -1,0 +1,269 @@
+// cuda_model_bench: decode latency of the whole CUDA model (issue 6 "Done when": ms/token of the
+// full real geometry with in-memory random weights at TP=1 and TP=2 and an 8,192-token context).
+// Every rank builds CudaModel::random(config) on its GPU, moves the position to --depth (caches
+// hold zeros: the step reads exactly the bytes it reads at that depth), then decodes --tokens
+// greedy tokens on the device (one graph replay each) after --warmup tokens, and rank 0 prints
+// ms/token (mean, p50, p90, p99) next to the bytes-per-token floor of the shard plan at the
+// measured 4.3 TB/s copy bandwidth. Usage:
+//   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
+//     [--tokens 128] [--warmup 16] [--ctx N] [--allreduce auto|custom|nccl] [--no-graph]
+//     [--unfused] [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
+//     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--in-proj-prefetch MB]
+//     [--fixed-shape MASK] [--lookahead 0|1] [--qsa-mailbox 0|1]
+//     [--skip MASK] [--empty-launches N] [--json FILE]
+//     [--trace FILE.csv [--trace-steps 4]]
+//     (--unfused: CudaModelOptions::fused_step = false, every launch separate; --trace: after
+//     the timed tokens, --trace-steps more with the step timeline of cuda/common/step_trace.h recorded
+//     (a build with -DFN_STEP_TRACE=ON only), rank 0's records written as CSV for
+//     scripts/step_timeline.py)
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cuda/common/cuda_check.h"
+#include "comm/custom_all_reduce.h"
+#include "comm/device_all_reduce.h"
+#include "comm/gpu_comm.h"
+#include "comm/mpi_context.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/generate.h"
+#include "core/log.h"
+#include "core/shard_plan.h"
+#include "cuda/model/cuda_model.h"
+#include "cuda/common/step_trace.h"
+
+namespace {
+
+constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (performance-anchors §2.3)
+
+// --trace: decodes `steps` more tokens with every CTA's PDL wait recorded (cuda/common/step_trace.h)
+// and writes rank 0's records as CSV, times in ns from the first arrival.
+void write_step_trace(fn::CudaModel& model, const std::string& path, int64_t steps, int rank) {
+  // 256 Ki records (10 MiB) per step: a TP=1 step at the real shape has ~155 K CTAs.
+  const auto capacity = static_cast<uint32_t>(steps) << 18;
+  fn::StepTraceRecord* records = nullptr;
+  uint32_t* count = nullptr;
+  FN_CUDA_CHECK(cudaMalloc(&records, sizeof(fn::StepTraceRecord) * capacity));
+  FN_CUDA_CHECK(cudaMalloc(&count, sizeof(uint32_t)));
+  FN_CUDA_CHECK(cudaMemset(count, 0, sizeof(uint32_t)));
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  fn::step_trace_attach(records, count, capacity);
+  fn::SamplingParams greedy;
+  greedy.temperature = 0;
+  model.decode(1, steps, greedy, 0, [](int32_t) { return true; });
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  fn::step_trace_attach(nullptr, nullptr, 0);
+  uint32_t n = 0;
+  FN_CUDA_CHECK(cudaMemcpy(&n, count, sizeof n, cudaMemcpyDeviceToHost));
+  FN_REQUIRE(n <= capacity, Internal, "--trace: {} records, more than the {} the buffer holds", n,
+             capacity);
+  std::vector<fn::StepTraceRecord> host(n);
+  FN_CUDA_CHECK(
+      cudaMemcpy(host.data(), records, sizeof(fn::StepTraceRecord) * n, cudaMemcpyDeviceToHost));
+  FN_CUDA_CHECK(cudaFree(records));
+  FN_CUDA_CHECK(cudaFree(count));
+  if (rank != 0) return;
+  FN_REQUIRE(n > 0, Internal, "--trace: no record (did the kernels run through dev::pdl_wait?)");
+  uint64_t t0 = host[0].t_arrive;
+  for (const auto& r : host) t0 = std::min(t0, r.t_arrive);
+  std::ofstream out(path);
+  FN_REQUIRE(out.good(), Io, "--trace: cannot write {}", path);
+  out << "grid_id,block,grid,threads,sm,arrive_ns,release_ns\n";
+  for (const auto& r : host)
+    out << r.grid_id << ',' << r.block << ',' << r.grid << ',' << r.threads << ',' << r.sm << ','
+        << (r.t_arrive - t0) << ',' << (r.t_release - t0) << '\n';
+  FN_LOG_INFO("--trace: {} records of {} steps written to {}", n, steps, path);
+}
+
+int run(int argc, char** argv, fn::MpiContext& mpi) {
+  std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
+  std::string trace_path;
+  int64_t depth = 8192, tokens = 128, warmup = 16, trace_steps = 4, ctx = 0;
+  bool graph = true, fused = true;
+  int fold = -1;
+  int l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
+  bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
+  bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
+  bool gdn_cluster = fn::CudaModelOptions{}.gdn_cluster;
+  bool down_prefetch = fn::CudaModelOptions{}.moe_down_prefetch;
+  int in_proj_prefetch = fn::CudaModelOptions{}.in_proj_prefetch_mb;
+  int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
+  bool lookahead = fn::CudaModelOptions{}.decode_lookahead;
+  bool qsa_mailbox = fn::CudaModelOptions{}.qsa_select_mailbox;
+  bool qsa_overlap = fn::CudaModelOptions{}.qsa_overlap_in_proj;
+  bool gdn_overlap = fn::CudaModelOptions{}.gdn_overlap_z;
+  uint32_t skip = 0;
+  int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      FN_REQUIRE(i + 1 < argc, Usage, "{} needs a value", a);
+      return argv[++i];
+    };
+    if (a == "--config")
+      config = next();
+    else if (a == "--depth")
+      depth = std::stoll(next());
+    else if (a == "--ctx")  // context size (0: the least the run needs); it sizes some grids
+      ctx = std::stoll(next());
+    else if (a == "--tokens")
+      tokens = std::stoll(next());
+    else if (a == "--warmup")
+      warmup = std::stoll(next());
+    else if (a == "--allreduce")
+      allreduce = next();
+    else if (a == "--json")
+      json_path = next();
+    else if (a == "--no-graph")
+      graph = false;
+    else if (a == "--unfused")  // CudaModelOptions::fused_step = false (A/B of the fusions)
+      fused = false;
+    else if (a == "--fold-inject")  // CudaModelOptions::fold_hc_inject: -1 auto, 0 never, 1 always
+      fold = std::stoi(next());
+    else if (a == "--l2-prefetch")  // CudaModelOptions::l2_prefetch (mask; 3 default)
+      l2_prefetch = std::stoi(next());
+    else if (a == "--moe-bulk")  // CudaModelOptions::moe_bulk: 1 the bulk gate+up (default), 0 FP32
+      moe_bulk = std::stoi(next()) != 0;
+    else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
+      moe_bulk_down = std::stoi(next()) != 0;
+    else if (a == "--gdn-cluster")  // CudaModelOptions::gdn_cluster: 1 clusters (default), 0 not
+      gdn_cluster = std::stoi(next()) != 0;
+    else if (a == "--down-prefetch")  // CudaModelOptions::moe_down_prefetch: 1 on (default), 0 off
+      down_prefetch = std::stoi(next()) != 0;
+    else if (a == "--in-proj-prefetch")  // CudaModelOptions::in_proj_prefetch_mb (MB, 0 off)
+      in_proj_prefetch = std::stoi(next());
+    else if (a == "--fixed-shape")  // CudaModelOptions::fixed_shape_kernels (bit mask)
+      fixed_shape = std::stoi(next());
+    else if (a == "--lookahead")  // CudaModelOptions::decode_lookahead: 1 on (default), 0 off
+      lookahead = std::stoi(next()) != 0;
+    else if (a == "--qsa-mailbox")  // CudaModelOptions::qsa_select_mailbox: 1 (default), 0 ticket
+      qsa_mailbox = std::stoi(next()) != 0;
+    else if (a == "--qsa-overlap")  // CudaModelOptions::qsa_overlap_in_proj: 1 (default), 0 off
+      qsa_overlap = std::stoi(next()) != 0;
+    else if (a == "--gdn-overlap")  // CudaModelOptions::gdn_overlap_z: 1 (default), 0 off
+      gdn_overlap = std::stoi(next()) != 0;
+    else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
+      empty_launches = std::stoi(next());
+    else if (a == "--trace")
+      trace_path = next();
+    else if (a == "--trace-steps")
+      trace_steps = std::stoll(next());
+    else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
+      skip = static_cast<uint32_t>(std::stoul(next(), nullptr, 0));
+    else
+      FN_THROW(Usage, "unknown argument {}", a);
+  }
+  FN_REQUIRE(trace_path.empty() || fn::step_trace_compiled(), Usage,
+             "--trace needs a build configured with -DFN_STEP_TRACE=ON");
+  FN_REQUIRE(trace_steps >= 1 && trace_steps <= 64, Usage, "--trace-steps must be in [1, 64]");
+  const fn::ModelConfig cfg = fn::load_model_config(config);
+  std::ifstream cf(config);
+  const nlohmann::json cj = nlohmann::json::parse(cf);
+  FN_REQUIRE(cj.contains("quantization_config"), Format,
+             "{}: no quantization_config (the NVFP4 layout of the experts)", config);
+  const fn::QuantConfig quant = fn::parse_quantization_config(cj["quantization_config"], config);
+  const int rank = mpi.world_rank(), tp = mpi.world_size();
+  fn::GpuComm gpu(mpi);
+  std::unique_ptr<fn::DeviceAllReduce> ar;
+  if (tp > 1)
+    ar = fn::make_device_all_reduce(fn::parse_all_reduce_strategy(allreduce), gpu,
+                                    fn::CustomAllReduceOptions{});
+  fn::CudaModelOptions o;
+  const int64_t ctx_needed = depth + warmup + tokens + (trace_path.empty() ? 0 : trace_steps) + 1;
+  FN_REQUIRE(ctx == 0 || ctx >= ctx_needed, Usage, "--ctx {} is below the {} tokens the run needs",
+             ctx, ctx_needed);
+  o.ctx_size = ctx == 0 ? ctx_needed : ctx;
+  o.use_graph = graph;
+  o.fused_step = fused;
+  o.fold_hc_inject = fold;
+  o.l2_prefetch = l2_prefetch;
+  o.moe_bulk = moe_bulk;
+  o.moe_bulk_down = moe_bulk_down;
+  o.gdn_cluster = gdn_cluster;
+  o.moe_down_prefetch = down_prefetch;
+  o.in_proj_prefetch_mb = in_proj_prefetch;
+  o.fixed_shape_kernels = fixed_shape;
+  o.decode_lookahead = lookahead;
+  o.qsa_select_mailbox = qsa_mailbox;
+  o.qsa_overlap_in_proj = qsa_overlap;
+  o.gdn_overlap_z = gdn_overlap;
+  o.bench_skip = skip;
+  o.bench_empty_launches = empty_launches;
+  o.tp_rank = rank;
+  o.tp_size = tp;
+  o.all_reduce = ar.get();
+  auto model = fn::CudaModel::random(cfg, quant, 1234, o);
+  size_t free_b = 0, total_b = 0;
+  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (rank == 0)
+    FN_LOG_INFO("random weights: {:.2f} GB generated in {:.1f} s; device memory used {:.1f} GiB",
+                model->load_stats().bytes / 1e9, model->load_stats().seconds,
+                (total_b - free_b) / 1073741824.0);
+  model->set_position_for_benchmark(depth);
+  fn::SamplingParams greedy;
+  greedy.temperature = 0;
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> itl;
+  auto t_prev = Clock::now();
+  int64_t seen = 0;
+  model->decode(1, warmup + tokens, greedy, 0, [&](int32_t) {
+    const auto now = Clock::now();
+    if (seen++ >= warmup)
+      itl.push_back(std::chrono::duration<double, std::milli>(now - t_prev).count());
+    t_prev = now;
+    return true;
+  });
+  if (!trace_path.empty()) write_step_trace(*model, trace_path, trace_steps, rank);
+  const fn::LatencyStats st = fn::latency_stats(itl);
+  const fn::ShardPlan plan = fn::ShardPlan::build(cfg, quant, tp);
+  const double bytes = static_cast<double>(fn::bytes_per_token(plan, cfg, rank, depth + 1).total());
+  const double floor_ms = bytes / kCopyBandwidth * 1e3;
+  if (rank == 0) {
+    std::printf(
+        "| TP | graph | fused | depth | tokens | ms/token mean | p50 | p90 | p99 | "
+        "bytes/token/rank "
+        "| floor ms | %% of floor |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| %d | %s | %s | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f GB | %.3f | %.1f |\n",
+        tp, graph ? "yes" : "no", fused ? "yes" : "no", static_cast<long long>(depth),
+        static_cast<long long>(tokens), st.mean, st.p50, st.p90, st.p99, bytes / 1e9, floor_ms,
+        100.0 * floor_ms / st.mean);
+    if (!json_path.empty()) {
+      nlohmann::json j = {{"tp", tp},
+                          {"graph", graph},
+                          {"fused_step", fused},
+                          {"depth", depth},
+                          {"tokens", tokens},
+                          {"ms_mean", st.mean},
+                          {"ms_p50", st.p50},
+                          {"ms_p90", st.p90},
+                          {"ms_p99", st.p99},
+                          {"bytes_per_token", bytes},
+                          {"floor_ms", floor_ms},
+                          {"allreduce", ar ? ar->name() : "none"}};
+      std::ofstream(json_path) << j.dump(2) << "\n";
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fn::MpiContext mpi(&argc, &argv);
+  try {
+    return run(argc, argv, mpi);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuda_model_bench: %s\n", e.what());
+    mpi.abort_all(1);
+  }
+  return 1;
+}

@@ -1,0 +1,81 @@
+// Gated DeltaNet prefill for M tokens of one GDN layer on one TP rank (MODEL.md §C.5 steps 2-7,
+// §D): the same function as M successive launch_gdn_decode calls (cuda/kernels/gdn.h), leaving the same
+// recurrent state and conv state, but with the token-parallel parts (conv, gates, L2 norms, gated
+// norm) run over all tokens at once and the recurrence as one sequential scan per state slice.
+// Called by the CUDA prefill path once per GDN layer and prompt chunk. No host sync, graph-safe,
+// deterministic (fixed reduction order, no float atomics); tokens past M never touch the state.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fn {
+
+/// Operands of one GDN prefill of `tokens` tokens on one rank (its TP slice of heads). All
+/// pointers are device memory. conv_dim = 2 * Hk * dk + Hv * dv. Math: exactly the meaning of
+/// launch_gdn_decode once per token p = 0..tokens-1 with proj row p (MODEL.md §C.5 steps 2-7),
+/// FP32 throughout, BF16 only at the output store.
+struct GdnPrefillParams {
+  /// [tokens, proj_stride] FP32: row p is the stacked projection of token p, laid out as
+  /// GdnDecodeParams::proj: [ qkv (q [Hk*dk], k [Hk*dk], v [Hv*dv]) | z [Hv*dv] | a [Hv] | b [Hv]
+  /// ].
+  const float* proj = nullptr;
+  int64_t proj_stride = 0;             ///< floats between rows, >= conv_dim + Hv*dv + 2*Hv
+  int64_t tokens = 0;                  ///< M >= 1
+  const float* conv_weight = nullptr;  ///< [conv_dim, conv_kernel] FP32 (conv1d.weight squeezed)
+  const float* A_log = nullptr;        ///< [Hv] FP32
+  const float* dt_bias = nullptr;      ///< [Hv] FP32
+  const float* norm_weight = nullptr;  ///< [dv] FP32, plain weight (not 1 + w), shared by heads
+  /// [conv_dim, conv_kernel - 1] FP32 pre-conv inputs, oldest first (GdnDecodeParams layout):
+  /// read as the history before token 0, left holding the last conv_kernel - 1 pre-conv inputs
+  /// (the oldest of them still from the old history when tokens < conv_kernel - 1).
+  float* conv_state = nullptr;
+  /// [Hv, dk, dv] FP32 recurrent state oriented [k, v]: read as the state before token 0, left as
+  /// the state after token tokens - 1.
+  float* state = nullptr;
+  uint16_t* out = nullptr;  ///< [tokens, Hv*dv] BF16 bits: row p = what decode writes for token p
+  int num_k_heads = 0;      ///< Hk (local TP slice), >= 1
+  int num_v_heads = 0;      ///< Hv (local), a multiple of Hk; value head h uses key head h/(Hv/Hk)
+  int k_head_dim = 0;       ///< dk: multiple of 4, 4..1024
+  int v_head_dim = 0;       ///< dv: multiple of 4, 4..1024
+  int conv_kernel = 4;      ///< linear_conv_kernel_dim, 2..8
+  float eps = 1e-6f;        ///< rms_norm_eps of the gated norm (the L2 norm uses 1e-6)
+  /// gdn_prefill_workspace_bytes(*this) bytes of device scratch, 256-byte aligned, owned by the
+  /// caller; overwritten by every launch (no state lives in it between launches).
+  void* workspace = nullptr;
+  /// dv columns per CTA of the scan kernel: 0 lets the launcher choose (plan_gdn_prefill_slice);
+  /// else a power of two from 4 to 128 dividing dv. For benchmarks/tests; results are bitwise the
+  /// same for every width.
+  int slice_columns = 0;
+};
+
+/// Bytes of workspace launch_gdn_prefill needs: a pure function of the shape fields (tokens,
+/// num_k_heads, num_v_heads, k_head_dim, v_head_dim), about
+/// 4 * tokens * (2*Hk*dk + Hv*dv + 2*Hv + Hk) bytes. Pointers are not read. Throws
+/// fn::Error(Internal) on non-positive sizes.
+size_t gdn_prefill_workspace_bytes(const GdnPrefillParams& shape_only);
+
+/// Enqueues the prefill on `stream` (no host sync): a conv + gates + L2-norm kernel over
+/// (token, channel), the conv state update, the recurrence scan (one CTA per value head and slice
+/// of dv columns, the state slice in registers, tokens staged through shared memory), and the
+/// gated RMSNorm over (token, head). Throws fn::Error(Internal) on a null pointer, a misaligned
+/// workspace or bad sizes (see the field comments); fn::Error(Cuda) on a failed launch.
+void launch_gdn_prefill(const GdnPrefillParams& params, cudaStream_t stream);
+
+/// All four kernels of launch_gdn_prefill, for launch_gdn_prefill_phases.
+inline constexpr unsigned kGdnPrefillAllPhases = 15u;
+
+/// For benchmarks only: enqueues the kernels of launch_gdn_prefill named by the bits of
+/// `phases` (1: conv + gates + L2 norms, 2: conv state update, 4: recurrence scan, 8: gated
+/// norm), in that order, so each can be timed alone. Only kGdnPrefillAllPhases computes the
+/// prefill; the others leave the outputs and states meaningless. Same preconditions/throws.
+void launch_gdn_prefill_phases(const GdnPrefillParams& params, unsigned phases,
+                               cudaStream_t stream);
+
+/// dv columns per CTA of the scan kernel launch_gdn_prefill uses for these params on the current
+/// device (slice_columns when set). Same preconditions/throws as launch_gdn_prefill.
+int plan_gdn_prefill_slice(const GdnPrefillParams& params);
+
+}  // namespace fn

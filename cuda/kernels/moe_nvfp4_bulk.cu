@@ -1,0 +1,682 @@
+// The bulk-copy routed-expert kernels (MoeGateUpParams::bulk, MoeDownParams::bulk;
+// moe_nvfp4_bulk.h), sm_90+. The gate+up kernel first; the down kernel is described at its
+// definition below.
+//
+// Why (issue 8, cuda/bench/RESULTS.md sessions 5, 7, 10): the round-based kernels of
+// moe_nvfp4.cu hold a lane's weights in registers, so a lane waits a full DRAM round trip per
+// round and a block's loads end with the block (1.5 waves at TP=1); the FP32 kernel is besides
+// issue bound (~8.5 instructions per code). Here one CTA per SM owns a contiguous, equal share of
+// the top_k * I row pairs; a producer warp streams the share's rows into a ring of shared-memory
+// stages with cp.async.bulk (per chunk four copies: its gate rows' codes, its up rows' codes, and
+// the scales of each), each stage completing on an mbarrier; ten consumer warps run the tensor
+// cores from shared memory while the next stages are in flight.
+//
+// Work split: a chunk is up to 8 consecutive row pairs of one expert (the share cut at expert
+// boundaries); its 16 rows (8 gate, 8 up) are the A operand of mma.sync m16n8k16 (rows g and
+// g + 8 of lane (g, t) = gate and up row g of the chunk). Lane (g, t) of consumer warp w takes
+// the units (32 codes, 16 bytes) u = 4 ug' + t of the column groups ug' = group_of(ug, g) for
+// ug = w, w + 10 (a group = 128 columns, the 4 lanes of a row read 64 contiguous bytes); an
+// 8-code word of a unit gives two MMAs: codes (q, q + 4) as one BF16x2 register
+// (nvfp4::decode_layout_pair: code * 2^-126) times the block scale as BF16x2 (E4M3 * 2^100) =
+// code * scale * 2^-26 exactly, q = 0, 1 for the first MMA, 2, 3 for the second. Column n of B
+// is the activation x in the column order of A's row n (lane (n, t) loads it with the same
+// group_of as its A rows, once, into registers, before the first chunk), so D[g][g] is row g's
+// dot product: lane (g, g / 2) reads gate row g in d[g % 2], up row g in d[2 + g % 2].
+//
+// Why the rows take their groups in different orders: a stage holds the rows K / 2 bytes apart
+// (one copy per 8 rows), a multiple of 128, so the same group of every row sits on the same
+// banks; group_of puts rows g and g + 1 (one 128-bit load phase) in opposite 64-byte halves and
+// rows g and g + 4 (same banks for the scale bytes, rows K / 16 bytes apart) in different
+// groups, and the loads are free of bank conflicts.
+//
+// Summation (fixed, so bitwise reproducible; not the order of the other kernels): per chunk, warp
+// and column group (of the row: group_of) one MMA accumulator chain from 0 over the group's 8 MMAs
+// (the products exact, the tensor core's sum of 16 products + C per MMA; two independent chains per
+// warp for latency), the warp's groups added in increasing order, then the 10 warps' partials in
+// increasing warp order in FP32, then * 2^26 and * the global scale. Range: exact products for
+// 2^-90 <= |x| < 2^100 (and 0), as the round-based tensor-core kernel.
+#include "cuda/kernels/moe_nvfp4_bulk.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/device_util.cuh"
+#include "cuda/common/launch_check.h"
+#include "cuda/common/nvfp4_bits.h"
+#include "cuda/common/nvfp4_mma.cuh"
+#include "cuda/common/pdl.cuh"
+
+namespace fn::detail {
+namespace {
+
+using nvfp4_mma::bf16x2_mul;
+using nvfp4_mma::e4m3_bf16x2_scaled;
+using nvfp4_mma::kMmaUnscale;
+using nvfp4_mma::mma_bf16;
+using nvfp4_mma::word_of;
+
+constexpr int kWarps = kBulkGateUpWarps;
+constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
+// Ring depth: stages of 24 KB at K = 2560. At TP=1 a share is 7 or 8 chunks; with 5 or 6 stages
+// the step measured 5.175 / 5.178 ms/token, with 2, 3 or 4 stages 5.33-5.36 (FP32 kernel 5.25;
+// cuda_model_bench, one call, RESULTS.md session 10): the share's loads must go out at once, ahead
+// of the down kernel's pre-wait loads. A share with fewer chunks gets as many stages as chunks.
+constexpr int kMaxStages = 6;
+constexpr int kPairs = 8;  // row pairs per chunk: one m16 tile
+
+struct BulkGateUpArgs {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  const float* global_scale;
+  const int32_t* ids;
+  int num_experts;
+  int top_k;
+  int inter;       // I
+  int k;           // K (cols)
+  int64_t pairs;   // top_k * I
+  int row_stride;  // shared-memory bytes per row slot: K / 2
+  int stage_bytes;
+  int max_chunks;  // chunks of any CTA's share (sizes the partials)
+  const uint16_t* x;
+  uint16_t* h;
+  float* gate_up_out;
+  L2Prefetch l2_prefetch;
+  // MoeGateUpParams::down_prefetch: the selected experts' down codes and scales, per expert
+  // code_bytes and scale_bytes apart (down_packed nullptr: none).
+  const uint8_t* down_packed;
+  const uint8_t* down_scales;
+  int64_t down_code_bytes;
+  int64_t down_scale_bytes;
+  int stages;       // ring depth, <= kMaxStages
+  bool loads_only;  // MoeGateUpParams::bench_loads_only
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The chunks of the CTA's share [p0, p1) of the row pairs p = j * I + i (pairs <= INT32_MAX:
+// bulk_gate_up_shape_ok), walked in order: chunk c covers rows [i, i + n) of selected expert j and
+// sits in ring stage c % stages, filled for the (c / stages + 1)-th time (parity = (c / stages) &
+// 1). One division at the start; each step only adds (a 64-bit division per chunk, and two 32-bit
+// ones for the stage, were subroutines in every thread's loop).
+struct ChunkWalk {
+  int p, p1, j, i, n;
+  int stage = 0;
+  uint32_t parity = 0;
+  __device__ __forceinline__ explicit ChunkWalk(const BulkGateUpArgs& a) {
+    p = static_cast<int>(a.pairs * blockIdx.x / gridDim.x);
+    p1 = static_cast<int>(a.pairs * (blockIdx.x + 1) / gridDim.x);
+    j = p / a.inter;
+    i = p - j * a.inter;
+    n = 0;
+  }
+  // Whether a chunk is left; if so j, i and n describe it (call next() after it).
+  __device__ __forceinline__ bool more(int inter) {
+    n = min(min(kPairs, inter - i), p1 - p);
+    return p < p1;
+  }
+  __device__ __forceinline__ void next(int inter, int stages) {
+    p += n;
+    i += n;
+    if (i == inter) {
+      ++j;
+      i = 0;
+    }
+    if (++stage == stages) {
+      stage = 0;
+      parity ^= 1u;
+    }
+  }
+};
+
+// The column group that row (and B column) g of a chunk reads in place of group ug: ug XOR m, m =
+// (g & 1) | (g & 4) >> 1, or ug itself where the partner is past the last group (an involution on
+// [0, ngroups), so every row still reads every group once).
+__device__ __forceinline__ int group_of(int ug, int g, int ngroups) {
+  const int p = ug ^ ((g & 1) | ((g & 4) >> 1));
+  return p < ngroups ? p : ug;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst,
+// completing as transaction bytes on bar.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Part blockIdx.x of gridDim.x of the selected experts' down weights (ranges: expert j's codes,
+// then its scales, j ascending; cut into kL2PrefetchChunk-byte chunks numbered across the ranges,
+// chunk c to CTA c % gridDim.x) as bulk L2 prefetches. A hint: changes no value. Invalid ids are
+// skipped.
+__device__ __forceinline__ void prefetch_down_share(const BulkGateUpArgs& a) {
+  const int64_t code_chunks = (a.down_code_bytes + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
+  const int64_t scale_chunks = (a.down_scale_bytes + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
+  const int64_t per_expert = code_chunks + scale_chunks;
+  for (int64_t c = blockIdx.x; c < per_expert * a.top_k; c += gridDim.x) {
+    const int j = static_cast<int>(c / per_expert);
+    const int64_t r = c - j * per_expert;
+    const int e = __ldg(a.ids + j);
+    if (e < 0 || e >= a.num_experts) continue;
+    const bool code = r < code_chunks;
+    const int64_t off = (code ? r : r - code_chunks) * kL2PrefetchChunk;
+    const int64_t total = code ? a.down_code_bytes : a.down_scale_bytes;
+    const uint8_t* base =
+        code ? a.down_packed + e * a.down_code_bytes : a.down_scales + e * a.down_scale_bytes;
+    const int64_t left = total - off;
+    const uint32_t bytes = left < kL2PrefetchChunk ? static_cast<uint32_t>(left) : kL2PrefetchChunk;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + off), "r"(bytes)
+                 : "memory");
+  }
+}
+
+// d += one unit (32 codes) of the A rows g (codes wa, scale bytes sa) and g + 8 (wb, sb) times the
+// activation words x (permute_word order): per 8-code word two MMAs, codes (q, q + 4) of both rows
+// as BF16x2 times their block scale (lut: E4M3 * 2^100 as BF16x2), q = 0, 1 then 2, 3.
+__device__ __forceinline__ void mma_unit(const uint4& wa, uint32_t sa, const uint4& wb, uint32_t sb,
+                                         const uint4 (&x)[4], const uint32_t* lut, float (&d)[4]) {
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    const uint32_t fa = lut[(sa >> (8 * (wi / 2))) & 0xffu];
+    const uint32_t fb = lut[(sb >> (8 * (wi / 2))) & 0xffu];
+    const uint32_t ca = word_of(wa, wi), cb = word_of(wb, wi);
+    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 0), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 0), fb),
+             bf16x2_mul(nvfp4::decode_layout_pair(ca, 1), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 1), fb), x[wi].x, x[wi].y);
+    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 2), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 2), fb),
+             bf16x2_mul(nvfp4::decode_layout_pair(ca, 3), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 3), fb), x[wi].z, x[wi].w);
+  }
+}
+#endif  // the device code of sm_90+; the kernels below are empty elsewhere
+
+__global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateUpArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const int nst = a.stages;  // ring depth
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;  // [nst][stage_bytes], 128-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + nst * a.stage_bytes);
+  uint64_t* empty = full + nst;
+  uint32_t* lut = reinterpret_cast<uint32_t*>(empty + nst);         // [256] E4M3 * 2^100, BF16x2
+  int* meta = reinterpret_cast<int*>(lut + 256);                    // [max_chunks][3] j, i, n
+  float* part = reinterpret_cast<float*>(meta + 3 * a.max_chunks);  // [chunk][warp][16]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kb = a.k / 16;  // scale bytes per row
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nst; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, 32 * kWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+  __syncthreads();
+  // Every weight address depends on the router's expert ids, and x is the previous kernel's
+  // output: nothing is read before the programmatic-dependent wait (cuda/common/pdl.cuh).
+  dev::pdl_begin();
+  ChunkWalk walk(a);
+  int c = 0;             // chunks of the share (every thread walks them all)
+  if (warp == kWarps) {  // the producer
+    int last_stage = 0;
+    uint32_t last_parity = 0;
+    for (; walk.more(a.inter); walk.next(a.inter, nst), ++c) {
+      const int j = walk.j, i = walk.i, n = walk.n;
+      const int s = walk.stage;
+      last_stage = s;
+      last_parity = walk.parity;
+      if (c >= nst) mbar_wait(empty + s, walk.parity ^ 1u);  // the consumers' last round
+      const int e = __ldg(a.ids + j);
+      const bool live = e >= 0 && e < a.num_experts;
+      if (lane == 0) {
+        meta[3 * c] = j;
+        meta[3 * c + 1] = i;
+        meta[3 * c + 2] = n;
+        mbar_arrive_expect_tx(full + s, live ? static_cast<uint32_t>(n) * (a.k + 2 * kb) : 0u);
+      }
+      __syncwarp();
+      if (live && lane < 4) {  // gate codes, up codes, gate scales, up scales: n rows each
+        uint8_t* st = ring + s * a.stage_bytes;
+        const bool up = (lane & 1) != 0;
+        const int64_t row = static_cast<int64_t>(e) * 2 * a.inter + i + (up ? a.inter : 0);
+        if (lane < 2)  // gate rows at slots 0..n-1, up rows at 8..8+n-1
+          bulk_copy(st + (up ? kPairs : 0) * a.row_stride, a.packed + row * (a.k / 2),
+                    static_cast<uint32_t>(n * (a.k / 2)), full + s);
+        else
+          bulk_copy(st + kPairs * 2 * a.row_stride + (up ? kPairs * kb : 0), a.scales + row * kb,
+                    static_cast<uint32_t>(n * kb), full + s);
+      }
+    }
+    // The L2 prefetches once this CTA's last chunk has landed (its share's loads are done), so
+    // that their traffic follows the gate+up's instead of competing with it (session 20: -0.025
+    // ms/token for the down weights against issuing them after the last copy).
+    if (lane == 0 && (a.down_packed != nullptr || a.l2_prefetch.count > 0)) {
+      if (c > 0) mbar_wait(full + last_stage, last_parity);
+      if (a.down_packed != nullptr) prefetch_down_share(a);
+      dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
+    }
+  } else {  // a consumer warp
+    const int g = lane >> 2, t = lane & 3;
+    const int ngroups = a.k / 128;
+    // x for this lane's units (B column g), permuted per 8 elements to (x0, x4) (x1, x5) (x2, x6)
+    // (x3, x7).
+    uint4 xr[kBulkGateUpGroups][4];
+#pragma unroll
+    for (int r = 0; r < kBulkGateUpGroups; ++r) {
+      const int ug = warp + r * kWarps;
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+        uint4 q = make_uint4(0, 0, 0, 0);
+        if (ug < ngroups)
+          q = __ldg(reinterpret_cast<const uint4*>(a.x + 32 * (4 * group_of(ug, g, ngroups) + t) +
+                                                   8 * wi));
+        xr[r][wi] = nvfp4_mma::permute_word(q);
+      }
+    }
+    for (; walk.more(a.inter); walk.next(a.inter, nst), ++c) {
+      const int n = walk.n;
+      const int s = walk.stage;
+      mbar_wait(full + s, walk.parity);
+      const uint8_t* st = ring + s * a.stage_bytes;
+      const bool row_ok = g < n;
+      const uint8_t* cg = st + g * a.row_stride;
+      const uint8_t* cu = st + (kPairs + g) * a.row_stride;
+      const uint8_t* sg = st + kPairs * 2 * a.row_stride + g * kb;
+      const uint8_t* su = sg + kPairs * kb;
+      float d[kBulkGateUpGroups][4] = {};  // one MMA chain per column group (independent)
+#pragma unroll
+      for (int r = 0; r < kBulkGateUpGroups; ++r) {
+        const int ug = warp + r * kWarps;
+        if (ug >= ngroups) break;  // warp-uniform
+        const int u = 4 * group_of(ug, g, ngroups) + t;
+        uint4 wg = make_uint4(0, 0, 0, 0), wu = make_uint4(0, 0, 0, 0);
+        uint32_t scg = 0, scu = 0;
+        if (row_ok) {
+          wg = *reinterpret_cast<const uint4*>(cg + 16 * u);
+          wu = *reinterpret_cast<const uint4*>(cu + 16 * u);
+          scg = *reinterpret_cast<const uint16_t*>(sg + 2 * u);
+          scu = *reinterpret_cast<const uint16_t*>(su + 2 * u);
+        }
+        if (!a.loads_only) mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
+      }
+      const int col = g & 1;  // D[g][g] = gate row g, D[g + 8][g] = up row g (lane t = g / 2)
+      float sum_g = col ? d[0][1] : d[0][0], sum_u = col ? d[0][3] : d[0][2];
+#pragma unroll
+      for (int r = 1; r < kBulkGateUpGroups; ++r) {  // the groups' chains in order
+        sum_g += col ? d[r][1] : d[r][0];
+        sum_u += col ? d[r][3] : d[r][2];
+      }
+      mbar_arrive(empty + s);  // every consumer lane, after its last read of the stage
+      if (t == g >> 1) {
+        part[(c * kWarps + warp) * 16 + g] = sum_g;
+        part[(c * kWarps + warp) * 16 + kPairs + g] = sum_u;
+      }
+    }
+  }
+  __syncthreads();
+  // One thread per (chunk, row): the warps' partials in order, the scales, SwiGLU.
+  for (int idx = threadIdx.x; idx < c * kPairs; idx += kThreads) {
+    const int ci = idx / kPairs, r = idx % kPairs;
+    const int j = meta[3 * ci], i = meta[3 * ci + 1] + r, n = meta[3 * ci + 2];
+    if (r >= n) continue;
+    const int e = __ldg(a.ids + j);
+    const bool ok = e >= 0 && e < a.num_experts;
+    float sum_g = 0.0f, sum_u = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      sum_g += part[(ci * kWarps + w) * 16 + r];
+      sum_u += part[(ci * kWarps + w) * 16 + kPairs + r];
+    }
+    nvfp4_mma::store_gate_up(sum_g, sum_u, e, ok, a.global_scale, j, i, a.inter, a.h,
+                             a.gate_up_out);
+  }
+#else
+  (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
+#endif
+}
+
+constexpr int kDownWarps = kBulkDownWarps;
+constexpr int kDownThreads = 32 * (kDownWarps + 1);  // + the producer warp
+constexpr int kRowUnit = 8;  // rows per share unit (16-byte aligned scale copies down to I = 32)
+using DownStage = nvfp4_mma::MmaStage<false, kDownThreads>;
+
+struct BulkDownArgs {
+  const uint8_t* packed;
+  const uint8_t* scales;
+  const float* global_scale;
+  const int32_t* ids;
+  const float* weights;
+  int num_experts;
+  int top_k;
+  int hidden;       // D (rows per expert)
+  int inter;        // I (cols)
+  int row_units;    // D / kRowUnit
+  int rows_max;     // rows of the largest share
+  int slot_codes;   // shared-memory bytes per expert of codes: rows_max * I / 2
+  int slot_scales;  // per expert of scales: rows_max * I / 16, rounded up to 16
+  int stage_off;    // offset of the staged h
+  int tiles_max;    // ceil(rows_max / 16)
+  const uint16_t* h;
+  float* y;
+  bool accumulate;
+};
+
+// The down projection: one CTA per share of rows [r0, r1) (units of 8 rows) of all top_k experts.
+// Before the programmatic-dependent wait the producer warp reads the router's ids through L2 (two
+// launches back: gate+up sits between, cuda/common/pdl.cuh) and issues one bulk copy of the share's codes
+// and one of its scales per selected expert, all on one mbarrier; so the weights stream while
+// gate+up still runs. After the wait the block stages h (MmaStage order) and the factors
+// f_j = routing_weight_j * gs[e_j]; warp w takes the (16-row tile, expert j) pairs p = w, w + 10,
+// ... (tile-major): per pair one MMA accumulator chain from 0 over the 128-column groups in order
+// (rows g and g + 8 of the tile as A, h_j as B), then acc = fmaf(D, f_j, acc) per tile in pair
+// order; the warps' accumulators are summed per row in increasing warp order, * 2^26.
+__global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDownArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* codes = smem;                                               // [top_k][slot_codes]
+  uint8_t* scl = codes + static_cast<size_t>(a.top_k) * a.slot_codes;  // [top_k][slot_scales]
+  uint8_t* hst = smem + a.stage_off;                                   // h, DownStage layout
+  uint32_t* lut = reinterpret_cast<uint32_t*>(hst + DownStage::bytes(a.top_k * a.inter));
+  float* f = reinterpret_cast<float*>(lut + 256);          // [top_k], 0 for dead ids
+  int* live = reinterpret_cast<int*>(f + a.top_k);         // [top_k]
+  float* part = reinterpret_cast<float*>(live + a.top_k);  // [tiles_max][warps][16]
+  uint64_t* bar = reinterpret_cast<uint64_t*>(part + a.tiles_max * kDownWarps * 16);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r0 =
+      kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * blockIdx.x / gridDim.x);
+  const int r1 =
+      kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * (blockIdx.x + 1) / gridDim.x);
+  const int nrows = r1 - r0;
+  const int rb_codes = a.inter / 2, rb_scales = a.inter / 16;  // bytes per row
+  if (threadIdx.x == 0) {
+    mbar_init(bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
+  for (int i = threadIdx.x; i < a.tiles_max * kDownWarps * 16; i += kDownThreads) part[i] = 0.0f;
+  __syncthreads();
+  if (warp == kDownWarps) {  // the producer: weights only, before the wait
+    uint32_t bytes = 0;
+    if (lane == 0) {
+      for (int j = 0; j < a.top_k; ++j) {
+        const int e = __ldcg(a.ids + j);
+        if (e >= 0 && e < a.num_experts)
+          bytes += static_cast<uint32_t>(nrows) * static_cast<uint32_t>(rb_codes + rb_scales);
+      }
+      mbar_arrive_expect_tx(bar, bytes);
+    }
+    __syncwarp();
+    for (int j = lane; j < a.top_k; j += 32) {
+      const int e = __ldcg(a.ids + j);
+      if (e < 0 || e >= a.num_experts) continue;
+      const int64_t row = static_cast<int64_t>(e) * a.hidden + r0;
+      bulk_copy(codes + static_cast<size_t>(j) * a.slot_codes, a.packed + row * rb_codes,
+                static_cast<uint32_t>(nrows * rb_codes), bar);
+      bulk_copy(scl + static_cast<size_t>(j) * a.slot_scales, a.scales + row * rb_scales,
+                static_cast<uint32_t>(nrows * rb_scales), bar);
+    }
+  }
+  // h is gate+up's output; the routing weights and ids are read after the wait as well.
+  dev::pdl_begin();
+  DownStage::template fill<2>(a.h, a.top_k * a.inter, hst);
+  for (int j = threadIdx.x; j < a.top_k; j += kDownThreads) {
+    const int e = __ldg(a.ids + j);
+    const bool ok = e >= 0 && e < a.num_experts;
+    live[j] = ok ? 1 : 0;
+    f[j] = ok ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
+  }
+  __syncthreads();
+  if (warp < kDownWarps) {
+    const int g = lane >> 2, t = lane & 3;
+    const int nunits = a.inter / 32, ngroups = (nunits + 3) / 4;
+    const int tiles = (nrows + 15) / 16;
+    mbar_wait(bar, 0u);
+    float acc_a = 0.0f, acc_b = 0.0f;
+    int cur = -1;
+    for (int p = warp; p < tiles * a.top_k; p += kDownWarps) {
+      const int tile = p / a.top_k, j = p - tile * a.top_k;
+      if (tile != cur) {
+        if (cur >= 0 && t == 0) {
+          part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
+          part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
+        }
+        cur = tile;
+        acc_a = acc_b = 0.0f;
+      }
+      if (live[j] == 0) continue;  // warp-uniform
+      const int ra = tile * 16 + g, rb = ra + 8;
+      const uint8_t* ca = codes + static_cast<size_t>(j) * a.slot_codes + ra * rb_codes;
+      const uint8_t* cb = ca + 8 * rb_codes;
+      const uint8_t* sa = scl + static_cast<size_t>(j) * a.slot_scales + ra * rb_scales;
+      const uint8_t* sb = sa + 8 * rb_scales;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int ug = 0; ug < ngroups; ++ug) {
+        const int u = 4 * ug + t;
+        const bool uok = u < nunits;
+        uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0);
+        uint32_t fa = 0, fb = 0;
+        if (uok && ra < nrows) {
+          wa = *reinterpret_cast<const uint4*>(ca + 16 * u);
+          fa = *reinterpret_cast<const uint16_t*>(sa + 2 * u);
+        }
+        if (uok && rb < nrows) {
+          wb = *reinterpret_cast<const uint4*>(cb + 16 * u);
+          fb = *reinterpret_cast<const uint16_t*>(sb + 2 * u);
+        }
+        uint4 x[4];
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi)
+          x[wi] = uok ? DownStage::word(hst, j * nunits + u, wi) : make_uint4(0, 0, 0, 0);
+        mma_unit(wa, fa, wb, fb, x, lut, d);
+      }
+      acc_a = fmaf(d[0], f[j], acc_a);
+      acc_b = fmaf(d[2], f[j], acc_b);
+    }
+    if (cur >= 0 && t == 0) {
+      part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
+      part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
+    }
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < nrows; r += kDownThreads) {
+    const int tile = r / 16, row = r % 16;
+    float sum = 0.0f;
+    for (int w = 0; w < kDownWarps; ++w) sum += part[(tile * kDownWarps + w) * 16 + row];
+    const float v = sum * kMmaUnscale;
+    a.y[r0 + r] = a.accumulate ? a.y[r0 + r] + v : v;
+  }
+#else
+  (void)a;  // never launched below sm_90 (launch_moe_down_bulk refuses)
+#endif
+}
+
+// Chunks of the largest share: ceil(len / 8) plus one per expert boundary inside it.
+int max_chunks_of(int64_t pairs, int64_t inter, int ctas) {
+  const int64_t len = (pairs + ctas - 1) / ctas;
+  return static_cast<int>((len + kPairs - 1) / kPairs + (len + inter - 1) / inter + 1);
+}
+
+}  // namespace
+
+namespace {
+
+struct GateUpPlan {
+  int ctas, max_chunks, stages, row_stride, stage_bytes;
+  size_t smem;
+};
+
+GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
+  GateUpPlan g{};
+  g.ctas = bulk_gate_up_ctas(top_k, inter, sm_count);
+  g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
+  g.stages = std::min(kMaxStages, g.max_chunks);
+  g.row_stride = static_cast<int>(cols / 2);
+  g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
+  g.smem = static_cast<size_t>(g.stages) * g.stage_bytes + 2 * g.stages * 8 + 256 * 4 +
+           static_cast<size_t>(g.max_chunks) * (3 * 4 + kWarps * 16 * 4);
+  return g;
+}
+
+}  // namespace
+
+bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count) {
+  if (top_k < 1 || inter < 1 || !bulk_gate_up_cols_ok(cols)) return false;
+  if (static_cast<int64_t>(top_k) * inter > INT32_MAX) return false;
+  return plan_gate_up(top_k, inter, cols, sm_count).smem <= kMaxCtaSmem;
+}
+
+int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count) {
+  const int64_t pairs = static_cast<int64_t>(top_k) * inter;
+  const int64_t by_work = (pairs + kPairs - 1) / kPairs;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, by_work)));
+}
+
+void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_gate_up_nvfp4 (bulk)";
+  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
+  const int64_t inter = p.experts.rows / 2;
+  const int sms = current_sm_count();
+  FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
+  const GateUpPlan g = plan_gate_up(p.top_k, inter, p.experts.cols, sms);
+  BulkGateUpArgs a{};
+  a.packed = p.experts.packed;
+  a.scales = p.experts.scales;
+  a.global_scale = p.experts.global_scale;
+  a.ids = p.expert_ids;
+  a.num_experts = p.experts.num_experts;
+  a.top_k = p.top_k;
+  a.inter = static_cast<int>(inter);
+  a.k = static_cast<int>(p.experts.cols);
+  a.pairs = static_cast<int64_t>(p.top_k) * inter;
+  a.row_stride = g.row_stride;
+  a.stage_bytes = g.stage_bytes;  // 9 K: a multiple of 128 (K % 256 == 0)
+  a.x = p.x;
+  a.h = p.h;
+  a.gate_up_out = p.gate_up_out;
+  a.l2_prefetch = p.l2_prefetch;
+  if (p.down_prefetch.packed != nullptr) {
+    const Nvfp4Experts& d = p.down_prefetch;
+    FN_LAUNCH_REQUIRE(d.packed != nullptr && d.scales != nullptr && d.rows >= 1 && d.cols >= 32 &&
+                          d.cols % 32 == 0 && d.num_experts == p.experts.num_experts,
+                      kOp);
+    FN_LAUNCH_REQUIRE(aligned(d.packed, 16) && aligned(d.scales, 16), kOp);
+    a.down_packed = d.packed;
+    a.down_scales = d.scales;
+    a.down_code_bytes = d.rows * (d.cols / 2);    // a multiple of 16 (cols % 32 == 0)
+    a.down_scale_bytes = d.rows * (d.cols / 16);  // a multiple of 2; the prefetch needs 16
+    FN_LAUNCH_REQUIRE(a.down_scale_bytes % 16 == 0, kOp);
+  }
+  a.max_chunks = g.max_chunks;
+  a.stages = g.stages;
+  a.loads_only = p.bench_loads_only;
+  FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(g.smem)));
+  launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(g.ctas),
+             kThreads, g.smem, stream, a);
+  FN_CUDA_LAUNCH_CHECK("moe_gate_up_bulk_kernel");
+}
+
+namespace {
+
+struct DownPlan {
+  int ctas, rows_max, slot_codes, slot_scales, stage_off, tiles_max;
+  size_t smem;
+};
+
+DownPlan plan_down(int top_k, int64_t inter, int64_t hidden, int sm_count) {
+  DownPlan d{};
+  const int64_t units = hidden / kRowUnit;
+  d.ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, units)));
+  d.rows_max = static_cast<int>(kRowUnit * ((units + d.ctas - 1) / d.ctas));
+  d.slot_codes = static_cast<int>(d.rows_max * inter / 2);
+  d.slot_scales = static_cast<int>((d.rows_max * inter / 16 + 15) / 16 * 16);
+  d.stage_off = top_k * (d.slot_codes + d.slot_scales);
+  d.tiles_max = (d.rows_max + 15) / 16;
+  d.smem = static_cast<size_t>(d.stage_off) +
+           static_cast<size_t>(DownStage::bytes(static_cast<int64_t>(top_k) * inter)) + 256 * 4 +
+           static_cast<size_t>(top_k) * 8 + static_cast<size_t>(d.tiles_max) * kDownWarps * 16 * 4 +
+           8;
+  return d;
+}
+
+}  // namespace
+
+bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count) {
+  if (top_k < 1 || inter < 32 || inter % 32 != 0 || hidden < kRowUnit || hidden % kRowUnit != 0)
+    return false;
+  if (hidden > INT32_MAX / 2 || static_cast<int64_t>(top_k) * inter > 12288) return false;
+  return plan_down(top_k, inter, hidden, sm_count).smem <= kBulkDownMaxSmem;
+}
+
+void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_down_nvfp4 (bulk)";
+  const int sms = current_sm_count();
+  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
+  FN_LAUNCH_REQUIRE(bulk_down_shape_ok(p.top_k, p.experts.cols, p.experts.rows, sms), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
+  const DownPlan d = plan_down(p.top_k, p.experts.cols, p.experts.rows, sms);
+  BulkDownArgs a{};
+  a.packed = p.experts.packed;
+  a.scales = p.experts.scales;
+  a.global_scale = p.experts.global_scale;
+  a.ids = p.expert_ids;
+  a.weights = p.routing_weights;
+  a.num_experts = p.experts.num_experts;
+  a.top_k = p.top_k;
+  a.hidden = static_cast<int>(p.experts.rows);
+  a.inter = static_cast<int>(p.experts.cols);
+  a.row_units = a.hidden / kRowUnit;
+  a.rows_max = d.rows_max;
+  a.slot_codes = d.slot_codes;
+  a.slot_scales = d.slot_scales;
+  a.stage_off = d.stage_off;
+  a.tiles_max = d.tiles_max;
+  a.h = p.h;
+  a.y = p.y;
+  a.accumulate = p.accumulate;
+  FN_CUDA_CHECK(cudaFuncSetAttribute(
+      moe_down_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(d.smem)));
+  launch_pdl("moe_down_bulk_kernel", moe_down_bulk_kernel, static_cast<unsigned>(d.ctas),
+             kDownThreads, d.smem, stream, a);
+  FN_CUDA_LAUNCH_CHECK("moe_down_bulk_kernel");
+}
+
+}  // namespace fn::detail

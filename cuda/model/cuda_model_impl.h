@@ -1,0 +1,332 @@
+// Internal to cuda/ (not a public header): the device-side state of one CudaModel — its arena,
+// per-layer weight views, sequence state and activation buffers — shared by cuda_model.cpp (load,
+// the decode step and its graphs) and cuda_prefill.cpp (the batched prefill of issue 7). The
+// invariants are CudaModel's (cuda_model.h): everything the decode graph touches is allocated
+// before its first capture; prefill buffers live apart and are never captured.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cuda/common/cuda_check.h"
+#include "core/error.h"
+#include "core/ngram.h"
+#include "core/shard_plan.h"
+#include "cuda/model/cuda_model.h"
+#include "cuda/kernels/moe_nvfp4.h"
+#include "cuda/kernels/ple.h"
+#include "cuda/kernels/qsa.h"
+#include "cuda/kernels/sample.h"
+
+namespace fn {
+namespace model_detail {
+
+class WeightSource;      // cuda_model.cpp: where load()/random() take the weights from
+class CheckpointSource;  // cuda_model.cpp
+
+/// The QSA kernels' shape fields for this rank (local heads, RoPE, indexer; no pointers).
+QsaDecodeParams qsa_shape(const ModelConfig& c, const CudaModelOptions& o);
+
+// ---- device memory -----------------------------------------------------------------------------
+
+// Every device allocation of the model: weights and (in one block) states + activations. All of
+// it is allocated before the first capture and freed with the model.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  // A fresh zeroed block of `bytes` (256-byte aligned). Throws fn::Error(Cuda) naming the size.
+  void* alloc(std::size_t bytes, const char* what) {
+    void* p = nullptr;
+    const std::size_t n = std::max<std::size_t>(bytes, 256);
+    const cudaError_t rc = cudaMalloc(&p, n);
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      std::size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      FN_THROW(Cuda,
+               "out of device memory allocating {:.2f} MiB for {} ({:.2f} GiB held by the model, "
+               "{:.2f} GiB free of {:.2f} GiB): {}",
+               n / 1048576.0, what, held_ / 1073741824.0, free_b / 1073741824.0,
+               total_b / 1073741824.0, cudaGetErrorString(rc));
+    }
+    FN_CUDA_CHECK(cudaMemset(p, 0, n));
+    blocks_.push_back(p);
+    held_ += n;
+    return p;
+  }
+  template <typename T>
+  T* alloc_n(int64_t count, const char* what) {
+    return static_cast<T*>(alloc(static_cast<std::size_t>(count) * sizeof(T), what));
+  }
+  // alloc_n for per-sequence state and scratch (counted apart from the weights).
+  template <typename T>
+  T* state_n(int64_t count, const char* what) {
+    const uint64_t before = held_;
+    T* p = alloc_n<T>(count, what);
+    state_held_ += held_ - before;
+    return p;
+  }
+  uint64_t held() const noexcept { return held_; }
+  uint64_t state_held() const noexcept { return state_held_; }
+
+ private:
+  std::vector<void*> blocks_;
+  uint64_t held_ = 0;
+  uint64_t state_held_ = 0;
+};
+
+// Carves one allocation into 256-byte aligned pieces: sized in a first pass (base == nullptr),
+// assigned in the second.
+class Carver {
+ public:
+  explicit Carver(std::byte* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    const std::size_t bytes =
+        (static_cast<std::size_t>(std::max<int64_t>(count, 1)) * sizeof(T) + 255) &
+        ~std::size_t{255};
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += bytes;
+    return p;
+  }
+  std::size_t used() const noexcept { return used_; }
+
+ private:
+  std::byte* base_;
+  std::size_t used_ = 0;
+};
+
+// ---- device weights and states of one layer ----------------------------------------------------
+
+struct DevHc {
+  const uint16_t* norm = nullptr;      // [W] BF16
+  const uint16_t* down_inj = nullptr;  // [R (+ S), W] BF16
+  int64_t down_rows = 0;               // R + S, or R for the final mixer
+  const uint16_t* up = nullptr;        // [W, R] BF16
+};
+
+struct DevGdn {
+  const uint16_t* in_proj = nullptr;  // [conv_l + Hv*dv + 2*Hv, D]: qkv | z | a | b
+  int64_t in_rows = 0;
+  const uint16_t* out = nullptr;  // [D, Hv*dv]
+  float *conv = nullptr, *A_log = nullptr, *dt_bias = nullptr, *norm = nullptr;
+  float* conv_state = nullptr;  // [conv_l, K-1]
+  float* S = nullptr;           // [Hv, dk, dv]
+  unsigned int* counters = nullptr;
+  float* o_scratch = nullptr;
+};
+
+struct DevQsa {
+  const uint16_t* in_proj = nullptr;  // [Hq*2hd + 2*Hkv*hd + (ni+1)*ihd, D]
+  int64_t in_rows = 0;
+  const uint16_t* o = nullptr;  // [D, Hq*hd]
+  float *q_norm = nullptr, *k_norm = nullptr, *iq_norm = nullptr, *ik_norm = nullptr;
+  uint16_t *k_cache = nullptr, *v_cache = nullptr;
+  float *raw_keys = nullptr, *block_keys = nullptr;
+  void* workspace = nullptr;
+};
+
+struct DevMoe {
+  const uint16_t* router = nullptr;     // [E + 1, D]: router rows, then shared_expert_gate
+  const uint16_t* s_gate_up = nullptr;  // [2*Is, D]
+  const uint16_t* s_down = nullptr;     // [D, Is]
+  Nvfp4Experts gate_up, down;
+};
+
+struct DevPle {
+  const uint16_t* kv_proj = nullptr;  // [S*P + D, P]: key_proj | value_proj
+  float *norm_key = nullptr, *norm_query = nullptr, *norm_conv = nullptr, *conv = nullptr;
+  float* conv_state = nullptr;
+  const uint8_t* rows = nullptr;  // this rank's n-gram rows
+  int64_t first_row = 0, row_count = 0;
+  bool fp8 = true;
+  float scale = 1.0f;
+  NgramConstants consts;
+};
+
+struct DevLayer {
+  bool qsa = false;
+  bool has_ple = false;
+  DevPle ple;
+  DevHc attn_hc, mlp_hc;
+  DevGdn gdn;
+  DevQsa attn;
+  DevMoe moe;
+};
+
+/// qsa_shape plus QSA layer `a`'s norms and caches (what launch_qsa_decode and
+/// launch_qsa_prefill share; projections, position, workspace and output left for the caller).
+QsaDecodeParams qsa_layer(const ModelConfig& c, const CudaModelOptions& o, const DevQsa& a);
+
+/// The fields launch_gdn_decode and launch_gdn_prefill share (GdnDecodeParams /
+/// GdnPrefillParams): layer `g`'s weights and states and this rank's GDN shape.
+template <class Params>
+void set_gdn_layer(Params& p, const ModelConfig& c, const RankDims& rd, const DevGdn& g) {
+  p.conv_weight = g.conv;
+  p.A_log = g.A_log;
+  p.dt_bias = g.dt_bias;
+  p.norm_weight = g.norm;
+  p.conv_state = g.conv_state;
+  p.state = g.S;
+  p.num_k_heads = static_cast<int>(rd.linear_k_heads);
+  p.num_v_heads = static_cast<int>(rd.linear_v_heads);
+  p.k_head_dim = static_cast<int>(c.linear_key_head_dim);
+  p.v_head_dim = static_cast<int>(c.linear_value_head_dim);
+  p.conv_kernel = static_cast<int>(c.linear_conv_kernel_dim);
+  p.eps = static_cast<float>(c.rms_norm_eps);
+}
+
+/// The n-gram gather's constants and table view for the PLE layer `pl` (token, context and out
+/// left for the caller).
+NgramGatherParams ngram_gather_params(const ModelConfig& c, const DevPle& pl);
+/// The PLE apply's weights, state and sizes for `pl` (kv and H left for the caller).
+PleApplyParams ple_apply_params(const ModelConfig& c, const DevPle& pl);
+
+/// Ints per step (or prefill row) of the choice log: the router's top-k ids of every layer, then
+/// per QSA layer the selected blocks (block_topk slots) and the counters {count, B, tokens, 0}.
+int64_t choice_log_ints(const ModelConfig& c, int64_t qsa_layers);
+/// Decodes one step's choice log (choice_log_ints ints) into StepChoices. Throws
+/// fn::Error(Internal) on a selected-block count outside [0, block_topk].
+StepChoices choices_from_log(const ModelConfig& c, int64_t qsa_layers, const int32_t* log);
+
+/// Device bytes of the batched prefill's pass buffers (cuda_prefill.cpp, allocated at the first
+/// prefill()) for min(o.prefill_chunk, o.ctx_size) tokens per pass.
+std::size_t prefill_buffer_bytes(const ModelConfig& c, const CudaModelOptions& o,
+                                 const std::vector<DevLayer>& layers, int64_t v_local);
+/// Logs prefill_buffer_bytes on rank 0 and refuses (fn::Error(Usage), naming the bytes, the
+/// free memory and --prefill-chunk) when they exceed the device's free memory now, so a model
+/// that loads never fails later at its first prompt for want of pass buffers.
+void require_prefill_fits(const ModelConfig& c, const CudaModelOptions& o,
+                          const std::vector<DevLayer>& layers, int64_t v_local);
+
+}  // namespace model_detail
+
+struct CudaPrefillState;
+
+struct CudaModel::Impl {
+  model_detail::DeviceArena arena;
+  cudaStream_t stream = nullptr;
+  bool own_stream = false;
+  std::vector<model_detail::DevLayer> layers;
+  model_detail::DevHc final_hc;
+  const uint16_t* embed = nullptr;    // [V, D]
+  const uint16_t* lm_head = nullptr;  // [V/tp, D]
+  int64_t v_local = 0, v_first = 0;
+
+  // Activations and step scalars (one block).
+  float* H = nullptr;           // [W] FP32 residual (embed writes it at every step)
+  float* H_alt = nullptr;       // [W] FP32 the other residual buffer of the fused HC inject
+  float* t = nullptr;           // [hc_down_splits(S, D), R + S] partial dots of the HC down pass
+  float* sumsq = nullptr;       // [hc_down_splits(S, D)] partial sums of H^2 (HC down pass)
+  float* m = nullptr;           // [D] FP32 block input (every BF16 GEMV reads it as FP32)
+  uint16_t* m_bf16 = nullptr;   // [D] BF16 copy of the MLP-side m for the NVFP4 experts (W4A16)
+  float* iota = nullptr;        // [S]
+  float* proj = nullptr;        // [max in rows] FP32
+  uint16_t* mix_out = nullptr;  // [max(Hv*dv, Hq*hd)] BF16
+  float* y = nullptr;           // [D] FP32
+  float* ys = nullptr;          // [D] FP32 shared expert
+  float* rl = nullptr;          // [E + 1] router logits + shared gate logit
+  int32_t* ids = nullptr;       // [k]
+  float* rw = nullptr;          // [k]
+  uint16_t* h = nullptr;        // [k, I_l] BF16
+  float* sgu = nullptr;         // [2 Is] FP32
+  uint16_t* sh = nullptr;       // [Is] BF16
+  float* e_ng = nullptr;        // [P] FP32
+  float* kvp = nullptr;         // [S*P + D] FP32
+  float* logits_local = nullptr;
+  float* logits = nullptr;      // [V] full
+  int32_t* token = nullptr;     // device: the step's input id
+  int64_t* position = nullptr;  // device: its position
+  int64_t* context = nullptr;   // device [ngram_size - 1]
+  int32_t* error_flag = nullptr;
+  float* router_mailbox = nullptr;  // launch_router_shared_gate_up's mailbox (empty: reset_state)
+  int64_t* sample_step = nullptr;
+  float* residuals = nullptr;        // [2 * layers, W] (keep_residuals)
+  int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)
+  int32_t* forced_blocks = nullptr;  // [QSA layers, block_topk] (replay_choices)
+  int32_t* choice_log = nullptr;  // [layers * k + QSA layers * (block_topk + 4)] (record_choices)
+  int32_t* history = nullptr;
+  int64_t history_capacity = 0;
+  void* sample_ws = nullptr;
+  std::size_t sample_ws_bytes = 0;
+
+  float* host_logits = nullptr;   // pinned [V]
+  int32_t* host_token = nullptr;  // pinned [3]: the fed id, then decode()'s two id slots
+  int32_t* host_flag = nullptr;   // pinned [2]: the error flag, per decode() slot
+
+  cudaGraphExec_t logits_graph = nullptr;
+  cudaGraphExec_t sample_graph = nullptr;
+  cudaGraphExec_t profile_graph = nullptr;  // sample_graph with event record nodes
+
+  // profile_steps: a CUDA event at every family boundary of a step while `marks` is set.
+  struct Marks {
+    std::vector<cudaEvent_t> events;
+    std::vector<int> family;  // family of the segment that starts at events[i]; last: end
+    std::size_t used = 0;
+    bool external = false;  // recorded inside a capture (event record nodes)
+  };
+  Marks* marks = nullptr;
+  Marks eager_marks, graph_marks;
+  // Records the start of a `family` segment (nothing unless profiling; a repeated family
+  // continues its segment).
+  void mark(StepFamily family) { mark_index(static_cast<int>(family)); }
+  void mark_end() { mark_index(kStepFamilyCount); }
+  void mark_index(int family) {
+    if (marks == nullptr) return;
+    Marks& mk = *marks;
+    if (mk.used > 0 && mk.family[mk.used - 1] == family) return;
+    FN_CHECK(mk.used < mk.events.size(), "more than {} family boundaries in a step",
+             mk.events.size());
+    cudaEvent_t e = mk.events[mk.used];
+    if (mk.external) {
+      FN_CUDA_CHECK(cudaEventRecordWithFlags(e, stream, cudaEventRecordExternal));
+    } else {
+      FN_CUDA_CHECK(cudaEventRecord(e, stream));
+    }
+    mk.family[mk.used++] = family;
+  }
+  DeviceSamplingParams sample_graph_params{};
+  uint64_t weight_bytes = 0;
+  int64_t captures = 0;
+
+  // Loads every weight from `src` and allocates the states and activations.
+  void build(const ModelConfig& c, const CudaModelOptions& o, model_detail::WeightSource& src,
+             model_detail::CheckpointSource* ck, bool ngram_fp8);
+  // Enqueues one decode step on `stream` (the token at *token, position *position); with
+  // `sampling`, also samples the next id into *token and records it in history.
+  void encode_step(const ModelConfig& c, const CudaModelOptions& o,
+                   const DeviceSamplingParams* sampling);
+  // Zeroes the states, fills the n-gram context with EOS, position 0.
+  void reset_state(const ModelConfig& c);
+  std::vector<std::pair<void*, std::size_t>> state_blocks;  // zeroed by reset_state
+
+  // The batched prefill's buffers and cuBLAS handle (cuda_prefill.cpp), made on first use;
+  // shared_ptr because CudaPrefillState is complete only there.
+  std::shared_ptr<CudaPrefillState> prefill;
+
+  ~Impl() {
+    prefill.reset();  // its cuBLAS handle is bound to `stream`
+    if (logits_graph) cudaGraphExecDestroy(logits_graph);
+    if (sample_graph) cudaGraphExecDestroy(sample_graph);
+    if (profile_graph) cudaGraphExecDestroy(profile_graph);
+    for (Marks* mk : {&eager_marks, &graph_marks}) {
+      for (cudaEvent_t e : mk->events) cudaEventDestroy(e);
+    }
+    if (host_logits) cudaFreeHost(host_logits);
+    if (host_token) cudaFreeHost(host_token);
+    if (host_flag) cudaFreeHost(host_flag);
+    if (stream && own_stream) cudaStreamDestroy(stream);
+  }
+};
+
+}  // namespace fn

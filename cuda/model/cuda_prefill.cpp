@@ -1,0 +1,555 @@
+// CudaModel::prefill (see cuda_model.h): the batched prefill of issue 7 (MODEL.md §D). One pass
+// runs M prompt tokens through every layer at once, in the order of the decode step (§C.10):
+//
+//   embed rows -> for each layer { [PLE: n-gram gather rows, all-reduce, key/value GEMM, apply
+//   rows] ; HC read rows (norm, down/inject GEMM, act, up GEMM, mix) ; GDN (in GEMM, scan, out
+//   GEMM) or QSA (in GEMM, prefill with each row's own selection, o GEMM) ; all-reduce ; inject ;
+//   HC read rows ; router GEMM + top-k rows ; routed experts grouped by expert ; shared expert
+//   GEMMs ; combine ; all-reduce ; inject } -> final mixer + lm_head on the rows whose logits are
+//   wanted -> n-gram context and position advance.
+//
+// Dense projections go through cuBLAS with the FP32 activations split into BF16 hi + lo
+// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. The pass buffers
+// live in their own arena, allocated on the first call for CudaModelOptions::prefill_chunk rows.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cuda/common/cuda_check.h"
+#include "comm/device_all_reduce.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/shard_plan.h"
+#include "cuda/model/cuda_model.h"
+#include "cuda/model/cuda_model_impl.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/gdn_prefill.h"
+#include "cuda/kernels/gemm.h"
+#include "cuda/kernels/moe_prefill.h"
+#include "cuda/kernels/ple.h"
+#include "cuda/kernels/prefill_ops.h"
+#include "cuda/kernels/qsa_prefill.h"
+
+namespace fn {
+
+using model_detail::Carver;
+using model_detail::DevHc;
+using model_detail::DevLayer;
+
+namespace {
+// Final-mixer + lm_head rows per launch group (bounds the [rows, vocab] logit buffers).
+constexpr int64_t kLogitRows = 32;
+}  // namespace
+
+// The pass buffers of the batched prefill (cuda_model_impl.h declares it).
+struct CudaPrefillState {
+  model_detail::DeviceArena arena;
+  std::unique_ptr<CublasHandle> blas;
+  int64_t rows = 0;     // tokens per pass (capacity)
+  int64_t proj_ld = 0;  // floats per row of proj
+  int64_t mix_ld = 0;   // BF16 values per row of mix
+  int32_t* tokens = nullptr;
+  float* H = nullptr;        // [rows, W] FP32 residual rows
+  float* scale = nullptr;    // [rows, S] HC norm scales
+  uint16_t* n_hi = nullptr;  // [rows, W] N as BF16 hi
+  uint16_t* n_lo = nullptr;  // [rows, W] N as BF16 lo
+  float* t = nullptr;        // [rows, R + S] HC down/inject GEMM
+  uint16_t* u_hi = nullptr;  // [rows, R]
+  uint16_t* u_lo = nullptr;  // [rows, R]
+  float* g = nullptr;        // [rows, W] HC up GEMM (pre-sigmoid)
+  uint16_t* m_hi = nullptr;  // [rows, D] block input hi (= the experts' BF16 input)
+  uint16_t* m_lo = nullptr;  // [rows, D]
+  float* iota = nullptr;     // [rows, S]
+  float* proj = nullptr;     // [rows, proj_ld] mixer / shared-expert / PLE projections
+  uint16_t* mix = nullptr;   // [rows, mix_ld] BF16 mixer outputs
+  float* y = nullptr;        // [rows, D]
+  float* ys = nullptr;       // [rows, D] shared expert
+  float* rl = nullptr;       // [rows, E + 1] router logits + shared gate logit
+  int32_t* ids = nullptr;    // [rows, k]
+  float* rw = nullptr;       // [rows, k]
+  uint16_t* sh = nullptr;    // [rows, Is] shared expert hidden
+  float* e_ng = nullptr;     // [rows, P] n-gram embeddings
+  uint16_t* e_hi = nullptr;  // [rows, P]
+  uint16_t* e_lo = nullptr;  // [rows, P]
+  float* ple_scratch = nullptr;
+  void* gdn_ws = nullptr;
+  void* qsa_ws = nullptr;
+  void* moe_ws = nullptr;
+  float* logits_local = nullptr;  // [kLogitRows, v_local] (TP > 1)
+  float* logits = nullptr;        // [kLogitRows, V]
+  std::vector<float> host_logits;
+  int64_t host_position = 0;  // source of the device position update
+  // record_choices: each QSA layer's per-row selection (device), and every row's choices on the
+  // host in the decode step's log layout (choice_log_ints() ints per row).
+  int32_t* sel_log = nullptr;  // [rows, sel_max]
+  int32_t* cnt_log = nullptr;  // [rows, 4]
+  int64_t sel_max = 0;
+  std::vector<int32_t> choice_rows;
+};
+
+namespace {
+
+// Carves (or, with base == nullptr, sizes) every pass buffer for `rows` tokens.
+std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfig& c,
+                          const CudaModelOptions& o, const std::vector<DevLayer>& layers,
+                          int64_t v_local, int64_t rows) {
+  const RankDims rd = rank_dims(c, o.tp_size, o.tp_rank);
+  const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
+  const int64_t E = c.num_experts, k = c.num_experts_per_tok, P_ = c.ple_embed_dim;
+  const int64_t Is = rd.shared_inter;
+  int64_t proj_ld = std::max<int64_t>(E + 1, 2 * Is);
+  if (c.has_ple()) proj_ld = std::max(proj_ld, S * P_ + D);
+  for (const DevLayer& L : layers)
+    proj_ld = std::max(proj_ld, L.qsa ? L.attn.in_rows : L.gdn.in_rows);
+  const int64_t mix_ld =
+      std::max(rd.linear_v_heads * c.linear_value_head_dim, rd.q_heads * c.head_dim);
+  Carver cv(base);
+  P.rows = rows;
+  P.proj_ld = proj_ld;
+  P.mix_ld = mix_ld;
+  P.tokens = cv.take<int32_t>(rows);
+  P.H = cv.take<float>(rows * W);
+  P.scale = cv.take<float>(rows * S);
+  P.n_hi = cv.take<uint16_t>(rows * W);
+  P.n_lo = cv.take<uint16_t>(rows * W);
+  P.t = cv.take<float>(rows * (R + S));
+  P.u_hi = cv.take<uint16_t>(rows * R);
+  P.u_lo = cv.take<uint16_t>(rows * R);
+  P.g = cv.take<float>(rows * W);
+  P.m_hi = cv.take<uint16_t>(rows * D);
+  P.m_lo = cv.take<uint16_t>(rows * D);
+  P.iota = cv.take<float>(rows * S);
+  P.proj = cv.take<float>(rows * proj_ld);
+  P.mix = cv.take<uint16_t>(rows * mix_ld);
+  P.y = cv.take<float>(rows * D);
+  P.ys = cv.take<float>(rows * D);
+  P.rl = cv.take<float>(rows * (E + 1));
+  P.ids = cv.take<int32_t>(rows * k);
+  P.rw = cv.take<float>(rows * k);
+  P.sh = cv.take<uint16_t>(rows * Is);
+  if (c.has_ple()) {
+    P.e_ng = cv.take<float>(rows * P_);
+    P.e_hi = cv.take<uint16_t>(rows * P_);
+    P.e_lo = cv.take<uint16_t>(rows * P_);
+    PleApplyRowsParams pr;
+    pr.rows = rows;
+    pr.base.hc_count = static_cast<int>(S);
+    P.ple_scratch = cv.take<float>(ple_apply_rows_scratch_floats(pr));
+  }
+  GdnPrefillParams gp;
+  gp.tokens = rows;
+  gp.num_k_heads = static_cast<int>(rd.linear_k_heads);
+  gp.num_v_heads = static_cast<int>(rd.linear_v_heads);
+  gp.k_head_dim = static_cast<int>(c.linear_key_head_dim);
+  gp.v_head_dim = static_cast<int>(c.linear_value_head_dim);
+  gp.conv_kernel = static_cast<int>(c.linear_conv_kernel_dim);
+  P.gdn_ws = cv.take<std::byte>(static_cast<int64_t>(gdn_prefill_workspace_bytes(gp)));
+  QsaPrefillParams qp;
+  qp.shape = model_detail::qsa_shape(c, o);
+  qp.tokens = rows;
+  P.qsa_ws = cv.take<std::byte>(static_cast<int64_t>(qsa_prefill_workspace_bytes(qp)));
+  if (!layers.empty()) {  // every layer has the same expert shapes
+    MoePrefillParams mp;
+    mp.gate_up = layers.front().moe.gate_up;
+    mp.down = layers.front().moe.down;
+    mp.tokens = rows;
+    mp.top_k = static_cast<int>(k);
+    P.moe_ws = cv.take<std::byte>(static_cast<int64_t>(moe_prefill_workspace_bytes(mp)));
+  }
+  if (o.record_choices) {
+    P.sel_max = qsa_prefill_layout(qp).sel_max;
+    P.sel_log = cv.take<int32_t>(rows * P.sel_max);
+    P.cnt_log = cv.take<int32_t>(rows * 4);
+  }
+  const int64_t lr = std::min(rows, kLogitRows);
+  if (o.tp_size > 1) P.logits_local = cv.take<float>(lr * v_local);
+  P.logits = cv.take<float>(lr * c.vocab_size);
+  return cv.used();
+}
+
+// FN_PREFILL_PROFILE=1: a CUDA event at every op-family boundary of the prefill; the per-family
+// time of the whole call is logged on rank 0 (info). Off: no events, no cost.
+class PrefillProfile {
+ public:
+  explicit PrefillProfile(cudaStream_t s) : stream_(s) {
+    const char* env = std::getenv("FN_PREFILL_PROFILE");
+    on_ = env != nullptr && env[0] == '1';
+  }
+  ~PrefillProfile() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  PrefillProfile(const PrefillProfile&) = delete;
+  PrefillProfile& operator=(const PrefillProfile&) = delete;
+  void mark(StepFamily f) { mark_index(static_cast<int>(f)); }
+  // Adds the marked segments (the stream must be synchronised) and starts over.
+  void collect() {
+    if (!on_) return;
+    mark_index(kStepFamilyCount);
+    FN_CUDA_CHECK(cudaEventSynchronize(events_[used_ - 1]));
+    for (std::size_t i = 0; i + 1 < used_; ++i) {
+      float ms = 0;
+      FN_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+      ms_[static_cast<std::size_t>(family_[i])] += ms;
+    }
+    used_ = 0;
+    family_.clear();
+  }
+  void log(int64_t tokens, int64_t passes) const {
+    if (!on_) return;
+    std::string line;
+    double total = 0;
+    for (int f = 0; f < kStepFamilyCount; ++f) {
+      const double ms = ms_[static_cast<std::size_t>(f)];
+      total += ms;
+      if (ms > 0)
+        line += fmt::format(" {} {:.1f}", step_family_name(static_cast<StepFamily>(f)), ms);
+    }
+    FN_LOG_INFO("prefill profile ({} tokens, {} passes), ms:{}; sum {:.1f}", tokens, passes, line,
+                total);
+  }
+
+ private:
+  void mark_index(int f) {
+    if (!on_ || (!family_.empty() && family_.back() == f)) return;
+    if (used_ == events_.size()) {
+      cudaEvent_t e = nullptr;
+      FN_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+    FN_CUDA_CHECK(cudaEventRecord(events_[used_++], stream_));
+    family_.push_back(f);
+  }
+  cudaStream_t stream_;
+  bool on_ = false;
+  std::vector<cudaEvent_t> events_;
+  std::size_t used_ = 0;
+  std::vector<int> family_;
+  std::array<double, kStepFamilyCount> ms_{};
+};
+
+}  // namespace
+
+std::size_t model_detail::prefill_buffer_bytes(const ModelConfig& c, const CudaModelOptions& o,
+                                               const std::vector<DevLayer>& layers,
+                                               int64_t v_local) {
+  CudaPrefillState sizing;
+  return carve_prefill(sizing, nullptr, c, o, layers, v_local,
+                       std::min(std::max<int64_t>(o.prefill_chunk, 1), o.ctx_size));
+}
+
+void model_detail::require_prefill_fits(const ModelConfig& c, const CudaModelOptions& o,
+                                        const std::vector<DevLayer>& layers, int64_t v_local) {
+  FN_REQUIRE(o.prefill_chunk >= 1, Usage, "--prefill-chunk must be >= 1 token, got {}",
+             o.prefill_chunk);
+  const std::size_t need = prefill_buffer_bytes(c, o, layers, v_local);
+  std::size_t free_b = 0, total_b = 0;
+  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const int64_t rows = std::min(o.prefill_chunk, o.ctx_size);
+  if (o.tp_rank == 0)
+    FN_LOG_INFO(
+        "prefill: {:.2f} GiB of pass buffers for {} tokens per pass (--prefill-chunk), "
+        "allocated at the first prompt; {:.2f} GiB free now",
+        static_cast<double>(need) / 1073741824.0, rows, static_cast<double>(free_b) / 1073741824.0);
+  FN_REQUIRE(need <= free_b, Usage,
+             "the batched prefill needs {:.2f} GiB of pass buffers for {} tokens per pass, but "
+             "only {:.2f} GiB of device memory are free after the weights and the {}-token "
+             "context: give a smaller --prefill-chunk (the buffers scale with it) or -c/--ctx-size",
+             static_cast<double>(need) / 1073741824.0, rows,
+             static_cast<double>(free_b) / 1073741824.0, o.ctx_size);
+}
+
+std::vector<StepChoices> CudaModel::prefill_choices() const {
+  const Impl& I = *impl_;
+  FN_REQUIRE(opt_.record_choices, Usage, "prefill_choices needs CudaModelOptions::record_choices");
+  if (!I.prefill) return {};
+  int64_t n_qsa = 0;
+  for (const DevLayer& L : I.layers) n_qsa += L.qsa ? 1 : 0;
+  const int64_t per_row = model_detail::choice_log_ints(cfg_, n_qsa);
+  const std::vector<int32_t>& log = I.prefill->choice_rows;
+  std::vector<StepChoices> out;
+  for (std::size_t at = 0; at + per_row <= log.size(); at += static_cast<std::size_t>(per_row))
+    out.push_back(model_detail::choices_from_log(cfg_, n_qsa, log.data() + at));
+  return out;
+}
+
+std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, PrefillLogits want) {
+  Impl& I = *impl_;
+  const ModelConfig& c = cfg_;
+  const CudaModelOptions& o = opt_;
+  const auto n = static_cast<int64_t>(tokens.size());
+  FN_REQUIRE(n >= 1, Usage, "the prompt is empty (0 tokens): give at least one token");
+  for (int64_t i = 0; i < n; ++i)
+    FN_REQUIRE(tokens[i] >= 0 && tokens[i] < c.vocab_size, Usage,
+               "prompt token {} (id {}) is outside the vocabulary [0, {})", i, tokens[i],
+               c.vocab_size);
+  FN_REQUIRE(position_ + n <= o.ctx_size, Usage,
+             "prefilling {} tokens from position {} needs {} tokens of context, more than "
+             "-c/--ctx-size {}",
+             n, position_, position_ + n, o.ctx_size);
+  FN_REQUIRE(!o.replay_choices && !o.keep_residuals, Usage,
+             "the batched prefill neither replays choices nor keeps residuals (tests only): "
+             "run those prompts through forward()");
+  // o.prefill_chunk >= 1: the load checked it (require_prefill_fits).
+
+  if (!I.prefill) {
+    auto st = std::make_shared<CudaPrefillState>();
+    const int64_t rows = std::min(o.prefill_chunk, o.ctx_size);
+    const std::size_t bytes = carve_prefill(*st, nullptr, c, o, I.layers, I.v_local, rows);
+    void* base = nullptr;
+    try {
+      base = st->arena.alloc(bytes, "the batched prefill's pass buffers");
+    } catch (const Error& e) {
+      FN_THROW(Cuda, "{} — the prefill needs {:.2f} GiB for --prefill-chunk {}; give a smaller one",
+               e.what(), static_cast<double>(bytes) / 1073741824.0, rows);
+    }
+    carve_prefill(*st, static_cast<std::byte*>(base), c, o, I.layers, I.v_local, rows);
+    st->blas = std::make_unique<CublasHandle>(I.stream);
+    I.prefill = std::move(st);
+  }
+  CudaPrefillState& P = *I.prefill;
+
+  const int tp = o.tp_size;
+  const RankDims rd = rank_dims(c, tp, o.tp_rank);
+  const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
+  const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
+  const int64_t Is = rd.shared_inter;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  cudaStream_t s = I.stream;
+  cublasHandle_t blas = P.blas->get();
+
+  PrefillProfile prof(s);
+  auto all_reduce = [&](float* buf, int64_t count) {
+    if (tp > 1) {
+      prof.mark(StepFamily::AllReduce);
+      o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
+    }
+  };
+  // record_choices: every row's router ids and QSA selections, laid out per row as the decode
+  // step's choice log (model_detail::choice_log_ints).
+  const int64_t n_layers = c.num_hidden_layers;
+  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
+  int64_t n_qsa = 0;
+  for (const DevLayer& L : I.layers) n_qsa += L.qsa ? 1 : 0;
+  const int64_t per_row = model_detail::choice_log_ints(c, n_qsa);
+  if (o.record_choices) P.choice_rows.assign(static_cast<std::size_t>(n * per_row), 0);
+  auto log_rows = [&](int64_t c0, int64_t m, int64_t offset, const int32_t* src, int64_t width,
+                      int64_t src_ld) {
+    FN_CUDA_CHECK(cudaMemcpy2DAsync(P.choice_rows.data() + c0 * per_row + offset,
+                                    sizeof(int32_t) * per_row, src, sizeof(int32_t) * src_ld,
+                                    sizeof(int32_t) * width, m, cudaMemcpyDeviceToHost, s));
+  };
+  auto gemm = [&](const uint16_t* w, int64_t rows_w, int64_t cols_w, const uint16_t* x_hi,
+                  const uint16_t* x_lo, int64_t ldx, int64_t m, float* y, int64_t ldy) {
+    GemmRowsParams g;
+    g.w = w;
+    g.n = rows_w;
+    g.k = cols_w;
+    g.x_hi = x_hi;
+    g.x_lo = x_lo;
+    g.ldx = ldx;
+    g.m = m;
+    g.y = y;
+    g.ldy = ldy;
+    gemm_rows(blas, g);
+  };
+  // HC read of `m` rows of H starting at Hrows: m_hi/m_lo rows 0..m-1 and iota (when given).
+  auto hc_read = [&](const DevHc& hc, const float* Hrows, int64_t m, float* iota_out) {
+    prof.mark(StepFamily::Hc);
+    launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, P.n_lo, s);
+    gemm(hc.down_inj, hc.down_rows, W, P.n_hi, P.n_lo, W, m, P.t, hc.down_rows);
+    launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, P.u_lo, iota_out, s);
+    gemm(hc.up, W, R, P.u_hi, P.u_lo, R, m, P.g, W);
+    launch_hc_mix_rows(P.g, Hrows, P.scale, hc.norm, static_cast<int>(S), D, m, P.m_hi, P.m_lo, s);
+  };
+  auto inject = [&](int64_t m) {
+    prof.mark(StepFamily::Hc);
+    launch_hc_inject_rows(P.H, P.iota, P.y, static_cast<int>(S), D, m, s);
+  };
+
+  if (want == PrefillLogits::All)
+    P.host_logits.assign(static_cast<std::size_t>(n * V), 0.0f);
+  else if (want == PrefillLogits::Last)
+    P.host_logits.assign(static_cast<std::size_t>(V), 0.0f);
+
+  int64_t passes = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += P.rows) {
+    ++passes;
+    int64_t layer_index = 0, qsa_index = 0;
+    const int64_t M = std::min(P.rows, n - c0);
+    const int64_t p0 = position_;
+    FN_CUDA_CHECK(cudaMemcpyAsync(P.tokens, tokens.data() + c0, sizeof(int32_t) * M,
+                                  cudaMemcpyHostToDevice, s));
+    prof.mark(StepFamily::Other);
+    launch_embed_rows(I.embed, V, D, static_cast<int>(S), P.tokens, M, P.H, I.error_flag, s);
+
+    for (DevLayer& L : I.layers) {
+      if (L.has_ple) {
+        prof.mark(StepFamily::Ple);
+        const model_detail::DevPle& pl = L.ple;
+        const int64_t Pd = c.ple_embed_dim;
+        NgramGatherRowsParams ng;
+        ng.base = model_detail::ngram_gather_params(c, pl);
+        ng.base.context = I.context;
+        ng.tokens = P.tokens;
+        ng.rows = M;
+        ng.out = P.e_ng;
+        launch_ngram_gather_rows(ng, s);
+        all_reduce(P.e_ng, M * Pd);
+        prof.mark(StepFamily::Ple);
+        launch_split_bf16(P.e_ng, M * Pd, P.e_hi, P.e_lo, s);
+        const int64_t kv_rows = S * Pd + D;
+        gemm(pl.kv_proj, kv_rows, Pd, P.e_hi, P.e_lo, Pd, M, P.proj, kv_rows);
+        PleApplyRowsParams pa;
+        pa.base = model_detail::ple_apply_params(c, pl);
+        pa.kv = P.proj;
+        pa.kv_stride = kv_rows;
+        pa.H = P.H;
+        pa.rows = M;
+        pa.scratch = P.ple_scratch;
+        launch_ple_apply_rows(pa, s);
+      }
+      hc_read(L.attn_hc, P.H, M, P.iota);
+      if (L.qsa) {
+        prof.mark(StepFamily::QsaMixer);
+        const model_detail::DevQsa& a = L.attn;
+        gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
+        QsaPrefillParams qp;
+        qp.shape = model_detail::qsa_layer(c, o, a);
+        qp.proj = P.proj;
+        qp.proj_stride = P.proj_ld;
+        qp.tokens = M;
+        qp.first_position = p0;
+        qp.out = P.mix;
+        qp.workspace = P.qsa_ws;
+        qp.selected_log = P.sel_log;
+        qp.counters_log = P.cnt_log;
+        launch_qsa_prefill(qp, s);
+        if (o.record_choices) {
+          const int64_t at = n_layers * k + qsa_index * (topk + 4);
+          log_rows(c0, M, at, P.sel_log, std::min(P.sel_max, topk), P.sel_max);
+          log_rows(c0, M, at + topk, P.cnt_log, 4, 4);
+        }
+        ++qsa_index;
+        const int64_t width = rd.q_heads * c.head_dim;
+        gemm(a.o, D, width, P.mix, nullptr, width, M, P.y, D);
+      } else {
+        prof.mark(StepFamily::GdnMixer);
+        const model_detail::DevGdn& g = L.gdn;
+        gemm(g.in_proj, g.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
+        GdnPrefillParams gp;
+        model_detail::set_gdn_layer(gp, c, rd, g);
+        gp.proj = P.proj;
+        gp.proj_stride = P.proj_ld;
+        gp.tokens = M;
+        gp.out = P.mix;
+        gp.workspace = P.gdn_ws;
+        launch_gdn_prefill(gp, s);
+        const int64_t width = rd.linear_v_heads * c.linear_value_head_dim;
+        gemm(g.out, D, width, P.mix, nullptr, width, M, P.y, D);
+      }
+      all_reduce(P.y, M * D);
+      inject(M);
+
+      hc_read(L.mlp_hc, P.H, M, P.iota);
+      prof.mark(StepFamily::Router);
+      const model_detail::DevMoe& mo = L.moe;
+      gemm(mo.router, E + 1, D, P.m_hi, P.m_lo, D, M, P.rl, E + 1);
+      RouterRowsParams rr;
+      rr.logits = P.rl;
+      rr.logits_stride = E + 1;
+      rr.rows = M;
+      rr.num_experts = static_cast<int>(E);
+      rr.top_k = static_cast<int>(k);
+      rr.norm_topk_prob = c.norm_topk_prob;
+      rr.ids = P.ids;
+      rr.weights = P.rw;
+      rr.error_flag = I.error_flag;
+      launch_router_topk_rows(rr, s);
+      if (o.record_choices) log_rows(c0, M, layer_index * k, P.ids, k, k);
+      ++layer_index;
+      prof.mark(StepFamily::RoutedMoe);
+      MoePrefillParams mp;
+      mp.gate_up = mo.gate_up;
+      mp.down = mo.down;
+      mp.ids = P.ids;
+      mp.weights = P.rw;
+      mp.tokens = M;
+      mp.top_k = static_cast<int>(k);
+      mp.x = P.m_hi;  // W4A16: the experts take m rounded to BF16, as decode
+      mp.y = P.y;
+      mp.workspace = P.moe_ws;
+      launch_moe_prefill(mp, s);
+      prof.mark(StepFamily::SharedExpert);
+      gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, P.m_lo, D, M, P.proj, 2 * Is);
+      launch_swiglu_rows(P.proj, Is, M, P.sh, s);
+      gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
+      launch_moe_combine_rows(P.y, P.ys, P.rl + E, E + 1, D, M, s);
+      all_reduce(P.y, M * D);
+      inject(M);
+    }
+
+    // Logits of the rows that want them: every row (All) or the prompt's last (Last).
+    int64_t r_begin = M, r_end = M;
+    if (want == PrefillLogits::All) r_begin = 0;
+    if (want == PrefillLogits::Last && c0 + M == n) r_begin = M - 1;
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += kLogitRows) {
+      const int64_t m = std::min(kLogitRows, r_end - r0);
+      hc_read(I.final_hc, P.H + r0 * W, m, nullptr);
+      prof.mark(StepFamily::LmHead);
+      if (tp > 1) {
+        gemm(I.lm_head, I.v_local, D, P.m_hi, P.m_lo, D, m, P.logits_local, I.v_local);
+        for (int64_t j = 0; j < m; ++j) {
+          ScatterLogitsParams sc;
+          sc.local = P.logits_local + j * I.v_local;
+          sc.full = P.logits + j * V;
+          sc.v_local = I.v_local;
+          sc.v_first = I.v_first;
+          sc.vocab = V;
+          launch_scatter_logits(sc, s);
+        }
+        all_reduce(P.logits, m * V);
+        prof.mark(StepFamily::LmHead);
+      } else {
+        gemm(I.lm_head, V, D, P.m_hi, P.m_lo, D, m, P.logits, V);
+      }
+      const int64_t dst = want == PrefillLogits::All ? (c0 + r0) * V : 0;
+      FN_CUDA_CHECK(cudaMemcpyAsync(P.host_logits.data() + dst, P.logits, sizeof(float) * m * V,
+                                    cudaMemcpyDeviceToHost, s));
+    }
+
+    prof.mark(StepFamily::Other);
+    if (c.has_ple()) {
+      NgramContextAdvanceRowsParams ca;
+      ca.context = I.context;
+      ca.ngram_size = static_cast<int>(c.ngram_size);
+      ca.tokens = P.tokens;
+      ca.rows = M;
+      launch_ngram_context_advance_rows(ca, s);
+    }
+    position_ += M;
+    P.host_position = position_;
+    FN_CUDA_CHECK(
+        cudaMemcpyAsync(I.position, &P.host_position, sizeof(int64_t), cudaMemcpyHostToDevice, s));
+    FN_CUDA_CHECK(
+        cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+    FN_CUDA_CHECK(cudaStreamSynchronize(s));
+    if (o.all_reduce) o.all_reduce->check_health();
+    check_step_errors(tokens[c0 + M - 1]);
+    prof.collect();
+  }
+  prof.log(n, passes);
+
+  if (want == PrefillLogits::None) return {};
+  for (std::size_t i = 0; i < P.host_logits.size(); ++i) {
+    FN_REQUIRE(std::isfinite(P.host_logits[i]), Format,
+               "the model produced a non-finite logit ({} for token {}) in the prefill of "
+               "positions {}..{}: the checkpoint's weights hold NaN/Inf or overflow",
+               P.host_logits[i], static_cast<int64_t>(i) % V, position_ - n, position_ - 1);
+  }
+  return {P.host_logits.data(), P.host_logits.size()};
+}
+
+}  // namespace fn

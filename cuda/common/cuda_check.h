@@ -4,7 +4,9 @@
 // CUDA runtime API only: nothing here needs libcuda at link time.
 #pragma once
 
-#include <cuda_runtime_api.h>
+// cuda_runtime.h (not only _api): its typed cudaMalloc/cudaMallocHost overloads are used by
+// host code that includes this header alone.
+#include <cuda_runtime.h>
 
 #include "core/error.h"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `fngen eval` end to end (CTest eval_cli, label mpi). Acceptance of issue 9 on the CPU backend:
+# `fngen eval` end to end (CTest eval_cli, label mpi). Acceptance on the CPU backend:
 # every reference fixture converted to a base file by scripts/reference/dump_reference_logits.py,
 # `eval kld` at -np 1 and 2 (and 4 for tp4): KL(ref ‖ fngen) mean <= 1e-5, same top-1 100 %,
 # PPL(Q) = exp(mean NLL) of the reference logits within 1e-4 (recomputed in tests/eval_check.py);

@@ -139,7 +139,7 @@ mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/small.txt" -c 8 --save-logits "$tmp/tok.f
   >/dev/null 2>"$tmp/err" || fail "ppl on text: $(tail -n 3 "$tmp/err")"
 check tokenizer-id "$tmp/tok_model" "$tmp/tok.fnl"
 
-# ---- bad input: clear errors, exit codes per STYLE.md ----
+# ---- bad input: clear errors, exit codes per docs/design.md "Errors" ----
 expect 3 "vocab_size 384 but the model" -- mpi 1 kld -m "$fx/g3_tiny" --base "$tmp/tp4.fnl"
 check write-foreign "$fx/tp4" "$tmp/foreign.fnl"
 expect 3 "made with tokenizer fnv1a64:tokenizer.json:0123456789abcdef" -- \

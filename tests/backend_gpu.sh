@@ -3,7 +3,7 @@
 # gpu; needs 2 GPUs for the -np 2 runs): the tp4 reference fixture, greedy, at -np 1 and 2 (both
 # --allreduce values at -np 2) must report backend "cuda" and reproduce the transformers
 # reference's generated ids up to the first step whose top-1 margin is below the BF16 tolerance
-# 2e-2 · max |ref logit| (issue 6 acceptance; later steps may legitimately flip); --no-graph must
+# 2e-2 · max |ref logit| (later steps may legitimately flip); --no-graph must
 # print the same ids as the graph; --backend auto picks cuda there; eval ppl runs on cuda.
 # Usage: backend_gpu.sh FNGEN MPIEXEC SOURCE_DIR
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `fngen eval` end to end (CTest eval_cli, label mpi). Acceptance of issue 9 on the CPU backend:
+# `fngen eval` end to end (CTest eval_cli, label mpi). Acceptance on the CPU backend:
 # every reference fixture converted to a base file by scripts/reference/dump_reference_logits.py,
 # `eval kld` at -np 1 and 2 (and 4 for tp4): KL(ref ‖ fngen) mean <= 1e-5, same top-1 100 %,
 # PPL(Q) = exp(mean NLL) of the reference logits within 1e-4 (recomputed in tests/eval_check.py);
@@ -139,7 +139,7 @@ mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/small.txt" -c 8 --save-logits "$tmp/tok.f
   >/dev/null 2>"$tmp/err" || fail "ppl on text: $(tail -n 3 "$tmp/err")"
 check tokenizer-id "$tmp/tok_model" "$tmp/tok.fnl"
 
-# ---- bad input: clear errors, exit codes per STYLE.md ----
+# ---- bad input: clear errors, exit codes per docs/design.md "Errors" ----
 expect 3 "vocab_size 384 but the model" -- mpi 1 kld -m "$fx/g3_tiny" --base "$tmp/tp4.fnl"
 check write-foreign "$fx/tp4" "$tmp/foreign.fnl"
 expect 3 "made with tokenizer fnv1a64:tokenizer.json:0123456789abcdef" -- \

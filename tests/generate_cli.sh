@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `mpirun -np N fngen generate` end to end (CTest generate_cli, label mpi): greedy ids of the tp4
 # reference fixture at -np 1, 2 and 4 (--ignore-eos, and the stop at the first EOS without it),
-# text prompts, chat and --stop on a synthesized Qwen3-vocab model, and the bad-input cases of
-# issue 4: prompt over the context, empty prompt, unknown flag, bad JSONL records (the run goes
+# text prompts, chat and --stop on a synthesized Qwen3-vocab model, and the bad-input cases:
+# prompt over the context, empty prompt, unknown flag, bad JSONL records (the run goes
 # on), a text prompt without a tokenizer, a world size that does not divide the heads, --backend
 # cuda, and a rank killed with SIGKILL mid-generation (mpirun must end non-zero within 10 s).
 # Usage: generate_cli.sh FNGEN MPIEXEC SOURCE_DIR
@@ -105,8 +105,8 @@ expect 2 "got 3" -- mpi 3 -m "$fx/tp4" --prompt-ids 1,2
 expect 2 "--tp 2 must equal the number of MPI ranks" -- mpi 4 -m "$fx/tp4" --prompt-ids 1 --tp 2
 # NaN weights (one BF16 NaN in lm_head row 0, rank 0's vocab slice): the non-finite logit is raised
 # on every rank alike (the logits are all-gathered), so rank 0 alone prints it and every rank ends
-# with exit 3 (fresh-user report, session 19: it went through MPI_Abort, whose notice Open MPI
-# garbled in about 1 run in 3).
+# with exit 3 (it once went through MPI_Abort, whose notice Open MPI garbled in about 1 run
+# in 3).
 cp -r "$fx/tp4" "$tmp/nan_lm"
 $py - "$tmp/nan_lm/model-bf16-00002.safetensors" <<'PY'
 import json, struct, sys

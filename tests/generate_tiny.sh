@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `mpirun -np 4 fngen generate` on the tp4 reference fixture (greedy, --ignore-eos, 32 steps)
 # must print exactly the reference's 32 decode ids. Labelled cpu as well as mpi so that
-# scripts/test.sh's ASan+UBSan pass (ctest -L cpu) runs the whole multi-rank main job clean
-# (issue 4 acceptance). Usage: generate_tiny.sh FNGEN MPIEXEC SOURCE_DIR
+# scripts/test.sh's ASan+UBSan pass (ctest -L cpu) runs the whole multi-rank main job clean.
+# Usage: generate_tiny.sh FNGEN MPIEXEC SOURCE_DIR
 set -u
 fngen=$1 mpiexec=$2 src=$3
 fx=$src/tests/data/fixtures/tp4

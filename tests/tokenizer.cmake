@@ -1,4 +1,4 @@
-# Tokenizer (issue 3): HF goldens, unit/error tests, chat rendering, SentencePiece.
+# Tokenizer: HF goldens, unit/error tests, chat rendering, SentencePiece.
 # NO_MPI: none of them starts MPI (fngen tokenize runs without it), so ASan unwinds fast.
 find_package(ZLIB REQUIRED)
 fn_add_test(NAME test_tokenizer_golden SOURCES test_tokenizer_golden.cpp LIBS fngen_tokenizer ZLIB::ZLIB

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the CUDA backend's acceptance (issues 6 and 9) on the 2-GPU machine:
+# One GPU-machine call for the CUDA backend's acceptance on the 2-GPU machine:
 # builds fngen + test_cuda_model, runs the fixture test (mpirun -np 2), compute-sanitizer memcheck
 # and racecheck on a tiny model (test_cuda_model's bad-input case: load, graph capture, steps),
 # `fngen generate --backend cuda` at TP=1 and TP=2, and `fngen eval kld --backend cuda` against

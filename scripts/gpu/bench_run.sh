@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# One GPU-machine call for issue 8 (deliverables 1-4): builds fngen, runs the full-geometry
-# latency lane (`fngen bench --random-weights --config configs/qwen3.8-flash-next.json`, prefill
-# skipped: position set to the depth, caches hold zeros) with the per-op breakdown at TP=1 and
-# TP=2 (and TP=2 over NCCL instead of the custom all-reduce), and the PyTorch peer (`peer_torch.py bench 48 CTX N`, TP=1) on GPU 0 of the same machine
-# while fngen builds (the peer needs no build; its time comes from CUDA events, so the compile
-# load on the CPU does not enter it). Prints ms/token of both and the ratio. JSON, per-token
-# records and logs go to $OUT.
-# Usage on the 2-GPU machine, from a `git archive` copy in .carry/hN with the peer carried in
-# .carry/peer: FN_BUILD_DIR=../../build-hN bash scripts/gpu/bench_run.sh
-# Environment: FN_BENCH_P (prompt depth, 8192), FN_BENCH_N (generated tokens, 512), FN_BENCH_R
-# (repetitions, 3), FN_BENCH_NCCL (1: also TP=2 over NCCL), FN_BENCH_LANES (the lanes, e.g. "1"),
-# FN_PEER_N (peer tokens, 64), FN_PEER (peer script, ../peer/peer_torch.py). The GPU machine's copy
-# of the tree carries a stale git history: put FN_GIT_COMMIT=<this checkout's short hash> in front
-# of the command, or the reports' "commit" names the wrong one (cmake/git_commit.cmake).
+# One GPU-machine call for the decode lane of docs/performance.md: builds fngen, runs the
+# full-geometry latency lane (`fngen bench --random-weights --config
+# configs/qwen3.8-flash-next.json --backend cuda -p 8192 -n 512 -r 3 --warmup 1 --breakdown`: a
+# real prefill of random ids, then greedy decode) at TP=1 and TP=2 (and TP=2 over NCCL instead of
+# the custom all-reduce), and, when FN_PEER names it, the PyTorch peer script
+# (`peer_torch.py bench 48 CTX N`, TP=1, kept outside this repository) on GPU 0 while fngen
+# builds (its time comes from CUDA events, so the compile load on the CPU does not enter it).
+# Prints ms/token of both and the ratio. JSON, per-token records and logs go to $OUT.
+# Usage on the GPU machine: bash scripts/gpu/bench_run.sh
+# Environment: FN_BUILD_DIR (build-gpu), FN_BENCH_P (prompt depth, 8192), FN_BENCH_N (generated
+# tokens, 512), FN_BENCH_R (repetitions, 3), FN_BENCH_NCCL (1: also TP=2 over NCCL),
+# FN_BENCH_LANES (the lanes, e.g. "1" on a one-GPU machine), FN_PEER (the peer script; none by
+# default), FN_PEER_N (peer tokens, 64). In a tree without its git history, put
+# FN_GIT_COMMIT=<hash> in front of the command, or the reports' "commit" is "unknown"
+# (cmake/git_commit.cmake).
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/bench-out}
@@ -23,7 +24,7 @@ p=${FN_BENCH_P:-8192}
 n=${FN_BENCH_N:-512}
 r=${FN_BENCH_R:-3}
 peer_n=${FN_PEER_N:-64}
-peer=${FN_PEER:-../peer/peer_torch.py}
+peer=${FN_PEER:-}
 mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
 t0=$SECONDS
 nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv \
@@ -31,12 +32,12 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.max.
 cat "$out/gpus.csv"
 
 peer_pid=
-if [ -f "$peer" ]; then
+if [ -n "$peer" ] && [ -f "$peer" ]; then
   (CUDA_VISIBLE_DEVICES=0 timeout 200 python3 "$peer" bench 48 "$p" "$peer_n" >"$out/peer.txt" 2>&1
     echo "rc=$?" >>"$out/peer.txt") &
   peer_pid=$!
 else
-  echo "== peer: $peer not found (carry .carry/peer)"
+  echo "== peer: none (FN_PEER names no file)"
 fi
 
 t=$SECONDS

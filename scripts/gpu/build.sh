@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds fngen with CUDA on the GPU machine: sources scripts/gpu/setup.sh (carried Debian
-# packages), configures into $FN_BUILD_DIR (default build-gpu) and builds the targets given as
+# Builds fngen with CUDA on the GPU machine: sources scripts/gpu/setup.sh (the Debian packages
+# in .deps), configures into $FN_BUILD_DIR (default build-gpu) and builds the targets given as
 # arguments (all targets when none). ccache is used only where it exists (the top-level CMake
 # looks for it).
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for comm/ (issue 5): build the comm targets with CUDA, run the GPU tests
+# One GPU-machine call for comm/: build the comm targets with CUDA, run the GPU tests
 # (mpirun -np 2), the dead-peer checks, comm_bench (latency table + JSON) and compute-sanitizer
 # memcheck on a one-rank run. Logs go to $OUT (or /tmp/comm-out). Prints a short summary.
 # Usage on the GPU machine: bash scripts/gpu/comm_run.sh
@@ -36,7 +36,7 @@ done
 grep -E "detected|waited more|comm_dead_peer.sh" "$out/dead_peer.log" | cut -c1-260
 
 t=$SECONDS
-timeout 150 "${mpi[@]}" "$b/comm/comm_bench" --json "$out/comm_bench.json" >"$out/comm_bench.log" 2>&1
+timeout 150 "${mpi[@]}" "$b/bench/comm_bench" --json "$out/comm_bench.json" >"$out/comm_bench.log" 2>&1
 echo "== comm_bench rc=$? ($((SECONDS - t)) s)"
 grep -vE "^\[r" "$out/comm_bench.log"
 grep -E "self-test" "$out/comm_bench.log" | head -2

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The preamble of the session-9 GPU-machine scripts (source it from the repository root, after
+# The preamble of the GPU-machine scripts (source it from the repository root, after
 # setting fn_out_default): $out (= $OUT, or fn_out_default) created, the carried .deps folder,
 # the no-multicast NCCL environment, Open MPI allowed as root, $mpi (mpirun as every test and
-# bench of these scripts runs it), $b (the build folder: $FN_BUILD_DIR or build-new) and $t0.
+# bench of these scripts runs it), $b (the build folder: $FN_BUILD_DIR or build-new) and $t0. Also fresh_build_dir (below).
 out=${OUT:-$fn_out_default}
 mkdir -p "$out"
 export FN_DEPS_DIR=${FN_DEPS_DIR:-$(pwd)/.deps}
@@ -16,8 +16,8 @@ t0=$SECONDS
 # fresh_build_dir DIR TREE: empties DIR unless it was last built from TREE's exact files. A
 # `git archive` extraction gives every file its commit's time, older than the objects a warm
 # machine keeps from an earlier call's tree, so ninja would reuse those objects and relink some of
-# them with the few it does rebuild (objects of two versions in one binary: session 20's base
-# printed garbage and hung). The key is a checksum of TREE's files (build folders excluded).
+# them with the few it does rebuild (objects of two versions in one binary, which once printed
+# garbage and hung). The key is a checksum of TREE's files (build folders excluded).
 fresh_build_dir() {
   local dir=$1 tree=$2 sum
   sum=$(cd "$tree" && find . -path './build*' -prune -o -type f -print0 | sort -z |

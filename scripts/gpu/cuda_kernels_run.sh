@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the cuda/ decode kernels (issue 6): build the kernel tests and
+# One GPU-machine call for the cuda/ decode kernels: build the kernel tests and
 # cuda_kernel_bench, run the gpu-labelled kernel tests, compute-sanitizer memcheck on two test
 # binaries, and the benchmark (table + JSON, with --sweep over the launch plans). Logs go to
 # $OUT (or /tmp/cuda-out). Usage on the GPU machine: bash scripts/gpu/cuda_kernels_run.sh
@@ -35,6 +35,6 @@ for tst in test_cuda_hc test_cuda_moe_nvfp4; do
 done
 
 t=$SECONDS
-timeout 120 "$b/cuda/cuda_kernel_bench" --sweep --json "$out/bench.json" >"$out/bench.txt" 2>&1
+timeout 120 "$b/bench/cuda_kernel_bench" --sweep --json "$out/bench.json" >"$out/bench.txt" 2>&1
 echo "== bench rc=$? ($((SECONDS - t)) s)"
 grep -v " sweep " "$out/bench.txt" | head -40

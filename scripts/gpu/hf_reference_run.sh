@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The transformers reference itself (issue 8 deliverable 4, second half): qwen4_exp of the
+# The transformers reference itself, timed: qwen4_exp of the
 # GPU machine's transformers, eager PyTorch in BF16, on a slice of the real geometry
 # (configs/qwen3.8-flash-next.json's widths, the first LAYERS layers: 3 GDN + 1 QSA + the PLE
 # layer for 4) with random weights and a small n-gram table (ngram_vocab_size_base 200000; the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the CUDA model (issue 6): builds test_cuda_model and cuda_model_bench,
+# One GPU-machine call for the CUDA model: builds test_cuda_model and cuda_model_bench,
 # runs the fixture test (mpirun -np 2 via ctest), then the full-geometry decode benchmark on
 # random in-memory weights at TP=1 and TP=2 (8,192-token depth). Logs and JSON go to $OUT.
 # Usage on the 2-GPU machine: bash scripts/gpu/model_run.sh [bench tokens, default 64]
@@ -27,7 +27,7 @@ fi
 mpi="mpirun --allow-run-as-root --oversubscribe --bind-to none"
 for np in ${FN_BENCH_TP:-2 1}; do
   t=$SECONDS
-  timeout 240 $mpi -np "$np" "$b/cuda/cuda_model_bench" --config configs/qwen3.8-flash-next.json \
+  timeout 240 $mpi -np "$np" "$b/bench/cuda_model_bench" --config configs/qwen3.8-flash-next.json \
     --depth 8192 --tokens "$tokens" --json "$out/bench_tp$np.json" >"$out/bench_tp$np.txt" 2>&1
   echo "== bench TP=$np rc=$? ($((SECONDS - t)) s)"
   grep -vE "^\[r[1-9]" "$out/bench_tp$np.txt" | tail -6 | cut -c1-300

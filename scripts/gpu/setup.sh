@@ -13,7 +13,7 @@ fn_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 fn_deps="${FN_DEPS_DIR:-$fn_repo/.deps}"
 fn_root="${FN_DEPS_ROOT:-$fn_deps/root}"
 if ! ls "$fn_deps"/*.deb >/dev/null 2>&1; then
-  echo "gpu/setup: no .deb files in $fn_deps (carry .deps with the run)" >&2
+  echo "gpu/setup: no .deb files in $fn_deps (fetch them as the comment at the top says)" >&2
   return 1 2>/dev/null || exit 1
 fi
 mkdir -p "$fn_root"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak of the CUDA backend (issue 6): 1,000 prompts of mixed lengths (1..200 random ids) from one
+# Soak of the CUDA backend: 1,000 prompts of mixed lengths (1..200 random ids) from one
 # JSONL batch through one `fngen generate` process at TP=2 on the tp4 fixture, then checks that
 # every record was answered, that the device memory in use and the number of captured CUDA graphs
 # after the last record equal those after the first, and that rank 0's host RSS grew by no more

@@ -2,7 +2,7 @@
 """Independent check of a reference fixture (numpy only; shares no code with make_fixtures.py / nvfp4_np.py).
 
 Reads the fixture's safetensors files with a hand-written parser, decodes NVFP4 / FP8 E4M3 / BF16 from the bit
-patterns (MODEL.md B.4, B.5), and verifies that the values the reference model held (stored in expected.json by
+patterns (docs/model.md §B.4, §B.5), and verifies that the values the reference model held (stored in expected.json by
 make_fixtures.py) equal what an engine decodes from the file, bit for bit. Also checks the index, the tensor
 inventory (names, dtypes, shapes), the logits file size and that the greedy ids are the argmax of the stored rows.
     /usr/bin/python3 scripts/reference/check_fixture.py tests/data/fixtures/g3_tiny [more fixture dirs]
@@ -151,7 +151,7 @@ def check(d):
         row = np.frombuffer(raw, dtype=np.uint8)[(r % rows_per) * cols:(r % rows_per + 1) * cols]
         got = decode_e4m3(row) * scale
         assert np.array_equal(got, np.array(want, dtype=np.float32)), f"n-gram row {r} differs"
-    # the n-gram hash buffers of decoder layer 1 against MODEL.md G.3 (same vocab 512 and seed 1234)
+    # the n-gram hash buffers of decoder layer 1 against docs/model.md §G.3 (same vocab 512 and seed 1234)
     if tc["vocab_size"] == 512 and tc.get("seed", 1234) == 1234 and 2 in tc["ple_layer_ids"]:
         name = "model.language_model.layers.1.ple.ple_embedding.layer_multipliers"
         st, e = where[name]

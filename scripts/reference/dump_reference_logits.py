@@ -156,7 +156,7 @@ def from_fixture(fx_dir):
 
 # ------------------------------------------------------------------------------------------------ the transformers half
 def load_checkpoint_state(model_dir, text_cfg):
-    """The FP32 state_dict of Qwen4ExpForCausalLM from a fngen-layout checkpoint (MODEL.md B.2, B.4, B.5)."""
+    """The FP32 state_dict of Qwen4ExpForCausalLM from a fngen-layout checkpoint (docs/model.md §B.2, §B.4, §B.5)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import nvfp4_np as nq  # noqa: E402
     with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:

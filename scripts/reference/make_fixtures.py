@@ -63,7 +63,7 @@ PLE2.pop("seed")
 
 CONFIGS = {
     "g3_tiny": dict(spec=G3, prompt_len=44, eos_positions=[0, 5, 6, 17, 31, 40], prompt_seed=11, seed_base=1000,
-                    description="MODEL.md G.3 exactly; 44-token prompt with EOS at 0, 5, 6, 17, 31, 40"),
+                    description="docs/model.md §G.3 exactly; 44-token prompt with EOS at 0, 5, 6, 17, 31, 40"),
     "tp4": dict(spec=TP4, prompt_len=40, eos_positions=[0, 9, 10, 23, 33], prompt_seed=12, seed_base=2000,
                 description="TP=4-friendly: heads, GDN heads, experts, widths/16, vocab, n-gram shards divide by 4"),
     "ple2_long": dict(spec=PLE2, prompt_len=48, eos_positions=[0, 4, 5, 6, 19, 30, 44], prompt_seed=13,
@@ -96,7 +96,7 @@ def prompt_ids(c):
 
 
 # ---------------------------------------------------------------------------------------------------------- n-gram constants
-# Our own computation of the three I64 buffers (MODEL.md C.4), compared with the reference's buffers on every run.
+# Our own computation of the three I64 buffers (docs/model.md §C.4), compared with the reference's buffers on every run.
 
 def _splitmix64(v):
     M = (1 << 64) - 1
@@ -135,7 +135,7 @@ def ngram_constants(spec, ple_layer_index):
 
 # ---------------------------------------------------------------------------------------------------------- shapes
 def expected_shapes(spec):
-    """Internal (transformers state_dict) names and shapes per MODEL.md B.2, with fused experts and one n-gram table
+    """Internal (transformers state_dict) names and shapes per docs/model.md §B.2, with fused experts and one n-gram table
     per PLE layer. On the GPU machine the model's own state_dict is authoritative; this is compared with it."""
     D, S, r = spec["hidden_size"], spec["hc_count"], spec["hc_lowrank"]
     W, V, E, I, Is = S * D, spec["vocab_size"], spec["num_experts"], spec["moe_intermediate_size"], \
@@ -804,7 +804,7 @@ def self_test():
                        "top1_margins": margins_of(fake).tolist(),
                        "logits": {"file": "logits.bin", "shape": list(fake.shape)}}, f)
     if spec_g3_check():
-        print("G.3 multipliers match MODEL.md")
+        print("G.3 multipliers match docs/model.md")
     return 0
 
 

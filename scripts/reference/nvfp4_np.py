@@ -1,8 +1,8 @@
 """Number formats of the fixture checkpoints, in numpy only (no torch), so the encoders run and are tested anywhere.
 
 Provides BF16 rounding, FP8 E4M3 (float8_e4m3fn) encode/decode, NVFP4 (E2M1 codes + E4M3 block scales per 16 along
-the input dim + FP32 multiplier `weight_scale_2`) quantisation exactly as a ModelOpt export stores it (MODEL.md B.4),
-the FP8 n-gram table encoding (MODEL.md B.5) and a minimal safetensors writer. Used by make_fixtures.py (GPU
+the input dim + FP32 multiplier `weight_scale_2`) quantisation exactly as a ModelOpt export stores it (docs/model.md §B.4),
+the FP8 n-gram table encoding (docs/model.md §B.5) and a minimal safetensors writer. Used by make_fixtures.py (GPU
 machine) and by its self-test (this machine). The independent reader lives in check_fixture.py on purpose.
 """
 import json
@@ -88,7 +88,7 @@ def nvfp4_quantize(w):
     """w [N, K] float32 -> dict(weight U8 [N, K/2] (low nibble = even element), weight_scale U8 E4M3 codes
     [N, K/16] (linear row-major), weight_scale_2 float32 scalar (multiplier, amax / (6*448)), deq float32 [N, K]).
 
-    Dequantisation (MODEL.md B.4): W[n, k] = e2m1(code) * e4m3(scale[n, k/16]) * weight_scale_2, evaluated here as
+    Dequantisation (docs/model.md §B.4): W[n, k] = e2m1(code) * e4m3(scale[n, k/16]) * weight_scale_2, evaluated here as
     (e2m1 * e4m3) * weight_scale_2 in float32 (the first product is exact)."""
     w = np.asarray(w, dtype=np.float32)
     n, k = w.shape

@@ -2,8 +2,8 @@
 """Step 1 of the goldens: builds the tokenizer golden corpus: tests/data/tokenizer/corpus.jsonl.gz.
 
 One JSON object per line: {"cat": category, "text": string[, "src": where the text came from]}.
-Deterministic (random.Random(20261130)) given the same Debian 12 files. Categories follow
-issue 3: prose, code_*, lang_*, emoji, nfc, digits, whitespace, contractions, special,
+Deterministic (random.Random(20261130)) given the same Debian 12 files. Categories:
+prose, code_*, lang_*, emoji, nfc, digits, whitespace, contractions, special,
 random_*, doc (20 documents of >= 50 KB copied from Debian files, each with its source path).
 
 Random strings use only code points assigned in Unicode 14 (Python 3.11's unicodedata is

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Writes the Qwen3.8-style test tokenizer.json: the Qwen3 file with its Split regex replaced by
-MODEL.md A.5's (\\p{M} inside letter runs). Vocabulary, merges and added tokens are unchanged.
+docs/model.md §A.5's (\\p{M} inside letter runs). Vocabulary, merges and added tokens are unchanged.
 The C++ tests build the same file in-process (tests/test_tokenizer_golden.cpp).
 Usage: make_variant.py QWEN3_TOKENIZER_JSON OUT_JSON
 """

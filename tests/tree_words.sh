@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The tree speaks of the product only: fails, printing file:line of each hit, when a tracked
-# file (this script excepted) names a work log instead of the product: "session N", "issue N",
-# "helper xN" or a .carry path. Usage: bash tests/tree_words.sh [REPO_ROOT] (default: the
+# file names a work log instead of the product: "session" or "issue" followed by a number, a
+# helper's code name (a letter and a digit) or a hand-carried copy folder (dot + "carry"). The
+# pattern below is spelled so that it does not match itself.
+# Usage: bash tests/tree_words.sh [REPO_ROOT] (default: the
 # checkout holding this script). Exit 0 clean, 1 hits found, 77 not a git checkout (skipped).
 set -u
 root=${1:-"$(cd "$(dirname "$0")/.." && pwd)"}
@@ -10,8 +12,8 @@ if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   echo "tree_words: $root is not a git checkout; skipped"
   exit 77
 fi
-pattern='session [0-9]|issue [0-9]|\.carry|helper [a-z][0-9]'
-hits=$(git grep -n -i -I -E "$pattern" -- . ':(exclude)tests/tree_words.sh')
+pattern='sessio[n] [0-9]|issu[e] [0-9]|[.]carr[y]|helpe[r] [a-z][0-9]'
+hits=$(git grep -n -i -I -E "$pattern" -- .)
 if [ -n "$hits" ]; then
   printf '%s\n' "$hits"
   echo "tree_words: $(printf '%s\n' "$hits" | wc -l) line(s) in" \

@@ -3,8 +3,7 @@
 # file names a work log instead of the product: "session" or "issue" followed by a number, a
 # helper's code name (a letter and a digit) or a hand-carried copy folder (dot + "carry"). The
 # pattern below is spelled so that it does not match itself.
-# Usage: bash tests/tree_words.sh [REPO_ROOT] (default: the
-# checkout holding this script). Exit 0 clean, 1 hits found, 77 not a git checkout (skipped).
+# Usage: bash tests/tree_words.sh [REPO_ROOT] (default: the checkout holding this script). Exit 0 clean, 1 hits found, 77 not a git checkout (skipped).
 set -u
 root=${1:-"$(cd "$(dirname "$0")/.." && pwd)"}
 cd "$root" || exit 1

@@ -51,7 +51,7 @@ struct GenerateOptions {
   std::vector<std::string> stop_strings;  ///< matched on the detokenized text (rank 0)
   bool ignore_eos = false;                ///< do not stop on stop_token_ids
   /// Sample on the host (forward() + Sampler) even where the backend can sample on the device
-  /// (--host-sampling; eval, whose checks read every step's logits).
+  /// (--host-sampling; `fngen eval score`, which runs the model as its other modes do).
   bool host_sampling = false;
   /// Feed the prompt through forward() one token at a time instead of Backend::prefill (eval:
   /// the same logits as its per-token scoring).

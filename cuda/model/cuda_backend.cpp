@@ -6,11 +6,8 @@
 #include <cstddef>
 #include <utility>
 
-#include "comm/device_all_reduce.h"
-#include "comm/gpu_comm.h"
 #include "core/error.h"
 #include "cuda/common/cuda_check.h"
-#include "cuda/model/cuda_model.h"
 
 namespace fn {
 namespace {

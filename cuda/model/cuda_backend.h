@@ -8,13 +8,12 @@
 
 #include <memory>
 
+#include "comm/device_all_reduce.h"
+#include "comm/gpu_comm.h"
 #include "core/backend.h"
+#include "cuda/model/cuda_model.h"
 
 namespace fn {
-
-class CudaModel;
-class DeviceAllReduce;
-class GpuComm;
 
 class CudaBackend final : public Backend {
  public:

@@ -2,7 +2,9 @@
 
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -11,6 +13,7 @@
 #include "apps/whole_number.h"
 #include "comm/mpi_context.h"
 #include "core/choice_check.h"
+#include "core/cpu_backend.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -18,10 +21,10 @@
 #ifdef FN_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
+#include "cuda/model/cuda_backend.h"
 #include "cuda/model/cuda_model.h"
 #endif
 
@@ -54,129 +57,104 @@ int cuda_device_count(std::string* why) {
 #endif
 }
 
-// --check-choices: every forward() is followed by the cross-rank compare of the step's choices
-// (`hash` reads them from the model). Device decoding is switched off, so every step goes
-// through forward() and is checked; the step count restarts at reset().
-void check_choices_each_step(LoadedBackend& b, Collectives& coll, std::function<uint64_t()> hash) {
-  FN_LOG_INFO(
-      "--check-choices: after every step the {} rank(s) compare a hash of their expert ids and "
-      "indexer blocks; sampling on the host",
-      coll.size());
-  auto step = std::make_shared<int64_t>(0);
-  b.forward = [inner = b.forward, hash = std::move(hash), &coll, step](int32_t t) {
-    auto logits = inner(t);
-    require_same_choices(coll, hash(), (*step)++);
-    return logits;
-  };
-  b.reset = [inner = b.reset, step] {
-    inner();
-    *step = 0;
-  };
-  b.device_decode = nullptr;
-  b.prefill = nullptr;
-}
+// --check-choices: a Backend whose every forward() is followed by the cross-rank compare of the
+// step's choices (`hash` reads them from the wrapped model). It has no device decode and runs
+// its prefill token by token through forward(), so every step is checked; the step count
+// restarts at reset(). The other probes are the wrapped backend's.
+class ChoiceCheckedBackend final : public Backend {
+ public:
+  ChoiceCheckedBackend(std::unique_ptr<Backend> inner, Collectives& coll,
+                       std::function<uint64_t()> hash)
+      : Backend(inner->info()), inner_(std::move(inner)), coll_(coll), hash_(std::move(hash)) {
+    FN_LOG_INFO(
+        "--check-choices: after every step the {} rank(s) compare a hash of their expert ids and "
+        "indexer blocks; sampling on the host",
+        coll_.size());
+  }
 
-LoadedBackend load_cpu(const std::filesystem::path& dir, Collectives& coll) {
-  LoadedBackend b;
-  b.name = "cpu";
-  b.all_reduce_name = coll.size() > 1 ? "mpi" : "";
-  b.tp_size = coll.size();
+  BackendCapabilities capabilities() const noexcept override {
+    BackendCapabilities c = inner_->capabilities();
+    c.device_decode = false;
+    return c;
+  }
+  void reset() override {
+    inner_->reset();
+    step_ = 0;
+  }
+  int64_t position() const noexcept override { return inner_->position(); }
+  std::span<const float> forward(int32_t token) override {
+    const std::span<const float> logits = inner_->forward(token);
+    require_same_choices(coll_, hash_(), step_++);
+    return logits;
+  }
+  std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) override {
+    FN_REQUIRE(!tokens.empty(), Usage, "prefill: the prompt has no tokens");
+    std::span<const float> logits;
+    for (int32_t t : tokens) logits = forward(t);
+    return output == PrefillOutput::Last ? logits : std::span<const float>();
+  }
+  double device_used_mib() const override { return inner_->device_used_mib(); }
+  int64_t graph_captures() const override { return inner_->graph_captures(); }
+  void set_position_for_benchmark(int64_t position) override {
+    inner_->set_position_for_benchmark(position);
+  }
+  StepBreakdown profile_steps(int32_t first, int64_t steps, bool in_graph) override {
+    return inner_->profile_steps(first, steps, in_graph);
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  Collectives& coll_;
+  std::function<uint64_t()> hash_;
+  int64_t step_ = 0;
+};
+
+std::unique_ptr<CpuBackend> load_cpu(const std::filesystem::path& dir, Collectives& coll) {
   const auto t0 = std::chrono::steady_clock::now();
   // The shard load does not communicate; a rank-local failure (its slice of a file) is agreed
   // on, so rank 0 reports it.
-  std::shared_ptr<CpuModel> model;
+  std::unique_ptr<CpuModel> model;
   agree_on_error(coll, [&] {
     model = with_tp_hint(dir, coll.size(), [&] { return CpuModel::load(dir, coll); });
   });
-  b.load_ms = ms_since(t0);
-  CpuModel* m = model.get();
-  b.forward = [m](int32_t t) { return m->forward(t); };
-  b.reset = [m] { m->reset(); };
-  b.vocab_size = m->config().vocab_size;
-  b.weight_mib = static_cast<double>(m->weight_bytes()) / (1 << 20);
-  b.keep_alive = std::move(model);
-  return b;
+  return std::make_unique<CpuBackend>(std::move(model), ms_since(t0));
 }
 
 #ifdef FN_HAVE_CUDA
-// The CUDA objects of one rank. Members are destroyed in reverse order: model, then the
-// all-reduce (it uses the communicator), then the GpuComm.
-struct CudaHold {
-  std::unique_ptr<GpuComm> gpu;
-  std::unique_ptr<DeviceAllReduce> all_reduce;
-  std::unique_ptr<CudaModel> model;
-};
-
 // Sets up this rank's GPU and all-reduce, then builds the model with `make` (a load or random
 // weights) and wraps it.
-LoadedBackend load_cuda(
+std::unique_ptr<CudaBackend> load_cuda(
     const BackendFlags& flags, const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+    bool random_weights,
     const std::function<std::unique_ptr<CudaModel>(const CudaModelOptions&, int tp)>& make) {
-  LoadedBackend b;
-  b.name = "cuda";
-  auto hold = std::make_shared<CudaHold>();
   const auto t0 = std::chrono::steady_clock::now();
-  hold->gpu = std::make_unique<GpuComm>(mpi);
-  GpuComm& gpu = *hold->gpu;
-  if (gpu.size() > 1) {
-    hold->all_reduce = make_device_all_reduce(parse_all_reduce_strategy(flags.allreduce), gpu,
-                                              CustomAllReduceOptions{});
-    b.all_reduce_name = hold->all_reduce->name();
+  auto gpu = std::make_unique<GpuComm>(mpi);
+  std::unique_ptr<DeviceAllReduce> all_reduce;
+  if (gpu->size() > 1) {
+    all_reduce = make_device_all_reduce(parse_all_reduce_strategy(flags.allreduce), *gpu,
+                                        CustomAllReduceOptions{});
   }
   CudaModelOptions opt;
   opt.ctx_size = ctx_size;
   opt.use_graph = !flags.no_graph;
-  opt.tp_rank = gpu.rank();
-  opt.tp_size = gpu.size();
-  opt.all_reduce = hold->all_reduce.get();
+  opt.tp_rank = gpu->rank();
+  opt.tp_size = gpu->size();
+  opt.all_reduce = all_reduce.get();
   opt.record_choices = flags.check_choices;
   opt.prefill_chunk = flags.prefill_chunk;
   // Building the model does not communicate; a failure on some ranks only (their shard's bytes,
   // their GPU's free memory) is agreed on, so rank 0 reports it.
-  agree_on_error(coll, [&] { hold->model = make(opt, gpu.size()); });
-  b.load_ms = ms_since(t0);
-  CudaModel* m = hold->model.get();
-  b.forward = [m](int32_t t) { return m->forward(t); };
-  b.reset = [m] { m->reset(); };
-  b.prefill = [m](std::span<const int32_t> tokens, bool want_logits) {
-    return m->prefill(tokens, want_logits ? PrefillLogits::Last : PrefillLogits::None);
-  };
-  b.device_decode = [m](int32_t first, int64_t count, const SamplingParams& sp, uint64_t seed,
-                        const std::function<bool(int32_t)>& on_token) {
-    return m->decode(first, count, sp, seed, on_token);
-  };
-  b.device_used_mib = [] {
-    std::size_t free_b = 0, total_b = 0;
-    FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    return static_cast<double>(total_b - free_b) / (1 << 20);
-  };
-  b.graph_captures = [m] { return m->graph_captures(); };
-  b.set_position = [m](int64_t p) { m->set_position_for_benchmark(p); };
-  b.profile = [m](int32_t first, int64_t steps, bool in_graph) {
-    const StepProfile p = m->profile_steps(first, steps, in_graph);
-    StepBreakdown out;
-    for (int f = 0; f < kStepFamilyCount; ++f) {
-      out.families.emplace_back(step_family_name(static_cast<StepFamily>(f)));
-      out.ms.push_back(p.ms[static_cast<std::size_t>(f)]);
-      out.segments.push_back(p.segments[static_cast<std::size_t>(f)]);
-    }
-    out.step_ms = p.step_ms;
-    out.steps = p.steps;
-    out.in_graph = p.in_graph;
-    out.events = p.events;
-    return out;
-  };
-  b.vocab_size = m->config().vocab_size;
-  b.tp_size = gpu.size();
-  b.weight_mib = static_cast<double>(m->load_stats().weight_bytes) / (1 << 20);
-  b.keep_alive = std::move(hold);
-  return b;
+  std::unique_ptr<CudaModel> model;
+  agree_on_error(coll, [&] { model = make(opt, opt.tp_size); });
+  const int tp = gpu->size();
+  return std::make_unique<CudaBackend>(std::move(gpu), std::move(all_reduce), std::move(model), tp,
+                                       ms_since(t0), random_weights);
 }
 
 // --check-choices on a model built by load_cuda (CudaModelOptions::record_choices set).
-void check_cuda_choices(LoadedBackend& b, Collectives& coll) {
-  const CudaModel* m = static_cast<const CudaHold*>(b.keep_alive.get())->model.get();
-  check_choices_each_step(b, coll, [m] {
+std::unique_ptr<Backend> check_cuda_choices(std::unique_ptr<CudaBackend> b, Collectives& coll) {
+  const CudaModel* m = &b->model();
+  return std::make_unique<ChoiceCheckedBackend>(std::move(b), coll, [m] {
     const StepChoices c = m->last_choices();
     return hash_choices(c.router, c.indexer);
   });
@@ -259,9 +237,9 @@ std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
   return name;
 }
 
-LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
-                           const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                           const char* who) {
+std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
+                                      const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+                                      const char* who) {
   const std::string name = resolve_backend(flags, coll);
   if (name == "cpu") {
     if (flags.no_graph || flags.allreduce != "auto") {
@@ -271,34 +249,38 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
       FN_LOG_INFO("{}: {} {} to the cuda backend only; ignored on cpu", who, given,
                   flags.no_graph && flags.allreduce != "auto" ? "apply" : "applies");
     }
-    LoadedBackend b = load_cpu(dir, coll);
+    std::unique_ptr<CpuBackend> cpu = load_cpu(dir, coll);
+    const BackendInfo info = cpu->info();
+    std::unique_ptr<Backend> b = std::move(cpu);
     if (flags.check_choices) {
-      const auto* m = static_cast<const CpuModel*>(b.keep_alive.get());
-      check_choices_each_step(b, coll, [m] {
+      const CpuModel* m = &static_cast<const CpuBackend&>(*b).model();
+      b = std::make_unique<ChoiceCheckedBackend>(std::move(b), coll, [m] {
         const CpuModel::Choices& c = m->last_choices();
         return hash_choices(c.router, c.indexer);
       });
     }
     FN_LOG_INFO(
         "{}: backend cpu, TP {}, model loaded in {:.0f} ms ({:.1f} MiB of weights per rank)", who,
-        b.tp_size, b.load_ms, b.weight_mib);
+        info.tp_size, info.load_ms, info.weight_mib);
     return b;
   }
 #ifdef FN_HAVE_CUDA
-  LoadedBackend b = load_cuda(flags, mpi, coll, ctx_size, [&](const CudaModelOptions& opt, int tp) {
-    return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
-  });
-  const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
-  if (flags.check_choices) check_cuda_choices(b, coll);
-  const CudaLoadStats& st = hold->model->load_stats();
+  std::unique_ptr<CudaBackend> cuda =
+      load_cuda(flags, mpi, coll, ctx_size, false, [&](const CudaModelOptions& opt, int tp) {
+        return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
+      });
+  const BackendInfo info = cuda->info();
+  const CudaLoadStats st = cuda->model().load_stats();
+  std::unique_ptr<Backend> b =
+      flags.check_choices ? check_cuda_choices(std::move(cuda), coll) : std::move(cuda);
   const double gb = static_cast<double>(st.bytes) / 1e9;
   FN_LOG_INFO(
       "{}: backend cuda, TP {}, all-reduce {}, graph {}, ctx {}: loaded {:.2f} GB in {:.2f} s "
       "({:.2f} GB/s; {:.1f} MiB weights + {:.1f} MiB state per GPU; total {:.0f} ms with setup)",
-      who, b.tp_size, b.all_reduce_name.empty() ? "none" : b.all_reduce_name,
+      who, info.tp_size, info.all_reduce_name.empty() ? "none" : info.all_reduce_name,
       flags.no_graph ? "off" : "on", ctx_size, gb, st.seconds,
       st.seconds > 0 ? gb / st.seconds : 0.0, static_cast<double>(st.weight_bytes) / (1 << 20),
-      static_cast<double>(st.state_bytes) / (1 << 20), b.load_ms);
+      static_cast<double>(st.state_bytes) / (1 << 20), info.load_ms);
   return b;
 #else
   (void)mpi;
@@ -323,10 +305,10 @@ QuantConfig load_quant_config_file(const std::filesystem::path& config_file) {
   return parse_quantization_config(*it, config_file.string());
 }
 
-LoadedBackend load_backend_random(const BackendFlags& flags,
-                                  const std::filesystem::path& config_file, uint64_t seed,
-                                  const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                                  const char* who) {
+std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
+                                             const std::filesystem::path& config_file,
+                                             uint64_t seed, const MpiContext& mpi,
+                                             Collectives& coll, int64_t ctx_size, const char* who) {
   const ModelConfig cfg = load_model_config(config_file);
   const QuantConfig quant = load_quant_config_file(config_file);
   const std::string name = resolve_backend(flags, coll);
@@ -337,17 +319,19 @@ LoadedBackend load_backend_random(const BackendFlags& flags,
                flags.backend);
   });
 #ifdef FN_HAVE_CUDA
-  LoadedBackend b = load_cuda(flags, mpi, coll, ctx_size, [&](const CudaModelOptions& opt, int tp) {
-    return with_tp_hint(config_file, tp, [&] { return CudaModel::random(cfg, quant, seed, opt); });
-  });
-  b.random_weights = true;
-  const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
-  if (flags.check_choices) check_cuda_choices(b, coll);
-  const CudaLoadStats& st = hold->model->load_stats();
+  std::unique_ptr<CudaBackend> cuda =
+      load_cuda(flags, mpi, coll, ctx_size, true, [&](const CudaModelOptions& opt, int tp) {
+        return with_tp_hint(config_file, tp,
+                            [&] { return CudaModel::random(cfg, quant, seed, opt); });
+      });
+  const BackendInfo info = cuda->info();
+  const CudaLoadStats st = cuda->model().load_stats();
+  std::unique_ptr<Backend> b =
+      flags.check_choices ? check_cuda_choices(std::move(cuda), coll) : std::move(cuda);
   FN_LOG_INFO(
       "{}: backend cuda, TP {}, all-reduce {}, graph {}, ctx {}: random weights of {} (seed {}): "
       "{:.2f} GB generated in {:.2f} s ({:.1f} MiB weights + {:.1f} MiB state per GPU)",
-      who, b.tp_size, b.all_reduce_name.empty() ? "none" : b.all_reduce_name,
+      who, info.tp_size, info.all_reduce_name.empty() ? "none" : info.all_reduce_name,
       flags.no_graph ? "off" : "on", ctx_size, config_file.string(), seed,
       static_cast<double>(st.bytes) / 1e9, st.seconds,
       static_cast<double>(st.weight_bytes) / (1 << 20),

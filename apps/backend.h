@@ -1,8 +1,8 @@
 // Backend selection for the model-running subcommands (`fngen generate`, `fngen eval`): the
 // shared flags (--backend cpu|cuda|auto, --tp, --allreduce auto|custom|nccl, --no-graph) and
 // load_backend(), which builds the CPU reference model or the CUDA model of this rank and hands
-// it back as one forward/reset pair (load_backend_random: the CUDA model on random weights, for
-// `fngen bench --random-weights`). Invariants: every rank resolves `auto` to the same backend
+// it back as a Backend (core/backend.h; load_backend_random: the CUDA model on random weights,
+// for `fngen bench --random-weights`). Invariants: every rank resolves `auto` to the same backend
 // (a collective decision); no CUDA runtime function is called unless CUDA is asked for or `auto`
 // probes for a device, so the cpu backend starts on machines without a GPU driver.
 #pragma once
@@ -11,16 +11,14 @@
 
 #include <cstdint>
 #include <filesystem>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/collectives.h"
 #include "core/config.h"
 #include "core/error.h"
-#include "core/generate.h"
-#include "core/sampler.h"
 
 namespace fn {
 
@@ -69,79 +67,33 @@ auto with_tp_hint(const std::filesystem::path& dir, int size, F&& load) {
 /// error is agreed on (agree_on_error, core/collectives.h), so rank 0 alone prints it.
 std::string resolve_backend(const BackendFlags& flags, Collectives& coll);
 
-/// The per-family time of the real decode step (CUDA only; CudaModel::profile_steps): `ms[i]`
-/// milliseconds per step of family `families[i]` ("hc", "gdn", "qsa", "router", "moe_routed",
-/// "shared_expert", "all_reduce", "lm_head", "ple", "other"), their sum `step_ms`, averaged over
-/// `steps` steps, timed eagerly or inside a CUDA graph (`in_graph`).
-struct StepBreakdown {
-  std::vector<std::string> families;
-  std::vector<double> ms;
-  double step_ms = 0;
-  int64_t steps = 0;
-  bool in_graph = false;
-  std::vector<int64_t> segments;  ///< event-delimited segments per step, by family
-  int64_t events = 0;             ///< events recorded per step
-};
-
-/// One rank's loaded model, backend-neutral. Copyable; the model lives as long as any copy.
-struct LoadedBackend {
-  std::string name;             ///< "cpu" or "cuda" (the backend actually used)
-  std::string all_reduce_name;  ///< cuda at TP > 1: "custom" or "nccl"; "mpi" on cpu; else ""
-  ForwardFn forward;            ///< token -> full-vocabulary FP32 logits (identical on all ranks)
-  /// cuda only (null on cpu and with --check-choices, which checks every token's step): the
-  /// batched prefill, CudaModel::prefill — the prompt's last logits, or none.
-  PrefillFn prefill;
-  std::function<void()> reset;  ///< forget the sequence (position 0)
-  int64_t vocab_size = 0;
-  int tp_size = 1;
-  double load_ms = 0;     ///< wall time of the load on this rank
-  double weight_mib = 0;  ///< weight bytes held by this rank (host for cpu, device for cuda), MiB
-  /// cuda only (null on cpu): CudaModel::decode, sampling on the device. Feeds `first`, then
-  /// samples up to `count` ids, calling on_token(id) for each (false stops). The penalties of
-  /// SamplingParams are not applied there; generate uses `forward` and the host sampler.
-  std::function<std::vector<int32_t>(int32_t first, int64_t count, const SamplingParams&,
-                                     uint64_t seed, const std::function<bool(int32_t)>& on_token)>
-      device_decode;
-  /// CUDA only: device memory in use on this rank's GPU (MiB, cudaMemGetInfo total - free) and
-  /// how many CUDA graphs the model has captured so far (a soak must see these stay flat).
-  std::function<double()> device_used_mib;
-  std::function<int64_t()> graph_captures;
-  /// CUDA only, benchmarks: CudaModel::set_position_for_benchmark (the position moves to the
-  /// depth without running tokens; the caches keep what they hold).
-  std::function<void(int64_t position)> set_position;
-  /// CUDA only, benchmarks: CudaModel::profile_steps (greedy steps from the current position,
-  /// `first` fed first; every rank calls it alike).
-  std::function<StepBreakdown(int32_t first, int64_t steps, bool in_graph)> profile;
-  /// True for load_backend_random (weights generated on the device, not read from a checkpoint).
-  bool random_weights = false;
-  /// Owns the model (and on cuda its all-reduce and GpuComm, destroyed in that order).
-  std::shared_ptr<void> keep_alive;
-};
-
 /// Resolves the backend (resolve_backend, collective) and loads `dir` for this rank with TP =
 /// world size: cpu -> CpuModel over `coll` (must outlive the result); cuda -> GpuComm (selects
 /// the GPU of the node-local rank), the --allreduce all-reduce when TP > 1, and CudaModel::load
 /// with `ctx_size` tokens of cache and graphs unless --no-graph. Logs one line on rank 0
-/// ("<who>: backend ..., TP, all-reduce, load time, GB and GB/s"). Throws fn::Error: Usage for
+/// ("<who>: backend ..., TP, all-reduce, load time, GB and GB/s"). With --check-choices the
+/// backend compares a hash of every step's router and indexer choices across the ranks after each
+/// forward() (core/choice_check.h; a mismatch is an error), runs its prefill token by token
+/// through that forward() and has no device decode. Throws fn::Error: Usage for
 /// the flags (see resolve_backend) or a TP size the model cannot split (naming mpirun -np), and
 /// whatever the loaders throw (Io/Format naming the file, Cuda/Nccl for the device). A loader
 /// error only some ranks hit (a region of a file that only their shard reads, one GPU's free
 /// memory) is agreed on (agree_on_error): every rank throws it, "rank r: ..." on rank 0.
-LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
-                           const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                           const char* who);
+std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
+                                      const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+                                      const char* who);
 
 /// The full geometry of `config_file` (a config.json such as configs/qwen3.8-flash-next.json,
 /// with its quantization_config) with random weights generated on each rank's GPU
 /// (CudaModel::random, deterministic in `seed`), TP = world size, set up as load_backend's cuda
-/// path. For benchmarks without a checkpoint. Collective. Throws fn::Error: Usage when the
-/// backend resolves to cpu ("--random-weights needs the cuda backend"), for the flags
-/// (resolve_backend) or a TP size the model cannot split; Io/Format for the config file (naming
-/// it and the field); Cuda when the weights do not fit.
-LoadedBackend load_backend_random(const BackendFlags& flags,
-                                  const std::filesystem::path& config_file, uint64_t seed,
-                                  const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                                  const char* who);
+/// path (BackendInfo::random_weights set). For benchmarks without a checkpoint. Collective. Throws
+/// fn::Error: Usage when the backend resolves to cpu ("--random-weights needs the cuda backend"),
+/// for the flags (resolve_backend) or a TP size the model cannot split; Io/Format for the config
+/// file (naming it and the field); Cuda when the weights do not fit.
+std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
+                                             const std::filesystem::path& config_file,
+                                             uint64_t seed, const MpiContext& mpi,
+                                             Collectives& coll, int64_t ctx_size, const char* who);
 
 /// The quantization description of a config.json file (its quantization_config; none = BF16).
 /// Throws fn::Error: Io when unreadable, Format when not JSON or invalid (naming the file).

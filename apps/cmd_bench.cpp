@@ -3,9 +3,9 @@
 // loaded by apps/backend.h exactly as `fngen generate` does). A lane is one (n_prompt, n_gen)
 // pair of the product of the -p and -n lists: reset, prefill n_prompt synthetic token ids
 // (deterministic from --seed, uniform over the vocabulary, never a stop id), then n_gen greedy
-// tokens through the generation loop of core/generate.h, stop ids ignored (cpu: host argmax,
-// generate(); cuda: the on-device decode loop, generate_on_device() over CudaModel::decode, the
-// step graph replayed per token and timed when each id reaches the host): the first token's
+// tokens through the generation loop of core/generate.h, generate(), stop ids ignored (cpu: host
+// argmax; cuda: the on-device decode loop, Backend::decode over CudaModel::decode, the step graph
+// replayed per token and timed when each id reaches the host): the first token's
 // latency is the TTFT, the n_gen - 1 gaps after it are the inter-token latencies (ITL).
 // --random-weights --config FILE runs the full geometry on random device weights (cuda);
 // --skip-prefill (implied there) moves the position to n_prompt - 1 instead of running the
@@ -215,8 +215,8 @@ struct Breakdown {
 // rank: weights by tensor family; the GDN state and its conv ring to gdn, the KV and indexer
 // caches to qsa, the PLE conv ring and n-gram rows to ple, the embedding row to other; the
 // shared expert's gate/up rows to router (the fused decode step reads them in the router's launch,
-// cuda/kernels/moe_shared.h), its down rows and gate row to shared_expert. Activations and collectives
-// count 0 (all_reduce).
+// cuda/kernels/moe_shared.h), its down rows and gate row to shared_expert. Activations and
+// collectives count 0 (all_reduce).
 uint64_t family_bytes(const std::string& family, const TokenBytes& tb, const ModelConfig& cfg,
                       int tp) {
   auto w = [&tb](const char* k) {
@@ -587,18 +587,18 @@ void write_file(const std::string& path, const std::string& s, const char* flag)
 
 // --breakdown of one lane: kBreakdownWarmup + `steps` eager steps, then as many in a graph with
 // event nodes (a failure there is reported, not fatal), from the current position `depth`.
-Breakdown run_breakdown(const LoadedBackend& model, const ModelConfig& cfg, const ShardPlan& plan,
+Breakdown run_breakdown(Backend& model, const ModelConfig& cfg, const ShardPlan& plan,
                         int64_t steps, int32_t first, int64_t depth, bool root) {
   Breakdown b;
   b.steps = steps;
   b.depth = depth;
-  model.profile(first, kBreakdownWarmup, false);
-  const StepBreakdown eager = model.profile(first, steps, false);
+  model.profile_steps(first, kBreakdownWarmup, false);
+  const StepBreakdown eager = model.profile_steps(first, steps, false);
   b.eager_step_ms = eager.step_ms;
   std::optional<StepBreakdown> graph;
   try {
-    model.profile(first, kBreakdownWarmup, true);
-    graph = model.profile(first, steps, true);
+    model.profile_steps(first, kBreakdownWarmup, true);
+    graph = model.profile_steps(first, steps, true);
     b.graph_step_ms = graph->step_ms;
     b.events = graph->events;
   } catch (const Error& e) {
@@ -742,13 +742,16 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   const ShardPlan& plan = *st.plan;
 
   std::string per_token_text;  // --per-token records, written with the report
-  const LoadedBackend model =
+  const std::unique_ptr<Backend> backend =
       o.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.seed), mpi,
                                              coll, ctx, "bench")
                        : load_backend(o.backend, dir, mpi, coll, ctx, "bench");
+  Backend& model = *backend;
+  const BackendInfo& info = model.info();
   // Refused above for any other backend: the cuda backend provides both.
-  FN_CHECK(!skip_prefill || model.set_position, "backend {} has no set_position", model.name);
-  FN_CHECK(!o.breakdown || model.profile, "backend {} has no profile", model.name);
+  FN_CHECK(!skip_prefill || model.capabilities().set_position, "backend {} has no set_position",
+           info.name);
+  FN_CHECK(!o.breakdown || model.capabilities().profile, "backend {} has no profile", info.name);
   if (root && skip_prefill) {
     FN_LOG_INFO(
         "bench: prefill skipped: position set to depth (n_prompt - 1) before each repetition; "
@@ -759,15 +762,15 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   rep.model = o.random_weights ? "random:" + dir.string() : dir.string();
   rep.random_weights = o.random_weights;
   rep.prefill_skipped = skip_prefill;
-  rep.backend = model.name;
-  rep.all_reduce = model.all_reduce_name;
-  rep.tp_size = model.tp_size;
+  rep.backend = info.name;
+  rep.all_reduce = info.all_reduce_name;
+  rep.tp_size = info.tp_size;
   rep.ctx_size = ctx;
   rep.repetitions = o.repetitions;
   rep.warmup = o.warmup;
   rep.seed = static_cast<uint64_t>(o.seed);
-  rep.vocab_size = model.vocab_size;
-  rep.load_ms = model.load_ms;
+  rep.vocab_size = info.vocab_size;
+  rep.load_ms = info.load_ms;
   rep.bandwidth_gbs = o.bandwidth_gbs;
   // The default is an H200 figure: on the cpu backend the source says it is not this machine's
   // (the % of ref is then against an H200, not the CPU's memory bandwidth).
@@ -775,26 +778,22 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
                              ? "given with --bandwidth-gbs"
                              : "the measured H200 device copy bandwidth (default of "
                                "--bandwidth-gbs; docs/performance.md)";
-  if (o.o_bandwidth->count() == 0 && model.name == "cpu")
+  if (o.o_bandwidth->count() == 0 && info.name == "cpu")
     rep.bandwidth_source +=
         ": an H200 figure, not this CPU's (give --bandwidth-gbs for a CPU roofline)";
   if (root)
     FN_LOG_INFO("bench: reference bandwidth {} GB/s = {}", rep.bandwidth_gbs, rep.bandwidth_source);
-  rep.env = query_environment(model.name);
+  rep.env = query_environment(info.name);
 
   GenerateOptions go;
   go.sampling.temperature = 0.0;  // greedy, ties to the lowest id (host argmax or on the device)
   go.ctx_size = ctx;
   go.ignore_eos = true;
   const std::vector<int64_t> stops = stop_token_ids(cfg, gen);
-  const DecodeFn decode = [&model](int32_t first, int64_t count, const SamplingParams& params,
-                                   const std::function<bool(int32_t)>& on_token) {
-    return model.device_decode(first, count, params, params.seed, on_token);
-  };
 
   const std::size_t n_lanes = prompts.size() * gens.size();
   for (int64_t p : prompts) {
-    const std::vector<int32_t> prompt = synthetic_prompt(rep.seed, p, model.vocab_size, stops);
+    const std::vector<int32_t> prompt = synthetic_prompt(rep.seed, p, info.vocab_size, stops);
     for (int64_t n : gens) {
       LaneResult lane;
       lane.n_prompt = p;
@@ -804,13 +803,10 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
       for (int64_t k = -o.warmup; k < o.repetitions; ++k) {
         model.reset();
         // Prefill skipped: the last prompt token runs at its own position, n_prompt - 1.
-        if (skip_prefill) model.set_position(p - 1);
+        if (skip_prefill) model.set_position_for_benchmark(p - 1);
         const std::span<const int32_t> fed = skip_prefill ? std::span<const int32_t>(prompt).last(1)
                                                           : std::span<const int32_t>(prompt);
-        const GenerationResult r =
-            model.device_decode
-                ? generate_on_device(model.forward, decode, coll, fed, go, {}, model.prefill)
-                : generate(model.forward, coll, fed, go, {}, model.prefill);
+        const GenerationResult r = generate(model, coll, fed, go);
         last_id = r.token_ids.back();
         FN_CHECK(static_cast<int64_t>(r.itl_ms.size()) == n - 1, "lane -p {} -n {}: {} gaps", p, n,
                  r.itl_ms.size());

@@ -91,8 +91,7 @@ std::unique_ptr<Tokenizer> require_tokenizer(const fs::path& dir, const char* wh
 // The collectives and this rank's model (TP = world size, apps/backend.h), as eval sees it.
 struct Loaded {
   std::unique_ptr<MpiCollectives> coll;
-  LoadedBackend model;
-  EvalBackend backend;
+  std::unique_ptr<Backend> backend;
 };
 
 // Checks --backend/--tp before any input is read (whether CUDA is usable is decided at load).
@@ -105,10 +104,7 @@ void check_common(const CommonCli& c, MpiContext& mpi) {
 // caches; the cpu backend takes no size).
 void load_model(Loaded& l, const CommonCli& c, const fs::path& dir, const MpiContext& mpi,
                 int64_t ctx_size) {
-  l.model = load_backend(c.backend, dir, mpi, *l.coll, ctx_size, "eval");
-  l.backend.forward = l.model.forward;
-  l.backend.reset = l.model.reset;
-  l.backend.vocab_size = l.model.vocab_size;
+  l.backend = load_backend(c.backend, dir, mpi, *l.coll, ctx_size, "eval");
 }
 
 std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) {
@@ -191,7 +187,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     h.sequences = perplexity_sequences(tokens, o.ctx, o.chunks);
     h.source = {{"producer", "fngen eval ppl"},
                 {"model", dir.string()},
-                {"backend", l.model.name},
+                {"backend", l.backend->info().name},
                 {"tp_size", l.coll->size()},
                 {"n_ctx", o.ctx}};
     writer = std::make_unique<LogitsWriter>(o.save_logits, std::move(h), "--save-logits");
@@ -211,7 +207,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   } progress;
   const auto t0 = std::chrono::steady_clock::now();
   const PerplexityResult r = perplexity(
-      l.backend, tokens, o.ctx, o.chunks,
+      *l.backend, tokens, o.ctx, o.chunks,
       [&](int64_t i, const PerplexityResult& p) {
         agree_on_error(*l.coll, [&] {  // a failed write ends the run here, not at its end
           if (writer) writer->check();
@@ -230,7 +226,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   if (root) {
     if (c.json_out) {
       const json j = {{"model", dir.string()},
-                      {"backend", l.model.name},
+                      {"backend", l.backend->info().name},
                       {"tp_size", l.coll->size()},
                       {"tokenizer", tok_id},
                       {"n_tokens", r.n_tokens},
@@ -337,7 +333,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   seq.first = 0;
   seq.n_rows = static_cast<int64_t>(seq.tokens.size());
   load_model(l, c, dir, mpi, seq.n_rows);  // one sequence of seq.n_rows tokens
-  h.source["backend"] = l.model.name;
+  h.source["backend"] = l.backend->info().name;
   // Rank 0's file: created (as <path>.partial) and closed (a write that failed during the run;
   // else renamed into place) on every rank's agreement, so that every rank ends with rank 0's
   // error (no MPI_Abort).
@@ -346,7 +342,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
     if (root) writer = std::make_unique<LogitsWriter>(o.output, h, "-o/--output");
   });
   // A failed write ends the run within 64 rows (agreed on), not after the last one.
-  dump_logits(l.backend, {seq}, writer.get(), [&](int64_t rows) {
+  dump_logits(*l.backend, {seq}, writer.get(), [&](int64_t rows) {
     if (rows % 64 == 0)
       agree_on_error(*l.coll, [&] {
         if (writer) writer->check();
@@ -423,7 +419,7 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
   load_model(l, c, dir, mpi, kld_ctx);
   if (root && !c.json_out) write_stdout(KldStats::chunk_header());
   const KldStats st =
-      kl_divergence(l.backend, *l.coll, reader.get(), [&](int64_t i, const KldStats& s) {
+      kl_divergence(*l.backend, *l.coll, reader.get(), [&](int64_t i, const KldStats& s) {
         if (!c.json_out) write_stdout(s.chunk_line(i));
       });
   if (root) {
@@ -431,7 +427,7 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
       json j = st.to_json();
       j["model"] = dir.string();
       j["base"] = o.base;
-      j["backend"] = l.model.name;
+      j["backend"] = l.backend->info().name;
       j["tp_size"] = l.coll->size();
       write_stdout(j.dump() + "\n");
     } else {
@@ -581,6 +577,10 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   go.ctx_size = ctx;
   go.stop_token_ids = stop_token_ids(cfg, gen);
   go.ignore_eos = o.ignore_eos;
+  // Scored as every eval path runs the model: the prompt token by token through forward() and
+  // the host sampler.
+  go.host_sampling = true;
+  go.stepwise_prefill = true;
 
   // Rank 0 opens and writes; a failure is agreed on (every rank ends with rank 0's error, no
   // MPI_Abort), once for the open and once per record.
@@ -642,7 +642,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       continue;
     }
     t.ids = broadcast_ids(coll, t.ids);
-    l.backend.reset();
+    l.backend->reset();
     std::optional<StreamingDetokenizer> detok;
     TextHooks hooks;
     if (root && tok) {
@@ -652,7 +652,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     } else if (root) {
       hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
     }
-    const GenerationResult r = generate(l.backend.forward, coll, t.ids, go, hooks);
+    const GenerationResult r = generate(*l.backend, coll, t.ids, go, hooks);
     json j;  // rank 0's record
     if (root) {
       std::string text = r.text;
@@ -708,8 +708,8 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       return x.n > 0 ? static_cast<double>(x.correct) / static_cast<double>(x.n) : 0.0;
     };
     std::string s =
-        fmt::format("\n--- fngen eval score: backend {}, TP {}, {}\n", l.model.name, coll.size(),
-                    o.temp > 0 ? fmt::format("temp {}", o.temp) : "greedy");
+        fmt::format("\n--- fngen eval score: backend {}, TP {}, {}\n", l.backend->info().name,
+                    coll.size(), o.temp > 0 ? fmt::format("temp {}", o.temp) : "greedy");
     s += fmt::format("{:<24} {:>6} {:>8} {:>7} {:>9}\n", "task", "n", "correct", "errors",
                      "accuracy");
     json per = json::object();

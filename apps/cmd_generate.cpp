@@ -403,6 +403,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   go.stop_token_ids = stop_token_ids(cfg, gen);
   go.stop_strings = o.stop;
   go.ignore_eos = o.ignore_eos;
+  go.host_sampling = o.host_sampling;
 
   // Rank 0: tokenizer and prompts (before the model load, so that bad input fails fast).
   TextSide ts;
@@ -447,24 +448,19 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
 
   // cuda samples on the device inside the decode graph (the host only copies ids out) unless
   // --host-sampling, a --stop string or a penalty needs the host sampler; cpu always uses it.
-  const LoadedBackend model = load_backend(o.backend, dir, mpi, coll, ctx, "generate");
-  const double load_ms = model.load_ms;
-  const ForwardFn& forward = model.forward;
-  const bool on_device = model.device_decode && !o.host_sampling && device_sampling_supported(go);
-  const DecodeFn decode = [&model](int32_t first, int64_t count, const SamplingParams& params,
-                                   const std::function<bool(int32_t)>& on_token) {
-    return model.device_decode(first, count, params, params.seed, on_token);
-  };
-  if (model.device_decode)
-    FN_LOG_INFO("generate: sampling on the {}", on_device ? "GPU (in the decode graph)" : "host");
+  const std::unique_ptr<Backend> model = load_backend(o.backend, dir, mpi, coll, ctx, "generate");
+  const BackendInfo& info = model->info();
+  const double load_ms = info.load_ms;
+  if (model->capabilities().device_decode)
+    FN_LOG_INFO("generate: sampling on the {}",
+                samples_on_device(*model, go) ? "GPU (in the decode graph)" : "host");
   else if (o.host_sampling)
     FN_LOG_INFO(
         "generate: --host-sampling applies to the cuda backend only; the {} backend "
         "always samples on the host",
-        model.name);
+        info.name);
   const auto run = [&](std::span<const int32_t> ids, const TextHooks& hooks) {
-    return on_device ? generate_on_device(forward, decode, coll, ids, go, hooks, model.prefill)
-                     : generate(forward, coll, ids, go, hooks, model.prefill);
+    return generate(*model, coll, ids, go, hooks);
   };
   const auto max_new_for = [&](int64_t n_prompt) {
     return new_tokens_for(n_prompt, o.max_new_tokens, ctx);
@@ -496,7 +492,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         if (!ts.tokenizer) r.text.clear();
         json j = result_json(r, o.chat);
         j["model"] = dir.string();
-        j["backend"] = model.name;
+        j["backend"] = info.name;
         j["tp_size"] = coll.size();
         j["ctx_size"] = ctx;
         j["load_ms"] = load_ms;
@@ -505,7 +501,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         write_stdout(j.dump() + "\n");
       } else {
         write_stdout("\n");
-        print_summary(r, mem, model.name, load_ms, coll.size(), ctx, sp);
+        print_summary(r, mem, info.name, load_ms, coll.size(), ctx, sp);
       }
     }
     return 0;
@@ -562,7 +558,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     }
     ids = broadcast_ids(coll, ids);
     go.max_new_tokens = max_new_for(static_cast<int64_t>(ids.size()));
-    model.reset();
+    model->reset();
     std::optional<StreamingDetokenizer> detok;
     TextHooks hooks;
     if (root && ts.tokenizer) {
@@ -580,8 +576,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
       j["sampling"] = sampling_json(sp);
       // Rank 0's memory after this record (a soak compares the first and the last record).
       j["host_rss_mib"] = current_rss_mib();
-      if (model.device_used_mib) j["device_used_mib"] = model.device_used_mib();
-      if (model.graph_captures) j["graph_captures"] = model.graph_captures();
+      const BackendCapabilities caps = model->capabilities();
+      if (caps.device_memory) j["device_used_mib"] = model->device_used_mib();
+      if (caps.graph_captures) j["graph_captures"] = model->graph_captures();
       return j;
     });
   }
@@ -602,7 +599,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         "TTFT ms: {}\n"
         "TPOT ms: {}\n"
         "peak host memory (MiB, per rank):{}\n",
-        model.name, coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, ttft_line,
+        info.name, coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, ttft_line,
         tpot_line, memory_text(mem));
     std::fwrite(s.data(), 1, s.size(), stderr);
   }

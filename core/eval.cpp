@@ -185,8 +185,8 @@ std::vector<LogitsSequence> perplexity_sequences(std::span<const int32_t> tokens
   return seqs;
 }
 
-PerplexityResult perplexity(const EvalBackend& backend, std::span<const int32_t> tokens,
-                            int64_t n_ctx, int64_t max_chunks,
+PerplexityResult perplexity(Backend& backend, std::span<const int32_t> tokens, int64_t n_ctx,
+                            int64_t max_chunks,
                             const std::function<void(int64_t, const PerplexityResult&)>& on_chunk,
                             LogitsWriter* save) {
   const std::vector<LogitsSequence> seqs = perplexity_sequences(tokens, n_ctx, max_chunks);
@@ -1016,13 +1016,13 @@ std::vector<LogitsSequence> broadcast_sequences(Collectives& coll,
 
 }  // namespace
 
-KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsReader* reader,
+KldStats kl_divergence(Backend& backend, Collectives& coll, LogitsReader* reader,
                        const std::function<void(int64_t, const KldStats&)>& on_sequence) {
   if (reader) {
-    FN_REQUIRE(reader->header().vocab_size == backend.vocab_size, Format,
+    FN_REQUIRE(reader->header().vocab_size == backend.info().vocab_size, Format,
                "the base file has vocab_size {} but the model has {}: it was made for another "
                "model",
-               reader->header().vocab_size, backend.vocab_size);
+               reader->header().vocab_size, backend.info().vocab_size);
   }
   const std::vector<LogitsSequence> seqs =
       broadcast_sequences(coll, reader ? &reader->header().sequences : nullptr);
@@ -1050,7 +1050,7 @@ KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsRead
   return stats;
 }
 
-void dump_logits(const EvalBackend& backend, const std::vector<LogitsSequence>& sequences,
+void dump_logits(Backend& backend, const std::vector<LogitsSequence>& sequences,
                  LogitsWriter* writer, const std::function<void(int64_t)>& on_row) {
   int64_t rows = 0;
   for (const LogitsSequence& s : sequences) {

@@ -1,8 +1,9 @@
 // Scripted quality evaluation for `fngen eval` (ecosystem doc §a.7): llama-perplexity windows,
 // llama.cpp's KL-divergence statistics and the reference-logits file reader/writer. Called by
 // apps/cmd_eval.cpp on every rank of the TP group, and by tests. The model is reached only through
-// EvalBackend (forward + reset), so the CUDA backend plugs in unchanged. Statistics are in double;
-// the file reader checks every size against the header before it reads any data.
+// Backend::reset, Backend::forward and the vocabulary size (core/backend.h), so every backend plugs
+// in unchanged. Statistics are in double; the file reader checks every size against the header
+// before it reads any data.
 //
 // ---- Reference-logits file, version 1 (".fnlogits"; scripts/reference/dump_reference_logits.py
 //      writes the same format from transformers) ----
@@ -42,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/error.h"
 #include "core/generate.h"
 
@@ -50,14 +52,6 @@ namespace fn {
 /// The "magic" value of a reference-logits header and the version this build reads and writes.
 inline constexpr const char* kLogitsMagic = "fngen.reference_logits";
 inline constexpr int kLogitsVersion = 1;
-
-/// The model as eval sees it: forward(token) -> full-vocabulary FP32 logits (CpuModel::forward,
-/// later the CUDA backend's step), reset() -> a fresh sequence at position 0.
-struct EvalBackend {
-  ForwardFn forward;
-  std::function<void()> reset;
-  int64_t vocab_size = 0;
-};
 
 /// 64-bit FNV-1a of `bytes` (offset basis 0xcbf29ce484222325, prime 0x100000001b3).
 uint64_t fnv1a64(std::string_view bytes) noexcept;
@@ -123,8 +117,8 @@ class LogitsWriter;
 /// scored row is appended to it (its header must come from perplexity_sequences()). Throws
 /// fn::Error(Usage) when n_ctx < 4 or tokens hold fewer than n_ctx tokens (naming both numbers and
 /// -c/--ctx-size).
-PerplexityResult perplexity(const EvalBackend& backend, std::span<const int32_t> tokens,
-                            int64_t n_ctx, int64_t max_chunks,
+PerplexityResult perplexity(Backend& backend, std::span<const int32_t> tokens, int64_t n_ctx,
+                            int64_t max_chunks,
                             const std::function<void(int64_t, const PerplexityResult&)>& on_chunk,
                             LogitsWriter* save = nullptr);
 
@@ -313,7 +307,7 @@ class KldStats {
 /// the TP group calls it; `reader` is non-null on rank 0 only, which broadcasts the header's
 /// sequences through `coll` first. `on_sequence(i, stats)` runs on rank 0 after sequence i.
 /// Throws fn::Error(Format) when the backend's vocab_size differs from the file's (naming both).
-KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsReader* reader,
+KldStats kl_divergence(Backend& backend, Collectives& coll, LogitsReader* reader,
                        const std::function<void(int64_t, const KldStats&)>& on_sequence);
 
 /// Feeds each sequence of `header` (identical on every rank) and appends its rows to `writer`
@@ -321,7 +315,7 @@ KldStats kl_divergence(const EvalBackend& backend, Collectives& coll, LogitsRead
 /// every rank after row n (1-based count over all sequences) is written, e.g. to agree on
 /// LogitsWriter::check. The caller closes the writer (LogitsWriter::close, which reports a failed
 /// write), on every rank's agreement.
-void dump_logits(const EvalBackend& backend, const std::vector<LogitsSequence>& sequences,
+void dump_logits(Backend& backend, const std::vector<LogitsSequence>& sequences,
                  LogitsWriter* writer, const std::function<void(int64_t)>& on_row = {});
 
 }  // namespace fn

@@ -103,6 +103,21 @@ class StopText {
   std::size_t max_len_ = 0;
 };
 
+// Runs `prompt` on `backend`: Backend::prefill, or forward() per token with stepwise_prefill.
+// Returns the last token's logits for PrefillOutput::Last, else an empty span.
+std::span<const float> run_prompt(Backend& backend, std::span<const int32_t> prompt,
+                                  PrefillOutput output, bool stepwise) {
+  if (!stepwise) return backend.prefill(prompt, output);
+  std::span<const float> logits;
+  for (int32_t t : prompt) logits = backend.forward(t);
+  return output == PrefillOutput::Last ? logits : std::span<const float>();
+}
+
+bool is_stop_id(const GenerateOptions& options, int32_t t) {
+  return std::find(options.stop_token_ids.begin(), options.stop_token_ids.end(),
+                   static_cast<int64_t>(t)) != options.stop_token_ids.end();
+}
+
 }  // namespace
 
 const char* finish_reason_name(FinishReason r) noexcept {
@@ -157,17 +172,12 @@ void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size)
              ctx_size);
 }
 
-std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t> prompt) {
-  FN_REQUIRE(!prompt.empty(), Usage, "the prompt is empty (0 tokens): give at least one token");
-  std::span<const float> logits;
-  for (int32_t t : prompt) logits = forward(t);
-  return logits;
-}
+namespace {
 
-GenerationResult generate(const ForwardFn& forward, Collectives& coll,
-                          std::span<const int32_t> prompt, const GenerateOptions& options,
-                          const TextHooks& hooks, const PrefillFn& batch_prefill) {
-  check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
+// generate() with the host sampler: forward() per generated token, rank 0's decision broadcast.
+GenerationResult generate_on_host(Backend& backend, Collectives& coll,
+                                  std::span<const int32_t> prompt, const GenerateOptions& options,
+                                  const TextHooks& hooks) {
   const bool root = coll.rank() == 0;
   FN_REQUIRE(options.stop_strings.empty() || !root || hooks.feed, Usage,
              "--stop needs a tokenizer to match text; this model directory has none");
@@ -176,14 +186,10 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
   Sampler sampler(options.sampling);
   for (int32_t t : prompt) sampler.accept(t);
   StopText stop_text(options.stop_strings, hooks);
-  auto is_stop_id = [&options](int32_t t) {
-    return std::find(options.stop_token_ids.begin(), options.stop_token_ids.end(),
-                     static_cast<int64_t>(t)) != options.stop_token_ids.end();
-  };
 
   const auto t0 = Clock::now();
   std::span<const float> logits =
-      batch_prefill && !prompt.empty() ? batch_prefill(prompt, true) : prefill(forward, prompt);
+      run_prompt(backend, prompt, PrefillOutput::Last, options.stepwise_prefill);
   const auto t_prefill = Clock::now();
   r.prefill_ms = ms_between(t0, t_prefill);
   auto t_prev = t0;
@@ -193,7 +199,7 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
     if (root) {
       const int32_t tok = msg[0];
       const auto n_after = static_cast<int64_t>(r.token_ids.size()) + 1;
-      if (!options.ignore_eos && is_stop_id(tok)) {
+      if (!options.ignore_eos && is_stop_id(options, tok)) {
         msg[1] = 1 + static_cast<int32_t>(FinishReason::Eos);
       } else {
         if (hooks.feed && stop_text.add(hooks.feed(tok))) {
@@ -217,7 +223,7 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
       break;
     }
     sampler.accept(msg[0]);
-    logits = forward(msg[0]);
+    logits = backend.forward(msg[0]);
   }
   r.finish = finish;
   r.e2e_ms = ms_between(t0, t_prev);
@@ -232,34 +238,19 @@ GenerationResult generate(const ForwardFn& forward, Collectives& coll,
   return r;
 }
 
-bool device_sampling_supported(const GenerateOptions& options) {
-  const SamplingParams& s = options.sampling;
-  return options.stop_strings.empty() && s.repetition_penalty == 1.0 && s.presence_penalty == 0.0 &&
-         s.frequency_penalty == 0.0;
-}
-
-GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& decode,
-                                    Collectives& coll, std::span<const int32_t> prompt,
-                                    const GenerateOptions& options, const TextHooks& hooks,
-                                    const PrefillFn& batch_prefill) {
-  check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
-  FN_REQUIRE(device_sampling_supported(options), Usage,
-             "sampling on the device supports no --stop strings and no repetition, presence or "
-             "frequency penalty");
+// generate() with sampling on the device: prompt[0 .. n-2] prefilled, then Backend::decode from
+// the last prompt token.
+GenerationResult generate_on_device(Backend& backend, Collectives& coll,
+                                    std::span<const int32_t> prompt, const GenerateOptions& options,
+                                    const TextHooks& hooks) {
   const bool root = coll.rank() == 0;
   GenerationResult r;
   r.n_prompt_tokens = static_cast<int64_t>(prompt.size());
   StopText stop_text(options.stop_strings, hooks);
-  auto is_stop_id = [&options](int32_t t) {
-    return std::find(options.stop_token_ids.begin(), options.stop_token_ids.end(),
-                     static_cast<int64_t>(t)) != options.stop_token_ids.end();
-  };
   const auto t0 = Clock::now();
-  if (batch_prefill && prompt.size() > 1) {
-    batch_prefill(prompt.first(prompt.size() - 1), false);
-  } else {
-    for (std::size_t i = 0; i + 1 < prompt.size(); ++i) forward(prompt[i]);
-  }
+  if (prompt.size() > 1)
+    run_prompt(backend, prompt.first(prompt.size() - 1), PrefillOutput::None,
+               options.stepwise_prefill);
   r.prefill_ms = ms_between(t0, Clock::now());  // the last prompt token runs in the first step
   auto t_prev = t0;
   FinishReason finish = FinishReason::Length;
@@ -272,14 +263,15 @@ GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& de
     }
     t_prev = t;
     r.token_ids.push_back(id);
-    if (!options.ignore_eos && is_stop_id(id)) {
+    if (!options.ignore_eos && is_stop_id(options, id)) {
       finish = FinishReason::Eos;
       return false;
     }
     if (root && hooks.feed) stop_text.add(hooks.feed(id));
     return true;
   };
-  decode(prompt.back(), options.max_new_tokens, options.sampling, on_token);
+  backend.decode(prompt.back(), options.max_new_tokens, options.sampling, options.sampling.seed,
+                 on_token);
   r.finish = finish;
   r.e2e_ms = ms_between(t0, t_prev);
   if (root) {
@@ -289,6 +281,26 @@ GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& de
   }
   finish_stats(r);
   return r;
+}
+
+}  // namespace
+
+bool device_sampling_supported(const GenerateOptions& options) {
+  const SamplingParams& s = options.sampling;
+  return !options.host_sampling && options.stop_strings.empty() && s.repetition_penalty == 1.0 &&
+         s.presence_penalty == 0.0 && s.frequency_penalty == 0.0;
+}
+
+bool samples_on_device(const Backend& backend, const GenerateOptions& options) {
+  return backend.capabilities().device_decode && device_sampling_supported(options);
+}
+
+GenerationResult generate(Backend& backend, Collectives& coll, std::span<const int32_t> prompt,
+                          const GenerateOptions& options, const TextHooks& hooks) {
+  check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
+  return samples_on_device(backend, options)
+             ? generate_on_device(backend, coll, prompt, options, hooks)
+             : generate_on_host(backend, coll, prompt, options, hooks);
 }
 
 double current_rss_mib() {

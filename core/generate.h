@@ -1,11 +1,13 @@
-// The generation loop of `fngen generate` (DESIGN.md "The main job", steps 7-9), independent of
-// the backend: prefill token by token through a forward function, then sample and decode until a
-// stop id, a stop string, max_new_tokens or the context end, with per-token timing. Called by
-// apps/cmd_generate.cpp on every rank of the TP group with the same prompt. Invariant: every rank
+// The generation loop of `fngen generate` and `fngen bench` (DESIGN.md "The main job", steps
+// 7-9), over any Backend (core/backend.h): prefill the prompt, then sample and decode until a stop
+// id, a stop string, max_new_tokens or the context end, with per-token timing. One function,
+// generate(), chooses between the two ways of sampling: on the device inside the backend's decode
+// loop (Backend::decode) when the backend has it and the options allow it, else forward() and the
+// host sampler. Called on every rank of the TP group with the same prompt. Invariant: every rank
 // takes the same decision at every step (MODEL.md §E.3): the logits and the sampler state are
-// identical on all ranks, and rank 0's token and stop decision are broadcast anyway, so that a
-// divergence can never leave the ranks running different sequences (and stop strings, matched on
-// text only rank 0 has, need it).
+// identical on all ranks, and on the host path rank 0's token and stop decision are broadcast
+// anyway, so that a divergence can never leave the ranks running different sequences (and stop
+// strings, matched on text only rank 0 has, need it).
 #pragma once
 
 #include <cstdint>
@@ -15,14 +17,11 @@
 #include <string_view>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/collectives.h"
 #include "core/sampler.h"
 
 namespace fn {
-
-/// One step of a backend: feeds `token` at the next position, returns the full-vocabulary FP32
-/// logits (identical on every rank). CpuModel::forward, later the CUDA backend's step.
-using ForwardFn = std::function<std::span<const float>(int32_t token)>;
 
 /// Rank 0's text side (core does not see the tokenizer; apps adapts StreamingDetokenizer).
 /// Every member may be empty: no text is produced then.
@@ -51,6 +50,12 @@ struct GenerateOptions {
   std::vector<int64_t> stop_token_ids;    ///< config eos ∪ generation_config eos_token_id
   std::vector<std::string> stop_strings;  ///< matched on the detokenized text (rank 0)
   bool ignore_eos = false;                ///< do not stop on stop_token_ids
+  /// Sample on the host (forward() + Sampler) even where the backend can sample on the device
+  /// (--host-sampling; `fngen eval score`, which runs the model as its other modes do).
+  bool host_sampling = false;
+  /// Feed the prompt through forward() one token at a time instead of Backend::prefill (eval:
+  /// the same logits as its per-token scoring).
+  bool stepwise_prefill = false;
 };
 
 /// Latency distribution in milliseconds: mean, p50/p90/p99 (linear interpolation between order
@@ -86,47 +91,31 @@ struct GenerationResult {
 /// leaves no room).
 void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size);
 
-/// A backend's batched prefill (CudaModel::prefill): runs `tokens` at the next positions and
-/// returns the last token's full-vocabulary logits when `want_logits`, else an empty span.
-using PrefillFn =
-    std::function<std::span<const float>(std::span<const int32_t> tokens, bool want_logits)>;
-
-/// Feeds `prompt` through `forward` in order and returns the last position's logits (the span
-/// forward returned last). Throws fn::Error(Usage) for an empty prompt.
-std::span<const float> prefill(const ForwardFn& forward, std::span<const int32_t> prompt);
-
-/// Generates from `prompt` on a freshly reset backend (the caller resets it). Runs on every rank
-/// of `coll` with the same arguments; `hooks` matter on rank 0 only. Per step: sample (every
-/// rank), rank 0 checks stop ids / stop strings / length and broadcasts {token, stop} (8 bytes),
-/// every rank accepts the broadcast token. Throws check_context's error before any
-/// forward; fn::Error(Usage) when stop_strings are given without hooks.feed on rank 0.
-/// `batch_prefill`, when set, runs the prompt instead of one forward per token.
-GenerationResult generate(const ForwardFn& forward, Collectives& coll,
-                          std::span<const int32_t> prompt, const GenerateOptions& options,
-                          const TextHooks& hooks = {}, const PrefillFn& batch_prefill = nullptr);
-
-/// A backend's on-device decode loop (the CUDA graph that samples and feeds back the next id,
-/// CudaModel::decode): feeds `first` at the next position, then samples and feeds `count` ids
-/// with `sampling` (temperature, top-k, top-p, min-p; identical on every rank), calling
-/// on_token(id) as each id reaches the host; on_token returning false stops the loop.
-using DecodeFn =
-    std::function<std::vector<int32_t>(int32_t first, int64_t count, const SamplingParams& sampling,
-                                       const std::function<bool(int32_t)>& on_token)>;
-
-/// True when `options` can run on a DecodeFn: no stop strings (matched on rank 0's text) and no
-/// repetition / presence / frequency penalty (they need the host sampler's history).
+/// True when `options` can sample on the device (Backend::decode): no stop strings (matched on
+/// rank 0's text), no repetition / presence / frequency penalty (they need the host sampler's
+/// history) and no host_sampling.
 bool device_sampling_supported(const GenerateOptions& options);
 
-/// generate() with sampling on the device: prefill prompt[0 .. n-2] through `forward` (logits
-/// unused), then `decode` from the last prompt token. Every rank sees the same ids (the device
-/// sampler is deterministic and the logits are identical on all ranks), so no per-token
-/// broadcast is needed; stop ids end the loop on every rank alike. Timing fields as generate().
-/// Throws check_context's error, and fn::Error(Usage) when !device_sampling_supported.
-/// `batch_prefill`, when set, runs prompt[0 .. n-2] instead of one forward per token.
-GenerationResult generate_on_device(const ForwardFn& forward, const DecodeFn& decode,
-                                    Collectives& coll, std::span<const int32_t> prompt,
-                                    const GenerateOptions& options, const TextHooks& hooks = {},
-                                    const PrefillFn& batch_prefill = nullptr);
+/// True when generate() samples on the device for `backend` and `options`: the backend has
+/// decode() (BackendCapabilities::device_decode) and device_sampling_supported(options).
+bool samples_on_device(const Backend& backend, const GenerateOptions& options);
+
+/// Generates from `prompt` on `backend`, which the caller has reset (or moved to the prompt's
+/// first position). Runs on every rank of `coll` with the same arguments; `hooks` matter on
+/// rank 0 only. The prompt runs through Backend::prefill (forward() per token with
+/// stepwise_prefill). Then, as samples_on_device() says:
+///  - on the host: per step, sample (every rank), rank 0 checks stop ids / stop strings /
+///    length and broadcasts {token, stop} (8 bytes), every rank accepts the broadcast token and
+///    feeds it through forward();
+///  - on the device: the prompt but its last token is prefilled, then Backend::decode runs from
+///    the last prompt token with options.sampling and its seed; every rank sees the same ids,
+///    so no per-token broadcast is needed; stop ids end the loop on every rank alike.
+/// Timing: prefill_ms is the prompt's prefill (on the device path without the last prompt
+/// token, which runs in the first decode step); TTFT and the gaps are taken when each id is
+/// known on the host. Throws check_context's error before any model call; fn::Error(Usage)
+/// when stop_strings are given without hooks.feed on rank 0; whatever the backend throws.
+GenerationResult generate(Backend& backend, Collectives& coll, std::span<const int32_t> prompt,
+                          const GenerateOptions& options, const TextHooks& hooks = {});
 
 /// Resident memory of this process now, in MiB (/proc/self/statm; 0 where unavailable).
 double current_rss_mib();

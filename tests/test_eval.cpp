@@ -14,6 +14,7 @@
 #include <numeric>
 #include <string>
 
+#include "core/backend.h"
 #include "core/collectives.h"
 #include "core/error.h"
 #include "core/eval.h"
@@ -24,18 +25,31 @@ using fn::ErrorKind;
 namespace {
 
 // A backend whose logits are always [0, ln 3] (p = [1/4, 3/4]); counts resets and forwards.
-struct FixedBackend {
+class FixedBackend final : public fn::Backend {
+ public:
+  FixedBackend() : fn::Backend(info_of()) {}
   std::vector<float> row{0.0f, static_cast<float>(std::log(3.0))};
   int resets = 0, forwards = 0;
-  fn::EvalBackend get() {
-    fn::EvalBackend b;
-    b.forward = [this](int32_t) {
-      ++forwards;
-      return std::span<const float>(row);
-    };
-    b.reset = [this] { ++resets; };
-    b.vocab_size = 2;
-    return b;
+
+  void reset() override { ++resets; }
+  int64_t position() const noexcept override { return forwards; }
+  std::span<const float> forward(int32_t) override {
+    ++forwards;
+    return row;
+  }
+  std::span<const float> prefill(std::span<const int32_t> tokens,
+                                 fn::PrefillOutput output) override {
+    for (std::size_t i = 0; i < tokens.size(); ++i) forward(tokens[i]);
+    return output == fn::PrefillOutput::Last ? std::span<const float>(row)
+                                             : std::span<const float>();
+  }
+
+ private:
+  static fn::BackendInfo info_of() {
+    fn::BackendInfo i;
+    i.name = "fixed";
+    i.vocab_size = 2;
+    return i;
   }
 };
 
@@ -114,7 +128,7 @@ TEST_CASE("eval: perplexity scores positions n_ctx/2 .. n_ctx-2 of each fresh wi
   const std::vector<int32_t> t = {1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0};
   std::vector<double> seen;
   const fn::PerplexityResult r =
-      fn::perplexity(fb.get(), t, 8, -1, [&](int64_t i, const fn::PerplexityResult& p) {
+      fn::perplexity(fb, t, 8, -1, [&](int64_t i, const fn::PerplexityResult& p) {
         CHECK(i == static_cast<int64_t>(seen.size()));
         seen.push_back(p.ppl());
       });
@@ -140,14 +154,14 @@ TEST_CASE("eval: perplexity scores positions n_ctx/2 .. n_ctx-2 of each fresh wi
   CHECK(r.ppl_err() == doctest::Approx(r.ppl() * std::sqrt(var / 5)).epsilon(1e-9));
   // --chunks 1 keeps the first window only.
   FixedBackend fb1;
-  CHECK(fn::perplexity(fb1.get(), t, 8, 1, {}).count == 3);
+  CHECK(fn::perplexity(fb1, t, 8, 1, {}).count == 3);
 }
 
 TEST_CASE("eval: perplexity rejects a text shorter than one window, naming -c/--ctx-size") {
   FixedBackend fb;
   const std::vector<int32_t> t(7, 1);
-  CHECK(kind_of([&] { fn::perplexity(fb.get(), t, 8, -1, {}); }) == ErrorKind::Usage);
-  CHECK(message_of([&] { fn::perplexity(fb.get(), t, 8, -1, {}); }).find("-c/--ctx-size 8") !=
+  CHECK(kind_of([&] { fn::perplexity(fb, t, 8, -1, {}); }) == ErrorKind::Usage);
+  CHECK(message_of([&] { fn::perplexity(fb, t, 8, -1, {}); }).find("-c/--ctx-size 8") !=
         std::string::npos);
   CHECK(fb.forwards == 0);
 }
@@ -487,9 +501,9 @@ TEST_CASE("eval: a truncated, foreign or inconsistent logits file is rejected as
     FixedBackend fb;  // vocab 2, the file's is 3
     fn::LocalCollectives coll;
     fn::LogitsReader r(p);
-    CHECK(kind_of([&] { fn::kl_divergence(fb.get(), coll, &r, {}); }) == ErrorKind::Format);
+    CHECK(kind_of([&] { fn::kl_divergence(fb, coll, &r, {}); }) == ErrorKind::Format);
     CHECK(message_of([&] {
-            fn::kl_divergence(fb.get(), coll, &r, {});
+            fn::kl_divergence(fb, coll, &r, {});
           }).find("vocab_size 3 but the model has 2") != std::string::npos);
     CHECK(fb.forwards == 0);
   }
@@ -530,14 +544,14 @@ TEST_CASE(
   h.sequences = fn::perplexity_sequences(std::vector<int32_t>{1, 0, 1, 1, 0, 1, 0, 0, 1}, 4, -1);
   {
     fn::LogitsWriter w(p, h);
-    fn::dump_logits(fb.get(), h.sequences, &w);
+    fn::dump_logits(fb, h.sequences, &w);
     w.close();
   }
   fn::LogitsReader rd(p);
   fn::LocalCollectives coll;
   int64_t calls = 0;
   const fn::KldStats s =
-      fn::kl_divergence(fb.get(), coll, &rd, [&](int64_t, const fn::KldStats&) { ++calls; });
+      fn::kl_divergence(fb, coll, &rd, [&](int64_t, const fn::KldStats&) { ++calls; });
   CHECK(calls == 2);
   CHECK(s.count() == 2);  // windows of 4: position 2 of each
   CHECK(s.mean_kld() == doctest::Approx(0.0).epsilon(1e-15));

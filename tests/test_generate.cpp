@@ -1,7 +1,7 @@
 // Generation loop (core/generate.h) on a scripted fake backend (stop ids, --ignore-eos, length,
-// stop strings across token boundaries, the context check, latency statistics) and on the tp4
-// and g3_tiny reference fixtures at TP = 1 (greedy ids = the reference's 32 decode ids;
-// prefill(T) = prefill(T-1) + one decode step).
+// stop strings across token boundaries, the context check, latency statistics, the choice
+// between host and device sampling) and on the tp4 and g3_tiny reference fixtures at TP = 1
+// (greedy ids = the reference's 32 decode ids; prefill(T) = prefill(T-1) + one decode step).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/collectives.h"
+#include "core/cpu_backend.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/generate.h"
@@ -20,23 +21,69 @@
 namespace {
 
 // A backend whose greedy continuation is `script`: after n forward calls the logits put 1 on
-// script[n - 1] (0 elsewhere), so the prompt's last token decides the first generated one.
-struct ScriptedModel {
-  explicit ScriptedModel(std::vector<int32_t> s) : script(std::move(s)) {}
+// script[n - 1] (0 elsewhere), so the prompt's last token decides the first generated one; an
+// empty script gives all-zero (flat) logits. Its
+// prefill feeds the tokens through forward() and records each batch it was given; with
+// `device` set it has a decode() that emulates the device loop (feed, argmax, report, feed back),
+// recording the id each call started from.
+class ScriptedModel final : public fn::Backend {
+ public:
+  explicit ScriptedModel(std::vector<int32_t> s, bool device = false)
+      : fn::Backend(info_of()), script(std::move(s)), device_(device) {}
+
   std::vector<int32_t> script;
-  int64_t vocab = 16;
   std::vector<float> logits;
   std::vector<int32_t> fed;
-  std::span<const float> forward(int32_t t) {
+  std::vector<std::vector<int32_t>> prefilled;     // each prefill() call's tokens
+  std::vector<fn::PrefillOutput> prefill_outputs;  // and what it was asked to return
+  std::vector<int32_t> decode_firsts;              // each decode() call's first id
+
+  fn::BackendCapabilities capabilities() const noexcept override {
+    fn::BackendCapabilities c;
+    c.device_decode = device_;
+    return c;
+  }
+  void reset() override { fed.clear(); }
+  int64_t position() const noexcept override { return static_cast<int64_t>(fed.size()); }
+  std::span<const float> forward(int32_t t) override {
     fed.push_back(t);
-    logits.assign(static_cast<std::size_t>(vocab), 0.0f);
+    logits.assign(16, 0.0f);
+    if (script.empty()) return logits;  // flat: every id alike
     const std::size_t i = std::min(fed.size() - 1, script.size() - 1);
     logits[static_cast<std::size_t>(script[i])] = 1.0f;
     return logits;
   }
-  fn::ForwardFn fn() {
-    return [this](int32_t t) { return forward(t); };
+  std::span<const float> prefill(std::span<const int32_t> tokens,
+                                 fn::PrefillOutput output) override {
+    prefilled.emplace_back(tokens.begin(), tokens.end());
+    prefill_outputs.push_back(output);
+    std::span<const float> l;
+    for (int32_t t : tokens) l = forward(t);
+    return output == fn::PrefillOutput::Last ? l : std::span<const float>();
   }
+  std::vector<int32_t> decode(int32_t first, int64_t count, const fn::SamplingParams&, uint64_t,
+                              const std::function<bool(int32_t)>& on_token) override {
+    REQUIRE(device_);
+    decode_firsts.push_back(first);
+    std::vector<int32_t> out;
+    int32_t t = first;
+    for (int64_t i = 0; i < count; ++i) {
+      const auto l = forward(t);
+      t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+      out.push_back(t);
+      if (!on_token(t)) break;
+    }
+    return out;
+  }
+
+ private:
+  static fn::BackendInfo info_of() {
+    fn::BackendInfo i;
+    i.name = "scripted";
+    i.vocab_size = 16;
+    return i;
+  }
+  bool device_ = false;
 };
 
 fn::GenerateOptions greedy(int64_t n) {
@@ -66,24 +113,6 @@ struct FakeText {
   }
 };
 
-// An on-device decode loop emulated on the scripted model: feeds `first`, then greedy ids,
-// recording each call's first id in `firsts` when given.
-fn::DecodeFn greedy_decode(ScriptedModel& m, std::vector<int32_t>* firsts) {
-  return [&m, firsts](int32_t first, int64_t count, const fn::SamplingParams&,
-                      const std::function<bool(int32_t)>& on_token) {
-    if (firsts) firsts->push_back(first);
-    std::vector<int32_t> out;
-    int32_t t = first;
-    for (int64_t i = 0; i < count; ++i) {
-      const auto l = m.forward(t);
-      t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
-      out.push_back(t);
-      if (!on_token(t)) break;
-    }
-    return out;
-  };
-}
-
 }  // namespace
 
 TEST_CASE("generate: stops at a stop id (kept in the ids, not in the text) unless --ignore-eos") {
@@ -94,7 +123,7 @@ TEST_CASE("generate: stops at a stop id (kept in the ids, not in the text) unles
   o.stop_token_ids = {9, 12};
   const std::vector<int32_t> prompt = {1, 2};
   // Prompt [1, 2]: the logits after token 2 give script[1] = 4 first.
-  auto r = fn::generate(m.fn(), coll, prompt, o, t.hooks());
+  auto r = fn::generate(m, coll, prompt, o, t.hooks());
   CHECK(r.token_ids == std::vector<int32_t>{4, 9});
   CHECK(r.finish == fn::FinishReason::Eos);
   CHECK(r.text == "b");
@@ -107,7 +136,7 @@ TEST_CASE("generate: stops at a stop id (kept in the ids, not in the text) unles
   FakeText t2{{{3, "a"}, {4, "b"}, {9, "<eos>"}, {5, "c"}, {6, "d"}}};
   o.ignore_eos = true;
   o.max_new_tokens = 4;
-  r = fn::generate(m2.fn(), coll, prompt, o, t2.hooks());
+  r = fn::generate(m2, coll, prompt, o, t2.hooks());
   CHECK(r.token_ids == std::vector<int32_t>{4, 9, 5, 6});
   CHECK(r.finish == fn::FinishReason::Length);
   CHECK(r.text == "b<eos>cd");
@@ -119,7 +148,7 @@ TEST_CASE("generate: max_new_tokens ends the run with finish reason length") {
   fn::LocalCollectives coll;
   ScriptedModel m{{5, 5, 5, 5, 5, 5, 5, 5}};
   const std::vector<int32_t> prompt = {1};
-  auto r = fn::generate(m.fn(), coll, prompt, greedy(3));
+  auto r = fn::generate(m, coll, prompt, greedy(3));
   CHECK(r.token_ids == std::vector<int32_t>{5, 5, 5});
   CHECK(r.finish == fn::FinishReason::Length);
   CHECK(m.fed.size() == 3);  // prompt + 2 fed back; the last token is never fed
@@ -135,7 +164,7 @@ TEST_CASE("generate: a stop string across token boundaries is cut and never prin
   auto o = greedy(10);
   o.stop_strings = {"world", "xyz"};
   const std::vector<int32_t> prompt = {0};
-  const auto r = fn::generate(m.fn(), coll, prompt, o, t.hooks());
+  const auto r = fn::generate(m, coll, prompt, o, t.hooks());
   CHECK(r.finish == fn::FinishReason::Stop);
   CHECK(r.token_ids == std::vector<int32_t>{1, 2, 3, 4});
   CHECK(r.text == "Hello ");
@@ -147,7 +176,7 @@ TEST_CASE("generate: a stop string across token boundaries is cut and never prin
   FakeText t2{{{1, "a w"}, {2, "o"}, {3, "x"}}};
   o.stop_strings = {"world"};
   o.max_new_tokens = 3;
-  const auto r2 = fn::generate(m2.fn(), coll, prompt, o, t2.hooks());
+  const auto r2 = fn::generate(m2, coll, prompt, o, t2.hooks());
   CHECK(r2.finish == fn::FinishReason::Length);
   CHECK(r2.text == "a wox");
   CHECK(t2.joined() == "a wox");
@@ -155,14 +184,14 @@ TEST_CASE("generate: a stop string across token boundaries is cut and never prin
   ScriptedModel m3{{1, 2}};
   FakeText t3{{{1, "x"}, {2, "wor"}}};
   o.max_new_tokens = 2;
-  const auto r3 = fn::generate(m3.fn(), coll, prompt, o, t3.hooks());
+  const auto r3 = fn::generate(m3, coll, prompt, o, t3.hooks());
   CHECK(t3.joined() == "xwor");
   CHECK(r3.text == "xwor");
   // A stop string inside one token cuts that token's text.
   ScriptedModel m4{{1, 2}};
   FakeText t4{{{1, "ab"}, {2, "c\n\nd"}}};
   o.stop_strings = {"\n\n"};
-  const auto r4 = fn::generate(m4.fn(), coll, prompt, o, t4.hooks());
+  const auto r4 = fn::generate(m4, coll, prompt, o, t4.hooks());
   CHECK(r4.finish == fn::FinishReason::Stop);
   CHECK(t4.joined() == "abc");
 }
@@ -173,7 +202,7 @@ TEST_CASE("generate: --stop without a tokenizer is a usage error") {
   auto o = greedy(2);
   o.stop_strings = {"x"};
   const std::vector<int32_t> prompt = {0};
-  CHECK_THROWS_AS(fn::generate(m.fn(), coll, prompt, o), fn::Error);
+  CHECK_THROWS_AS(fn::generate(m, coll, prompt, o), fn::Error);
   CHECK(m.fed.empty());
 }
 
@@ -184,7 +213,7 @@ TEST_CASE("generate: a prompt longer than the context is a usage error naming bo
   o.ctx_size = 10;
   const std::vector<int32_t> prompt(5, 1);
   try {
-    fn::generate(m.fn(), coll, prompt, o);
+    fn::generate(m, coll, prompt, o);
     FAIL("no error");
   } catch (const fn::Error& e) {
     CHECK(e.kind() == fn::ErrorKind::Usage);
@@ -195,12 +224,12 @@ TEST_CASE("generate: a prompt longer than the context is a usage error naming bo
   }
   CHECK(m.fed.empty());  // checked before any forward
   o.max_new_tokens = 5;  // exactly fills the context: fine
-  CHECK(fn::generate(m.fn(), coll, prompt, o).token_ids.size() == 5);
+  CHECK(fn::generate(m, coll, prompt, o).token_ids.size() == 5);
   // A prompt that alone fills the context is bad input (Format), whatever -n is.
   const std::vector<int32_t> full(10, 1);
   o.max_new_tokens = 1;
   try {
-    fn::generate(m.fn(), coll, full, o);
+    fn::generate(m, coll, full, o);
     FAIL("no error");
   } catch (const fn::Error& e) {
     CHECK(e.kind() == fn::ErrorKind::Format);
@@ -213,7 +242,7 @@ TEST_CASE("generate: an empty prompt is a usage error") {
   ScriptedModel m{{1}};
   const std::vector<int32_t> prompt;
   try {
-    fn::generate(m.fn(), coll, prompt, greedy(4));
+    fn::generate(m, coll, prompt, greedy(4));
     FAIL("no error");
   } catch (const fn::Error& e) {
     CHECK(e.kind() == fn::ErrorKind::Usage);
@@ -237,11 +266,10 @@ TEST_CASE("generate: latency statistics (numpy's linear percentiles)") {
 
 TEST_CASE("generate: sampling with a seed is reproducible through the loop") {
   fn::LocalCollectives coll;
-  // Uniform logits over 16 ids: the draw alone decides.
-  struct Flat {
-    std::vector<float> l = std::vector<float>(16, 0.0f);
-  } flat;
-  fn::ForwardFn f = [&flat](int32_t) { return std::span<const float>(flat.l); };
+  // Uniform logits over 16 ids (a script that is all one id, its 1 replaced by 0): the draw
+  // alone decides.
+  ScriptedModel f{{0}};
+  f.script.clear();
   auto o = greedy(20);
   o.sampling.temperature = 1.0;
   o.sampling.seed = 99;
@@ -259,21 +287,19 @@ TEST_CASE("generate: greedy on the reference fixtures reproduces the 32 decode i
     CAPTURE(name);
     const auto f = fn::test::load_ref_fixture(name);
     fn::LocalCollectives coll;
-    auto model = fn::CpuModel::load(f.dir, coll);
+    fn::CpuBackend model(fn::CpuModel::load(f.dir, coll), 0.0);
     auto o = greedy(32);
     o.ignore_eos = true;
     o.ctx_size = 4096;
     o.stop_token_ids = {7, 8};
-    const auto r =
-        fn::generate([&](int32_t t) { return model->forward(t); }, coll, f.prompt_ids, o);
+    const auto r = fn::generate(model, coll, f.prompt_ids, o);
     const std::vector<int32_t> want(f.generated_ids.begin(), f.generated_ids.begin() + 32);
     CHECK(r.token_ids == want);
     CHECK(r.finish == fn::FinishReason::Length);
     // Without --ignore-eos the run ends at the first stop id of the reference stream.
-    model->reset();
+    model.reset();
     o.ignore_eos = false;
-    const auto r2 =
-        fn::generate([&](int32_t t) { return model->forward(t); }, coll, f.prompt_ids, o);
+    const auto r2 = fn::generate(model, coll, f.prompt_ids, o);
     std::size_t first_stop = 0;
     while (first_stop < want.size() && want[first_stop] != 7 && want[first_stop] != 8) ++first_stop;
     REQUIRE(first_stop < want.size());  // the README says each stream contains a stop id
@@ -286,15 +312,14 @@ TEST_CASE("generate: greedy on the reference fixtures reproduces the 32 decode i
 TEST_CASE("generate: prefill(T) equals prefill(T-1) plus one decode step") {
   const auto f = fn::test::load_ref_fixture("tp4");
   fn::LocalCollectives coll;
-  auto model = fn::CpuModel::load(f.dir, coll);
-  const fn::ForwardFn fwd = [&](int32_t t) { return model->forward(t); };
+  fn::CpuBackend model(fn::CpuModel::load(f.dir, coll), 0.0);
   const std::span<const int32_t> all(f.prompt_ids);
-  const auto a = fn::prefill(fwd, all);
+  const auto a = model.prefill(all, fn::PrefillOutput::Last);
   const std::vector<float> full(a.begin(), a.end());
-  CHECK(model->position() == static_cast<int64_t>(all.size()));
-  model->reset();
-  fn::prefill(fwd, all.first(all.size() - 1));
-  const auto b = model->forward(all.back());
+  CHECK(model.position() == static_cast<int64_t>(all.size()));
+  model.reset();
+  CHECK(model.prefill(all.first(all.size() - 1), fn::PrefillOutput::None).empty());
+  const auto b = model.forward(all.back());
   const double scale = fn::test::max_abs(full.data(), f.vocab);
   const double diff = fn::test::max_abs_diff(full.data(), b.data(), f.vocab);
   MESSAGE("max |prefill(T) - (prefill(T-1) + step)| = " << diff << " (scale " << scale << ")");
@@ -304,58 +329,83 @@ TEST_CASE("generate: prefill(T) equals prefill(T-1) plus one decode step") {
 }
 
 TEST_CASE(
-    "generate: a backend's batched prefill runs the prompt in one call and decoding "
-    "continues through forward") {
+    "generate: the prompt runs in one prefill call and decoding continues through forward, or "
+    "through the device loop from the last prompt token") {
   fn::LocalCollectives coll;
-  ScriptedModel m{{3, 4, 5, 6, 7, 8}};
-  std::vector<std::vector<int32_t>> prefilled;
-  // The batched prefill feeds the prompt through the same scripted model (so the first generated
-  // id is the one token-by-token prefill gives) and records the batch it was given.
-  const fn::PrefillFn batch = [&](std::span<const int32_t> tokens, bool want_logits) {
-    prefilled.emplace_back(tokens.begin(), tokens.end());
-    std::span<const float> l;
-    for (int32_t t : tokens) l = m.forward(t);
-    return want_logits ? l : std::span<const float>();
-  };
   const std::vector<int32_t> prompt = {1, 2, 9};
-  const auto r = fn::generate(m.fn(), coll, prompt, greedy(3), {}, batch);
-  REQUIRE(prefilled.size() == 1);
-  CHECK(prefilled[0] == prompt);
+  // Host sampling: one prefill of the whole prompt asking for its last logits.
+  ScriptedModel m{{3, 4, 5, 6, 7, 8}};
+  CHECK_FALSE(fn::samples_on_device(m, greedy(3)));
+  const auto r = fn::generate(m, coll, prompt, greedy(3));
+  REQUIRE(m.prefilled.size() == 1);
+  CHECK(m.prefilled[0] == prompt);
+  CHECK(m.prefill_outputs[0] == fn::PrefillOutput::Last);
   CHECK(r.token_ids == std::vector<int32_t>{5, 6, 7});
-  CHECK(m.fed == std::vector<int32_t>{1, 2, 9, 5, 6});  // prompt via the batch, then decode
+  CHECK(m.fed == std::vector<int32_t>{1, 2, 9, 5, 6});  // prompt via the prefill, then decode
 
-  // Without the batch function the same run feeds the prompt token by token: same ids.
+  // stepwise_prefill: the same run feeds the prompt token by token, never calling prefill().
   ScriptedModel m2{{3, 4, 5, 6, 7, 8}};
-  const auto r2 = fn::generate(m2.fn(), coll, prompt, greedy(3));
+  auto step = greedy(3);
+  step.stepwise_prefill = true;
+  const auto r2 = fn::generate(m2, coll, prompt, step);
+  CHECK(m2.prefilled.empty());
   CHECK(r2.token_ids == r.token_ids);
+  CHECK(m2.fed == m.fed);
 
-  // On-device decoding: the batch takes prompt[0 .. n-2]; the last prompt token starts decode.
-  ScriptedModel m3{{3, 4, 5, 6, 7, 8}};
-  prefilled.clear();
-  const fn::PrefillFn batch3 = [&](std::span<const int32_t> tokens, bool want_logits) {
-    CHECK_FALSE(want_logits);
-    prefilled.emplace_back(tokens.begin(), tokens.end());
-    for (int32_t t : tokens) m3.forward(t);
-    return std::span<const float>();
-  };
-  std::vector<int32_t> first_fed;
-  const fn::DecodeFn decode = greedy_decode(m3, &first_fed);
-  const auto r3 = fn::generate_on_device(m3.fn(), decode, coll, prompt, greedy(3), {}, batch3);
-  REQUIRE(prefilled.size() == 1);
-  CHECK(prefilled[0] == std::vector<int32_t>{1, 2});
-  CHECK(first_fed == std::vector<int32_t>{9});
+  // A backend with a device loop: the prefill takes prompt[0 .. n-2] without logits, the last
+  // prompt token starts decode(); the same ids.
+  ScriptedModel m3{{3, 4, 5, 6, 7, 8}, true};
+  CHECK(fn::samples_on_device(m3, greedy(3)));
+  const auto r3 = fn::generate(m3, coll, prompt, greedy(3));
+  REQUIRE(m3.prefilled.size() == 1);
+  CHECK(m3.prefilled[0] == std::vector<int32_t>{1, 2});
+  CHECK(m3.prefill_outputs[0] == fn::PrefillOutput::None);
+  CHECK(m3.decode_firsts == std::vector<int32_t>{9});
   CHECK(r3.token_ids == r.token_ids);
+  CHECK(r3.finish == fn::FinishReason::Length);
+  CHECK(r3.itl_ms.size() == 2);
 
   // A one-token prompt has nothing to prefill before decoding starts.
-  ScriptedModel m4{{3, 4, 5, 6, 7, 8}};
-  prefilled.clear();
-  const fn::PrefillFn batch4 = [&](std::span<const int32_t> tokens, bool) {
-    prefilled.emplace_back(tokens.begin(), tokens.end());
-    return std::span<const float>();
-  };
-  const fn::DecodeFn decode4 = greedy_decode(m4, nullptr);
+  ScriptedModel m4{{3, 4, 5, 6, 7, 8}, true};
   const std::vector<int32_t> one = {1};
-  const auto r4 = fn::generate_on_device(m4.fn(), decode4, coll, one, greedy(2), {}, batch4);
-  CHECK(prefilled.empty());
+  const auto r4 = fn::generate(m4, coll, one, greedy(2));
+  CHECK(m4.prefilled.empty());
+  CHECK(m4.decode_firsts == std::vector<int32_t>{1});
   CHECK(r4.token_ids == std::vector<int32_t>{3, 4});
+}
+
+TEST_CASE(
+    "generate: stop strings, penalties and host_sampling keep a device-capable backend on the "
+    "host sampler") {
+  fn::LocalCollectives coll;
+  const std::vector<int32_t> prompt = {1, 2};
+  auto o = greedy(3);
+  CHECK(fn::device_sampling_supported(o));
+  for (int which = 0; which < 4; ++which) {
+    CAPTURE(which);
+    auto h = greedy(3);
+    if (which == 0) h.sampling.repetition_penalty = 1.1;
+    if (which == 1) h.sampling.presence_penalty = 0.5;
+    if (which == 2) h.sampling.frequency_penalty = 0.5;
+    if (which == 3) h.host_sampling = true;
+    CHECK_FALSE(fn::device_sampling_supported(h));
+    ScriptedModel m{{3, 4, 5, 6}, true};
+    CHECK_FALSE(fn::samples_on_device(m, h));
+    const auto r = fn::generate(m, coll, prompt, h);
+    CHECK(m.decode_firsts.empty());  // decode() never ran
+    REQUIRE(m.prefilled.size() == 1);
+    CHECK(m.prefilled[0] == prompt);  // the whole prompt, its last logits sampled on the host
+    CHECK(r.token_ids.size() == 3);
+    CHECK(r.token_ids.front() == 4);
+  }
+  auto stop = greedy(3);
+  stop.stop_strings = {"x"};
+  CHECK_FALSE(fn::device_sampling_supported(stop));
+  ScriptedModel m{{3, 4, 5, 6}, true};
+  FakeText t{{{4, "a"}, {5, "x"}, {6, "b"}}};
+  const auto r = fn::generate(m, coll, prompt, stop, t.hooks());
+  CHECK(m.decode_firsts.empty());
+  CHECK(r.finish == fn::FinishReason::Stop);
+  CHECK(r.token_ids == std::vector<int32_t>{4, 5});
+  CHECK(r.text == "a");
 }

@@ -1,11 +1,13 @@
-// generate_on_device (core/generate.h): the generation loop over a backend's on-device decode
-// loop, checked with a CPU emulation of that loop (feed, argmax, report, feed back) on the
-// reference fixture: the same ids, finish reason and counts as the host loop generate().
+// generate() (core/generate.h) over a backend with a device decode loop, checked with a CPU
+// emulation of that loop (feed, argmax, report, feed back) on the reference fixture: the same
+// ids, finish reason and counts as the host loop over the plain CPU backend.
 #include <doctest/doctest.h>
 
+#include <memory>
 #include <vector>
 
 #include "core/collectives.h"
+#include "core/cpu_backend.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/generate.h"
@@ -13,23 +15,43 @@
 
 namespace {
 
-// What CudaModel::decode does, on the CPU model: each step feeds a token, picks the greedy id
+// The CPU backend with what CudaModel::decode does: each step feeds a token, picks the greedy id
 // (lowest id on ties), hands it to on_token and feeds it next unless on_token said stop.
-fn::DecodeFn emulated_decode(fn::CpuModel& m) {
-  return [&m](int32_t first, int64_t count, const fn::SamplingParams&,
-              const std::function<bool(int32_t)>& on_token) {
+class EmulatedDevice final : public fn::Backend {
+ public:
+  explicit EmulatedDevice(fn::CpuBackend& cpu) : fn::Backend(cpu.info()), cpu_(cpu) {}
+  int64_t decode_calls = 0;
+
+  fn::BackendCapabilities capabilities() const noexcept override {
+    fn::BackendCapabilities c;
+    c.device_decode = true;
+    return c;
+  }
+  void reset() override { cpu_.reset(); }
+  int64_t position() const noexcept override { return cpu_.position(); }
+  std::span<const float> forward(int32_t t) override { return cpu_.forward(t); }
+  std::span<const float> prefill(std::span<const int32_t> tokens,
+                                 fn::PrefillOutput output) override {
+    return cpu_.prefill(tokens, output);
+  }
+  std::vector<int32_t> decode(int32_t first, int64_t count, const fn::SamplingParams&, uint64_t,
+                              const std::function<bool(int32_t)>& on_token) override {
+    ++decode_calls;
     std::vector<int32_t> out;
     int32_t t = first;
     for (int64_t i = 0; i < count; ++i) {
-      const auto l = m.forward(t);
+      const auto l = cpu_.forward(t);
       const int32_t id = fn::test::argmax(l.data(), static_cast<int64_t>(l.size()));
       out.push_back(id);
       if (!on_token(id)) break;
       t = id;
     }
     return out;
-  };
-}
+  }
+
+ private:
+  fn::CpuBackend& cpu_;
+};
 
 fn::GenerateOptions greedy(int64_t n) {
   fn::GenerateOptions o;
@@ -44,50 +66,41 @@ fn::GenerateOptions greedy(int64_t n) {
 TEST_CASE("generate on device: the same ids as the host loop, stop ids and lengths alike") {
   const auto f = fn::test::load_ref_fixture("tp4");
   fn::LocalCollectives coll;
-  auto m = fn::CpuModel::load(f.dir, coll);
-  const fn::ForwardFn forward = [&m](int32_t t) { return m->forward(t); };
-  const fn::DecodeFn decode = emulated_decode(*m);
+  fn::CpuBackend cpu(fn::CpuModel::load(f.dir, coll), 0.0);
+  EmulatedDevice dev_backend(cpu);
 
   auto o = greedy(12);
   o.ignore_eos = true;
-  m->reset();
-  const auto host = fn::generate(forward, coll, f.prompt_ids, o);
-  m->reset();
-  const auto dev = fn::generate_on_device(forward, decode, coll, f.prompt_ids, o);
+  CHECK_FALSE(fn::samples_on_device(cpu, o));
+  CHECK(fn::samples_on_device(dev_backend, o));
+  cpu.reset();
+  const auto host = fn::generate(cpu, coll, f.prompt_ids, o);
+  dev_backend.reset();
+  const auto dev = fn::generate(dev_backend, coll, f.prompt_ids, o);
+  CHECK(dev_backend.decode_calls == 1);
   CHECK(dev.token_ids == host.token_ids);
   CHECK(dev.token_ids.size() == 12);
   CHECK(dev.finish == fn::FinishReason::Length);
   CHECK(dev.itl_ms.size() == 11);
   CHECK(dev.n_prompt_tokens == static_cast<int64_t>(f.prompt_ids.size()));
-  CHECK(m->position() == static_cast<int64_t>(f.prompt_ids.size()) + 11);
+  CHECK(cpu.position() == static_cast<int64_t>(f.prompt_ids.size()) + 11);
 
   // A stop id: the loop ends on it (kept in the ids), exactly like the host loop.
   o.ignore_eos = false;
   o.stop_token_ids = {host.token_ids[4]};
-  m->reset();
-  const auto host_stop = fn::generate(forward, coll, f.prompt_ids, o);
-  m->reset();
-  const auto dev_stop = fn::generate_on_device(forward, decode, coll, f.prompt_ids, o);
+  cpu.reset();
+  const auto host_stop = fn::generate(cpu, coll, f.prompt_ids, o);
+  dev_backend.reset();
+  const auto dev_stop = fn::generate(dev_backend, coll, f.prompt_ids, o);
+  CHECK(dev_backend.decode_calls == 2);
   CHECK(dev_stop.token_ids == host_stop.token_ids);
   CHECK(dev_stop.finish == fn::FinishReason::Eos);
   CHECK(dev_stop.token_ids.back() == host.token_ids[4]);
-}
 
-TEST_CASE("generate on device: stop strings and penalties need the host sampler") {
-  auto o = greedy(4);
-  CHECK(fn::device_sampling_supported(o));
-  o.stop_strings = {"x"};
-  CHECK_FALSE(fn::device_sampling_supported(o));
-  o.stop_strings.clear();
-  o.sampling.repetition_penalty = 1.1;
-  CHECK_FALSE(fn::device_sampling_supported(o));
-  fn::LocalCollectives coll;
-  const std::vector<int32_t> prompt = {1, 2};
-  const fn::ForwardFn forward = [](int32_t) { return std::span<const float>(); };
-  const fn::DecodeFn decode = [](int32_t, int64_t, const fn::SamplingParams&,
-                                 const std::function<bool(int32_t)>&) {
-    return std::vector<int32_t>();
-  };
-  CHECK_THROWS_WITH_AS(fn::generate_on_device(forward, decode, coll, prompt, o),
-                       doctest::Contains("penalty"), fn::Error);
+  // host_sampling on the device-capable backend: the host loop, the same ids again.
+  o.host_sampling = true;
+  dev_backend.reset();
+  const auto forced = fn::generate(dev_backend, coll, f.prompt_ids, o);
+  CHECK(dev_backend.decode_calls == 2);
+  CHECK(forced.token_ids == host_stop.token_ids);
 }

@@ -9,6 +9,7 @@
 
 #include "comm/mpi_check.h"
 #include "comm/mpi_collectives.h"
+#include "core/cpu_backend.h"
 #include "core/cpu_model.h"
 #include "core/generate.h"
 #include "test_cpu_fixture.h"
@@ -49,38 +50,37 @@ TEST_CASE("generate over MPI: tp4 greedy ids, prefill split and seeded sampling 
     CAPTURE(tp);
     Group g(tp);
     fn::MpiCollectives coll(g.comm);
-    auto model = fn::CpuModel::load(f.dir, coll);
-    const fn::ForwardFn fwd = [&](int32_t t) { return model->forward(t); };
+    fn::CpuBackend model(fn::CpuModel::load(f.dir, coll), 0.0);
     fn::GenerateOptions o;
     o.sampling.temperature = 0.0;
     o.max_new_tokens = 32;
     o.ctx_size = 1024;
     o.stop_token_ids = {8, 7};
     o.ignore_eos = true;
-    const auto r = fn::generate(fwd, coll, f.prompt_ids, o);
+    const auto r = fn::generate(model, coll, f.prompt_ids, o);
     CHECK(r.token_ids == want);
     CHECK(same_on_all_ranks(coll, r.token_ids));
 
     // prefill(T) vs prefill(T-1) + one decode step.
-    model->reset();
+    model.reset();
     const std::span<const int32_t> all(f.prompt_ids);
-    const auto a = fn::prefill(fwd, all);
+    const auto a = model.prefill(all, fn::PrefillOutput::Last);
     const std::vector<float> full(a.begin(), a.end());
-    model->reset();
-    fn::prefill(fwd, all.first(all.size() - 1));
-    const auto b = model->forward(all.back());
+    model.reset();
+    model.prefill(all.first(all.size() - 1), fn::PrefillOutput::None);
+    const auto b = model.forward(all.back());
     const double scale = fn::test::max_abs(full.data(), f.vocab);
     CHECK(fn::test::max_abs_diff(full.data(), b.data(), f.vocab) <= 1e-5 * scale);
 
     // Seeded sampling (top-k 20, top-p 0.95, T 1): every rank takes the same decisions.
-    model->reset();
+    model.reset();
     o.sampling = fn::SamplingParams{};
     o.sampling.temperature = 1.0;
     o.sampling.top_k = 20;
     o.sampling.top_p = 0.95;
     o.sampling.seed = 11;
     o.max_new_tokens = 24;
-    const auto s = fn::generate(fwd, coll, f.prompt_ids, o);
+    const auto s = fn::generate(model, coll, f.prompt_ids, o);
     CHECK(s.token_ids.size() == 24);
     CHECK(same_on_all_ranks(coll, s.token_ids));
     CHECK(s.token_ids != std::vector<int32_t>(want.begin(), want.begin() + 24));  // it sampled

@@ -1,0 +1,137 @@
+// Backend: one rank's loaded model as every caller sees it (DESIGN.md "Backends"): the load-time
+// facts, the sequence it runs (reset, one forward step, a prefill of many tokens) and, where the
+// backend has them, sampling on the device and the benchmark probes. Implemented by the CPU
+// reference backend (core/cpu_backend.h) and the CUDA backend (cuda/model/cuda_backend.h); the
+// generation loop (core/generate.h), eval (core/eval.h) and the apps drive models only through
+// it. Invariants: every rank of a TP group calls the same functions in the same order with the
+// same arguments (each call may hold collectives), and every rank gets the same logits and ids.
+// No CUDA syntax here.
+//
+// Room to grow: the functions below run one sequence. A backend that runs many sequences at once
+// (slots, one step per batch) will report it in BackendCapabilities and add its batched calls
+// beside these, which keep meaning "the one sequence". Facts decided at load (a host-resident
+// table's bytes, say) are new BackendInfo fields.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/sampler.h"
+
+namespace fn {
+
+/// Facts fixed when the model was loaded (the same on every rank except the byte and time
+/// figures, which are this rank's).
+struct BackendInfo {
+  std::string name;             ///< "cpu" or "cuda"
+  std::string all_reduce_name;  ///< TP > 1: "mpi" (cpu), "custom" or "nccl" (cuda); else ""
+  int64_t vocab_size = 0;       ///< columns of a logits row
+  int tp_size = 1;              ///< ranks of the TP group
+  double load_ms = 0;           ///< wall time of the load on this rank, milliseconds
+  double weight_mib = 0;        ///< weight bytes this rank holds (host for cpu, device for cuda)
+  bool random_weights = false;  ///< weights generated from a seed, not read from a checkpoint
+};
+
+/// What the optional functions of Backend do on this backend. A false entry means the function
+/// throws fn::Error(Internal) (a caller's bug: check the flag first).
+struct BackendCapabilities {
+  bool device_decode = false;   ///< decode(): sampling inside the device's decode loop
+  bool device_memory = false;   ///< device_used_mib()
+  bool graph_captures = false;  ///< graph_captures()
+  bool set_position = false;    ///< set_position_for_benchmark()
+  bool profile = false;         ///< profile_steps()
+};
+
+/// Which logits Backend::prefill returns.
+enum class PrefillOutput {
+  None,  ///< none (the caller feeds the last prompt token itself, e.g. to decode())
+  Last,  ///< the last token's, vocab_size FP32 values
+};
+
+/// The per-family time of the real decode step (Backend::profile_steps): `ms[i]` milliseconds
+/// per step of family `families[i]` ("hc", "gdn", "qsa", "router", "moe_routed",
+/// "shared_expert", "all_reduce", "lm_head", "ple", "other" on cuda), their sum `step_ms`,
+/// averaged over `steps` steps, timed eagerly or inside a CUDA graph (`in_graph`).
+struct StepBreakdown {
+  std::vector<std::string> families;
+  std::vector<double> ms;
+  double step_ms = 0;
+  int64_t steps = 0;
+  bool in_graph = false;
+  std::vector<int64_t> segments;  ///< event-delimited segments per step, by family
+  int64_t events = 0;             ///< events recorded per step
+};
+
+/// One rank's model and its sequence state. Not copyable; owned by the caller that loaded it.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  /// The load-time facts.
+  const BackendInfo& info() const noexcept { return info_; }
+
+  /// Which optional functions this backend has (default: none).
+  virtual BackendCapabilities capabilities() const noexcept { return {}; }
+
+  /// Forgets the sequence: position 0, caches and states as after the load.
+  virtual void reset() = 0;
+
+  /// Tokens processed since the load or reset() (the position of the next token).
+  virtual int64_t position() const noexcept = 0;
+
+  /// One decode step: feeds `token` at position() and returns the vocab_size FP32 logits of
+  /// that position, identical on every rank (valid until the next call on this backend).
+  /// Throws fn::Error(Usage) for a token outside [0, vocab_size) or a full context (naming
+  /// -c/--ctx-size), fn::Error(Format) when a logit is not finite, and whatever the device or
+  /// the collectives throw (Cuda, Nccl, Mpi).
+  virtual std::span<const float> forward(int32_t token) = 0;
+
+  /// Runs `tokens` at positions position() .. position() + n - 1, leaving every state as n
+  /// forward() calls would (batched where the backend has it, token by token otherwise), and
+  /// returns the last token's logits for PrefillOutput::Last (vocab_size FP32, identical on
+  /// every rank, valid until the next call) or an empty span for None. A batched prefill may
+  /// differ from forward() in the last bits (other summation orders). Throws fn::Error(Usage)
+  /// for an empty list (the tokens before a bad id have run), and as forward().
+  virtual std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) = 0;
+
+  /// capabilities().device_decode only: feeds `first` at position(), then samples up to `count`
+  /// ids on the device with `sampling` (temperature, top-k, top-p, min-p; its penalties are not
+  /// applied) and the RNG `seed`, feeding each back; calls on_token(id) as each id reaches the
+  /// host, and stops early when it returns false. Returns the ids sampled, the one that stopped
+  /// the loop included. The same on every rank. Throws as forward(); fn::Error(Internal) on a
+  /// backend without it.
+  virtual std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
+                                      uint64_t seed, const std::function<bool(int32_t)>& on_token);
+
+  /// capabilities().device_memory only: device memory in use on this rank's device now, MiB
+  /// (total - free). A soak compares it across records. Throws fn::Error(Internal) without it.
+  virtual double device_used_mib() const;
+
+  /// capabilities().graph_captures only: how many CUDA graphs have been captured since the load
+  /// (a long run must see it stay flat). Throws fn::Error(Internal) without it.
+  virtual int64_t graph_captures() const;
+
+  /// capabilities().set_position only, benchmarks: moves the position to `position` without
+  /// running tokens (the caches keep what they hold). Throws fn::Error(Usage) outside
+  /// [0, ctx_size), fn::Error(Internal) without it.
+  virtual void set_position_for_benchmark(int64_t position);
+
+  /// capabilities().profile only, benchmarks: `steps` greedy decode steps from position(),
+  /// `first` fed first, timed per op family, eagerly or inside a CUDA graph (`in_graph`);
+  /// advances the position by `steps`. Every rank calls it alike. Throws as decode(),
+  /// fn::Error(Internal) without it.
+  virtual StepBreakdown profile_steps(int32_t first, int64_t steps, bool in_graph);
+
+ protected:
+  explicit Backend(BackendInfo info) : info_(std::move(info)) {}
+
+  BackendInfo info_;
+};
+
+}  // namespace fn

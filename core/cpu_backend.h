@@ -1,0 +1,35 @@
+// CpuBackend: the CPU reference model (core/cpu_model.h) behind the Backend interface
+// (core/backend.h), for `--backend cpu`, eval and the tests. Prefill runs token by token through
+// CpuModel::forward; there is no device decode loop and no benchmark probe.
+#pragma once
+
+#include <memory>
+
+#include "core/backend.h"
+#include "core/cpu_model.h"
+
+namespace fn {
+
+class CpuBackend final : public Backend {
+ public:
+  /// Wraps `model` (not null); `load_ms` is the wall time its load took on this rank. The facts:
+  /// name "cpu", all-reduce "mpi" at TP > 1 (else ""), the model's vocab_size and TP size, its
+  /// weight bytes in MiB. Throws fn::Error(Internal) for a null model.
+  CpuBackend(std::unique_ptr<CpuModel> model, double load_ms);
+
+  /// The wrapped model (for --check-choices' last_choices()).
+  const CpuModel& model() const noexcept { return *model_; }
+
+  void reset() override;
+  int64_t position() const noexcept override;
+  /// CpuModel::forward (throws as it does).
+  std::span<const float> forward(int32_t token) override;
+  /// CpuModel::forward over `tokens` in order: exactly prefill(T-1) + one step. Throws
+  /// fn::Error(Usage) for an empty list, and as forward().
+  std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) override;
+
+ private:
+  std::unique_ptr<CpuModel> model_;
+};
+
+}  // namespace fn

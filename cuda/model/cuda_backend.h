@@ -1,0 +1,63 @@
+// CudaBackend: one rank's CUDA model (cuda/model/cuda_model.h) behind the Backend interface
+// (core/backend.h), for `--backend cuda`. It owns the rank's GPU communicator, its all-reduce and
+// the model, and destroys them model first, then the all-reduce (it uses the communicator), then
+// the communicator. Prefill is CudaModel's batched prefill; decode samples inside the decode
+// graph; the benchmark probes (device memory, graph captures, set position, per-family profile)
+// are all there.
+#pragma once
+
+#include <memory>
+
+#include "comm/device_all_reduce.h"
+#include "comm/gpu_comm.h"
+#include "core/backend.h"
+#include "cuda/model/cuda_model.h"
+
+namespace fn {
+
+class CudaBackend final : public Backend {
+ public:
+  /// Takes ownership of this rank's communicator `gpu` (may be null), its all-reduce
+  /// `all_reduce` (null at TP = 1) and the model `model` (not null, built with that all-reduce
+  /// in its CudaModelOptions). `load_ms`: the wall time of the setup and load on this rank;
+  /// `random_weights`: the model came from CudaModel::random. The facts: name "cuda", the
+  /// all-reduce's name (or ""), the model's vocab_size, TP size `tp_size`, its device weight
+  /// bytes in MiB. Throws fn::Error(Internal) for a null model.
+  CudaBackend(std::unique_ptr<GpuComm> gpu, std::unique_ptr<DeviceAllReduce> all_reduce,
+              std::unique_ptr<CudaModel> model, int tp_size, double load_ms, bool random_weights);
+  ~CudaBackend() override;
+
+  /// The wrapped model (load statistics, --check-choices' last_choices()).
+  CudaModel& model() noexcept { return *model_; }
+  const CudaModel& model() const noexcept { return *model_; }
+
+  /// All of them: device decode, device memory, graph captures, set position, profile.
+  BackendCapabilities capabilities() const noexcept override;
+  /// CudaModel::reset.
+  void reset() override;
+  int64_t position() const noexcept override;
+  /// CudaModel::forward (the step graph replayed unless --no-graph; throws as it does).
+  std::span<const float> forward(int32_t token) override;
+  /// CudaModel::prefill in passes of --prefill-chunk tokens (PrefillLogits::Last or None).
+  std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) override;
+  /// CudaModel::decode (sampling in the decode graph; throws as it does).
+  std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
+                              uint64_t seed, const std::function<bool(int32_t)>& on_token) override;
+  /// cudaMemGetInfo on the current device: (total - free) in MiB. Throws fn::Error(Cuda) when
+  /// the query fails.
+  double device_used_mib() const override;
+  /// CudaModel::graph_captures.
+  int64_t graph_captures() const override;
+  /// CudaModel::set_position_for_benchmark (throws fn::Error(Usage) outside [0, ctx_size)).
+  void set_position_for_benchmark(int64_t position) override;
+  /// CudaModel::profile_steps, its StepProfile given per family name (step_family_name order).
+  StepBreakdown profile_steps(int32_t first, int64_t steps, bool in_graph) override;
+
+ private:
+  // Declared in destruction order reversed: the model goes first, the communicator last.
+  std::unique_ptr<GpuComm> gpu_;
+  std::unique_ptr<DeviceAllReduce> all_reduce_;
+  std::unique_ptr<CudaModel> model_;
+};
+
+}  // namespace fn

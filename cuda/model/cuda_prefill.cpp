@@ -1,4 +1,4 @@
-// CudaModel::prefill (see cuda_model.h): the batched prefill of issue 7 (MODEL.md §D). One pass
+// CudaModel::prefill (see cuda_model.h): the batched prefill (MODEL.md §D). One pass
 // runs M prompt tokens through every layer at once, in the order of the decode step (§C.10):
 //
 //   embed rows -> for each layer { [PLE: n-gram gather rows, all-reduce, key/value GEMM, apply
@@ -9,8 +9,9 @@
 //   wanted -> n-gram context and position advance.
 //
 // Dense projections go through cuBLAS with the FP32 activations split into BF16 hi + lo
-// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. The pass buffers
-// live in their own arena, allocated on the first call for CudaModelOptions::prefill_chunk rows.
+// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. The pass
+// buffers live in their own arena, allocated on the first call for CudaModelOptions::prefill_chunk
+// rows.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -18,13 +19,11 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/device_all_reduce.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/shard_plan.h"
-#include "cuda/model/cuda_model.h"
-#include "cuda/model/cuda_model_impl.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/kernels/decode_ops.h"
 #include "cuda/kernels/gdn_prefill.h"
 #include "cuda/kernels/gemm.h"
@@ -32,6 +31,8 @@
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/prefill_ops.h"
 #include "cuda/kernels/qsa_prefill.h"
+#include "cuda/model/cuda_model.h"
+#include "cuda/model/cuda_model_impl.h"
 
 namespace fn {
 
@@ -289,7 +290,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
              "prefilling {} tokens from position {} needs {} tokens of context, more than "
              "-c/--ctx-size {}",
              n, position_, position_ + n, o.ctx_size);
-  FN_REQUIRE(!o.replay_choices && !o.keep_residuals, Usage,
+  FN_REQUIRE(I.forced_router == nullptr && I.residuals == nullptr, Usage,
              "the batched prefill neither replays choices nor keeps residuals (tests only): "
              "run those prompts through forward()");
   // o.prefill_chunk >= 1: the load checked it (require_prefill_fits).

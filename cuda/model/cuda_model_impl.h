@@ -372,6 +372,8 @@ struct CudaModel::Impl {
   // The batched prefill's buffers and cuBLAS handle (cuda_prefill.cpp), made on first use;
   // shared_ptr because CudaPrefillState is complete only there.
   std::shared_ptr<CudaPrefillState> prefill;
+  // One prefill() call's pass encoders (cuda_prefill.cpp).
+  struct PrefillRun;
 
   ~Impl() {
     prefill.reset();  // its cuBLAS handle is bound to `stream`

@@ -38,7 +38,7 @@ KernelPlan plan_kernels(const ModelConfig& c, int tp_size) {
   return p;
 }
 
-std::string describe(const KernelPlan& p) {
+std::string describe_kernel_plan(const KernelPlan& p) {
   std::string fixed;
   const std::pair<bool, const char*> kinds[] = {{p.hc_down_fixed, "hc_down"},
                                                 {p.hc_mix_fixed, "hc_mix"},

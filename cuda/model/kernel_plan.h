@@ -47,6 +47,6 @@ KernelPlan plan_kernels(const ModelConfig& config, int tp_size);
 
 /// One line naming each choice, e.g. "sm_90, PDL on, MoE gate+up bulk, GDN clusters, real-shape
 /// instances: hc_down hc_mix gdn moe_down router, HC inject separate".
-std::string describe(const KernelPlan& plan);
+std::string describe_kernel_plan(const KernelPlan& plan);
 
 }  // namespace fn

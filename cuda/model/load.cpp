@@ -668,7 +668,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
     own_stream = true;
   }
   plan = plan_kernels(c, o.tp_size);
-  if (o.tp_rank == 0) FN_LOG_DEBUG("CUDA kernel plan: {}", describe(plan));
+  if (o.tp_rank == 0) FN_LOG_DEBUG("CUDA kernel plan: {}", describe_kernel_plan(plan));
   const DeviceLayout lay = device_layout(c, o.tp_size, o.tp_rank, o.ctx_size);
   FN_CHECK(hc_down_partials(c.hc_count, c.hidden_size) == hc_down_splits(c.hc_count, c.hidden_size),
            "the HC down pass's partials differ from the device layout's");

@@ -29,6 +29,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/model/cuda_model.h"
 #include "cuda/model/cuda_model_testing.h"
+#include "cuda/model/kernel_plan.h"
 #include "cuda_model_check.h"
 #include "test_cpu_fixture.h"
 
@@ -303,4 +304,55 @@ TEST_CASE("cuda model: bad input is a clear error") {
   o.ctx_size = 1 << 30;
   CHECK_THROWS_WITH_AS(fn::CudaModel::load(f.dir, o), doctest::Contains("max_position_embeddings"),
                        fn::Error);
+  // A shared expert of 12 rows (not a multiple of 8, which its down launch needs): refused at
+  // load, naming the field, before anything is allocated.
+  fn::ModelConfig odd = fn::load_model_config(f.dir + "/config.json");
+  odd.shared_expert_intermediate_size = 12;
+  try {
+    fn::CudaModel::random(odd, fn::load_quant_config(f.dir), 1, options(0, 1, nullptr, true));
+    FAIL("a shared expert of 12 rows loaded");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Format);
+    CHECK(std::string(e.what()).find("shared_expert_intermediate_size 12") != std::string::npos);
+  }
+}
+
+TEST_CASE("kernel plan: the device and the shapes at each rank decide each variant") {
+  fn::test::use_gpu_of_rank();
+  int device = 0, major = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&device));
+  FN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const fn::ModelConfig real =
+      fn::load_model_config(FN_SOURCE_DIR "/configs/qwen3.8-flash-next.json");
+  // TP=1: every real-shape instance; on sm_90+ the bulk gate+up (hidden 2560 = 10 x 256) and the
+  // GDN clusters; the HC inject launched alone (no all-reduce before the next read).
+  const fn::KernelPlan p1 = fn::plan_kernels(real, 1);
+  CHECK(p1.compute_capability / 10 == major);
+  CHECK(p1.hc_down_fixed);
+  CHECK(p1.hc_mix_fixed);
+  CHECK(p1.gdn_fixed);
+  CHECK(p1.moe_down_fixed);
+  CHECK(p1.router_fixed);
+  CHECK(p1.moe_gate_up_bulk == (major >= 9));
+  CHECK(p1.gdn_cluster == (major >= 9));
+  CHECK_FALSE(p1.fold_hc_inject);
+  // TP=2: 320 expert rows per rank are not the down kernel's compile-time 640; the inject folds.
+  const fn::KernelPlan p2 = fn::plan_kernels(real, 2);
+  CHECK_FALSE(p2.moe_down_fixed);
+  CHECK(p2.hc_down_fixed);
+  CHECK(p2.router_fixed);
+  CHECK(p2.fold_hc_inject);
+  // The tiny fixture (hidden 64, 8 experts, GDN heads of 16): the runtime-shape instances, the
+  // FP32 gate+up (hidden not a multiple of 256) and the arrival counters.
+  const fn::ModelConfig tiny =
+      fn::load_model_config(FN_TEST_DATA_DIR "/fixtures/g3_tiny/config.json");
+  const fn::KernelPlan pt = fn::plan_kernels(tiny, 1);
+  CHECK_FALSE(pt.hc_down_fixed);
+  CHECK_FALSE(pt.hc_mix_fixed);
+  CHECK_FALSE(pt.gdn_fixed);
+  CHECK_FALSE(pt.moe_down_fixed);
+  CHECK_FALSE(pt.router_fixed);
+  CHECK_FALSE(pt.moe_gate_up_bulk);
+  CHECK_FALSE(pt.gdn_cluster);
+  CHECK(fn::describe_kernel_plan(p1).find(fmt::format("sm_{}", p1.compute_capability)) == 0);
 }

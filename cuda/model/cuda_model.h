@@ -115,8 +115,10 @@ class CudaModel {
   /// open_model does, core/rank_slices.h), reading only this rank's slices, onto the current
   /// CUDA device. Throws fn::Error: Io/Format for bad files (naming file and tensor), Usage for
   /// a TP size that does not divide the model or a context beyond max_position_embeddings,
-  /// Format for models this backend does not run (BF16 experts, ple_embed_dim != hidden_size),
-  /// Cuda when device memory runs out (naming the bytes needed).
+  /// Format for models this backend does not run (BF16 experts, ple_embed_dim != hidden_size,
+  /// hc_count != 4, hidden_size > 2560, a per-rank shared-expert intermediate size that is not a
+  /// multiple of 8 in [8, 8192]), Cuda when device memory runs out (naming the bytes needed).
+  /// Logs the kernel plan (cuda/model/kernel_plan.h) at debug level on rank 0.
   /// Rank 0 shows a progress line on stderr while the weights stream in (core/progress.h).
   static std::unique_ptr<CudaModel> load(const std::filesystem::path& dir,
                                          const CudaModelOptions& options);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <iterator>
 
+#include "core/device_layout.h"
 #include "core/error.h"
 #include "core/model_tensors.h"
 
@@ -16,13 +17,14 @@ uint64_t align256(uint64_t bytes) {
 }
 
 /// One piece of an aligned block: max(count, 1) elements of `size` bytes, rounded to 256 B (the
-/// Carver of cuda/model/cuda_model.cpp and the align256 of cuda/kernels/qsa.cu).
+/// align256 of cuda/kernels/qsa.cu).
 uint64_t piece(int64_t count, uint64_t size) {
   return align256(static_cast<uint64_t>(std::max<int64_t>(count, 1)) * size);
 }
 
 /// Device bytes per element of tensor role `role` in the CUDA backend, or 0 when the backend
-/// does not keep it on the device. Mirrors Impl::build: Builder::vec / upload_f32 widen the 1-D
+/// does not keep it on the device. As the CUDA model's load (cuda/model/load.cpp) holds them:
+/// Builder::vec / upload_f32 widen the 1-D
 /// norm, conv, A_log and dt_bias weights to FP32; the NVFP4 global scales are an FP32 array;
 /// input_scale (W4A4 only, MODEL.md §B.4), the PLE I64 buffers (checked on the host) and the
 /// n-gram weight_scale (a host scalar) are not allocated.
@@ -125,56 +127,14 @@ MemoryPlan plan_device_memory(const ModelConfig& c, const ShardPlan& plan, int t
         static_cast<uint64_t>(plan.shard_elements(i, tp_rank)) * per;
   }
 
-  // Local geometry, as Impl::build computes it.
-  const int64_t T = ctx_size;
-  const int64_t D = c.hidden_size, W = c.hc_width(), R = c.hc_lowrank, S = c.hc_count;
-  const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
-  const RankDims rd = rank_dims(c, tp, tp_rank);
-  const int64_t Hk_l = rd.linear_k_heads, Hv_l = rd.linear_v_heads;
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-  const int64_t conv_l = rd.gdn_conv_dim, Kc = c.linear_conv_kernel_dim;
-  const int64_t Hq_l = rd.q_heads, hd = c.head_dim, Hkv_l = rd.kv_heads;
-  const int64_t I_l = rd.moe_inter, Is_l = rd.shared_inter;
-  const int64_t ihd = c.indexer_head_dim;
-  const uint64_t n_qsa = static_cast<uint64_t>(c.num_qsa_layers());
-  const uint64_t n_gdn = static_cast<uint64_t>(c.num_gdn_layers());
-  const uint64_t n_ple = static_cast<uint64_t>(c.ple_layer_ids.size());
-
-  // States (MODEL.md §C.0, §D; CUDA dtypes: KV BF16, everything else FP32).
-  int64_t max_in_rows = 0, max_mix = 0;
-  uint64_t ws = 0;
-  if (n_qsa > 0) {
-    const int64_t ratio = c.indexer_compress_ratio;
-    m.kv_cache = n_qsa * 2 * static_cast<uint64_t>(T * Hkv_l * hd) * 2;
-    m.indexer_cache =
-        n_qsa * static_cast<uint64_t>((T + std::max<int64_t>(T / ratio, 1)) * ihd) * 4;
-    max_in_rows = std::max(max_in_rows, Hq_l * 2 * hd + 2 * Hkv_l * hd + c.indexer_proj_rows());
-    max_mix = std::max(max_mix, Hq_l * hd);
-    ws += n_qsa * qsa_workspace_estimate(c, tp, T);
-  }
-  if (n_gdn > 0) {
-    m.gdn_state = n_gdn * static_cast<uint64_t>(Hv_l * dk * dv) * 4;
-    m.gdn_conv_state = n_gdn * static_cast<uint64_t>(conv_l * (Kc - 1)) * 4;
-    max_in_rows = std::max(max_in_rows, conv_l + Hv_l * dv + 2 * Hv_l);
-    max_mix = std::max(max_mix, Hv_l * dv);
-    ws += n_gdn * (piece(Hv_l + Hk_l, 4) + piece(Hv_l * dv, 4));  // counters, output scratch
-  }
-  if (n_ple > 0) {
-    m.ple_conv_state =
-        n_ple * static_cast<uint64_t>(W * (c.ple_conv_kernel_size - 1) * c.ple_conv_dilation()) * 4;
-  }
-
-  // The activation block of Impl::build (its `carve` lambda, piece by piece).
-  const int64_t P = c.has_ple() ? c.ple_embed_dim : 0;
-  ws += piece(W, 4) + piece(W, 2) + piece(R + S, 4) + piece(D, 2) + piece(S, 4) +
-        piece(max_in_rows, 4) + piece(max_mix, 2) + piece(D, 4) + piece(D, 4) + piece(E + 1, 4) +
-        piece(k, 4) + piece(k, 4) + piece(k * I_l, 2) + piece(2 * Is_l, 4) + piece(Is_l, 2) +
-        piece(c.has_ple() ? P : 1, 4) + piece(c.has_ple() ? S * P + D : 1, 4) + piece(V / tp, 4) +
-        piece(V, 4) + piece(1, 4) + piece(1, 8) + piece(std::max<int64_t>(c.ngram_size - 1, 1), 8) +
-        piece(1, 4) + piece(1, 8);
-  // Device sampling: the token history and the sampling workspace (estimate).
-  ws += piece(T + 1, 4) + static_cast<uint64_t>(24 * V) + (uint64_t{1} << 20);
-  m.workspace = ws;
+  // States and scratch: the buffers the CUDA model's arena build allocates (core/device_layout.h).
+  const DeviceLayout l = device_layout(c, tp, tp_rank, ctx_size);
+  m.kv_cache = l.kv_cache_total();
+  m.indexer_cache = l.indexer_cache_total();
+  m.gdn_state = l.gdn_state_total();
+  m.gdn_conv_state = l.gdn_conv_state_total();
+  m.ple_conv_state = l.ple_conv_state_total();
+  m.workspace = l.scratch_total();
   return m;
 }
 

@@ -1,9 +1,10 @@
 // Per-rank device-memory plan of the CUDA backend: the bytes one TP rank's CudaModel allocates
 // for weights (by shard-plan family), the QSA KV and indexer caches, the GDN and PLE states and
-// an estimate of its activations/workspace, at a given context size. cuda/model/cuda_model.cpp
-// (Impl::build) is the source of truth; this file mirrors its allocations on the CPU so that
-// `fngen inspect` can print the table and the CUDA model can refuse a context that does not fit
-// (require_fits with cudaMemGetInfo) before allocating anything. No CUDA here.
+// its activations/workspace, at a given context size. The states and the workspace are the sums
+// of core/device_layout.h, the description the CUDA model's arena build allocates from; the
+// weights are the shard plan's tensors in their device dtypes. `fngen inspect` prints the table
+// and the CUDA model refuses a context that does not fit (require_fits with cudaMemGetInfo)
+// before allocating anything. No CUDA here.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -37,8 +38,8 @@ struct MemoryPlan {
   uint64_t gdn_state = 0;       ///< GDN recurrent state S, FP32 (§C.0, §C.5 step 6)
   uint64_t gdn_conv_state = 0;  ///< GDN conv state, FP32 (§C.0, §C.5 step 2)
   uint64_t ple_conv_state = 0;  ///< PLE dilated-conv state, FP32 (§C.0, §C.4 step 7)
-  /// ESTIMATE: the decode activation block, the QSA decode workspaces, GDN scratch, the token
-  /// history and the sampling workspace (see plan_device_memory).
+  /// The decode activation block, the QSA decode workspaces, GDN scratch, the router mailbox,
+  /// the token history and an ESTIMATE of the sampling workspace (DeviceLayout::scratch_total).
   uint64_t workspace = 0;
   /// Bytes a caller adds (e.g. prefill buffers); 0 from plan_device_memory. Counted in total().
   uint64_t reserve = 0;
@@ -63,19 +64,19 @@ struct MemoryPlan {
 /// - gdn_conv_state = L_gdn · conv_l · (K − 1) · 4 B, K = linear_conv_kernel_dim (§C.5 step 2);
 /// - ple_conv_state = L_ple · hc_width · (ple_conv_kernel_size − 1) · dilation · 4 B, dilation =
 ///   ngram_size (§A.3, §C.4 step 7; replicated, §E.2);
-/// - workspace (ESTIMATE): the one activation block of Impl::build (each piece 256-byte aligned),
+/// - workspace: DeviceLayout::scratch_total() (core/device_layout.h): the activation block,
 ///   per QSA layer qsa_workspace_estimate (below), per GDN layer its counters and output scratch,
-///   the token history (ctx + 1 int32) and the sampling workspace (≈ 24 B × vocab_size + 1 MiB:
-///   four vocab-sized key/value arrays and the CUB sort temporaries). Not counted: the CUDA
-///   context, NCCL buffers, CUDA graphs, prefill buffers (add them to `reserve`), test-only
-///   buffers.
+///   the router mailbox, the token history (ctx + 1 int32) and the sampling workspace (an
+///   ESTIMATE, ≈ 24 B × vocab_size + 1 MiB: four vocab-sized key/value arrays and the sort
+///   temporaries). Not counted: the CUDA context, NCCL buffers, CUDA graphs, prefill buffers
+///   (add them to `reserve`), test-only buffers, the choice log of --check-choices.
 /// Throws Usage when ctx_size < 1; Internal on a bad tp_rank.
 MemoryPlan plan_device_memory(const ModelConfig& cfg, const ShardPlan& plan, int tp_rank,
                               int64_t ctx_size);
 
 /// Bytes of one QSA layer's decode workspace at TP `tp_size` and `ctx_size` tokens: the layout
-/// of cuda/kernels/qsa.h's qsa_workspace_layout recomputed without CUDA (the same for every rank; q,
-/// indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; MODEL.md §C.6).
+/// of cuda/kernels/qsa.h's qsa_workspace_layout recomputed without CUDA (the same for every rank;
+/// q, indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; MODEL.md §C.6).
 /// Part of MemoryPlan::workspace. Throws Usage when ctx_size < 1.
 uint64_t qsa_workspace_estimate(const ModelConfig& cfg, int tp_size, int64_t ctx_size);
 

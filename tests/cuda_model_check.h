@@ -1,5 +1,5 @@
 // Shared checks of the CUDA model tests (test_cuda_model.cpp against the transformers fixtures,
-// test_cuda_model_realwidth.cpp against the CPU model): the issue-6 tolerance, per-row comparison
+// test_cuda_model_realwidth.cpp against the CPU model): the CUDA tolerance, per-row comparison
 // with near-tie and ill-conditioned rows reported instead of failed, and teacher-forced runs with
 // the CPU model's router/indexer choices replayed. Host code; needs a GPU to run.
 #pragma once
@@ -13,11 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/mpi_check.h"
 #include "core/collectives.h"
 #include "core/cpu_model.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/model/cuda_model.h"
+#include "cuda/model/cuda_model_testing.h"
 #include "test_cpu_fixture.h"
 
 namespace fn::test {
@@ -40,7 +41,7 @@ inline int use_gpu_of_rank() {
   return rank;
 }
 
-constexpr double kRelTol = 2e-2;  // issue 6: 2e-2 * max |ref logit| (BF16 activations)
+constexpr double kRelTol = 2e-2;  // 2e-2 * max |ref logit| (BF16 activations)
 // Ill-conditioned rows (CpuModel::DecisionMargins): a PLE |gamma| or a GDN head's relative output
 // RMS below this. BF16 inputs carry ~2^-8 relative noise; the signed-sqrt gate amplifies an
 // absolute error d in gamma to d / (2 sqrt|gamma|) and the gated RMSNorm amplifies a head's noise
@@ -98,12 +99,12 @@ inline CpuRun cpu_run(const RefFixture& f) {
 }
 
 // The logits of every fixture token, teacher-forced, with the CPU model's router and indexer
-// choices replayed (CudaModelOptions::replay_choices).
+// choices replayed (a model built with CudaModelTestOptions::replay_choices).
 inline std::vector<float> run_rows_replayed(fn::CudaModel& m, const RefFixture& f,
                                             const CpuRun& cpu) {
   std::vector<float> all;
   for (std::size_t p = 0; p < f.tokens.size(); ++p) {
-    m.set_forced_choices(cpu.choices[p].router, cpu.choices[p].indexer);
+    fn::CudaModelTesting::set_forced_choices(m, cpu.choices[p].router, cpu.choices[p].indexer);
     const auto l = m.forward(f.tokens[p]);
     all.insert(all.end(), l.begin(), l.end());
   }

@@ -1,10 +1,10 @@
-// CudaModel (cuda/model/cuda_model.h) against the transformers FP32 reference fixtures, teacher-forced
-// (issue 6 acceptance): on the GPU machine with mpirun -np 2 (one GPU per rank) every fixture at
-// TP=1 (each rank alone) and TP = world size (2, or 4 on a 4-GPU machine); max |logit - ref| <=
-// 2e-2 * max |ref| at every row; argmax equal to the reference's wherever the reference's top-1
-// margin exceeds that tolerance; graph replay bitwise equal to the eager step; all ranks bitwise
-// equal at TP > 1; the on-device greedy decode loop reproduces the host-side argmax chain;
-// free-running greedy generation matches the reference's tokens up to its first low-margin step.
+// CudaModel (cuda/model/cuda_model.h) against the transformers FP32 reference fixtures,
+// teacher-forced: on the GPU machine with mpirun -np 2 (one GPU per rank) every fixture at TP=1
+// (each rank alone) and TP = world size (2, or 4 on a 4-GPU machine); max |logit - ref| <= 2e-2 *
+// max |ref| at every row; argmax equal to the reference's wherever the reference's top-1 margin
+// exceeds that tolerance; graph replay bitwise equal to the eager step; all ranks bitwise equal at
+// TP > 1; the on-device greedy decode loop reproduces the host-side argmax chain; free-running
+// greedy generation matches the reference's tokens up to its first low-margin step.
 #include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 #include <mpi.h>
@@ -17,7 +17,6 @@
 
 #include <fmt/format.h>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
@@ -27,7 +26,10 @@
 #include "core/collectives.h"
 #include "core/cpu_model.h"
 #include "core/error.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/model/cuda_model.h"
+#include "cuda/model/cuda_model_testing.h"
+#include "cuda/model/kernel_plan.h"
 #include "cuda_model_check.h"
 #include "test_cpu_fixture.h"
 
@@ -64,9 +66,9 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     const RefFixture f = fn::test::load_ref_fixture(name);
     const CpuRun cpu = cpu_run(f);
     {  // the acceptance check: every row, with the reference's discrete choices replayed
-      auto o = options(0, 1, nullptr, true);
-      o.replay_choices = true;
-      auto replay = fn::CudaModel::load(f.dir, o);
+      fn::CudaModelTestOptions test;
+      test.replay_choices = true;
+      auto replay = fn::CudaModelTesting::load(f.dir, options(0, 1, nullptr, true), test);
       const RowCheck rc = check_rows(f, run_rows_replayed(*replay, f, cpu), cpu.ill);
       MESSAGE(name << " TP=1, choices replayed: worst |diff| / (2e-2 max|ref|) = " << rc.worst_ratio
                    << " over " << f.tokens.size() - static_cast<std::size_t>(rc.tie_rows)
@@ -93,31 +95,6 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     const std::vector<float> e = run_rows(*eager, f);
     REQUIRE(e.size() == g.size());
     CHECK(std::memcmp(e.data(), g.data(), g.size() * sizeof(float)) == 0);
-
-    // The unfused step (every launch separate, CudaModelOptions::fused_step = false) gives the
-    // fused step's logits bit for bit: the fusions keep every rounding step.
-    auto unfused_o = options(0, 1, nullptr, true);
-    unfused_o.fused_step = false;
-    auto unfused = fn::CudaModel::load(f.dir, unfused_o);
-    const std::vector<float> u = run_rows(*unfused, f);
-    REQUIRE(u.size() == g.size());
-    CHECK(std::memcmp(u.data(), g.data(), g.size() * sizeof(float)) == 0);
-    unfused.reset();
-
-    // Without any L2 prefetch (CudaModelOptions::l2_prefetch = 0, moe_down_prefetch = false,
-    // in_proj_prefetch_mb = 0) and with every range (l2_prefetch = 7, in_proj_prefetch_mb = 64;
-    // the default is 3, the down weights and 8 MB): the same bits, as a prefetch is only a hint.
-    for (const int mask : {0, 7}) {
-      CAPTURE(mask);
-      auto prefetch_o = options(0, 1, nullptr, true);
-      prefetch_o.l2_prefetch = mask;
-      prefetch_o.moe_down_prefetch = mask != 0;
-      prefetch_o.in_proj_prefetch_mb = mask != 0 ? 64 : 0;
-      auto with_prefetch = fn::CudaModel::load(f.dir, prefetch_o);
-      const std::vector<float> wp = run_rows(*with_prefetch, f);
-      REQUIRE(wp.size() == g.size());
-      CHECK(std::memcmp(wp.data(), g.data(), g.size() * sizeof(float)) == 0);
-    }
 
     // reset() then the same sequence: bitwise the same again (states really cleared).
     graph->reset();
@@ -146,31 +123,37 @@ TEST_CASE("cuda model: TP=1 matches the transformers reference on every fixture,
     }
     CHECK(dev == host);
 
-    // A stop from on_token after step k: decode() returns ids 0..k. Without the lookahead the
-    // stop id is not fed (position P + k); with it (the default) the step queued ahead has fed
-    // it (position P + k + 1) and the next id to feed is host[k + 1]. Either way the states match
-    // position(): the rest of the chain continues bit for bit.
+    // A stop from on_token after step k: decode() returns ids 0..k; the step queued ahead has
+    // fed the stop id (position P + k + 1) and the next id to feed is host[k + 1]. The states
+    // match position(): the rest of the chain continues bit for bit.
     if (steps >= 4) {
       const int64_t k = 1;
-      for (const bool lookahead : {true, false}) {
-        CAPTURE(lookahead);
-        auto stop_o = options(0, 1, nullptr, true);
-        stop_o.decode_lookahead = lookahead;
-        auto m = fn::CudaModel::load(f.dir, stop_o);
-        for (std::size_t i = 0; i + 1 < P; ++i) m->forward(f.prompt_ids[i]);
-        int64_t seen = 0;
-        const std::vector<int32_t> head =
-            m->decode(f.prompt_ids[P - 1], steps, greedy, 0, [&](int32_t) { return seen++ < k; });
-        REQUIRE(static_cast<int64_t>(head.size()) == k + 1);
-        CHECK(std::equal(head.begin(), head.end(), host.begin()));
-        const int64_t fed = lookahead ? k + 2 : k + 1;  // decode steps that ran
-        CHECK(m->position() == static_cast<int64_t>(P) - 1 + fed);
-        const std::vector<int32_t> tail =
-            m->decode(host[static_cast<std::size_t>(fed - 1)], steps - fed, greedy, 0,
-                      [](int32_t) { return true; });
-        CHECK(std::equal(tail.begin(), tail.end(), host.begin() + fed, host.end()));
-        CHECK(m->position() == static_cast<int64_t>(P) - 1 + steps);
-      }
+      auto m = fn::CudaModel::load(f.dir, options(0, 1, nullptr, true));
+      for (std::size_t i = 0; i + 1 < P; ++i) m->forward(f.prompt_ids[i]);
+      int64_t seen = 0;
+      const std::vector<int32_t> head =
+          m->decode(f.prompt_ids[P - 1], steps, greedy, 0, [&](int32_t) { return seen++ < k; });
+      REQUIRE(static_cast<int64_t>(head.size()) == k + 1);
+      CHECK(std::equal(head.begin(), head.end(), host.begin()));
+      const int64_t fed = k + 2;  // decode steps that ran
+      CHECK(m->position() == static_cast<int64_t>(P) - 1 + fed);
+      const std::vector<int32_t> tail =
+          m->decode(host[static_cast<std::size_t>(fed - 1)], steps - fed, greedy, 0,
+                    [](int32_t) { return true; });
+      CHECK(std::equal(tail.begin(), tail.end(), host.begin() + fed, host.end()));
+      CHECK(m->position() == static_cast<int64_t>(P) - 1 + steps);
+    }
+    // Eagerly (no graph) decode() runs one step at a time: the stop id is not fed.
+    if (steps >= 4) {
+      const int64_t k = 1;
+      auto m = fn::CudaModel::load(f.dir, options(0, 1, nullptr, false));
+      for (std::size_t i = 0; i + 1 < P; ++i) m->forward(f.prompt_ids[i]);
+      int64_t seen = 0;
+      const std::vector<int32_t> head =
+          m->decode(f.prompt_ids[P - 1], steps, greedy, 0, [&](int32_t) { return seen++ < k; });
+      REQUIRE(static_cast<int64_t>(head.size()) == k + 1);
+      CHECK(std::equal(head.begin(), head.end(), host.begin()));
+      CHECK(m->position() == static_cast<int64_t>(P) - 1 + k + 1);
     }
     int64_t agree = 0;
     for (int64_t s = 0; s < steps; ++s) {
@@ -196,17 +179,18 @@ TEST_CASE("cuda model: per-layer residual drift against the CPU model (diagnosti
     const RefFixture f = fn::test::load_ref_fixture(name);
     fn::LocalCollectives coll;
     auto cpu = fn::CpuModel::load(f.dir, coll);
-    auto o = options(0, 1, nullptr, false);
-    o.replay_choices = true;
-    o.keep_residuals = true;
-    auto gpu = fn::CudaModel::load(f.dir, o);
+    fn::CudaModelTestOptions test;
+    test.replay_choices = true;
+    test.keep_residuals = true;
+    auto gpu = fn::CudaModelTesting::load(f.dir, options(0, 1, nullptr, false), test);
     std::string report;
     for (std::size_t p = 0; p < f.tokens.size(); ++p) {
       cpu->forward(f.tokens[p]);
-      gpu->set_forced_choices(cpu->last_choices().router, cpu->last_choices().indexer);
+      fn::CudaModelTesting::set_forced_choices(*gpu, cpu->last_choices().router,
+                                               cpu->last_choices().indexer);
       gpu->forward(f.tokens[p]);
       const auto hc = cpu->last_residuals();
-      const auto hg = gpu->debug_residuals();
+      const auto hg = fn::CudaModelTesting::debug_residuals(*gpu);
       REQUIRE(hc.size() == hg.size());
       report += fmt::format("\n  row {:2}:", p);
       for (std::size_t i = 0; i < hc.size(); ++i) {
@@ -240,10 +224,11 @@ TEST_CASE("cuda model: TP = world size matches the reference and all ranks agree
     const CpuRun cpu = cpu_run(f);
     auto o = options(rank, n, ar.get(), true);
     o.stream = stream;
-    o.replay_choices = true;
+    fn::CudaModelTestOptions replay;
+    replay.replay_choices = true;
     std::unique_ptr<fn::CudaModel> model;
     try {
-      model = fn::CudaModel::load(f.dir, o);
+      model = fn::CudaModelTesting::load(f.dir, o, replay);
     } catch (const fn::Error& e) {  // the shard plan's Usage error, alike on every rank
       if (e.kind() != fn::ErrorKind::Usage) throw;
       MESSAGE(name << ": TP=" << n << " does not divide this model: " << e.what());
@@ -265,23 +250,15 @@ TEST_CASE("cuda model: TP = world size matches the reference and all ranks agree
     CHECK(std::memcmp(root.data(), g.data(), g.size() * sizeof(float)) == 0);
 
     o.use_graph = false;
-    auto eager = fn::CudaModel::load(f.dir, o);
+    auto eager = fn::CudaModelTesting::load(f.dir, o, replay);
     const std::vector<float> e = run_rows_replayed(*eager, f, cpu);
     CHECK(std::memcmp(e.data(), g.data(), g.size() * sizeof(float)) == 0);
     eager.reset();
-    o.use_graph = true;
-    o.fused_step = false;  // the unfused launches: the same bits at TP > 1 too
-    auto unfused = fn::CudaModel::load(f.dir, o);
-    const std::vector<float> u = run_rows_replayed(*unfused, f, cpu);
-    CHECK(std::memcmp(u.data(), g.data(), g.size() * sizeof(float)) == 0);
-    unfused.reset();
-    o.fused_step = true;
     model.reset();
 
     // The engine's own router and indexer choices are the same on both ranks: the logits of a
     // free-running teacher-forced pass are bitwise equal.
     o.use_graph = true;
-    o.replay_choices = false;
     auto own = fn::CudaModel::load(f.dir, o);
     const std::vector<float> mine = run_rows(*own, f);
     std::vector<float> theirs = mine;
@@ -327,4 +304,55 @@ TEST_CASE("cuda model: bad input is a clear error") {
   o.ctx_size = 1 << 30;
   CHECK_THROWS_WITH_AS(fn::CudaModel::load(f.dir, o), doctest::Contains("max_position_embeddings"),
                        fn::Error);
+  // A shared expert of 12 rows (not a multiple of 8, which its down launch needs): refused at
+  // load, naming the field, before anything is allocated.
+  fn::ModelConfig odd = fn::load_model_config(f.dir + "/config.json");
+  odd.shared_expert_intermediate_size = 12;
+  try {
+    fn::CudaModel::random(odd, fn::load_quant_config(f.dir), 1, options(0, 1, nullptr, true));
+    FAIL("a shared expert of 12 rows loaded");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Format);
+    CHECK(std::string(e.what()).find("shared_expert_intermediate_size 12") != std::string::npos);
+  }
+}
+
+TEST_CASE("kernel plan: the device and the shapes at each rank decide each variant") {
+  fn::test::use_gpu_of_rank();
+  int device = 0, major = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&device));
+  FN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const fn::ModelConfig real =
+      fn::load_model_config(FN_SOURCE_DIR "/configs/qwen3.8-flash-next.json");
+  // TP=1: every real-shape instance; on sm_90+ the bulk gate+up (hidden 2560 = 10 x 256) and the
+  // GDN clusters; the HC inject launched alone (no all-reduce before the next read).
+  const fn::KernelPlan p1 = fn::plan_kernels(real, 1);
+  CHECK(p1.compute_capability / 10 == major);
+  CHECK(p1.hc_down_fixed);
+  CHECK(p1.hc_mix_fixed);
+  CHECK(p1.gdn_fixed);
+  CHECK(p1.moe_down_fixed);
+  CHECK(p1.router_fixed);
+  CHECK(p1.moe_gate_up_bulk == (major >= 9));
+  CHECK(p1.gdn_cluster == (major >= 9));
+  CHECK_FALSE(p1.fold_hc_inject);
+  // TP=2: 320 expert rows per rank are not the down kernel's compile-time 640; the inject folds.
+  const fn::KernelPlan p2 = fn::plan_kernels(real, 2);
+  CHECK_FALSE(p2.moe_down_fixed);
+  CHECK(p2.hc_down_fixed);
+  CHECK(p2.router_fixed);
+  CHECK(p2.fold_hc_inject);
+  // The tiny fixture (hidden 64, 8 experts, GDN heads of 16): the runtime-shape instances, the
+  // FP32 gate+up (hidden not a multiple of 256) and the arrival counters.
+  const fn::ModelConfig tiny =
+      fn::load_model_config(FN_TEST_DATA_DIR "/fixtures/g3_tiny/config.json");
+  const fn::KernelPlan pt = fn::plan_kernels(tiny, 1);
+  CHECK_FALSE(pt.hc_down_fixed);
+  CHECK_FALSE(pt.hc_mix_fixed);
+  CHECK_FALSE(pt.gdn_fixed);
+  CHECK_FALSE(pt.moe_down_fixed);
+  CHECK_FALSE(pt.router_fixed);
+  CHECK_FALSE(pt.moe_gate_up_bulk);
+  CHECK_FALSE(pt.gdn_cluster);
+  CHECK(fn::describe_kernel_plan(p1).find(fmt::format("sm_{}", p1.compute_capability)) == 0);
 }

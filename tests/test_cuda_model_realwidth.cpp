@@ -1,5 +1,5 @@
-// CudaModel against the FP32 CPU model on a `fngen synth` checkpoint of the real widths (issue 6
-// acceptance: hidden 2560, 512 NVFP4 experts, 16/48 GDN heads of 128, 24/2 QSA heads of 256,
+// CudaModel against the FP32 CPU model on a `fngen synth` checkpoint of the real widths
+// (hidden 2560, 512 NVFP4 experts, 16/48 GDN heads of 128, 24/2 QSA heads of 256,
 // the first 4 layers — 3 GDN + 1 QSA, PLE on layer 2 — and an n-gram table of base 200,000):
 // 64 teacher-forced steps of random token ids at TP=1 (and TP=2 under mpirun -np 2), with the
 // CPU model's router and indexer choices replayed, every well-conditioned row within
@@ -17,13 +17,13 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
 #include "core/config.h"
 #include "core/synth.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda_model_check.h"
 
 namespace fs = std::filesystem;
@@ -80,9 +80,10 @@ TEST_CASE("cuda model: the 4-layer real-width model matches the CPU model for 64
   };
   fn::CudaModelOptions o;
   o.ctx_size = 128;
-  o.replay_choices = true;
+  fn::CudaModelTestOptions replay;
+  replay.replay_choices = true;
   if (rank == 0) {
-    auto m = fn::CudaModel::load(dir, o);
+    auto m = fn::CudaModelTesting::load(dir, o, replay);
     check("TP=1", *m);
   }
   if (size == 2) {
@@ -92,7 +93,7 @@ TEST_CASE("cuda model: the 4-layer real-width model matches the CPU model for 64
     o.tp_rank = rank;
     o.tp_size = 2;
     o.all_reduce = ar.get();
-    auto m = fn::CudaModel::load(dir, o);
+    auto m = fn::CudaModelTesting::load(dir, o, replay);
     check("TP=2", *m);
   }
 }

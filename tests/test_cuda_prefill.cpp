@@ -1,4 +1,4 @@
-// CudaModel::prefill (issue 7 acceptance) against token-by-token forward() on the same engine: on
+// CudaModel::prefill against token-by-token forward() on the same engine: on
 // the GPU machine with mpirun -np 2 (one GPU per rank). For prompt lengths {1 .. 8192} and pass
 // sizes {whole, 512, 17}: the logits at every prompt position and for 16 teacher-forced decode
 // steps after the prefill agree with the token-by-token run within the CUDA tolerance (argmax
@@ -20,14 +20,15 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/model/cuda_model.h"
+#include "cuda/model/cuda_model_testing.h"
 #include "cuda_model_check.h"
 #include "test_cpu_fixture.h"
 
@@ -39,7 +40,7 @@ using fn::test::max_abs_diff;
 
 namespace {
 
-// The issue's prompt lengths: the QSA dense/selected boundary sits at n = 2051 tokens (B = 512
+// The prompt lengths: the QSA dense/selected boundary sits at n = 2051 tokens (B = 512
 // blocks of 4 at the real budget of 2048, which the test config takes), 4096 and 8192 the long
 // cases.
 const int64_t kLengths[] = {1,    2,    3,    4,    5,    63,   64,   65,  2047,
@@ -195,7 +196,7 @@ std::vector<float> replayed_rows(fn::CudaModel& m, const std::vector<int32_t>& t
   m.reset();
   std::vector<float> all;
   for (std::size_t i = 0; i < choices.size(); ++i) {
-    m.set_forced_choices(choices[i].router, choices[i].indexer);
+    fn::CudaModelTesting::set_forced_choices(m, choices[i].router, choices[i].indexer);
     const auto l = m.forward(tokens[i]);
     all.insert(all.end(), l.begin(), l.end());
   }
@@ -233,9 +234,10 @@ void length_chunk_table(int tp_rank, int tp_size, fn::DeviceAllReduce* ar, bool 
     models.push_back(fn::CudaModel::random(cfg, quant, 11, o));
   }
   auto replay_opt = options(tp_rank, tp_size, ar, ctx, kWhole);
-  replay_opt.replay_choices = true;
   replay_opt.stream = stream;
-  auto replay = fn::CudaModel::random(cfg, quant, 11, replay_opt);
+  fn::CudaModelTestOptions replay_test;
+  replay_test.replay_choices = true;
+  auto replay = fn::CudaModelTesting::random(cfg, quant, 11, replay_opt, replay_test);
   std::vector<fn::StepChoices> free_choices;
   const std::vector<float> free_rows = forward_rows(*models[0], seq, ctx, &free_choices);
   const int64_t V = cfg.vocab_size;
@@ -304,9 +306,10 @@ TEST_CASE(
     for (int64_t chunk : {int64_t{256}, int64_t{3}}) {
       CAPTURE(chunk);
       auto m = fn::CudaModel::load(f.dir, options(0, 1, nullptr, 256, chunk, true));
-      auto ro = options(0, 1, nullptr, 256, chunk);
-      ro.replay_choices = true;
-      auto replay = fn::CudaModel::load(f.dir, ro);
+      fn::CudaModelTestOptions replay_test;
+      replay_test.replay_choices = true;
+      auto replay =
+          fn::CudaModelTesting::load(f.dir, options(0, 1, nullptr, 256, chunk), replay_test);
       std::vector<fn::StepChoices> free_choices, choices;
       forward_rows(*m, f.tokens, n, &free_choices);
       const int64_t L = static_cast<int64_t>(f.prompt_ids.size());

@@ -1,7 +1,8 @@
 // core/memory_plan: the CUDA backend's per-rank device memory on the real geometry
 // (configs/qwen3.8-flash-next.json) at TP 1, 2 and 4 and 8K / 64K / 256K tokens, against sizes
 // computed here by hand from MODEL.md (§A.3, §B.2, §C.0, §E.2), not from the function; the
-// refusal message of require_fits; the memory table of `fngen inspect`.
+// refusal message of require_fits; the memory table of `fngen inspect`; the device layout
+// (core/device_layout.h) the CUDA model's arena is built from, piece by piece.
 #include <doctest/doctest.h>
 
 #include <fmt/format.h>
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "core/config.h"
+#include "core/device_layout.h"
 #include "core/error.h"
 #include "core/inspect.h"
 #include "core/memory_plan.h"
@@ -196,6 +198,94 @@ TEST_CASE(
   // At least the full logits + the sampling arrays (28 B × vocab), well under 256 MiB.
   CHECK(a.workspace > 28 * V);
   CHECK(a.workspace < 256ull << 20);
+}
+
+TEST_CASE("device layout: the activation block of the real geometry at TP=1, piece by piece") {
+  const fn::DeviceLayout l = fn::device_layout(real_model().cfg, 1, 0, 8192);
+  // Each piece: count x element size, rounded up to 256 B. HC partials: 8 column chunks (4
+  // streams x 2 chunks of 1280 columns) of R + S = 324 dots. The projection buffer holds the
+  // largest stacked mixer projection: GDN's conv_dim + Hv*dv + 2*Hv = 16480 rows (QSA's 12288 +
+  // 1024 + 640 = 13952 is smaller); the mixer output max(Hq*hd, Hv*dv) = 6144 BF16.
+  const std::pair<fn::Activation, uint64_t> want[] = {
+      {fn::Activation::H, W * F32},
+      {fn::Activation::HAlt, W * F32},
+      {fn::Activation::HcPartials, 10496},  // 8 * 324 * 4 = 10368 -> 41 * 256
+      {fn::Activation::HcSumSq, 256},       // 8 * 4 = 32
+      {fn::Activation::M, D * F32},
+      {fn::Activation::MBf16, D * BF16},
+      {fn::Activation::Iota, 256},    // 4 * 4
+      {fn::Activation::Proj, 66048},  // 16480 * 4 = 65920 -> 258 * 256
+      {fn::Activation::MixOut, 6144 * BF16},
+      {fn::Activation::Y, D * F32},
+      {fn::Activation::RouterLogits, 2304},  // 513 * 4 = 2052 -> 9 * 256
+      {fn::Activation::ExpertIds, 256},
+      {fn::Activation::RoutingWeights, 256},
+      {fn::Activation::ExpertH, 10 * I * BF16},
+      {fn::Activation::SharedGateUp, 2 * Is * F32},
+      {fn::Activation::PleEmbedding, P * F32},
+      {fn::Activation::PleKv, (S * P + D) * F32},
+      {fn::Activation::LogitsLocal, V * F32},
+      {fn::Activation::Logits, V * F32},
+      {fn::Activation::Token, 256},
+      {fn::Activation::Position, 256},
+      {fn::Activation::Context, 256},  // ngram_size - 1 = 2 int64
+      {fn::Activation::ErrorFlag, 256},
+      {fn::Activation::SampleStep, 256},
+  };
+  REQUIRE(std::size(want) == static_cast<std::size_t>(fn::kActivationCount));
+  uint64_t offset = 0;
+  for (const auto& [a, bytes] : want) {
+    CAPTURE(l.piece(a).name);
+    CHECK(l.piece(a).bytes == bytes);
+    CHECK(l.piece(a).offset == offset);
+    CHECK(l.piece(a).offset % 256 == 0);
+    offset += bytes;
+  }
+  CHECK(l.activation_bytes == offset);
+  CHECK(l.activation_bytes == 2266880);
+  CHECK(l.max_in_rows == 16480);
+  CHECK(l.max_mix == 6144);
+}
+
+TEST_CASE("device layout: per-layer states and scratch of the real geometry at TP 1 and 2") {
+  for (const uint64_t tp : {1, 2}) {
+    CAPTURE(tp);
+    const uint64_t ctx = 8192;
+    const fn::DeviceLayout l = fn::device_layout(real_model().cfg, static_cast<int>(tp), 0, 8192);
+    const uint64_t hkv_l = tp <= Hkv ? Hkv / tp : 1;
+    CHECK(l.qsa_layers == 12);
+    CHECK(l.gdn_layers == 36);
+    CHECK(l.ple_layers == 1);
+    CHECK(l.k_cache == ctx * hkv_l * hd * BF16);
+    CHECK(l.v_cache == ctx * hkv_l * hd * BF16);
+    CHECK(l.raw_keys == ctx * ihd * F32);
+    CHECK(l.block_keys == ctx / ratio * ihd * F32);
+    CHECK(l.gdn_state == (Hv / tp) * dk * dv * F32);
+    CHECK(l.gdn_conv_state == (conv_dim / tp) * (K - 1) * F32);
+    CHECK(l.gdn_counters == (Hv / tp + Hk / tp + 2) * 4);  // head counters + two join words
+    CHECK(l.gdn_output == (Hv / tp) * dv * F32);
+    CHECK(l.ple_conv_state == W * (ple_k - 1) * dilation * F32);
+    CHECK(l.router_mailbox == E * F32);
+    CHECK(l.history == (ctx + 1) * 4);
+    CHECK(l.sampling_estimate == 24 * V + (1u << 20));
+    CHECK(l.qsa_workspace ==
+          fn::qsa_workspace_estimate(real_model().cfg, static_cast<int>(tp), 8192));
+    // The memory plan's rows are the layout's sums.
+    const fn::MemoryPlan m =
+        fn::plan_device_memory(real_model().cfg, real_plan(static_cast<int>(tp)), 0, 8192);
+    CHECK(m.kv_cache == 12 * (l.k_cache + l.v_cache));
+    CHECK(m.indexer_cache == 12 * (l.raw_keys + l.block_keys));
+    CHECK(m.gdn_state == 36 * l.gdn_state);
+    CHECK(m.gdn_conv_state == 36 * l.gdn_conv_state);
+    CHECK(m.ple_conv_state == l.ple_conv_state);
+    CHECK(m.workspace == l.activation_bytes + 12 * l.qsa_workspace +
+                             36 * (l.gdn_counters + l.gdn_output) + l.router_mailbox + l.history +
+                             l.sampling_estimate);
+  }
+  CHECK(fn::hc_down_partials(4, 2560) == 8);
+  CHECK(fn::hc_down_partials(4, 64) == 4);
+  CHECK(fn::hc_down_partials(4, 1288) == 8);
+  CHECK_THROWS_AS(fn::device_layout(real_model().cfg, 1, 0, 0), fn::Error);
 }
 
 TEST_CASE("memory plan: a context below one token is a usage error") {

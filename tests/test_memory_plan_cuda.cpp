@@ -1,26 +1,31 @@
 // core/memory_plan's QSA workspace estimate (recomputed without CUDA) against the workspace the
-// CUDA launcher really asks for (cuda/kernels/qsa.h qsa_decode_workspace_bytes, a pure host function: no
-// GPU needed), for every rank of the real geometry at TP 1, 2, 4 and 8.
+// CUDA launcher really asks for (cuda/kernels/qsa.h qsa_decode_workspace_bytes, a pure host
+// function: no GPU needed), for every rank of the real geometry at TP 1, 2, 4 and 8 and of the test
+// fixtures' shapes: the CUDA model allocates the estimate (core/device_layout.h) and refuses to
+// load when it is below the launcher's size.
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <string>
 
 #include "core/config.h"
 #include "core/memory_plan.h"
 #include "cuda/kernels/qsa.h"
 
-TEST_CASE(
-    "memory plan: the QSA workspace estimate equals qsa_decode_workspace_bytes on every "
-    "rank of the real geometry") {
-  const fn::ModelConfig c = fn::load_model_config(FN_SOURCE_DIR "/configs/qwen3.8-flash-next.json");
-  for (int tp : {1, 2, 4, 8}) {
+namespace {
+
+// The estimate against the launcher for every rank of `c` at TP `tps` and context sizes `ctxs`.
+void check_config(const fn::ModelConfig& c, std::initializer_list<int> tps,
+                  std::initializer_list<int64_t> ctxs) {
+  for (int tp : tps) {
     for (int r = 0; r < tp; ++r) {
-      for (int64_t t : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{100}, int64_t{2051},
-                        int64_t{2052}, int64_t{8192}, int64_t{65536}, int64_t{262144}}) {
+      for (int64_t t : ctxs) {
         CAPTURE(tp);
         CAPTURE(r);
         CAPTURE(t);
-        // The launch shape of cuda/model/cuda_model.cpp's qsa_shape for this rank.
+        CAPTURE(c.source);
+        // The launch shape of the CUDA model's qsa_shape (cuda/model/load.cpp) for this rank.
         const int64_t hkv = c.num_key_value_heads, hq_l = c.num_attention_heads / tp;
         const int64_t hkv_l = tp <= hkv ? hkv / tp : 1;
         fn::QsaDecodeParams q;
@@ -41,4 +46,25 @@ TEST_CASE(
       }
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "memory plan: the QSA workspace estimate equals qsa_decode_workspace_bytes on every "
+    "rank of the real geometry") {
+  check_config(fn::load_model_config(FN_SOURCE_DIR "/configs/qwen3.8-flash-next.json"),
+               {1, 2, 4, 8}, {1, 3, 4, 100, 2051, 2052, 8192, 65536, 262144});
+}
+
+TEST_CASE(
+    "memory plan: the QSA workspace estimate equals qsa_decode_workspace_bytes for the test "
+    "fixtures' shapes (the CUDA model allocates the estimate)") {
+  for (const char* name : {"g3_tiny", "ple2_long", "tp4"}) {
+    const fn::ModelConfig c = fn::load_model_config(
+        std::string(FN_SOURCE_DIR "/tests/data/fixtures/") + name + "/config.json");
+    check_config(c, {1, 2}, {1, 4, 8, 100, 256, 4096});
+  }
+  check_config(fn::load_model_config(FN_SOURCE_DIR "/tests/data/fixtures/tp4/config.json"), {4},
+               {1, 4, 8, 100, 256, 4096});
 }

@@ -1,5 +1,5 @@
-// cuda_model_bench: decode latency of the whole CUDA model (issue 6 "Done when": ms/token of the
-// full real geometry with in-memory random weights at TP=1 and TP=2 and an 8,192-token context).
+// cuda_model_bench: decode latency of the whole CUDA model: ms/token of the full real geometry
+// with in-memory random weights (e.g. at TP=1 and TP=2 and an 8,192-token context).
 // Every rank builds CudaModel::random(config) on its GPU, moves the position to --depth (caches
 // hold zeros: the step reads exactly the bytes it reads at that depth), then decodes --tokens
 // greedy tokens on the device (one graph replay each) after --warmup tokens, and rank 0 prints
@@ -7,15 +7,11 @@
 // measured 4.3 TB/s copy bandwidth. Usage:
 //   mpirun -np N cuda_model_bench --config configs/qwen3.8-flash-next.json [--depth 8192]
 //     [--tokens 128] [--warmup 16] [--ctx N] [--allreduce auto|custom|nccl] [--no-graph]
-//     [--unfused] [--fold-inject -1|0|1] [--l2-prefetch MASK] [--moe-bulk 0|1]
-//     [--moe-bulk-down 0|1] [--gdn-cluster 0|1] [--down-prefetch 0|1] [--in-proj-prefetch MB]
-//     [--fixed-shape MASK] [--lookahead 0|1] [--qsa-mailbox 0|1]
-//     [--skip MASK] [--empty-launches N] [--json FILE]
-//     [--trace FILE.csv [--trace-steps 4]]
-//     (--unfused: CudaModelOptions::fused_step = false, every launch separate; --trace: after
-//     the timed tokens, --trace-steps more with the step timeline of cuda/common/step_trace.h recorded
-//     (a build with -DFN_STEP_TRACE=ON only), rank 0's records written as CSV for
-//     scripts/step_timeline.py)
+//     [--json FILE] [--trace FILE.csv [--trace-steps 4]]
+//     (--trace: after the timed tokens, --trace-steps more with the step timeline of
+//     cuda/common/step_trace.h recorded (a build with -DFN_STEP_TRACE=ON only), rank 0's records
+//     written as CSV for scripts/step_timeline.py). The kernel variants are the model's own
+//     plan for the device (cuda/model/kernel_plan.h), logged at debug level (FN_LOG_LEVEL=debug).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -28,7 +24,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
@@ -38,15 +33,17 @@
 #include "core/generate.h"
 #include "core/log.h"
 #include "core/shard_plan.h"
-#include "cuda/model/cuda_model.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/common/step_trace.h"
+#include "cuda/model/cuda_model.h"
 
 namespace {
 
 constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (performance-anchors §2.3)
 
-// --trace: decodes `steps` more tokens with every CTA's PDL wait recorded (cuda/common/step_trace.h)
-// and writes rank 0's records as CSV, times in ns from the first arrival.
+// --trace: decodes `steps` more tokens with every CTA's PDL wait recorded
+// (cuda/common/step_trace.h) and writes rank 0's records as CSV, times in ns from the first
+// arrival.
 void write_step_trace(fn::CudaModel& model, const std::string& path, int64_t steps, int rank) {
   // 256 Ki records (10 MiB) per step: a TP=1 step at the real shape has ~155 K CTAs.
   const auto capacity = static_cast<uint32_t>(steps) << 18;
@@ -88,21 +85,7 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   std::string config = "configs/qwen3.8-flash-next.json", json_path, allreduce = "auto";
   std::string trace_path;
   int64_t depth = 8192, tokens = 128, warmup = 16, trace_steps = 4, ctx = 0;
-  bool graph = true, fused = true;
-  int fold = -1;
-  int l2_prefetch = fn::CudaModelOptions{}.l2_prefetch;
-  bool moe_bulk = fn::CudaModelOptions{}.moe_bulk;
-  bool moe_bulk_down = fn::CudaModelOptions{}.moe_bulk_down;
-  bool gdn_cluster = fn::CudaModelOptions{}.gdn_cluster;
-  bool down_prefetch = fn::CudaModelOptions{}.moe_down_prefetch;
-  int in_proj_prefetch = fn::CudaModelOptions{}.in_proj_prefetch_mb;
-  int fixed_shape = fn::CudaModelOptions{}.fixed_shape_kernels;
-  bool lookahead = fn::CudaModelOptions{}.decode_lookahead;
-  bool qsa_mailbox = fn::CudaModelOptions{}.qsa_select_mailbox;
-  bool qsa_overlap = fn::CudaModelOptions{}.qsa_overlap_in_proj;
-  bool gdn_overlap = fn::CudaModelOptions{}.gdn_overlap_z;
-  uint32_t skip = 0;
-  int empty_launches = fn::CudaModelOptions{}.bench_empty_launches;
+  bool graph = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -125,40 +108,10 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
       json_path = next();
     else if (a == "--no-graph")
       graph = false;
-    else if (a == "--unfused")  // CudaModelOptions::fused_step = false (A/B of the fusions)
-      fused = false;
-    else if (a == "--fold-inject")  // CudaModelOptions::fold_hc_inject: -1 auto, 0 never, 1 always
-      fold = std::stoi(next());
-    else if (a == "--l2-prefetch")  // CudaModelOptions::l2_prefetch (mask; 3 default)
-      l2_prefetch = std::stoi(next());
-    else if (a == "--moe-bulk")  // CudaModelOptions::moe_bulk: 1 the bulk gate+up (default), 0 FP32
-      moe_bulk = std::stoi(next()) != 0;
-    else if (a == "--moe-bulk-down")  // CudaModelOptions::moe_bulk_down: 1 the bulk down, 0 FP32
-      moe_bulk_down = std::stoi(next()) != 0;
-    else if (a == "--gdn-cluster")  // CudaModelOptions::gdn_cluster: 1 clusters (default), 0 not
-      gdn_cluster = std::stoi(next()) != 0;
-    else if (a == "--down-prefetch")  // CudaModelOptions::moe_down_prefetch: 1 on (default), 0 off
-      down_prefetch = std::stoi(next()) != 0;
-    else if (a == "--in-proj-prefetch")  // CudaModelOptions::in_proj_prefetch_mb (MB, 0 off)
-      in_proj_prefetch = std::stoi(next());
-    else if (a == "--fixed-shape")  // CudaModelOptions::fixed_shape_kernels (bit mask)
-      fixed_shape = std::stoi(next());
-    else if (a == "--lookahead")  // CudaModelOptions::decode_lookahead: 1 on (default), 0 off
-      lookahead = std::stoi(next()) != 0;
-    else if (a == "--qsa-mailbox")  // CudaModelOptions::qsa_select_mailbox: 1 (default), 0 ticket
-      qsa_mailbox = std::stoi(next()) != 0;
-    else if (a == "--qsa-overlap")  // CudaModelOptions::qsa_overlap_in_proj: 1 (default), 0 off
-      qsa_overlap = std::stoi(next()) != 0;
-    else if (a == "--gdn-overlap")  // CudaModelOptions::gdn_overlap_z: 1 (default), 0 off
-      gdn_overlap = std::stoi(next()) != 0;
-    else if (a == "--empty-launches")  // CudaModelOptions::bench_empty_launches (per layer)
-      empty_launches = std::stoi(next());
     else if (a == "--trace")
       trace_path = next();
     else if (a == "--trace-steps")
       trace_steps = std::stoll(next());
-    else if (a == "--skip")  // CudaModelOptions::bench_skip (knockout timing; wrong results)
-      skip = static_cast<uint32_t>(std::stoul(next(), nullptr, 0));
     else
       FN_THROW(Usage, "unknown argument {}", a);
   }
@@ -183,21 +136,6 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
              ctx, ctx_needed);
   o.ctx_size = ctx == 0 ? ctx_needed : ctx;
   o.use_graph = graph;
-  o.fused_step = fused;
-  o.fold_hc_inject = fold;
-  o.l2_prefetch = l2_prefetch;
-  o.moe_bulk = moe_bulk;
-  o.moe_bulk_down = moe_bulk_down;
-  o.gdn_cluster = gdn_cluster;
-  o.moe_down_prefetch = down_prefetch;
-  o.in_proj_prefetch_mb = in_proj_prefetch;
-  o.fixed_shape_kernels = fixed_shape;
-  o.decode_lookahead = lookahead;
-  o.qsa_select_mailbox = qsa_mailbox;
-  o.qsa_overlap_in_proj = qsa_overlap;
-  o.gdn_overlap_z = gdn_overlap;
-  o.bench_skip = skip;
-  o.bench_empty_launches = empty_launches;
   o.tp_rank = rank;
   o.tp_size = tp;
   o.all_reduce = ar.get();
@@ -229,17 +167,14 @@ int run(int argc, char** argv, fn::MpiContext& mpi) {
   const double floor_ms = bytes / kCopyBandwidth * 1e3;
   if (rank == 0) {
     std::printf(
-        "| TP | graph | fused | depth | tokens | ms/token mean | p50 | p90 | p99 | "
-        "bytes/token/rank "
-        "| floor ms | %% of floor |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-        "| %d | %s | %s | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f GB | %.3f | %.1f |\n",
-        tp, graph ? "yes" : "no", fused ? "yes" : "no", static_cast<long long>(depth),
-        static_cast<long long>(tokens), st.mean, st.p50, st.p90, st.p99, bytes / 1e9, floor_ms,
-        100.0 * floor_ms / st.mean);
+        "| TP | graph | depth | tokens | ms/token mean | p50 | p90 | p99 | bytes/token/rank "
+        "| floor ms | %% of floor |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| %d | %s | %lld | %lld | %.3f | %.3f | %.3f | %.3f | %.3f GB | %.3f | %.1f |\n",
+        tp, graph ? "yes" : "no", static_cast<long long>(depth), static_cast<long long>(tokens),
+        st.mean, st.p50, st.p90, st.p99, bytes / 1e9, floor_ms, 100.0 * floor_ms / st.mean);
     if (!json_path.empty()) {
       nlohmann::json j = {{"tp", tp},
                           {"graph", graph},
-                          {"fused_step", fused},
                           {"depth", depth},
                           {"tokens", tokens},
                           {"ms_mean", st.mean},

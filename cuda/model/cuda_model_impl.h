@@ -1,6 +1,7 @@
-// Internal to cuda/ (not a public header): the device-side state of one CudaModel — its arena,
-// per-layer weight views, sequence state and activation buffers — shared by cuda_model.cpp (load,
-// the decode step and its graphs) and cuda_prefill.cpp (the batched prefill of issue 7). The
+// Internal to cuda/model (not a public header): the device-side state of one CudaModel — its
+// arena, kernel plan, per-layer weight views, sequence state and activation buffers — shared by
+// load.cpp (weights, arena, states), step*.cpp (the decode step), decode.cpp (its graphs and the
+// decode loop), profile.cpp, testing.cpp and cuda_prefill.cpp (the batched prefill). The
 // invariants are CudaModel's (cuda_model.h): everything the decode graph touches is allocated
 // before its first capture; prefill buffers live apart and are never captured.
 #pragma once
@@ -10,24 +11,29 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
+#include "core/device_layout.h"
 #include "core/error.h"
 #include "core/ngram.h"
 #include "core/shard_plan.h"
-#include "cuda/model/cuda_model.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/kernels/moe_nvfp4.h"
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/qsa.h"
 #include "cuda/kernels/sample.h"
+#include "cuda/model/cuda_model.h"
+#include "cuda/model/cuda_model_testing.h"
+#include "cuda/model/kernel_plan.h"
 
 namespace fn {
 namespace model_detail {
 
-class WeightSource;      // cuda_model.cpp: where load()/random() take the weights from
-class CheckpointSource;  // cuda_model.cpp
+class WeightSource;      // load.cpp: where load()/random() take the weights from
+class CheckpointSource;  // load.cpp
+struct Builder;          // load.cpp: loads one weight or group of weights into the arena
 
 /// The QSA kernels' shape fields for this rank (local heads, RoPE, indexer; no pointers).
 QsaDecodeParams qsa_shape(const ModelConfig& c, const CudaModelOptions& o);
@@ -64,17 +70,16 @@ class DeviceArena {
     held_ += n;
     return p;
   }
+  // alloc for per-sequence state and scratch (counted apart from the weights).
+  void* alloc_state(std::size_t bytes, const char* what) {
+    const uint64_t before = held_;
+    void* p = alloc(bytes, what);
+    state_held_ += held_ - before;
+    return p;
+  }
   template <typename T>
   T* alloc_n(int64_t count, const char* what) {
     return static_cast<T*>(alloc(static_cast<std::size_t>(count) * sizeof(T), what));
-  }
-  // alloc_n for per-sequence state and scratch (counted apart from the weights).
-  template <typename T>
-  T* state_n(int64_t count, const char* what) {
-    const uint64_t before = held_;
-    T* p = alloc_n<T>(count, what);
-    state_held_ += held_ - before;
-    return p;
   }
   uint64_t held() const noexcept { return held_; }
   uint64_t state_held() const noexcept { return state_held_; }
@@ -199,6 +204,16 @@ int64_t choice_log_ints(const ModelConfig& c, int64_t qsa_layers);
 /// fn::Error(Internal) on a selected-block count outside [0, block_topk].
 StepChoices choices_from_log(const ModelConfig& c, int64_t qsa_layers, const int32_t* log);
 
+/// Captures what `encode` enqueues on `stream` into an instantiated graph (decode.cpp). Ends the
+/// capture when `encode` throws and rethrows; fn::Error(Cuda) when capture or instantiation fails.
+cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& encode);
+
+/// The token fed first must be in the vocabulary and `count` steps from `position` must fit the
+/// cache (fn::Error(Usage) otherwise, naming -c/--ctx-size; `doing` and `unit` word the message,
+/// e.g. "decoding", "tokens"); `count_ok` is the caller's lower bound on count.
+void require_steps(const ModelConfig& c, int32_t token, bool count_ok, int64_t count,
+                   const char* doing, const char* unit, int64_t position, int64_t ctx_size);
+
 /// Device bytes of the batched prefill's pass buffers (cuda_prefill.cpp, allocated at the first
 /// prefill()) for min(o.prefill_chunk, o.ctx_size) tokens per pass.
 std::size_t prefill_buffer_bytes(const ModelConfig& c, const CudaModelOptions& o,
@@ -215,6 +230,7 @@ struct CudaPrefillState;
 
 struct CudaModel::Impl {
   model_detail::DeviceArena arena;
+  KernelPlan plan;  // decided at load (build)
   cudaStream_t stream = nullptr;
   bool own_stream = false;
   std::vector<model_detail::DevLayer> layers;
@@ -234,13 +250,11 @@ struct CudaModel::Impl {
   float* proj = nullptr;        // [max in rows] FP32
   uint16_t* mix_out = nullptr;  // [max(Hv*dv, Hq*hd)] BF16
   float* y = nullptr;           // [D] FP32
-  float* ys = nullptr;          // [D] FP32 shared expert
   float* rl = nullptr;          // [E + 1] router logits + shared gate logit
   int32_t* ids = nullptr;       // [k]
   float* rw = nullptr;          // [k]
   uint16_t* h = nullptr;        // [k, I_l] BF16
   float* sgu = nullptr;         // [2 Is] FP32
-  uint16_t* sh = nullptr;       // [Is] BF16
   float* e_ng = nullptr;        // [P] FP32
   float* kvp = nullptr;         // [S*P + D] FP32
   float* logits_local = nullptr;
@@ -251,7 +265,8 @@ struct CudaModel::Impl {
   int32_t* error_flag = nullptr;
   float* router_mailbox = nullptr;  // launch_router_shared_gate_up's mailbox (empty: reset_state)
   int64_t* sample_step = nullptr;
-  float* residuals = nullptr;        // [2 * layers, W] (keep_residuals)
+  // Test-only buffers (CudaModelTestOptions; nullptr otherwise).
+  float* residuals = nullptr;        // [2 * layers + PLE layers, W] (keep_residuals)
   int32_t* forced_router = nullptr;  // [layers, k] (replay_choices)
   int32_t* forced_blocks = nullptr;  // [QSA layers, block_topk] (replay_choices)
   int32_t* choice_log = nullptr;  // [layers * k + QSA layers * (block_topk + 4)] (record_choices)
@@ -299,13 +314,57 @@ struct CudaModel::Impl {
   uint64_t weight_bytes = 0;
   int64_t captures = 0;
 
-  // Loads every weight from `src` and allocates the states and activations.
-  void build(const ModelConfig& c, const CudaModelOptions& o, model_detail::WeightSource& src,
-             model_detail::CheckpointSource* ck, bool ngram_fp8);
+  // Plans the kernels, loads every weight from `src` and allocates the states, activations and
+  // the test-only buffers of `test` (load.cpp).
+  void build(const ModelConfig& c, const CudaModelOptions& o, const CudaModelTestOptions& test,
+             model_detail::WeightSource& src, model_detail::CheckpointSource* ck, bool ngram_fp8);
+  // build's parts: layer li's weights and states (at the layout's sizes), the activation block
+  // carved at the layout's offsets, the test-only buffers.
+  void build_layer(model_detail::Builder& b, const DeviceLayout& lay, int64_t li);
+  void carve_activations(const DeviceLayout& lay);
+  void alloc_test_buffers(const ModelConfig& c, const CudaModelTestOptions& test);
   // Enqueues one decode step on `stream` (the token at *token, position *position); with
-  // `sampling`, also samples the next id into *token and records it in history.
+  // `sampling`, also samples the next id into *token and records it in history (step.cpp).
   void encode_step(const ModelConfig& c, const CudaModelOptions& o,
                    const DeviceSamplingParams* sampling);
+
+  // ---- the blocks of encode_step (step.cpp, step_mixers.cpp, step_moe.cpp) ----
+  // Where one step's encoding stands: the residual lives in H or H_alt (the folded HC inject
+  // writes the injected residual to the other buffer); `pending`: an inject waits for the next
+  // HC read (its debug-residual slot in pending_slot).
+  struct Step {
+    const ModelConfig& c;
+    const CudaModelOptions& o;
+    RankDims rd;
+    float* H = nullptr;
+    bool pending = false;
+    int64_t injects = 0, pending_slot = 0;
+  };
+  void step_embed(Step& st);
+  // PLE (MODEL.md §C.4): n-gram gather, all-reduce, key/value GEMV, apply onto the residual.
+  void step_ple(Step& st, const model_detail::DevPle& pl);
+  // The HC read (hc.h): the split-K down (+ pending inject) pass, then the mix into m (and its
+  // BF16 copy m_out_bf16, MLP side only) and iota_out (nullptr for the final mixer).
+  void step_hc_read(Step& st, const model_detail::DevHc& hc, float* iota_out, uint16_t* m_out_bf16);
+  // Marks the block output y for injection: folded into the next HC read (plan.fold_hc_inject)
+  // or launched now.
+  void step_inject(Step& st);
+  // Launches a pending inject alone (before a PLE apply, which adds to the injected residual).
+  void step_settle(Step& st);
+  // The QSA mixer (projection beside the indexer select, attention, o_proj) into y.
+  void step_qsa(Step& st, const model_detail::DevQsa& a, int64_t qsa_index);
+  // The GDN mixer (projections around the recurrence, out_proj) into y.
+  void step_gdn(Step& st, const model_detail::DevGdn& g);
+  // The MoE block into y: router + top-k + shared gate/up, routed gate+up (prefetching the next
+  // HC read's weights into L2) and down, shared down + combine (prefetching the next layer's
+  // input projection). `next_hc`: the HC read after this block; `next`: the next layer or null.
+  void step_moe(Step& st, const model_detail::DevMoe& mo, int64_t layer_index,
+                const model_detail::DevHc& next_hc, const model_detail::DevLayer* next);
+  // lm_head (vocab slice, scatter + all-reduce at TP > 1), n-gram context advance, sampling and
+  // the position advance.
+  void step_logits(Step& st, const DeviceSamplingParams* sampling);
+  void step_all_reduce(Step& st, float* buf, int64_t count);
+  void step_keep_residual(Step& st, int64_t slot);
   // Zeroes the states, fills the n-gram context with EOS, position 0.
   void reset_state(const ModelConfig& c);
   std::vector<std::pair<void*, std::size_t>> state_blocks;  // zeroed by reset_state
@@ -313,6 +372,8 @@ struct CudaModel::Impl {
   // The batched prefill's buffers and cuBLAS handle (cuda_prefill.cpp), made on first use;
   // shared_ptr because CudaPrefillState is complete only there.
   std::shared_ptr<CudaPrefillState> prefill;
+  // One prefill() call's pass encoders (cuda_prefill.cpp).
+  struct PrefillRun;
 
   ~Impl() {
     prefill.reset();  // its cuBLAS handle is bound to `stream`

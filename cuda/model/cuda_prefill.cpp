@@ -1,4 +1,4 @@
-// CudaModel::prefill (see cuda_model.h): the batched prefill of issue 7 (MODEL.md §D). One pass
+// CudaModel::prefill (see cuda_model.h): the batched prefill (MODEL.md §D). One pass
 // runs M prompt tokens through every layer at once, in the order of the decode step (§C.10):
 //
 //   embed rows -> for each layer { [PLE: n-gram gather rows, all-reduce, key/value GEMM, apply
@@ -9,8 +9,9 @@
 //   wanted -> n-gram context and position advance.
 //
 // Dense projections go through cuBLAS with the FP32 activations split into BF16 hi + lo
-// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. The pass buffers
-// live in their own arena, allocated on the first call for CudaModelOptions::prefill_chunk rows.
+// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. The pass
+// buffers live in their own arena, allocated on the first call for CudaModelOptions::prefill_chunk
+// rows.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -18,13 +19,11 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/device_all_reduce.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/shard_plan.h"
-#include "cuda/model/cuda_model.h"
-#include "cuda/model/cuda_model_impl.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/kernels/decode_ops.h"
 #include "cuda/kernels/gdn_prefill.h"
 #include "cuda/kernels/gemm.h"
@@ -32,6 +31,8 @@
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/prefill_ops.h"
 #include "cuda/kernels/qsa_prefill.h"
+#include "cuda/model/cuda_model.h"
+#include "cuda/model/cuda_model_impl.h"
 
 namespace fn {
 
@@ -275,6 +276,233 @@ std::vector<StepChoices> CudaModel::prefill_choices() const {
   return out;
 }
 
+// One prefill() call: the pass buffers, the stream and the rows of the pass in flight, with the
+// per-block encoders of a pass (the decode step's order, MODEL.md §C.10, over M rows at once).
+struct CudaModel::Impl::PrefillRun {
+  Impl& I;
+  CudaPrefillState& P;
+  const ModelConfig& c;
+  const CudaModelOptions& o;
+  const RankDims rd;
+  cudaStream_t s;
+  cublasHandle_t blas;
+  PrefillProfile& prof;
+  int64_t per_row = 0;  // ints of the choice log per row (record_choices)
+  // The pass in flight: rows c0 .. c0 + M - 1 of the prompt at positions p0 ..
+  int64_t c0 = 0, M = 0, p0 = 0;
+  int64_t layer_index = 0, qsa_index = 0;
+
+  void all_reduce(float* buf, int64_t count) {
+    if (o.tp_size == 1) return;
+    prof.mark(StepFamily::AllReduce);
+    o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
+  }
+  // record_choices: `width` ints of every row of the pass from `src` (row stride src_ld) into the
+  // host log at `offset` of each row (the decode step's choice-log layout).
+  void log_rows(int64_t offset, const int32_t* src, int64_t width, int64_t src_ld) {
+    FN_CUDA_CHECK(cudaMemcpy2DAsync(P.choice_rows.data() + c0 * per_row + offset,
+                                    sizeof(int32_t) * per_row, src, sizeof(int32_t) * src_ld,
+                                    sizeof(int32_t) * width, M, cudaMemcpyDeviceToHost, s));
+  }
+  void gemm(const uint16_t* w, int64_t rows_w, int64_t cols_w, const uint16_t* x_hi,
+            const uint16_t* x_lo, int64_t ldx, int64_t m, float* y, int64_t ldy) {
+    GemmRowsParams g;
+    g.w = w;
+    g.n = rows_w;
+    g.k = cols_w;
+    g.x_hi = x_hi;
+    g.x_lo = x_lo;
+    g.ldx = ldx;
+    g.m = m;
+    g.y = y;
+    g.ldy = ldy;
+    gemm_rows(blas, g);
+  }
+  // HC read of `m` rows of H starting at Hrows: m_hi/m_lo rows 0..m-1 and iota (when given).
+  void hc_read(const DevHc& hc, const float* Hrows, int64_t m, float* iota_out) {
+    const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    prof.mark(StepFamily::Hc);
+    launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, P.n_lo, s);
+    gemm(hc.down_inj, hc.down_rows, W, P.n_hi, P.n_lo, W, m, P.t, hc.down_rows);
+    launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, P.u_lo, iota_out, s);
+    gemm(hc.up, W, R, P.u_hi, P.u_lo, R, m, P.g, W);
+    launch_hc_mix_rows(P.g, Hrows, P.scale, hc.norm, static_cast<int>(S), D, m, P.m_hi, P.m_lo, s);
+  }
+  void inject() {
+    prof.mark(StepFamily::Hc);
+    launch_hc_inject_rows(P.H, P.iota, P.y, static_cast<int>(c.hc_count), c.hidden_size, M, s);
+  }
+  void ple(const model_detail::DevPle& pl);
+  void qsa(const model_detail::DevQsa& a);
+  void gdn(const model_detail::DevGdn& g);
+  void moe(const model_detail::DevMoe& mo);
+  // The embedding rows and every layer of the pass.
+  void layers();
+  // Final mixer + lm_head for the pass's rows whose logits are wanted (every row for All, the
+  // prompt's last for Last), copied into P.host_logits (row c0 + r at (c0 + r) * V for All).
+  void logits(PrefillLogits want, int64_t n);
+};
+
+void CudaModel::Impl::PrefillRun::ple(const model_detail::DevPle& pl) {
+  const int64_t D = c.hidden_size, S = c.hc_count, Pd = c.ple_embed_dim;
+  prof.mark(StepFamily::Ple);
+  NgramGatherRowsParams ng;
+  ng.base = model_detail::ngram_gather_params(c, pl);
+  ng.base.context = I.context;
+  ng.tokens = P.tokens;
+  ng.rows = M;
+  ng.out = P.e_ng;
+  launch_ngram_gather_rows(ng, s);
+  all_reduce(P.e_ng, M * Pd);
+  prof.mark(StepFamily::Ple);
+  launch_split_bf16(P.e_ng, M * Pd, P.e_hi, P.e_lo, s);
+  const int64_t kv_rows = S * Pd + D;
+  gemm(pl.kv_proj, kv_rows, Pd, P.e_hi, P.e_lo, Pd, M, P.proj, kv_rows);
+  PleApplyRowsParams pa;
+  pa.base = model_detail::ple_apply_params(c, pl);
+  pa.kv = P.proj;
+  pa.kv_stride = kv_rows;
+  pa.H = P.H;
+  pa.rows = M;
+  pa.scratch = P.ple_scratch;
+  launch_ple_apply_rows(pa, s);
+}
+
+void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
+  const int64_t D = c.hidden_size;
+  prof.mark(StepFamily::QsaMixer);
+  gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
+  QsaPrefillParams qp;
+  qp.shape = model_detail::qsa_layer(c, o, a);
+  qp.proj = P.proj;
+  qp.proj_stride = P.proj_ld;
+  qp.tokens = M;
+  qp.first_position = p0;
+  qp.out = P.mix;
+  qp.workspace = P.qsa_ws;
+  qp.selected_log = P.sel_log;
+  qp.counters_log = P.cnt_log;
+  launch_qsa_prefill(qp, s);
+  if (o.record_choices) {
+    const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
+    const int64_t at = c.num_hidden_layers * c.num_experts_per_tok + qsa_index * (topk + 4);
+    log_rows(at, P.sel_log, std::min(P.sel_max, topk), P.sel_max);
+    log_rows(at + topk, P.cnt_log, 4, 4);
+  }
+  ++qsa_index;
+  const int64_t width = rd.q_heads * c.head_dim;
+  gemm(a.o, D, width, P.mix, nullptr, width, M, P.y, D);
+}
+
+void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
+  const int64_t D = c.hidden_size;
+  prof.mark(StepFamily::GdnMixer);
+  gemm(g.in_proj, g.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
+  GdnPrefillParams gp;
+  model_detail::set_gdn_layer(gp, c, rd, g);
+  gp.proj = P.proj;
+  gp.proj_stride = P.proj_ld;
+  gp.tokens = M;
+  gp.out = P.mix;
+  gp.workspace = P.gdn_ws;
+  launch_gdn_prefill(gp, s);
+  const int64_t width = rd.linear_v_heads * c.linear_value_head_dim;
+  gemm(g.out, D, width, P.mix, nullptr, width, M, P.y, D);
+}
+
+void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
+  const int64_t D = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
+  const int64_t Is = rd.shared_inter;
+  prof.mark(StepFamily::Router);
+  gemm(mo.router, E + 1, D, P.m_hi, P.m_lo, D, M, P.rl, E + 1);
+  RouterRowsParams rr;
+  rr.logits = P.rl;
+  rr.logits_stride = E + 1;
+  rr.rows = M;
+  rr.num_experts = static_cast<int>(E);
+  rr.top_k = static_cast<int>(k);
+  rr.norm_topk_prob = c.norm_topk_prob;
+  rr.ids = P.ids;
+  rr.weights = P.rw;
+  rr.error_flag = I.error_flag;
+  launch_router_topk_rows(rr, s);
+  if (o.record_choices) log_rows(layer_index * k, P.ids, k, k);
+  ++layer_index;
+  prof.mark(StepFamily::RoutedMoe);
+  MoePrefillParams mp;
+  mp.gate_up = mo.gate_up;
+  mp.down = mo.down;
+  mp.ids = P.ids;
+  mp.weights = P.rw;
+  mp.tokens = M;
+  mp.top_k = static_cast<int>(k);
+  mp.x = P.m_hi;  // W4A16: the experts take m rounded to BF16, as decode
+  mp.y = P.y;
+  mp.workspace = P.moe_ws;
+  launch_moe_prefill(mp, s);
+  prof.mark(StepFamily::SharedExpert);
+  gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, P.m_lo, D, M, P.proj, 2 * Is);
+  launch_swiglu_rows(P.proj, Is, M, P.sh, s);
+  gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
+  launch_moe_combine_rows(P.y, P.ys, P.rl + E, E + 1, D, M, s);
+}
+
+void CudaModel::Impl::PrefillRun::layers() {
+  const int64_t D = c.hidden_size;
+  layer_index = 0;
+  qsa_index = 0;
+  prof.mark(StepFamily::Other);
+  launch_embed_rows(I.embed, c.vocab_size, D, static_cast<int>(c.hc_count), P.tokens, M, P.H,
+                    I.error_flag, s);
+  for (const DevLayer& L : I.layers) {
+    if (L.has_ple) ple(L.ple);
+    hc_read(L.attn_hc, P.H, M, P.iota);
+    if (L.qsa) {
+      qsa(L.attn);
+    } else {
+      gdn(L.gdn);
+    }
+    all_reduce(P.y, M * D);
+    inject();
+    hc_read(L.mlp_hc, P.H, M, P.iota);
+    moe(L.moe);
+    all_reduce(P.y, M * D);
+    inject();
+  }
+}
+
+void CudaModel::Impl::PrefillRun::logits(PrefillLogits want, int64_t n) {
+  const int64_t D = c.hidden_size, V = c.vocab_size, W = c.hc_width();
+  int64_t r_begin = M, r_end = M;
+  if (want == PrefillLogits::All) r_begin = 0;
+  if (want == PrefillLogits::Last && c0 + M == n) r_begin = M - 1;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kLogitRows) {
+    const int64_t m = std::min(kLogitRows, r_end - r0);
+    hc_read(I.final_hc, P.H + r0 * W, m, nullptr);
+    prof.mark(StepFamily::LmHead);
+    if (o.tp_size > 1) {
+      gemm(I.lm_head, I.v_local, D, P.m_hi, P.m_lo, D, m, P.logits_local, I.v_local);
+      for (int64_t j = 0; j < m; ++j) {
+        ScatterLogitsParams sc;
+        sc.local = P.logits_local + j * I.v_local;
+        sc.full = P.logits + j * V;
+        sc.v_local = I.v_local;
+        sc.v_first = I.v_first;
+        sc.vocab = V;
+        launch_scatter_logits(sc, s);
+      }
+      all_reduce(P.logits, m * V);
+      prof.mark(StepFamily::LmHead);
+    } else {
+      gemm(I.lm_head, V, D, P.m_hi, P.m_lo, D, m, P.logits, V);
+    }
+    const int64_t dst = want == PrefillLogits::All ? (c0 + r0) * V : 0;
+    FN_CUDA_CHECK(cudaMemcpyAsync(P.host_logits.data() + dst, P.logits, sizeof(float) * m * V,
+                                  cudaMemcpyDeviceToHost, s));
+  }
+}
+
 std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, PrefillLogits want) {
   Impl& I = *impl_;
   const ModelConfig& c = cfg_;
@@ -289,7 +517,7 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
              "prefilling {} tokens from position {} needs {} tokens of context, more than "
              "-c/--ctx-size {}",
              n, position_, position_ + n, o.ctx_size);
-  FN_REQUIRE(!o.replay_choices && !o.keep_residuals, Usage,
+  FN_REQUIRE(I.forced_router == nullptr && I.residuals == nullptr, Usage,
              "the batched prefill neither replays choices nor keeps residuals (tests only): "
              "run those prompts through forward()");
   // o.prefill_chunk >= 1: the load checked it (require_prefill_fits).
@@ -310,65 +538,17 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
     I.prefill = std::move(st);
   }
   CudaPrefillState& P = *I.prefill;
-
-  const int tp = o.tp_size;
-  const RankDims rd = rank_dims(c, tp, o.tp_rank);
-  const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
-  const int64_t V = c.vocab_size, E = c.num_experts, k = c.num_experts_per_tok;
-  const int64_t Is = rd.shared_inter;
-  const float eps = static_cast<float>(c.rms_norm_eps);
+  const int64_t V = c.vocab_size;
+  PrefillProfile prof(I.stream);
+  Impl::PrefillRun run{I,   P, c, o, rank_dims(c, o.tp_size, o.tp_rank), I.stream, P.blas->get(),
+                       prof};
   cudaStream_t s = I.stream;
-  cublasHandle_t blas = P.blas->get();
-
-  PrefillProfile prof(s);
-  auto all_reduce = [&](float* buf, int64_t count) {
-    if (tp > 1) {
-      prof.mark(StepFamily::AllReduce);
-      o.all_reduce->all_reduce_sum(buf, buf, static_cast<std::size_t>(count), DType::F32, s);
-    }
-  };
   // record_choices: every row's router ids and QSA selections, laid out per row as the decode
   // step's choice log (model_detail::choice_log_ints).
-  const int64_t n_layers = c.num_hidden_layers;
-  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
   int64_t n_qsa = 0;
   for (const DevLayer& L : I.layers) n_qsa += L.qsa ? 1 : 0;
-  const int64_t per_row = model_detail::choice_log_ints(c, n_qsa);
-  if (o.record_choices) P.choice_rows.assign(static_cast<std::size_t>(n * per_row), 0);
-  auto log_rows = [&](int64_t c0, int64_t m, int64_t offset, const int32_t* src, int64_t width,
-                      int64_t src_ld) {
-    FN_CUDA_CHECK(cudaMemcpy2DAsync(P.choice_rows.data() + c0 * per_row + offset,
-                                    sizeof(int32_t) * per_row, src, sizeof(int32_t) * src_ld,
-                                    sizeof(int32_t) * width, m, cudaMemcpyDeviceToHost, s));
-  };
-  auto gemm = [&](const uint16_t* w, int64_t rows_w, int64_t cols_w, const uint16_t* x_hi,
-                  const uint16_t* x_lo, int64_t ldx, int64_t m, float* y, int64_t ldy) {
-    GemmRowsParams g;
-    g.w = w;
-    g.n = rows_w;
-    g.k = cols_w;
-    g.x_hi = x_hi;
-    g.x_lo = x_lo;
-    g.ldx = ldx;
-    g.m = m;
-    g.y = y;
-    g.ldy = ldy;
-    gemm_rows(blas, g);
-  };
-  // HC read of `m` rows of H starting at Hrows: m_hi/m_lo rows 0..m-1 and iota (when given).
-  auto hc_read = [&](const DevHc& hc, const float* Hrows, int64_t m, float* iota_out) {
-    prof.mark(StepFamily::Hc);
-    launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, P.n_lo, s);
-    gemm(hc.down_inj, hc.down_rows, W, P.n_hi, P.n_lo, W, m, P.t, hc.down_rows);
-    launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, P.u_lo, iota_out, s);
-    gemm(hc.up, W, R, P.u_hi, P.u_lo, R, m, P.g, W);
-    launch_hc_mix_rows(P.g, Hrows, P.scale, hc.norm, static_cast<int>(S), D, m, P.m_hi, P.m_lo, s);
-  };
-  auto inject = [&](int64_t m) {
-    prof.mark(StepFamily::Hc);
-    launch_hc_inject_rows(P.H, P.iota, P.y, static_cast<int>(S), D, m, s);
-  };
-
+  run.per_row = model_detail::choice_log_ints(c, n_qsa);
+  if (o.record_choices) P.choice_rows.assign(static_cast<std::size_t>(n * run.per_row), 0);
   if (want == PrefillLogits::All)
     P.host_logits.assign(static_cast<std::size_t>(n * V), 0.0f);
   else if (want == PrefillLogits::Last)
@@ -377,149 +557,14 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   int64_t passes = 0;
   for (int64_t c0 = 0; c0 < n; c0 += P.rows) {
     ++passes;
-    int64_t layer_index = 0, qsa_index = 0;
-    const int64_t M = std::min(P.rows, n - c0);
-    const int64_t p0 = position_;
+    run.c0 = c0;
+    run.M = std::min(P.rows, n - c0);
+    run.p0 = position_;
+    const int64_t M = run.M;
     FN_CUDA_CHECK(cudaMemcpyAsync(P.tokens, tokens.data() + c0, sizeof(int32_t) * M,
                                   cudaMemcpyHostToDevice, s));
-    prof.mark(StepFamily::Other);
-    launch_embed_rows(I.embed, V, D, static_cast<int>(S), P.tokens, M, P.H, I.error_flag, s);
-
-    for (DevLayer& L : I.layers) {
-      if (L.has_ple) {
-        prof.mark(StepFamily::Ple);
-        const model_detail::DevPle& pl = L.ple;
-        const int64_t Pd = c.ple_embed_dim;
-        NgramGatherRowsParams ng;
-        ng.base = model_detail::ngram_gather_params(c, pl);
-        ng.base.context = I.context;
-        ng.tokens = P.tokens;
-        ng.rows = M;
-        ng.out = P.e_ng;
-        launch_ngram_gather_rows(ng, s);
-        all_reduce(P.e_ng, M * Pd);
-        prof.mark(StepFamily::Ple);
-        launch_split_bf16(P.e_ng, M * Pd, P.e_hi, P.e_lo, s);
-        const int64_t kv_rows = S * Pd + D;
-        gemm(pl.kv_proj, kv_rows, Pd, P.e_hi, P.e_lo, Pd, M, P.proj, kv_rows);
-        PleApplyRowsParams pa;
-        pa.base = model_detail::ple_apply_params(c, pl);
-        pa.kv = P.proj;
-        pa.kv_stride = kv_rows;
-        pa.H = P.H;
-        pa.rows = M;
-        pa.scratch = P.ple_scratch;
-        launch_ple_apply_rows(pa, s);
-      }
-      hc_read(L.attn_hc, P.H, M, P.iota);
-      if (L.qsa) {
-        prof.mark(StepFamily::QsaMixer);
-        const model_detail::DevQsa& a = L.attn;
-        gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
-        QsaPrefillParams qp;
-        qp.shape = model_detail::qsa_layer(c, o, a);
-        qp.proj = P.proj;
-        qp.proj_stride = P.proj_ld;
-        qp.tokens = M;
-        qp.first_position = p0;
-        qp.out = P.mix;
-        qp.workspace = P.qsa_ws;
-        qp.selected_log = P.sel_log;
-        qp.counters_log = P.cnt_log;
-        launch_qsa_prefill(qp, s);
-        if (o.record_choices) {
-          const int64_t at = n_layers * k + qsa_index * (topk + 4);
-          log_rows(c0, M, at, P.sel_log, std::min(P.sel_max, topk), P.sel_max);
-          log_rows(c0, M, at + topk, P.cnt_log, 4, 4);
-        }
-        ++qsa_index;
-        const int64_t width = rd.q_heads * c.head_dim;
-        gemm(a.o, D, width, P.mix, nullptr, width, M, P.y, D);
-      } else {
-        prof.mark(StepFamily::GdnMixer);
-        const model_detail::DevGdn& g = L.gdn;
-        gemm(g.in_proj, g.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
-        GdnPrefillParams gp;
-        model_detail::set_gdn_layer(gp, c, rd, g);
-        gp.proj = P.proj;
-        gp.proj_stride = P.proj_ld;
-        gp.tokens = M;
-        gp.out = P.mix;
-        gp.workspace = P.gdn_ws;
-        launch_gdn_prefill(gp, s);
-        const int64_t width = rd.linear_v_heads * c.linear_value_head_dim;
-        gemm(g.out, D, width, P.mix, nullptr, width, M, P.y, D);
-      }
-      all_reduce(P.y, M * D);
-      inject(M);
-
-      hc_read(L.mlp_hc, P.H, M, P.iota);
-      prof.mark(StepFamily::Router);
-      const model_detail::DevMoe& mo = L.moe;
-      gemm(mo.router, E + 1, D, P.m_hi, P.m_lo, D, M, P.rl, E + 1);
-      RouterRowsParams rr;
-      rr.logits = P.rl;
-      rr.logits_stride = E + 1;
-      rr.rows = M;
-      rr.num_experts = static_cast<int>(E);
-      rr.top_k = static_cast<int>(k);
-      rr.norm_topk_prob = c.norm_topk_prob;
-      rr.ids = P.ids;
-      rr.weights = P.rw;
-      rr.error_flag = I.error_flag;
-      launch_router_topk_rows(rr, s);
-      if (o.record_choices) log_rows(c0, M, layer_index * k, P.ids, k, k);
-      ++layer_index;
-      prof.mark(StepFamily::RoutedMoe);
-      MoePrefillParams mp;
-      mp.gate_up = mo.gate_up;
-      mp.down = mo.down;
-      mp.ids = P.ids;
-      mp.weights = P.rw;
-      mp.tokens = M;
-      mp.top_k = static_cast<int>(k);
-      mp.x = P.m_hi;  // W4A16: the experts take m rounded to BF16, as decode
-      mp.y = P.y;
-      mp.workspace = P.moe_ws;
-      launch_moe_prefill(mp, s);
-      prof.mark(StepFamily::SharedExpert);
-      gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, P.m_lo, D, M, P.proj, 2 * Is);
-      launch_swiglu_rows(P.proj, Is, M, P.sh, s);
-      gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
-      launch_moe_combine_rows(P.y, P.ys, P.rl + E, E + 1, D, M, s);
-      all_reduce(P.y, M * D);
-      inject(M);
-    }
-
-    // Logits of the rows that want them: every row (All) or the prompt's last (Last).
-    int64_t r_begin = M, r_end = M;
-    if (want == PrefillLogits::All) r_begin = 0;
-    if (want == PrefillLogits::Last && c0 + M == n) r_begin = M - 1;
-    for (int64_t r0 = r_begin; r0 < r_end; r0 += kLogitRows) {
-      const int64_t m = std::min(kLogitRows, r_end - r0);
-      hc_read(I.final_hc, P.H + r0 * W, m, nullptr);
-      prof.mark(StepFamily::LmHead);
-      if (tp > 1) {
-        gemm(I.lm_head, I.v_local, D, P.m_hi, P.m_lo, D, m, P.logits_local, I.v_local);
-        for (int64_t j = 0; j < m; ++j) {
-          ScatterLogitsParams sc;
-          sc.local = P.logits_local + j * I.v_local;
-          sc.full = P.logits + j * V;
-          sc.v_local = I.v_local;
-          sc.v_first = I.v_first;
-          sc.vocab = V;
-          launch_scatter_logits(sc, s);
-        }
-        all_reduce(P.logits, m * V);
-        prof.mark(StepFamily::LmHead);
-      } else {
-        gemm(I.lm_head, V, D, P.m_hi, P.m_lo, D, m, P.logits, V);
-      }
-      const int64_t dst = want == PrefillLogits::All ? (c0 + r0) * V : 0;
-      FN_CUDA_CHECK(cudaMemcpyAsync(P.host_logits.data() + dst, P.logits, sizeof(float) * m * V,
-                                    cudaMemcpyDeviceToHost, s));
-    }
-
+    run.layers();
+    run.logits(want, n);
     prof.mark(StepFamily::Other);
     if (c.has_ple()) {
       NgramContextAdvanceRowsParams ca;
@@ -551,5 +596,4 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   }
   return {P.host_logits.data(), P.host_logits.size()};
 }
-
 }  // namespace fn

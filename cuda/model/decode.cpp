@@ -1,0 +1,270 @@
+// CudaModel's decode (see cuda_model.h): the step graphs (captured once per mode and replayed),
+// forward(), the on-device decode loop with its one-step lookahead, reset, and the choice log of
+// --check-choices.
+#include "cuda/model/cuda_model.h"
+
+#include <cmath>
+#include <functional>
+
+#include "comm/device_all_reduce.h"
+#include "core/error.h"
+#include "cuda/common/cuda_check.h"
+#include "cuda/kernels/sample.h"
+#include "cuda/model/cuda_model_impl.h"
+
+namespace fn {
+
+using namespace model_detail;
+
+cudaGraphExec_t model_detail::capture_graph(cudaStream_t stream,
+                                            const std::function<void()>& encode) {
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    encode();
+  } catch (...) {
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  cudaGraph_t graph = nullptr;
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  FN_CUDA_CHECK(rc);
+  return exec;
+}
+
+int64_t CudaModel::graph_captures() const noexcept {
+  return impl_->captures;
+}
+
+void CudaModel::reset() {
+  impl_->reset_state(cfg_);
+  position_ = 0;
+}
+
+void CudaModel::set_position_for_benchmark(int64_t position) {
+  FN_REQUIRE(position >= 0 && position < opt_.ctx_size, Usage,
+             "benchmark position {} is outside the context [0, {})", position, opt_.ctx_size);
+  FN_CUDA_CHECK(cudaMemcpyAsync(impl_->position, &position, sizeof(int64_t), cudaMemcpyHostToDevice,
+                                impl_->stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  position_ = position;
+}
+
+StepChoices CudaModel::last_choices() const {
+  const Impl& I = *impl_;
+  FN_REQUIRE(I.choice_log != nullptr, Usage, "last_choices needs CudaModelOptions::record_choices");
+  int64_t n_qsa = 0;
+  for (const DevLayer& d : I.layers) n_qsa += d.qsa ? 1 : 0;
+  std::vector<int32_t> log(static_cast<std::size_t>(choice_log_ints(cfg_, n_qsa)));
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+  FN_CUDA_CHECK(
+      cudaMemcpy(log.data(), I.choice_log, log.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return choices_from_log(cfg_, n_qsa, log.data());
+}
+
+int64_t model_detail::choice_log_ints(const ModelConfig& c, int64_t qsa_layers) {
+  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
+  return c.num_hidden_layers * c.num_experts_per_tok + qsa_layers * (topk + 4);
+}
+
+StepChoices model_detail::choices_from_log(const ModelConfig& c, int64_t qsa_layers,
+                                           const int32_t* log) {
+  const int64_t k = c.num_experts_per_tok, L = c.num_hidden_layers;
+  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
+  StepChoices out;
+  for (int64_t l = 0; l < L; ++l) out.router.emplace_back(log + l * k, log + (l + 1) * k);
+  for (int64_t q = 0; q < qsa_layers; ++q) {
+    const int32_t* e = log + L * k + q * (topk + 4);
+    const int32_t count = e[topk], blocks = e[topk + 1];
+    FN_CHECK(count >= 0 && count <= topk, "QSA layer {}: selected block count {} outside [0, {}]",
+             q, count, topk);
+    out.indexer.emplace_back();
+    if (blocks > topk) out.indexer.back().assign(e, e + count);
+  }
+  return out;
+}
+
+void CudaModel::check_step_errors(int32_t token, int slot) {
+  Impl& I = *impl_;
+  const int32_t flag = I.host_flag[slot];
+  if (flag == 0) return;
+  FN_CUDA_CHECK(cudaMemsetAsync(I.error_flag, 0, sizeof(int32_t), I.stream));
+  switch (flag) {
+    case 1:
+      FN_THROW(Usage, "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
+    case 2:
+    case 4:
+      FN_THROW(Format,
+               "the model produced non-finite values (flag {}) at position {}: the checkpoint's "
+               "weights hold NaN/Inf or overflow",
+               flag, position_);
+    default:
+      FN_THROW(Internal, "decode step error flag {} at position {}", flag, position_);
+  }
+}
+
+std::span<const float> CudaModel::forward(int32_t token) {
+  Impl& I = *impl_;
+  FN_REQUIRE(token >= 0 && token < cfg_.vocab_size, Usage,
+             "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
+  FN_REQUIRE(position_ < opt_.ctx_size, Usage,
+             "the context is full: position {} needs more than -c/--ctx-size {} tokens", position_,
+             opt_.ctx_size);
+  I.host_token[0] = token;
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
+  if (opt_.use_graph) {
+    if (!I.logits_graph) {
+      I.logits_graph = capture_graph(I.stream, [&] { I.encode_step(cfg_, opt_, nullptr); });
+      ++I.captures;
+    }
+    FN_CUDA_CHECK(cudaGraphLaunch(I.logits_graph, I.stream));
+  } else {
+    I.encode_step(cfg_, opt_, nullptr);
+  }
+  const int64_t V = cfg_.vocab_size;
+  FN_CUDA_CHECK(cudaMemcpyAsync(I.host_logits, I.logits, sizeof(float) * V, cudaMemcpyDeviceToHost,
+                                I.stream));
+  FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                I.stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+  if (opt_.all_reduce) opt_.all_reduce->check_health();
+  check_step_errors(token);
+  for (int64_t v = 0; v < V; ++v) {
+    FN_REQUIRE(std::isfinite(I.host_logits[v]), Format,
+               "the model produced a non-finite logit ({} for token {}) at position {}: the "
+               "checkpoint's weights hold NaN/Inf or overflow",
+               I.host_logits[v], v, position_);
+  }
+  ++position_;
+  return {I.host_logits, static_cast<std::size_t>(V)};
+}
+
+void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed) {
+  Impl& I = *impl_;
+  DeviceSamplingParams dp;
+  dp.temperature = static_cast<float>(sampling.temperature);
+  dp.top_k = static_cast<int>(sampling.top_k);
+  dp.top_p = static_cast<float>(sampling.top_p);
+  dp.min_p = static_cast<float>(sampling.min_p);
+  dp.seed = seed;
+  const bool same =
+      I.history != nullptr && dp.temperature == I.sample_graph_params.temperature &&
+      dp.top_k == I.sample_graph_params.top_k && dp.top_p == I.sample_graph_params.top_p &&
+      dp.min_p == I.sample_graph_params.min_p && dp.seed == I.sample_graph_params.seed;
+  if (same) return;
+  for (cudaGraphExec_t* g : {&I.sample_graph, &I.profile_graph}) {
+    if (*g) {
+      FN_CUDA_CHECK(cudaGraphExecDestroy(*g));
+      *g = nullptr;
+    }
+  }
+  const std::size_t need = sample_workspace_bytes(cfg_.vocab_size, dp);
+  if (need > I.sample_ws_bytes) {
+    I.sample_ws = I.arena.alloc(need, "sampling workspace");
+    I.sample_ws_bytes = need;
+  }
+  if (I.history == nullptr) {
+    I.history_capacity = opt_.ctx_size + 1;
+    I.history = I.arena.alloc_n<int32_t>(I.history_capacity, "token history");
+  }
+  I.sample_graph_params = dp;
+}
+
+void model_detail::require_steps(const ModelConfig& c, int32_t token, bool count_ok, int64_t count,
+                                 const char* doing, const char* unit, int64_t position,
+                                 int64_t ctx_size) {
+  FN_REQUIRE(token >= 0 && token < c.vocab_size, Usage,
+             "token id {} is outside the vocabulary [0, {})", token, c.vocab_size);
+  FN_REQUIRE(count_ok && position + count <= ctx_size, Usage,
+             "{} {} {} from position {} needs more than -c/--ctx-size {} tokens", doing, count,
+             unit, position, ctx_size);
+}
+
+std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const SamplingParams& sampling,
+                                       uint64_t seed,
+                                       const std::function<bool(int32_t)>& on_token) {
+  Impl& I = *impl_;
+  require_steps(cfg_, token, count >= 0, count, "decoding", "tokens", position_, opt_.ctx_size);
+  prepare_sampling(sampling, seed);
+  // The sampler's step counter indexes the history: restart it for this call.
+  FN_CUDA_CHECK(cudaMemsetAsync(I.sample_step, 0, sizeof(int64_t), I.stream));
+  I.host_token[0] = token;
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
+  if (opt_.use_graph && !I.sample_graph) {
+    I.sample_graph =
+        capture_graph(I.stream, [&] { I.encode_step(cfg_, opt_, &I.sample_graph_params); });
+    ++I.captures;
+  }
+
+  // Step i's id lands in pinned slot i % 2 (host_token[1 + slot], its error flag in
+  // host_flag[slot]) and event ev[slot] marks it. With the graph, step i + 1 is queued before the
+  // host waits for step i (the lookahead), so the GPU does not idle while the host wakes, takes
+  // the id and launches again; it reads the id step i leaves on the device. Eagerly the host
+  // encodes each step itself, one at a time.
+  const bool ahead = opt_.use_graph;
+  struct Events {
+    cudaEvent_t e[2] = {nullptr, nullptr};
+    ~Events() {
+      for (cudaEvent_t x : e)
+        if (x) cudaEventDestroy(x);
+    }
+  } ev;
+  for (cudaEvent_t& e : ev.e) FN_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  const auto enqueue = [&](int64_t i) {
+    const int slot = static_cast<int>(i & 1);
+    if (opt_.use_graph) {
+      FN_CUDA_CHECK(cudaGraphLaunch(I.sample_graph, I.stream));
+    } else {
+      I.encode_step(cfg_, opt_, &I.sample_graph_params);
+    }
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_token + 1 + slot, I.token, sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, I.stream));
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag + slot, I.error_flag, sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, I.stream));
+    FN_CUDA_CHECK(cudaEventRecord(ev.e[slot], I.stream));
+  };
+  int64_t queued = 0, taken = 0;  // steps launched, steps counted in position_
+  // Waits for step i (= taken), which fed `fed`: its position counts, its errors throw, its id
+  // returns.
+  const auto take = [&](int64_t i, int32_t fed) {
+    const int slot = static_cast<int>(i & 1);
+    FN_CUDA_CHECK(cudaEventSynchronize(ev.e[slot]));
+    ++position_;
+    ++taken;
+    check_step_errors(fed, slot);
+    return I.host_token[1 + slot];
+  };
+  // A step queued ahead still runs when the loop leaves early (a stop: it has fed the stop id;
+  // or an exception from a check or from on_token): its position counts, so position() matches
+  // the device's states. Not waited for: later work on the stream follows it, and its error flag
+  // stays set for the next step's check.
+  struct CountQueued {
+    CudaModel& m;
+    const int64_t& queued;
+    const int64_t& taken;
+    ~CountQueued() { m.position_ += queued - taken; }
+  } count_queued{*this, queued, taken};
+
+  std::vector<int32_t> out;
+  out.reserve(static_cast<std::size_t>(count));
+  int32_t fed = token;
+  if (count > 0) enqueue(queued++);
+  for (int64_t i = 0; i < count; ++i) {
+    if (ahead && queued < count) enqueue(queued++);
+    const int32_t id = take(i, fed);
+    out.push_back(id);
+    fed = id;
+    if (on_token && !on_token(id)) break;  // a step queued ahead counts (count_queued)
+    if (!ahead && queued < count) enqueue(queued++);
+  }
+  if (opt_.all_reduce) opt_.all_reduce->check_health();
+  return out;
+}
+
+}  // namespace fn

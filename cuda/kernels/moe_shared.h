@@ -3,8 +3,9 @@
 // shared expert's SwiGLU + down GEMV + the gated combine in another. Called by the CUDA decode
 // step (cuda/model/cuda_model.cpp) in place of launch_gemv_bf16 x 2 + launch_router_topk and of
 // launch_swiglu + launch_gemv_bf16 + launch_moe_combine. Invariants: the same bits as those
-// unfused launches (shared device code: cuda/kernels/gemv_bf16.cuh, cuda/kernels/moe_device.cuh), deterministic
-// (integer atomics only), graph-capturable, programmatic dependent launches (cuda/common/pdl.h).
+// unfused launches (shared device code: cuda/kernels/gemv_bf16.cuh, cuda/kernels/moe_device.cuh),
+// deterministic (integer atomics only), graph-capturable, programmatic dependent launches
+// (cuda/common/pdl.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,16 +40,8 @@ struct RouterSharedGateUpParams {
   /// the first launch; every launch leaves it so again. One mailbox may serve every launch of a
   /// stream (they run one after another), not two launches in flight at once.
   float* mailbox = nullptr;
-  /// Knockout benchmarks only (StepLaunch::RouterTopK): the last block skips the top-k, so ids
-  /// and weights keep their previous values, and the mailbox is left full (a later launch
-  /// without the skip would take stale logits until router_mailbox_init). false in production.
-  bool bench_skip_topk = false;
-  /// Knockout benchmarks only (StepLaunch::RouterRows / RouterSharedRows): the blocks of the
-  /// router rows / of the shared gate/up rows only wait and skip their GEMV. false in production.
-  bool bench_skip_router_rows = false;
-  bool bench_skip_shared_rows = false;
   /// true: the kernel's compile-time-shape instance runs for the real router (E 512, k 10): the
-  /// top-k's sizes are constants; false: the runtime-shape instance (A/B benches). Same bits.
+  /// top-k's sizes are constants; false: the runtime-shape instance. Same bits.
   bool fixed_shape = true;
 };
 
@@ -78,8 +71,8 @@ struct SharedDownCombineParams {
   const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
   const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
   float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
-  /// Weight ranges of later kernels to prefetch into L2 (cuda/common/l2_prefetch.h): thread 0 of each
-  /// block issues its part once the block's rows are done, before the programmatic wait. Empty
+  /// Weight ranges of later kernels to prefetch into L2 (cuda/common/l2_prefetch.h): thread 0 of
+  /// each block issues its part once the block's rows are done, before the programmatic wait. Empty
   /// by default; changes no result.
   L2Prefetch l2_prefetch{};
 };
@@ -92,10 +85,9 @@ struct SharedDownCombineParams {
 /// launch_gemv_bf16 + launch_moe_combine. Runs after the kernel that writes the routed sum into y;
 /// gate_up and gate_logit must come from a kernel at least two launches earlier on the stream (as
 /// in the decode step: the routed experts' two launches sit in between), because the SwiGLU and
-/// the whole GEMV run before the programmatic-dependent wait (cuda/common/pdl.cuh); only the combine
-/// waits for y.
-/// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
-/// fn::Error(Cuda) when the launch fails. Legal during stream capture.
+/// the whole GEMV run before the programmatic-dependent wait (cuda/common/pdl.cuh); only the
+/// combine waits for y. Throws fn::Error(Internal) on null pointers, misalignment or sizes out of
+/// range; fn::Error(Cuda) when the launch fails. Legal during stream capture.
 void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);
 
 }  // namespace fn

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "core/codecs.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/kernels/moe_nvfp4.h"
 
 namespace fn::test {
@@ -39,7 +39,7 @@ struct DeviceArray {
   T* ptr = nullptr;
   size_t n = 0;
   explicit DeviceArray(size_t count) : n(count) {
-    FN_CUDA_CHECK(cudaMalloc(&ptr, (count > 0 ? count : 1) * sizeof(T)));
+    FN_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&ptr), (count > 0 ? count : 1) * sizeof(T)));
   }
   explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) { upload(host); }
   ~DeviceArray() { cudaFree(ptr); }

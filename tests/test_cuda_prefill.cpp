@@ -1,4 +1,4 @@
-// CudaModel::prefill (issue 7 acceptance) against token-by-token forward() on the same engine: on
+// CudaModel::prefill against token-by-token forward() on the same engine: on
 // the GPU machine with mpirun -np 2 (one GPU per rank). For prompt lengths {1 .. 8192} and pass
 // sizes {whole, 512, 17}: the logits at every prompt position and for 16 teacher-forced decode
 // steps after the prefill agree with the token-by-token run within the CUDA tolerance (argmax
@@ -39,7 +39,7 @@ using fn::test::max_abs_diff;
 
 namespace {
 
-// The issue's prompt lengths: the QSA dense/selected boundary sits at n = 2051 tokens (B = 512
+// The prompt lengths: the QSA dense/selected boundary sits at n = 2051 tokens (B = 512
 // blocks of 4 at the real budget of 2048, which the test config takes), 4096 and 8192 the long
 // cases.
 const int64_t kLengths[] = {1,    2,    3,    4,    5,    63,   64,   65,  2047,

@@ -280,8 +280,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       }
     }
     // The L2 prefetches once this CTA's last chunk has landed (its share's loads are done), so
-    // that their traffic follows the gate+up's instead of competing with it (session 20: -0.025
-    // ms/token for the down weights against issuing them after the last copy).
+    // that their traffic follows the gate+up's instead of competing with it (-0.025 ms/token for
+    // the down weights against issuing them after the last copy; docs/perf-history.md).
     if (lane == 0 && (a.down_packed != nullptr || a.l2_prefetch.count > 0)) {
       if (c > 0) mbar_wait(full + last_stage, last_parity);
       if (a.down_packed != nullptr) prefetch_down_share(a);

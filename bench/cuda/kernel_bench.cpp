@@ -3,12 +3,11 @@
 // enough copies that L2 never serves a repeat), bytes per call, achieved GB/s, and the floor
 // bytes / copy bandwidth, with the device-to-device copy bandwidth measured in the same run.
 // The HC read rows time the kernels with PDL on and off. The MoE shared-expert rows time the fused
-// launches of cuda/kernels/moe_shared.h against the unfused sequences they replace (in one graph,
-// back to back). Usage: cuda_kernel_bench
+// launches of cuda/kernels/moe_shared.h. Usage: cuda_kernel_bench
 // [--json FILE] [--sweep] [--reps N] [--hc-only] [--moe-shared-only] [--nvfp4-only]. The NVFP4
 // routed-expert rows time the FP32 kernels (planned team; every team width with --sweep) and, on
 // sm_90+, the bulk-copy gate+up at the TP=1/2/4 shapes. Table on stdout; not a test.
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -22,7 +21,6 @@
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/pdl.h"
-#include "cuda/kernels/decode_ops.h"
 #include "cuda/kernels/gemv_bf16.h"
 #include "cuda/kernels/hc.h"
 #include "cuda/kernels/moe_nvfp4.h"
@@ -195,8 +193,7 @@ int main(int argc, char** argv) try {
       prop.name, prop.multiProcessorCount, bw / 1e9, graph_bw / 1e9);
   nlohmann::json rows = nlohmann::json::array();
 
-  // ---- MoE shared expert: fused launches (cuda/kernels/moe_shared.h) vs the unfused sequences
-  // -------
+  // ---- MoE shared expert: the fused launches of the decode step (cuda/kernels/moe_shared.h) ----
   for (int64_t inter :
        hc_only || nvfp4_only ? std::vector<int64_t>{} : std::vector<int64_t>{640, 320}) {
     const int64_t D = 2560;
@@ -206,17 +203,15 @@ int main(int argc, char** argv) try {
                  dn_elems = size_t(D) * inter;
     const size_t set_bytes = 2 * (r_elems + gu_elems + dn_elems);
     const int copies = int((kRotateBytes + set_bytes - 1) / set_bytes);
-    uint16_t *w, *sh;
-    float *xm, *rl, *rw, *sgu, *ys, *yv;
+    uint16_t* w;
+    float *xm, *rl, *rw, *sgu, *yv;
     int32_t *d_ids, *flag;
     float* mailbox;
     FN_CUDA_CHECK(cudaMalloc(&w, set_bytes * copies));
-    FN_CUDA_CHECK(cudaMalloc(&sh, inter * 2));
     FN_CUDA_CHECK(cudaMalloc(&xm, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&rl, (E + 1) * 4));
     FN_CUDA_CHECK(cudaMalloc(&rw, k * 4));
     FN_CUDA_CHECK(cudaMalloc(&sgu, 2 * inter * 4));
-    FN_CUDA_CHECK(cudaMalloc(&ys, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&yv, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&d_ids, k * 4));
     FN_CUDA_CHECK(cudaMalloc(&flag, 4));
@@ -228,39 +223,9 @@ int main(int argc, char** argv) try {
     fill_random(yv, D * 4, 33);
     auto set = [&](int i) { return w + size_t(i % copies) * (set_bytes / 2); };
     const int calls = std::max(copies, 20);
-    fn::RouterParams rp;
-    rp.logits = rl;
-    rp.num_experts = E;
-    rp.top_k = k;
-    rp.ids = d_ids;
-    rp.weights = rw;
-    rp.error_flag = flag;
     const double r_bytes = double(r_elems) * 2 + D * 4 + (E + 1) * 4;
     const double gu_bytes = double(gu_elems) * 2 + D * 4 + 2 * inter * 4;
     const double topk_bytes = (E + 1) * 4 + k * 8;
-    // The unfused launches, each a function of the call index (weights rotated).
-    auto router_gemv = [&](int i) {
-      fn::launch_gemv_bf16(set(i), E + 1, D, xm, fn::DType::F32, rl, fn::DType::F32, t.stream);
-    };
-    auto topk = [&](int) { fn::launch_router_topk(rp, t.stream); };
-    auto gate_up_gemv = [&](int i) {
-      fn::launch_gemv_bf16(set(i) + r_elems, 2 * inter, D, xm, fn::DType::F32, sgu, fn::DType::F32,
-                           t.stream);
-    };
-    const double r_us = t.time_per_call(calls, router_gemv);
-    rows.push_back(report({"router_gemv", tp + " 513x2560", "planned", r_bytes, r_us, bw}));
-    const double k_us = t.time_per_call(calls, topk);
-    rows.push_back(report({"router_topk", "E512 k10", "512t", topk_bytes, k_us, bw}));
-    const double gu_us = t.time_per_call(calls, gate_up_gemv);
-    rows.push_back(report({"shared_gate_up_gemv", tp + " " + std::to_string(2 * inter) + "x2560",
-                           "planned", gu_bytes, gu_us, bw}));
-    const double seq1_us = t.time_per_call(calls, [&](int i) {
-      router_gemv(i);
-      topk(i);
-      gate_up_gemv(i);
-    });
-    rows.push_back(report({"unfused router+gu+topk", tp + " 3 launches", "sequence",
-                           r_bytes + gu_bytes + topk_bytes, seq1_us, bw}));
     fn::RouterSharedGateUpParams fp;
     fp.x = xm;
     fp.hidden = D;
@@ -278,40 +243,9 @@ int main(int argc, char** argv) try {
       fp.gate_up_weight = set(i) + r_elems;
       fn::launch_router_shared_gate_up(fp, t.stream);
     });
-    rows.push_back(report({"fused router_shared_gate_up", tp + " 1 launch", "512t",
+    rows.push_back(report({"router_shared_gate_up", tp + " 1 launch", "512t",
                            r_bytes + gu_bytes + topk_bytes, k1_us, bw}));
-
-    fn::SwigluParams sw;
-    sw.gate_up = sgu;
-    sw.h = sh;
-    sw.inter = inter;
-    fn::MoeCombineParams mc;
-    mc.y = yv;
-    mc.y_shared = ys;
-    mc.gate_logit = rl + E;
-    mc.hidden = D;
     const double dn_bytes = double(dn_elems) * 2 + 2 * inter * 4 + D * 8;
-    auto swiglu = [&](int) { fn::launch_swiglu(sw, t.stream); };
-    auto down_gemv = [&](int i) {
-      fn::launch_gemv_bf16(set(i) + r_elems + gu_elems, D, inter, sh, fn::DType::BF16, ys,
-                           fn::DType::F32, t.stream);
-    };
-    auto combine = [&](int) { fn::launch_moe_combine(mc, t.stream); };
-    const double sw_us = t.time_per_call(calls, swiglu);
-    rows.push_back(
-        report({"swiglu", tp + " I" + std::to_string(inter), "", 2.0 * inter * 6, sw_us, bw}));
-    const double dn_us = t.time_per_call(calls, down_gemv);
-    rows.push_back(report({"shared_down_gemv", tp + " 2560x" + std::to_string(inter), "planned",
-                           double(dn_elems) * 2 + inter * 2 + D * 4, dn_us, bw}));
-    const double cb_us = t.time_per_call(calls, combine);
-    rows.push_back(report({"moe_combine", "D2560", "", D * 12.0, cb_us, bw}));
-    const double seq2_us = t.time_per_call(calls, [&](int i) {
-      swiglu(i);
-      down_gemv(i);
-      combine(i);
-    });
-    rows.push_back(report(
-        {"unfused swiglu+down+comb", tp + " 3 launches", "sequence", dn_bytes, seq2_us, bw}));
     fn::SharedDownCombineParams dp;
     dp.hidden = D;
     dp.inter = inter;
@@ -322,14 +256,12 @@ int main(int argc, char** argv) try {
       dp.weight = set(i) + r_elems + gu_elems;
       fn::launch_shared_down_combine(dp, t.stream);
     });
-    rows.push_back(
-        report({"fused shared_down_combine", tp + " 1 launch", "256t", dn_bytes, k2_us, bw}));
+    rows.push_back(report({"shared_down_combine", tp + " 1 launch", "256t", dn_bytes, k2_us, bw}));
     std::printf(
-        "moe shared %s: router+gu+topk %.2f us -> %.2f us fused; swiglu+down+combine "
-        "%.2f us -> %.2f us fused; total %.2f -> %.2f us per layer\n",
-        tp.c_str(), seq1_us, k1_us, seq2_us, k2_us, seq1_us + seq2_us, k1_us + k2_us);
-    for (void* ptr : {(void*)w, (void*)sh, (void*)xm, (void*)rl, (void*)rw, (void*)sgu, (void*)ys,
-                      (void*)yv, (void*)d_ids, (void*)flag, (void*)mailbox})
+        "moe shared %s: router+gu+topk %.2f us, swiglu+down+combine %.2f us; %.2f us per layer\n",
+        tp.c_str(), k1_us, k2_us, k1_us + k2_us);
+    for (void* ptr : {(void*)w, (void*)xm, (void*)rl, (void*)rw, (void*)sgu, (void*)yv,
+                      (void*)d_ids, (void*)flag, (void*)mailbox})
       FN_CUDA_CHECK(cudaFree(ptr));
   }
   if (moe_shared_only) {

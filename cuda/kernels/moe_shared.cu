@@ -1,7 +1,8 @@
 // Fused MoE shared-expert kernels of the decode step (see moe_shared.h). The GEMV rows are
 // dev::gemv_bf16_team_rows (cuda/kernels/gemv_bf16.cuh), the top-k dev::router_topk_block, the
-// SwiGLU element and the gate's sigmoid come from cuda/kernels/moe_device.cuh: the unfused kernels
-// run the same device code, hence the same bits.
+// SwiGLU element and the gate's sigmoid come from cuda/kernels/moe_device.cuh: the separate
+// launches (launch_gemv_bf16, launch_router_topk, the prefill's launch_swiglu_rows and
+// launch_moe_combine_rows) run the same device code, hence the same bits.
 #include "cuda/kernels/moe_shared.h"
 
 #include <cuda_runtime.h>
@@ -97,8 +98,8 @@ constexpr int kDownBlockThreads = 256;   // launch_gemv_bf16's block size (any w
 constexpr int64_t kMaxDownInter = 8192;  // h in shared memory: 32 KB of FP32
 
 // x of the down GEMV: h = bf16(silu(g) * u) computed once per block into shared memory (as the
-// exact floats of the BF16 values that launch_swiglu stores and launch_gemv_bf16 widens). g and u
-// come from the router + shared gate/up launch, three launches back in the step (the routed
+// exact floats of the BF16 values that launch_swiglu_rows stores and launch_gemv_bf16 widens). g
+// and u come from the router + shared gate/up launch, three launches back in the step (the routed
 // experts' two sit in between): read through L2 before the PDL wait (cuda/common/pdl.cuh).
 struct SwigluXShared {
   const float* gate_up;

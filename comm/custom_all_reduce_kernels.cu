@@ -28,12 +28,11 @@
 //   return without waiting; the host reports the error (CustomAllReduce::check_health).
 // - Grids never exceed the smallest multiprocessor count of the group, so every CTA of a call
 //   can be resident at once (a CTA waits only for its same-index peer CTAs).
-// - Programmatic dependent launch (cuda/common/pdl.cuh, the decode kernels' switch
-// fn::pdl_enabled()
-//   and device check): each kernel waits for the previous kernel of the stream to complete
-//   before any read (the payload, the epoch), then lets the next kernel be scheduled at once, so
-//   that kernel's blocks become resident and stage their weights while this one waits on its
-//   peers (its own wait still waits for this grid's completion).
+// - Programmatic dependent launch (cuda/common/pdl.cuh: the decode kernels' switch
+//   fn::pdl_enabled() and device check): each kernel waits for the previous kernel of the stream
+//   to complete before any read (the payload, the epoch), then lets the next kernel be scheduled
+//   at once, so that kernel's blocks become resident and stage their weights while this one
+//   waits on its peers (its own wait still waits for this grid's completion).
 #include "comm/custom_all_reduce_kernels.h"
 
 #include "cuda/common/cuda_check.h"

@@ -4,9 +4,8 @@
 // step (cuda/model/cuda_model.cpp). Invariants: the same bits as the separate launches
 // launch_gemv_bf16 x 2 + launch_router_topk and launch_swiglu_rows + launch_gemv_bf16 +
 // launch_moe_combine_rows for one row (shared device code: cuda/kernels/gemv_bf16.cuh,
-// cuda/kernels/moe_device.cuh),
-// deterministic (integer atomics only), graph-capturable, programmatic dependent launches
-// (cuda/common/pdl.h).
+// cuda/kernels/moe_device.cuh), deterministic (integer atomics only), graph-capturable,
+// programmatic dependent launches (cuda/common/pdl.h).
 #pragma once
 
 #include <cuda_runtime_api.h>

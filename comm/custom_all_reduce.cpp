@@ -7,11 +7,11 @@
 #include <cstring>
 #include <string_view>
 
-#include "comm/nccl_check.h"
-#include "cuda/common/cuda_check.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
+#include "comm/nccl_check.h"
 #include "core/log.h"
+#include "cuda/common/cuda_check.h"
 
 namespace fn {
 
@@ -69,12 +69,6 @@ CustomAllReduce::CustomAllReduce(GpuComm& gpu, const CustomAllReduceOptions& opt
              "custom all-reduce options differ between ranks (one-shot max, two-shot max, "
              "initial epoch, timeout): check FN_ALLREDUCE_* environment variables on rank {}",
              rank);
-  auto env_is_0 = [](const char* name) {
-    const char* v = std::getenv(name);
-    return v != nullptr && std::string_view(v) == "0";
-  };
-  pdl_ = options_.programmatic_launch && prop.major >= 9 && !env_is_0("FN_PDL") &&
-         !env_is_0("FN_ALLREDUCE_PDL");
   const int sm_min = static_cast<int>(lo[4]);
   oneshot_blocks_max_ = std::max(1, std::min(kOneshotBlocksCap, sm_min));
   twoshot_blocks_max_ = std::max(1, std::min({kTwoshotBlocksCap, detail::kArMaxBlocks, sm_min}));
@@ -175,7 +169,6 @@ void CustomAllReduce::launch(const void* in, void* out, std::size_t count, bool 
   p.state = state_;
   p.error = error_dev_;
   p.timeout_ns = timeout_ns_;
-  p.pdl = pdl_;
   const std::size_t bytes = count * (bf16 ? 2 : 4);
   if (algo == AllReduceAlgo::OneShot) {
     const std::size_t packets = (bytes + 7) / 8;

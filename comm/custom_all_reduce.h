@@ -32,12 +32,6 @@ struct CustomAllReduceOptions {
   uint32_t initial_epoch = 0;
   /// Test hook: the self-test flips one bit of rank 0's custom result (forces the fallback).
   bool corrupt_self_test = false;
-  /// Launch the kernels as programmatic dependents (sm_90+; off when the environment has
-  /// FN_PDL=0, as the decode kernels, or FN_ALLREDUCE_PDL=0): each kernel waits for its predecessor with
-  /// griddepcontrol.wait before it reads anything, then lets the next kernel of the stream be
-  /// scheduled at once, so that kernel's blocks become resident and stage their weights while
-  /// the all-reduce waits on its peers. May differ between ranks (rank-local scheduling only).
-  bool programmatic_launch = true;
 };
 
 /// See the file comment. Not copyable; destroy before the GpuComm it was built from.
@@ -90,7 +84,6 @@ class CustomAllReduce final : public DeviceAllReduce {
   int64_t timeout_ms_ = 0;
   int oneshot_blocks_max_ = 1;
   int twoshot_blocks_max_ = 1;
-  bool pdl_ = false;               // launch as programmatic dependents (programmatic_launch)
   cudaStream_t stream_ = nullptr;  // the one stream this instance serves (set by the first call)
   bool stream_bound_ = false;
 };

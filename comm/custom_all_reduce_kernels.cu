@@ -28,8 +28,15 @@
 //   return without waiting; the host reports the error (CustomAllReduce::check_health).
 // - Grids never exceed the smallest multiprocessor count of the group, so every CTA of a call
 //   can be resident at once (a CTA waits only for its same-index peer CTAs).
-#include "cuda/common/cuda_check.h"
+// - Programmatic dependent launch (cuda/common/pdl.cuh: the decode kernels' switch
+//   fn::pdl_enabled() and device check): each kernel waits for the previous kernel of the stream
+//   to complete before any read (the payload, the epoch), then lets the next kernel be scheduled
+//   at once, so that kernel's blocks become resident and stage their weights while this one
+//   waits on its peers (its own wait still waits for this grid's completion).
 #include "comm/custom_all_reduce_kernels.h"
+
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/pdl.cuh"
 
 namespace fn::detail {
 
@@ -238,36 +245,13 @@ __device__ void sweep_flags(const ArParams& p, uint32_t e, uint32_t par) {
 }
 
 // End of every call: the last CTA to finish sweeps (periodically) and publishes the epoch.
-// Programmatic dependent launch (ArParams::pdl): wait until the previous kernel of the stream
-// has completed and its writes are visible (before any read: the payload, the epoch), then let
-// the next kernel be scheduled so its blocks stage their weights while this one waits on its
-// peers (its own griddepcontrol.wait still waits for this grid's completion). No-ops when the
-// kernel was launched normally; nothing below sm_90.
-__device__ __forceinline__ void ar_pdl_begin() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// cudaLaunchKernelEx with the programmatic-stream-serialization attribute when p.pdl.
+// A programmatic dependent launch of `kernel` with p.blocks CTAs of `threads` (launch_pdl: the
+// attribute when fn::pdl_enabled() on an sm_90+ device). Throws fn::Error(Cuda) naming `what`.
 template <typename Kernel>
 void launch_ar(Kernel kernel, int threads, const ArParams& p, cudaStream_t stream,
                const char* what) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.blocks));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, p);
-  if (rc != cudaSuccess) {
-    (void)cudaGetLastError();  // reported here, not by the next launch check
-    throw_cuda_error(rc, what, __FILE__, __LINE__);
-  }
+  launch_pdl(what, kernel, dim3(static_cast<unsigned>(p.blocks)),
+             dim3(static_cast<unsigned>(threads)), 0, stream, p);
 }
 
 __device__ void finish_call(const ArParams& p, uint32_t e, int* s_last) {
@@ -294,7 +278,7 @@ __device__ void finish_call(const ArParams& p, uint32_t e, int* s_last) {
 
 template <bool kBf16>
 __global__ void __launch_bounds__(kLlThreads) ar_oneshot_kernel(ArParams p) {
-  ar_pdl_begin();
+  dev::pdl_begin();  // before any read: the payload and the epoch come from earlier kernels
   __shared__ uint32_t s_epoch;
   __shared__ int s_last;
   if (threadIdx.x == 0) s_epoch = ld_volatile_u32(&p.state->epoch) + 1u;
@@ -382,7 +366,7 @@ __device__ void wait_ranks(const ArParams& p, uint32_t e, uint32_t par, int phas
 
 template <bool kBf16>
 __global__ void __launch_bounds__(kTsThreads) ar_twoshot_kernel(ArParams p) {
-  ar_pdl_begin();
+  dev::pdl_begin();  // before any read: the payload and the epoch come from earlier kernels
   __shared__ uint32_t s_epoch;
   __shared__ int s_last;
   __shared__ int s_failed;

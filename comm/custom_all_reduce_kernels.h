@@ -61,9 +61,6 @@ struct ArParams {
   ArError* error = nullptr;  ///< device pointer of the mapped host ArError
   uint64_t timeout_ns = 0;   ///< bound on every wait (globaltimer ns)
   int blocks = 1;            ///< grid size; a function of count only, so equal on all ranks
-  /// Launch as a programmatic dependent (sm_90+): the kernel waits for its predecessor
-  /// (griddepcontrol.wait) before its first read, then releases its own dependents at once.
-  bool pdl = false;
 };
 
 /// Sizes the shared region for `world` ranks (one-shot payload up to ll_max_bytes per launch,
@@ -77,9 +74,12 @@ void launch_ar_init(char* own, const ArLayout& layout, int world, uint32_t epoch
 int ar_oneshot_threads();
 int ar_twoshot_threads();
 /// One-shot push (LL packets: 8 payload bytes + the epoch twice per 16-byte store).
-/// bf16 selects BF16 (else F32). Enqueues only (capture-safe); throws fn::Error(Cuda).
+/// bf16 selects BF16 (else F32). Enqueues only (capture-safe), as a programmatic dependent
+/// launch when fn::pdl_enabled() (cuda/common/pdl.h) on an sm_90+ device; throws
+/// fn::Error(Cuda).
 void launch_ar_oneshot(const ArParams& params, bool bf16, cudaStream_t stream);
 /// Two-shot push: reduce-scatter into the owner's slots, then all-gather of reduced shards.
+/// Launched and checked as launch_ar_oneshot.
 void launch_ar_twoshot(const ArParams& params, bool bf16, cudaStream_t stream);
 
 }  // namespace fn::detail

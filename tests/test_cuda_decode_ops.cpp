@@ -2,7 +2,9 @@
 // (core/cpu_ops.h: hc_inject, route_top_k, silu, sigmoid; core/codecs.h for BF16) and FP64
 // evaluations of MODEL.md §C.1, §C.3, §C.7, §C.8, on the real shapes (D 2560, E 512, k 10, shared
 // I 640 / 320 at TP=2, V 248320 split over TP=2) and the tiny fixtures' (D 64, E 8, k 3, I 32 /
-// 16 / 64, V 512 / 384). Error bounds come from the kernels' rounding steps.
+// 16 / 64, V 512 / 384); also the SwiGLU and combine row kernels (cuda/kernels/prefill_ops.h),
+// whose expressions the fused shared-expert launch of the decode step shares. Error bounds come
+// from the kernels' rounding steps.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -16,8 +18,9 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/kernels/decode_ops.h"
 #include "cuda/common/pdl.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/prefill_ops.h"
 #include "tests/cuda_test_util.h"
 #include "tests/router_topk_reference.h"
 
@@ -154,7 +157,7 @@ TEST_CASE("cuda decode ops: HC inject equals the CPU op's mul-then-add rounding 
 // ---- SwiGLU
 // --------------------------------------------------------------------------------------
 
-TEST_CASE("cuda decode ops: SwiGLU gives bf16(silu(g) * u) within the FP32 + BF16 bound") {
+TEST_CASE("cuda prefill ops: SwiGLU rows give bf16(silu(g) * u) within the FP32 + BF16 bound") {
   // Shared expert I = 640 (real) and 320 (TP=2); 512 / 256 as powers of two; tiny fixtures 32,
   // 16 (TP=2), 64 (tp4 fixture); 1.
   for (int64_t I : {640, 320, 512, 256, 32, 16, 64, 1}) {
@@ -167,11 +170,7 @@ TEST_CASE("cuda decode ops: SwiGLU gives bf16(silu(g) * u) within the FP32 + BF1
     }
     DeviceArray<float> dgu(gu);
     DeviceArray<uint16_t> dh(static_cast<size_t>(I));
-    fn::SwigluParams p;
-    p.gate_up = dgu.ptr;
-    p.h = dh.ptr;
-    p.inter = I;
-    fn::launch_swiglu(p, nullptr);
+    fn::launch_swiglu_rows(dgu.ptr, I, 1, dh.ptr, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     const auto hb = dh.download();
     std::vector<float> got(static_cast<size_t>(I));
@@ -409,18 +408,13 @@ TEST_CASE("cuda decode ops: router NaN or +Inf logits set the flag and keep ids 
 // ---- MoE combine
 // ---------------------------------------------------------------------------------
 
-TEST_CASE("cuda decode ops: MoE combine adds sigmoid(gate) * shared within the FP32 bound") {
+TEST_CASE("cuda prefill ops: MoE combine rows add sigmoid(gate) * shared within the FP32 bound") {
   for (int64_t D : {int64_t{2560}, int64_t{64}}) {
     for (float gate : {0.3f, -5.0f, 20.0f, -80.0f}) {
       const auto y = normal_floats(static_cast<size_t>(D), 1.0f, uint64_t(D) + 3);
       const auto ys = normal_floats(static_cast<size_t>(D), 2.0f, uint64_t(D) + 4);
       DeviceArray<float> dy(y), dys(ys), dg(std::vector<float>{gate});
-      fn::MoeCombineParams p;
-      p.y = dy.ptr;
-      p.y_shared = dys.ptr;
-      p.gate_logit = dg.ptr;
-      p.hidden = D;
-      fn::launch_moe_combine(p, nullptr);
+      fn::launch_moe_combine_rows(dy.ptr, dys.ptr, dg.ptr, 1, D, 1, nullptr);
       FN_CUDA_CHECK(cudaDeviceSynchronize());
       const auto got = dy.download();
       const double g = sigmoid_exact(gate);
@@ -491,15 +485,13 @@ TEST_CASE("cuda decode ops: launchers reject null pointers and sizes out of rang
   CHECK_THROWS_AS(fn::launch_embed(e, nullptr), fn::Error);
   fn::HcInjectParams h{f.ptr, nullptr, f.ptr, 4, 8};
   CHECK_THROWS_AS(fn::launch_hc_inject(h, nullptr), fn::Error);
-  fn::SwigluParams s{f.ptr, b.ptr, 0};
-  CHECK_THROWS_AS(fn::launch_swiglu(s, nullptr), fn::Error);
+  CHECK_THROWS_AS(fn::launch_swiglu_rows(f.ptr, 0, 1, b.ptr, nullptr), fn::Error);
   fn::RouterParams r{f.ptr, 8, 9, true, i.ptr, f.ptr, nullptr};
   CHECK_THROWS_AS(fn::launch_router_topk(r, nullptr), fn::Error);
   r.top_k = 3;
   r.num_experts = 2048;
   CHECK_THROWS_AS(fn::launch_router_topk(r, nullptr), fn::Error);
-  fn::MoeCombineParams m{f.ptr, f.ptr, nullptr, 8};
-  CHECK_THROWS_AS(fn::launch_moe_combine(m, nullptr), fn::Error);
+  CHECK_THROWS_AS(fn::launch_moe_combine_rows(f.ptr, f.ptr, nullptr, 1, 8, 1, nullptr), fn::Error);
   fn::ScatterLogitsParams sc{f.ptr, f.ptr + 32, 16, 20, 32};
   CHECK_THROWS_AS(fn::launch_scatter_logits(sc, nullptr), fn::Error);
 }
@@ -542,21 +534,17 @@ double graph_us_per_launch(F&& launch, int reps) {
 }  // namespace
 
 TEST_CASE("cuda decode ops: every op captures into a CUDA graph and replays the eager result") {
-  const int64_t D = 2560, V = 248320, E = 512, I = 640;
+  const int64_t D = 2560, V = 248320, E = 512;
   const int k = 10, reps = 100;
   DeviceArray<uint16_t> table(random_bf16_bits(4096 * D, 1.0f, 1));
   DeviceArray<int32_t> token(std::vector<int32_t>{4095}), flag(std::vector<int32_t>{0});
   DeviceArray<float> H(4 * D), y(normal_floats(D, 1.0f, 2)), iota(std::vector<float>(4, 0.5f));
-  DeviceArray<float> gu(normal_floats(2 * I, 2.0f, 3)), rl(normal_floats(E, 2.0f, 4));
-  DeviceArray<float> ys(normal_floats(D, 1.0f, 5)), gate(std::vector<float>{0.5f});
+  DeviceArray<float> rl(normal_floats(E, 2.0f, 4));
   DeviceArray<float> local(normal_floats(V / 2, 1.0f, 6)), full(V), w(k);
-  DeviceArray<uint16_t> h(I);
   DeviceArray<int32_t> ids(k);
   const fn::EmbedParams ep{table.ptr, 4096, D, token.ptr, H.ptr, 4, flag.ptr};
   const fn::HcInjectParams hp{H.ptr, iota.ptr, y.ptr, 4, D};
-  const fn::SwigluParams sp{gu.ptr, h.ptr, I};
   const fn::RouterParams rp{rl.ptr, static_cast<int>(E), k, true, ids.ptr, w.ptr, flag.ptr};
-  const fn::MoeCombineParams mp{y.ptr, ys.ptr, gate.ptr, D};
   const fn::ScatterLogitsParams scp{local.ptr, full.ptr, V / 2, V / 2, V};
 
   // Idempotent ops: the graph's output equals the eager launch's bitwise.
@@ -570,8 +558,6 @@ TEST_CASE("cuda decode ops: every op captures into a CUDA graph and replays the 
   };
   eager_then_graph([&](cudaStream_t s) { fn::launch_embed(ep, s); }, [&] { return H.download(); },
                    "embed D 2560 x 4");
-  eager_then_graph([&](cudaStream_t s) { fn::launch_swiglu(sp, s); }, [&] { return h.download(); },
-                   "swiglu I 640");
   eager_then_graph([&](cudaStream_t s) { fn::launch_router_topk(rp, s); },
                    [&] { return ids.download(); }, "router E 512 k 10");
   const bool pdl = fn::pdl_enabled();
@@ -584,9 +570,6 @@ TEST_CASE("cuda decode ops: every op captures into a CUDA graph and replays the 
   // In-place accumulating ops: captured and replayed (reps x 2 launches), timed.
   MESSAGE("hc_inject D 2560 x 4: ",
           graph_us_per_launch([&](cudaStream_t s) { fn::launch_hc_inject(hp, s); }, reps),
-          " us per launch in a graph");
-  MESSAGE("moe_combine D 2560: ",
-          graph_us_per_launch([&](cudaStream_t s) { fn::launch_moe_combine(mp, s); }, reps),
           " us per launch in a graph");
   CHECK(flag.download()[0] == 0);
 }

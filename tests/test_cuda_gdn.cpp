@@ -1,5 +1,5 @@
-// GPU tests of the Gated DeltaNet decode kernels (cuda/kernels/gdn.h): every step is checked against the
-// CPU ops chained as CpuModel::gdn_step does (cpu::causal_conv_step, cpu::gdn_gates,
+// GPU tests of the Gated DeltaNet decode kernels (cuda/kernels/gdn.h): every step is checked
+// against the CPU ops chained as CpuModel::gdn_step does (cpu::causal_conv_step, cpu::gdn_gates,
 // cpu::gdn_recurrent_step, cpu::gated_rms_norm; MODEL.md §C.5 steps 2-7) fed the GPU's previous
 // states, with error bounds propagated in FP64 from the rounding steps of both implementations;
 // states are carried on the GPU over several steps. Also launcher checks, graph replay == eager
@@ -63,7 +63,7 @@ struct Weights {
 
 // Device buffers of one layer plus the scratch.
 struct DeviceLayer {
-  DeviceArray<float> proj, conv_w, A_log, dt_bias, norm_w, conv_state, state, conv_out, o_scratch;
+  DeviceArray<float> proj, conv_w, A_log, dt_bias, norm_w, conv_state, state, o_scratch;
   DeviceArray<uint16_t> out;
   DeviceArray<unsigned int> counters;
   DeviceLayer(const Shape& s, const Weights& w)
@@ -74,7 +74,6 @@ struct DeviceLayer {
         norm_w(w.norm_w),
         conv_state(sz(s.conv_dim() * (s.K - 1))),
         state(sz(s.state_len())),
-        conv_out(sz(s.conv_dim())),
         o_scratch(sz(s.Hv) * s.dv),
         out(sz(s.Hv) * s.dv),
         counters(sz(s.Hv + s.Hk)) {
@@ -96,7 +95,6 @@ struct DeviceLayer {
     p.v_head_dim = s.dv;
     p.conv_kernel = s.K;
     p.eps = 1e-6f;
-    p.conv_out = conv_out.ptr;
     p.o_scratch = o_scratch.ptr;
     p.head_counters = counters.ptr;
     return p;
@@ -281,7 +279,7 @@ void run_steps(const Shape& s, int steps, bool zero_start, uint64_t seed, const 
   d.state.upload(S);
   fn::GdnDecodeParams p = d.params(s);
   if (tweak) tweak(p);
-  INFO("fused ", p.fused_conv, " Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " slice ",
+  INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " slice ",
        fn::plan_gdn_decode_slice(p));
   for (int step = 0; step < steps; ++step) {
     INFO("step ", step);
@@ -319,16 +317,6 @@ TEST_CASE("cuda gdn: real TP=1 heads (16 key, 48 value, 128 dims) match the CPU 
 
 TEST_CASE("cuda gdn: real TP=2 heads (8 key, 24 value, 128 dims) match the CPU ops over 6 steps") {
   run_steps(Shape{8, 24, 128, 128}, 6, false, 2);
-}
-
-TEST_CASE(
-    "cuda gdn: the two-launch mode (conv kernel, then the dependent recurrence) matches too") {
-  run_steps(Shape{16, 48, 128, 128}, 6, false, 21,
-            [](fn::GdnDecodeParams& p) { p.fused_conv = false; });
-  run_steps(Shape{2, 6, 16, 16}, 6, true, 22, [](fn::GdnDecodeParams& p) {
-    p.fused_conv = false;
-    p.overlap_launch = false;
-  });
 }
 
 TEST_CASE(
@@ -390,19 +378,11 @@ TEST_CASE("cuda gdn: the launcher rejects null pointers, bad head counts and dim
   rejects([](fn::GdnDecodeParams& p) { p.eps = -1.0f; });
   rejects([](fn::GdnDecodeParams& p) { p.slice_columns = 12; });
   rejects([](fn::GdnDecodeParams& p) { p.slice_columns = 32; });  // does not divide dv = 16
-  rejects([](fn::GdnDecodeParams& p) {
-    p.fused_conv = false;  // the two-launch mode needs conv_out
-    p.conv_out = nullptr;
-  });
-  fn::GdnDecodeParams fused_without_conv_out = good;  // the fused mode does not
-  fused_without_conv_out.conv_out = nullptr;
-  CHECK_NOTHROW(fn::launch_gdn_decode(fused_without_conv_out, nullptr));
-  FN_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 TEST_CASE(
-    "cuda gdn: graph replay, both launch modes and the runtime-shape kernel give the eager steps "
-    "bitwise") {
+    "cuda gdn: graph replay, the runtime-shape kernel and the arrival counters give the eager "
+    "steps bitwise") {
   const Shape s{8, 24, 128, 128};
   std::mt19937_64 rng(14);
   const Weights w(s, rng);
@@ -440,11 +420,7 @@ TEST_CASE(
       CHECK(a[i].y == b[i].y);
     }
   };
-  fn::GdnDecodeParams p_two = p;  // two launches, the recurrence as a dependent launch
-  p_two.fused_conv = false;
-  fn::GdnDecodeParams p_serial = p_two;  // two launches in plain stream order
-  p_serial.overlap_launch = false;
-  // One launch, the runtime-shape instance (at dk = dv = 128, 32-column slices and conv kernel
+  // The runtime-shape instance (at dk = dv = 128, 32-column slices and conv kernel
   // 4, p runs the compile-time-shape one).
   fn::GdnDecodeParams p_runtime = p;
   p_runtime.fixed_shape = false;
@@ -456,9 +432,9 @@ TEST_CASE(
   // The states did move (the comparisons are not between untouched buffers).
   CHECK(std::memcmp(eager.back().S.data(), S0.data(), S0.size() * 4) != 0);
   CHECK(eager.back().cs != cs0);
-  for (const fn::GdnDecodeParams* q : {&p, static_cast<const fn::GdnDecodeParams*>(&p_two),
+  for (const fn::GdnDecodeParams* q : {&p, static_cast<const fn::GdnDecodeParams*>(&p_runtime),
                                        static_cast<const fn::GdnDecodeParams*>(&p_arrival)}) {
-    INFO("fused ", q->fused_conv, " cluster ", q->cluster);
+    INFO("fixed shape ", q->fixed_shape, " cluster ", q->cluster);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -469,8 +445,6 @@ TEST_CASE(
     FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
     FN_CUDA_CHECK(cudaGraphDestroy(graph));
   }
-  same(eager, run([&] { fn::launch_gdn_decode(p_two, stream); }));
-  same(eager, run([&] { fn::launch_gdn_decode(p_serial, stream); }));
   same(eager, run([&] { fn::launch_gdn_decode(p_runtime, stream); }));
   same(eager, run([&] { fn::launch_gdn_decode(p_arrival, stream); }));
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -614,7 +588,6 @@ TEST_CASE(
       rejects([](fn::GdnDecodeParams& q) { q.join = nullptr; });
       rejects([](fn::GdnDecodeParams& q) { q.hidden = 60; });
       rejects([](fn::GdnDecodeParams& q) { q.hidden = 8200; });
-      rejects([](fn::GdnDecodeParams& q) { q.fused_conv = false; });
       rejects([&](fn::GdnDecodeParams& q) { q.in_proj = d_win.ptr + 1; });
     }
   }
@@ -668,16 +641,14 @@ TEST_CASE("cuda gdn bench: us and GB/s per layer step at the real TP=1 and TP=2 
                          double(s.Hv) * s.dv * 2;
     struct Mode {
       const char* name;
-      bool fused, overlap;
+      bool cluster;
       int slice;  // 0: the planned width
     };
-    for (const Mode m : {Mode{"fused, planned slice", true, true, 0}, Mode{"fused", true, true, 8},
-                         Mode{"fused", true, true, 16}, Mode{"fused", true, true, 32},
-                         Mode{"two launches + PDL", false, true, 0},
-                         Mode{"two launches serial", false, false, 0}}) {
+    for (const Mode m :
+         {Mode{"planned slice", true, 0}, Mode{"slice", true, 8}, Mode{"slice", true, 16},
+          Mode{"slice", true, 32}, Mode{"arrival counters, planned slice", false, 0}}) {
       auto tweak = [&](fn::GdnDecodeParams p) {
-        p.fused_conv = m.fused;
-        p.overlap_launch = m.overlap;
+        p.cluster = m.cluster;
         p.slice_columns = m.slice;
         return p;
       };

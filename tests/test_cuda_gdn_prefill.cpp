@@ -1,8 +1,8 @@
-// GPU tests of the Gated DeltaNet prefill kernels (cuda/kernels/gdn_prefill.h) against their definition:
-// M successive launch_gdn_decode calls (cuda/kernels/gdn.h, itself checked against the CPU ops in
-// test_cuda_gdn.cpp) on copies of the same inputs, from a non-zero initial state and conv state.
-// Compared: the conv state (bitwise: pure data movement), the FP32 state (within 1e-5 of its
-// largest magnitude), the BF16 outputs (one BF16 ulp of the element plus 1e-5 of the largest
+// GPU tests of the Gated DeltaNet prefill kernels (cuda/kernels/gdn_prefill.h) against their
+// definition: M successive launch_gdn_decode calls (cuda/kernels/gdn.h, itself checked against the
+// CPU ops in test_cuda_gdn.cpp) on copies of the same inputs, from a non-zero initial state and
+// conv state. Compared: the conv state (bitwise: pure data movement), the FP32 state (within 1e-5
+// of its largest magnitude), the BF16 outputs (one BF16 ulp of the element plus 1e-5 of the largest
 // output). Also prefill(a) + prefill(M - a) == prefill(M) and every scan slice width bitwise,
 // launcher checks, and a bench (FN_BENCH=1) at the real shapes with M = 8192.
 #include <doctest/doctest.h>
@@ -377,15 +377,15 @@ TEST_CASE("cuda gdn prefill bench: ms per launch at the real TP=1 and TP=2 shape
     p.workspace = ws.ptr;
     cudaStream_t stream;
     FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    // Milliseconds per launch of the kernels in `phases`, over 5 launches after a warm-up.
-    auto time_ms = [&](unsigned phases) {
-      fn::launch_gdn_prefill_phases(p, phases, stream);  // warm-up
+    // Milliseconds per launch, over 5 launches after a warm-up.
+    auto time_ms = [&]() {
+      fn::launch_gdn_prefill(p, stream);  // warm-up
       cudaEvent_t e0, e1;
       FN_CUDA_CHECK(cudaEventCreate(&e0));
       FN_CUDA_CHECK(cudaEventCreate(&e1));
       const int reps = 5;
       FN_CUDA_CHECK(cudaEventRecord(e0, stream));
-      for (int r = 0; r < reps; ++r) fn::launch_gdn_prefill_phases(p, phases, stream);
+      for (int r = 0; r < reps; ++r) fn::launch_gdn_prefill(p, stream);
       FN_CUDA_CHECK(cudaEventRecord(e1, stream));
       FN_CUDA_CHECK(cudaEventSynchronize(e1));
       float ms = 0;
@@ -396,15 +396,12 @@ TEST_CASE("cuda gdn prefill bench: ms per launch at the real TP=1 and TP=2 shape
     };
     for (const int slice : {0, 8, 16, 32}) {
       p.slice_columns = slice;
-      const double per = time_ms(fn::kGdnPrefillAllPhases);
+      const double per = time_ms();
       const std::string planned = slice == 0 ? " (planned)" : "";
       MESSAGE("gdn_prefill bench: Hk=", s.Hk, " Hv=", s.Hv, " dk=", s.dk, " dv=", s.dv, " M=", M,
               " slice ", fn::plan_gdn_prefill_slice(p), planned, ": ", per, " ms/launch, ",
               1e3 * per / double(M), " us/token");
     }
-    p.slice_columns = 0;
-    MESSAGE("gdn_prefill bench: Hv=", s.Hv, " phases (ms): conv+gates+l2 ", time_ms(1u),
-            ", conv state ", time_ms(2u), ", scan ", time_ms(4u), ", gated norm ", time_ms(8u));
     FN_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

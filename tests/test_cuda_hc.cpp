@@ -1,10 +1,10 @@
-// GPU tests of the HC read (cuda/kernels/hc.h): the split-K down pass (partial dots against H * (1 + w)
-// and partial sums of H^2 per group-aligned chunk), the mix (the group norm scales from the
+// GPU tests of the HC read (cuda/kernels/hc.h): the split-K down pass (partial dots against H * (1
+// + w) and partial sums of H^2 per group-aligned chunk), the mix (the group norm scales from the
 // partial squares, t, m FP32 and its BF16 copy, iota), and the two chained against an FP64
 // evaluation of MODEL.md §C.2 and §C.3, with error bounds derived from the kernels' FP32 rounding
-// steps (N and m are FP32 since issue 9's KL finding: no BF16 rounding in the bounds); the
-// shared-memory staged kernels (default) give the same bits as the register kernels
-// (staged = false); launcher checks.
+// steps (N and m are FP32: no BF16 rounding in the bounds); the compile-time-shape instances
+// give the same bits as the runtime-shape ones; the register mix (ranks whose rows do not fit the
+// 48 KB stage) against the same reference; launcher checks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -209,24 +209,18 @@ TEST_CASE(
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0);
     CHECK(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0);
-    // The register kernel (staged = false) sums in the same order, and the staged kernel's
-    // runtime-shape instance (fixed_shape = false; at 4 x 2560 the default launch above ran the
-    // compile-time-shape one) does the same operations: the same bits from both.
-    auto same_bits = [&](bool staged, bool fixed_shape, const char* what) {
-      FN_CUDA_CHECK(cudaMemset(dt.ptr, 0xff, splits * R * 4));
-      FN_CUDA_CHECK(cudaMemset(dss.ptr, 0xff, splits * 4));
-      fn::HcDownParams q = p;
-      q.staged = staged;
-      q.fixed_shape = fixed_shape;
-      fn::launch_hc_down(q, nullptr);
-      FN_CUDA_CHECK(cudaDeviceSynchronize());
-      CHECK_MESSAGE(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0, what, " t ",
-                    c.groups, "x", D, " rows ", R);
-      CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0, what, " sumsq ",
-                    c.groups, "x", D);
-    };
-    same_bits(false, true, "register kernel");
-    same_bits(true, false, "runtime-shape kernel");
+    // The runtime-shape instance (fixed_shape = false; at 4 x 2560 the default launch above ran
+    // the compile-time-shape one) does the same operations: the same bits.
+    FN_CUDA_CHECK(cudaMemset(dt.ptr, 0xff, splits * R * 4));
+    FN_CUDA_CHECK(cudaMemset(dss.ptr, 0xff, splits * 4));
+    fn::HcDownParams q = p;
+    q.fixed_shape = false;
+    fn::launch_hc_down(q, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(std::memcmp(dt.download().data(), tp.data(), splits * R * 4) == 0,
+                  "runtime-shape kernel t ", c.groups, "x", D, " rows ", R);
+    CHECK_MESSAGE(std::memcmp(dss.download().data(), ss.data(), splits * 4) == 0,
+                  "runtime-shape kernel sumsq ", c.groups, "x", D);
   }
 }
 
@@ -279,9 +273,8 @@ TEST_CASE(
     const auto Href = dHref.download();
     CHECK_MESSAGE(std::memcmp(Href.data(), want_H.data(), W * 4) == 0, "inject ", c.groups, "x", D);
     const auto tref = dtref.download(), ssref = dssref.download();
-    // Staged (its compile-time-shape instance at 4 x 2560), staged at runtime shape, registers.
-    for (int variant = 0; variant < 3; ++variant) {
-      const bool staged = variant < 2;
+    // The compile-time-shape instance (at 4 x 2560), then the runtime-shape one.
+    for (int variant = 0; variant < 2; ++variant) {
       DeviceArray<float> dH(H), dHout(W), dt(splits * R), dss(splits);
       FN_CUDA_CHECK(cudaMemset(dHout.ptr, 0xff, W * 4));
       fn::HcDownParams f = p;
@@ -291,7 +284,6 @@ TEST_CASE(
       f.inject_iota = diota.ptr;
       f.inject_y = dy.ptr;
       f.H_out = dHout.ptr;
-      f.staged = staged;
       f.fixed_shape = variant == 0;
       fn::launch_hc_down(f, nullptr);
       FN_CUDA_CHECK(cudaDeviceSynchronize());
@@ -406,8 +398,7 @@ TEST_CASE(
     const auto iota = diota.download();
     check_mix_outputs(m, mb, iota, w_up, D, r, ref, c.with_bf16, c.with_iota);
 
-    // Rank 2048 (4 x 8 rows x 4 KB) does not fit the 48 KB stage: the register kernel runs. The
-    // register kernel (staged = false) sums in the same order as the staged one: the same bits.
+    // Rank 2048 (4 x 8 rows x 4 KB) does not fit the 48 KB stage: the register kernel ran above.
     // The staged kernel's runtime-shape instance (fixed_shape = false; at D 2560, r 320 and 8
     // partials on a 132-SM GPU the first launch ran the compile-time-shape one): the same bits.
     CHECK(fn::hc_mix_uses_staging(p) == (r != 2048));
@@ -422,10 +413,6 @@ TEST_CASE(
       CHECK(std::memcmp(dmb.download().data(), mb.data(), D * 2) == 0);
       CHECK(std::memcmp(diota.download().data(), iota.data(), 16) == 0);
     };
-    fn::HcMixParams reg = p;
-    reg.staged = false;
-    CHECK_FALSE(fn::hc_mix_uses_staging(reg));
-    same_bits(reg, "register kernel");
     fn::HcMixParams runtime = p;
     runtime.fixed_shape = false;
     if (fn::hc_mix_uses_staging(runtime)) same_bits(runtime, "runtime-shape kernel");
@@ -529,21 +516,21 @@ TEST_CASE(
     }
     check_mix_outputs(m, dmb.download(), diota.download(), w_up, D, r, ref, true, true);
 
-    // Deterministic: the chain again gives the same bits, and so does the chain of the register
-    // kernels (staged = false).
+    // Deterministic: the chain again gives the same bits, and so does the chain of the
+    // runtime-shape instances (fixed_shape = false).
     fn::launch_hc_down(dp, nullptr);
     fn::launch_hc_mix(mp, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK(std::memcmp(dm.download().data(), m.data(), D * 4) == 0);
     CHECK(fn::hc_mix_uses_staging(mp));
     FN_CUDA_CHECK(cudaMemset(dm.ptr, 0xff, D * 4));
-    dp.staged = false;
-    mp.staged = false;
+    dp.fixed_shape = false;
+    mp.fixed_shape = false;
     fn::launch_hc_down(dp, nullptr);
     fn::launch_hc_mix(mp, nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     CHECK_MESSAGE(std::memcmp(dm.download().data(), m.data(), D * 4) == 0,
-                  "register kernels' m, D ", D);
+                  "runtime-shape kernels' m, D ", D);
   }
 }
 

@@ -1,6 +1,6 @@
-// GPU tests of the NVFP4 routed-expert kernels (cuda/kernels/moe_nvfp4.h): the FP32-FMA kernels (mma =
-// false, the default), the tensor-core kernels (mma = true) and, on sm_90+, the bulk-copy kernels
-// (bulk = true: every share and chunk shape, exact and bounded), against host references
+// GPU tests of the NVFP4 routed-expert kernels (cuda/kernels/moe_nvfp4.h): the FP32-FMA kernels
+// and, on sm_90+, the bulk-copy gate+up kernel (bulk = true: every share and chunk shape, exact and
+// bounded), against host references
 // built from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with
 // power-of-two scales, random codes within the derived FP32 bound, real shapes at TP=1, 2 and 4,
 // the tiny fixtures' shapes (cols 16 and 48: the 16-code path), row counts that are not a multiple
@@ -16,8 +16,8 @@
 #include "core/codecs.h"
 #include "core/cpu_ops.h"
 #include "core/error.h"
-#include "cuda/kernels/moe_nvfp4.h"
 #include "cuda/common/nvfp4_bits.h"
+#include "cuda/kernels/moe_nvfp4.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -110,7 +110,7 @@ int depth(int64_t vectors_per_lane, int team) {
          3;
 }
 
-// The tensor-core kernels: one m16n8k16 MMA adds 16 exact products to its FP32 accumulator C.
+// The bulk gate+up kernel: one m16n8k16 MMA adds 16 exact products to its FP32 accumulator C.
 // Model (conservative, covering the tensor core's alignment and truncation of the products'
 // significands and its truncating normalisation): each MMA errs by at most 36 FP32 units (2^-24)
 // times the sum of the magnitudes of its 16 terms and C, i.e. 36 rounding levels of depth.
@@ -120,51 +120,32 @@ int ceil_div(int64_t a, int64_t b) {
   return int((a + b - 1) / b);
 }
 
-// Rounding depth of a gate or up output: the lane's path (as depth() above) for the FP32 kernel;
-// for the tensor-core kernel the warp's MMA chain over its chunks (a chunk = 4 units; a unit of U
-// codes = U / 4 MMAs), the sum over the tile's W = team / 32 warps and the global scale.
-int gate_up_depth(int64_t cols, int team, bool mma) {
+// Rounding depth of a gate or up output of the FP32 kernel: the lane's path (as depth() above).
+int gate_up_depth(int64_t cols, int team) {
   const int64_t units = cols / unit_codes(cols);
-  if (!mma) return depth(ceil_div(units, team), team);
-  const int per_warp = ceil_div(ceil_div(units, 4), team / 32);
-  return kMmaDepth * per_warp * int(unit_codes(cols) / 4) + team / 32 + 1;
+  return depth(ceil_div(units, team), team);
 }
 
-// Rounding depth of a down output (before the optional accumulate): FP32 kernel as before (+ the
-// weight * gs and * f roundings); tensor-core kernel: a chunk's fresh MMA chain, the routing
-// weight * gs product, the fmaf chain over the warp's chunks, the 4 expert slots (2 levels) and
-// the warps.
-int down_depth(int top_k, int64_t inter, int team, bool mma) {
+// Rounding depth of a down output of the FP32 kernel (before the optional accumulate): the lane's
+// path, + the weight * gs and * f roundings.
+int down_depth(int top_k, int64_t inter, int team) {
   const int64_t units = top_k * (inter / unit_codes(inter));
-  if (!mma) return depth(ceil_div(units, team), team) + 2;
-  const int per_warp = ceil_div(ceil_div(units, 4), team / 32);
-  return kMmaDepth * int(unit_codes(inter) / 4) + 1 + per_warp + 2 + team / 32;
+  return depth(ceil_div(units, team), team) + 2;
 }
 
-// The bulk gate+up kernel (cuda/kernels/moe_nvfp4_bulk.cu): per chunk, warp and 128-column group one
-// MMA chain (8 MMAs), the warp's groups added, then the 10 warps' partials in order, the global
+// The bulk gate+up kernel (cuda/kernels/moe_nvfp4_bulk.cu): per chunk, warp and 128-column group
+// one MMA chain (8 MMAs), the warp's groups added, then the 10 warps' partials in order, the global
 // scale.
 int bulk_gate_up_depth(int64_t cols) {
   const int per_warp = ceil_div(ceil_div(cols, 128), 10);
   return kMmaDepth * 8 + per_warp + 10 + 1;
 }
 
-// The bulk down kernel: per (tile, expert) one MMA chain over the 128-column groups (8 MMAs each),
-// the f_j = routing weight * gs product and its fmaf into the warp's chain over its pairs (at most
-// top_k of them), the 10 warps in order, the unscale.
-int bulk_down_depth(int top_k, int64_t inter) {
-  return kMmaDepth * 8 * ceil_div(inter, 128) + 2 + top_k + 10 + 1;
-}
-
-// Team widths each kernel accepts.
-std::vector<int> teams(bool mma) {
+// Team widths the FP32 kernels accept.
+std::vector<int> teams() {
   std::vector<int> t;
-  for (int v = mma ? 32 : 8; v <= 256; v *= 2) t.push_back(v);
+  for (int v = 8; v <= 256; v *= 2) t.push_back(v);
   return t;
-}
-
-const char* kernel_name(bool mma) {
-  return mma ? "tensor-core kernel" : "FP32 kernel";
 }
 
 struct GateUpRef {
@@ -216,7 +197,7 @@ struct GateUpOut {
 };
 
 GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
-                      const std::vector<float>& x, int team, bool mma, bool bulk = false,
+                      const std::vector<float>& x, int team, bool bulk = false,
                       const fn::Nvfp4Experts* down_prefetch = nullptr) {
   const int64_t inter = w.view.rows / 2;
   DeviceArray<int32_t> d_ids(ids);
@@ -233,7 +214,6 @@ GateUpOut run_gate_up(const DeviceExperts& w, const std::vector<int32_t>& ids,
   p.h = d_h.ptr;
   p.gate_up_out = d_gu.ptr;
   p.team_threads = team;
-  p.mma = mma;
   p.bulk = bulk;
   if (down_prefetch != nullptr) p.down_prefetch = *down_prefetch;
   fn::launch_moe_gate_up_nvfp4(p, nullptr);
@@ -277,8 +257,7 @@ void down_reference(const HostExperts& w, const std::vector<int32_t>& ids,
 
 std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& ids,
                             const std::vector<float>& rw, const std::vector<float>& h, int team,
-                            const std::vector<float>* y0, bool mma, bool bulk = false,
-                            bool fixed_shape = true) {
+                            const std::vector<float>* y0, bool fixed_shape = true) {
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<float> d_rw(rw);
   DeviceArray<uint16_t> d_h(to_bf16(h));
@@ -296,8 +275,6 @@ std::vector<float> run_down(const DeviceExperts& w, const std::vector<int32_t>& 
   p.y = d_y.ptr;
   p.accumulate = y0 != nullptr;
   p.team_threads = team;
-  p.mma = mma;
-  p.bulk = bulk;
   p.fixed_shape = fixed_shape;
   fn::launch_moe_down_nvfp4(p, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
@@ -334,16 +311,14 @@ TEST_CASE("cuda moe nvfp4: gate and up sums are exact with power-of-two scales, 
   const DeviceExperts dw(w);
   const std::vector<int32_t> ids = {11, 0, 5, 5, 7};  // repeated and extreme ids
   const auto x = random_ints(2560, -4, 4, 2);
-  for (bool mma : {false, true})
-    for (int team : teams(mma)) {
-      const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(2560, team, mma));
-      const auto got = run_gate_up(dw, ids, x, team, mma);
-      const auto c =
-          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " team ", team, ": ", c.describe());
-      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " team ", team, " h: ", ch.describe());
-    }
+  for (int team : teams()) {
+    const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(2560, team));
+    const auto got = run_gate_up(dw, ids, x, team);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " team ", team, ": ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "FP32 kernel", " team ", team, " h: ", ch.describe());
+  }
 }
 
 TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1, 2 and 4) within the bound") {
@@ -352,21 +327,14 @@ TEST_CASE("cuda moe nvfp4: gate+up SwiGLU on the real shapes (TP=1, 2 and 4) wit
     const DeviceExperts dw(w);
     const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
     const auto x = random_bf16(2560, 1.0f, 3 + inter);
-    for (bool mma : {false, true}) {
-      const int team = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count(), mma);
-      const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(2560, team, mma));
-      const auto got = run_gate_up(dw, ids, x, 0, mma);
-      const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, " gate/up: ", c.describe());
-      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " I ", inter, " h: ", ch.describe());
-      // Information only: the worst error against the FP32 kernel's (tighter) bound.
-      const int t32 = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count(), false);
-      const GateUpRef tight = gate_up_reference(w, ids, x, gate_up_depth(2560, t32, false));
-      MESSAGE(kernel_name(mma), " I ", inter, ": worst gate/up error / own bound ", c.worst_ratio,
-              ", / the FP32 kernel's bound ",
-              fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
-    }
+    const int team = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count());
+    const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(2560, team));
+    const auto got = run_gate_up(dw, ids, x, 0);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " I ", inter, " gate/up: ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "FP32 kernel", " I ", inter, " h: ", ch.describe());
+    MESSAGE("FP32 kernel I ", inter, ": worst gate/up error / bound ", c.worst_ratio);
   }
 }
 
@@ -391,13 +359,13 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up sums are exact with power-of-two scales,
     const DeviceExperts dw(w);
     const auto x = random_ints(size_t(sh.cols), -4, 4, 71 + sh.inter);
     const GateUpRef ref = gate_up_reference(w, sh.ids, x, bulk_gate_up_depth(sh.cols));
-    const auto got = run_gate_up(dw, sh.ids, x, 0, false, true);
+    const auto got = run_gate_up(dw, sh.ids, x, 0, true);
     const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
     CHECK_MESSAGE(c.wrong == 0, "bulk I ", sh.inter, " K ", sh.cols, ": ", c.describe());
     const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
     CHECK_MESSAGE(ch.wrong == 0, "bulk I ", sh.inter, " K ", sh.cols, " h: ", ch.describe());
     // Bitwise the same on a second run (fixed order, no atomics).
-    const auto again = run_gate_up(dw, sh.ids, x, 0, false, true);
+    const auto again = run_gate_up(dw, sh.ids, x, 0, true);
     CHECK(std::memcmp(again.gu.data(), got.gu.data(), got.gu.size() * 4) == 0);
   }
 }
@@ -413,20 +381,20 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) withi
     const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
     const auto x = random_bf16(2560, 1.0f, 3 + inter);
     const GateUpRef ref = gate_up_reference(w, ids, x, bulk_gate_up_depth(2560));
-    const auto got = run_gate_up(dw, ids, x, 0, false, true);
+    const auto got = run_gate_up(dw, ids, x, 0, true);
     const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
     CHECK_MESSAGE(c.wrong == 0, "bulk I ", inter, " gate/up: ", c.describe());
     const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
     CHECK_MESSAGE(ch.wrong == 0, "bulk I ", inter, " h: ", ch.describe());
-    const int t32 = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count(), false);
-    const GateUpRef tight = gate_up_reference(w, ids, x, gate_up_depth(2560, t32, false));
+    const int t32 = fn::plan_moe_gate_up_team(10, inter, 2560, sm_count());
+    const GateUpRef tight = gate_up_reference(w, ids, x, gate_up_depth(2560, t32));
     MESSAGE("bulk I ", inter, ": worst gate/up error / own bound ", c.worst_ratio,
             ", / the FP32 kernel's bound ",
             fn::test::compare_bounded(got.gu, tight.gu, tight.gu_bound).worst_ratio);
     // The L2 prefetch of the selected experts' down weights is a hint: the same bits.
     const HostExperts wd = make_experts(64, 2560, inter, 1, false, 20 + inter);
     const DeviceExperts dwd(wd);
-    const auto pre = run_gate_up(dw, ids, x, 0, false, true, &dwd.view);
+    const auto pre = run_gate_up(dw, ids, x, 0, true, &dwd.view);
     CHECK(pre.gu == got.gu);
     CHECK(pre.h == got.h);
   }
@@ -447,7 +415,7 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
   {
     const std::vector<int32_t> ids = {5, 1, 2, 0};
     const GateUpRef ref = gate_up_reference(w, ids, x, bulk_gate_up_depth(512));
-    const auto got = run_gate_up(dw, ids, x, 0, false, true);
+    const auto got = run_gate_up(dw, ids, x, 0, true);
     const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
     CHECK_MESSAGE(c.wrong == 0, "bulk +-0.5: ", c.describe());
     double mag = 0;
@@ -457,27 +425,27 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
   // Ids outside [0, 6): h = 0 for those, the others right.
   {
     const std::vector<int32_t> ids = {-1, 2, 6, 1 << 30, 4};
-    const auto got = run_gate_up(dw, ids, x, 0, false, true);
+    const auto got = run_gate_up(dw, ids, x, 0, true);
     for (int j : {0, 2, 3})
       for (int i = 0; i < 24; ++i) CHECK(got.h[size_t(j) * 24 + i] == 0.0f);
     const GateUpRef ref = gate_up_reference(w, ids, x, bulk_gate_up_depth(512));
     CHECK(fn::test::compare_bounded(got.h, ref.h, ref.h_bound).wrong == 0);
     const std::vector<int32_t> none = {-5, 6, 7};
-    for (float v : run_gate_up(dw, none, x, 0, false, true).h) CHECK(v == 0.0f);
+    for (float v : run_gate_up(dw, none, x, 0, true).h) CHECK(v == 0.0f);
     // The down weights' prefetch skips the invalid ids (no access outside the experts).
     const HostExperts wd = make_experts(6, 512, 32, 1, true, 127);
     const DeviceExperts dwd(wd);
-    const auto pre = run_gate_up(dw, ids, x, 0, false, true, &dwd.view);
+    const auto pre = run_gate_up(dw, ids, x, 0, true, &dwd.view);
     CHECK(pre.h == got.h);
     // Down experts of another count, or of I not a multiple of 32, are refused.
     const HostExperts wd7 = make_experts(7, 512, 32, 1, true, 128);
     const DeviceExperts dwd7(wd7);
-    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, false, true, &dwd7.view), fn::Error);
+    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, true, &dwd7.view), fn::Error);
     const HostExperts wd48 = make_experts(6, 512, 48, 1, true, 129);
     const DeviceExperts dwd48(wd48);
-    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, false, true, &dwd48.view), fn::Error);
+    CHECK_THROWS_AS(run_gate_up(dw, ids, x, 0, true, &dwd48.view), fn::Error);
   }
-  // Graph replay of the bulk kernels: the graph test case below runs all three kernel kinds.
+  // Graph replay of the bulk kernel: the graph test case below runs both gate+up kernels.
   // A share whose partials would not fit in shared memory (64 x 8192 row pairs) is not taken.
   CHECK(!fn::moe_gate_up_bulk_supported(64, 8192, 2560));
   // Shapes the kernel does not take are refused, not run: K not a multiple of 256, K > 2560.
@@ -485,116 +453,9 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid 
     const HostExperts bad = make_experts(2, 16, cols, 2, true, 125);
     const DeviceExperts dbad(bad);
     CHECK(!fn::moe_gate_up_bulk_supported(1, 8, cols));
-    CHECK_THROWS_AS(run_gate_up(dbad, {0}, random_ints(size_t(cols), -1, 1, 126), 0, false, true),
+    CHECK_THROWS_AS(run_gate_up(dbad, {0}, random_ints(size_t(cols), -1, 1, 126), 0, true),
                     fn::Error);
   }
-}
-
-TEST_CASE("cuda moe nvfp4: bulk down sums experts exactly, every share and tile shape") {
-  if (!fn::moe_down_bulk_supported(10, 640, 2560)) {
-    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
-    return;
-  }
-  // Shares of 8-row units (16 or 24 rows at D = 2560: partial second tiles), D smaller than the
-  // grid (D = 96: 12 CTAs of 8 rows), I = 32 .. 640 (partial 128-column groups), repeated ids,
-  // accumulate on and off.
-  struct Shape {
-    int64_t hidden, inter;
-    std::vector<int32_t> ids;
-  };
-  const std::vector<Shape> shapes = {{2560, 640, {8, 0, 3, 3, 7, 1, 2, 4, 5, 6}},
-                                     {2560, 320, {1, 2, 3}},
-                                     {2560, 160, {8, 7, 6, 5, 4, 3, 2, 1, 0, 2}},
-                                     {96, 32, {0, 4, 2}},
-                                     {1032, 96, {5, 6}}};
-  for (const Shape& sh : shapes) {
-    const HostExperts w = make_experts(9, sh.hidden, sh.inter, 1, true, 80 + sh.inter);
-    const DeviceExperts dw(w);
-    const size_t k = sh.ids.size();
-    std::vector<float> rw(k);
-    for (size_t j = 0; j < k; ++j) rw[j] = std::ldexp(1.0f, -int(j % 3));
-    const auto h = random_ints(k * size_t(sh.inter), -3, 3, 81 + sh.inter);
-    const auto y0 = random_ints(size_t(sh.hidden), -3, 3, 82);
-    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-      std::vector<double> want, bound;
-      down_reference(w, sh.ids, rw, h, bulk_down_depth(int(k), sh.inter), init, want, bound);
-      const auto y = run_down(dw, sh.ids, rw, h, 0, init, false, true);
-      const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-      CHECK_MESSAGE(c.wrong == 0, "bulk down D ", sh.hidden, " I ", sh.inter, " accumulate ",
-                    init != nullptr, ": ", c.describe());
-      const auto again = run_down(dw, sh.ids, rw, h, 0, init, false, true);
-      CHECK(std::memcmp(again.data(), y.data(), y.size() * 4) == 0);
-    }
-  }
-}
-
-TEST_CASE("cuda moe nvfp4: bulk down on the real shapes (TP=1, 2 and 4) within the bound") {
-  if (!fn::moe_down_bulk_supported(10, 640, 2560)) {
-    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
-    return;
-  }
-  for (int64_t inter : {640, 320, 160}) {
-    const HostExperts w = make_experts(64, 2560, inter, 1, false, 90 + inter);
-    const DeviceExperts dw(w);
-    const std::vector<int32_t> ids = {63, 17, 2, 40, 0, 33, 8, 51, 12, 29};
-    const std::vector<float> rw = {0.3f,  0.2f,  0.1f,  0.1f,  0.06f,
-                                   0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
-    const auto h = random_bf16(10 * size_t(inter), 0.5f, 91 + inter);
-    std::vector<double> want, bound;
-    down_reference(w, ids, rw, h, bulk_down_depth(10, inter), nullptr, want, bound);
-    const auto y = run_down(dw, ids, rw, h, 0, nullptr, false, true);
-    const auto c = fn::test::compare_bounded(y, want, bound);
-    CHECK_MESSAGE(c.wrong == 0, "bulk down I ", inter, ": ", c.describe());
-    MESSAGE("bulk down I ", inter, ": worst error / own bound ", c.worst_ratio);
-  }
-}
-
-TEST_CASE("cuda moe nvfp4: bulk down: +-0.5 codes, subnormal scales, invalid ids, bad shapes") {
-  if (!fn::moe_down_bulk_supported(10, 640, 2560)) {
-    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
-    return;
-  }
-  HostExperts w = make_experts(6, 256, 96, 1, true, 130);
-  std::mt19937_64 rng(131);
-  for (auto& b : w.packed) b = uint8_t((rng() & 1 ? 0x1 : 0x9) | (rng() & 1 ? 0x10 : 0x90));
-  for (auto& sc : w.scales) sc = uint8_t(rng() % 8 == 0 ? 0x08 : 1 + rng() % 7);
-  const DeviceExperts dw(w);
-  {
-    const std::vector<int32_t> ids = {3, 1, 2};
-    const std::vector<float> rw = {0.5f, 1.0f, 0.25f};
-    const auto h = random_ints(ids.size() * 96, -64, 64, 132);
-    std::vector<double> want, bound;
-    down_reference(w, ids, rw, h, bulk_down_depth(3, 96), nullptr, want, bound);
-    const auto y = run_down(dw, ids, rw, h, 0, nullptr, false, true);
-    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-    CHECK_MESSAGE(c.wrong == 0, "bulk down +-0.5: ", c.describe());
-    double mag = 0;
-    for (double v : want) mag += std::fabs(v);
-    CHECK(mag > 0);
-  }
-  {  // invalid ids contribute zero; all invalid: y = 0, or y0 untouched when accumulating
-    const std::vector<int32_t> ids = {-1, 2, 6, 1 << 30};
-    const std::vector<float> rw = {1.0f, 0.5f, 1.0f, 1.0f};
-    const auto h = random_ints(ids.size() * 96, -3, 3, 133);
-    const auto y0 = random_ints(256, -3, 3, 134);
-    std::vector<double> want, bound;
-    down_reference(w, ids, rw, h, bulk_down_depth(4, 96), &y0, want, bound);
-    const auto y = run_down(dw, ids, rw, h, 0, &y0, false, true);
-    CHECK(fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0)).wrong == 0);
-    const std::vector<int32_t> none = {-5, 6, 7, -1};
-    const auto yn = run_down(dw, none, rw, h, 0, &y0, false, true);
-    CHECK(std::memcmp(yn.data(), y0.data(), yn.size() * 4) == 0);
-    for (float v : run_down(dw, none, rw, h, 0, nullptr, false, true)) CHECK(v == 0.0f);
-  }
-  // Graph replay of the bulk kernels: the graph test case below runs all three kernel kinds.
-  // Shapes the kernel does not take are refused: I not a multiple of 32, D not a multiple of 8.
-  CHECK(!fn::moe_down_bulk_supported(2, 48, 256));
-  CHECK(!fn::moe_down_bulk_supported(2, 64, 100));
-  const HostExperts bad = make_experts(2, 256, 48, 1, true, 138);
-  const DeviceExperts dbad(bad);
-  CHECK_THROWS_AS(
-      run_down(dbad, {0, 1}, {1.0f, 1.0f}, random_ints(96, -1, 1, 139), 0, nullptr, false, true),
-      fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-of-two weights") {
@@ -603,14 +464,13 @@ TEST_CASE("cuda moe nvfp4: the down projection sums experts exactly with power-o
   const std::vector<int32_t> ids = {8, 3, 0, 3};
   const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f};
   const auto h = random_ints(ids.size() * 640, -4, 4, 21);
-  for (bool mma : {false, true})
-    for (int team : teams(mma)) {
-      std::vector<double> want, bound;
-      down_reference(w, ids, rw, h, down_depth(4, 640, team, mma), nullptr, want, bound);
-      const auto got = run_down(dw, ids, rw, h, team, nullptr, mma);
-      const auto c = fn::test::compare_bounded(got, want, std::vector<double>(want.size(), 0));
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " team ", team, ": ", c.describe());
-    }
+  for (int team : teams()) {
+    std::vector<double> want, bound;
+    down_reference(w, ids, rw, h, down_depth(4, 640, team), nullptr, want, bound);
+    const auto got = run_down(dw, ids, rw, h, team, nullptr);
+    const auto c = fn::test::compare_bounded(got, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " team ", team, ": ", c.describe());
+  }
 }
 
 TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1, 2 and 4), accumulating") {
@@ -621,31 +481,21 @@ TEST_CASE("cuda moe nvfp4: the down projection on the real shapes (TP=1, 2 and 4
     std::vector<float> rw = {0.21f, 0.15f, 0.12f, 0.1f, 0.09f, 0.08f, 0.07f, 0.06f, 0.06f, 0.06f};
     const auto h = random_bf16(ids.size() * inter, 0.5f, 31 + inter);
     const auto y0 = random_bf16(2560, 0.3f, 32 + inter);
-    for (bool mma : {false, true}) {
-      const int team = fn::plan_moe_down_team(10, inter, 2560, sm_count(), mma);
-      for (const std::vector<float>* init :
-           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-        std::vector<double> want, bound;
-        down_reference(w, ids, rw, h, down_depth(10, inter, team, mma), init, want, bound);
-        const auto got = run_down(dw, ids, rw, h, 0, init, mma);
-        const auto c = fn::test::compare_bounded(got, want, bound);
-        CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, " accumulate ", init != nullptr,
-                      ": ", c.describe());
-        // The FP32 kernel's runtime-shape instance (at I = 640 with 32-lane teams the launch above
-        // ran the compile-time-shape one): the same bits.
-        if (!mma) {
-          const auto rt = run_down(dw, ids, rw, h, 0, init, false, false, false);
-          CHECK_MESSAGE(std::memcmp(rt.data(), got.data(), got.size() * 4) == 0,
-                        "runtime-shape instance I ", inter, " accumulate ", init != nullptr);
-        }
-        // Information only: the worst error against the FP32 kernel's (tighter) bound.
-        const int t32 = fn::plan_moe_down_team(10, inter, 2560, sm_count(), false);
-        std::vector<double> want32, bound32;
-        down_reference(w, ids, rw, h, down_depth(10, inter, t32, false), init, want32, bound32);
-        MESSAGE(kernel_name(mma), " I ", inter, " accumulate ", init != nullptr,
-                ": worst error / own bound ", c.worst_ratio, ", / the FP32 kernel's bound ",
-                fn::test::compare_bounded(got, want32, bound32).worst_ratio);
-      }
+    const int team = fn::plan_moe_down_team(10, inter, 2560, sm_count());
+    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+      std::vector<double> want, bound;
+      down_reference(w, ids, rw, h, down_depth(10, inter, team), init, want, bound);
+      const auto got = run_down(dw, ids, rw, h, 0, init);
+      const auto c = fn::test::compare_bounded(got, want, bound);
+      CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " I ", inter, " accumulate ", init != nullptr,
+                    ": ", c.describe());
+      // The runtime-shape instance (at I = 640 with 32-lane teams the launch above ran the
+      // compile-time-shape one): the same bits.
+      const auto rt = run_down(dw, ids, rw, h, 0, init, false);
+      CHECK_MESSAGE(std::memcmp(rt.data(), got.data(), got.size() * 4) == 0,
+                    "runtime-shape instance I ", inter, " accumulate ", init != nullptr);
+      MESSAGE("FP32 kernel I ", inter, " accumulate ", init != nullptr, ": worst error / bound ",
+              c.worst_ratio);
     }
   }
 }
@@ -660,53 +510,47 @@ TEST_CASE("cuda moe nvfp4: cols = 16 and 48 (odd multiples of 16) are exact, eve
   const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f};
   const auto h = random_ints(ids.size() * 16, -4, 4, 72);
   const auto x = random_ints(48, -4, 4, 73);
-  for (bool mma : {false, true})
-    for (int team : teams(mma)) {
-      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(48, team, mma));
-      std::vector<double> want, bound;
-      down_reference(dn, ids, rw, h, down_depth(4, 16, team, mma), nullptr, want, bound);
-      const auto y = run_down(ddn, ids, rw, h, team, nullptr, mma);
-      const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " down team ", team, ": ", c.describe());
-      const auto got = run_gate_up(dgu, ids, x, team, mma);
-      const auto cg =
-          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-      CHECK_MESSAGE(cg.wrong == 0, kernel_name(mma), " gate/up team ", team, ": ", cg.describe());
-      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " h team ", team, ": ", ch.describe());
-    }
+  for (int team : teams()) {
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(48, team));
+    std::vector<double> want, bound;
+    down_reference(dn, ids, rw, h, down_depth(4, 16, team), nullptr, want, bound);
+    const auto y = run_down(ddn, ids, rw, h, team, nullptr);
+    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " down team ", team, ": ", c.describe());
+    const auto got = run_gate_up(dgu, ids, x, team);
+    const auto cg =
+        fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(cg.wrong == 0, "FP32 kernel", " gate/up team ", team, ": ", cg.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "FP32 kernel", " h team ", team, ": ", ch.describe());
+  }
 }
 
 TEST_CASE("cuda moe nvfp4: lanes with more units than they hold in registers loop, exactly") {
   // FP32 kernel, team 8: gate+up over 2560 columns gives each lane 10 units (chunks of 3), over 720
   // (an odd multiple of 16: the 16-code path) 6; the down projection over 10 experts x 112 columns
-  // 9 units per lane (chunks of 7), over 10 x 640 columns 25. Tensor-core kernel, one warp per
-  // tile (team 32): gate+up 20 chunks of 4 units (4 rounds of 5) and 12 (3 rounds); down 18
-  // chunks (3 rounds of 7, chunks spanning 2 experts) and 50 (8 rounds).
+  // 9 units per lane (chunks of 7), over 10 x 640 columns 25.
   const std::vector<int32_t> ids = {3, 0, 5, 1, 5, 2, 4, 0, 1, 3};
   const std::vector<float> rw = {0.5f, 0.25f, 0.125f, 0.125f, 0.5f, 0.25f, 1.0f, 2.0f, 0.5f, 0.25f};
-  for (bool mma : {false, true}) {
-    const int team = mma ? 32 : 8;
-    for (int64_t cols : {2560, 720}) {
-      const HostExperts gu = make_experts(6, 2 * 24, cols, 2, true, 90 + cols);
-      const DeviceExperts dgu(gu);
-      const auto x = random_ints(size_t(cols), -4, 4, 91 + cols);
-      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(cols, team, mma));
-      const auto got = run_gate_up(dgu, ids, x, team, mma);
-      const auto c =
-          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " cols ", cols, ": ", c.describe());
-    }
-    for (int64_t inter : {112, 640}) {
-      const HostExperts dn = make_experts(6, 40, inter, 1, true, 92 + inter);
-      const DeviceExperts ddn(dn);
-      const auto h = random_ints(ids.size() * inter, -4, 4, 93 + inter);
-      std::vector<double> want, bound;
-      down_reference(dn, ids, rw, h, down_depth(10, inter, team, mma), nullptr, want, bound);
-      const auto y = run_down(ddn, ids, rw, h, team, nullptr, mma);
-      const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, ": ", c.describe());
-    }
+  const int team = 8;
+  for (int64_t cols : {2560, 720}) {
+    const HostExperts gu = make_experts(6, 2 * 24, cols, 2, true, 90 + cols);
+    const DeviceExperts dgu(gu);
+    const auto x = random_ints(size_t(cols), -4, 4, 91 + cols);
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(cols, team));
+    const auto got = run_gate_up(dgu, ids, x, team);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " cols ", cols, ": ", c.describe());
+  }
+  for (int64_t inter : {112, 640}) {
+    const HostExperts dn = make_experts(6, 40, inter, 1, true, 92 + inter);
+    const DeviceExperts ddn(dn);
+    const auto h = random_ints(ids.size() * inter, -4, 4, 93 + inter);
+    std::vector<double> want, bound;
+    down_reference(dn, ids, rw, h, down_depth(10, inter, team), nullptr, want, bound);
+    const auto y = run_down(ddn, ids, rw, h, team, nullptr);
+    const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " I ", inter, ": ", c.describe());
   }
 }
 
@@ -720,7 +564,7 @@ TEST_CASE("cuda moe nvfp4: the widest staged activations (12,288 values) are exa
     const HostExperts gu = make_experts(6, 2 * 8, cols, 2, true, 120 + cols);
     const DeviceExperts dgu(gu);
     const auto x = random_ints(size_t(cols), -4, 4, 121 + cols);
-    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(cols, 32, false));
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(cols, 32));
     const auto got = run_gate_up(dgu, ids, x, 0, false);
     const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
     CHECK_MESSAGE(c.wrong == 0, "gate/up cols ", cols, ": ", c.describe());
@@ -745,26 +589,23 @@ TEST_CASE("cuda moe nvfp4: the tiny fixtures' shapes (hidden 64, I = 32 and 16) 
     const std::vector<int32_t> ids = {6, 1, 4};
     const std::vector<float> rw = {0.5f, 0.3f, 0.2f};
     const auto x = random_bf16(64, 1.0f, 82 + inter);
-    for (bool mma : {false, true}) {
-      const int tg = fn::plan_moe_gate_up_team(3, inter, 64, sm_count(), mma);
-      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(64, tg, mma));
-      const auto got = run_gate_up(dgu, ids, x, 0, mma);
-      const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " I ", inter, " gate/up: ", c.describe());
-      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " I ", inter, " h: ", ch.describe());
-      // The down projection on the kernel's own h, plain and accumulating.
-      const auto y0 = random_bf16(64, 0.3f, 83 + inter);
-      const int td = fn::plan_moe_down_team(3, inter, 64, sm_count(), mma);
-      for (const std::vector<float>* init :
-           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-        std::vector<double> want, bound;
-        down_reference(dn, ids, rw, got.h, down_depth(3, inter, td, mma), init, want, bound);
-        const auto y = run_down(ddn, ids, rw, got.h, 0, init, mma);
-        const auto cd = fn::test::compare_bounded(y, want, bound);
-        CHECK_MESSAGE(cd.wrong == 0, kernel_name(mma), " I ", inter, " down, accumulate ",
-                      init != nullptr, ": ", cd.describe());
-      }
+    const int tg = fn::plan_moe_gate_up_team(3, inter, 64, sm_count());
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(64, tg));
+    const auto got = run_gate_up(dgu, ids, x, 0);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, ref.gu_bound);
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " I ", inter, " gate/up: ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "FP32 kernel", " I ", inter, " h: ", ch.describe());
+    // The down projection on the kernel's own h, plain and accumulating.
+    const auto y0 = random_bf16(64, 0.3f, 83 + inter);
+    const int td = fn::plan_moe_down_team(3, inter, 64, sm_count());
+    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+      std::vector<double> want, bound;
+      down_reference(dn, ids, rw, got.h, down_depth(3, inter, td), init, want, bound);
+      const auto y = run_down(ddn, ids, rw, got.h, 0, init);
+      const auto cd = fn::test::compare_bounded(y, want, bound);
+      CHECK_MESSAGE(cd.wrong == 0, "FP32 kernel", " I ", inter, " down, accumulate ",
+                    init != nullptr, ": ", cd.describe());
     }
   }
 }
@@ -781,25 +622,22 @@ TEST_CASE("cuda moe nvfp4: row counts that are not a multiple of 8 leave no row 
   const auto x = random_ints(48, -4, 4, 102);
   const auto h = random_ints(ids.size() * 16, -4, 4, 103);
   const auto y0 = random_ints(44, -8, 8, 104);
-  for (bool mma : {false, true})
-    for (int team : teams(mma)) {
-      const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(48, team, mma));
-      const auto got = run_gate_up(dgu, ids, x, team, mma);
-      const auto c =
-          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-      CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " gate/up team ", team, ": ", c.describe());
-      const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
-      CHECK_MESSAGE(ch.wrong == 0, kernel_name(mma), " h team ", team, ": ", ch.describe());
-      for (const std::vector<float>* init :
-           {static_cast<const std::vector<float>*>(nullptr), &y0}) {
-        std::vector<double> want, bound;
-        down_reference(dn, ids, rw, h, down_depth(10, 16, team, mma), init, want, bound);
-        const auto y = run_down(ddn, ids, rw, h, team, init, mma);
-        const auto cd = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-        CHECK_MESSAGE(cd.wrong == 0, kernel_name(mma), " down team ", team, " accumulate ",
-                      init != nullptr, ": ", cd.describe());
-      }
+  for (int team : teams()) {
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(48, team));
+    const auto got = run_gate_up(dgu, ids, x, team);
+    const auto c = fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+    CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " gate/up team ", team, ": ", c.describe());
+    const auto ch = fn::test::compare_bounded(got.h, ref.h, ref.h_bound);
+    CHECK_MESSAGE(ch.wrong == 0, "FP32 kernel", " h team ", team, ": ", ch.describe());
+    for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
+      std::vector<double> want, bound;
+      down_reference(dn, ids, rw, h, down_depth(10, 16, team), init, want, bound);
+      const auto y = run_down(ddn, ids, rw, h, team, init);
+      const auto cd = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+      CHECK_MESSAGE(cd.wrong == 0, "FP32 kernel", " down team ", team, " accumulate ",
+                    init != nullptr, ": ", cd.describe());
     }
+  }
 }
 
 TEST_CASE("cuda moe nvfp4: +-0.5 codes and subnormal block scales are exact (no flush to zero)") {
@@ -815,26 +653,24 @@ TEST_CASE("cuda moe nvfp4: +-0.5 codes and subnormal block scales are exact (no 
     const DeviceExperts dw(w);
     const std::vector<int32_t> ids = {3, 1, 2};
     const auto x = random_ints(gate_up ? 96 : ids.size() * 96, -64, 64, 113);
-    for (bool mma : {false, true}) {
-      const int team = mma ? 64 : 16;
-      if (gate_up) {
-        const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(96, team, mma));
-        const auto got = run_gate_up(dw, ids, x, team, mma);
-        const auto c =
-            fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
-        CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " gate/up: ", c.describe());
-        // Every output is nonzero-able: the reference is not trivially zero.
-        double mag = 0;
-        for (double v : ref.gu) mag += std::fabs(v);
-        CHECK(mag > 0);
-      } else {
-        const std::vector<float> rw = {0.5f, 1.0f, 0.25f};
-        std::vector<double> want, bound;
-        down_reference(w, ids, rw, x, down_depth(3, 96, team, mma), nullptr, want, bound);
-        const auto y = run_down(dw, ids, rw, x, team, nullptr, mma);
-        const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
-        CHECK_MESSAGE(c.wrong == 0, kernel_name(mma), " down: ", c.describe());
-      }
+    const int team = 16;
+    if (gate_up) {
+      const GateUpRef ref = gate_up_reference(w, ids, x, gate_up_depth(96, team));
+      const auto got = run_gate_up(dw, ids, x, team);
+      const auto c =
+          fn::test::compare_bounded(got.gu, ref.gu, std::vector<double>(ref.gu.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " gate/up: ", c.describe());
+      // Every output is nonzero-able: the reference is not trivially zero.
+      double mag = 0;
+      for (double v : ref.gu) mag += std::fabs(v);
+      CHECK(mag > 0);
+    } else {
+      const std::vector<float> rw = {0.5f, 1.0f, 0.25f};
+      std::vector<double> want, bound;
+      down_reference(w, ids, rw, x, down_depth(3, 96, team), nullptr, want, bound);
+      const auto y = run_down(dw, ids, rw, x, team, nullptr);
+      const auto c = fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0));
+      CHECK_MESSAGE(c.wrong == 0, "FP32 kernel", " down: ", c.describe());
     }
   }
 }
@@ -848,28 +684,28 @@ TEST_CASE("cuda moe nvfp4: expert ids outside [0, num_experts) contribute zero")
   const std::vector<float> rw = {1.0f, 0.5f, 1.0f, 1.0f};
   const auto h = random_ints(ids.size() * 32, -3, 3, 43);
   const auto y0 = random_ints(96, -3, 3, 44);
-  for (bool mma : {false, true}) {
-    const int team = mma ? 32 : 8;
-    const auto got = run_gate_up(dgu, ids, x, team, mma);
+  {
+    const int team = 8;
+    const auto got = run_gate_up(dgu, ids, x, team);
     for (int j : {0, 2, 3})
       for (int i = 0; i < 32; ++i) CHECK(got.h[size_t(j) * 32 + i] == 0.0f);
-    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(64, team, mma));
+    const GateUpRef ref = gate_up_reference(gu, ids, x, gate_up_depth(64, team));
     CHECK(fn::test::compare_bounded(got.h, ref.h, ref.h_bound).wrong == 0);
     for (const std::vector<float>* init : {static_cast<const std::vector<float>*>(nullptr), &y0}) {
       std::vector<double> want, bound;
-      down_reference(dn, ids, rw, h, down_depth(4, 32, team, mma), init, want, bound);
-      const auto y = run_down(ddn, ids, rw, h, team, init, mma);
+      down_reference(dn, ids, rw, h, down_depth(4, 32, team), init, want, bound);
+      const auto y = run_down(ddn, ids, rw, h, team, init);
       CHECK_MESSAGE(
           fn::test::compare_bounded(y, want, std::vector<double>(want.size(), 0)).wrong == 0,
-          kernel_name(mma), " accumulate ", init != nullptr);
+          "FP32 kernel", " accumulate ", init != nullptr);
     }
   }
   // All ids invalid: h = 0, and y = 0 (or y0 untouched when accumulating).
   const std::vector<int32_t> none = {-5, 4, 7, -1};
-  for (bool mma : {false, true}) {
-    const auto got = run_gate_up(dgu, none, x, 0, mma);
+  {
+    const auto got = run_gate_up(dgu, none, x, 0);
     for (float v : got.h) CHECK(v == 0.0f);
-    const auto y = run_down(ddn, none, rw, h, 0, &y0, mma);
+    const auto y = run_down(ddn, none, rw, h, 0, &y0);
     CHECK(std::memcmp(y.data(), y0.data(), y.size() * 4) == 0);
   }
 }
@@ -897,8 +733,7 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
   pd.top_k = 10;
   pd.h = d_h.ptr;
   pd.y = d_y.ptr;
-  CHECK(!pg.mma);  // the default: the FP32 kernels
-  CHECK(!pd.mma);
+  CHECK(!pg.bulk);  // the default: the FP32 kernels
   const std::vector<std::vector<int32_t>> id_sets = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9},
                                                      {31, 30, 7, 19, 3, 22, 14, 9, 27, 1}};
   const std::vector<float> rw = {0.3f, 0.2f, 0.1f, 0.1f, 0.06f, 0.06f, 0.06f, 0.04f, 0.04f, 0.04f};
@@ -906,13 +741,12 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
 
   cudaStream_t stream;
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  // Kinds: 0 the FP32 kernels, 1 the tensor-core kernels, 2 the bulk kernels (sm_90+ only).
-  const int kinds = fn::moe_gate_up_bulk_supported(10, 640, 2560) ? 3 : 2;
+  // The FP32 gate+up, then (sm_90+ only) the bulk gate+up; the FP32 down after either.
+  const int kinds = fn::moe_gate_up_bulk_supported(10, 640, 2560) ? 2 : 1;
   for (int kind = 0; kind < kinds; ++kind) {
-    const bool mma = kind == 1, bulk = kind == 2;
-    const char* name = bulk ? "bulk kernel" : kernel_name(mma);
-    pg.mma = pd.mma = mma;
-    pg.bulk = pd.bulk = bulk;
+    const bool bulk = kind == 1;
+    const char* name = bulk ? "bulk gate+up" : "FP32 kernels";
+    pg.bulk = bulk;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -937,16 +771,14 @@ TEST_CASE("cuda moe nvfp4: a captured graph follows expert ids changed in device
       for (uint16_t b : d_h.download()) h_eager.push_back(fn::bf16_to_float(b));
       CHECK_MESSAGE(std::memcmp(h_graph.data(), h_eager.data(), h_graph.size() * 4) == 0, name);
       // And right: the references on the graph's own h.
-      const int tg = fn::plan_moe_gate_up_team(10, 320, 2560, sm_count(), mma);
-      const GateUpRef gref = gate_up_reference(
-          gu, ids, x, bulk ? bulk_gate_up_depth(2560) : gate_up_depth(2560, tg, mma));
+      const int tg = fn::plan_moe_gate_up_team(10, 320, 2560, sm_count());
+      const GateUpRef gref =
+          gate_up_reference(gu, ids, x, bulk ? bulk_gate_up_depth(2560) : gate_up_depth(2560, tg));
       const auto ch = fn::test::compare_bounded(h_graph, gref.h, gref.h_bound);
       CHECK_MESSAGE(ch.wrong == 0, name, " h: ", ch.describe());
-      const int td = fn::plan_moe_down_team(10, 320, 2560, sm_count(), mma);
+      const int td = fn::plan_moe_down_team(10, 320, 2560, sm_count());
       std::vector<double> want, bound;
-      down_reference(dn, ids, rw, h_graph,
-                     bulk ? bulk_down_depth(10, 320) : down_depth(10, 320, td, mma), nullptr, want,
-                     bound);
+      down_reference(dn, ids, rw, h_graph, down_depth(10, 320, td), nullptr, want, bound);
       const auto c = fn::test::compare_bounded(y_graph, want, bound);
       CHECK_MESSAGE(c.wrong == 0, name, ": ", c.describe());
     }
@@ -982,10 +814,7 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   bad.team_threads = 12;
   CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
   bad = p;
-  bad.team_threads = 16;
-  bad.mma = true;  // the tensor-core kernel takes whole warps (32..256)
-  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(bad, nullptr), fn::Error);
-  bad.mma = false;  // the FP32 kernel takes 16
+  bad.team_threads = 16;  // the FP32 kernel takes 16
   fn::launch_moe_gate_up_nvfp4(bad, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   bad = p;
@@ -1009,10 +838,7 @@ TEST_CASE("cuda moe nvfp4: the launchers reject bad shapes, alignment and team s
   d.h = h64.ptr;
   fn::launch_moe_down_nvfp4(d, nullptr);  // valid: 1 x 64 columns
   FN_CUDA_CHECK(cudaDeviceSynchronize());
-  d.team_threads = 8;  // whole warps only on the tensor-core path
-  d.mma = true;
-  CHECK_THROWS_AS(fn::launch_moe_down_nvfp4(d, nullptr), fn::Error);
-  d.mma = false;
+  d.team_threads = 8;
   fn::launch_moe_down_nvfp4(d, nullptr);  // the FP32 kernel takes 8
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   d.team_threads = 0;

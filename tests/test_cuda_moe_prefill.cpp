@@ -1,8 +1,8 @@
-// GPU tests of the batched routed experts (cuda/kernels/moe_prefill.h) against the decode kernels run
-// once per row (cuda/kernels/decode_ops.h launch_router_topk, cuda/kernels/moe_nvfp4.h gate+up and down): router
-// rows bitwise; h bitwise or one BF16 step apart (only where FP32 summation order moves a value
-// across a rounding boundary); y against decode's down kernel fed the same h, within FP32
-// accumulation-order error; the per-row path bitwise. FN_BENCH=1 adds the real-shape timings.
+// GPU tests of the batched routed experts (cuda/kernels/moe_prefill.h) against the decode kernels
+// run once per row (cuda/kernels/decode_ops.h launch_router_topk, cuda/kernels/moe_nvfp4.h gate+up
+// and down): router rows bitwise; h bitwise or one BF16 step apart (only where FP32 summation order
+// moves a value across a rounding boundary); y against decode's down kernel fed the same h, within
+// FP32 accumulation-order error; the per-row path bitwise. FN_BENCH=1 adds the real-shape timings.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -71,8 +71,6 @@ struct CaseSpec {
   int64_t tokens;
   fn::MoePrefillPath path;
   uint64_t seed;
-  bool overlap = true;
-  int group_segments = 0;
   int64_t chunk_tokens = 0;
 };
 
@@ -84,8 +82,6 @@ void check_case(const CaseSpec& c) {
   CAPTURE(c.top_k);
   CAPTURE(c.tokens);
   CAPTURE(static_cast<int>(c.path));
-  CAPTURE(c.overlap);
-  CAPTURE(c.group_segments);
   CAPTURE(c.chunk_tokens);
   const int E = c.experts, k = c.top_k;
   const int64_t H = c.hidden, I = c.inter, M = c.tokens;
@@ -135,8 +131,6 @@ void check_case(const CaseSpec& c) {
   mp.top_k = k;
   mp.x = d_x.ptr;
   mp.path = c.path;
-  mp.overlap_dequant = c.overlap;
-  mp.group_segments = c.group_segments;
   mp.chunk_tokens = c.chunk_tokens;
   DeviceArray<float> d_y(size_t(M) * H);
   DeviceArray<uint16_t> d_h(size_t(M) * k * I);
@@ -194,11 +188,11 @@ void check_case(const CaseSpec& c) {
 
   const bool per_row = c.path == fn::MoePrefillPath::PerRow ||
                        (c.path == fn::MoePrefillPath::Auto && M <= fn::kMoePrefillPerRowMaxTokens);
-  // h: bitwise equal on the per-row path. On the grouped path g and u differ from decode's only
+  // h: bitwise equal on the per-row path. On the fused path g and u differ from decode's only
   // by FP32 summation order: decode errs by at most gamma_{H+8} * sum|w x| * gs (H exact products,
-  // the block-scale and global-scale multiplies), cuBLAS by at most twice that (tensor-core
-  // accumulation may truncate instead of rounding), so the two differ by at most 3x, taken as 4x
-  // (eg, eu; large relative to g or u only where the dot product cancels). Through
+  // the block-scale and global-scale multiplies), the tensor cores by at most twice that
+  // (tensor-core accumulation may truncate instead of rounding), so the two differ by at most 3x,
+  // taken as 4x (eg, eu; large relative to g or u only where the dot product cancels). Through
   // silu(g) * u (|silu'| <= 1.1 everywhere bounds the change from g; silu at the exact g, widened
   // by 1.1 eg, multiplies eu) and a few FP32 roundings of silu and the product on each side,
   // then each side's BF16 rounding (half a step each): |h - h_ref| <= dh + one BF16 step.
@@ -280,7 +274,6 @@ void check_case(const CaseSpec& c) {
 void run_all(int E, int H, int I, int k, const std::vector<int64_t>& ms, uint64_t seed) {
   for (const int64_t m : ms) {
     check_case({E, H, I, k, m, fn::MoePrefillPath::Auto, seed + uint64_t(m)});
-    check_case({E, H, I, k, m, fn::MoePrefillPath::Grouped, seed + 7 * uint64_t(m)});
     check_case({E, H, I, k, m, fn::MoePrefillPath::Fused, seed + 11 * uint64_t(m)});
   }
 }
@@ -340,15 +333,9 @@ TEST_CASE("moe prefill: the 16-code path of I = 16 matches the decode kernels pe
   run_all(8, 64, 16, 3, {1, 5, 64}, 200);
 }
 
-TEST_CASE("moe prefill: several groups of experts and an expert split in segments match decode") {
-  // 20 experts: more than one group of segments; 1100 tokens all selecting expert 1: a segment
-  // split (1024 rows per segment).
-  check_case({20, 64, 32, 4, 300, fn::MoePrefillPath::Grouped, 300});
-  // 4 segments per group: 5 groups, so the overlapped dequantisation reuses both weight sets.
-  check_case({20, 64, 32, 4, 300, fn::MoePrefillPath::Grouped, 302, true, 4});
-  check_case({20, 64, 32, 4, 300, fn::MoePrefillPath::Grouped, 303, false, 4});
-  check_case({8, 64, 32, 3, 1100, fn::MoePrefillPath::Grouped, 301});
-  // Fused: the 1100 rows of expert 1 are 18 row tiles (17 of 64 rows, one of 12).
+TEST_CASE("moe prefill: an expert with many row tiles and many experts match decode") {
+  // The 1100 rows of expert 1 (every token selects it) are 18 row tiles (17 of 64 rows, one of
+  // 12); 20 experts of 4 per token.
   check_case({8, 64, 32, 3, 1100, fn::MoePrefillPath::Fused, 304});
   check_case({20, 64, 32, 4, 300, fn::MoePrefillPath::Fused, 305});
 }
@@ -360,17 +347,10 @@ TEST_CASE(
   // last 16 wide); I = 80: two gate+up feature tiles of 64 (the second 16 wide) and down k = 64 +
   // 16. Rows per expert ~75: a full tile of 64 and a partial one.
   check_case({8, 272, 80, 3, 200, fn::MoePrefillPath::Fused, 600});
-  check_case({8, 272, 80, 3, 200, fn::MoePrefillPath::Grouped, 601});
   // Chunks of 64 tokens: 4 chunks, the last of 8 tokens.
-  check_case({8, 272, 80, 3, 200, fn::MoePrefillPath::Fused, 602, true, 0, 64});
+  check_case({8, 272, 80, 3, 200, fn::MoePrefillPath::Fused, 602, 64});
   // 16-code down k (I = 16) with chunks of 1 token.
-  check_case({8, 64, 16, 3, 23, fn::MoePrefillPath::Fused, 603, true, 0, 1});
-}
-
-TEST_CASE("moe prefill: the grouped path without the dequantisation overlap matches decode") {
-  for (const int64_t m : {1, 17, 300})
-    check_case({20, 64, 32, 4, m, fn::MoePrefillPath::Grouped, 400 + uint64_t(m), false});
-  check_case({8, 64, 16, 3, 64, fn::MoePrefillPath::Grouped, 500, false});
+  check_case({8, 64, 16, 3, 23, fn::MoePrefillPath::Fused, 603, 1});
 }
 
 TEST_CASE("moe prefill: invalid expert ids contribute zero and zero tokens do nothing") {
@@ -384,8 +364,7 @@ TEST_CASE("moe prefill: invalid expert ids contribute zero and zero tokens do no
   DeviceArray<int32_t> d_ids(ids);
   DeviceArray<float> d_w(w);
   DeviceArray<uint16_t> d_x(x);
-  for (const auto path :
-       {fn::MoePrefillPath::PerRow, fn::MoePrefillPath::Grouped, fn::MoePrefillPath::Fused}) {
+  for (const auto path : {fn::MoePrefillPath::PerRow, fn::MoePrefillPath::Fused}) {
     fn::MoePrefillParams mp;
     mp.gate_up = gu.view;
     mp.down = dn.view;
@@ -466,8 +445,7 @@ void fill(void* dst, int64_t count, fn::DType dt, fn::RandomFill kind, float lo,
 void spot_check(fn::MoePrefillParams mp, fn::MoePrefillPath path, const int32_t* d_ids,
                 const float* d_w, float* y_ptr, int64_t M, int k, int64_t H, int64_t inter);
 
-void bench(int64_t inter, int64_t M, const std::vector<int>& group_options,
-           const std::vector<int64_t>& chunk_options) {
+void bench(int64_t inter, int64_t M, const std::vector<int64_t>& chunk_options) {
   const int E = 512, k = 10;
   const int64_t H = 2560;
   DeviceArray<uint8_t> gp(size_t(E) * 2 * inter * H / 2), gs(size_t(E) * 2 * inter * H / 16);
@@ -509,26 +487,15 @@ void bench(int64_t inter, int64_t M, const std::vector<int>& group_options,
   mp.top_k = k;
   mp.x = x.ptr;
   mp.y = y.ptr;
-  // Runs: the Grouped path (the first implementation) per group size with the overlap on, then
-  // the Fused path per chunk size.
-  struct Run {
-    fn::MoePrefillPath path;
-    int gsegs;
-    int64_t chunk;
-  };
-  std::vector<Run> runs;
-  for (const int g : group_options) runs.push_back({fn::MoePrefillPath::Grouped, g, 0});
-  for (const int64_t c : chunk_options) runs.push_back({fn::MoePrefillPath::Fused, 0, c});
-  for (const Run& run : runs) {
+  // Runs: the Fused path per chunk size.
+  for (const int64_t chunk : chunk_options) {
     {
-      mp.path = run.path;
-      mp.group_segments = run.gsegs;
-      mp.chunk_tokens = run.chunk;
-      mp.overlap_dequant = true;
+      mp.path = fn::MoePrefillPath::Fused;
+      mp.chunk_tokens = chunk;
       const size_t wsb = fn::moe_prefill_workspace_bytes(mp);
       DeviceArray<uint8_t> ws(wsb);
       mp.workspace = ws.ptr;
-      fn::launch_moe_prefill(mp, nullptr);  // warm-up (cuBLAS handle, heuristics)
+      fn::launch_moe_prefill(mp, nullptr);  // warm-up
       cudaEvent_t a, b;
       FN_CUDA_CHECK(cudaEventCreate(&a));
       FN_CUDA_CHECK(cudaEventCreate(&b));
@@ -543,18 +510,14 @@ void bench(int64_t inter, int64_t M, const std::vector<int>& group_options,
       ms /= reps;
       const double flops = 2.0 * M * k * (2 * inter * H + H * inter);
       MESSAGE("moe prefill E 512 top_k 10 hidden 2560 I "
-              << inter << " M " << M
-              << std::string(run.path == fn::MoePrefillPath::Grouped ? " GROUPED group_segments "
-                                                                     : " FUSED chunk_tokens ")
-              << (run.path == fn::MoePrefillPath::Grouped ? int64_t(run.gsegs) : run.chunk) << ": "
-              << ms << " ms/layer, " << flops / ms / 1e9 << " TFLOP/s, workspace "
+              << inter << " M " << M << " FUSED chunk_tokens " << chunk << ": " << ms
+              << " ms/layer, " << flops / ms / 1e9 << " TFLOP/s, workspace "
               << double(wsb) / (1 << 20) << " MiB");
       FN_CUDA_CHECK(cudaEventDestroy(a));
       FN_CUDA_CHECK(cudaEventDestroy(b));
     }
   }
-  for (const auto path : {fn::MoePrefillPath::Grouped, fn::MoePrefillPath::Fused})
-    spot_check(mp, path, d_ids.ptr, d_w.ptr, y.ptr, M, k, H, inter);
+  spot_check(mp, fn::MoePrefillPath::Fused, d_ids.ptr, d_w.ptr, y.ptr, M, k, H, inter);
 }
 
 // Rows 0, 1 and M - 1 of the real shape: y against decode's down fed prefill's own h (h_out),
@@ -563,9 +526,7 @@ void spot_check(fn::MoePrefillParams mp, fn::MoePrefillPath path, const int32_t*
                 const float* d_w, float* y_ptr, int64_t M, int k, int64_t H, int64_t inter) {
   CAPTURE(static_cast<int>(path));
   mp.path = path;
-  mp.group_segments = 0;
   mp.chunk_tokens = 0;
-  mp.overlap_dequant = true;
   DeviceArray<uint8_t> ws(fn::moe_prefill_workspace_bytes(mp));
   mp.workspace = ws.ptr;
   // Spot check at the real shape: rows 0, 1 and M - 1 against decode's down fed prefill's h is
@@ -654,10 +615,10 @@ TEST_CASE("moe prefill: real-shape timings (FN_BENCH=1)") {
     FN_CUDA_CHECK(cudaEventDestroy(a));
     FN_CUDA_CHECK(cudaEventDestroy(b));
   }
-  bench(640, 8192, {16}, {8192, 4096});
-  bench(320, 8192, {16}, {8192, 4096});
-  bench(640, 512, {32}, {0});
-  bench(320, 512, {32}, {0});
+  bench(640, 8192, {8192, 4096});
+  bench(320, 8192, {8192, 4096});
+  bench(640, 512, {0});
+  bench(320, 512, {0});
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
-// GPU tests of the fused MoE shared-expert launches (cuda/kernels/moe_shared.h) against the unfused
-// launches they replace in the decode step (launch_gemv_bf16 x 2 + launch_router_topk;
-// launch_swiglu + launch_gemv_bf16 + launch_moe_combine): bitwise equal (memcmp), eager and
+// GPU tests of the fused MoE shared-expert launches (cuda/kernels/moe_shared.h) against the
+// separate launches of the same device code (launch_gemv_bf16 x 2 + launch_router_topk;
+// launch_swiglu_rows + launch_gemv_bf16 + launch_moe_combine_rows for one row): bitwise equal
+// (memcmp), eager and
 // replayed in a CUDA graph (every launch leaves the router mailbox empty), on the real shapes
 // (D 2560, E 512, k 10, shared I 640 and 320 at TP=2) and the tiny fixture's (D 64, E 8, k 3,
 // I 32); plus the GEMV rows against an FP64 evaluation of MODEL.md §C.7 with Higham's bound.
@@ -19,6 +20,7 @@
 #include "cuda/kernels/decode_ops.h"
 #include "cuda/kernels/gemv_bf16.h"
 #include "cuda/kernels/moe_shared.h"
+#include "cuda/kernels/prefill_ops.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -318,7 +320,8 @@ struct DownShape {
   int64_t D, I;
 };
 
-// y after launch_swiglu + launch_gemv_bf16 + launch_moe_combine, and after the fused launch
+// y after launch_swiglu_rows + launch_gemv_bf16 + launch_moe_combine_rows (one row), and after the
+// fused launch
 // (eager, then `replays` replays of a captured graph, y reset to y0 before each).
 void check_down_combine(const DownShape& s, float gate, uint64_t seed, cudaStream_t st) {
   const auto w = random_bf16_bits(static_cast<size_t>(s.D * s.I),
@@ -331,18 +334,9 @@ void check_down_combine(const DownShape& s, float gate, uint64_t seed, cudaStrea
   DeviceArray<float> d_sgu(sgu), d_y(y0), d_yref(y0), d_ys(static_cast<size_t>(s.D)),
       d_logits(logit_row);
 
-  fn::SwigluParams sw;
-  sw.gate_up = d_sgu.ptr;
-  sw.h = d_sh.ptr;
-  sw.inter = s.I;
-  fn::launch_swiglu(sw, st);
+  fn::launch_swiglu_rows(d_sgu.ptr, s.I, 1, d_sh.ptr, st);
   fn::launch_gemv_bf16(d_w.ptr, s.D, s.I, d_sh.ptr, fn::DType::BF16, d_ys.ptr, fn::DType::F32, st);
-  fn::MoeCombineParams mc;
-  mc.y = d_yref.ptr;
-  mc.y_shared = d_ys.ptr;
-  mc.gate_logit = d_logits.ptr + 2;
-  mc.hidden = s.D;
-  fn::launch_moe_combine(mc, st);
+  fn::launch_moe_combine_rows(d_yref.ptr, d_ys.ptr, d_logits.ptr + 2, 1, s.D, 1, st);
 
   fn::SharedDownCombineParams p;
   p.weight = d_w.ptr;
@@ -378,7 +372,7 @@ void check_down_combine(const DownShape& s, float gate, uint64_t seed, cudaStrea
 
 }  // namespace
 
-TEST_CASE("cuda moe shared: SwiGLU + shared down + gated combine equal the unfused launches") {
+TEST_CASE("cuda moe shared: SwiGLU + shared down + gated combine equal the separate launches") {
   cudaStream_t st;
   FN_CUDA_CHECK(cudaStreamCreate(&st));
   uint64_t seed = 700;

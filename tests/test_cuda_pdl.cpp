@@ -1,10 +1,11 @@
-// GPU tests of programmatic dependent launch (cuda/common/pdl.h, cuda/common/pdl.cuh): a chain of decode-step
-// kernels launched back to back in one stream (HC read: fused norm + down pass and mix, BF16 GEMVs
-// on the FP32 block input, GDN, router, NVFP4 experts on its BF16 copy, SwiGLU, combine, inject;
-// every step reads what the one before wrote, and the GDN state and H carry over from step to step)
-// must give the same bits with PDL on as with PDL off (plain stream order, the reference whose
-// kernels the other test_cuda_* files check against the CPU oracle), eagerly and replayed from a
-// CUDA graph. A missing or misplaced wait would race and change bits.
+// GPU tests of programmatic dependent launch (cuda/common/pdl.h, cuda/common/pdl.cuh): a chain of
+// decode-step kernels launched back to back in one stream (HC read: fused norm + down pass and mix,
+// BF16 GEMVs on the FP32 block input, GDN, the fused router + shared gate/up + top-k, NVFP4 experts
+// on the BF16 copy, the fused SwiGLU + shared down + combine, inject; every step reads what the one
+// before wrote, and the GDN state and H carry over from step to step) must give the same bits with
+// PDL on as with PDL off (plain stream order, the reference whose kernels the other test_cuda_*
+// files check against the CPU oracle), eagerly and replayed from a CUDA graph. A missing or
+// misplaced wait would race and change bits.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -13,14 +14,15 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "core/error.h"
+#include "cuda/common/cuda_check.h"
+#include "cuda/common/pdl.h"
 #include "cuda/kernels/decode_ops.h"
 #include "cuda/kernels/gdn.h"
 #include "cuda/kernels/gemv_bf16.h"
 #include "cuda/kernels/hc.h"
 #include "cuda/kernels/moe_nvfp4.h"
-#include "cuda/common/pdl.h"
+#include "cuda/kernels/moe_shared.h"
 #include "cuda/kernels/weight_fill.h"
 #include "tests/cuda_test_util.h"
 
@@ -72,9 +74,10 @@ struct Chain {
   // Per-step scratch.
   DeviceArray<float> sumsq{static_cast<size_t>(fn::hc_down_splits(kS, kD))},
       t{static_cast<size_t>(fn::hc_down_splits(kS, kD) * kHcRows)}, m{kD}, iota{kS};
-  DeviceArray<uint16_t> m_bf16{kD}, gout{kHv * kDv}, h{kK * kI}, sh{kIs};
+  DeviceArray<uint16_t> m_bf16{kD}, gout{kHv * kDv}, h{kK * kI};
   DeviceArray<float> proj{kProjRows}, o_scratch{kHv * kDv}, ya{kD}, rl{kE + 1}, rw{kK}, y{kD};
-  DeviceArray<float> sgu{2 * kIs}, ys{kD};
+  DeviceArray<float> sgu{2 * kIs};
+  DeviceArray<float> mailbox{kE};
   DeviceArray<int32_t> ids{kK}, flag{1};
 
   Chain() {
@@ -109,6 +112,7 @@ struct Chain {
     FN_CUDA_CHECK(cudaMemset(state.ptr, 0, state.n * sizeof(float)));
     FN_CUDA_CHECK(cudaMemset(conv_state.ptr, 0, conv_state.n * sizeof(float)));
     FN_CUDA_CHECK(cudaMemset(flag.ptr, 0, sizeof(int32_t)));
+    fn::router_mailbox_init(mailbox.ptr, static_cast<int>(kE), nullptr);
     FN_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
@@ -171,9 +175,21 @@ struct Chain {
     gemv(w_o, kD, kHv * kDv, gout.ptr, DType::BF16, ya.ptr, s);
     inject(ya, s);
     hc_read(true, s);
-    gemv(w_r, kE + 1, kD, m.ptr, DType::F32, rl.ptr, s);
-    const fn::RouterParams rp{rl.ptr, static_cast<int>(kE), kK, true, ids.ptr, rw.ptr, flag.ptr};
-    fn::launch_router_topk(rp, s);
+    fn::RouterSharedGateUpParams rs;
+    rs.x = m.ptr;
+    rs.hidden = kD;
+    rs.router_weight = w_r.ptr;
+    rs.gate_up_weight = w_sgu.ptr;
+    rs.inter = kIs;
+    rs.num_experts = static_cast<int>(kE);
+    rs.top_k = kK;
+    rs.logits = rl.ptr;
+    rs.gate_up = sgu.ptr;
+    rs.ids = ids.ptr;
+    rs.weights = rw.ptr;
+    rs.error_flag = flag.ptr;
+    rs.mailbox = mailbox.ptr;
+    fn::launch_router_shared_gate_up(rs, s);
     fn::MoeGateUpParams gu;
     gu.experts = {gu_packed.ptr, gu_scales.ptr, gu_gs.ptr, static_cast<int>(kE), 2 * kI, kD};
     gu.expert_ids = ids.ptr;
@@ -189,12 +205,14 @@ struct Chain {
     dn.h = h.ptr;
     dn.y = y.ptr;
     fn::launch_moe_down_nvfp4(dn, s);
-    gemv(w_sgu, 2 * kIs, kD, m.ptr, DType::F32, sgu.ptr, s);
-    const fn::SwigluParams sw{sgu.ptr, sh.ptr, kIs};
-    fn::launch_swiglu(sw, s);
-    gemv(w_sd, kD, kIs, sh.ptr, DType::BF16, ys.ptr, s);
-    const fn::MoeCombineParams mc{y.ptr, ys.ptr, rl.ptr + kE, kD};
-    fn::launch_moe_combine(mc, s);
+    fn::SharedDownCombineParams sd;
+    sd.weight = w_sd.ptr;
+    sd.hidden = kD;
+    sd.inter = kIs;
+    sd.gate_up = sgu.ptr;
+    sd.gate_logit = rl.ptr + kE;
+    sd.y = y.ptr;
+    fn::launch_shared_down_combine(sd, s);
     inject(y, s);
   }
 

@@ -1,15 +1,14 @@
-// GPU tests of the QSA decode kernels (cuda/kernels/qsa.h) against the CPU ops that CpuModel::qsa_step
-// chains (core/cpu_ops.h: rms_norm_1p, rope_neox, indexer_block_key, indexer_scores,
-// qsa_selected_tokens, gqa_attention, sigmoid_gate_mul), on the tiny fixture shapes at TP=1/2/4
-// over positions 0..40 and on the real shapes (MODEL.md §A.3) with caches prefilled up to 39999;
-// error bounds derived from the rounding steps of both sides; graph replay bitwise equal to eager;
-// launcher checks; the default four-launch path bitwise equal to the previous five-launch path
-// (outputs, caches, every workspace intermediate) including a workspace that starts as garbage,
-// and so is the seven-launch path with the overlapped projection (proj too, against one GEMV);
-// the decode step's block select (select_top_blocks_cg) equal to the prefill's four-pass radix
-// select and to cpu::top_k on adversarial scores (ties, zeros of both signs, infinities, NaN,
-// subnormals, B past the on-chip keys); a bench at t = 8191 per path and per kernel and of the
-// two selects (FN_BENCH=1).
+// GPU tests of the QSA decode kernels (cuda/kernels/qsa.h) against the CPU ops that
+// CpuModel::qsa_step chains (core/cpu_ops.h: rms_norm_1p, rope_neox, indexer_block_key,
+// indexer_scores, qsa_selected_tokens, gqa_attention, sigmoid_gate_mul), on the tiny fixture shapes
+// at TP=1/2/4 over positions 0..40 and on the real shapes (MODEL.md §A.3) with caches prefilled up
+// to 39999; error bounds derived from the rounding steps of both sides; graph replay bitwise equal
+// to eager; launcher checks; the seven-launch path with the overlapped projection bitwise equal to
+// one projection GEMV followed by the four launches (proj, outputs, caches, every workspace
+// intermediate); the decode step's block select (select_top_blocks_cg) equal to the prefill's
+// four-pass radix select and to cpu::top_k on adversarial scores (ties, zeros of both signs,
+// infinities, NaN, subnormals, B past the on-chip keys); a bench at t = 8191 of both paths and of
+// the two selects (FN_BENCH=1).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -145,7 +144,7 @@ struct Gpu {
     layout = fn::qsa_workspace_layout(p);
     REQUIRE(fn::qsa_decode_workspace_bytes(p) == layout.total);
     ws = std::make_unique<DeviceArray<uint8_t>>(layout.total);
-    // A workspace starting as garbage (the scores ticket included) must not matter.
+    // A workspace starting as garbage (the scores mailbox included) must not matter.
     FN_CUDA_CHECK(cudaMemset(ws->ptr, 0xff, layout.total));
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     p.workspace = ws->ptr;
@@ -568,7 +567,7 @@ TEST_CASE("cuda qsa: the launcher rejects bad parameters; a position past the ca
   bad([](fn::QsaDecodeParams& p) { p.block_topk = 0; });
   bad([](fn::QsaDecodeParams& p) { p.indexer_head_dim = 300; });
   bad([](fn::QsaDecodeParams& p) { p.ctx_size = 0; });
-  // The overlapped projection: x missing, a bad input size, the paths it cannot run on.
+  // The overlapped projection: x missing, a bad input size, a misaligned matrix.
   DeviceArray<uint16_t> w(size_t(proj_size(g.s)) * 64);
   DeviceArray<float> x(64);
   const auto overlapped = [&](fn::QsaDecodeParams& p) {
@@ -581,8 +580,6 @@ TEST_CASE("cuda qsa: the launcher rejects bad parameters; a position past the ca
   bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.hidden = 0; });
   bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.hidden = 8200; });
   bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.in_proj = w.ptr + 1; });
-  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.five_launch_path = true; });
-  bad([&](fn::QsaDecodeParams& p) { overlapped(p), p.select_mailbox = false; });
   fn::QsaDecodeParams shape = g.p;
   shape.num_q_heads = 0;
   CHECK_THROWS_AS((void)fn::qsa_decode_workspace_bytes(shape), fn::Error);
@@ -604,8 +601,8 @@ TEST_CASE("cuda qsa: the launcher rejects bad parameters; a position past the ca
 
 namespace {
 
-// Bitwise comparison of the default path (f) with the five-launch path (l) after one step at t:
-// out, the four caches and the workspace intermediates the kernels hand on.
+// Bitwise comparison of the overlapped-projection path (f) with the plain path (l) after one step
+// at t: out, the four caches and the workspace intermediates the kernels hand on.
 void check_paths_equal(Gpu& f, Gpu& l, int64_t t) {
   const Shape& s = f.s;
   INFO(s.name, " t=", t);
@@ -641,29 +638,22 @@ void check_paths_equal(Gpu& f, Gpu& l, int64_t t) {
   }
 }
 
-// Runs both paths step by step on identical state and compares them after every step. With
-// hidden > 0 the default path computes proj itself (QsaDecodeParams::in_proj: the overlapped
-// projection of a random BF16 matrix and FP32 input) and the five-launch path gets it from one
-// launch_gemv_bf16 over all rows; proj is compared too.
-void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t period,
-                   bool forced = false, int split = 0, bool mailbox = true, int64_t hidden = 0) {
-  INFO("attention head split ", split, ", select mailbox ", mailbox, ", projection input ", hidden);
+// Runs both paths step by step on identical state and compares them after every step: the
+// overlapped path computes proj itself (QsaDecodeParams::in_proj: the projection of a random BF16
+// [proj rows, hidden] matrix and FP32 input), the plain path gets it from one launch_gemv_bf16
+// over all rows; proj is compared too.
+void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t period, int64_t hidden,
+                   bool forced = false) {
+  INFO("projection input ", hidden);
   Gpu f(s, 51), l(s, 51);
-  l.p.five_launch_path = true;
-  f.p.attn_head_split = split;
-  f.p.select_mailbox = mailbox;
-  std::unique_ptr<DeviceArray<uint16_t>> w;
-  std::unique_ptr<DeviceArray<float>> x;
-  if (hidden > 0) {
-    std::mt19937_64 wr(29);
-    w = std::make_unique<DeviceArray<uint16_t>>(
-        random_bf16(size_t(proj_size(s)) * hidden, 1.0f / std::sqrt(float(hidden)), wr));
-    x = std::make_unique<DeviceArray<float>>(size_t(hidden));
-    f.p.in_proj = w->ptr;
-    f.p.x = x->ptr;
-    f.p.hidden = hidden;
-    FN_CUDA_CHECK(cudaMemset(f.proj->ptr, 0xff, f.proj->n * 4));  // every row must be written
-  }
+  std::mt19937_64 wr(29);
+  const DeviceArray<uint16_t> w(
+      random_bf16(size_t(proj_size(s)) * hidden, 1.0f / std::sqrt(float(hidden)), wr));
+  DeviceArray<float> x(static_cast<size_t>(hidden));
+  f.p.in_proj = w.ptr;
+  f.p.x = x.ptr;
+  f.p.hidden = hidden;
+  FN_CUDA_CHECK(cudaMemset(f.proj->ptr, 0xff, f.proj->n * 4));  // every row must be written
   std::mt19937_64 r1(17), r2(17);
   if (period > 0) {
     prefill(f, r1, period);
@@ -679,70 +669,52 @@ void compare_paths(const Shape& s, const std::vector<int64_t>& ts, int64_t perio
   }
   std::mt19937_64 rng(23);
   for (int64_t t : ts) {
-    if (hidden > 0) {
-      x->upload(random_floats(size_t(hidden), 1.0f, rng));
-      fn::launch_gemv_bf16(w->ptr, proj_size(s), hidden, x->ptr, fn::DType::F32, l.proj->ptr,
-                           fn::DType::F32, nullptr);
-    } else {
-      const auto proj = random_proj(s, rng);
-      f.proj->upload(proj);
-      l.proj->upload(proj);
-    }
+    x.upload(random_floats(size_t(hidden), 1.0f, rng));
+    fn::launch_gemv_bf16(w.ptr, proj_size(s), hidden, x.ptr, fn::DType::F32, l.proj->ptr,
+                         fn::DType::F32, nullptr);
     for (Gpu* g : {&f, &l}) {
       g->set_position(t);
       fn::launch_qsa_decode(g->p, nullptr);
     }
     FN_CUDA_CHECK(cudaDeviceSynchronize());
     check_paths_equal(f, l, t);
-    if (hidden > 0) {
-      const auto pf = f.proj->download(), pl = l.proj->download();
-      CHECK_MESSAGE(same_bits(pf.data(), pl.data(), pf.size()), "proj, t=", t);
-    }
+    const auto pf = f.proj->download(), pl = l.proj->download();
+    CHECK_MESSAGE(same_bits(pf.data(), pl.data(), pf.size()), "proj, t=", t);
   }
 }
 
 }  // namespace
 
-TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, tiny shapes") {
+TEST_CASE(
+    "cuda qsa: the overlapped projection equals the projection GEMV and the four launches "
+    "bitwise, tiny shapes") {
   std::vector<int64_t> ts;
   for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);  // 45 = ctx: out NaN, nothing written
   for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
-    for (int split : {0, 1, 2, 4}) compare_paths(s, ts, 0, false, split);
-    compare_paths(s, ts, 0, false, 0, false);  // the select after the arrival ticket
-    for (int split : {0, 2}) compare_paths(s, ts, 0, false, split, true, 64);  // overlapped
+    compare_paths(s, ts, 0, 64);
+    compare_paths(s, ts, 0, 8);
   }
 }
 
 // Small enough for compute-sanitizer racecheck: every kernel of both paths, the radix select
-// from t = 11 on (B > block_topk 2), the split and unsplit attention.
-TEST_CASE("cuda qsa: sanitizer case: g3_tiny TP=1 paths equal over t = 0..45, splits 0 and 1") {
+// from t = 11 on (B > block_topk 2).
+TEST_CASE("cuda qsa: sanitizer case: g3_tiny TP=1 paths equal over t = 0..45") {
   std::vector<int64_t> ts;
   for (int64_t t = 0; t <= 45; ++t) ts.push_back(t);
-  for (int split : {0, 1}) compare_paths(kG3Tp1, ts, 0, false, split);
-  compare_paths(kG3Tp1, ts, 0, false, 0, false);
-  compare_paths(kG3Tp1, ts, 0, false, 0, true, 64);  // the overlapped projection
+  compare_paths(kG3Tp1, ts, 0, 64);
 }
 
-TEST_CASE("cuda qsa: the four-launch path equals the five-launch path bitwise, real shapes") {
-  // Dense (B <= 512), the first dropped blocks, a completing block, t = 8191, past the end.
-  compare_paths(real_tp1(8192), {0, 3, 2047, 2048, 2051, 4099, 8191, 8192}, 700);
-  compare_paths(real_tp2r1(8192), {2050, 2051, 8190, 8191}, 1 << 20);
+TEST_CASE(
+    "cuda qsa: the overlapped projection equals the projection GEMV and the four launches "
+    "bitwise, real shapes") {
+  // Dense (B <= 512), the first dropped blocks, a completing block, t = 8191, past the end; the
+  // decode step's projection input (hidden 2560).
+  compare_paths(real_tp1(8192), {0, 3, 2047, 2048, 2051, 4099, 8191, 8192}, 700, 2560);
+  compare_paths(real_tp2r1(8192), {2050, 2051, 8190, 8191}, 1 << 20, 2560);
   // Exact ties everywhere (period 64) and B = 10000 past the select's on-chip keys.
-  compare_paths(real_tp2r1(40000), {39999, 39998}, 64);
-  // The select after the arrival ticket (select_mailbox false) at the same points.
-  compare_paths(real_tp1(8192), {0, 2047, 2051, 8191, 8192}, 700, false, 0, false);
-  compare_paths(real_tp2r1(40000), {39999}, 64, false, 0, false);
+  compare_paths(real_tp2r1(40000), {39999, 39998}, 64, 2560);
   // A reference's forced choice replayed.
-  compare_paths(real_tp1(8192), {8191}, 700, true);
-  // The overlapped projection (hidden 2560, the decode step's default) at the same points.
-  compare_paths(real_tp1(8192), {0, 3, 2047, 2051, 8191, 8192}, 700, false, 0, true, 2560);
-  compare_paths(real_tp2r1(40000), {39999, 39998}, 64, false, 0, true, 2560);
-  compare_paths(real_tp1(8192), {8191}, 700, true, 0, true, 2560);
-  // Every split of the 12 query heads of a KV head over attention CTAs.
-  for (int split : {1, 2, 3, 4, 5, 6, 12, 16}) {
-    compare_paths(real_tp1(8192), {2051, 8191}, 700, false, split);
-    compare_paths(real_tp2r1(4100), {4099}, 700, false, split);
-  }
+  compare_paths(real_tp1(8192), {8191}, 700, 2560, true);
 }
 
 // Scores of one kind for the select test: kind 0 Gaussian, 1 uniform [0, 1), 2 sums of four
@@ -856,51 +828,36 @@ TEST_CASE("cuda qsa bench: microseconds per decode step at t = 8191, real shapes
     g.set_position(8191);
     cudaStream_t stream;
     FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    // Microseconds per launch_qsa_decode (or per enqueued subset, launch_mask) over graphs of 20
-    // back-to-back calls, replayed 25 times; best of 3 timings.
-    auto time_us = [&](bool five, unsigned mask, int split = 0) {
-      fn::QsaDecodeParams p = g.p;
-      p.five_launch_path = five;
-      p.launch_mask = mask;
-      p.attn_head_split = split;
+    // Microseconds per launch_qsa_decode over graphs of 20 back-to-back calls, replayed 25 times;
+    // best of 3 timings: the four launches after the caller's projection, then the seven with
+    // the overlapped projection (hidden 2560) minus one projection GEMV alone.
+    const int64_t hidden = 2560;
+    std::mt19937_64 wr(29);
+    const DeviceArray<uint16_t> w(random_bf16(size_t(proj_size(s)) * hidden, 0.02f, wr));
+    const DeviceArray<float> x(random_floats(size_t(hidden), 1.0f, rng));
+    auto time_us = [&](const fn::QsaDecodeParams& p) {
       return fn::test::graph_us_per_call(stream, 20, 25,
                                          [&](cudaStream_t st) { fn::launch_qsa_decode(p, st); });
     };
-    struct Path {
-      bool five;
-      const char* name;
-      std::vector<const char*> kernels;
-    };
-    std::vector<std::vector<uint16_t>> outs;
-    for (const Path& path :
-         {Path{true, "five-launch (before)", {"prep", "scores", "select", "attn", "combine"}},
-          Path{false, "four-launch (after)", {"prep", "scores+select", "attn", "combine"}}}) {
-      const double us = time_us(path.five, ~0u);
-      outs.push_back(g.out->download());
-      std::printf("qsa bench: %s t=8191 chunk=%d max_chunks=%d %s: %.2f us per step\n", s.name,
-                  g.layout.chunk, g.layout.max_chunks, path.name, us);
-      double sum = 0;
-      for (size_t k = 0; k < path.kernels.size(); ++k) {
-        const double ku = time_us(path.five, 1u << k);
-        sum += ku;
-        std::printf("qsa bench: %s %s   %-14s alone (20 in a chain): %.2f us\n", s.name, path.name,
-                    path.kernels[k], ku);
-      }
-      std::printf("qsa bench: %s %s   sum of kernels alone: %.2f us\n", s.name, path.name, sum);
-      MESSAGE(std::string(s.name), " ", path.name, " t=8191: ", us, " us per step");
-      CHECK(us > 0);
-    }
-    // The attention head split (0 = the automatic choice): full step and attention alone.
-    for (int split : {1, 2, 3, 4, 6, 12}) {
-      const double full = time_us(false, ~0u, split), attn = time_us(false, 4u, split);
-      std::printf(
-          "qsa bench: %s four-launch attn head split %2d: %.2f us per step, attn alone "
-          "%.2f us\n",
-          s.name, split, full, attn);
-      outs.push_back(g.out->download());
-    }
-    // The per-kernel runs reuse the last full step's inputs: every output stays equal.
-    for (size_t i = 1; i < outs.size(); ++i) CHECK(outs[0] == outs[i]);
+    const double plain = time_us(g.p);
+    std::printf("qsa bench: %s t=8191 chunk=%d max_chunks=%d four launches: %.2f us per step\n",
+                s.name, g.layout.chunk, g.layout.max_chunks, plain);
+    fn::QsaDecodeParams po = g.p;
+    po.in_proj = w.ptr;
+    po.x = x.ptr;
+    po.hidden = hidden;
+    const double overlapped = time_us(po);
+    const double gemv = fn::test::graph_us_per_call(stream, 20, 25, [&](cudaStream_t st) {
+      fn::launch_gemv_bf16(w.ptr, proj_size(s), hidden, x.ptr, fn::DType::F32, g.proj->ptr,
+                           fn::DType::F32, st);
+    });
+    std::printf(
+        "qsa bench: %s t=8191 overlapped projection: %.2f us per step (the projection GEMV alone "
+        "%.2f us)\n",
+        s.name, overlapped, gemv);
+    MESSAGE(std::string(s.name), " t=8191: ", plain, " us per step, overlapped ", overlapped);
+    CHECK(plain > 0);
+    CHECK(overlapped > 0);
     FN_CUDA_CHECK(cudaStreamDestroy(stream));
   }
 }

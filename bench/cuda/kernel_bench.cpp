@@ -1,14 +1,13 @@
-// cuda_kernel_bench: microbenchmark of the decode kernels in cuda/ on the real shapes (issue 6).
+// cuda_kernel_bench: microbenchmark of the decode kernels in cuda/kernels on the real shapes.
 // For each kernel and shape: µs per call (CUDA graph of back-to-back calls, weights rotated over
 // enough copies that L2 never serves a repeat), bytes per call, achieved GB/s, and the floor
 // bytes / copy bandwidth, with the device-to-device copy bandwidth measured in the same run.
-// The HC read rows time both kernel variants (registers / shared-memory staging) with PDL on and
-// off. The MoE shared-expert rows time the fused launches of cuda/kernels/moe_shared.h against the
-// unfused sequences they replace (in one graph, back to back). Usage: cuda_kernel_bench
+// The HC read rows time the kernels with PDL on and off. The MoE shared-expert rows time the fused
+// launches of cuda/kernels/moe_shared.h. Usage: cuda_kernel_bench
 // [--json FILE] [--sweep] [--reps N] [--hc-only] [--moe-shared-only] [--nvfp4-only]. The NVFP4
-// routed-expert rows time both kernels (FP32 FMA and tensor core, MoeGateUpParams::mma) at the
-// TP=1/2/4 shapes and sweep the tensor-core team widths. Table on stdout; not a test.
-#include <cuda_runtime_api.h>
+// routed-expert rows time the FP32 kernels (planned team; every team width with --sweep) and, on
+// sm_90+, the bulk-copy gate+up at the TP=1/2/4 shapes. Table on stdout; not a test.
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -21,13 +20,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cuda/common/cuda_check.h"
-#include "cuda/kernels/decode_ops.h"
+#include "cuda/common/pdl.h"
 #include "cuda/kernels/gemv_bf16.h"
 #include "cuda/kernels/hc.h"
 #include "cuda/kernels/moe_nvfp4.h"
 #include "cuda/kernels/moe_nvfp4_bulk.h"
 #include "cuda/kernels/moe_shared.h"
-#include "cuda/common/pdl.h"
 
 namespace {
 
@@ -195,7 +193,7 @@ int main(int argc, char** argv) try {
       prop.name, prop.multiProcessorCount, bw / 1e9, graph_bw / 1e9);
   nlohmann::json rows = nlohmann::json::array();
 
-  // ---- MoE shared expert: fused launches (cuda/kernels/moe_shared.h) vs the unfused sequences -------
+  // ---- MoE shared expert: the fused launches of the decode step (cuda/kernels/moe_shared.h) ----
   for (int64_t inter :
        hc_only || nvfp4_only ? std::vector<int64_t>{} : std::vector<int64_t>{640, 320}) {
     const int64_t D = 2560;
@@ -205,17 +203,15 @@ int main(int argc, char** argv) try {
                  dn_elems = size_t(D) * inter;
     const size_t set_bytes = 2 * (r_elems + gu_elems + dn_elems);
     const int copies = int((kRotateBytes + set_bytes - 1) / set_bytes);
-    uint16_t *w, *sh;
-    float *xm, *rl, *rw, *sgu, *ys, *yv;
+    uint16_t* w;
+    float *xm, *rl, *rw, *sgu, *yv;
     int32_t *d_ids, *flag;
     float* mailbox;
     FN_CUDA_CHECK(cudaMalloc(&w, set_bytes * copies));
-    FN_CUDA_CHECK(cudaMalloc(&sh, inter * 2));
     FN_CUDA_CHECK(cudaMalloc(&xm, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&rl, (E + 1) * 4));
     FN_CUDA_CHECK(cudaMalloc(&rw, k * 4));
     FN_CUDA_CHECK(cudaMalloc(&sgu, 2 * inter * 4));
-    FN_CUDA_CHECK(cudaMalloc(&ys, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&yv, D * 4));
     FN_CUDA_CHECK(cudaMalloc(&d_ids, k * 4));
     FN_CUDA_CHECK(cudaMalloc(&flag, 4));
@@ -227,39 +223,9 @@ int main(int argc, char** argv) try {
     fill_random(yv, D * 4, 33);
     auto set = [&](int i) { return w + size_t(i % copies) * (set_bytes / 2); };
     const int calls = std::max(copies, 20);
-    fn::RouterParams rp;
-    rp.logits = rl;
-    rp.num_experts = E;
-    rp.top_k = k;
-    rp.ids = d_ids;
-    rp.weights = rw;
-    rp.error_flag = flag;
     const double r_bytes = double(r_elems) * 2 + D * 4 + (E + 1) * 4;
     const double gu_bytes = double(gu_elems) * 2 + D * 4 + 2 * inter * 4;
     const double topk_bytes = (E + 1) * 4 + k * 8;
-    // The unfused launches, each a function of the call index (weights rotated).
-    auto router_gemv = [&](int i) {
-      fn::launch_gemv_bf16(set(i), E + 1, D, xm, fn::DType::F32, rl, fn::DType::F32, t.stream);
-    };
-    auto topk = [&](int) { fn::launch_router_topk(rp, t.stream); };
-    auto gate_up_gemv = [&](int i) {
-      fn::launch_gemv_bf16(set(i) + r_elems, 2 * inter, D, xm, fn::DType::F32, sgu, fn::DType::F32,
-                           t.stream);
-    };
-    const double r_us = t.time_per_call(calls, router_gemv);
-    rows.push_back(report({"router_gemv", tp + " 513x2560", "planned", r_bytes, r_us, bw}));
-    const double k_us = t.time_per_call(calls, topk);
-    rows.push_back(report({"router_topk", "E512 k10", "512t", topk_bytes, k_us, bw}));
-    const double gu_us = t.time_per_call(calls, gate_up_gemv);
-    rows.push_back(report({"shared_gate_up_gemv", tp + " " + std::to_string(2 * inter) + "x2560",
-                           "planned", gu_bytes, gu_us, bw}));
-    const double seq1_us = t.time_per_call(calls, [&](int i) {
-      router_gemv(i);
-      topk(i);
-      gate_up_gemv(i);
-    });
-    rows.push_back(report({"unfused router+gu+topk", tp + " 3 launches", "sequence",
-                           r_bytes + gu_bytes + topk_bytes, seq1_us, bw}));
     fn::RouterSharedGateUpParams fp;
     fp.x = xm;
     fp.hidden = D;
@@ -277,40 +243,9 @@ int main(int argc, char** argv) try {
       fp.gate_up_weight = set(i) + r_elems;
       fn::launch_router_shared_gate_up(fp, t.stream);
     });
-    rows.push_back(report({"fused router_shared_gate_up", tp + " 1 launch", "512t",
+    rows.push_back(report({"router_shared_gate_up", tp + " 1 launch", "512t",
                            r_bytes + gu_bytes + topk_bytes, k1_us, bw}));
-
-    fn::SwigluParams sw;
-    sw.gate_up = sgu;
-    sw.h = sh;
-    sw.inter = inter;
-    fn::MoeCombineParams mc;
-    mc.y = yv;
-    mc.y_shared = ys;
-    mc.gate_logit = rl + E;
-    mc.hidden = D;
     const double dn_bytes = double(dn_elems) * 2 + 2 * inter * 4 + D * 8;
-    auto swiglu = [&](int) { fn::launch_swiglu(sw, t.stream); };
-    auto down_gemv = [&](int i) {
-      fn::launch_gemv_bf16(set(i) + r_elems + gu_elems, D, inter, sh, fn::DType::BF16, ys,
-                           fn::DType::F32, t.stream);
-    };
-    auto combine = [&](int) { fn::launch_moe_combine(mc, t.stream); };
-    const double sw_us = t.time_per_call(calls, swiglu);
-    rows.push_back(
-        report({"swiglu", tp + " I" + std::to_string(inter), "", 2.0 * inter * 6, sw_us, bw}));
-    const double dn_us = t.time_per_call(calls, down_gemv);
-    rows.push_back(report({"shared_down_gemv", tp + " 2560x" + std::to_string(inter), "planned",
-                           double(dn_elems) * 2 + inter * 2 + D * 4, dn_us, bw}));
-    const double cb_us = t.time_per_call(calls, combine);
-    rows.push_back(report({"moe_combine", "D2560", "", D * 12.0, cb_us, bw}));
-    const double seq2_us = t.time_per_call(calls, [&](int i) {
-      swiglu(i);
-      down_gemv(i);
-      combine(i);
-    });
-    rows.push_back(report(
-        {"unfused swiglu+down+comb", tp + " 3 launches", "sequence", dn_bytes, seq2_us, bw}));
     fn::SharedDownCombineParams dp;
     dp.hidden = D;
     dp.inter = inter;
@@ -321,14 +256,12 @@ int main(int argc, char** argv) try {
       dp.weight = set(i) + r_elems + gu_elems;
       fn::launch_shared_down_combine(dp, t.stream);
     });
-    rows.push_back(
-        report({"fused shared_down_combine", tp + " 1 launch", "256t", dn_bytes, k2_us, bw}));
+    rows.push_back(report({"shared_down_combine", tp + " 1 launch", "256t", dn_bytes, k2_us, bw}));
     std::printf(
-        "moe shared %s: router+gu+topk %.2f us -> %.2f us fused; swiglu+down+combine "
-        "%.2f us -> %.2f us fused; total %.2f -> %.2f us per layer\n",
-        tp.c_str(), seq1_us, k1_us, seq2_us, k2_us, seq1_us + seq2_us, k1_us + k2_us);
-    for (void* ptr : {(void*)w, (void*)sh, (void*)xm, (void*)rl, (void*)rw, (void*)sgu, (void*)ys,
-                      (void*)yv, (void*)d_ids, (void*)flag, (void*)mailbox})
+        "moe shared %s: router+gu+topk %.2f us, swiglu+down+combine %.2f us; %.2f us per layer\n",
+        tp.c_str(), k1_us, k2_us, k1_us + k2_us);
+    for (void* ptr : {(void*)w, (void*)xm, (void*)rl, (void*)rw, (void*)sgu, (void*)yv,
+                      (void*)d_ids, (void*)flag, (void*)mailbox})
       FN_CUDA_CHECK(cudaFree(ptr));
   }
   if (moe_shared_only) {
@@ -446,33 +379,27 @@ int main(int argc, char** argv) try {
     const int calls = std::max(copies, 20);
     const double down_bytes = double(dn_bytes) + W * (4 + 2) + splits * (nrows + 1) * 4;
     const double mix_bytes = double(up_bytes) + splits * (nrows + 1) * 4 + W * (4 + 2) + D * 6 + 16;
-    // The register-staged kernels (staged = false, the session-3 ones) and the shared-memory
-    // staged ones (default), each with PDL on (as the decode step) and off.
+    // With PDL on (as the decode step) and off.
     for (bool pdl : {true, false}) {
       fn::set_pdl_enabled(pdl);
-      for (bool staged : {false, true}) {
-        dp.staged = staged;
-        mp.staged = staged;
-        const std::string plan = std::string(staged ? "smem" : "regs") + (pdl ? " pdl" : " nopdl");
-        const double down_us = t.time_per_call(calls, [&](int i) {
-          dp.weight = w_dn + size_t(i % copies) * nrows * W;
-          fn::launch_hc_down(dp, t.stream);
-        });
-        rows.push_back(report({"hc_down", "324x10240 +sumsq", plan, down_bytes, down_us, bw}));
-        const double mix_us = t.time_per_call(calls, [&](int i) {
-          mp.w_up = w_up + size_t(i % copies) * W * r;
-          fn::launch_hc_mix(mp, t.stream);
-        });
-        rows.push_back(report({"hc_mix", "10240x320 +scale,N,m", plan, mix_bytes, mix_us, bw}));
-        const double read_us = t.time_per_call(calls, [&](int i) {
-          dp.weight = w_dn + size_t(i % copies) * nrows * W;
-          mp.w_up = w_up + size_t(i % copies) * W * r;
-          fn::launch_hc_down(dp, t.stream);
-          fn::launch_hc_mix(mp, t.stream);
-        });
-        rows.push_back(
-            report({"hc_read", "down + mix", plan, down_bytes + mix_bytes, read_us, bw}));
-      }
+      const std::string plan = pdl ? "pdl" : "nopdl";
+      const double down_us = t.time_per_call(calls, [&](int i) {
+        dp.weight = w_dn + size_t(i % copies) * nrows * W;
+        fn::launch_hc_down(dp, t.stream);
+      });
+      rows.push_back(report({"hc_down", "324x10240 +sumsq", plan, down_bytes, down_us, bw}));
+      const double mix_us = t.time_per_call(calls, [&](int i) {
+        mp.w_up = w_up + size_t(i % copies) * W * r;
+        fn::launch_hc_mix(mp, t.stream);
+      });
+      rows.push_back(report({"hc_mix", "10240x320 +scale,N,m", plan, mix_bytes, mix_us, bw}));
+      const double read_us = t.time_per_call(calls, [&](int i) {
+        dp.weight = w_dn + size_t(i % copies) * nrows * W;
+        mp.w_up = w_up + size_t(i % copies) * W * r;
+        fn::launch_hc_down(dp, t.stream);
+        fn::launch_hc_mix(mp, t.stream);
+      });
+      rows.push_back(report({"hc_read", "down + mix", plan, down_bytes + mix_bytes, read_us, bw}));
     }
     fn::set_pdl_enabled(true);
     std::printf("hc_mix staged kernel used at rank 320: %s\n",
@@ -542,59 +469,43 @@ int main(int argc, char** argv) try {
         double(top_k) * 2 * inter * (hidden / 2 + hidden / 16) + hidden * 2 + top_k * inter * 2;
     const double dn_bytes =
         double(top_k) * hidden * (inter / 2 + inter / 16) + top_k * inter * 2 + hidden * 4;
-    // Both kernels (mma false: FP32 FMA; true: tensor core), planned team, then (tensor core
-    // always, FP32 with --sweep) every team width.
-    auto time_gu = [&](bool mma, int team) {
-      g.mma = mma;
+    // The FP32 kernels, planned team, then (with --sweep) every team width.
+    auto time_gu = [&](int team) {
       g.team_threads = team;
       return t.time_per_call(calls, [&](int i) {
         g.expert_ids = d_ids + size_t(i) * top_k;
         fn::launch_moe_gate_up_nvfp4(g, t.stream);
       });
     };
-    auto time_dn = [&](bool mma, int team) {
-      d.mma = mma;
+    auto time_dn = [&](int team) {
       d.team_threads = team;
       return t.time_per_call(calls, [&](int i) {
         d.expert_ids = d_ids + size_t(i) * top_k;
         fn::launch_moe_down_nvfp4(d, t.stream);
       });
     };
-    for (bool mma : {false, true}) {
-      const std::string kind = mma ? " mma" : " fp32";
-      const int gu_team =
-          fn::plan_moe_gate_up_team(top_k, inter, hidden, prop.multiProcessorCount, mma);
-      rows.push_back(
-          report({"moe_gate_up_nvfp4" + kind, tp + " 10x" + std::to_string(2 * inter) + "x2560",
-                  std::to_string(gu_team) + "t", gu_bytes, time_gu(mma, 0), bw}));
-      const int dn_team =
-          fn::plan_moe_down_team(top_k, inter, hidden, prop.multiProcessorCount, mma);
-      rows.push_back(report({"moe_down_nvfp4" + kind, tp + " 10x2560x" + std::to_string(inter),
-                             std::to_string(dn_team) + "t", dn_bytes, time_dn(mma, 0), bw}));
-    }
+    const int gu_team = fn::plan_moe_gate_up_team(top_k, inter, hidden, prop.multiProcessorCount);
+    rows.push_back(
+        report({"moe_gate_up_nvfp4 fp32", tp + " 10x" + std::to_string(2 * inter) + "x2560",
+                std::to_string(gu_team) + "t", gu_bytes, time_gu(0), bw}));
+    const int dn_team = fn::plan_moe_down_team(top_k, inter, hidden, prop.multiProcessorCount);
+    rows.push_back(report({"moe_down_nvfp4 fp32", tp + " 10x2560x" + std::to_string(inter),
+                           std::to_string(dn_team) + "t", dn_bytes, time_dn(0), bw}));
     if (fn::moe_gate_up_bulk_supported(top_k, inter, hidden)) {  // the bulk-copy kernel (sm_90+)
       g.bulk = true;
       rows.push_back(report(
           {"moe_gate_up_nvfp4 bulk", tp + " 10x" + std::to_string(2 * inter) + "x2560",
            std::to_string(fn::detail::bulk_gate_up_ctas(top_k, inter, prop.multiProcessorCount)) +
                "cta",
-           gu_bytes, time_gu(false, 0), bw}));
+           gu_bytes, time_gu(0), bw}));
       g.bulk = false;
     }
-    if (fn::moe_down_bulk_supported(top_k, inter, hidden)) {
-      d.bulk = true;
-      rows.push_back(report({"moe_down_nvfp4 bulk", tp + " 10x2560x" + std::to_string(inter),
-                             "bulk", dn_bytes, time_dn(false, 0), bw}));
-      d.bulk = false;
-    }
-    for (bool mma : {false, true}) {
-      if (!mma && !sweep) continue;
-      const std::string kind = mma ? " mma sweep" : " fp32 sweep";
-      for (int tt = mma ? 32 : 8; tt <= 256; tt *= 2) {
-        rows.push_back(report({"moe_gate_up_nvfp4" + kind, tp, std::to_string(tt) + "t", gu_bytes,
-                               time_gu(mma, tt), bw}));
-        rows.push_back(report({"moe_down_nvfp4" + kind, tp, std::to_string(tt) + "t", dn_bytes,
-                               time_dn(mma, tt), bw}));
+    if (sweep) {
+      for (int tt = 8; tt <= 256; tt *= 2) {
+        rows.push_back(report({"moe_gate_up_nvfp4 fp32 sweep", tp, std::to_string(tt) + "t",
+                               gu_bytes, time_gu(tt), bw}));
+        rows.push_back(report({"moe_down_nvfp4 fp32 sweep", tp, std::to_string(tt) + "t", dn_bytes,
+                               time_dn(tt), bw}));
       }
     }
     for (void* p :

@@ -129,7 +129,7 @@ __device__ __forceinline__ void team_reduce(float (&acc)[kN], int team, int lane
   }
 }
 
-// ---- Mailbox slots (issue 8) --------------------------------------------------------------
+// ---- Mailbox slots ----------------------------------------------------------------------
 // One block waits for values that the other blocks of its grid store, without an arrival ticket:
 // a slot holds kMailEmpty (all bits set) until its value is posted, and the waiting block reads
 // each slot until it is no longer empty. A value is never posted with the empty bits (a NaN; the
@@ -174,10 +174,11 @@ __device__ __forceinline__ float mail_wait(const float* slot) {
   return __uint_as_float(b);
 }
 
-// ---- Done flags (issue 8) ---------------------------------------------------------------
+// ---- Done flags -----------------------------------------------------------------------
 // One CTA of a grid still running tells CTAs of a later launch that its results are out, where
 // the later launch's programmatic wait covers a different predecessor (the QSA select beside the
-// overlapped projection, cuda/kernels/qsa.cu). The flag is zeroed by a kernel that both sides follow.
+// overlapped projection, cuda/kernels/qsa.cu). The flag is zeroed by a kernel that both sides
+// follow.
 
 /// Publishes the caller's CTA's earlier writes (ordered before this thread by a barrier), then
 /// sets *flag = 1 (relaxed, gpu scope). One thread.
@@ -195,7 +196,7 @@ __device__ __forceinline__ void flag_wait(const int* flag) {
   __threadfence();
 }
 
-// ---- Join words (issue 8) -------------------------------------------------------------------
+// ---- Join words ---------------------------------------------------------------------------
 // A launch that needs the results of a launch other than its stream predecessor (which it waits
 // for programmatically): the writer's CTAs each add one signal (the low 16 bits) after their
 // results; every reader CTA waits for the full count, then adds a reader ticket (the high 16

@@ -1,19 +1,14 @@
-// Weight ranges a decode kernel prefetches into L2 for a later kernel of the same step (issue 8).
-// The routed-expert gate+up kernel is instruction bound and leaves HBM mostly idle (~17 % of the
-// DRAM peak), while the HC read a few launches later is latency bound on its weights' first HBM
-// round trip: the gate+up launch carries an L2Prefetch (MoeGateUpParams::l2_prefetch) of the next
-// HC read's matrices, and thread 0 of each CTA issues its share as bulk L2 prefetches
-// (cp.async.bulk.prefetch.L2, sm_90+; nothing on older devices) before anything else. A prefetch
-// is a hint: it changes no result and is memory-safe whatever other kernels do. Measured on H200
-// (cuda/bench/RESULTS.md, session 9): -0.01 ms/token at TP=1; issuing such prefetches from the
-// GDN recurrence, the QSA attention or the routed down kernel made the step slower. Since session
-// 19 the step leaves it off (CudaModelOptions::l2_prefetch): the faster gate+up is no longer
-// instruction bound enough to hide the traffic (+0.03 to +0.04 ms/token with it). Since session
-// 20 the bulk gate+up issues its share once its own loads have landed (after the selected
-// experts' down weights, MoeGateUpParams::down_prefetch), not first thing. Since session 21 the
-// shared expert's down launch carries one too (SharedDownCombineParams::l2_prefetch), for the
-// first 8 MB of the next input projection (a bandwidth-bound GEMV): small ranges only, as bursts
-// slow the latency-bound launches beside them (RESULTS.md, session 21).
+// Weight ranges a decode kernel prefetches into L2 for a later kernel of the same step. The routed
+// gate+up launch leaves HBM partly idle while the HC read a few launches later is latency bound on
+// its weights' first HBM round trip: the gate+up launch carries an L2Prefetch
+// (MoeGateUpParams::l2_prefetch) of the next HC read's matrices, and thread 0 of each CTA issues
+// its share as bulk L2 prefetches (cp.async.bulk.prefetch.L2, sm_90+; nothing on older devices):
+// the FP32 kernel first thing, the bulk-copy kernel once its own loads have landed (after the
+// selected experts' down weights, MoeGateUpParams::down_prefetch). The shared expert's down launch
+// carries one too (SharedDownCombineParams::l2_prefetch), for the first megabytes of the next
+// input projection (a bandwidth-bound GEMV): small ranges only, as bursts slow the latency-bound
+// launches beside them. A prefetch is a hint: it changes no result and is memory-safe whatever
+// other kernels do. Which ranges pay off was measured on H200 (docs/perf-history.md).
 #pragma once
 
 #include <cstdint>

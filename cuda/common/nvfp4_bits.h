@@ -37,7 +37,7 @@ constexpr uint32_t e2m1_bf16_pair(uint32_t word, int q) {
   return ((t & 0x00070007u) << 6) | ((t & 0x00080008u) << 12);
 }
 
-/// ---- The decode layout of the GPU's expert codes (issue 8) ------------------------------------
+/// ---- The decode layout of the GPU's expert codes --------------------------------------------
 ///
 /// e2m1_bf16_pair above costs four instructions per pair on the checkpoint's layout (two shifts,
 /// a mask, a mask-or): a code's sign and magnitude bits must move by different distances. The

@@ -1,8 +1,8 @@
-// Device helpers shared by the NVFP4 expert kernels (cuda/kernels/moe_nvfp4.cu: the round-based
-// kernels; cuda/kernels/moe_nvfp4_bulk.cu: the bulk-copy kernels; cuda/kernels/moe_prefill.cu: the prefill's
-// dequantisation): the decode-layout word as FP32 values, the E4M3 block scale as a BF16 pair,
-// the BF16x2 multiply and the m16n8k16 BF16 MMA (with exact emulations below sm_80), and the word
-// picker. Included by .cu files only.
+// Device helpers shared by the NVFP4 expert kernels (cuda/kernels/moe_nvfp4.cu: the FP32 decode
+// kernels; cuda/kernels/moe_nvfp4_bulk.cu: the bulk-copy gate+up; cuda/kernels/moe_prefill.cu: the
+// prefill's dequantisation): the decode-layout word as FP32 values, the E4M3 block scale as a BF16
+// pair, the BF16x2 multiply and the m16n8k16 BF16 MMA (with exact emulations below sm_80), the
+// activation permutation of the MMA columns and the word picker. Included by .cu files only.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -142,42 +142,5 @@ __device__ __forceinline__ uint4 permute_word(const uint4& q) {
   return make_uint4(__byte_perm(q.x, q.z, 0x5410), __byte_perm(q.x, q.z, 0x7632),
                     __byte_perm(q.y, q.w, 0x5410), __byte_perm(q.y, q.w, 0x7632));
 }
-
-/// An activation vector staged in shared memory for the MMAs: unit u (kCodes = 32 elements, 16
-/// on the narrow path) at byte u * kStride, its 8-element word wi at + 16 wi, permuted to the BF16
-/// pairs (x_q, x_q+4), q = 0..3 (the column order of the weights' e2m1_bf16_pair registers); 16
-/// bytes of padding per unit. kThreads: the block's threads, all of which call fill().
-template <bool kNarrow, int kThreads>
-struct MmaStage {
-  static constexpr int kCodes = kNarrow ? 16 : 32;
-  static constexpr int kStride = 2 * kCodes + 16;
-  static constexpr int64_t bytes(int64_t n) { return n / kCodes * kStride; }
-  // Every thread of the block calls it: n BF16 values (a multiple of kCodes; src 16-byte aligned).
-  // A thread issues kBatch 16-byte loads before it stores any (one L2 round trip per kBatch * 256
-  // vectors, not one per 256: the staging is on every warp's path to its first MMA).
-  template <int kBatch>
-  static __device__ __forceinline__ void fill(const uint16_t* src, int n, uint8_t* s) {
-    const uint4* v = reinterpret_cast<const uint4*>(src);
-    const int nv = n / 8;
-    for (int base = threadIdx.x; base < nv; base += kBatch * kThreads) {
-      uint4 q[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int i = base + b * kThreads;
-        q[b] = i < nv ? __ldg(v + i) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int i = base + b * kThreads;
-        if (i >= nv) break;
-        const int u = (8 * i) / kCodes, wi = ((8 * i) % kCodes) / 8;
-        *reinterpret_cast<uint4*>(s + u * kStride + 16 * wi) = permute_word(q[b]);
-      }
-    }
-  }
-  static __device__ __forceinline__ uint4 word(const uint8_t* s, int u, int wi) {
-    return *reinterpret_cast<const uint4*>(s + u * kStride + 16 * wi);
-  }
-};
 
 }  // namespace fn::nvfp4_mma

@@ -1,6 +1,7 @@
-// Programmatic dependent launch for the decode kernels (cuda/*.cu): launch_pdl() enqueues a kernel
-// with the programmatic-stream-serialization attribute when fn::pdl_enabled() and the device is
-// sm_90+, and the device helpers every such kernel calls. Included by .cu files only.
+// Programmatic dependent launch for the decode kernels (cuda/kernels/*.cu) and the custom
+// all-reduce kernels (comm/custom_all_reduce_kernels.cu): launch_pdl() enqueues a kernel with the
+// programmatic-stream-serialization attribute when fn::pdl_enabled() and the device runs sm_90+
+// code, and the device helpers every such kernel calls. Included by .cu files only.
 // Contract of a kernel launched through launch_pdl (it may start while its predecessor in the
 // stream still runs): every thread calls dev::pdl_wait() before it reads anything an earlier
 // kernel wrote, writes anything an earlier kernel reads, or exits; before the wait it only reads
@@ -13,8 +14,8 @@
 // it, and a launch that lets it start at once (the QSA scores + select) or follows it and waits
 // for its other predecessor through a join word instead (the GDN recurrence); results cross
 // between launches that do not wait for each other through a done flag or join words
-// (cuda/common/device_util.cuh), each written by a launch that comes first in stream order, so they are
-// met on arrival when the launches run one after another.
+// (cuda/common/device_util.cuh), each written by a launch that comes first in stream order, so they
+// are met on arrival when the launches run one after another.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -83,22 +84,16 @@ void launch_ex(const cudaLaunchConfig_t& cfg, const char* what, void (*kernel)(K
 }  // namespace detail
 
 /// Enqueues kernel<<<grid, block, smem, stream>>>(args...) through cudaLaunchKernelEx, with the
-/// programmatic-stream-serialization attribute when `pdl` && pdl_enabled() && the device is
-/// sm_90+. Throws fn::Error(Cuda) naming `what` when the launch is refused. Legal during capture.
-template <typename... KArgs, typename... Args>
-void launch_maybe_pdl(bool pdl, const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block,
-                      std::size_t smem, cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr[1] = {detail::pdl_attribute()};
-  const bool on = pdl && pdl_enabled() && detail::current_device_has_pdl();
-  detail::launch_ex(detail::launch_config(grid, block, smem, stream, attr, on ? 1 : 0), what,
-                    kernel, std::forward<Args>(args)...);
-}
-
-/// As above with the attribute whenever pdl_enabled() (the usual case: every decode kernel).
+/// programmatic-stream-serialization attribute when pdl_enabled() and
+/// detail::current_device_has_pdl(). Throws fn::Error(Cuda) naming `what` when the launch is
+/// refused (the error is cleared). Legal during capture.
 template <typename... KArgs, typename... Args>
 void launch_pdl(const char* what, void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem,
                 cudaStream_t stream, Args&&... args) {
-  launch_maybe_pdl(true, what, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+  cudaLaunchAttribute attr[1] = {detail::pdl_attribute()};
+  const bool on = pdl_enabled() && detail::current_device_has_pdl();
+  detail::launch_ex(detail::launch_config(grid, block, smem, stream, attr, on ? 1 : 0), what,
+                    kernel, std::forward<Args>(args)...);
 }
 
 /// The largest thread-block cluster launch_cluster_pdl takes (the non-portable limit of sm_90).
@@ -215,9 +210,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 }
 
 /// Issues part `part` of `parts` of the ranges of l (fn::for_each_l2_prefetch_chunk,
-/// cuda/common/l2_prefetch.h) as bulk L2 prefetches, one cp.async.bulk.prefetch.L2 per chunk (sm_90+;
-/// nothing below). Called by one thread per CTA (part = the CTA's index, parts = the grid's CTAs),
-/// anywhere in a kernel (a prefetch is memory-safe: the contract above); it does not wait.
+/// cuda/common/l2_prefetch.h) as bulk L2 prefetches, one cp.async.bulk.prefetch.L2 per chunk
+/// (sm_90+; nothing below). Called by one thread per CTA (part = the CTA's index, parts = the
+/// grid's CTAs), anywhere in a kernel (a prefetch is memory-safe: the contract above); it does not
+/// wait.
 __device__ __forceinline__ void l2_prefetch_part(const L2Prefetch& l, unsigned part,
                                                  unsigned parts) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -1,13 +1,14 @@
 // Programmatic dependent launch (PDL, sm_90+): the process-wide switch that every kernel launcher
-// of the decode step (cuda/*.cu, through cuda/common/pdl.cuh) reads when it enqueues a kernel. The engine
-// and the benches flip it to A/B the overlap; FN_PDL=0 in the environment turns it off at start.
-// Host code only (C++20 or CUDA); no CUDA runtime call here.
+// of the decode step (cuda/kernels/*.cu) and of the custom all-reduce (comm/), through
+// cuda/common/pdl.cuh, reads when it enqueues a kernel. FN_PDL=0 in the environment turns it off
+// (read once, here only); tests and benches set it to compare both. Host code only (C++20 or
+// CUDA); no CUDA runtime call here.
 #pragma once
 
 namespace fn {
 
-/// Turns programmatic dependent launch on or off for every later launch of the decode kernels
-/// (already captured graphs keep what they were captured with). Thread-safe.
+/// Turns programmatic dependent launch on or off for every later launch of the decode and
+/// all-reduce kernels (already captured graphs keep what they were captured with). Thread-safe.
 void set_pdl_enabled(bool enabled);
 
 /// Whether launchers add the programmatic-stream-serialization attribute: the last

@@ -1,11 +1,11 @@
-// Step timeline (diagnostics for issue 8): when each CTA of each decode-step launch reaches its
+// Step timeline (diagnostics): when each CTA of each decode-step launch reaches its
 // programmatic-dependent wait and when the wait releases it, on the GPU's global nanosecond timer.
 // Compiled in only with the CMake option FN_STEP_TRACE=ON (the compile definition FN_STEP_TRACE
 // on fngen_cuda's .cu files); production builds record nothing and pay nothing. Read by
 // `cuda_model_bench --trace FILE` and summarised by scripts/step_timeline.py.
 //
-// How: dev::pdl_wait() (cuda/common/pdl.cuh), which every decode-step kernel calls before it reads what
-// an earlier kernel wrote, has thread 0 of each CTA read %globaltimer before and after
+// How: dev::pdl_wait() (cuda/common/pdl.cuh), which every decode-step kernel calls before it reads
+// what an earlier kernel wrote, has thread 0 of each CTA read %globaltimer before and after
 // griddepcontrol.wait and append one StepTraceRecord (%gridid identifies the launch). The
 // release of launch k minus that of launch k-1 is launch k-1's cost on the step's critical path
 // (its run after its own release, its completion and the wait's latency); the records of one step

@@ -6,8 +6,8 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
-#include "cuda/kernels/moe_device.cuh"
 #include "cuda/common/pdl.cuh"
+#include "cuda/kernels/moe_device.cuh"
 
 namespace fn {
 namespace {
@@ -63,20 +63,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- SwiGLU
-// --------------------------------------------------------------------------------------
-
-__global__ void __launch_bounds__(kThreads)
-    swiglu_kernel(const float* gate_up, uint16_t* h, int64_t I) {
-  dev::pdl_begin();
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= I) return;
-  h[i] = dev::swiglu_bf16_bits(gate_up[i], gate_up[I + i]);
-}
-
 // ---- router ------------------------------------------------------------------------------------
 
-// One CTA per row (launch_router_topk: one row), dev::router_topk_block (cuda/kernels/moe_device.cuh).
+// One CTA per row (launch_router_topk: one row), dev::router_topk_block
+// (cuda/kernels/moe_device.cuh).
 __global__ void __launch_bounds__(kRouterThreads)
     router_topk_kernel(const float* logits_rows, int64_t stride, int E, int k, bool norm,
                        int32_t* ids_rows, float* weights_rows, int32_t* flag) {
@@ -84,18 +74,6 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int64_t row = blockIdx.x;
   dev::router_topk_block(logits_rows + row * stride, E, k, norm, ids_rows + row * k,
                          weights_rows + row * k, flag);
-}
-
-// ---- MoE combine
-// ---------------------------------------------------------------------------------
-
-__global__ void __launch_bounds__(kThreads)
-    moe_combine_kernel(float* y, const float* ys, const float* gate_logit, int64_t D) {
-  dev::pdl_begin();
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= D) return;
-  const float gamma = dev::sigmoid_2branch(*gate_logit);
-  y[i] = fmaf(gamma, ys[i], y[i]);
 }
 
 // ---- logits scatter
@@ -133,14 +111,6 @@ void launch_hc_inject(const HcInjectParams& p, cudaStream_t stream) {
   FN_CUDA_LAUNCH_CHECK("hc_inject_kernel");
 }
 
-void launch_swiglu(const SwigluParams& p, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_swiglu";
-  FN_LAUNCH_REQUIRE(p.gate_up != nullptr && p.h != nullptr && p.inter >= 1, kOp);
-  launch_pdl("swiglu_kernel", swiglu_kernel, grid_for(p.inter), kThreads, 0, stream, p.gate_up, p.h,
-             p.inter);
-  FN_CUDA_LAUNCH_CHECK("swiglu_kernel");
-}
-
 void launch_router_topk(const RouterParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_router_topk";
   FN_LAUNCH_REQUIRE(p.logits != nullptr && p.ids != nullptr && p.weights != nullptr, kOp);
@@ -163,15 +133,6 @@ void launch_router_topk_rows(const RouterRowsParams& p, cudaStream_t stream) {
       p.logits, p.logits_stride, p.num_experts, p.top_k, p.norm_topk_prob, p.ids, p.weights,
       p.error_flag);
   FN_CUDA_LAUNCH_CHECK("router_topk_kernel (rows)");
-}
-
-void launch_moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_moe_combine";
-  FN_LAUNCH_REQUIRE(p.y != nullptr && p.y_shared != nullptr && p.gate_logit != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.hidden >= 1, kOp);
-  launch_pdl("moe_combine_kernel", moe_combine_kernel, grid_for(p.hidden), kThreads, 0, stream, p.y,
-             p.y_shared, p.gate_logit, p.hidden);
-  FN_CUDA_LAUNCH_CHECK("moe_combine_kernel");
 }
 
 void launch_scatter_logits(const ScatterLogitsParams& p, cudaStream_t stream) {

@@ -1,6 +1,6 @@
 // The small per-token kernels of the CUDA decode step (MODEL.md §C.1, §C.3, §C.7, §C.8): token
-// embedding + widening, HC inject, SwiGLU of the shared expert, router softmax + top-k, the MoE
-// combine with the shared-expert gate, and the scatter of a rank's logits for the gather.
+// embedding + widening, HC inject, router softmax + top-k (also per row for the prefill), and
+// the scatter of a rank's logits for the gather.
 // Called by the CUDA decode step. Every launcher is legal inside CUDA graph capture (per-token
 // values such as the token id are read from device memory); deterministic, no float atomics.
 // Every kernel here is a programmatic dependent launch when fn::pdl_enabled() (cuda/common/pdl.h).
@@ -42,17 +42,6 @@ struct HcInjectParams {
 /// Throws fn::Error(Internal) on null pointers or bad sizes; fn::Error(Cuda) on a failed launch.
 void launch_hc_inject(const HcInjectParams& params, cudaStream_t stream);
 
-/// SwiGLU (MODEL.md §C.7 steps 2-3, the shared expert): h[i] = bf16(silu(g[i]) * u[i]) with
-/// g = gate_up[0, I) and u = gate_up[I, 2I) (FP32 math, silu = x / (1 + expf(-x))).
-struct SwigluParams {
-  const float* gate_up = nullptr;  ///< [2 * I] FP32: the gate rows, then the up rows
-  uint16_t* h = nullptr;           ///< [I] BF16 bits, input of the down projection
-  int64_t inter = 0;               ///< I: shared_expert_intermediate_size / tp_size, >= 1
-};
-
-/// Throws fn::Error(Internal) on null pointers or bad sizes; fn::Error(Cuda) on a failed launch.
-void launch_swiglu(const SwigluParams& params, cudaStream_t stream);
-
 /// Router (MODEL.md §C.7 step 1), the same function as fn::cpu::route_top_k: p = softmax(logits)
 /// over all experts (FP32 values expf(l - max), FP64 sum), the top_k of p (higher p first, equal
 /// p -> lower expert id first), w = p / sum(p_selected) (FP64 sum) when norm_topk_prob, else p.
@@ -74,14 +63,14 @@ struct RouterParams {
 /// thread r < k writes place r. Measured on H200 (graph of 100 launches, E 512, k 10): 4.97 us per
 /// launch (6.1 us with one thread per candidate searching every list and thread 0 writing the
 /// weights; 17.6 us for the O(E^2 / threads) rank loop before that). A programmatic
-/// dependent launch (cuda/common/pdl.h). Throws fn::Error(Internal) on null pointers or sizes out of
-/// range; fn::Error(Cuda) on a failed launch.
+/// dependent launch (cuda/common/pdl.h). Throws fn::Error(Internal) on null pointers or sizes out
+/// of range; fn::Error(Cuda) on a failed launch.
 void launch_router_topk(const RouterParams& params, cudaStream_t stream);
 
 /// Router for `rows` rows (MODEL.md §C.7 step 1): row p is exactly launch_router_topk
-/// (cuda/kernels/decode_ops.h) on logits + p * logits_stride, writing ids/weights + p * top_k (the same
-/// kernel, the row taken from blockIdx.x: bitwise the same ids and weights). A NaN
-/// probability in any row sets *error_flag = 4 when error_flag is given.
+/// (cuda/kernels/decode_ops.h) on logits + p * logits_stride, writing ids/weights + p * top_k (the
+/// same kernel, the row taken from blockIdx.x: bitwise the same ids and weights). A NaN probability
+/// in any row sets *error_flag = 4 when error_flag is given.
 struct RouterRowsParams {
   const float* logits = nullptr;  ///< FP32 router logits; row p at logits + p * logits_stride
   int64_t logits_stride = 0;      ///< floats between rows, >= num_experts
@@ -97,18 +86,6 @@ struct RouterRowsParams {
 /// One CTA of 512 threads per row (grid.x = rows, up to 2^31 - 1). Throws fn::Error(Internal) on
 /// null pointers or sizes out of range; fn::Error(Cuda) on a failed launch. Capturable.
 void launch_router_topk_rows(const RouterRowsParams& params, cudaStream_t stream);
-
-/// MoE combine (MODEL.md §C.7 steps 3-4): y[i] = y[i] + sigmoid(*gate_logit) * y_shared[i]
-/// (one FMA in FP32; sigmoid in the two-branch form of fn::cpu::sigmoid, with expf).
-struct MoeCombineParams {
-  float* y = nullptr;                 ///< [D] FP32: in the routed sum, out routed + gated shared
-  const float* y_shared = nullptr;    ///< [D] FP32 shared-expert output (the rank's partial)
-  const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m' (FP32)
-  int64_t hidden = 0;                 ///< D (2560)
-};
-
-/// Throws fn::Error(Internal) on null pointers or bad sizes; fn::Error(Cuda) on a failed launch.
-void launch_moe_combine(const MoeCombineParams& params, cudaStream_t stream);
 
 /// Logits scatter for the vocab-parallel lm_head (MODEL.md §C.8, §E.2): full[:] = 0, then
 /// full[v_first + j] = local[j] for j < v_local, so that a SUM all-reduce of `full` over the

@@ -1,20 +1,18 @@
 // Gated DeltaNet decode kernels (see gdn.h). Ordering without a grid barrier:
 // - conv state: q/k channels are read by all (Hv/Hk) * slices CTAs of a key head, so each must
-//   have read the old history before it is shifted. Default (fused) mode: every CTA computes the
-//   conv of what it reads, and the key head's last CTA to arrive (integer counter) shifts the q/k
-//   history; v channels belong to one CTA, which shifts them at once. Two-launch mode: a conv
-//   kernel over all channels, the launch boundary being the ordering.
+//   have read the old history before it is shifted. Every CTA computes the conv of what it
+//   reads, and the key head's last CTA to arrive (integer counter) shifts the q/k history; v
+//   channels belong to one CTA, which shifts them at once.
 // - gated norm: a head's dv columns come from several CTAs; the head's last CTA to arrive
 //   normalises the whole head. Sums keep a fixed order, so results never depend on arrival order.
-// Measured on one H200 (graph of 36 layers, states beyond the L2, cuda/bench/RESULTS.md): 8.85 us
-// per layer at TP=1 fused at the planned 32-column slices (9.37 at 16), 8.3 in two-launch mode
-// with PDL at 16, against 1.8 us for a state-sized D2D copy: a CTA's chain of dependent round
-// trips (state load, fences, arrival atomic, the last CTA's reads) dominates, not bandwidth.
-// With PDL (cuda/common/pdl.cuh) the state is prefetched into L2 while the projection GEMV before it
-// finishes. One CTA per value head (no arrival, 2 barriers) measured slower (12.2 us, session 9).
-// Since session 20 the real shape runs on sm_90 in thread-block clusters of one key head's CTAs
-// (the kCl instance): distributed shared memory and one cluster barrier instead of the fences,
-// tickets and L2 round trips above; 6.86 us per layer alone, -0.02 ms/token in the step.
+// Measured on one H200 (graph of 36 layers, states beyond the L2; docs/perf-history.md): 8.85 us
+// per layer at TP=1 at the planned 32-column slices (9.37 at 16), against 1.8 us for a
+// state-sized D2D copy: a CTA's chain of dependent round trips (state load, fences, arrival
+// atomic, the last CTA's reads) dominates, not bandwidth. With PDL (cuda/common/pdl.cuh) the
+// state is prefetched into L2 while the projection GEMV before it finishes. On sm_90 the real
+// shape runs in thread-block clusters of one key head's CTAs (the kCl instance): distributed
+// shared memory and one cluster barrier instead of the fences, arrival counters and L2 round
+// trips above; 6.86 us per layer alone, -0.02 ms/token in the step.
 #include "cuda/kernels/gdn.h"
 
 #include <cooperative_groups.h>
@@ -25,11 +23,11 @@
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
-#include "cuda/kernels/gdn_common.cuh"
-#include "cuda/kernels/gemv_bf16.h"
 #include "cuda/common/launch_check.h"
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/real_shape.h"
+#include "cuda/kernels/gdn_common.cuh"
+#include "cuda/kernels/gemv_bf16.h"
 
 namespace fn {
 namespace {
@@ -51,8 +49,8 @@ using dev::softplus;
 
 // Step 2 for channel c: silu(w[K-1] * x + sum_{j<L} w[j] * hist[j]) in the CPU op's order (the
 // current tap first, then oldest first), FMA chain. With shift, the pre-conv input x is then
-// shifted into the history (oldest first; dilation 1 so L = K - 1). Both launch modes use this
-// one function, so their conv outputs are bitwise the same.
+// shifted into the history (oldest first; dilation 1 so L = K - 1). The prefill's conv kernel
+// (gdn_prefill.cu) runs the same FMA chain.
 __device__ __forceinline__ float conv_channel(const float* __restrict__ proj,
                                               const float* __restrict__ w, float* conv_state,
                                               int64_t c, int K, bool shift) {
@@ -93,19 +91,6 @@ __device__ __forceinline__ void conv_shift(const float* __restrict__ proj, float
   hist[L - 1] = proj[c];
 }
 
-// Two-launch mode, launch 1: one thread per channel.
-__global__ void __launch_bounds__(kThreads)
-    gdn_conv_kernel(const float* __restrict__ proj, const float* __restrict__ w,
-                    float* __restrict__ conv_state, float* __restrict__ conv_out, int conv_dim,
-                    int K) {
-  // Wait for the projection (the previous kernel), then let the recurrence kernel start
-  // streaming its state: it waits for this grid's completion before it reads conv_out.
-  dev::pdl_begin();
-  const int c = blockIdx.x * kThreads + threadIdx.x;
-  if (c >= conv_dim) return;
-  conv_out[c] = conv_channel(proj, w, conv_state, c, K, true);
-}
-
 struct RecArgs {
   const float* proj;
   const float* A_log;
@@ -113,7 +98,6 @@ struct RecArgs {
   const float* norm_w;
   const float* conv_w;
   float* conv_state;
-  const float* conv_out;  // two-launch mode only
   float* state;
   float* o_scratch;
   unsigned int* counters;
@@ -123,7 +107,6 @@ struct RecArgs {
   int ratio;  // Hv / Hk
   int conv_dim;
   int K;
-  int fused;  // 1: the conv runs inside this kernel (one launch)
   float eps;
   // The overlapped projection: the join words of the rows but z (awaited instead of the
   // programmatic wait) and of the z rows (awaited by the gated norm), and their launches' blocks.
@@ -204,14 +187,14 @@ __device__ __forceinline__ void load_norm_operands(const RecArgs& a, const float
 
 // Steps 3-7 for one (value head h, slice of vc columns): the CTA's state tile [dk, vc] lives in
 // registers, thread (rg, cg) holding rows rg, rg + RG, ... and columns cg*4 .. cg*4+3.
-// Fused mode also does step 2 for the channels it reads: q_i and k_i (2 dk channels, read by the
+// It also does step 2 for the channels it reads: q_i and k_i (2 dk channels, read by the
 // ratio * slices CTAs of key head i: the last of them to arrive shifts their history) and its own
 // vc channels of v (shifted at once: no other CTA reads them).
 //
 // The instance <kFixedDk, kFixedDk, kFixedSlice, kFixedConv> is the real layer (dk = dv = 128,
-// 32-column slices, conv kernel 4, fused conv) at compile-time shape: its loops have fixed trip
-// counts and its row and column predicates fold. The runtime-shape instance <0, 0, 0, 0> runs
-// every other shape (and fused = false); the same operations in the same order, so the same bits.
+// 32-column slices, conv kernel 4) at compile-time shape: its loops have fixed trip counts and
+// its row and column predicates fold. The runtime-shape instance <0, 0, 0, 0> runs every other
+// shape; the same operations in the same order, so the same bits.
 //
 // kCl (sm_90+, fixed instance only; launch_gdn_decode picks it): the grid runs in clusters of
 // ratio * slices CTAs, one key head each, and the arrivals become one cluster barrier: every CTA
@@ -227,7 +210,6 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   __builtin_assume(threadIdx.x < kThreads);  // the launcher's block size
   const int dk = kDk > 0 ? kDk : a.dk, dv = kDv > 0 ? kDv : a.dv;
   const int vc = kVc > 0 ? kVc : a.vc, K = kK > 0 ? kK : a.K;
-  const bool fused = kDk > 0 || a.fused != 0;  // the fixed instance is the one-launch mode
   __shared__ float qs[kMaxHeadDim], ks[kMaxHeadDim];
   __shared__ float part[kWarps][kMaxSlice];
   __shared__ float col[kMaxSlice], delta[kMaxSlice];
@@ -244,11 +226,10 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   // first access to another CTA's shared memory (which must have started by then).
   if constexpr (kCl) cluster_arrive_relaxed();
 
-  // The state tile first: its loads are the kernel's cost and overlap everything below. Two
-  // launches: straight into registers before the programmatic-dependent wait (the conv kernel
-  // before this one triggers only after its own wait, so no kernel that writes the state can
-  // still run). One launch (this kernel may follow anything, e.g. itself): only prefetched into
-  // L2 before the wait (memory-safe whatever runs), loaded after it (cuda/common/pdl.cuh).
+  // The state tile first: its loads are the kernel's cost and overlap everything below. This
+  // kernel may follow anything (e.g. itself), so the tile is only prefetched into L2 before the
+  // programmatic-dependent wait (memory-safe whatever runs) and loaded after it
+  // (cuda/common/pdl.cuh).
   float4 s[kMaxRows];
   auto load_state = [&] {
 #pragma unroll
@@ -258,16 +239,12 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
   };
-  if (fused) {
-    if ((cg & 7) == 0) {  // one prefetch per 128 bytes of a row
+  if ((cg & 7) == 0) {  // one prefetch per 128 bytes of a row
 #pragma unroll
-      for (int j = 0; j < kMaxRows; ++j) {
-        const int row = rg + j * RG;
-        if (row < dk) dev::prefetch_l2(S + static_cast<int64_t>(row) * dv);
-      }
+    for (int j = 0; j < kMaxRows; ++j) {
+      const int row = rg + j * RG;
+      if (row < dk) dev::prefetch_l2(S + static_cast<int64_t>(row) * dv);
     }
-  } else {
-    load_state();
   }
   if (a.aword != nullptr) {
     // The overlapped projection: this launch follows the z rows, which do not wait for the
@@ -280,31 +257,28 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     dev::pdl_wait();
     dev::pdl_launch_dependents();
   }
-  if (fused) load_state();
+  load_state();
   // Step 4: gates of head h (they depend only on the projection).
   const float* ab = a.proj + a.conv_dim + static_cast<int64_t>(a.Hv) * dv;
   const float beta = sigmoid2(ab[a.Hv + h]);
   const float g = -expf(a.A_log[h]) * softplus(ab[h] + a.dt_bias[h]);
   const float decay = expf(g);
 
-  // Step 2 (fused) or its output (two launches): q_i, k_i and this CTA's v columns.
+  // Step 2: q_i, k_i and this CTA's v columns.
   const int64_t q_base = static_cast<int64_t>(i) * dk;
   const int64_t k_base = static_cast<int64_t>(a.Hk) * dk + q_base;
   const int64_t v_chan =
       2 * static_cast<int64_t>(a.Hk) * dk + static_cast<int64_t>(h) * dv + sl * vc + tid;
   float sq = 0.0f, sk = 0.0f, v = 0.0f;
   for (int t = tid; t < dk; t += kThreads) {
-    const float qv = fused ? conv_channel(a.proj, a.conv_w, a.conv_state, q_base + t, K, false)
-                           : a.conv_out[q_base + t];
-    const float kv = fused ? conv_channel(a.proj, a.conv_w, a.conv_state, k_base + t, K, false)
-                           : a.conv_out[k_base + t];
+    const float qv = conv_channel(a.proj, a.conv_w, a.conv_state, q_base + t, K, false);
+    const float kv = conv_channel(a.proj, a.conv_w, a.conv_state, k_base + t, K, false);
     qs[t] = qv;
     ks[t] = kv;
     sq = fmaf(qv, qv, sq);
     sk = fmaf(kv, kv, sk);
   }
-  if (tid < vc)
-    v = fused ? conv_channel(a.proj, a.conv_w, a.conv_state, v_chan, K, true) : a.conv_out[v_chan];
+  if (tid < vc) v = conv_channel(a.proj, a.conv_w, a.conv_state, v_chan, K, true);
 
   // Step 5: L2 norms of q_i and k_i (eps inside the rsqrt of the sum), q scaled by 1/sqrt(dk).
   block_sum2(sq, sk);  // also the barrier for qs / ks
@@ -383,14 +357,14 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
     }
     __syncthreads();
     // Arrivals (integer atomics; the order of arrival never changes a value): the head's last
-    // CTA normalises the head; in fused mode the key head's last CTA shifts the q_i / k_i
+    // CTA normalises the head; the key head's last CTA shifts the q_i / k_i
     // history, which every CTA of the key head has read by now.
     if (tid == 0) {
       __threadfence();
       const unsigned int prev = atomicAdd(a.counters + h, 1u);
-      const unsigned int prev_k = fused ? atomicAdd(a.counters + a.Hv + i, 1u) : 0u;
+      const unsigned int prev_k = atomicAdd(a.counters + a.Hv + i, 1u);
       last_head = prev == static_cast<unsigned int>(slices - 1);
-      last_key = fused && prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
+      last_key = prev_k == static_cast<unsigned int>(a.ratio * slices - 1);
       if (last_head) a.counters[h] = 0u;  // ready for the next launch (stream order)
       if (last_key) a.counters[a.Hv + i] = 0u;
       __threadfence();
@@ -456,7 +430,6 @@ void check_params(const GdnDecodeParams& p) {
                     kOp);
   FN_LAUNCH_REQUIRE(p.conv_state != nullptr && p.state != nullptr && p.out != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.o_scratch != nullptr && p.head_counters != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.fused_conv || p.conv_out != nullptr, kOp);
   FN_LAUNCH_REQUIRE(
       p.num_k_heads >= 1 && p.num_v_heads >= p.num_k_heads && p.num_v_heads % p.num_k_heads == 0,
       kOp);
@@ -487,7 +460,7 @@ int plan_gdn_decode_slice(const GdnDecodeParams& p) {
   // The widest slice that fits: on H200 the step and the kernel alone were fastest at 32 columns
   // at both real TP sizes (TP=1 48 x 4 CTAs: 8.85 us/layer alone, 5.383 vs 5.399 ms/token in
   // the model at 16; TP=2 24 x 4 CTAs: 7.71 vs 9.03 us at the 8 the earlier rule of >= 2 CTAs
-  // per SM chose; cuda/bench/RESULTS.md, session 9): fewer CTAs, fewer arrivals and barriers per
+  // per SM chose; docs/perf-history.md): fewer CTAs, fewer arrivals and barriers per
   // column, and the state still streams from L2 (it is prefetched before the wait).
   FN_LAUNCH_REQUIRE(dk * vc <= kMaxRows * kThreads * 4, "plan_gdn_decode_slice");
   return vc;
@@ -503,7 +476,6 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             p.norm_weight,
             p.conv_weight,
             p.conv_state,
-            p.conv_out,
             p.state,
             p.o_scratch,
             p.head_counters,
@@ -516,7 +488,6 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             Hv / Hk,
             conv_dim,
             p.conv_kernel,
-            p.fused_conv ? 1 : 0,
             p.eps};
   const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
   // The overlapped projection (with programmatic dependent launches; else the same four launches
@@ -526,9 +497,8 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   const bool overlap = p.in_proj != nullptr;
   if (overlap) {
     constexpr const char* kOp = "launch_gdn_decode";
-    FN_LAUNCH_REQUIRE(p.fused_conv && p.x != nullptr && p.out_weight != nullptr && p.y != nullptr &&
-                          p.join != nullptr,
-                      kOp);
+    FN_LAUNCH_REQUIRE(
+        p.x != nullptr && p.out_weight != nullptr && p.y != nullptr && p.join != nullptr, kOp);
     FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden <= 8192 && p.hidden % 8 == 0, kOp);
     FN_LAUNCH_REQUIRE(detail::aligned(p.in_proj, 16) && detail::aligned(p.x, 16) &&
                           detail::aligned(p.out_weight, 16),
@@ -571,13 +541,8 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
       launch_gemv_bf16(p.out_weight, p.hidden, int64_t{Hv} * dv, p.out, DType::BF16, p.y,
                        DType::F32, stream);
   };
-  if (!p.fused_conv) {
-    launch_pdl("gdn_conv_kernel", gdn_conv_kernel, (conv_dim + kThreads - 1) / kThreads, kThreads,
-               0, stream, p.proj, p.conv_weight, p.conv_state, p.conv_out, conv_dim, p.conv_kernel);
-    FN_CUDA_LAUNCH_CHECK("gdn_conv_kernel");
-  }
-  const bool fixed = p.fixed_shape && p.fused_conv && dk == kFixedDk && dv == kFixedDk &&
-                     vc == kFixedSlice && p.conv_kernel == kFixedConv;
+  const bool fixed = p.fixed_shape && dk == kFixedDk && dv == kFixedDk && vc == kFixedSlice &&
+                     p.conv_kernel == kFixedConv;
   const int cluster = (Hv / Hk) * (dv / vc);  // a key head's CTAs
   if (fixed && p.cluster && cluster <= kMaxClusterSize && detail::current_device_has_pdl()) {
     constexpr auto kernel = gdn_recurrent_kernel<kFixedDk, kFixedDk, kFixedSlice, kFixedConv, true>;
@@ -592,8 +557,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
   void (*kernel)(RecArgs) = fixed
                                 ? gdn_recurrent_kernel<kFixedDk, kFixedDk, kFixedSlice, kFixedConv>
                                 : gdn_recurrent_kernel<>;
-  launch_maybe_pdl(p.fused_conv || p.overlap_launch, "gdn_recurrent_kernel", kernel, grid, kThreads,
-                   0, stream, a);
+  launch_pdl("gdn_recurrent_kernel", kernel, grid, kThreads, 0, stream, a);
   FN_CUDA_LAUNCH_CHECK("gdn_recurrent_kernel");
   finish();
 }

@@ -1,8 +1,9 @@
 // Gated DeltaNet decode for one token (MODEL.md §C.5 steps 2-7): causal conv + SiLU with the conv
 // state shift, gates, q/k L2 norm, the delta-rule recurrence on the FP32 state, and the gated
 // RMSNorm, from the FP32 output of the stacked projection GEMV to the BF16 input of out_proj.
-// Called by the CUDA decode step once per GDN layer. One launch (or two: conv, then recurrence +
-// norm); deterministic (fixed reduction order, no float atomics), graph-capturable (no host sync).
+// Called by the CUDA decode step once per GDN layer. One launch (four with the overlapped
+// projections); deterministic (fixed reduction order, no float atomics), graph-capturable (no
+// host sync).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -38,37 +39,25 @@ struct GdnDecodeParams {
   int conv_kernel = 4;      ///< linear_conv_kernel_dim, 2..8
   float eps = 1e-6f;        ///< rms_norm_eps (the gated norm; the L2 norm uses 1e-6 as the CPU op)
   // Scratch (device memory owned by the caller, e.g. the engine arena; never read by the host):
-  /// [conv_dim] FP32: SiLU(conv) of this token, launch 1 -> 2 (only when fused_conv is false;
-  /// may be nullptr otherwise).
-  float* conv_out = nullptr;
   float* o_scratch = nullptr;  ///< [Hv*dv] FP32: the un-normalised recurrence output o
   /// [Hv + Hk] zero-initialised ONCE after allocation (cudaMemset); every launch leaves them zero.
   /// Arrival counters: the last CTA of value head h (entry h) applies the gated norm to the
   /// whole head; the last CTA of key head i (entry Hv + i) shifts its q/k conv history.
   unsigned int* head_counters = nullptr;
-  /// Two-launch mode only, sm_90+, when fn::pdl_enabled() (cuda/common/pdl.h): launch the recurrence
-  /// kernel as a programmatic dependent launch so its state loads overlap the conv kernel.
-  /// Ignored on older devices. (The first kernel of either mode is a programmatic dependent
-  /// launch whenever fn::pdl_enabled().)
-  bool overlap_launch = true;
-  /// true (default): ONE launch; every recurrence CTA computes the conv of the channels it
-  /// reads from the old conv state. false: two launches (a conv kernel over all channels
-  /// writing conv_out, then the recurrence). Results are bitwise the same in every mode.
-  bool fused_conv = true;
   /// dv columns per CTA: 0 lets plan_gdn_decode_slice choose; else 4, 8, 16 or 32, dividing dv,
   /// with dk * slice_columns <= 4096 (the state tile fits the registers). For benchmarks/tests.
   int slice_columns = 0;
   /// true: the compile-time-shape instance of the recurrence kernel runs when the shape is the
-  /// real layer's (dk = dv = 128, 32-column slices, conv kernel 4, fused_conv); false: always
-  /// the runtime-shape instance (A/B benches and tests). The same bits either way.
+  /// real layer's (dk = dv = 128, 32-column slices, conv kernel 4); false: always the
+  /// runtime-shape instance. The same bits either way.
   bool fixed_shape = true;
   /// true (default): where the compile-time-shape instance runs on an sm_90+ device, it runs in
   /// thread-block clusters of one key head's (Hv / Hk) * (dv / slice) CTAs (12 at the real shape,
   /// at most 16): a cluster barrier and distributed shared memory instead of the arrival counters
-  /// and o_scratch (which stay untouched). false: the arrival path (A/B benches and tests). The
-  /// same bits either way.
+  /// and o_scratch (which stay untouched). false: the arrival counters (devices or shapes
+  /// without clusters). The same bits either way.
   bool cluster = true;
-  /// The overlapped projection (the decode step's default; fused_conv only): when non-null, the
+  /// The overlapped projection (the decode step's default): when non-null, the
   /// launcher also runs the layer's input projection and out_proj, four launches: the
   /// projection's rows but z (in_proj . x into proj), the z rows (a GEMV without a programmatic
   /// wait), the recurrence beside them (it waits for the first rows through join word 0, and
@@ -87,12 +76,12 @@ struct GdnDecodeParams {
   unsigned int* join = nullptr;
 };
 
-/// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns);
-/// the state slice stays in registers, loaded and stored once with coalesced 16-byte accesses
-/// (preceded by a conv kernel over all channels when fused_conv is false; with in_proj, the
-/// projections around it, four launches). Throws fn::Error(Internal) on a null pointer, bad sizes
-/// (see the field comments), a misaligned state, in_proj, x or out_weight, or in_proj without
-/// fused_conv; fn::Error(Cuda) on a failed launch.
+/// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns),
+/// each computing the causal conv of the channels it reads from the old conv state; the state
+/// slice stays in registers, loaded and stored once with coalesced 16-byte accesses (with
+/// in_proj, the projections around it, four launches). Throws fn::Error(Internal) on a null
+/// pointer, bad sizes (see the field comments) or a misaligned state, in_proj, x or out_weight;
+/// fn::Error(Cuda) on a failed launch.
 void launch_gdn_decode(const GdnDecodeParams& params, cudaStream_t stream);
 
 /// Columns of dv per CTA of the recurrence kernel that launch_gdn_decode uses for these params

@@ -29,8 +29,8 @@
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
-#include "cuda/kernels/gdn_common.cuh"
 #include "cuda/common/launch_check.h"
+#include "cuda/kernels/gdn_common.cuh"
 
 namespace fn {
 namespace {
@@ -490,7 +490,7 @@ int plan_gdn_prefill_slice(const GdnPrefillParams& p) {
   return vc;
 }
 
-void launch_gdn_prefill_phases(const GdnPrefillParams& p, unsigned phases, cudaStream_t stream) {
+void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
   const int vc = plan_gdn_prefill_slice(p);  // also checks the parameters
   const int Hk = p.num_k_heads, Hv = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
   const int conv_dim = 2 * Hk * dk + Hv * dv;
@@ -502,7 +502,7 @@ void launch_gdn_prefill_phases(const GdnPrefillParams& p, unsigned phases, cudaS
   float* decay = reinterpret_cast<float*>(ws + l.decay);
   float* kq = reinterpret_cast<float*>(ws + l.kq);
 
-  if (phases & 1u) {
+  {  // conv + gates + L2 norms
     ConvArgs ca;
     ca.proj = p.proj;
     ca.stride = p.proj_stride;
@@ -530,14 +530,14 @@ void launch_gdn_prefill_phases(const GdnPrefillParams& p, unsigned phases, cudaS
     FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_kernel");
   }
 
-  if (phases & 2u) {
+  {  // conv state update
     gdn_prefill_conv_state_kernel<<<static_cast<unsigned>((conv_dim + 255) / 256), 256, 0,
                                     stream>>>(p.proj, p.proj_stride, p.tokens, p.conv_state,
                                               conv_dim, p.conv_kernel);
     FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_state_kernel");
   }
 
-  if (phases & 4u) {
+  {  // recurrence scan
     int P, R;
     scan_rows(dk, P, R);
     const int T = scan_tile_tokens(R * P, vc);
@@ -571,17 +571,13 @@ void launch_gdn_prefill_phases(const GdnPrefillParams& p, unsigned phases, cudaS
     FN_CUDA_LAUNCH_CHECK("gdn_prefill_scan_kernel");
   }
 
-  if (phases & 8u) {
+  {  // gated norm
     const int64_t warps = p.tokens * Hv;
     const int64_t blocks = (warps + kNormThreads / 32 - 1) / (kNormThreads / 32);
     gdn_prefill_norm_kernel<<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
         vo, p.proj, p.proj_stride, p.tokens, p.norm_weight, p.out, Hv, dv, conv_dim, p.eps);
     FN_CUDA_LAUNCH_CHECK("gdn_prefill_norm_kernel");
   }
-}
-
-void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
-  launch_gdn_prefill_phases(p, kGdnPrefillAllPhases, stream);
 }
 
 }  // namespace fn

@@ -1,9 +1,10 @@
 // Gated DeltaNet prefill for M tokens of one GDN layer on one TP rank (MODEL.md §C.5 steps 2-7,
-// §D): the same function as M successive launch_gdn_decode calls (cuda/kernels/gdn.h), leaving the same
-// recurrent state and conv state, but with the token-parallel parts (conv, gates, L2 norms, gated
-// norm) run over all tokens at once and the recurrence as one sequential scan per state slice.
-// Called by the CUDA prefill path once per GDN layer and prompt chunk. No host sync, graph-safe,
-// deterministic (fixed reduction order, no float atomics); tokens past M never touch the state.
+// §D): the same function as M successive launch_gdn_decode calls (cuda/kernels/gdn.h), leaving the
+// same recurrent state and conv state, but with the token-parallel parts (conv, gates, L2 norms,
+// gated norm) run over all tokens at once and the recurrence as one sequential scan per state
+// slice. Called by the CUDA prefill path once per GDN layer and prompt chunk. No host sync,
+// graph-safe, deterministic (fixed reduction order, no float atomics); tokens past M never touch
+// the state.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -63,16 +64,6 @@ size_t gdn_prefill_workspace_bytes(const GdnPrefillParams& shape_only);
 /// gated RMSNorm over (token, head). Throws fn::Error(Internal) on a null pointer, a misaligned
 /// workspace or bad sizes (see the field comments); fn::Error(Cuda) on a failed launch.
 void launch_gdn_prefill(const GdnPrefillParams& params, cudaStream_t stream);
-
-/// All four kernels of launch_gdn_prefill, for launch_gdn_prefill_phases.
-inline constexpr unsigned kGdnPrefillAllPhases = 15u;
-
-/// For benchmarks only: enqueues the kernels of launch_gdn_prefill named by the bits of
-/// `phases` (1: conv + gates + L2 norms, 2: conv state update, 4: recurrence scan, 8: gated
-/// norm), in that order, so each can be timed alone. Only kGdnPrefillAllPhases computes the
-/// prefill; the others leave the outputs and states meaningless. Same preconditions/throws.
-void launch_gdn_prefill_phases(const GdnPrefillParams& params, unsigned phases,
-                               cudaStream_t stream);
 
 /// dv columns per CTA of the scan kernel launch_gdn_prefill uses for these params on the current
 /// device (slice_columns when set). Same preconditions/throws as launch_gdn_prefill.

@@ -1,4 +1,4 @@
-// Dense BF16 GEMMs of the batched prefill (issue 7) through cuBLAS: Y = X · Wᵀ for a BF16 weight
+// Dense BF16 GEMMs of the batched prefill through cuBLAS: Y = X · Wᵀ for a BF16 weight
 // W stored row-major [n, k] (the checkpoint's [out, in] layout, as every decode GEMV reads it)
 // and M activation rows. FP32 activations (the HC read's N and m, DESIGN/numerics.md) are passed
 // as two BF16 rows hi + lo (x ≈ hi + lo to ~2^-16 relative; products are exact on the tensor

@@ -36,9 +36,8 @@ constexpr int kFixedTeamLog2 = 5;
 constexpr int kFixedSplits = 8;
 
 // HC down tiling: a warp owns kDownRows rows and the block's chunk of kDownChunkVec 16-byte
-// vectors inside one group (lane l: vectors l, l + 32, ..., l + 128), so every thread has 10
-// weight loads in flight; at the real shape 8 chunks x 21 row blocks hold the whole matrix, two
-// blocks per SM (<= 128 registers).
+// vectors inside one group (lane l: vectors l, l + 32, ..., l + 128); at the real shape 8 chunks
+// x 21 row blocks hold the whole matrix.
 constexpr int kDownRows = 2;
 constexpr int kDownVecPerLane = 5;
 constexpr int kDownChunkVec = 32 * kDownVecPerLane;                  // 1280 columns
@@ -157,51 +156,17 @@ __device__ __forceinline__ void down_load_h(const DownArgs& a, const DownDims& d
   }
 }
 
-// Block (chunk p, row block): rows [16 * blockIdx.y, +16) x the chunk's vectors. Chunk p is
-// chunk p % cpg of group p / cpg; it never crosses a group, so its dot needs no norm scale.
-__global__ void __launch_bounds__(kBlockThreads, 2) hc_down_kernel(DownArgs a) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const DownDims d = down_dims<0>(a);
-  const int p = static_cast<int>(blockIdx.x);
-  const int g = p / d.cpg;
-  const int vbeg = (p - g * d.cpg) * kDownChunkVec;  // first vector of the chunk in its group
-  const int64_t col0 = g * d.hidden + 8 * static_cast<int64_t>(vbeg);
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kDownRowsPerBlock + warp * kDownRows;
-  // Weights (W and the norm weight: no kernel writes them) load before the dependency wait, so
-  // the whole matrix is in flight while the previous kernel finishes (cuda/common/pdl.cuh).
-  uint4 w[kDownVecPerLane][kDownRows];
-  uint4 nw[kDownVecPerLane];
-#pragma unroll
-  for (int u = 0; u < kDownVecPerLane; ++u) {
-    const int vl = lane + 32 * u;  // vector within the chunk
-    const bool ok = down_in_group(d, vbeg, vl);
-    const int64_t col = col0 + 8 * static_cast<int64_t>(vl);
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r)
-      w[u][r] = ok && row0 + r < a.rows ? dev::ld_stream16(a.w + (row0 + r) * d.width + col)
-                                        : make_uint4(0, 0, 0, 0);
-    nw[u] = ok ? __ldg(reinterpret_cast<const uint4*>(a.norm + col)) : make_uint4(0, 0, 0, 0);
-  }
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  float4 hx[kDownVecPerLane][2];
-  down_load_h(a, d, col0, vbeg, lane, hx);
-  float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int u = 0; u < kDownVecPerLane; ++u)
-    if (down_in_group(d, vbeg, lane + 32 * u)) down_step(v, hx[u], nw[u], w[u]);
-  down_finish(a, v, p, row0, warp, lane);
-}
-
 // Shared-memory staging of the down pass: the block's 16 rows x kDownChunkVec vectors of W, then
 // the chunk's kDownChunkVec vectors of the norm weight (43,520 bytes).
 constexpr int kDownStageVec = kDownRowsPerBlock * kDownChunkVec;
 constexpr std::size_t kDownStageBytes = (kDownStageVec + kDownChunkVec) * sizeof(uint4);
 
-// The staged down pass: the same blocks, lanes and summation order as hc_down_kernel (so the
-// same bits), but the weights go to shared memory with cp.async before the PDL wait instead of
-// registers: ~64 registers instead of 115, so up to 4 blocks fit an SM and the whole grid (and
-// the mix launched behind it) is resident while the previous kernel drains.
+// Block (chunk p, row block): rows [16 * blockIdx.y, +16) x the chunk's vectors. Chunk p is
+// chunk p % cpg of group p / cpg; it never crosses a group, so its dot needs no norm scale. The
+// weights (W and the norm weight: no kernel writes them) go to shared memory with cp.async before
+// the PDL wait, so the whole matrix is in flight while the previous kernel finishes
+// (cuda/common/pdl.cuh); ~64 registers, so up to 4 blocks fit an SM and the whole grid (and the
+// mix launched behind it) is resident while the previous kernel drains.
 template <int kHidden = 0>
 __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
     hc_down_staged_kernel(DownArgs a) {
@@ -426,7 +391,8 @@ __device__ __forceinline__ float mix_one_w(const MixArgs& a, const MixDims& d, i
 }
 
 // One team per output i: rows i + s*D (s < 4) of W_up against u = silu(t / 4), which every block
-// first reduces from the partials into shared memory. The W_up vectors stay in registers.
+// first reduces from the partials into shared memory. The W_up vectors stay in registers: the
+// fallback for ranks whose staged rows do not fit 48 KB (hc_mix_uses_staging).
 __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
   extern __shared__ float4 u_s4[];  // [rank / 4]
   float* u_s = reinterpret_cast<float*>(u_s4);
@@ -482,7 +448,7 @@ std::size_t mix_stage_bytes(int64_t rank, int team) {
 // 4 blocks fit an SM and the whole grid is resident (its weights in flight) while the down pass
 // runs; after the wait only t, the partial squares and H are read from memory. The instance
 // <kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits> is the real read at compile-time
-// shape (ncu, session 16: the runtime-shape instance ran ~1,170 instructions per warp at this
+// shape (ncu: the runtime-shape instance ran ~1,170 instructions per warp at this
 // shape, most of them address arithmetic, predicates and loop control on runtime sizes).
 template <int kRank = 0, int kHidden = 0, int kTeamLog2 = 0, int kSplits = 0>
 __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged_kernel(MixArgs a) {
@@ -556,7 +522,7 @@ int mix_team(int64_t hidden, int64_t rank) {
 }  // namespace
 
 bool hc_mix_uses_staging(const HcMixParams& p) {
-  if (!p.staged || p.rank < 8 || p.rank > kMaxRank || p.hidden < 1) return false;
+  if (p.rank < 8 || p.rank > kMaxRank || p.hidden < 1) return false;
   return mix_stage_bytes(p.rank, mix_team(p.hidden, p.rank)) <= kMixStageMaxBytes;
 }
 
@@ -601,17 +567,11 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              inject ? p.inject_y : nullptr,
              inject ? p.H_out : nullptr};
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
-  if (p.staged) {
-    const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
-    void (*kernel)(DownArgs) =
-        fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>;
-    launch_pdl("hc_down_staged_kernel", kernel, grid, dim3(kBlockThreads), kDownStageBytes, stream,
-               a);
-    FN_CUDA_LAUNCH_CHECK("hc_down_staged_kernel");
-  } else {
-    launch_pdl("hc_down_kernel", hc_down_kernel, grid, dim3(kBlockThreads), 0, stream, a);
-    FN_CUDA_LAUNCH_CHECK("hc_down_kernel");
-  }
+  const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
+  void (*kernel)(DownArgs) = fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>;
+  launch_pdl("hc_down_staged_kernel", kernel, grid, dim3(kBlockThreads), kDownStageBytes, stream,
+             a);
+  FN_CUDA_LAUNCH_CHECK("hc_down_staged_kernel");
 }
 
 void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {

@@ -4,8 +4,8 @@
 // RMSNorm scales from the partial squares, t, u, G, N -> m, iota). Called by the CUDA decode step
 // before each mixer / MoE and for the final mixer. Deterministic (fixed summation orders, no
 // atomics), graph-capturable, PDL-aware (weights are staged in shared memory with cp.async before
-// the dependency wait; the register-staged kernels stay selectable with `staged = false`).
-// Numerics (issue 9): N and m are FP32 (every BF16 GEMV reads m as FP32); only the NVFP4 routed
+// the dependency wait; the mix holds them in registers instead where they do not fit).
+// Numerics: N and m are FP32 (every BF16 GEMV reads m as FP32); only the NVFP4 routed
 // experts read a BF16 copy of m (W4A16, DESIGN.md). Rounding N and m to BF16 was measured to
 // cause almost all of the CUDA engine's KL divergence against transformers (1.4e-3 .. 3.3e-3
 // with BF16 N and m, 4e-5 .. 1e-4 with FP32 in the FP32 CPU emulation).
@@ -45,15 +45,8 @@ struct HcDownParams {
   const float* inject_iota = nullptr;  ///< [hc_count] FP32 inject weights (the last HC mix's)
   const float* inject_y = nullptr;     ///< [hidden] FP32 block output (after the all-reduce)
   float* H_out = nullptr;              ///< out: [hc_count * hidden] FP32 residual after inject
-  /// true: each block stages its 16 rows x 1280 columns of W (and the norm weight) in shared
-  /// memory with cp.async before the PDL wait (~43 KB, few registers, so the grid and the mix
-  /// behind it are resident while the previous kernel drains); false: the previous kernel that
-  /// holds them in registers (115 per thread, 2 blocks per SM), kept for A/B benches. Both give
-  /// the same bits (same lanes, same summation order).
-  bool staged = true;
-  /// true: the staged kernel runs its compile-time-shape instance when hc_count is 4 and D is
-  /// 2560 (the real model); false: always the runtime-shape instance (kept for A/B benches and
-  /// tests). Same bits.
+  /// true: the kernel runs its compile-time-shape instance when hc_count is 4 and D is 2560 (the
+  /// real model); false: always the runtime-shape instance. Same bits.
   bool fixed_shape = true;
 };
 
@@ -65,10 +58,10 @@ int64_t hc_down_chunks(int64_t hidden);
 /// launch_hc_mix takes at most 16.
 int64_t hc_down_splits(int64_t hc_count, int64_t hidden);
 
-/// Launches hc_down_splits x ceil(rows / 16) blocks of 256 threads (16 rows x 1280 columns each;
-/// at the real shape 8 x 21, the whole 6.6 MB matrix in flight before the PDL wait: in shared
-/// memory when params.staged, else in registers, two blocks per SM). Throws fn::Error(Internal) on
-/// null pointers, bad sizes or misalignment; fn::Error(Cuda) on a failed launch.
+/// Launches hc_down_splits x ceil(rows / 16) blocks of 256 threads (16 rows x 1280 columns each,
+/// staged in shared memory with cp.async, ~43 KB; at the real shape 8 x 21 blocks, the whole
+/// 6.6 MB matrix in flight before the PDL wait). Throws fn::Error(Internal) on null pointers, bad
+/// sizes or misalignment; fn::Error(Cuda) on a failed launch.
 void launch_hc_down(const HcDownParams& params, cudaStream_t stream);
 
 /// HC mix (MODEL.md §C.2, §C.3 steps 2-5) from the partials of launch_hc_down, chunk p in group
@@ -90,7 +83,7 @@ struct HcMixParams {
   const uint16_t* norm = nullptr;  ///< [hc_count * D] BF16 bits (hc_norm.weight)
   float eps = 1e-6f;               ///< rms_norm_eps
   /// [D] FP32 block input: the input of every BF16 GEMV (mixer in_proj, router, shared expert,
-  /// lm_head), kept FP32 (issue 9's KL finding).
+  /// lm_head), kept FP32 (the KL finding above).
   float* m = nullptr;
   /// [D] BF16 bits: m rounded to nearest even, or nullptr. Only the MLP-side read passes it: the
   /// NVFP4 routed experts take BF16 activations (W4A16, DESIGN.md numerics contract).
@@ -99,21 +92,16 @@ struct HcMixParams {
   int hc_count = 4;       ///< must be 4 (the kernel keeps one accumulator per stream)
   int64_t hidden = 0;     ///< D (2560)
   int64_t rank = 0;       ///< r = hc_lowrank (320), multiple of 8, <= 8192 (u in shared memory)
-  /// true: each block stages its W_up rows in shared memory with cp.async before the PDL wait
-  /// when they fit in 48 KB with u (rank 320 with 32-lane teams: 21.8 KB; see
-  /// hc_mix_uses_staging), else the register kernel runs; false: always the previous kernel that
-  /// holds the W_up vectors in registers (kept for A/B benches). Both give the same bits (same
-  /// teams, same summation order).
-  bool staged = true;
   /// true: the staged kernel runs its compile-time-shape instance when the read is the real
   /// model's (rank 320, D 2560, 8 partials) and the launcher plans 32-lane teams (132 SMs);
-  /// false: always the runtime-shape instance (kept for A/B benches and tests). Same bits.
+  /// false: always the runtime-shape instance. Same bits.
   bool fixed_shape = true;
 };
 
-/// Whether launch_hc_mix(p) runs the shared-memory staged kernel: p.staged and the block's W_up
-/// rows plus u fit in 48 KB (4 * (256 / team) * rank * 2 + rank * 4 bytes, the team as planned
-/// by the launcher: 32 lanes at rank 320 on 132 SMs). False for sizes the launcher rejects.
+/// Whether launch_hc_mix(p) runs the shared-memory staged kernel: the block's W_up rows plus u
+/// fit in 48 KB (4 * (256 / team) * rank * 2 + rank * 4 bytes, the team as planned by the
+/// launcher: 32 lanes at rank 320 on 132 SMs, 21.8 KB); otherwise the register kernel runs, with
+/// the same teams and summation order (the same bits). False for sizes the launcher rejects.
 bool hc_mix_uses_staging(const HcMixParams& p);
 
 /// Launches the mix: after the PDL wait every thread issues all its loads at once (partials,

@@ -1,7 +1,8 @@
-// MoE device code shared by the decode kernels of decode_ops.cu and the fused shared-expert
-// kernels of moe_shared.cu (MODEL.md §C.7): the router softmax + top-k of one row run by one
-// 512-thread block, the shared-expert gate's sigmoid and the SwiGLU element. Included by .cu files
-// only. One copy of each, so the fused and unfused kernels give the same bits.
+// MoE device code shared by the router kernel of decode_ops.cu (per token and per prefill row),
+// the fused shared-expert kernels of moe_shared.cu and the prefill's row kernels of prefill_ops.cu
+// (MODEL.md §C.7): the router softmax + top-k of one row run by one 512-thread block, the
+// shared-expert gate's sigmoid and the SwiGLU element. Included by .cu files only. One copy of
+// each, so the decode step and the prefill give the same bits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -97,10 +98,10 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list, int
 }
 
 /// Router softmax + top-k of one row (MODEL.md §C.7 step 1; the semantics of
-/// fn::launch_router_topk, cuda/kernels/decode_ops.h) on logits the caller already holds: thread t passes
-/// l0 = logit of expert t and l1 = logit of expert t + 512 (any value where the expert is >= E).
-/// p = softmax(logits[0, E)) (FP32 expf(l - max), FP64 sum), the top k of p in the order (p desc,
-/// id asc), w = p / sum(p_selected) (FP64) when norm, else p; a NaN p ranks as -Inf and sets
+/// fn::launch_router_topk, cuda/kernels/decode_ops.h) on logits the caller already holds: thread t
+/// passes l0 = logit of expert t and l1 = logit of expert t + 512 (any value where the expert is >=
+/// E). p = softmax(logits[0, E)) (FP32 expf(l - max), FP64 sum), the top k of p in the order (p
+/// desc, id asc), w = p / sum(p_selected) (FP64) when norm, else p; a NaN p ranks as -Inf and sets
 /// *flag = 4 (flag may be null). 1 <= E <= kMaxExperts, 1 <= k <= min(E, kMaxTopK). Must be called
 /// by all kRouterThreads threads of a block (uniformly: it uses __syncthreads; warp 0 writes the
 /// outputs, the other warps return from it early). The same code for every caller, so the same

@@ -1,10 +1,10 @@
 // NVFP4 W4A16 routed-expert kernels (see moe_nvfp4.h): one gate+up+SwiGLU kernel and one
-// weighted down-projection kernel, each as the FP32-FMA kernels described here (the default) and
-// on the tensor cores (mma = true; described at "Tensor-core path" below), each in two variants: 32
-// codes per lane unit (cols % 32 == 0, every real shape) and 16 codes (cols an odd multiple of 16:
-// tiny fixtures' TP slices).
+// weighted down-projection kernel, FP32 FMA, each in two variants: 32 codes per lane unit
+// (cols % 32 == 0, every real shape) and 16 codes (cols an odd multiple of 16: tiny fixtures' TP
+// slices). On sm_90 the decode step's gate+up runs the bulk-copy kernel instead
+// (moe_nvfp4_bulk.cu); this one is its fallback on older devices and shapes.
 //
-// Streaming (issue 8): a team of lanes per output row (pair); each lane first issues the 16-byte
+// Streaming: a team of lanes per output row (pair); each lane first issues the 16-byte
 // code loads and the scale loads of all its units (up to kGateUpUnits per row / kDownUnits; more
 // only for shapes wider than the real ones, in further rounds), then the block stages the
 // activation (x, or all top_k rows of h) once in shared memory as FP32 * 2^64, and only then
@@ -13,14 +13,14 @@
 // chain over the codes in element order; per unit b0 * s0 (16 codes) or fmaf(b1, s1, b0 * s0)
 // with the blocks' E4M3 scales; per lane its units in increasing index, acc += unit (gate+up) or
 // acc = fmaf(unit, routing_weight * gs, acc) (down); then the team's dev::team_reduce; then
-// * 2^70 and (gate+up) * the global scale. Measured (H200, cuda/bench/RESULTS.md, PDL off): TP=1
-// gate+up 14.9 us, down 10.2 us (15.5 / 11.0 before): the kernels are instruction-issue bound
-// (~4.6 instructions per code; the ALU time alone is about the byte floor), not load bound.
+// * 2^70 and (gate+up) * the global scale. Measured (H200, PDL off; docs/perf-history.md): TP=1
+// gate+up 14.9 us, down 10.2 us: the kernels are instruction-issue bound (~4.6 instructions per
+// code; the ALU time alone is about the byte floor), not load bound.
 //
 // Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): the
 // codes of a 32-bit word (in the decode layout, Nvfp4Experts) become, two at a time with one
-// rotation and one mask (pair 3: two of each; cuda/common/nvfp4_bits.h, checked for every code on the
-// host), BF16 bit patterns worth exactly code * 2^-126, widened to FP32 by a shift or a mask --
+// rotation and one mask (pair 3: two of each; cuda/common/nvfp4_bits.h, checked for every code on
+// the host), BF16 bit patterns worth exactly code * 2^-126, widened to FP32 by a shift or a mask --
 // no conversion instruction per element (the earlier FP16 path spent
 // a quarter-rate cvt per element and was instruction bound at 15-24% of the bandwidth). x is
 // widened from BF16 and scaled by 2^64 (exact) so that every product code * 2^-126 * x * 2^64 is
@@ -38,21 +38,17 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
-#include "cuda/kernels/moe_nvfp4_bulk.h"
 #include "cuda/common/nvfp4_bits.h"
 #include "cuda/common/nvfp4_mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/real_shape.h"
+#include "cuda/kernels/moe_nvfp4_bulk.h"
 
 namespace fn {
 namespace {
 
-using nvfp4_mma::bf16x2_mul;
 using nvfp4_mma::decode_layout_f32;
-using nvfp4_mma::e4m3_bf16x2_scaled;
 using nvfp4_mma::half_bits_to_float;
-using nvfp4_mma::kMmaUnscale;
-using nvfp4_mma::mma_bf16;
 using nvfp4_mma::word_of;
 
 constexpr int kBlockThreads = 256;
@@ -240,7 +236,6 @@ struct GateUpArgs {
   uint16_t* h;
   float* gate_up_out;
   int team_log2;
-  int tiles_per_j;  // tensor-core path: ceil(I / 8) tiles of 8 row pairs per selected expert
   L2Prefetch l2_prefetch;
 };
 
@@ -328,9 +323,7 @@ struct DownArgs {
   const uint16_t* h;
   float* y;
   bool accumulate;
-  float inv_nvec;  // tensor-core path: 1 / nvec (unit -> expert index without an integer divide)
   int team_log2;
-  bool skip_math;  // MoeDownParams::bench_skip_math
 };
 
 // One team per output row d: lane l takes the flattened (expert j, unit v) indices
@@ -351,9 +344,9 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   const int team_log2 = kTeamLog2 > 0 ? kTeamLog2 : a.team_log2;
   extern __shared__ float4 stage4[];
   float* stage = reinterpret_cast<float*>(stage4);
-  // The first round's loads go out before the programmatic-dependent wait (cuda/common/pdl.cuh): the
-  // weights, and the router's ids and routing weights, written two launches back (gate+up sits in
-  // between) and read through L2; only h, gate+up's output, waits.
+  // The first round's loads go out before the programmatic-dependent wait (cuda/common/pdl.cuh):
+  // the weights, and the router's ids and routing weights, written two launches back (gate+up sits
+  // in between) and read through L2; only h, gate+up's output, waits.
   using U = Unit<kNarrow>;
   const int team = 1 << team_log2;
   const int lane = threadIdx.x & (team - 1);
@@ -386,283 +379,13 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
     }
 #pragma unroll
     for (int n = 0; n < kDownUnits; ++n)
-      if (live[n] && !a.skip_math)
+      if (live[n])
         acc[0] = fmaf(unit_dot<kNarrow>(w[n], s[n], stage, lane + (n0 + n) * team), f[n], acc[0]);
   }
   dev::team_reduce<1, kBlockThreads>(acc, team, lane);
   if (lane != 0 || !in_range) return;
   const float v = acc[0] * kUnscale;
   a.y[d] = a.accumulate ? a.y[d] + v : v;
-}
-
-// ---- Tensor-core path (MoeGateUpParams::mma / MoeDownParams::mma = true) -----------------------
-//
-// Measured on H200 (cuda/bench/RESULTS.md, session 5): as fast as the FP32 kernels at best (TP=1
-// gate+up 15.3 vs 15.1 us, down 11.2 vs 10.2), although it issues far fewer instructions per code:
-// the kernels are bound by the latency of each round of loads (ids -> weights -> compute), not by
-// instruction issue. Kept for A/B and as the base of a pipelined kernel.
-//
-// A warp multiplies a tile of 8 weight rows (gate+up: 8 gate rows and the 8 matching up rows) with
-// mma.sync m16n8k16 (BF16 inputs, FP32 accumulate): the weights are the B operand (n = the tile's
-// row), the activation the A operand. Lane (g, t) = (lane / 4, lane % 4) holds row g; per chunk of
-// the row it loads one unit (32 codes, 16 bytes; 16 codes, 8 bytes on the narrow path), the
-// chunk's units being 4c + t: the 4 lanes of a row read 64 contiguous bytes. A unit's 8-code word
-// gives two MMAs: codes (q, q + 4) as one BF16x2 register (nvfp4::decode_layout_pair: code *
-// 2^-126, subnormal for +-0.5) times the block scale as BF16x2 (a shared-memory table: E4M3 *
-// 2^100) = code * scale * 2^-26, exact (at most 6 significant bits, normal). The k order inside an
-// MMA is a permutation of the columns; the activation is staged in shared memory in the same
-// permutation (per 8 elements x0 x4 x1 x5 x2 x6 x3 x7, BF16 as given: no conversion), 16 bytes of
-// padding per unit so that the 4 distinct 16-byte reads of a warp hit distinct banks. W warps share
-// a tile (a block of 256 threads holds 8 / W tiles) and take its chunks round-robin; every lane
-// issues the loads of up to kMma*Chunks chunks before the block stages the activation.
-//
-// Summation (fixed, so bitwise reproducible; not the order of the FP32 kernels): gate+up: per
-// warp one MMA accumulator chain over its chunks in increasing order (the products exact, the
-// tensor core's internal sum of 16 products + C), then the tile's warps summed in increasing warp
-// order in FP32, then * 2^26 and * the global scale. Down: the A operand has one row per expert
-// "slot" of the chunk (a chunk spans at most 4 experts; lane (g, t) puts its activation in row g
-// only when its unit belongs to the chunk's g-th expert), so D[g][n] is the chunk's dot for that
-// expert; per chunk a fresh 8-MMA chain, then acc = fmaf(D, routing_weight * gs, acc) per slot
-// lane in chunk order, the 4 slot lanes summed by a butterfly (xor 4, 8), the warps in order,
-// * 2^26. Range: exact products for 2^-90 <= |activation| < 2^100 (and 0).
-constexpr int kMmaGateUpChunks = 5;
-constexpr int kMmaDownChunks = 7;
-// Resident blocks per SM (__launch_bounds__: <= 128 and <= 80 registers, no spills).
-constexpr int kMmaGateUpMinBlocks = 2;
-constexpr int kMmaDownMinBlocks = 3;
-constexpr int kLutBytes = 256 * 4;
-constexpr int kPartBytes = (kBlockThreads / 32) * 8 * 2 * 4;  // [warp][row][2] FP32 partials
-
-// The activation staged for the MMAs (nvfp4_mma.cuh), filled by the block's 256 threads.
-template <bool kNarrow>
-using MmaStage = nvfp4_mma::MmaStage<kNarrow, kBlockThreads>;
-
-// d += the MMAs of one 8-code word wd (block scale pair sc) against the staged activation xw.
-__device__ __forceinline__ void mma_word(uint32_t wd, uint32_t sc, const uint4& xw, float (&d)[4]) {
-  uint32_t b[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) b[q] = bf16x2_mul(nvfp4::decode_layout_pair(wd, q), sc);
-  mma_bf16(d, xw.x, xw.x, xw.y, xw.y, b[0], b[1]);
-  mma_bf16(d, xw.z, xw.z, xw.w, xw.w, b[2], b[3]);
-}
-
-template <bool kNarrow>
-__global__ void __launch_bounds__(kBlockThreads, kMmaGateUpMinBlocks)
-    moe_gate_up_mma_kernel(GateUpArgs a) {
-  extern __shared__ float4 smem4[];
-  uint32_t* lut = reinterpret_cast<uint32_t*>(smem4);
-  float* part = reinterpret_cast<float*>(lut + 256);
-  uint8_t* stage = reinterpret_cast<uint8_t*>(smem4) + kLutBytes + kPartBytes;
-  if (threadIdx.x == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
-  // Every weight address depends on the router's expert ids, and x is the previous kernel's
-  // output: nothing is read before the programmatic-dependent wait (cuda/common/pdl.cuh).
-  dev::pdl_begin();
-  using U = Unit<kNarrow>;
-  using S = MmaStage<kNarrow>;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int nw = 1 << a.team_log2;  // warps per tile
-  const int wt = warp & (nw - 1);
-  const int64_t tile =
-      static_cast<int64_t>(blockIdx.x) * (8 >> a.team_log2) + (warp >> a.team_log2);
-  const bool tile_ok = tile < static_cast<int64_t>(a.top_k) * a.tiles_per_j;
-  const int j = tile_ok ? static_cast<int>(tile / a.tiles_per_j) : 0;
-  const int i0 = tile_ok ? static_cast<int>(tile % a.tiles_per_j) * 8 : 0;
-  const int e = __ldg(a.ids + j);
-  const bool ok = tile_ok && e >= 0 && e < a.num_experts;  // warp-uniform
-  const bool row_ok = ok && i0 + g < a.inter;
-  const int nchunks = (a.nvec + 3) / 4;
-  const int mine = ok && wt < nchunks ? (nchunks - 1 - wt) / nw + 1 : 0;  // warp-uniform
-
-  const int64_t g_row = static_cast<int64_t>(ok ? e : 0) * 2 * a.inter + (row_ok ? i0 + g : 0);
-  const uint8_t* wg = a.packed + g_row * (a.k / 2);
-  const uint8_t* wu = wg + static_cast<int64_t>(a.inter) * (a.k / 2);
-  const uint8_t* sg = a.scales + g_row * (a.k / 16);
-  const uint8_t* su = sg + static_cast<int64_t>(a.inter) * (a.k / 16);
-  // Chunks past the first round: their lines go to L2 now (prefetch, no registers), so DRAM
-  // streams them from the start and the later rounds' loads hit L2.
-  for (int m = kMmaGateUpChunks; m < mine; ++m) {
-    const int u = 4 * (wt + m * nw) + t;
-    if (row_ok && u < a.nvec) {
-      dev::prefetch_l2(wg + (U::kCodes / 2) * static_cast<int64_t>(u));
-      dev::prefetch_l2(wu + (U::kCodes / 2) * static_cast<int64_t>(u));
-      dev::prefetch_l2(sg + (U::kCodes / 16) * u);
-      dev::prefetch_l2(su + (U::kCodes / 16) * u);
-    }
-  }
-  uint4 w[kMmaGateUpChunks][2];
-  uint32_t s[kMmaGateUpChunks][2];
-  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-  for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kMmaGateUpChunks) {
-#pragma unroll
-    for (int n = 0; n < kMmaGateUpChunks; ++n) {
-      const int u = 4 * (wt + (n0 + n) * nw) + t;
-      const bool live = n0 + n < mine && row_ok && u < a.nvec;
-      w[n][0] = live ? U::codes(wg, u) : make_uint4(0, 0, 0, 0);
-      w[n][1] = live ? U::codes(wu, u) : make_uint4(0, 0, 0, 0);
-      s[n][0] = live ? U::scales(sg, u) : 0u;
-      s[n][1] = live ? U::scales(su, u) : 0u;
-    }
-    if (n0 == 0) {  // every thread: the loop runs at least once for all
-      lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
-      S::template fill<2>(a.x, static_cast<int>(a.k), stage);  // K = 2560: one batch
-      __syncthreads();
-    }
-#pragma unroll
-    for (int n = 0; n < kMmaGateUpChunks; ++n) {
-      if (n0 + n >= mine) continue;  // warp-uniform
-      const int u = 4 * (wt + (n0 + n) * nw) + t;
-      const bool uv = u < a.nvec;
-#pragma unroll
-      for (int wi = 0; wi < U::kCodes / 8; ++wi) {
-        const uint4 xw = uv ? S::word(stage, u, wi) : make_uint4(0, 0, 0, 0);
-        const int sh = 8 * (wi / 2);
-        mma_word(word_of(w[n][0], wi), lut[(s[n][0] >> sh) & 0xffu], xw, acc[0]);
-        mma_word(word_of(w[n][1], wi), lut[(s[n][1] >> sh) & 0xffu], xw, acc[1]);
-      }
-    }
-  }
-  // Lane (0, t) holds D[0][2t], D[0][2t + 1] of both chains: rows 2t, 2t + 1 of the tile.
-  if (g == 0) {
-    part[(warp * 8 + 2 * t) * 2 + 0] = acc[0][0];
-    part[(warp * 8 + 2 * t) * 2 + 1] = acc[1][0];
-    part[(warp * 8 + 2 * t + 1) * 2 + 0] = acc[0][1];
-    part[(warp * 8 + 2 * t + 1) * 2 + 1] = acc[1][1];
-  }
-  __syncthreads();
-  if (wt != 0 || lane >= 8 || !tile_ok) return;
-  const int i = i0 + lane;
-  if (i >= a.inter) return;
-  float sum_g = part[(warp * 8 + lane) * 2 + 0], sum_u = part[(warp * 8 + lane) * 2 + 1];
-  for (int v = 1; v < nw; ++v) {
-    sum_g += part[((warp + v) * 8 + lane) * 2 + 0];
-    sum_u += part[((warp + v) * 8 + lane) * 2 + 1];
-  }
-  nvfp4_mma::store_gate_up(sum_g, sum_u, e, ok, a.global_scale, j, i, a.inter, a.h, a.gate_up_out);
-}
-
-template <bool kNarrow>
-__global__ void __launch_bounds__(kBlockThreads, kMmaDownMinBlocks)
-    moe_down_mma_kernel(DownArgs a) {
-  extern __shared__ float4 smem4[];
-  uint32_t* lut = reinterpret_cast<uint32_t*>(smem4);
-  float* part = reinterpret_cast<float*>(lut + 256);
-  float* fj = part + kPartBytes / 4;                   // [top_k] routing weight * gs, 0 if dead
-  int* live_j = reinterpret_cast<int*>(fj + a.top_k);  // [top_k] id in range
-  uint8_t* stage =
-      reinterpret_cast<uint8_t*>(smem4) + kLutBytes + kPartBytes + ((8 * a.top_k + 15) / 16) * 16;
-  // Every weight address depends on the router's expert ids, and h is the previous kernel's
-  // output: nothing is read before the programmatic-dependent wait (cuda/common/pdl.cuh).
-  dev::pdl_begin();
-  using U = Unit<kNarrow>;
-  using S = MmaStage<kNarrow>;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int nw = 1 << a.team_log2;
-  const int wt = warp & (nw - 1);
-  const int64_t d0 =
-      (static_cast<int64_t>(blockIdx.x) * (8 >> a.team_log2) + (warp >> a.team_log2)) * 8;
-  const bool tile_ok = d0 < a.hidden;  // warp-uniform
-  const int64_t d = d0 + g;
-  const bool row_ok = d < a.hidden;
-  const int nunits = a.top_k * a.nvec;
-  const int nchunks = (nunits + 3) / 4;
-  const int mine = tile_ok && wt < nchunks ? (nchunks - 1 - wt) / nw + 1 : 0;  // warp-uniform
-  // u / nvec for 0 <= u < nunits: the quotient is at most top_k <= 768 (h is staged in 48 KB), so
-  // the float product errs by < 768 * 2^-23 < 0.5 / nvec, the distance of (u + 0.5) / nvec from
-  // the nearest integer: exact.
-  const auto expert_of = [&](int u) {
-    return static_cast<int>((static_cast<float>(u) + 0.5f) * a.inv_nvec);
-  };
-  // Chunks past the first round: prefetched into L2 now (as in the gate+up kernel).
-  for (int m = kMmaDownChunks; m < mine; ++m) {
-    const int u = 4 * (wt + m * nw) + t;
-    if (!row_ok || u >= nunits) continue;
-    const int jj = expert_of(u), v = u - jj * a.nvec;
-    const int e = __ldg(a.ids + jj);
-    if (e < 0 || e >= a.num_experts) continue;
-    const int64_t row = static_cast<int64_t>(e) * a.hidden + d;
-    dev::prefetch_l2(a.packed + row * (a.inter / 2) + (U::kCodes / 2) * static_cast<int64_t>(v));
-    dev::prefetch_l2(a.scales + row * (a.inter / 16) + (U::kCodes / 16) * v);
-  }
-  uint4 w[kMmaDownChunks];
-  uint32_t s[kMmaDownChunks];
-  float acc[2] = {0.0f, 0.0f};
-  for (int n0 = 0; n0 == 0 || n0 < mine; n0 += kMmaDownChunks) {
-#pragma unroll
-    for (int n = 0; n < kMmaDownChunks; ++n) {
-      const int u = 4 * (wt + (n0 + n) * nw) + t;
-      const bool in = n0 + n < mine && row_ok && u < nunits;
-      const int jj = in ? expert_of(u) : 0, v = u - jj * a.nvec;
-      const int e = in ? __ldg(a.ids + jj) : -1;
-      const bool live = e >= 0 && e < a.num_experts;
-      const int64_t row = static_cast<int64_t>(live ? e : 0) * a.hidden + (live ? d : 0);
-      w[n] = live ? U::codes(a.packed + row * (a.inter / 2), v) : make_uint4(0, 0, 0, 0);
-      s[n] = live ? U::scales(a.scales + row * (a.inter / 16), v) : 0u;
-    }
-    if (n0 == 0) {  // every thread: the loop runs at least once for all
-      lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
-      for (int jj = threadIdx.x; jj < a.top_k; jj += kBlockThreads) {
-        const int e = __ldg(a.ids + jj);
-        const bool live = e >= 0 && e < a.num_experts;
-        live_j[jj] = live ? 1 : 0;
-        fj[jj] = live ? __ldg(a.weights + jj) * __ldg(a.global_scale + e) : 0.0f;
-      }
-      S::template fill<4>(a.h, nunits * U::kCodes, stage);  // 10 x 640 at TP=1: one batch
-      __syncthreads();
-    }
-#pragma unroll
-    for (int n = 0; n < kMmaDownChunks; ++n) {
-      if (n0 + n >= mine) continue;  // warp-uniform
-      const int c4 = 4 * (wt + (n0 + n) * nw);
-      const int u = c4 + t;
-      const int jf = expert_of(c4);  // the chunk's first expert: slot 0
-      const int jj = u < nunits ? expert_of(u) : jf;
-      const bool mine_row = u < nunits && live_j[jj] != 0 && g == jj - jf;
-      float dd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int wi = 0; wi < U::kCodes / 8; ++wi) {
-        const uint4 xw = mine_row ? S::word(stage, u, wi) : make_uint4(0, 0, 0, 0);
-        mma_word(word_of(w[n], wi), lut[(s[n] >> (8 * (wi / 2))) & 0xffu], xw, dd);
-      }
-      if (g < 4) {  // lane (g, t): slot g's dots of rows 2t, 2t + 1
-        const float f = jf + g < a.top_k ? fj[jf + g] : 0.0f;
-        acc[0] = fmaf(dd[0], f, acc[0]);
-        acc[1] = fmaf(dd[1], f, acc[1]);
-      }
-    }
-  }
-  // The 4 slot lanes of each t, then the tile's warps, in fixed order.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 4);
-    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 8);
-  }
-  if (g == 0) {
-    part[(warp * 8 + 2 * t) * 2] = acc[0];
-    part[(warp * 8 + 2 * t + 1) * 2] = acc[1];
-  }
-  __syncthreads();
-  if (wt != 0 || lane >= 8 || !tile_ok) return;
-  const int64_t dr = d0 + lane;
-  if (dr >= a.hidden) return;
-  float sum = part[(warp * 8 + lane) * 2];
-  for (int v = 1; v < nw; ++v) sum += part[((warp + v) * 8 + lane) * 2];
-  const float y = sum * kMmaUnscale;
-  a.y[dr] = a.accumulate ? a.y[dr] + y : y;
-}
-
-// Tensor-core plan: the fewest warps per tile (1..8) that take all of a warp's chunks in two rounds
-// (the second prefetched into L2 at the start), doubled while the doubled grid still fits in one
-// wave of min_blocks blocks per SM and the warps keep more than one chunk on average. Returns
-// lanes per tile (32 W).
-int plan_mma(int64_t chunks, int64_t tiles, int per_warp, int sm_count, int min_blocks) {
-  const int64_t wave = static_cast<int64_t>(min_blocks) * (sm_count > 0 ? sm_count : 1);
-  auto blocks = [&](int w) { return (tiles * w + 7) / 8; };
-  int w = 1;
-  while (w < 8 && static_cast<int64_t>(w) * per_warp * 2 < chunks) w *= 2;
-  while (w < 8 && blocks(2 * w) <= wave && chunks > 2 * static_cast<int64_t>(w)) w *= 2;
-  return 32 * w;
 }
 
 // Narrowest team with at most `per_lane` units per lane (all of a lane's loads in one round),
@@ -730,20 +453,13 @@ void nvfp4_codes_to_decode_layout(uint8_t* packed, int64_t bytes, cudaStream_t s
   FN_CUDA_LAUNCH_CHECK("to_decode_layout_kernel");
 }
 
-int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count, bool mma) {
-  if (mma)
-    return plan_mma((hidden / unit_codes(hidden) + 3) / 4,
-                    static_cast<int64_t>(top_k) * ((intermediate + 7) / 8), kMmaGateUpChunks,
-                    sm_count, kMmaGateUpMinBlocks);
+int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
   // Two rows (gate, up) per team: at most kGateUpUnits units per lane per row, all in flight.
   return plan_team(hidden / unit_codes(hidden), static_cast<int64_t>(top_k) * intermediate,
                    kGateUpUnits, sm_count, kGateUpMinBlocks);
 }
 
-int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count, bool mma) {
-  if (mma)
-    return plan_mma((top_k * (intermediate / unit_codes(intermediate)) + 3) / 4, (hidden + 7) / 8,
-                    kMmaDownChunks, sm_count, kMmaDownMinBlocks);
+int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count) {
   return plan_team(static_cast<int64_t>(top_k) * (intermediate / unit_codes(intermediate)), hidden,
                    kDownUnits, sm_count, kDownMinBlocks);
 }
@@ -751,11 +467,6 @@ int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_c
 bool moe_gate_up_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
   return detail::current_device_has_pdl() &&
          detail::bulk_gate_up_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
-}
-
-bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden) {
-  return detail::current_device_has_pdl() &&
-         detail::bulk_down_shape_ok(top_k, intermediate, hidden, detail::current_sm_count());
 }
 
 void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
@@ -773,8 +484,8 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t inter = p.experts.rows / 2;
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_gate_up_team(p.top_k, inter, p.experts.cols,
-                                                               detail::current_sm_count(), p.mma);
-  FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
+                                                               detail::current_sm_count());
+  FN_LAUNCH_REQUIRE(valid_team(team), kOp);
   GateUpArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -794,24 +505,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks =
       (static_cast<int64_t>(p.top_k) * inter + teams_per_block - 1) / teams_per_block;
-  if (p.mma) {
-    a.team_log2 = __builtin_ctz(static_cast<unsigned>(team / 32));
-    a.tiles_per_j = static_cast<int>((inter + 7) / 8);
-    const int64_t tiles = static_cast<int64_t>(p.top_k) * a.tiles_per_j;
-    const int64_t tiles_per_block = 8 >> a.team_log2;
-    const unsigned mblocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
-    const size_t msmem = kLutBytes + kPartBytes +
-                         static_cast<size_t>(narrow ? MmaStage<true>::bytes(p.experts.cols)
-                                                    : MmaStage<false>::bytes(p.experts.cols));
-    if (narrow)
-      launch_pdl("moe_gate_up_mma_kernel", moe_gate_up_mma_kernel<true>, mblocks, kBlockThreads,
-                 msmem, stream, a);
-    else
-      launch_pdl("moe_gate_up_mma_kernel", moe_gate_up_mma_kernel<false>, mblocks, kBlockThreads,
-                 msmem, stream, a);
-    FN_CUDA_LAUNCH_CHECK("moe_gate_up_mma_kernel");
-    return;
-  }
   const size_t smem =
       kScaleLut * 4 + static_cast<size_t>(narrow ? Stage<true>::bytes(p.experts.cols)
                                                  : Stage<false>::bytes(p.experts.cols));
@@ -830,14 +523,10 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
-  if (p.bulk) {
-    detail::launch_moe_down_bulk(p, stream);
-    return;
-  }
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
-                                                            detail::current_sm_count(), p.mma);
-  FN_LAUNCH_REQUIRE(valid_team(team) && (!p.mma || team >= 32), kOp);
+                                                            detail::current_sm_count());
+  FN_LAUNCH_REQUIRE(valid_team(team), kOp);
   DownArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -853,29 +542,9 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   a.h = p.h;
   a.y = p.y;
   a.accumulate = p.accumulate;
-  a.skip_math = p.bench_skip_math;
   a.team_log2 = __builtin_ctz(static_cast<unsigned>(team));
   const int64_t teams_per_block = kBlockThreads / team;
   const int64_t blocks = (p.experts.rows + teams_per_block - 1) / teams_per_block;
-  if (p.mma) {
-    a.team_log2 = __builtin_ctz(static_cast<unsigned>(team / 32));
-    a.inv_nvec = 1.0f / static_cast<float>(a.nvec);
-    const int64_t tiles = (p.experts.rows + 7) / 8;
-    const int64_t tiles_per_block = 8 >> a.team_log2;
-    const unsigned mblocks = static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block);
-    const int64_t n = p.experts.cols * p.top_k;
-    const size_t msmem =
-        kLutBytes + kPartBytes + ((8 * p.top_k + 15) / 16) * 16 +
-        static_cast<size_t>(narrow ? MmaStage<true>::bytes(n) : MmaStage<false>::bytes(n));
-    if (narrow)
-      launch_pdl("moe_down_mma_kernel", moe_down_mma_kernel<true>, mblocks, kBlockThreads, msmem,
-                 stream, a);
-    else
-      launch_pdl("moe_down_mma_kernel", moe_down_mma_kernel<false>, mblocks, kBlockThreads, msmem,
-                 stream, a);
-    FN_CUDA_LAUNCH_CHECK("moe_down_mma_kernel");
-    return;
-  }
   const int64_t n = p.experts.cols * p.top_k;
   const size_t smem = static_cast<size_t>(narrow ? Stage<true>::bytes(n) : Stage<false>::bytes(n));
   const bool fixed = p.fixed_shape && !narrow && p.top_k == kFixedTopK &&

@@ -2,14 +2,13 @@
 // and the down projection summed over the selected experts with their routing weights. Called by
 // the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
 // device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
-// conversion); three kernel families: FP32 FMA (session 3; the default of the params), tensor
-// cores (`mma = true`: mma.sync BF16 x BF16, FP32 accumulate; the E2M1 x E4M3 weights are exact in
-// BF16; correct, but measured no faster on H200, cuda/bench/RESULTS.md session 5), and the
-// bulk-copy kernels (`bulk = true`, sm_90+, cuda/kernels/moe_nvfp4_bulk.cu: weights streamed into shared
-// memory by the TMA engine, the same tensor-core math; the decode step's gate+up, session 10);
-// FP32 accumulation in a fixed order per kernel; the round-based kernels (moe_nvfp4.cu) issue all
-// of a lane's 16-byte weight loads before use and stage the activation once per block in shared
-// memory (<= 48 KB); deterministic (no atomics).
+// conversion); two kernel families: FP32 FMA (moe_nvfp4.cu: the down projection everywhere, the
+// gate+up on devices or shapes the bulk kernel does not take) and the bulk-copy gate+up (`bulk =
+// true`, sm_90+, cuda/kernels/moe_nvfp4_bulk.cu: weights streamed into shared memory by the TMA
+// engine, mma.sync BF16 x BF16 with FP32 accumulation; the E2M1 x E4M3 weights are exact in BF16);
+// FP32 accumulation in a fixed order per kernel; the FP32 kernels issue all of a lane's 16-byte
+// weight loads before use and stage the activation once per block in shared memory (<= 48 KB);
+// deterministic (no atomics).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,8 +24,8 @@ namespace fn {
 /// and rows [I, 2I) are up_proj (TP: the rank's I rows of each). Packed codes in the decode
 /// layout: the checkpoint's layout (byte j of a row holds element 2j in its low nibble, 2j+1 in
 /// its high nibble) with the bits of every 32-bit word (8 elements) permuted by
-/// nvfp4::to_decode_layout (cuda/common/nvfp4_bits.h; nvfp4_codes_to_decode_layout does it in place at
-/// load time); block scales F8_E4M3, one per 16 elements of a row, linear row-major (not
+/// nvfp4::to_decode_layout (cuda/common/nvfp4_bits.h; nvfp4_codes_to_decode_layout does it in place
+/// at load time); block scales F8_E4M3, one per 16 elements of a row, linear row-major (not
 /// swizzled). Every kernel that reads these codes (decode and prefill) expects that layout.
 struct Nvfp4Experts {
   const uint8_t* packed = nullptr;  ///< [num_experts, rows, cols/2] U8, 16-byte aligned
@@ -55,24 +54,19 @@ struct MoeGateUpParams {
   /// Optional [top_k, 2 * I] FP32: g and u before SwiGLU (gate rows then up rows), for tests and
   /// debugging; nullptr in production.
   float* gate_up_out = nullptr;
-  /// Lanes per output row pair (8..256, power of 2) of the FP32 kernel, or per tile of 8 row
-  /// pairs (32..256: 1..8 warps) of the tensor-core kernel; 0 = planned.
+  /// Lanes per output row pair (8..256, power of 2) of the FP32 kernel; 0 = planned.
   int team_threads = 0;
-  /// false (default): the FP32-FMA kernel of session 3; true: the tensor-core kernel (mma.sync
-  /// BF16, FP32 accumulate; moe_nvfp4.cu): another summation order, so other bits; on H200 it is
-  /// no faster at TP=1/2 (cuda/bench/RESULTS.md, session 5), kept for A/B.
-  bool mma = false;
-  /// true: the bulk-copy kernel (cuda/kernels/moe_nvfp4_bulk.cu; sm_90+, cols a multiple of 256 and at
-  /// most 2,560): one CTA per SM streams its equal share of the row pairs into shared memory with
-  /// cp.async.bulk while ten warps run the tensor cores on the stages already landed; another
-  /// summation order, so other bits. Takes precedence over mma; team_threads is ignored. The
+  /// true: the bulk-copy kernel (cuda/kernels/moe_nvfp4_bulk.cu; sm_90+, cols a multiple of 256
+  /// and at most 2,560): one CTA per SM streams its equal share of the row pairs into shared
+  /// memory with cp.async.bulk while ten warps run the tensor cores on the stages already landed;
+  /// another summation order than the FP32 kernel, so other bits. team_threads is ignored. The
   /// launcher throws fn::Error(Internal) where the device or the shape does not allow it
-  /// (moe_gate_up_bulk_supported).
+  /// (moe_gate_up_bulk_supported); false: the FP32 kernel (older devices, other shapes).
   bool bulk = false;
   /// Weight ranges of later kernels of the step to prefetch into L2 while this kernel leaves HBM
-  /// partly idle (cuda/common/l2_prefetch.h): each CTA issues its share, first thing in the FP32 and
-  /// tensor-core kernels, once its own loads have landed in the bulk kernel. Empty by default;
-  /// changes no result.
+  /// partly idle (cuda/common/l2_prefetch.h): each CTA issues its share, first thing in the FP32
+  /// kernel, once its own loads have landed in the bulk kernel. Empty by default; changes no
+  /// result.
   L2Prefetch l2_prefetch{};
   /// Bulk kernel only, when down_prefetch.packed is set: the selected experts' down weights
   /// (codes and scales of the MoeDownParams::experts of the launch after this one; the ids are
@@ -81,9 +75,6 @@ struct MoeGateUpParams {
   /// Shape: rows = hidden, cols = I (a multiple of 32, rows * I / 16 a multiple of 16), the same
   /// num_experts as experts; 16-byte aligned. Otherwise the launcher throws fn::Error(Internal).
   Nvfp4Experts down_prefetch{};
-  /// Knockout benchmarks only (StepLaunch::GateUpMath; bulk kernel only): the consumers wait for
-  /// every stage and release it without the math, so h is wrong. false in production.
-  bool bench_loads_only = false;
 };
 
 /// Down projection summed over the selected experts:
@@ -97,24 +88,11 @@ struct MoeDownParams {
   const uint16_t* h = nullptr;             ///< [top_k, I] BF16 bits (MoeGateUpParams::h)
   float* y = nullptr;                      ///< [D] FP32
   bool accumulate = false;                 ///< true: y += sum (e.g. onto the shared expert's y)
-  /// Lanes per output row (8..256, power of 2) of the FP32 kernel, or per tile of 8 rows
-  /// (32..256) of the tensor-core kernel; 0 = planned.
+  /// Lanes per output row (8..256, power of 2); 0 = planned.
   int team_threads = 0;
-  bool mma = false;  ///< as MoeGateUpParams::mma
-  /// true: the bulk-copy kernel (cuda/kernels/moe_nvfp4_bulk.cu; sm_90+, cols a multiple of 32, rows a
-  /// multiple of 8, top_k * cols <= 12,288): one CTA per SM owns a share of the rows of every
-  /// selected expert, bulk-copies their codes and scales into shared memory before its
-  /// programmatic-dependent wait, and runs the tensor cores after it; another summation order.
-  /// Takes precedence over mma; team_threads is ignored. The launcher throws
-  /// fn::Error(Internal) where the device or the shape does not allow it
-  /// (moe_down_bulk_supported).
-  bool bulk = false;
-  /// Knockout benchmarks only (StepLaunch::DownMath; FP32 kernel): the loads stay, the
-  /// arithmetic is skipped, so y is wrong. false in production.
-  bool bench_skip_math = false;
-  /// true: the FP32 kernel runs its compile-time-shape instance at the real TP=1 shape (top_k
-  /// 10, cols 640, 32-lane teams); false: always the runtime-shape instance (A/B benches and
-  /// tests). The same bits either way.
+  /// true: the kernel runs its compile-time-shape instance at the real TP=1 shape (top_k 10,
+  /// cols 640, 32-lane teams); false: always the runtime-shape instance. The same bits either
+  /// way.
   bool fixed_shape = true;
 };
 
@@ -131,11 +109,6 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& params, cudaStream_t stream
 /// query fails.
 bool moe_gate_up_bulk_supported(int top_k, int64_t intermediate, int64_t hidden);
 
-/// Whether MoeDownParams::bulk runs top_k experts of [hidden, intermediate] on the current device
-/// (sm_90+; the shape limits of MoeDownParams::bulk). Throws fn::Error(Cuda) when a device query
-/// fails.
-bool moe_down_bulk_supported(int top_k, int64_t intermediate, int64_t hidden);
-
 /// Launches the weighted down projection on `stream`. Errors as launch_moe_gate_up_nvfp4, with
 /// top_k * cols > 12,288 rejected (all of h is staged; the real model: 10 x 640 at TP=1).
 void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
@@ -147,12 +120,11 @@ void launch_moe_down_nvfp4(const MoeDownParams& params, cudaStream_t stream);
 /// size; fn::Error(Cuda) on a failed launch. Not idempotent: run it exactly once per buffer.
 void nvfp4_codes_to_decode_layout(uint8_t* packed, int64_t bytes, cudaStream_t stream);
 
-/// The planned team size of each launcher for a shape on a GPU with sm_count SMs (the launchers
-/// use these when team_threads is 0; exposed for the benchmark and the model-load plan log).
-/// `mma` picks the kernel (as the params' field).
-int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
-                          bool mma = false);
-int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count,
-                       bool mma = false);
+/// The planned team size (lanes per output row or row pair, 8..256) of each FP32 kernel for
+/// top_k experts of [2 * intermediate, hidden] (gate+up) or [hidden, intermediate] (down) on a
+/// GPU with sm_count SMs (the launchers use these when team_threads is 0; exposed for the
+/// benchmark and the model-load plan log). Pure host arithmetic.
+int plan_moe_gate_up_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count);
+int plan_moe_down_team(int top_k, int64_t intermediate, int64_t hidden, int sm_count);
 
 }  // namespace fn

@@ -1,15 +1,13 @@
-// The bulk-copy routed-expert kernels (MoeGateUpParams::bulk, MoeDownParams::bulk;
-// moe_nvfp4_bulk.h), sm_90+. The gate+up kernel first; the down kernel is described at its
-// definition below.
+// The bulk-copy routed gate+up kernel (MoeGateUpParams::bulk; moe_nvfp4_bulk.h), sm_90+.
 //
-// Why (issue 8, cuda/bench/RESULTS.md sessions 5, 7, 10): the round-based kernels of
-// moe_nvfp4.cu hold a lane's weights in registers, so a lane waits a full DRAM round trip per
-// round and a block's loads end with the block (1.5 waves at TP=1); the FP32 kernel is besides
-// issue bound (~8.5 instructions per code). Here one CTA per SM owns a contiguous, equal share of
-// the top_k * I row pairs; a producer warp streams the share's rows into a ring of shared-memory
-// stages with cp.async.bulk (per chunk four copies: its gate rows' codes, its up rows' codes, and
-// the scales of each), each stage completing on an mbarrier; ten consumer warps run the tensor
-// cores from shared memory while the next stages are in flight.
+// Why (measured: docs/perf-history.md): the round-based kernels of moe_nvfp4.cu hold a lane's
+// weights in registers, so a lane waits a full DRAM round trip per round and a block's loads end
+// with the block (1.5 waves at TP=1); the FP32 kernel is besides issue bound (~8.5 instructions per
+// code). Here one CTA per SM owns a contiguous, equal share of the top_k * I row pairs; a producer
+// warp streams the share's rows into a ring of shared-memory stages with cp.async.bulk (per chunk
+// four copies: its gate rows' codes, its up rows' codes, and the scales of each), each stage
+// completing on an mbarrier; ten consumer warps run the tensor cores from shared memory while the
+// next stages are in flight.
 //
 // Work split: a chunk is up to 8 consecutive row pairs of one expert (the share cut at expert
 // boundaries); its 16 rows (8 gate, 8 up) are the A operand of mma.sync m16n8k16 (rows g and
@@ -34,7 +32,7 @@
 // (the products exact, the tensor core's sum of 16 products + C per MMA; two independent chains per
 // warp for latency), the warp's groups added in increasing order, then the 10 warps' partials in
 // increasing warp order in FP32, then * 2^26 and * the global scale. Range: exact products for
-// 2^-90 <= |x| < 2^100 (and 0), as the round-based tensor-core kernel.
+// 2^-90 <= |x| < 2^100 (and 0).
 #include "cuda/kernels/moe_nvfp4_bulk.h"
 
 #include <cuda_runtime.h>
@@ -53,7 +51,6 @@ namespace {
 
 using nvfp4_mma::bf16x2_mul;
 using nvfp4_mma::e4m3_bf16x2_scaled;
-using nvfp4_mma::kMmaUnscale;
 using nvfp4_mma::mma_bf16;
 using nvfp4_mma::word_of;
 
@@ -61,7 +58,7 @@ constexpr int kWarps = kBulkGateUpWarps;
 constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
 // Ring depth: stages of 24 KB at K = 2560. At TP=1 a share is 7 or 8 chunks; with 5 or 6 stages
 // the step measured 5.175 / 5.178 ms/token, with 2, 3 or 4 stages 5.33-5.36 (FP32 kernel 5.25;
-// cuda_model_bench, one call, RESULTS.md session 10): the share's loads must go out at once, ahead
+// cuda_model_bench, one call, docs/perf-history.md): the share's loads must go out at once, ahead
 // of the down kernel's pre-wait loads. A share with fewer chunks gets as many stages as chunks.
 constexpr int kMaxStages = 6;
 constexpr int kPairs = 8;  // row pairs per chunk: one m16 tile
@@ -89,8 +86,7 @@ struct BulkGateUpArgs {
   const uint8_t* down_scales;
   int64_t down_code_bytes;
   int64_t down_scale_bytes;
-  int stages;       // ring depth, <= kMaxStages
-  bool loads_only;  // MoeGateUpParams::bench_loads_only
+  int stages;  // ring depth, <= kMaxStages
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -284,8 +280,8 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       }
     }
     // The L2 prefetches once this CTA's last chunk has landed (its share's loads are done), so
-    // that their traffic follows the gate+up's instead of competing with it (session 20: -0.025
-    // ms/token for the down weights against issuing them after the last copy).
+    // that their traffic follows the gate+up's instead of competing with it (-0.025 ms/token for
+    // the down weights against issuing them after the last copy; docs/perf-history.md).
     if (lane == 0 && (a.down_packed != nullptr || a.l2_prefetch.count > 0)) {
       if (c > 0) mbar_wait(full + last_stage, last_parity);
       if (a.down_packed != nullptr) prefetch_down_share(a);
@@ -333,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
           scg = *reinterpret_cast<const uint16_t*>(sg + 2 * u);
           scu = *reinterpret_cast<const uint16_t*>(su + 2 * u);
         }
-        if (!a.loads_only) mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
+        mma_unit(wg, scg, wu, scu, xr[r], lut, d[r]);
       }
       const int col = g & 1;  // D[g][g] = gate row g, D[g + 8][g] = up row g (lane t = g / 2)
       float sum_g = col ? d[0][1] : d[0][0], sum_u = col ? d[0][3] : d[0][2];
@@ -367,162 +363,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   }
 #else
   (void)a;  // never launched below sm_90 (launch_moe_gate_up_bulk refuses)
-#endif
-}
-
-constexpr int kDownWarps = kBulkDownWarps;
-constexpr int kDownThreads = 32 * (kDownWarps + 1);  // + the producer warp
-constexpr int kRowUnit = 8;  // rows per share unit (16-byte aligned scale copies down to I = 32)
-using DownStage = nvfp4_mma::MmaStage<false, kDownThreads>;
-
-struct BulkDownArgs {
-  const uint8_t* packed;
-  const uint8_t* scales;
-  const float* global_scale;
-  const int32_t* ids;
-  const float* weights;
-  int num_experts;
-  int top_k;
-  int hidden;       // D (rows per expert)
-  int inter;        // I (cols)
-  int row_units;    // D / kRowUnit
-  int rows_max;     // rows of the largest share
-  int slot_codes;   // shared-memory bytes per expert of codes: rows_max * I / 2
-  int slot_scales;  // per expert of scales: rows_max * I / 16, rounded up to 16
-  int stage_off;    // offset of the staged h
-  int tiles_max;    // ceil(rows_max / 16)
-  const uint16_t* h;
-  float* y;
-  bool accumulate;
-};
-
-// The down projection: one CTA per share of rows [r0, r1) (units of 8 rows) of all top_k experts.
-// Before the programmatic-dependent wait the producer warp reads the router's ids through L2 (two
-// launches back: gate+up sits between, cuda/common/pdl.cuh) and issues one bulk copy of the share's codes
-// and one of its scales per selected expert, all on one mbarrier; so the weights stream while
-// gate+up still runs. After the wait the block stages h (MmaStage order) and the factors
-// f_j = routing_weight_j * gs[e_j]; warp w takes the (16-row tile, expert j) pairs p = w, w + 10,
-// ... (tile-major): per pair one MMA accumulator chain from 0 over the 128-column groups in order
-// (rows g and g + 8 of the tile as A, h_j as B), then acc = fmaf(D, f_j, acc) per tile in pair
-// order; the warps' accumulators are summed per row in increasing warp order, * 2^26.
-__global__ void __launch_bounds__(kDownThreads, 1) moe_down_bulk_kernel(BulkDownArgs a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* codes = smem;                                               // [top_k][slot_codes]
-  uint8_t* scl = codes + static_cast<size_t>(a.top_k) * a.slot_codes;  // [top_k][slot_scales]
-  uint8_t* hst = smem + a.stage_off;                                   // h, DownStage layout
-  uint32_t* lut = reinterpret_cast<uint32_t*>(hst + DownStage::bytes(a.top_k * a.inter));
-  float* f = reinterpret_cast<float*>(lut + 256);          // [top_k], 0 for dead ids
-  int* live = reinterpret_cast<int*>(f + a.top_k);         // [top_k]
-  float* part = reinterpret_cast<float*>(live + a.top_k);  // [tiles_max][warps][16]
-  uint64_t* bar = reinterpret_cast<uint64_t*>(part + a.tiles_max * kDownWarps * 16);
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int r0 =
-      kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * blockIdx.x / gridDim.x);
-  const int r1 =
-      kRowUnit * static_cast<int>(static_cast<int64_t>(a.row_units) * (blockIdx.x + 1) / gridDim.x);
-  const int nrows = r1 - r0;
-  const int rb_codes = a.inter / 2, rb_scales = a.inter / 16;  // bytes per row
-  if (threadIdx.x == 0) {
-    mbar_init(bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
-  for (int i = threadIdx.x; i < a.tiles_max * kDownWarps * 16; i += kDownThreads) part[i] = 0.0f;
-  __syncthreads();
-  if (warp == kDownWarps) {  // the producer: weights only, before the wait
-    uint32_t bytes = 0;
-    if (lane == 0) {
-      for (int j = 0; j < a.top_k; ++j) {
-        const int e = __ldcg(a.ids + j);
-        if (e >= 0 && e < a.num_experts)
-          bytes += static_cast<uint32_t>(nrows) * static_cast<uint32_t>(rb_codes + rb_scales);
-      }
-      mbar_arrive_expect_tx(bar, bytes);
-    }
-    __syncwarp();
-    for (int j = lane; j < a.top_k; j += 32) {
-      const int e = __ldcg(a.ids + j);
-      if (e < 0 || e >= a.num_experts) continue;
-      const int64_t row = static_cast<int64_t>(e) * a.hidden + r0;
-      bulk_copy(codes + static_cast<size_t>(j) * a.slot_codes, a.packed + row * rb_codes,
-                static_cast<uint32_t>(nrows * rb_codes), bar);
-      bulk_copy(scl + static_cast<size_t>(j) * a.slot_scales, a.scales + row * rb_scales,
-                static_cast<uint32_t>(nrows * rb_scales), bar);
-    }
-  }
-  // h is gate+up's output; the routing weights and ids are read after the wait as well.
-  dev::pdl_begin();
-  DownStage::template fill<2>(a.h, a.top_k * a.inter, hst);
-  for (int j = threadIdx.x; j < a.top_k; j += kDownThreads) {
-    const int e = __ldg(a.ids + j);
-    const bool ok = e >= 0 && e < a.num_experts;
-    live[j] = ok ? 1 : 0;
-    f[j] = ok ? __ldg(a.weights + j) * __ldg(a.global_scale + e) : 0.0f;
-  }
-  __syncthreads();
-  if (warp < kDownWarps) {
-    const int g = lane >> 2, t = lane & 3;
-    const int nunits = a.inter / 32, ngroups = (nunits + 3) / 4;
-    const int tiles = (nrows + 15) / 16;
-    mbar_wait(bar, 0u);
-    float acc_a = 0.0f, acc_b = 0.0f;
-    int cur = -1;
-    for (int p = warp; p < tiles * a.top_k; p += kDownWarps) {
-      const int tile = p / a.top_k, j = p - tile * a.top_k;
-      if (tile != cur) {
-        if (cur >= 0 && t == 0) {
-          part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
-          part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
-        }
-        cur = tile;
-        acc_a = acc_b = 0.0f;
-      }
-      if (live[j] == 0) continue;  // warp-uniform
-      const int ra = tile * 16 + g, rb = ra + 8;
-      const uint8_t* ca = codes + static_cast<size_t>(j) * a.slot_codes + ra * rb_codes;
-      const uint8_t* cb = ca + 8 * rb_codes;
-      const uint8_t* sa = scl + static_cast<size_t>(j) * a.slot_scales + ra * rb_scales;
-      const uint8_t* sb = sa + 8 * rb_scales;
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int ug = 0; ug < ngroups; ++ug) {
-        const int u = 4 * ug + t;
-        const bool uok = u < nunits;
-        uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0);
-        uint32_t fa = 0, fb = 0;
-        if (uok && ra < nrows) {
-          wa = *reinterpret_cast<const uint4*>(ca + 16 * u);
-          fa = *reinterpret_cast<const uint16_t*>(sa + 2 * u);
-        }
-        if (uok && rb < nrows) {
-          wb = *reinterpret_cast<const uint4*>(cb + 16 * u);
-          fb = *reinterpret_cast<const uint16_t*>(sb + 2 * u);
-        }
-        uint4 x[4];
-#pragma unroll
-        for (int wi = 0; wi < 4; ++wi)
-          x[wi] = uok ? DownStage::word(hst, j * nunits + u, wi) : make_uint4(0, 0, 0, 0);
-        mma_unit(wa, fa, wb, fb, x, lut, d);
-      }
-      acc_a = fmaf(d[0], f[j], acc_a);
-      acc_b = fmaf(d[2], f[j], acc_b);
-    }
-    if (cur >= 0 && t == 0) {
-      part[(cur * kDownWarps + warp) * 16 + g] = acc_a;
-      part[(cur * kDownWarps + warp) * 16 + 8 + g] = acc_b;
-    }
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < nrows; r += kDownThreads) {
-    const int tile = r / 16, row = r % 16;
-    float sum = 0.0f;
-    for (int w = 0; w < kDownWarps; ++w) sum += part[(tile * kDownWarps + w) * 16 + row];
-    const float v = sum * kMmaUnscale;
-    a.y[r0 + r] = a.accumulate ? a.y[r0 + r] + v : v;
-  }
-#else
-  (void)a;  // never launched below sm_90 (launch_moe_down_bulk refuses)
 #endif
 }
 
@@ -605,78 +445,12 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   }
   a.max_chunks = g.max_chunks;
   a.stages = g.stages;
-  a.loads_only = p.bench_loads_only;
   FN_CUDA_CHECK(cudaFuncSetAttribute(moe_gate_up_bulk_kernel,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(g.smem)));
   launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(g.ctas),
              kThreads, g.smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_bulk_kernel");
-}
-
-namespace {
-
-struct DownPlan {
-  int ctas, rows_max, slot_codes, slot_scales, stage_off, tiles_max;
-  size_t smem;
-};
-
-DownPlan plan_down(int top_k, int64_t inter, int64_t hidden, int sm_count) {
-  DownPlan d{};
-  const int64_t units = hidden / kRowUnit;
-  d.ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, units)));
-  d.rows_max = static_cast<int>(kRowUnit * ((units + d.ctas - 1) / d.ctas));
-  d.slot_codes = static_cast<int>(d.rows_max * inter / 2);
-  d.slot_scales = static_cast<int>((d.rows_max * inter / 16 + 15) / 16 * 16);
-  d.stage_off = top_k * (d.slot_codes + d.slot_scales);
-  d.tiles_max = (d.rows_max + 15) / 16;
-  d.smem = static_cast<size_t>(d.stage_off) +
-           static_cast<size_t>(DownStage::bytes(static_cast<int64_t>(top_k) * inter)) + 256 * 4 +
-           static_cast<size_t>(top_k) * 8 + static_cast<size_t>(d.tiles_max) * kDownWarps * 16 * 4 +
-           8;
-  return d;
-}
-
-}  // namespace
-
-bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count) {
-  if (top_k < 1 || inter < 32 || inter % 32 != 0 || hidden < kRowUnit || hidden % kRowUnit != 0)
-    return false;
-  if (hidden > INT32_MAX / 2 || static_cast<int64_t>(top_k) * inter > 12288) return false;
-  return plan_down(top_k, inter, hidden, sm_count).smem <= kBulkDownMaxSmem;
-}
-
-void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream) {
-  constexpr const char* kOp = "launch_moe_down_nvfp4 (bulk)";
-  const int sms = current_sm_count();
-  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
-  FN_LAUNCH_REQUIRE(bulk_down_shape_ok(p.top_k, p.experts.cols, p.experts.rows, sms), kOp);
-  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
-  const DownPlan d = plan_down(p.top_k, p.experts.cols, p.experts.rows, sms);
-  BulkDownArgs a{};
-  a.packed = p.experts.packed;
-  a.scales = p.experts.scales;
-  a.global_scale = p.experts.global_scale;
-  a.ids = p.expert_ids;
-  a.weights = p.routing_weights;
-  a.num_experts = p.experts.num_experts;
-  a.top_k = p.top_k;
-  a.hidden = static_cast<int>(p.experts.rows);
-  a.inter = static_cast<int>(p.experts.cols);
-  a.row_units = a.hidden / kRowUnit;
-  a.rows_max = d.rows_max;
-  a.slot_codes = d.slot_codes;
-  a.slot_scales = d.slot_scales;
-  a.stage_off = d.stage_off;
-  a.tiles_max = d.tiles_max;
-  a.h = p.h;
-  a.y = p.y;
-  a.accumulate = p.accumulate;
-  FN_CUDA_CHECK(cudaFuncSetAttribute(
-      moe_down_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(d.smem)));
-  launch_pdl("moe_down_bulk_kernel", moe_down_bulk_kernel, static_cast<unsigned>(d.ctas),
-             kDownThreads, d.smem, stream, a);
-  FN_CUDA_LAUNCH_CHECK("moe_down_bulk_kernel");
 }
 
 }  // namespace fn::detail

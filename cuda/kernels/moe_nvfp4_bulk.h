@@ -1,7 +1,7 @@
-// The bulk-copy NVFP4 routed-expert kernels (MoeGateUpParams::bulk, cuda/kernels/moe_nvfp4.h): sm_90+,
-// the weights streamed into shared memory by cp.async.bulk (the TMA engine) through a ring of
-// stages, the products on the tensor cores (mma.sync BF16, FP32 accumulate). Internal: called by
-// launch_moe_gate_up_nvfp4 after its common parameter checks.
+// The bulk-copy NVFP4 routed gate+up kernel (MoeGateUpParams::bulk, cuda/kernels/moe_nvfp4.h):
+// sm_90+, the weights streamed into shared memory by cp.async.bulk (the TMA engine) through a ring
+// of stages, the products on the tensor cores (mma.sync BF16, FP32 accumulate). Internal: called
+// by launch_moe_gate_up_nvfp4 after its common parameter checks.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -37,24 +37,6 @@ bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count)
 /// CTAs of the bulk gate+up grid for top_k * inter row pairs on sm_count SMs: one per SM, fewer
 /// when there are fewer than 8 pairs per SM.
 int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count);
-
-/// Consumer warps of the bulk down kernel, and its shared-memory budget (the share's codes and
-/// scales of every selected expert, h staged, partials): at most 120 KB. Written so that a down
-/// CTA fits beside a 4-stage bulk gate+up CTA; at TP=1 it takes 104.8 KB and the 6-stage gate+up
-/// 141.8 KB (147.8 before session 19 dropped the row padding), so they never share an SM (a fitting
-/// variant measured slower still: RESULTS.md, session 15).
-inline constexpr int kBulkDownWarps = 10;
-inline constexpr size_t kBulkDownMaxSmem = 120 * 1024;
-
-/// Whether the bulk down kernel takes top_k experts of [hidden, inter] on sm_count SMs: inter a
-/// multiple of 32, hidden a multiple of 8, top_k * inter <= 12,288 and the shared memory within
-/// kBulkDownMaxSmem. The device check (sm_90+) is the launcher's.
-bool bulk_down_shape_ok(int top_k, int64_t inter, int64_t hidden, int sm_count);
-
-/// Launches the bulk down kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when the
-/// device is below sm_90, the shape fails bulk_down_shape_ok, or the weights are not 16-byte
-/// aligned; fn::Error(Cuda) on a failed launch. Legal during stream capture.
-void launch_moe_down_bulk(const MoeDownParams& p, cudaStream_t stream);
 
 /// Launches the bulk gate+up kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when
 /// the device is below sm_90, the shape fails bulk_gate_up_shape_ok, or the weights are not 16-byte

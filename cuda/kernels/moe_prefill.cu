@@ -3,39 +3,22 @@
 // Router rows: launch_router_topk_rows (decode_ops.h) runs decode's router kernel once per row;
 // tests/test_cuda_moe_prefill.cpp checks bitwise equality with launch_router_topk row by row.
 //
-// Grouped path: the ids are copied to the host (one stream synchronisation), the valid
-// (token, slot) pairs are bucketed by expert (ascending token inside an expert), an expert with
-// more than kSegRows pairs is split into segments of at most kSegRows, and the segments, sorted
-// by decreasing length (then expert id), are taken group_segments at a time. Every segment of a
-// group gets n = the group's longest length rows (padding rows hold x = 0 and are never read back),
-// so one strided-batched cuBLAS call per projection covers the group. Per group:
-//   gather      xs[s, r, :] = x[token of row r of segment s]                (BF16, or 0)
-//   dequant     W[s] = e2m1 * e4m3 of gate_up[expert s]                     (BF16, exact)
-//   GEMM        gu[s] = xs[s] W[s]^T                                        (FP32 accumulation)
-//   SwiGLU      h = bf16(silu(gu_gate * gs_gate) * (gu_up * gs_up))        (as decode)
-//   dequant     W[s] = down[expert s]
-//   GEMM        yd[s] = h[s] W[s]^T
-//   accumulate  y[t] = fmaf(weights[t, j] * gs_down[e], yd[row], y[t]) over the token's rows of
-//               the group in segment order (one thread per element of y: no atomics)
-// y is zeroed first, so each token sums its contributions in the fixed order (group, segment).
+// Per-row path (up to kMoePrefillPerRowMaxTokens tokens): the decode kernels once per token.
 //
-// Fused path (the default above 16 tokens; see the section comment further down): no BF16
-// weight copy in global memory; NVFP4 is decoded into shared-memory tiles feeding wmma.
+// Fused path (above that; see the section comment further down): no BF16 weight copy in global
+// memory; NVFP4 is decoded into shared-memory tiles feeding wmma.
 #include "cuda/kernels/moe_prefill.h"
 
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 
 #include <algorithm>
-#include <string>
-#include <unordered_map>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "core/error.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
 #include "cuda/common/nvfp4_bits.h"
@@ -44,28 +27,11 @@
 namespace fn {
 namespace {
 
-// ---- grouped experts ---------------------------------------------------------------------------
-
 constexpr int kThreads = 256;
-constexpr int64_t kSegRows = 1024;  // rows per segment at most (longer experts are split)
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t v) {
   return (v + kAlign - 1) / kAlign * kAlign;
-}
-
-// gather: xs[r, :] = row_pair[r] >= 0 ? x[row_pair[r] / top_k, :] : 0, in 16-byte vectors.
-__global__ void __launch_bounds__(kThreads)
-    gather_rows_kernel(const uint16_t* x, int64_t hidden, const int32_t* row_pair, int top_k,
-                       int64_t rows, uint16_t* xs) {
-  const int64_t vecs = hidden / 8;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= rows * vecs) return;
-  const int64_t r = i / vecs, v = i - r * vecs;
-  const int32_t pair = row_pair[r];
-  uint4 val = make_uint4(0, 0, 0, 0);
-  if (pair >= 0) val = __ldg(reinterpret_cast<const uint4*>(x + (pair / top_k) * hidden) + v);
-  reinterpret_cast<uint4*>(xs + r * hidden)[v] = val;
 }
 
 // E4M3 byte -> float (exact; NaN codes give NaN), through the FP16 pattern of nvfp4_bits.h.
@@ -84,200 +50,11 @@ __device__ __forceinline__ void decode_word(uint32_t d, float (&v)[8]) {
   for (int i = 0; i < 8; ++i) v[i] *= 0x1p126f;
 }
 
-// dequant: W[s, n, c] = bf16(e2m1(code) * e4m3(block scale)) of expert seg_expert[s] (exact:
-// at most 6 significant bits, magnitudes 2^-10 .. 2688). One thread per 16 codes (8 bytes).
-__global__ void __launch_bounds__(kThreads)
-    dequant_bf16_kernel(const uint8_t* packed, const uint8_t* scales, const int32_t* seg_expert,
-                        int segs, int64_t rows, int64_t cols, uint16_t* w) {
-  const int64_t blocks_per_expert = rows * (cols / 16);
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= segs * blocks_per_expert) return;
-  const int64_t s = i / blocks_per_expert, b = i - s * blocks_per_expert;
-  const int64_t e = seg_expert[s];
-  const int64_t src = e * blocks_per_expert + b;  // block index in the expert stack
-  const uint2 q = __ldg(reinterpret_cast<const uint2*>(packed) + src);
-  const float sc = e4m3_value(__ldg(scales + src));
-  uint32_t out[8];
-  const uint32_t words[2] = {q.x, q.y};
-#pragma unroll
-  for (int wi = 0; wi < 2; ++wi) {
-    float v[8];
-    decode_word(words[wi], v);
-#pragma unroll
-    for (int c = 0; c < 4; ++c)  // elements 2c (low half), 2c + 1 (high half)
-      out[wi * 4 + c] = static_cast<uint32_t>(dev::float_to_bf16_bits(v[2 * c] * sc)) |
-                        (static_cast<uint32_t>(dev::float_to_bf16_bits(v[2 * c + 1] * sc)) << 16);
-  }
-  uint4* dst = reinterpret_cast<uint4*>(w + (s * blocks_per_expert + b) * 16);
-  dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
-  dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
-}
-
-// SwiGLU: gu [rows, 2I] FP32 (gate then up per row) -> h [rows, I] BF16, with the segment
-// expert's global scales applied before silu, as moe_gate_up_nvfp4_kernel.
-__global__ void __launch_bounds__(kThreads)
-    swiglu_rows_kernel(const float* gu, const float* gscale, const int32_t* seg_expert,
-                       int64_t seg_rows, int64_t rows, int64_t inter, const int32_t* row_pair,
-                       uint16_t* h, uint16_t* h_out) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= rows * inter) return;
-  const int64_t r = i / inter, c = i - r * inter;
-  const int e = seg_expert[r / seg_rows];
-  const float g = gu[r * 2 * inter + c] * __ldg(gscale + 2 * e);
-  const float u = gu[r * 2 * inter + inter + c] * __ldg(gscale + 2 * e + 1);
-  const uint16_t hv = dev::float_to_bf16_bits(dev::silu(g) * u);
-  h[i] = hv;
-  if (h_out != nullptr) {
-    const int32_t pair = row_pair[r];
-    if (pair >= 0) h_out[static_cast<int64_t>(pair) * inter + c] = hv;
-  }
-}
-
-// accumulate: for token entry u of the group, y[tok[u], d] += sum over its rows (in order) of
-// (weights[pair] * gs_down[e]) * yd[row, d].
-__global__ void __launch_bounds__(kThreads)
-    accumulate_kernel(const float* yd, int64_t hidden, const int32_t* tok, const int32_t* begin,
-                      const int32_t* acc_rows, const int32_t* row_pair, const int32_t* seg_expert,
-                      int64_t seg_rows, const float* weights, const float* gs_down, int top_k,
-                      float* y) {
-  const int u = blockIdx.y;
-  const int64_t d = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (d >= hidden) return;
-  const int64_t t = tok[u];
-  float acc = y[t * hidden + d];
-  for (int q = begin[u]; q < begin[u + 1]; ++q) {
-    const int r = acc_rows[q];
-    const int pair = row_pair[r];
-    const int e = seg_expert[r / seg_rows];
-    const float f = __ldg(weights + pair) * __ldg(gs_down + e);
-    acc = fmaf(f, yd[static_cast<int64_t>(r) * hidden + d], acc);
-  }
-  y[t * hidden + d] = acc;
-  (void)top_k;
-}
-
-void throw_cublas(cublasStatus_t rc, const char* expr, int line) {
-  detail::throw_error(ErrorKind::Cuda, __FILE__, line,
-                      std::string(expr) + " failed: " + cublasGetStatusName(rc) + " (" +
-                          cublasGetStatusString(rc) + ")");
-}
-
-#define FN_PREFILL_CUBLAS(expr)                       \
-  do {                                                \
-    const cublasStatus_t fn_rc_ = (expr);             \
-    if (fn_rc_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] \
-      throw_cublas(fn_rc_, #expr, __LINE__);          \
-  } while (0)
-
-// One handle per (host thread, device), created on first use and kept for the process.
-cublasHandle_t cublas_for_current_device() {
-  thread_local std::unordered_map<int, cublasHandle_t> handles;
-  int dev = 0;
-  FN_CUDA_CHECK(cudaGetDevice(&dev));
-  auto it = handles.find(dev);
-  if (it != handles.end()) return it->second;
-  cublasHandle_t h = nullptr;
-  FN_PREFILL_CUBLAS(cublasCreate(&h));
-  // Reproducible results (no atomics in split-K reductions); tensor cores with FP32
-  // accumulation (CUBLAS_COMPUTE_32F, never a reduced-precision mode).
-  FN_PREFILL_CUBLAS(cublasSetAtomicsMode(h, CUBLAS_ATOMICS_NOT_ALLOWED));
-  handles.emplace(dev, h);
-  return h;
-}
-
-// The side stream of the overlapped dequantisation, one per (host thread, device), kept for the
-// process (non-blocking: ordered with the caller's stream by events only).
-cudaStream_t side_stream_for_current_device() {
-  thread_local std::unordered_map<int, cudaStream_t> streams;
-  int dev = 0;
-  FN_CUDA_CHECK(cudaGetDevice(&dev));
-  auto it = streams.find(dev);
-  if (it != streams.end()) return it->second;
-  cudaStream_t st = nullptr;
-  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  streams.emplace(dev, st);
-  return st;
-}
-
-// Events of one launch, destroyed on scope exit (legal with work still pending).
-struct Events {
-  cudaEvent_t meta = nullptr, ready[2] = {nullptr, nullptr}, done[2] = {nullptr, nullptr};
-  void create() {
-    FN_CUDA_CHECK(cudaEventCreateWithFlags(&meta, cudaEventDisableTiming));
-    for (int i = 0; i < 2; ++i) {
-      FN_CUDA_CHECK(cudaEventCreateWithFlags(&ready[i], cudaEventDisableTiming));
-      FN_CUDA_CHECK(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming));
-    }
-  }
-  ~Events() {
-    if (meta != nullptr) cudaEventDestroy(meta);
-    for (int i = 0; i < 2; ++i) {
-      if (ready[i] != nullptr) cudaEventDestroy(ready[i]);
-      if (done[i] != nullptr) cudaEventDestroy(done[i]);
-    }
-  }
-};
-
-struct Shape {
-  int64_t hidden, inter, tokens, pairs;
-  int top_k, num_experts, group_segs;
-  bool overlap;
-};
-
-Shape shape_of(const MoePrefillParams& p) {
-  Shape s{};
-  s.hidden = p.gate_up.cols;
-  s.inter = p.down.cols;
-  s.tokens = p.tokens;
-  s.top_k = p.top_k;
-  s.pairs = p.tokens * p.top_k;
-  s.num_experts = p.gate_up.num_experts;
-  s.group_segs = p.group_segments != 0 ? p.group_segments : kMoePrefillGroupSegments;
-  s.overlap = p.overlap_dequant;
-  return s;
-}
-
 bool use_per_row(const MoePrefillParams& p) {
   const bool fits = p.gate_up.cols * 4 <= 48 * 1024 && p.down.cols * p.top_k * 4 <= 48 * 1024;
   if (p.path == MoePrefillPath::PerRow) return true;
-  if (p.path == MoePrefillPath::Grouped || p.path == MoePrefillPath::Fused) return false;
+  if (p.path == MoePrefillPath::Fused) return false;
   return fits && p.tokens <= kMoePrefillPerRowMaxTokens;
-}
-
-// Fused unless the Grouped path is asked for (after use_per_row declined).
-bool use_grouped(const MoePrefillParams& p) {
-  return p.path == MoePrefillPath::Grouped;
-}
-
-// Workspace layout of the grouped path (offsets in bytes, each 256-aligned).
-struct GroupedLayout {
-  size_t meta, weights, xs_or_yd, gu, h, total;
-  size_t w_gu_elems, w_set_elems;  // BF16 elements: gate+up part of a set, whole set
-  int64_t meta_ints;
-};
-
-GroupedLayout grouped_layout(const Shape& s) {
-  const int64_t rows = s.group_segs * kSegRows;  // rows of one group at most
-  GroupedLayout l{};
-  // row_pair (<= pairs + s.group_segs * kSegRows), seg_expert (<= E + pairs / kSegRows + 1), token
-  // entries and their begins (<= pairs + groups each), acc rows (pairs).
-  l.meta_ints = 5 * s.pairs + 2 * static_cast<int64_t>(s.num_experts) + rows + 64;
-  // Weight scratch: per set, gate+up then down of group_segs experts (BF16); two sets when the
-  // dequantisation of the next group overlaps the GEMMs of this one.
-  l.w_gu_elems = static_cast<size_t>(s.group_segs) * 2 * s.inter * s.hidden;
-  l.w_set_elems =
-      align_up((l.w_gu_elems + static_cast<size_t>(s.group_segs) * s.hidden * s.inter) * 2) / 2;
-  const size_t xs = static_cast<size_t>(rows) * s.hidden * 2;
-  const size_t yd = static_cast<size_t>(rows) * s.hidden * 4;
-  l.meta = 0;
-  l.weights = align_up(static_cast<size_t>(l.meta_ints) * 4);
-  l.xs_or_yd = l.weights + (s.overlap ? 2 : 1) * l.w_set_elems * 2;
-  l.gu = l.xs_or_yd + align_up(std::max(xs, yd));
-  // gu [rows, 2I] FP32 lives while xs does; yd (written after gu is consumed) may overlap gu,
-  // but keep them apart: xs and yd share one region.
-  l.h = l.gu + align_up(static_cast<size_t>(rows) * 2 * s.inter * 4);
-  l.total = l.h + align_up(static_cast<size_t>(rows) * s.inter * 2);
-  return l;
 }
 
 void check_shapes(const MoePrefillParams& p, const char* op) {
@@ -288,7 +65,6 @@ void check_shapes(const MoePrefillParams& p, const char* op) {
   FN_LAUNCH_REQUIRE(p.down.cols >= 16 && p.down.cols % 16 == 0, op);
   FN_LAUNCH_REQUIRE(p.gate_up.cols <= INT32_MAX && p.gate_up.rows <= INT32_MAX, op);
   FN_LAUNCH_REQUIRE(p.tokens * p.top_k <= INT32_MAX / 2, op);
-  FN_LAUNCH_REQUIRE(p.group_segments >= 0 && p.group_segments <= 64, op);
   FN_LAUNCH_REQUIRE(p.chunk_tokens >= 0, op);
 }
 
@@ -323,177 +99,6 @@ void run_per_row(const MoePrefillParams& p, cudaStream_t stream) {
 unsigned grid_for(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
   return static_cast<unsigned>(b < 1 ? 1 : b);
-}
-
-void run_grouped(const MoePrefillParams& p, cudaStream_t stream) {
-  const Shape s = shape_of(p);
-  const GroupedLayout lay = grouped_layout(s);
-  char* ws = static_cast<char*>(p.workspace);
-  const int64_t hidden = s.hidden, inter = s.inter, k = s.top_k;
-
-  // Per-expert buckets of the valid pairs, ascending token (pair index) inside an expert.
-  std::vector<int32_t> ids(static_cast<size_t>(s.pairs));
-  FN_CUDA_CHECK(cudaMemcpyAsync(ids.data(), p.ids, ids.size() * 4, cudaMemcpyDeviceToHost, stream));
-  FN_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<int32_t> count(static_cast<size_t>(s.num_experts) + 1, 0);
-  for (const int32_t e : ids)
-    if (e >= 0 && e < s.num_experts) ++count[static_cast<size_t>(e) + 1];
-  for (int e = 0; e < s.num_experts; ++e) count[e + 1] += count[e];
-  std::vector<int32_t> bucket(static_cast<size_t>(count[s.num_experts]));
-  {
-    std::vector<int32_t> fill(count.begin(), count.end() - 1);
-    for (int32_t q = 0; q < static_cast<int32_t>(s.pairs); ++q) {
-      const int32_t e = ids[q];
-      if (e >= 0 && e < s.num_experts) bucket[fill[e]++] = q;
-    }
-  }
-  // Segments (expert, first, length), sorted by decreasing length then expert.
-  struct Seg {
-    int32_t expert, first, len;
-  };
-  std::vector<Seg> segs;
-  for (int e = 0; e < s.num_experts; ++e)
-    for (int32_t b = count[e]; b < count[e + 1]; b += static_cast<int32_t>(kSegRows))
-      segs.push_back({e, b, std::min<int32_t>(static_cast<int32_t>(kSegRows), count[e + 1] - b)});
-  std::stable_sort(segs.begin(), segs.end(),
-                   [](const Seg& a, const Seg& b) { return a.len > b.len; });
-  const int64_t groups = (static_cast<int64_t>(segs.size()) + s.group_segs - 1) / s.group_segs;
-
-  // Host tables, uploaded once: per group its row_pair [segs * n], seg_expert [segs], token
-  // entries, their row begins and the rows themselves (group-local).
-  struct GroupPlan {
-    int segs;
-    int64_t n;                                          // rows per segment
-    size_t row_pair, seg_expert, tok, begin, acc_rows;  // offsets in ints
-    int entries;
-  };
-  std::vector<GroupPlan> plans(static_cast<size_t>(groups));
-  std::vector<int32_t> meta;
-  meta.reserve(static_cast<size_t>(lay.meta_ints));
-  std::vector<int32_t> last_entry(static_cast<size_t>(s.tokens), -1);
-  std::vector<int32_t> stamp(static_cast<size_t>(s.tokens), -1);
-  std::vector<std::vector<int32_t>> rows_of;  // per entry, reused
-  for (int64_t g = 0; g < groups; ++g) {
-    GroupPlan& gp = plans[g];
-    const size_t s0 = static_cast<size_t>(g * s.group_segs);
-    gp.segs = static_cast<int>(std::min<size_t>(s.group_segs, segs.size() - s0));
-    gp.n = segs[s0].len;
-    gp.row_pair = meta.size();
-    for (int q = 0; q < gp.segs; ++q) {
-      const Seg& sg = segs[s0 + q];
-      for (int64_t r = 0; r < gp.n; ++r)
-        meta.push_back(r < sg.len ? bucket[static_cast<size_t>(sg.first + r)] : -1);
-    }
-    gp.seg_expert = meta.size();
-    for (int q = 0; q < gp.segs; ++q) meta.push_back(segs[s0 + q].expert);
-    // Token entries in order of first appearance; each token's rows in segment order.
-    std::vector<int32_t> entry_tok;
-    size_t used = 0;
-    for (int q = 0; q < gp.segs; ++q) {
-      const Seg& sg = segs[s0 + q];
-      for (int32_t r = 0; r < sg.len; ++r) {
-        const int32_t pair = bucket[static_cast<size_t>(sg.first + r)];
-        const int32_t t = pair / static_cast<int32_t>(k);
-        if (stamp[t] != g) {
-          stamp[t] = static_cast<int32_t>(g);
-          last_entry[t] = static_cast<int32_t>(entry_tok.size());
-          entry_tok.push_back(t);
-          if (used == rows_of.size()) rows_of.emplace_back();
-          rows_of[used].clear();
-          ++used;
-        }
-        rows_of[static_cast<size_t>(last_entry[t])].push_back(static_cast<int32_t>(q * gp.n + r));
-      }
-    }
-    gp.entries = static_cast<int>(entry_tok.size());
-    gp.tok = meta.size();
-    meta.insert(meta.end(), entry_tok.begin(), entry_tok.end());
-    gp.begin = meta.size();
-    int32_t b = 0;
-    for (size_t u = 0; u < used; ++u) {
-      meta.push_back(b);
-      b += static_cast<int32_t>(rows_of[u].size());
-    }
-    meta.push_back(b);
-    gp.acc_rows = meta.size();
-    for (size_t u = 0; u < used; ++u) meta.insert(meta.end(), rows_of[u].begin(), rows_of[u].end());
-  }
-  FN_CHECK(static_cast<int64_t>(meta.size()) <= lay.meta_ints,
-           "moe prefill: routing tables exceed the planned workspace");
-  int32_t* meta_d = reinterpret_cast<int32_t*>(ws + lay.meta);
-  if (!meta.empty())
-    FN_CUDA_CHECK(
-        cudaMemcpyAsync(meta_d, meta.data(), meta.size() * 4, cudaMemcpyHostToDevice, stream));
-
-  FN_CUDA_CHECK(cudaMemsetAsync(p.y, 0, static_cast<size_t>(s.tokens) * hidden * 4, stream));
-  if (p.h_out != nullptr)
-    FN_CUDA_CHECK(cudaMemsetAsync(p.h_out, 0, static_cast<size_t>(s.pairs) * inter * 2, stream));
-
-  uint16_t* w_base = reinterpret_cast<uint16_t*>(ws + lay.weights);
-  uint16_t* xs = reinterpret_cast<uint16_t*>(ws + lay.xs_or_yd);
-  float* yd = reinterpret_cast<float*>(ws + lay.xs_or_yd);
-  float* gu = reinterpret_cast<float*>(ws + lay.gu);
-  uint16_t* h = reinterpret_cast<uint16_t*>(ws + lay.h);
-  cublasHandle_t handle = cublas_for_current_device();
-  FN_PREFILL_CUBLAS(cublasSetStream(handle, stream));
-  // Dequantisation runs on `side` (== stream without overlap) into weight set g % 2: it waits
-  // for the GEMMs that last read that set (done), and the GEMMs of group g wait for it (ready).
-  Events ev;
-  cudaStream_t side = stream;
-  if (s.overlap) {
-    side = side_stream_for_current_device();
-    ev.create();
-    FN_CUDA_CHECK(cudaEventRecord(ev.meta, stream));  // the tables are uploaded
-    FN_CUDA_CHECK(cudaStreamWaitEvent(side, ev.meta, 0));
-  }
-  const float one = 1.0f, zero = 0.0f;
-  for (size_t g = 0; g < plans.size(); ++g) {
-    const GroupPlan& gp = plans[g];
-    const int set = s.overlap ? static_cast<int>(g % 2) : 0;
-    uint16_t* w_gu = w_base + set * lay.w_set_elems;
-    uint16_t* w_dn = w_gu + lay.w_gu_elems;
-    const int64_t rows = gp.segs * gp.n;
-    const int32_t* row_pair = meta_d + gp.row_pair;
-    const int32_t* seg_expert = meta_d + gp.seg_expert;
-    if (s.overlap && g >= 2) FN_CUDA_CHECK(cudaStreamWaitEvent(side, ev.done[set], 0));
-    dequant_bf16_kernel<<<grid_for(gp.segs * 2 * inter * (hidden / 16)), kThreads, 0, side>>>(
-        p.gate_up.packed, p.gate_up.scales, seg_expert, gp.segs, 2 * inter, hidden, w_gu);
-    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
-    dequant_bf16_kernel<<<grid_for(gp.segs * hidden * (inter / 16)), kThreads, 0, side>>>(
-        p.down.packed, p.down.scales, seg_expert, gp.segs, hidden, inter, w_dn);
-    FN_CUDA_LAUNCH_CHECK("dequant_bf16_kernel");
-    if (s.overlap) {
-      FN_CUDA_CHECK(cudaEventRecord(ev.ready[set], side));
-      FN_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.ready[set], 0));
-    }
-    gather_rows_kernel<<<grid_for(rows * (hidden / 8)), kThreads, 0, stream>>>(
-        p.x, hidden, row_pair, s.top_k, rows, xs);
-    FN_CUDA_LAUNCH_CHECK("gather_rows_kernel");
-    // Column-major: gu^T [2I, n] = W [H, 2I]^T (row-major [2I, H]) x xs^T [H, n].
-    FN_PREFILL_CUBLAS(cublasGemmStridedBatchedEx(
-        handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * inter), static_cast<int>(gp.n),
-        static_cast<int>(hidden), &one, w_gu, CUDA_R_16BF, static_cast<int>(hidden),
-        2 * inter * hidden, xs, CUDA_R_16BF, static_cast<int>(hidden), gp.n * hidden, &zero, gu,
-        CUDA_R_32F, static_cast<int>(2 * inter), gp.n * 2 * inter, gp.segs, CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT));
-    swiglu_rows_kernel<<<grid_for(rows * inter), kThreads, 0, stream>>>(
-        gu, p.gate_up.global_scale, seg_expert, gp.n, rows, inter, row_pair, h, p.h_out);
-    FN_CUDA_LAUNCH_CHECK("swiglu_rows_kernel");
-    // yd^T [H, n] = Wd [I, H]^T (row-major [H, I]) x h^T [I, n].
-    FN_PREFILL_CUBLAS(cublasGemmStridedBatchedEx(
-        handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(hidden), static_cast<int>(gp.n),
-        static_cast<int>(inter), &one, w_dn, CUDA_R_16BF, static_cast<int>(inter), hidden * inter,
-        h, CUDA_R_16BF, static_cast<int>(inter), gp.n * inter, &zero, yd, CUDA_R_32F,
-        static_cast<int>(hidden), gp.n * hidden, gp.segs, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    if (gp.entries > 0) {
-      const dim3 grid(grid_for(hidden), static_cast<unsigned>(gp.entries));
-      accumulate_kernel<<<grid, kThreads, 0, stream>>>(
-          yd, hidden, meta_d + gp.tok, meta_d + gp.begin, meta_d + gp.acc_rows, row_pair,
-          seg_expert, gp.n, p.weights, p.down.global_scale, s.top_k, p.y);
-      FN_CUDA_LAUNCH_CHECK("accumulate_kernel");
-    }
-    if (s.overlap) FN_CUDA_CHECK(cudaEventRecord(ev.done[set], stream));
-  }
 }
 
 // ---- fused W4A16 path ------------------------------------------------------------------------
@@ -721,7 +326,7 @@ __global__ void __launch_bounds__(kFThreads, 2) fused_expert_kernel(const FusedA
       if (r >= nrows) break;
       const int64_t f = static_cast<int64_t>(ftile) * (kFBn / 2) + c;
       if (f >= inter) continue;
-      // As swiglu_rows_kernel / moe_gate_up_nvfp4_kernel: global scale, silu, one rounding.
+      // As moe_gate_up_nvfp4_kernel: global scale, silu, one rounding.
       const float g = cs[r * kFLdc + c] * gsg;
       const float u = cs[r * kFLdc + kFBn / 2 + c] * gsu;
       const uint16_t hv = dev::float_to_bf16_bits(dev::silu(g) * u);
@@ -907,7 +512,6 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
 size_t moe_prefill_workspace_bytes(const MoePrefillParams& p) {
   check_shapes(p, "moe_prefill_workspace_bytes");
   if (use_per_row(p)) return align_up(static_cast<size_t>(p.top_k) * p.down.cols * 2);
-  if (use_grouped(p)) return grouped_layout(shape_of(p)).total;
   return fused_layout(p).total;
 }
 
@@ -924,8 +528,6 @@ void launch_moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(aligned(p.gate_up.packed, 16) && aligned(p.down.packed, 16), kOp);
   if (use_per_row(p))
     run_per_row(p, stream);
-  else if (use_grouped(p))
-    run_grouped(p, stream);
   else
     run_fused(p, stream);
 }

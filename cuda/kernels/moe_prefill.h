@@ -1,10 +1,11 @@
-// Routed experts of the MoE for M prompt tokens of one layer on one TP rank (batched prefill,
-// issue 7; MODEL.md §C.7 steps 1-2 and the routed part of step 4, §B.4 NVFP4): the router for
+// Routed experts of the MoE for M prompt tokens of one layer on one TP rank (batched prefill;
+// MODEL.md §C.7 steps 1-2 and the routed part of step 4, §B.4 NVFP4): the router for
 // every row, then y[p] = sum_j w[p,j] * down(e[p,j], swiglu(gate_up(e[p,j], x[p]))). Called by the
 // CUDA prefill step; the shared expert and the gated combine are the caller's. Invariants: the
 // router rows are bitwise the decode router's; the routed sum matches the decode kernels
-// (cuda/kernels/moe_nvfp4.h) up to FP32 accumulation order (h rounded to BF16 where decode rounds it);
-// deterministic (no float atomics); launch_moe_prefill synchronises its stream (not capturable).
+// (cuda/kernels/moe_nvfp4.h) up to FP32 accumulation order (h rounded to BF16 where decode rounds
+// it); deterministic (no float atomics); launch_moe_prefill synchronises its stream (not
+// capturable).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,17 +23,15 @@ namespace fn {
 
 /// Which implementation launch_moe_prefill uses.
 enum class MoePrefillPath {
-  Auto,     ///< PerRow when tokens <= kMoePrefillPerRowMaxTokens and the decode kernels accept
-            ///< the shape, else Fused
-  PerRow,   ///< the decode kernels once per token (bitwise the decode result)
-  Grouped,  ///< pairs sorted by expert, NVFP4 dequantised to BF16 + cuBLAS GEMMs (the first
-            ///< implementation, kept for comparison)
-  Fused,    ///< pairs sorted by expert, W4A16 tensor-core GEMMs that decode NVFP4 into shared
-            ///< memory tiles (no BF16 weight copy in global memory), SwiGLU in the epilogue
+  Auto,    ///< PerRow when tokens <= kMoePrefillPerRowMaxTokens and the decode kernels accept
+           ///< the shape, else Fused
+  PerRow,  ///< the decode kernels once per token (bitwise the decode result)
+  Fused,   ///< pairs sorted by expert, W4A16 tensor-core GEMMs that decode NVFP4 into shared
+           ///< memory tiles (no BF16 weight copy in global memory), SwiGLU in the epilogue
 };
 
 /// Auto takes the per-row path up to this many tokens (each row then costs one gate+up and one
-/// down launch, ~25 us at the real shape, less than the grouped path's fixed cost).
+/// down launch, ~25 us at the real shape, less than the fused path's fixed cost).
 inline constexpr int64_t kMoePrefillPerRowMaxTokens = 16;
 
 /// The routed experts for `tokens` rows (MODEL.md §C.7): for every token p and slot j < top_k
@@ -40,17 +39,12 @@ inline constexpr int64_t kMoePrefillPerRowMaxTokens = 16;
 ///   g = (W_gate[e] x[p]) * gs_gate[e], u = (W_up[e] x[p]) * gs_up[e],
 ///   h = bf16(silu(g) * u)   (FP32 math, one BF16 rounding, as launch_moe_gate_up_nvfp4),
 ///   y[p] = sum_j (weights[p, j] * gs_down[e]) * (W_down[e] h)   (FP32).
-/// Ids outside [0, num_experts) contribute 0 (as decode). The Grouped path dequantises the
-/// active experts to BF16 without the global scale (E2M1 x E4M3 is exact in BF16), multiplies
-/// with cuBLAS (BF16 inputs, FP32 accumulation and output), and applies the global scales after
-/// the GEMM: only the FP32 summation order differs from decode. The Fused path decodes the same
-/// exact BF16 weights into shared memory tiles instead (no global BF16 copy) and multiplies with
-/// wmma BF16 tensor cores (FP32 accumulation), with the same global-scale and SwiGLU epilogue.
-/// y[p] sums its contributions in a fixed order (Grouped: groups of experts by decreasing count,
-/// then expert; Fused: slot order j = 0..top_k-1, as decode), so results are bitwise
-/// reproducible for the same ids. cuBLAS: launch_moe_prefill owns one cublasHandle_t per
-/// (host thread, device), created on first use and kept for the process; it is bound to
-/// `stream` for each call.
+/// Ids outside [0, num_experts) contribute 0 (as decode). The Fused path decodes the NVFP4
+/// weights to BF16 (E2M1 x E4M3 is exact in BF16, the global scale left out) into shared memory
+/// tiles (no global BF16 copy) and multiplies with wmma BF16 tensor cores (FP32 accumulation),
+/// then applies the global scales and SwiGLU in the epilogue: only the FP32 summation order
+/// differs from decode. y[p] sums its contributions in slot order j = 0..top_k-1, as decode, so
+/// results are bitwise reproducible for the same ids.
 struct MoePrefillParams {
   Nvfp4Experts gate_up;            ///< rows = 2 * I (gate rows, then up rows), cols = hidden_size
   Nvfp4Experts down;               ///< rows = hidden_size, cols = I; same num_experts as gate_up
@@ -66,14 +60,6 @@ struct MoePrefillParams {
   /// tests and debugging; nullptr in production.
   uint16_t* h_out = nullptr;
   MoePrefillPath path = MoePrefillPath::Auto;
-  /// Grouped path: expert segments per batched GEMM (1..64; 0 = kMoePrefillGroupSegments). The
-  /// workspace grows linearly with it; a tuning knob for the benchmark.
-  int group_segments = 0;
-  /// Grouped path: dequantise group g + 1 on a second stream (one per host thread and device,
-  /// created on first use, ordered with `stream` by events) while group g multiplies on `stream`.
-  /// Doubles the weight scratch. Every side-stream operation is waited for on `stream` before
-  /// launch_moe_prefill returns its last enqueue, so the caller sees plain stream order.
-  bool overlap_dequant = true;
   /// Fused path: tokens per chunk (0 = kMoePrefillChunkTokens). The workspace holds h and the
   /// per-(token, slot) FP32 down outputs of one chunk, so it grows linearly with this; larger
   /// chunks give more rows per expert (fewer weight decodes per row).
@@ -83,34 +69,30 @@ struct MoePrefillParams {
 /// Default tokens per chunk of the Fused path.
 inline constexpr int64_t kMoePrefillChunkTokens = 8192;
 
-/// Default expert segments per group of the Grouped path.
-inline constexpr int kMoePrefillGroupSegments = 16;
-
 /// Workspace bytes for the shape in `shape_only` (gate_up/down rows, cols, num_experts, tokens,
-/// top_k, path, group_segments, chunk_tokens; pointers ignored). The bytes never shrink as
+/// top_k, path, chunk_tokens; pointers ignored). The bytes never shrink as
 /// tokens grow, so a workspace sized for the largest M serves every smaller M.
 ///   Fused (Auto above 16 tokens): O(tokens * top_k) integers of routing tables plus, for one
 ///   chunk of C = min(tokens, chunk_tokens) tokens, h (C * top_k * I BF16) and the per-(token,
 ///   slot) down outputs (C * top_k * hidden FP32): 900 MiB at the real TP=1 shape and M = 8192
 ///   (850 MiB at TP=2; 450 / 425 MiB with chunk_tokens 4096).
-///   Grouped: at most group_segments (16) expert segments of at most 1024 rows at a time plus the
-///   tables: 562 MiB at TP=1 and M = 8192 (362 MiB at TP=2), independent of M beyond the tables.
+///   PerRow: one token's h (top_k * I BF16).
 ///
 /// Measured (H200, tests/test_cuda_moe_prefill.cpp FN_BENCH=1, 512 experts, top_k 10, uniformly
 /// random routing, one run, ms per layer including the host planning):
-///   M = 8192, TP=1 (I 640): Fused 7.99 (chunk 4096: 9.18), Grouped 9.70 (G 16, overlap)
-///   M = 8192, TP=2 (I 320): Fused 4.53 (chunk 4096: 5.23), Grouped 7.83
-///   M = 512,  TP=1: Fused 1.73, Grouped 4.19 (G 32);  TP=2: Fused 0.96, Grouped 2.54
+///   M = 8192, TP=1 (I 640): Fused 7.99 (chunk 4096: 9.18)
+///   M = 8192, TP=2 (I 320): Fused 4.53 (chunk 4096: 5.23)
+///   M = 512,  TP=1: Fused 1.73;  TP=2: Fused 0.96
 /// The Fused kernel is bound by decoding the weights once per 64-row tile with a one-stage
 /// register prefetch (M = 512, one tile per expert, already costs 1.7 ms at TP=1), not by the
 /// tensor cores (~100 TFLOP/s): a deeper cp.async pipeline and larger row tiles are the next step.
 size_t moe_prefill_workspace_bytes(const MoePrefillParams& shape_only);
 
-/// Runs on `stream`. Copies ids to the host and synchronises the stream (Grouped and Fused plan
-/// their tiles from the per-expert counts; once per call); the PerRow path does not synchronise.
+/// Runs on `stream`. Copies ids to the host and synchronises the stream (Fused plans its tiles
+/// from the per-expert counts; once per call); the PerRow path does not synchronise.
 /// Throws fn::Error(Internal) on null pointers, inconsistent shapes (gate_up.rows != 2 * down.cols,
 /// gate_up.cols != down.rows, different num_experts), misalignment, or a PerRow request the
-/// decode kernels reject; fn::Error(Cuda) on a CUDA or cuBLAS failure.
+/// decode kernels reject; fn::Error(Cuda) on a CUDA failure.
 void launch_moe_prefill(const MoePrefillParams& params, cudaStream_t stream);
 
 }  // namespace fn

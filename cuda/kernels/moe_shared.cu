@@ -1,19 +1,20 @@
 // Fused MoE shared-expert kernels of the decode step (see moe_shared.h). The GEMV rows are
-// dev::gemv_bf16_team_rows (cuda/kernels/gemv_bf16.cuh), the top-k dev::router_topk_block, the SwiGLU
-// element and the gate's sigmoid come from cuda/kernels/moe_device.cuh: the unfused kernels run the same
-// device code, hence the same bits.
+// dev::gemv_bf16_team_rows (cuda/kernels/gemv_bf16.cuh), the top-k dev::router_topk_block, the
+// SwiGLU element and the gate's sigmoid come from cuda/kernels/moe_device.cuh: the separate
+// launches (launch_gemv_bf16, launch_router_topk, the prefill's launch_swiglu_rows and
+// launch_moe_combine_rows) run the same device code, hence the same bits.
 #include "cuda/kernels/moe_shared.h"
 
 #include <cuda_runtime.h>
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
-#include "cuda/kernels/gemv_bf16.cuh"
-#include "cuda/kernels/gemv_bf16.h"
 #include "cuda/common/launch_check.h"
-#include "cuda/kernels/moe_device.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/common/real_shape.h"
+#include "cuda/kernels/gemv_bf16.cuh"
+#include "cuda/kernels/gemv_bf16.h"
+#include "cuda/kernels/moe_device.cuh"
 
 namespace fn {
 namespace {
@@ -36,9 +37,7 @@ struct RouterGateUpArgs {
   int32_t* ids;
   float* weights;
   int32_t* flag;
-  float* mailbox;     // [num_experts]: dev::mail_post / router_mail_take
-  bool skip_topk;     // RouterSharedGateUpParams::bench_skip_topk
-  bool skip_rows[2];  // bench_skip_router_rows, bench_skip_shared_rows
+  float* mailbox;  // [num_experts]: dev::mail_post / router_mail_take
 };
 
 // The team's rows of segment g into y; rows below `mail_rows` (the router's experts; 0 for the
@@ -73,10 +72,7 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
   const int E = kE > 0 ? kE : a.num_experts;
   const int64_t mail_rows = router ? E : 0;
   // Block-uniform branch (rows per team is fixed per segment); the PDL wait is inside.
-  switch (a.skip_rows[s] ? 0 : a.rows_per_team[s]) {
-    case 0:
-      dev::pdl_begin();
-      break;
+  switch (a.rows_per_team[s]) {
     case 4:
       store_rows<4>(a.seg[s], block, a.x, a.y[s], a.mailbox, mail_rows);
       break;
@@ -90,7 +86,7 @@ __global__ void __launch_bounds__(kRouterBlockThreads)
   // The last router block, after its own rows, takes every router logit from the mailbox as it
   // is posted (no arrival ticket: no fence or atomic in any block) and runs the top-k. Every
   // other block is done.
-  if (blockIdx.x + 1u != a.router_blocks || a.skip_topk || a.skip_rows[0]) return;
+  if (blockIdx.x + 1u != a.router_blocks) return;
   float l0, l1;
   dev::router_mail_take(a.mailbox, E, l0, l1);
   dev::router_topk_values(l0, l1, E, kK > 0 ? kK : a.top_k, a.norm, a.ids, a.weights, a.flag);
@@ -102,8 +98,8 @@ constexpr int kDownBlockThreads = 256;   // launch_gemv_bf16's block size (any w
 constexpr int64_t kMaxDownInter = 8192;  // h in shared memory: 32 KB of FP32
 
 // x of the down GEMV: h = bf16(silu(g) * u) computed once per block into shared memory (as the
-// exact floats of the BF16 values that launch_swiglu stores and launch_gemv_bf16 widens). g and u
-// come from the router + shared gate/up launch, three launches back in the step (the routed
+// exact floats of the BF16 values that launch_swiglu_rows stores and launch_gemv_bf16 widens). g
+// and u come from the router + shared gate/up launch, three launches back in the step (the routed
 // experts' two sit in between): read through L2 before the PDL wait (cuda/common/pdl.cuh).
 struct SwigluXShared {
   const float* gate_up;
@@ -207,9 +203,6 @@ void launch_router_shared_gate_up(const RouterSharedGateUpParams& p, cudaStream_
   a.weights = p.weights;
   a.flag = p.error_flag;
   a.mailbox = p.mailbox;
-  a.skip_topk = p.bench_skip_topk;
-  a.skip_rows[0] = p.bench_skip_router_rows;
-  a.skip_rows[1] = p.bench_skip_shared_rows;
   const bool fixed = p.fixed_shape && p.num_experts == kFixedExperts && p.top_k == kFixedTopK;
   launch_pdl("router_shared_gate_up_kernel",
              fixed ? router_shared_gate_up_kernel<kFixedExperts, kFixedTopK>

@@ -1,10 +1,11 @@
 // Fused launches of the decode step's MoE block around the NVFP4 experts (MODEL.md §C.7): the
 // router logits + the shared expert's gate/up GEMV + the router top-k in one launch, and the
 // shared expert's SwiGLU + down GEMV + the gated combine in another. Called by the CUDA decode
-// step (cuda/model/cuda_model.cpp) in place of launch_gemv_bf16 x 2 + launch_router_topk and of
-// launch_swiglu + launch_gemv_bf16 + launch_moe_combine. Invariants: the same bits as those
-// unfused launches (shared device code: cuda/kernels/gemv_bf16.cuh, cuda/kernels/moe_device.cuh), deterministic
-// (integer atomics only), graph-capturable, programmatic dependent launches (cuda/common/pdl.h).
+// step (cuda/model/cuda_model.cpp). Invariants: the same bits as the separate launches
+// launch_gemv_bf16 x 2 + launch_router_topk and launch_swiglu_rows + launch_gemv_bf16 +
+// launch_moe_combine_rows for one row (shared device code: cuda/kernels/gemv_bf16.cuh,
+// cuda/kernels/moe_device.cuh), deterministic (integer atomics only), graph-capturable,
+// programmatic dependent launches (cuda/common/pdl.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,16 +40,8 @@ struct RouterSharedGateUpParams {
   /// the first launch; every launch leaves it so again. One mailbox may serve every launch of a
   /// stream (they run one after another), not two launches in flight at once.
   float* mailbox = nullptr;
-  /// Knockout benchmarks only (StepLaunch::RouterTopK): the last block skips the top-k, so ids
-  /// and weights keep their previous values, and the mailbox is left full (a later launch
-  /// without the skip would take stale logits until router_mailbox_init). false in production.
-  bool bench_skip_topk = false;
-  /// Knockout benchmarks only (StepLaunch::RouterRows / RouterSharedRows): the blocks of the
-  /// router rows / of the shared gate/up rows only wait and skip their GEMV. false in production.
-  bool bench_skip_router_rows = false;
-  bool bench_skip_shared_rows = false;
   /// true: the kernel's compile-time-shape instance runs for the real router (E 512, k 10): the
-  /// top-k's sizes are constants; false: the runtime-shape instance (A/B benches). Same bits.
+  /// top-k's sizes are constants; false: the runtime-shape instance. Same bits.
   bool fixed_shape = true;
 };
 
@@ -78,24 +71,24 @@ struct SharedDownCombineParams {
   const float* gate_up = nullptr;     ///< [2 * inter] FP32: gate rows, then up rows (from above)
   const float* gate_logit = nullptr;  ///< device scalar: shared_expert_gate . m (logits + E)
   float* y = nullptr;  ///< [hidden] FP32: in the routed sum, out routed + gated shared expert
-  /// Weight ranges of later kernels to prefetch into L2 (cuda/common/l2_prefetch.h): thread 0 of each
-  /// block issues its part once the block's rows are done, before the programmatic wait. Empty
+  /// Weight ranges of later kernels to prefetch into L2 (cuda/common/l2_prefetch.h): thread 0 of
+  /// each block issues its part once the block's rows are done, before the programmatic wait. Empty
   /// by default; changes no result.
   L2Prefetch l2_prefetch{};
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
 /// h[i] = bf16(silu(g[i]) * u[i]), g = gate_up[0, I), u = gate_up[I, 2I) (MODEL.md §C.7 steps 2-4)
-/// in one launch: each block computes h into shared memory (launch_swiglu's expression), the rows
-/// are launch_gemv_bf16's device code with its planned team width (x BF16), and the epilogue is
-/// launch_moe_combine's expression (two-branch sigmoid), so y has the bits of launch_swiglu +
-/// launch_gemv_bf16 + launch_moe_combine. Runs after the kernel that writes the routed sum into y;
-/// gate_up and gate_logit must come from a kernel at least two launches earlier on the stream (as
-/// in the decode step: the routed experts' two launches sit in between), because the SwiGLU and
-/// the whole GEMV run before the programmatic-dependent wait (cuda/common/pdl.cuh); only the combine
-/// waits for y.
-/// Throws fn::Error(Internal) on null pointers, misalignment or sizes out of range;
-/// fn::Error(Cuda) when the launch fails. Legal during stream capture.
+/// in one launch: each block computes h into shared memory (dev::swiglu_bf16_bits, as
+/// launch_swiglu_rows), the rows are launch_gemv_bf16's device code with its planned team width
+/// (x BF16), and the epilogue is dev::sigmoid_2branch's fmaf (as launch_moe_combine_rows), so y
+/// has the bits of launch_swiglu_rows + launch_gemv_bf16 + launch_moe_combine_rows for one row.
+/// Runs after the kernel that writes the routed sum into y; gate_up and gate_logit must come from a
+/// kernel at least two launches earlier on the stream (as in the decode step: the routed experts'
+/// two launches sit in between), because the SwiGLU and the whole GEMV run before the
+/// programmatic-dependent wait (cuda/common/pdl.cuh); only the combine waits for y. Throws
+/// fn::Error(Internal) on null pointers, misalignment or sizes out of range; fn::Error(Cuda) when
+/// the launch fails. Legal during stream capture.
 void launch_shared_down_combine(const SharedDownCombineParams& params, cudaStream_t stream);
 
 }  // namespace fn

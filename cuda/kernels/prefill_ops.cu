@@ -6,6 +6,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
+#include "cuda/kernels/moe_device.cuh"
 
 namespace fn {
 namespace {
@@ -128,13 +129,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= I) return;
   const float* r = gu + p * 2 * I;
-  h[p * I + i] = dev::float_to_bf16_bits(dev::silu(r[i]) * r[I + i]);
-}
-
-__device__ __forceinline__ float sigmoid_2branch(float x) {
-  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-  const float e = expf(x);
-  return e / (1.0f + e);
+  h[p * I + i] = dev::swiglu_bf16_bits(r[i], r[I + i]);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -142,7 +137,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t p = blockIdx.y;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= D) return;
-  const float gamma = sigmoid_2branch(gate[p * ld_gate]);
+  const float gamma = dev::sigmoid_2branch(gate[p * ld_gate]);
   y[p * D + i] = fmaf(gamma, ys[p * D + i], y[p * D + i]);
 }
 

@@ -1,4 +1,4 @@
-// Row-parallel kernels of the batched prefill (issue 7, MODEL.md §C.1-§C.3, §C.7, §D): the same
+// Row-parallel kernels of the batched prefill (MODEL.md §C.1-§C.3, §C.7, §D): the same
 // element-wise math as the decode step's kernels (decode_ops.h, hc.h) applied to M token rows at
 // once, around the cuBLAS GEMMs of gemm.h. Called by CudaModel::prefill. Each launch is
 // independent per row (no state), deterministic, and never synchronises the host.
@@ -55,12 +55,14 @@ void launch_hc_inject_rows(float* H, const float* iota, const float* y, int hc_c
                            int64_t hidden, int64_t rows, cudaStream_t stream);
 
 /// Shared-expert SwiGLU (MODEL.md §C.7 step 3) for M rows: h[p, i] = bf16(silu(gu[p, i]) *
-/// gu[p, I + i]); gu [M, 2I] FP32 (gate columns, then up), h [M, I] BF16. Throws as above.
+/// gu[p, I + i]) (dev::swiglu_bf16_bits, as the decode step's launch_shared_down_combine); gu
+/// [M, 2I] FP32 (gate columns, then up), h [M, I] BF16. Throws as above.
 void launch_swiglu_rows(const float* gate_up, int64_t inter, int64_t rows, uint16_t* h,
                         cudaStream_t stream);
 
 /// MoE combine (MODEL.md §C.7 step 4) for M rows: y[p, i] += sigmoid(gate[p * ld_gate]) *
-/// ys[p, i] (fmaf, as the decode kernel). y, ys [M, D] FP32. Throws as above.
+/// ys[p, i] (fmaf, two-branch sigmoid: dev::sigmoid_2branch, as the decode step's
+/// launch_shared_down_combine). y, ys [M, D] FP32. Throws as above.
 void launch_moe_combine_rows(float* y, const float* ys, const float* gate, int64_t ld_gate,
                              int64_t hidden, int64_t rows, cudaStream_t stream);
 

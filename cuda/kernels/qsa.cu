@@ -8,11 +8,11 @@
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
-#include "cuda/kernels/gemv_bf16.h"
 #include "cuda/common/launch_check.h"
 #include "cuda/common/pdl.cuh"
-#include "cuda/kernels/qsa_device.cuh"
 #include "cuda/common/real_shape.h"
+#include "cuda/kernels/gemv_bf16.h"
+#include "cuda/kernels/qsa_device.cuh"
 
 namespace fn {
 namespace {
@@ -29,7 +29,6 @@ constexpr uint16_t kBf16Nan = 0x7FC0;
 static_assert(kThreads == qsa_dev::kQsaThreads && kSelectThreads == qsa_dev::kQsaSelectThreads);
 static_assert(kMaxDim == qsa_dev::kQsaMaxDim && kMaxChunks == qsa_dev::kQsaMaxChunks);
 static_assert(kSelectCache == qsa_dev::kQsaSelectCache);
-using qsa_dev::norm_rope;
 
 struct Args {
   const float* proj;
@@ -48,7 +47,6 @@ struct Args {
   float* scores;
   int* selected;
   int* counters;
-  int* ticket;
   const int32_t* forced;
   float* part_out;
   float* part_max;
@@ -60,8 +58,6 @@ struct Args {
   float eps;
   int chunk, max_chunks, gmax;
   int combine_stage;  // chunks staged per round by the sliced combine
-  bool skip_select;   // QsaDecodeParams::bench_skip_select
-  bool mailbox;       // QsaDecodeParams::select_mailbox (four-launch path)
   int role0;          // qsa_prep_early_kernel: the role of CTA 0 (a part of the roles)
   int* select_done;   // the select's done flag (overlapped projection), else nullptr
 };
@@ -79,77 +75,10 @@ __device__ __forceinline__ bool valid_t(int64_t t, int64_t ctx) {
   return t >= 0 && t < ctx;
 }
 
-// One CTA per role: query heads [0, hq), KV heads [hq, hq+hkv) (K row + V row), indexer query
-// heads, then one CTA for the raw indexer key and, when a block completes, its block key.
-__global__ void __launch_bounds__(kThreads) qsa_prep_kernel(Args a) {
-  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
-  __shared__ float y[kMaxDim];
-  __shared__ float xin[kMaxDim];
-  __shared__ double red[kThreads / 32];
-  const int64_t t = *a.position;
-  if (!valid_t(t, a.ctx)) return;
-  const int role = blockIdx.x, tid = threadIdx.x;
-  const int64_t hd = a.hd, qkv = int64_t{a.hq} * 2 * hd;
-  const int64_t idx_off = qkv + 2 * int64_t{a.hkv} * hd;
-  if (role < a.hq) {
-    norm_rope(a.proj + role * 2 * hd, a.q_norm, a.hd, a.eps, a.rot, a.theta, t, y, red);
-    if (tid < a.hd) a.q[role * hd + tid] = y[tid];
-  } else if (role < a.hq + a.hkv) {
-    const int j = role - a.hq;
-    norm_rope(a.proj + qkv + j * hd, a.k_norm, a.hd, a.eps, a.rot, a.theta, t, y, red);
-    const int64_t row = t * a.hkv * hd + j * hd;
-    if (tid < a.hd) {
-      a.k_cache[row + tid] = dev::float_to_bf16_bits(y[tid]);
-      a.v_cache[row + tid] = dev::float_to_bf16_bits(a.proj[qkv + (a.hkv + j) * hd + tid]);
-    }
-  } else if (role < a.hq + a.hkv + a.ni) {
-    const int h = role - a.hq - a.hkv;
-    norm_rope(a.proj + idx_off + h * a.ihd, a.iq_norm, a.ihd, a.eps, a.rot, a.theta, t, y, red);
-    if (tid < a.ihd) a.qi[h * a.ihd + tid] = y[tid];
-  } else {
-    const float* cur = a.proj + idx_off + int64_t{a.ni} * a.ihd;
-    if (tid < a.ihd) a.raw_keys[t * a.ihd + tid] = cur[tid];
-    if ((t + 1) % a.ratio != 0) return;  // uniform over the CTA
-    // indexer_block_key: mean over the block's raw keys (FP64, rows in order, the last row is
-    // this token's key, read from proj), norm, RoPE at the block's first position.
-    const int64_t b = (t + 1) / a.ratio - 1;
-    if (tid < a.ihd) {
-      double acc = 0.0;
-      for (int i = 0; i + 1 < a.ratio; ++i) acc += a.raw_keys[(b * a.ratio + i) * a.ihd + tid];
-      acc += cur[tid];
-      xin[tid] = static_cast<float>(acc / static_cast<double>(a.ratio));
-    }
-    __syncthreads();
-    norm_rope(xin, a.ik_norm, a.ihd, a.eps, a.rot, a.theta, b * a.ratio, y, red);
-    if (tid < a.ihd) a.block_keys[b * a.ihd + tid] = y[tid];
-  }
-}
-
-// indexer_scores for blocks 0..B-1: one warp per block, FP64 dot per head (as cpu::dot), then
-// relu in FP32 (std::max(0.0f, x) semantics), the head sum in FP64, times 1/sqrt(ihd) in FP64.
-__global__ void __launch_bounds__(kThreads) qsa_scores_kernel(Args a) {
-  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
-  __shared__ float qs[kMaxIndexerQ];
-  const int64_t t = *a.position;
-  if (!valid_t(t, a.ctx)) return;
-  const int64_t B = (t + 1) / a.ratio;
-  if (int64_t{blockIdx.x} * (kThreads / 32) >= B) return;  // uniform over the CTA
-  for (int i = threadIdx.x; i < a.ni * a.ihd; i += kThreads) qs[i] = a.qi[i];
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t{gridDim.x} * (kThreads / 32);
-  const double scale = 1.0 / sqrt(static_cast<double>(a.ihd));
-  for (int64_t b = int64_t{blockIdx.x} * (kThreads / 32) + (threadIdx.x >> 5); b < B; b += warps) {
-    const float s = qsa_dev::block_score(qs, a.block_keys + b * a.ihd, a.ni, a.ihd, lane, scale);
-    if (lane == 0) a.scores[b] = s;
-  }
-}
-
-// The select's work before the top-k itself, shared by both selects (qsa_select_kernel and the
-// scores launch's select CTA): the counters ({0, 0, 0, 0} for a t outside the cache), then every
-// complete block when at most k are (dense attention) or a forced choice (tests). Returns the k
-// the top-k select must still pick, 0 when nothing is left to do. Every thread of the CTA calls
-// it with B = (t + 1) / ratio.
+// The select's work before the top-k itself (the scores launch's select CTA): the counters ({0, 0,
+// 0, 0} for a t outside the cache), then every complete block when at most k are (dense attention)
+// or a forced choice (tests). Returns the k the top-k select must still pick, 0 when nothing is
+// left to do. Every thread of the CTA calls it with B = (t + 1) / ratio.
 __device__ __forceinline__ int select_prologue(const Args& a, int64_t t, int B) {
   const int tid = threadIdx.x;
   if (!valid_t(t, a.ctx)) {
@@ -173,17 +102,6 @@ __device__ __forceinline__ int select_prologue(const Args& a, int64_t t, int B) 
     return 0;
   }
   return k;
-}
-
-// top_k + qsa_selected_tokens' block part: k = min(topk, B) blocks, higher score first, equal
-// scores -> lower index, written ascending. Radix select (4 passes of 8 bits) finds the k-th key
-// T; every key > T is selected plus the lowest-indexed (k - #greater) keys equal to T.
-__global__ void __launch_bounds__(kSelectThreads) qsa_select_kernel(Args a) {
-  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
-  const int64_t t = *a.position;
-  const int B = valid_t(t, a.ctx) ? static_cast<int>((t + 1) / a.ratio) : 0;
-  const int k = select_prologue(a, t, B);
-  if (k > 0) qsa_dev::select_top_blocks(a.scores, B, k, a.selected);
 }
 
 // Lane `lane`'s share of the query heads' dot products with one K row (BF16 pairs k_row):
@@ -324,43 +242,22 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   }
 }
 
-// Combine of query head blockIdx.x over its chunks in ascending order, then * sigmoid(gate)
-// (the two-branch form of cpu::sigmoid) -> BF16. Chunk loads are batched 8 at a time (the
-// summation order stays c = 0, 1, ...).
-__global__ void __launch_bounds__(kThreads) qsa_combine_kernel(Args a) {
-  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
-  const int i = blockIdx.x, hd = a.hd, tid = threadIdx.x;
-  const int64_t t = *a.position;
-  uint16_t* out = a.out + int64_t{i} * hd;
-  if (!valid_t(t, a.ctx)) {
-    for (int d = tid; d < hd; d += kThreads) out[d] = kBf16Nan;
-    return;
-  }
-  const int nc = (a.counters[2] + a.chunk - 1) / a.chunk;
-  qsa_dev::combine_head(
-      a.part_max + int64_t{i} * a.max_chunks, a.part_sum + int64_t{i} * a.max_chunks,
-      a.part_out + int64_t{i} * a.max_chunks * hd, nc, hd, a.proj + int64_t{i} * 2 * hd + hd, out);
-}
-
 // cp.async (sm_80+, cuda/common/device_util.cuh): global -> shared without a register round trip.
-// Measured on H200 (RESULTS.md, helper q5): the attention's K/V gather was not faster this way
-// than with 16-byte register loads (20.2 against 18.0 us alone at TP=1); kept because the split
-// kernel was measured with it.
 using dev::cp_async16;
 using dev::cp_async4;
 using dev::cp_async_wait_all;
 
-// qsa_attn_kernel for hd % 8 == 0 and 16-byte aligned caches, with the query heads of KV head
-// blockIdx.y split over gridDim.z CTAs per chunk (a.gmax heads each): per head the same
-// operations in the same order (dot products, butterflies, max, exp, sums, PV chains), so the
-// same partial bits; q and the K/V rows arrive by cp.async (every copy in flight at once), the
-// heads' butterflies are interleaved and PV reads four tokens' weights per shared load.
+// qsa_attn_kernel for hd % 8 == 0 and 16-byte aligned caches (the query heads of KV head
+// blockIdx.y, chunk blockIdx.x): per head the same operations in the same order (dot products,
+// butterflies, max, exp, sums, PV chains), so the same partial bits; q and the K/V rows arrive by
+// cp.async (every copy in flight at once), the heads' butterflies are interleaved and PV reads
+// four tokens' weights per shared load.
 //
 // kG, kHD, kChunk > 0 (qsa_attn_fixed_shape: the real model's 12 query heads per KV head, head
-// dim 256, chunk 32 or 16, no head split, q heads aligned to their KV heads): the head count,
+// dim 256, chunk 32 or 16, q heads aligned to their KV heads): the head count,
 // head dim and chunk are compile-time constants, so every shared-memory and cache address is a
 // constant offset and the per-head loops have no predicates; the operations and their order are
-// those of the runtime-shape instance <0, 0, 0>, so the same bits. (ncu, session 9: the runtime
+// those of the runtime-shape instance <0, 0, 0>, so the same bits. (ncu: the runtime
 // instance at TP=1 executed ~133 warp-instructions per head and token, most of them integer
 // address arithmetic and predicates, against ~30 of math.)
 template <int kG, int kHD, int kChunk>
@@ -389,10 +286,8 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
         ++g_all;
       }
     }
-    const int g_lo = blockIdx.z * a.gmax;
-    if (g_lo >= g_all) return;
-    G = min(a.gmax, g_all - g_lo);
-    i0 += g_lo;
+    if (g_all == 0) return;
+    G = g_all;
   }
   const int hd = kHD > 0 ? kHD : a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pairs = hd / 2;
@@ -479,22 +374,22 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
 constexpr int kFixedG = real_shape::kQsaQPerKv;
 constexpr int kFixedHd = real_shape::kQsaHeadDim;
 
-// Whether a launch of qsa_attn_split_kernel with `heads` query heads per CTA and `zdim` head
-// splits may take a fixed instance: every local KV head j owns exactly the local query heads
-// [j kFixedG, (j + 1) kFixedG) (q_per_kv = kFixedG and the rank's q heads start at its first KV
-// head's), no head split, head dim kFixedHd.
-bool qsa_attn_fixed_shape(const QsaDecodeParams& p, int heads, int zdim) {
-  return heads == kFixedG && zdim == 1 && p.head_dim == kFixedHd && p.q_per_kv == kFixedG &&
+// Whether a launch of qsa_attn_split_kernel with `heads` query heads per CTA may take a fixed
+// instance: every local KV head j owns exactly the local query heads [j kFixedG, (j + 1) kFixedG)
+// (q_per_kv = kFixedG and the rank's q heads start at its first KV head's), head dim kFixedHd.
+bool qsa_attn_fixed_shape(const QsaDecodeParams& p, int heads) {
+  return heads == kFixedG && p.head_dim == kFixedHd && p.q_per_kv == kFixedG &&
          p.q_head_first == p.kv_head_first * kFixedG && p.num_q_heads == kFixedG * p.num_kv_heads;
 }
 
-// ---- The default four-launch path: prep, scores + select, attention, sliced combine. ----
-
-// qsa_prep_kernel with the work that needs no earlier kernel's output done before the
-// programmatic wait (cuda/common/pdl.cuh): the position (written at the end of the previous step, many
-// launches back), the norm weight, the RoPE rotation (FP64 pow + sincos) and, for a completing
-// block, the FP64 sum of its raw keys of earlier steps. Then the same operations as
-// qsa_prep_kernel. CTA 0 also zeroes the scores ticket (the next launch's, after this one).
+// One CTA per role: query heads [0, hq), KV heads [hq, hq+hkv) (K row + V row), indexer query
+// heads, then one CTA for the raw indexer key and, when a block completes, its block key
+// (indexer_block_key: the FP64 mean of the block's raw keys, norm, RoPE at the block's first
+// position). The work that needs no earlier kernel's output is done before the programmatic wait
+// (cuda/common/pdl.cuh): the position (written at the end of the previous step, many launches
+// back), the norm weight, the RoPE rotation (FP64 pow + sincos) and, for a completing block, the
+// FP64 sum of its raw keys of earlier steps. role0: the role of CTA 0 (the launch may hold a part
+// of the roles).
 __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
   __shared__ float y[kMaxDim];
   __shared__ double red[kThreads / 32];
@@ -518,13 +413,10 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   // The launch that holds the indexer's roles (all roles, or the indexer's part beside the
-  // overlapped projection) readies the scores launch: its ticket, its done flag, its mailbox.
+  // overlapped projection) readies the scores launch: its done flag, its mailbox.
   const bool indexer_part = a.role0 + static_cast<int>(gridDim.x) > a.hq + a.hkv;
-  if (indexer_part && blockIdx.x == 0 && tid == 0) {
-    *a.ticket = 0;
-    if (a.select_done != nullptr) *a.select_done = 0;
-  }
-  if (indexer_part && a.mailbox) {  // the scores launch's mailbox slots [0, B) emptied
+  if (indexer_part && blockIdx.x == 0 && tid == 0 && a.select_done != nullptr) *a.select_done = 0;
+  if (indexer_part) {  // the scores launch's mailbox slots [0, B) emptied
     const int64_t nb = ok ? (t + 1) / a.ratio : 0;
     for (int64_t i = int64_t{blockIdx.x} * kThreads + tid; i < nb;
          i += int64_t{gridDim.x} * kThreads)
@@ -563,15 +455,16 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
   }
 }
 
-// indexer_scores (as qsa_scores_kernel, one warp per block, kSelectThreads per CTA) with each
-// warp's first block key loaded before the programmatic wait when an earlier step wrote it (every
-// block but the one completing now), then the select of qsa_select_kernel in the CTA that takes
-// the last arrival ticket (integer atomic after a fence; it resets the ticket for the next launch)
-// or, with a.mailbox, in the grid's last CTA, which reads each score from its mailbox slot as it
-// is posted (the prep launch emptied the slots; no fence or atomic in any CTA).
+// indexer_scores for blocks 0..B-1: one warp per block (kSelectThreads per CTA), FP64 dot per
+// head (as cpu::dot), then relu in FP32 (std::max(0.0f, x) semantics), the head sum in FP64,
+// times 1/sqrt(ihd) in FP64 (qsa_dev::block_score_kv), with each warp's first block key loaded
+// before the programmatic wait when an earlier step wrote it (every block but the one completing
+// now). Then top_k + qsa_selected_tokens' block part in the grid's last CTA: k = min(topk, B)
+// blocks, higher score first, equal scores -> lower index, written ascending (radix select,
+// qsa_dev::select_top_blocks_cg), reading each score from its mailbox slot as it is posted (the
+// prep launch emptied the slots; no fence or atomic in any CTA).
 __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Args a) {
   __shared__ __align__(16) uint32_t buf[kSelectCache];  // indexer queries, then select keys
-  __shared__ int s_last;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t t = *a.position;  // not written by the last two launches
   const bool ok = valid_t(t, a.ctx);
@@ -596,39 +489,15 @@ __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Ar
     for (int64_t b = b0; b < B; b += warps) {  // a warp scores several blocks past 32 x grid
       if (b != b0 || !early) qsa_dev::load_block_key(a.block_keys + b * a.ihd, a.ihd, lane, kv);
       const float sc = qsa_dev::block_score_kv(qs, kv, a.ni, a.ihd, lane, scale);
-      if (lane == 0) {
-        if (a.mailbox)  // a -NaN with the empty bits posted as the -NaN next to it
-          dev::mail_post(a.scores + b, sc, dev::kMailEmpty - 1u);
-        else
-          a.scores[b] = sc;
-      }
+      if (lane == 0)  // a -NaN with the empty bits posted as the -NaN next to it
+        dev::mail_post(a.scores + b, sc, dev::kMailEmpty - 1u);
     }
   }
-  if (a.mailbox) {
-    if (blockIdx.x + 1u != gridDim.x) return;  // uniform over the CTA
-    __syncthreads();                           // its queries in buf no longer read
-  } else {
-    // The CTA's scores are written (and its queries in buf no longer read) at the barrier;
-    // thread 0's fence (cumulative over what the barrier ordered before it) then publishes them
-    // before its ticket, and the last CTA's fence after its ticket orders its reads after all.
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      s_last = atomicAdd(a.ticket, 1) == static_cast<int>(gridDim.x) - 1;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    if (tid == 0) *a.ticket = 0;
-  }
+  if (blockIdx.x + 1u != gridDim.x) return;  // uniform over the CTA
+  __syncthreads();                           // its queries in buf no longer read
   const int Bi = static_cast<int>(B);
   const int k = select_prologue(a, t, Bi);
-  if (k > 0 && !a.skip_select) {
-    if (a.mailbox)
-      qsa_dev::select_top_blocks_cg<true>(a.scores, Bi, k, a.selected, buf);
-    else
-      qsa_dev::select_top_blocks_cg<false>(a.scores, Bi, k, a.selected, buf);
-  }
+  if (k > 0) qsa_dev::select_top_blocks_cg(a.scores, Bi, k, a.selected, buf);
   if (a.select_done != nullptr) {  // the attention waits for this CTA's results
     __syncthreads();
     if (tid == 0) dev::flag_publish(a.select_done);
@@ -766,7 +635,6 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& p) {
   w.selected = off;
   off = align256(off + size_t(std::max<int64_t>(sel_max, 1)) * 4);
   w.counters = off;
-  w.ticket = off + 32;
   w.select_done = off + 64;
   off = align256(off + 68);
   w.part_out = off;
@@ -841,51 +709,17 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   const int64_t stage_room =
       (kSmemLimit - 256 - 2 * int64_t{w.max_chunks} * 4) / (kCombineSlice * 4);
   a.combine_stage = static_cast<int>(std::clamp<int64_t>(stage_room, 1, w.max_chunks));
-  a.skip_select = p.bench_skip_select;
-  a.mailbox = p.select_mailbox && !p.five_launch_path;
   a.role0 = 0;
   a.select_done = nullptr;
-  const unsigned mask = p.launch_mask;
   const bool overlap = p.in_proj != nullptr;
   if (overlap) {
-    FN_LAUNCH_REQUIRE(p.x != nullptr && !p.five_launch_path && p.select_mailbox, kOp);
+    FN_LAUNCH_REQUIRE(p.x != nullptr, kOp);
     FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden <= 8192 && p.hidden % 8 == 0, kOp);
     FN_LAUNCH_REQUIRE(aligned(p.in_proj, 16) && aligned(p.x, 16), kOp);
-    // Without the scores launch nothing would set the flag (benchmark masks): no wait then.
-    if (mask & 2u) a.select_done = reinterpret_cast<int*>(ws + w.select_done);
+    a.select_done = reinterpret_cast<int*>(ws + w.select_done);
   }
-
-  a.ticket = reinterpret_cast<int*>(ws + w.ticket);
   const int64_t max_blocks = p.ctx_size / p.ratio;
   const size_t smem = attn_smem_bytes(a.gmax, p.head_dim, w.chunk);
-  if (p.five_launch_path) {
-    // Five programmatic dependent launches (cuda/common/pdl.cuh): each waits for the one before it.
-    if (mask & 1u) {
-      launch_pdl("qsa_prep_kernel", qsa_prep_kernel,
-                 p.num_q_heads + p.num_kv_heads + p.indexer_heads + 1, kThreads, 0, stream, a);
-      FN_CUDA_LAUNCH_CHECK("qsa_prep_kernel");
-    }
-    const int score_ctas = static_cast<int>(
-        std::clamp<int64_t>((max_blocks + kThreads / 32 - 1) / (kThreads / 32), 1, 1024));
-    if (mask & 2u) {
-      launch_pdl("qsa_scores_kernel", qsa_scores_kernel, score_ctas, kThreads, 0, stream, a);
-      FN_CUDA_LAUNCH_CHECK("qsa_scores_kernel");
-    }
-    if (mask & 4u) {
-      launch_pdl("qsa_select_kernel", qsa_select_kernel, 1, kSelectThreads, 0, stream, a);
-      FN_CUDA_LAUNCH_CHECK("qsa_select_kernel");
-    }
-    if (mask & 8u) {
-      launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads,
-                 smem, stream, a);
-      FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
-    }
-    if (mask & 16u) {
-      launch_pdl("qsa_combine_kernel", qsa_combine_kernel, p.num_q_heads, kThreads, 0, stream, a);
-      FN_CUDA_LAUNCH_CHECK("qsa_combine_kernel");
-    }
-    return;
-  }
   // Four programmatic dependent launches: prep, scores + select, attention, sliced combine. With
   // the overlapped projection: the indexer's rows, their prep, scores + select, the query and KV
   // rows beside the select, their prep, attention (after the select's flag), sliced combine.
@@ -915,17 +749,17 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     g.plan = plan_gemv_bf16_part(whole, idx_off, whole.rows_per_team);
     g.no_pdl_wait = true;
   }
-  if (mask & 1u) {
+  {
     Args ai = a;
     if (overlap) ai.role0 = head_roles;
     launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel,
                overlap ? idx_roles : head_roles + idx_roles, kThreads, 0, stream, ai);
     FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
   }
-  if (mask & 2u) {
+  {
     // One warp per block, in at most half the SMs plus one CTAs (67 on H200); past that a warp
     // scores several blocks. On H200 a 68th scoring CTA made the select 3.7 us later, more than
-    // a warp's second block costs (cuda/bench/RESULTS.md, sessions 23 and 24).
+    // a warp's second block costs (docs/perf-history.md).
     const int64_t cap = std::max(1, detail::current_sm_count() / 2 + 1);
     const int ctas = static_cast<int>(std::clamp<int64_t>(
         (max_blocks + kSelectThreads / 32 - 1) / (kSelectThreads / 32), 1, cap));
@@ -935,49 +769,36 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   }
   if (overlap) {
     launch_gemv_bf16(g, stream);  // beside the select: x was complete before the indexer's rows
-    if (mask & 1u) {              // the query and KV heads' roles (role0 0)
-      launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel, head_roles, kThreads, 0, stream,
-                 a);
-      FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
-    }
+    // the query and KV heads' roles (role0 0)
+    launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel, head_roles, kThreads, 0, stream, a);
+    FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
   }
-  if (mask & 4u) {
-    if (p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16)) {
-      // Query heads of a KV head split over `split` CTAs per chunk. Default 1: on H200 at
-      // t = 8191 every split measured slower (TP=1 attention alone 7.9 us unsplit with the
-      // fixed-shape instance, 23.3 / 27.8 / 69.0 us split 2 / 3 / 12 on the runtime-shape one;
-      // cuda/bench/RESULTS.md, sessions 5 and 9).
-      const int split = std::clamp(p.attn_head_split > 0 ? p.attn_head_split : 1, 1, a.gmax);
-      Args as = a;
-      as.gmax = (a.gmax + split - 1) / split;  // heads per CTA
-      const int zdim = (a.gmax + as.gmax - 1) / as.gmax;
-      const dim3 grid(w.max_chunks, p.num_kv_heads, zdim);
-      const size_t asmem = attn_smem_bytes(as.gmax, p.head_dim, w.chunk);
-      const bool fixed = qsa_attn_fixed_shape(p, as.gmax, zdim);
-      if (fixed && w.chunk == 32)
-        launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 32>, grid,
-                   kThreads, asmem, stream, as);
-      else if (fixed && w.chunk == 16)
-        launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 16>, grid,
-                   kThreads, asmem, stream, as);
-      else
-        launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<0, 0, 0>, grid, kThreads, asmem,
-                   stream, as);
-      FN_CUDA_LAUNCH_CHECK("qsa_attn_split_kernel");
-    } else {
-      launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads,
-                 smem, stream, a);
-      FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
-    }
+  if (p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16)) {
+    // All query heads of a KV head in one CTA per chunk: on H200 at t = 8191 splitting them over
+    // CTAs measured slower (docs/perf-history.md).
+    const dim3 grid(w.max_chunks, p.num_kv_heads, 1);
+    const bool fixed = qsa_attn_fixed_shape(p, a.gmax);
+    if (fixed && w.chunk == 32)
+      launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 32>, grid,
+                 kThreads, smem, stream, a);
+    else if (fixed && w.chunk == 16)
+      launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 16>, grid,
+                 kThreads, smem, stream, a);
+    else
+      launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<0, 0, 0>, grid, kThreads, smem,
+                 stream, a);
+    FN_CUDA_LAUNCH_CHECK("qsa_attn_split_kernel");
+  } else {  // head dims not a multiple of 8 or caches not 16-byte aligned
+    launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads,
+               smem, stream, a);
+    FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
   }
-  if (mask & 8u) {
-    const size_t csmem =
-        (2 * size_t(w.max_chunks) + size_t(a.combine_stage) * kCombineSlice) * sizeof(float);
-    launch_pdl("qsa_combine_slice_kernel", qsa_combine_slice_kernel,
-               dim3(p.num_q_heads, (p.head_dim + kCombineSlice - 1) / kCombineSlice), kThreads,
-               csmem, stream, a);
-    FN_CUDA_LAUNCH_CHECK("qsa_combine_slice_kernel");
-  }
+  const size_t csmem =
+      (2 * size_t(w.max_chunks) + size_t(a.combine_stage) * kCombineSlice) * sizeof(float);
+  launch_pdl("qsa_combine_slice_kernel", qsa_combine_slice_kernel,
+             dim3(p.num_q_heads, (p.head_dim + kCombineSlice - 1) / kCombineSlice), kThreads, csmem,
+             stream, a);
+  FN_CUDA_LAUNCH_CHECK("qsa_combine_slice_kernel");
 }
 
 }  // namespace fn

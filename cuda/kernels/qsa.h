@@ -3,8 +3,8 @@
 // top-k block selection) and flash-decoding attention over the selected tokens with the sigmoid
 // output gate. Called by the CUDA decode step after the HC read and before o_proj; it runs the
 // stacked QSA GEMV itself, beside the indexer's select (seven launches), or follows the caller's
-// GEMV (four launches; five on the previous path kept for A/B). No host sync, position read from
-// device memory: legal inside CUDA graph capture.
+// GEMV (four launches). No host sync, position read from device memory: legal inside CUDA graph
+// capture.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,15 +25,14 @@ struct QsaDecodeParams {
   /// indexer (indexer_heads query heads * ihd, then 1 key * ihd) ]. Written by the launcher
   /// itself when in_proj is set, else read only.
   float* proj = nullptr;
-  /// The overlapped projection (the decode step's default; four-launch path with select_mailbox
-  /// only): when non-null, the launcher computes proj = in_proj . x itself (BF16 GEMV, FP32 sums,
-  /// the same bits as one launch_gemv_bf16 over all rows) in two parts. The indexer's rows go
-  /// first, then its prep and the scores + select; the query and KV rows run beside the select
-  /// (GemvBf16Params::no_pdl_wait), then their prep, and the attention waits for the select's
-  /// done flag in the workspace. Seven launches. in_proj: BF16 bits [proj rows, hidden],
-  /// row-major, 16-byte aligned; x: FP32 [hidden], written at least one launch before this call
-  /// by a kernel that waited for its predecessor (the HC mix); hidden a multiple of 8,
-  /// 8..8192. nullptr: the caller wrote proj (four launches).
+  /// The overlapped projection (the decode step's default): when non-null, the launcher computes
+  /// proj = in_proj . x itself (BF16 GEMV, FP32 sums, the same bits as one launch_gemv_bf16 over
+  /// all rows) in two parts. The indexer's rows go first, then its prep and the scores + select;
+  /// the query and KV rows run beside the select (GemvBf16Params::no_pdl_wait), then their prep,
+  /// and the attention waits for the select's done flag in the workspace. Seven launches. in_proj:
+  /// BF16 bits [proj rows, hidden], row-major, 16-byte aligned; x: FP32 [hidden], written at least
+  /// one launch before this call by a kernel that waited for its predecessor (the HC mix); hidden a
+  /// multiple of 8, 8..8192. nullptr: the caller wrote proj (four launches).
   const uint16_t* in_proj = nullptr;
   const float* x = nullptr;        ///< FP32 [hidden], the projection's input (with in_proj)
   int64_t hidden = 0;              ///< the projection's input length (with in_proj)
@@ -74,40 +73,20 @@ struct QsaDecodeParams {
   /// ascending that replace the indexer's own top-k whenever more than block_topk blocks are
   /// complete (the scores are still computed). nullptr in production.
   const int32_t* forced_blocks = nullptr;
-  /// A/B benchmarks and tests: true runs the previous five-launch sequence (prep, scores, select,
-  /// attention, combine) instead of the default four (prep, scores + select in the last scores
-  /// CTA, attention, combine). Both write the same bits everywhere.
-  bool five_launch_path = false;
-  /// Benchmarks only (per-kernel timing): bit i set enqueues launch i of the chosen sequence, the
-  /// others are skipped (the skipped kernels' outputs are then stale). ~0u in production.
-  unsigned launch_mask = ~0u;
-  /// Benchmarks and tests: the query heads of a KV head are split over this many attention CTAs
-  /// per chunk (clamped to [1, heads per KV head]); 0 (production) means 1, measured fastest
-  /// on H200. Every value writes the same bits. Four-launch path with head_dim % 8 == 0 only.
-  int attn_head_split = 0;
-  /// Knockout benchmarks only (StepLaunch::QsaSelect; four-launch path): the scores launch's last
-  /// CTA skips the top-k block select, so the previous selection stays. false in production.
-  bool bench_skip_select = false;
-  /// Four-launch path: the select CTA (the scores launch's last) takes each block score from a
-  /// mailbox slot as it is posted (the prep launch empties the slots [0, B) every step) instead
-  /// of the last-arriving CTA after an arrival ticket (two fences and an atomic per CTA). The
-  /// same bits. false: the ticket (A/B benches and tests).
-  bool select_mailbox = true;
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the
 /// workspace start, each 256-byte aligned) and how attention is split. Exposed for tests and
 /// for debugging; the engine only needs qsa_decode_workspace_bytes.
 struct QsaWorkspaceLayout {
-  size_t q = 0;         ///< [Hq, hd] FP32: q after q_norm + RoPE
-  size_t qi = 0;        ///< [indexer_heads, ihd] FP32: indexer queries after norm + RoPE
-  size_t scores = 0;    ///< [ctx_size/ratio] FP32: indexer_scores of blocks 0..B-1
+  size_t q = 0;   ///< [Hq, hd] FP32: q after q_norm + RoPE
+  size_t qi = 0;  ///< [indexer_heads, ihd] FP32: indexer queries after norm + RoPE
+  /// [ctx_size/ratio] FP32: indexer_scores of blocks 0..B-1, a mailbox (the prep launch empties
+  /// slots [0, B), the scoring CTAs post them, the select CTA reads each once posted), so the
+  /// workspace needs no initialisation.
+  size_t scores = 0;
   size_t selected = 0;  ///< [min(block_topk, ctx/ratio)] int32: selected blocks, ascending
   size_t counters = 0;  ///< int32 [4]: {selected block count, B, attended token count, 0}
-  /// int32: arrival ticket of the scores CTAs (the last one runs the select); zeroed by the prep
-  /// launch and by the last CTA, so the workspace needs no initialisation. Inside the counters'
-  /// 256-byte slot (counters + 32).
-  size_t ticket = 0;
   /// int32: the select's done flag of the overlapped projection (QsaDecodeParams::in_proj): the
   /// indexer prep zeroes it, the select CTA sets it to 1 after its results, the attention waits
   /// for 1. Inside the counters' slot (counters + 64).
@@ -132,20 +111,16 @@ size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
 /// prep (norms, RoPE, cache rows, block key; RoPE angles and earlier cache rows read before the
 /// programmatic wait), indexer scores (FP64 dot products as the CPU op; block keys of earlier
 /// steps loaded before the wait) whose last CTA runs the top-k block select (radix select on the
-/// scores, ties to the lower block index), chunked attention (FP32 partial softmax per chunk of
-/// selected tokens) and a fixed-order combine with the sigmoid gate -> BF16 split over head-dim
-/// slices. Deterministic (no float atomics; the integer ticket, when select_mailbox is off, only
-/// picks the select CTA),
-/// graph-capturable. params.five_launch_path runs the previous five-kernel sequence (same bits).
-/// With params.in_proj the launcher also runs the stacked projection, overlapped with the
-/// select (seven launches, see QsaDecodeParams::in_proj; the same bits as the projection GEMV
-/// followed by the four launches).
-/// Throws fn::Error(Internal) on null pointers, bad shapes (including more than 16 local q heads
-/// per local KV head), a q head mapped outside the local KV heads or a misaligned workspace;
-/// fn::Error(Internal) also on an in_proj without x, with a bad hidden size, a misaligned
-/// in_proj or x, or with five_launch_path or without select_mailbox;
-/// fn::Error(Cuda) when a launch fails. NaN scores (NaN/Inf weights) are ranked above +inf
-/// rather than reported (the CPU's top_k throws on them).
+/// scores as they are posted to the workspace's mailbox, ties to the lower block index), chunked
+/// attention (FP32 partial softmax per chunk of selected tokens) and a fixed-order combine with
+/// the sigmoid gate -> BF16 split over head-dim slices. Deterministic (no atomics),
+/// graph-capturable. With params.in_proj the launcher also runs the stacked projection, overlapped
+/// with the select (seven launches, see QsaDecodeParams::in_proj; the same bits as the projection
+/// GEMV followed by the four launches). Throws fn::Error(Internal) on null pointers, bad shapes
+/// (including more than 16 local q heads per local KV head), a q head mapped outside the local KV
+/// heads or a misaligned workspace; fn::Error(Internal) also on an in_proj without x, with a bad
+/// hidden size or a misaligned in_proj or x; fn::Error(Cuda) when a launch fails. NaN scores
+/// (NaN/Inf weights) are ranked above +inf rather than reported (the CPU's top_k throws on them).
 void launch_qsa_decode(const QsaDecodeParams& params, cudaStream_t stream);
 
 }  // namespace fn

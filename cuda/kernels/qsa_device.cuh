@@ -1,7 +1,8 @@
 // Device code shared by the QSA decode kernels (cuda/kernels/qsa.cu) and the QSA prefill kernels
-// (cuda/kernels/qsa_prefill.cu): FP64 block sum, norm + RoPE of one head, the indexer score of one block,
-// the top-k block radix select and the per-head combine with the sigmoid gate. One definition of
-// each so that prefill rows reproduce decode steps bit for bit. Included by those .cu files only.
+// (cuda/kernels/qsa_prefill.cu): FP64 block sum, norm + RoPE of one head, the indexer score of one
+// block, the top-k block radix select and the per-head combine with the sigmoid gate. One
+// definition of each so that prefill rows reproduce decode steps bit for bit. Included by those .cu
+// files only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -247,11 +248,10 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
 }
 
 // select_top_blocks with the same result (the same blocks in the same order) for a CTA that
-// reaches it after other CTAs wrote `scores`, with the keys of the first kQsaSelectCache blocks
-// in the caller's shared array `keys` (kQsaSelectCache words). kMail false: the scores are read
-// through L2 (ld.global.cg) after the caller's fence; true: `scores` is a mailbox
-// (device_util.cuh) whose slots [0, B) other CTAs of the grid post, each read until posted (the
-// slots stay posted). Every thread of a kQsaSelectThreads CTA must call it.
+// reaches it while other CTAs of its grid write `scores`, with the keys of the first
+// kQsaSelectCache blocks in the caller's shared array `keys` (kQsaSelectCache words). `scores` is
+// a mailbox (device_util.cuh) whose slots [0, B) other CTAs of the grid post, each read until
+// posted (the slots stay posted). Every thread of a kQsaSelectThreads CTA must call it.
 // The same radix select as select_top_blocks with fewer barriers on its critical path: each
 // thread's slot reads all in flight before the first wait; two histograms and prefix slots
 // alternate between passes (the next pass's histogram is zeroed during this one), so a pass
@@ -259,7 +259,6 @@ __device__ inline void select_top_blocks(const float* scores, int B, int k, int*
 // still wanted (all of them are selected, so finer bits cannot change the set); and the
 // compaction (compact_selected) counts with warp ballots and passes the warps' totals through
 // one barrier.
-template <bool kMail>
 __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, int* selected,
                                             uint32_t* keys) {
   __shared__ unsigned hist[2][256];
@@ -274,8 +273,7 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
 #pragma unroll
     for (int r = 0; r < kPer; ++r) {  // every read in flight before the first wait
       const int i = tid + r * kQsaSelectThreads;
-      v[r] = i < cached ? (kMail ? dev::mail_peek(scores + i) : __float_as_uint(__ldcg(scores + i)))
-                        : 0u;
+      v[r] = i < cached ? dev::mail_peek(scores + i) : 0u;
     }
 #pragma unroll
     for (int r = 0; r < kPer; ++r) {  // the bits as read, in this thread's own words of keys
@@ -284,19 +282,17 @@ __device__ inline void select_top_blocks_cg(const float* scores, int B, int k, i
     }
     for (int i = tid; i < cached; i += kQsaSelectThreads) {  // a slot read empty: read again
       uint32_t x = keys[i];
-      if (kMail)
-        while (x == dev::kMailEmpty) x = dev::mail_peek(scores + i);
+      while (x == dev::kMailEmpty) x = dev::mail_peek(scores + i);
       keys[i] = order_key(__uint_as_float(x));
     }
     // Past the cache (B > kQsaSelectCache): each slot posted before any thread reads it below.
-    if (kMail)
-      for (int i = kQsaSelectCache + tid; i < B; i += kQsaSelectThreads) dev::mail_wait(scores + i);
+    for (int i = kQsaSelectCache + tid; i < B; i += kQsaSelectThreads) dev::mail_wait(scores + i);
     if (tid < 256) hist[0][tid] = 0;
   }
   __syncthreads();
   auto key = [&](int i) {
     if (i < kQsaSelectCache) return keys[i];
-    return order_key(kMail ? __uint_as_float(dev::mail_peek(scores + i)) : __ldcg(scores + i));
+    return order_key(__uint_as_float(dev::mail_peek(scores + i)));
   };
   uint32_t prefix = 0, mask = 0;
   int remaining = k;

@@ -13,7 +13,7 @@ __global__ void step_advance_kernel(int64_t* position, int64_t* sample_step) {
   if (sample_step) *sample_step += 1;
 }
 __global__ void router_force_kernel(RouterForceParams p) {
-  dev::pdl_begin();              // logits and ids come from the previous kernels (cuda/common/pdl.cuh)
+  dev::pdl_begin();  // logits and ids come from the previous kernels (cuda/common/pdl.cuh)
   if (threadIdx.x != 0) return;  // a test-only path: plain sequential sums in a fixed order
   float mx = -INFINITY;
   for (int e = 0; e < p.num_experts; ++e) mx = fmaxf(mx, p.logits[e]);
@@ -29,16 +29,7 @@ __global__ void router_force_kernel(RouterForceParams p) {
   }
 }
 
-__global__ void bench_empty_kernel() {
-  dev::pdl_begin();
-}
-
 }  // namespace
-
-void launch_bench_empty(cudaStream_t stream) {
-  launch_pdl("bench_empty_kernel", bench_empty_kernel, 1, 32, 0, stream);
-  FN_CUDA_LAUNCH_CHECK("bench_empty_kernel");
-}
 
 void launch_router_force(const RouterForceParams& p, cudaStream_t stream) {
   constexpr const char* op = "launch_router_force";

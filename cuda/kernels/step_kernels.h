@@ -1,5 +1,5 @@
-// End-of-step bookkeeping of the CUDA decode graph (cuda/model/cuda_model.cpp): advancing the device
-// position (and the sampling step) after every op of the step has read it, so replays of one
+// End-of-step bookkeeping of the CUDA decode graph (cuda/model/cuda_model.cpp): advancing the
+// device position (and the sampling step) after every op of the step has read it, so replays of one
 // captured graph walk through the sequence without host involvement.
 #pragma once
 
@@ -34,11 +34,5 @@ struct RouterForceParams {
 
 /// Enqueues the replacement. Throws fn::Error(Internal) on bad parameters.
 void launch_router_force(const RouterForceParams& params, cudaStream_t stream);
-
-/// Benchmarks only (CudaModelOptions::bench_empty_launches): one CTA of 32 threads that waits for
-/// its predecessor (programmatic dependent launch, cuda/common/pdl.cuh) and exits, so the cost of one
-/// more launch boundary in the decode step can be measured. Throws fn::Error(Cuda) when the launch
-/// fails.
-void launch_bench_empty(cudaStream_t stream);
 
 }  // namespace fn

@@ -1,5 +1,5 @@
 // Random weight generation in device memory for the in-memory full-geometry model
-// (CudaModel::random, issue 6 deliverable 3): fills a device tensor with values drawn per
+// (CudaModel::random): fills a device tensor with values drawn per
 // core/synth.h's rules without staging anything on the host, so the real 48-layer geometry
 // (120 GB at TP=1) loads in seconds. Each element depends only on (seed, stream, index).
 #pragma once

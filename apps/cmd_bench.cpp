@@ -215,8 +215,8 @@ struct Breakdown {
 // rank: weights by tensor family; the GDN state and its conv ring to gdn, the KV and indexer
 // caches to qsa, the PLE conv ring and n-gram rows to ple, the embedding row to other; the
 // shared expert's gate/up rows to router (the fused decode step reads them in the router's launch,
-// cuda/kernels/moe_shared.h), its down rows and gate row to shared_expert. Activations and collectives
-// count 0 (all_reduce).
+// cuda/kernels/moe_shared.h), its down rows and gate row to shared_expert. Activations and
+// collectives count 0 (all_reduce).
 uint64_t family_bytes(const std::string& family, const TokenBytes& tb, const ModelConfig& cfg,
                       int tp) {
   auto w = [&tb](const char* k) {
@@ -923,7 +923,8 @@ void register_bench(CLI::App& app, CommandList& commands) {
   add_stdout_option(sub, "-o,--output", o->output, "write the report to FILE");
   sub->add_option("--per-token", o->per_token,
                   "JSONL: one record per lane and measured repetition with its TTFT and every "
-                  "inter-token latency (n_gen - 1 gaps)");
+                  "inter-token latency (n_gen - 1 gaps)")
+      ->check(non_empty_path());
   add_whole_option(
       sub, "-c,--ctx-size", o->ctx_size,
       "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)",

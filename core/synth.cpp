@@ -17,6 +17,7 @@
 #include "core/log.h"
 #include "core/model_tensors.h"
 #include "core/ngram.h"
+#include "core/paths.h"
 #include "core/safetensors_writer.h"
 
 namespace fn {
@@ -235,10 +236,9 @@ json read_json_file(const std::filesystem::path& path) {
   FN_REQUIRE(!std::filesystem::is_directory(path, ec), Usage,
              "synth: --config '{}' is a directory; give the config file itself (e.g. '{}')",
              path.string(), (path / "config.json").string());
-  std::ifstream in(path);
-  FN_REQUIRE(in.good(), Io, "synth: cannot open config '{}'", path.string());
+  const std::string text = read_regular_file(path, kMaxCheckpointJsonBytes, "synth: config");
   try {
-    return json::parse(in);
+    return json::parse(text);
   } catch (const json::exception& e) {
     FN_THROW(Format, "synth: '{}' is not valid JSON: {}", path.string(), e.what());
   }

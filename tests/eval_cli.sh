@@ -243,7 +243,7 @@ expect 3 "--save-logits /proc/x.fnl: cannot" -- \
 before_load "ppl --save-logits /proc/x.fnl"
 no_abort "ppl --save-logits /proc/x.fnl"
 long=$tmp/$(printf 'x%.0s' $(seq 300)).fnl
-expect 3 "-o/--output $long: cannot create the file" -- \
+expect 3 "-o/--output $long: cannot create the staging file $long.partial.[0-9]*.[0-9a-f]* (File name too long)" -- \
   mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
 before_load "dump-logits -o with a file name too long"
 # A name that fits NAME_MAX (255) while its staging name (+ ".partial.<pid>.<random>") does not:

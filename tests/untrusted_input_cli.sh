@@ -160,6 +160,8 @@ rc_a=$?
   fail "concurrent dump-logits: exits $rc_a $rc_b, $(ls -l "$tmp"/both.fnl*; cat "$tmp/err_a" "$tmp/err_b")"
 
 # ---- a rank that stops answering: every rank ends (exit 5) naming it, within the timeout ----
+expect 2 "usage error: --stall-timeout: a number of seconds >= 0 (0: no bound), not -1" -- \
+  "$fngen" --stall-timeout -1 inspect "$fx/tp4"
 mark=fn_stall_$$_$RANDOM
 exe=$(readlink -f "$fngen")
 FN_TEST_MARK=$mark timeout -s KILL 120 "$mpiexec" -x FN_TEST_MARK -np 4 --oversubscribe \

@@ -103,13 +103,33 @@ std::string read_regular_file(const fs::path& path, uint64_t max_bytes, std::str
   return out;
 }
 
-StagingFile create_staging_file(const fs::path& final_path) {
+namespace {
+
+// "<final_path>.partial.<pid>.<16 hex digits>", a name no other writer draws.
+fs::path staging_name(const fs::path& final_path) {
   thread_local std::mt19937_64 rng{std::random_device{}() ^
                                    (static_cast<uint64_t>(::getpid()) << 32)};
+  fs::path p = final_path;
+  p += fmt::format("{}.{}.{:016x}", kStagingSuffix, ::getpid(), rng());
+  return p;
+}
+
+}  // namespace
+
+fs::path create_staging_directory(const fs::path& final_path) {
+  for (int attempt = 0;; ++attempt) {
+    fs::path p = staging_name(final_path);
+    if (::mkdir(p.c_str(), 0777) == 0) return p;
+    const int err = errno;
+    FN_REQUIRE(err == EEXIST && attempt < 8, Io, "cannot create the staging directory {} ({})",
+               p.string(), std::strerror(err));
+  }
+}
+
+StagingFile create_staging_file(const fs::path& final_path) {
   StagingFile s;
   for (int attempt = 0;; ++attempt) {
-    s.path = final_path;
-    s.path += fmt::format("{}.{}.{:016x}", kStagingSuffix, ::getpid(), rng());
+    s.path = staging_name(final_path);
     s.fd = ::open(s.path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (s.fd >= 0) return s;
     const int err = errno;

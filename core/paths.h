@@ -54,4 +54,10 @@ inline constexpr const char* kStagingSuffix = ".partial";
 /// directory refuses it (after retrying a name that happens to exist).
 StagingFile create_staging_file(const std::filesystem::path& final_path);
 
+/// create_staging_file for a writer that fills a directory and renames it onto `final_path`
+/// (`fngen synth`): a new, empty directory "<final_path>.partial.<pid>.<random 64-bit hex>" made
+/// with mkdir (never an existing one), mode 0777 before the umask. Returns its path; throws
+/// fn::Error(Io) "cannot create the staging directory <name> (<reason>)".
+std::filesystem::path create_staging_directory(const std::filesystem::path& final_path);
+
 }  // namespace fn

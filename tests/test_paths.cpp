@@ -98,3 +98,19 @@ TEST_CASE("paths: create_staging_file makes a new file of its own beside the tar
       has(io_error([&] { fn::create_staging_file(d.path / "no" / "out.fnl"); }),
           "cannot create the staging file " + (d.path / "no" / "out.fnl").string() + ".partial."));
 }
+
+TEST_CASE("paths: create_staging_directory makes a new directory of its own each time") {
+  Dir d("stage_dir");
+  const fs::path target = d.path / "ckpt";
+  const fs::path a = fn::create_staging_directory(target);
+  const fs::path b = fn::create_staging_directory(target);
+  CHECK(a != b);
+  for (const fs::path& p : {a, b}) {
+    CHECK(fs::is_directory(p));
+    CHECK(fs::is_empty(p));
+    CHECK(p.filename().string().rfind("ckpt.partial." + std::to_string(::getpid()) + ".", 0) == 0);
+  }
+  CHECK(has(
+      io_error([&] { fn::create_staging_directory(d.path / "no" / "ckpt"); }),
+      "cannot create the staging directory " + (d.path / "no" / "ckpt").string() + ".partial."));
+}

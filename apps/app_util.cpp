@@ -15,10 +15,36 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/paths.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
 
 namespace fn {
+
+namespace {
+
+// The whole stream, at most kMaxInputFileBytes; `name` ("-f/--file notes.txt", "standard input")
+// names it in errors, `hint` follows the limit's message.
+std::string read_capped(std::istream& in, const std::string& name, const char* hint) {
+  std::string out;
+  std::vector<char> buf(std::size_t{1} << 20);
+  while (in.read(buf.data(), static_cast<std::streamsize>(buf.size())) || in.gcount() > 0) {
+    // Checked before the append, so that a stream (/dev/zero) stops without growing `out` past
+    // the limit.
+    FN_REQUIRE(out.size() + static_cast<std::size_t>(in.gcount()) <= kMaxInputFileBytes, Io,
+               "{}: larger than {} GiB ({})", name, kMaxInputFileBytes >> 30, hint);
+    out.append(buf.data(), static_cast<std::size_t>(in.gcount()));
+  }
+  FN_REQUIRE(!in.bad(), Io, "{}: read failed ({})", name, std::strerror(errno));
+  return out;
+}
+
+}  // namespace
+
+std::string read_stdin() {
+  return read_capped(std::cin, "standard input",
+                     "standard input is read whole; is it the right input?");
+}
 
 std::string read_file(const std::string& path, const char* flag) {
   std::error_code ec;
@@ -30,17 +56,8 @@ std::string read_file(const std::string& path, const char* flag) {
   const int open_errno = errno;
   FN_REQUIRE(in.good(), Io, "{} {}: cannot open the file{}", flag, path,
              open_errno != 0 ? fmt::format(" ({})", std::strerror(open_errno)) : std::string());
-  std::string out;
-  std::vector<char> buf(std::size_t{1} << 20);
-  while (in.read(buf.data(), static_cast<std::streamsize>(buf.size())) || in.gcount() > 0) {
-    // Checked before the append, so that a stream (/dev/zero) stops without growing `out` past
-    // the limit.
-    FN_REQUIRE(out.size() + static_cast<std::size_t>(in.gcount()) <= kMaxInputFileBytes, Io,
-               "{} {}: larger than {} GiB (input files are read whole; is it the right file?)",
-               flag, path, kMaxInputFileBytes >> 30);
-    out.append(buf.data(), static_cast<std::size_t>(in.gcount()));
-  }
-  return out;
+  return read_capped(in, fmt::format("{} {}", flag, path),
+                     "input files are read whole; is it the right file?");
 }
 
 void require_model_dir(const std::string& path) {
@@ -123,7 +140,7 @@ void require_not_input(const std::string& out, const char* out_flag, const std::
              out_flag, out, in_flag, in);
 }
 
-void check_output_path(const std::string& path, const char* flag, const char* staging_suffix) {
+void check_output_path(const std::string& path, const char* flag, bool staged_writer) {
   if (path.empty()) return;
   std::error_code ec;
   const fs::path target = resolve_output_path(path);
@@ -143,7 +160,7 @@ void check_output_path(const std::string& path, const char* flag, const char* st
   // Staged: a regular file (or none yet) is replaced by a rename of the staging file beside it.
   // The staged writer (LogitsWriter) writes at offsets: a pipe, socket or terminal cannot take
   // that. Asked of `path` itself (the kernel follows /dev/stdout's /proc link to the pipe).
-  if (staging_suffix != nullptr) {
+  if (staged_writer) {
     const fs::file_status own = fs::status(path, ec);
     bool seekable = !(fs::is_fifo(own) || fs::is_socket(own));
     if (seekable && fs::is_character_file(own)) {  // /dev/null seeks; a terminal does not
@@ -156,28 +173,32 @@ void check_output_path(const std::string& path, const char* flag, const char* st
                "a regular file",
                flag, path);
   }
-  const bool staged = staging_suffix != nullptr && (!exists || fs::is_regular_file(st));
-  const fs::path probe = staged ? fs::path(target.string() + staging_suffix) : target;
-  if (staged) {  // a stale staging file is replaced; anything else there is not fngen's to remove
-    const fs::file_status ps = fs::symlink_status(probe, ec);
-    FN_REQUIRE(!fs::exists(ps) || fs::is_regular_file(ps) || fs::is_symlink(ps), Io,
-               "{} {}: {} exists and is not a file (fngen stages the output under that name)", flag,
-               path, probe.string());
+  const bool staged = staged_writer && (!exists || fs::is_regular_file(st));
+  if (staged) {
+    // The writer's own routine creates a staging file beside the target (and it is removed
+    // again): a directory that refuses it, or a name past NAME_MAX once the staging suffix is
+    // added, fails here.
+    StagingFile probe;
+    try {
+      probe = create_staging_file(target);
+    } catch (const Error& e) {
+      FN_THROW(Io, "{} {}: {}", flag, path, e.what());
+    }
+    ::close(probe.fd);
+    ::unlink(probe.path.c_str());
+    return;
   }
-  FN_REQUIRE(!staged || !exists || ::access(parent.c_str(), W_OK | X_OK) == 0, Io,
-             "{} {}: cannot create its staging file {} ({}: {})", flag, path, probe.string(),
-             parent.string(), std::strerror(errno));
-  if (exists && !staged) return;
+  if (exists) return;
   // A writable directory can still refuse the name (/proc, a file name too long, a read-only
   // mount that access() lets root pass): create the file and remove it again. O_EXCL: only a
   // file this call created is removed; one that appeared meanwhile is left alone.
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  const int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   const int err = errno;
   if (fd < 0 && err == EEXIST) return;
-  FN_REQUIRE(fd >= 0, Io, "{} {}: cannot create the file ({}: {})", flag, path, probe.string(),
+  FN_REQUIRE(fd >= 0, Io, "{} {}: cannot create the file ({}: {})", flag, path, target.string(),
              std::strerror(err));
   ::close(fd);
-  ::unlink(probe.c_str());
+  ::unlink(target.c_str());
 }
 
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {

@@ -28,6 +28,11 @@ inline constexpr std::size_t kMaxInputFileBytes = std::size_t{1} << 30;
 /// for a directory, and for a file (or device such as /dev/zero) longer than kMaxInputFileBytes.
 std::string read_file(const std::string& path, const char* flag);
 
+/// All of standard input as bytes, read as read_file reads a file: fn::Error(Io) "standard
+/// input: larger than 1 GiB ..." once more than kMaxInputFileBytes arrive (`< /dev/zero` stops
+/// there instead of filling memory), "standard input: read failed (reason)" on a read error.
+std::string read_stdin();
+
 /// Checks that `path` (the value of -m/--model) is a directory, so that a config.json given in
 /// its place is named as such instead of failing later on "<file>/config.json". Throws
 /// fn::Error(Io) when it does not exist, fn::Error(Usage) when it is a file.
@@ -72,14 +77,13 @@ void require_not_input(const std::string& out, const char* out_flag, const std::
 /// writable; a file that does not exist yet is created and removed again (a file that existed is
 /// never removed), so that a name the file system refuses (/proc/x) fails here. Run before a
 /// model load so that a bad path fails fast; the file itself is opened only when results are
-/// ready. With a `staging_suffix` (LogitsWriter::kStagingSuffix) the writer writes
-/// "<path><suffix>" beside the file and renames it onto the file (where the file is regular or
-/// not there yet; a device is written in place): then the directory must be writable even when
-/// the file exists, and the name created and removed is that staging name (the longer one, so
-/// that a name past NAME_MAX fails here; a stale staging file is left for the writer to
-/// replace). Throws fn::Error(Io) "<flag> <path>: ...".
-void check_output_path(const std::string& path, const char* flag,
-                       const char* staging_suffix = nullptr);
+/// ready. With `staged_writer` (LogitsWriter) the writer writes a staging file beside the file
+/// and renames it onto the file (where the file is regular or not there yet; a device is written
+/// in place): then the file must be seekable (a pipe, socket or terminal is fn::Error(Usage)),
+/// and a staging file is created and removed through the writer's own create_staging_file
+/// (core/paths.h), so that a directory refusing it, even where the file exists, or a staging name
+/// past NAME_MAX, fails here. Throws fn::Error(Io) "<flag> <path>: ...".
+void check_output_path(const std::string& path, const char* flag, bool staged_writer = false);
 
 /// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line
 /// numbers in messages match the file). Throws what read_file throws, and fn::Error(Format)

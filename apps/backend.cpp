@@ -17,6 +17,7 @@
 #include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/paths.h"
 
 #ifdef FN_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -24,6 +25,7 @@
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/model/cuda_backend.h"
 #include "cuda/model/cuda_model.h"
 #endif
@@ -290,11 +292,10 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
 }
 
 QuantConfig load_quant_config_file(const std::filesystem::path& config_file) {
-  std::ifstream in(config_file);
-  FN_REQUIRE(in.good(), Io, "{}: cannot open the config file", config_file.string());
+  const std::string text = read_regular_file(config_file, kMaxCheckpointJsonBytes, "");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     FN_THROW(Format, "{}: not valid JSON: {}", config_file.string(), e.what());
   }

@@ -919,7 +919,8 @@ void register_bench(CLI::App& app, CommandList& commands) {
   add_stdout_option(sub, "-o,--output", o->output, "write the report to FILE");
   sub->add_option("--per-token", o->per_token,
                   "JSONL: one record per lane and measured repetition with its TTFT and every "
-                  "inter-token latency (n_gen - 1 gaps)");
+                  "inter-token latency (n_gen - 1 gaps)")
+      ->check(non_empty_path());
   add_whole_option(
       sub, "-c,--ctx-size", o->ctx_size,
       "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)",

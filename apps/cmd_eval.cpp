@@ -80,12 +80,15 @@ void check_ids_in_vocab(const std::vector<int32_t>& ids, int64_t vocab, const st
   }
 }
 
-std::unique_ptr<Tokenizer> require_tokenizer(const fs::path& dir, const char* what) {
+// The model directory's tokenizer, checked against the model's vocab_size rows
+// (load_model_tokenizer); fn::Error(Usage) naming `what` when the directory has none.
+std::unique_ptr<Tokenizer> require_tokenizer(const fs::path& dir, const char* what,
+                                             int64_t vocab_size) {
   FN_REQUIRE(has_tokenizer(dir), Usage,
              "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
              "tokenizer.model); give token ids instead (--ids-file or --prompt-ids)",
              what, dir.string());
-  return load_tokenizer(dir);
+  return load_model_tokenizer(dir, vocab_size);
 }
 
 // The collectives and this rank's model (TP = world size, apps/backend.h), as eval sees it.
@@ -150,11 +153,11 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
                o.save_top_k, cfg.vocab_size);
     if (!root) return;
     // Before the load, not after it; the writer stages the file beside the path.
-    check_output_path(o.save_logits, "--save-logits", LogitsWriter::kStagingSuffix);
+    check_output_path(o.save_logits, "--save-logits", /*staged_writer=*/true);
     if (!o.ppl_file.empty()) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
-      const auto tok = require_tokenizer(dir, "-f/--file");
+      const auto tok = require_tokenizer(dir, "-f/--file", cfg.vocab_size);
       tokens = with_text_source("-f/--file " + o.ppl_file,
                                 [&] { return tok->encode(text, EncodeMode::Raw); });
       check_ids_in_vocab(tokens, cfg.vocab_size, "-f/--file " + o.ppl_file);
@@ -171,7 +174,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   load_model(l, c, dir, mpi, o.ctx);  // every window runs from a fresh state
   tokens = broadcast_ids(*l.coll, std::move(tokens));
 
-  // Rank 0's file: created (as <path>.partial), and closed after the run (LogitsWriter::close
+  // Rank 0's file: created (staged beside <path>), and closed after the run (LogitsWriter::close
   // reports a write that failed during it, else renames the file into place), each agreed on, so
   // that every rank ends with rank 0's error (no MPI_Abort).
   std::unique_ptr<LogitsWriter> writer;
@@ -279,7 +282,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
                cfg.vocab_size);
     if (!root) return;
     // Before the load, not after it; the writer stages the file beside the path.
-    check_output_path(o.output, "-o/--output", LogitsWriter::kStagingSuffix);
+    check_output_path(o.output, "-o/--output", /*staged_writer=*/true);
     std::vector<int32_t> ids;
     h.tokenizer = "ids-only";
     if (!o.prompt_ids.empty()) {
@@ -292,7 +295,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       // An empty -p is a flag mistake (exit 2, as generate's); an empty file is bad input (3).
       FN_REQUIRE(!text.empty() || !o.o_prompt->count(), Usage, "-p/--prompt: the prompt is empty");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the prompt is empty", o.file);
-      const auto tok = require_tokenizer(dir, "the prompt");
+      const auto tok = require_tokenizer(dir, "the prompt", cfg.vocab_size);
       const std::string what = o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file;
       refuse_long_text(
           *tok, text, cfg.max_position_embeddings, what,
@@ -334,7 +337,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   seq.n_rows = static_cast<int64_t>(seq.tokens.size());
   load_model(l, c, dir, mpi, seq.n_rows);  // one sequence of seq.n_rows tokens
   h.source["backend"] = l.backend->info().name;
-  // Rank 0's file: created (as <path>.partial) and closed (a write that failed during the run;
+  // Rank 0's file: created (staged beside <path>) and closed (a write that failed during the run;
   // else renamed into place) on every rank's agreement, so that every rank ends with rank 0's
   // error (no MPI_Abort).
   std::unique_ptr<LogitsWriter> writer;
@@ -565,7 +568,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
                "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
                cfg.max_position_embeddings);
     if (!root) return;
-    if (has_tokenizer(dir)) tok = load_tokenizer(dir);
+    if (has_tokenizer(dir)) tok = load_model_tokenizer(dir, cfg.vocab_size);
     lines = read_jsonl_lines(o.input, "-i/--input");
   });
   Collectives& coll = *l.coll;
@@ -766,8 +769,10 @@ void register_eval(CLI::App& app, CommandList& commands) {
                    WholeRange(4, kMaxTokenCount).because("a perplexity window needs 4 tokens"));
   add_whole_option(o->ppl, "--chunks", o->chunks,
                    "score at most this many windows (default -1: all)", WholeRange(1).or_value(-1));
-  o->ppl->add_option("--save-logits", o->save_logits,
-                     "also write the scored rows as a reference-logits file (a kld --base)");
+  o->ppl
+      ->add_option("--save-logits", o->save_logits,
+                   "also write the scored rows as a reference-logits file (a kld --base)")
+      ->check(non_empty_path());
   o->ppl->add_option("--save-dtype", o->save_dtype, "float32 | float16 (default float32)")
       ->check(CLI::IsMember({"float32", "float16"}));
   add_whole_option(o->ppl, "--save-top-k", o->save_top_k,
@@ -784,6 +789,7 @@ void register_eval(CLI::App& app, CommandList& commands) {
                       "token ids fed after the prompt (teacher-forced)");
   o->dump->add_option("-o,--output", o->output, "reference-logits file to write")
       ->required()
+      ->check(non_empty_path())
       ->check([](const std::string& s) {
         return s == "-" ? std::string("'-': the reference-logits file is binary, give a file path")
                         : std::string();

@@ -418,7 +418,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   // Agreed on (collective): a bad prompt ends every rank normally, with rank 0's message.
   agree_on_error(coll, [&] {
     if (!root) return;
-    if (has_tokenizer(dir)) ts.tokenizer = load_tokenizer(dir);
+    // A tokenizer with ids past the model's rows is the checkpoint's fault, found here once
+    // (not by whichever record first encodes to such an id).
+    if (has_tokenizer(dir)) ts.tokenizer = load_model_tokenizer(dir, cfg.vocab_size);
     FN_REQUIRE(o.stop.empty() || ts.tokenizer, Usage,
                "--stop needs a tokenizer to match text, and {} has none", dir.string());
     if (batch) {

@@ -1,12 +1,15 @@
 // `fngen inspect DIR [--tp N] [--ctx-size T] [--json]`: checkpoint validation and summary, with
 // the CUDA backend's device memory per GPU.
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 
+#include "apps/app_util.h"
 #include "apps/command.h"
 #include "apps/whole_number.h"
 #include "comm/mpi_context.h"
 #include "core/inspect.h"
+#include "tokenizer/tokenizer.h"
 
 namespace fn {
 
@@ -44,6 +47,11 @@ void register_inspect(CLI::App& app, CommandList& commands) {
   commands.push_back({sub, [opt](MpiContext& mpi) {
                         const InspectReport report =
                             inspect_checkpoint(opt->dir, opt->tp, opt->ctx_size);
+                        // The tokenizer is part of the checkpoint: one with ids past the
+                        // model's rows fails validation (fn::Error(Format)).
+                        std::error_code ec;
+                        if (std::filesystem::is_directory(opt->dir, ec) && has_tokenizer(opt->dir))
+                          (void)load_model_tokenizer(opt->dir, report.config.vocab_size);
                         if (mpi.world_rank() == 0) {
                           const std::string text = opt->json ? inspect_json(report).dump(2) + "\n"
                                                              : format_inspect_text(report);

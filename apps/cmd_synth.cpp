@@ -26,7 +26,9 @@ void register_synth(CLI::App& app, CommandList& commands) {
       "synth", "write a random-weight checkpoint of a config's geometry in the real NVFP4 layout");
   sub->add_option("--config", opt->config, "config.json to synthesize (configs/*.json)")
       ->required();
-  sub->add_option("-o,--out", opt->out, "output directory (absent or empty)")->required();
+  sub->add_option("-o,--out", opt->out, "output directory (absent or empty)")
+      ->required()
+      ->check(non_empty_path());
   add_whole_option(sub, "--seed", opt->seed, "random seed (default 0)",
                    WholeRange(0, std::numeric_limits<uint64_t>::max()));
   add_whole_option(sub, "--layers", opt->layers,

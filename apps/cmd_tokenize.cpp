@@ -39,11 +39,11 @@ ChatMode default_chat_mode(const TokenizeOptions& o) {
   std::error_code ec;
   if (std::filesystem::is_directory(dir, ec)) {
     const std::filesystem::path path = std::filesystem::path(dir) / "config.json";
-    std::ifstream in(path);
-    if (in.good()) {
+    if (std::filesystem::exists(path, ec)) {
       // A damaged config.json would silently give the wrong template (qwen3.8 for a Qwen3
       // directory): an error naming it instead, as every other reader of config.json does.
-      const json cfg = json::parse(in, nullptr, /*allow_exceptions=*/false);
+      const json cfg = json::parse(read_regular_file(path, kMaxCheckpointJsonBytes, ""), nullptr,
+                                   /*allow_exceptions=*/false);
       FN_REQUIRE(cfg.is_object() && (!cfg.contains("model_type") || cfg["model_type"].is_string()),
                  Format,
                  "{}: not a JSON object with a string model_type (it picks the default chat "
@@ -304,9 +304,7 @@ int run_tokenize(const TokenizeOptions& o) {
     } else if (!o.file.empty()) {
       text = read_file(o.file, "-f/--file");
     } else {
-      std::stringstream ss;
-      ss << std::cin.rdbuf();
-      text = ss.str();
+      text = read_stdin();
     }
   }
   FN_REQUIRE(!o.bench || !text.empty(), Format, "-f/--file {}: no text to time (--bench)", o.file);

@@ -25,10 +25,16 @@ struct Command {
 
 using CommandList = std::vector<Command>;
 
+/// The check of every output-path option (->check(non_empty_path())): an empty value (`-o ""`)
+/// is a usage error at parse time, "<option>: an empty path; give a file name", before any model
+/// is loaded.
+const CLI::Validator& non_empty_path();
+
 /// Adds the option `names` (e.g. "-o,--output") to `sub` for an output file whose default is
 /// standard output (`path` empty): "-" then names standard output too, as in most command-line
-/// tools (the value is cleared once the subcommand is parsed). One per subcommand: it takes the
-/// subcommand's parse-complete callback. Returns the option for further checks.
+/// tools (the value is cleared once the subcommand is parsed); an empty value is refused
+/// (non_empty_path). One per subcommand: it takes the subcommand's parse-complete callback.
+/// Returns the option for further checks.
 CLI::Option* add_stdout_option(CLI::App* sub, const std::string& names, std::string& path,
                                const std::string& help);
 

@@ -14,7 +14,9 @@
 
 #include "apps/app_util.h"
 #include "apps/command.h"
+#include "apps/real_number.h"
 #include "comm/mpi_context.h"
+#include "core/collectives.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -69,6 +71,17 @@ int main(int argc, char** argv) {
                  "error|warn|info|debug|trace (default: env FN_LOG_LEVEL, else info)")
       ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
   app.add_flag("--log-all-ranks", log_all_ranks, "print INFO messages of every rank");
+  double stall_timeout = fn::kDefaultStallTimeoutSeconds;
+  fn::add_real_option(&app, "--stall-timeout", stall_timeout,
+                      "seconds a rank waits for a silent peer in a collective before every rank "
+                      "ends (exit 5) naming it (default 300; 0: wait forever)")
+      ->check(CLI::Validator(
+          [](std::string& s) {
+            return std::strtod(s.c_str(), nullptr) >= 0
+                       ? std::string()
+                       : "a number of seconds >= 0 (0: no bound), not " + s;
+          },
+          "SECONDS"));
   // Parse errors in the form of the other usage errors ("fngen: usage error: ..."), and CLI11's
   // "OPT: 1 required TEXT missing" (an option given without its value) and "OPT: At Most 1
   // required but received N" (a single-value option given N times) said plainly.
@@ -92,7 +105,7 @@ int main(int argc, char** argv) {
   // line; say what it is instead.
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--log-level") {
+    if (a == "--log-level" || a == "--stall-timeout") {
       ++i;
       continue;
     }
@@ -153,6 +166,7 @@ int main(int argc, char** argv) {
   try {
     fn::set_log_level(fn::parse_log_level(log_level));
     fn::set_log_all_ranks(log_all_ranks);
+    fn::set_stall_timeout(stall_timeout);
     const fn::Command* chosen = nullptr;
     for (const auto& cmd : commands) {
       if (cmd.app->parsed()) chosen = &cmd;

@@ -1,27 +1,17 @@
 #include "core/checkpoint.h"
 
 #include <algorithm>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "core/error.h"
+#include "core/paths.h"
 
 namespace fn {
 namespace {
 
 constexpr const char* kIndexName = "model.safetensors.index.json";
 constexpr const char* kSingleName = "model.safetensors";
-
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "cannot open '{}'", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  FN_REQUIRE(!in.bad(), Io, "cannot read '{}'", path.string());
-  return ss.str();
-}
 
 }  // namespace
 
@@ -39,7 +29,8 @@ Checkpoint Checkpoint::open(const std::filesystem::path& dir) {
   std::set<std::string> seen_files;
   const bool have_index = std::filesystem::exists(index_path, ec);
   if (have_index) {
-    const std::string text = read_text(index_path);
+    const std::string text =
+        read_regular_file(index_path, kMaxCheckpointJsonBytes, "checkpoint index");
     nlohmann::json index;
     try {
       index = nlohmann::json::parse(text);

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +15,20 @@
 #include "core/error.h"
 
 namespace fn {
+
+namespace {
+std::atomic<double> g_stall_timeout{kDefaultStallTimeoutSeconds};
+}  // namespace
+
+void set_stall_timeout(double seconds) {
+  FN_REQUIRE(std::isfinite(seconds) && seconds >= 0, Usage,
+             "--stall-timeout must be a number of seconds >= 0 (0: no bound), got {}", seconds);
+  g_stall_timeout.store(seconds);
+}
+
+double stall_timeout() noexcept {
+  return g_stall_timeout.load();
+}
 
 void LocalCollectives::all_reduce_sum(float* /*data*/, std::size_t /*n*/) {}
 

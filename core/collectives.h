@@ -2,13 +2,25 @@
 // its tensor-parallel peers without seeing MPI (DESIGN.md "Layout"). comm/mpi_collectives.h
 // implements it over MPI; LocalCollectives below is the one-rank case used by TP=1 runs and tests.
 // Invariant: every rank calls the same collectives in the same order with the same sizes, and a
-// collective's result is bit-identical on every rank (MODEL.md §E.3).
+// collective's result is bit-identical on every rank (MODEL.md §E.3). No wait is unbounded: a
+// collective that waits longer than stall_timeout() for a peer names it in an fn::Error(Mpi).
 #pragma once
 
 #include <cstddef>
 #include <functional>
 
 namespace fn {
+
+/// The default of --stall-timeout: seconds a collective waits for a peer (a decode step or a load
+/// phase of any real model finishes far sooner; a stopped or hung rank never does).
+inline constexpr double kDefaultStallTimeoutSeconds = 300;
+
+/// Sets the process-wide bound on how long one collective waits for its peers (--stall-timeout):
+/// seconds >= 0, 0 = no bound. Read by collectives created afterwards (MpiCollectives). Throws
+/// fn::Error(Usage) for a negative or non-finite value.
+void set_stall_timeout(double seconds);
+/// The bound set_stall_timeout set (kDefaultStallTimeoutSeconds until then).
+double stall_timeout() noexcept;
 
 /// Collective operations over the ranks of one tensor-parallel group.
 class Collectives {
@@ -20,13 +32,15 @@ class Collectives {
   virtual int size() const = 0;
   /// In place: data[i] = sum over ranks of data[i], n floats. Implementations must give every
   /// rank the bit-identical result (the MPI one sums in rank order 0..size-1 on every rank).
-  /// Throws fn::Error(Mpi) on a communication failure.
+  /// Throws fn::Error(Mpi) on a communication failure, and when a peer's part has not come
+  /// within the stall timeout (naming that rank).
   virtual void all_reduce_sum(float* data, std::size_t n) = 0;
   /// out[r * n_per_rank + i] = rank r's in[i]; out holds size() * n_per_rank floats and must not
-  /// alias in. Throws fn::Error(Mpi) on a communication failure.
+  /// alias in. Throws fn::Error(Mpi) on a communication failure or a stalled peer (as above).
   virtual void all_gather(const float* in, std::size_t n_per_rank, float* out) = 0;
   /// Copies `bytes` bytes at data from rank `root` to every rank. Throws fn::Error(Mpi) on a
-  /// communication failure, fn::Error(Internal) for a root outside the group.
+  /// communication failure or a stalled peer (as above), fn::Error(Internal) for a root outside
+  /// the group.
   virtual void broadcast(void* data, std::size_t bytes, int root) = 0;
 };
 

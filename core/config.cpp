@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/ngram.h"
+#include "core/paths.h"
 
 namespace fn {
 namespace {
@@ -124,14 +125,10 @@ json read_json_file(const std::filesystem::path& path) {
   std::error_code ec;
   FN_REQUIRE(!std::filesystem::is_directory(path, ec), Format,
              "{}: is a directory, not a JSON file", path.string());
-  std::ifstream in(path, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "{}: cannot open file ({})", path.string(), std::strerror(errno));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  FN_REQUIRE(!in.bad(), Io, "{}: read failed", path.string());
+  const std::string text = read_regular_file(path, kMaxCheckpointJsonBytes, "");
   json j;
   try {
-    j = json::parse(ss.str());
+    j = json::parse(text);
   } catch (const json::exception& e) {
     FN_THROW(Format, "{}: not valid JSON: {}", path.string(), e.what());
   }

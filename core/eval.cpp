@@ -38,11 +38,8 @@ std::string tokenizer_id(const fs::path& model_dir) {
   for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
     const fs::path p = model_dir / name;
     if (!fs::exists(p)) continue;
-    std::ifstream in(p, std::ios::binary);
-    FN_REQUIRE(in.good(), Io, "{}: cannot open the tokenizer file", p.string());
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return fmt::format("fnv1a64:{}:{:016x}", name, fnv1a64(ss.str()));
+    const std::string bytes = read_regular_file(p, kMaxTokenizerFileBytes, "tokenizer file");
+    return fmt::format("fnv1a64:{}:{:016x}", name, fnv1a64(bytes));
   }
   return "ids-only";
 }
@@ -340,27 +337,18 @@ LogitsWriter::LogitsWriter(const fs::path& path, LogitsHeader header, const std:
     FN_REQUIRE(file_ != nullptr, Io, "{}: cannot create the logits file ({})", name_,
                std::strerror(errno));
   } else {
-    staging_ = final_;
-    staging_ += kStagingSuffix;
+    // A name of our own (pid and random bits, O_EXCL): a second writer of the same path, in
+    // this process or another, stages elsewhere, so the file renamed into place is always the
+    // data of the run whose close() succeeded last.
+    StagingFile created;
+    try {
+      created = create_staging_file(final_);
+    } catch (const Error& e) {
+      FN_THROW(Io, "{}: {}", name_, e.what());
+    }
+    const int fd = created.fd;
+    staging_ = std::move(created.path);
     at_ = " of " + staging_.string();
-    // A stale .partial (a killed run) is replaced; O_EXCL then creates a file of our own, never
-    // writing through a symlink or into something another process just put there. A directory
-    // of that name is not ours to remove.
-    if (fs::is_directory(fs::symlink_status(staging_, ec))) {
-      const std::string staging = staging_.string();
-      staging_.clear();
-      FN_THROW(Io, "{}: cannot create the staging file {} (a directory of that name exists)", name_,
-               staging);
-    }
-    fs::remove(staging_, ec);
-    const int fd = ::open(staging_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0) {
-      const int err = errno;
-      const std::string staging = staging_.string();
-      staging_.clear();  // not ours: never removed
-      FN_THROW(Io, "{}: cannot create the staging file {} ({})", name_, staging,
-               std::strerror(err));
-    }
     // The file the rename replaces keeps its permission bits (as the truncation in place did).
     if (fs::is_regular_file(st)) {
       (void)::fchmod(fd, static_cast<mode_t>(st.permissions() & fs::perms::all));

@@ -173,28 +173,29 @@ struct RefRow {
 
 /// Writes a reference-logits file row by row. Rows must come in the header's order.
 ///
-/// Staged: the bytes go to a sibling "<path>.partial" (kStagingSuffix, in the directory of the
-/// file `path` names, a symlink followed as fopen would, so that the rename stays inside one
-/// file system), and only a successful close() renames it onto that file. Until then a file
-/// already at `path` is untouched; a writer destroyed without a successful close() (an exception
-/// unwinding, a failed write, missing rows) removes the .partial, so the final path never holds a
-/// truncated file. A killed process can leave the .partial (never the final file); the next
-/// writer to the same path replaces it. A `path` that exists and is not a regular file (/dev/null,
-/// /dev/full, a FIFO) cannot be renamed onto: it is written in place, as a plain fopen would.
+/// Staged: the bytes go to a sibling staging file of its own, "<path>.partial.<pid>.<random>"
+/// (create_staging_file, core/paths.h: in the directory of the file `path` names, a symlink
+/// followed as fopen would, so that the rename stays inside one file system), and only a
+/// successful close() renames it onto that file. Until then a file already at `path` is
+/// untouched; a writer destroyed without a successful close() (an exception unwinding, a failed
+/// write, missing rows) removes its staging file, so the final path never holds a truncated file.
+/// Two writers of one path (two runs with the same -o) never share a staging file: the file at
+/// `path` is the complete output of the writer whose close() renamed last. A killed process can
+/// leave its staging file (never the final file); no later writer touches it. A `path` that
+/// exists and is not a regular file (/dev/null, /dev/full, a FIFO) cannot be renamed onto: it is
+/// written in place, as a plain fopen would.
 class LogitsWriter {
  public:
-  /// The staging file's suffix: "<path>.partial".
-  static constexpr const char* kStagingSuffix = ".partial";
   /// Validates the header (vocab_size > 0, top_k in [1, V] for topk, sequences' ranges and ids),
-  /// creates the staging file "<path>.partial" (replacing a stale one; a file at `path` keeps its
-  /// permission bits through the rename) and writes the header. `what` (e.g. "-o/--output")
+  /// creates its staging file (a file at `path` keeps its permission bits through the rename) and
+  /// writes the header. `what` (e.g. "-o/--output")
   /// names the flag that gave the path in every I/O error ("-o/--output out.fnl: write failed at
-  /// byte 448 of out.fnl.partial (...)"; in place: "-o/--output /dev/full: write failed at byte
-  /// 448 (...)"). Throws fn::Error(Usage) for a bad header, Io when the staging file (or, in
-  /// place, `path`) cannot be created or its header written; nothing is left behind then.
+  /// byte 448 of out.fnl.partial.<pid>.<random> (...)"; in place: "-o/--output /dev/full: write
+  /// failed at byte 448 (...)"). Throws fn::Error(Usage) for a bad header, Io when the staging file
+  /// (or, in place, `path`) cannot be created or its header written; nothing is left behind then.
   LogitsWriter(const std::filesystem::path& path, LogitsHeader header,
                const std::string& what = {});
-  /// Without a successful close(): closes the file, removes the .partial and logs a warning
+  /// Without a successful close(): closes the file, removes the staging file and logs a warning
   /// naming the path and the rows written (never throws).
   ~LogitsWriter();
   LogitsWriter(const LogitsWriter&) = delete;
@@ -210,7 +211,8 @@ class LogitsWriter {
   /// Flushes, syncs (fsync) and closes the staging file and renames it onto `path`: the final
   /// file appears here, complete, or not at all. Throws fn::Error(Io) naming the first failed
   /// write, a failed flush/sync/close or a failed rename (each naming the file), else Internal
-  /// unless every row was written; on any throw the .partial is removed and `path` is as it was.
+  /// unless every row was written; on any throw the staging file is removed and `path` is as it
+  /// was.
   /// A second call does nothing.
   void close();
   const LogitsHeader& header() const noexcept { return header_; }
@@ -221,7 +223,7 @@ class LogitsWriter {
   LogitsHeader header_;
   std::string name_;               // the flag (if given) and the path, for messages
   std::filesystem::path final_;    // the file renamed onto (symlinks at `path` followed)
-  std::filesystem::path staging_;  // "<final_>.partial"; empty in place or once renamed/removed
+  std::filesystem::path staging_;  // create_staging_file's; empty in place or once renamed/removed
   std::string at_;                 // " of <staging_>" in write messages (empty in place)
   std::FILE* file_ = nullptr;
   bool closing_ = false;  // close() ran (its own error was thrown: no warning)

@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/ngram.h"
+#include "core/paths.h"
+#include "core/weight_checks.h"
 
 namespace fn {
 namespace {
@@ -19,6 +21,71 @@ std::string human_bytes(uint64_t bytes) {
   if (b >= 1024.0 * 1024) return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
   if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
   return fmt::format("{} B", bytes);
+}
+
+// Unquantised tensors up to this size are checked whole for non-finite values; larger ones in
+// evenly spaced windows of kSampleWindowBytes (the first and the last included): kSampleWindows
+// windows, kSampleWindowsVocab for the embedding and lm_head (an all-NaN or half-NaN table is
+// found at once, and inspect reads at most ~4 MiB of each, whatever the checkpoint's size).
+constexpr std::size_t kWholeTensorBytes = std::size_t{1} << 20;
+constexpr std::size_t kSampleWindowBytes = std::size_t{16} << 10;
+constexpr std::size_t kSampleWindows = 16;
+constexpr std::size_t kSampleWindowsVocab = 256;
+
+// The value checks of every tensor present with its expected dtype (the others are reported by
+// validate_tensors): scale tensors whole through scale_problem (core/weight_checks.h, the check
+// every load makes), unquantised float tensors for non-finite values (sampled, above).
+void check_weight_values(const Checkpoint& ckpt, const std::vector<ExpectedTensor>& expected,
+                         const std::string& dir, ValidationReport& v) {
+  std::vector<std::byte> buf;  // a scale tensor, read whole with one pread (the mapping is
+                               // advised MADV_RANDOM: page by page it would fault ~25 times)
+  for (const ExpectedTensor& t : expected) {
+    const TensorInfo* info = ckpt.find(t.name);
+    if (info == nullptr || info->dtype != t.dtype) continue;
+    if (is_scale_role(t.role)) {
+      buf.resize(info->nbytes());
+      ckpt.read_all(t.name, buf.data());
+      const std::span<const std::byte> bytes(buf);
+      std::string problem = scale_problem(t.role, t.name, info->dtype, bytes);
+      if (!problem.empty()) {
+        v.problems.push_back(std::move(problem));
+      } else if (t.role == TensorRole::ExpertGlobalScale && t.name.ends_with("_2")) {
+        const std::string blocks = t.name.substr(0, t.name.size() - 2);
+        const TensorInfo* b = ckpt.find(blocks);
+        float g = 0;
+        std::memcpy(&g, bytes.data(), sizeof g);
+        if (g == 0.0f && b != nullptr && b->dtype == DType::F8_E4M3 &&
+            zero_global_scale_of_nonzero_tensor(g, ckpt.file_of(blocks).bytes(*b))) {
+          FN_LOG_WARN(
+              "{}: tensor '{}' is 0 while the block scales of '{}' are not: that tensor "
+              "dequantizes to all zeros",
+              dir, t.name, blocks);
+        }
+      }
+      continue;
+    }
+    if (t.role == TensorRole::ExpertWeight) continue;  // E2M1 codes: every value is finite
+    const std::span<const std::byte> bytes = ckpt.file_of(t.name).bytes(*info);
+    const std::size_t es = dtype_size(info->dtype);
+    if (bytes.size() <= kWholeTensorBytes) {
+      std::string problem = nonfinite_problem(t.name, info->dtype, bytes);
+      if (!problem.empty()) v.problems.push_back(std::move(problem));
+      continue;
+    }
+    const std::size_t windows = t.role == TensorRole::Embedding || t.role == TensorRole::LmHead
+                                    ? kSampleWindowsVocab
+                                    : kSampleWindows;
+    const std::size_t n = bytes.size() / es, w = kSampleWindowBytes / es;
+    for (std::size_t i = 0; i < windows; ++i) {
+      const std::size_t first = (n - w) * i / (windows - 1);
+      std::string problem =
+          nonfinite_problem(t.name, info->dtype, bytes.subspan(first * es, w * es), first);
+      if (!problem.empty()) {
+        v.problems.push_back(std::move(problem));
+        break;
+      }
+    }
+  }
 }
 
 // The PLE I64 buffers must hold what the config implies (MODEL.md §B.2: catches config drift).
@@ -82,8 +149,8 @@ InspectReport plan_only_report(InspectReport r, const std::filesystem::path& con
                                int tp_size, int64_t ctx_size) {
   using nlohmann::json;
   QuantConfig quant;
-  std::ifstream in(config_file);
-  const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  const json j = json::parse(read_regular_file(config_file, kMaxCheckpointJsonBytes, ""), nullptr,
+                             /*allow_exceptions=*/false);
   if (j.is_object() && j.contains("quantization_config")) {
     quant = parse_quantization_config(j["quantization_config"], config_file.string());
   }
@@ -115,6 +182,8 @@ InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, 
   if (!std::filesystem::is_directory(dir))
     return plan_only_report(std::move(r), dir, tp_size, ctx_size);
   const QuantConfig quant = load_quant_config(dir);
+  // generation_config.json too: generate reads it, so a damaged one fails validation here.
+  (void)load_generation_config(dir, r.config.vocab_size);
   r.quant_algo = quant.quantized() ? quant.quant_algo : "none";
   const Checkpoint ckpt = Checkpoint::open(dir);
   r.files = ckpt.file_count();
@@ -130,6 +199,7 @@ InspectReport inspect_checkpoint(const std::filesystem::path& dir, int tp_size, 
   }
   r.validation = validate_tensors(expected, found);
   check_ple_buffers(ckpt, r.config, expected, r.validation);
+  check_weight_values(ckpt, expected, r.dir, r.validation);
   // Every problem on its own line only when require_valid's message cannot list them all (it
   // shows the first kValidationProblemsShown): one wrong tensor was reported twice.
   if (r.validation.problems.size() > kValidationProblemsShown) {

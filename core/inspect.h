@@ -47,8 +47,12 @@ struct InspectReport {
   bool plan_only = false;  ///< true when given a config file: nothing was validated
 };
 
-/// Opens `dir` (config.json, quantization, index or single file), validates every tensor and the
-/// PLE I64 buffers, and computes the report for `tp_size` ranks at `ctx_size` tokens. When `dir`
+/// Opens `dir` (config.json, generation_config.json, quantization, index or single file; every
+/// JSON file through read_regular_file, core/paths.h), validates every tensor, the PLE I64
+/// buffers and the tensors' values (core/weight_checks.h: every quantisation scale whole, as a
+/// load checks it; unquantised float tensors for non-finite values, whole up to 1 MiB, else in
+/// evenly spaced 16 KiB windows: 256 for the embedding and lm_head, 16 for the others), and
+/// computes the report for `tp_size` ranks at `ctx_size` tokens. When `dir`
 /// is a config.json file instead, reports the figures of the checkpoint it describes (from
 /// expected_tensors; plan_only is set and nothing is validated) — e.g. the full real geometry.
 /// Throws Format listing the problems when the checkpoint does not match its config (every

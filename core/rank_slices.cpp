@@ -6,7 +6,9 @@
 
 #include "core/codecs.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/model_tensors.h"
+#include "core/weight_checks.h"
 
 namespace fn {
 
@@ -57,6 +59,7 @@ RankSliceReader::Layout RankSliceReader::layout(const std::string& name) const {
     return a.row_begin != b.row_begin ? a.row_begin < b.row_begin : a.col_begin < b.col_begin;
   });
   l.stored = stored_name(name);
+  l.role = e.role;
   const TensorInfo& info = ck_.info(l.stored);
   FN_REQUIRE(info.dtype == e.dtype, Format, "{}: tensor '{}' is {}, expected {}",
              ck_.dir().string(), l.stored, dtype_name(info.dtype), dtype_name(e.dtype));
@@ -74,6 +77,7 @@ RankSliceReader::Layout RankSliceReader::layout(const std::string& name) const {
 void RankSliceReader::copy(const std::string& name, const Layout& l, std::byte* dst) {
   if (l.blocks.empty()) return;
   const TensorInfo& info = ck_.info(l.stored);
+  std::byte* const start = dst;
   const int64_t total_cols = info.shape.size() >= 2 ? info.shape.back() : 1;
   const std::size_t es = dtype_size(info.dtype);
   const int64_t total_rows = total_cols > 0 ? info.numel() / total_cols : 0;
@@ -99,7 +103,24 @@ void RankSliceReader::copy(const std::string& name, const Layout& l, std::byte* 
       }
     }
   }
-  bytes_ += static_cast<uint64_t>(l.rows * l.cols) * es;
+  const std::size_t n = static_cast<std::size_t>(l.rows * l.cols) * es;
+  bytes_ += n;
+  if (!is_scale_role(l.role)) return;
+  const std::span<const std::byte> got(start, n);
+  require_possible_scales(l.role, l.stored, l.dtype, got, ck_.dir().string());
+  if (l.role == TensorRole::ExpertGlobalScale && l.stored.ends_with("_2")) {
+    // "<module>.weight_scale_2" of 0: the block scales "<module>.weight_scale" say whether the
+    // tensor had anything to scale.
+    const std::string blocks = l.stored.substr(0, l.stored.size() - 2);
+    if (const TensorInfo* b = ck_.find(blocks);
+        b != nullptr && zero_global_scale_of_nonzero_tensor(scalar_to_float(l.dtype, start),
+                                                            ck_.file_of(blocks).bytes(*b))) {
+      FN_LOG_WARN(
+          "{}: tensor '{}' is 0 while the block scales of '{}' are not: that tensor "
+          "dequantizes to all zeros",
+          ck_.dir().string(), l.stored, blocks);
+    }
+  }
 }
 
 WeightSlice RankSliceReader::read(const std::string& name) {

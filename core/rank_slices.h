@@ -1,8 +1,8 @@
 // One TP rank's view of a validated checkpoint: opens a model directory, validates every text
 // tensor against MODEL.md §B.2 and reads this rank's slices through the shard plan (MODEL.md
-// §E.2). Used by both backends' loaders (core/cpu_model.cpp, cuda/model/cuda_model.cpp): the CPU model
-// keeps the slices as they are, the CUDA model copies them to the device. Invariants: only the
-// rank's byte ranges are read (pread of row blocks, or copies of the touched pages of the
+// §E.2). Used by both backends' loaders (core/cpu_model.cpp, cuda/model/cuda_model.cpp): the CPU
+// model keeps the slices as they are, the CUDA model copies them to the device. Invariants: only
+// the rank's byte ranges are read (pread of row blocks, or copies of the touched pages of the
 // mapping); slices keep their checkpoint dtype; every read checks the stored dtype.
 #pragma once
 
@@ -17,6 +17,7 @@
 #include "core/checkpoint.h"
 #include "core/config.h"
 #include "core/dtype.h"
+#include "core/model_tensors.h"
 #include "core/shard_plan.h"
 
 namespace fn {
@@ -41,8 +42,11 @@ class RankSliceReader {
   std::string stored_name(std::string_view name) const;
 
   /// The rank's blocks of `name` (an expected name of the shard plan), sorted by (row, col) and
-  /// stacked. Throws fn::Error(Format) when the stored dtype differs from the expected one,
-  /// fn::Error(Io) on a failed read, fn::Error(Internal) for a name outside the plan.
+  /// stacked. Scale tensors are checked (require_possible_scales, core/weight_checks.h: a
+  /// negative NVFP4 global scale, a block scale with the sign bit set, a PLE weight_scale <= 0
+  /// are fn::Error(Format) naming the tensor; a global scale of 0 over non-zero block scales is
+  /// logged as a warning). Throws fn::Error(Format) when the stored dtype differs from the expected
+  /// one, fn::Error(Io) on a failed read, fn::Error(Internal) for a name outside the plan.
   WeightSlice read(const std::string& name);
   /// read() plus a check that the slice is [rows, cols] (fn::Error(Internal) otherwise: the
   /// plan and the backend disagree).
@@ -64,11 +68,13 @@ class RankSliceReader {
   struct Layout {
     std::vector<SliceBlock> blocks;
     std::string stored;
+    TensorRole role = TensorRole::Embedding;
     DType dtype = DType::F32;
     int64_t rows = 0, cols = 0;  // of the stacked slice
   };
   Layout layout(const std::string& name) const;
-  // Copies the slice described by `l` to dst (l.rows * l.cols elements).
+  // Copies the slice described by `l` to dst (l.rows * l.cols elements), then checks the values
+  // of a scale tensor (core/weight_checks.h).
   void copy(const std::string& name, const Layout& l, std::byte* dst);
 
   const Checkpoint& ck_;

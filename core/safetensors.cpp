@@ -74,7 +74,8 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   SafetensorsFile f;
   f.path_ = path;
   const std::string file = path.string();
-  f.fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO returns from open() at once (and is refused below) instead of blocking.
+  f.fd_ = ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   FN_REQUIRE(f.fd_ >= 0, Io, "safetensors file '{}': cannot open: {}", file, std::strerror(errno));
   struct stat st {};
   FN_REQUIRE(::fstat(f.fd_, &st) == 0, Io, "safetensors file '{}': cannot stat: {}", file,

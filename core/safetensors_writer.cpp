@@ -10,18 +10,21 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/paths.h"
 
 namespace fn {
 namespace {
 
 constexpr std::size_t kStagingBytes = 8u << 20;  // batch small tensors into 8 MB writes
 
-// Owns the .tmp file until commit(): closes and unlinks it on destruction otherwise.
+// Owns the staging file (create_staging_file) until commit(): closes and unlinks it on
+// destruction otherwise.
 class TmpFile {
  public:
-  explicit TmpFile(std::filesystem::path path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    FN_REQUIRE(fd_ >= 0, Io, "cannot create '{}': {}", path_.string(), std::strerror(errno));
+  explicit TmpFile(const std::filesystem::path& final_path) {
+    StagingFile s = create_staging_file(final_path);
+    fd_ = s.fd;
+    path_ = std::move(s.path);
   }
   TmpFile(const TmpFile&) = delete;
   TmpFile& operator=(const TmpFile&) = delete;
@@ -101,9 +104,7 @@ uint64_t SafetensorsWriter::write(const std::filesystem::path& path) {
   text += '}';
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  std::filesystem::path tmp_path = path;
-  tmp_path += ".tmp";
-  TmpFile out(tmp_path);
+  TmpFile out(path);
   std::vector<std::byte> staging;
   staging.reserve(kStagingBytes);
   const auto flush = [&] {

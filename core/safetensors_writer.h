@@ -1,8 +1,9 @@
 // Streaming writer of one .safetensors file, for `fngen synth` and test fixtures. Tensors are
 // declared first (name, dtype, shape, fill callback), then write() emits the header and calls each
 // fill in insertion order with a buffer of exactly that tensor's bytes, so at most one tensor
-// (plus an 8 MB staging buffer) is in memory. Output goes to PATH.tmp and is renamed to PATH only
-// after everything was written: on any error no partial file remains.
+// (plus an 8 MB staging buffer) is in memory. Output goes to a staging file of its own beside PATH
+// (create_staging_file, core/paths.h) renamed to PATH only after everything was written: on any
+// error no partial file remains, and two writers of one PATH never share a staging file.
 #pragma once
 
 #include <cstddef>
@@ -33,7 +34,7 @@ class SafetensorsWriter {
   /// Writes the file: 8-byte little-endian header length, the JSON header padded with spaces to a
   /// multiple of 8, then the tensors contiguously in insertion order. Returns the bytes written
   /// (the file size). Throws fn::Error(Io) naming the path on any write/rename failure; an
-  /// exception from a fill callback propagates. Either way PATH.tmp is removed.
+  /// exception from a fill callback propagates. Either way the staging file is removed.
   uint64_t write(const std::filesystem::path& path);
   /// Number of tensors declared so far.
   std::size_t size() const { return entries_.size(); }

@@ -17,6 +17,7 @@
 #include "core/log.h"
 #include "core/model_tensors.h"
 #include "core/ngram.h"
+#include "core/paths.h"
 #include "core/safetensors_writer.h"
 
 namespace fn {
@@ -235,10 +236,9 @@ json read_json_file(const std::filesystem::path& path) {
   FN_REQUIRE(!std::filesystem::is_directory(path, ec), Usage,
              "synth: --config '{}' is a directory; give the config file itself (e.g. '{}')",
              path.string(), (path / "config.json").string());
-  std::ifstream in(path);
-  FN_REQUIRE(in.good(), Io, "synth: cannot open config '{}'", path.string());
+  const std::string text = read_regular_file(path, kMaxCheckpointJsonBytes, "synth: config");
   try {
-    return json::parse(in);
+    return json::parse(text);
   } catch (const json::exception& e) {
     FN_THROW(Format, "synth: '{}' is not valid JSON: {}", path.string(), e.what());
   }
@@ -343,15 +343,20 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
     for (int64_t d : t.shape) n *= static_cast<long double>(d);
     need += n;
   }
-  // Everything goes to a staging directory renamed at the end: a failure leaves no partial
-  // checkpoint behind. Created first, so that a place that takes no directory (/proc) is named as
-  // such, and the free space is that of the file system the files go to.
-  const fs::path out = options.out.string() + ".partial";
+  // Everything goes to a staging directory of its own (create_staging_directory) renamed at the
+  // end: a failure leaves no partial checkpoint behind, and two runs with one --out never write
+  // into each other's. Created first, so that a place that takes no directory (/proc) is named
+  // as such, and the free space is that of the file system the files go to.
+  fs::path out;
   std::error_code ec;
-  fs::remove_all(out, ec);
-  fs::create_directories(out, ec);
-  FN_REQUIRE(!ec, Io, "--out '{}': cannot create the staging directory '{}': {}",
-             options.out.string(), out.string(), ec.message());
+  // --out may name a directory several levels below an existing one.
+  if (const fs::path parent = fs::absolute(options.out, ec).parent_path(); !parent.empty())
+    fs::create_directories(parent, ec);
+  try {
+    out = create_staging_directory(options.out);
+  } catch (const Error& e) {
+    FN_THROW(Io, "--out '{}': {}", options.out.string(), e.what());
+  }
   SynthResult result;
   try {  // every failure below removes the staging directory (the catch)
     std::error_code space_ec;

@@ -51,7 +51,9 @@ struct SynthResult {
 
 /// Writes the checkpoint. The config is validated first (parse_model_config rules) and the
 /// written checkpoint is the one expected_tensors() describes for the adjusted config. Writes
-/// each file to a temporary name and renames it, so a failure leaves no partial file.
+/// every file into a staging directory of its own beside --out (create_staging_directory,
+/// core/paths.h) renamed onto --out at the end, so a failure leaves no partial checkpoint and
+/// two runs with one --out never write into each other's files.
 /// Throws Usage (out directory not empty, bad --layers), Format (bad config), Io (write failed,
 /// or the tensors' bytes exceed the free space where --out goes: checked before any write).
 SynthResult synth_checkpoint(const SynthOptions& options);

@@ -74,13 +74,17 @@ else
   fail "ppl text output: $(cat "$tmp/ppl.txt")"
 fi
 # ppl --save-logits writes a base that kld reads back: KLD 0, same top-1 100 %. The file is
-# written as ppl.fnl.partial and renamed: a stale .partial (a killed run's) is replaced, and none
-# is left beside the file.
+# staged under a name of its own (ppl.fnl.partial.<pid>.<random>) and renamed: another run's
+# staging file is left alone, and none of this run's is left beside the file.
 printf 'stale' >"$tmp/ppl.fnl.partial"
+printf 'stale' >"$tmp/ppl.fnl.partial.1.0123456789abcdef"
 mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/ppl.fnl" >/dev/null 2>&1 ||
   fail "ppl --save-logits"
-[ -f "$tmp/ppl.fnl" ] && [ ! -e "$tmp/ppl.fnl.partial" ] && pass "ppl --save-logits left no .partial" ||
+[ -f "$tmp/ppl.fnl" ] && [ "$(ls "$tmp"/ppl.fnl* | wc -l)" = 3 ] &&
+  [ "$(cat "$tmp/ppl.fnl.partial" "$tmp/ppl.fnl.partial.1.0123456789abcdef")" = stalestale ] &&
+  pass "ppl --save-logits left no staging file and another run's alone" ||
   fail "ppl --save-logits: $(ls "$tmp"/ppl.fnl*)"
+rm -f "$tmp/ppl.fnl.partial" "$tmp/ppl.fnl.partial.1.0123456789abcdef"
 mpi 2 kld -m "$fx/tp4" --base "$tmp/ppl.fnl" --json >"$tmp/self.json" 2>/dev/null || fail "kld of ppl windows"
 $py -c "import json,sys; j=json.load(open(sys.argv[1])); \
   sys.exit(0 if j['kld']['max'] < 1e-9 and j['same_top1'] == 1 and j['count'] == 4 * 8 else 1)" \
@@ -93,7 +97,8 @@ mpi 2 dump-logits -m "$fx/tp4" --prompt-ids "$(ids_of tp4 prompt_ids)" \
   --continuation-ids "$(ids_of tp4 generated_ids '[:32]')" -o "$tmp/dump.fnl" >/dev/null 2>&1 ||
   fail "dump-logits"
 check dump-fixture "$fx/tp4" "$tmp/dump.fnl" "dump-logits tp4 at -np 2"
-[ ! -e "$tmp/dump.fnl.partial" ] && pass "dump-logits left no .partial" || fail "dump-logits left dump.fnl.partial"
+[ "$(ls "$tmp"/dump.fnl*)" = "$tmp/dump.fnl" ] && pass "dump-logits left no staging file" ||
+  fail "dump-logits left $(ls "$tmp"/dump.fnl*)"
 
 # ---- float16 and top-K bases written by python: every statistic recomputed independently ----
 for mode in "--dtype float16" "--top-k 16" "--top-k 16 --dtype float16" "--dtype float16 --values logits"; do
@@ -123,10 +128,24 @@ else
   fail "score exited non-zero: $(tail -n 3 "$tmp/err")"
 fi
 
-# ---- a model directory with a tokenizer (tp4 + the Qwen3 tokenizer.json) ----
+# ---- a model directory with a tokenizer (tp4 + the Qwen3 tokenizer.json cut to tp4's 384 ids) ----
 mkdir -p "$tmp/tok_model"
 for x in "$fx"/tp4/*; do ln -s "$x" "$tmp/tok_model/"; done
-ln -s "$src/third_party/qwen3-tokenizer/tokenizer.json" "$tmp/tok_model/tokenizer.json"
+# The Qwen3 byte-level BPE restricted to ids < 384: the vocabulary below it, the merges whose
+# parts and result it holds, no added tokens (theirs are 151643 and up).
+$py - "$src/third_party/qwen3-tokenizer/tokenizer.json" "$tmp/tok_model/tokenizer.json" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1], encoding="utf-8"))
+m = t["model"]
+m["vocab"] = {k: v for k, v in m["vocab"].items() if v < 384}
+m["merges"] = [p for p in m["merges"] if p[0] in m["vocab"] and p[1] in m["vocab"] and p[0] + p[1] in m["vocab"]]
+t["added_tokens"] = []
+json.dump(t, open(sys.argv[2], "w", encoding="utf-8"), ensure_ascii=False)
+PY
+# The whole Qwen3 tokenizer (151669 ids) with tp4's 384-row model: a checkpoint error at load.
+mkdir -p "$tmp/tok_big"
+for x in "$fx"/tp4/*; do ln -s "$x" "$tmp/tok_big/"; done
+ln -s "$src/third_party/qwen3-tokenizer/tokenizer.json" "$tmp/tok_big/tokenizer.json"
 printf 'x' >"$tmp/one.txt"
 # Qwen3 ids 64 "a", 264 " a", 304 " in": all inside tp4's vocabulary of 384.
 printf 'a a a in a a in in a a a in a a a a in a' >"$tmp/small.txt"
@@ -162,7 +181,13 @@ no_abort "kld with a NaN row at -np 2" "format error"
 expect 3 "the file is empty" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/empty.txt"
 expect 3 "the file is empty" -- mpi 2 ppl -m "$tmp/tok_model" -f "$tmp/empty.txt"
 expect 2 "fewer than one window of -c/--ctx-size 512" -- mpi 1 ppl -m "$tmp/tok_model" -f "$tmp/one.txt"
-expect 3 "outside the model's vocabulary" -- mpi 1 ppl -m "$tmp/tok_model" -f "$src/README.md" -c 8
+expect 3 "tokenizer.json: the tokenizer has ids up to 151668, past the model's vocab_size 384: tokenizer and model do not belong together" -- \
+  mpi 1 ppl -m "$tmp/tok_big" -f "$src/README.md" -c 8
+expect 3 "tokenizer and model do not belong together" -- \
+  mpi 2 dump-logits -m "$tmp/tok_big" -p hello -o "$tmp/big_tok.fnl"
+printf '{"prompt": "hello", "answer": "x"}\n' >"$tmp/one_task.jsonl"
+expect 3 "tokenizer and model do not belong together" -- \
+  mpi 2 score -m "$tmp/tok_big" -i "$tmp/one_task.jsonl"
 expect 2 "has no tokenizer" -- mpi 1 ppl -m "$fx/tp4" -f "$src/README.md"
 expect 2 "The following argument was not expected: --bogus" -- mpi 1 kld -m "$fx/tp4" --base x --bogus
 expect 2 "base is required" -- mpi 1 kld -m "$fx/tp4"
@@ -189,8 +214,8 @@ expect 3 "--ids-file $tmp/bad.ids: item 3 \"x\" is not an integer" -- \
   mpi 1 dump-logits -m "$fx/tp4" --ids-file "$tmp/bad.ids" -o "$tmp/bad.fnl"
 # The output path was checked by creating its staging file before the ids were read: removed
 # again.
-[ ! -e "$tmp/bad.fnl" ] && [ ! -e "$tmp/bad.fnl.partial" ] &&
-  pass "a failed dump-logits leaves no -o file (nor its .partial) behind" ||
+[ -z "$(ls "$tmp"/bad.fnl* 2>/dev/null)" ] &&
+  pass "a failed dump-logits leaves no -o file (nor a staging file) behind" ||
   fail "dump-logits left $(ls "$tmp"/bad.fnl*) behind"
 # Outputs never land in the model directory (they could replace config.json or a shard).
 expect 2 "inside the model directory" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o "$fx/tp4/config.json"
@@ -218,13 +243,13 @@ expect 3 "--save-logits /proc/x.fnl: cannot" -- \
 before_load "ppl --save-logits /proc/x.fnl"
 no_abort "ppl --save-logits /proc/x.fnl"
 long=$tmp/$(printf 'x%.0s' $(seq 300)).fnl
-expect 3 "-o/--output $long: cannot create the file" -- \
+expect 3 "-o/--output $long: cannot create the staging file $long.partial.[0-9]*.[0-9a-f]* (File name too long)" -- \
   mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
 before_load "dump-logits -o with a file name too long"
-# A name that fits NAME_MAX (255) while its staging name (+ ".partial") does not: refused before
-# the load, not when the results are written.
+# A name that fits NAME_MAX (255) while its staging name (+ ".partial.<pid>.<random>") does not:
+# refused before the load, not when the results are written.
 long=$tmp/$(printf 'x%.0s' $(seq 247)).fnl
-expect 3 "-o/--output $long: cannot create the file ($long.partial: File name too long)" -- \
+expect 3 "-o/--output $long: cannot create the staging file $long.partial.[0-9]*.[0-9a-f]* (File name too long)" -- \
   mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$long"
 before_load "dump-logits -o whose staging name is too long"
 [ ! -e "$long" ] && pass "no file left for the name too long" || fail "left $long"
@@ -246,18 +271,17 @@ before_load "dump-logits -o FIFO"
   2>"$tmp/err" | cat >/dev/null
 grep -q "usage error: -o/--output /dev/stdout: is a pipe, socket or terminal" "$tmp/err" &&
   pass "dump-logits -o /dev/stdout on a pipe: refused" || fail "-o /dev/stdout | cat: $(head -n 3 "$tmp/err")"
-# A symlink loop, and a directory where the staging file goes: refused before the load; the
-# directory is left alone.
+# A symlink loop: refused before the load.
 ln -s "$tmp/loop-b.fnl" "$tmp/loop-a.fnl" && ln -s "$tmp/loop-a.fnl" "$tmp/loop-b.fnl"
 expect 3 "--save-logits $tmp/loop-a.fnl: cannot open for writing (a symlink loop" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/loop-a.fnl"
 before_load "ppl --save-logits on a symlink loop"
+# Something else at "<file>.partial" (here a directory) is not in the way of a run, which stages
+# under a name of its own, and is left alone.
 mkdir -p "$tmp/busy.fnl.partial/x"
-expect 3 "-o/--output $tmp/busy.fnl: $tmp/busy.fnl.partial exists and is not a file" -- \
-  mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp/busy.fnl"
-before_load "dump-logits -o whose staging name is a directory"
-[ -d "$tmp/busy.fnl.partial/x" ] && [ ! -e "$tmp/busy.fnl" ] &&
-  pass "the directory at the staging name is left alone" || fail "busy.fnl.partial: $(ls -la "$tmp"/busy.fnl*)"
+mpi 2 dump-logits -m "$fx/tp4" --prompt-ids 1,2,3 -o "$tmp/busy.fnl" >/dev/null 2>"$tmp/err" &&
+  [ -f "$tmp/busy.fnl" ] && [ -d "$tmp/busy.fnl.partial/x" ] && [ "$(ls -d "$tmp"/busy.fnl* | wc -l)" = 2 ] &&
+  pass "a directory at <file>.partial is left alone" || fail "busy.fnl: $(ls -la "$tmp"/busy.fnl*; cat "$tmp/err")"
 expect 2 "--save-top-k 999999 exceeds vocab_size" -- \
   mpi 2 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --save-logits "$tmp/k.fnl" --save-top-k 999999
 before_load "ppl --save-top-k past the vocabulary"

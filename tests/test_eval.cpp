@@ -12,6 +12,7 @@
 #include <fstream>
 #include <limits>
 #include <numeric>
+#include <regex>
 #include <string>
 
 #include "core/backend.h"
@@ -588,8 +589,20 @@ std::string read_all(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-fs::path partial_of(const fs::path& p) {
-  return fs::path(p.string() + ".partial");
+// True when `entry` is a staging file name of the output file `name`:
+// "<name>.partial.<pid>.<16 hex digits>" (create_staging_file, core/paths.h).
+bool is_staging_of(const std::string& entry, const std::string& name) {
+  static const std::regex pattern("\\.partial\\.[0-9]+\\.[0-9a-f]{16}");
+  return entry.size() > name.size() && entry.compare(0, name.size(), name) == 0 &&
+         std::regex_match(entry.substr(name.size()), pattern);
+}
+
+// The staging files of `p` in its directory.
+std::vector<fs::path> staging_files_of(const fs::path& p) {
+  std::vector<fs::path> out;
+  for (const auto& e : fs::directory_iterator(p.parent_path()))
+    if (is_staging_of(e.path().filename().string(), p.filename().string())) out.push_back(e.path());
+  return out;
 }
 
 }  // namespace
@@ -600,8 +613,9 @@ TEST_CASE("eval: the writer's file appears at its path only when close() succeed
   {
     fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
     w.append(std::vector<float>{1, 2, 3});
-    // Mid-run: the rows go to the .partial beside the path; the path itself does not exist yet.
-    CHECK(d.listing() == std::vector<std::string>{"out.fnl.partial"});
+    // Mid-run: the rows go to a staging file beside the path; the path itself does not exist yet.
+    REQUIRE(d.listing().size() == 1);
+    CHECK(is_staging_of(d.listing()[0], "out.fnl"));
     w.append(std::vector<float>{4, 5, 6});
     CHECK(!fs::exists(p));
     w.close();
@@ -613,7 +627,7 @@ TEST_CASE("eval: the writer's file appears at its path only when close() succeed
   CHECK(rd.header().n_positions() == 2);
 }
 
-TEST_CASE("eval: a writer destroyed without close() leaves neither the file nor the .partial") {
+TEST_CASE("eval: a writer destroyed without close() leaves neither the file nor its staging file") {
   TmpDir d("stage_abort");
   const fs::path p = d.dir / "out.fnl";
   SUBCASE("every row written, never closed") {
@@ -635,10 +649,18 @@ TEST_CASE("eval: a writer destroyed without close() leaves neither the file nor 
     CHECK(kind_of([&] { w.close(); }) == ErrorKind::Internal);
     CHECK(d.listing().empty());  // close() removed it, before the destructor
   }
-  SUBCASE("a stale .partial of a killed run is replaced, then removed") {
-    std::ofstream(partial_of(p)) << "stale";
-    fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
-    w.append(std::vector<float>{1, 2, 3});
+  SUBCASE("a killed run's staging files are not the writer's: left alone") {
+    const std::vector<std::string> stale = {"out.fnl.partial",
+                                            "out.fnl.partial.1.0123456789abcdef"};
+    for (const auto& name : stale) std::ofstream(d.dir / name) << "stale";
+    {
+      fn::LogitsWriter w(p, one_sequence_header(3, {0, 2}, 1));
+      w.append(std::vector<float>{1, 2, 3});
+      CHECK(d.listing().size() == 3);
+    }
+    CHECK(d.listing() == stale);
+    for (const auto& name : stale) CHECK(read_all(d.dir / name) == "stale");
+    for (const auto& name : stale) fs::remove(d.dir / name);
   }
   CHECK(d.listing().empty());
 }
@@ -717,7 +739,8 @@ TEST_CASE(
   }
   CHECK(kind == ErrorKind::Io);
   CHECK(msg.find(p.string() + ": write failed at ") != std::string::npos);
-  CHECK(msg.find("of " + partial_of(p).string() + " (File too large)") != std::string::npos);
+  CHECK(msg.find("of " + p.string() + ".partial.") != std::string::npos);
+  CHECK(msg.find(" (File too large)") != std::string::npos);
   CHECK(read_all(p) == "the previous reference");
   CHECK(d.listing() == std::vector<std::string>{"out.fnl"});
 }
@@ -731,23 +754,45 @@ TEST_CASE("eval: a writer through a symlink replaces the file it names, staged b
   {
     fn::LogitsWriter w(link, one_sequence_header(3, {0}, -1));
     w.append(std::vector<float>{1, 2, 3});
-    CHECK(fs::exists(partial_of(target)));
-    CHECK(!fs::exists(partial_of(link)));
+    CHECK(staging_files_of(target).size() == 1);
+    CHECK(staging_files_of(link).empty());
     w.close();
   }
   CHECK(fs::is_symlink(link));
   CHECK(fn::LogitsReader(link).header().n_positions() == 1);
-  CHECK(!fs::exists(partial_of(target)));
+  CHECK(staging_files_of(target).empty());
 }
 
-TEST_CASE("eval: a writer to a device (/dev/null) writes in place: no .partial, no rename") {
+TEST_CASE("eval: a writer to a device (/dev/null) writes in place: no staging file, no rename") {
   REQUIRE(fs::is_character_file("/dev/null"));
   {
     fn::LogitsWriter w("/dev/null", one_sequence_header(3, {0}, -1));
     w.append(std::vector<float>{1, 2, 3});
-    CHECK(!fs::exists("/dev/null.partial"));
+    CHECK(staging_files_of("/dev/null").empty());
     w.close();
   }
   CHECK(fs::is_character_file("/dev/null"));
-  CHECK(!fs::exists("/dev/null.partial"));
+  CHECK(staging_files_of("/dev/null").empty());
+}
+
+TEST_CASE(
+    "eval: two writers of one path never share a staging file: the file is the last closer's") {
+  // Two runs with the same -o, interleaved: each stages to a file of its own, so each close()
+  // puts that writer's complete rows at the path, and both succeed.
+  TmpDir d("stage_two");
+  const fs::path p = d.dir / "out.fnl";
+  const auto tokens_at_path = [&] { return fn::LogitsReader(p).header().sequences.at(0).tokens; };
+  fn::LogitsWriter a(p, one_sequence_header(3, {0, 1}, -1));
+  fn::LogitsWriter b(p, one_sequence_header(3, {0, 2}, -1));
+  REQUIRE(staging_files_of(p).size() == 2);
+  a.append(std::vector<float>{1, 2, 3});
+  b.append(std::vector<float>{4, 5, 6});
+  a.append(std::vector<float>{1, 2, 3});
+  a.close();
+  CHECK(tokens_at_path() == std::vector<int32_t>{0, 1});  // a's file, complete
+  CHECK(staging_files_of(p).size() == 1);                 // b's, still being written
+  b.append(std::vector<float>{4, 5, 6});
+  b.close();
+  CHECK(tokens_at_path() == std::vector<int32_t>{0, 2});
+  CHECK(d.listing() == std::vector<std::string>{"out.fnl"});
 }

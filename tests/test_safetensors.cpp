@@ -25,6 +25,15 @@ using fn::testing::write_file;
 
 namespace {
 
+// The names in `dir`, sorted.
+std::vector<std::string> dir_entries(const std::filesystem::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 // Opens a file made of `header` (JSON text) and `data`, expecting a Format error naming the file
 // and each of `parts`.
 void expect_bad_header(const std::string& header, const std::string& data,
@@ -257,7 +266,8 @@ TEST_CASE("safetensors: writer output round-trips through the reader with the on
   w.add("empty", DType::F8_E4M3, {0}, pattern(4));
   const uint64_t written = w.write(path);
   CHECK(written == std::filesystem::file_size(path));
-  CHECK_FALSE(std::filesystem::exists(dir / "rt.safetensors.tmp"));
+  // The staging file was renamed into place: the directory holds the file alone.
+  CHECK(dir_entries(dir.path()) == std::vector<std::string>{"rt.safetensors"});
 
   const std::string raw = fn::testing::read_file(path);
   uint64_t header_len = 0;
@@ -405,7 +415,7 @@ TEST_CASE("safetensors: the writer leaves no partial file when a fill throws") {
   w.add("boom", DType::U8, {4}, [](std::span<std::byte>) { FN_THROW(Internal, "fill failed"); });
   CHECK_THROWS_AS(w.write(path), fn::Error);
   CHECK_FALSE(std::filesystem::exists(path));
-  CHECK_FALSE(std::filesystem::exists(dir / "fail.safetensors.tmp"));
+  CHECK(dir_entries(dir.path()).empty());  // nor its staging file
 }
 
 TEST_CASE("safetensors: the writer reports an unwritable path as an Io error naming it") {
@@ -413,7 +423,8 @@ TEST_CASE("safetensors: the writer reports an unwritable path as an Io error nam
   const auto path = dir / "no_such_dir" / "x.safetensors";
   SafetensorsWriter w;
   w.add("ok", DType::U8, {4}, pattern(1));
-  check_error([&] { w.write(path); }, ErrorKind::Io, {"x.safetensors.tmp"});
+  check_error([&] { w.write(path); }, ErrorKind::Io,
+              {"cannot create the staging file", "x.safetensors.partial."});
 }
 
 TEST_CASE("safetensors: the writer refuses duplicate, reserved and negative declarations") {

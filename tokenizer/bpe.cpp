@@ -749,12 +749,8 @@ std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view text,
 
 std::unique_ptr<Tokenizer> load_tokenizer_json(const std::filesystem::path& file) {
   require_tokenizer_file_size(file);
-  std::ifstream in(file, std::ios::binary);
-  FN_REQUIRE(in.good(), Io, "cannot open tokenizer file {}", file.string());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  FN_REQUIRE(!in.bad(), Io, "cannot read tokenizer file {}", file.string());
-  return load_tokenizer_json_text(ss.str(), file.string());
+  return load_tokenizer_json_text(read_regular_file(file, kMaxTokenizerFileBytes, "tokenizer file"),
+                                  file.string());
 }
 
 }  // namespace fn

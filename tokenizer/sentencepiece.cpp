@@ -119,6 +119,24 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& model_dir
   FN_THROW(Io, "{} has neither tokenizer.json nor tokenizer.model", model_dir.string());
 }
 
+void require_tokenizer_fits_model(const Tokenizer& tokenizer, int64_t vocab_size,
+                                  const std::string& name) {
+  FN_REQUIRE(tokenizer.vocab_size() <= vocab_size, Format,
+             "{}: the tokenizer has ids up to {}, past the model's vocab_size {}: tokenizer and "
+             "model do not belong together",
+             name, tokenizer.vocab_size() - 1, vocab_size);
+}
+
+std::unique_ptr<Tokenizer> load_model_tokenizer(const std::filesystem::path& model_dir,
+                                                int64_t vocab_size) {
+  auto tok = load_tokenizer(model_dir);
+  const auto json_file = model_dir / "tokenizer.json";
+  require_tokenizer_fits_model(
+      *tok, vocab_size,
+      (std::filesystem::exists(json_file) ? json_file : model_dir / "tokenizer.model").string());
+  return tok;
+}
+
 std::string StreamingDetokenizer::feed(int32_t id) {
   std::string bytes;
   try {

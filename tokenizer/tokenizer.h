@@ -14,6 +14,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/paths.h"
+
 namespace fn {
 
 /// How encode() treats added-token strings in the text.
@@ -57,9 +59,8 @@ class Tokenizer {
   virtual bool is_special(int32_t id) const = 0;
 };
 
-/// Largest tokenizer file read (real ones: 11 MB for Qwen3's tokenizer.json, 4 MB for a
-/// SentencePiece model), and the id limit of a token (real vocabularies: under 2^20).
-inline constexpr std::uintmax_t kMaxTokenizerFileBytes = std::uintmax_t{1} << 30;
+/// The id limit of a token (real vocabularies: under 2^20). The largest tokenizer file read is
+/// kMaxTokenizerFileBytes (core/paths.h).
 inline constexpr int32_t kMaxTokenId = int32_t{1} << 24;
 
 /// Checks a tokenizer file before it is read: it exists (else fn::Error(Io)), is a regular file
@@ -76,6 +77,21 @@ std::unique_ptr<Tokenizer> load_tokenizer_json(const std::filesystem::path& file
 
 /// Loads a tokenizer.json from memory; `name` is used in error messages.
 std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view json, const std::string& name);
+
+/// Checks that every id of `tokenizer` (vocabulary and added tokens: [0, vocab_size())) names a
+/// row of the model's embedding and lm_head, which have `vocab_size` rows (config.json; the
+/// model's count may be padded past the tokenizer's, never short of it). `name` names the
+/// tokenizer in the message. Throws fn::Error(Format) "<name>: the tokenizer has ids up to N,
+/// past the model's vocab_size M: tokenizer and model do not belong together".
+void require_tokenizer_fits_model(const Tokenizer& tokenizer, int64_t vocab_size,
+                                  const std::string& name);
+
+/// The tokenizer of a model directory for a model of `vocab_size` rows: load_tokenizer(model_dir)
+/// checked by require_tokenizer_fits_model, so that a tokenizer of another model is a checkpoint
+/// error at load (fn::Error(Format), exit 3), not a failure of whichever prompt first encodes to
+/// an id past the model. Throws what those two throw.
+std::unique_ptr<Tokenizer> load_model_tokenizer(const std::filesystem::path& model_dir,
+                                                int64_t vocab_size);
 
 /// Loads a SentencePiece tokenizer.model through libsentencepiece.
 std::unique_ptr<Tokenizer> load_sentencepiece(const std::filesystem::path& file);

@@ -19,6 +19,7 @@
 #include "core/collectives.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/memory_plan.h"
 
 namespace fn {
 
@@ -36,9 +37,16 @@ struct BackendFlags {
   /// --prefill-chunk: tokens per batched prefill pass (cuda; CudaModelOptions::prefill_chunk).
   /// The cpu backend prefills token by token and ignores it.
   int64_t prefill_chunk = 8192;
+  /// --ngram-table device | host | auto (cuda; CudaModelOptions::ngram_table). The cpu backend
+  /// ignores it.
+  std::string ngram_table = "auto";
+  /// --gpu-memory-utilization (cuda; CudaModelOptions::gpu_memory_utilization): the fraction of
+  /// the free device memory `--ngram-table auto` lets the model use with the table on the device.
+  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
 };
 
-/// Registers --backend, --tp, --allreduce, --no-graph, --check-choices and --prefill-chunk on `sub`
+/// Registers --backend, --tp, --allreduce, --no-graph, --check-choices, --prefill-chunk,
+/// --ngram-table and --gpu-memory-utilization on `sub`
 /// (values checked by CLI11, so a bad value is a usage error naming the flag).
 void add_backend_flags(CLI::App* sub, BackendFlags& flags);
 

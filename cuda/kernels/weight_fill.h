@@ -29,6 +29,9 @@ struct RandomFillParams {
   float lo = -1.0f, hi = 1.0f;  ///< Uniform range
   uint64_t seed = 0;            ///< model seed
   uint64_t stream = 0;          ///< per-tensor stream id (e.g. a hash of the tensor name)
+  /// Index of dst[0] in the tensor: element i of dst gets the value of tensor element first + i,
+  /// so a tensor filled in pieces holds the bytes of one whole fill. >= 0.
+  int64_t first = 0;
 };
 
 /// Enqueues the fill on `stream`. Throws fn::Error(Internal) on a null pointer, a negative count

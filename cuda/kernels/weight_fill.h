@@ -1,7 +1,8 @@
 // Random weight generation in device memory for the in-memory full-geometry model
-// (CudaModel::random, issue 6 deliverable 3): fills a device tensor with values drawn per
-// core/synth.h's rules without staging anything on the host, so the real 48-layer geometry
-// (120 GB at TP=1) loads in seconds. Each element depends only on (seed, stream, index).
+// (CudaModel::random; pieces of a tensor for its host-resident n-gram table): fills a device tensor
+// with values drawn per core/synth.h's rules without staging anything on the host, so the real
+// 48-layer geometry (120 GB at TP=1) loads in seconds. Each element depends only on (seed, stream,
+// index).
 #pragma once
 
 #include <cuda_runtime_api.h>

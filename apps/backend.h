@@ -1,10 +1,11 @@
-// Backend selection for the model-running subcommands (`fngen generate`, `fngen eval`): the
-// shared flags (--backend cpu|cuda|auto, --tp, --allreduce auto|custom|nccl, --no-graph) and
-// load_backend(), which builds the CPU reference model or the CUDA model of this rank and hands
-// it back as a Backend (core/backend.h; load_backend_random: the CUDA model on random weights,
-// for `fngen bench --random-weights`). Invariants: every rank resolves `auto` to the same backend
-// (a collective decision); no CUDA runtime function is called unless CUDA is asked for or `auto`
-// probes for a device, so the cpu backend starts on machines without a GPU driver.
+// Backend selection for the model-running subcommands (`fngen generate`, `fngen eval`, `fngen
+// bench`): the shared flags (--backend cpu|cuda|auto, --tp, --allreduce auto|custom|nccl,
+// --no-graph, --ngram-table device|host|auto, ...) and load_backend(), which builds the CPU
+// reference model or the CUDA model of this rank and hands it back as a Backend (core/backend.h;
+// load_backend_random: the CUDA model on random weights, for `fngen bench --random-weights`).
+// Invariants: every rank resolves `auto` to the same backend (a collective decision); no CUDA
+// runtime function is called unless CUDA is asked for or `auto` probes for a device, so the cpu
+// backend starts on machines without a GPU driver.
 #pragma once
 
 #include <CLI/CLI.hpp>

@@ -91,8 +91,10 @@ enum class StepFamily : int {
   SharedExpert,
   AllReduce,  ///< every all-reduce of the step (TP > 1; PLE, mixer, MoE, logits)
   LmHead,     ///< lm_head GEMV, logit scatter, sampling, n-gram context and position advance
-  Ple,        ///< PLE: n-gram gather, key/value GEMV, apply (its all-reduce is AllReduce)
-  Other,      ///< the embedding row and anything else
+  /// PLE: n-gram gather, key/value GEMV, apply (its all-reduce is AllReduce); with the table
+  /// in host memory the gather runs on a side stream from the step's start, timed in no family
+  Ple,
+  Other,  ///< the embedding row and anything else
 };
 inline constexpr int kStepFamilyCount = 10;
 /// "hc", "gdn", "qsa", "router", "moe_routed", "shared_expert", "all_reduce", "lm_head",

@@ -551,10 +551,13 @@ struct Builder {
       const std::size_t bytes = static_cast<std::size_t>(shard_bytes) * held.size();
       void* h = nullptr;
       const cudaError_t rc = cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
-      FN_REQUIRE(rc == cudaSuccess, Cuda,
+      if (rc != cudaSuccess) {
+        (void)cudaGetLastError();  // the failed allocation is reported here, not at a later check
+        FN_THROW(Cuda,
                  "rank {}: cudaHostAlloc of {} bytes of pinned host memory for the n-gram table "
                  "(--ngram-table host) failed: {}: {}",
                  o.tp_rank, bytes, cudaGetErrorName(rc), cudaGetErrorString(rc));
+      }
       ngram_host->push_back(h);
       for (std::size_t i = 0; i < held.size(); ++i) {
         const std::string name = fmt::format("{}ngram_embedding.shard_{}.weight", ep, held[i]);

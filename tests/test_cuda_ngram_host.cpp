@@ -5,12 +5,14 @@
 // only from another memory — at TP=1 and at TP = world size (each rank reads its own rows);
 // random weights (CudaModel::random) give the same logits with either placement, on the tiny
 // geometry and on a 4-layer slice of the real one (the real n-gram table: 47.7 GiB of pinned
-// host memory, which the GPU machine's host has); auto's decision follows the utilization knob.
+// host memory, which the GPU machine's host has); a random fill in pieces equals one fill (how the
+// host table is generated); auto's decision follows the utilization knob.
 // Run with mpirun -np 2 on the GPU machine (label gpu).
 #include <cuda_runtime_api.h>
 #include <doctest/doctest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -26,6 +28,7 @@
 #include "core/error.h"
 #include "core/memory_plan.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/kernels/weight_fill.h"
 #include "cuda/model/cuda_model.h"
 #include "cuda_model_check.h"
 #include "test_cpu_fixture.h"
@@ -165,6 +168,48 @@ TEST_CASE("cuda ngram table: auto follows --gpu-memory-utilization") {
   CHECK(forced->load_stats().ngram_host_bytes > 0);
   CHECK(forced->load_stats().ngram_placement.find("pinned host memory") != std::string::npos);
   check_same(fn::test::run_rows(*roomy, f), fn::test::run_rows(*forced, f), "auto");
+}
+
+TEST_CASE("cuda ngram table: a random fill in pieces (RandomFillParams::first) equals one fill") {
+  fn::test::use_gpu_of_rank();
+  // An odd length and piece size, so pieces straddle every launch's grid-stride boundary.
+  constexpr int64_t kCount = 3'000'017, kPiece = 700'001;
+  uint8_t *whole = nullptr, *pieces = nullptr;
+  FN_CUDA_CHECK(cudaMalloc(&whole, kCount));
+  FN_CUDA_CHECK(cudaMalloc(&pieces, kCount));
+  fn::RandomFillParams p;
+  p.count = kCount;
+  p.dtype = fn::DType::F8_E4M3;
+  p.kind = fn::RandomFill::E4M3Uniform;
+  p.seed = 11;
+  p.stream = 1234;
+  p.dst = whole;
+  fn::launch_random_fill(p, nullptr);
+  for (int64_t first = 0; first < kCount; first += kPiece) {
+    fn::RandomFillParams q = p;
+    q.dst = pieces + first;
+    q.first = first;
+    q.count = std::min(kPiece, kCount - first);
+    fn::launch_random_fill(q, nullptr);
+  }
+  std::vector<uint8_t> a(kCount), b(kCount);
+  FN_CUDA_CHECK(cudaMemcpy(a.data(), whole, kCount, cudaMemcpyDeviceToHost));
+  FN_CUDA_CHECK(cudaMemcpy(b.data(), pieces, kCount, cudaMemcpyDeviceToHost));
+  FN_CUDA_CHECK(cudaFree(whole));
+  FN_CUDA_CHECK(cudaFree(pieces));
+  CHECK(a == b);
+  // Not a constant fill: the codes spread over the byte values.
+  int64_t distinct = 0;
+  std::vector<bool> seen(256, false);
+  for (uint8_t v : a) {
+    if (!seen[v]) ++distinct;
+    seen[v] = true;
+  }
+  CHECK(distinct > 200);
+  // A negative first index is refused.
+  fn::RandomFillParams bad = p;
+  bad.first = -1;
+  CHECK_THROWS_AS(fn::launch_random_fill(bad, nullptr), fn::Error);
 }
 
 namespace {

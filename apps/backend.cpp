@@ -154,7 +154,7 @@ std::unique_ptr<CudaBackend> load_cuda(
                                        ms_since(t0), random_weights);
 }
 
-// ", n-gram table X MiB in pinned host memory" when the table is host-resident, else "".
+// " + X MiB n-gram table in pinned host memory" when the table is host-resident, else "".
 std::string host_table_note(const CudaLoadStats& st) {
   if (st.ngram_host_bytes == 0) return {};
   return fmt::format(" + {:.1f} MiB n-gram table in pinned host memory",

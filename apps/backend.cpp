@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "apps/app_util.h"
+#include "apps/real_number.h"
 #include "apps/whole_number.h"
 #include "comm/mpi_context.h"
 #include "core/choice_check.h"
@@ -144,6 +145,8 @@ std::unique_ptr<CudaBackend> load_cuda(
   opt.all_reduce = all_reduce.get();
   opt.record_choices = flags.check_choices;
   opt.prefill_chunk = flags.prefill_chunk;
+  opt.ngram_table = parse_ngram_table(flags.ngram_table);
+  opt.gpu_memory_utilization = flags.gpu_memory_utilization;
   // Building the model does not communicate; a failure on some ranks only (their shard's bytes,
   // their GPU's free memory) is agreed on, so rank 0 reports it.
   std::unique_ptr<CudaModel> model;
@@ -151,6 +154,13 @@ std::unique_ptr<CudaBackend> load_cuda(
   const int tp = gpu->size();
   return std::make_unique<CudaBackend>(std::move(gpu), std::move(all_reduce), std::move(model), tp,
                                        ms_since(t0), random_weights);
+}
+
+// " + X MiB n-gram table in pinned host memory" when the table is host-resident, else "".
+std::string host_table_note(const CudaLoadStats& st) {
+  if (st.ngram_host_bytes == 0) return {};
+  return fmt::format(" + {:.1f} MiB n-gram table in pinned host memory",
+                     static_cast<double>(st.ngram_host_bytes) / (1 << 20));
 }
 
 // --check-choices on a model built by load_cuda (CudaModelOptions::record_choices set).
@@ -189,6 +199,18 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
                    "(the cpu backend, eval and --check-choices run the prompt token by token)",
                    WholeRange(1))
       ->capture_default_str();
+  sub->add_option("--ngram-table", flags.ngram_table,
+                  "cuda: where the PLE n-gram table lives: device | host (pinned host memory "
+                  "that the GPU reads over PCIe / C2C inside the decode graph, freeing its bytes "
+                  "of device memory) | auto (default: host when the weights, the table and the "
+                  "context exceed --gpu-memory-utilization of the free device memory, else "
+                  "device); the same logits either way; the cpu backend ignores it")
+      ->check(CLI::IsMember({"device", "host", "auto"}));
+  add_real_option(sub, "--gpu-memory-utilization", flags.gpu_memory_utilization,
+                  "cuda, --ngram-table auto: the fraction of the GPU's free memory at load the "
+                  "model may fill with the table on the device, in (0, 1]; the rest is headroom "
+                  "for the CUDA context, cuBLAS, NCCL, graphs and prefill buffers")
+      ->capture_default_str();
 }
 
 bool built_with_cuda() noexcept {
@@ -205,6 +227,9 @@ std::string resolve_backend_checks(const BackendFlags& flags, Collectives& coll)
   check_backend_and_tp(flags.backend, flags.tp, coll.size());
   FN_REQUIRE(flags.prefill_chunk >= 1, Usage, "--prefill-chunk must be >= 1 token, got {}",
              flags.prefill_chunk);
+  FN_REQUIRE(flags.gpu_memory_utilization > 0.0 && flags.gpu_memory_utilization <= 1.0, Usage,
+             "--gpu-memory-utilization must be in (0, 1], got {}", flags.gpu_memory_utilization);
+  (void)parse_ngram_table(flags.ngram_table);
   if (flags.backend == "cpu") return "cpu";
   FN_REQUIRE(flags.backend != "cuda" || built_with_cuda(), Usage,
              "--backend cuda: the CUDA backend is not available: this fngen was built without "
@@ -244,6 +269,8 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
                                       const char* who) {
   const std::string name = resolve_backend(flags, coll);
   if (name == "cpu") {
+    if (flags.ngram_table != "auto")
+      FN_LOG_INFO("{}: --ngram-table applies to the cuda backend only; ignored on cpu", who);
     if (flags.no_graph || flags.allreduce != "auto") {
       const char* given = flags.no_graph && flags.allreduce != "auto" ? "--no-graph and --allreduce"
                           : flags.no_graph                            ? "--no-graph"
@@ -278,11 +305,12 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
   const double gb = static_cast<double>(st.bytes) / 1e9;
   FN_LOG_INFO(
       "{}: backend cuda, TP {}, all-reduce {}, graph {}, ctx {}: loaded {:.2f} GB in {:.2f} s "
-      "({:.2f} GB/s; {:.1f} MiB weights + {:.1f} MiB state per GPU; total {:.0f} ms with setup)",
+      "({:.2f} GB/s; {:.1f} MiB weights + {:.1f} MiB state per GPU{}; total {:.0f} ms with "
+      "setup)",
       who, info.tp_size, info.all_reduce_name.empty() ? "none" : info.all_reduce_name,
       flags.no_graph ? "off" : "on", ctx_size, gb, st.seconds,
       st.seconds > 0 ? gb / st.seconds : 0.0, static_cast<double>(st.weight_bytes) / (1 << 20),
-      static_cast<double>(st.state_bytes) / (1 << 20), info.load_ms);
+      static_cast<double>(st.state_bytes) / (1 << 20), host_table_note(st), info.load_ms);
   return b;
 #else
   (void)mpi;
@@ -331,12 +359,12 @@ std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
       flags.check_choices ? check_cuda_choices(std::move(cuda), coll) : std::move(cuda);
   FN_LOG_INFO(
       "{}: backend cuda, TP {}, all-reduce {}, graph {}, ctx {}: random weights of {} (seed {}): "
-      "{:.2f} GB generated in {:.2f} s ({:.1f} MiB weights + {:.1f} MiB state per GPU)",
+      "{:.2f} GB generated in {:.2f} s ({:.1f} MiB weights + {:.1f} MiB state per GPU{})",
       who, info.tp_size, info.all_reduce_name.empty() ? "none" : info.all_reduce_name,
       flags.no_graph ? "off" : "on", ctx_size, config_file.string(), seed,
       static_cast<double>(st.bytes) / 1e9, st.seconds,
       static_cast<double>(st.weight_bytes) / (1 << 20),
-      static_cast<double>(st.state_bytes) / (1 << 20));
+      static_cast<double>(st.state_bytes) / (1 << 20), host_table_note(st));
   return b;
 #else
   (void)cfg;

@@ -1,10 +1,11 @@
-// Backend selection for the model-running subcommands (`fngen generate`, `fngen eval`): the
-// shared flags (--backend cpu|cuda|auto, --tp, --allreduce auto|custom|nccl, --no-graph) and
-// load_backend(), which builds the CPU reference model or the CUDA model of this rank and hands
-// it back as a Backend (core/backend.h; load_backend_random: the CUDA model on random weights,
-// for `fngen bench --random-weights`). Invariants: every rank resolves `auto` to the same backend
-// (a collective decision); no CUDA runtime function is called unless CUDA is asked for or `auto`
-// probes for a device, so the cpu backend starts on machines without a GPU driver.
+// Backend selection for the model-running subcommands (`fngen generate`, `fngen eval`, `fngen
+// bench`): the shared flags (--backend cpu|cuda|auto, --tp, --allreduce auto|custom|nccl,
+// --no-graph, --ngram-table device|host|auto, ...) and load_backend(), which builds the CPU
+// reference model or the CUDA model of this rank and hands it back as a Backend (core/backend.h;
+// load_backend_random: the CUDA model on random weights, for `fngen bench --random-weights`).
+// Invariants: every rank resolves `auto` to the same backend (a collective decision); no CUDA
+// runtime function is called unless CUDA is asked for or `auto` probes for a device, so the cpu
+// backend starts on machines without a GPU driver.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -19,6 +20,7 @@
 #include "core/collectives.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/memory_plan.h"
 
 namespace fn {
 
@@ -36,9 +38,16 @@ struct BackendFlags {
   /// --prefill-chunk: tokens per batched prefill pass (cuda; CudaModelOptions::prefill_chunk).
   /// The cpu backend prefills token by token and ignores it.
   int64_t prefill_chunk = 8192;
+  /// --ngram-table device | host | auto (cuda; CudaModelOptions::ngram_table). The cpu backend
+  /// ignores it.
+  std::string ngram_table = "auto";
+  /// --gpu-memory-utilization (cuda; CudaModelOptions::gpu_memory_utilization): the fraction of
+  /// the free device memory `--ngram-table auto` lets the model use with the table on the device.
+  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
 };
 
-/// Registers --backend, --tp, --allreduce, --no-graph, --check-choices and --prefill-chunk on `sub`
+/// Registers --backend, --tp, --allreduce, --no-graph, --check-choices, --prefill-chunk,
+/// --ngram-table and --gpu-memory-utilization on `sub`
 /// (values checked by CLI11, so a bad value is a usage error naming the flag).
 void add_backend_flags(CLI::App* sub, BackendFlags& flags);
 

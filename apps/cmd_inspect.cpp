@@ -6,8 +6,10 @@
 
 #include "apps/app_util.h"
 #include "apps/command.h"
+#include "apps/real_number.h"
 #include "apps/whole_number.h"
 #include "comm/mpi_context.h"
+#include "core/error.h"
 #include "core/inspect.h"
 #include "tokenizer/tokenizer.h"
 
@@ -19,13 +21,15 @@ void register_inspect(CLI::App& app, CommandList& commands) {
     int tp = 1;
     int64_t ctx_size = 0;
     bool json = false;
+    double gpu_gib = static_cast<double>(kInspectDefaultGpuBytes) / (1024.0 * 1024 * 1024);
   };
   auto opt = std::make_shared<Options>();
   CLI::App* sub = app.add_subcommand(
       "inspect",
       "validate a checkpoint against its config and print its summary, weights per "
       "TP rank, bytes read per decoded token and the CUDA backend's device memory per GPU at "
-      "--ctx-size, 8192, 65536 and 262144 tokens");
+      "--ctx-size, 8192, 65536 and 262144 tokens, with the n-gram table on the device and in "
+      "host memory (--ngram-table), and how many sequences fit --gpu-memory");
   // One option under two names, given exactly once: not ->required(), which --help would print
   // as REQUIRED next to both `dir` and -m/--model although either one suffices. The final
   // callback raises the error ->required() would ("--model is required"); a second value is
@@ -43,10 +47,18 @@ void register_inspect(CLI::App& app, CommandList& commands) {
                    "context length (tokens) for bytes per token and a column of the device-memory "
                    "table (default, or 0: min(8192, max_position_embeddings))",
                    WholeRange(0, kMaxTokenCount));
+  add_real_option(sub, "--gpu-memory", opt->gpu_gib,
+                  "GiB of device memory per GPU for the table of how many sequences of each "
+                  "context fit, with the n-gram table on the device and in host memory "
+                  "(--ngram-table); > 0 (default: an H100 80 GB's total, rounded down)")
+      ->capture_default_str();
   sub->add_flag("--json", opt->json, "print JSON instead of tables");
   commands.push_back({sub, [opt](MpiContext& mpi) {
-                        const InspectReport report =
-                            inspect_checkpoint(opt->dir, opt->tp, opt->ctx_size);
+                        FN_REQUIRE(opt->gpu_gib > 0 && opt->gpu_gib < 1e9, Usage,
+                                   "--gpu-memory must be in (0, 1e9) GiB, got {}", opt->gpu_gib);
+                        InspectReport report = inspect_checkpoint(opt->dir, opt->tp, opt->ctx_size);
+                        report.gpu_bytes =
+                            static_cast<uint64_t>(opt->gpu_gib * 1024.0 * 1024 * 1024);
                         // The tokenizer is part of the checkpoint: one with ids past the
                         // model's rows fails validation (fn::Error(Format)).
                         std::error_code ec;

@@ -129,10 +129,13 @@ void add_rank_figures(InspectReport& r, const QuantConfig& quant, int tp_size, i
   r.memory_ctx_sizes.erase(std::unique(r.memory_ctx_sizes.begin(), r.memory_ctx_sizes.end()),
                            r.memory_ctx_sizes.end());
   for (int64_t t : r.memory_ctx_sizes) {
-    std::vector<MemoryPlan> ranks;
-    for (int rank = 0; rank < tp_size; ++rank)
+    std::vector<MemoryPlan> ranks, host;
+    for (int rank = 0; rank < tp_size; ++rank) {
       ranks.push_back(plan_device_memory(r.config, plan, rank, t));
+      if (r.config.has_ple()) host.push_back(plan_device_memory(r.config, plan, rank, t, true));
+    }
     r.device_memory.push_back(std::move(ranks));
+    if (!host.empty()) r.device_memory_host_ngram.push_back(std::move(host));
   }
 }
 
@@ -318,6 +321,32 @@ std::string format_inspect_text(const InspectReport& r) {
     std::vector<MemoryPlan> cols;
     for (const auto& ranks : r.device_memory) cols.push_back(ranks[rank]);
     s += format_memory_table(cols);
+    std::vector<MemoryPlan> host_cols;
+    for (const auto& ranks : r.device_memory_host_ngram) host_cols.push_back(ranks[rank]);
+    if (!host_cols.empty()) {
+      fmt::format_to(it_out,
+                     "\nwith --ngram-table host (the n-gram table in pinned host memory, read by "
+                     "the gather kernels; not in the device total)\n");
+      s += format_memory_table(host_cols);
+    }
+    // Sequences of each context whose states fit beside one copy of the weights.
+    fmt::format_to(it_out, "\nsequences that fit {:.1f} GiB per GPU (--gpu-memory)\n",
+                   static_cast<double>(r.gpu_bytes) / (1024.0 * 1024 * 1024));
+    constexpr int kLabel = 22, kCol = 16;
+    fmt::format_to(it_out, "{:<{}}", "", kLabel);
+    for (const MemoryPlan& p : cols)
+      fmt::format_to(it_out, " {:>{}}", fmt::format("ctx {}", p.ctx_size), kCol);
+    fmt::format_to(it_out, "\n{:<{}}", host_cols.empty() ? "sequences" : "n-gram table on device",
+                   kLabel);
+    for (const MemoryPlan& p : cols)
+      fmt::format_to(it_out, " {:>{}}", sequences_fit(p, r.gpu_bytes), kCol);
+    fmt::format_to(it_out, "\n");
+    if (!host_cols.empty()) {
+      fmt::format_to(it_out, "{:<{}}", "n-gram table in host", kLabel);
+      for (const MemoryPlan& p : host_cols)
+        fmt::format_to(it_out, " {:>{}}", sequences_fit(p, r.gpu_bytes), kCol);
+      fmt::format_to(it_out, "\n");
+    }
   }
   return s;
 }
@@ -343,9 +372,22 @@ nlohmann::json inspect_json(const InspectReport& r) {
   }
   json memory = json::array();
   for (std::size_t i = 0; i < r.device_memory.size(); ++i) {
-    json mranks = json::array();
-    for (const MemoryPlan& m : r.device_memory[i]) mranks.push_back(memory_plan_json(m));
-    memory.push_back({{"ctx_size", r.memory_ctx_sizes[i]}, {"ranks", mranks}});
+    json mranks = json::array(), fit = json::array();
+    for (const MemoryPlan& m : r.device_memory[i]) {
+      mranks.push_back(memory_plan_json(m));
+      fit.push_back(sequences_fit(m, r.gpu_bytes));
+    }
+    json entry = {{"ctx_size", r.memory_ctx_sizes[i]}, {"ranks", mranks}, {"sequences_fit", fit}};
+    if (i < r.device_memory_host_ngram.size()) {
+      json hranks = json::array(), hfit = json::array();
+      for (const MemoryPlan& m : r.device_memory_host_ngram[i]) {
+        hranks.push_back(memory_plan_json(m));
+        hfit.push_back(sequences_fit(m, r.gpu_bytes));
+      }
+      entry["ranks_ngram_host"] = hranks;
+      entry["sequences_fit_ngram_host"] = hfit;
+    }
+    memory.push_back(entry);
   }
   const auto& v = r.validation;
   return {{"dir", r.dir},
@@ -370,7 +412,8 @@ nlohmann::json inspect_json(const InspectReport& r) {
           {"tp_size", r.tp_size},
           {"ctx_size", r.ctx_size},
           {"ranks", ranks},
-          {"device_memory", memory}};
+          {"device_memory", memory},
+          {"gpu_bytes", r.gpu_bytes}};
 }
 
 }  // namespace fn

@@ -19,6 +19,10 @@
 
 namespace fn {
 
+/// Default InspectReport::gpu_bytes: 79 GiB, the total an H100 80 GB reports (79.1 GiB) rounded
+/// down.
+inline constexpr uint64_t kInspectDefaultGpuBytes = uint64_t{79} << 30;
+
 /// Tensors and bytes of one (family, dtype) group.
 struct TensorGroupStats {
   uint64_t tensors = 0;
@@ -44,6 +48,12 @@ struct InspectReport {
   /// above max_position_embeddings), ascending, unique.
   std::vector<int64_t> memory_ctx_sizes;
   std::vector<std::vector<MemoryPlan>> device_memory;  ///< [memory_ctx_sizes index][tp_size]
+  /// The same plans with the n-gram table in pinned host memory (`--ngram-table host`,
+  /// plan_device_memory's ngram_on_host); empty when the model has no PLE.
+  std::vector<std::vector<MemoryPlan>> device_memory_host_ngram;
+  /// Device memory per GPU the "sequences that fit" figures assume (sequences_fit), bytes;
+  /// `fngen inspect --gpu-memory` (GiB; default kInspectDefaultGpuBytes).
+  uint64_t gpu_bytes = kInspectDefaultGpuBytes;
   bool plan_only = false;  ///< true when given a config file: nothing was validated
 };
 
@@ -67,7 +77,9 @@ std::string format_inspect_text(const InspectReport& report);
 /// Machine-readable summary: {dir, config: {...}, files, checkpoint_bytes, validation: {...},
 /// groups: {"family/dtype": {tensors, bytes}}, tp_size, ctx_size, ranks: [{rank,
 /// weight_bytes, weight_bytes_by_family, token_bytes: {weights, kv_cache, indexer_cache,
-/// gdn_state, conv_state, total}}], device_memory: [{ctx_size, ranks: [memory_plan_json(...)]}]}.
+/// gdn_state, conv_state, total}}], device_memory: [{ctx_size, ranks: [memory_plan_json(...)],
+/// sequences_fit: [per rank], and with PLE ranks_ngram_host: [memory_plan_json(...)],
+/// sequences_fit_ngram_host: [per rank]}], gpu_bytes}.
 /// Byte counts are integers (bytes).
 nlohmann::json inspect_json(const InspectReport& report);
 

@@ -1,7 +1,10 @@
 #include "core/memory_plan.h"
 
 #include <algorithm>
+#include <charconv>
+#include <fstream>
 #include <iterator>
+#include <sstream>
 
 #include "core/device_layout.h"
 #include "core/error.h"
@@ -109,7 +112,7 @@ uint64_t MemoryPlan::total() const {
 }
 
 MemoryPlan plan_device_memory(const ModelConfig& c, const ShardPlan& plan, int tp_rank,
-                              int64_t ctx_size) {
+                              int64_t ctx_size, bool ngram_on_host) {
   FN_REQUIRE(ctx_size >= 1, Usage, "-c/--ctx-size must be >= 1, got {}", ctx_size);
   const int tp = plan.tp_size();
   FN_CHECK(tp_rank >= 0 && tp_rank < tp, "tp_rank {} of tp_size {}", tp_rank, tp);
@@ -126,6 +129,13 @@ MemoryPlan plan_device_memory(const ModelConfig& c, const ShardPlan& plan, int t
     m.weights[std::string(tensor_family(t.role))] +=
         static_cast<uint64_t>(plan.shard_elements(i, tp_rank)) * per;
   }
+  if (ngram_on_host) {
+    const auto it = m.weights.find("ple.ngram");
+    if (it != m.weights.end()) {
+      m.ngram_host = it->second;
+      m.weights.erase(it);
+    }
+  }
 
   // States and scratch: the buffers the CUDA model's arena build allocates (core/device_layout.h).
   const DeviceLayout l = device_layout(c, tp, tp_rank, ctx_size);
@@ -136,6 +146,82 @@ MemoryPlan plan_device_memory(const ModelConfig& c, const ShardPlan& plan, int t
   m.ple_conv_state = l.ple_conv_state_total();
   m.workspace = l.scratch_total();
   return m;
+}
+
+int64_t sequences_fit(const MemoryPlan& p, uint64_t gpu_bytes) {
+  const uint64_t fixed = p.weight_total() + p.workspace + p.reserve;
+  if (fixed >= gpu_bytes || p.state_total() == 0) return 0;
+  return static_cast<int64_t>((gpu_bytes - fixed) / p.state_total());
+}
+
+const char* ngram_table_name(NgramTable t) noexcept {
+  switch (t) {
+    case NgramTable::Device:
+      return "device";
+    case NgramTable::Host:
+      return "host";
+    case NgramTable::Auto:
+      return "auto";
+  }
+  return "?";
+}
+
+NgramTable parse_ngram_table(std::string_view name) {
+  for (NgramTable t : {NgramTable::Device, NgramTable::Host, NgramTable::Auto})
+    if (name == ngram_table_name(t)) return t;
+  FN_THROW(Usage, "--ngram-table: '{}' is not one of device, host, auto", name);
+}
+
+NgramPlacement place_ngram_table(NgramTable requested, const MemoryPlan& device_plan,
+                                 uint64_t free_bytes, double utilization) {
+  FN_REQUIRE(utilization > 0.0 && utilization <= 1.0, Usage,
+             "--gpu-memory-utilization must be in (0, 1], got {}", utilization);
+  const auto it = device_plan.weights.find("ple.ngram");
+  const uint64_t table = it == device_plan.weights.end() ? 0 : it->second;
+  if (table == 0) return {false, "no n-gram table on this rank"};
+  if (requested == NgramTable::Device) return {false, "--ngram-table device"};
+  if (requested == NgramTable::Host) return {true, "--ngram-table host"};
+  const uint64_t budget =
+      static_cast<uint64_t>(utilization * static_cast<double>(free_bytes));  // floor
+  const uint64_t need = device_plan.total();
+  if (need <= budget)
+    return {false, fmt::format("auto: {} with the table on the device fits {} ({} x {} free)",
+                               human(need), human(budget), utilization, human(free_bytes))};
+  return {true,
+          fmt::format("auto: {} with the table on the device exceeds {} ({} x {} free); the "
+                      "table's {} goes to pinned host memory",
+                      human(need), human(budget), utilization, human(free_bytes), human(table))};
+}
+
+uint64_t parse_mem_available(std::string_view meminfo) {
+  constexpr std::string_view kKey = "MemAvailable:";
+  std::size_t at = meminfo.find(kKey);
+  while (at != std::string_view::npos && at > 0 && meminfo[at - 1] != '\n')
+    at = meminfo.find(kKey, at + 1);
+  FN_REQUIRE(at != std::string_view::npos, Format, "/proc/meminfo has no MemAvailable line");
+  std::size_t i = at + kKey.size();
+  while (i < meminfo.size() && meminfo[i] == ' ') ++i;
+  uint64_t kb = 0;
+  const auto [end, ec] = std::from_chars(meminfo.data() + i, meminfo.data() + meminfo.size(), kb);
+  FN_REQUIRE(ec == std::errc() && end != meminfo.data() + i && kb < (uint64_t{1} << 53), Format,
+             "/proc/meminfo: MemAvailable is not a number of kB");
+  return kb * 1024;
+}
+
+uint64_t host_mem_available() {
+  std::ifstream in("/proc/meminfo");
+  FN_REQUIRE(in.good(), Io, "/proc/meminfo: cannot open (MemAvailable for --ngram-table host)");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_mem_available(ss.str());
+}
+
+void require_host_fits(uint64_t need, uint64_t available, const std::string& what) {
+  FN_REQUIRE(need <= available, Usage,
+             "{}: the n-gram table in host memory (--ngram-table host) needs {} of pinned host "
+             "memory, {} available (MemAvailable, /proc/meminfo): use --ngram-table device or "
+             "more GPUs (--tp)",
+             what, human(need), human(available));
 }
 
 std::string format_memory_table(const std::vector<MemoryPlan>& plans) {
@@ -181,6 +267,9 @@ std::string format_memory_table(const std::vector<MemoryPlan>& plans) {
   row("workspace (estimate)", [](const MemoryPlan& p) { return p.workspace; });
   if (any_reserve) row("reserve", [](const MemoryPlan& p) { return p.reserve; });
   row("total", [](const MemoryPlan& p) { return p.total(); });
+  bool any_host = false;
+  for (const MemoryPlan& p : plans) any_host = any_host || p.ngram_host > 0;
+  if (any_host) row("n-gram table (host)", [](const MemoryPlan& p) { return p.ngram_host; });
   return s;
 }
 
@@ -197,7 +286,8 @@ nlohmann::json memory_plan_json(const MemoryPlan& p) {
           {"ple_conv_state", p.ple_conv_state},
           {"workspace_estimate", p.workspace},
           {"reserve", p.reserve},
-          {"total", p.total()}};
+          {"total", p.total()},
+          {"ngram_host", p.ngram_host}};
 }
 
 void require_fits(const MemoryPlan& p, uint64_t free_bytes, const std::string& what) {
@@ -208,11 +298,14 @@ void require_fits(const MemoryPlan& p, uint64_t free_bytes, const std::string& w
   if (p.ple_conv_state > 0) parts += fmt::format(", PLE conv {}", human(p.ple_conv_state));
   parts += fmt::format(", workspace ~{}", human(p.workspace));
   if (p.reserve > 0) parts += fmt::format(", reserve {}", human(p.reserve));
+  const auto table = p.weights.find("ple.ngram");
+  const bool table_on_device = table != p.weights.end() && table->second > 0;
   FN_THROW(Usage,
            "{}: a {}-token context at TP={} needs {:.2f} GiB per GPU ({}), {:.2f} GiB free ({} "
-           "short): lower -c/--ctx-size or use more GPUs (--tp)",
+           "short): lower -c/--ctx-size or use more GPUs (--tp){}",
            what, p.ctx_size, p.tp_size, gib(p.total()), parts, gib(free_bytes),
-           human(p.total() - free_bytes));
+           human(p.total() - free_bytes),
+           table_on_device ? ", or keep the n-gram table in host memory (--ngram-table host)" : "");
 }
 
 }  // namespace fn

@@ -25,6 +25,9 @@ expect 2 "--backend: bogus not in {cpu,cuda,auto}" -- "$fngen" generate -m "$fx/
 expect 2 "--backend: bogus not in {cpu,cuda,auto}" -- "$fngen" eval ppl -m "$fx/tp4" --ids-file x --backend bogus
 expect 2 "--allreduce: bogus not in {auto,custom,nccl}" -- "$fngen" generate -m "$fx/tp4" --prompt-ids 1 --allreduce bogus
 expect 2 "--allreduce: bogus not in {auto,custom,nccl}" -- "$fngen" eval score -m "$fx/tp4" -i x --allreduce bogus
+expect 2 "--ngram-table: bogus not in {device,host,auto}" -- "$fngen" generate -m "$fx/tp4" --prompt-ids 1 --ngram-table bogus
+expect 2 "--gpu-memory-utilization must be in (0, 1], got 0" -- "$fngen" generate -m "$fx/tp4" --prompt-ids 1 --gpu-memory-utilization 0
+expect 2 "--gpu-memory-utilization must be in (0, 1], got 1.5" -- "$fngen" bench -m "$fx/tp4" -p 4 -n 2 --gpu-memory-utilization 1.5
 [ -s "$tmp/out" ] && fail "a usage error printed results on stdout"
 
 # ---- --backend cuda without a usable GPU: exit 2, one message saying why ----
@@ -71,6 +74,13 @@ grep -q "apply to the cuda backend only; ignored on cpu" "$tmp/err" &&
   echo "ok: cuda-only flags on cpu are reported as ignored" || fail "no note on ignored flags"
 [ "$(tr -d ' \n' <"$tmp/out")" = "$($py -c "print(''.join(map(str,$want)))")" ] &&
   echo "ok: --no-graph on cpu prints the same ids" || fail "ids printed: $(cat "$tmp/out")"
+# --ngram-table is a cuda placement: the cpu backend notes it and prints the same ids.
+mpi 1 generate -m "$fx/tp4" --prompt-ids "$ids" --temp 0 --ignore-eos -n 8 --json --backend cpu \
+  --ngram-table host >"$tmp/ng.json" 2>"$tmp/err" || fail "--ngram-table host on cpu: $(tail -n 3 "$tmp/err")"
+check_json "$tmp/ng.json" "j['backend'] == 'cpu' and j['token_ids'] == $want" \
+  "--ngram-table host on cpu: the same 8 greedy ids"
+grep -q -- "--ngram-table applies to the cuda backend only; ignored on cpu" "$tmp/err" &&
+  echo "ok: --ngram-table on cpu is reported as ignored" || fail "no note on --ngram-table: $(cat "$tmp/err")"
 # --check-choices (the cross-rank hash of every step's expert ids and indexer blocks): the ranks
 # agree, so the run succeeds with the same ids, at -np 2 and 4 (tp4 has QSA layers).
 for np in 2 4; do

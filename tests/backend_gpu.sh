@@ -69,6 +69,28 @@ assert ids("cuda1") == ids("eager1") == ids("auto1"), (ids("cuda1"), ids("eager1
 assert ids("cuda2_auto") == ids("eager2") == ids("cuda2_nccl"), (ids("cuda2_auto"), ids("eager2"))
 EOF
 
+# The n-gram table in pinned host memory (--ngram-table host, or auto under a budget too small for
+# the table: --gpu-memory-utilization 1e-9): the same logits, so the same greedy ids as the
+# device-resident table, at -np 1 and 2; the load logs the placement and its reason.
+run host1 1 --backend cuda --ngram-table host
+run autohost1 1 --backend cuda --gpu-memory-utilization 1e-9
+run host2 2 --backend cuda --ngram-table host
+run eagerhost2 2 --backend cuda --ngram-table host --no-graph
+$py - "$tmp" <<'EOF' && echo "ok: a host-resident n-gram table gives the device table's ids" || fail "host vs device table ids differ"
+import json, sys
+d = sys.argv[1]
+ids = lambda n: json.load(open(f"{d}/{n}.json"))["token_ids"]
+assert ids("cuda1") == ids("host1") == ids("autohost1"), (ids("cuda1"), ids("host1"), ids("autohost1"))
+assert ids("cuda2_auto") == ids("host2") == ids("eagerhost2"), (ids("cuda2_auto"), ids("host2"))
+EOF
+grep -q "n-gram table: pinned host memory (auto: .* exceeds .* goes to pinned host memory)" "$tmp/autohost1.err" &&
+  grep -q "MiB n-gram table in pinned host memory" "$tmp/autohost1.err" &&
+  echo "ok: auto under a small --gpu-memory-utilization logs the host placement and why" ||
+  fail "auto placement log: $(cat "$tmp/autohost1.err")"
+grep -q "n-gram table: device memory (auto: .* fits " "$tmp/cuda1.err" &&
+  echo "ok: auto on a roomy card keeps the table on the device and says why" ||
+  fail "auto device placement log: $(cat "$tmp/cuda1.err")"
+
 # eval on cuda: ppl over the fixture's prompt + generated ids, backend cuda, finite.
 $py -c "import json; j=json.load(open('$fx/tp4/expected.json')); \
 print(','.join(map(str, j['prompt_ids'] + j['generated_ids'])))" >"$tmp/ids.txt"
@@ -80,6 +102,15 @@ sys.exit(0 if j['backend']=='cuda' and j['n_chunks']==2 and math.isfinite(j['ppl
 else
   fail "eval ppl --backend cuda exited non-zero: $(tail -n 5 "$tmp/err")"
 fi
+
+# eval with the table in host memory: the same perplexity as on the device (same logits).
+for t in device host; do
+  mpi 1 eval ppl -m "$fx/tp4" --ids-file "$tmp/ids.txt" -c 32 --json --backend cuda \
+    --ngram-table $t >"$tmp/ppl_$t.json" 2>"$tmp/err" || fail "eval ppl --ngram-table $t: $(tail -n 5 "$tmp/err")"
+done
+$py -c "import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:]); sys.exit(0 if a['ppl']==b['ppl'] else 1)" \
+  "$tmp/ppl_device.json" "$tmp/ppl_host.json" && echo "ok: eval ppl is the same with the table in host memory" ||
+  fail "eval ppl differs: $(cat "$tmp/ppl_device.json" "$tmp/ppl_host.json")"
 
 echo "backend_gpu: $failures failure(s)"
 [ "$failures" = 0 ]

@@ -12,3 +12,10 @@ if(TARGET fngen_cuda)
   target_compile_definitions(test_cuda_model_realwidth PRIVATE
                              FN_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
 endif()
+# The n-gram table in pinned host memory against the device-resident one: bitwise the same logits
+# on the fixtures (TP=1 and TP=2), with random weights (tiny and a 4-layer real-width slice with
+# the 47.7 GiB table), and auto's decision under --gpu-memory-utilization.
+if(TARGET fngen_cuda)
+  fn_add_test(NAME test_cuda_ngram_host SOURCES test_cuda_ngram_host.cpp LIBS fngen_cuda
+              LABEL gpu MPI NP 2 TIMEOUT 1200)
+endif()

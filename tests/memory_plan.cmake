@@ -7,3 +7,6 @@ if(TARGET fngen_cuda)
               LABEL cpu)
 endif()
 set_tests_properties(test_memory_plan PROPERTIES LABELS "cpu;heavy")  # see tests/model.cmake
+# Where the n-gram table lives (--ngram-table): auto's rule, both placements' plans, the
+# sequences that fit, the MemAvailable check, inspect's tables.
+fn_add_test(NAME test_ngram_placement SOURCES test_ngram_placement.cpp LABEL cpu)

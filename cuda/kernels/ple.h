@@ -28,7 +28,8 @@ struct NgramGatherParams {
   int num_heads = 0;              ///< (ngram_size-1) * heads_per_ngram, 1..32 (16 real)
   int heads_per_ngram = 0;        ///< NgramConstants::heads_per_ngram (8 real)
   /// This rank's contiguous table rows [row_count, head_dim]: F8_E4M3 codes (1 byte) or BF16 bits
-  /// (2 bytes, 2-byte aligned), see fp8.
+  /// (2 bytes, 2-byte aligned), see fp8. Device memory, or the device pointer of pinned, mapped
+  /// host memory (cudaHostGetDevicePointer; `--ngram-table host`): the kernels only read it.
   const uint8_t* rows = nullptr;
   int64_t first_row = 0;  ///< full-table index of rows[0] (shard_index * rows_per_shard)
   int64_t row_count = 0;  ///< rows held here, >= 0

@@ -24,7 +24,7 @@ __global__ void random_fill_kernel(RandomFillParams p, uint64_t key) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.count;
        i += stride) {
-    const uint64_t r = mix64(key ^ mix64(static_cast<uint64_t>(i)));
+    const uint64_t r = mix64(key ^ mix64(static_cast<uint64_t>(p.first + i)));
     switch (p.kind) {
       case RandomFill::Uniform: {
         const float u = static_cast<float>(r >> 40) * (1.0f / 16777216.0f);  // [0, 1)
@@ -55,7 +55,7 @@ __global__ void random_fill_kernel(RandomFillParams p, uint64_t key) {
 
 void launch_random_fill(const RandomFillParams& p, cudaStream_t stream) {
   constexpr const char* op = "launch_random_fill";
-  FN_LAUNCH_REQUIRE(p.count >= 0, op);
+  FN_LAUNCH_REQUIRE(p.count >= 0 && p.first >= 0, op);
   if (p.count == 0) return;
   FN_LAUNCH_REQUIRE(p.dst != nullptr, op);
   if (p.kind == RandomFill::Uniform) {

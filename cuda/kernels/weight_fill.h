@@ -1,7 +1,8 @@
 // Random weight generation in device memory for the in-memory full-geometry model
-// (CudaModel::random): fills a device tensor with values drawn per
-// core/synth.h's rules without staging anything on the host, so the real 48-layer geometry
-// (120 GB at TP=1) loads in seconds. Each element depends only on (seed, stream, index).
+// (CudaModel::random; pieces of a tensor for its host-resident n-gram table): fills a device tensor
+// with values drawn per core/synth.h's rules without staging anything on the host, so the real
+// 48-layer geometry (120 GB at TP=1) loads in seconds. Each element depends only on (seed, stream,
+// index).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,6 +30,9 @@ struct RandomFillParams {
   float lo = -1.0f, hi = 1.0f;  ///< Uniform range
   uint64_t seed = 0;            ///< model seed
   uint64_t stream = 0;          ///< per-tensor stream id (e.g. a hash of the tensor name)
+  /// Index of dst[0] in the tensor: element i of dst gets the value of tensor element first + i,
+  /// so a tensor filled in pieces holds the bytes of one whole fill. >= 0.
+  int64_t first = 0;
 };
 
 /// Enqueues the fill on `stream`. Throws fn::Error(Internal) on a null pointer, a negative count

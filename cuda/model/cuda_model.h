@@ -16,9 +16,11 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "core/config.h"
+#include "core/memory_plan.h"
 #include "core/sampler.h"
 
 namespace fn {
@@ -49,6 +51,15 @@ struct CudaModelOptions {
   /// one left. Capped at ctx_size; the pass buffers (allocated on the first prefill()) scale with
   /// it: about 0.3 MB per token at the real TP=1 geometry. >= 1.
   int64_t prefill_chunk = 8192;
+  /// Where the PLE n-gram table lives (`--ngram-table`, core/memory_plan.h place_ngram_table):
+  /// Host keeps this rank's rows in pinned, device-mapped host memory that the gather kernels read
+  /// over PCIe / C2C (decode: a forked branch at the start of the step; prefill: one pass per
+  /// chunk); Auto picks Host when the model with the table does not fit gpu_memory_utilization
+  /// of the free device memory. Same logits either way.
+  NgramTable ngram_table = NgramTable::Auto;
+  /// `--gpu-memory-utilization`: the fraction of the free device memory (at load) Auto lets the
+  /// model use with the table on the device, in (0, 1].
+  double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
 };
 
 /// Which logits CudaModel::prefill returns.
@@ -80,8 +91,10 @@ enum class StepFamily : int {
   SharedExpert,
   AllReduce,  ///< every all-reduce of the step (TP > 1; PLE, mixer, MoE, logits)
   LmHead,     ///< lm_head GEMV, logit scatter, sampling, n-gram context and position advance
-  Ple,        ///< PLE: n-gram gather, key/value GEMV, apply (its all-reduce is AllReduce)
-  Other,      ///< the embedding row and anything else
+  /// PLE: n-gram gather, key/value GEMV, apply (its all-reduce is AllReduce); with the table
+  /// in host memory the gather runs on a side stream from the step's start, timed in no family
+  Ple,
+  Other,  ///< the embedding row and anything else
 };
 inline constexpr int kStepFamilyCount = 10;
 /// "hc", "gdn", "qsa", "router", "moe_routed", "shared_expert", "all_reduce", "lm_head",
@@ -106,6 +119,11 @@ struct CudaLoadStats {
   double seconds = 0;         ///< wall time of the weight load
   uint64_t weight_bytes = 0;  ///< device bytes held by weights
   uint64_t state_bytes = 0;   ///< device bytes of caches, states and activations
+  /// Pinned host bytes of the n-gram table (CudaModelOptions::ngram_table resolved to Host),
+  /// else 0.
+  uint64_t ngram_host_bytes = 0;
+  /// Where the n-gram table went and why (place_ngram_table's reason), e.g. "--ngram-table host".
+  std::string ngram_placement;
 };
 
 /// One TP rank's CUDA model and sequence state.
@@ -118,7 +136,11 @@ class CudaModel {
   /// Format for models this backend does not run (BF16 experts, ple_embed_dim != hidden_size,
   /// hc_count != 4, hidden_size > 2560, a per-rank shared-expert intermediate size that is not a
   /// multiple of 8 in [8, 8192]), Cuda when device memory runs out (naming the bytes needed).
-  /// Logs the kernel plan (cuda/model/kernel_plan.h) at debug level on rank 0.
+  /// Logs the kernel plan (cuda/model/kernel_plan.h) at debug level on rank 0, and where the
+  /// n-gram table goes and why (options.ngram_table, place_ngram_table) at info level on rank 0.
+  /// With the table in host memory: Usage when the host's MemAvailable is below this rank's share
+  /// of the table (checked before allocating anything),
+  /// Cuda when the pinned allocation fails.
   /// Rank 0 shows a progress line on stderr while the weights stream in (core/progress.h).
   static std::unique_ptr<CudaModel> load(const std::filesystem::path& dir,
                                          const CudaModelOptions& options);
@@ -126,7 +148,9 @@ class CudaModel {
   /// The full geometry of `config` (e.g. configs/qwen3.8-flash-next.json) with random weights
   /// generated directly in device memory, in exactly the layout load() produces (core/synth.h's
   /// distributions; NVFP4 experts with random codes). For benchmarks without a 130 GB file.
-  /// Deterministic in `seed`. Throws as load().
+  /// Deterministic in `seed`; a host-resident n-gram table (options.ngram_table) holds the same
+  /// bytes the device table would (generated on the device shard by shard and copied out), so
+  /// both placements give the same logits. Throws as load().
   /// `quant` is the checkpoint's quantization description (config.json's quantization_config):
   /// it decides which tensors are NVFP4 and whether the n-gram table is FP8.
   static std::unique_ptr<CudaModel> random(const ModelConfig& config, const QuantConfig& quant,

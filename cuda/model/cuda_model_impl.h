@@ -152,7 +152,13 @@ struct DevPle {
   const uint16_t* kv_proj = nullptr;  // [S*P + D, P]: key_proj | value_proj
   float *norm_key = nullptr, *norm_query = nullptr, *norm_conv = nullptr, *conv = nullptr;
   float* conv_state = nullptr;
-  const uint8_t* rows = nullptr;  // this rank's n-gram rows
+  // This rank's n-gram rows: device memory, or with on_host the device-mapped pointer of pinned
+  // host memory (--ngram-table host).
+  const uint8_t* rows = nullptr;
+  bool on_host = false;
+  // on_host: FP32 [ple_embed_dim], the n-gram embedding the decode step gathers at its start on
+  // the side stream (Impl::step_ngram_fork), read by the PLE layer after the join.
+  float* staged = nullptr;
   int64_t first_row = 0, row_count = 0;
   bool fp8 = true;
   float scale = 1.0f;
@@ -316,8 +322,10 @@ struct CudaModel::Impl {
 
   // Plans the kernels, loads every weight from `src` and allocates the states, activations and
   // the test-only buffers of `test` (load.cpp).
+  // `ngram_on_host`: the n-gram tables in pinned, mapped host memory (place_ngram_table).
   void build(const ModelConfig& c, const CudaModelOptions& o, const CudaModelTestOptions& test,
-             model_detail::WeightSource& src, model_detail::CheckpointSource* ck, bool ngram_fp8);
+             model_detail::WeightSource& src, model_detail::CheckpointSource* ck, bool ngram_fp8,
+             bool ngram_on_host);
   // build's parts: layer li's weights and states (at the layout's sizes), the activation block
   // carved at the layout's offsets, the test-only buffers.
   void build_layer(model_detail::Builder& b, const DeviceLayout& lay, int64_t li);
@@ -339,8 +347,12 @@ struct CudaModel::Impl {
     float* H = nullptr;
     bool pending = false;
     int64_t injects = 0, pending_slot = 0;
+    bool ngram_joined = true;  // false from step_ngram_fork until the first PLE layer joins
   };
   void step_embed(Step& st);
+  // Host-resident n-gram tables: forks ngram_stream off the step's start and gathers every such
+  // PLE layer's rows into its `staged` buffer there; step_ple joins before the first use.
+  void step_ngram_fork(Step& st);
   // PLE (MODEL.md §C.4): n-gram gather, all-reduce, key/value GEMV, apply onto the residual.
   void step_ple(Step& st, const model_detail::DevPle& pl);
   // The HC read (hc.h): the split-K down (+ pending inject) pass, then the mix into m (and its
@@ -369,6 +381,13 @@ struct CudaModel::Impl {
   void reset_state(const ModelConfig& c);
   std::vector<std::pair<void*, std::size_t>> state_blocks;  // zeroed by reset_state
 
+  // Host-resident n-gram tables (CudaModelOptions::ngram_table): the pinned allocations, the
+  // side stream of their decode gathers, and its fork and join events (none without them).
+  std::vector<void*> ngram_host;
+  uint64_t ngram_host_bytes = 0;
+  cudaStream_t ngram_stream = nullptr;
+  cudaEvent_t ngram_fork = nullptr, ngram_join = nullptr;
+
   // The batched prefill's buffers and cuBLAS handle (cuda_prefill.cpp), made on first use;
   // shared_ptr because CudaPrefillState is complete only there.
   std::shared_ptr<CudaPrefillState> prefill;
@@ -386,6 +405,11 @@ struct CudaModel::Impl {
     if (host_logits) cudaFreeHost(host_logits);
     if (host_token) cudaFreeHost(host_token);
     if (host_flag) cudaFreeHost(host_flag);
+    if (ngram_stream) cudaStreamSynchronize(ngram_stream);
+    for (void* block : ngram_host) cudaFreeHost(block);
+    if (ngram_fork) cudaEventDestroy(ngram_fork);
+    if (ngram_join) cudaEventDestroy(ngram_join);
+    if (ngram_stream) cudaStreamDestroy(ngram_stream);
     if (stream && own_stream) cudaStreamDestroy(stream);
   }
 };

@@ -347,6 +347,10 @@ struct CudaModel::Impl::PrefillRun {
 void CudaModel::Impl::PrefillRun::ple(const model_detail::DevPle& pl) {
   const int64_t D = c.hidden_size, S = c.hc_count, Pd = c.ple_embed_dim;
   prof.mark(StepFamily::Ple);
+  // The rows of every token of the pass in one launch; with the table in pinned host memory
+  // (pl.on_host, --ngram-table host) pl.rows is its mapped pointer and the same kernel reads them
+  // over PCIe / C2C (M * num_heads rows of ngram_head_dim bytes, 2.5 KiB per token at the real
+  // geometry: ~20 MiB for an 8192-token pass, far below the pass's GEMMs).
   NgramGatherRowsParams ng;
   ng.base = model_detail::ngram_gather_params(c, pl);
   ng.base.context = I.context;

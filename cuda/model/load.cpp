@@ -49,6 +49,9 @@ class WeightSource {
   // Fills dst (device) with the rank's [rows, cols] slice of `name` stored as `dtype`.
   virtual void fill(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init init,
                     void* dst) = 0;
+  // fill() into pinned host memory `dst` (the host-resident n-gram table): the same bytes.
+  virtual void fill_host(const std::string& name, int64_t rows, int64_t cols, DType dtype,
+                         Init init, std::byte* dst) = 0;
   // The rank's slice of a small tensor widened to FP32 on the host ([n] elements).
   virtual std::vector<float> vec(const std::string& name, int64_t n, Init init) = 0;
   // A scalar (weight_scale_2, the n-gram weight_scale).
@@ -104,6 +107,15 @@ class CheckpointSource final : public WeightSource {
              dtype_name(dtype));
     FN_CUDA_CHECK(cudaMemcpy(dst, s.bytes->data(), s.bytes->size(), cudaMemcpyHostToDevice));
     progress_.add(s.bytes->size());
+  }
+  // Reads the slice straight into pinned host memory (no second host copy).
+  void fill_host(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init,
+                 std::byte* dst) override {
+    const std::size_t bytes = static_cast<std::size_t>(rows * cols) * dtype_size(dtype);
+    const DType got = reader_.read_into(name, rows, cols, dst, bytes);
+    FN_CHECK(got == dtype, "'{}' is {}, the CUDA backend expects {}", name, dtype_name(got),
+             dtype_name(dtype));
+    progress_.add(bytes);
   }
   // Waits for the last staged copies and writes the final progress line.
   void finish() {
@@ -162,8 +174,35 @@ class RandomSource final : public WeightSource {
  public:
   RandomSource(const ShardPlan& plan, int rank, uint64_t seed)
       : plan_(plan), rank_(rank), seed_(seed) {}
+  ~RandomSource() override {
+    if (scratch_) cudaFree(scratch_);
+  }
   void fill(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init init,
             void* dst) override {
+    launch_random_fill(params(name, rows, cols, dtype, init, dst), nullptr);
+    bytes_ += static_cast<uint64_t>(rows * cols) * dtype_size(dtype);
+  }
+  // The device fill's values, generated in kScratchBytes pieces on the device (RandomFillParams::
+  // first) and copied out: the host table holds the bytes fill() would give the device table.
+  void fill_host(const std::string& name, int64_t rows, int64_t cols, DType dtype, Init init,
+                 std::byte* dst) override {
+    const int64_t count = rows * cols, size = static_cast<int64_t>(dtype_size(dtype));
+    const int64_t piece = static_cast<int64_t>(kScratchBytes) / size;
+    if (!scratch_) FN_CUDA_CHECK(cudaMalloc(&scratch_, kScratchBytes));
+    for (int64_t first = 0; first < count; first += piece) {
+      RandomFillParams p = params(name, rows, cols, dtype, init, scratch_);
+      p.first = first;
+      p.count = std::min(piece, count - first);
+      launch_random_fill(p, nullptr);
+      // Legacy default stream: after the fill, before the next piece overwrites the scratch.
+      FN_CUDA_CHECK(cudaMemcpy(dst + first * size, scratch_,
+                               static_cast<std::size_t>(p.count * size), cudaMemcpyDeviceToHost));
+    }
+    bytes_ += static_cast<uint64_t>(count * size);
+  }
+  // The fill of the whole [rows, cols] slice of `name` into dst.
+  RandomFillParams params(const std::string& name, int64_t rows, int64_t cols, DType dtype,
+                          Init init, void* dst) const {
     RandomFillParams p;
     p.dst = dst;
     p.count = rows * cols;
@@ -183,8 +222,7 @@ class RandomSource final : public WeightSource {
       p.lo = init == Init::NormPlain ? 0.9f : -a;
       p.hi = init == Init::NormPlain ? 1.1f : a;
     }
-    launch_random_fill(p, nullptr);
-    bytes_ += static_cast<uint64_t>(p.count) * dtype_size(dtype);
+    return p;
   }
   std::vector<float> vec(const std::string& name, int64_t n, Init init) override {
     std::vector<float> v(static_cast<std::size_t>(n));
@@ -236,10 +274,12 @@ class RandomSource final : public WeightSource {
         return 0.1f;
     }
   }
+  static constexpr std::size_t kScratchBytes = std::size_t{64} << 20;
   const ShardPlan& plan_;
   int rank_;
   uint64_t seed_;
   uint64_t bytes_ = 0;
+  void* scratch_ = nullptr;  // device, kScratchBytes: fill_host's pieces
 };
 
 // Upload of a host FP32 vector.
@@ -376,6 +416,9 @@ struct Builder {
   CheckpointSource* ck;  // non-null for the checkpoint path (n-gram shards are read raw)
   DeviceArena& arena;
   bool ngram_fp8;
+  // Non-null: the n-gram tables go to pinned, device-mapped host memory; each allocation is
+  // appended here (the owner frees them with cudaFreeHost).
+  std::vector<void*>* ngram_host = nullptr;
 
   const std::string p = std::string(kPrefix);
 
@@ -500,16 +543,42 @@ struct Builder {
     d.fp8 = ngram_fp8;
     d.row_count = static_cast<int64_t>(held.size()) * rows_per_shard;
     d.first_row = held.empty() ? 0 : held.front() * rows_per_shard;
-    auto* rows = arena.alloc_n<uint8_t>(
-        std::max<int64_t>(d.row_count * hdn, 1) * static_cast<int64_t>(dtype_size(tdt)),
-        "n-gram table rows");
-    for (std::size_t i = 0; i < held.size(); ++i) {
-      const std::string name = fmt::format("{}ngram_embedding.shard_{}.weight", ep, held[i]);
-      src.fill(name, rows_per_shard, hdn, tdt, Init::Embed,
-               rows + static_cast<int64_t>(i) * rows_per_shard * hdn *
-                          static_cast<int64_t>(dtype_size(tdt)));
+    const int64_t shard_bytes = rows_per_shard * hdn * static_cast<int64_t>(dtype_size(tdt));
+    if (ngram_host != nullptr && d.row_count > 0) {
+      // Pinned (the GPU reads it by DMA, no staging) and mapped (a device pointer for the gather
+      // kernels); portable, so the mapping holds in every context of the process. The shards are
+      // read from the files straight into it.
+      const std::size_t bytes = static_cast<std::size_t>(shard_bytes) * held.size();
+      void* h = nullptr;
+      const cudaError_t rc = cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+      if (rc != cudaSuccess) {
+        (void)cudaGetLastError();  // the failed allocation is reported here, not at a later check
+        FN_THROW(Cuda,
+                 "rank {}: cudaHostAlloc of {} bytes of pinned host memory for the n-gram table "
+                 "(--ngram-table host) failed: {}: {}",
+                 o.tp_rank, bytes, cudaGetErrorName(rc), cudaGetErrorString(rc));
+      }
+      ngram_host->push_back(h);
+      for (std::size_t i = 0; i < held.size(); ++i) {
+        const std::string name = fmt::format("{}ngram_embedding.shard_{}.weight", ep, held[i]);
+        src.fill_host(name, rows_per_shard, hdn, tdt, Init::Embed,
+                      static_cast<std::byte*>(h) + static_cast<int64_t>(i) * shard_bytes);
+      }
+      void* mapped = nullptr;
+      FN_CUDA_CHECK(cudaHostGetDevicePointer(&mapped, h, 0));
+      d.rows = static_cast<const uint8_t*>(mapped);
+      d.on_host = true;
+    } else {
+      auto* rows = arena.alloc_n<uint8_t>(
+          std::max<int64_t>(d.row_count * hdn, 1) * static_cast<int64_t>(dtype_size(tdt)),
+          "n-gram table rows");
+      for (std::size_t i = 0; i < held.size(); ++i) {
+        const std::string name = fmt::format("{}ngram_embedding.shard_{}.weight", ep, held[i]);
+        src.fill(name, rows_per_shard, hdn, tdt, Init::Embed,
+                 rows + static_cast<int64_t>(i) * shard_bytes);
+      }
+      d.rows = rows;
     }
-    d.rows = rows;
     d.scale = ngram_fp8 ? src.scalar(ep + "ngram_embedding.weight_scale", std::sqrt(3.0f) / 448.0f)
                         : 1.0f;
   }
@@ -660,7 +729,7 @@ void CudaModel::Impl::alloc_test_buffers(const ModelConfig& c, const CudaModelTe
 
 void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
                             const CudaModelTestOptions& test, WeightSource& src,
-                            CheckpointSource* ck, bool ngram_fp8) {
+                            CheckpointSource* ck, bool ngram_fp8, bool ngram_on_host) {
   if (o.stream) {
     stream = o.stream;
   } else {
@@ -672,7 +741,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
   const DeviceLayout lay = device_layout(c, o.tp_size, o.tp_rank, o.ctx_size);
   FN_CHECK(hc_down_partials(c.hc_count, c.hidden_size) == hc_down_splits(c.hc_count, c.hidden_size),
            "the HC down pass's partials differ from the device layout's");
-  Builder b{c, o, src, ck, arena, ngram_fp8};
+  Builder b{c, o, src, ck, arena, ngram_fp8, ngram_on_host ? &ngram_host : nullptr};
   const int64_t V = c.vocab_size, D = c.hidden_size;
   {
     auto* e = arena.alloc_n<uint16_t>(V * D, "embed_tokens");
@@ -688,6 +757,17 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
   weight_bytes = arena.held() - arena.state_held();
   router_mailbox = static_cast<float*>(arena.alloc_state(lay.router_mailbox, "router mailbox"));
   carve_activations(lay);
+  for (DevLayer& L : layers) {
+    if (!L.has_ple || !L.ple.on_host) continue;
+    L.ple.staged = arena.alloc_n<float>(c.ple_embed_dim, "gathered n-gram rows");
+    ngram_host_bytes +=
+        static_cast<uint64_t>(L.ple.row_count) * c.ngram_head_dim() * (L.ple.fp8 ? 1 : 2);
+    if (ngram_stream == nullptr) {
+      FN_CUDA_CHECK(cudaStreamCreateWithFlags(&ngram_stream, cudaStreamNonBlocking));
+      FN_CUDA_CHECK(cudaEventCreateWithFlags(&ngram_fork, cudaEventDisableTiming));
+      FN_CUDA_CHECK(cudaEventCreateWithFlags(&ngram_join, cudaEventDisableTiming));
+    }
+  }
   const QsaDecodeParams shape = qsa_shape(c, o);
   for (DevLayer& L : layers) {
     if (!L.qsa) continue;
@@ -724,15 +804,34 @@ void CudaModel::Impl::reset_state(const ModelConfig& c) {
 }
 
 namespace {
-// Refuses, before allocating anything, a model + context that does not fit the free device
-// memory (core/memory_plan.h), with the per-category bytes in the message.
-void require_device_memory(const ModelConfig& c, const ShardPlan& plan, const CudaModelOptions& o) {
+// Places the n-gram table (place_ngram_table on the free device memory; logged on rank 0) and
+// refuses, before allocating anything, a model + context that does not fit the free device memory
+// (core/memory_plan.h), or a host-resident table the host's MemAvailable cannot hold, with the
+// bytes in the message.
+NgramPlacement require_device_memory(const ModelConfig& c, const ShardPlan& plan,
+                                     const CudaModelOptions& o) {
   std::size_t free_b = 0, total_b = 0;
   FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   int device = 0;
   FN_CUDA_CHECK(cudaGetDevice(&device));
-  require_fits(plan_device_memory(c, plan, o.tp_rank, o.ctx_size), free_b,
-               fmt::format("rank {} (GPU {})", o.tp_rank, device));
+  const std::string what = fmt::format("rank {} (GPU {})", o.tp_rank, device);
+  const MemoryPlan on_device = plan_device_memory(c, plan, o.tp_rank, o.ctx_size);
+  NgramPlacement placed =
+      place_ngram_table(o.ngram_table, on_device, free_b, o.gpu_memory_utilization);
+  if (!placed.host) {
+    require_fits(on_device, free_b, what);
+  } else {
+    const MemoryPlan on_host = plan_device_memory(c, plan, o.tp_rank, o.ctx_size, true);
+    require_fits(on_host, free_b, what);
+    // This rank's share against what the host has available now. (At TP > 1 the ranks load
+    // side by side without a barrier, so a rank that checks after another one pinned its share
+    // sees less; checking the whole table here could refuse a load that fits.)
+    require_host_fits(on_host.ngram_host, host_mem_available(), what);
+  }
+  if (o.tp_rank == 0)
+    FN_LOG_INFO("n-gram table: {} ({})", placed.host ? "pinned host memory" : "device memory",
+                placed.reason);
+  return placed;
 }
 }  // namespace
 
@@ -752,14 +851,17 @@ std::unique_ptr<CudaModel> CudaModel::load_with(const std::filesystem::path& dir
   const auto t0 = std::chrono::steady_clock::now();
   OpenedModel om = open_model(dir, options.tp_size);
   check_supported(om.config, options, om.quant.quantized());
-  require_device_memory(om.config, om.plan, options);
+  const NgramPlacement placed = require_device_memory(om.config, om.plan, options);
   std::unique_ptr<CudaModel> model(new CudaModel(om.config, options));
   CheckpointSource src(om, options.tp_rank);
-  model->impl_->build(model->cfg_, options, test, src, &src, om.quant.ngram_fp8(om.config));
+  model->impl_->build(model->cfg_, options, test, src, &src, om.quant.ngram_fp8(om.config),
+                      placed.host);
   src.finish();
   model->stats_.bytes = src.bytes();
   model->stats_.weight_bytes = model->impl_->weight_bytes;
   model->stats_.state_bytes = model->impl_->arena.held() - model->impl_->weight_bytes;
+  model->stats_.ngram_host_bytes = model->impl_->ngram_host_bytes;
+  model->stats_.ngram_placement = placed.reason;
   model->stats_.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return model;
@@ -772,14 +874,17 @@ std::unique_ptr<CudaModel> CudaModel::random_with(const ModelConfig& config,
   const auto t0 = std::chrono::steady_clock::now();
   const ShardPlan plan = ShardPlan::build(config, quant, options.tp_size);
   check_supported(config, options, quant.quantized());
-  require_device_memory(config, plan, options);
+  const NgramPlacement placed = require_device_memory(config, plan, options);
   std::unique_ptr<CudaModel> model(new CudaModel(config, options));
   RandomSource src(plan, options.tp_rank, seed);
-  model->impl_->build(model->cfg_, options, test, src, nullptr, quant.ngram_fp8(config));
+  model->impl_->build(model->cfg_, options, test, src, nullptr, quant.ngram_fp8(config),
+                      placed.host);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   model->stats_.bytes = src.bytes();
   model->stats_.weight_bytes = model->impl_->weight_bytes;
   model->stats_.state_bytes = model->impl_->arena.held() - model->impl_->weight_bytes;
+  model->stats_.ngram_host_bytes = model->impl_->ngram_host_bytes;
+  model->stats_.ngram_placement = placed.reason;
   model->stats_.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return model;

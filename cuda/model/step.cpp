@@ -8,6 +8,18 @@
 // HC inject ; HC read ; MoE (router + shared gate/up + top-k, NVFP4 gate-up, down, shared down +
 // combine) ; all-reduce ; HC inject } -> final mixer -> lm_head (vocab slice) -> scatter +
 // all-reduce (= all-gather) -> [sample -> next token id] -> n-gram context and position advance.
+//
+// With the n-gram table in pinned host memory (--ngram-table host), the gather reads its 16 rows
+// (2.5 KiB at the real geometry) over PCIe / C2C: a round trip of a few microseconds that no other
+// work of the step needs. Its inputs are final when the step starts: the token id is the last
+// thing the step before wrote (its sample, or the host's copy), and the n-gram context was
+// advanced before that sample. So the step forks a side stream at its start (step_ngram_fork):
+// there the gather runs beside the embedding and the whole first decoder layer (HC reads, mixer,
+// MoE: tens of microseconds at the real geometry), and the PLE layer (the second one of the real
+// model, ple_layer_ids [2]; the first PLE layer in general) joins it before its all-reduce or GEMV.
+// The device-resident table keeps its gather inside the PLE layer, where its device-memory read
+// costs less than an extra graph branch. The join's kernel waits (pdl_wait) for every predecessor,
+// the gather included, before it reads the gathered rows (cuda/common/pdl.cuh's contract).
 #include "comm/device_all_reduce.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/kernels/decode_ops.h"
@@ -26,6 +38,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
                                   const DeviceSamplingParams* sampling) {
   Step st{c, o, rank_dims(c, o.tp_size, o.tp_rank)};
   st.H = H;
+  step_ngram_fork(st);
   step_embed(st);
   int64_t qsa_index = 0;
   for (std::size_t li = 0; li < layers.size(); ++li) {
@@ -76,18 +89,41 @@ void CudaModel::Impl::step_embed(Step& st) {
   launch_embed(ep, stream);
 }
 
+void CudaModel::Impl::step_ngram_fork(Step& st) {
+  if (ngram_stream == nullptr) return;
+  FN_CUDA_CHECK(cudaEventRecord(ngram_fork, stream));
+  FN_CUDA_CHECK(cudaStreamWaitEvent(ngram_stream, ngram_fork, 0));
+  for (const DevLayer& L : layers) {
+    if (!L.has_ple || !L.ple.on_host) continue;
+    NgramGatherParams ng = ngram_gather_params(st.c, L.ple);
+    ng.token = token;
+    ng.context = context;
+    ng.out = L.ple.staged;
+    launch_ngram_gather(ng, ngram_stream);
+  }
+  FN_CUDA_CHECK(cudaEventRecord(ngram_join, ngram_stream));
+  st.ngram_joined = false;
+}
+
 void CudaModel::Impl::step_ple(Step& st, const DevPle& pl) {
   const ModelConfig& c = st.c;
   step_settle(st);  // the residual the PLE adds to must hold the last block's inject
   mark(StepFamily::Ple);
-  NgramGatherParams ng = ngram_gather_params(c, pl);
-  ng.token = token;
-  ng.context = context;
-  ng.out = e_ng;
-  launch_ngram_gather(ng, stream);
-  step_all_reduce(st, e_ng, c.ple_embed_dim);
+  float* e = e_ng;
+  if (pl.on_host) {  // gathered at the step's start (step_ngram_fork)
+    if (!st.ngram_joined) FN_CUDA_CHECK(cudaStreamWaitEvent(stream, ngram_join, 0));
+    st.ngram_joined = true;
+    e = pl.staged;
+  } else {
+    NgramGatherParams ng = ngram_gather_params(c, pl);
+    ng.token = token;
+    ng.context = context;
+    ng.out = e_ng;
+    launch_ngram_gather(ng, stream);
+  }
+  step_all_reduce(st, e, c.ple_embed_dim);
   mark(StepFamily::Ple);
-  launch_gemv_bf16(pl.kv_proj, c.hc_count * c.ple_embed_dim + c.hidden_size, c.ple_embed_dim, e_ng,
+  launch_gemv_bf16(pl.kv_proj, c.hc_count * c.ple_embed_dim + c.hidden_size, c.ple_embed_dim, e,
                    DType::F32, kvp, DType::F32, stream);
   PleApplyParams pa = ple_apply_params(c, pl);
   pa.kv = kvp;

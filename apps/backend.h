@@ -26,7 +26,7 @@ namespace fn {
 
 class MpiContext;
 
-/// The backend flags shared by generate and eval (DESIGN.md "CLI names").
+/// The backend flags shared by generate and eval (docs/design.md "CLI names").
 struct BackendFlags {
   std::string backend = "auto";    ///< cpu | cuda | auto
   int64_t tp = 0;                  ///< --tp; 0 = unset, else must equal the MPI world size

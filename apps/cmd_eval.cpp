@@ -1,5 +1,5 @@
-// `fngen eval`: scripted quality evaluation (DESIGN.md "Same engine, other front ends";
-// background/ecosystem-cli-and-libraries.md §a.7), launched like generate: `mpirun -np N fngen
+// `fngen eval`: scripted quality evaluation (docs/design.md "Same engine, other front ends";
+// docs/cli.md "eval"), launched like generate: `mpirun -np N fngen
 // eval <ppl|dump-logits|kld|score> -m DIR ...`, TP = world size, rank 0 reads every input and
 // broadcasts the token ids, every rank runs the backend, rank 0 prints. The math and the
 // reference-logits file format live in core/eval.h; this file is wiring only.

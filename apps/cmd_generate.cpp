@@ -1,4 +1,4 @@
-// `fngen generate`: the main job (DESIGN.md "The main job, end to end"), launched as
+// `fngen generate`: the main job (docs/design.md "The main job, end to end"), launched as
 // `mpirun -np N fngen generate -m DIR -p "..."`. TP size = world size; the model is loaded by
 // apps/backend.h (--backend cpu|cuda|auto), the CPU one with MpiCollectives over MPI_COMM_WORLD.
 // Rank 0 reads the tokenizer and the prompt(s) and broadcasts the token ids; every rank runs the

@@ -53,7 +53,7 @@ ChatMode default_chat_mode(const TokenizeOptions& o) {
       if (type.rfind("qwen3", 0) == 0) return ChatMode::Qwen3;
     }
   }
-  return ChatMode::Qwen38;  // DESIGN.md: the default for qwen4_exp models
+  return ChatMode::Qwen38;  // docs/design.md: the default for qwen4_exp models
 }
 
 ChatOptions chat_options(const TokenizeOptions& o) {

@@ -1,5 +1,5 @@
 // fngen entry point: CLI11 parsing, MPI start-up and the one error funnel of the process
-// (STYLE.md "Errors and logs"): an fn::Error is logged once with the rank prefix and every
+// (docs/design.md "Decisions", errors): an fn::Error is logged once with the rank prefix and every
 // rank ends with the exit code of its kind (MPI_Abort when several ranks run).
 #include <algorithm>
 #include <chrono>

@@ -1,5 +1,5 @@
 // fn::Collectives over an MPI communicator: the CPU backend's tensor-parallel exchange
-// (MODEL.md §E.2: all-reduce after each GDN/QSA and MoE block, the PLE n-gram embedding, the
+// (docs/model.md §E.2: all-reduce after each GDN/QSA and MoE block, the PLE n-gram embedding, the
 // logits gather). Created by apps/ and the mpi tests on MPI_COMM_WORLD or a split of it.
 // Invariants: all_reduce_sum gathers every contribution and sums in rank order 0..size-1 on every
 // rank, so its result is bit-identical on all ranks and independent of Open MPI's algorithm.

@@ -1,4 +1,4 @@
-// Backend: one rank's loaded model as every caller sees it (DESIGN.md "Backends"): the load-time
+// Backend: one rank's loaded model as every caller sees it (docs/design.md "Backends"): the load-time
 // facts, the sequence it runs (reset, one forward step, a prefill of many tokens) and, where the
 // backend has them, sampling on the device and the benchmark probes. Implemented by the CPU
 // reference backend (core/cpu_backend.h) and the CUDA backend (cuda/model/cuda_backend.h); the

@@ -17,7 +17,7 @@
 
 namespace fn {
 
-/// The tensors of one checkpoint directory (MODEL.md §B.1: always resolved through the index).
+/// The tensors of one checkpoint directory (docs/model.md §B.1: always resolved through the index).
 class Checkpoint {
  public:
   /// Opens `dir`. Throws fn::Error(Io) if dir is not a directory, a file cannot be opened, the

@@ -1,5 +1,5 @@
 // Exact scalar codecs for the checkpoint element types (E2M1, FP8 E4M3/E5M2, BF16, FP16) and the
-// NVFP4 row (de)quantizer of MODEL.md §B.4. Called by the CPU backend (dequantization), the
+// NVFP4 row (de)quantizer of docs/model.md §B.4. Called by the CPU backend (dequantization), the
 // checkpoint writer `fngen synth` (quantization) and tests. Decoders are table lookups or exact
 // bit manipulation (no rounding); encoders round to nearest, ties to even, as documented per call.
 #pragma once
@@ -9,10 +9,10 @@
 namespace fn {
 
 /// E2M1 (FP4) code -> float. Only the low 4 bits are read: bit 3 is the sign, bits 0-2 index the
-/// magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; code 8 is -0 (MODEL.md §B.4).
+/// magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}; code 8 is -0 (docs/model.md §B.4).
 float e2m1_to_float(uint8_t code) noexcept;
 /// float8_e4m3fn -> float: bias 7, no infinities, 0x7F/0xFF are NaN, exponent 0 is subnormal
-/// (m/8 * 2^-6), max finite ±448 (MODEL.md §B.4, §B.5).
+/// (m/8 * 2^-6), max finite ±448 (docs/model.md §B.4, §B.5).
 float e4m3_to_float(uint8_t code) noexcept;
 /// float8_e5m2 -> float: IEEE-like, bias 15, exponent 31 is inf (mantissa 0) or NaN.
 float e5m2_to_float(uint8_t code) noexcept;
@@ -35,10 +35,10 @@ uint8_t float_to_e4m3(float value) noexcept;
 uint8_t float_to_e2m1(float value) noexcept;
 
 /// NVFP4 global scale (`weight_scale_2`, a multiplier) for a tensor whose largest magnitude is
-/// `amax`: amax / (6 * 448), so the largest block scale lands on the E4M3 maximum (MODEL.md §B.4).
+/// `amax`: amax / (6 * 448), so the largest block scale lands on the E4M3 maximum (docs/model.md §B.4).
 float nvfp4_global_scale(float amax) noexcept;
 
-/// Dequantizes one NVFP4 row of k elements (MODEL.md §B.4):
+/// Dequantizes one NVFP4 row of k elements (docs/model.md §B.4):
 /// out[i] = e2m1(code i) * e4m3(block_scales[i / 16]) * global_scale, where byte j of `packed`
 /// holds element 2j in its low nibble and 2j+1 in its high nibble.
 /// packed: [k/2] U8, block_scales: [k/16] F8_E4M3, out: [k] F32. k must be a positive multiple

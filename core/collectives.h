@@ -1,8 +1,8 @@
 // The collectives interface through which the CPU backend (and anything else in core/) reaches
-// its tensor-parallel peers without seeing MPI (DESIGN.md "Layout"). comm/mpi_collectives.h
+// its tensor-parallel peers without seeing MPI (docs/design.md "Layout"). comm/mpi_collectives.h
 // implements it over MPI; LocalCollectives below is the one-rank case used by TP=1 runs and tests.
 // Invariant: every rank calls the same collectives in the same order with the same sizes, and a
-// collective's result is bit-identical on every rank (MODEL.md §E.3). No wait is unbounded: a
+// collective's result is bit-identical on every rank (docs/model.md §E.3). No wait is unbounded: a
 // collective that waits longer than stall_timeout() for a peer names it in an fn::Error(Mpi).
 #pragma once
 

@@ -170,7 +170,7 @@ void parse_rope(const Fields& f, ModelConfig& c) {
 // Upper bounds on the sizes, checked before anything is sized from them (layer_types is built
 // from num_hidden_layers): a hostile config (num_hidden_layers 10^6, hidden_size 2^62) took all
 // host memory or overflowed the 64-bit byte counts of inspect and the loaders. The real model
-// sits far inside each bound (MODEL.md A.2); every product of bounded sizes fits in 64 bits.
+// sits far inside each bound (docs/model.md A.2); every product of bounded sizes fits in 64 bits.
 void check_size_bounds(const Fields& f, const ModelConfig& c) {
   constexpr int64_t kMaxDim = int64_t{1} << 20;  // a width, head count or head dimension
   constexpr int64_t kMaxSmall = 1024;            // layers, kernel sizes, per-n-gram counts
@@ -294,7 +294,7 @@ void validate(const Fields& f, ModelConfig& c) {
   positive("moe_intermediate_size", c.moe_intermediate_size);
   positive("shared_expert_intermediate_size", c.shared_expert_intermediate_size);
 
-  // Indexer (MODEL.md §G.2): all or none; required when any layer is QSA.
+  // Indexer (docs/model.md §G.2): all or none; required when any layer is QSA.
   const int64_t idx[] = {c.indexer_n_heads, c.indexer_kv_heads, c.indexer_head_dim,
                          c.indexer_budget, c.indexer_compress_ratio};
   const char* idx_names[] = {"indexer_n_heads", "indexer_kv_heads", "indexer_head_dim",
@@ -318,7 +318,7 @@ void validate(const Fields& f, ModelConfig& c) {
                    fmt::format(">= rotary_dim ({})", c.rotary_dim()), c.indexer_head_dim);
   }
 
-  // PLE (MODEL.md §G.2, §C.4).
+  // PLE (docs/model.md §G.2, §C.4).
   if (c.has_ple()) {
     positive("ple_embed_dim", c.ple_embed_dim);
     FN_CONFIG_RULE(c.ngram_size >= 2, f, "ngram_size", ">= 2", c.ngram_size);
@@ -430,7 +430,7 @@ ModelConfig parse_model_config(const json& j, std::string_view source) {
   Fields f(*text, src, prefix);
   ModelConfig c;
   c.source = src;
-  // Geometry fields are required: the class defaults (MODEL.md §G.1) describe no released model,
+  // Geometry fields are required: the class defaults (docs/model.md §G.1) describe no released model,
   // so a checkpoint whose config lacks them is broken rather than "default".
   f.int_field("vocab_size", c.vocab_size, true);
   f.int_field("hidden_size", c.hidden_size, true);

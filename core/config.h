@@ -1,8 +1,8 @@
 // Model, quantization and generation configuration of a qwen4_exp checkpoint directory
 // (config.json, hf_quant_config.json, generation_config.json), parsed and validated once at load.
 // Called by the checkpoint loader, the shard plan, `fngen inspect`/`synth` and both backends.
-// Invariant: a ModelConfig that load/parse returned satisfies every rule of MODEL.md §G.2 plus
-// fngen's own limits; derived quantities (MODEL.md §A.3) are pure functions of its fields.
+// Invariant: a ModelConfig that load/parse returned satisfies every rule of docs/model.md §G.2 plus
+// fngen's own limits; derived quantities (docs/model.md §A.3) are pure functions of its fields.
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>
@@ -16,10 +16,10 @@
 
 namespace fn {
 
-/// Decoder layer kinds. `full_attention` in config.json means QwenSparseAttention (MODEL.md §A.2).
+/// Decoder layer kinds. `full_attention` in config.json means QwenSparseAttention (docs/model.md §A.2).
 enum class LayerType { LinearAttention, QwenSparseAttention };
 
-/// Activation of the GDN output gate (MODEL.md §F.1.2: the real model says sigmoid).
+/// Activation of the GDN output gate (docs/model.md §F.1.2: the real model says sigmoid).
 enum class GateActivation { Sigmoid, Silu };
 
 /// The most routed experts a config may declare (validate refuses more): the CUDA router's top-k
@@ -27,8 +27,8 @@ enum class GateActivation { Sigmoid, Silu };
 /// cuda/kernels/moe_device.cuh); the real model has 512.
 inline constexpr int64_t kMaxNumExperts = 1024;
 
-/// The text_config of a qwen4_exp checkpoint (MODEL.md §A.2), config.json names as member
-/// names. Fields absent from the file take the transformers 5.17 defaults of MODEL.md §G.1.
+/// The text_config of a qwen4_exp checkpoint (docs/model.md §A.2), config.json names as member
+/// names. Fields absent from the file take the transformers 5.17 defaults of docs/model.md §G.1.
 struct ModelConfig {
   std::string source;  ///< the file it came from (for messages)
   int64_t vocab_size = 248320;
@@ -79,7 +79,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::optional<std::string> ple_embedding_dtype;  ///< "float8_e4m3fn" marks an FP8 n-gram table
 
-  // ---- derived quantities (MODEL.md §A.3) ----
+  // ---- derived quantities (docs/model.md §A.3) ----
   /// head_dim · partial_rotary_factor (64 for the real model).
   int64_t rotary_dim() const;
   /// num_attention_heads · 2 · head_dim: query and gate rows interleaved per head (12288).
@@ -105,7 +105,7 @@ struct ModelConfig {
   /// ple_embed_dim / ngram_heads (160): width of one n-gram table row.
   int64_t ngram_head_dim() const { return ple_embed_dim / ngram_heads(); }
   /// Rows of the n-gram table of the PLE layer of rank `ple_layer_rank`: sum of its 16 prime
-  /// head sizes padded to make_ngram_vocab_size_divisible_by (320,001,536; MODEL.md §C.4).
+  /// head sizes padded to make_ngram_vocab_size_divisible_by (320,001,536; docs/model.md §C.4).
   int64_t ngram_table_rows(int ple_layer_rank = 0) const;
   /// True for a QSA layer (0-based index). Throws Internal when out of range.
   bool is_qsa(int64_t layer) const;
@@ -116,9 +116,9 @@ struct ModelConfig {
   /// Rank of 0-based `layer` in ple_layer_indices(), or -1 when it has no PLE.
   int ple_rank(int64_t layer) const;
   bool has_ple() const { return !ple_layer_ids.empty(); }
-  /// EOS used by the n-gram hash: the first eos_token_id (MODEL.md §C.4). Throws when unset.
+  /// EOS used by the n-gram hash: the first eos_token_id (docs/model.md §C.4). Throws when unset.
   int64_t ple_eos() const;
-  /// PLE conv dilation = ngram_size (MODEL.md §A.3).
+  /// PLE conv dilation = ngram_size (docs/model.md §A.3).
   int64_t ple_conv_dilation() const { return ngram_size; }
   /// max attended tokens per query: indexer_budget + indexer_compress_ratio − 1 (2051).
   int64_t qsa_max_attended() const { return indexer_budget + indexer_compress_ratio - 1; }
@@ -140,7 +140,7 @@ struct QuantLayer {
   int64_t group_size = 0;  ///< 0 when absent
 };
 
-/// How the checkpoint is quantized (MODEL.md §A.4). Default-constructed = BF16 checkpoint.
+/// How the checkpoint is quantized (docs/model.md §A.4). Default-constructed = BF16 checkpoint.
 struct QuantConfig {
   enum class Algo { None, Nvfp4, MixedPrecision };
   std::string source;  ///< "hf_quant_config.json", "config.json" or "" when none

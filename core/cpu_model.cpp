@@ -1,4 +1,4 @@
-// CpuModel (see cpu_model.h): loading one rank's slices and the decode step of MODEL.md §C.10.
+// CpuModel (see cpu_model.h): loading one rank's slices and the decode step of docs/model.md §C.10.
 #include "core/cpu_model.h"
 
 #include <algorithm>
@@ -70,7 +70,7 @@ class StoredMatrix final : public cpu::RowMatrix {
   int64_t rows_, cols_;
 };
 
-// An NVFP4 matrix (MODEL.md §B.4): packed E2M1 codes [rows, cols/2], E4M3 block scales
+// An NVFP4 matrix (docs/model.md §B.4): packed E2M1 codes [rows, cols/2], E4M3 block scales
 // [rows, cols/16], one FP32 global scale (weight_scale_2, a multiplier).
 class Nvfp4Matrix final : public cpu::RowMatrix {
  public:
@@ -213,7 +213,7 @@ std::unique_ptr<CpuModel> CpuModel::load(const std::filesystem::path& dir, Colle
              "{}: ple_embed_dim {} != hidden_size {} is not supported by the CPU backend",
              cfg.source, cfg.ple_embed_dim, cfg.hidden_size);
   FN_REQUIRE(cfg.output_gate_type == GateActivation::Sigmoid, Format,
-             "{}: output_gate_type must be sigmoid for qwen4_exp (MODEL.md §F.1.2)", cfg.source);
+             "{}: output_gate_type must be sigmoid for qwen4_exp (docs/model.md §F.1.2)", cfg.source);
   const QuantConfig& quant = om.quant;
   const bool ngram_fp8 = quant.ngram_fp8(cfg);
   std::unique_ptr<CpuModel> model(new CpuModel(cfg, coll));
@@ -246,7 +246,7 @@ void CpuModel::load_weights(const Checkpoint& ck, const ShardPlan& plan, bool ba
   final_mixer_ = std::make_unique<Hc>();
   load_hc(*final_mixer_, p + "hyper_connection_mixer", false);
 
-  // Local geometry (MODEL.md §E.2).
+  // Local geometry (docs/model.md §E.2).
   const RankDims rd = rank_dims(c, tp, r);
   const int64_t Hv_l = rd.linear_v_heads, dv = c.linear_value_head_dim;
   const int64_t conv_l = rd.gdn_conv_dim, Kc = c.linear_conv_kernel_dim;
@@ -271,7 +271,7 @@ void CpuModel::load_weights(const Checkpoint& ck, const ShardPlan& plan, bool ba
       ple->norm_conv = ld.vec(pp + "norm_conv.weight", W);
       ple->conv = to_f32(ld.read(pp + "conv1d.weight", W, c.ple_conv_kernel_size));
       ple->consts = ngram_constants(c, ple_rank);
-      // The stored I64 buffers must equal the config's hash constants (MODEL.md §B.2).
+      // The stored I64 buffers must equal the config's hash constants (docs/model.md §B.2).
       auto check_i64 = [&](const std::string& name, const std::vector<int64_t>& want) {
         const Slice s = ld.read(name, static_cast<int64_t>(want.size()), 1);
         std::vector<int64_t> got(want.size());
@@ -516,7 +516,7 @@ void CpuModel::ple_step(Layer& L, int32_t token, float* H) {
       const std::byte* row =
           sh.data.bytes->data() + static_cast<std::size_t>((id - sh.first_row) * hdn) * es;
       for (int64_t j = 0; j < hdn; ++j) {
-        // FP8: bf16(fp8) is exact, times the BF16 scale, in FP32 (MODEL.md §B.5).
+        // FP8: bf16(fp8) is exact, times the BF16 scale, in FP32 (docs/model.md §B.5).
         E[static_cast<std::size_t>(h * hdn + j)] =
             scalar_to_float(sh.data.dtype, row + j * es) * ple.scale;
       }

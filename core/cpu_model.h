@@ -1,5 +1,5 @@
-// CpuModel: the FP32 CPU reference backend of MODEL.md §C — one decode step at a time, tensor-
-// parallel over a Collectives group exactly per the shard plan (MODEL.md §E.2). Called by the
+// CpuModel: the FP32 CPU reference backend of docs/model.md §C — one decode step at a time, tensor-
+// parallel over a Collectives group exactly per the shard plan (docs/model.md §E.2). Called by the
 // generation loop (`fngen generate --backend cpu`), `fngen eval` and the golden tests; it is the
 // oracle the CUDA backend is compared with. Invariants: weights stay in their checkpoint dtypes
 // (BF16 as uint16, NVFP4 packed codes + E4M3 block scales + FP32 global scale, FP8 n-gram rows)
@@ -24,12 +24,12 @@ namespace fn {
 class Checkpoint;
 class ShardPlan;
 
-/// The loaded model of one TP rank plus the per-sequence state of MODEL.md §C.0.
+/// The loaded model of one TP rank plus the per-sequence state of docs/model.md §C.0.
 class CpuModel {
  public:
   /// Loads the checkpoint directory `dir` (config.json, quantization config, safetensors via the
   /// index) for rank coll.rank() of coll.size(): builds the shard plan, validates every text
-  /// tensor's name, dtype and shape against MODEL.md §B.2 (skipping vision/MTP; the bare
+  /// tensor's name, dtype and shape against docs/model.md §B.2 (skipping vision/MTP; the bare
   /// `model.*` layout is accepted as well as `model.language_model.*`), checks the stored n-gram
   /// I64 buffers against the config, then reads only this rank's slices. Throws fn::Error:
   /// Io/Format for unreadable or invalid files (naming file and tensor), Usage when the TP size
@@ -41,11 +41,11 @@ class CpuModel {
   CpuModel(const CpuModel&) = delete;
   CpuModel& operator=(const CpuModel&) = delete;
 
-  /// One decode step (MODEL.md §C.10) for `token` at position position(): updates every state
+  /// One decode step (docs/model.md §C.10) for `token` at position position(): updates every state
   /// (KV and indexer caches, pooled block keys, GDN conv + recurrent states, PLE conv state,
   /// n-gram context), advances the position, and returns the vocab_size FP32 logits (no masking
   /// of padding rows), identical on every rank. The span stays valid until the next forward() or
-  /// reset(). Prefill is forward() over the prompt tokens in order (MODEL.md §D: the same
+  /// reset(). Prefill is forward() over the prompt tokens in order (docs/model.md §D: the same
   /// function, token by token). Collectives per call at TP > 1: one all-reduce per PLE layer
   /// (2560), two per decoder layer (2560 each), one all-gather of the logits.
   /// Throws fn::Error(Usage) for a token outside [0, vocab_size), fn::Error(Format) with
@@ -53,7 +53,7 @@ class CpuModel {
   /// logits, so every rank throws it).
   std::span<const float> forward(int32_t token);
 
-  /// Prefill: forward() over `tokens` in order (MODEL.md §D; token by token, so prefill(T) is
+  /// Prefill: forward() over `tokens` in order (docs/model.md §D; token by token, so prefill(T) is
   /// prefill(T-1) followed by one decode step by construction). Returns the logits of the last
   /// token (valid until the next call). Throws fn::Error(Usage) for an empty span or a bad id
   /// (the tokens before a bad id have been processed).
@@ -80,9 +80,9 @@ class CpuModel {
   /// choice was made.
   /// Two continuous ops are ill-conditioned at points a BF16 engine cannot resolve either:
   /// ple_gamma = min |gamma| over PLE streams (sign(gamma)·sqrt|gamma| has an infinite slope at
-  /// 0, MODEL.md §C.4 step 5); gdn_head_rms = min over GDN layers and value heads of
+  /// 0, docs/model.md §C.4 step 5); gdn_head_rms = min over GDN layers and value heads of
   /// rms(o_h) / mean_h rms(o_h) before the gated RMSNorm (a near-zero head is rescaled to unit
-  /// RMS, its rounding noise with it, MODEL.md §C.5 step 7).
+  /// RMS, its rounding noise with it, docs/model.md §C.5 step 7).
   struct DecisionMargins {
     double router = HUGE_VAL;
     double indexer = HUGE_VAL;

@@ -1,4 +1,4 @@
-// FP32 reference operations of MODEL.md §C; see cpu_ops.h for the contract of each.
+// FP32 reference operations of docs/model.md §C; see cpu_ops.h for the contract of each.
 #include "core/cpu_ops.h"
 
 #include <algorithm>
@@ -340,7 +340,7 @@ void sigmoid_gate_mul(const float* x, const float* gate, int64_t n, float* out) 
 void route_top_k(const float* logits, int64_t n_experts, int64_t k, bool norm_topk_prob,
                  int32_t* ids, float* weights) {
   FN_CHECK(k > 0 && k <= n_experts, "route_top_k: k={} of {} experts", k, n_experts);
-  // Softmax over all experts (MODEL.md §F.1 item 16), in FP32 values with an FP64 sum.
+  // Softmax over all experts (docs/model.md §F.1 item 16), in FP32 values with an FP64 sum.
   std::vector<float> p(static_cast<size_t>(n_experts));
   const float mx = *std::max_element(logits, logits + n_experts);
   double sum = 0.0;

@@ -1,4 +1,4 @@
-// The FP32 operations of the CPU reference backend (MODEL.md §C), one function per op, on raw
+// The FP32 operations of the CPU reference backend (docs/model.md §C), one function per op, on raw
 // pointers with explicit sizes. Called by CpuModel (core/cpu_model.h) and by the unit tests; the
 // CUDA kernels are checked against the model built from these. Invariants: every op is plain FP32
 // storage with FP64 accumulation in dot products and norm statistics (more exact than the FP32
@@ -12,7 +12,7 @@
 
 namespace fn::cpu {
 
-// Numerics contract of the oracle. DESIGN.md says "FP32 math; activations BF16 between kernels"
+// Numerics contract of the oracle. docs/design.md says "FP32 math; activations BF16 between kernels"
 // for the production path. The oracle's acceptance is max |logit - ref| <= 1e-4 * max |ref| against
 // a transformers FP32 run, so the oracle rounds nowhere: every activation, cache entry and state is
 // FP32. round_to_bf16() below exists for tests that emulate a BF16 path and is not called by
@@ -22,13 +22,13 @@ namespace fn::cpu {
 float round_to_bf16(float x) noexcept;
 
 // ---------------------------------------------------------------------------------------------
-// Scalar activations (MODEL.md §C.3, §C.5, §C.6, §C.7).
+// Scalar activations (docs/model.md §C.3, §C.5, §C.6, §C.7).
 
 /// x * sigmoid(x).
 float silu(float x) noexcept;
 /// 1 / (1 + exp(-x)), stable for large |x|.
 float sigmoid(float x) noexcept;
-/// log(1 + exp(x)), and exactly x for x > 20 (torch's default threshold; MODEL.md §C.5 step 4).
+/// log(1 + exp(x)), and exactly x for x > 20 (torch's default threshold; docs/model.md §C.5 step 4).
 float softplus(float x) noexcept;
 
 // ---------------------------------------------------------------------------------------------
@@ -79,25 +79,25 @@ void gemv_range(const RowMatrix& W, int64_t row_begin, int64_t row_end, int64_t 
                 int64_t col_end, const float* x, float* y);
 
 // ---------------------------------------------------------------------------------------------
-// Norms (MODEL.md §C.2).
+// Norms (docs/model.md §C.2).
 
 /// RMSNorm1p: out = x * rsqrt(mean(x^2) + eps) * (1 + w), n elements; out may alias x.
 void rms_norm_1p(const float* x, const float* w, int64_t n, float eps, float* out) noexcept;
 
 /// GroupRMSNorm1p: rms_norm_1p applied to each consecutive `group` elements of x (n a multiple of
 /// group) with the matching slice of the full-length weight w[n] (10240 distinct values for
-/// 4 x 2560; MODEL.md §C.2, §F.1 item 3). out may alias x.
+/// 4 x 2560; docs/model.md §C.2, §F.1 item 3). out may alias x.
 void group_rms_norm_1p(const float* x, const float* w, int64_t n, int64_t group, float eps,
                        float* out);
 
-/// GDN gated output norm of one head (MODEL.md §C.5 step 7): out = o * rsqrt(mean(o^2) + eps) * w
+/// GDN gated output norm of one head (docs/model.md §C.5 step 7): out = o * rsqrt(mean(o^2) + eps) * w
 /// * sigmoid(z), n elements, plain weight w (not 1 + w), sigmoid gate (output_gate_type).
 /// out may alias o.
 void gated_rms_norm(const float* o, const float* w, const float* z, int64_t n, float eps,
                     float* out) noexcept;
 
 // ---------------------------------------------------------------------------------------------
-// RoPE (MODEL.md §C.9).
+// RoPE (docs/model.md §C.9).
 
 /// NeoX half-split partial RoPE in place on x[0..rotary_dim): for i < rotary_dim/2 the pair is
 /// (x_i, x_{i+rotary_dim/2}) rotated by phi_i = position * theta^(-2i/rotary_dim) (inv_freq and
@@ -106,7 +106,7 @@ void gated_rms_norm(const float* o, const float* w, const float* z, int64_t n, f
 void rope_neox(float* x, int64_t rotary_dim, double theta, int64_t position);
 
 // ---------------------------------------------------------------------------------------------
-// Hyper-connections (MODEL.md §C.3).
+// Hyper-connections (docs/model.md §C.3).
 
 /// HC read of one module: from the residual H [hc_count * D] (stream-major) compute
 ///   N = GroupRMSNorm1p(H; w_norm) (group D), u = silu((W_dn N) / hc_count),
@@ -118,11 +118,11 @@ void hc_read(const float* H, int64_t hc_count, int64_t D, const float* w_norm,
              const RowMatrix& W_dn, const RowMatrix& W_up, const RowMatrix* W_inj, float eps,
              float* m, float* iota);
 
-/// HC inject: H[s*D + i] += iota[s] * y[i] for every stream s (MODEL.md §C.3, after the block).
+/// HC inject: H[s*D + i] += iota[s] * y[i] for every stream s (docs/model.md §C.3, after the block).
 void hc_inject(float* H, int64_t hc_count, int64_t D, const float* iota, const float* y) noexcept;
 
 // ---------------------------------------------------------------------------------------------
-// Causal depthwise convolutions (MODEL.md §C.5 step 2, §C.4 step 7).
+// Causal depthwise convolutions (docs/model.md §C.5 step 2, §C.4 step 7).
 
 /// One step of a causal depthwise conv with SiLU, dilation d, no bias, over C channels:
 ///   out[c] = silu( sum_{j<K-1} w[c*K + j] * hist_c(t - d*(K-1-j)) + w[c*K + K-1] * x[c] )
@@ -134,7 +134,7 @@ void causal_conv_step(const float* x, float* state, const float* w, int64_t C, i
                       int64_t dilation, float* out);
 
 // ---------------------------------------------------------------------------------------------
-// Gated DeltaNet (MODEL.md §C.5).
+// Gated DeltaNet (docs/model.md §C.5).
 
 /// Step 4: per value head h: beta[h] = sigmoid(b[h]); g[h] = -exp(A_log[h]) * softplus(a[h] +
 /// dt_bias[h]). All arrays [Hv].
@@ -151,7 +151,7 @@ void gdn_recurrent_step(const float* q, const float* k, const float* v, const fl
                         float* state, float* out);
 
 // ---------------------------------------------------------------------------------------------
-// Top-k (MODEL.md §F.1 item 15).
+// Top-k (docs/model.md §F.1 item 15).
 
 /// Indices of the k largest of v[0..n), best first. Deterministic tie rule: the higher value wins,
 /// and among equal values the LOWER index wins (so the result is identical on every rank and
@@ -161,7 +161,7 @@ void gdn_recurrent_step(const float* q, const float* k, const float* v, const fl
 std::vector<int32_t> top_k(const float* v, int64_t n, int64_t k);
 
 // ---------------------------------------------------------------------------------------------
-// QSA (MODEL.md §C.6).
+// QSA (docs/model.md §C.6).
 
 /// Indexer block key (step 5): kb = RoPE_{block_start}( RMSNorm1p( mean_{i<ratio} raw[i]; w_kln ) )
 /// where raw is [ratio, ihd] (the raw indexer keys of the block, row stride ihd), mean in FP32
@@ -192,7 +192,7 @@ void gqa_attention(const float* q, int64_t n_q, const int32_t* kv_of_q, const fl
 void sigmoid_gate_mul(const float* x, const float* gate, int64_t n, float* out) noexcept;
 
 // ---------------------------------------------------------------------------------------------
-// MoE (MODEL.md §C.7).
+// MoE (docs/model.md §C.7).
 
 /// Router (step 1): p = softmax(logits) over all n_experts, the top-k (top_k's tie rule), then
 /// w = p_sel / sum p_sel when norm_topk_prob. ids and weights get k entries, best first.
@@ -205,7 +205,7 @@ void swiglu_ffn(const RowMatrix& W_gate, const RowMatrix& W_up, const RowMatrix&
                 const float* x, float* y);
 
 // ---------------------------------------------------------------------------------------------
-// PLE (MODEL.md §C.4).
+// PLE (docs/model.md §C.4).
 
 /// Signed-square-root gate (steps 4-5): for each stream s < S of K, Q [S, P]:
 /// gamma = <K_s, Q_s> / sqrt(P), gt = sign(gamma) * sqrt(max(|gamma|, 1e-6)) (sign(0) = 0),
@@ -215,7 +215,7 @@ void swiglu_ffn(const RowMatrix& W_gate, const RowMatrix& W_up, const RowMatrix&
 void ple_gate(const float* K, const float* Q, const float* V, int64_t S, int64_t P, float* Gv,
               float* gamma_out = nullptr);
 
-/// PLE weights of one layer as the math needs them (MODEL.md §B.2, layer 1).
+/// PLE weights of one layer as the math needs them (docs/model.md §B.2, layer 1).
 struct PleWeights {
   const RowMatrix* key_proj;    ///< [S*P, P]
   const RowMatrix* value_proj;  ///< [D, P] (D == P)

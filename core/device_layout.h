@@ -62,7 +62,7 @@ struct DeviceLayout {
   int tp_rank = 0;
   int64_t ctx_size = 0;
   int64_t qsa_layers = 0, gdn_layers = 0, ple_layers = 0;
-  // Per QSA layer (MODEL.md §C.0, §C.6): the caches and the decode workspace.
+  // Per QSA layer (docs/model.md §C.0, §C.6): the caches and the decode workspace.
   uint64_t k_cache = 0;        ///< BF16 [ctx, Hkv_l * head_dim]
   uint64_t v_cache = 0;        ///< BF16 [ctx, Hkv_l * head_dim]
   uint64_t raw_keys = 0;       ///< FP32 [ctx, indexer_head_dim]

@@ -10,7 +10,7 @@
 namespace fn {
 
 /// safetensors dtypes fngen knows. Sub-byte types do not exist in safetensors: NVFP4 weights are
-/// stored as U8 (two E2M1 codes per byte, low nibble first; MODEL.md §B.4).
+/// stored as U8 (two E2M1 codes per byte, low nibble first; docs/model.md §B.4).
 enum class DType : uint8_t {
   Bool,
   U8,

@@ -1,6 +1,6 @@
 // fn::Error, the one exception type of fngen, and the FN_CHECK family that raises it.
 // Host code throws; main() catches once, logs with the rank prefix and maps the kind to
-// the process exit code (STYLE.md "Errors and logs"). No CUDA or MPI here: FN_CUDA_CHECK,
+// the process exit code (docs/design.md "Decisions", errors). No CUDA or MPI here: FN_CUDA_CHECK,
 // FN_NCCL_CHECK and FN_MPI_CHECK live in comm/.
 #pragma once
 
@@ -45,7 +45,7 @@ class Error : public std::runtime_error {
 };
 
 /// Process exit code for an error kind: 0 ok, 1 other, 2 usage, 3 input/format, 4 CUDA,
-/// 5 communication (STYLE.md).
+/// 5 communication (docs/cli.md "Errors, exit codes and logs").
 int exit_code(ErrorKind kind) noexcept;
 
 /// "usage", "io", "format", "cuda", "nccl", "mpi", "internal".

@@ -1,10 +1,10 @@
-// The generation loop of `fngen generate` and `fngen bench` (DESIGN.md "The main job", steps
+// The generation loop of `fngen generate` and `fngen bench` (docs/design.md "The main job", steps
 // 7-9), over any Backend (core/backend.h): prefill the prompt, then sample and decode until a stop
 // id, a stop string, max_new_tokens or the context end, with per-token timing. One function,
 // generate(), chooses between the two ways of sampling: on the device inside the backend's decode
 // loop (Backend::decode) when the backend has it and the options allow it, else forward() and the
 // host sampler. Called on every rank of the TP group with the same prompt. Invariant: every rank
-// takes the same decision at every step (MODEL.md §E.3): the logits and the sampler state are
+// takes the same decision at every step (docs/model.md §E.3): the logits and the sampler state are
 // identical on all ranks, and on the host path rank 0's token and stop decision are broadcast
 // anyway, so that a divergence can never leave the ranks running different sequences (and stop
 // strings, matched on text only rank 0 has, need it).

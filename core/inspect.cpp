@@ -88,7 +88,7 @@ void check_weight_values(const Checkpoint& ckpt, const std::vector<ExpectedTenso
   }
 }
 
-// The PLE I64 buffers must hold what the config implies (MODEL.md §B.2: catches config drift).
+// The PLE I64 buffers must hold what the config implies (docs/model.md §B.2: catches config drift).
 void check_ple_buffers(const Checkpoint& ckpt, const ModelConfig& cfg,
                        const std::vector<ExpectedTensor>& expected, ValidationReport& report) {
   for (const auto& t : expected) {

@@ -29,7 +29,7 @@ uint64_t piece(int64_t count, uint64_t size) {
 /// does not keep it on the device. As the CUDA model's load (cuda/model/load.cpp) holds them:
 /// Builder::vec / upload_f32 widen the 1-D
 /// norm, conv, A_log and dt_bias weights to FP32; the NVFP4 global scales are an FP32 array;
-/// input_scale (W4A4 only, MODEL.md §B.4), the PLE I64 buffers (checked on the host) and the
+/// input_scale (W4A4 only, docs/model.md §B.4), the PLE I64 buffers (checked on the host) and the
 /// n-gram weight_scale (a host scalar) are not allocated.
 uint64_t device_element_bytes(const ExpectedTensor& t) {
   switch (t.role) {
@@ -121,7 +121,7 @@ MemoryPlan plan_device_memory(const ModelConfig& c, const ShardPlan& plan, int t
   m.tp_rank = tp_rank;
   m.ctx_size = ctx_size;
 
-  // Weights (MODEL.md §B.2 shapes, §E.2 splits), as the CUDA model holds them.
+  // Weights (docs/model.md §B.2 shapes, §E.2 splits), as the CUDA model holds them.
   for (std::size_t i = 0; i < plan.tensors().size(); ++i) {
     const ExpectedTensor& t = plan.tensors()[i];
     const uint64_t per = device_element_bytes(t);

@@ -31,10 +31,10 @@ struct MemoryPlan {
   /// "moe.experts", "gdn", "qsa", "ple", "ple.ngram"), as the CUDA model holds them: checkpoint
   /// dtypes, except that 1-D norm / conv / A_log / dt_bias weights are FP32 and NVFP4 global
   /// scales FP32; input_scale, the PLE I64 buffers and the n-gram weight_scale are not on the
-  /// device (MODEL.md §B.2, §E.2). Fused BF16 experts (a BF16 checkpoint, which the CUDA backend
+  /// device (docs/model.md §B.2, §E.2). Fused BF16 experts (a BF16 checkpoint, which the CUDA backend
   /// refuses) are counted in their checkpoint dtype.
   std::map<std::string, uint64_t> weights;
-  uint64_t kv_cache = 0;        ///< QSA K and V, BF16 (MODEL.md §C.0, §C.6 step 4, §E.2)
+  uint64_t kv_cache = 0;        ///< QSA K and V, BF16 (docs/model.md §C.0, §C.6 step 4, §E.2)
   uint64_t indexer_cache = 0;   ///< QSA indexer raw keys + pooled block keys, FP32 (§C.0, §C.6)
   uint64_t gdn_state = 0;       ///< GDN recurrent state S, FP32 (§C.0, §C.5 step 6)
   uint64_t gdn_conv_state = 0;  ///< GDN conv state, FP32 (§C.0, §C.5 step 2)
@@ -61,7 +61,7 @@ struct MemoryPlan {
 /// Formulas (L_qsa / L_gdn / L_ple = number of QSA / GDN / PLE layers; Hkv_l = Hkv/tp when
 /// tp <= Hkv, else 1; Hv_l = Hv/tp, Hk_l = Hk/tp; conv_l = (2·Hk_l·dk + Hv_l·dv)):
 /// - weights: Σ over the plan's tensors of shard_elements(tensor, rank) × device dtype size
-///   (MODEL.md §B.2 shapes, §E.2 splits; see MemoryPlan::weights);
+///   (docs/model.md §B.2 shapes, §E.2 splits; see MemoryPlan::weights);
 /// - kv_cache = L_qsa · 2 (K, V) · ctx · Hkv_l · head_dim · 2 B (§C.0, §E.2 "QSA KV cache");
 /// - indexer_cache = L_qsa · (ctx + max(⌊ctx/ratio⌋, 1)) · indexer_head_dim · 4 B: raw keys of
 ///   every row and the pooled block keys, both FP32 and replicated (§C.0, §C.6 step 5, §E.2);
@@ -137,7 +137,7 @@ void require_host_fits(uint64_t need_bytes, uint64_t available_bytes, const std:
 
 /// Bytes of one QSA layer's decode workspace at TP `tp_size` and `ctx_size` tokens: the layout
 /// of cuda/kernels/qsa.h's qsa_workspace_layout recomputed without CUDA (the same for every rank;
-/// q, indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; MODEL.md §C.6).
+/// q, indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; docs/model.md §C.6).
 /// Part of MemoryPlan::workspace. Throws Usage when ctx_size < 1.
 uint64_t qsa_workspace_estimate(const ModelConfig& cfg, int tp_size, int64_t ctx_size);
 

@@ -199,7 +199,7 @@ std::vector<ExpectedTensor> expected_tensors(const ModelConfig& c, const QuantCo
   FN_REQUIRE(!c.tie_word_embeddings, Format,
              "config.json sets tie_word_embeddings = true: tied input and output embeddings are "
              "not supported (the Qwen3.8-Flash-Next checkpoints have their own lm_head.weight; "
-             "MODEL.md §A.1)");
+             "docs/model.md §A.1)");
   std::vector<ExpectedTensor> out;
   out.reserve(static_cast<std::size_t>(8 + c.num_hidden_layers * (32 + 12 * c.num_experts) +
                                        c.split_ngram_parts * c.ple_layer_ids.size()));

@@ -1,4 +1,4 @@
-// The expected text-tensor table of a qwen4_exp checkpoint (MODEL.md §B.2): every name, role,
+// The expected text-tensor table of a qwen4_exp checkpoint (docs/model.md §B.2): every name, role,
 // dtype and shape the config and quantization imply, which names to skip (vision, MTP; §B.3),
 // and the validation of a checkpoint's tensor list against it. Called by the loader,
 // `fngen inspect`, `fngen synth` and the shard plan. Invariant: expected_tensors() is
@@ -89,7 +89,7 @@ struct ExpectedTensor {
   uint64_t nbytes() const;
 };
 
-/// The exact text-tensor list of MODEL.md §B.2 for this config. NVFP4 quantized checkpoints have
+/// The exact text-tensor list of docs/model.md §B.2 for this config. NVFP4 quantized checkpoints have
 /// per-expert U8/F8_E4M3/F32 tensors; unquantized ones the fused BF16 experts. The n-gram table
 /// is split_ngram_parts shards: FP8 (+ BF16 weight_scale [1]) when quant.ngram_fp8(cfg), BF16
 /// otherwise. Throws Format when the quantization marks a non-expert linear NVFP4, or leaves only

@@ -1,4 +1,4 @@
-// PLE n-gram hashing constants and ids (MODEL.md §C.4): splitmix64 multipliers, prime head
+// PLE n-gram hashing constants and ids (docs/model.md §C.4): splitmix64 multipliers, prime head
 // vocabulary sizes, offsets, padded table rows, and the 16 table row ids of one token.
 // Called by the config validation, the expected-tensor table (I64 buffers), the loader (to check
 // the stored buffers) and both backends. All arithmetic is exact 64-bit (wrap-around multiply,
@@ -13,7 +13,7 @@
 
 namespace fn {
 
-/// splitmix64 finaliser of MODEL.md §C.4 (mod 2^64).
+/// splitmix64 finaliser of docs/model.md §C.4 (mod 2^64).
 uint64_t splitmix64(uint64_t v) noexcept;
 
 /// The ngram_size multipliers of the PLE layer of rank `ple_layer_rank` (its position in the

@@ -1,4 +1,4 @@
-// A progress line for long loads (DESIGN.md "The main job" step 4; issue 6 "Loading"): rank 0
+// A progress line for long loads (docs/design.md "The main job" step 4): rank 0
 // shows bytes done / total, GB/s and the ETA while weights stream to the device. On a terminal
 // one line is redrawn in place (at most every 100 ms); otherwise (CI logs, pipes) a plain line is
 // written at every 10 % and at the end. Called by the CUDA model's loader; output goes to stderr.

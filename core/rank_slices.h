@@ -1,5 +1,5 @@
 // One TP rank's view of a validated checkpoint: opens a model directory, validates every text
-// tensor against MODEL.md §B.2 and reads this rank's slices through the shard plan (MODEL.md
+// tensor against docs/model.md §B.2 and reads this rank's slices through the shard plan (docs/model.md
 // §E.2). Used by both backends' loaders (core/cpu_model.cpp, cuda/model/cuda_model.cpp): the CPU
 // model keeps the slices as they are, the CUDA model copies them to the device. Invariants: only
 // the rank's byte ranges are read (pread of row blocks, or copies of the touched pages of the
@@ -95,7 +95,7 @@ struct OpenedModel {
 };
 
 /// Loads config.json and the quantization config of `dir`, builds the shard plan for tp_size
-/// and validates every text tensor's name, dtype and shape against MODEL.md §B.2 (vision and
+/// and validates every text tensor's name, dtype and shape against docs/model.md §B.2 (vision and
 /// MTP tensors skipped; the bare `model.*` layout is accepted). Throws fn::Error: Io/Format for
 /// unreadable or invalid files (naming file and tensor), Usage when tp_size does not divide the
 /// model. Reads headers only.

@@ -1,8 +1,8 @@
-// Token sampler of the generation loop (MODEL.md §C.8, llama.cpp's sampler chain): penalties,
+// Token sampler of the generation loop (docs/model.md §C.8, llama.cpp's sampler chain): penalties,
 // top-k, top-p, min-p, temperature and a seeded draw over full-vocabulary FP32 logits. Called by
 // core/generate.cpp on every rank with the same logits; deterministic across ranks and machines
 // (std::mt19937_64 is fully specified by the standard and the uniform variate is built from its
-// raw bits), so every rank takes the same decision (MODEL.md §E.3).
+// raw bits), so every rank takes the same decision (docs/model.md §E.3).
 #pragma once
 
 #include <cstdint>
@@ -40,7 +40,7 @@ void validate_sampling_params(const SamplingParams& p);
 ///     accepts the prompt into its sampler): for a token seen c > 0 times, a logit l > 0 becomes
 ///     l / repetition_penalty, l <= 0 becomes l * repetition_penalty, then
 ///     l -= c * frequency_penalty + presence_penalty;
-///  2. temperature <= 0: argmax of the penalised logits, ties to the lowest id (MODEL.md §C.8);
+///  2. temperature <= 0: argmax of the penalised logits, ties to the lowest id (docs/model.md §C.8);
 ///  3. top-k: the k largest logits (ties broken towards the lower id);
 ///  4. top-p: softmax of the survivors (temperature 1, as llama.cpp), keep the shortest prefix of
 ///     the sorted list whose cumulative probability reaches top_p (at least one token);
@@ -82,7 +82,7 @@ class Sampler {
   std::vector<Candidate> last_;
 };
 
-/// Index of the largest value, ties to the lowest index (greedy decoding, MODEL.md §C.8).
+/// Index of the largest value, ties to the lowest index (greedy decoding, docs/model.md §C.8).
 /// Throws fn::Error(Internal) for an empty span. NaN values are never chosen unless all are NaN.
 int32_t argmax_lowest(std::span<const float> values);
 

@@ -1,4 +1,4 @@
-// Tensor-parallel shard plan (MODEL.md §E.2 as DESIGN.md decides it): for every expected tensor
+// Tensor-parallel shard plan (docs/model.md §E.2 as docs/design.md decides it): for every expected tensor
 // and TP rank, the blocks of the stored tensor that rank owns, plus per-rank weight bytes and the
 // bytes read per decoded token. Called by the loader (which reads only these byte ranges),
 // `fngen inspect` and both backends. Invariant: for each tensor the ranks' blocks cover every
@@ -116,7 +116,7 @@ struct TokenBytes {
   uint64_t total() const { return weight_total() + state_total(); }
 };
 
-/// The per-rank sizes the shard plan implies (MODEL.md §E.2), shared by every backend and the
+/// The per-rank sizes the shard plan implies (docs/model.md §E.2), shared by every backend and the
 /// memory plan so that they never derive them differently. Counts are heads or rows of this rank.
 struct RankDims {
   int64_t linear_k_heads = 0;  ///< GDN key heads (linear_num_key_heads / tp)

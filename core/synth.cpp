@@ -300,7 +300,7 @@ std::map<std::string, std::vector<const ExpectedTensor*>> assign_files(
       files[fmt::format("model-bf16-{:05}.safetensors", 2 + t.layer / 8)].push_back(&t);
     }
   }
-  // The n-gram table: 13 tensors per file (MODEL.md §B.1).
+  // The n-gram table: 13 tensors per file (docs/model.md §B.1).
   for (std::size_t i = 0; i < ple.size(); ++i) {
     files[fmt::format("model-plefp8-{:05}.safetensors", i / 13)].push_back(ple[i]);
   }
@@ -367,7 +367,7 @@ SynthResult synth_checkpoint(const SynthOptions& options) {
         source, static_cast<double>(need / 1e9), static_cast<double>(space.available) / 1e9,
         fs::absolute(options.out).parent_path().string());
     auto files = assign_files(tensors, cfg);
-    // A few tensors a text-only loader must skip (MODEL.md §B.3).
+    // A few tensors a text-only loader must skip (docs/model.md §B.3).
     std::vector<ExpectedTensor> skipped = {
         {"mtp.pre_fc_norm_embedding.weight",
          TensorRole::HcNorm,

@@ -1,4 +1,4 @@
-// Random-weight checkpoints in the real RadixArk NVFP4 export layout (MODEL.md §B), for tests,
+// Random-weight checkpoints in the real RadixArk NVFP4 export layout (docs/model.md §B), for tests,
 // the demo and benchmarks: `fngen synth`. Every tensor of expected_tensors() is written with the
 // dtype and shape a real export has, spread over the same kinds of shard files, with an index,
 // config.json, hf_quant_config.json and generation_config.json.
@@ -17,7 +17,7 @@
 //    expert matrix has σ ≈ 1/sqrt(K) like the BF16 linears; input_scale is a plausible 1/448;
 //  - the FP8 n-gram table holds E4M3 codes of values uniform in [-448, 448] and weight_scale =
 //    sqrt(3)/448, so dequantized rows have σ ≈ 1 like embeddings;
-//  - the PLE I64 buffers hold the exact multipliers, head sizes and offsets of MODEL.md §C.4.
+//  - the PLE I64 buffers hold the exact multipliers, head sizes and offsets of docs/model.md §C.4.
 // Each tensor's values depend only on (seed, tensor name), not on the order they are written.
 #pragma once
 

@@ -77,7 +77,7 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list,
   return pos;
 }
 
-/// Router softmax + top-k of one row (MODEL.md §C.7 step 1; the semantics of
+/// Router softmax + top-k of one row (docs/model.md §C.7 step 1; the semantics of
 /// fn::launch_router_topk, cuda/kernels/decode_ops.h): p = softmax(logits[0, E)) (FP32 expf(l - max), FP64
 /// sum), the top k of p in the order (p desc, id asc), w = p / sum(p_selected) (FP64) when norm,
 /// else p; a NaN p ranks as -Inf and sets *flag = 4 (flag may be null). Must be called by all

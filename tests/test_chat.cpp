@@ -1,6 +1,6 @@
 // Chat rendering: qwen3 mode against the real tokenizer_config.json template rendered by
 // python3-jinja2 (scripts/tokenizer/render_chat.py -> tests/data/tokenizer/chat_qwen3.jsonl);
-// qwen3.8 mode against MODEL.md A.5; encode_chat's protection against forged special tokens.
+// qwen3.8 mode against docs/model.md A.5; encode_chat's protection against forged special tokens.
 #include <doctest/doctest.h>
 
 #include <algorithm>

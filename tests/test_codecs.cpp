@@ -1,6 +1,6 @@
 // Codec tests: every code of E2M1 / E4M3 / E5M2 against values computed here from the bit layout
 // with std::ldexp (not through the tables under test), BF16/FP16 against the bit layout and the
-// compiler's _Float16 conversion, rounding ties, and NVFP4 rows (MODEL.md §B.4) by hand.
+// compiler's _Float16 conversion, rounding ties, and NVFP4 rows (docs/model.md §B.4) by hand.
 #include <doctest/doctest.h>
 
 #include <bit>
@@ -33,7 +33,7 @@ bool same_value(float got, double want) {
 
 }  // namespace
 
-TEST_CASE("codecs: all 16 E2M1 codes decode to the MODEL.md B.4 magnitudes") {
+TEST_CASE("codecs: all 16 E2M1 codes decode to the docs/model.md B.4 magnitudes") {
   const float table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   for (uint32_t c = 0; c < 16; ++c) {

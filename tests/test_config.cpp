@@ -63,7 +63,7 @@ const std::vector<std::string> kRadixExcludes = {"model.embed_tokens",
 
 }  // namespace
 
-TEST_CASE("config: the real Qwen3.8-Flash-Next config parses with the values of MODEL.md A.2/A.3") {
+TEST_CASE("config: the real Qwen3.8-Flash-Next config parses with the values of docs/model.md A.2/A.3") {
   const fn::ModelConfig c = fn::load_model_config(kReal);
   CHECK(c.vocab_size == 248320);
   CHECK(c.hidden_size == 2560);
@@ -128,7 +128,7 @@ TEST_CASE("config: the CUDA kernels' compile-time shape (cuda/common/real_shape.
   CHECK(c.head_dim == fn::real_shape::kQsaHeadDim);
 }
 
-TEST_CASE("config: the tiny config parses with the values of MODEL.md G.3") {
+TEST_CASE("config: the tiny config parses with the values of docs/model.md G.3") {
   const fn::ModelConfig c = fn::load_model_config(kTiny);
   CHECK(c.vocab_size == 512);
   CHECK(c.hidden_size == 64);
@@ -160,7 +160,7 @@ TEST_CASE("config: a bare qwen4_exp_text config parses like the text_config of t
   CHECK(a.rope_theta == b.rope_theta);
 }
 
-TEST_CASE("config: the config traps of MODEL.md F.1.21 and the defaults of G.1 are honoured") {
+TEST_CASE("config: the config traps of docs/model.md F.1.21 and the defaults of G.1 are honoured") {
   json j = read(kReal);
   auto& t = j["text_config"];
   SUBCASE("absent output_gate_type falls back to hidden_act (silu)") {

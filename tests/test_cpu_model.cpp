@@ -87,7 +87,7 @@ TEST_CASE("cpu model: prefill(T) equals prefill(T-1) followed by one decode step
   CHECK_THROWS_AS(a->prefill({}), fn::Error);
 }
 
-TEST_CASE("cpu model: the per-sequence state has the sizes of MODEL.md §C.0 at TP=1") {
+TEST_CASE("cpu model: the per-sequence state has the sizes of docs/model.md §C.0 at TP=1") {
   // g3_tiny: 3 GDN layers (conv_dim 2*2*16 + 6*16 = 160, 3-deep conv state, 6 x 16 x 16 FP32
   // recurrent state), 1 QSA layer (K and V: 2 KV heads x 32 per token, raw indexer keys 16 per
   // token, one pooled key of 16 per 4 tokens), 1 PLE layer (4 x 64 channels x 9 taps, 2 context

@@ -4,7 +4,7 @@
 // (memcmp), eager and
 // replayed in a CUDA graph (every launch leaves the router mailbox empty), on the real shapes
 // (D 2560, E 512, k 10, shared I 640 and 320 at TP=2) and the tiny fixture's (D 64, E 8, k 3,
-// I 32); plus the GEMV rows against an FP64 evaluation of MODEL.md §C.7 with Higham's bound.
+// I 32); plus the GEMV rows against an FP64 evaluation of docs/model.md §C.7 with Higham's bound.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -42,7 +42,7 @@ int64_t first_diff(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
 }
 
-// rows x cols BF16 W times FP32 x in FP64 (MODEL.md §C.7 linears), and Higham's bound for an FP32
+// rows x cols BF16 W times FP32 x in FP64 (docs/model.md §C.7 linears), and Higham's bound for an FP32
 // dot of cols terms in any order: gamma_cols * sum |w x|.
 void fp64_gemv(const std::vector<uint16_t>& w, const std::vector<float>& x, int64_t rows,
                int64_t cols, std::vector<double>& want, std::vector<double>& bound) {
@@ -218,7 +218,7 @@ TEST_CASE("cuda moe shared: router + shared gate/up + top-k equal the unfused la
     CHECK(want.flag == 0);
     CHECK(rig.mailbox_empty());
 
-    // Independent check of the GEMV rows: FP64 MODEL.md §C.7 and Higham's bound.
+    // Independent check of the GEMV rows: FP64 docs/model.md §C.7 and Higham's bound.
     std::vector<double> w64, b64;
     fp64_gemv(rig.h_router, x, s.E + 1, s.D, w64, b64);
     const auto c1 = fn::test::compare_bounded(got.logits, w64, b64);

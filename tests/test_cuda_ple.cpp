@@ -1,6 +1,6 @@
 // GPU tests of the PLE kernels (cuda/kernels/ple.h): the n-gram gather against fn::ngram_ids plus the
 // table rows (real constants and the tiny fixtures', rows held and not held, EOS contexts), the
-// context shift, and ple_apply against fn::cpu::ple_apply and an FP64 evaluation of MODEL.md §C.4
+// context shift, and ple_apply against fn::cpu::ple_apply and an FP64 evaluation of docs/model.md §C.4
 // steps 2-8 over consecutive steps (dilated conv state carried) with error bounds derived from the
 // kernel's rounding steps; CUDA graph replay bitwise equal to eager launches.
 #include <doctest/doctest.h>
@@ -136,19 +136,19 @@ std::vector<int64_t> cpu_ids(const fn::NgramConstants& k, const std::vector<int6
   return ids;
 }
 
-// The table's BF16 weight_scale (MODEL.md §B.5: about 2e-4) as float.
+// The table's BF16 weight_scale (docs/model.md §B.5: about 2e-4) as float.
 const float kScale = fn::bf16_to_float(fn::float_to_bf16(2.1e-4f));
 
 }  // namespace
 
-TEST_CASE("cuda ple: the gather of the real constants fetches each head's row (MODEL.md C.4)") {
+TEST_CASE("cuda ple: the gather of the real constants fetches each head's row (docs/model.md C.4)") {
   const fn::ModelConfig cfg = load("configs/qwen3.8-flash-next.json");
   const fn::NgramConstants k = fn::ngram_constants(cfg, 0);
   const int hd = int(cfg.ngram_head_dim());
   REQUIRE(hd == 160);
   REQUIRE(k.head_sizes.size() == 16);
   const int64_t eos = k.eos;
-  // The two test vectors of MODEL.md C.4 pin the CPU ids this test uses as its reference.
+  // The two test vectors of docs/model.md C.4 pin the CPU ids this test uses as its reference.
   CHECK(cpu_ids(k, {eos, eos}, 9707) ==
         std::vector<int64_t>{16410909, 39682429, 55103279, 60931720, 87006904, 116506179, 131512017,
                              152932897, 169641436, 182022480, 209277433, 237891023, 256841529,
@@ -357,7 +357,7 @@ double gamma_h(int h) {
   return fn::test::gamma_fp32(h);
 }
 
-// sign(x) * sqrt(max(|x|, 1e-6)): monotone non-decreasing (MODEL.md §C.4 step 4).
+// sign(x) * sqrt(max(|x|, 1e-6)): monotone non-decreasing (docs/model.md §C.4 step 4).
 double ssqrt(double x) {
   const double s = x > 0 ? 1.0 : (x < 0 ? -1.0 : 0.0);
   return s * std::sqrt(std::max(std::fabs(x), 1e-6));

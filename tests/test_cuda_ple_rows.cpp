@@ -2,7 +2,7 @@
 // the context shift and ple_apply_rows against M successive decode launches (launch_ngram_gather +
 // launch_ngram_context_advance, launch_ple_apply) on an identical copy of the state, from the reset
 // state and from a populated one, at the tiny fixture's and the real shapes; the gather's ids also
-// against fn::ngram_ids over [context] + tokens (MODEL.md §C.4, §D). FN_BENCH=1 adds timings at
+// against fn::ngram_ids over [context] + tokens (docs/model.md §C.4, §D). FN_BENCH=1 adds timings at
 // the real shapes with M = 8192.
 #include <doctest/doctest.h>
 
@@ -147,7 +147,7 @@ void check_gather_rows(const fn::NgramConstants& k, int head_dim, const Table& t
   CHECK_MESSAGE(ctx_got == ctx_dec.download(), what, " M ", M);
 
   // Independent of the decode kernels: the ids of fn::ngram_ids over the running host context,
-  // and the context (MODEL.md §D item 3: the last raw ids of [context] + tokens).
+  // and the context (docs/model.md §D item 3: the last raw ids of [context] + tokens).
   std::vector<int64_t> hctx = context, ids(static_cast<size_t>(nh));
   int64_t wrong_rows = 0;
   for (int64_t p = 0; p < M; ++p) {

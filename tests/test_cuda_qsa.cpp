@@ -1,7 +1,7 @@
 // GPU tests of the QSA decode kernels (cuda/kernels/qsa.h) against the CPU ops that
 // CpuModel::qsa_step chains (core/cpu_ops.h: rms_norm_1p, rope_neox, indexer_block_key,
 // indexer_scores, qsa_selected_tokens, gqa_attention, sigmoid_gate_mul), on the tiny fixture shapes
-// at TP=1/2/4 over positions 0..40 and on the real shapes (MODEL.md §A.3) with caches prefilled up
+// at TP=1/2/4 over positions 0..40 and on the real shapes (docs/model.md §A.3) with caches prefilled up
 // to 39999; error bounds derived from the rounding steps of both sides; graph replay bitwise equal
 // to eager; launcher checks; the seven-launch path with the overlapped projection bitwise equal to
 // one projection GEMV followed by the four launches (proj, outputs, caches, every workspace
@@ -54,7 +54,7 @@ const Shape kG3Tp1{"g3_tiny TP=1", 32, 8, 4, 2, 0, 2, 0, 2, 16, 4, 2, 45};
 const Shape kG3Tp2r1{"g3_tiny TP=2 rank 1", 32, 8, 2, 1, 2, 2, 1, 2, 16, 4, 2, 45};
 const Shape kTp4Tp2r0{"tp4 TP=2 rank 0", 16, 8, 4, 1, 0, 4, 0, 2, 16, 4, 2, 45};
 const Shape kTp4Tp4r3{"tp4 TP=4 rank 3", 16, 8, 2, 1, 6, 4, 1, 2, 16, 4, 2, 45};
-// Real (MODEL.md §A.2/§A.3): 24 q / 2 kv heads of 256, rotary 64, indexer 4 x 128, ratio 4,
+// Real (docs/model.md §A.2/§A.3): 24 q / 2 kv heads of 256, rotary 64, indexer 4 x 128, ratio 4,
 // block_topk 2048 / 4 = 512. TP=2: 12 q heads and 1 kv head per rank.
 Shape real_tp1(int64_t ctx) {
   return Shape{"real TP=1", 256, 64, 24, 2, 0, 12, 0, 4, 128, 4, 512, ctx};

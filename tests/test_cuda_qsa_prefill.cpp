@@ -66,7 +66,7 @@ const Shape kSixteenPerKv{
     "hd 32, 16 q / 1 kv head, topk 20", 32, 8, 16, 1, 0, 16, 0, 2, 16, 4, 20, 128};
 const Shape kRealHeadsWide{
     "hd 256 / ihd 128, 4 q / 2 kv heads, topk 40", 256, 64, 4, 2, 0, 2, 0, 2, 128, 4, 40, 256};
-// Real (MODEL.md §A.2/§A.3): TP=1 24 q / 2 kv heads, TP=2 12 q / 1 kv head per rank.
+// Real (docs/model.md §A.2/§A.3): TP=1 24 q / 2 kv heads, TP=2 12 q / 1 kv head per rank.
 Shape real_tp1(int64_t ctx) {
   return Shape{"real TP=1", 256, 64, 24, 2, 0, 12, 0, 4, 128, 4, 512, ctx};
 }

@@ -1,7 +1,7 @@
 // The generation loop tensor-parallel over MPI (4 ranks, label mpi): on the tp4 reference
 // fixture at TP = 2 and 4 (MPI_Comm_split groups), greedy decoding reproduces the reference's 32
 // ids on every rank, prefill(T) equals prefill(T-1) + one decode step, and seeded sampling gives
-// the same tokens on every rank of a group (MODEL.md §E.3).
+// the same tokens on every rank of a group (docs/model.md §E.3).
 #include <doctest/doctest.h>
 #include <mpi.h>
 

@@ -1,6 +1,6 @@
 // core/memory_plan: the CUDA backend's per-rank device memory on the real geometry
 // (configs/qwen3.8-flash-next.json) at TP 1, 2 and 4 and 8K / 64K / 256K tokens, against sizes
-// computed here by hand from MODEL.md (§A.3, §B.2, §C.0, §E.2), not from the function; the
+// computed here by hand from docs/model.md (§A.3, §B.2, §C.0, §E.2), not from the function; the
 // refusal message of require_fits; the memory table of `fngen inspect`; the device layout
 // (core/device_layout.h) the CUDA model's arena is built from, piece by piece.
 #include <doctest/doctest.h>
@@ -50,7 +50,7 @@ const fn::ShardPlan& real_plan(int tp) {
   return it->second;
 }
 
-// The real geometry, written out from MODEL.md §A.2/§A.3 (not read from the config).
+// The real geometry, written out from docs/model.md §A.2/§A.3 (not read from the config).
 constexpr uint64_t D = 2560, V = 248320, E = 512, I = 640, Is = 640, W = 4 * 2560, R = 320, S = 4;
 constexpr uint64_t Hq = 24, Hkv = 2, hd = 256, ni = 4, ihd = 128, ratio = 4;
 constexpr uint64_t Hk = 16, Hv = 48, dk = 128, dv = 128, conv_dim = 10240, K = 4;
@@ -58,7 +58,7 @@ constexpr uint64_t n_layers = 48, n_qsa = 12, n_gdn = 36;
 constexpr uint64_t P = 2560, ple_k = 4, dilation = 3, ngram_rows = 320001536, ngram_hd = 160;
 constexpr uint64_t BF16 = 2, F32 = 4;
 
-// Weight bytes per family one rank holds on the device at TP `tp` (MODEL.md §B.2 shapes and
+// Weight bytes per family one rank holds on the device at TP `tp` (docs/model.md §B.2 shapes and
 // dtypes, §E.2 splits; 1-D norm/conv/A_log/dt_bias and the NVFP4 global scales as FP32;
 // input_scale, the I64 buffers and the n-gram weight_scale not on the device).
 std::map<std::string, uint64_t> hand_weights(uint64_t tp) {

@@ -57,7 +57,7 @@ TEST_CASE(
     "model tensors: the RadixArk NVFP4 export has 296,111 text tensors with its dtype census") {
   const Model m = load(kReal);
   const auto ts = fn::expected_tensors(m.cfg, m.quant);
-  CHECK(ts.size() == 296111);  // MODEL.md A.4 / B.1: 296,475 entries − 31 MTP − 333 vision
+  CHECK(ts.size() == 296111);  // docs/model.md A.4 / B.1: 296,475 entries − 31 MTP − 333 vision
   std::map<fn::DType, std::size_t> census;
   std::set<std::string> names;
   for (const auto& t : ts) {
@@ -74,7 +74,7 @@ TEST_CASE(
   CHECK(census.size() == 5);
 }
 
-TEST_CASE("model tensors: real-model names, shapes and dtypes follow MODEL.md B.2") {
+TEST_CASE("model tensors: real-model names, shapes and dtypes follow docs/model.md B.2") {
   const Model m = load(kReal);
   const auto ts = fn::expected_tensors(m.cfg, m.quant);
   const std::string p = "model.language_model.";

@@ -22,7 +22,7 @@ TEST_CASE("ngram: splitmix64 matches the reference generator's first outputs") {
   CHECK(fn::splitmix64(0x9E3779B97F4A7C15ULL) == 0x6E789E6AA1B965F4ULL);
 }
 
-TEST_CASE("ngram: real-model multipliers, head sizes, offsets and rows are those of MODEL.md C.4") {
+TEST_CASE("ngram: real-model multipliers, head sizes, offsets and rows are those of docs/model.md C.4") {
   const fn::ModelConfig c = real();
   CHECK(fn::ngram_multipliers(c, 0) == V{23703573157769, 20109073645365, 8052911324071});
   CHECK(fn::ngram_head_sizes(c, 0) == V{20000003, 20000023, 20000033, 20000047, 20000059, 20000063,
@@ -36,7 +36,7 @@ TEST_CASE("ngram: real-model multipliers, head sizes, offsets and rows are those
   CHECK(c.ngram_table_rows() / c.split_ngram_parts == 2500012);
 }
 
-TEST_CASE("ngram: the two real-model id test vectors of MODEL.md C.4") {
+TEST_CASE("ngram: the two real-model id test vectors of docs/model.md C.4") {
   const fn::ModelConfig c = real();
   const fn::NgramConstants k = fn::ngram_constants(c, 0);
   CHECK(k.eos == 248044);
@@ -89,7 +89,7 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("ngram: tiny config constants are those of MODEL.md G.3") {
+TEST_CASE("ngram: tiny config constants are those of docs/model.md G.3") {
   const fn::ModelConfig c = tiny();
   CHECK(fn::ngram_multipliers(c, 0) == V{4295158889763781, 17440218147737327, 1270917961434445});
   CHECK(fn::ngram_head_sizes(c, 0) == V{1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049});

@@ -1,6 +1,6 @@
 // Where the CUDA backend keeps the PLE n-gram table (`--ngram-table`, core/memory_plan.h): auto's
 // decision as a pure function on hand-built plans, the device plan of the real geometry with the
-// table in host memory against sizes written out here from MODEL.md (§A.3, §B.2, §E.2), the
+// table in host memory against sizes written out here from docs/model.md (§A.3, §B.2, §E.2), the
 // sequences of a context that fit an 80 GB card with either placement, the host-memory check
 // (MemAvailable) and `fngen inspect`'s tables of both placements.
 #include <doctest/doctest.h>
@@ -48,7 +48,7 @@ const fn::ModelConfig& real_config() {
   return c;
 }
 
-// The n-gram table of the real geometry at TP=1: 320,001,536 rows of 160 FP8 bytes (MODEL.md
+// The n-gram table of the real geometry at TP=1: 320,001,536 rows of 160 FP8 bytes (docs/model.md
 // §A.3: 16 heads of 20,000,096 rows; ple_embed_dim 2560 / 16 heads = 160 bytes per row).
 constexpr uint64_t kTableBytes = 320001536ull * 160;
 
@@ -157,7 +157,7 @@ TEST_CASE("ngram placement: sequences of a context that fit a card, by hand") {
   const fn::MemoryPlan dev = fn::plan_device_memory(real_config(), real_plan(), 0, 8192);
   const fn::MemoryPlan host = fn::plan_device_memory(real_config(), real_plan(), 0, 8192, true);
   CHECK(fn::sequences_fit(dev, 80'000'000'000ull) == 0);
-  // Per sequence at 8192 tokens (MODEL.md §C.0): KV 12 x 8192 x 2 heads x 256 x 2 B x 2 = 192 MiB,
+  // Per sequence at 8192 tokens (docs/model.md §C.0): KV 12 x 8192 x 2 heads x 256 x 2 B x 2 = 192 MiB,
   // indexer 12 x (8192 + 2048) x 128 x 4 B = 60 MiB, GDN 36 x 48 x 128 x 128 x 4 B = 108 MiB,
   // GDN conv 36 x 10240 x 3 x 4 B, PLE conv 10240 x 3 x 3 x 4 B.
   const uint64_t state = 12ull * 8192 * 2 * 256 * 2 * 2 + 12ull * (8192 + 2048) * 128 * 4 +

@@ -56,7 +56,7 @@ std::pair<int64_t, int64_t> view(const std::vector<int64_t>& s) {
                        : std::pair<int64_t, int64_t>{rows, s.back()};
 }
 
-/// How many ranks must hold each element, from MODEL.md E.2 (not from the plan).
+/// How many ranks must hold each element, from docs/model.md E.2 (not from the plan).
 int expected_count(const fn::ExpectedTensor& t, const fn::ModelConfig& c, int tp) {
   using R = fn::TensorRole;
   switch (t.role) {
@@ -240,7 +240,7 @@ TEST_CASE("shard plan: the tiny config tiles exactly, counted element by element
   }
 }
 
-TEST_CASE("shard plan: hand-checked slices of the real model at TP=4 (MODEL.md E.2)") {
+TEST_CASE("shard plan: hand-checked slices of the real model at TP=4 (docs/model.md E.2)") {
   const fn::ShardPlan& plan = real_plan(4);
   auto blocks = [&](const std::string& name, int r) { return plan.shard(kP + name, r).blocks; };
   auto qkv = blocks("layers.0.linear_attn.in_proj_qkv.weight", 1);
@@ -296,7 +296,7 @@ TEST_CASE("shard plan: weights and bytes per token per rank match hand computati
   for (int r = 0; r < 4; ++r) {
     CAPTURE(r);
     const auto fam = plan.weight_bytes_by_family(r);
-    CHECK(fam.at("moe.experts") == expert_rank * 512 * 48);  // 16.99 GB, MODEL.md E.2 "17.0 GB"
+    CHECK(fam.at("moe.experts") == expert_rank * 512 * 48);  // 16.99 GB, docs/model.md E.2 "17.0 GB"
     CHECK(fam.at("hc") == hc);                               // 1.28 GB
     CHECK(fam.at("embed") == 248320ull * 2560 * 2);
     CHECK(fam.at("lm_head") == 62080ull * 2560 * 2);

@@ -166,7 +166,7 @@ TEST_CASE("synth: weights follow the documented distributions") {
     const double sigma = std::sqrt(ss / double(rows * k));
     CHECK(sigma == doctest::Approx(1.0 / std::sqrt(double(k))).epsilon(0.1));
   }
-  SUBCASE("the PLE I64 buffers hold the constants of MODEL.md §C.4") {
+  SUBCASE("the PLE I64 buffers hold the constants of docs/model.md §C.4") {
     const fn::NgramConstants k = fn::ngram_constants(cfg, 0);
     std::vector<int64_t> mult(3);
     ck.read_all(kPrefix + "layers.1.ple.ple_embedding.layer_multipliers", mult.data());
@@ -330,7 +330,7 @@ TEST_CASE("inspect: a config file alone gives the real geometry's per-rank figur
   const fn::InspectReport rep = fn::inspect_checkpoint(cfg, 4, 8192);
   CHECK(rep.plan_only);
   REQUIRE(rep.weight_bytes_per_rank.size() == 4);
-  // MODEL.md §E.2: about 34 GB per rank at TP=4 with the row-split PLE table (32.0 GiB here,
+  // docs/model.md §E.2: about 34 GB per rank at TP=4 with the row-split PLE table (32.0 GiB here,
   // without MTP and vision), and about 3.6 GB read per token.
   const double gib = 1024.0 * 1024 * 1024;
   CHECK(rep.weight_bytes_per_rank[0] / gib == doctest::Approx(32.0).epsilon(0.01));

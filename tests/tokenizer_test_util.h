@@ -52,7 +52,7 @@ inline std::string qwen3_json_path() {
   return std::string(FN_TOKENIZER_DIR) + "/tokenizer.json";
 }
 
-/// MODEL.md A.5's pre-tokenizer regex (Qwen3.8 family: \p{M} inside letter runs).
+/// docs/model.md A.5's pre-tokenizer regex (Qwen3.8 family: \p{M} inside letter runs).
 inline const char* kQwen38Regex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
@@ -65,7 +65,7 @@ inline const Tokenizer& qwen3() {
   return *tok;
 }
 
-/// The Qwen3.8-style variant: Qwen3 vocabulary and merges, MODEL.md A.5 regex.
+/// The Qwen3.8-style variant: Qwen3 vocabulary and merges, docs/model.md A.5 regex.
 inline std::string qwen38_json_text() {
   auto j = nlohmann::json::parse(read_file(qwen3_json_path()));
   auto& split = j["pre_tokenizer"]["pretokenizers"][0];

@@ -1,5 +1,5 @@
 // ChatML rendering: the Qwen3 Jinja template transcribed statement by statement (comments quote
-// it), and the Qwen3.8 variant of MODEL.md A.5.
+// it), and the Qwen3.8 variant of docs/model.md A.5.
 #include "tokenizer/chat.h"
 
 #include <nlohmann/json.hpp>

@@ -1,5 +1,5 @@
-// Built-in ChatML renderer (DESIGN.md "Chat rendering"): mode qwen3 reproduces the Qwen3
-// tokenizer_config.json Jinja template exactly (tools excluded); mode qwen3.8 follows MODEL.md
+// Built-in ChatML renderer (docs/design.md "Chat rendering"): mode qwen3 reproduces the Qwen3
+// tokenizer_config.json Jinja template exactly (tools excluded); mode qwen3.8 follows docs/model.md
 // A.5. Called by apps/ (fngen tokenize/generate --chat). encode_chat() recognises only the
 // template's own special tokens; message text is encoded in Plain mode, so it cannot forge them.
 #pragma once
@@ -31,7 +31,7 @@ std::vector<ChatMessage> chat_messages_from_json(const nlohmann::json& messages)
 
 enum class ChatMode {
   Qwen3,   ///< the Qwen3 tokenizer_config.json template, exactly
-  Qwen38,  ///< MODEL.md A.5: thinking kept for every assistant turn (preserve_thinking)
+  Qwen38,  ///< docs/model.md A.5: thinking kept for every assistant turn (preserve_thinking)
 };
 
 /// Parses "qwen3" | "qwen3.8"; throws fn::Error(Usage) naming the value otherwise.

@@ -1,6 +1,6 @@
 // fn::Tokenizer: text <-> token ids for fngen's prompt and output paths (apps/, eval).
 // Two implementations behind one interface: tokenizer.json byte-level BPE (identical to HF
-// `tokenizers` encode with add_special_tokens=False; MODEL.md A.5) and SentencePiece
+// `tokenizers` encode with add_special_tokens=False; docs/model.md A.5) and SentencePiece
 // tokenizer.model. Invalid UTF-8 input is rejected (fn::Error Format naming the byte offset);
 // decode never fails on valid ids and replaces broken UTF-8 with U+FFFD like HF.
 #pragma once

@@ -29,7 +29,7 @@
 
 namespace {
 
-constexpr double kAnchorBandwidth = 4.3e12;       // measured D2D copy, performance-anchors.md §2.3
+constexpr double kAnchorBandwidth = 4.3e12;       // measured D2D copy, docs/performance.md
 constexpr size_t kRotateBytes = size_t(1) << 30;  // >= 20x the 50 MB L2
 
 struct Timer {
@@ -109,7 +109,7 @@ nlohmann::json report(const Row& r) {
 // Device-to-device copy bandwidth (read + write bytes / time) of cudaMemcpyAsync on the stream,
 // timed with events outside any graph: the first run captured the copies as graph memcpy nodes and
 // got 2.72 TB/s, below the 4.6 TB/s the lm_head GEMV reads, so the graph path is not the ceiling.
-// Both are reported; performance-anchors.md's 4.3 TB/s stays the reference in the table.
+// Both are reported; docs/performance.md's 4.3 TB/s stays the reference in the table.
 double copy_bandwidth(Timer& t, double* graph_bw) {
   const size_t bytes = size_t(1) << 30;
   void *a, *b;

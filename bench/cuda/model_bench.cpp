@@ -39,7 +39,7 @@
 
 namespace {
 
-constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (performance-anchors §2.3)
+constexpr double kCopyBandwidth = 4.3e12;  // measured D2D copy on H200 (docs/performance.md)
 
 // --trace: decodes `steps` more tokens with every CTA's PDL wait recorded
 // (cuda/common/step_trace.h) and writes rank 0's records as CSV, times in ns from the first

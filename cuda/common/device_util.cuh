@@ -86,14 +86,14 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-/// The HC inject of one residual value (MODEL.md §C.3, after the block): h + iota * y, the
+/// The HC inject of one residual value (docs/model.md §C.3, after the block): h + iota * y, the
 /// product and the sum each rounded once in FP32 (no FMA), as fn::cpu::hc_inject. The inject
 /// kernel and the down pass's folded inject (hc.cu) both go through it.
 __device__ __forceinline__ float hc_inject_value(float h, float iota, float y) {
   return __fadd_rn(h, __fmul_rn(iota, y));
 }
 
-/// x * sigmoid(x) in FP32 (MODEL.md §C.7 SwiGLU). expf, not __expf: ~2 ulp.
+/// x * sigmoid(x) in FP32 (docs/model.md §C.7 SwiGLU). expf, not __expf: ~2 ulp.
 __device__ __forceinline__ float silu(float x) {
   return x / (1.0f + expf(-x));
 }

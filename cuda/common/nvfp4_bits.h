@@ -1,7 +1,7 @@
 // Bit-level NVFP4 decoding used by the expert kernels (cuda/moe_nvfp4*.cu) and checked
 // exhaustively on the host (tests/test_cuda_nvfp4_bits.cpp, label cpu): E2M1 codes and E4M3
 // block-scale bytes mapped to FP16 bit patterns whose values are the codes' values times fixed
-// powers of two (MODEL.md §B.4). Plain constexpr C++ (no CUDA syntax); device code calls these
+// powers of two (docs/model.md §B.4). Plain constexpr C++ (no CUDA syntax); device code calls these
 // through nvcc's --expt-relaxed-constexpr. Every mapping is exact.
 #pragma once
 

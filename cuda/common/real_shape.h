@@ -1,4 +1,4 @@
-// The real Qwen3.8-Flash-Next text model's sizes (MODEL.md §A.2; configs/qwen3.8-flash-next.json)
+// The real Qwen3.8-Flash-Next text model's sizes (docs/model.md §A.2; configs/qwen3.8-flash-next.json)
 // that the decode kernels' compile-time-shape instances are built for (cuda/kernels/hc.cu, gdn.cu,
 // moe_nvfp4.cu, moe_shared.cu, qsa.cu). One place, so that every fixed instance targets the same
 // model; a launcher runs its fixed instance only when the launch's runtime sizes equal these, and

@@ -1,4 +1,4 @@
-// The small per-token kernels of the CUDA decode step (MODEL.md §C.1, §C.3, §C.7, §C.8): token
+// The small per-token kernels of the CUDA decode step (docs/model.md §C.1, §C.3, §C.7, §C.8): token
 // embedding + widening, HC inject, router softmax + top-k (also per row for the prefill), and
 // the scatter of a rank's logits for the gather.
 // Called by the CUDA decode step. Every launcher is legal inside CUDA graph capture (per-token
@@ -12,7 +12,7 @@
 
 namespace fn {
 
-/// Embedding and widening (MODEL.md §C.1): H[s*D + i] = float(table[token*D + i]) for every
+/// Embedding and widening (docs/model.md §C.1): H[s*D + i] = float(table[token*D + i]) for every
 /// stream s < hc_count. A token outside [0, vocab) writes H = 0 and sets *error_flag = 1 (the
 /// flag is only ever set, never cleared: the engine zeroes it and checks it after the step).
 struct EmbedParams {
@@ -29,7 +29,7 @@ struct EmbedParams {
 /// bad sizes; fn::Error(Cuda) on a failed launch.
 void launch_embed(const EmbedParams& params, cudaStream_t stream);
 
-/// HC inject (MODEL.md §C.3, after the block): H[s*D + i] += iota[s] * y[i], the product and
+/// HC inject (docs/model.md §C.3, after the block): H[s*D + i] += iota[s] * y[i], the product and
 /// the sum each rounded once in FP32 (no FMA), exactly as fn::cpu::hc_inject.
 struct HcInjectParams {
   float* H = nullptr;           ///< [hc_count * D] FP32 residual, updated in place
@@ -42,7 +42,7 @@ struct HcInjectParams {
 /// Throws fn::Error(Internal) on null pointers or bad sizes; fn::Error(Cuda) on a failed launch.
 void launch_hc_inject(const HcInjectParams& params, cudaStream_t stream);
 
-/// Router (MODEL.md §C.7 step 1), the same function as fn::cpu::route_top_k: p = softmax(logits)
+/// Router (docs/model.md §C.7 step 1), the same function as fn::cpu::route_top_k: p = softmax(logits)
 /// over all experts (FP32 values expf(l - max), FP64 sum), the top_k of p (higher p first, equal
 /// p -> lower expert id first), w = p / sum(p_selected) (FP64 sum) when norm_topk_prob, else p.
 /// A NaN in p (NaN or +Inf logits) ranks as -Inf, so ids stay distinct and in range, and sets
@@ -67,7 +67,7 @@ struct RouterParams {
 /// of range; fn::Error(Cuda) on a failed launch.
 void launch_router_topk(const RouterParams& params, cudaStream_t stream);
 
-/// Router for `rows` rows (MODEL.md §C.7 step 1): row p is exactly launch_router_topk
+/// Router for `rows` rows (docs/model.md §C.7 step 1): row p is exactly launch_router_topk
 /// (cuda/kernels/decode_ops.h) on logits + p * logits_stride, writing ids/weights + p * top_k (the
 /// same kernel, the row taken from blockIdx.x: bitwise the same ids and weights). A NaN probability
 /// in any row sets *error_flag = 4 when error_flag is given.
@@ -87,7 +87,7 @@ struct RouterRowsParams {
 /// null pointers or sizes out of range; fn::Error(Cuda) on a failed launch. Capturable.
 void launch_router_topk_rows(const RouterRowsParams& params, cudaStream_t stream);
 
-/// Logits scatter for the vocab-parallel lm_head (MODEL.md §C.8, §E.2): full[:] = 0, then
+/// Logits scatter for the vocab-parallel lm_head (docs/model.md §C.8, §E.2): full[:] = 0, then
 /// full[v_first + j] = local[j] for j < v_local, so that a SUM all-reduce of `full` over the
 /// ranks is the all-gather of the rank slices (exact: every element has one non-zero term).
 struct ScatterLogitsParams {

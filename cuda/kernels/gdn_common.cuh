@@ -1,6 +1,6 @@
 // Device math shared by the Gated DeltaNet decode (cuda/kernels/gdn.cu) and prefill (cuda/kernels/gdn_prefill.cu)
 // kernels, so both compute the gates and the causal conv tap sum with the same operations in the
-// same order (MODEL.md §C.5 steps 2 and 4). Device code only; included by .cu files.
+// same order (docs/model.md §C.5 steps 2 and 4). Device code only; included by .cu files.
 #pragma once
 
 #include "cuda/common/device_util.cuh"
@@ -14,7 +14,7 @@ __device__ __forceinline__ float sigmoid2(float x) {
   return e / (1.0f + e);
 }
 
-/// log(1 + e^x), the identity above 20 (MODEL.md §C.5 step 4).
+/// log(1 + e^x), the identity above 20 (docs/model.md §C.5 step 4).
 __device__ __forceinline__ float softplus(float x) {
   return x > 20.0f ? x : log1pf(expf(x));
 }

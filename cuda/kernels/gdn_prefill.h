@@ -1,4 +1,4 @@
-// Gated DeltaNet prefill for M tokens of one GDN layer on one TP rank (MODEL.md §C.5 steps 2-7,
+// Gated DeltaNet prefill for M tokens of one GDN layer on one TP rank (docs/model.md §C.5 steps 2-7,
 // §D): the same function as M successive launch_gdn_decode calls (cuda/kernels/gdn.h), leaving the
 // same recurrent state and conv state, but with the token-parallel parts (conv, gates, L2 norms,
 // gated norm) run over all tokens at once and the recurrence as one sequential scan per state
@@ -16,7 +16,7 @@ namespace fn {
 
 /// Operands of one GDN prefill of `tokens` tokens on one rank (its TP slice of heads). All
 /// pointers are device memory. conv_dim = 2 * Hk * dk + Hv * dv. Math: exactly the meaning of
-/// launch_gdn_decode once per token p = 0..tokens-1 with proj row p (MODEL.md §C.5 steps 2-7),
+/// launch_gdn_decode once per token p = 0..tokens-1 with proj row p (docs/model.md §C.5 steps 2-7),
 /// FP32 throughout, BF16 only at the output store.
 struct GdnPrefillParams {
   /// [tokens, proj_stride] FP32: row p is the stacked projection of token p, laid out as

@@ -74,7 +74,7 @@ __device__ __forceinline__ void gemv_load_tile(const uint4* const (&wrow)[kRows]
 /// block * kRows * (kBlockThreads >> team_log2) + team * kRows + r). Lane l reads vectors l, l + T,
 /// l + 2T, ... of each row (coalesced), kUnroll steps at a time so that kRows * kUnroll = 8
 /// independent 16-byte weight loads are in flight per thread before the first FMA (latency
-/// hiding at batch 1, HOPPER.md). The first kUnroll vectors of each row go into registers and the
+/// hiding at batch 1). The first kUnroll vectors of each row go into registers and the
 /// next ones into L2 before dev::pdl_wait() (W is a weight; x comes from earlier kernels); then
 /// pdl_wait, pdl_launch_dependents, xs.prepare() (every thread of the block), the dot. With
 /// kXBeforeWait, x comes from a kernel at least two launches back (xs reads it through L2,

@@ -1,6 +1,6 @@
 // BF16 GEMV for one decode token: y[rows] = W[rows, cols] . x[cols], W BF16 row-major, x BF16 or
 // FP32, FP32 accumulation, y FP32 or BF16. Called by the CUDA decode step for every BF16 linear
-// (GDN/QSA projections, HC down/up, shared expert, router, lm_head; MODEL.md §C). Invariants:
+// (GDN/QSA projections, HC down/up, shared expert, router, lm_head; docs/model.md §C). Invariants:
 // 16-byte loads (W, x 16-byte aligned, cols and ld multiples of 8), deterministic (fixed summation
 // order, no atomics), graph-capturable (no host sync, no allocation).
 #pragma once
@@ -16,7 +16,7 @@ namespace fn {
 /// How the GEMV kernel splits the work: a "team" of team_threads lanes (a power of two, 8..256)
 /// shares one group of rows_per_team consecutive rows (1, 2 or 4) and strides over the columns in
 /// 16-byte vectors; a 256-thread block holds 256 / team_threads teams. Chosen once per shape
-/// (plan_gemv_bf16) so the variant is fixed at model load (STYLE.md "Kernels").
+/// (plan_gemv_bf16) so the variant is fixed at model load (docs/design.md "Decisions").
 struct GemvBf16Plan {
   int rows_per_team = 0;  ///< 1, 2 or 4 rows per team (0: let the launcher plan)
   int team_threads = 0;   ///< 8, 16, 32, 64, 128 or 256 lanes per team
@@ -62,7 +62,7 @@ GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count);
 /// a matrix's rows are split over launches (the QSA and GDN projections). Pure host arithmetic.
 GemvBf16Plan plan_gemv_bf16_part(const GemvBf16Plan& whole, int64_t rows, int rows_per_team);
 
-/// y = W x on `stream` (MODEL.md §C: every BF16 linear of the decode step). Each y[r] is
+/// y = W x on `stream` (docs/model.md §C: every BF16 linear of the decode step). Each y[r] is
 /// sum_c W[r, c] * x[c] in FP32: every lane sums its columns in ascending order, then the lanes of
 /// a team are combined in a fixed butterfly/tree order, so results are bitwise reproducible.
 /// Throws fn::Error(Internal) on a null pointer, bad shape, misalignment, unsupported dtype or bad

@@ -16,7 +16,7 @@ namespace fn {
 namespace {
 
 constexpr int kBlockThreads = 256;
-constexpr int kStreams = 4;     // hc_count of the model (MODEL.md §A.2); one accumulator each
+constexpr int kStreams = 4;     // hc_count of the model (docs/model.md §A.2); one accumulator each
 constexpr int kMixPre = 3;      // W_up vectors per row and lane loaded before the PDL wait
 constexpr int kMaxRank = 8192;  // u = silu(t / 4) lives in shared memory (32 KB at most)
 // Staged kernels (weights in shared memory): blocks per SM the register budget must allow.
@@ -28,7 +28,7 @@ constexpr std::size_t kMixStageMaxBytes = 48 * 1024;
 // thread's loads are in flight at once, so this bounds its registers.
 constexpr int kMaxSplits = 8;
 
-// The real read's shape (MODEL.md §A.2: hc_lowrank 320, hidden 2560; the down pass's 2 chunks
+// The real read's shape (docs/model.md §A.2: hc_lowrank 320, hidden 2560; the down pass's 2 chunks
 // per group; 32-lane teams, as mix_team plans them on a 132-SM H200).
 constexpr int kFixedRank = real_shape::kHcRank;
 constexpr int kFixedHidden = real_shape::kHidden;
@@ -87,7 +87,7 @@ __device__ __forceinline__ bool down_in_group(const DownDims& d, int vbeg, int v
   return d.whole || vbeg + vl < d.gvec;
 }
 
-// v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns (MODEL.md
+// v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns (docs/model.md
 // §C.2's N without its group scale; (1 + w) never rounded to BF16); v[2] += the vector's sum of
 // H^2. Ascending columns per lane.
 __device__ __forceinline__ void down_step(float (&v)[kDownRows + 1], const float4 (&hx)[2],
@@ -312,7 +312,7 @@ __device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& 
   int j = threadIdx.x;
   load(j, true);
   // scale_g = rsqrt(mean(H_g^2) + eps) from the group's partial squares, ascending chunks
-  // (MODEL.md §C.2); sp[p]: the scale of chunk p's group.
+  // (docs/model.md §C.2); sp[p]: the scale of chunk p's group.
 #pragma unroll
   for (int g = 0; g < kStreams; ++g) {
     float s = 0.0f;
@@ -349,7 +349,7 @@ __device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& 
 }
 
 // The team's butterfly; then lane s < 4 of the team computes stream s's G_s = sigmoid(acc_s) and
-// N_s = H * scale_s * (1 + w) (MODEL.md §C.2, FP32), and lane 0 of an in-range team gathers them:
+// N_s = H * scale_s * (1 + w) (docs/model.md §C.2, FP32), and lane 0 of an in-range team gathers them:
 // m = (1/4) sum_s G_s N_s (fmaf chain over the streams, ascending). hv and one_w: the lane's
 // stream's H and 1 + w at the output.
 __device__ __forceinline__ void mix_finish(const MixArgs& a, const MixDims& d,
@@ -365,7 +365,7 @@ __device__ __forceinline__ void mix_finish(const MixArgs& a, const MixDims& d,
   const float acc_s = ls == 0 ? acc[0] : ls == 1 ? acc[1] : ls == 2 ? acc[2] : acc[3];
   const float scale_s = ls == 0 ? scale[0] : ls == 1 ? scale[1] : ls == 2 ? scale[2] : scale[3];
   const float g_s = 1.0f / (1.0f + expf(-acc_s));
-  const float n_s = hv * scale_s * one_w;  // N (MODEL.md §C.2), FP32
+  const float n_s = hv * scale_s * one_w;  // N (docs/model.md §C.2), FP32
   const int width = team < 32 ? team : 32;
   float g[kStreams], n[kStreams];
 #pragma unroll

@@ -1,4 +1,4 @@
-// The hyper-connection read ("mix", MODEL.md §C.2, §C.3) for one decode token, in two launches:
+// The hyper-connection read ("mix", docs/model.md §C.2, §C.3) for one decode token, in two launches:
 // launch_hc_down (split-K GEMV over the stacked [W_dn; W_inj] against H * (1 + w), per-chunk
 // partial dots and partial sums of squares, no block-wide step) and launch_hc_mix (the group
 // RMSNorm scales from the partial squares, t, u, G, N -> m, iota). Called by the CUDA decode step
@@ -6,7 +6,7 @@
 // atomics), graph-capturable, PDL-aware (weights are staged in shared memory with cp.async before
 // the dependency wait; the mix holds them in registers instead where they do not fit).
 // Numerics: N and m are FP32 (every BF16 GEMV reads m as FP32); only the NVFP4 routed
-// experts read a BF16 copy of m (W4A16, DESIGN.md). Rounding N and m to BF16 was measured to
+// experts read a BF16 copy of m (W4A16, docs/design.md). Rounding N and m to BF16 was measured to
 // cause almost all of the CUDA engine's KL divergence against transformers (1.4e-3 .. 3.3e-3
 // with BF16 N and m, 4e-5 .. 1e-4 with FP32 in the FP32 CPU emulation).
 #pragma once
@@ -17,7 +17,7 @@
 
 namespace fn {
 
-/// The HC down pass (MODEL.md §C.2 and §C.3 step 1-2 and 5's GEMV) without the norm's scale:
+/// The HC down pass (docs/model.md §C.2 and §C.3 step 1-2 and 5's GEMV) without the norm's scale:
 /// every column chunk p lies inside one group g(p) = p / hc_down_chunks(hidden) (chunks of 1280
 /// columns, the group's last one shorter), and
 ///   t_partial[p * rows + r] = sum over columns c in chunk p of W[r, c] * (H[c] * (1 + w[c])),
@@ -36,7 +36,7 @@ struct HcDownParams {
   /// out: [hc_down_splits(hc_count, hidden), rows] FP32 partial dots; must not alias H.
   float* t_partial = nullptr;
   float* sumsq = nullptr;  ///< out: [hc_down_splits(hc_count, hidden)] FP32 partial sums of H^2
-  /// Optional HC inject of the previous block folded into this read (MODEL.md §C.3, after the
+  /// Optional HC inject of the previous block folded into this read (docs/model.md §C.3, after the
   /// block): with inject_y set, the pass reads H' = H + iota[s] * y (per element, the product and
   /// the sum each rounded once in FP32, no FMA: the same bits as launch_hc_inject) in place of H,
   /// and the blocks of the first row block write H' to H_out (hc_count * hidden FP32, 16-byte
@@ -64,12 +64,12 @@ int64_t hc_down_splits(int64_t hc_count, int64_t hidden);
 /// sizes or misalignment; fn::Error(Cuda) on a failed launch.
 void launch_hc_down(const HcDownParams& params, cudaStream_t stream);
 
-/// HC mix (MODEL.md §C.2, §C.3 steps 2-5) from the partials of launch_hc_down, chunk p in group
+/// HC mix (docs/model.md §C.2, §C.3 steps 2-5) from the partials of launch_hc_down, chunk p in group
 /// g(p) = p / (t_splits / 4):
 ///   scale_g = rsqrt((sum_{p in g} sumsq[p]) / D + eps)           (FP32, ascending p),
 ///   t[j] = sum_p scale_g(p) * t[p * t_stride + j]                 (FP32 fmaf chain, ascending p),
 ///   u = silu(t[0:r] / hc_count) (FP32, not rounded), G = sigmoid(W_up u) (FP32),
-///   N[s*D + i] = H[s*D + i] * scale_s * (1 + w[s*D + i])           (FP32, as MODEL.md §C.2),
+///   N[s*D + i] = H[s*D + i] * scale_s * (1 + w[s*D + i])           (FP32, as docs/model.md §C.2),
 ///   m[i] = (1/hc_count) sum_s G[s*D + i] * N[s*D + i]  -> FP32 (and BF16 in m_bf16 if given),
 ///   iota[s] = 2 * sigmoid(t[r + s] / hc_count)          -> FP32 (when iota != nullptr).
 struct HcMixParams {
@@ -86,7 +86,7 @@ struct HcMixParams {
   /// lm_head), kept FP32 (the KL finding above).
   float* m = nullptr;
   /// [D] BF16 bits: m rounded to nearest even, or nullptr. Only the MLP-side read passes it: the
-  /// NVFP4 routed experts take BF16 activations (W4A16, DESIGN.md numerics contract).
+  /// NVFP4 routed experts take BF16 activations (W4A16, docs/design.md numerics contract).
   uint16_t* m_bf16 = nullptr;
   float* iota = nullptr;  ///< [hc_count] FP32 inject weights, or nullptr (final mixer)
   int hc_count = 4;       ///< must be 4 (the kernel keeps one accumulator per stream)

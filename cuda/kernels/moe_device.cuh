@@ -1,6 +1,6 @@
 // MoE device code shared by the router kernel of decode_ops.cu (per token and per prefill row),
 // the fused shared-expert kernels of moe_shared.cu and the prefill's row kernels of prefill_ops.cu
-// (MODEL.md §C.7): the router softmax + top-k of one row run by one 512-thread block, the
+// (docs/model.md §C.7): the router softmax + top-k of one row run by one 512-thread block, the
 // shared-expert gate's sigmoid and the SwiGLU element. Included by .cu files only. One copy of
 // each, so the decode step and the prefill give the same bits.
 #pragma once
@@ -97,7 +97,7 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list, int
   return count;
 }
 
-/// Router softmax + top-k of one row (MODEL.md §C.7 step 1; the semantics of
+/// Router softmax + top-k of one row (docs/model.md §C.7 step 1; the semantics of
 /// fn::launch_router_topk, cuda/kernels/decode_ops.h) on logits the caller already holds: thread t
 /// passes l0 = logit of expert t and l1 = logit of expert t + 512 (any value where the expert is >=
 /// E). p = softmax(logits[0, E)) (FP32 expf(l - max), FP64 sum), the top k of p in the order (p
@@ -318,7 +318,7 @@ __device__ __forceinline__ void router_mail_take(float* mail, int E, float& l0, 
   l1 = __uint_as_float(b1);
 }
 
-/// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; MODEL.md §C.7 step 4,
+/// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; docs/model.md §C.7 step 4,
 /// the shared-expert gate).
 __device__ __forceinline__ float sigmoid_2branch(float x) {
   if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
@@ -326,7 +326,7 @@ __device__ __forceinline__ float sigmoid_2branch(float x) {
   return e / (1.0f + e);
 }
 
-/// One SwiGLU element as BF16 bits (MODEL.md §C.7 steps 2-3): bf16(silu(g) * u), FP32 math.
+/// One SwiGLU element as BF16 bits (docs/model.md §C.7 steps 2-3): bf16(silu(g) * u), FP32 math.
 __device__ __forceinline__ uint16_t swiglu_bf16_bits(float g, float u) {
   return float_to_bf16_bits(silu(g) * u);
 }

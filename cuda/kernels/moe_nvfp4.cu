@@ -17,7 +17,7 @@
 // gate+up 14.9 us, down 10.2 us: the kernels are instruction-issue bound (~4.6 instructions per
 // code; the ALU time alone is about the byte floor), not load bound.
 //
-// Decoding without FP4 hardware (sm_90 has no cvt from e2m1, performance-anchors.md §3): the
+// Decoding without FP4 hardware (sm_90 has no cvt from e2m1): the
 // codes of a 32-bit word (in the decode layout, Nvfp4Experts) become, two at a time with one
 // rotation and one mask (pair 3: two of each; cuda/common/nvfp4_bits.h, checked for every code on
 // the host), BF16 bit patterns worth exactly code * 2^-126, widened to FP32 by a shift or a mask --
@@ -107,7 +107,7 @@ struct Unit {
 // (7 units at TP=1, 4 at TP=2).
 constexpr int kGateUpUnits = 5;
 constexpr int kDownUnits = 7;
-// The routed down's compile-time shape (MODEL.md §A.2 at TP=1: num_experts_per_tok 10,
+// The routed down's compile-time shape (docs/model.md §A.2 at TP=1: num_experts_per_tok 10,
 // moe_intermediate_size 640 = 20 units of 32 codes, the planner's 32-lane teams).
 constexpr int kFixedTopK = real_shape::kTopK;
 constexpr int kFixedDownNvec = real_shape::kMoeInter / Unit<false>::kCodes;

@@ -1,4 +1,4 @@
-// NVFP4 W4A16 routed-expert GEMVs for one decode token (MODEL.md §B.4, §C.7): gate+up with SwiGLU,
+// NVFP4 W4A16 routed-expert GEMVs for one decode token (docs/model.md §B.4, §C.7): gate+up with SwiGLU,
 // and the down projection summed over the selected experts with their routing weights. Called by
 // the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
 // device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
@@ -20,7 +20,7 @@
 namespace fn {
 
 /// Device layout of one layer's routed experts (the loader stacks the per-expert checkpoint
-/// tensors, MODEL.md §B.2, in expert order). For gate+up, rows [0, I) of an expert are gate_proj
+/// tensors, docs/model.md §B.2, in expert order). For gate+up, rows [0, I) of an expert are gate_proj
 /// and rows [I, 2I) are up_proj (TP: the rank's I rows of each). Packed codes in the decode
 /// layout: the checkpoint's layout (byte j of a row holds element 2j in its low nibble, 2j+1 in
 /// its high nibble) with the bits of every 32-bit word (8 elements) permuted by
@@ -79,7 +79,7 @@ struct MoeGateUpParams {
 
 /// Down projection summed over the selected experts:
 ///   y[d] (+)= sum_{j < top_k, in order} routing_weights[j] * gs[e_j] * (W_down[e_j] h[j, :])[d]
-/// (MODEL.md §C.7 step 4, FP32 accumulation). Ids outside [0, num_experts) contribute 0.
+/// (docs/model.md §C.7 step 4, FP32 accumulation). Ids outside [0, num_experts) contribute 0.
 struct MoeDownParams {
   Nvfp4Experts experts;                    ///< rows = hidden_size (D), cols = I
   const int32_t* expert_ids = nullptr;     ///< [top_k] device

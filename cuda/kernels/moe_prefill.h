@@ -1,5 +1,5 @@
 // Routed experts of the MoE for M prompt tokens of one layer on one TP rank (batched prefill;
-// MODEL.md §C.7 steps 1-2 and the routed part of step 4, §B.4 NVFP4): the router for
+// docs/model.md §C.7 steps 1-2 and the routed part of step 4, §B.4 NVFP4): the router for
 // every row, then y[p] = sum_j w[p,j] * down(e[p,j], swiglu(gate_up(e[p,j], x[p]))). Called by the
 // CUDA prefill step; the shared expert and the gated combine are the caller's. Invariants: the
 // router rows are bitwise the decode router's; the routed sum matches the decode kernels
@@ -34,7 +34,7 @@ enum class MoePrefillPath {
 /// down launch, ~25 us at the real shape, less than the fused path's fixed cost).
 inline constexpr int64_t kMoePrefillPerRowMaxTokens = 16;
 
-/// The routed experts for `tokens` rows (MODEL.md §C.7): for every token p and slot j < top_k
+/// The routed experts for `tokens` rows (docs/model.md §C.7): for every token p and slot j < top_k
 /// with e = ids[p, j] in [0, num_experts):
 ///   g = (W_gate[e] x[p]) * gs_gate[e], u = (W_up[e] x[p]) * gs_up[e],
 ///   h = bf16(silu(g) * u)   (FP32 math, one BF16 rounding, as launch_moe_gate_up_nvfp4),

@@ -1,4 +1,4 @@
-// Fused launches of the decode step's MoE block around the NVFP4 experts (MODEL.md §C.7): the
+// Fused launches of the decode step's MoE block around the NVFP4 experts (docs/model.md §C.7): the
 // router logits + the shared expert's gate/up GEMV + the router top-k in one launch, and the
 // shared expert's SwiGLU + down GEMV + the gated combine in another. Called by the CUDA decode
 // step (cuda/model/cuda_model.cpp). Invariants: the same bits as the separate launches
@@ -46,7 +46,7 @@ struct RouterSharedGateUpParams {
 };
 
 /// logits = W_router . x, gate_up = W_gate_up . x and the router top-k of logits[0, E)
-/// (MODEL.md §C.7 steps 1-2), in one launch. The two matrices are the two row segments of one
+/// (docs/model.md §C.7 steps 1-2), in one launch. The two matrices are the two row segments of one
 /// grid of 512-thread blocks; each segment uses the team width that plan_gemv_bf16 picks for it
 /// alone, so every row has the bits of launch_gemv_bf16 (planned, x F32, y F32). Each router row
 /// is also posted to params.mailbox; the last router block, after its own rows, reads every slot
@@ -78,7 +78,7 @@ struct SharedDownCombineParams {
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
-/// h[i] = bf16(silu(g[i]) * u[i]), g = gate_up[0, I), u = gate_up[I, 2I) (MODEL.md §C.7 steps 2-4)
+/// h[i] = bf16(silu(g[i]) * u[i]), g = gate_up[0, I), u = gate_up[I, 2I) (docs/model.md §C.7 steps 2-4)
 /// in one launch: each block computes h into shared memory (dev::swiglu_bf16_bits, as
 /// launch_swiglu_rows), the rows are launch_gemv_bf16's device code with its planned team width
 /// (x BF16), and the epilogue is dev::sigmoid_2branch's fmaf (as launch_moe_combine_rows), so y

@@ -1,4 +1,4 @@
-// PLE kernels (see ple.h): n-gram gather, context shift, and the fused steps 2-8 of MODEL.md §C.4.
+// PLE kernels (see ple.h): n-gram gather, context shift, and the fused steps 2-8 of docs/model.md §C.4.
 // The ids replicate core/ngram.cpp exactly (wrap-around uint64 products, floor-mod). The apply
 // kernel keeps one block per stream: three fixed-order block reductions (sum of squares of K and
 // H, the K.Q dot, the sum of squares of Gv), then the elementwise conv step and residual add.
@@ -44,7 +44,7 @@ __device__ __forceinline__ float e4m3_value(uint32_t b) {
 
 // The n-gram id of head h for `token`; back(j) gives the raw id j positions before the token
 // (j = 1..ngram_size-1). s[0] = the token, s[j] = the token j back, EOS once an EOS has been met
-// looking back (MODEL.md §C.4).
+// looking back (docs/model.md §C.4).
 template <typename Back>
 __device__ __forceinline__ int64_t ngram_head_id(const NgramGatherParams& p, int h, int64_t token,
                                                  Back back) {

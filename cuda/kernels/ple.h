@@ -1,9 +1,9 @@
-// PLE (per-layer n-gram embedding, MODEL.md §C.4, §B.5) kernels for one decode token: the n-gram
+// PLE (per-layer n-gram embedding, docs/model.md §C.4, §B.5) kernels for one decode token: the n-gram
 // row gather of this rank's table rows, the n-gram context shift, and steps 2-8 (norms, signed-sqrt
 // gate, dilated causal conv, residual add) after the key/value GEMV. Called by the CUDA decode step
 // at layer 1, in order: gather -> all-reduce E -> GEMV [key_proj; value_proj] -> ple_apply ->
 // context advance. Token and context are read from device memory (graph-capturable); no atomics.
-// The *_rows versions do the same for M prompt tokens at once (batched prefill, MODEL.md §D):
+// The *_rows versions do the same for M prompt tokens at once (batched prefill, docs/model.md §D):
 // gather_rows -> all-reduce E rows -> GEMM -> ple_apply_rows -> context_advance_rows, leaving the
 // n-gram context and the PLE conv state exactly as M decode steps would; no host sync.
 #pragma once
@@ -14,7 +14,7 @@
 
 namespace fn {
 
-/// Step 1 of MODEL.md §C.4: the n-gram ids of x_t (core/ngram.h ngram_ids, exact int64
+/// Step 1 of docs/model.md §C.4: the n-gram ids of x_t (core/ngram.h ngram_ids, exact int64
 /// wrap-around multiply and floor-mod) and the rows of those ids this rank holds.
 struct NgramGatherParams {
   const int32_t* token = nullptr;  ///< device [1]: x_t (raw token id)
@@ -47,7 +47,7 @@ struct NgramGatherParams {
 /// heads_per_ngram, non-positive head sizes, eos < 0; fn::Error(Cuda) on a failed launch.
 void launch_ngram_gather(const NgramGatherParams& params, cudaStream_t stream);
 
-/// Context shift after the token (MODEL.md §C.4): context[i] <- context[i+1] for i < ngram_size-2,
+/// Context shift after the token (docs/model.md §C.4): context[i] <- context[i+1] for i < ngram_size-2,
 /// context[ngram_size-2] <- token (raw id, EOS included).
 struct NgramContextAdvanceParams {
   int64_t* context = nullptr;      ///< device [ngram_size-1], updated in place
@@ -59,7 +59,7 @@ struct NgramContextAdvanceParams {
 /// Throws fn::Error(Internal) on null pointers or a bad ngram_size.
 void launch_ngram_context_advance(const NgramContextAdvanceParams& params, cudaStream_t stream);
 
-/// Steps 2-8 of MODEL.md §C.4 (cpu::ple_apply after its two GEMVs), per stream s < S:
+/// Steps 2-8 of docs/model.md §C.4 (cpu::ple_apply after its two GEMVs), per stream s < S:
 ///   K_s = GroupRMSNorm1p(kv[s*P..]; norm_key), V = kv[S*P..S*P+D),
 ///   Q_s = GroupRMSNorm1p(H_s; norm_query), gamma = <K_s, Q_s>/sqrt(P),
 ///   Gv_s = sigmoid(sign(gamma) sqrt(max(|gamma|, 1e-6))) * V,
@@ -88,7 +88,7 @@ struct PleApplyParams {
 /// failed launch.
 void launch_ple_apply(const PleApplyParams& params, cudaStream_t stream);
 
-/// n-gram ids + gather for tokens[0..rows) (batched prefill, MODEL.md §C.4 and §D): row p uses
+/// n-gram ids + gather for tokens[0..rows) (batched prefill, docs/model.md §C.4 and §D): row p uses
 /// the context formed by the device context (the raw ids before token 0) followed by
 /// tokens[0..p-1], with the EOS-aware shift, exactly what `rows` successive launch_ngram_gather +
 /// launch_ngram_context_advance calls would see. The device context is only read.
@@ -105,7 +105,7 @@ struct NgramGatherRowsParams {
 void launch_ngram_gather_rows(const NgramGatherRowsParams& params, cudaStream_t stream);
 
 /// Context shift after tokens[0..rows): the device context becomes the last ngram_size-1 raw ids
-/// of (context, tokens), as `rows` launch_ngram_context_advance calls leave it (MODEL.md §D item
+/// of (context, tokens), as `rows` launch_ngram_context_advance calls leave it (docs/model.md §D item
 /// 3).
 struct NgramContextAdvanceRowsParams {
   int64_t* context = nullptr;       ///< device [ngram_size-1], updated in place
@@ -119,7 +119,7 @@ struct NgramContextAdvanceRowsParams {
 void launch_ngram_context_advance_rows(const NgramContextAdvanceRowsParams& params,
                                        cudaStream_t stream);
 
-/// Steps 2-8 of MODEL.md §C.4 for `rows` consecutive tokens (batched prefill). Row p: kv row p is
+/// Steps 2-8 of docs/model.md §C.4 for `rows` consecutive tokens (batched prefill). Row p: kv row p is
 /// decode's kv for token p, H row p is updated in place (H[p] += Gv + conv); the dilated causal
 /// conv of row p reads the Nc of earlier rows of this batch and, before row 0, the history in
 /// base.conv_state, which is left holding the last (K-1)*dilation Nc values, oldest first, as

@@ -1,4 +1,4 @@
-// QSA decode (MODEL.md §C.6 steps 2-7 without o_proj, §C.9 RoPE) for one token on one TP rank:
+// QSA decode (docs/model.md §C.6 steps 2-7 without o_proj, §C.9 RoPE) for one token on one TP rank:
 // q/k norm + RoPE, KV-cache append, the lightning indexer (block keys, scores, deterministic
 // top-k block selection) and flash-decoding attention over the selected tokens with the sigmoid
 // output gate. Called by the CUDA decode step after the HC read and before o_proj; it runs the
@@ -14,7 +14,7 @@
 
 namespace fn {
 
-/// Inputs, caches and outputs of one QSA decode step (MODEL.md §C.6). All pointers are device
+/// Inputs, caches and outputs of one QSA decode step (docs/model.md §C.6). All pointers are device
 /// pointers. Semantics are those of CpuModel::qsa_step (core/cpu_model.cpp) between the
 /// projections and o_proj, op by op the fn::cpu functions rms_norm_1p, rope_neox,
 /// indexer_block_key, indexer_scores, qsa_selected_tokens (top_k's tie rule: higher score first,
@@ -107,7 +107,7 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& shape_only);
 /// Workspace bytes launch_qsa_decode needs for this shape (qsa_workspace_layout(...).total).
 size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
 
-/// One QSA decode step (MODEL.md §C.6 steps 2-7 minus o_proj) on `stream`, four kernels:
+/// One QSA decode step (docs/model.md §C.6 steps 2-7 minus o_proj) on `stream`, four kernels:
 /// prep (norms, RoPE, cache rows, block key; RoPE angles and earlier cache rows read before the
 /// programmatic wait), indexer scores (FP64 dot products as the CPU op; block keys of earlier
 /// steps loaded before the wait) whose last CTA runs the top-k block select (radix select on the

@@ -1,4 +1,4 @@
-// QSA prefill (MODEL.md §C.6 steps 2-7 without o_proj, §D) for M tokens of one QSA layer on one TP
+// QSA prefill (docs/model.md §C.6 steps 2-7 without o_proj, §D) for M tokens of one QSA layer on one TP
 // rank at positions p0..p0+M-1 on top of p0 populated cache rows. Called by the CUDA prefill
 // between the stacked QSA GEMM and o_proj. Each row gets its own indexer selection, identical to
 // decode's (same FP64 scores, same select); the caches end bitwise as M launch_qsa_decode steps
@@ -39,7 +39,7 @@ struct QsaPrefillTiming {
   int64_t groups = 0;        ///< row groups launched
 };
 
-/// Inputs, caches and outputs of one QSA prefill chunk (MODEL.md §C.6, §D). Device pointers.
+/// Inputs, caches and outputs of one QSA prefill chunk (docs/model.md §C.6, §D). Device pointers.
 struct QsaPrefillParams {
   /// Every shape field, the norms and the cache pointers exactly as for decode. shape.proj,
   /// shape.position, shape.out, shape.workspace and shape.forced_blocks are ignored.

@@ -1,4 +1,4 @@
-// On-device token choice over the full-vocabulary logits (MODEL.md §C.8, §E.3): greedy argmax
+// On-device token choice over the full-vocabulary logits (docs/model.md §C.8, §E.3): greedy argmax
 // (ties to the lowest id) or core/sampler.h's chain top-k -> top-p -> min-p -> temperature ->
 // draw, with a counter-based RNG of (seed, *step) so every rank picks the same token. Called at
 // the end of the CUDA decode graph; legal in graph capture once the workspace is sized (setup).

@@ -1,4 +1,4 @@
-// CudaModel: the CUDA decode backend (MODEL.md §C, tensor-parallel per §E.2) of one TP rank —
+// CudaModel: the CUDA decode backend (docs/model.md §C, tensor-parallel per §E.2) of one TP rank —
 // its weights in device memory, the per-sequence state (KV and indexer-key caches, GDN conv and
 // recurrent states, PLE conv states and n-gram context) sized from the context length, and one
 // decode step captured once as a CUDA graph and replayed per token. Called by `fngen generate`,
@@ -167,7 +167,7 @@ class CudaModel {
   /// the logits are not finite.
   std::span<const float> forward(int32_t token);
 
-  /// Batched prefill (MODEL.md §D): runs `tokens` at positions position() ..
+  /// Batched prefill (docs/model.md §D): runs `tokens` at positions position() ..
   /// position() + n - 1 as forward() would one by one, in passes of at most
   /// CudaModelOptions::prefill_chunk tokens: per layer, cuBLAS GEMMs for the dense projections
   /// (FP32 activations as BF16 hi + lo, cuda/kernels/gemm.h), the GDN scan, the QSA prefill with
@@ -188,7 +188,7 @@ class CudaModel {
   /// a forward() step). Throws fn::Error(Usage) without record_choices.
   std::vector<StepChoices> prefill_choices() const;
 
-  /// Greedy or sampled generation entirely on the device (DESIGN.md step 8): feeds `token` at
+  /// Greedy or sampled generation entirely on the device (docs/design.md step 8): feeds `token` at
   /// position(), then for each of `count` steps samples the next id on the device (identical on
   /// every rank) and feeds it back inside the same graph; the host only replays and copies ids
   /// out. `on_token(id)` is called for every sampled id as soon as its copy lands and may

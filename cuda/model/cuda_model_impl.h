@@ -353,7 +353,7 @@ struct CudaModel::Impl {
   // Host-resident n-gram tables: forks ngram_stream off the step's start and gathers every such
   // PLE layer's rows into its `staged` buffer there; step_ple joins before the first use.
   void step_ngram_fork(Step& st);
-  // PLE (MODEL.md §C.4): n-gram gather, all-reduce, key/value GEMV, apply onto the residual.
+  // PLE (docs/model.md §C.4): n-gram gather, all-reduce, key/value GEMV, apply onto the residual.
   void step_ple(Step& st, const model_detail::DevPle& pl);
   // The HC read (hc.h): the split-K down (+ pending inject) pass, then the mix into m (and its
   // BF16 copy m_out_bf16, MLP side only) and iota_out (nullptr for the final mixer).

@@ -1,4 +1,4 @@
-// CudaModel::prefill (see cuda_model.h): the batched prefill (MODEL.md §D). One pass
+// CudaModel::prefill (see cuda_model.h): the batched prefill (docs/model.md §D). One pass
 // runs M prompt tokens through every layer at once, in the order of the decode step (§C.10):
 //
 //   embed rows -> for each layer { [PLE: n-gram gather rows, all-reduce, key/value GEMM, apply
@@ -277,7 +277,7 @@ std::vector<StepChoices> CudaModel::prefill_choices() const {
 }
 
 // One prefill() call: the pass buffers, the stream and the rows of the pass in flight, with the
-// per-block encoders of a pass (the decode step's order, MODEL.md §C.10, over M rows at once).
+// per-block encoders of a pass (the decode step's order, docs/model.md §C.10, over M rows at once).
 struct CudaModel::Impl::PrefillRun {
   Impl& I;
   CudaPrefillState& P;

@@ -317,7 +317,7 @@ void check_supported(const ModelConfig& c, const CudaModelOptions& o, bool exper
              "{}: ple_embed_dim {} != hidden_size {} is not supported", c.source, c.ple_embed_dim,
              c.hidden_size);
   FN_REQUIRE(c.output_gate_type == GateActivation::Sigmoid, Format,
-             "{}: output_gate_type must be sigmoid for qwen4_exp (MODEL.md §F.1.2)", c.source);
+             "{}: output_gate_type must be sigmoid for qwen4_exp (docs/model.md §F.1.2)", c.source);
   FN_REQUIRE(c.hc_count == 4, Format, "{}: hc_count {} is not supported by the CUDA backend (4)",
              c.source, c.hc_count);
   FN_REQUIRE(

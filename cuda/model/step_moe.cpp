@@ -67,7 +67,7 @@ void CudaModel::Impl::step_moe(Step& st, const DevMoe& mo, int64_t layer_index,
   gu.experts = mo.gate_up;
   gu.expert_ids = ids;
   gu.top_k = static_cast<int>(k);
-  gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (DESIGN.md numerics)
+  gu.x = m_bf16;  // W4A16: the experts take m rounded to BF16 (docs/design.md numerics)
   gu.h = h;
   gu.bulk = plan.moe_gate_up_bulk;
   // The next HC read's weights (W_dn with the inject rows, the norm, W_up) into L2, each CTA once

@@ -1143,6 +1143,44 @@ KldStats kl_divergence(Backend& backend, Collectives& coll, LogitsReader* reader
   return stats;
 }
 
+std::vector<ChoiceScore> score_choices(Backend& backend, std::span<const int32_t> context,
+                                       const std::vector<std::vector<int32_t>>& choices) {
+  FN_CHECK(!context.empty(), "score_choices: an empty context");
+  FN_CHECK(backend.capabilities().snapshot, "the {} backend has no state snapshot",
+           backend.info().name);
+  backend.reset();
+  if (context.size() > 1) backend.prefill(context.first(context.size() - 1), PrefillOutput::None);
+  backend.snapshot();
+  std::vector<ChoiceScore> out;
+  std::vector<int32_t> fed;
+  for (std::size_t c = 0; c < choices.size(); ++c) {
+    const std::vector<int32_t>& choice = choices[c];
+    FN_CHECK(!choice.empty(), "score_choices: choice {} has no tokens", c);
+    if (c > 0) backend.restore();
+    fed.assign(1, context.back());
+    fed.insert(fed.end(), choice.begin(), choice.end() - 1);
+    RowQuery q;
+    q.targets = choice;
+    const RowResults r = backend.prefill_rows(fed, q);
+    ChoiceScore sc;
+    sc.n_tokens = static_cast<int64_t>(choice.size());
+    for (std::size_t j = 0; j < choice.size(); ++j) {
+      sc.logprob += r.target_logprob[j];
+      if (r.argmax[j] != choice[j]) sc.greedy = false;
+    }
+    out.push_back(sc);
+  }
+  return out;
+}
+
+int64_t best_choice(std::span<const double> values) {
+  FN_CHECK(!values.empty(), "best_choice of no values");
+  int64_t best = 0;
+  for (std::size_t i = 1; i < values.size(); ++i)
+    if (values[i] > values[static_cast<std::size_t>(best)]) best = static_cast<int64_t>(i);
+  return best;
+}
+
 void dump_logits(Backend& backend, const std::vector<LogitsSequence>& sequences,
                  LogitsWriter* writer, const std::function<void(int64_t)>& on_row) {
   int64_t rows = 0;

@@ -339,6 +339,32 @@ class KldStats {
 KldStats kl_divergence(Backend& backend, Collectives& coll, LogitsReader* reader,
                        const std::function<void(int64_t, const KldStats&)>& on_sequence);
 
+// ---------------------------------------------------------------- multiple-choice log-likelihood
+
+/// One continuation's score (lm-evaluation-harness' loglikelihood request): the summed natural-log
+/// probability of its tokens given the context and the tokens before them, its token count, and
+/// whether every token was the model's argmax at its position (greedy match).
+struct ChoiceScore {
+  double logprob = 0;
+  int64_t n_tokens = 0;
+  bool greedy = true;
+};
+
+/// Scores each of `choices` (each >= 1 token) as the continuation of `context` (>= 1 token): the
+/// context's first n-1 tokens run once through Backend::prefill (from a fresh state), the state
+/// is kept (Backend::snapshot), and per choice the state is restored (Backend::restore) and
+/// [last context token] ++ choice[0 .. m-2] runs through Backend::prefill_rows with the choice's
+/// tokens as targets: row j's target log-prob is log p(choice[j] | context, choice[<j]). Every
+/// rank calls it alike. Throws fn::Error(Internal) for an empty context or choice or a backend
+/// without snapshot, and as prefill_rows (Usage when context + choice exceed the context size).
+std::vector<ChoiceScore> score_choices(Backend& backend, std::span<const int32_t> context,
+                                       const std::vector<std::vector<int32_t>>& choices);
+
+/// The index of the largest value, ties to the lowest index (lm-eval's argmax): acc picks it over
+/// the summed log-probs, acc_norm over log-prob / byte length of each choice's text. Throws
+/// fn::Error(Internal) for an empty list.
+int64_t best_choice(std::span<const double> values);
+
 /// Feeds each sequence of `header` (identical on every rank) through Backend::prefill_rows with
 /// full rows (sequence_rows) and appends its rows to `writer`
 /// (non-null on rank 0 only): the engine side of `fngen eval dump-logits`. `on_row(n)` runs on

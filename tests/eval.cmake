@@ -20,3 +20,8 @@ set_tests_properties(eval_transformers_written_bases PROPERTIES LABELS cpu TIMEO
 # Backend::prefill_rows, snapshot/restore, perplexity through the prefill and score_choices on the
 # CPU reference backend against the fixture's transformers rows (tests/data/eval/loglik_tp4.*).
 fn_add_test(NAME test_eval_loglik SOURCES test_eval_loglik.cpp LABEL cpu)
+# `fngen eval loglik` on the tp4 items against transformers' log-probs, its error records, and
+# eval's --random-weights flag mistakes (cpu backend, -np 1).
+add_test(NAME eval_loglik_cli COMMAND bash ${CMAKE_SOURCE_DIR}/tests/eval_loglik_cli.sh
+                                       $<TARGET_FILE:fngen> ${MPIEXEC_EXECUTABLE} ${CMAKE_SOURCE_DIR})
+set_tests_properties(eval_loglik_cli PROPERTIES LABELS cpu TIMEOUT 300)

@@ -480,10 +480,12 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
   l.coll->broadcast(&kld_ctx, sizeof(kld_ctx), 0);
   load_model(l, c, mpi, kld_ctx);
   if (root && !c.json_out) write_stdout(KldStats::chunk_header());
+  const auto t0 = std::chrono::steady_clock::now();
   const KldStats st =
       kl_divergence(*l.backend, *l.coll, reader.get(), [&](int64_t i, const KldStats& s) {
         if (!c.json_out) write_stdout(s.chunk_line(i));
       });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (root) {
     if (c.json_out) {
       json j = st.to_json();
@@ -491,9 +493,11 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
       j["base"] = o.base;
       j["backend"] = l.backend->info().name;
       j["tp_size"] = l.coll->size();
+      j["seconds"] = secs;
       write_stdout(j.dump() + "\n");
     } else {
       write_stdout("\n" + st.report());
+      FN_LOG_INFO("kld: {} rows in {:.2f} s", st.count(), secs);
     }
   }
   return 0;

@@ -279,7 +279,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
           progress.open = true;
         }
       },
-      writer.get());
+      writer.get(), !o.save_logits.empty());
   agree_on_error(*l.coll, [&] {
     if (writer) writer->close();
   });

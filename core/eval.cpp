@@ -230,14 +230,14 @@ void sequence_rows(Backend& backend, const LogitsSequence& s, std::span<const in
 PerplexityResult perplexity(Backend& backend, std::span<const int32_t> tokens, int64_t n_ctx,
                             int64_t max_chunks,
                             const std::function<void(int64_t, const PerplexityResult&)>& on_chunk,
-                            LogitsWriter* save) {
+                            LogitsWriter* save, bool keep_rows) {
   const std::vector<LogitsSequence> seqs = perplexity_sequences(tokens, n_ctx, max_chunks);
   PerplexityResult r;
   r.n_ctx = n_ctx;
   r.n_chunks = static_cast<int64_t>(seqs.size());
   r.n_tokens = static_cast<int64_t>(tokens.size());
-  // Every rank keeps full rows when rank 0 saves them (the same calls on every rank).
-  const bool keep = save != nullptr;
+  // Every rank keeps full rows when rank 0 saves them (the same prefill calls on every rank).
+  const bool keep = keep_rows || save != nullptr;
   const int64_t V = backend.info().vocab_size;
   for (std::size_t c = 0; c < seqs.size(); ++c) {
     sequence_rows(backend, seqs[c], {}, 0, keep, [&](const RowResults& res, int64_t) {

@@ -126,7 +126,9 @@ void sequence_rows(Backend& backend, const LogitsSequence& s, std::span<const in
 /// Runs the windows on `backend` (every rank of the TP group calls it with the same tokens), each
 /// one call of Backend::prefill_rows (the batched prefill; rows from n_ctx/2 on, the NLL from
 /// the row's log-softmax normaliser and target logit reduced on the device), full rows crossing
-/// to the host only with `save`.
+/// to the host only when rows are saved. Every rank of the TP group must run the same calls, so
+/// every rank passes keep_rows = true when rank 0 has a `save` writer (the others have none);
+/// `save` alone implies it.
 /// `on_chunk(i, partial)` runs after chunk i (0-based). When `save` is non-null (rank 0) each
 /// scored row is appended to it (its header must come from perplexity_sequences()). Throws
 /// fn::Error(Usage) when n_ctx < 4 or tokens hold fewer than n_ctx tokens (naming both numbers and
@@ -134,7 +136,7 @@ void sequence_rows(Backend& backend, const LogitsSequence& s, std::span<const in
 PerplexityResult perplexity(Backend& backend, std::span<const int32_t> tokens, int64_t n_ctx,
                             int64_t max_chunks,
                             const std::function<void(int64_t, const PerplexityResult&)>& on_chunk,
-                            LogitsWriter* save = nullptr);
+                            LogitsWriter* save = nullptr, bool keep_rows = false);
 
 // ---------------------------------------------------------------- the reference-logits file
 

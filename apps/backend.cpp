@@ -96,6 +96,12 @@ class ChoiceCheckedBackend final : public Backend {
     for (int32_t t : tokens) logits = forward(t);
     return output == PrefillOutput::Last ? logits : std::span<const float>();
   }
+  // Token by token through forward() (the base class's), so every step is checked.
+  RowResults prefill_rows(std::span<const int32_t> tokens, const RowQuery& q) override {
+    return Backend::prefill_rows(tokens, q);
+  }
+  void snapshot() override { inner_->snapshot(); }
+  void restore() override { inner_->restore(); }
   double device_used_mib() const override { return inner_->device_used_mib(); }
   int64_t graph_captures() const override { return inner_->graph_captures(); }
   void set_position_for_benchmark(int64_t position) override {

@@ -6,6 +6,8 @@
 //   ppl          llama-perplexity: -f TEXT (or --ids-file) -c N [--chunks K] [--save-logits F]
 //   dump-logits  teacher-forced logits of every position of prompt ++ --continuation-ids -> -o F
 //   kld          --base F: llama.cpp's three statistic blocks of KL(base ‖ this model)
+//   loglik       -i items.jsonl: multiple-choice log-likelihood (lm-evaluation-harness form), acc
+//                and acc_norm per task, JSONL per record
 //   score        -i tasks.jsonl: greedy generation per task, <think> stripped, exact or regex
 //                answer match, per-task and total accuracy, JSONL records
 #include <algorithm>
@@ -42,15 +44,32 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// Options every eval subcommand has.
+// Options every eval subcommand has. The model is -m DIR, or --random-weights --config FILE
+// (the full geometry on random device weights, to time the goals without a checkpoint) with its
+// text read through --tokenizer DIR.
 struct CommonCli {
   std::string model;
   BackendFlags backend;
   bool json_out = false;
+  bool random_weights = false;
+  std::string config, tokenizer;
+  int64_t seed = 0;
+  // Where config.json (or the --config file) is read.
+  fs::path config_source() const { return random_weights ? fs::path(config) : fs::path(model); }
+  // Where tokenizer.json is read: the model directory, or --tokenizer (empty: none).
+  fs::path tokenizer_dir() const { return random_weights ? fs::path(tokenizer) : fs::path(model); }
+  // "the model directory DIR" or "--tokenizer DIR", for messages.
+  std::string tokenizer_source() const {
+    if (!random_weights) return "the model directory " + model;
+    return tokenizer.empty() ? std::string("--random-weights without --tokenizer")
+                             : "--tokenizer " + tokenizer;
+  }
+  // The name a report gives the model.
+  std::string model_name() const { return random_weights ? "random:" + config : model; }
 };
 
 struct EvalCli {
-  CommonCli ppl_c, dump_c, kld_c, score_c;
+  CommonCli ppl_c, dump_c, kld_c, score_c, loglik_c;
   // ppl
   std::string ppl_file, ppl_ids_file, save_logits, save_dtype = "float32";
   int64_t ctx = 512, chunks = -1, save_top_k = 0;
@@ -61,12 +80,15 @@ struct EvalCli {
   CLI::Option* o_prompt = nullptr;
   // kld
   std::string base;
+  // loglik
+  std::string ll_input, ll_output;
+  int64_t ll_ctx = 0;
   // score
   std::string input, score_output, system_prompt;
   int64_t max_new_tokens = 256, score_ctx = 0;
   double temp = 0.0;
   bool chat = false, think = false, no_think = false, ignore_eos = false;
-  CLI::App *ppl = nullptr, *dump = nullptr, *kld = nullptr, *score = nullptr;
+  CLI::App *ppl = nullptr, *dump = nullptr, *kld = nullptr, *score = nullptr, *loglik = nullptr;
 };
 
 // Token ids a tokenizer produced must index the model's logits (a tokenizer of another model may
@@ -80,15 +102,35 @@ void check_ids_in_vocab(const std::vector<int32_t>& ids, int64_t vocab, const st
   }
 }
 
-// The model directory's tokenizer, checked against the model's vocab_size rows
-// (load_model_tokenizer); fn::Error(Usage) naming `what` when the directory has none.
-std::unique_ptr<Tokenizer> require_tokenizer(const fs::path& dir, const char* what,
+// The tokenizer of the model's text (-m DIR's, or --tokenizer DIR with --random-weights), checked
+// against the model's vocab_size rows (load_model_tokenizer: fn::Error(Format) when its ids reach
+// past them); fn::Error(Usage) naming `what` when there is none.
+std::unique_ptr<Tokenizer> require_tokenizer(const CommonCli& c, const char* what,
                                              int64_t vocab_size) {
-  FN_REQUIRE(has_tokenizer(dir), Usage,
-             "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
-             "tokenizer.model); give token ids instead (--ids-file or --prompt-ids)",
-             what, dir.string());
+  const fs::path dir = c.tokenizer_dir();
+  FN_REQUIRE(!dir.empty() && has_tokenizer(dir), Usage,
+             "{} is text, but {} has no tokenizer (tokenizer.json or tokenizer.model); give "
+             "token ids instead{}",
+             what, c.tokenizer_source(),
+             c.random_weights ? ", or --tokenizer DIR (e.g. third_party/qwen3-tokenizer)" : "");
   return load_model_tokenizer(dir, vocab_size);
+}
+
+// The tokenizer identity of the model's text (core/eval.h tokenizer_id); "ids-only" without one.
+std::string model_tokenizer_id(const CommonCli& c) {
+  const fs::path dir = c.tokenizer_dir();
+  return dir.empty() ? std::string("ids-only") : tokenizer_id(dir);
+}
+
+// Refuses an output path that would overwrite the model's files (-m DIR) or the --config and
+// --tokenizer inputs.
+void require_output_outside_inputs(const std::string& path, const CommonCli& c, const char* flag) {
+  if (!c.random_weights) {
+    require_outside_model(path, c.model, flag);
+    return;
+  }
+  require_not_input(path, flag, c.config, "--config");
+  if (!c.tokenizer.empty()) require_outside_model(path, c.tokenizer, flag, "tokenizer directory");
 }
 
 // The collectives and this rank's model (TP = world size, apps/backend.h), as eval sees it.
@@ -97,17 +139,38 @@ struct Loaded {
   std::unique_ptr<Backend> backend;
 };
 
-// Checks --backend/--tp before any input is read (whether CUDA is usable is decided at load).
+// Checks --backend/--tp and the model's source before any input is read (whether CUDA is usable
+// is decided at load).
 void check_common(const CommonCli& c, MpiContext& mpi) {
   check_backend_and_tp(c.backend.backend, c.backend.tp, mpi.world_size());
-  require_model_dir(c.model);
+  FN_REQUIRE(c.model.empty() != !c.random_weights, Usage,
+             "give either -m/--model DIR or --random-weights --config FILE{}",
+             c.random_weights ? " (not both)" : "");
+  FN_REQUIRE(!c.random_weights || !c.config.empty(), Usage,
+             "--random-weights needs --config FILE (a config.json with its quantization_config, "
+             "e.g. configs/qwen3.8-flash-next.json)");
+  FN_REQUIRE(c.config.empty() || c.random_weights, Usage,
+             "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
+  FN_REQUIRE(c.tokenizer.empty() || c.random_weights, Usage,
+             "--tokenizer applies to --random-weights only (-m/--model reads DIR's tokenizer)");
+  FN_REQUIRE(c.seed >= 0, Usage, "--seed must be >= 0, got {}", c.seed);
+  if (!c.random_weights) require_model_dir(c.model);
+  if (!c.tokenizer.empty()) {
+    std::error_code ec;
+    FN_REQUIRE(fs::is_directory(c.tokenizer, ec), Usage,
+               "--tokenizer {}: not a directory; give the directory holding tokenizer.json (e.g. "
+               "third_party/qwen3-tokenizer)",
+               c.tokenizer);
+  }
 }
 
 // Collective: loads the backend with room for `ctx_size` tokens per sequence (sizes the cuda
-// caches; the cpu backend takes no size).
-void load_model(Loaded& l, const CommonCli& c, const fs::path& dir, const MpiContext& mpi,
-                int64_t ctx_size) {
-  l.backend = load_backend(c.backend, dir, mpi, *l.coll, ctx_size, "eval");
+// caches; the cpu backend takes no size): -m DIR, or the --config geometry on random weights.
+void load_model(Loaded& l, const CommonCli& c, const MpiContext& mpi, int64_t ctx_size) {
+  l.backend = c.random_weights
+                  ? load_backend_random(c.backend, c.config, static_cast<uint64_t>(c.seed), mpi,
+                                        *l.coll, ctx_size, "eval")
+                  : load_backend(c.backend, c.model, mpi, *l.coll, ctx_size, "eval");
 }
 
 std::vector<int32_t> broadcast_ids(Collectives& coll, std::vector<int32_t> ids) {
@@ -127,7 +190,7 @@ LogitsDtype parse_dtype(const std::string& s) {
 int run_ppl(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.ppl_c;
   const bool root = mpi.world_rank() == 0;
-  const fs::path dir = c.model;
+  const fs::path dir = c.config_source();
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
   ModelConfig cfg;
@@ -142,10 +205,10 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.save_top_k >= 0, Usage, "--save-top-k must be >= 0, got {}", o.save_top_k);
     FN_REQUIRE(o.chunks == -1 || o.chunks >= 1, Usage,
                "--chunks must be >= 1 (or -1, the default: every window), got {}", o.chunks);
-    require_outside_model(o.save_logits, c.model, "--save-logits");
+    require_output_outside_inputs(o.save_logits, c, "--save-logits");
     require_not_input(o.save_logits, "--save-logits", o.ppl_file, "-f/--file");
     require_not_input(o.save_logits, "--save-logits", o.ppl_ids_file, "--ids-file");
-    cfg = load_model_config(dir);
+    cfg = load_model_config(c.config_source());
     FN_REQUIRE(o.ctx <= cfg.max_position_embeddings, Usage,
                "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", o.ctx,
                cfg.max_position_embeddings);
@@ -157,11 +220,11 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     if (!o.ppl_file.empty()) {
       const std::string text = read_file(o.ppl_file, "-f/--file");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the file is empty", o.ppl_file);
-      const auto tok = require_tokenizer(dir, "-f/--file", cfg.vocab_size);
+      const auto tok = require_tokenizer(c, "-f/--file", cfg.vocab_size);
       tokens = with_text_source("-f/--file " + o.ppl_file,
                                 [&] { return tok->encode(text, EncodeMode::Raw); });
       check_ids_in_vocab(tokens, cfg.vocab_size, "-f/--file " + o.ppl_file);
-      tok_id = tokenizer_id(dir);
+      tok_id = model_tokenizer_id(c);
     } else {
       const std::string text = read_file(o.ppl_ids_file, "--ids-file");
       tokens =
@@ -171,7 +234,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     }
     perplexity_sequences(tokens, o.ctx, o.chunks);  // checks the window sizes before loading
   });
-  load_model(l, c, dir, mpi, o.ctx);  // every window runs from a fresh state
+  load_model(l, c, mpi, o.ctx);  // every window runs from a fresh state
   tokens = broadcast_ids(*l.coll, std::move(tokens));
 
   // Rank 0's file: created (staged beside <path>), and closed after the run (LogitsWriter::close
@@ -189,7 +252,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
     h.values_are_logprobs = h.mode == LogitsMode::TopK || h.dtype == LogitsDtype::Float16;
     h.sequences = perplexity_sequences(tokens, o.ctx, o.chunks);
     h.source = {{"producer", "fngen eval ppl"},
-                {"model", dir.string()},
+                {"model", c.model_name()},
                 {"backend", l.backend->info().name},
                 {"tp_size", l.coll->size()},
                 {"n_ctx", o.ctx}};
@@ -220,7 +283,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
           progress.open = true;
         }
       },
-      writer.get());
+      writer.get(), !o.save_logits.empty());
   agree_on_error(*l.coll, [&] {
     if (writer) writer->close();
   });
@@ -228,7 +291,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (root) {
     if (c.json_out) {
-      const json j = {{"model", dir.string()},
+      const json j = {{"model", c.model_name()},
                       {"backend", l.backend->info().name},
                       {"tp_size", l.coll->size()},
                       {"tokenizer", tok_id},
@@ -256,7 +319,7 @@ int run_ppl(EvalCli& o, MpiContext& mpi) {
 int run_dump(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.dump_c;
   const bool root = mpi.world_rank() == 0;
-  const fs::path dir = c.model;
+  const fs::path dir = c.config_source();
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
   ModelConfig cfg;
@@ -274,10 +337,10 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
     FN_REQUIRE(o.top_k >= 0, Usage, "--top-k must be >= 0 (0 = full rows), got {}", o.top_k);
     FN_REQUIRE(!(o.top_k > 0 && o.values == "logits"), Usage,
                "--values logits needs full rows: --top-k stores log-probs");
-    require_outside_model(o.output, c.model, "-o/--output");
+    require_output_outside_inputs(o.output, c, "-o/--output");
     require_not_input(o.output, "-o/--output", o.file, "-f/--file");
     require_not_input(o.output, "-o/--output", o.ids_file, "--ids-file");
-    cfg = load_model_config(dir);
+    cfg = load_model_config(c.config_source());
     FN_REQUIRE(o.top_k <= cfg.vocab_size, Usage, "--top-k {} exceeds vocab_size {}", o.top_k,
                cfg.vocab_size);
     if (!root) return;
@@ -295,14 +358,14 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
       // An empty -p is a flag mistake (exit 2, as generate's); an empty file is bad input (3).
       FN_REQUIRE(!text.empty() || !o.o_prompt->count(), Usage, "-p/--prompt: the prompt is empty");
       FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the prompt is empty", o.file);
-      const auto tok = require_tokenizer(dir, "the prompt", cfg.vocab_size);
+      const auto tok = require_tokenizer(c, "the prompt", cfg.vocab_size);
       const std::string what = o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file;
       refuse_long_text(
           *tok, text, cfg.max_position_embeddings, what,
           fmt::format("the model's max_position_embeddings {}", cfg.max_position_embeddings));
       ids = with_text_source(what, [&] { return tok->encode(text, EncodeMode::Raw); });
       check_ids_in_vocab(ids, cfg.vocab_size, "the prompt");
-      h.tokenizer = tokenizer_id(dir);
+      h.tokenizer = model_tokenizer_id(c);
     }
     FN_REQUIRE(!ids.empty(), Format, "the prompt has no tokens");
     const std::vector<int32_t> cont =
@@ -326,7 +389,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
                                 ? (h.mode == LogitsMode::TopK || h.dtype == LogitsDtype::Float16)
                                 : o.values == "logprobs";
     h.source = {{"producer", "fngen eval dump-logits"},
-                {"model", dir.string()},
+                {"model", c.model_name()},
                 {"tp_size", mpi.world_size()},
                 {"prompt_len", prompt_len}};
   });
@@ -335,7 +398,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
   seq.tokens = broadcast_ids(*l.coll, seq.tokens);
   seq.first = 0;
   seq.n_rows = static_cast<int64_t>(seq.tokens.size());
-  load_model(l, c, dir, mpi, seq.n_rows);  // one sequence of seq.n_rows tokens
+  load_model(l, c, mpi, seq.n_rows);  // one sequence of seq.n_rows tokens
   h.source["backend"] = l.backend->info().name;
   // Rank 0's file: created (staged beside <path>) and closed (a write that failed during the run;
   // else renamed into place) on every rank's agreement, so that every rank ends with rank 0's
@@ -377,7 +440,7 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
 int run_kld(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.kld_c;
   const bool root = mpi.world_rank() == 0;
-  const fs::path dir = c.model;
+  const fs::path dir = c.config_source();
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
   ModelConfig cfg;
@@ -386,7 +449,7 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
   // rank normally with rank 0's message.
   agree_on_error(*l.coll, [&] {
     check_common(c, mpi);
-    cfg = load_model_config(dir);
+    cfg = load_model_config(c.config_source());
     if (!root) return;
     reader = std::make_unique<LogitsReader>(o.base);
     const LogitsHeader& h = reader->header();
@@ -394,7 +457,7 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
                "--base {}: vocab_size {} but the model {} has vocab_size {}: the file was made "
                "for another model",
                o.base, h.vocab_size, dir.string(), cfg.vocab_size);
-    const std::string model_tok = tokenizer_id(dir);
+    const std::string model_tok = model_tokenizer_id(c);
     if (h.tokenizer != "ids-only" && model_tok != "ids-only") {
       FN_REQUIRE(h.tokenizer == model_tok, Format,
                  "--base {}: made with tokenizer {} but the model {} has tokenizer {}: token ids "
@@ -419,22 +482,26 @@ int run_kld(EvalCli& o, MpiContext& mpi) {
       kld_ctx = std::max(kld_ctx, s.first + s.n_rows);
   }
   l.coll->broadcast(&kld_ctx, sizeof(kld_ctx), 0);
-  load_model(l, c, dir, mpi, kld_ctx);
+  load_model(l, c, mpi, kld_ctx);
   if (root && !c.json_out) write_stdout(KldStats::chunk_header());
+  const auto t0 = std::chrono::steady_clock::now();
   const KldStats st =
       kl_divergence(*l.backend, *l.coll, reader.get(), [&](int64_t i, const KldStats& s) {
         if (!c.json_out) write_stdout(s.chunk_line(i));
       });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (root) {
     if (c.json_out) {
       json j = st.to_json();
-      j["model"] = dir.string();
+      j["model"] = c.model_name();
       j["base"] = o.base;
       j["backend"] = l.backend->info().name;
       j["tp_size"] = l.coll->size();
+      j["seconds"] = secs;
       write_stdout(j.dump() + "\n");
     } else {
       write_stdout("\n" + st.report());
+      FN_LOG_INFO("kld: {} rows in {:.2f} s", st.count(), secs);
     }
   }
   return 0;
@@ -542,7 +609,7 @@ Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t
 int run_score(EvalCli& o, MpiContext& mpi) {
   const CommonCli& c = o.score_c;
   const bool root = mpi.world_rank() == 0;
-  const fs::path dir = c.model;
+  const fs::path dir = c.config_source();
   Loaded l;
   l.coll = std::make_unique<MpiCollectives>(mpi.world());
   ModelConfig cfg;
@@ -555,24 +622,26 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   agree_on_error(*l.coll, [&] {
     check_common(c, mpi);
     FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
-    require_outside_model(o.score_output, c.model, "-o/--output");
+    require_output_outside_inputs(o.score_output, c, "-o/--output");
     require_not_input(o.score_output, "-o/--output", o.input, "-i/--input");
     FN_REQUIRE(o.max_new_tokens > 0, Usage, "-n/--max-new-tokens must be > 0, got {}",
                o.max_new_tokens);
     FN_REQUIRE(o.temp >= 0, Usage, "--temp must be >= 0, got {}", o.temp);
     require_utf8_system_prompt(o.system_prompt);
-    cfg = load_model_config(dir);
-    gen = load_generation_config(dir, cfg.vocab_size);
+    cfg = load_model_config(c.config_source());
+    gen = c.random_weights ? GenerationConfig{} : load_generation_config(dir, cfg.vocab_size);
     ctx = o.score_ctx > 0 ? o.score_ctx : std::min<int64_t>(cfg.max_position_embeddings, 4096);
     FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
                "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
                cfg.max_position_embeddings);
     if (!root) return;
-    if (has_tokenizer(dir)) tok = load_model_tokenizer(dir, cfg.vocab_size);
+    const fs::path tok_dir = c.tokenizer_dir();
+    if (!tok_dir.empty() && has_tokenizer(tok_dir))
+      tok = load_model_tokenizer(tok_dir, cfg.vocab_size);
     lines = read_jsonl_lines(o.input, "-i/--input");
   });
   Collectives& coll = *l.coll;
-  load_model(l, c, dir, mpi, ctx);
+  load_model(l, c, mpi, ctx);
   GenerateOptions go;
   go.sampling.temperature = o.temp;
   go.sampling.seed = 0;
@@ -744,8 +813,277 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   return 0;
 }
 
+// ---------------------------------------------------------------- loglik
+
+// One multiple-choice record (rank 0): the context and choice ids, each choice's byte length
+// (acc_norm's divisor) and the answer index. Throws fn::Error(Format) naming the field.
+struct McItem {
+  json id;
+  std::string task = "default";
+  std::vector<int32_t> context;
+  std::vector<std::vector<int32_t>> choices;
+  std::vector<int64_t> choice_bytes;
+  int64_t answer = 0;
+};
+
+std::vector<int32_t> json_ids(const json& v, int64_t vocab, const std::string& what) {
+  FN_REQUIRE(v.is_array(), Format, "{} must be a list of token ids", what);
+  std::vector<int32_t> ids;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    FN_REQUIRE(v[i].is_number_integer() && v[i].get<int64_t>() >= 0 && v[i].get<int64_t>() < vocab,
+               Format, "{}[{}] = {} is not an id in [0, {})", what, i, v[i].dump(), vocab);
+    ids.push_back(v[i].get<int32_t>());
+  }
+  return ids;
+}
+
+// lm-evaluation-harness' pair encoding: the context's trailing whitespace moves to the
+// continuation, the continuation's ids are those of encode(context + continuation) past
+// encode(context)'s (so a merge across the boundary is the tokenizer's own); when the context's
+// ids are not a prefix of the whole's, the continuation is encoded alone.
+std::vector<int32_t> continuation_ids(const Tokenizer& tok, const std::vector<int32_t>& ctx_ids,
+                                      const std::string& context, const std::string& cont) {
+  const std::vector<int32_t> whole = tok.encode(context + cont, EncodeMode::Raw);
+  if (whole.size() > ctx_ids.size() && std::equal(ctx_ids.begin(), ctx_ids.end(), whole.begin()))
+    return {whole.begin() + static_cast<std::ptrdiff_t>(ctx_ids.size()), whole.end()};
+  return tok.encode(cont, EncodeMode::Raw);
+}
+
+McItem parse_mc(const json& rec, const Tokenizer* tok, int64_t vocab) {
+  FN_REQUIRE(rec.is_object(), Format, "a record must be a JSON object, got {}", rec.type_name());
+  McItem m;
+  if (rec.contains("task")) {
+    FN_REQUIRE(rec["task"].is_string(), Format, "\"task\" must be a string");
+    m.task = rec["task"].get<std::string>();
+  }
+  FN_REQUIRE(rec.contains("context") != rec.contains("context_ids"), Format,
+             "a record needs exactly one of \"context\" or \"context_ids\"");
+  FN_REQUIRE(rec.contains("choices") && rec["choices"].is_array() && !rec["choices"].empty(),
+             Format, "\"choices\" must be a non-empty list");
+  const json& ch = rec["choices"];
+  FN_REQUIRE(rec.contains("answer") && rec["answer"].is_number_integer(), Format,
+             "\"answer\" must be the index of the right choice");
+  m.answer = rec["answer"].get<int64_t>();
+  FN_REQUIRE(m.answer >= 0 && m.answer < static_cast<int64_t>(ch.size()), Format,
+             "\"answer\" {} is not an index of the {} choices", m.answer, ch.size());
+  std::string context;
+  if (rec.contains("context_ids")) {
+    m.context = json_ids(rec["context_ids"], vocab, "\"context_ids\"");
+  } else {
+    FN_REQUIRE(rec["context"].is_string(), Format, "\"context\" must be a string");
+    FN_REQUIRE(tok != nullptr, Format,
+               "the record is text but there is no tokenizer; use \"context_ids\"");
+    context = rec["context"].get<std::string>();
+  }
+  // lm-eval: trailing whitespace of the context belongs to the continuation.
+  std::string moved;
+  while (!context.empty() && (context.back() == ' ' || context.back() == '\t')) {
+    moved.insert(moved.begin(), context.back());
+    context.pop_back();
+  }
+  if (rec.contains("context")) m.context = tok->encode(context, EncodeMode::Raw);
+  FN_REQUIRE(!m.context.empty(), Format, "the context has no tokens");
+  for (std::size_t i = 0; i < ch.size(); ++i) {
+    const std::string what = fmt::format("\"choices\"[{}]", i);
+    if (ch[i].is_array()) {
+      m.choices.push_back(json_ids(ch[i], vocab, what));
+      // Ids: the byte length of their text when a tokenizer can give it, else their count.
+      m.choice_bytes.push_back(tok ? static_cast<int64_t>(tok->decode(m.choices.back()).size())
+                                   : static_cast<int64_t>(m.choices.back().size()));
+    } else {
+      FN_REQUIRE(ch[i].is_string(), Format, "{} must be a string or a list of token ids", what);
+      FN_REQUIRE(tok != nullptr, Format, "{} is text but there is no tokenizer", what);
+      const std::string cont = moved + ch[i].get<std::string>();
+      m.choices.push_back(rec.contains("context") ? continuation_ids(*tok, m.context, context, cont)
+                                                  : tok->encode(cont, EncodeMode::Raw));
+      m.choice_bytes.push_back(static_cast<int64_t>(ch[i].get<std::string>().size()));
+    }
+    FN_REQUIRE(!m.choices.back().empty(), Format, "{} has no tokens", what);
+    check_ids_in_vocab(m.choices.back(), vocab, what);
+  }
+  check_ids_in_vocab(m.context, vocab, "the context");
+  return m;
+}
+
+int run_loglik(EvalCli& o, MpiContext& mpi) {
+  const CommonCli& c = o.loglik_c;
+  const bool root = mpi.world_rank() == 0;
+  const fs::path dir = c.config_source();
+  Loaded l;
+  l.coll = std::make_unique<MpiCollectives>(mpi.world());
+  ModelConfig cfg;
+  int64_t ctx = 0;
+  std::unique_ptr<Tokenizer> tok;
+  std::vector<std::string> lines;
+  agree_on_error(*l.coll, [&] {
+    check_common(c, mpi);
+    require_output_outside_inputs(o.ll_output, c, "-o/--output");
+    require_not_input(o.ll_output, "-o/--output", o.ll_input, "-i/--input");
+    cfg = load_model_config(dir);
+    ctx = o.ll_ctx > 0 ? o.ll_ctx : std::min<int64_t>(cfg.max_position_embeddings, 4096);
+    FN_REQUIRE(ctx <= cfg.max_position_embeddings, Usage,
+               "-c/--ctx-size {} exceeds the model's max_position_embeddings {}", ctx,
+               cfg.max_position_embeddings);
+    if (!root) return;
+    check_output_path(o.ll_output, "-o/--output");
+    const fs::path tok_dir = c.tokenizer_dir();
+    if (!tok_dir.empty() && has_tokenizer(tok_dir))
+      tok = load_model_tokenizer(tok_dir, cfg.vocab_size);
+    lines = read_jsonl_lines(o.ll_input, "-i/--input");
+  });
+  Collectives& coll = *l.coll;
+  load_model(l, c, mpi, ctx);
+  std::FILE* out = stdout;
+  agree_on_error(coll, [&] {
+    if (!root || o.ll_output.empty()) return;
+    out = std::fopen(o.ll_output.c_str(), "wb");
+    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing ({})", o.ll_output,
+               std::strerror(errno));
+  });
+  struct Tally {
+    int64_t n = 0, correct = 0, correct_norm = 0, errors = 0;
+  };
+  std::map<std::string, Tally> tally;
+  Tally total;
+  int64_t n_lines = static_cast<int64_t>(lines.size());
+  coll.broadcast(&n_lines, sizeof(n_lines), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t n_choices = 0;
+  for (int64_t li = 0; li < n_lines; ++li) {
+    int32_t status = 0;  // 0 blank, 1 run, 2 error
+    McItem m;
+    std::string error;
+    if (root) {
+      const std::string& line = lines[static_cast<std::size_t>(li)];
+      m.id = li + 1;
+      if (line.find_first_not_of(" \t\r") != std::string::npos) {
+        status = 1;
+        try {
+          const json rec = parse_json_line(line);
+          if (rec.is_object() && rec.contains("id")) m.id = rec["id"];
+          if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
+            m.task = rec["task"].get<std::string>();
+          McItem parsed = parse_mc(rec, tok.get(), cfg.vocab_size);
+          parsed.id = m.id;
+          m = std::move(parsed);
+          for (std::size_t i = 0; i < m.choices.size(); ++i) {
+            const int64_t need = static_cast<int64_t>(m.context.size() + m.choices[i].size()) - 1;
+            FN_REQUIRE(need <= ctx, Format,
+                       "the context and choice {} need {} tokens, more than -c/--ctx-size {}", i,
+                       need, ctx);
+          }
+        } catch (const Error& e) {
+          status = 2;
+          error = fmt::format("{}: line {}: {}", o.ll_input, li + 1, e.what());
+        }
+      }
+    }
+    coll.broadcast(&status, sizeof(status), 0);
+    if (status == 0) continue;
+    if (status == 2) {
+      if (root) {
+        FN_LOG_WARN("{}", error);
+        ++tally[m.task].errors;
+        ++tally[m.task].n;
+        ++total.errors;
+        ++total.n;
+      }
+      write_jsonl_record_agreed(
+          coll, out,
+          [&] {
+            return json{{"id", m.id}, {"task", m.task}, {"error", error}};
+          },
+          o.ll_output);
+      continue;
+    }
+    m.context = broadcast_ids(coll, m.context);
+    int64_t k = static_cast<int64_t>(m.choices.size());
+    coll.broadcast(&k, sizeof(k), 0);
+    m.choices.resize(static_cast<std::size_t>(k));
+    for (auto& ch : m.choices) ch = broadcast_ids(coll, ch);
+    n_choices += k;
+    const std::vector<ChoiceScore> sc = score_choices(*l.backend, m.context, m.choices);
+    json j;
+    if (root) {
+      std::vector<double> ll, ll_norm;
+      json per = json::array();
+      for (std::size_t i = 0; i < sc.size(); ++i) {
+        const double bytes = static_cast<double>(std::max<int64_t>(m.choice_bytes[i], 1));
+        ll.push_back(sc[i].logprob);
+        ll_norm.push_back(sc[i].logprob / bytes);
+        per.push_back({{"logprob", sc[i].logprob},
+                       {"n_tokens", sc[i].n_tokens},
+                       {"n_bytes", m.choice_bytes[i]},
+                       {"greedy", sc[i].greedy}});
+      }
+      const int64_t pred = best_choice(ll), pred_norm = best_choice(ll_norm);
+      Tally& tt = tally[m.task];
+      ++tt.n;
+      ++total.n;
+      tt.correct += pred == m.answer;
+      total.correct += pred == m.answer;
+      tt.correct_norm += pred_norm == m.answer;
+      total.correct_norm += pred_norm == m.answer;
+      j = {{"id", m.id},
+           {"task", m.task},
+           {"answer", m.answer},
+           {"pred", pred},
+           {"pred_norm", pred_norm},
+           {"correct", pred == m.answer},
+           {"correct_norm", pred_norm == m.answer},
+           {"n_context_tokens", m.context.size()},
+           {"choices", per}};
+    }
+    write_jsonl_record_agreed(
+        coll, out, [&] { return j; }, o.ll_output);
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (root) {
+    if (out != stdout) std::fclose(out);
+    const auto frac = [](int64_t a, int64_t n) {
+      return n > 0 ? static_cast<double>(a) / static_cast<double>(n) : 0.0;
+    };
+    std::string s =
+        fmt::format("\n--- fngen eval loglik: backend {}, TP {}, {} choices in {:.2f} s\n",
+                    l.backend->info().name, coll.size(), n_choices, secs);
+    s += fmt::format("{:<24} {:>6} {:>7} {:>9} {:>9}\n", "task", "n", "errors", "acc", "acc_norm");
+    json per = json::object();
+    const auto line = [&](const std::string& name, const Tally& x) {
+      s += fmt::format("{:<24} {:>6} {:>7} {:>8.2f}% {:>8.2f}%\n", name, x.n, x.errors,
+                       100.0 * frac(x.correct, x.n), 100.0 * frac(x.correct_norm, x.n));
+      return json{{"n", x.n},
+                  {"errors", x.errors},
+                  {"acc", frac(x.correct, x.n)},
+                  {"acc_norm", frac(x.correct_norm, x.n)}};
+    };
+    for (const auto& [name, x] : tally) per[name] = line(name, x);
+    const json tot = line("TOTAL", total);
+    std::fwrite(s.data(), 1, s.size(), stderr);
+    if (c.json_out)
+      write_stdout(json{{"summary", {{"tasks", per}, {"total", tot}, {"seconds", secs}}}}.dump() +
+                   "\n");
+  }
+  agree_on_error(coll, [&] {
+    FN_REQUIRE(!root || total.n == 0 || total.errors < total.n, Format,
+               "-i/--input {}: every record failed ({} of {}; see their \"error\" fields)",
+               o.ll_input, total.errors, total.n);
+  });
+  return 0;
+}
+
 void add_common(CLI::App* sub, CommonCli& c) {
-  sub->add_option("-m,--model", c.model, "model directory")->required();
+  sub->add_option("-m,--model", c.model, "model directory (or --random-weights --config FILE)");
+  sub->add_flag("--random-weights", c.random_weights,
+                "cuda: the full geometry of --config with random weights generated on the GPU "
+                "(no checkpoint; for timing)");
+  sub->add_option("--config", c.config,
+                  "with --random-weights: a config.json with its quantization_config (e.g. "
+                  "configs/qwen3.8-flash-next.json)");
+  sub->add_option("--tokenizer", c.tokenizer,
+                  "with --random-weights: the directory of tokenizer.json for text inputs (e.g. "
+                  "third_party/qwen3-tokenizer); without it inputs must be token ids");
+  add_whole_option(sub, "--seed", c.seed, "with --random-weights: the weights' seed (default 0)",
+                   WholeRange(0));
   add_backend_flags(sub, c.backend);
   sub->add_flag("--json", c.json_out, "print the result as JSON on stdout");
 }
@@ -755,7 +1093,8 @@ void add_common(CLI::App* sub, CommonCli& c) {
 void register_eval(CLI::App& app, CommandList& commands) {
   auto o = std::make_shared<EvalCli>();
   CLI::App* ev = app.add_subcommand(
-      "eval", "quality evaluation: ppl, dump-logits, kld --base FILE, score (mpirun -np N: TP N)");
+      "eval",
+      "quality evaluation: ppl, dump-logits, kld --base FILE, loglik, score (mpirun -np N: TP N)");
   ev->require_subcommand(1);
 
   o->ppl = ev->add_subcommand("ppl",
@@ -830,10 +1169,22 @@ void register_eval(CLI::App& app, CommandList& commands) {
   o->score->add_flag("--no-think", o->no_think, "chat: thinking off");
   o->score->add_flag("--ignore-eos", o->ignore_eos, "do not stop on the EOS ids");
 
+  o->loglik = ev->add_subcommand(
+      "loglik",
+      "multiple-choice log-likelihood (JSONL: id, context|context_ids, choices, answer, task): "
+      "acc and acc_norm per task, every choice's log-prob per record");
+  add_common(o->loglik, o->loglik_c);
+  o->loglik->add_option("-i,--input", o->ll_input, "items JSONL")->required();
+  add_stdout_option(o->loglik, "-o,--output", o->ll_output, "JSONL records");
+  add_whole_option(o->loglik, "-c,--ctx-size", o->ll_ctx,
+                   "context size (default, or 0: min(max_position_embeddings, 4096))",
+                   WholeRange(0, kMaxTokenCount));
+
   commands.push_back({ev, [o](MpiContext& mpi) {
                         if (o->ppl->parsed()) return run_ppl(*o, mpi);
                         if (o->dump->parsed()) return run_dump(*o, mpi);
                         if (o->kld->parsed()) return run_kld(*o, mpi);
+                        if (o->loglik->parsed()) return run_loglik(*o, mpi);
                         return run_score(*o, mpi);
                       }});
 }

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/row_stats.h"
 #include "core/sampler.h"
 
 namespace fn {
@@ -44,6 +45,7 @@ struct BackendCapabilities {
   bool graph_captures = false;  ///< graph_captures()
   bool set_position = false;    ///< set_position_for_benchmark()
   bool profile = false;         ///< profile_steps()
+  bool snapshot = false;        ///< snapshot() / restore()
 };
 
 /// Which logits Backend::prefill returns.
@@ -99,6 +101,30 @@ class Backend {
   /// differ from forward() in the last bits (other summation orders). Throws fn::Error(Usage)
   /// for an empty list (the tokens before a bad id have run), and as forward().
   virtual std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) = 0;
+
+  /// Runs `tokens` as prefill() does (batched where the backend has it) and returns, for rows
+  /// q.first .. n-1 (row p: the logits after token p), the per-row reductions of RowResults
+  /// (core/row_stats.h): log-softmax normaliser, the log-prob of the row's target and of its
+  /// gathered ids, the argmax, and the full rows only with q.keep_logits. The CUDA backend
+  /// reduces the rows on the device (cuda/kernels/logit_stats.h) so only these values cross to
+  /// the host; the default runs forward() per token and reduces on the host (host_row_stats),
+  /// the reference. Results are identical on every rank. A batched run may differ from forward()
+  /// in the last bits (summation orders, docs/numerics.md). Throws fn::Error(Usage) for an empty
+  /// list or a query that does not fit it (check_row_query), Format for a non-finite logit, and
+  /// as prefill().
+  virtual RowResults prefill_rows(std::span<const int32_t> tokens, const RowQuery& q);
+
+  /// capabilities().snapshot only: copies the sequence state (position, caches, recurrent and
+  /// convolution states, n-gram context) into the backend's one snapshot slot, replacing what it
+  /// held, so that restore() returns to this point (eval loglik scores each choice from the
+  /// state after its context). Every rank calls it alike. Throws fn::Error(Internal) without it,
+  /// fn::Error(Cuda) when the device slot cannot be allocated.
+  virtual void snapshot();
+
+  /// capabilities().snapshot only: returns the sequence state to the last snapshot(), so that the
+  /// next tokens run exactly as they would have after it. Throws fn::Error(Internal) without it
+  /// or before any snapshot() since the load.
+  virtual void restore();
 
   /// capabilities().device_decode only: feeds `first` at position(), then samples up to `count`
   /// ids on the device with `sampling` (temperature, top-k, top-p, min-p; its penalties are not

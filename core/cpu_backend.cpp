@@ -25,6 +25,20 @@ BackendInfo cpu_info(const CpuModel* model, double load_ms) {
 CpuBackend::CpuBackend(std::unique_ptr<CpuModel> model, double load_ms)
     : Backend(cpu_info(model.get(), load_ms)), model_(std::move(model)) {}
 
+BackendCapabilities CpuBackend::capabilities() const noexcept {
+  BackendCapabilities c;
+  c.snapshot = true;
+  return c;
+}
+
+void CpuBackend::snapshot() {
+  model_->snapshot();
+}
+
+void CpuBackend::restore() {
+  model_->restore();
+}
+
 void CpuBackend::reset() {
   model_->reset();
 }

@@ -20,6 +20,8 @@ class CpuBackend final : public Backend {
   /// The wrapped model (for --check-choices' last_choices()).
   const CpuModel& model() const noexcept { return *model_; }
 
+  /// snapshot only (CpuModel::snapshot / restore).
+  BackendCapabilities capabilities() const noexcept override;
   void reset() override;
   int64_t position() const noexcept override;
   /// CpuModel::forward (throws as it does).
@@ -27,6 +29,10 @@ class CpuBackend final : public Backend {
   /// CpuModel::forward over `tokens` in order: exactly prefill(T-1) + one step. Throws
   /// fn::Error(Usage) for an empty list, and as forward().
   std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) override;
+  /// CpuModel::snapshot: copies of the state vectors.
+  void snapshot() override;
+  /// CpuModel::restore (fn::Error(Internal) before any snapshot()).
+  void restore() override;
 
  private:
   std::unique_ptr<CpuModel> model_;

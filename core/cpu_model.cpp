@@ -204,7 +204,55 @@ struct CpuModel::Layer {
 CpuModel::CpuModel(ModelConfig cfg, Collectives& coll)
     : cfg_(std::move(cfg)), coll_(coll), tp_rank_(coll.rank()), tp_size_(coll.size()) {}
 
+struct CpuModel::Saved {
+  struct LayerState {
+    std::vector<float> ple_conv, gdn_conv, gdn_S, K, V, raw_keys, block_keys;
+    std::vector<int64_t> ple_context;
+  };
+  int64_t position = 0;
+  std::vector<LayerState> layers;
+};
+
 CpuModel::~CpuModel() = default;
+
+void CpuModel::snapshot() {
+  if (!saved_) saved_ = std::make_unique<Saved>();
+  saved_->position = position_;
+  saved_->layers.resize(layers_.size());
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& L = *layers_[i];
+    Saved::LayerState& st = saved_->layers[i];
+    if (L.ple) {
+      st.ple_conv = L.ple->conv_state;
+      st.ple_context = L.ple->context;
+    }
+    st.gdn_conv = L.gdn.conv_state;
+    st.gdn_S = L.gdn.S;
+    st.K = L.attn.K;
+    st.V = L.attn.V;
+    st.raw_keys = L.attn.raw_keys;
+    st.block_keys = L.attn.block_keys;
+  }
+}
+
+void CpuModel::restore() {
+  FN_CHECK(saved_ != nullptr, "restore() before any snapshot()");
+  position_ = saved_->position;
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    Layer& L = *layers_[i];
+    const Saved::LayerState& st = saved_->layers[i];
+    if (L.ple) {
+      L.ple->conv_state = st.ple_conv;
+      L.ple->context = st.ple_context;
+    }
+    L.gdn.conv_state = st.gdn_conv;
+    L.gdn.S = st.gdn_S;
+    L.attn.K = st.K;
+    L.attn.V = st.V;
+    L.attn.raw_keys = st.raw_keys;
+    L.attn.block_keys = st.block_keys;
+  }
+}
 
 std::unique_ptr<CpuModel> CpuModel::load(const std::filesystem::path& dir, Collectives& coll) {
   OpenedModel om = open_model(dir, coll.size());

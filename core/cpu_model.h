@@ -62,6 +62,14 @@ class CpuModel {
   /// Forgets the sequence: position 0, empty caches, zero GDN/PLE states, n-gram context all EOS.
   void reset();
 
+  /// Copies the sequence state (position, KV and indexer-key caches, GDN and PLE states, n-gram
+  /// context) into the model's one snapshot slot, replacing what it held.
+  void snapshot();
+
+  /// Returns the sequence state to the last snapshot(). Throws fn::Error(Internal) before any
+  /// snapshot().
+  void restore();
+
   /// Number of tokens processed since load()/reset() (the position of the next token).
   int64_t position() const noexcept { return position_; }
   const ModelConfig& config() const noexcept { return cfg_; }
@@ -132,6 +140,8 @@ class CpuModel {
   std::vector<std::vector<float>> residuals_;
   std::vector<float> logits_local_;
   std::vector<float> logits_;
+  struct Saved;  // snapshot() slot: per-layer state copies and the position
+  std::unique_ptr<Saved> saved_;
 };
 
 }  // namespace fn

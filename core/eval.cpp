@@ -182,27 +182,72 @@ std::vector<LogitsSequence> perplexity_sequences(std::span<const int32_t> tokens
   return seqs;
 }
 
+namespace {
+
+// Rows per prefill_rows call when full rows come back (bounds the host copy to about 127 MB at
+// the real vocabulary); without full rows a sequence is one call.
+constexpr int64_t kKeptRowsPerCall = 128;
+
+}  // namespace
+
+void sequence_rows(Backend& backend, const LogitsSequence& s, std::span<const int32_t> gather,
+                   int64_t gather_k, bool keep_logits,
+                   const std::function<void(const RowResults&, int64_t)>& on_rows) {
+  const int64_t end = s.first + s.n_rows;
+  FN_CHECK(s.first >= 0 && s.n_rows >= 1 && end <= static_cast<int64_t>(s.tokens.size()),
+           "sequence rows {}..{} outside its {} tokens", s.first, end - 1, s.tokens.size());
+  FN_CHECK(static_cast<int64_t>(gather.size()) == s.n_rows * gather_k,
+           "{} gathered ids for {} rows of {}", gather.size(), s.n_rows, gather_k);
+  std::vector<int32_t> targets;
+  backend.reset();
+  const int64_t step = keep_logits ? kKeptRowsPerCall : s.n_rows;
+  int64_t fed = 0;  // tokens fed so far
+  for (int64_t r0 = 0; r0 < s.n_rows; r0 += step) {
+    const int64_t rows = std::min(step, s.n_rows - r0);
+    const int64_t p_end = s.first + r0 + rows;  // feed tokens [fed, p_end)
+    targets.resize(static_cast<std::size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r)
+      targets[static_cast<std::size_t>(r)] = s.target(s.first + r0 + r);
+    RowQuery q;
+    q.first = s.first + r0 - fed;
+    q.targets = targets;
+    q.gather = gather.subspan(static_cast<std::size_t>(r0 * gather_k),
+                              static_cast<std::size_t>(rows * gather_k));
+    q.gather_k = gather_k;
+    q.keep_logits = keep_logits;
+    const RowResults res = backend.prefill_rows(
+        std::span<const int32_t>(s.tokens).subspan(static_cast<std::size_t>(fed),
+                                                   static_cast<std::size_t>(p_end - fed)),
+        q);
+    fed = p_end;
+    on_rows(res, r0);
+  }
+}
+
 PerplexityResult perplexity(Backend& backend, std::span<const int32_t> tokens, int64_t n_ctx,
                             int64_t max_chunks,
                             const std::function<void(int64_t, const PerplexityResult&)>& on_chunk,
-                            LogitsWriter* save) {
+                            LogitsWriter* save, bool keep_rows) {
   const std::vector<LogitsSequence> seqs = perplexity_sequences(tokens, n_ctx, max_chunks);
   PerplexityResult r;
   r.n_ctx = n_ctx;
   r.n_chunks = static_cast<int64_t>(seqs.size());
   r.n_tokens = static_cast<int64_t>(tokens.size());
+  // Every rank keeps full rows when rank 0 saves them (the same prefill calls on every rank).
+  const bool keep = keep_rows || save != nullptr;
+  const int64_t V = backend.info().vocab_size;
   for (std::size_t c = 0; c < seqs.size(); ++c) {
-    const LogitsSequence& s = seqs[c];
-    backend.reset();
-    for (int64_t p = 0; p < s.first + s.n_rows; ++p) {
-      const std::span<const float> logits = backend.forward(s.tokens[static_cast<std::size_t>(p)]);
-      if (p < s.first) continue;
-      const double nll = token_nll(logits, s.target(p));
-      r.sum_nll += nll;
-      r.sum_nll2 += nll * nll;
-      ++r.count;
-      if (save) save->append(logits);
-    }
+    sequence_rows(backend, seqs[c], {}, 0, keep, [&](const RowResults& res, int64_t) {
+      for (int64_t i = 0; i < res.rows; ++i) {
+        const double nll = -res.target_logprob[static_cast<std::size_t>(i)];
+        r.sum_nll += nll;
+        r.sum_nll2 += nll * nll;
+        ++r.count;
+        if (save)
+          save->append(std::span<const float>(res.logits)
+                           .subspan(static_cast<std::size_t>(i * V), static_cast<std::size_t>(V)));
+      }
+    });
     r.running_ppl.push_back(r.ppl());
     if (on_chunk) on_chunk(static_cast<int64_t>(c), r);
   }
@@ -759,25 +804,44 @@ void KldStats::add(std::span<const float> q_logits, const RefRow& ref, int32_t t
       kld += std::exp(lp) * (lp - lq_[i]);
     }
   } else {
-    double q_mass = 0.0;
-    for (std::size_t k = 0; k < ref.topk_ids.size(); ++k) {
-      const double lp = ref.topk_logprobs[k];
-      const double lq = lq_[static_cast<std::size_t>(ref.topk_ids[k])];
-      kld += std::exp(lp) * (lp - lq);
-      q_mass += std::exp(lq);
-    }
-    const double rp = ref.residual_mass;
-    if (rp > 0) {
-      const double rq = std::max(1.0 - q_mass, std::numeric_limits<double>::min());
-      kld += rp * (std::log(rp) - std::log(rq));
-    }
+    gathered_.resize(ref.topk_ids.size());
+    for (std::size_t k = 0; k < ref.topk_ids.size(); ++k)
+      gathered_[k] = lq_[static_cast<std::size_t>(ref.topk_ids[k])];
+    kld = topk_kld(gathered_, ref);
   }
+  add_parts(kld, argmax(q_logits) == ref.top1, target,
+            target >= 0 ? -lq_[static_cast<std::size_t>(target)] : 0.0, ref);
+}
+
+void KldStats::add_topk(std::span<const double> q_topk_logprobs, int32_t q_argmax,
+                        double q_target_logprob, const RefRow& ref, int32_t target) {
+  FN_CHECK(ref.logprobs.empty() && q_topk_logprobs.size() == ref.topk_ids.size(),
+           "add_topk: {} gathered log-probs for a top-{} reference row", q_topk_logprobs.size(),
+           ref.topk_ids.size());
+  add_parts(topk_kld(q_topk_logprobs, ref), q_argmax == ref.top1, target, -q_target_logprob, ref);
+}
+
+double KldStats::topk_kld(std::span<const double> lq, const RefRow& ref) {
+  double kld = 0.0, q_mass = 0.0;
+  for (std::size_t k = 0; k < ref.topk_ids.size(); ++k) {
+    const double lp = ref.topk_logprobs[k];
+    kld += std::exp(lp) * (lp - lq[k]);
+    q_mass += std::exp(lq[k]);
+  }
+  const double rp = ref.residual_mass;
+  if (rp > 0) {
+    const double rq = std::max(1.0 - q_mass, std::numeric_limits<double>::min());
+    kld += rp * (std::log(rp) - std::log(rq));
+  }
+  return kld;
+}
+
+void KldStats::add_parts(double kld, bool same_top, int32_t target, double nll, const RefRow& ref) {
   kld_.push_back(kld);
   sum_kld_ += kld;
   sum_kld2_ += kld * kld;
-  if (argmax(q_logits) == ref.top1) ++same_top_;
+  if (same_top) ++same_top_;
   if (target >= 0) {
-    const double nll = -lq_[static_cast<std::size_t>(target)];
     const double nll_base = -ref.target_logprob;
     sum_nll_ += nll;
     sum_nll2_ += nll * nll;
@@ -1014,41 +1078,111 @@ KldStats kl_divergence(Backend& backend, Collectives& coll, LogitsReader* reader
   }
   const std::vector<LogitsSequence> seqs =
       broadcast_sequences(coll, reader ? &reader->header().sequences : nullptr);
+  // Top-K bases: the device gathers the model's log-probs at the reference's ids (K per row);
+  // full bases need the model's full rows on the host.
+  int64_t top_k = reader && reader->header().mode == LogitsMode::TopK ? reader->header().top_k : 0;
+  coll.broadcast(&top_k, sizeof(top_k), 0);
+  const int64_t V = backend.info().vocab_size;
   KldStats stats;
-  RefRow ref;
+  std::vector<RefRow> refs;
+  std::vector<int32_t> gather;
   int64_t row = 0;
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     const LogitsSequence& s = seqs[i];
-    backend.reset();
-    for (int64_t p = 0; p < s.first + s.n_rows; ++p) {
-      const std::span<const float> logits = backend.forward(s.tokens[static_cast<std::size_t>(p)]);
-      if (p < s.first) continue;
-      const int32_t target = s.target(p);
-      // Rank 0 reads and checks the reference row; a bad row is then every rank's error (agreed
-      // per row), so that all ranks stop together instead of rank 0 aborting the job.
-      agree_on_error(coll, [&] {
-        if (reader) reader->read_row(row, target, ref);
-      });
-      if (!reader) continue;
-      ++row;
-      stats.add(logits, ref, target);
+    const auto n_rows = static_cast<std::size_t>(s.n_rows);
+    // Rank 0 reads and checks the sequence's reference rows; a bad row is then every rank's
+    // error (agreed on), so that all ranks stop together instead of rank 0 aborting the job.
+    if (reader) refs.resize(n_rows);
+    agree_on_error(coll, [&] {
+      if (!reader) return;
+      for (std::size_t r = 0; r < n_rows; ++r)
+        reader->read_row(row + static_cast<int64_t>(r), s.target(s.first + static_cast<int64_t>(r)),
+                         refs[r]);
+    });
+    row += s.n_rows;
+    gather.assign(n_rows * static_cast<std::size_t>(top_k), -1);
+    if (reader && top_k > 0) {
+      for (std::size_t r = 0; r < n_rows; ++r)
+        std::copy(
+            refs[r].topk_ids.begin(), refs[r].topk_ids.end(),
+            gather.begin() + static_cast<std::ptrdiff_t>(r * static_cast<std::size_t>(top_k)));
     }
+    if (!gather.empty()) coll.broadcast(gather.data(), gather.size() * sizeof(int32_t), 0);
+    sequence_rows(backend, s, gather, top_k, top_k == 0, [&](const RowResults& res, int64_t r0) {
+      if (!reader) return;
+      for (int64_t j = 0; j < res.rows; ++j) {
+        const auto r = static_cast<std::size_t>(r0 + j);
+        const int32_t target = s.target(s.first + r0 + j);
+        const auto ju = static_cast<std::size_t>(j);
+        if (top_k > 0) {
+          stats.add_topk(
+              std::span<const double>(res.gather_logprob)
+                  .subspan(ju * static_cast<std::size_t>(top_k), static_cast<std::size_t>(top_k)),
+              res.argmax[ju], res.target_logprob[ju], refs[r], target);
+        } else {
+          stats.add(std::span<const float>(res.logits)
+                        .subspan(ju * static_cast<std::size_t>(V), static_cast<std::size_t>(V)),
+                    refs[r], target);
+        }
+      }
+    });
     if (reader && on_sequence) on_sequence(static_cast<int64_t>(i), stats);
   }
   return stats;
 }
 
+std::vector<ChoiceScore> score_choices(Backend& backend, std::span<const int32_t> context,
+                                       const std::vector<std::vector<int32_t>>& choices) {
+  FN_CHECK(!context.empty(), "score_choices: an empty context");
+  FN_CHECK(backend.capabilities().snapshot, "the {} backend has no state snapshot",
+           backend.info().name);
+  backend.reset();
+  if (context.size() > 1) backend.prefill(context.first(context.size() - 1), PrefillOutput::None);
+  backend.snapshot();
+  std::vector<ChoiceScore> out;
+  std::vector<int32_t> fed;
+  for (std::size_t c = 0; c < choices.size(); ++c) {
+    const std::vector<int32_t>& choice = choices[c];
+    FN_CHECK(!choice.empty(), "score_choices: choice {} has no tokens", c);
+    if (c > 0) backend.restore();
+    fed.assign(1, context.back());
+    fed.insert(fed.end(), choice.begin(), choice.end() - 1);
+    RowQuery q;
+    q.targets = choice;
+    const RowResults r = backend.prefill_rows(fed, q);
+    ChoiceScore sc;
+    sc.n_tokens = static_cast<int64_t>(choice.size());
+    for (std::size_t j = 0; j < choice.size(); ++j) {
+      sc.logprob += r.target_logprob[j];
+      if (r.argmax[j] != choice[j]) sc.greedy = false;
+    }
+    out.push_back(sc);
+  }
+  return out;
+}
+
+int64_t best_choice(std::span<const double> values) {
+  FN_CHECK(!values.empty(), "best_choice of no values");
+  int64_t best = 0;
+  for (std::size_t i = 1; i < values.size(); ++i)
+    if (values[i] > values[static_cast<std::size_t>(best)]) best = static_cast<int64_t>(i);
+  return best;
+}
+
 void dump_logits(Backend& backend, const std::vector<LogitsSequence>& sequences,
                  LogitsWriter* writer, const std::function<void(int64_t)>& on_row) {
   int64_t rows = 0;
+  const int64_t V = backend.info().vocab_size;
   for (const LogitsSequence& s : sequences) {
-    backend.reset();
-    for (int64_t p = 0; p < s.first + s.n_rows; ++p) {
-      const std::span<const float> logits = backend.forward(s.tokens[static_cast<std::size_t>(p)]);
-      if (p < s.first) continue;
-      if (writer) writer->append(logits);
-      if (on_row) on_row(++rows);
-    }
+    sequence_rows(backend, s, {}, 0, true, [&](const RowResults& res, int64_t) {
+      for (int64_t j = 0; j < res.rows; ++j) {
+        if (writer)
+          writer->append(
+              std::span<const float>(res.logits)
+                  .subspan(static_cast<std::size_t>(j * V), static_cast<std::size_t>(V)));
+        if (on_row) on_row(++rows);
+      }
+    });
   }
 }
 

@@ -111,8 +111,24 @@ struct PerplexityResult {
 };
 
 class LogitsWriter;
+struct LogitsSequence;
 
-/// Runs the windows on `backend` (every rank of the TP group calls it with the same tokens).
+/// Runs sequence `s` from a fresh state (Backend::reset) through Backend::prefill_rows and calls
+/// `on_rows(results, r0)` with the results of its rows r0 .. r0 + results.rows - 1 (row r =
+/// position s.first + r, its target s.target(position)): one call without full rows, calls of
+/// at most 128 rows with `keep_logits` (bounding the host copy). `gather` holds gather_k ids per
+/// row of s (RowQuery::gather). Every rank of the TP group calls it alike. Throws as
+/// prefill_rows, fn::Error(Internal) for rows outside the tokens or a gather of another size.
+void sequence_rows(Backend& backend, const LogitsSequence& s, std::span<const int32_t> gather,
+                   int64_t gather_k, bool keep_logits,
+                   const std::function<void(const RowResults&, int64_t)>& on_rows);
+
+/// Runs the windows on `backend` (every rank of the TP group calls it with the same tokens), each
+/// one call of Backend::prefill_rows (the batched prefill; rows from n_ctx/2 on, the NLL from
+/// the row's log-softmax normaliser and target logit reduced on the device), full rows crossing
+/// to the host only when rows are saved. Every rank of the TP group must run the same calls, so
+/// every rank passes keep_rows = true when rank 0 has a `save` writer (the others have none);
+/// `save` alone implies it.
 /// `on_chunk(i, partial)` runs after chunk i (0-based). When `save` is non-null (rank 0) each
 /// scored row is appended to it (its header must come from perplexity_sequences()). Throws
 /// fn::Error(Usage) when n_ctx < 4 or tokens hold fewer than n_ctx tokens (naming both numbers and
@@ -120,7 +136,7 @@ class LogitsWriter;
 PerplexityResult perplexity(Backend& backend, std::span<const int32_t> tokens, int64_t n_ctx,
                             int64_t max_chunks,
                             const std::function<void(int64_t, const PerplexityResult&)>& on_chunk,
-                            LogitsWriter* save = nullptr);
+                            LogitsWriter* save = nullptr, bool keep_rows = false);
 
 // ---------------------------------------------------------------- the reference-logits file
 
@@ -280,6 +296,13 @@ class KldStats {
  public:
   /// Adds one row: `q_logits` are the test model's raw logits (V values).
   void add(std::span<const float> q_logits, const RefRow& ref, int32_t target);
+  /// Adds one row of a top-K reference from the test model's reductions of that row
+  /// (RowResults, core/row_stats.h): its log-probs at ref.topk_ids (same order), its argmax and
+  /// the log-prob of `target` (ignored when target is -1). The same numbers as add() on the full
+  /// row, up to the summation order of the normaliser. Throws fn::Error(Internal) for a full
+  /// reference row or a count other than K.
+  void add_topk(std::span<const double> q_topk_logprobs, int32_t q_argmax, double q_target_logprob,
+                const RefRow& ref, int32_t target);
   int64_t count() const noexcept { return static_cast<int64_t>(kld_.size()); }
   int64_t count_nll() const noexcept { return count_nll_; }
   /// The three blocks of llama.cpp's output (perplexity, KL divergence, token probability), one
@@ -302,17 +325,52 @@ class KldStats {
   double sum_kld_ = 0, sum_kld2_ = 0, sum_dp_ = 0, sum_dp2_ = 0, sum_dp4_ = 0;
   int64_t count_nll_ = 0, same_top_ = 0;
   std::vector<double> kld_, dp_;
-  std::vector<double> lq_;  // scratch
+  // The top-K + residual KL of one row from the model's log-probs `lq` at ref.topk_ids.
+  static double topk_kld(std::span<const double> lq, const RefRow& ref);
+  // Accumulates one row's KL, top-1 agreement and (target >= 0) the NLL of Q and of the base.
+  void add_parts(double kld, bool same_top, int32_t target, double nll, const RefRow& ref);
+  std::vector<double> lq_, gathered_;  // scratch
 };
 
-/// Runs every sequence of `reader`'s header on `backend` and accumulates KldStats. Every rank of
+/// Runs every sequence of `reader`'s header on `backend` through Backend::prefill_rows
+/// (sequence_rows) and accumulates KldStats: for a top-K base the device gathers the model's
+/// log-probs at the reference's K ids per row (rank 0 reads a sequence's rows first and
+/// broadcasts their ids), so only K + 2 numbers per row cross to the host; a full base takes
+/// the full rows. Every rank of
 /// the TP group calls it; `reader` is non-null on rank 0 only, which broadcasts the header's
 /// sequences through `coll` first. `on_sequence(i, stats)` runs on rank 0 after sequence i.
 /// Throws fn::Error(Format) when the backend's vocab_size differs from the file's (naming both).
 KldStats kl_divergence(Backend& backend, Collectives& coll, LogitsReader* reader,
                        const std::function<void(int64_t, const KldStats&)>& on_sequence);
 
-/// Feeds each sequence of `header` (identical on every rank) and appends its rows to `writer`
+// ---------------------------------------------------------------- multiple-choice log-likelihood
+
+/// One continuation's score (lm-evaluation-harness' loglikelihood request): the summed natural-log
+/// probability of its tokens given the context and the tokens before them, its token count, and
+/// whether every token was the model's argmax at its position (greedy match).
+struct ChoiceScore {
+  double logprob = 0;
+  int64_t n_tokens = 0;
+  bool greedy = true;
+};
+
+/// Scores each of `choices` (each >= 1 token) as the continuation of `context` (>= 1 token): the
+/// context's first n-1 tokens run once through Backend::prefill (from a fresh state), the state
+/// is kept (Backend::snapshot), and per choice the state is restored (Backend::restore) and
+/// [last context token] ++ choice[0 .. m-2] runs through Backend::prefill_rows with the choice's
+/// tokens as targets: row j's target log-prob is log p(choice[j] | context, choice[<j]). Every
+/// rank calls it alike. Throws fn::Error(Internal) for an empty context or choice or a backend
+/// without snapshot, and as prefill_rows (Usage when context + choice exceed the context size).
+std::vector<ChoiceScore> score_choices(Backend& backend, std::span<const int32_t> context,
+                                       const std::vector<std::vector<int32_t>>& choices);
+
+/// The index of the largest value, ties to the lowest index (lm-eval's argmax): acc picks it over
+/// the summed log-probs, acc_norm over log-prob / byte length of each choice's text. Throws
+/// fn::Error(Internal) for an empty list.
+int64_t best_choice(std::span<const double> values);
+
+/// Feeds each sequence of `header` (identical on every rank) through Backend::prefill_rows with
+/// full rows (sequence_rows) and appends its rows to `writer`
 /// (non-null on rank 0 only): the engine side of `fngen eval dump-logits`. `on_row(n)` runs on
 /// every rank after row n (1-based count over all sequences) is written, e.g. to agree on
 /// LogitsWriter::check. The caller closes the writer (LogitsWriter::close, which reports a failed

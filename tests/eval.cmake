@@ -17,3 +17,11 @@ set_tests_properties(reference_logits_script_decodes_checkpoints_as_the_referenc
 add_test(NAME eval_transformers_written_bases COMMAND bash ${CMAKE_SOURCE_DIR}/tests/eval_transformers_bases.sh
                                                        $<TARGET_FILE:fngen> ${CMAKE_SOURCE_DIR})
 set_tests_properties(eval_transformers_written_bases PROPERTIES LABELS cpu TIMEOUT 300)
+# Backend::prefill_rows, snapshot/restore, perplexity through the prefill and score_choices on the
+# CPU reference backend against the fixture's transformers rows (tests/data/eval/loglik_tp4.*).
+fn_add_test(NAME test_eval_loglik SOURCES test_eval_loglik.cpp LABEL cpu)
+# `fngen eval loglik` on the tp4 items against transformers' log-probs, its error records, and
+# eval's --random-weights flag mistakes (cpu backend, -np 1).
+add_test(NAME eval_loglik_cli COMMAND bash ${CMAKE_SOURCE_DIR}/tests/eval_loglik_cli.sh
+                                       $<TARGET_FILE:fngen> ${MPIEXEC_EXECUTABLE} ${CMAKE_SOURCE_DIR})
+set_tests_properties(eval_loglik_cli PROPERTIES LABELS cpu TIMEOUT 300)

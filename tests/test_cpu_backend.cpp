@@ -1,7 +1,7 @@
 // CpuBackend (core/cpu_backend.h): the CPU reference model behind the Backend interface, on the
 // tp4 reference fixture at TP = 1: its load-time facts, prefill equal to forward() token by token
 // (the same code path, so bitwise) and to the reference rows, reset() back to position 0 with
-// the first row reproduced, and no optional capability.
+// the first row reproduced, and no optional capability but the state snapshot.
 #include <doctest/doctest.h>
 
 #include <functional>
@@ -93,7 +93,9 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("cpu backend: no optional capability, and each optional call is an internal error") {
+TEST_CASE(
+    "cpu backend: only the snapshot capability, and each other optional call is an internal "
+    "error") {
   const auto f = fn::test::load_ref_fixture("tp4");
   fn::LocalCollectives coll;
   fn::CpuBackend b(fn::CpuModel::load(f.dir, coll), 0.0);
@@ -103,6 +105,7 @@ TEST_CASE("cpu backend: no optional capability, and each optional call is an int
   CHECK_FALSE(c.graph_captures);
   CHECK_FALSE(c.set_position);
   CHECK_FALSE(c.profile);
+  CHECK(c.snapshot);
   auto kind = [](const std::function<void()>& call) {
     try {
       call();

@@ -51,6 +51,7 @@ BackendCapabilities CudaBackend::capabilities() const noexcept {
   c.graph_captures = true;
   c.set_position = true;
   c.profile = true;
+  c.snapshot = true;
   return c;
 }
 
@@ -69,6 +70,18 @@ std::span<const float> CudaBackend::forward(int32_t token) {
 std::span<const float> CudaBackend::prefill(std::span<const int32_t> tokens, PrefillOutput output) {
   return model_->prefill(tokens,
                          output == PrefillOutput::Last ? PrefillLogits::Last : PrefillLogits::None);
+}
+
+RowResults CudaBackend::prefill_rows(std::span<const int32_t> tokens, const RowQuery& q) {
+  return model_->prefill_rows(tokens, q);
+}
+
+void CudaBackend::snapshot() {
+  model_->snapshot();
+}
+
+void CudaBackend::restore() {
+  model_->restore();
 }
 
 std::vector<int32_t> CudaBackend::decode(int32_t first, int64_t count,

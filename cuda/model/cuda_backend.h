@@ -31,7 +31,7 @@ class CudaBackend final : public Backend {
   CudaModel& model() noexcept { return *model_; }
   const CudaModel& model() const noexcept { return *model_; }
 
-  /// All of them: device decode, device memory, graph captures, set position, profile.
+  /// All of them: device decode, device memory, graph captures, set position, profile, snapshot.
   BackendCapabilities capabilities() const noexcept override;
   /// CudaModel::reset.
   void reset() override;
@@ -40,6 +40,12 @@ class CudaBackend final : public Backend {
   std::span<const float> forward(int32_t token) override;
   /// CudaModel::prefill in passes of --prefill-chunk tokens (PrefillLogits::Last or None).
   std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) override;
+  /// CudaModel::prefill_rows: the rows reduced on the device (cuda/kernels/logit_stats.h).
+  RowResults prefill_rows(std::span<const int32_t> tokens, const RowQuery& q) override;
+  /// CudaModel::snapshot (device-to-device copies into the model's snapshot slot).
+  void snapshot() override;
+  /// CudaModel::restore.
+  void restore() override;
   /// CudaModel::decode (sampling in the decode graph; throws as it does).
   std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token) override;

@@ -21,6 +21,7 @@
 
 #include "core/config.h"
 #include "core/memory_plan.h"
+#include "core/row_stats.h"
 #include "core/sampler.h"
 
 namespace fn {
@@ -67,6 +68,7 @@ enum class PrefillLogits {
   None,  ///< none (the caller decodes from the last token itself)
   Last,  ///< the last token's [vocab_size]
   All,   ///< every token's, [n, vocab_size] row-major (tests; n * vocab_size floats of host memory)
+  Rows,  ///< prefill_rows(): per-row reductions on the device (nothing returned as a span)
 };
 
 /// The discrete choices of one decode step (the layout of CpuModel::Choices): router = per
@@ -183,6 +185,25 @@ class CudaModel {
   std::span<const float> prefill(std::span<const int32_t> tokens,
                                  PrefillLogits logits = PrefillLogits::Last);
 
+  /// prefill() of `tokens` that reduces each row of q.first .. n-1 on the device
+  /// (cuda/kernels/logit_stats.h, after each group of lm_head rows) and returns the RowResults
+  /// of core/row_stats.h: only the per-row values cross to the host, plus the full rows with
+  /// q.keep_logits. The lm_head runs only for those rows. Throws as prefill(), fn::Error(Usage)
+  /// for a query that does not fit (check_row_query) and fn::Error(Format) for a row holding a
+  /// non-finite logit.
+  RowResults prefill_rows(std::span<const int32_t> tokens, const RowQuery& q);
+
+  /// Copies the sequence state (the GDN and PLE states, the n-gram context and the position)
+  /// into the model's one snapshot slot on the device (allocated at the first call), replacing
+  /// what it held. The KV and indexer caches are position-addressed and rewritten by every
+  /// step, so the position restored covers them. Synchronises the stream. Throws
+  /// fn::Error(Cuda) when the slot cannot be allocated.
+  void snapshot();
+
+  /// Returns the sequence state to the last snapshot() (device-to-device copies; synchronises).
+  /// Throws fn::Error(Internal) before any snapshot().
+  void restore();
+
   /// Debug/tests (CudaModelOptions::record_choices): the router and indexer choices of every row
   /// of the last prefill() call, in order (StepChoices' layout, as last_choices() gives them for
   /// a forward() step). Throws fn::Error(Usage) without record_choices.
@@ -243,6 +264,9 @@ class CudaModel {
   static std::unique_ptr<CudaModel> random_with(const ModelConfig& config, const QuantConfig& quant,
                                                 uint64_t seed, const CudaModelOptions& options,
                                                 const CudaModelTestOptions& test);
+  // prefill() and prefill_rows(): `rows` and `out` non-null for PrefillLogits::Rows.
+  std::span<const float> run_prefill(std::span<const int32_t> tokens, PrefillLogits want,
+                                     const RowQuery* rows, RowResults* out);
   // Throws the error a kernel flagged in the step whose flag was copied to host_flag[slot] (then
   // clears the device flag).
   void check_step_errors(int32_t token, int slot = 0);

@@ -380,6 +380,10 @@ struct CudaModel::Impl {
   // Zeroes the states, fills the n-gram context with EOS, position 0.
   void reset_state(const ModelConfig& c);
   std::vector<std::pair<void*, std::size_t>> state_blocks;  // zeroed by reset_state
+  // snapshot()'s slot (decode.cpp): the state blocks and the n-gram context, back to back;
+  // allocated at the first snapshot. snap_position < 0: none taken yet.
+  std::byte* snap = nullptr;
+  int64_t snap_position = -1;
 
   // Host-resident n-gram tables (CudaModelOptions::ngram_table): the pinned allocations, the
   // side stream of their decode gathers, and its fork and join events (none without them).
@@ -402,6 +406,7 @@ struct CudaModel::Impl {
     for (Marks* mk : {&eager_marks, &graph_marks}) {
       for (cudaEvent_t e : mk->events) cudaEventDestroy(e);
     }
+    if (snap) cudaFree(snap);
     if (host_logits) cudaFreeHost(host_logits);
     if (host_token) cudaFreeHost(host_token);
     if (host_flag) cudaFreeHost(host_flag);

@@ -27,6 +27,7 @@
 #include "cuda/kernels/decode_ops.h"
 #include "cuda/kernels/gdn_prefill.h"
 #include "cuda/kernels/gemm.h"
+#include "cuda/kernels/logit_stats.h"
 #include "cuda/kernels/moe_prefill.h"
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/prefill_ops.h"
@@ -82,6 +83,23 @@ struct CudaPrefillState {
   float* logits_local = nullptr;  // [kLogitRows, v_local] (TP > 1)
   float* logits = nullptr;        // [kLogitRows, V]
   std::vector<float> host_logits;
+  // prefill_rows(): the query's ids and the per-row results on the device, grown as needed.
+  struct RowBuffers {
+    std::byte* base = nullptr;
+    std::size_t bytes = 0;
+    int32_t* targets = nullptr;  // [rows]
+    int32_t* gather = nullptr;   // [rows, gather_k]
+    double* lse = nullptr;       // [rows]
+    double* tlp = nullptr;       // [rows]
+    int32_t* argmax = nullptr;   // [rows]
+    double* glp = nullptr;       // [rows, gather_k]
+    RowBuffers() = default;
+    RowBuffers(const RowBuffers&) = delete;
+    RowBuffers& operator=(const RowBuffers&) = delete;
+    ~RowBuffers() {
+      if (base) cudaFree(base);
+    }
+  } row_buf;
   int64_t host_position = 0;  // source of the device position update
   // record_choices: each QSA layer's per-row selection (device), and every row's choices on the
   // host in the decode step's log layout (choice_log_ints() ints per row).
@@ -291,6 +309,9 @@ struct CudaModel::Impl::PrefillRun {
   // The pass in flight: rows c0 .. c0 + M - 1 of the prompt at positions p0 ..
   int64_t c0 = 0, M = 0, p0 = 0;
   int64_t layer_index = 0, qsa_index = 0;
+  // PrefillLogits::Rows: the query, its row results (host) and whether the rows are kept.
+  const RowQuery* rq = nullptr;
+  RowResults* rout = nullptr;
 
   void all_reduce(float* buf, int64_t count) {
     if (o.tp_size == 1) return;
@@ -481,6 +502,7 @@ void CudaModel::Impl::PrefillRun::logits(PrefillLogits want, int64_t n) {
   int64_t r_begin = M, r_end = M;
   if (want == PrefillLogits::All) r_begin = 0;
   if (want == PrefillLogits::Last && c0 + M == n) r_begin = M - 1;
+  if (want == PrefillLogits::Rows) r_begin = std::clamp(rq->first - c0, int64_t{0}, M);
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kLogitRows) {
     const int64_t m = std::min(kLogitRows, r_end - r0);
     hc_read(I.final_hc, P.H + r0 * W, m, nullptr);
@@ -501,6 +523,29 @@ void CudaModel::Impl::PrefillRun::logits(PrefillLogits want, int64_t n) {
     } else {
       gemm(I.lm_head, V, D, P.m_hi, P.m_lo, D, m, P.logits, V);
     }
+    if (want == PrefillLogits::Rows) {
+      // Reported row of prompt row c0 + r0: g0 (the query's rows start at rq->first).
+      const int64_t g0 = c0 + r0 - rq->first, k = rq->gather_k;
+      const CudaPrefillState::RowBuffers& b = P.row_buf;
+      LogitStatsParams ls;
+      ls.logits = P.logits;
+      ls.rows = m;
+      ls.vocab = V;
+      ls.ld = V;
+      ls.targets = rq->targets.empty() ? nullptr : b.targets + g0;
+      ls.gather = k > 0 ? b.gather + g0 * k : nullptr;
+      ls.gather_k = k;
+      ls.lse = b.lse + g0;
+      ls.target_logprob = b.tlp + g0;
+      ls.argmax = b.argmax + g0;
+      ls.gather_logprob = k > 0 ? b.glp + g0 * k : nullptr;
+      launch_logit_stats(ls, s);
+      if (rq->keep_logits) {
+        FN_CUDA_CHECK(cudaMemcpyAsync(rout->logits.data() + g0 * V, P.logits, sizeof(float) * m * V,
+                                      cudaMemcpyDeviceToHost, s));
+      }
+      continue;
+    }
     const int64_t dst = want == PrefillLogits::All ? (c0 + r0) * V : 0;
     FN_CUDA_CHECK(cudaMemcpyAsync(P.host_logits.data() + dst, P.logits, sizeof(float) * m * V,
                                   cudaMemcpyDeviceToHost, s));
@@ -508,6 +553,32 @@ void CudaModel::Impl::PrefillRun::logits(PrefillLogits want, int64_t n) {
 }
 
 std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, PrefillLogits want) {
+  FN_CHECK(want != PrefillLogits::Rows, "PrefillLogits::Rows is prefill_rows()'s");
+  return run_prefill(tokens, want, nullptr, nullptr);
+}
+
+namespace {
+// Bytes of a 256-aligned piece of `count` T.
+template <typename T>
+std::size_t piece_bytes(int64_t count) {
+  return (static_cast<std::size_t>(std::max<int64_t>(count, 1)) * sizeof(T) + 255) &
+         ~std::size_t{255};
+}
+}  // namespace
+
+RowResults CudaModel::prefill_rows(std::span<const int32_t> tokens, const RowQuery& q) {
+  const auto n = static_cast<int64_t>(tokens.size());
+  FN_REQUIRE(n >= 1, Usage, "the prompt is empty (0 tokens): give at least one token");
+  check_row_query(q, n, cfg_.vocab_size);
+  RowResults out;
+  const int64_t rows = n - q.first, k = q.gather_k;
+  resize_row_results(out, rows, k, q.keep_logits, cfg_.vocab_size);
+  run_prefill(tokens, PrefillLogits::Rows, &q, &out);
+  return out;
+}
+
+std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, PrefillLogits want,
+                                              const RowQuery* rq, RowResults* rout) {
   Impl& I = *impl_;
   const ModelConfig& c = cfg_;
   const CudaModelOptions& o = opt_;
@@ -546,6 +617,41 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   PrefillProfile prof(I.stream);
   Impl::PrefillRun run{I,   P, c, o, rank_dims(c, o.tp_size, o.tp_rank), I.stream, P.blas->get(),
                        prof};
+  run.rq = rq;
+  run.rout = rout;
+  if (want == PrefillLogits::Rows) {
+    // The query's ids in, the per-row results out: one grow-only device block.
+    const int64_t rows = n - rq->first, k = rq->gather_k;
+    CudaPrefillState::RowBuffers& b = P.row_buf;
+    const std::size_t need = 3 * piece_bytes<double>(rows * std::max<int64_t>(k, 1)) +
+                             3 * piece_bytes<int32_t>(rows * std::max<int64_t>(k, 1));
+    if (need > b.bytes) {
+      if (b.base) FN_CUDA_CHECK(cudaFree(b.base));
+      b.base = nullptr;
+      b.bytes = 0;
+      void* p = nullptr;
+      FN_CUDA_CHECK(cudaMalloc(&p, need));
+      b.base = static_cast<std::byte*>(p);
+      b.bytes = need;
+    }
+    std::size_t at = 0;
+    const auto take = [&]<typename T>(T*& ptr, int64_t count) {
+      ptr = reinterpret_cast<T*>(b.base + at);
+      at += piece_bytes<T>(count);
+    };
+    take(b.targets, rows);
+    take(b.gather, rows * k);
+    take(b.lse, rows);
+    take(b.tlp, rows);
+    take(b.argmax, rows);
+    take(b.glp, rows * k);
+    if (!rq->targets.empty())
+      FN_CUDA_CHECK(cudaMemcpyAsync(b.targets, rq->targets.data(), sizeof(int32_t) * rows,
+                                    cudaMemcpyHostToDevice, I.stream));
+    if (k > 0)
+      FN_CUDA_CHECK(cudaMemcpyAsync(b.gather, rq->gather.data(), sizeof(int32_t) * rows * k,
+                                    cudaMemcpyHostToDevice, I.stream));
+  }
   cudaStream_t s = I.stream;
   // record_choices: every row's router ids and QSA selections, laid out per row as the decode
   // step's choice log (model_detail::choice_log_ints).
@@ -592,6 +698,29 @@ std::span<const float> CudaModel::prefill(std::span<const int32_t> tokens, Prefi
   prof.log(n, passes);
 
   if (want == PrefillLogits::None) return {};
+  if (want == PrefillLogits::Rows) {
+    const int64_t rows = n - rq->first, k = rq->gather_k;
+    const CudaPrefillState::RowBuffers& b = P.row_buf;
+    FN_CUDA_CHECK(
+        cudaMemcpyAsync(rout->lse.data(), b.lse, sizeof(double) * rows, cudaMemcpyDeviceToHost, s));
+    FN_CUDA_CHECK(cudaMemcpyAsync(rout->target_logprob.data(), b.tlp, sizeof(double) * rows,
+                                  cudaMemcpyDeviceToHost, s));
+    FN_CUDA_CHECK(cudaMemcpyAsync(rout->argmax.data(), b.argmax, sizeof(int32_t) * rows,
+                                  cudaMemcpyDeviceToHost, s));
+    if (k > 0)
+      FN_CUDA_CHECK(cudaMemcpyAsync(rout->gather_logprob.data(), b.glp, sizeof(double) * rows * k,
+                                    cudaMemcpyDeviceToHost, s));
+    FN_CUDA_CHECK(cudaStreamSynchronize(s));
+    // Only targets of -1 leave NaN in target_logprob: the kernel's NaN for a non-finite row is
+    // its lse.
+    for (int64_t r = 0; r < rows; ++r) {
+      FN_REQUIRE(std::isfinite(rout->lse[static_cast<std::size_t>(r)]), Format,
+                 "the model produced a non-finite logit in the row of position {} (prefill of "
+                 "positions {}..{}): the checkpoint's weights hold NaN/Inf or overflow",
+                 position_ - n + rq->first + r, position_ - n, position_ - 1);
+    }
+    return {};
+  }
   for (std::size_t i = 0; i < P.host_logits.size(); ++i) {
     FN_REQUIRE(std::isfinite(P.host_logits[i]), Format,
                "the model produced a non-finite logit ({} for token {}) in the prefill of "

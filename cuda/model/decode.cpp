@@ -3,6 +3,7 @@
 // --check-choices.
 #include "cuda/model/cuda_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -43,6 +44,54 @@ int64_t CudaModel::graph_captures() const noexcept {
 void CudaModel::reset() {
   impl_->reset_state(cfg_);
   position_ = 0;
+}
+
+namespace {
+// Bytes of the n-gram context (reset_state fills max(ngram_size - 1, 1) ids).
+std::size_t context_bytes(const ModelConfig& c) {
+  return static_cast<std::size_t>(std::max<int64_t>(c.ngram_size - 1, 1)) * sizeof(int64_t);
+}
+}  // namespace
+
+// The KV, value and indexer-key caches are not copied: each position's entries (and a QSA
+// block's pooled key, written when its last position runs) are rewritten whenever that position
+// runs again, and no step reads a position at or past its own, so the position restored is
+// enough for them. The recurrent and convolution states and the n-gram context are overwritten
+// in place by every step and are copied.
+void CudaModel::snapshot() {
+  Impl& I = *impl_;
+  std::size_t total = context_bytes(cfg_);
+  for (const auto& [ptr, bytes] : I.state_blocks) total += bytes;
+  if (I.snap == nullptr) {
+    void* p = nullptr;
+    FN_CUDA_CHECK(cudaMalloc(&p, total));
+    I.snap = static_cast<std::byte*>(p);
+  }
+  std::size_t at = 0;
+  for (const auto& [ptr, bytes] : I.state_blocks) {
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.snap + at, ptr, bytes, cudaMemcpyDeviceToDevice, I.stream));
+    at += bytes;
+  }
+  FN_CUDA_CHECK(cudaMemcpyAsync(I.snap + at, I.context, context_bytes(cfg_),
+                                cudaMemcpyDeviceToDevice, I.stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+  I.snap_position = position_;
+}
+
+void CudaModel::restore() {
+  Impl& I = *impl_;
+  FN_CHECK(I.snap_position >= 0, "restore() before any snapshot()");
+  std::size_t at = 0;
+  for (const auto& [ptr, bytes] : I.state_blocks) {
+    FN_CUDA_CHECK(cudaMemcpyAsync(ptr, I.snap + at, bytes, cudaMemcpyDeviceToDevice, I.stream));
+    at += bytes;
+  }
+  FN_CUDA_CHECK(cudaMemcpyAsync(I.context, I.snap + at, context_bytes(cfg_),
+                                cudaMemcpyDeviceToDevice, I.stream));
+  position_ = I.snap_position;
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.position, &position_, sizeof(int64_t), cudaMemcpyHostToDevice, I.stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
 }
 
 void CudaModel::set_position_for_benchmark(int64_t position) {

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# `fngen eval loglik` end to end and eval's --random-weights flags (CTest eval_loglik_cli, label
+# cpu): the tp4 loglik items at -np 1 on the cpu backend give transformers' log-probs
+# (tests/data/eval/loglik_tp4.expected.json, per token within 2e-3) and the predictions, acc and
+# acc_norm per task recomputed from them; bad records become error records and the run goes on;
+# a file whose every record fails exits 3; the --random-weights/--config/--tokenizer mistakes
+# exit 2 naming the flag.
+# Usage: eval_loglik_cli.sh FNGEN MPIEXEC SOURCE_DIR
+set -u
+fngen=$1
+mpiexec=$2
+src=$3
+source "$src/tests/cli_lib.sh"
+fx=$src/tests/data/fixtures/tp4
+items=$src/tests/data/eval/loglik_tp4.jsonl
+want=$src/tests/data/eval/loglik_tp4.expected.json
+
+# ---- the items against the reference ----
+cp "$items" "$tmp/items.jsonl"
+if mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$tmp/items.jsonl" -o "$tmp/rec.jsonl" --json \
+  >"$tmp/sum.json" 2>"$tmp/err"; then
+  pass "loglik on the tp4 items"
+else
+  fail "loglik on the tp4 items: $(head -n 5 "$tmp/err")"
+fi
+check_jsonl "$tmp/rec.jsonl" "len(r) == 7 and all(
+  abs(c['logprob'] - w['logprob']) <= 2e-3 * c['n_tokens'] and c['n_tokens'] == w['n_tokens']
+  and c['greedy'] == w['greedy'] and c['n_bytes'] == c['n_tokens']
+  for x, e in zip(r, json.load(open('$want'))['items']) for c, w in zip(x['choices'], e['choices']))
+  and all(x['pred'] == e['pred'] and x['pred_norm'] == e['pred_norm']
+  and x['correct'] == (x['pred'] == x['answer'])
+  for x, e in zip(r, json.load(open('$want'))['items']))" "every choice's log-prob is transformers'"
+check_json "$tmp/sum.json" "(lambda recs: all(
+  abs(j['summary']['tasks'][t]['acc'] - sum(x['correct'] for x in recs if x['task'] == t) /
+      sum(1 for x in recs if x['task'] == t)) < 1e-12 and
+  abs(j['summary']['tasks'][t]['acc_norm'] - sum(x['correct_norm'] for x in recs if x['task'] == t) /
+      sum(1 for x in recs if x['task'] == t)) < 1e-12 for t in ('fixture', 'fixture_b'))
+  and j['summary']['total']['n'] == 7)([json.loads(l) for l in open('$tmp/rec.jsonl')])" \
+  "acc and acc_norm per task are the records' fractions"
+
+# ---- bad records are error records; the run goes on ----
+{
+  head -n 1 "$items"
+  echo '{"id": "noans", "context_ids": [7], "choices": [[1]]}'
+  echo '{"id": "badidx", "context_ids": [7], "choices": [[1], [2]], "answer": 2}'
+  echo '{"id": "badid", "context_ids": [7, 384], "choices": [[1]], "answer": 0}'
+  echo '{"id": "empty", "context_ids": [], "choices": [[1]], "answer": 0}'
+  echo '{"id": "emptych", "context_ids": [7], "choices": [[]], "answer": 0}'
+  echo '{"id": "text", "context": "hello", "choices": ["a"], "answer": 0}'
+  echo 'not json'
+} >"$tmp/bad.jsonl"
+expect 0 "line 2" -- mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$tmp/bad.jsonl"
+check_jsonl "$tmp/out" "len(r) == 8 and 'error' not in r[0] and all('error' in x for x in r[1:])
+  and 'answer' in r[1]['error'] and 'not an index' in r[2]['error'] and '384' in r[3]['error']
+  and 'no tokens' in r[4]['error'] and 'no tokens' in r[5]['error'] and 'tokenizer' in r[6]['error']" \
+  "each bad record is an error record naming its fault"
+tail -n +2 "$tmp/bad.jsonl" >"$tmp/allbad.jsonl"
+expect 3 "every record failed" -- mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$tmp/allbad.jsonl"
+# A choice that does not fit -c is an error record, not a failed run.
+expect 3 "ctx-size 4" -- mpi_fngen 1 eval loglik --backend cpu -m "$fx" -c 4 -i "$items"
+
+# ---- --random-weights and its flags ----
+cfg=$src/configs/qwen3.8-flash-next.json
+expect 2 "either -m/--model DIR or --random-weights" -- \
+  mpi_fngen 1 eval ppl --ids-file "$items" -c 8
+expect 2 "needs --config" -- mpi_fngen 1 eval ppl --random-weights --ids-file "$items" -c 8
+expect 2 "not both" -- mpi_fngen 1 eval ppl --random-weights --config "$cfg" -m "$fx" --ids-file "$items"
+expect 2 "applies to --random-weights only" -- \
+  mpi_fngen 1 eval loglik -m "$fx" --tokenizer "$src/third_party/qwen3-tokenizer" -i "$items"
+expect 2 "give token ids instead, or --tokenizer DIR" -- \
+  mpi_fngen 1 eval ppl --random-weights --config "$cfg" -f "$items" -c 8
+expect 2 "needs the cuda backend" -- \
+  mpi_fngen 1 eval loglik --backend cpu --random-weights --config "$cfg" -i "$items"
+
+echo "$failures failure(s)"
+[ "$failures" = 0 ]

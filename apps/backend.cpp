@@ -1,6 +1,7 @@
 #include "apps/backend.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 
 #include "apps/app_util.h"
 #include "apps/whole_number.h"
+#include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/choice_check.h"
 #include "core/cpu_model.h"
@@ -18,10 +20,10 @@
 #ifdef FN_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/device_all_reduce.h"
 #include "comm/gpu_comm.h"
+#include "cuda/common/cuda_check.h"
 #include "cuda/model/cuda_model.h"
 #endif
 
@@ -109,14 +111,22 @@ struct CudaHold {
 
 // Sets up this rank's GPU and all-reduce, then builds the model with `make` (a load or random
 // weights) and wraps it.
+// `tp_comm` (not null): the group of a data-parallel split; its GPU is still the one of the
+// node-local world rank (the group's ranks share one node, checked by the caller).
 LoadedBackend load_cuda(
     const BackendFlags& flags, const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-    const std::function<std::unique_ptr<CudaModel>(const CudaModelOptions&, int tp)>& make) {
+    const std::function<std::unique_ptr<CudaModel>(const CudaModelOptions&, int tp)>& make,
+    MPI_Comm tp_comm = MPI_COMM_NULL) {
   LoadedBackend b;
   b.name = "cuda";
   auto hold = std::make_shared<CudaHold>();
   const auto t0 = std::chrono::steady_clock::now();
-  hold->gpu = std::make_unique<GpuComm>(mpi);
+  if (tp_comm == MPI_COMM_NULL) {
+    hold->gpu = std::make_unique<GpuComm>(mpi);
+  } else {
+    const GpuGroup group{tp_comm, coll.rank(), coll.size(), coll.rank(), coll.size()};
+    hold->gpu = std::make_unique<GpuComm>(group, mpi.local_rank());
+  }
   GpuComm& gpu = *hold->gpu;
   if (gpu.size() > 1) {
     hold->all_reduce = make_device_all_reduce(parse_all_reduce_strategy(flags.allreduce), gpu,
@@ -261,8 +271,32 @@ std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
 
 LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
                            const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                           const char* who) {
-  const std::string name = resolve_backend(flags, coll);
+                           const char* who, MPI_Comm tp_comm) {
+  std::string name;
+  if (tp_comm == MPI_COMM_NULL) {
+    name = resolve_backend(flags, coll);
+  } else {
+    // Data-parallel groups: one decision over the world; the group size was checked by the
+    // caller (check_batch_tp), so the world check sees no --tp.
+    MpiCollectives world(mpi.world());
+    BackendFlags world_flags = flags;
+    world_flags.tp = 0;
+    name = resolve_backend(world_flags, world);
+    // Every rank needs a GPU of its own (the node-local rank picks it): refused over the world,
+    // by the rank that lacks one, before a group builds its communicator.
+    if (name == "cuda") {
+      agree_on_error(world, [&] {
+        std::string why;
+        const int count = cuda_device_count(&why);
+        const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+        FN_REQUIRE(mpi.local_rank() < count, Cuda,
+                   "rank {} (node-local rank {} of {}) needs GPU {} but only {} GPU(s) are "
+                   "visible (CUDA_VISIBLE_DEVICES={}): run at most one rank per GPU",
+                   mpi.world_rank(), mpi.local_rank(), mpi.local_size(), mpi.local_rank(), count,
+                   visible ? visible : "unset");
+      });
+    }
+  }
   if (name == "cpu") {
     if (flags.no_graph || flags.allreduce != "auto") {
       const char* given = flags.no_graph && flags.allreduce != "auto" ? "--no-graph and --allreduce"
@@ -285,9 +319,12 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
     return b;
   }
 #ifdef FN_HAVE_CUDA
-  LoadedBackend b = load_cuda(flags, mpi, coll, ctx_size, [&](const CudaModelOptions& opt, int tp) {
-    return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
-  });
+  LoadedBackend b = load_cuda(
+      flags, mpi, coll, ctx_size,
+      [&](const CudaModelOptions& opt, int tp) {
+        return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
+      },
+      tp_comm);
   const auto* hold = static_cast<const CudaHold*>(b.keep_alive.get());
   if (flags.check_choices) check_cuda_choices(b, coll);
   const CudaLoadStats& st = hold->model->load_stats();
@@ -303,6 +340,7 @@ LoadedBackend load_backend(const BackendFlags& flags, const std::filesystem::pat
 #else
   (void)mpi;
   (void)ctx_size;
+  (void)tp_comm;
   FN_THROW(Internal, "backend {} resolved in a build without CUDA", name);
 #endif
 }

@@ -469,15 +469,17 @@ class Dispatcher {
       }
       return ids;
     }
-    const char* what = rec.contains("prompt") ? "\"prompt\"" : "\"messages\"";
-    FN_REQUIRE(tok_ != nullptr, Usage,
-               "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
-               "tokenizer.model); give token ids instead (--prompt-ids, or \"prompt_ids\" in "
-               "JSONL)",
-               what, o_.model_dir.string());
+    const auto require_tokenizer = [this](const char* what) {
+      FN_REQUIRE(tok_ != nullptr, Usage,
+                 "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
+                 "tokenizer.model); give token ids instead (--prompt-ids, or \"prompt_ids\" in "
+                 "JSONL)",
+                 what, o_.model_dir.string());
+    };
     if (rec.contains("prompt")) {
       FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string, got {}",
                  rec["prompt"].type_name());
+      require_tokenizer("\"prompt\"");
       const std::string text = rec["prompt"].get<std::string>();
       return with_text_source("\"prompt\"", [&] {
         if (!o_.chat) return tok_->encode(text, EncodeMode::Raw);
@@ -487,7 +489,9 @@ class Dispatcher {
         return encode_chat(*tok_, msgs, o_.chat_options);
       });
     }
+    // The messages are checked first: a malformed list is named as such, tokenizer or not.
     std::vector<ChatMessage> msgs = chat_messages_from_json(rec["messages"]);
+    require_tokenizer("\"messages\"");
     if (!o_.system_prompt.empty() && msgs.front().role != "system")
       msgs.insert(msgs.begin(), ChatMessage{"system", o_.system_prompt, std::nullopt});
     return encode_chat(*tok_, msgs, o_.chat_options);

@@ -3,7 +3,8 @@
 # fixtures: per-record seeds (identical records differ, --seed and a record "seed" reproduce),
 # every per-record field has its effect, unknown and mistyped fields, data-parallel groups
 # (-np 4 at --tp 1, 2 and 4 give the greedy output of one group, in input order), --resume after
-# a kill (no record lost or written twice), and an id past 64 bits echoed as written.
+# a kill (no record lost or written twice), an id past 64 bits echoed as written, and eval
+# score's per-record seeds and fields.
 # Usage: generate_batch.sh FNGEN MPIEXEC SOURCE_DIR
 set -u
 fngen=$1
@@ -219,6 +220,38 @@ mpi 1 -m "$fx/g3_tiny" -i "$tmp/long.jsonl" -o "$tmp/long.jsonl.out" --seed 5 -n
   --resume 2>"$tmp/err" && cmp -s "$tmp/long.jsonl.out" "$tmp/done.jsonl" &&
   grep -q "records 0, errors 0" "$tmp/err" && pass "--resume of a finished file adds nothing" ||
   fail "--resume of a finished file: $(grep records "$tmp/err")"
+
+# ---- eval score reads records the same way ----
+cat >"$tmp/tasks.jsonl" <<EOF
+{"id": 1, "prompt_ids": $p, "answer": "x"}
+{"id": 2, "prompt_ids": $p, "answer": "x"}
+{"id": 3, "prompt_ids": $p, "answer": "x", "seed": 42, "bogus": 1}
+{"id": 4, "prompt_ids": $p, "answer": "x", "seed": 42, "bogus": 2}
+{"id": 5, "prompt_ids": $p, "answer": "x", "temperature": 0, "max_tokens": 3}
+{"id": 6, "prompt_ids": $p, "answer": "x", "top_p": 7}
+EOF
+score() {  # score OUT flags...
+  local out=$1
+  shift
+  mpi_fngen 1 eval score -m "$fx/tp4" -i "$tmp/tasks.jsonl" -o "$out" -n 12 --ignore-eos --temp 1 "$@"
+}
+if score "$tmp/sc1.jsonl" --seed 8 2>"$tmp/err" && score "$tmp/sc2.jsonl" --seed 8 2>/dev/null; then
+  $py - "$tmp/sc1.jsonl" "$tmp/sc2.jsonl" "$greedy" <<'PY' && pass "eval score: per-record seeds and fields" || fail "eval score records: $(cut -c1-200 "$tmp/sc1.jsonl")"
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+greedy = json.loads(sys.argv[3])
+assert [x.get("content") for x in a] == [x.get("content") for x in b]  # --seed reproduces
+assert a[0]["content"] != a[1]["content"]  # identical tasks, their own seeds
+assert a[2]["seed"] == a[3]["seed"] == 42 and a[2]["content"] == a[3]["content"]
+assert a[4]["n_gen_tokens"] == 3 and a[4]["content"].split() == [str(t) for t in greedy[:3]]
+assert "error" in a[5] and '"top_p" must be a number in (0, 1], got 7' in a[5]["error"]
+PY
+  [ "$(grep -c 'field "bogus" is not one fngen eval score reads' "$tmp/err")" = 1 ] &&
+    pass "eval score: an unknown field warns once" || fail "eval score warnings: $(grep field "$tmp/err")"
+else
+  fail "eval score exited non-zero: $(tail -n 3 "$tmp/err")"
+fi
 
 # ---- stop strings need text: the demo model with the Qwen3 tokenizer ----
 tok=$src/third_party/qwen3-tokenizer

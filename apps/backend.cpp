@@ -202,7 +202,8 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   add_whole_option(
       sub, "--tp", flags.tp,
-      "tensor-parallel size; must equal the number of MPI ranks (default: that number)",
+      "tensor-parallel size; must equal the number of MPI ranks (default: that number); "
+      "generate -i: a divisor of it, the ranks forming (ranks / --tp) data-parallel groups",
       WholeRange(1, std::numeric_limits<int>::max()));
   sub->add_option("--allreduce", flags.allreduce,
                   "cuda, TP > 1: auto | custom | nccl (default auto: the IPC custom all-reduce "

@@ -29,8 +29,9 @@ class MpiContext;
 
 /// The backend flags shared by generate and eval (DESIGN.md "CLI names").
 struct BackendFlags {
-  std::string backend = "auto";    ///< cpu | cuda | auto
-  int64_t tp = 0;                  ///< --tp; 0 = unset, else must equal the MPI world size
+  std::string backend = "auto";  ///< cpu | cuda | auto
+  /// --tp; 0 = unset, else must equal the MPI world size (generate -i: divide it)
+  int64_t tp = 0;
   std::string allreduce = "auto";  ///< cuda, TP > 1: auto | custom | nccl
   bool no_graph = false;           ///< cuda: run the decode step eagerly instead of a CUDA graph
   /// --check-choices (debug): after every step, compare a hash of the router's expert ids and

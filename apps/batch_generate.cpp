@@ -435,7 +435,15 @@ class Dispatcher {
                  "\"stop\" needs a tokenizer to match text, and {} has none",
                  o_.model_dir.string());
       prep_ids_ = record_ids(rec);
-      check_room(static_cast<int64_t>(prep_ids_.size()), prep_.max_new_tokens, o_.ctx);
+      try {
+        check_room(static_cast<int64_t>(prep_ids_.size()), prep_.max_new_tokens, o_.ctx);
+      } catch (const Error& e) {
+        // The record's own "max_tokens" is named when it is the one that does not fit.
+        const json* given =
+            rec.is_object() && rec.contains("max_tokens") ? &rec["max_tokens"] : nullptr;
+        if (given == nullptr || given->is_null()) throw;
+        FN_THROW(Format, "\"max_tokens\": {} does not fit: {}", given->dump(), e.what());
+      }
     } catch (const Error& e) {
       prep_error_ = fmt::format("{}: line {}: {}", o_.input, li + 1, e.what());
     }

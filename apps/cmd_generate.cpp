@@ -3,9 +3,10 @@
 // apps/backend.h (--backend cpu|cuda|auto), the CPU one with MpiCollectives over MPI_COMM_WORLD.
 // Rank 0 reads the tokenizer and the prompt(s) and broadcasts the token ids; every rank runs the
 // generation loop (core/generate.h); rank 0 streams the text and prints the summary (stderr) or
-// JSON (--json, stdout). Batch mode
-// (-i in.jsonl [-o out.jsonl]): one output record per input record, in order; a bad record gets
-// an "error" and the run goes on.
+// JSON (--json, stdout). Batch mode (-i in.jsonl [-o out.jsonl] [--resume]) is
+// apps/batch_generate.h: one output record per input record and sample, in order, per-record
+// sampling fields and seeds, --tp T below the world size for data-parallel groups; a bad record
+// gets an "error" and the run goes on.
 //
 // Sampling defaults: generation_config.json's temperature, top_k, top_p, min_p,
 // repetition_penalty and presence_penalty when present (do_sample false means greedy), as HF and

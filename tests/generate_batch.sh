@@ -85,6 +85,7 @@ cat >"$tmp/fields.jsonl" <<EOF
 {"id": "oov", "prompt_ids": [1, 384]}
 {"id": "st", "prompt_ids": $p, "stop": "x"}
 {"id": "b2", "prompt_ids": $p, "temperature": 0, "bogus": 2, "other": 3}
+{"id": "big", "prompt_ids": $p, "max_tokens": 5000}
 EOF
 if mpi 1 -m "$fx/tp4" -i "$tmp/fields.jsonl" -o "$tmp/fields.out" --seed 1 -n 12 --ignore-eos \
   2>"$tmp/err"; then
@@ -96,7 +97,7 @@ by = {}
 for x in r:
     by.setdefault(x["id"], []).append(x)
 assert [x["id"] for x in r] == ["t0", "k1", "p0", "m1", "rp", "pp", "fp", "mx", "n3", "n3", "n3",
-                                "bad", "oov", "st", "b2"], [x["id"] for x in r]
+                                "bad", "oov", "st", "b2", "big"], [x["id"] for x in r]
 for k in ("t0", "k1", "p0", "m1", "b2"):  # greedy by temperature 0, top_k 1, top_p ~0, min_p 1
     assert by[k][0]["token_ids"] == greedy, (k, by[k][0]["token_ids"], greedy)
 # The penalties: the flag's result, and not the plain greedy one.
@@ -116,11 +117,13 @@ assert by["oov"][0]["finish_reason"] == "error"
 assert '"prompt_ids"[1] = 384 is outside the vocabulary [0, 384)' in by["oov"][0]["error"]
 assert by["st"][0]["finish_reason"] == "error" and '"stop" needs a tokenizer' in by["st"][0]["error"]
 assert all(x["sample_index"] == 0 for k in ("t0", "mx", "b2") for x in by[k])
+assert by["big"][0]["finish_reason"] == "error"
+assert '"max_tokens": 5000 does not fit: the prompt (5 tokens) plus' in by["big"][0]["error"]
 EOF
   [ "$(grep -c 'field "bogus" is not one fngen generate reads' "$tmp/err")" = 1 ] &&
     grep -q 'field "other" is not one' "$tmp/err" && pass "an unknown field warns once per name" ||
     fail "unknown field warnings: $(grep -c bogus "$tmp/err") for bogus: $(grep field "$tmp/err")"
-  grep -q "records 15, errors 3, generated tokens" "$tmp/err" && grep -q "tok/s, wall" "$tmp/err" &&
+  grep -q "records 16, errors 4, generated tokens" "$tmp/err" && grep -q "tok/s, wall" "$tmp/err" &&
     pass "the summary counts records, errors, tokens, tok/s, wall time" ||
     fail "summary: $(grep records "$tmp/err")"
 else

@@ -760,12 +760,12 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
     SamplingParams shown = o.defaults.sampling;
     shown.seed = base_seed;
     const std::string s = fmt::format(
-        "\n--- fngen generate (batch): backend {}, {} group{} of TP {}, ctx {}, {}\n"
+        "\n--- fngen generate (batch): backend {}, TP {}, {} data-parallel group{}, ctx {}, {}\n"
         "records {}, errors {}, generated tokens {}, {:.1f} tok/s, wall {:.2f} s{}\n"
         "TTFT ms: {}\n"
         "TPOT ms: {}\n"
         "peak host memory (MiB, per rank):{}\n",
-        model.name, n_groups, n_groups == 1 ? "" : "s", tp, o.ctx, sampling_text(shown), n_records,
+        model.name, tp, n_groups, n_groups == 1 ? "" : "s", o.ctx, sampling_text(shown), n_records,
         n_errors, disp->tokens(), wall > 0 ? static_cast<double>(disp->tokens()) / wall : 0.0, wall,
         disp->skipped() > 0 ? fmt::format(" ({} already in -o, skipped)", disp->skipped())
                             : std::string(),

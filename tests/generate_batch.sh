@@ -160,7 +160,7 @@ for tp in 1 2 4; do
     fail "-np 4 --tp $tp exited non-zero: $(tail -n 3 "$tmp/err")"
   fi
 done
-grep -q "4 groups of TP 1" "$tmp/err" 2>/dev/null || grep -q "1 group of TP 4" "$tmp/err" ||
+grep -q "backend cpu, TP 4, 1 data-parallel group, ctx" "$tmp/err" ||
   fail "the summary does not name the groups: $(grep 'fngen generate (batch)' "$tmp/err")"
 # The id past 64 bits is echoed as written (not 1.2345678901234568e+22).
 grep -q '^{"id":12345678901234567890123,' "$tmp/dp_4_2.jsonl" &&

@@ -1,6 +1,7 @@
 #include "apps/backend.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -12,6 +13,7 @@
 #include "apps/app_util.h"
 #include "apps/real_number.h"
 #include "apps/whole_number.h"
+#include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
 #include "core/choice_check.h"
 #include "core/cpu_backend.h"
@@ -132,12 +134,19 @@ std::unique_ptr<CpuBackend> load_cpu(const std::filesystem::path& dir, Collectiv
 #ifdef FN_HAVE_CUDA
 // Sets up this rank's GPU and all-reduce, then builds the model with `make` (a load or random
 // weights) and wraps it.
+// `tp_comm` (not null): the group of a data-parallel split; its GPU is still the one of the
+// node-local world rank (load_backend checked over the world that every rank has its own).
 std::unique_ptr<CudaBackend> load_cuda(
     const BackendFlags& flags, const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
     bool random_weights,
-    const std::function<std::unique_ptr<CudaModel>(const CudaModelOptions&, int tp)>& make) {
+    const std::function<std::unique_ptr<CudaModel>(const CudaModelOptions&, int tp)>& make,
+    MPI_Comm tp_comm = MPI_COMM_NULL) {
   const auto t0 = std::chrono::steady_clock::now();
-  auto gpu = std::make_unique<GpuComm>(mpi);
+  auto gpu = tp_comm == MPI_COMM_NULL
+                 ? std::make_unique<GpuComm>(mpi)
+                 : std::make_unique<GpuComm>(
+                       GpuGroup{tp_comm, coll.rank(), coll.size(), coll.rank(), coll.size()},
+                       mpi.local_rank());
   std::unique_ptr<DeviceAllReduce> all_reduce;
   if (gpu->size() > 1) {
     all_reduce = make_device_all_reduce(parse_all_reduce_strategy(flags.allreduce), *gpu,
@@ -188,7 +197,8 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   add_whole_option(
       sub, "--tp", flags.tp,
-      "tensor-parallel size; must equal the number of MPI ranks (default: that number)",
+      "tensor-parallel size; must equal the number of MPI ranks (default: that number); "
+      "generate -i: a divisor of it, the ranks forming (ranks / --tp) data-parallel groups",
       WholeRange(1, std::numeric_limits<int>::max()));
   sub->add_option("--allreduce", flags.allreduce,
                   "cuda, TP > 1: auto | custom | nccl (default auto: the IPC custom all-reduce "
@@ -272,8 +282,32 @@ std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
 
 std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
                                       const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                                      const char* who) {
-  const std::string name = resolve_backend(flags, coll);
+                                      const char* who, MPI_Comm tp_comm) {
+  std::string name;
+  if (tp_comm == MPI_COMM_NULL) {
+    name = resolve_backend(flags, coll);
+  } else {
+    // Data-parallel groups: one decision over the world; the group size was checked by the
+    // caller (check_batch_tp), so the world check sees no --tp.
+    MpiCollectives world(mpi.world());
+    BackendFlags world_flags = flags;
+    world_flags.tp = 0;
+    name = resolve_backend(world_flags, world);
+    // Every rank needs a GPU of its own (the node-local rank picks it): refused over the world,
+    // by the rank that lacks one, before a group builds its communicator.
+    if (name == "cuda") {
+      agree_on_error(world, [&] {
+        std::string why;
+        const int count = cuda_device_count(&why);
+        const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+        FN_REQUIRE(mpi.local_rank() < count, Cuda,
+                   "rank {} (node-local rank {} of {}) needs GPU {} but only {} GPU(s) are "
+                   "visible (CUDA_VISIBLE_DEVICES={}): run at most one rank per GPU",
+                   mpi.world_rank(), mpi.local_rank(), mpi.local_size(), mpi.local_rank(), count,
+                   visible ? visible : "unset");
+      });
+    }
+  }
   if (name == "cpu") {
     if (flags.ngram_table != "auto")
       FN_LOG_INFO("{}: --ngram-table applies to the cuda backend only; ignored on cpu", who);
@@ -300,10 +334,12 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
     return b;
   }
 #ifdef FN_HAVE_CUDA
-  std::unique_ptr<CudaBackend> cuda =
-      load_cuda(flags, mpi, coll, ctx_size, false, [&](const CudaModelOptions& opt, int tp) {
+  std::unique_ptr<CudaBackend> cuda = load_cuda(
+      flags, mpi, coll, ctx_size, false,
+      [&](const CudaModelOptions& opt, int tp) {
         return with_tp_hint(dir, tp, [&] { return CudaModel::load(dir, opt); });
-      });
+      },
+      tp_comm);
   const BackendInfo info = cuda->info();
   const CudaLoadStats st = cuda->model().load_stats();
   std::unique_ptr<Backend> b =
@@ -321,6 +357,7 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
 #else
   (void)mpi;
   (void)ctx_size;
+  (void)tp_comm;
   FN_THROW(Internal, "backend {} resolved in a build without CUDA", name);
 #endif
 }

@@ -8,6 +8,7 @@
 // backend starts on machines without a GPU driver.
 #pragma once
 
+#include <mpi.h>
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
@@ -28,8 +29,9 @@ class MpiContext;
 
 /// The backend flags shared by generate and eval (docs/design.md "CLI names").
 struct BackendFlags {
-  std::string backend = "auto";    ///< cpu | cuda | auto
-  int64_t tp = 0;                  ///< --tp; 0 = unset, else must equal the MPI world size
+  std::string backend = "auto";  ///< cpu | cuda | auto
+  /// --tp; 0 = unset, else must equal the MPI world size (generate -i: divide it)
+  int64_t tp = 0;
   std::string allreduce = "auto";  ///< cuda, TP > 1: auto | custom | nccl
   bool no_graph = false;           ///< cuda: run the decode step eagerly instead of a CUDA graph
   /// --check-choices (debug): after every step, compare a hash of the router's expert ids and
@@ -88,9 +90,16 @@ std::string resolve_backend(const BackendFlags& flags, Collectives& coll);
 /// whatever the loaders throw (Io/Format naming the file, Cuda/Nccl for the device). A loader
 /// error only some ranks hit (a region of a file that only their shard reads, one GPU's free
 /// memory) is agreed on (agree_on_error): every rank throws it, "rank r: ..." on rank 0.
+/// `tp_comm`: the communicator of this rank's tensor-parallel group when the world is split into
+/// data-parallel groups (generate -i with --tp below the world size; `coll` then runs over that
+/// group and flags.tp is the group size), MPI_COMM_NULL when the group is the world. With a
+/// group, the backend is resolved over the whole world (one decision for every group, `auto`
+/// included), cuda checks over the world that every rank has a GPU of its own (the node-local
+/// rank picks it, as without groups; the same message when there are more ranks than GPUs), and
+/// NCCL and the all-reduce run over the group. Collective over the world in that case.
 std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
                                       const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                                      const char* who);
+                                      const char* who, MPI_Comm tp_comm = MPI_COMM_NULL);
 
 /// The full geometry of `config_file` (a config.json such as configs/qwen3.8-flash-next.json,
 /// with its quantization_config) with random weights generated on each rank's GPU

@@ -12,19 +12,24 @@
 //                answer match, per-task and total accuracy, JSONL records
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "apps/answer_pattern.h"
 #include "apps/app_util.h"
 #include "apps/backend.h"
+#include "apps/batch_generate.h"
+#include "apps/batch_records.h"
 #include "apps/command.h"
 #include "apps/real_number.h"
 #include "apps/whole_number.h"
@@ -87,6 +92,7 @@ struct EvalCli {
   std::string input, score_output, system_prompt;
   int64_t max_new_tokens = 256, score_ctx = 0;
   double temp = 0.0;
+  std::string score_seed = "-1";  // -1 (random, printed) or a uint64
   bool chat = false, think = false, no_think = false, ignore_eos = false;
   CLI::App *ppl = nullptr, *dump = nullptr, *kld = nullptr, *score = nullptr, *loglik = nullptr;
 };
@@ -536,7 +542,31 @@ struct Task {
   std::string regex;
   std::shared_ptr<const AnswerPattern> pattern;  // null without "regex"
   bool chat = false;
+  RecordSettings settings;  // the record's sampling (its seed resolved), max_tokens and stop
 };
+
+// The fields of a score record: the task's own and the per-record sampling ones (as generate's,
+// less "n": one answer is scored per task).
+const std::set<std::string>& score_fields() {
+  static const std::set<std::string> fields = {"id",
+                                               "task",
+                                               "answer",
+                                               "regex",
+                                               "prompt",
+                                               "prompt_ids",
+                                               "messages",
+                                               "seed",
+                                               "temperature",
+                                               "top_k",
+                                               "top_p",
+                                               "min_p",
+                                               "repeat_penalty",
+                                               "presence_penalty",
+                                               "frequency_penalty",
+                                               "max_tokens",
+                                               "stop"};
+  return fields;
+}
 
 Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t vocab) {
   FN_REQUIRE(rec.is_object(), Format, "a record must be a JSON object, got {}", rec.type_name());
@@ -642,9 +672,27 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   });
   Collectives& coll = *l.coll;
   load_model(l, c, mpi, ctx);
+  // Each record's seed: its "seed", else splitmix64(--seed ^ line number) (batch_records.h),
+  // the base drawn at random (and printed) without --seed.
+  std::optional<uint64_t> given_seed;
+  agree_on_error(coll, [&] {
+    if (o.score_seed == "-1") return;
+    uint64_t v = 0;
+    const char* end = o.score_seed.data() + o.score_seed.size();
+    const auto [ptr, ec] = std::from_chars(o.score_seed.data(), end, v);
+    FN_REQUIRE(!o.score_seed.empty() && ec == std::errc() && ptr == end, Usage,
+               "-s/--seed must be -1 (random) or an integer in [0, 18446744073709551615], got "
+               "'{}'",
+               o.score_seed);
+    given_seed = v;
+  });
+  const uint64_t base_seed = batch_base_seed(given_seed, coll, "eval score");
+  RecordSettings defaults;
+  defaults.sampling.temperature = o.temp;
+  defaults.max_new_tokens = o.max_new_tokens;
+  std::set<std::string> warned;
   GenerateOptions go;
   go.sampling.temperature = o.temp;
-  go.sampling.seed = 0;
   go.max_new_tokens = o.max_new_tokens;
   go.ctx_size = ctx;
   go.stop_token_ids = stop_token_ids(cfg, gen);
@@ -687,11 +735,33 @@ int run_score(EvalCli& o, MpiContext& mpi) {
           if (rec.is_object() && rec.contains("id")) t.id = rec["id"];
           if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
             t.task = rec["task"].get<std::string>();
+          if (rec.is_object()) {
+            for (const auto& [key, value] : rec.items()) {
+              if (score_fields().count(key) || !warned.insert(key).second) continue;
+              FN_LOG_WARN(
+                  "{}: line {}: field \"{}\" is not one fngen eval score reads; ignored (said "
+                  "once per field name)",
+                  o.input, li + 1, key);
+            }
+          }
           Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
           parsed.id = t.id;
           t = std::move(parsed);
+          t.settings = record_settings(rec, defaults, &score_fields());
+          if (!t.settings.seed_given)
+            t.settings.sampling.seed = record_seed(base_seed, static_cast<uint64_t>(li + 1));
+          FN_REQUIRE(t.settings.stop.empty() || tok != nullptr, Format,
+                     "\"stop\" needs a tokenizer to match text, and {} has none", dir.string());
           FN_REQUIRE(!t.ids.empty(), Format, "the prompt has no tokens");
-          check_context(static_cast<int64_t>(t.ids.size()), o.max_new_tokens, ctx);
+          const auto n_prompt = static_cast<int64_t>(t.ids.size());
+          if (t.settings.max_new_tokens == -1) {
+            FN_REQUIRE(n_prompt < ctx, Format,
+                       "the prompt ({} tokens) leaves no room in the context size -c/--ctx-size "
+                       "{} for \"max_tokens\": -1",
+                       n_prompt, ctx);
+            t.settings.max_new_tokens = ctx - n_prompt;
+          }
+          check_context(n_prompt, t.settings.max_new_tokens, ctx);
         } catch (const Error& e) {
           status = 2;
           error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
@@ -714,6 +784,36 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       continue;
     }
     t.ids = broadcast_ids(coll, t.ids);
+    {  // this record's settings, from rank 0
+      std::string text =
+          root
+              ? json{{"sampling",
+                      {t.settings.sampling.temperature, t.settings.sampling.top_k,
+                       t.settings.sampling.top_p, t.settings.sampling.min_p,
+                       t.settings.sampling.repetition_penalty, t.settings.sampling.presence_penalty,
+                       t.settings.sampling.frequency_penalty}},
+                     {"seed", t.settings.sampling.seed},
+                     {"max_new", t.settings.max_new_tokens},
+                     {"stop", t.settings.stop}}
+                    .dump()
+              : std::string();
+      int64_t n = static_cast<int64_t>(text.size());
+      coll.broadcast(&n, sizeof(n), 0);
+      text.resize(static_cast<std::size_t>(n));
+      coll.broadcast(text.data(), text.size(), 0);
+      const json j = json::parse(text);
+      const json& sp = j.at("sampling");
+      go.sampling.temperature = sp.at(0).get<double>();
+      go.sampling.top_k = sp.at(1).get<int64_t>();
+      go.sampling.top_p = sp.at(2).get<double>();
+      go.sampling.min_p = sp.at(3).get<double>();
+      go.sampling.repetition_penalty = sp.at(4).get<double>();
+      go.sampling.presence_penalty = sp.at(5).get<double>();
+      go.sampling.frequency_penalty = sp.at(6).get<double>();
+      go.sampling.seed = j.at("seed").get<uint64_t>();
+      go.max_new_tokens = j.at("max_new").get<int64_t>();
+      go.stop_strings = j.at("stop").get<std::vector<std::string>>();
+    }
     l.backend->reset();
     std::optional<StreamingDetokenizer> detok;
     TextHooks hooks;
@@ -763,6 +863,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
            {"finish_reason", finish_reason_name(r.finish)},
            {"n_prompt_tokens", r.n_prompt_tokens},
            {"n_gen_tokens", r.token_ids.size()},
+           {"seed", go.sampling.seed},
            {"e2e_ms", r.e2e_ms}};
       if (split.has_reasoning) j["reasoning"] = split.reasoning;
       if (!t.regex.empty()) j["regex"] = t.regex;
@@ -1163,6 +1264,12 @@ void register_eval(CLI::App& app, CommandList& commands) {
                    "context size (default, or 0: min(max_position_embeddings, 4096))",
                    WholeRange(0, kMaxTokenCount));
   add_real_option(o->score, "--temp", o->temp, "temperature (default 0 = greedy)");
+  add_whole_option(o->score, "-s,--seed", o->score_seed,
+                   "RNG seed (-1 = random, printed): each task's seed is splitmix64(seed ^ line "
+                   "number) unless the record gives \"seed\"; records may also set "
+                   "\"temperature\", \"top_k\", \"top_p\", \"min_p\", \"repeat_penalty\", "
+                   "\"presence_penalty\", \"frequency_penalty\", \"max_tokens\" and \"stop\"",
+                   WholeRange(0, std::numeric_limits<uint64_t>::max()).or_value(-1));
   o->score->add_flag("--chat", o->chat, "render \"prompt\" as a user turn of the chat template");
   o->score->add_option("--system-prompt", o->system_prompt, "system turn for chat prompts");
   o->score->add_flag("--think", o->think, "chat: thinking on");

@@ -3,9 +3,10 @@
 // apps/backend.h (--backend cpu|cuda|auto), the CPU one with MpiCollectives over MPI_COMM_WORLD.
 // Rank 0 reads the tokenizer and the prompt(s) and broadcasts the token ids; every rank runs the
 // generation loop (core/generate.h); rank 0 streams the text and prints the summary (stderr) or
-// JSON (--json, stdout). Batch mode
-// (-i in.jsonl [-o out.jsonl]): one output record per input record, in order; a bad record gets
-// an "error" and the run goes on.
+// JSON (--json, stdout). Batch mode (-i in.jsonl [-o out.jsonl] [--resume]) is
+// apps/batch_generate.h: one output record per input record and sample, in order, per-record
+// sampling fields and seeds, --tp T below the world size for data-parallel groups; a bad record
+// gets an "error" and the run goes on.
 //
 // Sampling defaults: generation_config.json's temperature, top_k, top_p, min_p,
 // repetition_penalty and presence_penalty when present (do_sample false means greedy), as HF and
@@ -28,6 +29,7 @@
 
 #include "apps/app_util.h"
 #include "apps/backend.h"
+#include "apps/batch_generate.h"
 #include "apps/command.h"
 #include "apps/real_number.h"
 #include "apps/whole_number.h"
@@ -48,39 +50,6 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// -n/--max-new-tokens when not given: 256, or fewer when the context ends first (0 stands for it).
-constexpr int64_t kDefaultNewTokens = 256;
-
-// The tokens to generate after a prompt of n_prompt tokens: -n as given, the default capped at
-// the context's end, or (-1) up to the context's end. At least 1 (check_room ran before).
-int64_t new_tokens_for(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
-  if (max_new_tokens > 0) return max_new_tokens;
-  const int64_t room = std::max<int64_t>(ctx - n_prompt, 1);
-  return max_new_tokens == 0 ? std::min(kDefaultNewTokens, room) : room;
-}
-
-// The prompt plus -n must fit the context; the default -n and -n -1 (until the context is full)
-// need room for one token; an empty prompt is refused here, before the load (whatever -n is).
-// A prompt that leaves no room for a generated token (n_prompt >= ctx) is bad input,
-// fn::Error(Format), exit 3, as the same prompt is a bad record in a batch (README "Exit codes");
-// a prompt with room that -n/--max-new-tokens overruns is fn::Error(Usage), exit 2. The message
-// names the flag as the user gave it.
-void check_room(int64_t n_prompt, int64_t max_new_tokens, int64_t ctx) {
-  FN_REQUIRE(n_prompt > 0, Usage, "the prompt is empty (0 tokens): give at least one token");
-  if (max_new_tokens == 0) {  // the default: room for one token (check_context's own message)
-    check_context(n_prompt, 1, ctx);
-    return;
-  }
-  if (max_new_tokens < 0) {
-    FN_REQUIRE(n_prompt < ctx, Format,
-               "the prompt ({} token{}) {} the context size -c/--ctx-size {}: "
-               "-n/--max-new-tokens -1 (until the context is full) leaves no room for a token",
-               n_prompt, n_prompt == 1 ? "" : "s", n_prompt > ctx ? "exceeds" : "fills", ctx);
-    max_new_tokens = ctx - n_prompt;
-  }
-  check_context(n_prompt, max_new_tokens, ctx);
-}
-
 struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
   std::string chat_template;
@@ -92,7 +61,7 @@ struct GenerateCli {
   std::string seed = "-1";  // -1 or a uint64 (the printed random seeds reach 2^64 - 1)
   std::vector<std::string> stop;
   bool ignore_eos = false, chat = false, think = false, no_think = false, json_out = false;
-  bool host_sampling = false;
+  bool host_sampling = false, resume = false;
   // Set when the flag was given (CLI11 count), so that it overrides generation_config.json.
   CLI::Option *o_temp = nullptr, *o_top_k = nullptr, *o_top_p = nullptr, *o_min_p = nullptr,
               *o_repeat_penalty = nullptr, *o_presence = nullptr, *o_prompt = nullptr,
@@ -133,103 +102,6 @@ struct TextSide {
     });
   }
 };
-
-// One JSONL record -> prompt ids; throws fn::Error naming the field on bad input.
-std::vector<int32_t> record_ids(const json& rec, const TextSide& ts, bool chat, int64_t vocab) {
-  FN_REQUIRE(rec.is_object(), Format, "a record must be a JSON object, got {}", rec.type_name());
-  const int given = static_cast<int>(rec.contains("prompt")) +
-                    static_cast<int>(rec.contains("prompt_ids")) +
-                    static_cast<int>(rec.contains("messages"));
-  FN_REQUIRE(given == 1, Format,
-             "a record needs exactly one of \"prompt\", \"prompt_ids\" or \"messages\" (got {})",
-             given);
-  if (rec.contains("prompt_ids")) {
-    const json& a = rec["prompt_ids"];
-    FN_REQUIRE(a.is_array(), Format, "\"prompt_ids\" must be a list of integers, got {}",
-               a.type_name());
-    std::vector<int32_t> ids;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      FN_REQUIRE(a[i].is_number_integer(), Format, "\"prompt_ids\"[{}] is not an integer: {}", i,
-                 a[i].dump());
-      const int64_t v = a[i].get<int64_t>();
-      FN_REQUIRE(v >= 0 && v < vocab, Format,
-                 "\"prompt_ids\"[{}] = {} is outside the vocabulary [0, {})", i, v, vocab);
-      ids.push_back(static_cast<int32_t>(v));
-    }
-    return ids;
-  }
-  if (rec.contains("prompt")) {
-    FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string, got {}",
-               rec["prompt"].type_name());
-    return ts.encode_text(rec["prompt"].get<std::string>(), chat, "\"prompt\"");
-  }
-  std::vector<ChatMessage> msgs = chat_messages_from_json(rec["messages"]);
-  ts.require_tokenizer("\"messages\"");
-  if (!ts.system_prompt.empty() && msgs.front().role != "system") {
-    msgs.insert(msgs.begin(), ChatMessage{"system", ts.system_prompt, std::nullopt});
-  }
-  return encode_chat(*ts.tokenizer, msgs, ts.chat);
-}
-
-json sampling_json(const SamplingParams& s) {
-  return {{"temperature", s.temperature},
-          {"top_k", s.top_k},
-          {"top_p", s.top_p},
-          {"min_p", s.min_p},
-          {"repetition_penalty", s.repetition_penalty},
-          {"repeat_last_n", s.repeat_last_n},
-          {"presence_penalty", s.presence_penalty},
-          {"frequency_penalty", s.frequency_penalty},
-          {"seed", s.seed}};
-}
-
-// No inter-token gap (a single generated token): null statistics, not zeros.
-json tpot_json(const LatencyStats& s) {
-  auto v = [&](double x) { return s.count > 0 ? json(x) : json(nullptr); };
-  return {{"mean", v(s.mean)}, {"p50", v(s.p50)}, {"p90", v(s.p90)},
-          {"p99", v(s.p99)},   {"max", v(s.max)}, {"count", s.count}};
-}
-
-// The result fields shared by --json and the JSONL records.
-json result_json(const GenerationResult& r, bool chat) {
-  json j = {{"n_prompt_tokens", r.n_prompt_tokens},
-            {"n_gen_tokens", r.token_ids.size()},
-            {"text", r.text},
-            {"token_ids", r.token_ids},
-            {"finish_reason", finish_reason_name(r.finish)},
-            {"ttft_ms", r.ttft_ms},
-            {"prefill_ms", r.prefill_ms},
-            {"per_token_ms", r.itl_ms},
-            {"tpot_ms", tpot_json(r.tpot)},
-            {"e2e_ms", r.e2e_ms},
-            {"decode_tokens_per_s", r.itl_ms.empty() ? json(nullptr) : json(r.decode_tokens_per_s)},
-            {"prefill_tokens_per_s", r.prefill_tokens_per_s}};
-  if (chat) {
-    const ReasoningSplit split = split_reasoning(r.text);
-    j["content"] = split.content;
-    if (split.has_reasoning) j["reasoning"] = split.reasoning;
-  }
-  return j;
-}
-
-std::string sampling_text(const SamplingParams& s) {
-  if (s.temperature <= 0.0) {
-    return fmt::format("greedy (temp 0), repeat-penalty {} over {}, presence {}, frequency {}",
-                       s.repetition_penalty, s.repeat_last_n, s.presence_penalty,
-                       s.frequency_penalty);
-  }
-  return fmt::format(
-      "temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {} over {}, presence {}, "
-      "frequency {}, seed {}",
-      s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty, s.repeat_last_n,
-      s.presence_penalty, s.frequency_penalty, s.seed);
-}
-
-std::string memory_text(const std::vector<double>& mib) {
-  std::string s;
-  for (std::size_t r = 0; r < mib.size(); ++r) s += fmt::format("  r{} {:.1f}", r, mib[r]);
-  return s;
-}
 
 // Human summary of one generation on stderr (llama.cpp-style lines that scripts can grep).
 void print_summary(const GenerationResult& r, const std::vector<double>& mem,
@@ -294,7 +166,12 @@ struct GenerateSetup {
 // only), with no communication. Throws fn::Error: Usage for the flags, Io/Format for the files.
 GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   GenerateSetup st;
-  check_backend_and_tp(o.backend.backend, o.backend.tp, world_size);
+  if (o.input.empty()) {
+    check_backend_and_tp(o.backend.backend, o.backend.tp, world_size);
+  } else {  // a batch: --tp may split the ranks into data-parallel groups
+    check_backend_and_tp(o.backend.backend, 0, world_size);
+    check_batch_tp(o.backend.tp, world_size);
+  }
   const int sources =
       static_cast<int>(o.o_prompt->count() > 0) + static_cast<int>(!o.file.empty()) +
       static_cast<int>(o.o_prompt_ids->count() > 0) + static_cast<int>(!o.input.empty());
@@ -303,6 +180,8 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
              sources);
   FN_REQUIRE(o.output.empty() || !o.input.empty(), Usage,
              "-o/--output needs -i/--input (batch mode)");
+  FN_REQUIRE(!o.resume || !o.output.empty(), Usage,
+             "--resume needs -o/--output (the file of an earlier run to append to)");
   FN_REQUIRE(!(o.think && o.no_think), Usage, "--think and --no-think exclude each other");
   FN_REQUIRE(!(o.chat && o.o_prompt_ids->count() > 0), Usage,
              "--chat renders a text prompt with the chat template; --prompt-ids are fed as given "
@@ -390,8 +269,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   const int64_t ctx = su.ctx;
   SamplingParams sp = su.sampling;
   const bool random_seed = su.random_seed;
+  const bool batch = !o.input.empty();
   uint64_t seed = su.seed;
-  if (random_seed) {
+  if (random_seed && !batch) {  // a batch draws (and prints) its own
     if (root) seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
     coll.broadcast(&seed, sizeof(seed), 0);
   }
@@ -412,7 +292,6 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   ts.chat.mode = o.chat_template.empty() ? ChatMode::Qwen38 : parse_chat_mode(o.chat_template);
   if (o.think) ts.chat.enable_thinking = true;
   if (o.no_think) ts.chat.enable_thinking = false;
-  const bool batch = !o.input.empty();
   std::vector<int32_t> single_ids;
   std::vector<std::string> lines;
   // Agreed on (collective): a bad prompt ends every rank normally, with rank 0's message.
@@ -448,6 +327,28 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     }
   });
 
+  if (batch) {
+    BatchOptions bo;
+    bo.input = o.input;
+    bo.output = o.output;
+    bo.resume = o.resume;
+    bo.model_dir = dir;
+    bo.backend = o.backend;
+    bo.ctx = ctx;
+    bo.defaults.sampling = sp;
+    bo.defaults.max_new_tokens = o.max_new_tokens;
+    bo.defaults.stop = o.stop;
+    if (!random_seed) bo.seed = seed;
+    bo.stop_token_ids = go.stop_token_ids;
+    bo.ignore_eos = o.ignore_eos;
+    bo.chat = o.chat;
+    bo.chat_options = ts.chat;
+    bo.system_prompt = o.system_prompt;
+    bo.host_sampling = o.host_sampling;
+    bo.vocab_size = cfg.vocab_size;
+    return run_batch_generate(bo, lines, ts.tokenizer.get(), mpi, coll);
+  }
+
   // cuda samples on the device inside the decode graph (the host only copies ids out) unless
   // --host-sampling, a --stop string or a penalty needs the host sampler; cpu always uses it.
   const std::unique_ptr<Backend> model = load_backend(o.backend, dir, mpi, coll, ctx, "generate");
@@ -461,157 +362,44 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
         "generate: --host-sampling applies to the cuda backend only; the {} backend "
         "always samples on the host",
         info.name);
-  const auto run = [&](std::span<const int32_t> ids, const TextHooks& hooks) {
-    return generate(*model, coll, ids, go, hooks);
-  };
-  const auto max_new_for = [&](int64_t n_prompt) {
-    return new_tokens_for(n_prompt, o.max_new_tokens, ctx);
-  };
 
-  if (!batch) {
-    const std::vector<int32_t> ids = broadcast_ids(coll, single_ids);
-    go.max_new_tokens = max_new_for(static_cast<int64_t>(ids.size()));
-    std::optional<StreamingDetokenizer> detok;
-    TextHooks hooks;
-    if (root && ts.tokenizer) {
-      detok.emplace(*ts.tokenizer);
-      hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
-      hooks.finish = [&detok] { return detok->finish(); };
-    }
-    if (root && !o.json_out) {
-      if (ts.tokenizer) {
-        hooks.emit = [](std::string_view s) { write_stdout(s); };
-      } else {
-        // No tokenizer: stream the ids (stop strings are refused above).
-        hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
-        hooks.emit = [](std::string_view s) { write_stdout(s); };
-      }
-    }
-    GenerationResult r = run(ids, hooks);
-    const std::vector<double> mem = gather_peak_rss_mib(coll);
-    if (root) {
-      if (o.json_out) {
-        if (!ts.tokenizer) r.text.clear();
-        json j = result_json(r, o.chat);
-        j["model"] = dir.string();
-        j["backend"] = info.name;
-        j["tp_size"] = coll.size();
-        j["ctx_size"] = ctx;
-        j["load_ms"] = load_ms;
-        j["sampling"] = sampling_json(sp);
-        j["peak_rss_mib"] = mem;
-        write_stdout(j.dump() + "\n");
-      } else {
-        write_stdout("\n");
-        print_summary(r, mem, info.name, load_ms, coll.size(), ctx, sp);
-      }
-    }
-    return 0;
+  const std::vector<int32_t> ids = broadcast_ids(coll, single_ids);
+  go.max_new_tokens = new_tokens_for(static_cast<int64_t>(ids.size()), o.max_new_tokens, ctx);
+  std::optional<StreamingDetokenizer> detok;
+  TextHooks hooks;
+  if (root && ts.tokenizer) {
+    detok.emplace(*ts.tokenizer);
+    hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
+    hooks.finish = [&detok] { return detok->finish(); };
   }
-
-  // Batch: rank 0 decides each record's ids (or its error), every rank runs the valid ones.
-  std::FILE* out = stdout;
-  if (root && !o.output.empty()) {
-    out = std::fopen(o.output.c_str(), "wb");
-    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing", o.output);
+  if (root && !o.json_out) {
+    if (ts.tokenizer) {
+      hooks.emit = [](std::string_view s) { write_stdout(s); };
+    } else {
+      // No tokenizer: stream the ids (stop strings are refused above).
+      hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
+      hooks.emit = [](std::string_view s) { write_stdout(s); };
+    }
   }
-  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
-                                                                  &std::fclose);
-  // Rank 0 writes each record, on every rank's agreement (no MPI_Abort when a write fails).
-  const auto write_record = [&](const std::function<json()>& make) {
-    write_jsonl_record_agreed(coll, out, make, o.output);
-  };
-  int64_t n_lines = static_cast<int64_t>(lines.size());
-  coll.broadcast(&n_lines, sizeof(n_lines), 0);
-  int64_t n_records = 0, n_errors = 0, n_tokens = 0;
-  std::vector<double> ttfts, itls;
-  for (int64_t li = 0; li < n_lines; ++li) {
-    int32_t status = 0;  // 0 skip (blank line), 1 run, 2 error
-    json rec_id = li + 1;
-    std::string error;
-    std::vector<int32_t> ids;
-    bool rec_chat = o.chat;
-    if (root) {
-      const std::string& line = lines[static_cast<std::size_t>(li)];
-      if (line.find_first_not_of(" \t\r") != std::string::npos) {
-        status = 1;
-        try {
-          const json rec = parse_json_line(line);
-          if (rec.is_object() && rec.contains("id")) rec_id = rec["id"];
-          if (rec.is_object() && rec.contains("messages")) rec_chat = true;
-          ids = record_ids(rec, ts, o.chat, cfg.vocab_size);
-          check_room(static_cast<int64_t>(ids.size()), o.max_new_tokens, ctx);
-        } catch (const Error& e) {
-          status = 2;
-          error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
-        }
-      }
-    }
-    coll.broadcast(&status, sizeof(status), 0);
-    if (status == 0) continue;
-    ++n_records;
-    if (status == 2) {
-      ++n_errors;
-      if (root) FN_LOG_WARN("{}", error);
-      write_record([&] {
-        return json{{"id", rec_id}, {"finish_reason", "error"}, {"error", error}};
-      });
-      continue;
-    }
-    ids = broadcast_ids(coll, ids);
-    go.max_new_tokens = max_new_for(static_cast<int64_t>(ids.size()));
-    model->reset();
-    std::optional<StreamingDetokenizer> detok;
-    TextHooks hooks;
-    if (root && ts.tokenizer) {
-      detok.emplace(*ts.tokenizer);
-      hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
-      hooks.finish = [&detok] { return detok->finish(); };
-    }
-    const GenerationResult r = run(ids, hooks);
-    n_tokens += static_cast<int64_t>(r.token_ids.size());
-    ttfts.push_back(r.ttft_ms);
-    itls.insert(itls.end(), r.itl_ms.begin(), r.itl_ms.end());
-    write_record([&] {
-      json j = result_json(r, rec_chat);
-      j["id"] = rec_id;
-      j["sampling"] = sampling_json(sp);
-      // Rank 0's memory after this record (a soak compares the first and the last record).
-      j["host_rss_mib"] = current_rss_mib();
-      const BackendCapabilities caps = model->capabilities();
-      if (caps.device_memory) j["device_used_mib"] = model->device_used_mib();
-      if (caps.graph_captures) j["graph_captures"] = model->graph_captures();
-      return j;
-    });
-  }
+  GenerationResult r = generate(*model, coll, ids, go, hooks);
   const std::vector<double> mem = gather_peak_rss_mib(coll);
   if (root) {
-    const LatencyStats tt = latency_stats(ttfts), it = latency_stats(itls);
-    // No successful record (TTFT) or no record with a second token (TPOT): no number to print.
-    const std::string ttft_line =
-        ttfts.empty() ? std::string("n/a (no record succeeded)")
-                      : fmt::format("p50 {:.2f}  p90 {:.2f}  p99 {:.2f}", tt.p50, tt.p90, tt.p99);
-    const std::string tpot_line =
-        itls.empty() ? std::string("n/a (no record generated a second token)")
-                     : fmt::format("mean {:.3f}  p50 {:.3f}  p90 {:.3f}  p99 {:.3f}  max {:.3f}",
-                                   it.mean, it.p50, it.p90, it.p99, it.max);
-    const std::string s = fmt::format(
-        "\n--- fngen generate (batch): backend {}, TP {}, ctx {}, {}\n"
-        "records {}, errors {}, generated tokens {}\n"
-        "TTFT ms: {}\n"
-        "TPOT ms: {}\n"
-        "peak host memory (MiB, per rank):{}\n",
-        info.name, coll.size(), ctx, sampling_text(sp), n_records, n_errors, n_tokens, ttft_line,
-        tpot_line, memory_text(mem));
-    std::fwrite(s.data(), 1, s.size(), stderr);
+    if (o.json_out) {
+      if (!ts.tokenizer) r.text.clear();
+      json j = result_json(r, o.chat);
+      j["model"] = dir.string();
+      j["backend"] = info.name;
+      j["tp_size"] = coll.size();
+      j["ctx_size"] = ctx;
+      j["load_ms"] = load_ms;
+      j["sampling"] = sampling_json(sp);
+      j["peak_rss_mib"] = mem;
+      write_stdout(j.dump() + "\n");
+    } else {
+      write_stdout("\n");
+      print_summary(r, mem, info.name, load_ms, coll.size(), ctx, sp);
+    }
   }
-  // Every rank knows the counts (the statuses are broadcast): all end with the same error,
-  // agreed on so that rank 0 alone prints it and every rank ends normally.
-  agree_on_error(coll, [&] {
-    FN_REQUIRE(n_errors < n_records, Format,
-               "-i/--input {}: every record failed ({} of {}; see their \"error\" fields)", o.input,
-               n_errors, n_records);
-  });
   return 0;
 }
 
@@ -629,8 +417,14 @@ void register_generate(CLI::App& app, CommandList& commands) {
   o->o_prompt_ids = sub->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");
   sub->add_option("-i,--input", o->input,
                   "JSONL batch: one {\"prompt\"}, {\"prompt_ids\"} or {\"messages\"} per line "
-                  "(optional \"id\")");
+                  "(optional \"id\", and per-record \"seed\", \"temperature\", \"top_k\", "
+                  "\"top_p\", \"min_p\", \"repeat_penalty\", \"presence_penalty\", "
+                  "\"frequency_penalty\", \"max_tokens\", \"stop\", \"n\"); with --tp T "
+                  "below the number of ranks W, W/T data-parallel groups share the records");
   add_stdout_option(sub, "-o,--output", o->output, "JSONL results of -i");
+  sub->add_flag("--resume", o->resume,
+                "-i with -o: keep the records -o already holds (a partial last line is cut off) "
+                "and append the rest");
   add_whole_option(
       sub, "-n,--max-new-tokens,--n-predict", o->max_new_tokens,
       "tokens to generate (default 256, fewer when the context ends first; -1: until the "
@@ -651,7 +445,9 @@ void register_generate(CLI::App& app, CommandList& commands) {
   o->o_presence =
       add_real_option(sub, "--presence-penalty", o->presence, "presence penalty (0 = off)");
   add_real_option(sub, "--frequency-penalty", o->frequency, "frequency penalty (0 = off)");
-  add_whole_option(sub, "-s,--seed", o->seed, "RNG seed (-1 = random, printed in the summary)",
+  add_whole_option(sub, "-s,--seed", o->seed,
+                   "RNG seed (-1 = random, printed in the summary); -i: each record's seed is "
+                   "splitmix64(seed ^ line number) unless the record gives \"seed\"",
                    WholeRange(0, std::numeric_limits<uint64_t>::max()).or_value(-1));
   sub->add_option("--stop", o->stop, "stop string (repeatable; not printed)")
       ->allow_extra_args(false);

@@ -1183,7 +1183,8 @@ void add_common(CLI::App* sub, CommonCli& c) {
   sub->add_option("--tokenizer", c.tokenizer,
                   "with --random-weights: the directory of tokenizer.json for text inputs (e.g. "
                   "third_party/qwen3-tokenizer); without it inputs must be token ids");
-  add_whole_option(sub, "--seed", c.seed, "with --random-weights: the weights' seed (default 0)",
+  add_whole_option(sub, "--weights-seed", c.seed,
+                   "with --random-weights: the seed of the random weights (default 0)",
                    WholeRange(0));
   add_backend_flags(sub, c.backend);
   sub->add_flag("--json", c.json_out, "print the result as JSON on stdout");

@@ -23,8 +23,10 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <memory>
 #include <random>
+#include <set>
 
 #include "apps/app_util.h"
 #include "comm/mpi_check.h"
@@ -294,6 +296,64 @@ struct Unit {
   int64_t sample = 0;
 };
 
+// What one input line of `generate -i` produces: its id text (record_id_text; the line number for
+// a line that is not a JSON object) and how many output records it asks for (its valid "n", else
+// 1; a bad line gives one error record).
+struct LinePlan {
+  std::string id;
+  int64_t samples = 1;
+};
+
+LinePlan plan_line(const std::string& line, int64_t line_number) {
+  LinePlan p{std::to_string(line_number), 1};
+  try {
+    const nlohmann::json rec = parse_json_line(line);
+    if (!rec.is_object()) return p;
+    p.id = record_id_text(line, line_number);
+    const auto it = rec.find("n");
+    if (it != rec.end() && it->is_number_integer() && it->get<int64_t>() >= 1 &&
+        it->get<int64_t>() <= kMaxSamplesPerRecord)
+      p.samples = it->get<int64_t>();
+  } catch (const Error&) {
+    // a bad line: one error record, keyed by its line number
+  }
+  return p;
+}
+
+/// --resume's check that `scan` (of `output`) was written for the non-blank `lines` of `input`:
+/// throws fn::Error(Format) naming both lines when two records share an id (resume matches by
+/// id), and naming the record when `output` holds an id or sample the input does not have (the
+/// file belongs to another input). Records without ids are matched by line number, so a file
+/// written for another input of the same length passes: give records ids.
+void check_resume_input(const std::vector<std::string>& lines, const ResumeScan& scan,
+                        const std::string& input, const std::string& output) {
+  std::map<std::string, int64_t> line_of;  // id text -> its 1-based line
+  std::set<std::string> keys;              // sample_key of every record the input asks for
+  for (std::size_t li = 0; li < lines.size(); ++li) {
+    if (lines[li].find_first_not_of(" \t\r") == std::string::npos) continue;
+    const int64_t line_number = static_cast<int64_t>(li + 1);
+    const LinePlan p = plan_line(lines[li], line_number);
+    const auto [it, fresh] = line_of.emplace(p.id, line_number);
+    FN_REQUIRE(fresh, Format,
+               "-i/--input {}: lines {} and {} have the same id {}; --resume matches records by "
+               "id, so ids must be unique",
+               input, it->second, line_number, p.id);
+    for (int64_t s = 0; s < p.samples; ++s) keys.insert(sample_key(p.id, s));
+  }
+  for (const std::string& key : scan.done) {
+    const std::size_t tab = key.rfind('\t');
+    FN_REQUIRE(keys.count(key) > 0 || scan.error_ids.count(key.substr(0, tab)) > 0, Format,
+               "-o/--output {} holds a record (id {}, sample {}) that -i/--input {} does not ask "
+               "for: it was written for another input; give another -o or drop --resume",
+               output, key.substr(0, tab), key.substr(tab + 1), input);
+  }
+  for (const std::string& id : scan.error_ids)
+    FN_REQUIRE(line_of.count(id) > 0, Format,
+               "-o/--output {} holds an error record (id {}) that -i/--input {} does not have: "
+               "it was written for another input; give another -o or drop --resume",
+               output, id, input);
+}
+
 // World rank 0: the records, their preparation, the ordered writer and the counts.
 class Dispatcher {
  public:
@@ -389,20 +449,9 @@ class Dispatcher {
     for (std::size_t li = 0; li < lines_.size(); ++li) {
       const std::string& line = lines_[li];
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      int64_t n = 1;
-      std::string id = std::to_string(li + 1);
-      try {
-        const json rec = parse_json_line(line);
-        if (rec.is_object()) {
-          id = record_id_text(line, static_cast<int64_t>(li + 1));
-          const auto it = rec.find("n");
-          if (it != rec.end() && it->is_number_integer() && it->get<int64_t>() >= 1 &&
-              it->get<int64_t>() <= kMaxSamplesPerRecord)
-            n = it->get<int64_t>();
-        }
-      } catch (const Error&) {
-        // a bad line: one error record, keyed by its line number
-      }
+      const LinePlan p = plan_line(line, static_cast<int64_t>(li + 1));
+      const std::string& id = p.id;
+      const int64_t n = p.samples;
       for (int64_t s = 0; s < n; ++s) {
         if (scan.error_ids.count(id) || scan.done.count(sample_key(id, s))) {
           ++skipped_;
@@ -562,7 +611,9 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
   // --resume: what -o already holds (rank 0; a partial last line is cut off before the load).
   ResumeScan scan;
   agree_on_error(world, [&] {
-    if (root && o.resume) scan = scan_resume_output(o.output, "-o/--output");
+    if (!root || !o.resume) return;
+    scan = scan_resume_output(o.output, "-o/--output");
+    check_resume_input(lines, scan, o.input, o.output);
   });
   if (root && o.resume) {
     FN_LOG_INFO("generate: --resume: {} record(s) already in {}{}", scan.records, o.output,

@@ -74,12 +74,13 @@ int main(int argc, char** argv) {
   double stall_timeout = fn::kDefaultStallTimeoutSeconds;
   fn::add_real_option(&app, "--stall-timeout", stall_timeout,
                       "seconds a rank waits for a silent peer in a collective before every rank "
-                      "ends (exit 5) naming it (default 300; 0: wait forever)")
+                      "ends (exit 5) naming it (default 300, at most 1e6; 0: wait forever)")
       ->check(CLI::Validator(
           [](std::string& s) {
-            return std::strtod(s.c_str(), nullptr) >= 0
+            const double v = std::strtod(s.c_str(), nullptr);
+            return v >= 0 && v <= fn::kMaxStallTimeoutSeconds
                        ? std::string()
-                       : "a number of seconds >= 0 (0: no bound), not " + s;
+                       : "a number of seconds in [0, 1e6] (0: no bound), not " + s;
           },
           "SECONDS"));
   // Parse errors in the form of the other usage errors ("fngen: usage error: ..."), and CLI11's

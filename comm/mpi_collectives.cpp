@@ -39,9 +39,11 @@ int checked_count(std::size_t n, const char* what) {
 
 MpiCollectives::MpiCollectives(MPI_Comm comm, double stall_timeout_s)
     : comm_(comm), timeout_s_(stall_timeout_s) {
-  FN_REQUIRE(std::isfinite(stall_timeout_s) && stall_timeout_s >= 0, Usage,
-             "the stall timeout must be a number of seconds >= 0 (0: no bound), got {}",
-             stall_timeout_s);
+  FN_REQUIRE(std::isfinite(stall_timeout_s) && stall_timeout_s >= 0 &&
+                 stall_timeout_s <= kMaxStallTimeoutSeconds,
+             Usage,
+             "the stall timeout must be a number of seconds in [0, {:g}] (0: no bound), got {}",
+             kMaxStallTimeoutSeconds, stall_timeout_s);
   FN_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   FN_MPI_CHECK(MPI_Comm_size(comm_, &size_));
 }

@@ -21,8 +21,9 @@ std::atomic<double> g_stall_timeout{kDefaultStallTimeoutSeconds};
 }  // namespace
 
 void set_stall_timeout(double seconds) {
-  FN_REQUIRE(std::isfinite(seconds) && seconds >= 0, Usage,
-             "--stall-timeout must be a number of seconds >= 0 (0: no bound), got {}", seconds);
+  FN_REQUIRE(std::isfinite(seconds) && seconds >= 0 && seconds <= kMaxStallTimeoutSeconds, Usage,
+             "--stall-timeout must be a number of seconds in [0, {:g}] (0: no bound), got {}",
+             kMaxStallTimeoutSeconds, seconds);
   g_stall_timeout.store(seconds);
 }
 

@@ -14,6 +14,8 @@ namespace fn {
 /// The default of --stall-timeout: seconds a collective waits for a peer (a decode step or a load
 /// phase of any real model finishes far sooner; a stopped or hung rank never does).
 inline constexpr double kDefaultStallTimeoutSeconds = 300;
+/// The largest --stall-timeout (about 11.6 days; larger values would overflow the deadline).
+inline constexpr double kMaxStallTimeoutSeconds = 1e6;
 
 /// Sets the process-wide bound on how long one collective waits for its peers (--stall-timeout):
 /// seconds >= 0, 0 = no bound. Read by collectives created afterwards (MpiCollectives). Throws

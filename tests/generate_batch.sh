@@ -224,6 +224,16 @@ mpi 1 -m "$fx/g3_tiny" -i "$tmp/long.jsonl" -o "$tmp/long.jsonl.out" --seed 5 -n
   grep -q "records 0, errors 0" "$tmp/err" && pass "--resume of a finished file adds nothing" ||
   fail "--resume of a finished file: $(grep records "$tmp/err")"
 
+# --resume refuses an -o written for another input, and an input whose ids repeat.
+printf '{"id":"other","prompt_ids":[1,2]}\n' >"$tmp/other.jsonl"
+expect 3 "holds a record (id \"other\", sample 0) that -i/--input" -- \
+  mpi 1 -m "$fx/g3_tiny" -i "$tmp/long.jsonl" -o "$tmp/other.jsonl" --resume
+printf '{"id":"dup","prompt_ids":[1,2]}\n{"id":"dup","prompt_ids":[3,4]}\n' >"$tmp/dup.jsonl"
+printf '{"id":"dup","prompt_ids":[1,2],"token_ids":[5],"sample_index":0}\n' >"$tmp/dup.out"
+expect 3 "lines 1 and 2 have the same id \"dup\"" -- \
+  mpi 1 -m "$fx/g3_tiny" -i "$tmp/dup.jsonl" -o "$tmp/dup.out" --resume
+expect 2 "stall-timeout" -- mpi_fngen 1 --stall-timeout 1e10 generate -m "$fx/tp4" --prompt-ids 1
+
 # ---- eval score reads records the same way ----
 cat >"$tmp/tasks.jsonl" <<EOF
 {"id": 1, "prompt_ids": $p, "answer": "x"}

@@ -160,7 +160,7 @@ rc_a=$?
   fail "concurrent dump-logits: exits $rc_a $rc_b, $(ls -l "$tmp"/both.fnl*; cat "$tmp/err_a" "$tmp/err_b")"
 
 # ---- a rank that stops answering: every rank ends (exit 5) naming it, within the timeout ----
-expect 2 "usage error: --stall-timeout: a number of seconds in [0, 1e6] (0: no bound), not -1" -- \
+expect 2 "usage error: --stall-timeout: a number of seconds in \\[0, 1e6\\] (0: no bound), not -1" -- \
   "$fngen" --stall-timeout -1 inspect "$fx/tp4"
 mark=fn_stall_$$_$RANDOM
 exe=$(readlink -f "$fngen")

@@ -1,6 +1,6 @@
-// `fngen bench`: latency lanes in llama-bench style (docs/design.md "Same engine, other front ends"),
-// launched as `mpirun -np N fngen bench -m DIR -p 8192 -n 512` (TP = world size; the model is
-// loaded by apps/backend.h exactly as `fngen generate` does). A lane is one (n_prompt, n_gen)
+// `fngen bench`: latency lanes in llama-bench style (docs/design.md "Same engine, other front
+// ends"), launched as `mpirun -np N fngen bench -m DIR -p 8192 -n 512` (TP = world size; the model
+// is loaded by apps/backend.h exactly as `fngen generate` does). A lane is one (n_prompt, n_gen)
 // pair of the product of the -p and -n lists: reset, prefill n_prompt synthetic token ids
 // (deterministic from --seed, uniform over the vocabulary, never a stop id), then n_gen greedy
 // tokens through the generation loop of core/generate.h, generate(), stop ids ignored (cpu: host
@@ -63,7 +63,8 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-// The measured H200 device-to-device copy bandwidth (docs/performance.md "Bytes per token and the floor").
+// The measured H200 device-to-device copy bandwidth (docs/performance.md "Bytes per token and the
+// floor").
 constexpr double kH200CopyGbs = 4300.0;
 
 // Steps of each --breakdown measurement before the timed ones (graph capture, caches warm).

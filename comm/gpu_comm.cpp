@@ -7,11 +7,11 @@
 #include <exception>
 
 #include "comm/abort_hooks.h"
-#include "comm/nccl_check.h"
-#include "cuda/common/cuda_check.h"
 #include "comm/mpi_check.h"
 #include "comm/mpi_context.h"
+#include "comm/nccl_check.h"
 #include "core/log.h"
+#include "cuda/common/cuda_check.h"
 
 namespace fn {
 

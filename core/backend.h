@@ -1,7 +1,7 @@
-// Backend: one rank's loaded model as every caller sees it (docs/design.md "Backends"): the load-time
-// facts, the sequence it runs (reset, one forward step, a prefill of many tokens) and, where the
-// backend has them, sampling on the device and the benchmark probes. Implemented by the CPU
-// reference backend (core/cpu_backend.h) and the CUDA backend (cuda/model/cuda_backend.h); the
+// Backend: one rank's loaded model as every caller sees it (docs/design.md "Backends"): the
+// load-time facts, the sequence it runs (reset, one forward step, a prefill of many tokens) and,
+// where the backend has them, sampling on the device and the benchmark probes. Implemented by the
+// CPU reference backend (core/cpu_backend.h) and the CUDA backend (cuda/model/cuda_backend.h); the
 // generation loop (core/generate.h), eval (core/eval.h) and the apps drive models only through
 // it. Invariants: every rank of a TP group calls the same functions in the same order with the
 // same arguments (each call may hold collectives), and every rank gets the same logits and ids.

@@ -35,7 +35,8 @@ uint8_t float_to_e4m3(float value) noexcept;
 uint8_t float_to_e2m1(float value) noexcept;
 
 /// NVFP4 global scale (`weight_scale_2`, a multiplier) for a tensor whose largest magnitude is
-/// `amax`: amax / (6 * 448), so the largest block scale lands on the E4M3 maximum (docs/model.md §B.4).
+/// `amax`: amax / (6 * 448), so the largest block scale lands on the E4M3 maximum (docs/model.md
+/// §B.4).
 float nvfp4_global_scale(float amax) noexcept;
 
 /// Dequantizes one NVFP4 row of k elements (docs/model.md §B.4):

@@ -430,8 +430,8 @@ ModelConfig parse_model_config(const json& j, std::string_view source) {
   Fields f(*text, src, prefix);
   ModelConfig c;
   c.source = src;
-  // Geometry fields are required: the class defaults (docs/model.md §G.1) describe no released model,
-  // so a checkpoint whose config lacks them is broken rather than "default".
+  // Geometry fields are required: the class defaults (docs/model.md §G.1) describe no released
+  // model, so a checkpoint whose config lacks them is broken rather than "default".
   f.int_field("vocab_size", c.vocab_size, true);
   f.int_field("hidden_size", c.hidden_size, true);
   f.int_field("num_hidden_layers", c.num_hidden_layers, true);

@@ -16,7 +16,8 @@
 
 namespace fn {
 
-/// Decoder layer kinds. `full_attention` in config.json means QwenSparseAttention (docs/model.md §A.2).
+/// Decoder layer kinds. `full_attention` in config.json means QwenSparseAttention (docs/model.md
+/// §A.2).
 enum class LayerType { LinearAttention, QwenSparseAttention };
 
 /// Activation of the GDN output gate (docs/model.md §F.1.2: the real model says sigmoid).

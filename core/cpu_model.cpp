@@ -261,7 +261,8 @@ std::unique_ptr<CpuModel> CpuModel::load(const std::filesystem::path& dir, Colle
              "{}: ple_embed_dim {} != hidden_size {} is not supported by the CPU backend",
              cfg.source, cfg.ple_embed_dim, cfg.hidden_size);
   FN_REQUIRE(cfg.output_gate_type == GateActivation::Sigmoid, Format,
-             "{}: output_gate_type must be sigmoid for qwen4_exp (docs/model.md §F.1.2)", cfg.source);
+             "{}: output_gate_type must be sigmoid for qwen4_exp (docs/model.md §F.1.2)",
+             cfg.source);
   const QuantConfig& quant = om.quant;
   const bool ngram_fp8 = quant.ngram_fp8(cfg);
   std::unique_ptr<CpuModel> model(new CpuModel(cfg, coll));

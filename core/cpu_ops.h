@@ -12,11 +12,11 @@
 
 namespace fn::cpu {
 
-// Numerics contract of the oracle. docs/design.md says "FP32 math; activations BF16 between kernels"
-// for the production path. The oracle's acceptance is max |logit - ref| <= 1e-4 * max |ref| against
-// a transformers FP32 run, so the oracle rounds nowhere: every activation, cache entry and state is
-// FP32. round_to_bf16() below exists for tests that emulate a BF16 path and is not called by
-// CpuModel.
+// Numerics contract of the oracle. docs/design.md says "FP32 math; activations BF16 between
+// kernels" for the production path. The oracle's acceptance is max |logit - ref| <= 1e-4 * max
+// |ref| against a transformers FP32 run, so the oracle rounds nowhere: every activation, cache
+// entry and state is FP32. round_to_bf16() below exists for tests that emulate a BF16 path and is
+// not called by CpuModel.
 
 /// float -> nearest bfloat16 value (round to nearest even), returned as float. NaN stays NaN.
 float round_to_bf16(float x) noexcept;
@@ -28,7 +28,8 @@ float round_to_bf16(float x) noexcept;
 float silu(float x) noexcept;
 /// 1 / (1 + exp(-x)), stable for large |x|.
 float sigmoid(float x) noexcept;
-/// log(1 + exp(x)), and exactly x for x > 20 (torch's default threshold; docs/model.md §C.5 step 4).
+/// log(1 + exp(x)), and exactly x for x > 20 (torch's default threshold; docs/model.md §C.5 step
+/// 4).
 float softplus(float x) noexcept;
 
 // ---------------------------------------------------------------------------------------------
@@ -90,7 +91,8 @@ void rms_norm_1p(const float* x, const float* w, int64_t n, float eps, float* ou
 void group_rms_norm_1p(const float* x, const float* w, int64_t n, int64_t group, float eps,
                        float* out);
 
-/// GDN gated output norm of one head (docs/model.md §C.5 step 7): out = o * rsqrt(mean(o^2) + eps) * w
+/// GDN gated output norm of one head (docs/model.md §C.5 step 7): out = o * rsqrt(mean(o^2) + eps)
+/// * w
 /// * sigmoid(z), n elements, plain weight w (not 1 + w), sigmoid gate (output_gate_type).
 /// out may alias o.
 void gated_rms_norm(const float* o, const float* w, const float* z, int64_t n, float eps,
@@ -118,7 +120,8 @@ void hc_read(const float* H, int64_t hc_count, int64_t D, const float* w_norm,
              const RowMatrix& W_dn, const RowMatrix& W_up, const RowMatrix* W_inj, float eps,
              float* m, float* iota);
 
-/// HC inject: H[s*D + i] += iota[s] * y[i] for every stream s (docs/model.md §C.3, after the block).
+/// HC inject: H[s*D + i] += iota[s] * y[i] for every stream s (docs/model.md §C.3, after the
+/// block).
 void hc_inject(float* H, int64_t hc_count, int64_t D, const float* iota, const float* y) noexcept;
 
 // ---------------------------------------------------------------------------------------------

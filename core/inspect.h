@@ -1,9 +1,9 @@
 // `fngen inspect`: validates a checkpoint directory against its config (every text tensor of
-// docs/model.md §B.2 present with the right dtype and shape, nothing unexpected, the PLE I64 buffers
-// equal to the values recomputed from the config) and summarizes it: layers by type, tensors
-// and bytes per module family and dtype, weights per TP rank and bytes read per decoded token
-// per rank — the input to every roofline figure — and the CUDA backend's device memory per rank
-// (core/memory_plan.h) at several context sizes. Called by apps/cmd_inspect.cpp.
+// docs/model.md §B.2 present with the right dtype and shape, nothing unexpected, the PLE I64
+// buffers equal to the values recomputed from the config) and summarizes it: layers by type,
+// tensors and bytes per module family and dtype, weights per TP rank and bytes read per decoded
+// token per rank — the input to every roofline figure — and the CUDA backend's device memory per
+// rank (core/memory_plan.h) at several context sizes. Called by apps/cmd_inspect.cpp.
 #pragma once
 
 #include <nlohmann/json.hpp>

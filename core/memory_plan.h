@@ -31,8 +31,8 @@ struct MemoryPlan {
   /// "moe.experts", "gdn", "qsa", "ple", "ple.ngram"), as the CUDA model holds them: checkpoint
   /// dtypes, except that 1-D norm / conv / A_log / dt_bias weights are FP32 and NVFP4 global
   /// scales FP32; input_scale, the PLE I64 buffers and the n-gram weight_scale are not on the
-  /// device (docs/model.md §B.2, §E.2). Fused BF16 experts (a BF16 checkpoint, which the CUDA backend
-  /// refuses) are counted in their checkpoint dtype.
+  /// device (docs/model.md §B.2, §E.2). Fused BF16 experts (a BF16 checkpoint, which the CUDA
+  /// backend refuses) are counted in their checkpoint dtype.
   std::map<std::string, uint64_t> weights;
   uint64_t kv_cache = 0;        ///< QSA K and V, BF16 (docs/model.md §C.0, §C.6 step 4, §E.2)
   uint64_t indexer_cache = 0;   ///< QSA indexer raw keys + pooled block keys, FP32 (§C.0, §C.6)
@@ -137,8 +137,8 @@ void require_host_fits(uint64_t need_bytes, uint64_t available_bytes, const std:
 
 /// Bytes of one QSA layer's decode workspace at TP `tp_size` and `ctx_size` tokens: the layout
 /// of cuda/kernels/qsa.h's qsa_workspace_layout recomputed without CUDA (the same for every rank;
-/// q, indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; docs/model.md §C.6).
-/// Part of MemoryPlan::workspace. Throws Usage when ctx_size < 1.
+/// q, indexer q, ⌊ctx/ratio⌋ scores, selected blocks, per-chunk partial outputs; docs/model.md
+/// §C.6). Part of MemoryPlan::workspace. Throws Usage when ctx_size < 1.
 uint64_t qsa_workspace_estimate(const ModelConfig& cfg, int tp_size, int64_t ctx_size);
 
 /// A human table: one row per category (weights by family, weight total, KV cache, indexer

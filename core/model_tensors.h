@@ -89,9 +89,9 @@ struct ExpectedTensor {
   uint64_t nbytes() const;
 };
 
-/// The exact text-tensor list of docs/model.md §B.2 for this config. NVFP4 quantized checkpoints have
-/// per-expert U8/F8_E4M3/F32 tensors; unquantized ones the fused BF16 experts. The n-gram table
-/// is split_ngram_parts shards: FP8 (+ BF16 weight_scale [1]) when quant.ngram_fp8(cfg), BF16
+/// The exact text-tensor list of docs/model.md §B.2 for this config. NVFP4 quantized checkpoints
+/// have per-expert U8/F8_E4M3/F32 tensors; unquantized ones the fused BF16 experts. The n-gram
+/// table is split_ngram_parts shards: FP8 (+ BF16 weight_scale [1]) when quant.ngram_fp8(cfg), BF16
 /// otherwise. Throws Format when the quantization marks a non-expert linear NVFP4, or leaves only
 /// some experts quantized, or the config ties the embeddings (tie_word_embeddings; layouts fngen
 /// does not support).

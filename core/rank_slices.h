@@ -1,9 +1,10 @@
 // One TP rank's view of a validated checkpoint: opens a model directory, validates every text
-// tensor against docs/model.md §B.2 and reads this rank's slices through the shard plan (docs/model.md
-// §E.2). Used by both backends' loaders (core/cpu_model.cpp, cuda/model/cuda_model.cpp): the CPU
-// model keeps the slices as they are, the CUDA model copies them to the device. Invariants: only
-// the rank's byte ranges are read (pread of row blocks, or copies of the touched pages of the
-// mapping); slices keep their checkpoint dtype; every read checks the stored dtype.
+// tensor against docs/model.md §B.2 and reads this rank's slices through the shard plan
+// (docs/model.md §E.2). Used by both backends' loaders (core/cpu_model.cpp,
+// cuda/model/cuda_model.cpp): the CPU model keeps the slices as they are, the CUDA model copies
+// them to the device. Invariants: only the rank's byte ranges are read (pread of row blocks, or
+// copies of the touched pages of the mapping); slices keep their checkpoint dtype; every read
+// checks the stored dtype.
 #pragma once
 
 #include <cstddef>

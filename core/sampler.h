@@ -40,7 +40,8 @@ void validate_sampling_params(const SamplingParams& p);
 ///     accepts the prompt into its sampler): for a token seen c > 0 times, a logit l > 0 becomes
 ///     l / repetition_penalty, l <= 0 becomes l * repetition_penalty, then
 ///     l -= c * frequency_penalty + presence_penalty;
-///  2. temperature <= 0: argmax of the penalised logits, ties to the lowest id (docs/model.md §C.8);
+///  2. temperature <= 0: argmax of the penalised logits, ties to the lowest id (docs/model.md
+///  §C.8);
 ///  3. top-k: the k largest logits (ties broken towards the lower id);
 ///  4. top-p: softmax of the survivors (temperature 1, as llama.cpp), keep the shortest prefix of
 ///     the sorted list whose cumulative probability reaches top_p (at least one token);

@@ -1,6 +1,6 @@
-// Tensor-parallel shard plan (docs/model.md §E.2 as docs/design.md decides it): for every expected tensor
-// and TP rank, the blocks of the stored tensor that rank owns, plus per-rank weight bytes and the
-// bytes read per decoded token. Called by the loader (which reads only these byte ranges),
+// Tensor-parallel shard plan (docs/model.md §E.2 as docs/design.md decides it): for every expected
+// tensor and TP rank, the blocks of the stored tensor that rank owns, plus per-rank weight bytes
+// and the bytes read per decoded token. Called by the loader (which reads only these byte ranges),
 // `fngen inspect` and both backends. Invariant: for each tensor the ranks' blocks cover every
 // element exactly `replication` times (1 for split tensors, tp_size for replicated ones).
 #pragma once

@@ -23,8 +23,8 @@ bool is_scale_role(TensorRole role) noexcept;
 
 /// The problem with the values of a scale tensor `tensor` of `role` (is_scale_role), or "" when
 /// they are possible. `bytes` holds the tensor (or one rank's slice of it) in `dtype`. NVFP4
-/// (docs/model.md §B.3): a block scale is an E4M3 code of amax/6/global, never negative (sign bit set,
-/// -0 included) nor NaN (0x7F, 0xFF); the global scale weight_scale_2 is a finite number >= 0.
+/// (docs/model.md §B.3): a block scale is an E4M3 code of amax/6/global, never negative (sign bit
+/// set, -0 included) nor NaN (0x7F, 0xFF); the global scale weight_scale_2 is a finite number >= 0.
 /// The FP8 n-gram table's weight_scale is finite and > 0 (a 0 erases the table, a negative one
 /// flips it). Message: "tensor '<tensor>': <what>, e.g. element <i> = <value> (<count> of <n>)".
 /// Roles that are not scales give "". Never throws.

@@ -12,11 +12,11 @@
 #include <memory>
 #include <string>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_context.h"
 #include "core/log.h"
+#include "cuda/common/cuda_check.h"
 
 namespace {
 

@@ -1,7 +1,8 @@
-// The router softmax + top-k block of cuda/kernels/moe_device.cuh as it was before the redux/candidate
-// version (commit c9b54c1: block max, FP64 sum, per-warp bitonic sorts of 64 keys, ranks by binary
-// searches with atomics), kept verbatim as the bit-exact reference of fn::dev::router_topk_block,
-// and row launchers for both (tests/test_cuda_decode_ops.cpp compares them bitwise).
+// The router softmax + top-k block of cuda/kernels/moe_device.cuh as it was before the
+// redux/candidate version (commit c9b54c1: block max, FP64 sum, per-warp bitonic sorts of 64 keys,
+// ranks by binary searches with atomics), kept verbatim as the bit-exact reference of
+// fn::dev::router_topk_block, and row launchers for both (tests/test_cuda_decode_ops.cpp compares
+// them bitwise).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -78,11 +79,11 @@ __device__ __forceinline__ int count_greater(const unsigned long long* list,
 }
 
 /// Router softmax + top-k of one row (docs/model.md §C.7 step 1; the semantics of
-/// fn::launch_router_topk, cuda/kernels/decode_ops.h): p = softmax(logits[0, E)) (FP32 expf(l - max), FP64
-/// sum), the top k of p in the order (p desc, id asc), w = p / sum(p_selected) (FP64) when norm,
-/// else p; a NaN p ranks as -Inf and sets *flag = 4 (flag may be null). Must be called by all
-/// kRouterThreads threads of a block (uniformly: it uses __syncthreads), after the logits are
-/// complete and visible to the block; the logits are read with ld.global.cg (L2, not L1), so a
+/// fn::launch_router_topk, cuda/kernels/decode_ops.h): p = softmax(logits[0, E)) (FP32 expf(l -
+/// max), FP64 sum), the top k of p in the order (p desc, id asc), w = p / sum(p_selected) (FP64)
+/// when norm, else p; a NaN p ranks as -Inf and sets *flag = 4 (flag may be null). Must be called
+/// by all kRouterThreads threads of a block (uniformly: it uses __syncthreads), after the logits
+/// are complete and visible to the block; the logits are read with ld.global.cg (L2, not L1), so a
 /// block may read logits that other blocks of its own grid wrote before a __threadfence() and an
 /// atomic arrival. The same code for every caller, so the same bits.
 __device__ __forceinline__ void reference_router_topk_block(const float* logits, int E, int k,

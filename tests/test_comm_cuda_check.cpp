@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "comm/abort_hooks.h"
+#include "comm/device_all_reduce.h"
 #include "comm/nccl_check.h"
 #include "cuda/common/cuda_check.h"
-#include "comm/device_all_reduce.h"
 
 TEST_CASE("cuda check: a failing CUDA call throws a Cuda error naming the call and the reason") {
   std::string what;

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
+#include "cuda/common/cuda_check.h"
 #include "tests/comm_test_kernels.h"
 
 namespace {

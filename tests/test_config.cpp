@@ -63,7 +63,8 @@ const std::vector<std::string> kRadixExcludes = {"model.embed_tokens",
 
 }  // namespace
 
-TEST_CASE("config: the real Qwen3.8-Flash-Next config parses with the values of docs/model.md A.2/A.3") {
+TEST_CASE(
+    "config: the real Qwen3.8-Flash-Next config parses with the values of docs/model.md A.2/A.3") {
   const fn::ModelConfig c = fn::load_model_config(kReal);
   CHECK(c.vocab_size == 248320);
   CHECK(c.hidden_size == 2560);
@@ -114,7 +115,9 @@ TEST_CASE("config: the real Qwen3.8-Flash-Next config parses with the values of 
   CHECK(c.ple_embedding_dtype == "float8_e4m3fn");
 }
 
-TEST_CASE("config: the CUDA kernels' compile-time shape (cuda/common/real_shape.h) is the real config's") {
+TEST_CASE(
+    "config: the CUDA kernels' compile-time shape (cuda/common/real_shape.h) is the real "
+    "config's") {
   const fn::ModelConfig c = fn::load_model_config(kReal);
   CHECK(c.hidden_size == fn::real_shape::kHidden);
   CHECK(c.hc_lowrank == fn::real_shape::kHcRank);

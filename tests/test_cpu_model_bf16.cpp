@@ -1,6 +1,6 @@
 // CpuModel's unquantized paths (fused BF16 experts `mlp.experts.gate_up_proj` / `down_proj` of the
-// BF16 release, docs/model.md §B.1, and a BF16 n-gram table) give bit-identical logits to the NVFP4 +
-// FP8 paths when they hold exactly the same values. Built from g3_tiny: every NVFP4 global scale
+// BF16 release, docs/model.md §B.1, and a BF16 n-gram table) give bit-identical logits to the NVFP4
+// + FP8 paths when they hold exactly the same values. Built from g3_tiny: every NVFP4 global scale
 // is set to 2^-12 so each dequantised expert weight (E2M1 x E4M3 x 2^-12, at most 6 significant
 // bits) is exact in BF16; the FP8 n-gram rows times the power-of-two BF16 scale are exact too
 // (checked below). tp_size 1 and 2 (the fused tensors' FusedGateUpRows / column split).

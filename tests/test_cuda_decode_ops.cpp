@@ -1,8 +1,8 @@
 // GPU tests of the small decode-step kernels (cuda/kernels/decode_ops.h) against the CPU oracle
 // (core/cpu_ops.h: hc_inject, route_top_k, silu, sigmoid; core/codecs.h for BF16) and FP64
-// evaluations of docs/model.md §C.1, §C.3, §C.7, §C.8, on the real shapes (D 2560, E 512, k 10, shared
-// I 640 / 320 at TP=2, V 248320 split over TP=2) and the tiny fixtures' (D 64, E 8, k 3, I 32 /
-// 16 / 64, V 512 / 384); also the SwiGLU and combine row kernels (cuda/kernels/prefill_ops.h),
+// evaluations of docs/model.md §C.1, §C.3, §C.7, §C.8, on the real shapes (D 2560, E 512, k 10,
+// shared I 640 / 320 at TP=2, V 248320 split over TP=2) and the tiny fixtures' (D 64, E 8, k 3, I
+// 32 / 16 / 64, V 512 / 384); also the SwiGLU and combine row kernels (cuda/kernels/prefill_ops.h),
 // whose expressions the fused shared-expert launch of the decode step shares. Error bounds come
 // from the kernels' rounding steps.
 #include <doctest/doctest.h>
@@ -223,10 +223,10 @@ RouterOut run_router(const std::vector<float>& logits, int k, bool norm) {
   return {di.download(), dw.download(), download1(flag)};
 }
 
-// FP64 reference weights and their bounds for the selected ids (docs/model.md §C.7 step 1). Relative
-// error of the kernel's p_e: the FP32 subtraction l - max errs <= u |d| (amplified by exp into a
-// relative error of the same size), expf <= 2 ulp, the FP32 store of the term 1u; the FP64 sum
-// averages the term errors (weighted by the terms); the division and the FP32 store 1u each.
+// FP64 reference weights and their bounds for the selected ids (docs/model.md §C.7 step 1).
+// Relative error of the kernel's p_e: the FP32 subtraction l - max errs <= u |d| (amplified by exp
+// into a relative error of the same size), expf <= 2 ulp, the FP32 store of the term 1u; the FP64
+// sum averages the term errors (weighted by the terms); the division and the FP32 store 1u each.
 void check_router_weights(const std::vector<float>& l, const RouterOut& got, int k, bool norm,
                           const char* what) {
   const size_t E = l.size();

@@ -1,9 +1,10 @@
 // GPU tests of the Gated DeltaNet decode kernels (cuda/kernels/gdn.h): every step is checked
 // against the CPU ops chained as CpuModel::gdn_step does (cpu::causal_conv_step, cpu::gdn_gates,
-// cpu::gdn_recurrent_step, cpu::gated_rms_norm; docs/model.md §C.5 steps 2-7) fed the GPU's previous
-// states, with error bounds propagated in FP64 from the rounding steps of both implementations;
-// states are carried on the GPU over several steps. Also launcher checks, graph replay == eager
-// bitwise, and a timed loop on the real shapes (bench: prints, asserts nothing about time).
+// cpu::gdn_recurrent_step, cpu::gated_rms_norm; docs/model.md §C.5 steps 2-7) fed the GPU's
+// previous states, with error bounds propagated in FP64 from the rounding steps of both
+// implementations; states are carried on the GPU over several steps. Also launcher checks, graph
+// replay == eager bitwise, and a timed loop on the real shapes (bench: prints, asserts nothing
+// about time).
 #include <doctest/doctest.h>
 
 #include <algorithm>

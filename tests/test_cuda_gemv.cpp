@@ -1,7 +1,7 @@
-// GPU tests of launch_gemv_bf16 (cuda/kernels/gemv_bf16.h) against host references: exact integer sums
-// on every decode shape, random values within the FP32 summation bound, every variant (rows per
-// team x team width x dtypes), the overlapped launch (no programmatic wait) bitwise equal to the
-// plain one, and the launcher's precondition checks.
+// GPU tests of launch_gemv_bf16 (cuda/kernels/gemv_bf16.h) against host references: exact integer
+// sums on every decode shape, random values within the FP32 summation bound, every variant (rows
+// per team x team width x dtypes), the overlapped launch (no programmatic wait) bitwise equal to
+// the plain one, and the launcher's precondition checks.
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -1,10 +1,10 @@
 // GPU tests of the HC read (cuda/kernels/hc.h): the split-K down pass (partial dots against H * (1
 // + w) and partial sums of H^2 per group-aligned chunk), the mix (the group norm scales from the
 // partial squares, t, m FP32 and its BF16 copy, iota), and the two chained against an FP64
-// evaluation of docs/model.md §C.2 and §C.3, with error bounds derived from the kernels' FP32 rounding
-// steps (N and m are FP32: no BF16 rounding in the bounds); the compile-time-shape instances
-// give the same bits as the runtime-shape ones; the register mix (ranks whose rows do not fit the
-// 48 KB stage) against the same reference; launcher checks.
+// evaluation of docs/model.md §C.2 and §C.3, with error bounds derived from the kernels' FP32
+// rounding steps (N and m are FP32: no BF16 rounding in the bounds); the compile-time-shape
+// instances give the same bits as the runtime-shape ones; the register mix (ranks whose rows do not
+// fit the 48 KB stage) against the same reference; launcher checks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -69,9 +69,9 @@ void set_u(MixRef* ref, int64_t j, double t, double et) {
   ref->eu[j] = 1.1 * et / 4 + 4 * kFp32Unit * std::fabs(ref->u[j]);
 }
 
-// m of docs/model.md §C.3 steps 3-5 in FP64 and the bound of the kernel's FP32 evaluation: the team's
-// FMA chain over W_up . u (the narrowest team's chain, the longest), the sigmoid, and the FMA
-// chain over the 4 streams with N's own error.
+// m of docs/model.md §C.3 steps 3-5 in FP64 and the bound of the kernel's FP32 evaluation: the
+// team's FMA chain over W_up . u (the narrowest team's chain, the longest), the sigmoid, and the
+// FMA chain over the 4 streams with N's own error.
 void want_m(const std::vector<uint16_t>& w_up, int64_t D, int64_t r, const MixRef& ref,
             std::vector<double>* want, std::vector<double>* bound) {
   const int64_t nvec = r / 8;
@@ -242,7 +242,8 @@ TEST_CASE(
     const auto nb = random_bf16_bits(W, 0.0f, 0.7f, uint64_t(W) + 11);
     const auto wb = random_bf16_bits(R * W, 0.0f, 0.02f, uint64_t(W) + 12);
     const int64_t splits = fn::hc_down_splits(c.groups, D);
-    // The injected residual, by hand: the product and the sum each rounded once (docs/model.md §C.3).
+    // The injected residual, by hand: the product and the sum each rounded once (docs/model.md
+    // §C.3).
     std::vector<float> want_H(W);
     for (int64_t i = 0; i < W; ++i) {
       volatile float prod = iota[i / D] * y[i % D];
@@ -420,7 +421,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "cuda hc: down and mix chained give the read of docs/model.md §C.2-§C.3 (N = GroupRMSNorm1p(H), "
+    "cuda hc: down and mix chained give the read of docs/model.md §C.2-§C.3 (N = "
+    "GroupRMSNorm1p(H), "
     "t = W_dn N, m, iota) in FP32") {
   struct Case {
     int64_t hidden, rank;

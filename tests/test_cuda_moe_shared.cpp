@@ -42,8 +42,8 @@ int64_t first_diff(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() ? -1 : static_cast<int64_t>(std::min(a.size(), b.size()));
 }
 
-// rows x cols BF16 W times FP32 x in FP64 (docs/model.md §C.7 linears), and Higham's bound for an FP32
-// dot of cols terms in any order: gamma_cols * sum |w x|.
+// rows x cols BF16 W times FP32 x in FP64 (docs/model.md §C.7 linears), and Higham's bound for an
+// FP32 dot of cols terms in any order: gamma_cols * sum |w x|.
 void fp64_gemv(const std::vector<uint16_t>& w, const std::vector<float>& x, int64_t rows,
                int64_t cols, std::vector<double>& want, std::vector<double>& bound) {
   want.assign(rows, 0.0);

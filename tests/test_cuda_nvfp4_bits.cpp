@@ -1,6 +1,6 @@
 // Host test (label cpu, no GPU) of the bit-level NVFP4 decoding the expert kernels use
-// (cuda/common/nvfp4_bits.h): every E2M1 code and every E4M3 byte against the core codecs (core/codecs.h,
-// table-driven), through the core FP16 decoder.
+// (cuda/common/nvfp4_bits.h): every E2M1 code and every E4M3 byte against the core codecs
+// (core/codecs.h, table-driven), through the core FP16 decoder.
 #include <doctest/doctest.h>
 
 #include <cmath>

@@ -1,8 +1,8 @@
-// GPU tests of the PLE kernels (cuda/kernels/ple.h): the n-gram gather against fn::ngram_ids plus the
-// table rows (real constants and the tiny fixtures', rows held and not held, EOS contexts), the
-// context shift, and ple_apply against fn::cpu::ple_apply and an FP64 evaluation of docs/model.md §C.4
-// steps 2-8 over consecutive steps (dilated conv state carried) with error bounds derived from the
-// kernel's rounding steps; CUDA graph replay bitwise equal to eager launches.
+// GPU tests of the PLE kernels (cuda/kernels/ple.h): the n-gram gather against fn::ngram_ids plus
+// the table rows (real constants and the tiny fixtures', rows held and not held, EOS contexts), the
+// context shift, and ple_apply against fn::cpu::ple_apply and an FP64 evaluation of docs/model.md
+// §C.4 steps 2-8 over consecutive steps (dilated conv state carried) with error bounds derived from
+// the kernel's rounding steps; CUDA graph replay bitwise equal to eager launches.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -141,7 +141,8 @@ const float kScale = fn::bf16_to_float(fn::float_to_bf16(2.1e-4f));
 
 }  // namespace
 
-TEST_CASE("cuda ple: the gather of the real constants fetches each head's row (docs/model.md C.4)") {
+TEST_CASE(
+    "cuda ple: the gather of the real constants fetches each head's row (docs/model.md C.4)") {
   const fn::ModelConfig cfg = load("configs/qwen3.8-flash-next.json");
   const fn::NgramConstants k = fn::ngram_constants(cfg, 0);
   const int hd = int(cfg.ngram_head_dim());

@@ -1,9 +1,9 @@
-// GPU tests of the batched-prefill PLE kernels (cuda/kernels/ple.h *_rows): for M tokens the row gather,
-// the context shift and ple_apply_rows against M successive decode launches (launch_ngram_gather +
-// launch_ngram_context_advance, launch_ple_apply) on an identical copy of the state, from the reset
-// state and from a populated one, at the tiny fixture's and the real shapes; the gather's ids also
-// against fn::ngram_ids over [context] + tokens (docs/model.md §C.4, §D). FN_BENCH=1 adds timings at
-// the real shapes with M = 8192.
+// GPU tests of the batched-prefill PLE kernels (cuda/kernels/ple.h *_rows): for M tokens the row
+// gather, the context shift and ple_apply_rows against M successive decode launches
+// (launch_ngram_gather + launch_ngram_context_advance, launch_ple_apply) on an identical copy of
+// the state, from the reset state and from a populated one, at the tiny fixture's and the real
+// shapes; the gather's ids also against fn::ngram_ids over [context] + tokens (docs/model.md §C.4,
+// §D). FN_BENCH=1 adds timings at the real shapes with M = 8192.
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -1,14 +1,14 @@
 // GPU tests of the QSA decode kernels (cuda/kernels/qsa.h) against the CPU ops that
 // CpuModel::qsa_step chains (core/cpu_ops.h: rms_norm_1p, rope_neox, indexer_block_key,
 // indexer_scores, qsa_selected_tokens, gqa_attention, sigmoid_gate_mul), on the tiny fixture shapes
-// at TP=1/2/4 over positions 0..40 and on the real shapes (docs/model.md §A.3) with caches prefilled up
-// to 39999; error bounds derived from the rounding steps of both sides; graph replay bitwise equal
-// to eager; launcher checks; the seven-launch path with the overlapped projection bitwise equal to
-// one projection GEMV followed by the four launches (proj, outputs, caches, every workspace
-// intermediate); the decode step's block select (select_top_blocks_cg) equal to the prefill's
-// four-pass radix select and to cpu::top_k on adversarial scores (ties, zeros of both signs,
-// infinities, NaN, subnormals, B past the on-chip keys); a bench at t = 8191 of both paths and of
-// the two selects (FN_BENCH=1).
+// at TP=1/2/4 over positions 0..40 and on the real shapes (docs/model.md §A.3) with caches
+// prefilled up to 39999; error bounds derived from the rounding steps of both sides; graph replay
+// bitwise equal to eager; launcher checks; the seven-launch path with the overlapped projection
+// bitwise equal to one projection GEMV followed by the four launches (proj, outputs, caches, every
+// workspace intermediate); the decode step's block select (select_top_blocks_cg) equal to the
+// prefill's four-pass radix select and to cpu::top_k on adversarial scores (ties, zeros of both
+// signs, infinities, NaN, subnormals, B past the on-chip keys); a bench at t = 8191 of both paths
+// and of the two selects (FN_BENCH=1).
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 // GPU tests of the QSA prefill (cuda/kernels/qsa_prefill.h) against M successive QSA decode steps
-// (cuda/kernels/qsa.h, itself checked against the CPU ops in test_cuda_qsa.cpp) on an identical copy of
-// the caches: tiny shapes at TP=1/2/4 from position 0 and from a cache populated by 13 decode
-// steps, M in {1, 2, 3, 4, 5, 17, 63, 64, 65}, with automatic and forced small row groups; the
-// real head sizes (hd 256, ihd 128) over 300 tokens with block_topk 8; launcher checks; a bench
+// (cuda/kernels/qsa.h, itself checked against the CPU ops in test_cuda_qsa.cpp) on an identical
+// copy of the caches: tiny shapes at TP=1/2/4 from position 0 and from a cache populated by 13
+// decode steps, M in {1, 2, 3, 4, 5, 17, 63, 64, 65}, with automatic and forced small row groups;
+// the real head sizes (hd 256, ihd 128) over 300 tokens with block_topk 8; launcher checks; a bench
 // at the real shapes (FN_BENCH=1). Every case also compares the prefill's choice log
 // (selected_log, counters_log) row by row with decode's workspace after the step at that position.
 //

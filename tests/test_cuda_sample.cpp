@@ -1,6 +1,6 @@
-// GPU tests of on-device greedy choice and sampling (cuda/kernels/sample.h) against the host sampler
-// (core/sampler.h): greedy = fn::argmax_lowest on the real vocabulary (248320) with planted ties;
-// the kept candidate set after top-k/top-p/min-p equal to fn::Sampler's; sampled frequencies
+// GPU tests of on-device greedy choice and sampling (cuda/kernels/sample.h) against the host
+// sampler (core/sampler.h): greedy = fn::argmax_lowest on the real vocabulary (248320) with planted
+// ties; the kept candidate set after top-k/top-p/min-p equal to fn::Sampler's; sampled frequencies
 // against the host sampler's filtered probabilities (chi-square at a fixed significance);
 // top_k = 1 equal to greedy; determinism in (seed, step); CUDA graph replay equal to eager.
 #include <doctest/doctest.h>

@@ -1,6 +1,6 @@
-// fn::L2Prefetch and fn::for_each_l2_prefetch_chunk (cuda/common/l2_prefetch.h): which ranges a list
-// accepts, and that the parts of a grid cover every byte of every range exactly once, in chunks
-// of at most kL2PrefetchChunk bytes, chunk c going to part c % parts.
+// fn::L2Prefetch and fn::for_each_l2_prefetch_chunk (cuda/common/l2_prefetch.h): which ranges a
+// list accepts, and that the parts of a grid cover every byte of every range exactly once, in
+// chunks of at most kL2PrefetchChunk bytes, chunk c going to part c % parts.
 #include <doctest/doctest.h>
 
 #include <cstdint>

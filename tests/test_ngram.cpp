@@ -22,7 +22,8 @@ TEST_CASE("ngram: splitmix64 matches the reference generator's first outputs") {
   CHECK(fn::splitmix64(0x9E3779B97F4A7C15ULL) == 0x6E789E6AA1B965F4ULL);
 }
 
-TEST_CASE("ngram: real-model multipliers, head sizes, offsets and rows are those of docs/model.md C.4") {
+TEST_CASE(
+    "ngram: real-model multipliers, head sizes, offsets and rows are those of docs/model.md C.4") {
   const fn::ModelConfig c = real();
   CHECK(fn::ngram_multipliers(c, 0) == V{23703573157769, 20109073645365, 8052911324071});
   CHECK(fn::ngram_head_sizes(c, 0) == V{20000003, 20000023, 20000033, 20000047, 20000059, 20000063,

@@ -157,8 +157,8 @@ TEST_CASE("ngram placement: sequences of a context that fit a card, by hand") {
   const fn::MemoryPlan dev = fn::plan_device_memory(real_config(), real_plan(), 0, 8192);
   const fn::MemoryPlan host = fn::plan_device_memory(real_config(), real_plan(), 0, 8192, true);
   CHECK(fn::sequences_fit(dev, 80'000'000'000ull) == 0);
-  // Per sequence at 8192 tokens (docs/model.md §C.0): KV 12 x 8192 x 2 heads x 256 x 2 B x 2 = 192 MiB,
-  // indexer 12 x (8192 + 2048) x 128 x 4 B = 60 MiB, GDN 36 x 48 x 128 x 128 x 4 B = 108 MiB,
+  // Per sequence at 8192 tokens (docs/model.md §C.0): KV 12 x 8192 x 2 heads x 256 x 2 B x 2 = 192
+  // MiB, indexer 12 x (8192 + 2048) x 128 x 4 B = 60 MiB, GDN 36 x 48 x 128 x 128 x 4 B = 108 MiB,
   // GDN conv 36 x 10240 x 3 x 4 B, PLE conv 10240 x 3 x 3 x 4 B.
   const uint64_t state = 12ull * 8192 * 2 * 256 * 2 * 2 + 12ull * (8192 + 2048) * 128 * 4 +
                          36ull * 48 * 128 * 128 * 4 + 36ull * 10240 * 3 * 4 + 10240ull * 9 * 4;

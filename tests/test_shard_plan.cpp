@@ -296,8 +296,9 @@ TEST_CASE("shard plan: weights and bytes per token per rank match hand computati
   for (int r = 0; r < 4; ++r) {
     CAPTURE(r);
     const auto fam = plan.weight_bytes_by_family(r);
-    CHECK(fam.at("moe.experts") == expert_rank * 512 * 48);  // 16.99 GB, docs/model.md E.2 "17.0 GB"
-    CHECK(fam.at("hc") == hc);                               // 1.28 GB
+    CHECK(fam.at("moe.experts") ==
+          expert_rank * 512 * 48);  // 16.99 GB, docs/model.md E.2 "17.0 GB"
+    CHECK(fam.at("hc") == hc);      // 1.28 GB
     CHECK(fam.at("embed") == 248320ull * 2560 * 2);
     CHECK(fam.at("lm_head") == 62080ull * 2560 * 2);
     CHECK(fam.at("ple.ngram") == 32ull * 2500012 * 160 + 2);  // 32 FP8 shards + the BF16 scale

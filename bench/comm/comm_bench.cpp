@@ -16,13 +16,13 @@
 #include <string>
 #include <vector>
 
-#include "cuda/common/cuda_check.h"
 #include "comm/custom_all_reduce.h"
 #include "comm/gpu_comm.h"
 #include "comm/mpi_check.h"
 #include "comm/mpi_context.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "cuda/common/cuda_check.h"
 
 namespace {
 

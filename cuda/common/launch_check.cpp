@@ -4,8 +4,8 @@
 
 #include <atomic>
 
-#include "cuda/common/cuda_check.h"
 #include "core/error.h"
+#include "cuda/common/cuda_check.h"
 
 namespace fn::detail {
 

@@ -1,8 +1,9 @@
-// The real Qwen3.8-Flash-Next text model's sizes (docs/model.md §A.2; configs/qwen3.8-flash-next.json)
-// that the decode kernels' compile-time-shape instances are built for (cuda/kernels/hc.cu, gdn.cu,
-// moe_nvfp4.cu, moe_shared.cu, qsa.cu). One place, so that every fixed instance targets the same
-// model; a launcher runs its fixed instance only when the launch's runtime sizes equal these, and
-// the runtime-shape instance otherwise. Constants only; usable from host and device code.
+// The real Qwen3.8-Flash-Next text model's sizes (docs/model.md §A.2;
+// configs/qwen3.8-flash-next.json) that the decode kernels' compile-time-shape instances are built
+// for (cuda/kernels/hc.cu, gdn.cu, moe_nvfp4.cu, moe_shared.cu, qsa.cu). One place, so that every
+// fixed instance targets the same model; a launcher runs its fixed instance only when the launch's
+// runtime sizes equal these, and the runtime-shape instance otherwise. Constants only; usable from
+// host and device code.
 #pragma once
 
 namespace fn::real_shape {

@@ -1,4 +1,5 @@
-// The registry of cuda/common/step_trace.h: one setter per translation unit compiled with FN_STEP_TRACE.
+// The registry of cuda/common/step_trace.h: one setter per translation unit compiled with
+// FN_STEP_TRACE.
 #include "cuda/common/step_trace.h"
 
 #include <mutex>

@@ -42,11 +42,12 @@ struct HcInjectParams {
 /// Throws fn::Error(Internal) on null pointers or bad sizes; fn::Error(Cuda) on a failed launch.
 void launch_hc_inject(const HcInjectParams& params, cudaStream_t stream);
 
-/// Router (docs/model.md §C.7 step 1), the same function as fn::cpu::route_top_k: p = softmax(logits)
-/// over all experts (FP32 values expf(l - max), FP64 sum), the top_k of p (higher p first, equal
-/// p -> lower expert id first), w = p / sum(p_selected) (FP64 sum) when norm_topk_prob, else p.
-/// A NaN in p (NaN or +Inf logits) ranks as -Inf, so ids stay distinct and in range, and sets
-/// *error_flag = 4 when error_flag is given. Replicated: bitwise identical on every rank.
+/// Router (docs/model.md §C.7 step 1), the same function as fn::cpu::route_top_k: p =
+/// softmax(logits) over all experts (FP32 values expf(l - max), FP64 sum), the top_k of p (higher p
+/// first, equal p -> lower expert id first), w = p / sum(p_selected) (FP64 sum) when
+/// norm_topk_prob, else p. A NaN in p (NaN or +Inf logits) ranks as -Inf, so ids stay distinct and
+/// in range, and sets *error_flag = 4 when error_flag is given. Replicated: bitwise identical on
+/// every rank.
 struct RouterParams {
   const float* logits = nullptr;  ///< [E] FP32 router logits (W_r m')
   int num_experts = 0;            ///< E: 1..1024 (512 real, 8 tiny)

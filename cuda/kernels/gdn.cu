@@ -38,8 +38,8 @@ constexpr int kMaxRows = 4;  // state rows per thread (registers: kMaxRows float
 constexpr int kMaxHeadDim = 1024;
 constexpr int kMaxSlice = 32;  // dv columns per CTA
 constexpr int kMaxConvKernel = 8;
-// The real layer's shape (docs/model.md §A.2: linear key/value head dim 128, conv kernel 4) with the
-// slice width plan_gdn_decode_slice picks for it: the compile-time-shape instance.
+// The real layer's shape (docs/model.md §A.2: linear key/value head dim 128, conv kernel 4) with
+// the slice width plan_gdn_decode_slice picks for it: the compile-time-shape instance.
 constexpr int kFixedDk = real_shape::kGdnHeadDim;
 constexpr int kFixedSlice = 32;
 constexpr int kFixedConv = real_shape::kGdnConvKernel;

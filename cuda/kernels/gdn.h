@@ -1,5 +1,5 @@
-// Gated DeltaNet decode for one token (docs/model.md §C.5 steps 2-7): causal conv + SiLU with the conv
-// state shift, gates, q/k L2 norm, the delta-rule recurrence on the FP32 state, and the gated
+// Gated DeltaNet decode for one token (docs/model.md §C.5 steps 2-7): causal conv + SiLU with the
+// conv state shift, gates, q/k L2 norm, the delta-rule recurrence on the FP32 state, and the gated
 // RMSNorm, from the FP32 output of the stacked projection GEMV to the BF16 input of out_proj.
 // Called by the CUDA decode step once per GDN layer. One launch (four with the overlapped
 // projections); deterministic (fixed reduction order, no float atomics), graph-capturable (no

@@ -1,6 +1,7 @@
-// Device math shared by the Gated DeltaNet decode (cuda/kernels/gdn.cu) and prefill (cuda/kernels/gdn_prefill.cu)
-// kernels, so both compute the gates and the causal conv tap sum with the same operations in the
-// same order (docs/model.md §C.5 steps 2 and 4). Device code only; included by .cu files.
+// Device math shared by the Gated DeltaNet decode (cuda/kernels/gdn.cu) and prefill
+// (cuda/kernels/gdn_prefill.cu) kernels, so both compute the gates and the causal conv tap sum with
+// the same operations in the same order (docs/model.md §C.5 steps 2 and 4). Device code only;
+// included by .cu files.
 #pragma once
 
 #include "cuda/common/device_util.cuh"

@@ -1,8 +1,8 @@
-// Gated DeltaNet prefill for M tokens of one GDN layer on one TP rank (docs/model.md §C.5 steps 2-7,
-// §D): the same function as M successive launch_gdn_decode calls (cuda/kernels/gdn.h), leaving the
-// same recurrent state and conv state, but with the token-parallel parts (conv, gates, L2 norms,
-// gated norm) run over all tokens at once and the recurrence as one sequential scan per state
-// slice. Called by the CUDA prefill path once per GDN layer and prompt chunk. No host sync,
+// Gated DeltaNet prefill for M tokens of one GDN layer on one TP rank (docs/model.md §C.5 steps
+// 2-7, §D): the same function as M successive launch_gdn_decode calls (cuda/kernels/gdn.h), leaving
+// the same recurrent state and conv state, but with the token-parallel parts (conv, gates, L2
+// norms, gated norm) run over all tokens at once and the recurrence as one sequential scan per
+// state slice. Called by the CUDA prefill path once per GDN layer and prompt chunk. No host sync,
 // graph-safe, deterministic (fixed reduction order, no float atomics); tokens past M never touch
 // the state.
 #pragma once

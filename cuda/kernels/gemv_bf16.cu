@@ -7,9 +7,9 @@
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
-#include "cuda/kernels/gemv_bf16.cuh"
 #include "cuda/common/launch_check.h"
 #include "cuda/common/pdl.cuh"
+#include "cuda/kernels/gemv_bf16.cuh"
 
 namespace fn {
 namespace {
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_overlap_kernel(GemvAr
 }
 
 // One team of (1 << team_log2) lanes computes kRows consecutive rows (dev::gemv_bf16_team_rows,
-// cuda/kernels/gemv_bf16.cuh: the weight preload before the programmatic-dependent wait, the dot, the
-// fixed-order team reduction); the team's lane 0 stores them.
+// cuda/kernels/gemv_bf16.cuh: the weight preload before the programmatic-dependent wait, the dot,
+// the fixed-order team reduction); the team's lane 0 stores them.
 template <int kRows, bool kXF32, bool kYBf16>
 __global__ void __launch_bounds__(kBlockThreads) gemv_bf16_kernel(GemvArgs a) {
   float acc[kRows];

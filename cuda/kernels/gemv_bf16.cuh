@@ -1,8 +1,8 @@
-// Device code of the BF16 GEMV row dot (cuda/kernels/gemv_bf16.h), shared by gemv_bf16.cu and the fused
-// MoE shared-expert kernels of moe_shared.cu so that a row computed by either gives the same bits.
-// Included by .cu files only. Invariant: a row's FP32 sum depends only on the team width (lane l
-// sums vectors l, l + T, l + 2T, ... in ascending order, then dev::team_reduce), never on the
-// rows per team, the block size or the block index, and not on where x comes from as long as
+// Device code of the BF16 GEMV row dot (cuda/kernels/gemv_bf16.h), shared by gemv_bf16.cu and the
+// fused MoE shared-expert kernels of moe_shared.cu so that a row computed by either gives the same
+// bits. Included by .cu files only. Invariant: a row's FP32 sum depends only on the team width
+// (lane l sums vectors l, l + T, l + 2T, ... in ascending order, then dev::team_reduce), never on
+// the rows per team, the block size or the block index, and not on where x comes from as long as
 // the XSource yields the same floats.
 #pragma once
 
@@ -78,8 +78,8 @@ __device__ __forceinline__ void gemv_load_tile(const uint4* const (&wrow)[kRows]
 /// next ones into L2 before dev::pdl_wait() (W is a weight; x comes from earlier kernels); then
 /// pdl_wait, pdl_launch_dependents, xs.prepare() (every thread of the block), the dot. With
 /// kXBeforeWait, x comes from a kernel at least two launches back (xs reads it through L2,
-/// cuda/common/pdl.cuh): xs.prepare() and the whole dot run before the wait, which this function does
-/// not do: the caller calls dev::pdl_wait() and dev::pdl_launch_dependents() itself before its
+/// cuda/common/pdl.cuh): xs.prepare() and the whole dot run before the wait, which this function
+/// does not do: the caller calls dev::pdl_wait() and dev::pdl_launch_dependents() itself before its
 /// epilogue reads anything the previous kernel wrote. Returns the team's first row; acc[r]
 /// holds row r's sum in the team's lane 0 (*lane_out == 0). Rows past a.rows re-read the last row
 /// (in bounds) and must not be stored. Every thread of the block must call it with the same

@@ -36,14 +36,14 @@ struct GemvBf16Params {
   GemvBf16Plan plan{};               ///< zero: plan_gemv_bf16(rows, cols, SM count) per launch
   /// Overlap with the stream predecessor (the QSA decode launcher's projection beside the
   /// indexer's select): the kernel lets its successor launch at once and computes and stores
-  /// without a programmatic wait (cuda/common/pdl.cuh), reading x through L2 into shared memory. Legal
-  /// only when x was complete before the predecessor was launched (written at least two launches
-  /// back, the predecessor having waited) and no unfinished kernel reads or writes y. x and y
-  /// FP32, cols <= 8192. The same bits as the plain launch.
+  /// without a programmatic wait (cuda/common/pdl.cuh), reading x through L2 into shared memory.
+  /// Legal only when x was complete before the predecessor was launched (written at least two
+  /// launches back, the predecessor having waited) and no unfinished kernel reads or writes y. x
+  /// and y FP32, cols <= 8192. The same bits as the plain launch.
   bool no_pdl_wait = false;
   /// When non-null, each block adds one signal to this join word once its rows are stored
-  /// (dev::join_signal, cuda/common/device_util.cuh), for a reader in a launch that does not wait for
-  /// this one (the GDN recurrence, cuda/kernels/gdn.h). At most 65535 blocks then.
+  /// (dev::join_signal, cuda/common/device_util.cuh), for a reader in a launch that does not wait
+  /// for this one (the GDN recurrence, cuda/kernels/gdn.h). At most 65535 blocks then.
   unsigned* done_word = nullptr;
   /// Rows left out: with skip > 0, computed row r >= skip_at is row r + skip of W and of y
   /// (W and y then hold rows + skip rows). The same bits per row.
@@ -58,8 +58,9 @@ GemvBf16Plan plan_gemv_bf16(int64_t rows, int64_t cols, int sm_count);
 
 /// The plan for `rows` rows of a matrix whose GEMV over all rows plans as `whole`: the same team
 /// width (so each row gets the bits it gets in the whole's launch: a row's sum depends only on
-/// the team width, cuda/kernels/gemv_bf16.cuh) and `rows_per_team` (1, 2 or 4) rows per team. Used where
-/// a matrix's rows are split over launches (the QSA and GDN projections). Pure host arithmetic.
+/// the team width, cuda/kernels/gemv_bf16.cuh) and `rows_per_team` (1, 2 or 4) rows per team. Used
+/// where a matrix's rows are split over launches (the QSA and GDN projections). Pure host
+/// arithmetic.
 GemvBf16Plan plan_gemv_bf16_part(const GemvBf16Plan& whole, int64_t rows, int rows_per_team);
 
 /// y = W x on `stream` (docs/model.md §C: every BF16 linear of the decode step). Each y[r] is

@@ -87,9 +87,9 @@ __device__ __forceinline__ bool down_in_group(const DownDims& d, int vbeg, int v
   return d.whole || vbeg + vl < d.gvec;
 }
 
-// v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns (docs/model.md
-// §C.2's N without its group scale; (1 + w) never rounded to BF16); v[2] += the vector's sum of
-// H^2. Ascending columns per lane.
+// v[0..1] += the rows' dots with x = H * (1 + w) over one 16-byte vector of 8 columns
+// (docs/model.md §C.2's N without its group scale; (1 + w) never rounded to BF16); v[2] += the
+// vector's sum of H^2. Ascending columns per lane.
 __device__ __forceinline__ void down_step(float (&v)[kDownRows + 1], const float4 (&hx)[2],
                                           uint4 nw, const uint4 (&w)[kDownRows]) {
   const float h[8] = {hx[0].x, hx[0].y, hx[0].z, hx[0].w, hx[1].x, hx[1].y, hx[1].z, hx[1].w};
@@ -349,8 +349,8 @@ __device__ __forceinline__ void mix_after_wait(const MixArgs& a, const MixDims& 
 }
 
 // The team's butterfly; then lane s < 4 of the team computes stream s's G_s = sigmoid(acc_s) and
-// N_s = H * scale_s * (1 + w) (docs/model.md §C.2, FP32), and lane 0 of an in-range team gathers them:
-// m = (1/4) sum_s G_s N_s (fmaf chain over the streams, ascending). hv and one_w: the lane's
+// N_s = H * scale_s * (1 + w) (docs/model.md §C.2, FP32), and lane 0 of an in-range team gathers
+// them: m = (1/4) sum_s G_s N_s (fmaf chain over the streams, ascending). hv and one_w: the lane's
 // stream's H and 1 + w at the output.
 __device__ __forceinline__ void mix_finish(const MixArgs& a, const MixDims& d,
                                            float (&acc)[kStreams], int lane, bool store, float hv,

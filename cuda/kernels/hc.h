@@ -1,8 +1,8 @@
-// The hyper-connection read ("mix", docs/model.md §C.2, §C.3) for one decode token, in two launches:
-// launch_hc_down (split-K GEMV over the stacked [W_dn; W_inj] against H * (1 + w), per-chunk
-// partial dots and partial sums of squares, no block-wide step) and launch_hc_mix (the group
-// RMSNorm scales from the partial squares, t, u, G, N -> m, iota). Called by the CUDA decode step
-// before each mixer / MoE and for the final mixer. Deterministic (fixed summation orders, no
+// The hyper-connection read ("mix", docs/model.md §C.2, §C.3) for one decode token, in two
+// launches: launch_hc_down (split-K GEMV over the stacked [W_dn; W_inj] against H * (1 + w),
+// per-chunk partial dots and partial sums of squares, no block-wide step) and launch_hc_mix (the
+// group RMSNorm scales from the partial squares, t, u, G, N -> m, iota). Called by the CUDA decode
+// step before each mixer / MoE and for the final mixer. Deterministic (fixed summation orders, no
 // atomics), graph-capturable, PDL-aware (weights are staged in shared memory with cp.async before
 // the dependency wait; the mix holds them in registers instead where they do not fit).
 // Numerics: N and m are FP32 (every BF16 GEMV reads m as FP32); only the NVFP4 routed
@@ -64,8 +64,8 @@ int64_t hc_down_splits(int64_t hc_count, int64_t hidden);
 /// sizes or misalignment; fn::Error(Cuda) on a failed launch.
 void launch_hc_down(const HcDownParams& params, cudaStream_t stream);
 
-/// HC mix (docs/model.md §C.2, §C.3 steps 2-5) from the partials of launch_hc_down, chunk p in group
-/// g(p) = p / (t_splits / 4):
+/// HC mix (docs/model.md §C.2, §C.3 steps 2-5) from the partials of launch_hc_down, chunk p in
+/// group g(p) = p / (t_splits / 4):
 ///   scale_g = rsqrt((sum_{p in g} sumsq[p]) / D + eps)           (FP32, ascending p),
 ///   t[j] = sum_p scale_g(p) * t[p * t_stride + j]                 (FP32 fmaf chain, ascending p),
 ///   u = silu(t[0:r] / hc_count) (FP32, not rounded), G = sigmoid(W_up u) (FP32),

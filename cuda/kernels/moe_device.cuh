@@ -318,8 +318,8 @@ __device__ __forceinline__ void router_mail_take(float* mail, int E, float& l0, 
   l1 = __uint_as_float(b1);
 }
 
-/// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; docs/model.md §C.7 step 4,
-/// the shared-expert gate).
+/// The logistic function in the two-branch form of fn::cpu::sigmoid (expf; docs/model.md §C.7 step
+/// 4, the shared-expert gate).
 __device__ __forceinline__ float sigmoid_2branch(float x) {
   if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
   const float e = expf(x);

@@ -1,7 +1,7 @@
-// NVFP4 W4A16 routed-expert GEMVs for one decode token (docs/model.md §B.4, §C.7): gate+up with SwiGLU,
-// and the down projection summed over the selected experts with their routing weights. Called by
-// the CUDA decode step after the router. Invariants: expert ids and routing weights are read from
-// device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
+// NVFP4 W4A16 routed-expert GEMVs for one decode token (docs/model.md §B.4, §C.7): gate+up with
+// SwiGLU, and the down projection summed over the selected experts with their routing weights.
+// Called by the CUDA decode step after the router. Invariants: expert ids and routing weights are
+// read from device memory (graph-capturable, no host sync); software E2M1 decode (sm_90 has no FP4
 // conversion); two kernel families: FP32 FMA (moe_nvfp4.cu: the down projection everywhere, the
 // gate+up on devices or shapes the bulk kernel does not take) and the bulk-copy gate+up (`bulk =
 // true`, sm_90+, cuda/kernels/moe_nvfp4_bulk.cu: weights streamed into shared memory by the TMA
@@ -20,10 +20,10 @@
 namespace fn {
 
 /// Device layout of one layer's routed experts (the loader stacks the per-expert checkpoint
-/// tensors, docs/model.md §B.2, in expert order). For gate+up, rows [0, I) of an expert are gate_proj
-/// and rows [I, 2I) are up_proj (TP: the rank's I rows of each). Packed codes in the decode
-/// layout: the checkpoint's layout (byte j of a row holds element 2j in its low nibble, 2j+1 in
-/// its high nibble) with the bits of every 32-bit word (8 elements) permuted by
+/// tensors, docs/model.md §B.2, in expert order). For gate+up, rows [0, I) of an expert are
+/// gate_proj and rows [I, 2I) are up_proj (TP: the rank's I rows of each). Packed codes in the
+/// decode layout: the checkpoint's layout (byte j of a row holds element 2j in its low nibble, 2j+1
+/// in its high nibble) with the bits of every 32-bit word (8 elements) permuted by
 /// nvfp4::to_decode_layout (cuda/common/nvfp4_bits.h; nvfp4_codes_to_decode_layout does it in place
 /// at load time); block scales F8_E4M3, one per 16 elements of a row, linear row-major (not
 /// swizzled). Every kernel that reads these codes (decode and prefill) expects that layout.

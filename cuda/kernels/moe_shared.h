@@ -78,8 +78,8 @@ struct SharedDownCombineParams {
 };
 
 /// y[d] = fmaf(sigmoid(*gate_logit), ys[d], y[d]) with ys = W_down . h and
-/// h[i] = bf16(silu(g[i]) * u[i]), g = gate_up[0, I), u = gate_up[I, 2I) (docs/model.md §C.7 steps 2-4)
-/// in one launch: each block computes h into shared memory (dev::swiglu_bf16_bits, as
+/// h[i] = bf16(silu(g[i]) * u[i]), g = gate_up[0, I), u = gate_up[I, 2I) (docs/model.md §C.7 steps
+/// 2-4) in one launch: each block computes h into shared memory (dev::swiglu_bf16_bits, as
 /// launch_swiglu_rows), the rows are launch_gemv_bf16's device code with its planned team width
 /// (x BF16), and the epilogue is dev::sigmoid_2branch's fmaf (as launch_moe_combine_rows), so y
 /// has the bits of launch_swiglu_rows + launch_gemv_bf16 + launch_moe_combine_rows for one row.

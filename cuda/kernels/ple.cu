@@ -1,7 +1,7 @@
-// PLE kernels (see ple.h): n-gram gather, context shift, and the fused steps 2-8 of docs/model.md §C.4.
-// The ids replicate core/ngram.cpp exactly (wrap-around uint64 products, floor-mod). The apply
-// kernel keeps one block per stream: three fixed-order block reductions (sum of squares of K and
-// H, the K.Q dot, the sum of squares of Gv), then the elementwise conv step and residual add.
+// PLE kernels (see ple.h): n-gram gather, context shift, and the fused steps 2-8 of docs/model.md
+// §C.4. The ids replicate core/ngram.cpp exactly (wrap-around uint64 products, floor-mod). The
+// apply kernel keeps one block per stream: three fixed-order block reductions (sum of squares of K
+// and H, the K.Q dot, the sum of squares of Gv), then the elementwise conv step and residual add.
 // The rows versions run the same per-stream reductions per (row, stream), keep only each row's gate
 // and conv-norm scale, and recompute Gv and Nc of earlier rows from kv where the conv needs them
 // (scratch of 2 floats per row and stream instead of two [rows, S*P] buffers).

@@ -1,11 +1,12 @@
-// PLE (per-layer n-gram embedding, docs/model.md §C.4, §B.5) kernels for one decode token: the n-gram
-// row gather of this rank's table rows, the n-gram context shift, and steps 2-8 (norms, signed-sqrt
-// gate, dilated causal conv, residual add) after the key/value GEMV. Called by the CUDA decode step
-// at layer 1, in order: gather -> all-reduce E -> GEMV [key_proj; value_proj] -> ple_apply ->
-// context advance. Token and context are read from device memory (graph-capturable); no atomics.
-// The *_rows versions do the same for M prompt tokens at once (batched prefill, docs/model.md §D):
-// gather_rows -> all-reduce E rows -> GEMM -> ple_apply_rows -> context_advance_rows, leaving the
-// n-gram context and the PLE conv state exactly as M decode steps would; no host sync.
+// PLE (per-layer n-gram embedding, docs/model.md §C.4, §B.5) kernels for one decode token: the
+// n-gram row gather of this rank's table rows, the n-gram context shift, and steps 2-8 (norms,
+// signed-sqrt gate, dilated causal conv, residual add) after the key/value GEMV. Called by the CUDA
+// decode step at layer 1, in order: gather -> all-reduce E -> GEMV [key_proj; value_proj] ->
+// ple_apply -> context advance. Token and context are read from device memory (graph-capturable);
+// no atomics. The *_rows versions do the same for M prompt tokens at once (batched prefill,
+// docs/model.md §D): gather_rows -> all-reduce E rows -> GEMM -> ple_apply_rows ->
+// context_advance_rows, leaving the n-gram context and the PLE conv state exactly as M decode steps
+// would; no host sync.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -47,8 +48,8 @@ struct NgramGatherParams {
 /// heads_per_ngram, non-positive head sizes, eos < 0; fn::Error(Cuda) on a failed launch.
 void launch_ngram_gather(const NgramGatherParams& params, cudaStream_t stream);
 
-/// Context shift after the token (docs/model.md §C.4): context[i] <- context[i+1] for i < ngram_size-2,
-/// context[ngram_size-2] <- token (raw id, EOS included).
+/// Context shift after the token (docs/model.md §C.4): context[i] <- context[i+1] for i <
+/// ngram_size-2, context[ngram_size-2] <- token (raw id, EOS included).
 struct NgramContextAdvanceParams {
   int64_t* context = nullptr;      ///< device [ngram_size-1], updated in place
   int ngram_size = 3;              ///< 2..8
@@ -105,8 +106,8 @@ struct NgramGatherRowsParams {
 void launch_ngram_gather_rows(const NgramGatherRowsParams& params, cudaStream_t stream);
 
 /// Context shift after tokens[0..rows): the device context becomes the last ngram_size-1 raw ids
-/// of (context, tokens), as `rows` launch_ngram_context_advance calls leave it (docs/model.md §D item
-/// 3).
+/// of (context, tokens), as `rows` launch_ngram_context_advance calls leave it (docs/model.md §D
+/// item 3).
 struct NgramContextAdvanceRowsParams {
   int64_t* context = nullptr;       ///< device [ngram_size-1], updated in place
   int ngram_size = 3;               ///< 2..8
@@ -119,8 +120,8 @@ struct NgramContextAdvanceRowsParams {
 void launch_ngram_context_advance_rows(const NgramContextAdvanceRowsParams& params,
                                        cudaStream_t stream);
 
-/// Steps 2-8 of docs/model.md §C.4 for `rows` consecutive tokens (batched prefill). Row p: kv row p is
-/// decode's kv for token p, H row p is updated in place (H[p] += Gv + conv); the dilated causal
+/// Steps 2-8 of docs/model.md §C.4 for `rows` consecutive tokens (batched prefill). Row p: kv row p
+/// is decode's kv for token p, H row p is updated in place (H[p] += Gv + conv); the dilated causal
 /// conv of row p reads the Nc of earlier rows of this batch and, before row 0, the history in
 /// base.conv_state, which is left holding the last (K-1)*dilation Nc values, oldest first, as
 /// after `rows` launch_ple_apply calls (history included when rows is short). Same FP32

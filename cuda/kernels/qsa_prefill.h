@@ -1,5 +1,5 @@
-// QSA prefill (docs/model.md §C.6 steps 2-7 without o_proj, §D) for M tokens of one QSA layer on one TP
-// rank at positions p0..p0+M-1 on top of p0 populated cache rows. Called by the CUDA prefill
+// QSA prefill (docs/model.md §C.6 steps 2-7 without o_proj, §D) for M tokens of one QSA layer on
+// one TP rank at positions p0..p0+M-1 on top of p0 populated cache rows. Called by the CUDA prefill
 // between the stacked QSA GEMM and o_proj. Each row gets its own indexer selection, identical to
 // decode's (same FP64 scores, same select); the caches end bitwise as M launch_qsa_decode steps
 // leave them. Output rows: the default fused attention differs from decode's only in the FP32

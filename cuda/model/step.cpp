@@ -1,7 +1,8 @@
-// The decode step of docs/model.md §C.10 as a chain of cuda/ launches (CudaModel::Impl::encode_step):
-// the driver over the per-block encoders, and the blocks around the mixers — embedding, PLE, the
-// HC read and inject, lm_head with sampling. The mixers are in step_mixers.cpp, the MoE block in
-// step_moe.cpp. Which variant of each kernel runs is the load-time KernelPlan (kernel_plan.h).
+// The decode step of docs/model.md §C.10 as a chain of cuda/ launches
+// (CudaModel::Impl::encode_step): the driver over the per-block encoders, and the blocks around the
+// mixers — embedding, PLE, the HC read and inject, lm_head with sampling. The mixers are in
+// step_mixers.cpp, the MoE block in step_moe.cpp. Which variant of each kernel runs is the
+// load-time KernelPlan (kernel_plan.h).
 //
 // Per token (one graph): embed -> for each layer { [PLE: n-gram gather, all-reduce, key/value
 // GEMV, apply] ; HC read ; GDN or QSA (projections, mixer kernels, output GEMV) ; all-reduce ;

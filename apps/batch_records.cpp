@@ -30,22 +30,6 @@ uint64_t sample_seed(uint64_t seed, int64_t sample_index) noexcept {
 
 namespace {
 
-constexpr std::array<std::string_view, 15> kGenerateFields = {"id",
-                                                              "prompt",
-                                                              "prompt_ids",
-                                                              "messages",
-                                                              "seed",
-                                                              "temperature",
-                                                              "top_k",
-                                                              "top_p",
-                                                              "min_p",
-                                                              "repeat_penalty",
-                                                              "presence_penalty",
-                                                              "frequency_penalty",
-                                                              "max_tokens",
-                                                              "stop",
-                                                              "n"};
-
 bool reads(const std::set<std::string>* fields, const char* name) {
   return fields == nullptr || fields->count(name) > 0;
 }
@@ -72,7 +56,7 @@ int64_t whole_field(const json& v, const char* name, const char* rule) {
 }  // namespace
 
 bool is_generate_record_field(std::string_view name) noexcept {
-  for (const std::string_view f : kGenerateFields)
+  for (const std::string_view f : kGenerateRecordFields)
     if (f == name) return true;
   return false;
 }

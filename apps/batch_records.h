@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -50,6 +51,24 @@ struct RecordSettings {
   std::vector<std::string> stop;  ///< stop strings (non-empty, valid UTF-8)
   int64_t n = 1;                  ///< samples of this prompt, each its own output record
 };
+
+/// The fields fngen reads from a generate record (eval score reads the same, less "n", plus its
+/// task fields).
+inline constexpr std::array<std::string_view, 15> kGenerateRecordFields = {"id",
+                                                                           "prompt",
+                                                                           "prompt_ids",
+                                                                           "messages",
+                                                                           "seed",
+                                                                           "temperature",
+                                                                           "top_k",
+                                                                           "top_p",
+                                                                           "min_p",
+                                                                           "repeat_penalty",
+                                                                           "presence_penalty",
+                                                                           "frequency_penalty",
+                                                                           "max_tokens",
+                                                                           "stop",
+                                                                           "n"};
 
 /// True for the fields fngen reads from a generate record: id, prompt, prompt_ids, messages,
 /// seed, temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,

@@ -548,23 +548,12 @@ struct Task {
 // The fields of a score record: the task's own and the per-record sampling ones (as generate's,
 // less "n": one answer is scored per task).
 const std::set<std::string>& score_fields() {
-  static const std::set<std::string> fields = {"id",
-                                               "task",
-                                               "answer",
-                                               "regex",
-                                               "prompt",
-                                               "prompt_ids",
-                                               "messages",
-                                               "seed",
-                                               "temperature",
-                                               "top_k",
-                                               "top_p",
-                                               "min_p",
-                                               "repeat_penalty",
-                                               "presence_penalty",
-                                               "frequency_penalty",
-                                               "max_tokens",
-                                               "stop"};
+  static const std::set<std::string> fields = [] {
+    std::set<std::string> f = {"task", "answer", "regex"};
+    for (const std::string_view name : kGenerateRecordFields)
+      if (name != "n") f.emplace(name);
+    return f;
+  }();
   return fields;
 }
 

@@ -240,7 +240,9 @@ Geometry geometry(const std::string& path, int64_t layers) {
 void check_random_alike(const Geometry& g, int64_t ctx) {
   fn::CudaModelOptions o = options(fn::NgramTable::Device, true);
   o.ctx_size = ctx;
-  const std::vector<int32_t> tokens = {1, 17, 248044, 5, 99, 1234, 7, 7, 7, 42, 0, 3};
+  // Ids spread over the vocabulary (the top of the real one, 248044, folded into a small one).
+  std::vector<int32_t> tokens = {1, 17, 248044, 5, 99, 1234, 7, 7, 7, 42, 0, 3};
+  for (int32_t& t : tokens) t = static_cast<int32_t>(t % g.cfg.vocab_size);
   std::vector<float> a, pa;
   {
     auto dev = fn::CudaModel::random(g.cfg, g.quant, 7, o);

@@ -11,7 +11,8 @@
 # Each time is the command's own "seconds" (the load excluded). kld_ppl_style compares the model
 # with itself (same weights and seed): KLD mean ~0 and same top-1 ~100 % is a sanity check.
 # Usage on the GPU machine: bash scripts/gpu/eval_goals_run.sh
-# Environment: FN_BUILD_DIR (build-gpu).
+# Environment: FN_BUILD_DIR (build-gpu), FN_PYTHON (a python3 with numpy), FN_EVAL_GOALS (the runs to make, default
+# "ppl kld base kld_ppl_style loglik"; each loads the model, about 30 s on an H200).
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/eval-goals-out}
@@ -19,7 +20,7 @@ mkdir -p "$out"
 b=${FN_BUILD_DIR:-build-gpu}
 cfg=configs/qwen3.8-flash-next.json
 rw="--random-weights --config $cfg --backend cuda"
-py=/usr/bin/python3
+py=${FN_PYTHON:-/usr/bin/python3}  # needs numpy
 [ -x "$b/fngen" ] || bash scripts/gpu/build.sh >"$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
 vocab=$($py -c "import json;c=json.load(open('$cfg'));print(c.get('text_config',c)['vocab_size'])")
 $py - "$out" "$vocab" <<'PY'
@@ -68,9 +69,11 @@ with open(f"{out}/loglik_1000x4.jsonl", "w") as f:
         f.write(json.dumps({"id": i, "task": "t%d" % (i % 4), "context_ids": ctx, "choices": ch,
                             "answer": i % 4}) + "\n")
 PY
+goals=" ${FN_EVAL_GOALS:-ppl kld base kld_ppl_style loglik} "
 t() {  # t NAME fngen-args...: the run's JSON to $out/NAME.json, its log to $out/NAME.log
   local name=$1
   shift
+  [[ $goals == *" $name "* ]] || return 0
   "$b/fngen" "$@" --json >"$out/$name.json" 2>"$out/$name.log"
   echo "== $name: rc=$? $(tail -c 400 "$out/$name.json")"
 }

@@ -130,10 +130,15 @@ class Backend {
   /// ids on the device with `sampling` (temperature, top-k, top-p, min-p; its penalties are not
   /// applied) and the RNG `seed`, feeding each back; calls on_token(id) as each id reaches the
   /// host, and stops early when it returns false. Returns the ids sampled, the one that stopped
-  /// the loop included. The same on every rank. Throws as forward(); fn::Error(Internal) on a
-  /// backend without it.
+  /// the loop included. With top_logprobs >= 0 (at most kMaxTopLogprobs, core/row_stats.h) the
+  /// device also reduces each step's logits row to the id's TokenLogprobs with top_logprobs
+  /// alternatives (as token_logprobs() up to the summation order of the normaliser), appended to
+  /// *logprobs before on_token(id) is called; with -1 (logprobs may be null) nothing is computed.
+  /// The same on every rank. Throws as forward(); fn::Error(Internal) on a backend without it or
+  /// for top_logprobs outside [-1, kMaxTopLogprobs] or a null logprobs with top_logprobs >= 0.
   virtual std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
-                                      uint64_t seed, const std::function<bool(int32_t)>& on_token);
+                                      uint64_t seed, const std::function<bool(int32_t)>& on_token,
+                                      int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs);
 
   /// capabilities().device_memory only: device memory in use on this rank's device now, MiB
   /// (total - free). A soak compares it across records. Throws fn::Error(Internal) without it.

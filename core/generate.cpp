@@ -271,7 +271,7 @@ GenerationResult generate_on_device(Backend& backend, Collectives& coll,
     return true;
   };
   backend.decode(prompt.back(), options.max_new_tokens, options.sampling, options.sampling.seed,
-                 on_token);
+                 on_token, -1, nullptr);
   r.finish = finish;
   r.e2e_ms = ms_between(t0, t_prev);
   if (root) {

@@ -1,6 +1,7 @@
 // Per-row reductions of logits rows: the host reference (core/row_stats.h).
 #include "core/row_stats.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -72,6 +73,37 @@ void host_row_stats(std::span<const float> logits, const RowQuery& q, int64_t r,
       out.gather_logprob[ri * k + j] =
           static_cast<double>(logits[static_cast<std::size_t>(id)]) - lse;
   }
+}
+
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t chosen, int64_t k) {
+  FN_CHECK(!logits.empty(), "log-probs of an empty row");
+  FN_CHECK(chosen >= 0 && static_cast<std::size_t>(chosen) < logits.size(),
+           "log-probs of id {} outside the row of {}", chosen, logits.size());
+  FN_CHECK(k >= 0 && k <= kMaxTopLogprobs && static_cast<std::size_t>(k) <= logits.size(),
+           "top log-probs k {} outside [0, {}]", k, kMaxTopLogprobs);
+  RowQuery q;
+  const int32_t target = chosen;
+  q.targets = std::span<const int32_t>(&target, 1);
+  RowResults row;
+  resize_row_results(row, 1, 0, false, static_cast<int64_t>(logits.size()));
+  host_row_stats(logits, q, 0, row);
+  TokenLogprobs out;
+  out.logprob = row.target_logprob[0];
+  // The k largest by (logit desc, id asc): a partial sort of the ids.
+  std::vector<int32_t> ids(logits.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+  const auto before = [&](int32_t a, int32_t b) {
+    const float la = logits[static_cast<std::size_t>(a)], lb = logits[static_cast<std::size_t>(b)];
+    return la > lb || (la == lb && a < b);
+  };
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), before);
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t id = ids[static_cast<std::size_t>(j)];
+    out.top_ids.push_back(id);
+    out.top_logprobs.push_back(static_cast<double>(logits[static_cast<std::size_t>(id)]) -
+                               row.lse[0]);
+  }
+  return out;
 }
 
 }  // namespace fn

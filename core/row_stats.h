@@ -52,4 +52,23 @@ void resize_row_results(RowResults& out, int64_t rows, int64_t gather_k, bool ke
 /// a logit is not finite.
 void host_row_stats(std::span<const float> logits, const RowQuery& q, int64_t r, RowResults& out);
 
+/// The most alternatives `generate --logprobs K` reports per token (OpenAI's top_logprobs limit).
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
+/// The log-probabilities of one generated token (`generate --logprobs K`): natural logs of the
+/// softmax of the model's raw logits row (before temperature, penalties and top-k / top-p /
+/// min-p: what vLLM reports by default and OpenAI's logprobs are), in double.
+struct TokenLogprobs {
+  double logprob = 0;                 ///< of the token chosen
+  std::vector<int32_t> top_ids;       ///< the K largest logits, by (logit desc, id asc)
+  std::vector<double> top_logprobs;   ///< their log-probs, same order
+};
+
+/// The host reference of TokenLogprobs: lse = max + log Σ exp(l - max) (the sum in double, in
+/// column order, as host_row_stats), logprob = l[chosen] - lse, and the first `k` ids of the
+/// order (logit desc, id asc) with l[id] - lse. Throws fn::Error(Format) when a logit is not
+/// finite, fn::Error(Internal) for an empty row, `chosen` outside it, or k outside
+/// [0, min(kMaxTopLogprobs, row size)].
+TokenLogprobs token_logprobs(std::span<const float> logits, int32_t chosen, int64_t k);
+
 }  // namespace fn

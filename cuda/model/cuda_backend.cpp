@@ -86,8 +86,10 @@ void CudaBackend::restore() {
 
 std::vector<int32_t> CudaBackend::decode(int32_t first, int64_t count,
                                          const SamplingParams& sampling, uint64_t seed,
-                                         const std::function<bool(int32_t)>& on_token) {
-  return model_->decode(first, count, sampling, seed, on_token);
+                                         const std::function<bool(int32_t)>& on_token,
+                                         int64_t top_logprobs,
+                                         std::vector<TokenLogprobs>* logprobs) {
+  return model_->decode(first, count, sampling, seed, on_token, top_logprobs, logprobs);
 }
 
 double CudaBackend::device_used_mib() const {

@@ -48,7 +48,8 @@ class CudaBackend final : public Backend {
   void restore() override;
   /// CudaModel::decode (sampling in the decode graph; throws as it does).
   std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
-                              uint64_t seed, const std::function<bool(int32_t)>& on_token) override;
+                              uint64_t seed, const std::function<bool(int32_t)>& on_token,
+                              int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs) override;
   /// cudaMemGetInfo on the current device: (total - free) in MiB. Throws fn::Error(Cuda) when
   /// the query fails.
   double device_used_mib() const override;

@@ -218,9 +218,16 @@ class CudaModel {
   /// a stop the step queued ahead has already fed the stop id, and position() counts it (ids
   /// after the stop id are never fed; a fault in that step is reported by the next call's
   /// check). Eagerly (use_graph false) one step runs at a time and the stop id is not fed.
-  /// Returns the ids up to the stop. Throws as forward().
+  /// Returns the ids up to the stop. With top_logprobs >= 0 (at most kMaxTopLogprobs) each step's
+  /// graph also reduces the logits row to the sampled id's TokenLogprobs (core/row_stats.h;
+  /// cuda/kernels/logit_stats.h launch_top_logprobs), copied out beside the id and appended to
+  /// *logprobs before on_token(id); the graph without it is the one captured for -1, so the
+  /// default costs nothing. Throws as forward(); fn::Error(Internal) for top_logprobs outside
+  /// [-1, kMaxTopLogprobs] or a null logprobs with top_logprobs >= 0.
   std::vector<int32_t> decode(int32_t token, int64_t count, const SamplingParams& sampling,
-                              uint64_t seed, const std::function<bool(int32_t)>& on_token);
+                              uint64_t seed, const std::function<bool(int32_t)>& on_token,
+                              int64_t top_logprobs = -1,
+                              std::vector<TokenLogprobs>* logprobs = nullptr);
 
   /// Benchmarks only: the per-family time of the real greedy decode step (sampling on the
   /// device, the id fed back as decode() does). Runs `count` steps from position(), feeding

@@ -236,8 +236,11 @@ void model_detail::require_steps(const ModelConfig& c, int32_t token, bool count
 
 std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const SamplingParams& sampling,
                                        uint64_t seed,
-                                       const std::function<bool(int32_t)>& on_token) {
+                                       const std::function<bool(int32_t)>& on_token,
+                                       int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs) {
   Impl& I = *impl_;
+  FN_CHECK(top_logprobs < 0, "top log-probs on the device: not built yet");
+  (void)logprobs;
   require_steps(cfg_, token, count >= 0, count, "decoding", "tokens", position_, opt_.ctx_size);
   prepare_sampling(sampling, seed);
   // The sampler's step counter indexes the history: restart it for this call.

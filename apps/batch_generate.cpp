@@ -96,7 +96,23 @@ json tpot_json(const LatencyStats& s) {
 }
 }  // namespace
 
-json result_json(const GenerationResult& r, bool chat) {
+namespace {
+// One {"id", "token", "bytes", "logprob"} entry of result_json's "logprobs".
+json logprob_entry(int32_t id, double logprob, const Tokenizer* tokenizer) {
+  json e = {{"id", id}};
+  if (tokenizer) {
+    const std::string raw = tokenizer->token_bytes(id, false);
+    e["token"] = tokenizer->decode(std::span<const int32_t>(&id, 1));
+    std::vector<int> bytes;
+    for (const char c : raw) bytes.push_back(static_cast<unsigned char>(c));
+    e["bytes"] = bytes;
+  }
+  e["logprob"] = logprob;
+  return e;
+}
+}  // namespace
+
+json result_json(const GenerationResult& r, bool chat, const Tokenizer* tokenizer) {
   json j = {{"n_prompt_tokens", r.n_prompt_tokens},
             {"n_gen_tokens", r.token_ids.size()},
             {"text", r.text},
@@ -113,6 +129,19 @@ json result_json(const GenerationResult& r, bool chat) {
     const ReasoningSplit split = split_reasoning(r.text);
     j["content"] = split.content;
     if (split.has_reasoning) j["reasoning"] = split.reasoning;
+  }
+  if (!r.logprobs.empty()) {
+    json lp = json::array();
+    for (std::size_t i = 0; i < r.logprobs.size(); ++i) {
+      const TokenLogprobs& t = r.logprobs[i];
+      json e = logprob_entry(r.token_ids[i], t.logprob, tokenizer);
+      json top = json::array();
+      for (std::size_t k = 0; k < t.top_ids.size(); ++k)
+        top.push_back(logprob_entry(t.top_ids[k], t.top_logprobs[k], tokenizer));
+      e["top_logprobs"] = std::move(top);
+      lp.push_back(std::move(e));
+    }
+    j["logprobs"] = std::move(lp);
   }
   return j;
 }
@@ -257,6 +286,7 @@ struct GroupRunner {
     go.stop_strings = w.stop;
     go.ignore_eos = o.ignore_eos;
     go.host_sampling = o.host_sampling;
+    go.top_logprobs = o.top_logprobs;
     const bool leader = group.rank() == 0;
     std::optional<StreamingDetokenizer> detok;
     TextHooks hooks;
@@ -276,7 +306,7 @@ struct GroupRunner {
     d.ttft_ms = r.ttft_ms;
     d.itl_ms = r.itl_ms;
     if (leader) {
-      json j = result_json(r, w.chat);
+      json j = result_json(r, w.chat, tokenizer);
       j["sampling"] = sampling_json(w.sampling);
       j["sample_index"] = w.sample;
       // The leader's memory after this record (a soak compares the first and the last record).

@@ -55,8 +55,11 @@ std::string sampling_text(const SamplingParams& s);
 /// text, token_ids, finish_reason, ttft_ms, prefill_ms, per_token_ms, tpot_ms (mean/p50/p90/
 /// p99/max/count; null statistics without an inter-token gap), e2e_ms, decode_tokens_per_s
 /// (null with one token), prefill_tokens_per_s; with `chat` also content (and reasoning when
-/// the text has a think block).
-nlohmann::json result_json(const GenerationResult& r, bool chat);
+/// the text has a think block); with r.logprobs (--logprobs K) also "logprobs": per generated
+/// token {"id", "logprob", "top_logprobs": [{"id", "logprob"} ...]} (natural logs, the K most
+/// likely first), each entry with "token" (its text, invalid UTF-8 as U+FFFD) and "bytes" (its
+/// raw bytes) when `tokenizer` is given.
+nlohmann::json result_json(const GenerationResult& r, bool chat, const Tokenizer* tokenizer);
 
 /// "  r0 12.3  r1 12.4": per-rank MiB for the summaries.
 std::string memory_text(const std::vector<double>& mib);
@@ -89,6 +92,7 @@ struct BatchOptions {
   ChatOptions chat_options;
   std::string system_prompt;   ///< prepended to chat prompts and "messages" without a system turn
   bool host_sampling = false;  ///< --host-sampling (GenerateOptions::host_sampling)
+  int64_t top_logprobs = -1;   ///< --logprobs K (GenerateOptions::top_logprobs); -1: off
   int64_t vocab_size = 0;
 };
 

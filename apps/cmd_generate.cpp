@@ -62,6 +62,7 @@ struct GenerateCli {
   std::vector<std::string> stop;
   bool ignore_eos = false, chat = false, think = false, no_think = false, json_out = false;
   bool host_sampling = false, resume = false;
+  int64_t logprobs = -1;  // --logprobs K; -1: not given
   // Set when the flag was given (CLI11 count), so that it overrides generation_config.json.
   CLI::Option *o_temp = nullptr, *o_top_k = nullptr, *o_top_p = nullptr, *o_min_p = nullptr,
               *o_repeat_penalty = nullptr, *o_presence = nullptr, *o_prompt = nullptr,
@@ -253,6 +254,9 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
                o.seed);
   }
   validate_sampling_params(sp);
+  check_top_logprobs(o.logprobs);
+  FN_REQUIRE(o.logprobs < 0 || o.json_out || !o.input.empty(), Usage,
+             "--logprobs reports in the JSON outputs: add --json (or give -i/--input records)");
 
   return st;
 }
@@ -284,6 +288,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   go.stop_strings = o.stop;
   go.ignore_eos = o.ignore_eos;
   go.host_sampling = o.host_sampling;
+  go.top_logprobs = o.logprobs;
 
   // Rank 0: tokenizer and prompts (before the model load, so that bad input fails fast).
   TextSide ts;
@@ -345,6 +350,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     bo.chat_options = ts.chat;
     bo.system_prompt = o.system_prompt;
     bo.host_sampling = o.host_sampling;
+    bo.top_logprobs = o.logprobs;
     bo.vocab_size = cfg.vocab_size;
     return run_batch_generate(bo, lines, ts.tokenizer.get(), mpi, coll);
   }
@@ -386,7 +392,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   if (root) {
     if (o.json_out) {
       if (!ts.tokenizer) r.text.clear();
-      json j = result_json(r, o.chat);
+      json j = result_json(r, o.chat, ts.tokenizer.get());
       j["model"] = dir.string();
       j["backend"] = info.name;
       j["tp_size"] = coll.size();
@@ -452,6 +458,10 @@ void register_generate(CLI::App& app, CommandList& commands) {
   sub->add_option("--stop", o->stop, "stop string (repeatable; not printed)")
       ->allow_extra_args(false);
   sub->add_flag("--ignore-eos", o->ignore_eos, "do not stop on the EOS ids");
+  add_whole_option(sub, "--logprobs", o->logprobs,
+                   "each generated token's log-prob and its K most likely alternatives in the "
+                   "--json / JSONL output (raw model log-softmax; on the GPU where it samples)",
+                   WholeRange(0, kMaxTopLogprobs));
   sub->add_flag("--host-sampling", o->host_sampling,
                 "cuda: copy the logits to the host and sample there every step (default: sample "
                 "on the GPU inside the decode graph when no --stop string or penalty is set)");

@@ -210,6 +210,8 @@ GenerationResult generate_on_host(Backend& backend, Collectives& coll,
       }
     }
     coll.broadcast(msg, sizeof(msg), 0);
+    if (options.top_logprobs >= 0)
+      r.logprobs.push_back(token_logprobs(logits, msg[0], options.top_logprobs));
     const auto t_tok = Clock::now();
     if (r.token_ids.empty()) {
       r.ttft_ms = ms_between(t0, t_tok);
@@ -271,7 +273,7 @@ GenerationResult generate_on_device(Backend& backend, Collectives& coll,
     return true;
   };
   backend.decode(prompt.back(), options.max_new_tokens, options.sampling, options.sampling.seed,
-                 on_token, -1, nullptr);
+                 on_token, options.top_logprobs, &r.logprobs);
   r.finish = finish;
   r.e2e_ms = ms_between(t0, t_prev);
   if (root) {
@@ -295,9 +297,16 @@ bool samples_on_device(const Backend& backend, const GenerateOptions& options) {
   return backend.capabilities().device_decode && device_sampling_supported(options);
 }
 
+void check_top_logprobs(int64_t top_logprobs) {
+  FN_REQUIRE(top_logprobs == -1 || (top_logprobs >= 0 && top_logprobs <= kMaxTopLogprobs), Usage,
+             "--logprobs must be in [0, {}] (the alternatives reported per token), got {}",
+             kMaxTopLogprobs, top_logprobs);
+}
+
 GenerationResult generate(Backend& backend, Collectives& coll, std::span<const int32_t> prompt,
                           const GenerateOptions& options, const TextHooks& hooks) {
   check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
+  check_top_logprobs(options.top_logprobs);
   return samples_on_device(backend, options)
              ? generate_on_device(backend, coll, prompt, options, hooks)
              : generate_on_host(backend, coll, prompt, options, hooks);

@@ -56,6 +56,9 @@ struct GenerateOptions {
   /// Feed the prompt through forward() one token at a time instead of Backend::prefill (eval:
   /// the same logits as its per-token scoring).
   bool stepwise_prefill = false;
+  /// --logprobs K: each generated token's log-prob and its K most likely alternatives
+  /// (GenerationResult::logprobs; K in [0, kMaxTopLogprobs]); -1: none (nothing computed).
+  int64_t top_logprobs = -1;
 };
 
 /// Latency distribution in milliseconds: mean, p50/p90/p99 (linear interpolation between order
@@ -71,7 +74,11 @@ LatencyStats latency_stats(std::span<const double> ms);
 struct GenerationResult {
   int64_t n_prompt_tokens = 0;
   std::vector<int32_t> token_ids;  ///< generated ids, a final stop id included
-  std::string text;                ///< streamed text (rank 0; empty without TextHooks)
+  /// With GenerateOptions::top_logprobs >= 0: one entry per token_ids entry, from the logits row
+  /// that id was sampled from (on the device where it samples, else token_logprobs on the host);
+  /// else empty.
+  std::vector<TokenLogprobs> logprobs;
+  std::string text;  ///< streamed text (rank 0; empty without TextHooks)
   FinishReason finish = FinishReason::Length;
   double prefill_ms = 0;       ///< first prompt token in -> last prompt logits out
   double ttft_ms = 0;          ///< prompt start -> first token chosen and broadcast
@@ -100,6 +107,10 @@ bool device_sampling_supported(const GenerateOptions& options);
 /// decode() (BackendCapabilities::device_decode) and device_sampling_supported(options).
 bool samples_on_device(const Backend& backend, const GenerateOptions& options);
 
+/// Throws fn::Error(Usage) unless `top_logprobs` is -1 or in [0, kMaxTopLogprobs] (naming
+/// --logprobs).
+void check_top_logprobs(int64_t top_logprobs);
+
 /// Generates from `prompt` on `backend`, which the caller has reset (or moved to the prompt's
 /// first position). Runs on every rank of `coll` with the same arguments; `hooks` matter on
 /// rank 0 only. The prompt runs through Backend::prefill (forward() per token with
@@ -112,7 +123,9 @@ bool samples_on_device(const Backend& backend, const GenerateOptions& options);
 ///    so no per-token broadcast is needed; stop ids end the loop on every rank alike.
 /// Timing: prefill_ms is the prompt's prefill (on the device path without the last prompt
 /// token, which runs in the first decode step); TTFT and the gaps are taken when each id is
-/// known on the host. Throws check_context's error before any model call; fn::Error(Usage)
+/// known on the host. With options.top_logprobs >= 0 each token's TokenLogprobs is computed where
+/// it is sampled (GenerationResult::logprobs). Throws check_context's and check_top_logprobs'
+/// errors before any model call; fn::Error(Usage)
 /// when stop_strings are given without hooks.feed on rank 0; whatever the backend throws.
 GenerationResult generate(Backend& backend, Collectives& coll, std::span<const int32_t> prompt,
                           const GenerateOptions& options, const TextHooks& hooks = {});

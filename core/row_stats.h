@@ -59,9 +59,9 @@ inline constexpr int64_t kMaxTopLogprobs = 20;
 /// softmax of the model's raw logits row (before temperature, penalties and top-k / top-p /
 /// min-p: what vLLM reports by default and OpenAI's logprobs are), in double.
 struct TokenLogprobs {
-  double logprob = 0;                 ///< of the token chosen
-  std::vector<int32_t> top_ids;       ///< the K largest logits, by (logit desc, id asc)
-  std::vector<double> top_logprobs;   ///< their log-probs, same order
+  double logprob = 0;                ///< of the token chosen
+  std::vector<int32_t> top_ids;      ///< the K largest logits, by (logit desc, id asc)
+  std::vector<double> top_logprobs;  ///< their log-probs, same order
 };
 
 /// The host reference of TokenLogprobs: lse = max + log Σ exp(l - max) (the sum in double, in

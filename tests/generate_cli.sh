@@ -59,6 +59,38 @@ expect 2 "seed: '18446744073709551616' is out of range (allowed -1, or 0 to 1844
 expect 2 "seed: '-2' is out of range (allowed -1, or 0 to 18446744073709551615)" -- \
   mpi 1 -m "$fx/tp4" --prompt-ids "$ids" --seed -2
 
+# ---- --logprobs K: the chosen id's log-prob and K alternatives, the same at -np 1 and 2 ----
+for np in 1 2; do
+  mpi $np -m "$fx/tp4" --prompt-ids "$ids" --temp 0 --ignore-eos -n 8 --logprobs 3 --json \
+    >"$tmp/lp_$np.json" 2>"$tmp/err" || fail "--logprobs 3 at -np $np exited non-zero: $(tail -n 3 "$tmp/err")"
+  # Greedy: the chosen id is the first alternative; log-probs <= 0, descending, and the three
+  # alternatives hold less than all the mass.
+  check_json "$tmp/lp_$np.json" "len(j['logprobs']) == 8 and all( \
+    e['id'] == t and len(e['top_logprobs']) == 3 and e['top_logprobs'][0]['id'] == t \
+    and e['logprob'] == e['top_logprobs'][0]['logprob'] and e['logprob'] <= 0 \
+    and [x['logprob'] for x in e['top_logprobs']] == sorted([x['logprob'] for x in e['top_logprobs']], reverse=True) \
+    and sum(__import__('math').exp(x['logprob']) for x in e['top_logprobs']) < 1 \
+    and 'token' not in e for e, t in zip(j['logprobs'], j['token_ids']))" \
+    "--logprobs 3 at -np $np: the greedy id first among 3 alternatives (no tokenizer: no text)"
+done
+$py -c "import json,sys; a=json.load(open(sys.argv[1]))['logprobs']; b=json.load(open(sys.argv[2]))['logprobs']; \
+sys.exit(0 if [[x['id'] for x in e['top_logprobs']] for e in a] == [[x['id'] for x in e['top_logprobs']] for e in b] \
+  and max(abs(x['logprob'] - y['logprob']) for e, f in zip(a, b) for x, y in zip(e['top_logprobs'], f['top_logprobs'])) < 1e-4 else 1)" \
+  "$tmp/lp_1.json" "$tmp/lp_2.json" && pass "--logprobs: -np 1 and -np 2 agree (ids; values to 1e-4)" ||
+  fail "--logprobs differs between -np 1 and -np 2"
+# Without the option there is no "logprobs" field.
+check_json "$tmp/tp4_1.json" "'logprobs' not in j" "no --logprobs: no logprobs field"
+printf '{"id": "a", "prompt_ids": [1, 2, 3], "max_tokens": 4}\n' >"$tmp/lp_in.jsonl"
+mpi 2 -m "$fx/tp4" -i "$tmp/lp_in.jsonl" -o "$tmp/lp_out.jsonl" --logprobs 0 --ignore-eos --seed 3 \
+  2>"$tmp/err" || fail "-i with --logprobs 0 exited non-zero: $(tail -n 3 "$tmp/err")"
+check_jsonl "$tmp/lp_out.jsonl" "len(r) == 1 and len(r[0]['logprobs']) == 4 \
+  and all(e['top_logprobs'] == [] and e['logprob'] <= 0 for e in r[0]['logprobs'])" \
+  "-i with --logprobs 0: the sampled ids' log-probs, no alternatives"
+expect 2 "--logprobs reports in the JSON outputs: add --json" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
+  --logprobs 2
+expect 2 "--logprobs: '21' is out of range (allowed 0 to 20)" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
+  --logprobs 21 --json
+
 # ---- bad input: CLI ----
 expect 2 "bogus" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 --bogus
 expect 2 "--prefill-chunk: '0' is out of range (allowed 1 to" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
@@ -312,6 +344,16 @@ if [ -f "$tok/tokenizer.json" ]; then
     2>"$tmp/err" || fail "demo text prompt: $(tail -n 3 "$tmp/err")"
   check_json "$tmp/t.json" "len(j['token_ids']) == 8 and len(j['text']) > 0 and \
     j['n_prompt_tokens'] == 5" "demo: text prompt gives text"
+  # --logprobs with a tokenizer: each entry's text and raw bytes; the ids and the text as without.
+  mpi 2 -m "$tmp/demo" -p "The capital of France is" --temp 0 -n 8 --logprobs 2 --json \
+    >"$tmp/tlp.json" 2>"$tmp/err" || fail "demo --logprobs: $(tail -n 3 "$tmp/err")"
+  $py -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); \
+    es=[e for x in b['logprobs'] for e in [x] + x['top_logprobs']]; \
+    sys.exit(0 if b['token_ids']==a['token_ids'] and b['text']==a['text'] and all( \
+    isinstance(e['token'], str) and all(0 <= v < 256 for v in e['bytes']) for e in es) and \
+    bytes(v for x in b['logprobs'] for v in x['bytes']).decode('utf-8', 'replace')==b['text'] else 1)" \
+    "$tmp/t.json" "$tmp/tlp.json" && pass "demo --logprobs: token text and bytes (the bytes spell the text)" ||
+    fail "demo --logprobs: $(head -c 600 "$tmp/tlp.json")"
   stop=$($py -c "import json,sys; t=json.load(open(sys.argv[1]))['text']; print(t[2:5])" "$tmp/t.json")
   mpi 4 -m "$tmp/demo" -p "The capital of France is" --temp 0 -n 8 --stop "$stop" --stop "zzzz" \
     --json >"$tmp/s.json" 2>/dev/null

@@ -37,6 +37,7 @@ class ScriptedModel final : public fn::Backend {
   std::vector<std::vector<int32_t>> prefilled;     // each prefill() call's tokens
   std::vector<fn::PrefillOutput> prefill_outputs;  // and what it was asked to return
   std::vector<int32_t> decode_firsts;              // each decode() call's first id
+  std::vector<int64_t> decode_top_logprobs;        // and the top_logprobs it was given
 
   fn::BackendCapabilities capabilities() const noexcept override {
     fn::BackendCapabilities c;
@@ -62,15 +63,19 @@ class ScriptedModel final : public fn::Backend {
     return output == fn::PrefillOutput::Last ? l : std::span<const float>();
   }
   std::vector<int32_t> decode(int32_t first, int64_t count, const fn::SamplingParams&, uint64_t,
-                              const std::function<bool(int32_t)>& on_token) override {
+                              const std::function<bool(int32_t)>& on_token, int64_t top_logprobs,
+                              std::vector<fn::TokenLogprobs>* logprobs) override {
     REQUIRE(device_);
     decode_firsts.push_back(first);
+    decode_top_logprobs.push_back(top_logprobs);
     std::vector<int32_t> out;
     int32_t t = first;
     for (int64_t i = 0; i < count; ++i) {
       const auto l = forward(t);
       t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
       out.push_back(t);
+      // The device's reduction, emulated with a marker the host path cannot produce.
+      if (top_logprobs >= 0) logprobs->push_back({-100.0 - static_cast<double>(i), {t}, {-1.0}});
       if (!on_token(t)) break;
     }
     return out;
@@ -408,4 +413,113 @@ TEST_CASE(
   CHECK(r.finish == fn::FinishReason::Stop);
   CHECK(r.token_ids == std::vector<int32_t>{4, 5});
   CHECK(r.text == "a");
+}
+
+TEST_CASE("token_logprobs: hand-computed log-softmax, the K largest with ties to the lower id") {
+  // logits {1, 3, 3, 0}: lse = log(e + 2 e^3 + 1).
+  const std::vector<float> l = {1.0f, 3.0f, 3.0f, 0.0f};
+  const double lse = std::log(std::exp(1.0) + 2.0 * std::exp(3.0) + 1.0);
+  const fn::TokenLogprobs t = fn::token_logprobs(l, 3, 3);
+  CHECK(t.logprob == doctest::Approx(0.0 - lse).epsilon(1e-15));
+  CHECK(t.top_ids == std::vector<int32_t>{1, 2, 0});
+  REQUIRE(t.top_logprobs.size() == 3);
+  CHECK(t.top_logprobs[0] == doctest::Approx(3.0 - lse).epsilon(1e-15));
+  CHECK(t.top_logprobs[1] == t.top_logprobs[0]);
+  CHECK(t.top_logprobs[2] == doctest::Approx(1.0 - lse).epsilon(1e-15));
+  const fn::TokenLogprobs none = fn::token_logprobs(l, 1, 0);
+  CHECK(none.top_ids.empty());
+  CHECK(none.logprob == doctest::Approx(3.0 - lse).epsilon(1e-15));
+  // k past the row or past kMaxTopLogprobs, a chosen id outside the row: the caller's bug.
+  CHECK_THROWS_AS(fn::token_logprobs(l, 0, 5), fn::Error);
+  const std::vector<float> wide(64, 0.5f);
+  CHECK(fn::token_logprobs(wide, 63, fn::kMaxTopLogprobs).top_ids.size() == 20);
+  CHECK_THROWS_AS(fn::token_logprobs(wide, 0, fn::kMaxTopLogprobs + 1), fn::Error);
+  CHECK_THROWS_AS(fn::token_logprobs(l, 4, 1), fn::Error);
+  // A non-finite logit is the checkpoint's fault (Format), as in eval.
+  const std::vector<float> bad = {0.0f, std::nanf(""), 1.0f};
+  try {
+    fn::token_logprobs(bad, 0, 1);
+    FAIL("no throw");
+  } catch (const fn::Error& e) {
+    CHECK(e.kind() == fn::ErrorKind::Format);
+  }
+}
+
+TEST_CASE(
+    "generate --logprobs: the host path reduces each sampled row, the device path asks decode") {
+  fn::LocalCollectives coll;
+  auto o = greedy(3);
+  o.top_logprobs = 2;
+  {
+    ScriptedModel m({5, 9, 4, 11});
+    const auto r = fn::generate(m, coll, std::vector<int32_t>{1}, o);
+    REQUIRE(r.token_ids == std::vector<int32_t>{5, 9, 4});
+    REQUIRE(r.logprobs.size() == 3);
+    // Each row is 1 at the scripted id, 0 at the other 15: lse = log(e + 15).
+    const double lse = std::log(std::exp(1.0) + 15.0);
+    for (std::size_t i = 0; i < 3; ++i) {
+      CHECK(r.logprobs[i].logprob == doctest::Approx(1.0 - lse).epsilon(1e-15));
+      CHECK(r.logprobs[i].top_ids[0] == r.token_ids[i]);
+      CHECK(r.logprobs[i].top_ids[1] == (r.token_ids[i] == 0 ? 1 : 0));  // ties: the lowest id
+      CHECK(r.logprobs[i].top_logprobs[1] == doctest::Approx(-lse).epsilon(1e-15));
+    }
+  }
+  {
+    ScriptedModel m({5, 9, 4, 11}, true);
+    const auto r = fn::generate(m, coll, std::vector<int32_t>{1}, o);
+    CHECK(m.decode_top_logprobs == std::vector<int64_t>{2});
+    REQUIRE(r.logprobs.size() == 3);
+    CHECK(r.logprobs[2].logprob == -102.0);  // what decode() appended, in order
+  }
+  {
+    ScriptedModel m({5, 9, 4, 11}, true);
+    const auto r = fn::generate(m, coll, std::vector<int32_t>{1}, greedy(3));
+    CHECK(m.decode_top_logprobs == std::vector<int64_t>{-1});
+    CHECK(r.logprobs.empty());
+  }
+  ScriptedModel m({5});
+  o.top_logprobs = fn::kMaxTopLogprobs + 1;
+  CHECK_THROWS_WITH_AS(fn::generate(m, coll, std::vector<int32_t>{1}, o),
+                       doctest::Contains("--logprobs must be in [0, 20]"), fn::Error);
+  CHECK(m.fed.empty());  // refused before any model call
+}
+
+TEST_CASE("generate --logprobs on the fixtures: the transformers reference's log-softmax") {
+  for (const char* name : {"tp4", "g3_tiny"}) {
+    CAPTURE(name);
+    const auto f = fn::test::load_ref_fixture(name);
+    fn::LocalCollectives coll;
+    fn::CpuBackend model(fn::CpuModel::load(f.dir, coll), 0.0);
+    auto o = greedy(16);
+    o.ignore_eos = true;
+    o.ctx_size = 4096;
+    o.top_logprobs = 5;
+    const auto r = fn::generate(model, coll, f.prompt_ids, o);
+    REQUIRE(r.logprobs.size() == 16);
+    for (std::size_t i = 0; i < 16; ++i) {
+      CAPTURE(i);
+      // The reference row this token was chosen from, its log-softmax in double.
+      const float* row = f.row(f.prompt_ids.size() - 1 + i);
+      double mx = row[0];
+      for (int64_t v = 0; v < f.vocab; ++v) mx = std::max(mx, static_cast<double>(row[v]));
+      double sum = 0;
+      for (int64_t v = 0; v < f.vocab; ++v) sum += std::exp(static_cast<double>(row[v]) - mx);
+      const double lse = mx + std::log(sum);
+      const auto ref = [&](int32_t id) { return static_cast<double>(row[id]) - lse; };
+      const fn::TokenLogprobs& t = r.logprobs[i];
+      // The CPU backend matches the reference logits to ~1e-6 (docs/numerics.md); a log-prob
+      // adds the normaliser's error of the same size.
+      CHECK(std::abs(t.logprob - ref(r.token_ids[i])) < 1e-4);
+      REQUIRE(t.top_ids.size() == 5);
+      std::vector<double> sorted;
+      for (int64_t v = 0; v < f.vocab; ++v) sorted.push_back(ref(static_cast<int32_t>(v)));
+      std::sort(sorted.rbegin(), sorted.rend());
+      for (std::size_t k = 0; k < 5; ++k) {
+        CHECK(std::abs(t.top_logprobs[k] - ref(t.top_ids[k])) < 1e-4);
+        // The k-th reported value is the reference's k-th largest (ids may swap only within
+        // rounding of a tie).
+        CHECK(std::abs(t.top_logprobs[k] - sorted[k]) < 1e-4);
+      }
+    }
+  }
 }

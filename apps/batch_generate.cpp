@@ -96,6 +96,65 @@ json tpot_json(const LatencyStats& s) {
 }
 }  // namespace
 
+RecordPrompt record_prompt(const json& rec, const RecordPromptOptions& o) {
+  FN_REQUIRE(rec.is_object(), Format, "a record must be a JSON object, got {}", rec.type_name());
+  const int given = static_cast<int>(rec.contains("prompt")) +
+                    static_cast<int>(rec.contains("prompt_ids")) +
+                    static_cast<int>(rec.contains("messages"));
+  FN_REQUIRE(given == 1, Format,
+             "a record needs exactly one of \"prompt\", \"prompt_ids\" or \"messages\" (got {})",
+             given);
+  RecordPrompt out;
+  if (rec.contains("prompt_ids")) {
+    const json& a = rec["prompt_ids"];
+    FN_REQUIRE(a.is_array(), Format, "\"prompt_ids\" must be a list of integers, got {}",
+               a.type_name());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      FN_REQUIRE(a[i].is_number_integer(), Format, "\"prompt_ids\"[{}] is not an integer: {}", i,
+                 a[i].dump());
+      // An unsigned past int64 is outside the vocabulary too (read as such, not wrapped).
+      const bool huge =
+          a[i].is_number_unsigned() && a[i].get<uint64_t>() > static_cast<uint64_t>(o.vocab_size);
+      const int64_t v = huge ? o.vocab_size : a[i].get<int64_t>();
+      FN_REQUIRE(v >= 0 && v < o.vocab_size, Format,
+                 "\"prompt_ids\"[{}] = {} is outside the vocabulary [0, {})", i, a[i].dump(),
+                 o.vocab_size);
+      out.ids.push_back(static_cast<int32_t>(v));
+    }
+    return out;
+  }
+  const auto require_tokenizer = [&o](const char* what) {
+    FN_REQUIRE(o.tokenizer != nullptr, Usage,
+               "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
+               "tokenizer.model); give token ids instead (--prompt-ids, or \"prompt_ids\" in "
+               "JSONL)",
+               what, o.model_dir.string());
+  };
+  if (rec.contains("prompt")) {
+    FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string, got {}",
+               rec["prompt"].type_name());
+    require_tokenizer("\"prompt\"");
+    const std::string text = rec["prompt"].get<std::string>();
+    out.chat = o.chat;
+    out.ids = with_text_source("\"prompt\"", [&] {
+      if (!o.chat) return o.tokenizer->encode(text, EncodeMode::Raw);
+      std::vector<ChatMessage> msgs;
+      if (!o.system_prompt.empty()) msgs.push_back({"system", o.system_prompt, std::nullopt});
+      msgs.push_back({"user", text, std::nullopt});
+      return encode_chat(*o.tokenizer, msgs, o.chat_options);
+    });
+    return out;
+  }
+  // The messages are checked first: a malformed list is named as such, tokenizer or not.
+  std::vector<ChatMessage> msgs = chat_messages_from_json(rec["messages"]);
+  require_tokenizer("\"messages\"");
+  if (!o.system_prompt.empty() && msgs.front().role != "system")
+    msgs.insert(msgs.begin(), ChatMessage{"system", o.system_prompt, std::nullopt});
+  out.chat = true;
+  out.ids = encode_chat(*o.tokenizer, msgs, o.chat_options);
+  return out;
+}
+
 namespace {
 // One {"id", "token", "bytes", "logprob"} entry of result_json's "logprobs".
 json logprob_entry(int32_t id, double logprob, const Tokenizer* tokenizer) {
@@ -520,7 +579,13 @@ class Dispatcher {
       FN_REQUIRE(prep_.stop.empty() || tok_ != nullptr, Format,
                  "\"stop\" needs a tokenizer to match text, and {} has none",
                  o_.model_dir.string());
-      prep_ids_ = record_ids(rec);
+      prep_ids_ = record_prompt(rec, {.tokenizer = tok_,
+                                      .vocab_size = o_.vocab_size,
+                                      .chat = o_.chat,
+                                      .system_prompt = o_.system_prompt,
+                                      .chat_options = o_.chat_options,
+                                      .model_dir = o_.model_dir})
+                      .ids;
       try {
         check_room(static_cast<int64_t>(prep_ids_.size()), prep_.max_new_tokens, o_.ctx);
       } catch (const Error& e) {
@@ -533,62 +598,6 @@ class Dispatcher {
     } catch (const Error& e) {
       prep_error_ = fmt::format("{}: line {}: {}", o_.input, li + 1, e.what());
     }
-  }
-
-  // One record -> prompt ids; throws fn::Error naming the field on bad input.
-  std::vector<int32_t> record_ids(const json& rec) const {
-    FN_REQUIRE(rec.is_object(), Format, "a record must be a JSON object, got {}", rec.type_name());
-    const int given = static_cast<int>(rec.contains("prompt")) +
-                      static_cast<int>(rec.contains("prompt_ids")) +
-                      static_cast<int>(rec.contains("messages"));
-    FN_REQUIRE(given == 1, Format,
-               "a record needs exactly one of \"prompt\", \"prompt_ids\" or \"messages\" (got {})",
-               given);
-    if (rec.contains("prompt_ids")) {
-      const json& a = rec["prompt_ids"];
-      FN_REQUIRE(a.is_array(), Format, "\"prompt_ids\" must be a list of integers, got {}",
-                 a.type_name());
-      std::vector<int32_t> ids;
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        FN_REQUIRE(a[i].is_number_integer(), Format, "\"prompt_ids\"[{}] is not an integer: {}", i,
-                   a[i].dump());
-        // An unsigned past int64 is outside the vocabulary too (read as such, not wrapped).
-        const bool huge = a[i].is_number_unsigned() &&
-                          a[i].get<uint64_t>() > static_cast<uint64_t>(o_.vocab_size);
-        const int64_t v = huge ? o_.vocab_size : a[i].get<int64_t>();
-        FN_REQUIRE(v >= 0 && v < o_.vocab_size, Format,
-                   "\"prompt_ids\"[{}] = {} is outside the vocabulary [0, {})", i, a[i].dump(),
-                   o_.vocab_size);
-        ids.push_back(static_cast<int32_t>(v));
-      }
-      return ids;
-    }
-    const auto require_tokenizer = [this](const char* what) {
-      FN_REQUIRE(tok_ != nullptr, Usage,
-                 "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
-                 "tokenizer.model); give token ids instead (--prompt-ids, or \"prompt_ids\" in "
-                 "JSONL)",
-                 what, o_.model_dir.string());
-    };
-    if (rec.contains("prompt")) {
-      FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string, got {}",
-                 rec["prompt"].type_name());
-      require_tokenizer("\"prompt\"");
-      const std::string text = rec["prompt"].get<std::string>();
-      return with_text_source("\"prompt\"", [&] {
-        if (!o_.chat) return tok_->encode(text, EncodeMode::Raw);
-        std::vector<ChatMessage> msgs;
-        if (!o_.system_prompt.empty()) msgs.push_back({"system", o_.system_prompt, std::nullopt});
-        msgs.push_back({"user", text, std::nullopt});
-        return encode_chat(*tok_, msgs, o_.chat_options);
-      });
-    }
-    // The messages are checked first: a malformed list is named as such, tokenizer or not.
-    std::vector<ChatMessage> msgs = chat_messages_from_json(rec["messages"]);
-    require_tokenizer("\"messages\"");
-    if (!o_.system_prompt.empty() && msgs.front().role != "system")
-      msgs.insert(msgs.begin(), ChatMessage{"system", o_.system_prompt, std::nullopt});
-    return encode_chat(*tok_, msgs, o_.chat_options);
   }
 
   const BatchOptions& o_;

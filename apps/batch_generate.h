@@ -61,6 +61,30 @@ std::string sampling_text(const SamplingParams& s);
 /// raw bytes) when `tokenizer` is given.
 nlohmann::json result_json(const GenerationResult& r, bool chat, const Tokenizer* tokenizer);
 
+/// How record_prompt turns a record's prompt into ids.
+struct RecordPromptOptions {
+  const Tokenizer* tokenizer = nullptr;  ///< null: the model directory has none
+  int64_t vocab_size = 0;
+  bool chat = false;          ///< --chat: "prompt" is rendered as a user turn of the chat template
+  std::string system_prompt;  ///< prepended to chat prompts and "messages" without a system turn
+  ChatOptions chat_options;
+  std::filesystem::path model_dir;  ///< named in the message of a text prompt without tokenizer
+};
+
+/// A record's prompt as ids, and whether it went through the chat template.
+struct RecordPrompt {
+  std::vector<int32_t> ids;
+  bool chat = false;
+};
+
+/// The prompt of one generate or eval score record (a JSON object): exactly one of "prompt" (a
+/// string; with o.chat a user turn of the template), "prompt_ids" (integers in
+/// [0, vocab_size)) or "messages" (chat_messages_from_json). Throws fn::Error(Format) naming the
+/// field (a record that is not an object, no or several prompt fields, a wrong type, an id
+/// outside the vocabulary, text the tokenizer refuses), fn::Error(Usage) for text without a
+/// tokenizer.
+RecordPrompt record_prompt(const nlohmann::json& rec, const RecordPromptOptions& o);
+
 /// "  r0 12.3  r1 12.4": per-rank MiB for the summaries.
 std::string memory_text(const std::vector<double>& mib);
 

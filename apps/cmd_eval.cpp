@@ -580,48 +580,17 @@ Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t
     t.regex = rec["regex"].get<std::string>();
     t.pattern = std::make_shared<const AnswerPattern>(t.regex);
   }
-  const int given = static_cast<int>(rec.contains("prompt")) +
-                    static_cast<int>(rec.contains("prompt_ids")) +
-                    static_cast<int>(rec.contains("messages"));
-  FN_REQUIRE(given == 1, Format,
-             "a record needs exactly one of \"prompt\", \"prompt_ids\" or \"messages\" (got {})",
-             given);
   ChatOptions co;
   if (o.think) co.enable_thinking = true;
   if (o.no_think) co.enable_thinking = false;
-  if (rec.contains("prompt_ids")) {
-    FN_REQUIRE(rec["prompt_ids"].is_array(), Format, "\"prompt_ids\" must be a list of integers");
-    for (std::size_t i = 0; i < rec["prompt_ids"].size(); ++i) {
-      const json& v = rec["prompt_ids"][i];
-      FN_REQUIRE(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < vocab, Format,
-                 "\"prompt_ids\"[{}] = {} is not an id in [0, {})", i, v.dump(), vocab);
-      t.ids.push_back(v.get<int32_t>());
-    }
-    return t;
-  }
-  FN_REQUIRE(tok != nullptr, Format,
-             "the record is text but the model has no tokenizer; use \"prompt_ids\"");
-  std::vector<ChatMessage> msgs;
-  if (rec.contains("prompt")) {
-    FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string");
-    if (!o.chat) {
-      t.ids = tok->encode(rec["prompt"].get<std::string>(), EncodeMode::Raw);
-      return t;
-    }
-    if (!o.system_prompt.empty()) msgs.push_back({"system", o.system_prompt, std::nullopt});
-    msgs.push_back({"user", rec["prompt"].get<std::string>(), std::nullopt});
-  } else {
-    FN_REQUIRE(rec["messages"].is_array() && !rec["messages"].empty(), Format,
-               "\"messages\" must be a non-empty list");
-    for (const json& m : rec["messages"]) {
-      FN_REQUIRE(m.is_object() && m.contains("role") && m["role"].is_string() &&
-                     m.contains("content") && m["content"].is_string(),
-                 Format, "every message needs string \"role\" and \"content\"");
-      msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>(), std::nullopt});
-    }
-  }
-  t.chat = true;
-  t.ids = encode_chat(*tok, msgs, co);
+  RecordPrompt p = record_prompt(rec, {.tokenizer = tok,
+                                       .vocab_size = vocab,
+                                       .chat = o.chat,
+                                       .system_prompt = o.system_prompt,
+                                       .chat_options = co,
+                                       .model_dir = o.score_c.tokenizer_dir()});
+  t.ids = std::move(p.ids);
+  t.chat = p.chat;
   return t;
 }
 

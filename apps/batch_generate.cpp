@@ -217,14 +217,11 @@ uint64_t batch_base_seed(std::optional<uint64_t> seed, Collectives& coll, const 
   uint64_t base = 0;
   if (root) base = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   coll.broadcast(&base, sizeof(base), 0);
-  if (root) {
-    const std::string s = fmt::format(
+  if (root)
+    FN_LOG_INFO(
         "{}: no -s/--seed given: the records' seeds derive from the random seed {} (rerun with "
-        "--seed {} to reproduce every record)\n",
+        "--seed {} to reproduce every record)",
         who, base, base);
-    std::fwrite(s.data(), 1, s.size(), stderr);
-    std::fflush(stderr);
-  }
   return base;
 }
 

@@ -272,12 +272,18 @@ struct Work {
   int64_t max_new_tokens = 0;  // as -n (0 default, -1, N)
   std::vector<std::string> stop;
   SamplingParams sampling;  // the seed is this sample's
+  int64_t top_logprobs = -1;
 
   json to_json() const {
-    return {{"seq", seq},           {"id", id_text},
-            {"sample", sample},     {"ids", ids},
-            {"chat", chat},         {"max_new", max_new_tokens},
-            {"stop_strings", stop}, {"sampling", sampling_json(sampling)}};
+    return {{"seq", seq},
+            {"id", id_text},
+            {"sample", sample},
+            {"ids", ids},
+            {"chat", chat},
+            {"max_new", max_new_tokens},
+            {"stop_strings", stop},
+            {"sampling", sampling_json(sampling)},
+            {"top_logprobs", top_logprobs}};
   }
   static Work from_json(const json& j) {
     Work w;
@@ -288,6 +294,7 @@ struct Work {
     w.chat = j.at("chat").get<bool>();
     w.max_new_tokens = j.at("max_new").get<int64_t>();
     w.stop = j.at("stop_strings").get<std::vector<std::string>>();
+    w.top_logprobs = j.at("top_logprobs").get<int64_t>();
     const json& s = j.at("sampling");
     SamplingParams& p = w.sampling;
     p.temperature = s.at("temperature").get<double>();
@@ -342,7 +349,7 @@ struct GroupRunner {
     go.stop_strings = w.stop;
     go.ignore_eos = o.ignore_eos;
     go.host_sampling = o.host_sampling;
-    go.top_logprobs = o.top_logprobs;
+    go.top_logprobs = w.top_logprobs;
     const bool leader = group.rank() == 0;
     std::optional<StreamingDetokenizer> detok;
     TextHooks hooks;
@@ -490,6 +497,7 @@ class Dispatcher {
       w.max_new_tokens = prep_.max_new_tokens;
       w.stop = prep_.stop;
       w.sampling = prep_.sampling;
+      w.top_logprobs = prep_.top_logprobs;
       w.sampling.seed = sample_seed(prep_seed_, u.sample);
       return w;
     }

@@ -107,7 +107,8 @@ struct BatchOptions {
   BackendFlags backend;  ///< --tp: the group size (0: the world size)
   int64_t ctx = 0;       ///< context size in tokens
   /// The defaults a record overrides: sampling (generation_config.json, then the flags; the seed
-  /// is unused), max_new_tokens (-n: 0 default, -1, or N) and stop (--stop).
+  /// is unused), max_new_tokens (-n: 0 default, -1, or N), stop (--stop) and top_logprobs
+  /// (--logprobs).
   RecordSettings defaults;
   std::optional<uint64_t> seed;         ///< --seed; none: a random one, drawn on rank 0 and printed
   std::vector<int64_t> stop_token_ids;  ///< eos ids (config and generation_config)
@@ -116,7 +117,6 @@ struct BatchOptions {
   ChatOptions chat_options;
   std::string system_prompt;   ///< prepended to chat prompts and "messages" without a system turn
   bool host_sampling = false;  ///< --host-sampling (GenerateOptions::host_sampling)
-  int64_t top_logprobs = -1;   ///< --logprobs K (GenerateOptions::top_logprobs); -1: off
   int64_t vocab_size = 0;
 };
 

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/row_stats.h"
 #include "tokenizer/unicode.h"
 
 namespace fn {
@@ -131,6 +132,12 @@ RecordSettings record_settings(const json& rec, const RecordSettings& defaults,
                  bad);
       s.stop.push_back(std::move(text));
     }
+  }
+  if (const json* v = field(rec, "logprobs"); v && reads(fields, "logprobs")) {
+    static_assert(kMaxTopLogprobs == 20, "the rule below names the range");
+    s.top_logprobs = whole_field(*v, "logprobs", "in [0, 20]");
+    FN_REQUIRE(s.top_logprobs >= 0 && s.top_logprobs <= kMaxTopLogprobs, Format,
+               "\"logprobs\" must be an integer in [0, {}], got {}", kMaxTopLogprobs, v->dump());
   }
   if (const json* v = field(rec, "n"); v && reads(fields, "n")) {
     s.n = whole_field(*v, "n", fmt::format("in [1, {}]", kMaxSamplesPerRecord).c_str());

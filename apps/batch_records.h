@@ -50,11 +50,12 @@ struct RecordSettings {
   int64_t max_new_tokens = 0;     ///< as -n: > 0, -1 (until the context is full) or 0 (default)
   std::vector<std::string> stop;  ///< stop strings (non-empty, valid UTF-8)
   int64_t n = 1;                  ///< samples of this prompt, each its own output record
+  int64_t top_logprobs = -1;      ///< as --logprobs: [0, kMaxTopLogprobs], -1 = none
 };
 
-/// The fields fngen reads from a generate record (eval score reads the same, less "n", plus its
-/// task fields).
-inline constexpr std::array<std::string_view, 15> kGenerateRecordFields = {"id",
+/// The fields fngen reads from a generate record (eval score reads the same, less "n" and
+/// "logprobs", plus its task fields).
+inline constexpr std::array<std::string_view, 16> kGenerateRecordFields = {"id",
                                                                            "prompt",
                                                                            "prompt_ids",
                                                                            "messages",
@@ -68,11 +69,12 @@ inline constexpr std::array<std::string_view, 15> kGenerateRecordFields = {"id",
                                                                            "frequency_penalty",
                                                                            "max_tokens",
                                                                            "stop",
-                                                                           "n"};
+                                                                           "n",
+                                                                           "logprobs"};
 
 /// True for the fields fngen reads from a generate record: id, prompt, prompt_ids, messages,
 /// seed, temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty,
-/// max_tokens, stop, n.
+/// max_tokens, stop, n, logprobs.
 bool is_generate_record_field(std::string_view name) noexcept;
 
 /// The sampling fields of a record (`rec`, a JSON object) applied over `defaults`:
@@ -81,7 +83,8 @@ bool is_generate_record_field(std::string_view name) noexcept;
 ///    "repeat_penalty" (> 0), "presence_penalty", "frequency_penalty" (finite): numbers;
 ///  - "top_k": an integer >= 0; "max_tokens": an integer >= 1, or -1 (until the context is full);
 ///  - "stop": a string or a list of strings, each non-empty and valid UTF-8;
-///  - "n": an integer in [1, kMaxSamplesPerRecord].
+///  - "n": an integer in [1, kMaxSamplesPerRecord];
+///  - "logprobs": an integer in [0, kMaxTopLogprobs] (as --logprobs).
 /// The ranges are the flags' (validate_sampling_params). Fields absent or null keep the default.
 /// Throws fn::Error(Format) naming the field, its value and the rule ("\"top_p\" must be a number
 /// in (0, 1], got 2") for a value of the wrong type or out of range. `fields` restricts the

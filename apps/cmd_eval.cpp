@@ -546,12 +546,12 @@ struct Task {
 };
 
 // The fields of a score record: the task's own and the per-record sampling ones (as generate's,
-// less "n": one answer is scored per task).
+// less "n": one answer is scored per task, and "logprobs": a score record reports none).
 const std::set<std::string>& score_fields() {
   static const std::set<std::string> fields = [] {
     std::set<std::string> f = {"task", "answer", "regex"};
     for (const std::string_view name : kGenerateRecordFields)
-      if (name != "n") f.emplace(name);
+      if (name != "n" && name != "logprobs") f.emplace(name);
     return f;
   }();
   return fields;

@@ -350,7 +350,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     bo.chat_options = ts.chat;
     bo.system_prompt = o.system_prompt;
     bo.host_sampling = o.host_sampling;
-    bo.top_logprobs = o.logprobs;
+    bo.defaults.top_logprobs = o.logprobs;
     bo.vocab_size = cfg.vocab_size;
     return run_batch_generate(bo, lines, ts.tokenizer.get(), mpi, coll);
   }

@@ -86,6 +86,17 @@ mpi 2 -m "$fx/tp4" -i "$tmp/lp_in.jsonl" -o "$tmp/lp_out.jsonl" --logprobs 0 --i
 check_jsonl "$tmp/lp_out.jsonl" "len(r) == 1 and len(r[0]['logprobs']) == 4 \
   and all(e['top_logprobs'] == [] and e['logprob'] <= 0 for e in r[0]['logprobs'])" \
   "-i with --logprobs 0: the sampled ids' log-probs, no alternatives"
+# A record's "logprobs" overrides the flag (here: none given); out of range: an error record.
+printf '%s\n' '{"id": "k2", "prompt_ids": [1, 2, 3], "max_tokens": 3, "logprobs": 2}' \
+  '{"id": "none", "prompt_ids": [1, 2, 3], "max_tokens": 3}' \
+  '{"id": "bad", "prompt_ids": [1, 2, 3], "logprobs": 30}' >"$tmp/lp_rec.jsonl"
+mpi 2 -m "$fx/tp4" -i "$tmp/lp_rec.jsonl" -o "$tmp/lp_rec_out.jsonl" --ignore-eos --seed 3 \
+  2>"$tmp/err" || fail "-i with per-record logprobs exited non-zero: $(tail -n 3 "$tmp/err")"
+check_jsonl "$tmp/lp_rec_out.jsonl" "[x['id'] for x in r] == ['k2', 'none', 'bad'] \
+  and all(len(e['top_logprobs']) == 2 for e in r[0]['logprobs']) and len(r[0]['logprobs']) == 3 \
+  and 'logprobs' not in r[1] and r[2]['finish_reason'] == 'error' \
+  and 'must be an integer in [0, 20], got 30' in r[2]['error']" \
+  "a record's \"logprobs\" overrides the flag; 30 makes an error record"
 expect 2 "--logprobs reports in the JSON outputs: add --json" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
   --logprobs 2
 expect 2 "--logprobs: '21' is out of range (allowed 0 to 20)" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \

@@ -54,7 +54,7 @@ TEST_CASE("batch records: every sampling field overrides its default") {
   const json rec = json::parse(
       R"({"seed": 18446744073709551615, "temperature": 0, "top_k": 3, "top_p": 0.5,
           "min_p": 0.25, "repeat_penalty": 1.5, "presence_penalty": -0.5,
-          "frequency_penalty": 2, "max_tokens": 7, "stop": ["a", "bc"], "n": 4})");
+          "frequency_penalty": 2, "max_tokens": 7, "stop": ["a", "bc"], "n": 4, "logprobs": 20})");
   const RecordSettings s = record_settings(rec, defaults());
   CHECK(s.seed_given);
   CHECK(s.sampling.seed == 18446744073709551615ULL);
@@ -68,6 +68,7 @@ TEST_CASE("batch records: every sampling field overrides its default") {
   CHECK(s.max_new_tokens == 7);
   CHECK(s.stop == std::vector<std::string>{"a", "bc"});
   CHECK(s.n == 4);
+  CHECK(s.top_logprobs == 20);
 }
 
 TEST_CASE("batch records: absent or null fields keep the defaults; stop may be one string") {
@@ -117,6 +118,9 @@ TEST_CASE("batch records: a field of the wrong type or out of range is a Format 
   CHECK(err(R"({"stop": ""})") == R"("stop": an empty stop string would stop at once)");
   CHECK(err(R"({"n": 0})") == R"("n" must be an integer in [1, 1024], got 0)");
   CHECK(err(R"({"n": 1025})") == R"("n" must be an integer in [1, 1024], got 1025)");
+  CHECK(err(R"({"logprobs": 21})") == R"("logprobs" must be an integer in [0, 20], got 21)");
+  CHECK(err(R"({"logprobs": -1})") == R"("logprobs" must be an integer in [0, 20], got -1)");
+  CHECK(err(R"({"logprobs": true})") == R"("logprobs" must be an integer in [0, 20], got true)");
 }
 
 TEST_CASE("batch records: a field set limits what is read") {

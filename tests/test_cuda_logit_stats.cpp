@@ -4,8 +4,9 @@
 // the summation order of the normaliser, a restored state runs the next tokens bit for bit as the
 // snapshot's, and score_choices matches transformers' log-probs (tests/data/eval/loglik_tp4.*).
 // The top log-probs (launch_top_logprobs) against token_logprobs: the same ids in the same order
-// on rows with ties (at the max and across the k-th place), log-probs within 1e-9; a bench of the
-// reduction (FN_BENCH=1).
+// on rows with ties (at the max and across the k-th place), log-probs within 1e-9; CudaModel's
+// decode with top_logprobs gives the ids it gives without, and per step token_logprobs of the
+// row forward() gives for the same sequence; a bench of the reduction (FN_BENCH=1).
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -172,6 +173,52 @@ std::vector<float> tied_row(int64_t vocab, int64_t k, uint64_t seed) {
   for (std::size_t i = 0; i < second; ++i)
     row[static_cast<std::size_t>(ids[i])] = i < top ? 40.0f : 30.0f;
   return row;
+}
+
+// Runs decode() from the fixture's prompt (the prompt but its last token fed by forward()).
+std::vector<int32_t> decode_from_prompt(fn::CudaModel& m, const fn::test::RefFixture& f,
+                                        int64_t steps, const fn::SamplingParams& s, uint64_t seed,
+                                        int64_t k, std::vector<fn::TokenLogprobs>* lps) {
+  m.reset();
+  const std::size_t P = f.prompt_ids.size();
+  for (std::size_t i = 0; i + 1 < P; ++i) m.forward(f.prompt_ids[i]);
+  return m.decode(
+      f.prompt_ids[P - 1], steps, s, seed, [](int32_t) { return true; }, k, lps);
+}
+
+// The rows forward() gives along the same sequence: row s = the logits after the token that
+// decode()'s step s feeds (the prompt's last token, then ids[0], ids[1], ...).
+std::vector<std::vector<float>> forward_rows(fn::CudaModel& m, const fn::test::RefFixture& f,
+                                             const std::vector<int32_t>& ids) {
+  m.reset();
+  const std::size_t P = f.prompt_ids.size();
+  for (std::size_t i = 0; i + 1 < P; ++i) m.forward(f.prompt_ids[i]);
+  std::vector<std::vector<float>> rows;
+  int32_t fed = f.prompt_ids[P - 1];
+  for (const int32_t id : ids) {
+    rows.push_back(copy(m.forward(fed)));
+    fed = id;
+  }
+  return rows;
+}
+
+// decode()'s log-probs of `ids` against token_logprobs over forward()'s rows: the same ids in the
+// same order, log-probs within 1e-9 (decode's step and forward()'s run the same kernels, so the
+// rows are the same bits and only the normaliser's summation order differs).
+void check_decode_logprobs(const std::vector<std::vector<float>>& rows,
+                           const std::vector<int32_t>& ids,
+                           const std::vector<fn::TokenLogprobs>& lps, int64_t k) {
+  REQUIRE(lps.size() == ids.size());
+  REQUIRE(rows.size() == ids.size());
+  for (std::size_t s = 0; s < ids.size(); ++s) {
+    INFO("step ", s);
+    const fn::TokenLogprobs want = fn::token_logprobs(rows[s], ids[s], k);
+    CHECK(std::abs(lps[s].logprob - want.logprob) <= 1e-9);
+    CHECK(lps[s].top_ids == want.top_ids);
+    REQUIRE(lps[s].top_logprobs.size() == want.top_logprobs.size());
+    for (std::size_t j = 0; j < want.top_logprobs.size(); ++j)
+      CHECK(std::abs(lps[s].top_logprobs[j] - want.top_logprobs[j]) <= 1e-9);
+  }
 }
 
 }  // namespace
@@ -387,6 +434,70 @@ TEST_CASE("top log-probs: non-finite rows, capture into a graph, precondition ch
   bad.chosen = nullptr;
   CHECK_THROWS_AS(fn::launch_top_logprobs(bad, nullptr), fn::Error);
   CHECK_THROWS_AS(fn::top_logprobs_workspace_bytes(0), fn::Error);
+}
+
+TEST_CASE("cuda model: decode's top log-probs equal token_logprobs of forward()'s rows (tp4)") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  const int64_t steps = static_cast<int64_t>(f.generated_ids.size()) - 1;
+  REQUIRE(steps >= 4);
+  fn::SamplingParams greedy;
+  greedy.temperature = 0;
+  fn::SamplingParams sampled;
+  sampled.temperature = 0.9;
+  sampled.top_k = 40;
+  for (const bool use_graph : {true, false}) {
+    CAPTURE(use_graph);
+    fn::CudaModelOptions o;
+    o.ctx_size = 256;
+    o.use_graph = use_graph;
+    auto m = fn::CudaModel::load(f.dir, o);
+
+    // Greedy: the same ids with and without; each chosen id is its row's first alternative.
+    const std::vector<int32_t> base = decode_from_prompt(*m, f, steps, greedy, 0, -1, nullptr);
+    std::vector<fn::TokenLogprobs> lps;
+    const std::vector<int32_t> ids = decode_from_prompt(*m, f, steps, greedy, 0, 5, &lps);
+    CHECK(ids == base);
+    check_decode_logprobs(forward_rows(*m, f, ids), ids, lps, 5);
+    for (std::size_t s = 0; s < lps.size(); ++s) {
+      CHECK(lps[s].top_ids[0] == ids[s]);
+      CHECK(lps[s].logprob == lps[s].top_logprobs[0]);
+    }
+
+    // Sampled (temperature 0.9, top_k 40, seed 3): the same ids with and without.
+    const std::vector<int32_t> sbase = decode_from_prompt(*m, f, steps, sampled, 3, -1, nullptr);
+    std::vector<fn::TokenLogprobs> slps;
+    const std::vector<int32_t> sids = decode_from_prompt(*m, f, steps, sampled, 3, 5, &slps);
+    CHECK(sids == sbase);
+    check_decode_logprobs(forward_rows(*m, f, sids), sids, slps, 5);
+
+    // k = 0: the chosen id's log-prob alone, the same bits as with k = 5.
+    std::vector<fn::TokenLogprobs> zero;
+    CHECK(decode_from_prompt(*m, f, steps, sampled, 3, 0, &zero) == sids);
+    REQUIRE(zero.size() == slps.size());
+    for (std::size_t s = 0; s < zero.size(); ++s) {
+      CHECK(zero[s].top_ids.empty());
+      CHECK(zero[s].logprob == slps[s].logprob);
+    }
+
+    // Graphs: the one without log-probs outlives the ones with them; the one with them is
+    // captured again only for another k (k = 0 above replaced the k = 5 one).
+    if (use_graph) {
+      const int64_t before = m->graph_captures();
+      decode_from_prompt(*m, f, steps, sampled, 3, -1, nullptr);
+      std::vector<fn::TokenLogprobs> again;
+      decode_from_prompt(*m, f, steps, sampled, 3, 5, &again);
+      CHECK(m->graph_captures() == before + 1);
+      decode_from_prompt(*m, f, steps, sampled, 3, 5, &again);
+      decode_from_prompt(*m, f, steps, sampled, 3, -1, nullptr);
+      CHECK(m->graph_captures() == before + 1);
+    }
+
+    // Arguments out of range are the caller's bug.
+    std::vector<fn::TokenLogprobs> none;
+    CHECK_THROWS_AS(decode_from_prompt(*m, f, 1, greedy, 0, 21, &none), fn::Error);
+    CHECK_THROWS_AS(decode_from_prompt(*m, f, 1, greedy, 0, -2, &none), fn::Error);
+    CHECK_THROWS_AS(decode_from_prompt(*m, f, 1, greedy, 0, 5, nullptr), fn::Error);
+  }
 }
 
 TEST_CASE("top log-probs bench: microseconds per reduction at the real vocabulary (FN_BENCH=1)") {

@@ -56,8 +56,9 @@ struct TopLogprobsOut {
 
 /// One logits row reduced to the log-probs of a chosen token and of the row's k most likely ids
 /// (core/row_stats.h token_logprobs, the host reference): lse = mx + log(Σ exp(l - mx)) with
-/// every term and the sums in FP64 (per-block sums rescaled to the row's max, so the two differ
-/// in summation order and one FP64 rounding per block only); logprob = l[*chosen] - lse; top_ids =
+/// every term and the sums in FP64 (each warp sums relative to its own max, rescaled to the
+/// block's and then the row's max by one FP64 factor each: the two differ in summation order and
+/// a few FP64 roundings, a few units of the last place); logprob = l[*chosen] - lse; top_ids =
 /// the first k ids of the order (logit desc, id asc), exactly the host's, with l[id] - lse.
 /// -0 and +0 tie (ordered by id); NaN ranks below -Inf (never among the top k while the row holds
 /// k values that are not NaN). A row holding a NaN or infinite logit gets NaN for every log-prob

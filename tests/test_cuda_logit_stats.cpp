@@ -3,14 +3,24 @@
 // on the tp4 fixture at TP = 1 (label gpu): the reductions equal the host's on the same rows up to
 // the summation order of the normaliser, a restored state runs the next tokens bit for bit as the
 // snapshot's, and score_choices matches transformers' log-probs (tests/data/eval/loglik_tp4.*).
+// The top log-probs (launch_top_logprobs) against token_logprobs: the same ids in the same order
+// on rows with ties (at the max and across the k-th place), log-probs within 1e-9; CudaModel's
+// decode with top_logprobs gives the ids it gives without, and per step token_logprobs of the
+// row forward() gives for the same sequence; a bench of the reduction (FN_BENCH=1).
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -106,6 +116,108 @@ void check_kernel(int64_t rows, int64_t vocab, int64_t ld, int64_t k, uint64_t s
       else
         CHECK(std::abs(glp[jj] - want.gather_logprob[jj]) <= 1e-12);
     }
+  }
+}
+
+// launch_top_logprobs over `row` with the chosen id `chosen` (waited for).
+fn::TopLogprobsOut device_top(const std::vector<float>& row, int32_t chosen, int64_t k) {
+  const auto vocab = static_cast<int64_t>(row.size());
+  fn::test::DeviceArray<float> d_row(row);
+  fn::test::DeviceArray<int32_t> d_chosen(std::vector<int32_t>{chosen});
+  fn::test::DeviceArray<unsigned char> ws(fn::top_logprobs_workspace_bytes(vocab));
+  fn::test::DeviceArray<fn::TopLogprobsOut> out(1);
+  fn::TopLogprobsParams p;
+  p.logits = d_row.ptr;
+  p.vocab = vocab;
+  p.chosen = d_chosen.ptr;
+  p.k = k;
+  p.workspace = ws.ptr;
+  p.workspace_bytes = ws.n;
+  p.out = out.ptr;
+  fn::launch_top_logprobs(p, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  return out.download()[0];
+}
+
+// The device's top log-probs of `row` against token_logprobs: the ids equal, the log-probs within
+// 1e-9 (FP64 sums of the same terms in another order: the normalisers differ by a few units of
+// the last place), the slots past k empty.
+void check_top(const std::vector<float>& row, int32_t chosen, int64_t k) {
+  INFO("vocab ", row.size(), " k ", k, " chosen ", chosen);
+  const fn::TopLogprobsOut got = device_top(row, chosen, k);
+  const fn::TokenLogprobs want = fn::token_logprobs(row, chosen, k);
+  CHECK(std::abs(got.logprob - want.logprob) <= 1e-9);
+  for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) {
+    INFO("place ", j);
+    CHECK(got.top_ids[j] == want.top_ids[j]);
+    CHECK(std::abs(got.top_logprobs[j] - want.top_logprobs[j]) <= 1e-9);
+  }
+  for (auto j = static_cast<std::size_t>(k); j < static_cast<std::size_t>(fn::kMaxTopLogprobs);
+       ++j) {
+    CHECK(got.top_ids[j] == -1);
+    CHECK(std::isnan(got.top_logprobs[j]));
+  }
+}
+
+// A random row of `vocab` logits with ties: 3 ids (scattered, so in different blocks of the
+// reduction) share the max, and the next k + 2 share a second value, so the k-th place falls
+// inside a tie for k = 1 and k >= 4 (the lower ids must win).
+std::vector<float> tied_row(int64_t vocab, int64_t k, uint64_t seed) {
+  std::vector<float> row = fn::test::normal_floats(static_cast<std::size_t>(vocab), 4.0f, seed);
+  std::vector<int32_t> ids(static_cast<std::size_t>(vocab));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  const std::size_t top = std::min<std::size_t>(3, ids.size() / 2);
+  const std::size_t second =
+      std::min<std::size_t>(top + static_cast<std::size_t>(k) + 2, ids.size());
+  for (std::size_t i = 0; i < second; ++i)
+    row[static_cast<std::size_t>(ids[i])] = i < top ? 40.0f : 30.0f;
+  return row;
+}
+
+// Runs decode() from the fixture's prompt (the prompt but its last token fed by forward()).
+std::vector<int32_t> decode_from_prompt(fn::CudaModel& m, const fn::test::RefFixture& f,
+                                        int64_t steps, const fn::SamplingParams& s, uint64_t seed,
+                                        int64_t k, std::vector<fn::TokenLogprobs>* lps) {
+  m.reset();
+  const std::size_t P = f.prompt_ids.size();
+  for (std::size_t i = 0; i + 1 < P; ++i) m.forward(f.prompt_ids[i]);
+  return m.decode(
+      f.prompt_ids[P - 1], steps, s, seed, [](int32_t) { return true; }, k, lps);
+}
+
+// The rows forward() gives along the same sequence: row s = the logits after the token that
+// decode()'s step s feeds (the prompt's last token, then ids[0], ids[1], ...).
+std::vector<std::vector<float>> forward_rows(fn::CudaModel& m, const fn::test::RefFixture& f,
+                                             const std::vector<int32_t>& ids) {
+  m.reset();
+  const std::size_t P = f.prompt_ids.size();
+  for (std::size_t i = 0; i + 1 < P; ++i) m.forward(f.prompt_ids[i]);
+  std::vector<std::vector<float>> rows;
+  int32_t fed = f.prompt_ids[P - 1];
+  for (const int32_t id : ids) {
+    rows.push_back(copy(m.forward(fed)));
+    fed = id;
+  }
+  return rows;
+}
+
+// decode()'s log-probs of `ids` against token_logprobs over forward()'s rows: the same ids in the
+// same order, log-probs within 1e-9 (decode's step and forward()'s run the same kernels, so the
+// rows are the same bits and only the normaliser's summation order differs).
+void check_decode_logprobs(const std::vector<std::vector<float>>& rows,
+                           const std::vector<int32_t>& ids,
+                           const std::vector<fn::TokenLogprobs>& lps, int64_t k) {
+  REQUIRE(lps.size() == ids.size());
+  REQUIRE(rows.size() == ids.size());
+  for (std::size_t s = 0; s < ids.size(); ++s) {
+    INFO("step ", s);
+    const fn::TokenLogprobs want = fn::token_logprobs(rows[s], ids[s], k);
+    CHECK(std::abs(lps[s].logprob - want.logprob) <= 1e-9);
+    CHECK(lps[s].top_ids == want.top_ids);
+    REQUIRE(lps[s].top_logprobs.size() == want.top_logprobs.size());
+    for (std::size_t j = 0; j < want.top_logprobs.size(); ++j)
+      CHECK(std::abs(lps[s].top_logprobs[j] - want.top_logprobs[j]) <= 1e-9);
   }
 }
 
@@ -241,4 +353,192 @@ TEST_CASE("cuda backend: score_choices against transformers' log-probs (loglik_t
     }
   }
   CHECK(i == expected.at("items").size());
+}
+
+TEST_CASE("top log-probs: the device reduction equals token_logprobs, ties and order included") {
+  // 1, 7, 1000 (one block), 248320 (the real vocabulary: 243 blocks), 1000003 (blocks that take
+  // several chunks each).
+  for (const int64_t vocab : {1, 7, 1000, 248320, 1000003}) {
+    for (const int64_t k : {0, 1, 5, 20}) {
+      if (k > vocab || (vocab == 1000003 && k < 5)) continue;
+      const std::vector<float> row = tied_row(vocab, k, static_cast<uint64_t>(vocab * 31 + k));
+      const fn::TokenLogprobs all = fn::token_logprobs(row, 0, std::min<int64_t>(vocab, 20));
+      const int32_t argmax = all.top_ids[0];
+      // The chosen id at the max, at the k-th place (inside the top k), and at the minimum
+      // (outside it).
+      const auto lowest =
+          static_cast<int32_t>(std::min_element(row.begin(), row.end()) - row.begin());
+      check_top(row, argmax, k);
+      if (k >= 1) check_top(row, all.top_ids[static_cast<std::size_t>(k - 1)], k);
+      check_top(row, lowest, k);
+    }
+  }
+  // -0 and +0 tie: the lower id first, whichever the sign.
+  check_top({-1.0f, 0.0f, -3.0f, -0.0f, -2.0f, -0.0f, -5.0f}, 3, 4);
+}
+
+TEST_CASE("top log-probs: non-finite rows, capture into a graph, precondition checks") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // A NaN ranks below every number and makes every log-prob NaN (the host refuses such a row).
+  const fn::TopLogprobsOut n = device_top({1.0f, nan, 3.0f, 2.0f, -1.0f}, 2, 4);
+  CHECK(std::isnan(n.logprob));
+  CHECK(n.top_ids[0] == 2);
+  CHECK(n.top_ids[1] == 3);
+  CHECK(n.top_ids[2] == 0);
+  CHECK(n.top_ids[3] == 4);
+  CHECK(std::isnan(n.top_logprobs[0]));
+  CHECK(std::isnan(device_top({1.0f, std::numeric_limits<float>::infinity(), 0.0f}, 0, 1).logprob));
+
+  // Captured into a graph and replayed: the eager launch's bits.
+  const std::vector<float> row = tied_row(248320, 20, 5);
+  const fn::TopLogprobsOut eager = device_top(row, 17, 20);
+  cudaStream_t stream = nullptr;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  fn::test::DeviceArray<float> d_row(row);
+  fn::test::DeviceArray<int32_t> d_chosen(std::vector<int32_t>{17});
+  fn::test::DeviceArray<unsigned char> ws(fn::top_logprobs_workspace_bytes(248320));
+  fn::test::DeviceArray<fn::TopLogprobsOut> out(1);
+  fn::TopLogprobsParams p;
+  p.logits = d_row.ptr;
+  p.vocab = 248320;
+  p.chosen = d_chosen.ptr;
+  p.k = 20;
+  p.workspace = ws.ptr;
+  p.workspace_bytes = ws.n;
+  p.out = out.ptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  fn::launch_top_logprobs(p, stream);
+  FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int r = 0; r < 3; ++r) FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const fn::TopLogprobsOut replayed = out.download()[0];
+  CHECK(std::memcmp(&replayed, &eager, sizeof eager) == 0);
+  FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FN_CUDA_CHECK(cudaGraphDestroy(graph));
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  fn::TopLogprobsParams bad = p;
+  bad.k = 21;
+  CHECK_THROWS_AS(fn::launch_top_logprobs(bad, nullptr), fn::Error);
+  bad = p;
+  bad.vocab = 7;
+  bad.k = 8;
+  CHECK_THROWS_AS(fn::launch_top_logprobs(bad, nullptr), fn::Error);
+  bad = p;
+  bad.workspace_bytes = p.workspace_bytes - 1;
+  CHECK_THROWS_AS(fn::launch_top_logprobs(bad, nullptr), fn::Error);
+  bad = p;
+  bad.chosen = nullptr;
+  CHECK_THROWS_AS(fn::launch_top_logprobs(bad, nullptr), fn::Error);
+  CHECK_THROWS_AS(fn::top_logprobs_workspace_bytes(0), fn::Error);
+}
+
+TEST_CASE("cuda model: decode's top log-probs equal token_logprobs of forward()'s rows (tp4)") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  const int64_t steps = static_cast<int64_t>(f.generated_ids.size()) - 1;
+  REQUIRE(steps >= 4);
+  fn::SamplingParams greedy;
+  greedy.temperature = 0;
+  fn::SamplingParams sampled;
+  sampled.temperature = 0.9;
+  sampled.top_k = 40;
+  for (const bool use_graph : {true, false}) {
+    CAPTURE(use_graph);
+    fn::CudaModelOptions o;
+    o.ctx_size = 256;
+    o.use_graph = use_graph;
+    auto m = fn::CudaModel::load(f.dir, o);
+
+    // Greedy: the same ids with and without; each chosen id is its row's first alternative.
+    const std::vector<int32_t> base = decode_from_prompt(*m, f, steps, greedy, 0, -1, nullptr);
+    std::vector<fn::TokenLogprobs> lps;
+    const std::vector<int32_t> ids = decode_from_prompt(*m, f, steps, greedy, 0, 5, &lps);
+    CHECK(ids == base);
+    check_decode_logprobs(forward_rows(*m, f, ids), ids, lps, 5);
+    for (std::size_t s = 0; s < lps.size(); ++s) {
+      CHECK(lps[s].top_ids[0] == ids[s]);
+      CHECK(lps[s].logprob == lps[s].top_logprobs[0]);
+    }
+
+    // Sampled (temperature 0.9, top_k 40, seed 3): the same ids with and without.
+    const std::vector<int32_t> sbase = decode_from_prompt(*m, f, steps, sampled, 3, -1, nullptr);
+    std::vector<fn::TokenLogprobs> slps;
+    const std::vector<int32_t> sids = decode_from_prompt(*m, f, steps, sampled, 3, 5, &slps);
+    CHECK(sids == sbase);
+    check_decode_logprobs(forward_rows(*m, f, sids), sids, slps, 5);
+
+    // k = 0: the chosen id's log-prob alone, the same bits as with k = 5.
+    std::vector<fn::TokenLogprobs> zero;
+    CHECK(decode_from_prompt(*m, f, steps, sampled, 3, 0, &zero) == sids);
+    REQUIRE(zero.size() == slps.size());
+    for (std::size_t s = 0; s < zero.size(); ++s) {
+      CHECK(zero[s].top_ids.empty());
+      CHECK(zero[s].logprob == slps[s].logprob);
+    }
+
+    // Graphs: the one without log-probs outlives the ones with them; the one with them is
+    // captured again only for another k (k = 0 above replaced the k = 5 one).
+    if (use_graph) {
+      const int64_t before = m->graph_captures();
+      decode_from_prompt(*m, f, steps, sampled, 3, -1, nullptr);
+      std::vector<fn::TokenLogprobs> again;
+      decode_from_prompt(*m, f, steps, sampled, 3, 5, &again);
+      CHECK(m->graph_captures() == before + 1);
+      decode_from_prompt(*m, f, steps, sampled, 3, 5, &again);
+      decode_from_prompt(*m, f, steps, sampled, 3, -1, nullptr);
+      CHECK(m->graph_captures() == before + 1);
+    }
+
+    // Arguments out of range are the caller's bug.
+    std::vector<fn::TokenLogprobs> none;
+    CHECK_THROWS_AS(decode_from_prompt(*m, f, 1, greedy, 0, 21, &none), fn::Error);
+    CHECK_THROWS_AS(decode_from_prompt(*m, f, 1, greedy, 0, -2, &none), fn::Error);
+    CHECK_THROWS_AS(decode_from_prompt(*m, f, 1, greedy, 0, 5, nullptr), fn::Error);
+  }
+}
+
+TEST_CASE("top log-probs bench: microseconds per reduction at the real vocabulary (FN_BENCH=1)") {
+  const char* env = std::getenv("FN_BENCH");
+  if (env == nullptr || std::string(env) != "1") return;
+  const int64_t V = 248320;
+  const std::vector<float> row = fn::test::normal_floats(static_cast<std::size_t>(V), 4.0f, 9);
+  fn::test::DeviceArray<float> d_row(row);
+  fn::test::DeviceArray<int32_t> d_chosen(std::vector<int32_t>{17});
+  fn::test::DeviceArray<unsigned char> ws(fn::top_logprobs_workspace_bytes(V));
+  fn::test::DeviceArray<fn::TopLogprobsOut> out(1);
+  fn::test::DeviceArray<double> lse(1), tlp(1);
+  fn::test::DeviceArray<int32_t> arg(1);
+  cudaStream_t stream = nullptr;
+  FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const int64_t k : {0, 5, 20}) {
+    fn::TopLogprobsParams p;
+    p.logits = d_row.ptr;
+    p.vocab = V;
+    p.chosen = d_chosen.ptr;
+    p.k = k;
+    p.workspace = ws.ptr;
+    p.workspace_bytes = ws.n;
+    p.out = out.ptr;
+    const double us = fn::test::graph_us_per_call(
+        stream, 50, 4, [&](cudaStream_t st) { fn::launch_top_logprobs(p, st); });
+    std::printf("top log-probs bench: V %lld k %lld: %.3f us per reduction, launches included\n",
+                static_cast<long long>(V), static_cast<long long>(k), us);
+  }
+  // The one-block row reduction of the prefill (launch_logit_stats) for scale.
+  fn::LogitStatsParams q;
+  q.logits = d_row.ptr;
+  q.rows = 1;
+  q.vocab = V;
+  q.ld = V;
+  q.lse = lse.ptr;
+  q.target_logprob = tlp.ptr;
+  q.argmax = arg.ptr;
+  const double us = fn::test::graph_us_per_call(
+      stream, 50, 4, [&](cudaStream_t st) { fn::launch_logit_stats(q, st); });
+  std::printf("top log-probs bench: launch_logit_stats, one row of V %lld: %.3f us\n",
+              static_cast<long long>(V), us);
+  FN_CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -255,7 +255,7 @@ class CudaModel {
 
   int64_t position() const noexcept { return position_; }
   /// CUDA graphs captured since load (one per mode; a new one only when decode() is called with
-  /// other sampling settings). A long run must see this stay flat.
+  /// other sampling settings, or another top_logprobs >= 0). A long run must see this stay flat.
   int64_t graph_captures() const noexcept;
   const ModelConfig& config() const noexcept { return cfg_; }
   const CudaLoadStats& load_stats() const noexcept { return stats_; }
@@ -277,9 +277,10 @@ class CudaModel {
   // Throws the error a kernel flagged in the step whose flag was copied to host_flag[slot] (then
   // clears the device flag).
   void check_step_errors(int32_t token, int slot = 0);
-  // Allocates what the sampling step needs for `sampling` and drops a sampling graph captured
-  // with other settings.
-  void prepare_sampling(const SamplingParams& sampling, uint64_t seed);
+  // Allocates what the sampling step needs for `sampling` (and, with top_logprobs >= 0, the top
+  // log-probs' buffers) and drops the sampling graphs captured with other settings (the top
+  // log-probs graph also when captured for another top_logprobs).
+  void prepare_sampling(const SamplingParams& sampling, uint64_t seed, int64_t top_logprobs = -1);
   ModelConfig cfg_;
   CudaModelOptions opt_;
   int64_t position_ = 0;

@@ -20,6 +20,7 @@
 #include "core/ngram.h"
 #include "core/shard_plan.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/kernels/logit_stats.h"
 #include "cuda/kernels/moe_nvfp4.h"
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/qsa.h"
@@ -280,6 +281,12 @@ struct CudaModel::Impl {
   int64_t history_capacity = 0;
   void* sample_ws = nullptr;
   std::size_t sample_ws_bytes = 0;
+  // decode()'s top log-probs (launch_top_logprobs after the sampler), allocated by the first
+  // decode() that asks for them.
+  void* top_lp_ws = nullptr;
+  std::size_t top_lp_ws_bytes = 0;
+  TopLogprobsOut* top_lp = nullptr;       // device: the step's sampled id's log-probs
+  TopLogprobsOut* host_top_lp = nullptr;  // pinned [2]: per decode() slot
 
   float* host_logits = nullptr;   // pinned [V]
   int32_t* host_token = nullptr;  // pinned [3]: the fed id, then decode()'s two id slots
@@ -288,6 +295,10 @@ struct CudaModel::Impl {
   cudaGraphExec_t logits_graph = nullptr;
   cudaGraphExec_t sample_graph = nullptr;
   cudaGraphExec_t profile_graph = nullptr;  // sample_graph with event record nodes
+  // sample_graph plus the top log-probs of logprobs_graph_k alternatives (decode() with
+  // top_logprobs >= 0); sample_graph itself never holds them.
+  cudaGraphExec_t logprobs_graph = nullptr;
+  int64_t logprobs_graph_k = -1;
 
   // profile_steps: a CUDA event at every family boundary of a step while `marks` is set.
   struct Marks {
@@ -332,9 +343,11 @@ struct CudaModel::Impl {
   void carve_activations(const DeviceLayout& lay);
   void alloc_test_buffers(const ModelConfig& c, const CudaModelTestOptions& test);
   // Enqueues one decode step on `stream` (the token at *token, position *position); with
-  // `sampling`, also samples the next id into *token and records it in history (step.cpp).
+  // `sampling`, also samples the next id into *token and records it in history, and with
+  // top_logprobs >= 0 (and sampling) reduces the logits to that id's log-probs and the
+  // top_logprobs best alternatives into *top_lp (step.cpp).
   void encode_step(const ModelConfig& c, const CudaModelOptions& o,
-                   const DeviceSamplingParams* sampling);
+                   const DeviceSamplingParams* sampling, int64_t top_logprobs = -1);
 
   // ---- the blocks of encode_step (step.cpp, step_mixers.cpp, step_moe.cpp) ----
   // Where one step's encoding stands: the residual lives in H or H_alt (the folded HC inject
@@ -372,9 +385,9 @@ struct CudaModel::Impl {
   // input projection). `next_hc`: the HC read after this block; `next`: the next layer or null.
   void step_moe(Step& st, const model_detail::DevMoe& mo, int64_t layer_index,
                 const model_detail::DevHc& next_hc, const model_detail::DevLayer* next);
-  // lm_head (vocab slice, scatter + all-reduce at TP > 1), n-gram context advance, sampling and
-  // the position advance.
-  void step_logits(Step& st, const DeviceSamplingParams* sampling);
+  // lm_head (vocab slice, scatter + all-reduce at TP > 1), n-gram context advance, sampling, the
+  // top log-probs (top_logprobs >= 0) and the position advance.
+  void step_logits(Step& st, const DeviceSamplingParams* sampling, int64_t top_logprobs);
   void step_all_reduce(Step& st, float* buf, int64_t count);
   void step_keep_residual(Step& st, int64_t slot);
   // Zeroes the states, fills the n-gram context with EOS, position 0.
@@ -403,6 +416,7 @@ struct CudaModel::Impl {
     if (logits_graph) cudaGraphExecDestroy(logits_graph);
     if (sample_graph) cudaGraphExecDestroy(sample_graph);
     if (profile_graph) cudaGraphExecDestroy(profile_graph);
+    if (logprobs_graph) cudaGraphExecDestroy(logprobs_graph);
     for (Marks* mk : {&eager_marks, &graph_marks}) {
       for (cudaEvent_t e : mk->events) cudaEventDestroy(e);
     }
@@ -410,6 +424,7 @@ struct CudaModel::Impl {
     if (host_logits) cudaFreeHost(host_logits);
     if (host_token) cudaFreeHost(host_token);
     if (host_flag) cudaFreeHost(host_flag);
+    if (host_top_lp) cudaFreeHost(host_top_lp);
     if (ngram_stream) cudaStreamSynchronize(ngram_stream);
     for (void* block : ngram_host) cudaFreeHost(block);
     if (ngram_fork) cudaEventDestroy(ngram_fork);

@@ -1,6 +1,6 @@
 // CudaModel's decode (see cuda_model.h): the step graphs (captured once per mode and replayed),
-// forward(), the on-device decode loop with its one-step lookahead, reset, and the choice log of
-// --check-choices.
+// forward(), the on-device decode loop with its one-step lookahead and optional top log-probs,
+// reset, and the choice log of --check-choices.
 #include "cuda/model/cuda_model.h"
 
 #include <algorithm>
@@ -10,12 +10,16 @@
 #include "comm/device_all_reduce.h"
 #include "core/error.h"
 #include "cuda/common/cuda_check.h"
+#include "cuda/kernels/logit_stats.h"
 #include "cuda/kernels/sample.h"
 #include "cuda/model/cuda_model_impl.h"
 
 namespace fn {
 
 using namespace model_detail;
+
+static_assert(kTopLogprobsCapacity == kMaxTopLogprobs,
+              "the device reduction reports the alternatives generate --logprobs allows");
 
 cudaGraphExec_t model_detail::capture_graph(cudaStream_t stream,
                                             const std::function<void()>& encode) {
@@ -193,7 +197,8 @@ std::span<const float> CudaModel::forward(int32_t token) {
   return {I.host_logits, static_cast<std::size_t>(V)};
 }
 
-void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed) {
+void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed,
+                                 int64_t top_logprobs) {
   Impl& I = *impl_;
   DeviceSamplingParams dp;
   dp.temperature = static_cast<float>(sampling.temperature);
@@ -201,27 +206,45 @@ void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed) 
   dp.top_p = static_cast<float>(sampling.top_p);
   dp.min_p = static_cast<float>(sampling.min_p);
   dp.seed = seed;
+  const auto drop = [](cudaGraphExec_t& g) {
+    if (g) {
+      FN_CUDA_CHECK(cudaGraphExecDestroy(g));
+      g = nullptr;
+    }
+  };
   const bool same =
       I.history != nullptr && dp.temperature == I.sample_graph_params.temperature &&
       dp.top_k == I.sample_graph_params.top_k && dp.top_p == I.sample_graph_params.top_p &&
       dp.min_p == I.sample_graph_params.min_p && dp.seed == I.sample_graph_params.seed;
-  if (same) return;
-  for (cudaGraphExec_t* g : {&I.sample_graph, &I.profile_graph}) {
-    if (*g) {
-      FN_CUDA_CHECK(cudaGraphExecDestroy(*g));
-      *g = nullptr;
+  if (!same) {
+    drop(I.sample_graph);
+    drop(I.profile_graph);
+    drop(I.logprobs_graph);
+    const std::size_t need = sample_workspace_bytes(cfg_.vocab_size, dp);
+    if (need > I.sample_ws_bytes) {
+      I.sample_ws = I.arena.alloc(need, "sampling workspace");
+      I.sample_ws_bytes = need;
     }
+    if (I.history == nullptr) {
+      I.history_capacity = opt_.ctx_size + 1;
+      I.history = I.arena.alloc_n<int32_t>(I.history_capacity, "token history");
+    }
+    I.sample_graph_params = dp;
   }
-  const std::size_t need = sample_workspace_bytes(cfg_.vocab_size, dp);
-  if (need > I.sample_ws_bytes) {
-    I.sample_ws = I.arena.alloc(need, "sampling workspace");
-    I.sample_ws_bytes = need;
+  if (top_logprobs < 0) return;
+  if (I.top_lp_ws == nullptr) {
+    const std::size_t need = top_logprobs_workspace_bytes(cfg_.vocab_size);
+    I.top_lp_ws = I.arena.alloc(need, "top log-probs workspace");
+    I.top_lp_ws_bytes = need;
   }
-  if (I.history == nullptr) {
-    I.history_capacity = opt_.ctx_size + 1;
-    I.history = I.arena.alloc_n<int32_t>(I.history_capacity, "token history");
+  if (I.top_lp == nullptr) I.top_lp = I.arena.alloc_n<TopLogprobsOut>(1, "top log-probs");
+  if (I.host_top_lp == nullptr)
+    FN_CUDA_CHECK(
+        cudaMallocHost(reinterpret_cast<void**>(&I.host_top_lp), 2 * sizeof(TopLogprobsOut)));
+  if (I.logprobs_graph_k != top_logprobs) {
+    drop(I.logprobs_graph);
+    I.logprobs_graph_k = top_logprobs;
   }
-  I.sample_graph_params = dp;
 }
 
 void model_detail::require_steps(const ModelConfig& c, int32_t token, bool count_ok, int64_t count,
@@ -235,30 +258,34 @@ void model_detail::require_steps(const ModelConfig& c, int32_t token, bool count
 }
 
 std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const SamplingParams& sampling,
-                                       uint64_t seed,
-                                       const std::function<bool(int32_t)>& on_token,
+                                       uint64_t seed, const std::function<bool(int32_t)>& on_token,
                                        int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs) {
   Impl& I = *impl_;
-  FN_CHECK(top_logprobs < 0, "top log-probs on the device: not built yet");
-  (void)logprobs;
+  FN_CHECK(top_logprobs >= -1 && top_logprobs <= kMaxTopLogprobs,
+           "top log-probs k {} outside [-1, {}]", top_logprobs, kMaxTopLogprobs);
+  FN_CHECK(top_logprobs < 0 || logprobs != nullptr,
+           "top log-probs requested without a vector to append them to");
   require_steps(cfg_, token, count >= 0, count, "decoding", "tokens", position_, opt_.ctx_size);
-  prepare_sampling(sampling, seed);
+  prepare_sampling(sampling, seed, top_logprobs);
   // The sampler's step counter indexes the history: restart it for this call.
   FN_CUDA_CHECK(cudaMemsetAsync(I.sample_step, 0, sizeof(int64_t), I.stream));
   I.host_token[0] = token;
   FN_CUDA_CHECK(
       cudaMemcpyAsync(I.token, I.host_token, sizeof(int32_t), cudaMemcpyHostToDevice, I.stream));
-  if (opt_.use_graph && !I.sample_graph) {
-    I.sample_graph =
-        capture_graph(I.stream, [&] { I.encode_step(cfg_, opt_, &I.sample_graph_params); });
+  // Without top log-probs the step is exactly the sampling graph; with them, a graph of its own.
+  const bool want_lp = top_logprobs >= 0;
+  cudaGraphExec_t& graph = want_lp ? I.logprobs_graph : I.sample_graph;
+  if (opt_.use_graph && !graph) {
+    graph = capture_graph(I.stream,
+                          [&] { I.encode_step(cfg_, opt_, &I.sample_graph_params, top_logprobs); });
     ++I.captures;
   }
 
   // Step i's id lands in pinned slot i % 2 (host_token[1 + slot], its error flag in
-  // host_flag[slot]) and event ev[slot] marks it. With the graph, step i + 1 is queued before the
-  // host waits for step i (the lookahead), so the GPU does not idle while the host wakes, takes
-  // the id and launches again; it reads the id step i leaves on the device. Eagerly the host
-  // encodes each step itself, one at a time.
+  // host_flag[slot], its log-probs in host_top_lp[slot]) and event ev[slot] marks it. With the
+  // graph, step i + 1 is queued before the host waits for step i (the lookahead), so the GPU does
+  // not idle while the host wakes, takes the id and launches again; it reads the id step i leaves
+  // on the device. Eagerly the host encodes each step itself, one at a time.
   const bool ahead = opt_.use_graph;
   struct Events {
     cudaEvent_t e[2] = {nullptr, nullptr};
@@ -271,26 +298,36 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
   const auto enqueue = [&](int64_t i) {
     const int slot = static_cast<int>(i & 1);
     if (opt_.use_graph) {
-      FN_CUDA_CHECK(cudaGraphLaunch(I.sample_graph, I.stream));
+      FN_CUDA_CHECK(cudaGraphLaunch(graph, I.stream));
     } else {
-      I.encode_step(cfg_, opt_, &I.sample_graph_params);
+      I.encode_step(cfg_, opt_, &I.sample_graph_params, top_logprobs);
     }
     FN_CUDA_CHECK(cudaMemcpyAsync(I.host_token + 1 + slot, I.token, sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, I.stream));
     FN_CUDA_CHECK(cudaMemcpyAsync(I.host_flag + slot, I.error_flag, sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, I.stream));
+    if (want_lp)
+      FN_CUDA_CHECK(cudaMemcpyAsync(I.host_top_lp + slot, I.top_lp, sizeof(TopLogprobsOut),
+                                    cudaMemcpyDeviceToHost, I.stream));
     FN_CUDA_CHECK(cudaEventRecord(ev.e[slot], I.stream));
   };
   int64_t queued = 0, taken = 0;  // steps launched, steps counted in position_
-  // Waits for step i (= taken), which fed `fed`: its position counts, its errors throw, its id
-  // returns.
+  // Waits for step i (= taken), which fed `fed`: its position counts, its errors throw, its
+  // log-probs are appended, its id returns.
   const auto take = [&](int64_t i, int32_t fed) {
     const int slot = static_cast<int>(i & 1);
     FN_CUDA_CHECK(cudaEventSynchronize(ev.e[slot]));
     ++position_;
     ++taken;
     check_step_errors(fed, slot);
-    return I.host_token[1 + slot];
+    const int32_t id = I.host_token[1 + slot];
+    if (want_lp) {
+      const TopLogprobsOut& r = I.host_top_lp[slot];
+      const auto k = static_cast<std::size_t>(top_logprobs);
+      logprobs->push_back(TokenLogprobs{r.logprob, std::vector<int32_t>(r.top_ids, r.top_ids + k),
+                                        std::vector<double>(r.top_logprobs, r.top_logprobs + k)});
+    }
+    return id;
   };
   // A step queued ahead still runs when the loop leaves early (a stop: it has fed the stop id;
   // or an exception from a check or from on_token): its position counts, so position() matches

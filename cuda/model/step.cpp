@@ -8,7 +8,8 @@
 // GEMV, apply] ; HC read ; GDN or QSA (projections, mixer kernels, output GEMV) ; all-reduce ;
 // HC inject ; HC read ; MoE (router + shared gate/up + top-k, NVFP4 gate-up, down, shared down +
 // combine) ; all-reduce ; HC inject } -> final mixer -> lm_head (vocab slice) -> scatter +
-// all-reduce (= all-gather) -> [sample -> next token id] -> n-gram context and position advance.
+// all-reduce (= all-gather) -> [sample -> next token id [-> its top log-probs]] -> n-gram context
+// and position advance.
 //
 // With the n-gram table in pinned host memory (--ngram-table host), the gather reads its 16 rows
 // (2.5 KiB at the real geometry) over PCIe / C2C: a round trip of a few microseconds that no other
@@ -26,6 +27,7 @@
 #include "cuda/kernels/decode_ops.h"
 #include "cuda/kernels/gemv_bf16.h"
 #include "cuda/kernels/hc.h"
+#include "cuda/kernels/logit_stats.h"
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/sample.h"
 #include "cuda/kernels/step_kernels.h"
@@ -36,7 +38,7 @@ namespace fn {
 using namespace model_detail;
 
 void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& o,
-                                  const DeviceSamplingParams* sampling) {
+                                  const DeviceSamplingParams* sampling, int64_t top_logprobs) {
   Step st{c, o, rank_dims(c, o.tp_size, o.tp_rank)};
   st.H = H;
   step_ngram_fork(st);
@@ -60,7 +62,7 @@ void CudaModel::Impl::encode_step(const ModelConfig& c, const CudaModelOptions& 
     step_inject(st);
   }
   step_hc_read(st, final_hc, nullptr, nullptr);
-  step_logits(st, sampling);
+  step_logits(st, sampling, top_logprobs);
   mark_end();
 }
 
@@ -198,7 +200,8 @@ void CudaModel::Impl::step_settle(Step& st) {
   step_keep_residual(st, st.pending_slot);
 }
 
-void CudaModel::Impl::step_logits(Step& st, const DeviceSamplingParams* sampling) {
+void CudaModel::Impl::step_logits(Step& st, const DeviceSamplingParams* sampling,
+                                  int64_t top_logprobs) {
   const ModelConfig& c = st.c;
   const int64_t D = c.hidden_size, V = c.vocab_size;
   mark(StepFamily::LmHead);
@@ -236,6 +239,17 @@ void CudaModel::Impl::step_logits(Step& st, const DeviceSamplingParams* sampling
     sp.workspace_bytes = sample_ws_bytes;
     sp.error_flag = error_flag;
     launch_sample(sp, stream);
+    if (top_logprobs >= 0) {
+      TopLogprobsParams tp;
+      tp.logits = logits;
+      tp.vocab = V;
+      tp.chosen = token;
+      tp.k = top_logprobs;
+      tp.workspace = top_lp_ws;
+      tp.workspace_bytes = top_lp_ws_bytes;
+      tp.out = top_lp;
+      launch_top_logprobs(tp, stream);
+    }
   }
   StepAdvanceParams adv;
   adv.position = position;

@@ -35,7 +35,8 @@ class EmulatedDevice final : public fn::Backend {
     return cpu_.prefill(tokens, output);
   }
   std::vector<int32_t> decode(int32_t first, int64_t count, const fn::SamplingParams&, uint64_t,
-                              const std::function<bool(int32_t)>& on_token) override {
+                              const std::function<bool(int32_t)>& on_token, int64_t top_logprobs,
+                              std::vector<fn::TokenLogprobs>* logprobs) override {
     ++decode_calls;
     std::vector<int32_t> out;
     int32_t t = first;
@@ -43,6 +44,7 @@ class EmulatedDevice final : public fn::Backend {
       const auto l = cpu_.forward(t);
       const int32_t id = fn::test::argmax(l.data(), static_cast<int64_t>(l.size()));
       out.push_back(id);
+      if (top_logprobs >= 0) logprobs->push_back(fn::token_logprobs(l, id, top_logprobs));
       if (!on_token(id)) break;
       t = id;
     }
@@ -103,4 +105,26 @@ TEST_CASE("generate on device: the same ids as the host loop, stop ids and lengt
   const auto forced = fn::generate(dev_backend, coll, f.prompt_ids, o);
   CHECK(dev_backend.decode_calls == 2);
   CHECK(forced.token_ids == host_stop.token_ids);
+}
+
+TEST_CASE("generate on device: --logprobs gives the host loop's log-probs, one per token") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  fn::LocalCollectives coll;
+  fn::CpuBackend cpu(fn::CpuModel::load(f.dir, coll), 0.0);
+  EmulatedDevice dev_backend(cpu);
+  auto o = greedy(6);
+  o.ignore_eos = true;
+  o.top_logprobs = 4;
+  cpu.reset();
+  const auto host = fn::generate(cpu, coll, f.prompt_ids, o);
+  dev_backend.reset();
+  const auto dev = fn::generate(dev_backend, coll, f.prompt_ids, o);
+  REQUIRE(host.logprobs.size() == 6);
+  REQUIRE(dev.logprobs.size() == 6);
+  for (std::size_t i = 0; i < 6; ++i) {
+    CHECK(dev.logprobs[i].logprob == host.logprobs[i].logprob);
+    CHECK(dev.logprobs[i].top_ids == host.logprobs[i].top_ids);
+    CHECK(dev.logprobs[i].top_logprobs == host.logprobs[i].top_logprobs);
+    CHECK(host.logprobs[i].top_ids.front() == host.token_ids[i]);  // greedy: the best is chosen
+  }
 }

@@ -655,10 +655,9 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   go.ctx_size = ctx;
   go.stop_token_ids = stop_token_ids(cfg, gen);
   go.ignore_eos = o.ignore_eos;
-  // Scored as every eval path runs the model: the prompt token by token through forward() and
-  // the host sampler.
-  go.host_sampling = true;
-  go.stepwise_prefill = true;
+  // As generate runs a record: the batched prefill, then sampling on the device where the backend
+  // has it and the record's settings allow it (no stop string, no penalty); --check-choices
+  // wraps the backend in one that prefills token by token and samples on the host.
 
   // Rank 0 opens and writes; a failure is agreed on (every rank ends with rank 0's error, no
   // MPI_Abort), once for the open and once per record.

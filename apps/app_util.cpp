@@ -202,7 +202,10 @@ void check_output_path(const std::string& path, const char* flag, bool staged_wr
 }
 
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {
-  std::istringstream in(read_file(path, flag));
+  std::string text = read_file(path, flag);
+  // A UTF-8 byte-order mark (editors on Windows write one) is not part of the first record.
+  if (text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);
+  std::istringstream in(text);
   std::vector<std::string> lines;
   bool any = false;
   for (std::string line; std::getline(in, line);) {
@@ -260,6 +263,9 @@ nlohmann::json parse_json_line(const std::string& line) {
   } catch (const nlohmann::json::parse_error& e) {
     // The parser quotes the bytes it read last, which may be invalid UTF-8 (then U+FFFD here).
     FN_THROW(Format, "not valid JSON ({})", unicode::utf8_lossy(e.what()));
+  } catch (const nlohmann::json::exception& e) {
+    // Valid JSON the parser cannot hold, e.g. a number past a double ("1e400").
+    FN_THROW(Format, "a JSON value fngen cannot read ({})", unicode::utf8_lossy(e.what()));
   }
 }
 

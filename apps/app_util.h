@@ -85,8 +85,9 @@ void require_not_input(const std::string& out, const char* out_flag, const std::
 /// past NAME_MAX, fails here. Throws fn::Error(Io) "<flag> <path>: ...".
 void check_output_path(const std::string& path, const char* flag, bool staged_writer = false);
 
-/// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line
-/// numbers in messages match the file). Throws what read_file throws, and fn::Error(Format)
+/// The lines of a JSONL input file (read_file, less a leading UTF-8 byte-order mark, split at
+/// '\n'; blank lines kept so that line numbers in messages match the file). Throws what read_file
+/// throws, and fn::Error(Format)
 /// "<flag> <path>: no records" when no line holds anything but white space.
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag);
 
@@ -130,9 +131,10 @@ auto with_text_source(const std::string& source, F&& f) {
 inline constexpr int kMaxJsonDepth = 128;
 
 /// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)", with invalid
-/// UTF-8 in the message replaced by U+FFFD, or "a value nested deeper than 128 levels"
-/// (kMaxJsonDepth; such a value could not be written back); callers put it into that record's
-/// "error" field.
+/// UTF-8 in the message replaced by U+FFFD, "a value nested deeper than 128 levels"
+/// (kMaxJsonDepth; such a value could not be written back), or "a JSON value fngen cannot read
+/// (...)" for valid JSON past the parser's types (a number beyond a double, 1e400); callers put
+/// it into that record's "error" field.
 nlohmann::json parse_json_line(const std::string& line);
 
 /// The backend/TP flags every model-running subcommand shares: --backend must be cpu, cuda or

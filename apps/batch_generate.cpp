@@ -159,7 +159,8 @@ namespace {
 // One {"id", "token", "bytes", "logprob"} entry of result_json's "logprobs".
 json logprob_entry(int32_t id, double logprob, const Tokenizer* tokenizer) {
   json e = {{"id", id}};
-  if (tokenizer) {
+  // An id past the tokenizer's vocabulary (a padded row of the model's) has no text.
+  if (tokenizer && id < tokenizer->vocab_size()) {
     const std::string raw = tokenizer->token_bytes(id, false);
     e["token"] = tokenizer->decode(std::span<const int32_t>(&id, 1));
     std::vector<int> bytes;
@@ -594,10 +595,12 @@ class Dispatcher {
       try {
         check_room(static_cast<int64_t>(prep_ids_.size()), prep_.max_new_tokens, o_.ctx);
       } catch (const Error& e) {
-        // The record's own "max_tokens" is named when it is the one that does not fit.
+        // The record's own "max_tokens" is named when it is the one that does not fit (not for
+        // an empty prompt, or one the context cannot hold alone).
         const json* given =
             rec.is_object() && rec.contains("max_tokens") ? &rec["max_tokens"] : nullptr;
-        if (given == nullptr || given->is_null()) throw;
+        const auto n_prompt = static_cast<int64_t>(prep_ids_.size());
+        if (given == nullptr || given->is_null() || n_prompt == 0 || n_prompt >= o_.ctx) throw;
         FN_THROW(Format, "\"max_tokens\": {} does not fit: {}", given->dump(), e.what());
       }
     } catch (const Error& e) {

@@ -421,12 +421,13 @@ void register_generate(CLI::App& app, CommandList& commands) {
   o->o_prompt = sub->add_option("-p,--prompt", o->prompt, "prompt text");
   sub->add_option("-f,--file", o->file, "file holding the prompt text (one final newline dropped)");
   o->o_prompt_ids = sub->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");
-  sub->add_option("-i,--input", o->input,
-                  "JSONL batch: one {\"prompt\"}, {\"prompt_ids\"} or {\"messages\"} per line "
-                  "(optional \"id\", and per-record \"seed\", \"temperature\", \"top_k\", "
-                  "\"top_p\", \"min_p\", \"repeat_penalty\", \"presence_penalty\", "
-                  "\"frequency_penalty\", \"max_tokens\", \"stop\", \"n\"); with --tp T "
-                  "below the number of ranks W, W/T data-parallel groups share the records");
+  sub->add_option(
+      "-i,--input", o->input,
+      "JSONL batch: one {\"prompt\"}, {\"prompt_ids\"} or {\"messages\"} per line "
+      "(optional \"id\", and per-record \"seed\", \"temperature\", \"top_k\", "
+      "\"top_p\", \"min_p\", \"repeat_penalty\", \"presence_penalty\", "
+      "\"frequency_penalty\", \"max_tokens\", \"stop\", \"n\", \"logprobs\"); with --tp T "
+      "below the number of ranks W, W/T data-parallel groups share the records");
   add_stdout_option(sub, "-o,--output", o->output, "JSONL results of -i");
   sub->add_flag("--resume", o->resume,
                 "-i with -o: keep the records -o already holds (a partial last line is cut off) "

@@ -266,6 +266,22 @@ else
   fail "eval score exited non-zero: $(tail -n 3 "$tmp/err")"
 fi
 
+# ---- records JSON cannot hold, a byte-order mark, an empty prompt ----
+# A number past a double (1e400) is valid JSON the parser cannot hold: an error record, and the
+# records after it still run. A leading UTF-8 BOM is not part of the first record's id.
+printf '\xef\xbb\xbf{"id": "bom", "prompt_ids": [1, 2], "max_tokens": 2}\n{"id": "big", "prompt_ids": [1], "x": 1e400}\n{"id": "empty", "prompt_ids": [], "max_tokens": 2}\n{"id": "after", "prompt_ids": [3], "max_tokens": 2}\n' \
+  >"$tmp/odd.jsonl"
+for tp in 2 1; do
+  mpi 2 -m "$fx/tp4" -i "$tmp/odd.jsonl" -o "$tmp/odd_$tp.jsonl" --tp $tp --seed 1 --ignore-eos \
+    2>"$tmp/err" || fail "odd records at --tp $tp exited non-zero: $(tail -n 3 "$tmp/err")"
+  check_jsonl "$tmp/odd_$tp.jsonl" "[x['id'] for x in r] == ['bom', 2, 'empty', 'after'] \
+    and len(r[0]['token_ids']) == 2 and len(r[3]['token_ids']) == 2 \
+    and r[1]['finish_reason'] == 'error' and 'a JSON value fngen cannot read' in r[1]['error'] \
+    and r[2]['finish_reason'] == 'error' and 'the prompt is empty' in r[2]['error'] \
+    and 'max_tokens' not in r[2]['error']" \
+    "--tp $tp: 1e400 and an empty prompt are error records, the BOM is not in the id, the rest run"
+done
+
 # ---- stop strings need text: the demo model with the Qwen3 tokenizer ----
 tok=$src/third_party/qwen3-tokenizer
 if [ -f "$tok/tokenizer.json" ]; then

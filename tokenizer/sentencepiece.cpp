@@ -2,6 +2,7 @@
 // has no added-token matching of its own beyond user-defined pieces, so Raw and Plain encode
 // alike; control pieces (<s>, </s>) never come out of encode.
 #include <sentencepiece_processor.h>
+#include <atomic>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -143,7 +144,10 @@ std::string StreamingDetokenizer::feed(int32_t id) {
     bytes = tokenizer_.token_bytes(id, first_);
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::Format) throw;
-    if (unknown_ids_++ == 0)
+    // Said once per process: a batch streams each record through its own detokenizer.
+    static std::atomic<bool> warned{false};
+    ++unknown_ids_;
+    if (!warned.exchange(true))
       FN_LOG_WARN(
           "token id {} is not in the tokenizer's vocabulary (size {}): it decodes to no "
           "text (a padded row of the model's vocabulary)",

@@ -106,7 +106,8 @@ std::unique_ptr<Tokenizer> load_tokenizer_file(const std::filesystem::path& file
 /// of all feed() results and finish() equals tokenizer.decode(all ids). An id the tokenizer does
 /// not have (a model's vocab_size is padded past the tokenizer: Qwen3 151,936 vs 151,669 entries,
 /// and sampling can pick such a row) decodes to empty text, as HF tokenizers' decode() does; the
-/// first one is logged as a warning and unknown_ids() counts them.
+/// first one of the process is logged as a warning (once, however many streams) and
+/// unknown_ids() counts them.
 class StreamingDetokenizer {
  public:
   explicit StreamingDetokenizer(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}

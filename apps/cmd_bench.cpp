@@ -40,6 +40,7 @@
 #include "comm/mpi_context.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/flops.h"
 #include "core/generate.h"
 #include "core/log.h"
 #include "core/shard_plan.h"
@@ -254,6 +255,7 @@ struct LaneResult {
   int64_t decode_depth = 0;                          // visible tokens at the mean decode step
   std::vector<uint64_t> bytes_by_rank;               // bytes_per_token at decode_depth
   uint64_t weight_bytes = 0, state_bytes = 0;        // of the rank with the most bytes
+  double prompt_flops = 0;  // the model's FLOPs of the prompt and the first token's logits
   std::optional<Breakdown> breakdown;
 };
 
@@ -330,6 +332,9 @@ json lane_json(const LaneResult& l, double bandwidth_gbs) {
                                      : prefill > 0
                                          ? json(static_cast<double>(l.n_prompt) / (prefill * 1e-3))
                                          : json(0.0)},
+            {"prompt_tflop", l.prompt_flops * 1e-12},
+            {"ttft_tflops_per_s",
+             no_ttft || ttft <= 0 ? json(nullptr) : json(l.prompt_flops / (ttft * 1e-3) * 1e-12)},
             {"decode_depth", l.decode_depth},
             {"bytes_per_token", bytes},
             {"weight_bytes_per_token", l.weight_bytes},
@@ -394,6 +399,8 @@ const std::vector<std::string>& csv_columns() {
                                                 "itl_count",
                                                 "decode_tokens_per_s",
                                                 "prefill_tokens_per_s",
+                                                "prompt_tflop",
+                                                "ttft_tflops_per_s",
                                                 "decode_depth",
                                                 "bytes_per_token",
                                                 "weight_bytes_per_token",
@@ -798,6 +805,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
     for (int64_t n : gens) {
       LaneResult lane;
       lane.n_prompt = p;
+      lane.prompt_flops = prefill_flops(cfg, 0, p, 1).total();
       lane.n_gen = n;
       go.max_new_tokens = n;
       int32_t last_id = prompt.back();

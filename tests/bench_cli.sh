@@ -67,6 +67,8 @@ def check_lane(l, reps, fngen, fx, tp):
     need(close(float(l["decode_tokens_per_s"]), 1000 / tpot), "decode t/s != 1000/TPOT")
     need(close(float(l["prefill_tokens_per_s"]), p / (float(l["prefill_ms"]) / 1000)),
          "prefill t/s != n_prompt/prefill")
+    need(float(l["prompt_tflop"]) > 0 and close(float(l["ttft_tflops_per_s"]),
+         float(l["prompt_tflop"]) / (float(l["ttft_ms"]) / 1000)), "TFLOP/s != prompt TFLOP / TTFT")
     gbs = b / (tpot / 1000) / 1e9
     need(close(float(l["achieved_gbs"]), gbs), "GB/s %s != %s" % (l["achieved_gbs"], gbs))
     need(close(float(l["pct_of_bandwidth"]), 100 * gbs / 4300), "% of 4300 GB/s wrong")

@@ -21,6 +21,7 @@
 
 #include "comm/device_all_reduce.h"
 #include "core/error.h"
+#include "core/flops.h"
 #include "core/log.h"
 #include "core/shard_plan.h"
 #include "cuda/common/cuda_check.h"
@@ -216,19 +217,29 @@ class PrefillProfile {
     used_ = 0;
     family_.clear();
   }
-  void log(int64_t tokens, int64_t passes) const {
+  // Each family's time with its share of `flops` (the whole model's, core/flops.h) and the
+  // rate: "gdn 283.1 (35.78 TFLOP, 126.4 TFLOP/s)".
+  void log(int64_t tokens, int64_t passes, const PrefillFlops& flops) const {
     if (!on_) return;
     std::string line;
     double total = 0;
     for (int f = 0; f < kStepFamilyCount; ++f) {
       const double ms = ms_[static_cast<std::size_t>(f)];
       total += ms;
-      if (ms > 0)
-        line += fmt::format(" {} {:.1f}", step_family_name(static_cast<StepFamily>(f)), ms);
+      if (ms <= 0) continue;
+      const char* name = step_family_name(static_cast<StepFamily>(f));
+      const double fl = flops.of(name);
+      line += fl > 0 ? fmt::format(" {} {:.1f} ({:.2f} TFLOP, {:.1f} TFLOP/s)", name, ms,
+                                   fl * 1e-12, fl / (ms * 1e-3) * 1e-12)
+                     : fmt::format(" {} {:.1f}", name, ms);
     }
-    FN_LOG_INFO("prefill profile ({} tokens, {} passes), ms:{}; sum {:.1f}", tokens, passes, line,
-                total);
+    FN_LOG_INFO(
+        "prefill profile ({} tokens, {} passes), ms:{}; sum {:.1f} ({:.2f} TFLOP, {:.1f} "
+        "TFLOP/s)",
+        tokens, passes, line, total, flops.total() * 1e-12,
+        total > 0 ? flops.total() / (total * 1e-3) * 1e-12 : 0.0);
   }
+  bool on() const noexcept { return on_; }
 
  private:
   void mark_index(int f) {
@@ -695,7 +706,13 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
     check_step_errors(tokens[c0 + M - 1]);
     prof.collect();
   }
-  prof.log(n, passes);
+  if (prof.on()) {
+    const int64_t logit_rows = want == PrefillLogits::None   ? 0
+                               : want == PrefillLogits::Last ? 1
+                               : want == PrefillLogits::All  ? n
+                                                             : n - rq->first;
+    prof.log(n, passes, prefill_flops(c, position_ - n, n, logit_rows));
+  }
 
   if (want == PrefillLogits::None) return {};
   if (want == PrefillLogits::Rows) {

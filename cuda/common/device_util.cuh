@@ -220,4 +220,19 @@ __device__ __forceinline__ void join_wait(unsigned* word, unsigned signals, unsi
   if ((atomicAdd(word, 0x10000u) >> 16) == readers - 1) atomicExch(word, 0u);
 }
 
+/// Order-preserving key of a float (the sampler's and the top log-probs' ranking): a larger
+/// value gives a larger key; -0 and +0 give the same key (they tie on the host); NaN gives 0,
+/// below every number (-Inf is 0x007fffff).
+__device__ __forceinline__ uint32_t order_key(float l) {
+  if (isnan(l)) return 0u;
+  if (l == 0.0f) l = 0.0f;
+  const uint32_t u = __float_as_uint(l);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/// The float of a nonzero order_key.
+__device__ __forceinline__ float key_value(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+
 }  // namespace fn::dev

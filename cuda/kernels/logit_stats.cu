@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
 #include "cuda/common/pdl.cuh"
 
@@ -114,19 +115,8 @@ int64_t top_grid(int64_t vocab) {
   return chunks < kTopMaxBlocks ? chunks : kTopMaxBlocks;
 }
 
-// Order-preserving bits of a float: larger value -> larger key; -0 and +0 equal (they tie on the
-// host); NaN -> 0, below every number (-Inf is 0x007fffff).
-__device__ __forceinline__ uint32_t order_key(float l) {
-  if (isnan(l)) return 0u;
-  if (l == 0.0f) l = 0.0f;
-  const uint32_t u = __float_as_uint(l);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// The float of a nonzero order key.
-__device__ __forceinline__ float key_value(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
-}
+using dev::key_value;
+using dev::order_key;
 
 // The column's key: never 0 (the low word ~id is at least 2^31), so 0 marks an empty slot.
 __device__ __forceinline__ Key top_key(float l, int64_t id) {

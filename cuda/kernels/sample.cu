@@ -13,6 +13,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "cuda/common/cuda_check.h"
+#include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
 #include "cuda/common/pdl.cuh"
 
@@ -86,18 +87,8 @@ Layout make_layout(int64_t vocab, const DeviceSamplingParams& s) {
 // ---- keys and reductions
 // -------------------------------------------------------------------------
 
-// Order-preserving key of a float: larger value -> larger key; -0 and +0 equal (they tie on the
-// host); NaN -> 0, below every number (including -Inf).
-__device__ __forceinline__ uint32_t order_key(float l) {
-  if (isnan(l)) return 0u;
-  if (l == 0.0f) l = 0.0f;
-  const uint32_t u = __float_as_uint(l);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_value(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
-}
+using dev::key_value;
+using dev::order_key;
 
 __device__ __forceinline__ unsigned long long order_key64(double d) {
   if (isnan(d)) return 0ull;

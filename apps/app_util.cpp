@@ -277,6 +277,17 @@ void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size
              world_size);
 }
 
+void check_model_source(const std::string& model, bool random_weights, const std::string& config) {
+  FN_REQUIRE(model.empty() != !random_weights, Usage,
+             "give either -m/--model DIR or --random-weights --config FILE{}",
+             random_weights ? " (not both)" : "");
+  FN_REQUIRE(!random_weights || !config.empty(), Usage,
+             "--random-weights needs --config FILE (a config.json with its quantization_config, "
+             "e.g. configs/qwen3.8-flash-next.json)");
+  FN_REQUIRE(config.empty() || random_weights, Usage,
+             "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
+}
+
 bool has_tokenizer(const std::filesystem::path& dir) {
   return std::filesystem::exists(dir / "tokenizer.json") ||
          std::filesystem::exists(dir / "tokenizer.model");

@@ -658,14 +658,7 @@ BenchSetup setup_bench(const BenchCli& o, int world_size, bool root) {
   FN_REQUIRE(o.seed >= 0, Usage, "--seed must be >= 0, got {}", o.seed);
   FN_REQUIRE(o.bandwidth_gbs > 0 && std::isfinite(o.bandwidth_gbs), Usage,
              "--bandwidth-gbs must be a positive number of GB/s, got {}", o.bandwidth_gbs);
-  FN_REQUIRE(o.model.empty() != !o.random_weights, Usage,
-             "give either -m/--model DIR or --random-weights --config FILE{}",
-             o.random_weights ? " (not both)" : "");
-  FN_REQUIRE(!o.random_weights || !o.config.empty(), Usage,
-             "--random-weights needs --config FILE (a config.json with its quantization_config, "
-             "e.g. configs/qwen3.8-flash-next.json)");
-  FN_REQUIRE(o.config.empty() || o.random_weights, Usage,
-             "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
+  check_model_source(o.model, o.random_weights, o.config);
   FN_REQUIRE(o.breakdown_steps >= 1, Usage, "--breakdown-steps must be >= 1, got {}",
              o.breakdown_steps);
   FN_REQUIRE(!same_file(o.output, o.per_token), Usage,

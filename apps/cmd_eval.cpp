@@ -149,14 +149,7 @@ struct Loaded {
 // is decided at load).
 void check_common(const CommonCli& c, MpiContext& mpi) {
   check_backend_and_tp(c.backend.backend, c.backend.tp, mpi.world_size());
-  FN_REQUIRE(c.model.empty() != !c.random_weights, Usage,
-             "give either -m/--model DIR or --random-weights --config FILE{}",
-             c.random_weights ? " (not both)" : "");
-  FN_REQUIRE(!c.random_weights || !c.config.empty(), Usage,
-             "--random-weights needs --config FILE (a config.json with its quantization_config, "
-             "e.g. configs/qwen3.8-flash-next.json)");
-  FN_REQUIRE(c.config.empty() || c.random_weights, Usage,
-             "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
+  check_model_source(c.model, c.random_weights, c.config);
   FN_REQUIRE(c.tokenizer.empty() || c.random_weights, Usage,
              "--tokenizer applies to --random-weights only (-m/--model reads DIR's tokenizer)");
   FN_REQUIRE(c.seed >= 0, Usage, "--seed must be >= 0, got {}", c.seed);

@@ -56,6 +56,41 @@ inline RefFixture load_ref_fixture(const std::string& name) {
   return f;
 }
 
+/// One item of tests/data/eval/loglik_tp4.jsonl (written with its expected values by
+/// scripts/reference/loglik_reference.py from transformers' rows on the tp4 fixture).
+struct LoglikItem {
+  nlohmann::json id;
+  std::vector<int32_t> context;
+  std::vector<std::vector<int32_t>> choices;
+  nlohmann::json want;  ///< loglik_tp4.expected.json's entry: per choice logprob, n_tokens, ...
+};
+
+/// The items of loglik_tp4.jsonl, each with its expected entry (matched by position, the ids
+/// required equal). Throws fn::Error(Io) for a missing file, fn::Error(Format) when the two
+/// files disagree on the items.
+inline std::vector<LoglikItem> load_loglik_tp4() {
+  const std::string dir = std::string(FN_TEST_DATA_DIR) + "/eval/";
+  std::ifstream items(dir + "loglik_tp4.jsonl");
+  std::ifstream ex(dir + "loglik_tp4.expected.json");
+  FN_REQUIRE(items.good() && ex.good(), Io, "cannot open {}loglik_tp4.*", dir);
+  const nlohmann::json expected = nlohmann::json::parse(ex);
+  std::vector<LoglikItem> out;
+  for (std::string line; std::getline(items, line);) {
+    const nlohmann::json it = nlohmann::json::parse(line);
+    LoglikItem item;
+    item.id = it.at("id");
+    item.context = it.at("context_ids").get<std::vector<int32_t>>();
+    item.choices = it.at("choices").get<std::vector<std::vector<int32_t>>>();
+    item.want = expected.at("items").at(out.size());
+    FN_REQUIRE(item.want.at("id") == item.id, Format, "loglik_tp4: item {} has expected id {}",
+               item.id.dump(), item.want.at("id").dump());
+    out.push_back(std::move(item));
+  }
+  FN_REQUIRE(out.size() == expected.at("items").size(), Format, "loglik_tp4: {} items, {} expected",
+             out.size(), expected.at("items").size());
+  return out;
+}
+
 /// max |a - b| over n values.
 inline double max_abs_diff(const float* a, const float* b, int64_t n) {
   double m = 0.0;

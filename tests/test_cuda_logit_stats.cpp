@@ -331,28 +331,17 @@ TEST_CASE("cuda backend: snapshot/restore returns to the state bit for bit") {
 TEST_CASE("cuda backend: score_choices against transformers' log-probs (loglik_tp4)") {
   const auto f = fn::test::load_ref_fixture("tp4");
   auto b = load(f);
-  const std::string dir = std::string(FN_TEST_DATA_DIR) + "/eval/";
-  std::ifstream items(dir + "loglik_tp4.jsonl");
-  std::ifstream ex(dir + "loglik_tp4.expected.json");
-  REQUIRE(items.good());
-  REQUIRE(ex.good());
-  const nlohmann::json expected = nlohmann::json::parse(ex);
-  std::string line;
-  std::size_t i = 0;
-  while (std::getline(items, line)) {
-    const nlohmann::json it = nlohmann::json::parse(line);
-    const nlohmann::json& want = expected.at("items").at(i++);
-    const auto ctx = it.at("context_ids").get<std::vector<int32_t>>();
-    const auto choices = it.at("choices").get<std::vector<std::vector<int32_t>>>();
-    const std::vector<fn::ChoiceScore> got = fn::score_choices(*b, ctx, choices);
+  const std::vector<fn::test::LoglikItem> items = fn::test::load_loglik_tp4();
+  REQUIRE(!items.empty());
+  for (const fn::test::LoglikItem& it : items) {
+    const std::vector<fn::ChoiceScore> got = fn::score_choices(*b, it.context, it.choices);
     for (std::size_t c = 0; c < got.size(); ++c) {
-      INFO("item ", it.at("id"), " choice ", c);
+      INFO("item ", it.id, " choice ", c);
       // BF16 activations: each token's log-prob within 0.1 of the FP32 reference.
-      CHECK(std::abs(got[c].logprob - want.at("choices").at(c).at("logprob").get<double>()) <=
+      CHECK(std::abs(got[c].logprob - it.want.at("choices").at(c).at("logprob").get<double>()) <=
             0.1 * static_cast<double>(got[c].n_tokens));
     }
   }
-  CHECK(i == expected.at("items").size());
 }
 
 TEST_CASE("top log-probs: the device reduction equals token_logprobs, ties and order included") {

@@ -155,27 +155,17 @@ TEST_CASE("score_choices: the summed log-probs of transformers' rows (loglik_ref
   const auto f = fn::test::load_ref_fixture("tp4");
   fn::LocalCollectives coll;
   fn::CpuBackend b(fn::CpuModel::load(f.dir, coll), 0.0);
-  const std::string dir = std::string(FN_TEST_DATA_DIR) + "/eval/";
-  std::ifstream items(dir + "loglik_tp4.jsonl");
-  std::ifstream ex(dir + "loglik_tp4.expected.json");
-  REQUIRE(items.good());
-  REQUIRE(ex.good());
-  const nlohmann::json expected = nlohmann::json::parse(ex);
-  std::string line;
-  std::size_t i = 0;
+  const std::vector<fn::test::LoglikItem> items = fn::test::load_loglik_tp4();
+  REQUIRE(!items.empty());
   int64_t greedy_seen = 0;
-  while (std::getline(items, line)) {
-    const nlohmann::json it = nlohmann::json::parse(line);
-    const nlohmann::json& want = expected.at("items").at(i++);
-    REQUIRE(it.at("id") == want.at("id"));
-    const auto ctx = it.at("context_ids").get<std::vector<int32_t>>();
-    const auto choices = it.at("choices").get<std::vector<std::vector<int32_t>>>();
-    const std::vector<fn::ChoiceScore> got = fn::score_choices(b, ctx, choices);
-    REQUIRE(got.size() == choices.size());
+  for (const fn::test::LoglikItem& it : items) {
+    const nlohmann::json& want = it.want;
+    const std::vector<fn::ChoiceScore> got = fn::score_choices(b, it.context, it.choices);
+    REQUIRE(got.size() == it.choices.size());
     std::vector<double> ll, norm;
     for (std::size_t c = 0; c < got.size(); ++c) {
       const nlohmann::json& w = want.at("choices").at(c);
-      INFO("item ", it.at("id"), " choice ", c);
+      INFO("item ", it.id, " choice ", c);
       CHECK(got[c].n_tokens == w.at("n_tokens").get<int64_t>());
       // Each token's log-prob within 2e-3 of transformers' (the FP32 CPU model's agreement).
       CHECK(std::abs(got[c].logprob - w.at("logprob").get<double>()) <
@@ -188,7 +178,6 @@ TEST_CASE("score_choices: the summed log-probs of transformers' rows (loglik_ref
     CHECK(fn::best_choice(ll) == want.at("pred").get<int64_t>());
     CHECK(fn::best_choice(norm) == want.at("pred_norm").get<int64_t>());
   }
-  CHECK(i == expected.at("items").size());
   CHECK(greedy_seen > 0);  // the items past the prompt continue with the greedy ids
 }
 

@@ -270,10 +270,9 @@ struct Work {
   int64_t sample = 0;
   std::vector<int32_t> ids;
   bool chat = false;
-  int64_t max_new_tokens = 0;  // as -n (0 default, -1, N)
-  std::vector<std::string> stop;
-  SamplingParams sampling;  // the seed is this sample's
-  int64_t top_logprobs = -1;
+  // The record's max_tokens (as -n: 0 default, -1, N), stop strings, sampling (the seed is this
+  // sample's) and top_logprobs; its "n" is spent in the sample index.
+  RecordSettings settings;
 
   json to_json() const {
     return {{"seq", seq},
@@ -281,10 +280,10 @@ struct Work {
             {"sample", sample},
             {"ids", ids},
             {"chat", chat},
-            {"max_new", max_new_tokens},
-            {"stop_strings", stop},
-            {"sampling", sampling_json(sampling)},
-            {"top_logprobs", top_logprobs}};
+            {"max_new", settings.max_new_tokens},
+            {"stop_strings", settings.stop},
+            {"sampling", sampling_json(settings.sampling)},
+            {"top_logprobs", settings.top_logprobs}};
   }
   static Work from_json(const json& j) {
     Work w;
@@ -293,11 +292,11 @@ struct Work {
     w.sample = j.at("sample").get<int64_t>();
     w.ids = j.at("ids").get<std::vector<int32_t>>();
     w.chat = j.at("chat").get<bool>();
-    w.max_new_tokens = j.at("max_new").get<int64_t>();
-    w.stop = j.at("stop_strings").get<std::vector<std::string>>();
-    w.top_logprobs = j.at("top_logprobs").get<int64_t>();
+    w.settings.max_new_tokens = j.at("max_new").get<int64_t>();
+    w.settings.stop = j.at("stop_strings").get<std::vector<std::string>>();
+    w.settings.top_logprobs = j.at("top_logprobs").get<int64_t>();
     const json& s = j.at("sampling");
-    SamplingParams& p = w.sampling;
+    SamplingParams& p = w.settings.sampling;
     p.temperature = s.at("temperature").get<double>();
     p.top_k = s.at("top_k").get<int64_t>();
     p.top_p = s.at("top_p").get<double>();
@@ -343,14 +342,15 @@ struct GroupRunner {
 
   Done run(const Work& w) const {
     GenerateOptions go;
-    go.sampling = w.sampling;
+    go.sampling = w.settings.sampling;
     go.ctx_size = o.ctx;
-    go.max_new_tokens = new_tokens_for(static_cast<int64_t>(w.ids.size()), w.max_new_tokens, o.ctx);
+    go.max_new_tokens =
+        new_tokens_for(static_cast<int64_t>(w.ids.size()), w.settings.max_new_tokens, o.ctx);
     go.stop_token_ids = o.stop_token_ids;
-    go.stop_strings = w.stop;
+    go.stop_strings = w.settings.stop;
     go.ignore_eos = o.ignore_eos;
     go.host_sampling = o.host_sampling;
-    go.top_logprobs = w.top_logprobs;
+    go.top_logprobs = w.settings.top_logprobs;
     const bool leader = group.rank() == 0;
     std::optional<StreamingDetokenizer> detok;
     TextHooks hooks;
@@ -371,7 +371,7 @@ struct GroupRunner {
     d.itl_ms = r.itl_ms;
     if (leader) {
       json j = result_json(r, w.chat, tokenizer);
-      j["sampling"] = sampling_json(w.sampling);
+      j["sampling"] = sampling_json(w.settings.sampling);
       j["sample_index"] = w.sample;
       // The leader's memory after this record (a soak compares the first and the last record).
       j["host_rss_mib"] = current_rss_mib();
@@ -495,11 +495,8 @@ class Dispatcher {
       w.sample = u.sample;
       w.ids = prep_ids_;
       w.chat = prep_chat_;
-      w.max_new_tokens = prep_.max_new_tokens;
-      w.stop = prep_.stop;
-      w.sampling = prep_.sampling;
-      w.top_logprobs = prep_.top_logprobs;
-      w.sampling.seed = sample_seed(prep_seed_, u.sample);
+      w.settings = prep_;
+      w.settings.sampling.seed = sample_seed(prep_seed_, u.sample);
       return w;
     }
     return std::nullopt;

@@ -202,10 +202,7 @@ void check_output_path(const std::string& path, const char* flag, bool staged_wr
 }
 
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag) {
-  std::string text = read_file(path, flag);
-  // A UTF-8 byte-order mark (editors on Windows write one) is not part of the first record.
-  if (text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);
-  std::istringstream in(text);
+  std::istringstream in(read_file(path, flag));
   std::vector<std::string> lines;
   bool any = false;
   for (std::string line; std::getline(in, line);) {

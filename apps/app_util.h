@@ -85,9 +85,8 @@ void require_not_input(const std::string& out, const char* out_flag, const std::
 /// past NAME_MAX, fails here. Throws fn::Error(Io) "<flag> <path>: ...".
 void check_output_path(const std::string& path, const char* flag, bool staged_writer = false);
 
-/// The lines of a JSONL input file (read_file, less a leading UTF-8 byte-order mark, split at
-/// '\n'; blank lines kept so that line numbers in messages match the file). Throws what read_file
-/// throws, and fn::Error(Format)
+/// The lines of a JSONL input file (read_file, split at '\n'; blank lines kept so that line
+/// numbers in messages match the file). Throws what read_file throws, and fn::Error(Format)
 /// "<flag> <path>: no records" when no line holds anything but white space.
 std::vector<std::string> read_jsonl_lines(const std::string& path, const char* flag);
 

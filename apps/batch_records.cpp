@@ -191,7 +191,10 @@ std::size_t skip_value(std::string_view s, std::size_t i) {
 
 std::optional<std::string> member_text(std::string_view line, std::string_view key) {
   std::optional<std::string> found;
-  std::size_t i = skip_ws(line, 0);
+  // A UTF-8 byte-order mark before the object, which the JSON parser skips too (an editor on
+  // Windows writes one at the start of a file; concatenated files carry it mid-file).
+  const std::size_t bom = line.rfind("\xEF\xBB\xBF", 0) == 0 ? 3 : 0;
+  std::size_t i = skip_ws(line, bom);
   if (i >= line.size() || line[i] != '{') return found;
   i = skip_ws(line, i + 1);
   while (i < line.size() && line[i] == '"') {

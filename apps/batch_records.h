@@ -95,7 +95,8 @@ RecordSettings record_settings(const nlohmann::json& rec, const RecordSettings& 
 /// The JSON text of the top-level member `key` of the JSON object text `line`, exactly as it
 /// appears there (the last one when the key repeats, as nlohmann's parser keeps the last), or
 /// nullopt when the object has no such member. `line` must hold one valid JSON object (parse it
-/// first); a key written with escapes ("\u0069d") matches its unescaped form.
+/// first, which skips a leading UTF-8 byte-order mark: so does this); a key written with escapes
+/// ("\u0069d") matches its unescaped form.
 std::optional<std::string> member_text(std::string_view line, std::string_view key);
 
 /// The text a record's "id" is echoed as: member_text(line, "id") (an integer past 64 bits keeps

@@ -268,8 +268,9 @@ fi
 
 # ---- records JSON cannot hold, a byte-order mark, an empty prompt ----
 # A number past a double (1e400) is valid JSON the parser cannot hold: an error record, and the
-# records after it still run. A leading UTF-8 BOM is not part of the first record's id.
-printf '\xef\xbb\xbf{"id": "bom", "prompt_ids": [1, 2], "max_tokens": 2}\n{"id": "big", "prompt_ids": [1], "x": 1e400}\n{"id": "empty", "prompt_ids": [], "max_tokens": 2}\n{"id": "after", "prompt_ids": [3], "max_tokens": 2}\n' \
+# records after it still run. A UTF-8 BOM before a record (the file's first, or a later one of
+# concatenated files) is not part of its id.
+printf '\xef\xbb\xbf{"id": "bom", "prompt_ids": [1, 2], "max_tokens": 2}\n{"id": "big", "prompt_ids": [1], "x": 1e400}\n{"id": "empty", "prompt_ids": [], "max_tokens": 2}\n\xef\xbb\xbf{"id": "after", "prompt_ids": [3], "max_tokens": 2}\n' \
   >"$tmp/odd.jsonl"
 for tp in 2 1; do
   mpi 2 -m "$fx/tp4" -i "$tmp/odd.jsonl" -o "$tmp/odd_$tp.jsonl" --tp $tp --seed 1 --ignore-eos \

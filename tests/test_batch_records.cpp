@@ -146,6 +146,8 @@ TEST_CASE("batch records: the id is the member's JSON text as written") {
   CHECK(member_text(R"({"id": 12345678901234567890123, "prompt": "x"})", "id") ==
         "12345678901234567890123");
   CHECK(member_text(R"({"prompt": "x", "id":"a\"b"})", "id") == R"("a\"b")");
+  // A leading byte-order mark, which the parser skips as well.
+  CHECK(member_text("\xEF\xBB\xBF{\"id\": \"b\"}", "id") == R"("b")");
   CHECK(member_text(R"( { "x" : {"id": 1, "s": "}"} , "id" : 1.50 } )", "id") == "1.50");
   CHECK(member_text(R"({"id": [1, {"a": "]"}], "y": 2})", "id") == R"([1, {"a": "]"}])");
   CHECK(member_text(R"({"id": 1, "id": 2})", "id") == "2");  // the last, as the parser keeps

@@ -43,6 +43,7 @@
 #include "core/flops.h"
 #include "core/generate.h"
 #include "core/log.h"
+#include "core/row_stats.h"
 #include "core/shard_plan.h"
 
 #ifdef FN_HAVE_CUDA
@@ -77,6 +78,7 @@ struct BenchCli {
   bool random_weights = false, skip_prefill = false, breakdown = false;
   int64_t breakdown_steps = 32;
   int64_t repetitions = 5, warmup = 1, ctx_size = 0, seed = 0;
+  int64_t logprobs = -1;  // --logprobs K; -1: not given
   double bandwidth_gbs = kH200CopyGbs;
   BackendFlags backend;
   CLI::Option* o_bandwidth = nullptr;
@@ -264,6 +266,7 @@ struct Report {
   std::string model, backend, all_reduce;
   int tp_size = 1;
   int64_t ctx_size = 0, repetitions = 0, warmup = 0, vocab_size = 0;
+  int64_t logprobs = -1;  // --logprobs K of every decoded token; -1: none
   uint64_t seed = 0;
   double bandwidth_gbs = kH200CopyGbs, load_ms = 0;
   std::string bandwidth_source;
@@ -360,6 +363,7 @@ json run_json(const Report& r) {
           {"repetitions", r.repetitions},
           {"warmup", r.warmup},
           {"seed", r.seed},
+          {"logprobs", r.logprobs},
           {"vocab_size", r.vocab_size},
           {"load_ms", r.load_ms},
           {"weights", r.random_weights ? "random" : "checkpoint"},
@@ -383,6 +387,7 @@ const std::vector<std::string>& csv_columns() {
                                                 "repetitions",
                                                 "warmup",
                                                 "seed",
+                                                "logprobs",
                                                 "weights",
                                                 "prefill",
                                                 "n_prompt",
@@ -770,6 +775,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   rep.repetitions = o.repetitions;
   rep.warmup = o.warmup;
   rep.seed = static_cast<uint64_t>(o.seed);
+  rep.logprobs = o.logprobs;
   rep.vocab_size = info.vocab_size;
   rep.load_ms = info.load_ms;
   rep.bandwidth_gbs = o.bandwidth_gbs;
@@ -790,6 +796,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   go.sampling.temperature = 0.0;  // greedy, ties to the lowest id (host argmax or on the device)
   go.ctx_size = ctx;
   go.ignore_eos = true;
+  go.top_logprobs = o.logprobs;
   const std::vector<int64_t> stops = stop_token_ids(cfg, gen);
 
   const std::size_t n_lanes = prompts.size() * gens.size();
@@ -928,6 +935,10 @@ void register_bench(CLI::App& app, CommandList& commands) {
       "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)",
       WholeRange(0, kMaxTokenCount));
   add_whole_option(sub, "-s,--seed", o->seed, "seed of the synthetic prompt ids (default 0)", {});
+  add_whole_option(sub, "--logprobs", o->logprobs,
+                   "also compute each decoded token's log-prob and its K most likely alternatives "
+                   "(as generate --logprobs K; the cost of that reduction in the TPOT)",
+                   WholeRange(0, kMaxTopLogprobs));
   o->o_bandwidth = add_real_option(
       sub, "--bandwidth-gbs", o->bandwidth_gbs,
       "reference memory bandwidth in GB/s for the roofline (default 4300: the measured H200 "

@@ -104,6 +104,9 @@ class ChoiceCheckedBackend final : public Backend {
   }
   void snapshot() override { inner_->snapshot(); }
   void restore() override { inner_->restore(); }
+  int64_t slot_count() const noexcept override { return inner_->slot_count(); }
+  int64_t selected_slot() const noexcept override { return inner_->selected_slot(); }
+  void select_slot(int64_t slot) override { inner_->select_slot(slot); }
   double device_used_mib() const override { return inner_->device_used_mib(); }
   int64_t graph_captures() const override { return inner_->graph_captures(); }
   void set_position_for_benchmark(int64_t position) override {
@@ -120,7 +123,8 @@ class ChoiceCheckedBackend final : public Backend {
   int64_t step_ = 0;
 };
 
-std::unique_ptr<CpuBackend> load_cpu(const std::filesystem::path& dir, Collectives& coll) {
+std::unique_ptr<CpuBackend> load_cpu(const std::filesystem::path& dir, Collectives& coll,
+                                     int64_t slots) {
   const auto t0 = std::chrono::steady_clock::now();
   // The shard load does not communicate; a rank-local failure (its slice of a file) is agreed
   // on, so rank 0 reports it.
@@ -128,7 +132,7 @@ std::unique_ptr<CpuBackend> load_cpu(const std::filesystem::path& dir, Collectiv
   agree_on_error(coll, [&] {
     model = with_tp_hint(dir, coll.size(), [&] { return CpuModel::load(dir, coll); });
   });
-  return std::make_unique<CpuBackend>(std::move(model), ms_since(t0));
+  return std::make_unique<CpuBackend>(std::move(model), ms_since(t0), slots);
 }
 
 #ifdef FN_HAVE_CUDA
@@ -189,6 +193,21 @@ std::unique_ptr<Backend> check_cuda_choices(std::unique_ptr<CudaBackend> b, Coll
 #endif
 
 }  // namespace
+
+void add_batch_flags(CLI::App* sub, BatchFlags& flags) {
+  flags.o_max_batch = add_whole_option(
+      sub, "--max-batch", flags.max_batch,
+      fmt::format("records decoded side by side, each in a sequence slot of its own (continuous "
+                  "batching: a record enters as soon as a slot frees; default 0: the backend's, "
+                  "{} on cpu, 1 on cuda)",
+                  kDefaultCpuSlots),
+      WholeRange(0, kMaxBatchSlots));
+  flags.o_prefill_budget = add_whole_option(
+      sub, "--prefill-budget", flags.prefill_budget,
+      "prompt tokens prefilled between two decode steps of the running records (a longer prompt "
+      "enters in chunks; default 2048)",
+      WholeRange(1, kMaxTokenCount));
+}
 
 void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
   sub->add_option("--backend", flags.backend,
@@ -318,7 +337,8 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
       FN_LOG_INFO("{}: {} {} to the cuda backend only; ignored on cpu", who, given,
                   flags.no_graph && flags.allreduce != "auto" ? "apply" : "applies");
     }
-    std::unique_ptr<CpuBackend> cpu = load_cpu(dir, coll);
+    const int64_t slots = flags.max_batch > 0 ? flags.max_batch : kDefaultCpuSlots;
+    std::unique_ptr<CpuBackend> cpu = load_cpu(dir, coll, slots);
     const BackendInfo info = cpu->info();
     std::unique_ptr<Backend> b = std::move(cpu);
     if (flags.check_choices) {
@@ -329,11 +349,17 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
       });
     }
     FN_LOG_INFO(
-        "{}: backend cpu, TP {}, model loaded in {:.0f} ms ({:.1f} MiB of weights per rank)", who,
-        info.tp_size, info.load_ms, info.weight_mib);
+        "{}: backend cpu, TP {}, model loaded in {:.0f} ms ({:.1f} MiB of weights per rank){}", who,
+        info.tp_size, info.load_ms, info.weight_mib,
+        slots > 1 ? fmt::format(", {} sequence slots", slots) : std::string());
     return b;
   }
 #ifdef FN_HAVE_CUDA
+  if (flags.max_batch > 1)
+    FN_LOG_INFO(
+        "{}: the cuda backend decodes one sequence at a time; --max-batch {} applies to the cpu "
+        "backend",
+        who, flags.max_batch);
   std::unique_ptr<CudaBackend> cuda = load_cuda(
       flags, mpi, coll, ctx_size, false,
       [&](const CudaModelOptions& opt, int tp) {

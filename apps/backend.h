@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/backend.h"
+#include "core/batch_engine.h"
 #include "core/collectives.h"
 #include "core/config.h"
 #include "core/error.h"
@@ -46,7 +47,30 @@ struct BackendFlags {
   /// --gpu-memory-utilization (cuda; CudaModelOptions::gpu_memory_utilization): the fraction of
   /// the free device memory `--ngram-table auto` lets the model use with the table on the device.
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
+  /// --max-batch (generate -i, eval score): sequences decoded side by side, each in a slot of
+  /// its own (Backend::slot_count); 0: the backend's default (kDefaultCpuSlots on cpu; the cuda
+  /// backend holds one sequence). Commands that run one sequence keep 1.
+  int64_t max_batch = 1;
 };
+
+/// The largest --max-batch.
+inline constexpr int64_t kMaxBatchSlots = 1024;
+
+/// The cpu backend's sequence slots under --max-batch 0: its caches grow in host memory with
+/// each sequence, so the count is a scheduling choice, not a memory bound.
+inline constexpr int64_t kDefaultCpuSlots = 8;
+
+/// The batching flags of the commands that run many sequences (generate -i, eval score).
+struct BatchFlags {
+  int64_t max_batch = 0;  ///< --max-batch: BackendFlags::max_batch (0: the backend's default)
+  int64_t prefill_budget =
+      kDefaultPrefillBudget;  ///< --prefill-budget: BatchEngineOptions::prefill_budget
+  CLI::Option* o_max_batch = nullptr;
+  CLI::Option* o_prefill_budget = nullptr;
+};
+
+/// Registers --max-batch (0 to kMaxBatchSlots) and --prefill-budget (>= 1) on `sub`.
+void add_batch_flags(CLI::App* sub, BatchFlags& flags);
 
 /// Registers --backend, --tp, --allreduce, --no-graph, --check-choices, --prefill-chunk,
 /// --ngram-table and --gpu-memory-utilization on `sub`

@@ -4,14 +4,18 @@
 //  - world rank 0 leads group 0 and dispatches: it plans the output records (line, sample),
 //    prepares each one when it is handed out (parse, tokenize, check; a bad record becomes an
 //    error record at once) and writes the results in order (OrderedWriter);
-//  - a leader g >= 1 sends kTagAsk to rank 0 (its last result, or nothing, or its failure) and
-//    receives kTagWork (a work item, or "end"); both are JSON texts on a duplicate of the world
-//    communicator, so they never meet the collectives;
-//  - within a group the leader broadcasts the work text (group collectives) and every rank runs
-//    it (core/generate.h generate, the backend reset first); the leader detokenizes and builds the
-//    output line;
-//  - rank 0 serves the other leaders between its own records and after every token of its own
-//    (the token hook), so an idle group waits at most about one decode step;
+//  - each group runs its records in a BatchEngine (core/batch_engine.h) over the backend's
+//    sequence slots (--max-batch): every iteration the leader broadcasts the records to admit
+//    into free slots and whether more may come ({"works": [...], "more": b}, group
+//    collectives), every rank admits them and runs one engine step; the leader detokenizes and
+//    builds the output lines of the records that finished;
+//  - a leader g >= 1 asks rank 0 for as many records as it has free slots (kTagAsk, answered
+//    with kTagWork: the records and whether the input is exhausted) and keeps stepping its
+//    running records while the answer is on its way; it sends each step's finished records
+//    (kTagResult) and, once done, a final kTagResult. These are JSON texts on a duplicate of the
+//    world communicator, so they never meet the collectives;
+//  - rank 0 serves the other leaders before each of its own steps and after every token it
+//    decides (the token hook), so a waiting group waits at most about one step;
 //  - an error in a group (a non-finite logit, a failed write on rank 0) stops the dispatch; every
 //    rank leaves its loop, and the error is agreed on over the world (rank 0 prints it once).
 #include "apps/batch_generate.h"
@@ -32,6 +36,7 @@
 #include "comm/mpi_check.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
+#include "core/batch_engine.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "tokenizer/tokenizer.h"
@@ -235,8 +240,9 @@ void check_batch_tp(int64_t tp, int world_size) {
 
 namespace {
 
-constexpr int kTagAsk = 71;   // leader -> rank 0: {"result": ...} | {"failed": true} | {}
-constexpr int kTagWork = 72;  // rank 0 -> leader: a work item | {"end": true}
+constexpr int kTagAsk = 71;     // leader -> rank 0: {"want": k}, answered with kTagWork
+constexpr int kTagWork = 72;    // rank 0 -> leader: {"works": [up to k items], "end": b}
+constexpr int kTagResult = 73;  // leader -> rank 0: {"results": [...], "final": b, "failed": b}
 
 std::string broadcast_text(Collectives& coll, std::string text) {
   int64_t n = static_cast<int64_t>(text.size());
@@ -332,16 +338,34 @@ struct Done {
   }
 };
 
-// A group's side: the model, the tokenizer (leader), and running one work item.
+// A group's side: the model, the tokenizer (leader), and its records in the batch engine.
 struct GroupRunner {
   const BatchOptions& o;
   Backend& model;
   Collectives& group;
   const Tokenizer* tokenizer;      // leader only (null without one)
   std::function<void()> on_token;  // world rank 0: serve the other leaders
+  BatchEngine engine;
+  // The records in the engine, by seq: the work and (leader) its detokenizer.
+  struct Running {
+    Work work;
+    std::unique_ptr<StreamingDetokenizer> detok;
+  };
+  std::map<int64_t, Running> running;
 
-  Done run(const Work& w) const {
-    GenerateOptions go;
+  GroupRunner(const BatchOptions& opts, Backend& m, Collectives& g, const Tokenizer* tok)
+      : o(opts),
+        model(m),
+        group(g),
+        tokenizer(tok),
+        engine(m, g, {.max_batch = m.slot_count(), .prefill_budget = opts.prefill_budget}) {}
+
+  // Puts `w` into the engine (every rank alike).
+  void admit(Work w) {
+    BatchRequest req;
+    req.key = w.seq;
+    req.prompt = w.ids;
+    GenerateOptions& go = req.options;
     go.sampling = w.settings.sampling;
     go.ctx_size = o.ctx;
     go.max_new_tokens =
@@ -351,36 +375,54 @@ struct GroupRunner {
     go.ignore_eos = o.ignore_eos;
     go.host_sampling = o.host_sampling;
     go.top_logprobs = w.settings.top_logprobs;
-    const bool leader = group.rank() == 0;
-    std::optional<StreamingDetokenizer> detok;
-    TextHooks hooks;
-    if (leader && (tokenizer || on_token)) {
-      if (tokenizer) detok.emplace(*tokenizer);
-      hooks.feed = [this, &detok](int32_t id) {
+    Running run{std::move(w), nullptr};
+    if (group.rank() == 0 && (tokenizer || on_token)) {
+      if (tokenizer) run.detok = std::make_unique<StreamingDetokenizer>(*tokenizer);
+      StreamingDetokenizer* detok = run.detok.get();
+      req.hooks.feed = [this, detok](int32_t id) {
         if (on_token) on_token();
         return detok ? detok->feed(id) : std::string();
       };
-      if (tokenizer) hooks.finish = [&detok] { return detok->finish(); };
+      if (detok) req.hooks.finish = [detok] { return detok->finish(); };
     }
-    model.reset();
-    const GenerationResult r = generate(model, group, w.ids, go, hooks);
-    Done d;
-    d.seq = w.seq;
-    d.tokens = static_cast<int64_t>(r.token_ids.size());
-    d.ttft_ms = r.ttft_ms;
-    d.itl_ms = r.itl_ms;
-    if (leader) {
-      json j = result_json(r, w.chat, tokenizer);
-      j["sampling"] = sampling_json(w.settings.sampling);
-      j["sample_index"] = w.sample;
-      // The leader's memory after this record (a soak compares the first and the last record).
-      j["host_rss_mib"] = current_rss_mib();
-      const BackendCapabilities caps = model.capabilities();
-      if (caps.device_memory) j["device_used_mib"] = model.device_used_mib();
-      if (caps.graph_captures) j["graph_captures"] = model.graph_captures();
-      d.line = record_line(w.id_text, j);
+    const int64_t seq = run.work.seq;
+    running.emplace(seq, std::move(run));
+    try {
+      engine.admit(std::move(req));
+    } catch (...) {
+      running.erase(seq);
+      throw;
     }
-    return d;
+  }
+
+  // One engine step; the records it finished, with their output lines on the leader.
+  std::vector<Done> step() {
+    std::vector<Done> done;
+    for (BatchOutput& out : engine.step()) {
+      const auto it = running.find(out.key);
+      FN_CHECK(it != running.end(), "the batch engine returned an unknown record {}", out.key);
+      const Work& w = it->second.work;
+      const GenerationResult& r = out.result;
+      Done d;
+      d.seq = w.seq;
+      d.tokens = static_cast<int64_t>(r.token_ids.size());
+      d.ttft_ms = r.ttft_ms;
+      d.itl_ms = r.itl_ms;
+      if (group.rank() == 0) {
+        json j = result_json(r, w.chat, tokenizer);
+        j["sampling"] = sampling_json(w.settings.sampling);
+        j["sample_index"] = w.sample;
+        // The leader's memory after this record (a soak compares the first and the last record).
+        j["host_rss_mib"] = current_rss_mib();
+        const BackendCapabilities caps = model.capabilities();
+        if (caps.device_memory) j["device_used_mib"] = model.device_used_mib();
+        if (caps.graph_captures) j["graph_captures"] = model.graph_captures();
+        d.line = record_line(w.id_text, j);
+      }
+      running.erase(it);
+      done.push_back(std::move(d));
+    }
+    return done;
   }
 };
 
@@ -735,9 +777,15 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
                                                                   &std::fclose);
 
-  GroupRunner runner{o, *model, *group, tok, nullptr};
+  GroupRunner runner(o, *model, *group, tok);
   std::exception_ptr run_error;  // this rank's own failure
   const auto t0 = std::chrono::steady_clock::now();
+  if (root)
+    FN_LOG_INFO(
+        "generate: up to {} sequence(s) side by side per group{}", runner.engine.capacity(),
+        runner.engine.capacity() > 1
+            ? fmt::format(" (continuous batching, {} prompt tokens per step)", o.prefill_budget)
+            : std::string());
 
   std::unique_ptr<Dispatcher> disp;
   std::unique_ptr<BatchProgress> progress;
@@ -749,76 +797,141 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
                   disp->total());
   }
 
+  // One iteration on every rank of a group: the leader's message {"works": [...], "more": b}
+  // (broadcast; empty text on the other ranks), its works admitted, one engine step. False once
+  // no work can come ("more" false) and none runs. Finished records go to `finished`.
+  const auto group_iteration = [&](const std::string& leader_text, std::vector<Done>& finished) {
+    const json m = json::parse(broadcast_text(*group, leader_text));
+    for (const json& w : m.at("works")) runner.admit(Work::from_json(w));
+    if (!m.at("more").get<bool>() && runner.engine.running() == 0) return false;
+    for (Done& d : runner.step()) finished.push_back(std::move(d));
+    return true;
+  };
+  const auto group_message = [](std::vector<Work>& works, bool more) {
+    json m = {{"works", json::array()}, {"more", more}};
+    for (const Work& w : works) m["works"].push_back(w.to_json());
+    works.clear();
+    return m.dump();
+  };
+
   if (root) {
-    // The other leaders not yet sent "end".
+    // The other leaders not yet finished (their "final" message).
     int active = n_groups - 1;
-    // Serves one message of another leader: its result or failure, then its next work.
-    const auto serve = [&](const std::string& text, int from) {
+    // One message of another leader: results (kTagResult, maybe its last or its failure) or an
+    // ask for up to "want" records (kTagAsk, answered with as many as are left and whether the
+    // input is exhausted).
+    const auto serve = [&](int tag, const std::string& text, int from) {
       const json m = json::parse(text);
-      if (m.contains("result")) disp->done(Done::from_json(m["result"]), *progress);
-      if (m.value("failed", false)) disp->fail(nullptr);
-      std::optional<Work> w = disp->next(*progress);
-      if (w) {
-        send_text(w->to_json().dump(), from, kTagWork, comms.dispatch);
-      } else {
-        send_text(json{{"end", true}}.dump(), from, kTagWork, comms.dispatch);
-        --active;
+      if (tag == kTagResult) {
+        for (const json& r : m.at("results")) disp->done(Done::from_json(r), *progress);
+        if (m.at("failed").get<bool>()) disp->fail(nullptr);
+        if (m.at("final").get<bool>()) --active;
+        return;
       }
+      json reply = {{"works", json::array()}, {"end", false}};
+      const auto want = m.at("want").get<std::size_t>();
+      while (reply["works"].size() < want) {
+        std::optional<Work> w = disp->next(*progress);
+        if (!w) {
+          reply["end"] = true;
+          break;
+        }
+        reply["works"].push_back(w->to_json());
+      }
+      send_text(reply.dump(), from, kTagWork, comms.dispatch);
     };
-    const auto poll = [&] {
+    // Serves every message waiting (with `block`, waits for one first).
+    const auto poll = [&](bool block) {
       if (n_groups == 1) return;
       for (;;) {
+        MPI_Status st;
         int flag = 0;
-        FN_MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, kTagAsk, comms.dispatch, &flag, MPI_STATUS_IGNORE));
+        if (block) {
+          FN_MPI_CHECK(MPI_Probe(MPI_ANY_SOURCE, MPI_ANY_TAG, comms.dispatch, &st));
+          flag = 1;
+          block = false;
+        } else {
+          FN_MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comms.dispatch, &flag, &st));
+        }
         if (!flag) return;
-        int from = 0;
-        const std::string text = recv_text(MPI_ANY_SOURCE, kTagAsk, comms.dispatch, &from);
-        serve(text, from);
+        const std::string text = recv_text(st.MPI_SOURCE, st.MPI_TAG, comms.dispatch);
+        serve(st.MPI_TAG, text, st.MPI_SOURCE);
       }
     };
-    runner.on_token = poll;
+    runner.on_token = [&poll] { poll(false); };
+    bool more = true;
     for (;;) {
-      poll();
-      std::optional<Work> w = disp->next(*progress);
-      if (!w) break;
-      broadcast_text(*group, w->to_json().dump());
+      poll(false);
+      std::vector<Work> works;
+      more = more && !disp->failed();
+      while (more && runner.engine.free_slots() > static_cast<int64_t>(works.size())) {
+        std::optional<Work> w = disp->next(*progress);
+        if (!w) {
+          more = false;
+          break;
+        }
+        works.push_back(std::move(*w));
+      }
+      std::vector<Done> finished;
+      bool go_on = false;
       try {
-        disp->done(runner.run(*w), *progress);
+        go_on = group_iteration(group_message(works, more), finished);
       } catch (...) {
         disp->fail(std::current_exception());
       }
+      for (const Done& d : finished) disp->done(d, *progress);
+      if (!go_on) break;
     }
-    broadcast_text(*group, json{{"end", true}}.dump());
-    while (active > 0) {
-      int from = 0;
-      const std::string text = recv_text(MPI_ANY_SOURCE, kTagAsk, comms.dispatch, &from);
-      serve(text, from);
-    }
+    while (active > 0) poll(true);
     progress->clear();
     run_error = disp->error();
   } else if (leader) {
-    json ask = json::object();
+    bool exhausted = false, asked = false;
+    std::vector<Work> got;
+    const auto send_results = [&](const std::vector<Done>& done, bool final) {
+      json m = {{"results", json::array()}, {"final", final}, {"failed", run_error != nullptr}};
+      for (const Done& d : done) m["results"].push_back(d.to_json());
+      send_text(m.dump(), 0, kTagResult, comms.dispatch);
+    };
+    const auto take_reply = [&] {
+      const json m = json::parse(recv_text(0, kTagWork, comms.dispatch));
+      for (const json& w : m.at("works")) got.push_back(Work::from_json(w));
+      exhausted = m.at("end").get<bool>();
+      asked = false;
+    };
     for (;;) {
-      send_text(ask.dump(), 0, kTagAsk, comms.dispatch);
-      const std::string text = recv_text(0, kTagWork, comms.dispatch);
-      broadcast_text(*group, text);
-      const json m = json::parse(text);
-      if (m.contains("end")) break;
+      if (asked) {  // the answer to the ask: waited for when nothing runs
+        int flag = 1;
+        if (runner.engine.running() > 0 || !got.empty())
+          FN_MPI_CHECK(MPI_Iprobe(0, kTagWork, comms.dispatch, &flag, MPI_STATUS_IGNORE));
+        if (flag) take_reply();
+      }
+      const int64_t want = runner.engine.free_slots() - static_cast<int64_t>(got.size());
+      if (!asked && !exhausted && want > 0) {
+        send_text(json{{"want", want}}.dump(), 0, kTagAsk, comms.dispatch);
+        asked = true;
+        if (runner.engine.running() == 0 && got.empty()) take_reply();
+      }
+      std::vector<Done> finished;
+      bool go_on = false;
       try {
-        ask = {{"result", runner.run(Work::from_json(m)).to_json()}};
+        go_on = group_iteration(group_message(got, !exhausted || asked), finished);
       } catch (...) {
         run_error = std::current_exception();
-        ask = {{"failed", true}};
       }
+      if (!finished.empty()) send_results(finished, false);
+      if (!go_on) break;
     }
+    if (asked) take_reply();  // rank 0 answers every ask
+    send_results({}, true);
   } else {
     for (;;) {
-      const json m = json::parse(broadcast_text(*group, std::string()));
-      if (m.contains("end")) break;
+      std::vector<Done> finished;
       try {
-        if (!run_error) runner.run(Work::from_json(m));
+        if (!group_iteration(std::string(), finished)) break;
       } catch (...) {
         run_error = std::current_exception();
+        break;
       }
     }
   }

@@ -1,11 +1,13 @@
 // Batch generation, `mpirun -np W fngen generate --tp T -i in.jsonl [-o out.jsonl] [--resume]`:
 // the W ranks form W/T tensor-parallel groups (consecutive world ranks, one node each; GPUs by
-// node-local rank), each loads the model once, and world rank 0 hands the records out: a group's
-// leader asks for work when idle, the record runs on every rank of that group, and its output
-// line goes back to rank 0, which writes the records in input order, each as soon as it and
-// every earlier one are done. Each record may set its own sampling ("seed", "temperature",
-// "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
-// "max_tokens", "stop", "n"; apps/batch_records.h); without a "seed" its seed derives from
+// node-local rank), each loads the model once, and world rank 0 hands the records out: a group
+// runs up to --max-batch records side by side (continuous batching, core/batch_engine.h; a
+// record enters as soon as a slot frees), its leader asks for records as slots free, and each
+// output line goes back to rank 0, which writes the records in input order, each as soon as it
+// and every earlier one are done. A record's output does not depend on its neighbours. Each record
+// may set its own sampling ("seed", "temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+// "presence_penalty", "frequency_penalty", "max_tokens", "stop", "n"; apps/batch_records.h);
+// without a "seed" its seed derives from
 // --seed and its line number. --resume skips the records an earlier run already wrote to -o.
 // Also the pieces the single-prompt path shares (the result JSON, the -n rules).
 #pragma once
@@ -20,6 +22,7 @@
 
 #include "apps/backend.h"
 #include "apps/batch_records.h"
+#include "core/batch_engine.h"
 #include "core/collectives.h"
 #include "core/generate.h"
 #include "tokenizer/chat.h"
@@ -117,6 +120,8 @@ struct BatchOptions {
   ChatOptions chat_options;
   std::string system_prompt;   ///< prepended to chat prompts and "messages" without a system turn
   bool host_sampling = false;  ///< --host-sampling (GenerateOptions::host_sampling)
+  /// --prefill-budget: prompt tokens a group prefills per engine step (BatchEngineOptions).
+  int64_t prefill_budget = kDefaultPrefillBudget;
   int64_t vocab_size = 0;
 };
 

@@ -35,6 +35,7 @@
 #include "apps/whole_number.h"
 #include "comm/mpi_collectives.h"
 #include "comm/mpi_context.h"
+#include "core/batch_engine.h"
 #include "core/config.h"
 #include "core/error.h"
 #include "core/eval.h"
@@ -93,6 +94,7 @@ struct EvalCli {
   int64_t max_new_tokens = 256, score_ctx = 0;
   double temp = 0.0;
   std::string score_seed = "-1";  // -1 (random, printed) or a uint64
+  BatchFlags batch;
   bool chat = false, think = false, no_think = false, ignore_eos = false;
   CLI::App *ppl = nullptr, *dump = nullptr, *kld = nullptr, *score = nullptr, *loglik = nullptr;
 };
@@ -588,6 +590,7 @@ Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t
 }
 
 int run_score(EvalCli& o, MpiContext& mpi) {
+  o.score_c.backend.max_batch = o.batch.max_batch;
   const CommonCli& c = o.score_c;
   const bool root = mpi.world_rank() == 0;
   const fs::path dir = c.config_source();
@@ -669,161 +672,203 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   };
   std::map<std::string, Tally> tally;
   Tally total;
+  // The records run side by side in the batch engine (--max-batch); each is written in input
+  // order once it and every earlier one are done. Which lines are done is known on every rank
+  // (the statuses and the engine's outputs are), the records themselves on rank 0.
+  BatchEngine engine(
+      *l.backend, coll,
+      {.max_batch = l.backend->slot_count(), .prefill_budget = o.batch.prefill_budget});
+  struct Running {
+    Task t;
+    std::unique_ptr<StreamingDetokenizer> detok;  // rank 0, with a tokenizer
+  };
+  std::map<int64_t, Running> running;  // by line index
+  std::map<int64_t, json> ready;       // finished records by line index (rank 0: the record)
+  int64_t next_write = 0;
+  const auto write_ready = [&] {
+    for (auto it = ready.begin(); it != ready.end() && it->first == next_write;
+         it = ready.erase(it), ++next_write) {
+      if (it->second.is_null()) continue;  // a blank line: no record (the same on every rank)
+      emit([&] { return it->second; });
+    }
+  };
+  // Rank 0's record of a finished task.
+  const auto score_record = [&](const Task& t, const GenerationResult& r, int64_t li) {
+    std::string text = r.text;
+    if (!tok) {
+      // ids-only model: the text is the generated ids without the stop id, space separated.
+      text.clear();
+      for (const int32_t id : r.token_ids) {
+        if (r.finish == FinishReason::Eos && &id == &r.token_ids.back()) break;
+        text += std::to_string(id) + " ";
+      }
+    }
+    const ReasoningSplit split = split_reasoning(text);
+    // A pattern PCRE2 gives up on (its match or heap limit) makes the record an error.
+    std::optional<std::string> got;
+    std::string match_error;
+    try {
+      got = extract_answer(split.content, t.pattern.get());
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Format) throw;
+      match_error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
+      FN_LOG_WARN("{}", match_error);
+    }
+    const bool ok =
+        got.has_value() && std::find(t.answers.begin(), t.answers.end(), *got) != t.answers.end();
+    Tally& tt = tally[t.task];
+    ++tt.n;
+    ++total.n;
+    tt.correct += ok;
+    total.correct += ok;
+    json j = {{"id", t.id},
+              {"task", t.task},
+              {"correct", ok},
+              {"extracted", got ? json(*got) : json(nullptr)},
+              {"answer", t.answers.size() == 1 ? json(t.answers[0]) : json(t.answers)},
+              {"content", split.content},
+              {"finish_reason", finish_reason_name(r.finish)},
+              {"n_prompt_tokens", r.n_prompt_tokens},
+              {"n_gen_tokens", r.token_ids.size()},
+              {"seed", t.settings.sampling.seed},
+              {"e2e_ms", r.e2e_ms}};
+    if (split.has_reasoning) j["reasoning"] = split.reasoning;
+    if (!t.regex.empty()) j["regex"] = t.regex;
+    if (!match_error.empty()) {
+      j["error"] = match_error;
+      ++tt.errors;
+      ++total.errors;
+    }
+    return j;
+  };
   int64_t n_lines = static_cast<int64_t>(lines.size());
   coll.broadcast(&n_lines, sizeof(n_lines), 0);
-  for (int64_t li = 0; li < n_lines; ++li) {
-    int32_t status = 0;  // 0 blank, 1 run, 2 error
-    Task t;
-    std::string error;
-    if (root) {
-      const std::string& line = lines[static_cast<std::size_t>(li)];
-      t.id = li + 1;
-      if (line.find_first_not_of(" \t\r") != std::string::npos) {
-        status = 1;
-        try {
-          const json rec = parse_json_line(line);
-          if (rec.is_object() && rec.contains("id")) t.id = rec["id"];
-          if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
-            t.task = rec["task"].get<std::string>();
-          if (rec.is_object()) {
-            for (const auto& [key, value] : rec.items()) {
-              if (score_fields().count(key) || !warned.insert(key).second) continue;
-              FN_LOG_WARN(
-                  "{}: line {}: field \"{}\" is not one fngen eval score reads; ignored (said "
-                  "once per field name)",
-                  o.input, li + 1, key);
-            }
-          }
-          Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
-          parsed.id = t.id;
-          t = std::move(parsed);
-          t.settings = record_settings(rec, defaults, &score_fields());
-          if (!t.settings.seed_given)
-            t.settings.sampling.seed = record_seed(base_seed, static_cast<uint64_t>(li + 1));
-          FN_REQUIRE(t.settings.stop.empty() || tok != nullptr, Format,
-                     "\"stop\" needs a tokenizer to match text, and {} has none", dir.string());
-          FN_REQUIRE(!t.ids.empty(), Format, "the prompt has no tokens");
-          const auto n_prompt = static_cast<int64_t>(t.ids.size());
-          if (t.settings.max_new_tokens == -1) {
-            FN_REQUIRE(n_prompt < ctx, Format,
-                       "the prompt ({} tokens) leaves no room in the context size -c/--ctx-size "
-                       "{} for \"max_tokens\": -1",
-                       n_prompt, ctx);
-            t.settings.max_new_tokens = ctx - n_prompt;
-          }
-          check_context(n_prompt, t.settings.max_new_tokens, ctx);
-        } catch (const Error& e) {
-          status = 2;
-          error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
-        }
-      }
-    }
-    coll.broadcast(&status, sizeof(status), 0);
-    if (status == 0) continue;
-    if (status == 2) {
+  int64_t li = 0;
+  while (li < n_lines || engine.running() > 0) {
+    // Admit the next records while slots are free.
+    for (; li < n_lines && engine.free_slots() > 0; ++li) {
+      int32_t status = 0;  // 0 blank, 1 run, 2 error
+      Task t;
+      std::string error;
       if (root) {
-        FN_LOG_WARN("{}", error);
-        ++tally[t.task].errors;
-        ++tally[t.task].n;
-        ++total.errors;
-        ++total.n;
-      }
-      emit([&] {
-        return json{{"id", t.id}, {"task", t.task}, {"correct", false}, {"error", error}};
-      });
-      continue;
-    }
-    t.ids = broadcast_ids(coll, t.ids);
-    {  // this record's settings, from rank 0
-      std::string text =
-          root
-              ? json{{"sampling",
-                      {t.settings.sampling.temperature, t.settings.sampling.top_k,
-                       t.settings.sampling.top_p, t.settings.sampling.min_p,
-                       t.settings.sampling.repetition_penalty, t.settings.sampling.presence_penalty,
-                       t.settings.sampling.frequency_penalty}},
-                     {"seed", t.settings.sampling.seed},
-                     {"max_new", t.settings.max_new_tokens},
-                     {"stop", t.settings.stop}}
-                    .dump()
-              : std::string();
-      int64_t n = static_cast<int64_t>(text.size());
-      coll.broadcast(&n, sizeof(n), 0);
-      text.resize(static_cast<std::size_t>(n));
-      coll.broadcast(text.data(), text.size(), 0);
-      const json j = json::parse(text);
-      const json& sp = j.at("sampling");
-      go.sampling.temperature = sp.at(0).get<double>();
-      go.sampling.top_k = sp.at(1).get<int64_t>();
-      go.sampling.top_p = sp.at(2).get<double>();
-      go.sampling.min_p = sp.at(3).get<double>();
-      go.sampling.repetition_penalty = sp.at(4).get<double>();
-      go.sampling.presence_penalty = sp.at(5).get<double>();
-      go.sampling.frequency_penalty = sp.at(6).get<double>();
-      go.sampling.seed = j.at("seed").get<uint64_t>();
-      go.max_new_tokens = j.at("max_new").get<int64_t>();
-      go.stop_strings = j.at("stop").get<std::vector<std::string>>();
-    }
-    l.backend->reset();
-    std::optional<StreamingDetokenizer> detok;
-    TextHooks hooks;
-    if (root && tok) {
-      detok.emplace(*tok);
-      hooks.feed = [&detok](int32_t id) { return detok->feed(id); };
-      hooks.finish = [&detok] { return detok->finish(); };
-    } else if (root) {
-      hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
-    }
-    const GenerationResult r = generate(*l.backend, coll, t.ids, go, hooks);
-    json j;  // rank 0's record
-    if (root) {
-      std::string text = r.text;
-      if (!tok) {
-        // ids-only model: the text is the generated ids without the stop id, space separated.
-        text.clear();
-        for (const int32_t id : r.token_ids) {
-          if (r.finish == FinishReason::Eos && &id == &r.token_ids.back()) break;
-          text += std::to_string(id) + " ";
+        const std::string& line = lines[static_cast<std::size_t>(li)];
+        t.id = li + 1;
+        if (line.find_first_not_of(" \t\r") != std::string::npos) {
+          status = 1;
+          try {
+            const json rec = parse_json_line(line);
+            if (rec.is_object() && rec.contains("id")) t.id = rec["id"];
+            if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
+              t.task = rec["task"].get<std::string>();
+            if (rec.is_object()) {
+              for (const auto& [key, value] : rec.items()) {
+                if (score_fields().count(key) || !warned.insert(key).second) continue;
+                FN_LOG_WARN(
+                    "{}: line {}: field \"{}\" is not one fngen eval score reads; ignored (said "
+                    "once per field name)",
+                    o.input, li + 1, key);
+              }
+            }
+            Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
+            parsed.id = t.id;
+            t = std::move(parsed);
+            t.settings = record_settings(rec, defaults, &score_fields());
+            if (!t.settings.seed_given)
+              t.settings.sampling.seed = record_seed(base_seed, static_cast<uint64_t>(li + 1));
+            FN_REQUIRE(t.settings.stop.empty() || tok != nullptr, Format,
+                       "\"stop\" needs a tokenizer to match text, and {} has none", dir.string());
+            FN_REQUIRE(!t.ids.empty(), Format, "the prompt has no tokens");
+            const auto n_prompt = static_cast<int64_t>(t.ids.size());
+            if (t.settings.max_new_tokens == -1) {
+              FN_REQUIRE(n_prompt < ctx, Format,
+                         "the prompt ({} tokens) leaves no room in the context size -c/--ctx-size "
+                         "{} for \"max_tokens\": -1",
+                         n_prompt, ctx);
+              t.settings.max_new_tokens = ctx - n_prompt;
+            }
+            check_context(n_prompt, t.settings.max_new_tokens, ctx);
+          } catch (const Error& e) {
+            status = 2;
+            error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
+          }
         }
       }
-      const ReasoningSplit split = split_reasoning(text);
-      // A pattern PCRE2 gives up on (its match or heap limit) makes the record an error.
-      std::optional<std::string> got;
-      std::string match_error;
-      try {
-        got = extract_answer(split.content, t.pattern.get());
-      } catch (const Error& e) {
-        if (e.kind() != ErrorKind::Format) throw;
-        match_error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
-        FN_LOG_WARN("{}", match_error);
+      coll.broadcast(&status, sizeof(status), 0);
+      if (status == 0) {
+        ready.emplace(li, json());
+        continue;
       }
-      const bool ok =
-          got.has_value() && std::find(t.answers.begin(), t.answers.end(), *got) != t.answers.end();
-      Tally& tt = tally[t.task];
-      ++tt.n;
-      ++total.n;
-      tt.correct += ok;
-      total.correct += ok;
-      j = {{"id", t.id},
-           {"task", t.task},
-           {"correct", ok},
-           {"extracted", got ? json(*got) : json(nullptr)},
-           {"answer", t.answers.size() == 1 ? json(t.answers[0]) : json(t.answers)},
-           {"content", split.content},
-           {"finish_reason", finish_reason_name(r.finish)},
-           {"n_prompt_tokens", r.n_prompt_tokens},
-           {"n_gen_tokens", r.token_ids.size()},
-           {"seed", go.sampling.seed},
-           {"e2e_ms", r.e2e_ms}};
-      if (split.has_reasoning) j["reasoning"] = split.reasoning;
-      if (!t.regex.empty()) j["regex"] = t.regex;
-      if (!match_error.empty()) {
-        j["error"] = match_error;
-        ++tt.errors;
-        ++total.errors;
+      if (status == 2) {
+        json j;
+        if (root) {
+          FN_LOG_WARN("{}", error);
+          ++tally[t.task].errors;
+          ++tally[t.task].n;
+          ++total.errors;
+          ++total.n;
+          j = {{"id", t.id}, {"task", t.task}, {"correct", false}, {"error", error}};
+        }
+        ready.emplace(li, root ? j : json::object());
+        continue;
       }
+      t.ids = broadcast_ids(coll, t.ids);
+      {  // this record's settings, from rank 0
+        std::string text = root ? json{{"sampling",
+                                        {t.settings.sampling.temperature, t.settings.sampling.top_k,
+                                         t.settings.sampling.top_p, t.settings.sampling.min_p,
+                                         t.settings.sampling.repetition_penalty,
+                                         t.settings.sampling.presence_penalty,
+                                         t.settings.sampling.frequency_penalty}},
+                                       {"seed", t.settings.sampling.seed},
+                                       {"max_new", t.settings.max_new_tokens},
+                                       {"stop", t.settings.stop}}
+                                      .dump()
+                                : std::string();
+        int64_t n = static_cast<int64_t>(text.size());
+        coll.broadcast(&n, sizeof(n), 0);
+        text.resize(static_cast<std::size_t>(n));
+        coll.broadcast(text.data(), text.size(), 0);
+        const json j = json::parse(text);
+        const json& sp = j.at("sampling");
+        SamplingParams& p = t.settings.sampling;
+        p.temperature = sp.at(0).get<double>();
+        p.top_k = sp.at(1).get<int64_t>();
+        p.top_p = sp.at(2).get<double>();
+        p.min_p = sp.at(3).get<double>();
+        p.repetition_penalty = sp.at(4).get<double>();
+        p.presence_penalty = sp.at(5).get<double>();
+        p.frequency_penalty = sp.at(6).get<double>();
+        p.seed = j.at("seed").get<uint64_t>();
+        t.settings.max_new_tokens = j.at("max_new").get<int64_t>();
+        t.settings.stop = j.at("stop").get<std::vector<std::string>>();
+      }
+      BatchRequest req;
+      req.key = li;
+      req.prompt = t.ids;
+      req.options = go;
+      req.options.sampling = t.settings.sampling;
+      req.options.max_new_tokens = t.settings.max_new_tokens;
+      req.options.stop_strings = t.settings.stop;
+      Running run{std::move(t), nullptr};
+      if (root && tok) {
+        run.detok = std::make_unique<StreamingDetokenizer>(*tok);
+        StreamingDetokenizer* d = run.detok.get();
+        req.hooks.feed = [d](int32_t id) { return d->feed(id); };
+        req.hooks.finish = [d] { return d->finish(); };
+      } else if (root) {
+        req.hooks.feed = [](int32_t id) { return std::to_string(id) + " "; };
+      }
+      running.emplace(li, std::move(run));
+      engine.admit(std::move(req));
     }
-    emit([&] { return j; });
+    for (BatchOutput& done : engine.step()) {
+      const auto it = running.find(done.key);
+      FN_CHECK(it != running.end(), "the batch engine returned an unknown record {}", done.key);
+      ready.emplace(done.key,
+                    root ? score_record(it->second.t, done.result, done.key) : json::object());
+      running.erase(it);
+    }
+    write_ready();
   }
   if (root) {
     if (out != stdout) std::fclose(out);
@@ -1226,6 +1271,7 @@ void register_eval(CLI::App& app, CommandList& commands) {
   o->score->add_flag("--think", o->think, "chat: thinking on");
   o->score->add_flag("--no-think", o->no_think, "chat: thinking off");
   o->score->add_flag("--ignore-eos", o->ignore_eos, "do not stop on the EOS ids");
+  add_batch_flags(o->score, o->batch);
 
   o->loglik = ev->add_subcommand(
       "loglik",

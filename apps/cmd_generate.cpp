@@ -54,6 +54,7 @@ struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
   std::string chat_template;
   BackendFlags backend;
+  BatchFlags batch;                          // -i only
   int64_t max_new_tokens = 0, ctx_size = 0;  // max_new_tokens 0: the default (kDefaultNewTokens)
   double temp = 1.0, top_p = 1.0, min_p = 0.0, repeat_penalty = 1.0, presence = 0.0,
          frequency = 0.0;
@@ -257,6 +258,11 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   check_top_logprobs(o.logprobs);
   FN_REQUIRE(o.logprobs < 0 || o.json_out || !o.input.empty(), Usage,
              "--logprobs reports in the JSON outputs: add --json (or give -i/--input records)");
+  FN_REQUIRE(!o.input.empty() ||
+                 (o.batch.o_max_batch->count() == 0 && o.batch.o_prefill_budget->count() == 0),
+             Usage,
+             "--max-batch and --prefill-budget apply to -i/--input (batch generation); one prompt "
+             "runs alone");
 
   return st;
 }
@@ -339,6 +345,8 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     bo.resume = o.resume;
     bo.model_dir = dir;
     bo.backend = o.backend;
+    bo.backend.max_batch = o.batch.max_batch;
+    bo.prefill_budget = o.batch.prefill_budget;
     bo.ctx = ctx;
     bo.defaults.sampling = sp;
     bo.defaults.max_new_tokens = o.max_new_tokens;
@@ -473,6 +481,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
   sub->add_option("--chat-template", o->chat_template, "qwen3 | qwen3.8 (default qwen3.8)")
       ->check(CLI::IsMember({"qwen3", "qwen3.8"}));
   add_backend_flags(sub, o->backend);
+  add_batch_flags(sub, o->batch);
   sub->add_flag("--json", o->json_out, "print the result as one JSON object on stdout");
   commands.push_back({sub, [o](MpiContext& mpi) { return run_generate(*o, mpi); }});
 }

@@ -39,6 +39,39 @@ std::vector<int32_t> Backend::decode(int32_t, int64_t, const SamplingParams&, ui
   FN_THROW(Internal, "the {} backend does not sample on the device (decode)", info_.name);
 }
 
+void Backend::select_slot(int64_t slot) {
+  FN_CHECK(slot == 0, "the {} backend has one sequence slot, not slot {}", info_.name, slot);
+}
+
+std::span<const float> Backend::forward_batch(std::span<const int64_t> slots,
+                                              std::span<const int32_t> tokens) {
+  const int64_t n_slots = slot_count();
+  FN_CHECK(!slots.empty() && slots.size() == tokens.size(),
+           "forward_batch: {} slots for {} tokens (need the same number, at least one)",
+           slots.size(), tokens.size());
+  std::vector<bool> seen(static_cast<std::size_t>(n_slots), false);
+  for (const int64_t s : slots) {
+    FN_CHECK(s >= 0 && s < n_slots, "forward_batch: slot {} outside [0, {})", s, n_slots);
+    FN_CHECK(!seen[static_cast<std::size_t>(s)], "forward_batch: slot {} given twice", s);
+    seen[static_cast<std::size_t>(s)] = true;
+  }
+  const auto V = static_cast<std::size_t>(info_.vocab_size);
+  batch_logits_.resize(slots.size() * V);
+  const int64_t was = selected_slot();
+  try {
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      select_slot(slots[i]);
+      const std::span<const float> row = forward(tokens[i]);
+      std::copy(row.begin(), row.end(), batch_logits_.begin() + static_cast<std::ptrdiff_t>(i * V));
+    }
+  } catch (...) {
+    select_slot(was);
+    throw;
+  }
+  select_slot(was);
+  return batch_logits_;
+}
+
 double Backend::device_used_mib() const {
   FN_THROW(Internal, "the {} backend has no device memory figure", info_.name);
 }

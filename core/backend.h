@@ -7,10 +7,11 @@
 // same arguments (each call may hold collectives), and every rank gets the same logits and ids.
 // No CUDA syntax here.
 //
-// Room to grow: the functions below run one sequence. A backend that runs many sequences at once
-// (slots, one step per batch) will report it in BackendCapabilities and add its batched calls
-// beside these, which keep meaning "the one sequence". Facts decided at load (a host-resident
-// table's bytes, say) are new BackendInfo fields.
+// Sequences side by side: a backend holds slot_count() sequence slots (per-sequence state:
+// position, caches, recurrent and convolution states, n-gram context). The single-sequence
+// functions (reset, position, forward, prefill, prefill_rows, snapshot, restore, decode) act on
+// the selected slot (select_slot; slot 0 after the load); forward_batch runs one decode step
+// for several slots at once. The continuous-batching engine (core/batch_engine.h) drives them.
 #pragma once
 
 #include <cstdint>
@@ -140,6 +141,29 @@ class Backend {
                                       uint64_t seed, const std::function<bool(int32_t)>& on_token,
                                       int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs);
 
+  /// The number of sequence slots this backend holds (>= 1; 1: only the one sequence).
+  virtual int64_t slot_count() const noexcept { return 1; }
+
+  /// The slot the single-sequence functions act on (0 after the load).
+  virtual int64_t selected_slot() const noexcept { return 0; }
+
+  /// Makes slot `slot` the one the single-sequence functions act on; the other slots keep their
+  /// sequences untouched. A slot never selected before starts as after reset(). Every rank
+  /// calls it alike. Throws fn::Error(Internal) for a slot outside [0, slot_count()).
+  virtual void select_slot(int64_t slot);
+
+  /// One decode step for several sequences: feeds tokens[i] to slot slots[i] at that slot's
+  /// position and returns their logits, row i (vocab_size FP32 values at offset i * vocab_size)
+  /// for slots[i], identical on every rank and valid until the next call on this backend. Every
+  /// slot's state ends as one forward(tokens[i]) on it alone would leave it, and its row equals
+  /// that forward()'s logits (bitwise on a backend that runs them one after the other, as the
+  /// default does; a batched device step within the numerics contract, docs/numerics.md). The
+  /// selected slot is unchanged. Throws fn::Error(Internal) for mismatched lengths, an empty
+  /// list, a slot outside [0, slot_count()) or one given twice, and as forward() (the slots
+  /// before the failing one have run).
+  virtual std::span<const float> forward_batch(std::span<const int64_t> slots,
+                                               std::span<const int32_t> tokens);
+
   /// capabilities().device_memory only: device memory in use on this rank's device now, MiB
   /// (total - free). A soak compares it across records. Throws fn::Error(Internal) without it.
   virtual double device_used_mib() const;
@@ -163,6 +187,9 @@ class Backend {
   explicit Backend(BackendInfo info) : info_(std::move(info)) {}
 
   BackendInfo info_;
+
+ private:
+  std::vector<float> batch_logits_;  // forward_batch's rows (the default implementation)
 };
 
 }  // namespace fn

@@ -22,8 +22,23 @@ BackendInfo cpu_info(const CpuModel* model, double load_ms) {
 
 }  // namespace
 
-CpuBackend::CpuBackend(std::unique_ptr<CpuModel> model, double load_ms)
-    : Backend(cpu_info(model.get(), load_ms)), model_(std::move(model)) {}
+CpuBackend::CpuBackend(std::unique_ptr<CpuModel> model, double load_ms, int64_t slots)
+    : Backend(cpu_info(model.get(), load_ms)), model_(std::move(model)) {
+  FN_CHECK(slots >= 1, "CpuBackend needs at least one slot, got {}", slots);
+  model_->set_slot_count(slots);
+}
+
+int64_t CpuBackend::slot_count() const noexcept {
+  return model_->slot_count();
+}
+
+int64_t CpuBackend::selected_slot() const noexcept {
+  return model_->selected_slot();
+}
+
+void CpuBackend::select_slot(int64_t slot) {
+  model_->select_slot(slot);
+}
 
 BackendCapabilities CpuBackend::capabilities() const noexcept {
   BackendCapabilities c;

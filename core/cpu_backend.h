@@ -12,10 +12,12 @@ namespace fn {
 
 class CpuBackend final : public Backend {
  public:
-  /// Wraps `model` (not null); `load_ms` is the wall time its load took on this rank. The facts:
-  /// name "cpu", all-reduce "mpi" at TP > 1 (else ""), the model's vocab_size and TP size, its
-  /// weight bytes in MiB. Throws fn::Error(Internal) for a null model.
-  CpuBackend(std::unique_ptr<CpuModel> model, double load_ms);
+  /// Wraps `model` (not null) with `slots` sequence slots (CpuModel::set_slot_count; each
+  /// slot's caches grow in host memory as its sequence does); `load_ms` is the wall time its
+  /// load took on this rank. The facts: name "cpu", all-reduce "mpi" at TP > 1 (else ""), the
+  /// model's vocab_size and TP size, its weight bytes in MiB. Throws fn::Error(Internal) for a
+  /// null model or slots < 1.
+  CpuBackend(std::unique_ptr<CpuModel> model, double load_ms, int64_t slots = 1);
 
   /// The wrapped model (for --check-choices' last_choices()).
   const CpuModel& model() const noexcept { return *model_; }
@@ -33,6 +35,11 @@ class CpuBackend final : public Backend {
   void snapshot() override;
   /// CpuModel::restore (fn::Error(Internal) before any snapshot()).
   void restore() override;
+  /// CpuModel's slots; forward_batch is the default (forward() slot after slot, so each row is
+  /// bitwise the one-sequence forward()).
+  int64_t slot_count() const noexcept override;
+  int64_t selected_slot() const noexcept override;
+  void select_slot(int64_t slot) override;
 
  private:
   std::unique_ptr<CpuModel> model_;

@@ -201,9 +201,6 @@ struct CpuModel::Layer {
 
 // ---- loading ---------------------------------------------------------------------------------
 
-CpuModel::CpuModel(ModelConfig cfg, Collectives& coll)
-    : cfg_(std::move(cfg)), coll_(coll), tp_rank_(coll.rank()), tp_size_(coll.size()) {}
-
 struct CpuModel::Saved {
   struct LayerState {
     std::vector<float> ple_conv, gdn_conv, gdn_S, K, V, raw_keys, block_keys;
@@ -213,7 +210,60 @@ struct CpuModel::Saved {
   std::vector<LayerState> layers;
 };
 
+struct CpuModel::Slot {
+  Saved state;
+  bool fresh = true;
+};
+
+CpuModel::CpuModel(ModelConfig cfg, Collectives& coll)
+    : cfg_(std::move(cfg)), coll_(coll), tp_rank_(coll.rank()), tp_size_(coll.size()) {
+  slots_.resize(1);
+  slots_[0].fresh = false;  // the load resets the one sequence
+}
+
 CpuModel::~CpuModel() = default;
+
+void CpuModel::swap_state(Saved& st) {
+  std::swap(position_, st.position);
+  st.layers.resize(layers_.size());
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    Layer& L = *layers_[i];
+    Saved::LayerState& x = st.layers[i];
+    if (L.ple) {
+      L.ple->conv_state.swap(x.ple_conv);
+      L.ple->context.swap(x.ple_context);
+    }
+    L.gdn.conv_state.swap(x.gdn_conv);
+    L.gdn.S.swap(x.gdn_S);
+    L.attn.K.swap(x.K);
+    L.attn.V.swap(x.V);
+    L.attn.raw_keys.swap(x.raw_keys);
+    L.attn.block_keys.swap(x.block_keys);
+  }
+}
+
+int64_t CpuModel::slot_count() const noexcept {
+  return static_cast<int64_t>(slots_.size());
+}
+
+void CpuModel::set_slot_count(int64_t count) {
+  FN_CHECK(count >= 1 && slot_ < count, "set_slot_count({}) with slot {} selected", count, slot_);
+  const std::size_t n = static_cast<std::size_t>(count);
+  slots_.resize(n);
+}
+
+void CpuModel::select_slot(int64_t slot) {
+  FN_CHECK(slot >= 0 && slot < slot_count(), "slot {} outside [0, {})", slot, slot_count());
+  if (slot == slot_) return;
+  swap_state(slots_[static_cast<std::size_t>(slot_)].state);  // park the current sequence
+  Slot& next = slots_[static_cast<std::size_t>(slot)];
+  swap_state(next.state);
+  slot_ = slot;
+  if (next.fresh) {
+    next.fresh = false;
+    reset();
+  }
+}
 
 void CpuModel::snapshot() {
   if (!saved_) saved_ = std::make_unique<Saved>();

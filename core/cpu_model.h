@@ -70,6 +70,18 @@ class CpuModel {
   /// snapshot().
   void restore();
 
+  /// Holds `count` sequence slots (>= 1; the load holds 1): slots beyond the old count start as
+  /// after reset() when first selected, slots past the new count are dropped. The selected slot
+  /// must stay below `count`. Throws fn::Error(Internal) for count < 1 or one that would drop
+  /// the selected slot.
+  void set_slot_count(int64_t count);
+  int64_t slot_count() const noexcept;
+  int64_t selected_slot() const noexcept { return slot_; }
+  /// Makes `slot` the sequence forward(), prefill(), reset(), snapshot() and restore() act on;
+  /// the others keep their state (swapped, not copied). Throws fn::Error(Internal) outside
+  /// [0, slot_count()).
+  void select_slot(int64_t slot);
+
   /// Number of tokens processed since load()/reset() (the position of the next token).
   int64_t position() const noexcept { return position_; }
   const ModelConfig& config() const noexcept { return cfg_; }
@@ -142,6 +154,12 @@ class CpuModel {
   std::vector<float> logits_;
   struct Saved;  // snapshot() slot: per-layer state copies and the position
   std::unique_ptr<Saved> saved_;
+  // Sequence slots: slots_[i] holds slot i's state while it is not selected (the selected one's
+  // lives in the layers; its entry is empty), `fresh` until first selected.
+  struct Slot;
+  std::vector<Slot> slots_;
+  int64_t slot_ = 0;
+  void swap_state(Saved& st);
 };
 
 }  // namespace fn

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/stop_text.h"
 
 namespace fn {
 
@@ -22,8 +23,9 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-// The derived figures of a finished generation: TPOT statistics and the two rates.
-void finish_stats(GenerationResult& r) {
+}  // namespace
+
+void finish_generation_stats(GenerationResult& r) {
   r.tpot = latency_stats(r.itl_ms);
   double itl_sum = 0;
   for (double v : r.itl_ms) itl_sum += v;
@@ -32,76 +34,10 @@ void finish_stats(GenerationResult& r) {
       r.prefill_ms > 0 ? static_cast<double>(r.n_prompt_tokens) * 1e3 / r.prefill_ms : 0;
 }
 
+namespace {
+
 // Wire codes of the per-step broadcast: {token, kContinue or 1 + FinishReason}.
 constexpr int32_t kContinue = 0;
-
-// Rank 0's stop-string matcher over the streamed text: keeps the whole generated text, emits
-// everything that can no longer be the start of a stop string, and cuts the text at the first
-// stop string (which is never emitted, even when it spans several tokens).
-class StopText {
- public:
-  StopText(const std::vector<std::string>& stops, const TextHooks& hooks)
-      : stops_(stops), hooks_(hooks) {
-    for (const auto& s : stops_) max_len_ = std::max(max_len_, s.size());
-  }
-
-  // Appends `piece`; returns true when a stop string completed (text cut before it).
-  bool add(std::string_view piece) {
-    const std::size_t old_len = text_.size();
-    text_.append(piece);
-    if (!stops_.empty()) {
-      // A new match must end inside the new piece, so it starts at most max_len-1 bytes earlier.
-      const std::size_t from = old_len >= max_len_ ? old_len - max_len_ + 1 : 0;
-      std::size_t best = std::string::npos;
-      for (const auto& s : stops_) {
-        if (s.empty()) continue;
-        const std::size_t pos = text_.find(s, from);
-        if (pos != std::string::npos && pos < best) best = pos;
-      }
-      if (best != std::string::npos) {
-        text_.resize(best);
-        emit_upto(best);
-        return true;
-      }
-    }
-    emit_upto(text_.size() - held_suffix());
-    return false;
-  }
-
-  // Emits everything held back (end of generation without a stop string).
-  void flush() { emit_upto(text_.size()); }
-
-  std::string take_text() { return std::move(text_); }
-
- private:
-  // Length of the longest suffix of the unemitted text that is a proper prefix of a stop string.
-  std::size_t held_suffix() const {
-    std::size_t held = 0;
-    const std::size_t avail = text_.size() - emitted_;
-    for (const auto& s : stops_) {
-      for (std::size_t len = std::min(s.size() - (s.empty() ? 0 : 1), avail); len > held; --len) {
-        if (text_.compare(text_.size() - len, len, s, 0, len) == 0) {
-          held = len;
-          break;
-        }
-      }
-    }
-    return held;
-  }
-
-  void emit_upto(std::size_t end) {
-    if (end > emitted_) {
-      if (hooks_.emit) hooks_.emit(std::string_view(text_).substr(emitted_, end - emitted_));
-      emitted_ = end;
-    }
-  }
-
-  const std::vector<std::string>& stops_;
-  const TextHooks& hooks_;
-  std::string text_;
-  std::size_t emitted_ = 0;
-  std::size_t max_len_ = 0;
-};
 
 // Runs `prompt` on `backend`: Backend::prefill, or forward() per token with stepwise_prefill.
 // Returns the last token's logits for PrefillOutput::Last, else an empty span.
@@ -236,7 +172,7 @@ GenerationResult generate_on_host(Backend& backend, Collectives& coll,
     }
     r.text = stop_text.take_text();
   }
-  finish_stats(r);
+  finish_generation_stats(r);
   return r;
 }
 
@@ -281,7 +217,7 @@ GenerationResult generate_on_device(Backend& backend, Collectives& coll,
     stop_text.flush();
     r.text = stop_text.take_text();
   }
-  finish_stats(r);
+  finish_generation_stats(r);
   return r;
 }
 

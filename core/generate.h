@@ -91,6 +91,11 @@ struct GenerationResult {
   double prefill_tokens_per_s = 0;
 };
 
+/// Fills the figures derived from r.itl_ms, r.prefill_ms and r.n_prompt_tokens: r.tpot
+/// (latency_stats of the gaps), r.decode_tokens_per_s (gaps / their sum; 0 without a gap) and
+/// r.prefill_tokens_per_s (0 when prefill_ms is 0).
+void finish_generation_stats(GenerationResult& r);
+
 /// Throws fn::Error(Usage) unless 0 < prompt_len, max_new_tokens > 0 and prompt_len +
 /// max_new_tokens <= ctx_size, except that the last is fn::Error(Format) when the prompt alone
 /// leaves no room (prompt_len >= ctx_size: bad input, README "Exit codes"); the message names

@@ -15,3 +15,5 @@ add_test(NAME generate_tiny COMMAND bash ${CMAKE_SOURCE_DIR}/tests/generate_tiny
                                     $<TARGET_FILE:fngen> ${MPIEXEC_EXECUTABLE} ${CMAKE_SOURCE_DIR})
 set_tests_properties(generate_tiny PROPERTIES LABELS "mpi;cpu" TIMEOUT 900 ENVIRONMENT
   "LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/lsan.supp:fast_unwind_on_malloc=0;UBSAN_OPTIONS=print_stacktrace=1;ASAN_OPTIONS=detect_leaks=1")
+# Continuous batching over the cpu backend's slots against generate() alone (bitwise).
+fn_add_test(NAME test_batch_engine SOURCES test_batch_engine.cpp LABEL cpu)

@@ -3,8 +3,9 @@
 # fixtures: per-record seeds (identical records differ, --seed and a record "seed" reproduce),
 # every per-record field has its effect, unknown and mistyped fields, data-parallel groups
 # (-np 4 at --tp 1, 2 and 4 give the greedy output of one group, in input order), --resume after
-# a kill (no record lost or written twice), an id past 64 bits echoed as written, and eval
-# score's per-record seeds and fields.
+# a kill (no record lost or written twice), an id past 64 bits echoed as written, eval score's
+# per-record seeds and fields, and continuous batching (--max-batch, --prefill-budget: the same
+# records side by side as one at a time, also over groups).
 # Usage: generate_batch.sh FNGEN MPIEXEC SOURCE_DIR
 set -u
 fngen=$1
@@ -265,6 +266,69 @@ PY
 else
   fail "eval score exited non-zero: $(tail -n 3 "$tmp/err")"
 fi
+
+# ---- continuous batching: a record's output does not depend on its neighbours ----
+# Mixed records (prompt lengths 1-24, greedy and sampled, penalties, lengths that end at
+# different steps, log-probs, an error record between them) give the same records one at a time
+# (--max-batch 1), side by side in chunks of 2 prompt tokens per step, and over 2 groups of
+# TP 2 with 3 slots each.
+$py - "$tmp/mix.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for i in range(14):
+        r = {"id": f"m{i}", "prompt_ids": [(7 * i + 3 * k) % 200 + 1 for k in range(1 + (5 * i) % 24)],
+             "max_tokens": 2 + (3 * i) % 11}
+        if i % 3 == 1: r["temperature"] = 0
+        if i % 4 == 2: r["repeat_penalty"] = 1.5
+        if i % 5 == 3: r["logprobs"] = 2
+        if i == 6: r["top_p"] = 7  # an error record
+        f.write(json.dumps(r) + "\n")
+PY
+cmp_mix() {  # cmp_mix A B DESCRIPTION
+  $py - "$1" "$2" <<'PY' && pass "$3" || fail "$3: $(head -c 300 "$2")"
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+keys = ("id", "token_ids", "finish_reason", "logprobs", "error", "sampling")
+assert len(a) == len(b) == 14, (len(a), len(b))
+for x, y in zip(a, b):
+    assert all(x.get(k) == y.get(k) for k in keys), (x["id"], [k for k in keys if x.get(k) != y.get(k)])
+assert a[6]["finish_reason"] == "error" and len({len(x.get("token_ids", [])) for x in a}) > 3
+PY
+}
+mpi 1 -m "$fx/tp4" -i "$tmp/mix.jsonl" -o "$tmp/mix1.jsonl" --seed 5 --ignore-eos --max-batch 1 \
+  2>"$tmp/err" || fail "mixed records, --max-batch 1: $(tail -n 3 "$tmp/err")"
+mpi 1 -m "$fx/tp4" -i "$tmp/mix.jsonl" -o "$tmp/mix5.jsonl" --seed 5 --ignore-eos --max-batch 5 \
+  --prefill-budget 2 2>"$tmp/err" || fail "mixed records, --max-batch 5: $(tail -n 3 "$tmp/err")"
+grep -q "up to 5 sequence(s) side by side per group (continuous batching, 2 prompt tokens per step)" \
+  "$tmp/err" && pass "the run names its slots and prefill budget" || fail "no batching line: $(head -n 5 "$tmp/err")"
+cmp_mix "$tmp/mix1.jsonl" "$tmp/mix5.jsonl" "--max-batch 5 --prefill-budget 2 equals one record at a time"
+mpi 4 -m "$fx/tp4" -i "$tmp/mix.jsonl" -o "$tmp/mix_tp2.jsonl" --seed 5 --ignore-eos --tp 2 \
+  --max-batch 3 2>"$tmp/err" || fail "mixed records, 2 groups: $(tail -n 3 "$tmp/err")"
+mpi 2 -m "$fx/tp4" -i "$tmp/mix.jsonl" -o "$tmp/mix_tp2_1.jsonl" --seed 5 --ignore-eos --tp 2 \
+  --max-batch 1 2>"$tmp/err" || fail "mixed records, TP 2 alone: $(tail -n 3 "$tmp/err")"
+cmp_mix "$tmp/mix_tp2_1.jsonl" "$tmp/mix_tp2.jsonl" "2 groups of TP 2 with 3 slots equal TP 2 one at a time"
+# eval score through the slots: the same tasks with 1 slot and with 4.
+$py -c "import json,sys; [print(json.dumps(dict(json.loads(l), answer='x'))) for l in open(sys.argv[1])]" \
+  "$tmp/mix.jsonl" >"$tmp/mix_tasks.jsonl"
+for mb in 1 4; do
+  mpi_fngen 1 eval score -m "$fx/tp4" -i "$tmp/mix_tasks.jsonl" -o "$tmp/score_mb$mb.jsonl" \
+    --seed 5 --ignore-eos --temp 1 -n 6 --max-batch $mb 2>"$tmp/err" ||
+    fail "eval score --max-batch $mb: $(tail -n 3 "$tmp/err")"
+done
+$py - "$tmp/score_mb1.jsonl" "$tmp/score_mb4.jsonl" <<'PY' && pass "eval score: --max-batch 4 equals --max-batch 1" ||
+import json, sys
+strip = lambda x: {k: v for k, v in x.items() if k != "e2e_ms"}
+a = [strip(json.loads(l)) for l in open(sys.argv[1])]
+b = [strip(json.loads(l)) for l in open(sys.argv[2])]
+assert len(a) == 14 and a == b and "error" in a[6] and "error" not in a[0]
+assert len({x.get("n_gen_tokens") for x in a}) > 2
+PY
+  fail "eval score batched: $(head -c 300 "$tmp/score_mb4.jsonl")"
+# The batching flags are checked.
+expect 2 "apply to -i/--input" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 --max-batch 4
+expect 2 "max-batch" -- mpi 1 -m "$fx/tp4" -i "$tmp/mix.jsonl" --max-batch -1
+expect 2 "prefill-budget" -- mpi 1 -m "$fx/tp4" -i "$tmp/mix.jsonl" --prefill-budget 0
 
 # ---- records JSON cannot hold, a byte-order mark, an empty prompt ----
 # A number past a double (1e400) is valid JSON the parser cannot hold: an error record, and the

@@ -1,5 +1,6 @@
 #include "apps/backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -166,6 +167,7 @@ std::unique_ptr<CudaBackend> load_cuda(
   opt.prefill_chunk = flags.prefill_chunk;
   opt.ngram_table = parse_ngram_table(flags.ngram_table);
   opt.gpu_memory_utilization = flags.gpu_memory_utilization;
+  opt.slots = std::max<int64_t>(flags.max_batch, 1);
   // Building the model does not communicate; a failure on some ranks only (their shard's bytes,
   // their GPU's free memory) is agreed on, so rank 0 reports it.
   std::unique_ptr<CudaModel> model;
@@ -355,11 +357,6 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
     return b;
   }
 #ifdef FN_HAVE_CUDA
-  if (flags.max_batch > 1)
-    FN_LOG_INFO(
-        "{}: the cuda backend decodes one sequence at a time; --max-batch {} applies to the cpu "
-        "backend",
-        who, flags.max_batch);
   std::unique_ptr<CudaBackend> cuda = load_cuda(
       flags, mpi, coll, ctx_size, false,
       [&](const CudaModelOptions& opt, int tp) {

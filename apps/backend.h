@@ -48,8 +48,8 @@ struct BackendFlags {
   /// the free device memory `--ngram-table auto` lets the model use with the table on the device.
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
   /// --max-batch (generate -i, eval score): sequences decoded side by side, each in a slot of
-  /// its own (Backend::slot_count); 0: the backend's default (kDefaultCpuSlots on cpu; the cuda
-  /// backend holds one sequence). Commands that run one sequence keep 1.
+  /// its own (Backend::slot_count; cuda: CudaModelOptions::slots); 0: the backend's default
+  /// (kDefaultCpuSlots on cpu, 1 on cuda). Commands that run one sequence keep 1.
   int64_t max_batch = 1;
 };
 

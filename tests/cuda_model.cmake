@@ -19,3 +19,9 @@ if(TARGET fngen_cuda)
   fn_add_test(NAME test_cuda_ngram_host SOURCES test_cuda_ngram_host.cpp LIBS fngen_cuda
               LABEL gpu MPI NP 2 TIMEOUT 1200)
 endif()
+# Sequence slots and the batched step (CudaModel::forward_batch) against each sequence alone, and
+# the batch engine on them (TP=1).
+if(TARGET fngen_cuda)
+  fn_add_test(NAME test_cuda_batch SOURCES test_cuda_batch.cpp LIBS fngen_cuda
+              LABEL gpu MPI NP 1 TIMEOUT 600)
+endif()

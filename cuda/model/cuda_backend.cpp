@@ -84,6 +84,23 @@ void CudaBackend::restore() {
   model_->restore();
 }
 
+int64_t CudaBackend::slot_count() const noexcept {
+  return model_->slot_count();
+}
+
+int64_t CudaBackend::selected_slot() const noexcept {
+  return model_->selected_slot();
+}
+
+void CudaBackend::select_slot(int64_t slot) {
+  model_->select_slot(slot);
+}
+
+std::span<const float> CudaBackend::forward_batch(std::span<const int64_t> slots,
+                                                  std::span<const int32_t> tokens) {
+  return model_->forward_batch(slots, tokens);
+}
+
 std::vector<int32_t> CudaBackend::decode(int32_t first, int64_t count,
                                          const SamplingParams& sampling, uint64_t seed,
                                          const std::function<bool(int32_t)>& on_token,

@@ -46,6 +46,13 @@ class CudaBackend final : public Backend {
   void snapshot() override;
   /// CudaModel::restore.
   void restore() override;
+  /// CudaModel's sequence slots (--max-batch); forward_batch is CudaModel::forward_batch (one
+  /// pass of the batched prefill's kernels over the slots' rows).
+  int64_t slot_count() const noexcept override;
+  int64_t selected_slot() const noexcept override;
+  void select_slot(int64_t slot) override;
+  std::span<const float> forward_batch(std::span<const int64_t> slots,
+                                       std::span<const int32_t> tokens) override;
   /// CudaModel::decode (sampling in the decode graph; throws as it does).
   std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token,

@@ -61,6 +61,10 @@ struct CudaModelOptions {
   /// `--gpu-memory-utilization`: the fraction of the free device memory (at load) Auto lets the
   /// model use with the table on the device, in (0, 1].
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
+  /// Sequence slots (`--max-batch`), >= 1: slot 0 is the sequence of the decode graph; each
+  /// further slot holds its own caches and states (the per-sequence bytes of core/memory_plan.h
+  /// again) for forward_batch(). Capped by prefill_chunk (a batched step is one pass).
+  int64_t slots = 1;
 };
 
 /// Which logits CudaModel::prefill returns.
@@ -166,7 +170,8 @@ class CudaModel {
   /// FP32 logits (identical on every rank; valid until the next call). Replays the step graph
   /// (captured on the first call) unless use_graph is false. Throws fn::Error(Usage) for a token
   /// outside the vocabulary or a full context (naming -c/--ctx-size), fn::Error(Format) when
-  /// the logits are not finite.
+  /// the logits are not finite. On a selected slot other than 0 it is forward_batch() of that
+  /// slot alone (the graph holds slot 0's states).
   std::span<const float> forward(int32_t token);
 
   /// Batched prefill (docs/model.md §D): runs `tokens` at positions position() ..
@@ -245,8 +250,30 @@ class CudaModel {
   /// fn::Error(Usage) when the model was built without record_choices.
   StepChoices last_choices() const;
 
-  /// Forgets the sequence: position 0, zero states, n-gram context all EOS.
+  /// Forgets the selected slot's sequence: position 0, zero states, n-gram context all EOS.
   void reset();
+
+  /// Sequence slots (CudaModelOptions::slots). forward(), decode(), prefill(), prefill_rows(),
+  /// reset(), position(), snapshot() and restore() act on the selected slot (0 after the load);
+  /// the decode graph and the device sampling loop run slot 0 only.
+  int64_t slot_count() const noexcept;
+  int64_t selected_slot() const noexcept { return slot_; }
+  /// Makes `slot` the selected one (the others keep their sequences). Throws
+  /// fn::Error(Internal) outside [0, slot_count()).
+  void select_slot(int64_t slot);
+
+  /// One decode step for several slots in one pass of the batched prefill's kernels (the dense
+  /// projections, router and experts over all rows at once; each slot's GDN, QSA and PLE on its
+  /// own state): feeds tokens[i] to slot slots[i] at that slot's position and returns the
+  /// [B, vocab_size] FP32 logits, row i for slots[i] (identical on every rank, valid until the
+  /// next call). Each row equals a one-token prefill() of that slot (so forward()'s logits up to
+  /// the summation orders of docs/numerics.md). Synchronises the stream; not graph-captured.
+  /// Every rank calls it alike. Throws fn::Error(Internal) for mismatched or empty lists, a slot
+  /// outside [0, slot_count()) or given twice, more slots than prefill_chunk; Usage for a token
+  /// outside the vocabulary or a slot whose context is full (naming -c/--ctx-size); Format for a
+  /// non-finite logit.
+  std::span<const float> forward_batch(std::span<const int64_t> slots,
+                                       std::span<const int32_t> tokens);
 
   /// Benchmarks only: moves the position to `position` without processing tokens, so a decode
   /// step costs what it costs at that depth (the caches keep whatever they hold — zeros after
@@ -271,6 +298,8 @@ class CudaModel {
   static std::unique_ptr<CudaModel> random_with(const ModelConfig& config, const QuantConfig& quant,
                                                 uint64_t seed, const CudaModelOptions& options,
                                                 const CudaModelTestOptions& test);
+  // Allocates the batched prefill's pass buffers and cuBLAS handle at the first use.
+  void ensure_prefill_buffers();
   // prefill() and prefill_rows(): `rows` and `out` non-null for PrefillLogits::Rows.
   std::span<const float> run_prefill(std::span<const int32_t> tokens, PrefillLogits want,
                                      const RowQuery* rows, RowResults* out);
@@ -283,7 +312,10 @@ class CudaModel {
   void prepare_sampling(const SamplingParams& sampling, uint64_t seed, int64_t top_logprobs = -1);
   ModelConfig cfg_;
   CudaModelOptions opt_;
-  int64_t position_ = 0;
+  int64_t position_ = 0;  // the selected slot's position
+  int64_t slot_ = 0;      // the selected slot
+  // Throws fn::Error(Internal) naming `what` unless slot 0 is selected.
+  void require_slot0(const char* what) const;
   CudaLoadStats stats_;
   std::unique_ptr<Impl> impl_;
 };

@@ -176,6 +176,26 @@ struct DevLayer {
   DevMoe moe;
 };
 
+// One sequence slot's caches and states, per layer (slot 0's are the layers' own, which the
+// decode graph captures; a further slot's are allocated for it at load), its n-gram context and
+// what reset() zeroes.
+struct DevSlotLayer {
+  float* ple_conv = nullptr;    // PLE layers: [W, (K-1)*dilation]
+  float* gdn_conv = nullptr;    // GDN layers: [conv_l, K-1]
+  float* gdn_state = nullptr;   // GDN layers: [Hv, dk, dv]
+  uint16_t* k_cache = nullptr;  // QSA layers: the caches of qsa_layer
+  uint16_t* v_cache = nullptr;
+  float* raw_keys = nullptr;
+  float* block_keys = nullptr;
+};
+
+struct DevSlot {
+  std::vector<DevSlotLayer> layers;  // [num_hidden_layers]
+  int64_t* context = nullptr;        // device [max(ngram_size - 1, 1)]
+  int64_t position = 0;              // host: the slot's position while it is not selected
+  std::vector<std::pair<void*, std::size_t>> blocks;  // zeroed by its reset (slots >= 1)
+};
+
 /// qsa_shape plus QSA layer `a`'s norms and caches (what launch_qsa_decode and
 /// launch_qsa_prefill share; projections, position, workspace and output left for the caller).
 QsaDecodeParams qsa_layer(const ModelConfig& c, const CudaModelOptions& o, const DevQsa& a);
@@ -393,6 +413,12 @@ struct CudaModel::Impl {
   // Zeroes the states, fills the n-gram context with EOS, position 0.
   void reset_state(const ModelConfig& c);
   std::vector<std::pair<void*, std::size_t>> state_blocks;  // zeroed by reset_state
+  // Sequence slots (CudaModelOptions::slots): [0] points at the layers' own states and
+  // `context`; the others own theirs (alloc_slots, load.cpp).
+  std::vector<model_detail::DevSlot> slots;
+  void alloc_slots(const ModelConfig& c, const CudaModelOptions& o, const DeviceLayout& lay);
+  // Zeroes slot `slot`'s states and fills its n-gram context with EOS (slot 0: reset_state).
+  void reset_slot(const ModelConfig& c, int64_t slot);
   // snapshot()'s slot (decode.cpp): the state blocks and the n-gram context, back to back;
   // allocated at the first snapshot. snap_position < 0: none taken yet.
   std::byte* snap = nullptr;

@@ -317,9 +317,21 @@ struct CudaModel::Impl::PrefillRun {
   cublasHandle_t blas;
   PrefillProfile& prof;
   int64_t per_row = 0;  // ints of the choice log per row (record_choices)
-  // The pass in flight: rows c0 .. c0 + M - 1 of the prompt at positions p0 ..
-  int64_t c0 = 0, M = 0, p0 = 0;
+  // The pass in flight: rows c0 .. c0 + M - 1 of the prompt (a batched step: c0 0, M slots).
+  int64_t c0 = 0, M = 0;
   int64_t layer_index = 0, qsa_index = 0;
+  // The pass's rows by sequence: runs of consecutive rows of one slot at its positions (a prompt
+  // chunk: one run; a batched decode step: one row per slot). The GDN, QSA and PLE ops run per
+  // run on that slot's states; everything else over all M rows at once.
+  struct Run {
+    int64_t slot = 0, row0 = 0, rows = 0, position = 0;
+  };
+  std::vector<Run> runs{};
+  int64_t cur_layer = 0;  // the layer being encoded
+  const model_detail::DevSlotLayer& state(const Run& r) const {
+    return I.slots[static_cast<std::size_t>(r.slot)].layers[static_cast<std::size_t>(cur_layer)];
+  }
+  int64_t* context(const Run& r) const { return I.slots[static_cast<std::size_t>(r.slot)].context; }
   // PrefillLogits::Rows: the query, its row results (host) and whether the rows are kept.
   const RowQuery* rq = nullptr;
   RowResults* rout = nullptr;
@@ -383,43 +395,55 @@ void CudaModel::Impl::PrefillRun::ple(const model_detail::DevPle& pl) {
   // (pl.on_host, --ngram-table host) pl.rows is its mapped pointer and the same kernel reads them
   // over PCIe / C2C (M * num_heads rows of ngram_head_dim bytes, 2.5 KiB per token at the real
   // geometry: ~20 MiB for an 8192-token pass, far below the pass's GEMMs).
-  NgramGatherRowsParams ng;
-  ng.base = model_detail::ngram_gather_params(c, pl);
-  ng.base.context = I.context;
-  ng.tokens = P.tokens;
-  ng.rows = M;
-  ng.out = P.e_ng;
-  launch_ngram_gather_rows(ng, s);
+  for (const Run& r : runs) {
+    NgramGatherRowsParams ng;
+    ng.base = model_detail::ngram_gather_params(c, pl);
+    ng.base.context = context(r);
+    ng.tokens = P.tokens + r.row0;
+    ng.rows = r.rows;
+    ng.out = P.e_ng + r.row0 * Pd;
+    launch_ngram_gather_rows(ng, s);
+  }
   all_reduce(P.e_ng, M * Pd);
   prof.mark(StepFamily::Ple);
   launch_split_bf16(P.e_ng, M * Pd, P.e_hi, P.e_lo, s);
   const int64_t kv_rows = S * Pd + D;
   gemm(pl.kv_proj, kv_rows, Pd, P.e_hi, P.e_lo, Pd, M, P.proj, kv_rows);
-  PleApplyRowsParams pa;
-  pa.base = model_detail::ple_apply_params(c, pl);
-  pa.kv = P.proj;
-  pa.kv_stride = kv_rows;
-  pa.H = P.H;
-  pa.rows = M;
-  pa.scratch = P.ple_scratch;
-  launch_ple_apply_rows(pa, s);
+  for (const Run& r : runs) {
+    PleApplyRowsParams pa;
+    pa.base = model_detail::ple_apply_params(c, pl);
+    pa.base.conv_state = state(r).ple_conv;
+    pa.kv = P.proj + r.row0 * kv_rows;
+    pa.kv_stride = kv_rows;
+    pa.H = P.H + r.row0 * c.hc_width();
+    pa.rows = r.rows;
+    pa.scratch = P.ple_scratch;
+    launch_ple_apply_rows(pa, s);
+  }
 }
 
 void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
   const int64_t D = c.hidden_size;
   prof.mark(StepFamily::QsaMixer);
   gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
-  QsaPrefillParams qp;
-  qp.shape = model_detail::qsa_layer(c, o, a);
-  qp.proj = P.proj;
-  qp.proj_stride = P.proj_ld;
-  qp.tokens = M;
-  qp.first_position = p0;
-  qp.out = P.mix;
-  qp.workspace = P.qsa_ws;
-  qp.selected_log = P.sel_log;
-  qp.counters_log = P.cnt_log;
-  launch_qsa_prefill(qp, s);
+  for (const Run& r : runs) {
+    const model_detail::DevSlotLayer& st = state(r);
+    QsaPrefillParams qp;
+    qp.shape = model_detail::qsa_layer(c, o, a);
+    qp.shape.k_cache = st.k_cache;
+    qp.shape.v_cache = st.v_cache;
+    qp.shape.raw_keys = st.raw_keys;
+    qp.shape.block_keys = st.block_keys;
+    qp.proj = P.proj + r.row0 * P.proj_ld;
+    qp.proj_stride = P.proj_ld;
+    qp.tokens = r.rows;
+    qp.first_position = r.position;
+    qp.out = P.mix + r.row0 * P.mix_ld;
+    qp.workspace = P.qsa_ws;
+    qp.selected_log = P.sel_log ? P.sel_log + r.row0 * P.sel_max : nullptr;
+    qp.counters_log = P.cnt_log ? P.cnt_log + r.row0 * 4 : nullptr;
+    launch_qsa_prefill(qp, s);
+  }
   if (o.record_choices) {
     const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
     const int64_t at = c.num_hidden_layers * c.num_experts_per_tok + qsa_index * (topk + 4);
@@ -435,14 +459,18 @@ void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
   const int64_t D = c.hidden_size;
   prof.mark(StepFamily::GdnMixer);
   gemm(g.in_proj, g.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
-  GdnPrefillParams gp;
-  model_detail::set_gdn_layer(gp, c, rd, g);
-  gp.proj = P.proj;
-  gp.proj_stride = P.proj_ld;
-  gp.tokens = M;
-  gp.out = P.mix;
-  gp.workspace = P.gdn_ws;
-  launch_gdn_prefill(gp, s);
+  for (const Run& r : runs) {
+    GdnPrefillParams gp;
+    model_detail::set_gdn_layer(gp, c, rd, g);
+    gp.conv_state = state(r).gdn_conv;
+    gp.state = state(r).gdn_state;
+    gp.proj = P.proj + r.row0 * P.proj_ld;
+    gp.proj_stride = P.proj_ld;
+    gp.tokens = r.rows;
+    gp.out = P.mix + r.row0 * P.mix_ld;
+    gp.workspace = P.gdn_ws;
+    launch_gdn_prefill(gp, s);
+  }
   const int64_t width = rd.linear_v_heads * c.linear_value_head_dim;
   gemm(g.out, D, width, P.mix, nullptr, width, M, P.y, D);
 }
@@ -491,6 +519,7 @@ void CudaModel::Impl::PrefillRun::layers() {
   prof.mark(StepFamily::Other);
   launch_embed_rows(I.embed, c.vocab_size, D, static_cast<int>(c.hc_count), P.tokens, M, P.H,
                     I.error_flag, s);
+  cur_layer = 0;
   for (const DevLayer& L : I.layers) {
     if (L.has_ple) ple(L.ple);
     hc_read(L.attn_hc, P.H, M, P.iota);
@@ -505,6 +534,7 @@ void CudaModel::Impl::PrefillRun::layers() {
     moe(L.moe);
     all_reduce(P.y, M * D);
     inject();
+    ++cur_layer;
   }
 }
 
@@ -588,6 +618,111 @@ RowResults CudaModel::prefill_rows(std::span<const int32_t> tokens, const RowQue
   return out;
 }
 
+void CudaModel::ensure_prefill_buffers() {
+  Impl& I = *impl_;
+  if (I.prefill) return;
+  const ModelConfig& c = cfg_;
+  const CudaModelOptions& o = opt_;
+  auto st = std::make_shared<CudaPrefillState>();
+  const int64_t rows = std::min(o.prefill_chunk, o.ctx_size);
+  const std::size_t bytes = carve_prefill(*st, nullptr, c, o, I.layers, I.v_local, rows);
+  void* base = nullptr;
+  try {
+    base = st->arena.alloc(bytes, "the batched prefill's pass buffers");
+  } catch (const Error& e) {
+    FN_THROW(Cuda, "{} — the prefill needs {:.2f} GiB for --prefill-chunk {}; give a smaller one",
+             e.what(), static_cast<double>(bytes) / 1073741824.0, rows);
+  }
+  carve_prefill(*st, static_cast<std::byte*>(base), c, o, I.layers, I.v_local, rows);
+  st->blas = std::make_unique<CublasHandle>(I.stream);
+  I.prefill = std::move(st);
+}
+
+std::span<const float> CudaModel::forward_batch(std::span<const int64_t> slots,
+                                                std::span<const int32_t> tokens) {
+  Impl& I = *impl_;
+  const ModelConfig& c = cfg_;
+  const CudaModelOptions& o = opt_;
+  const auto B = static_cast<int64_t>(slots.size());
+  FN_CHECK(B >= 1 && slots.size() == tokens.size(),
+           "forward_batch: {} slots for {} tokens (need the same number, at least one)",
+           slots.size(), tokens.size());
+  FN_CHECK(B <= std::min(o.prefill_chunk, o.ctx_size),
+           "forward_batch: {} slots in one pass of at most {} rows", B,
+           std::min(o.prefill_chunk, o.ctx_size));
+  FN_REQUIRE(I.forced_router == nullptr && I.residuals == nullptr, Usage,
+             "the batched step neither replays choices nor keeps residuals (tests only)");
+  std::vector<bool> seen(I.slots.size(), false);
+  std::vector<int64_t> pos(slots.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const int64_t sl = slots[i];
+    FN_CHECK(sl >= 0 && sl < slot_count(), "forward_batch: slot {} outside [0, {})", sl,
+             slot_count());
+    FN_CHECK(!seen[static_cast<std::size_t>(sl)], "forward_batch: slot {} given twice", sl);
+    seen[static_cast<std::size_t>(sl)] = true;
+    FN_REQUIRE(tokens[i] >= 0 && tokens[i] < c.vocab_size, Usage,
+               "token id {} is outside the vocabulary [0, {})", tokens[i], c.vocab_size);
+    pos[i] = sl == slot_ ? position_ : I.slots[static_cast<std::size_t>(sl)].position;
+    FN_REQUIRE(pos[i] + 1 <= o.ctx_size, Usage,
+               "sequence slot {} is at position {}: the context -c/--ctx-size {} is full", sl,
+               pos[i], o.ctx_size);
+  }
+  ensure_prefill_buffers();
+  CudaPrefillState& P = *I.prefill;
+  const int64_t V = c.vocab_size;
+  cudaStream_t s = I.stream;
+  PrefillProfile prof(s);
+  Impl::PrefillRun run{I, P, c, o, rank_dims(c, o.tp_size, o.tp_rank), s, P.blas->get(), prof};
+  int64_t n_qsa = 0;
+  for (const DevLayer& L : I.layers) n_qsa += L.qsa ? 1 : 0;
+  run.per_row = model_detail::choice_log_ints(c, n_qsa);
+  if (o.record_choices) P.choice_rows.assign(static_cast<std::size_t>(B * run.per_row), 0);
+  run.c0 = 0;
+  run.M = B;
+  for (int64_t i = 0; i < B; ++i)
+    run.runs.push_back(
+        {slots[static_cast<std::size_t>(i)], i, 1, pos[static_cast<std::size_t>(i)]});
+  P.host_logits.assign(static_cast<std::size_t>(B * V), 0.0f);
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(P.tokens, tokens.data(), sizeof(int32_t) * B, cudaMemcpyHostToDevice, s));
+  run.layers();
+  run.logits(PrefillLogits::All, B);
+  for (const Impl::PrefillRun::Run& r : run.runs) {
+    if (c.has_ple()) {
+      NgramContextAdvanceRowsParams ca;
+      ca.context = run.context(r);
+      ca.ngram_size = static_cast<int>(c.ngram_size);
+      ca.tokens = P.tokens + r.row0;
+      ca.rows = 1;
+      launch_ngram_context_advance_rows(ca, s);
+    }
+    if (r.slot == slot_) {
+      ++position_;
+    } else {
+      ++I.slots[static_cast<std::size_t>(r.slot)].position;
+    }
+    if (r.slot == 0) {  // the decode graph reads slot 0's position on the device
+      P.host_position = r.position + 1;
+      FN_CUDA_CHECK(cudaMemcpyAsync(I.position, &P.host_position, sizeof(int64_t),
+                                    cudaMemcpyHostToDevice, s));
+    }
+  }
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  FN_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (o.all_reduce) o.all_reduce->check_health();
+  check_step_errors(tokens.back());
+  prof.collect();
+  for (std::size_t i = 0; i < P.host_logits.size(); ++i) {
+    FN_REQUIRE(std::isfinite(P.host_logits[i]), Format,
+               "the model produced a non-finite logit ({} for token {}) in the batched step of "
+               "sequence slot {}: the checkpoint's weights hold NaN/Inf or overflow",
+               P.host_logits[i], static_cast<int64_t>(i) % V,
+               slots[i / static_cast<std::size_t>(V)]);
+  }
+  return {P.host_logits.data(), P.host_logits.size()};
+}
+
 std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, PrefillLogits want,
                                               const RowQuery* rq, RowResults* rout) {
   Impl& I = *impl_;
@@ -608,21 +743,7 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
              "run those prompts through forward()");
   // o.prefill_chunk >= 1: the load checked it (require_prefill_fits).
 
-  if (!I.prefill) {
-    auto st = std::make_shared<CudaPrefillState>();
-    const int64_t rows = std::min(o.prefill_chunk, o.ctx_size);
-    const std::size_t bytes = carve_prefill(*st, nullptr, c, o, I.layers, I.v_local, rows);
-    void* base = nullptr;
-    try {
-      base = st->arena.alloc(bytes, "the batched prefill's pass buffers");
-    } catch (const Error& e) {
-      FN_THROW(Cuda, "{} — the prefill needs {:.2f} GiB for --prefill-chunk {}; give a smaller one",
-               e.what(), static_cast<double>(bytes) / 1073741824.0, rows);
-    }
-    carve_prefill(*st, static_cast<std::byte*>(base), c, o, I.layers, I.v_local, rows);
-    st->blas = std::make_unique<CublasHandle>(I.stream);
-    I.prefill = std::move(st);
-  }
+  ensure_prefill_buffers();
   CudaPrefillState& P = *I.prefill;
   const int64_t V = c.vocab_size;
   PrefillProfile prof(I.stream);
@@ -680,7 +801,7 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
     ++passes;
     run.c0 = c0;
     run.M = std::min(P.rows, n - c0);
-    run.p0 = position_;
+    run.runs = {{slot_, 0, run.M, position_}};
     const int64_t M = run.M;
     FN_CUDA_CHECK(cudaMemcpyAsync(P.tokens, tokens.data() + c0, sizeof(int32_t) * M,
                                   cudaMemcpyHostToDevice, s));
@@ -689,16 +810,18 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
     prof.mark(StepFamily::Other);
     if (c.has_ple()) {
       NgramContextAdvanceRowsParams ca;
-      ca.context = I.context;
+      ca.context = I.slots[static_cast<std::size_t>(slot_)].context;
       ca.ngram_size = static_cast<int>(c.ngram_size);
       ca.tokens = P.tokens;
       ca.rows = M;
       launch_ngram_context_advance_rows(ca, s);
     }
     position_ += M;
-    P.host_position = position_;
-    FN_CUDA_CHECK(
-        cudaMemcpyAsync(I.position, &P.host_position, sizeof(int64_t), cudaMemcpyHostToDevice, s));
+    if (slot_ == 0) {  // the decode graph reads slot 0's position on the device
+      P.host_position = position_;
+      FN_CUDA_CHECK(cudaMemcpyAsync(I.position, &P.host_position, sizeof(int64_t),
+                                    cudaMemcpyHostToDevice, s));
+    }
     FN_CUDA_CHECK(
         cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
     FN_CUDA_CHECK(cudaStreamSynchronize(s));

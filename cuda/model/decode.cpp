@@ -46,8 +46,24 @@ int64_t CudaModel::graph_captures() const noexcept {
 }
 
 void CudaModel::reset() {
-  impl_->reset_state(cfg_);
+  impl_->reset_slot(cfg_, slot_);
   position_ = 0;
+}
+
+int64_t CudaModel::slot_count() const noexcept {
+  return static_cast<int64_t>(impl_->slots.size());
+}
+
+void CudaModel::select_slot(int64_t slot) {
+  FN_CHECK(slot >= 0 && slot < slot_count(), "slot {} outside [0, {})", slot, slot_count());
+  if (slot == slot_) return;
+  impl_->slots[static_cast<std::size_t>(slot_)].position = position_;
+  slot_ = slot;
+  position_ = impl_->slots[static_cast<std::size_t>(slot)].position;
+}
+
+void CudaModel::require_slot0(const char* what) const {
+  FN_CHECK(slot_ == 0, "{} runs sequence slot 0 (the decode graph's), not slot {}", what, slot_);
 }
 
 namespace {
@@ -64,6 +80,7 @@ std::size_t context_bytes(const ModelConfig& c) {
 // in place by every step and are copied.
 void CudaModel::snapshot() {
   Impl& I = *impl_;
+  require_slot0("snapshot()");
   std::size_t total = context_bytes(cfg_);
   for (const auto& [ptr, bytes] : I.state_blocks) total += bytes;
   if (I.snap == nullptr) {
@@ -84,6 +101,7 @@ void CudaModel::snapshot() {
 
 void CudaModel::restore() {
   Impl& I = *impl_;
+  require_slot0("restore()");
   FN_CHECK(I.snap_position >= 0, "restore() before any snapshot()");
   std::size_t at = 0;
   for (const auto& [ptr, bytes] : I.state_blocks) {
@@ -101,6 +119,7 @@ void CudaModel::restore() {
 void CudaModel::set_position_for_benchmark(int64_t position) {
   FN_REQUIRE(position >= 0 && position < opt_.ctx_size, Usage,
              "benchmark position {} is outside the context [0, {})", position, opt_.ctx_size);
+  require_slot0("set_position_for_benchmark()");
   FN_CUDA_CHECK(cudaMemcpyAsync(impl_->position, &position, sizeof(int64_t), cudaMemcpyHostToDevice,
                                 impl_->stream));
   FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
@@ -162,6 +181,10 @@ void CudaModel::check_step_errors(int32_t token, int slot) {
 
 std::span<const float> CudaModel::forward(int32_t token) {
   Impl& I = *impl_;
+  if (slot_ != 0) {  // the decode graph holds slot 0's states: another slot runs a batched step
+    const int64_t slot = slot_;
+    return forward_batch(std::span<const int64_t>(&slot, 1), std::span<const int32_t>(&token, 1));
+  }
   FN_REQUIRE(token >= 0 && token < cfg_.vocab_size, Usage,
              "token id {} is outside the vocabulary [0, {})", token, cfg_.vocab_size);
   FN_REQUIRE(position_ < opt_.ctx_size, Usage,
@@ -265,6 +288,7 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
            "top log-probs k {} outside [-1, {}]", top_logprobs, kMaxTopLogprobs);
   FN_CHECK(top_logprobs < 0 || logprobs != nullptr,
            "top log-probs requested without a vector to append them to");
+  require_slot0("decode()");
   require_steps(cfg_, token, count >= 0, count, "decoding", "tokens", position_, opt_.ctx_size);
   prepare_sampling(sampling, seed, top_logprobs);
   // The sampler's step counter indexes the history: restart it for this call.

@@ -787,7 +787,99 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
   FN_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_flag), sizeof(int32_t) * 2));
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   require_prefill_fits(c, o, layers, v_local);
+  alloc_slots(c, o, lay);
   reset_state(c);
+  for (int64_t s = 1; s < o.slots; ++s) reset_slot(c, s);
+}
+
+void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& o,
+                                  const DeviceLayout& lay) {
+  const int64_t count = o.slots;
+  FN_CHECK(count >= 1, "{} sequence slots", count);
+  FN_REQUIRE(count <= std::min(o.prefill_chunk, o.ctx_size), Usage,
+             "--max-batch {} exceeds the rows of one prefill pass (min(--prefill-chunk {}, "
+             "-c/--ctx-size {})): a batched step runs as one pass",
+             count, o.prefill_chunk, o.ctx_size);
+  const std::size_t n_layers = layers.size();
+  slots.assign(static_cast<std::size_t>(count), DevSlot{});
+  DevSlot& first = slots[0];
+  first.layers.resize(n_layers);
+  first.context = context;
+  for (std::size_t li = 0; li < n_layers; ++li) {
+    const DevLayer& L = layers[li];
+    DevSlotLayer& d = first.layers[li];
+    if (L.has_ple) d.ple_conv = L.ple.conv_state;
+    if (L.qsa) {
+      d.k_cache = L.attn.k_cache;
+      d.v_cache = L.attn.v_cache;
+      d.raw_keys = L.attn.raw_keys;
+      d.block_keys = L.attn.block_keys;
+    } else {
+      d.gdn_conv = L.gdn.conv_state;
+      d.gdn_state = L.gdn.S;
+    }
+  }
+  if (count == 1) return;
+  // The bytes of one more slot, checked against the free memory (less the prefill's pass
+  // buffers, allocated at the first prompt) before any is allocated.
+  uint64_t per_slot = static_cast<uint64_t>(std::max<int64_t>(c.ngram_size - 1, 1)) * 8;
+  for (const DevLayer& L : layers) {
+    if (L.has_ple) per_slot += lay.ple_conv_state;
+    per_slot += L.qsa ? lay.k_cache + lay.v_cache + lay.raw_keys + lay.block_keys
+                      : lay.gdn_conv_state + lay.gdn_state;
+  }
+  std::size_t free_b = 0, total_b = 0;
+  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const uint64_t pass = prefill_buffer_bytes(c, o, layers, v_local);
+  const uint64_t need = per_slot * static_cast<uint64_t>(count - 1);
+  FN_REQUIRE(
+      need + pass <= free_b, Usage,
+      "--max-batch {}: {} more sequence slots of -c/--ctx-size {} tokens need {:.2f} GiB "
+      "({:.1f} MiB each) and the prefill's pass buffers {:.2f} GiB, but {:.2f} GiB of device "
+      "memory are free after the weights: give a smaller --max-batch or -c/--ctx-size",
+      count, count - 1, o.ctx_size, static_cast<double>(need) / 1073741824.0,
+      static_cast<double>(per_slot) / 1048576.0, static_cast<double>(pass) / 1073741824.0,
+      static_cast<double>(free_b) / 1073741824.0);
+  for (std::size_t si = 1; si < slots.size(); ++si) {
+    DevSlot& sl = slots[si];
+    sl.layers.resize(n_layers);
+    sl.context = static_cast<int64_t*>(arena.alloc_state(
+        static_cast<std::size_t>(std::max<int64_t>(c.ngram_size - 1, 1)) * sizeof(int64_t),
+        "slot n-gram context"));
+    for (std::size_t li = 0; li < n_layers; ++li) {
+      const DevLayer& L = layers[li];
+      DevSlotLayer& d = sl.layers[li];
+      if (L.has_ple)
+        d.ple_conv = sequence_state<float>(arena, sl.blocks, lay.ple_conv_state, "PLE conv state");
+      if (L.qsa) {
+        d.k_cache = static_cast<uint16_t*>(arena.alloc_state(lay.k_cache, "K cache"));
+        d.v_cache = static_cast<uint16_t*>(arena.alloc_state(lay.v_cache, "V cache"));
+        d.raw_keys = static_cast<float*>(arena.alloc_state(lay.raw_keys, "indexer raw keys"));
+        d.block_keys = static_cast<float*>(arena.alloc_state(lay.block_keys, "indexer block keys"));
+      } else {
+        d.gdn_conv = sequence_state<float>(arena, sl.blocks, lay.gdn_conv_state, "GDN conv state");
+        d.gdn_state = sequence_state<float>(arena, sl.blocks, lay.gdn_state, "GDN recurrent state");
+      }
+    }
+  }
+  if (o.tp_rank == 0)
+    FN_LOG_INFO("cuda: {} sequence slots of {} tokens ({:.1f} MiB of caches and states each)",
+                count, o.ctx_size, static_cast<double>(per_slot) / 1048576.0);
+}
+
+void CudaModel::Impl::reset_slot(const ModelConfig& c, int64_t slot) {
+  if (slot == 0) {
+    reset_state(c);
+    return;
+  }
+  DevSlot& sl = slots[static_cast<std::size_t>(slot)];
+  for (auto& [ptr, bytes] : sl.blocks) FN_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream));
+  const std::vector<int64_t> ctx(static_cast<std::size_t>(std::max<int64_t>(c.ngram_size - 1, 1)),
+                                 c.has_ple() ? c.ple_eos() : 0);
+  FN_CUDA_CHECK(cudaMemcpyAsync(sl.context, ctx.data(), ctx.size() * sizeof(int64_t),
+                                cudaMemcpyHostToDevice, stream));
+  FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+  sl.position = 0;
 }
 
 void CudaModel::Impl::reset_state(const ModelConfig& c) {

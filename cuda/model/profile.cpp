@@ -40,6 +40,7 @@ const char* step_family_name(StepFamily f) noexcept {
 
 StepProfile CudaModel::profile_steps(int32_t token, int64_t count, bool in_graph) {
   Impl& I = *impl_;
+  require_slot0("profile_steps()");
   require_steps(cfg_, token, count >= 1, count, "profiling", "steps", position_, opt_.ctx_size);
   SamplingParams greedy;
   greedy.temperature = 0;

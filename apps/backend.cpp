@@ -81,6 +81,7 @@ class ChoiceCheckedBackend final : public Backend {
   BackendCapabilities capabilities() const noexcept override {
     BackendCapabilities c = inner_->capabilities();
     c.device_decode = false;
+    c.batch_sampling = false;
     return c;
   }
   void reset() override {

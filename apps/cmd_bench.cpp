@@ -19,6 +19,7 @@
 // decode depth, the largest over ranks) and the reference bandwidth --bandwidth-gbs. Logs go to
 // stderr.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -74,6 +75,7 @@ constexpr int64_t kBreakdownWarmup = 4;
 
 struct BenchCli {
   std::string model, n_prompt = "512", n_gen = "128", format = "md", output, per_token;
+  std::string batch = "1";  // --batch: sequences per decode step, comma-separated
   std::string config;
   bool random_weights = false, skip_prefill = false, breakdown = false;
   int64_t breakdown_steps = 32;
@@ -252,6 +254,12 @@ uint64_t family_bytes(const std::string& family, const TokenBytes& tb, const Mod
 // One lane's measurements and roofline figures.
 struct LaneResult {
   int64_t n_prompt = 0, n_gen = 0;
+  // Sequences per decode step (--batch). With batch > 1 the TPOT is the step time (every
+  // sequence gets one token per step), TTFT the time to prefill every prompt plus the first
+  // step, and the bytes are a step's (bytes_per_step).
+  int64_t batch = 1;
+  uint64_t step_bytes = 0;      // the busiest rank's bytes per step
+  double distinct_experts = 0;  // expected distinct routed experts per layer and step
   std::vector<double> ttft_ms, prefill_ms, tpot_ms;  // one per measured repetition
   std::vector<std::vector<double>> itl_ms;           // per repetition, n_gen - 1 each
   int64_t decode_depth = 0;                          // visible tokens at the mean decode step
@@ -316,10 +324,14 @@ json lane_json(const LaneResult& l, double bandwidth_gbs) {
   for (const auto& r : l.itl_ms) all.insert(all.end(), r.begin(), r.end());
   const LatencyStats itl = latency_stats(all);
   const uint64_t bytes = *std::max_element(l.bytes_by_rank.begin(), l.bytes_by_rank.end());
-  const double gbs = tpot > 0 ? static_cast<double>(bytes) / (tpot * 1e-3) / 1e9 : 0.0;
+  // A batched step reads step_bytes for `batch` tokens (bytes_by_rank: each rank's share of
+  // one token); the floor and the bandwidth are the step's.
+  const uint64_t step = l.batch > 1 ? l.step_bytes : bytes;
+  const double gbs = tpot > 0 ? static_cast<double>(step) / (tpot * 1e-3) / 1e9 : 0.0;
   const bool no_ttft = l.ttft_ms.empty();  // prefill skipped: TTFT not measured
   json j = {{"n_prompt", l.n_prompt},
             {"n_gen", l.n_gen},
+            {"batch", l.batch},
             {"ttft_ms", no_ttft ? json(nullptr) : json(ttft)},
             {"ttft_ms_std", no_ttft || l.ttft_ms.size() < 2 ? json(nullptr) : json(ttft_std)},
             {"prefill_ms", no_ttft ? json(nullptr) : json(prefill)},
@@ -330,7 +342,7 @@ json lane_json(const LaneResult& l, double bandwidth_gbs) {
             {"itl_p99_ms", itl.p99},
             {"itl_max_ms", itl.max},
             {"itl_count", itl.count},
-            {"decode_tokens_per_s", tpot > 0 ? 1e3 / tpot : 0.0},
+            {"decode_tokens_per_s", tpot > 0 ? 1e3 * static_cast<double>(l.batch) / tpot : 0.0},
             {"prefill_tokens_per_s", no_ttft ? json(nullptr)
                                      : prefill > 0
                                          ? json(static_cast<double>(l.n_prompt) / (prefill * 1e-3))
@@ -340,10 +352,12 @@ json lane_json(const LaneResult& l, double bandwidth_gbs) {
              no_ttft || ttft <= 0 ? json(nullptr) : json(l.prompt_flops / (ttft * 1e-3) * 1e-12)},
             {"decode_depth", l.decode_depth},
             {"bytes_per_token", bytes},
+            {"bytes_per_step", step},
+            {"distinct_experts", l.distinct_experts},
             {"weight_bytes_per_token", l.weight_bytes},
             {"state_bytes_per_token", l.state_bytes},
             {"bytes_per_token_by_rank", l.bytes_by_rank},
-            {"floor_ms", static_cast<double>(bytes) / (bandwidth_gbs * 1e9) * 1e3},
+            {"floor_ms", static_cast<double>(step) / (bandwidth_gbs * 1e9) * 1e3},
             {"achieved_gbs", gbs},
             {"pct_of_bandwidth", 100.0 * gbs / bandwidth_gbs}};
   if (l.breakdown) {
@@ -392,6 +406,7 @@ const std::vector<std::string>& csv_columns() {
                                                 "prefill",
                                                 "n_prompt",
                                                 "n_gen",
+                                                "batch",
                                                 "ttft_ms",
                                                 "ttft_ms_std",
                                                 "prefill_ms",
@@ -408,6 +423,8 @@ const std::vector<std::string>& csv_columns() {
                                                 "ttft_tflops_per_s",
                                                 "decode_depth",
                                                 "bytes_per_token",
+                                                "bytes_per_step",
+                                                "distinct_experts",
                                                 "weight_bytes_per_token",
                                                 "state_bytes_per_token",
                                                 "bytes_per_token_by_rank",
@@ -511,6 +528,7 @@ std::string format_md(const Report& r) {
       "| prefill t/s | MB/token/rank | floor ms | GB/s | % of ref |\n";
   out += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& l : r.lanes) {
+    if (l.batch > 1) continue;  // the batched table below
     const json j = lane_json(l, r.bandwidth_gbs);
     auto d = [&j](const char* k) { return j.at(k).get<double>(); };
     const bool no_ttft = j.at("ttft_ms").is_null();
@@ -529,6 +547,32 @@ std::string format_md(const Report& r) {
         l.n_prompt, l.n_gen, ttft, d("tpot_ms"), spread("tpot_ms_std", 4), d("itl_p50_ms"),
         d("itl_p90_ms"), d("itl_p99_ms"), d("decode_tokens_per_s"), prefill_rate,
         d("bytes_per_token") / 1e6, d("floor_ms"), d("achieved_gbs"), d("pct_of_bandwidth"));
+  }
+  bool batched = false;
+  for (const auto& l : r.lanes) {
+    if (l.batch <= 1) continue;
+    if (!batched) {
+      batched = true;
+      out +=
+          "\nbatched lanes (--batch): B sequences decoded side by side, one token each per step; "
+          "step ms = each sequence's TPOT; output t/s = B / step; TTFT = every prompt prefilled "
+          "(one after another) + the first step; MB/step/rank: the busiest rank's bytes of one "
+          "step (shard plan: the weights once, the expected distinct routed experts under uniform "
+          "routing, each sequence's rows and states at the mean depth); floor = MB / reference "
+          "bandwidth\n\n"
+          "| batch | n_prompt | n_gen | TTFT ms | step ms | output t/s | MB/step/rank | "
+          "experts/layer "
+          "| floor ms | GB/s | % of ref |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    }
+    const json j = lane_json(l, r.bandwidth_gbs);
+    auto d = [&j](const char* k) { return j.at(k).get<double>(); };
+    out += fmt::format(
+        "| {} | {} | {} | {} | {:.4f} | {:.1f} | {:.3f} | {:.1f} | {:.4g} | {:.2f} | {:.3f} |\n",
+        l.batch, l.n_prompt, l.n_gen,
+        j.at("ttft_ms").is_null() ? std::string("n/a") : fmt::format("{:.3f}", d("ttft_ms")),
+        d("tpot_ms"), d("decode_tokens_per_s"), d("bytes_per_step") / 1e6, d("distinct_experts"),
+        d("floor_ms"), d("achieved_gbs"), d("pct_of_bandwidth"));
   }
   for (const auto& l : r.lanes) {
     if (!l.breakdown) continue;
@@ -640,7 +684,7 @@ Breakdown run_breakdown(Backend& model, const ModelConfig& cfg, const ShardPlan&
 
 // What run_bench settles before the load: the lanes, the model's config and the shard plan.
 struct BenchSetup {
-  std::vector<int64_t> prompts, gens;
+  std::vector<int64_t> prompts, gens, batches;
   bool skip_prefill = false;
   fs::path dir;  // the model directory or the --config file
   ModelConfig cfg;
@@ -656,6 +700,7 @@ BenchSetup setup_bench(const BenchCli& o, int world_size, bool root) {
   check_backend_and_tp(o.backend.backend, o.backend.tp, world_size);
   st.prompts = parse_lengths(o.n_prompt, "-p/--n-prompt", kPromptRange);
   st.gens = parse_lengths(o.n_gen, "-n/--n-gen", kGenRange);
+  st.batches = parse_lengths(o.batch, "--batch", WholeRange(1, kMaxBatchSlots));
   FN_REQUIRE(o.repetitions >= 1, Usage, "-r/--repetitions must be >= 1, got {}", o.repetitions);
   FN_REQUIRE(o.warmup >= 0, Usage, "--warmup must be >= 0, got {}", o.warmup);
   FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
@@ -748,10 +793,12 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   const ShardPlan& plan = *st.plan;
 
   std::string per_token_text;  // --per-token records, written with the report
+  BackendFlags flags = o.backend;
+  flags.max_batch = *std::max_element(st.batches.begin(), st.batches.end());
   const std::unique_ptr<Backend> backend =
-      o.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.seed), mpi,
-                                             coll, ctx, "bench")
-                       : load_backend(o.backend, dir, mpi, coll, ctx, "bench");
+      o.random_weights
+          ? load_backend_random(flags, dir, static_cast<uint64_t>(o.seed), mpi, coll, ctx, "bench")
+          : load_backend(flags, dir, mpi, coll, ctx, "bench");
   Backend& model = *backend;
   const BackendInfo& info = model.info();
   // Refused above for any other backend: the cuda backend provides both.
@@ -799,73 +846,168 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   go.top_logprobs = o.logprobs;
   const std::vector<int64_t> stops = stop_token_ids(cfg, gen);
 
-  const std::size_t n_lanes = prompts.size() * gens.size();
+  const std::size_t n_lanes = prompts.size() * gens.size() * st.batches.size();
+  // A batched lane: B slots, each its own synthetic prompt (seed + slot: distinct tokens, so the
+  // sequences route to different experts), prefilled one after another (all but the last token,
+  // or the position set to n_prompt - 1 with --skip-prefill), then n_gen greedy steps of all B
+  // sequences at once (sampled on the device where the backend can, else host argmax).
+  using Clock = std::chrono::steady_clock;
+  const auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  const auto run_batched = [&](int64_t p, int64_t n, int64_t B, LaneResult& lane) {
+    FN_REQUIRE(model.slot_count() >= B, Usage, "--batch {}: the backend holds {} sequence slots", B,
+               model.slot_count());
+    std::vector<std::vector<int32_t>> prompts_b;
+    for (int64_t b = 0; b < B; ++b)
+      prompts_b.push_back(
+          synthetic_prompt(rep.seed + static_cast<uint64_t>(b), p, info.vocab_size, stops));
+    std::vector<int64_t> slots(static_cast<std::size_t>(B));
+    for (int64_t b = 0; b < B; ++b) slots[static_cast<std::size_t>(b)] = b;
+    const bool on_device = model.capabilities().batch_sampling;
+    std::vector<SlotSampling> greedy(static_cast<std::size_t>(B));
+    for (SlotSampling& g : greedy) g.sampling.temperature = 0.0;
+    const auto V = static_cast<std::size_t>(info.vocab_size);
+    for (int64_t k = -o.warmup; k < o.repetitions; ++k) {
+      const auto t0 = Clock::now();
+      std::vector<int32_t> feed(static_cast<std::size_t>(B));
+      for (int64_t b = 0; b < B; ++b) {
+        const std::vector<int32_t>& pr = prompts_b[static_cast<std::size_t>(b)];
+        model.select_slot(b);
+        model.reset();
+        if (skip_prefill) {
+          model.set_position_for_benchmark(p - 1);
+        } else if (p > 1) {
+          model.prefill(std::span<const int32_t>(pr).first(static_cast<std::size_t>(p - 1)),
+                        PrefillOutput::None);
+        }
+        feed[static_cast<std::size_t>(b)] = pr.back();
+      }
+      model.select_slot(0);
+      const double prefill = ms_since(t0);
+      std::vector<double> steps;
+      for (int64_t i = 0; i < n; ++i) {
+        const auto ts = Clock::now();
+        if (on_device) {
+          for (SlotSampling& g : greedy) g.step = i;
+          feed = model.sample_batch(slots, feed, greedy);
+        } else {
+          const std::span<const float> rows = model.forward_batch(slots, feed);
+          for (std::size_t b = 0; b < feed.size(); ++b)
+            feed[b] = argmax_lowest(rows.subspan(b * V, V));
+        }
+        steps.push_back(ms_since(ts));
+      }
+      if (k < 0) continue;
+      if (!skip_prefill) {
+        lane.ttft_ms.push_back(prefill + steps.front());
+        lane.prefill_ms.push_back(prefill);
+      }
+      const std::vector<double> gaps(steps.begin() + 1, steps.end());
+      lane.tpot_ms.push_back(latency_stats(gaps).mean);
+      lane.itl_ms.push_back(gaps);
+    }
+    lane.decode_depth = p + n / 2;
+    for (int rank = 0; rank < plan.tp_size(); ++rank) {
+      const StepBytes sb = bytes_per_step(plan, cfg, rank, lane.decode_depth, B);
+      lane.bytes_by_rank.push_back(sb.total() / static_cast<uint64_t>(B));
+      if (rank == 0 || sb.total() > lane.step_bytes) {
+        lane.step_bytes = sb.total();
+        lane.distinct_experts = sb.distinct_experts;
+        lane.weight_bytes = (sb.shared_weights + sb.experts) / static_cast<uint64_t>(B);
+        lane.state_bytes = sb.total() / static_cast<uint64_t>(B) - lane.weight_bytes;
+      }
+    }
+  };
   for (int64_t p : prompts) {
     const std::vector<int32_t> prompt = synthetic_prompt(rep.seed, p, info.vocab_size, stops);
     for (int64_t n : gens) {
-      LaneResult lane;
-      lane.n_prompt = p;
-      lane.prompt_flops = prefill_flops(cfg, 0, p, 1).total();
-      lane.n_gen = n;
-      go.max_new_tokens = n;
-      int32_t last_id = prompt.back();
-      for (int64_t k = -o.warmup; k < o.repetitions; ++k) {
-        model.reset();
-        // Prefill skipped: the last prompt token runs at its own position, n_prompt - 1.
-        if (skip_prefill) model.set_position_for_benchmark(p - 1);
-        const std::span<const int32_t> fed = skip_prefill ? std::span<const int32_t>(prompt).last(1)
-                                                          : std::span<const int32_t>(prompt);
-        const GenerationResult r = generate(model, coll, fed, go);
-        last_id = r.token_ids.back();
-        FN_CHECK(static_cast<int64_t>(r.itl_ms.size()) == n - 1, "lane -p {} -n {}: {} gaps", p, n,
-                 r.itl_ms.size());
-        if (k < 0) continue;
-        if (!skip_prefill) {
-          lane.ttft_ms.push_back(r.ttft_ms);
-          lane.prefill_ms.push_back(r.prefill_ms);
+      for (const int64_t B : st.batches) {
+        LaneResult lane;
+        lane.batch = B;
+        lane.distinct_experts = static_cast<double>(cfg.num_experts_per_tok);
+        if (B > 1) {
+          lane.n_prompt = p;
+          lane.n_gen = n;
+          lane.prompt_flops = static_cast<double>(B) * prefill_flops(cfg, 0, p, 1).total();
+          run_batched(p, n, B, lane);
+          if (root) {
+            const json j = lane_json(lane, rep.bandwidth_gbs);
+            FN_LOG_INFO(
+                "bench: lane {}/{} (--batch {} -p {} -n {}): step {:.4f} ms, {:.1f} output "
+                "tokens/s, "
+                "{:.2f} GB/s ({:.3f}% of the {} GB/s reference)",
+                rep.lanes.size() + 1, n_lanes, B, p, n, j["tpot_ms"].get<double>(),
+                j["decode_tokens_per_s"].get<double>(), j["achieved_gbs"].get<double>(),
+                j["pct_of_bandwidth"].get<double>(), rep.bandwidth_gbs);
+          }
+          rep.lanes.push_back(std::move(lane));
+          continue;
         }
-        lane.tpot_ms.push_back(r.tpot.mean);
-        lane.itl_ms.push_back(r.itl_ms);
-        if (root && !o.per_token.empty()) {
-          const json j = {{"lane", rep.lanes.size()},
-                          {"n_prompt", p},
-                          {"n_gen", n},
-                          {"repetition", k},
-                          {"ttft_ms", skip_prefill ? json(nullptr) : json(r.ttft_ms)},
-                          {"prefill_ms", skip_prefill ? json(nullptr) : json(r.prefill_ms)},
-                          {"itl_ms", r.itl_ms}};
-          per_token_text += j.dump() + "\n";
+        lane.n_prompt = p;
+        lane.prompt_flops = prefill_flops(cfg, 0, p, 1).total();
+        lane.n_gen = n;
+        go.max_new_tokens = n;
+        int32_t last_id = prompt.back();
+        for (int64_t k = -o.warmup; k < o.repetitions; ++k) {
+          model.reset();
+          // Prefill skipped: the last prompt token runs at its own position, n_prompt - 1.
+          if (skip_prefill) model.set_position_for_benchmark(p - 1);
+          const std::span<const int32_t> fed = skip_prefill
+                                                   ? std::span<const int32_t>(prompt).last(1)
+                                                   : std::span<const int32_t>(prompt);
+          const GenerationResult r = generate(model, coll, fed, go);
+          last_id = r.token_ids.back();
+          FN_CHECK(static_cast<int64_t>(r.itl_ms.size()) == n - 1, "lane -p {} -n {}: {} gaps", p,
+                   n, r.itl_ms.size());
+          if (k < 0) continue;
+          if (!skip_prefill) {
+            lane.ttft_ms.push_back(r.ttft_ms);
+            lane.prefill_ms.push_back(r.prefill_ms);
+          }
+          lane.tpot_ms.push_back(r.tpot.mean);
+          lane.itl_ms.push_back(r.itl_ms);
+          if (root && !o.per_token.empty()) {
+            const json j = {{"lane", rep.lanes.size()},
+                            {"n_prompt", p},
+                            {"n_gen", n},
+                            {"repetition", k},
+                            {"ttft_ms", skip_prefill ? json(nullptr) : json(r.ttft_ms)},
+                            {"prefill_ms", skip_prefill ? json(nullptr) : json(r.prefill_ms)},
+                            {"itl_ms", r.itl_ms}};
+            per_token_text += j.dump() + "\n";
+          }
         }
-      }
-      // The timed decode steps see n_prompt + 1 ... n_prompt + n_gen - 1 tokens: mean
-      // n_prompt + n_gen / 2.
-      lane.decode_depth = p + n / 2;
-      uint64_t most = 0;
-      for (int rank = 0; rank < plan.tp_size(); ++rank) {
-        const TokenBytes tb = bytes_per_token(plan, cfg, rank, lane.decode_depth);
-        lane.bytes_by_rank.push_back(tb.total());
-        if (rank == 0 || tb.total() > most) {
-          most = tb.total();
-          lane.weight_bytes = tb.weight_total();
-          lane.state_bytes = tb.state_total();
+        // The timed decode steps see n_prompt + 1 ... n_prompt + n_gen - 1 tokens: mean
+        // n_prompt + n_gen / 2.
+        lane.decode_depth = p + n / 2;
+        uint64_t most = 0;
+        for (int rank = 0; rank < plan.tp_size(); ++rank) {
+          const TokenBytes tb = bytes_per_token(plan, cfg, rank, lane.decode_depth);
+          lane.bytes_by_rank.push_back(tb.total());
+          if (rank == 0 || tb.total() > most) {
+            most = tb.total();
+            lane.weight_bytes = tb.weight_total();
+            lane.state_bytes = tb.state_total();
+          }
         }
+        if (o.breakdown)
+          lane.breakdown =
+              run_breakdown(model, cfg, plan, o.breakdown_steps, last_id, p - 1 + n, root);
+        if (root) {
+          const json j = lane_json(lane, rep.bandwidth_gbs);
+          FN_LOG_INFO(
+              "bench: lane {}/{} (-p {} -n {}): TTFT {} ms, TPOT {:.4f} ms, {:.1f} tokens/s, "
+              "{:.2f} GB/s ({:.3f}% of the {} GB/s reference)",
+              rep.lanes.size() + 1, n_lanes, p, n,
+              j["ttft_ms"].is_null() ? std::string("n/a")
+                                     : fmt::format("{:.3f}", j["ttft_ms"].get<double>()),
+              j["tpot_ms"].get<double>(), j["decode_tokens_per_s"].get<double>(),
+              j["achieved_gbs"].get<double>(), j["pct_of_bandwidth"].get<double>(),
+              rep.bandwidth_gbs);
+        }
+        rep.lanes.push_back(std::move(lane));
       }
-      if (o.breakdown)
-        lane.breakdown =
-            run_breakdown(model, cfg, plan, o.breakdown_steps, last_id, p - 1 + n, root);
-      if (root) {
-        const json j = lane_json(lane, rep.bandwidth_gbs);
-        FN_LOG_INFO(
-            "bench: lane {}/{} (-p {} -n {}): TTFT {} ms, TPOT {:.4f} ms, {:.1f} tokens/s, "
-            "{:.2f} GB/s ({:.3f}% of the {} GB/s reference)",
-            rep.lanes.size() + 1, n_lanes, p, n,
-            j["ttft_ms"].is_null() ? std::string("n/a")
-                                   : fmt::format("{:.3f}", j["ttft_ms"].get<double>()),
-            j["tpot_ms"].get<double>(), j["decode_tokens_per_s"].get<double>(),
-            j["achieved_gbs"].get<double>(), j["pct_of_bandwidth"].get<double>(),
-            rep.bandwidth_gbs);
-      }
-      rep.lanes.push_back(std::move(lane));
     }
   }
 
@@ -935,6 +1077,10 @@ void register_bench(CLI::App& app, CommandList& commands) {
       "context size in tokens (default, or 0: the longest lane, max of n_prompt + n_gen)",
       WholeRange(0, kMaxTokenCount));
   add_whole_option(sub, "-s,--seed", o->seed, "seed of the synthetic prompt ids (default 0)", {});
+  sub->add_option("--batch", o->batch,
+                  "sequences decoded side by side per step, comma-separated (default 1); every "
+                  "lane runs at every batch: B > 1 gives throughput lanes (output tokens/s, the "
+                  "step time, the bytes of a step)");
   add_whole_option(sub, "--logprobs", o->logprobs,
                    "also compute each decoded token's log-prob and its K most likely alternatives "
                    "(as generate --logprobs K; the cost of that reduction in the TPOT)",

@@ -72,6 +72,11 @@ std::span<const float> Backend::forward_batch(std::span<const int64_t> slots,
   return batch_logits_;
 }
 
+std::vector<int32_t> Backend::sample_batch(std::span<const int64_t>, std::span<const int32_t>,
+                                           std::span<const SlotSampling>) {
+  FN_THROW(Internal, "the {} backend does not sample batched steps on the device", info_.name);
+}
+
 double Backend::device_used_mib() const {
   FN_THROW(Internal, "the {} backend has no device memory figure", info_.name);
 }

@@ -47,6 +47,16 @@ struct BackendCapabilities {
   bool set_position = false;    ///< set_position_for_benchmark()
   bool profile = false;         ///< profile_steps()
   bool snapshot = false;        ///< snapshot() / restore()
+  bool batch_sampling = false;  ///< sample_batch()
+};
+
+/// One sequence's sampling in a batched device step (Backend::sample_batch): its settings, whose
+/// penalties must be off (device_sampling_supported, core/generate.h) and whose seed seeds the
+/// draw, and the RNG position, the number of ids this sequence sampled before (as decode()
+/// counts its steps from 0).
+struct SlotSampling {
+  SamplingParams sampling;
+  int64_t step = 0;
 };
 
 /// Which logits Backend::prefill returns.
@@ -163,6 +173,15 @@ class Backend {
   /// before the failing one have run).
   virtual std::span<const float> forward_batch(std::span<const int64_t> slots,
                                                std::span<const int32_t> tokens);
+
+  /// capabilities().batch_sampling only: forward_batch() that samples each slot's next id on
+  /// the device with sampling[i] (decode()'s sampler: ids equal to decode()'s for the same
+  /// logits, seed and step) and returns the ids, row i for slots[i]; only the ids cross to the
+  /// host. Throws as forward_batch(), and fn::Error(Internal) without it or for lists of other
+  /// lengths.
+  virtual std::vector<int32_t> sample_batch(std::span<const int64_t> slots,
+                                            std::span<const int32_t> tokens,
+                                            std::span<const SlotSampling> sampling);
 
   /// capabilities().device_memory only: device memory in use on this rank's device now, MiB
   /// (total - free). A soak compares it across records. Throws fn::Error(Internal) without it.

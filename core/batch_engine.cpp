@@ -37,8 +37,16 @@ struct BatchEngine::Seq {
   Sampler sampler;
   StopText stop_text;
   int64_t slot = 0;
-  int64_t order = 0;               // admission number: the prefill order
-  int64_t prefilled = 0;           // prompt tokens run so far
+  int64_t order = 0;      // admission number: the prefill order
+  int64_t prefilled = 0;  // prompt tokens run so far
+  // Sampled on the device (Backend::sample_batch): the prompt but its last token is prefilled,
+  // the last one is fed by the first decode step, as generate()'s device path does; `steps`
+  // counts the ids sampled (the RNG position).
+  bool on_device = false;
+  int64_t steps = 0;
+  int64_t prefill_target() const {
+    return static_cast<int64_t>(r.prompt.size()) - (on_device ? 1 : 0);
+  }
   std::optional<int32_t> pending;  // the sampled id to feed at the next decode step
   GenerationResult out;
   Clock::time_point t0, t_prev;
@@ -74,6 +82,14 @@ void BatchEngine::admit(BatchRequest r) {
   seq->order = admitted_++;
   for (const int32_t t : seq->r.prompt) seq->sampler.accept(t);
   seq->out.n_prompt_tokens = static_cast<int64_t>(seq->r.prompt.size());
+  if (capacity_ > 1) {
+    seq->on_device = backend_.capabilities().batch_sampling &&
+                     device_sampling_supported(seq->r.options) && seq->r.options.top_logprobs < 0;
+    backend_.select_slot(seq->slot);
+    backend_.reset();
+    seq->t0 = Clock::now();
+    if (seq->prefill_target() == 0) seq->pending = seq->r.prompt.back();
+  }
   *free_it = std::move(seq);
 }
 
@@ -104,24 +120,20 @@ std::vector<BatchOutput> BatchEngine::step() {
   // Prefill within the budget, oldest admission first.
   std::vector<Seq*> waiting;
   for (auto& s : slots_)
-    if (s && s->prefilled < static_cast<int64_t>(s->r.prompt.size())) waiting.push_back(s.get());
+    if (s && s->prefilled < s->prefill_target()) waiting.push_back(s.get());
   std::sort(waiting.begin(), waiting.end(),
             [](const Seq* a, const Seq* b) { return a->order < b->order; });
   int64_t budget = budget_;
   for (Seq* s : waiting) {
     if (budget == 0) break;
-    const auto n_prompt = static_cast<int64_t>(s->r.prompt.size());
-    const int64_t n = std::min(budget, n_prompt - s->prefilled);
-    const bool last = s->prefilled + n == n_prompt;
+    const int64_t target = s->prefill_target();
+    const int64_t n = std::min(budget, target - s->prefilled);
+    const bool last = s->prefilled + n == target;
     backend_.select_slot(s->slot);
-    if (s->prefilled == 0) {
-      backend_.reset();
-      s->t0 = Clock::now();
-    }
     const std::span<const int32_t> chunk =
         std::span<const int32_t>(s->r.prompt)
             .subspan(static_cast<std::size_t>(s->prefilled), static_cast<std::size_t>(n));
-    const PrefillOutput want = last ? PrefillOutput::Last : PrefillOutput::None;
+    const PrefillOutput want = last && !s->on_device ? PrefillOutput::Last : PrefillOutput::None;
     std::span<const float> logits;
     if (s->r.options.stepwise_prefill) {
       for (const int32_t t : chunk) logits = backend_.forward(t);
@@ -130,28 +142,45 @@ std::vector<BatchOutput> BatchEngine::step() {
     }
     s->prefilled += n;
     budget -= n;
-    if (last) {
-      s->out.prefill_ms = ms_between(s->t0, Clock::now());
-      take(*s, logits);
+    if (!last) continue;
+    s->out.prefill_ms = ms_between(s->t0, Clock::now());
+    if (s->on_device) {
+      s->pending = s->r.prompt.back();  // its first id comes from the decode step
+    } else {
+      take(*s, logits);  // its first id is fed at the next step
     }
   }
 
-  // One decode step over every sequence with a token to feed, in slot order.
-  std::vector<Seq*> decoding;
-  std::vector<int64_t> slot_ids;
-  std::vector<int32_t> feed;
-  for (auto& s : slots_) {
-    if (!s || !s->pending) continue;
-    decoding.push_back(s.get());
-    slot_ids.push_back(s->slot);
-    feed.push_back(*s->pending);
-  }
-  if (!decoding.empty()) {
-    const std::span<const float> rows = backend_.forward_batch(slot_ids, feed);
-    const auto V = static_cast<std::size_t>(backend_.info().vocab_size);
-    for (std::size_t i = 0; i < decoding.size(); ++i) {
-      decoding[i]->pending.reset();
-      take(*decoding[i], rows.subspan(i * V, V));
+  // One decode step over every sequence with a token to feed, in slot order: those sampled on
+  // the host in one forward_batch, those sampled on the device in one sample_batch.
+  for (const bool device : {false, true}) {
+    std::vector<Seq*> decoding;
+    std::vector<int64_t> slot_ids;
+    std::vector<int32_t> feed;
+    std::vector<SlotSampling> sampling;
+    for (auto& s : slots_) {
+      if (!s || !s->pending || s->on_device != device) continue;
+      decoding.push_back(s.get());
+      slot_ids.push_back(s->slot);
+      feed.push_back(*s->pending);
+      if (device) sampling.push_back({s->r.options.sampling, s->steps});
+    }
+    if (decoding.empty()) continue;
+    if (device) {
+      const std::vector<int32_t> got = backend_.sample_batch(slot_ids, feed, sampling);
+      for (std::size_t i = 0; i < decoding.size(); ++i) {
+        decoding[i]->pending.reset();
+        ++decoding[i]->steps;
+        decided.push_back(decoding[i]);
+        ids.push_back(got[i]);
+      }
+    } else {
+      const std::span<const float> rows = backend_.forward_batch(slot_ids, feed);
+      const auto V = static_cast<std::size_t>(backend_.info().vocab_size);
+      for (std::size_t i = 0; i < decoding.size(); ++i) {
+        decoding[i]->pending.reset();
+        take(*decoding[i], rows.subspan(i * V, V));
+      }
     }
   }
   if (!decided.empty()) decide(decided, ids, out);

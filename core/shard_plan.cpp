@@ -280,6 +280,30 @@ TokenBytes bytes_per_token(const ShardPlan& plan, const ModelConfig& cfg, int r,
   return tb;
 }
 
+StepBytes bytes_per_step(const ShardPlan& plan, const ModelConfig& cfg, int r, int64_t ctx_size,
+                         int64_t batch) {
+  FN_REQUIRE(batch >= 1, Usage, "batch must be >= 1, got {}", batch);
+  const TokenBytes tb = bytes_per_token(plan, cfg, r, ctx_size);
+  const auto of = [&tb](std::string_view family) {
+    const auto it = tb.weights.find(std::string(family));
+    return it == tb.weights.end() ? uint64_t{0} : it->second;
+  };
+  StepBytes sb;
+  sb.batch = batch;
+  const uint64_t token_experts = of("moe.experts");
+  const uint64_t per_token_rows = of(tensor_family(TensorRole::Embedding)) + of("ple.ngram");
+  sb.shared_weights = tb.weight_total() - token_experts - per_token_rows;
+  sb.per_sequence = per_token_rows + tb.state_total();
+  const double E = static_cast<double>(cfg.num_experts);
+  const double k = static_cast<double>(cfg.num_experts_per_tok);
+  const double touched = 1.0 - std::pow(1.0 - k / E, static_cast<double>(batch));
+  sb.distinct_experts = E * touched;
+  // token_experts is k / E of the rank's expert bytes (bytes_per_token): all of them * touched.
+  sb.experts =
+      static_cast<uint64_t>(std::llround(static_cast<double>(token_experts) * E / k * touched));
+  return sb;
+}
+
 RankDims rank_dims(const ModelConfig& c, int tp, int r) {
   RankDims d;
   d.linear_k_heads = c.linear_num_key_heads / tp;

@@ -116,6 +116,26 @@ struct TokenBytes {
   uint64_t total() const { return weight_total() + state_total(); }
 };
 
+/// What one batched decode step of `batch` sequences reads on a rank (bytes_per_step): the
+/// weights every token shares, read once; the routed experts' expected union; and per sequence
+/// its embedding row, n-gram rows and states.
+struct StepBytes {
+  int64_t batch = 1;
+  uint64_t shared_weights = 0;  ///< dense weights (everything but experts, embedding, n-gram rows)
+  uint64_t experts = 0;         ///< routed experts: the expected distinct ones of the step
+  double distinct_experts = 0;  ///< expected distinct routed experts per layer
+  uint64_t per_sequence = 0;    ///< embedding row + n-gram rows + states of one sequence
+  uint64_t total() const { return shared_weights + experts + per_sequence * batch; }
+};
+
+/// The bytes of one decode step over `batch` sequences, each with `ctx_size` visible tokens, on
+/// rank r, from bytes_per_token: under uniform routing a layer's step touches
+/// num_experts · (1 − (1 − k / num_experts)^batch) distinct experts in expectation (k =
+/// num_experts_per_tok), each read once; batch 1 gives bytes_per_token's total. Throws Usage
+/// when batch < 1 or ctx_size < 1.
+StepBytes bytes_per_step(const ShardPlan& plan, const ModelConfig& cfg, int tp_rank,
+                         int64_t ctx_size, int64_t batch);
+
 /// The per-rank sizes the shard plan implies (docs/model.md §E.2), shared by every backend and the
 /// memory plan so that they never derive them differently. Counts are heads or rows of this rank.
 struct RankDims {

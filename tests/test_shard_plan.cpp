@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <cmath>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -324,6 +326,34 @@ TEST_CASE("shard plan: weights and bytes per token per rank match hand computati
   CHECK(small.kv_cache == 12ull * 101 * 256 * 2 * 2);
   CHECK(small.indexer_cache == 12ull * (256 * (25 + 0 + 1) + 320));
   CHECK_THROWS_AS(fn::bytes_per_token(plan, m.cfg, 0, 0), fn::Error);
+}
+
+TEST_CASE("shard plan: bytes of a batched step match hand computation (real, TP=4)") {
+  const Model& m = real_model();
+  const fn::ShardPlan& plan = real_plan(4);
+  const uint64_t expert_rank = 3ull * (640 * 1280 + 640 * 160) / 4 + 6 * 4;
+  const fn::TokenBytes tb = fn::bytes_per_token(plan, m.cfg, 1, 8192);
+  const fn::StepBytes one = fn::bytes_per_step(plan, m.cfg, 1, 8192, 1);
+  CHECK(one.total() == tb.total());
+  CHECK(one.distinct_experts == doctest::Approx(10.0));
+  for (const int64_t b : {8, 32, 64}) {
+    CAPTURE(b);
+    const fn::StepBytes sb = fn::bytes_per_step(plan, m.cfg, 1, 8192, b);
+    const double touched = 1.0 - std::pow(1.0 - 10.0 / 512.0, static_cast<double>(b));
+    CHECK(sb.distinct_experts == doctest::Approx(512.0 * touched));
+    // Rounded to whole bytes: within one byte of the hand value.
+    const double want = static_cast<double>(expert_rank * 512 * 48) * touched;
+    CHECK(std::fabs(static_cast<double>(sb.experts) - want) <= 1.0);
+    const uint64_t per_seq = 2560 * 2 + (16 * 160 / 4 + 2) + tb.state_total();
+    CHECK(sb.per_sequence == per_seq);
+    CHECK(sb.shared_weights ==
+          tb.weight_total() - expert_rank * 10 * 48 - 2560 * 2 - (16 * 160 / 4 + 2));
+    CHECK(sb.total() == sb.shared_weights + sb.experts + per_seq * static_cast<uint64_t>(b));
+  }
+  // 64 sequences touch about 367.1 of 512 experts per layer (512 (1 - (502/512)^64)).
+  CHECK(fn::bytes_per_step(plan, m.cfg, 0, 8192, 64).distinct_experts ==
+        doctest::Approx(367.1127).epsilon(1e-6));
+  CHECK_THROWS_AS(fn::bytes_per_step(plan, m.cfg, 0, 8192, 0), fn::Error);
 }
 
 TEST_CASE("shard plan: bytes per rank for the real geometry at TP 1, 2, 4, 8 (printed)") {

@@ -47,6 +47,7 @@ CudaBackend::~CudaBackend() {
 BackendCapabilities CudaBackend::capabilities() const noexcept {
   BackendCapabilities c;
   c.device_decode = true;
+  c.batch_sampling = true;
   c.device_memory = true;
   c.graph_captures = true;
   c.set_position = true;
@@ -94,6 +95,23 @@ int64_t CudaBackend::selected_slot() const noexcept {
 
 void CudaBackend::select_slot(int64_t slot) {
   model_->select_slot(slot);
+}
+
+std::vector<int32_t> CudaBackend::sample_batch(std::span<const int64_t> slots,
+                                               std::span<const int32_t> tokens,
+                                               std::span<const SlotSampling> sampling) {
+  std::vector<DeviceSamplingParams> dp(sampling.size());
+  std::vector<int64_t> steps(sampling.size());
+  for (std::size_t i = 0; i < sampling.size(); ++i) {
+    const SamplingParams& sp = sampling[i].sampling;
+    dp[i].temperature = static_cast<float>(sp.temperature);
+    dp[i].top_k = static_cast<int>(sp.top_k);
+    dp[i].top_p = static_cast<float>(sp.top_p);
+    dp[i].min_p = static_cast<float>(sp.min_p);
+    dp[i].seed = sp.seed;
+    steps[i] = sampling[i].step;
+  }
+  return model_->sample_batch(slots, tokens, dp, steps);
 }
 
 std::span<const float> CudaBackend::forward_batch(std::span<const int64_t> slots,

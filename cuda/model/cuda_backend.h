@@ -31,7 +31,8 @@ class CudaBackend final : public Backend {
   CudaModel& model() noexcept { return *model_; }
   const CudaModel& model() const noexcept { return *model_; }
 
-  /// All of them: device decode, device memory, graph captures, set position, profile, snapshot.
+  /// All of them: device decode, device memory, graph captures, set position, profile, snapshot,
+  /// batched sampling.
   BackendCapabilities capabilities() const noexcept override;
   /// CudaModel::reset.
   void reset() override;
@@ -53,6 +54,9 @@ class CudaBackend final : public Backend {
   void select_slot(int64_t slot) override;
   std::span<const float> forward_batch(std::span<const int64_t> slots,
                                        std::span<const int32_t> tokens) override;
+  /// CudaModel::sample_batch with each SlotSampling's settings and seed.
+  std::vector<int32_t> sample_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,
+                                    std::span<const SlotSampling> sampling) override;
   /// CudaModel::decode (sampling in the decode graph; throws as it does).
   std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token,

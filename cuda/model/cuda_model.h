@@ -23,6 +23,7 @@
 #include "core/memory_plan.h"
 #include "core/row_stats.h"
 #include "core/sampler.h"
+#include "cuda/kernels/sample.h"
 
 namespace fn {
 
@@ -275,6 +276,15 @@ class CudaModel {
   std::span<const float> forward_batch(std::span<const int64_t> slots,
                                        std::span<const int32_t> tokens);
 
+  /// forward_batch() that samples each row on the device instead of returning it: row i with
+  /// sampling[i] (greedy or the filtered draw of cuda/kernels/sample.h) at RNG step steps[i], as
+  /// decode() samples its step `steps[i]` with that seed; returns the ids, row i for slots[i].
+  /// Only the ids cross to the host. Throws as forward_batch(), fn::Error(Internal) for lists
+  /// of other lengths or a negative step, and fn::Error(Format) for a non-finite row.
+  std::vector<int32_t> sample_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,
+                                    std::span<const DeviceSamplingParams> sampling,
+                                    std::span<const int64_t> steps);
+
   /// Benchmarks only: moves the position to `position` without processing tokens, so a decode
   /// step costs what it costs at that depth (the caches keep whatever they hold — zeros after
   /// reset()). Throws fn::Error(Usage) outside [0, ctx_size).
@@ -298,6 +308,9 @@ class CudaModel {
   static std::unique_ptr<CudaModel> random_with(const ModelConfig& config, const QuantConfig& quant,
                                                 uint64_t seed, const CudaModelOptions& options,
                                                 const CudaModelTestOptions& test);
+  // forward_batch() (empty `sampling`: the logits rows to the host) and sample_batch().
+  void run_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,
+                 std::span<const DeviceSamplingParams> sampling, std::span<const int64_t> steps);
   // Allocates the batched prefill's pass buffers and cuBLAS handle at the first use.
   void ensure_prefill_buffers();
   // prefill() and prefill_rows(): `rows` and `out` non-null for PrefillLogits::Rows.

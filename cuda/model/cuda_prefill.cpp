@@ -33,6 +33,7 @@
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/prefill_ops.h"
 #include "cuda/kernels/qsa_prefill.h"
+#include "cuda/kernels/sample.h"
 #include "cuda/model/cuda_model.h"
 #include "cuda/model/cuda_model_impl.h"
 
@@ -81,9 +82,16 @@ struct CudaPrefillState {
   void* gdn_ws = nullptr;
   void* qsa_ws = nullptr;
   void* moe_ws = nullptr;
+  // sample_batch(): each row's RNG step and sampled id, and the sampler's workspace (allocated
+  // at its first call).
+  int64_t* sample_steps = nullptr;  // [rows]
+  int32_t* sample_ids = nullptr;    // [rows]
+  void* sample_ws = nullptr;
+  std::size_t sample_ws_bytes = 0;
   float* logits_local = nullptr;  // [kLogitRows, v_local] (TP > 1)
   float* logits = nullptr;        // [kLogitRows, V]
   std::vector<float> host_logits;
+  std::vector<int32_t> batch_ids;  // sample_batch()'s ids
   // prefill_rows(): the query's ids and the per-row results on the device, grown as needed.
   struct RowBuffers {
     std::byte* base = nullptr;
@@ -386,6 +394,9 @@ struct CudaModel::Impl::PrefillRun {
   // Final mixer + lm_head for the pass's rows whose logits are wanted (every row for All, the
   // prompt's last for Last), copied into P.host_logits (row c0 + r at (c0 + r) * V for All).
   void logits(PrefillLogits want, int64_t n);
+  // sample_batch(): per row of the pass its sampling settings; the logits rows are sampled on
+  // the device into P.sample_ids instead of being copied out.
+  const DeviceSamplingParams* sample = nullptr;
 };
 
 void CudaModel::Impl::PrefillRun::ple(const model_detail::DevPle& pl) {
@@ -587,6 +598,21 @@ void CudaModel::Impl::PrefillRun::logits(PrefillLogits want, int64_t n) {
       }
       continue;
     }
+    if (sample != nullptr) {
+      for (int64_t j = 0; j < m; ++j) {
+        SampleParams sp;
+        sp.logits = P.logits + j * V;
+        sp.vocab = V;
+        sp.sampling = sample[r0 + j];
+        sp.step = P.sample_steps + r0 + j;
+        sp.token_out = P.sample_ids + r0 + j;
+        sp.workspace = P.sample_ws;
+        sp.workspace_bytes = P.sample_ws_bytes;
+        sp.error_flag = I.error_flag;
+        launch_sample(sp, s);
+      }
+      continue;
+    }
     const int64_t dst = want == PrefillLogits::All ? (c0 + r0) * V : 0;
     FN_CUDA_CHECK(cudaMemcpyAsync(P.host_logits.data() + dst, P.logits, sizeof(float) * m * V,
                                   cudaMemcpyDeviceToHost, s));
@@ -640,6 +666,27 @@ void CudaModel::ensure_prefill_buffers() {
 
 std::span<const float> CudaModel::forward_batch(std::span<const int64_t> slots,
                                                 std::span<const int32_t> tokens) {
+  run_batch(slots, tokens, {}, {});
+  return {impl_->prefill->host_logits.data(), impl_->prefill->host_logits.size()};
+}
+
+std::vector<int32_t> CudaModel::sample_batch(std::span<const int64_t> slots,
+                                             std::span<const int32_t> tokens,
+                                             std::span<const DeviceSamplingParams> sampling,
+                                             std::span<const int64_t> steps) {
+  FN_CHECK(sampling.size() == slots.size() && steps.size() == slots.size(),
+           "sample_batch: {} slots, {} settings, {} steps", slots.size(), sampling.size(),
+           steps.size());
+  for (std::size_t i = 0; i < steps.size(); ++i)
+    FN_CHECK(steps[i] >= 0, "sample_batch: slot {} at RNG step {}", slots[i], steps[i]);
+  run_batch(slots, tokens, sampling, steps);
+  const CudaPrefillState& P = *impl_->prefill;
+  return P.batch_ids;
+}
+
+void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,
+                          std::span<const DeviceSamplingParams> sampling,
+                          std::span<const int64_t> steps) {
   Impl& I = *impl_;
   const ModelConfig& c = cfg_;
   const CudaModelOptions& o = opt_;
@@ -682,11 +729,33 @@ std::span<const float> CudaModel::forward_batch(std::span<const int64_t> slots,
   for (int64_t i = 0; i < B; ++i)
     run.runs.push_back(
         {slots[static_cast<std::size_t>(i)], i, 1, pos[static_cast<std::size_t>(i)]});
-  P.host_logits.assign(static_cast<std::size_t>(B * V), 0.0f);
+  const bool sampled = !sampling.empty();
+  if (sampled) {
+    if (P.sample_steps == nullptr) {
+      P.sample_steps = P.arena.alloc_n<int64_t>(P.rows, "batched sampling steps");
+      P.sample_ids = P.arena.alloc_n<int32_t>(P.rows, "batched sampled ids");
+      // Sized for filtered sampling, which needs the most (greedy needs less).
+      DeviceSamplingParams filtered;
+      filtered.top_k = 40;
+      filtered.top_p = 0.9f;
+      P.sample_ws_bytes = sample_workspace_bytes(V, filtered);
+      P.sample_ws = P.arena.alloc(P.sample_ws_bytes, "batched sampling workspace");
+    }
+    FN_CUDA_CHECK(cudaMemcpyAsync(P.sample_steps, steps.data(), sizeof(int64_t) * B,
+                                  cudaMemcpyHostToDevice, s));
+    run.sample = sampling.data();
+  } else {
+    P.host_logits.assign(static_cast<std::size_t>(B * V), 0.0f);
+  }
   FN_CUDA_CHECK(
       cudaMemcpyAsync(P.tokens, tokens.data(), sizeof(int32_t) * B, cudaMemcpyHostToDevice, s));
   run.layers();
   run.logits(PrefillLogits::All, B);
+  if (sampled) {
+    P.batch_ids.resize(static_cast<std::size_t>(B));
+    FN_CUDA_CHECK(cudaMemcpyAsync(P.batch_ids.data(), P.sample_ids, sizeof(int32_t) * B,
+                                  cudaMemcpyDeviceToHost, s));
+  }
   for (const Impl::PrefillRun::Run& r : run.runs) {
     if (c.has_ple()) {
       NgramContextAdvanceRowsParams ca;
@@ -713,6 +782,7 @@ std::span<const float> CudaModel::forward_batch(std::span<const int64_t> slots,
   if (o.all_reduce) o.all_reduce->check_health();
   check_step_errors(tokens.back());
   prof.collect();
+  if (sampled) return;  // the sampler flagged a non-finite row (check_step_errors)
   for (std::size_t i = 0; i < P.host_logits.size(); ++i) {
     FN_REQUIRE(std::isfinite(P.host_logits[i]), Format,
                "the model produced a non-finite logit ({} for token {}) in the batched step of "
@@ -720,7 +790,6 @@ std::span<const float> CudaModel::forward_batch(std::span<const int64_t> slots,
                P.host_logits[i], static_cast<int64_t>(i) % V,
                slots[i / static_cast<std::size_t>(V)]);
   }
-  return {P.host_logits.data(), P.host_logits.size()};
 }
 
 std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, PrefillLogits want,

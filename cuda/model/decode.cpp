@@ -119,10 +119,11 @@ void CudaModel::restore() {
 void CudaModel::set_position_for_benchmark(int64_t position) {
   FN_REQUIRE(position >= 0 && position < opt_.ctx_size, Usage,
              "benchmark position {} is outside the context [0, {})", position, opt_.ctx_size);
-  require_slot0("set_position_for_benchmark()");
-  FN_CUDA_CHECK(cudaMemcpyAsync(impl_->position, &position, sizeof(int64_t), cudaMemcpyHostToDevice,
-                                impl_->stream));
-  FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  if (slot_ == 0) {  // the decode graph reads slot 0's position on the device
+    FN_CUDA_CHECK(cudaMemcpyAsync(impl_->position, &position, sizeof(int64_t),
+                                  cudaMemcpyHostToDevice, impl_->stream));
+    FN_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  }
   position_ = position;
 }
 

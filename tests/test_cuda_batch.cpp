@@ -175,3 +175,41 @@ TEST_CASE("cuda slots: the batch engine on three slots generates the reference's
     }
   }
 }
+
+TEST_CASE("cuda slots: sample_batch draws each row as the device sampler does") {
+  fn::test::use_gpu_of_rank();
+  const auto f = fn::test::load_ref_fixture("g3_tiny");
+  const int64_t V = f.vocab;
+  // Two models in the same state: one returns the rows, the other samples them on the device.
+  std::unique_ptr<fn::CudaModel> m[3];
+  for (auto& x : m) {
+    x = fn::CudaModel::load(f.dir, options(3));
+    for (int j = 0; j < 3; ++j) {
+      x->select_slot(j);
+      const std::vector<int32_t> t = sequence(f, j);
+      x->prefill(std::span<const int32_t>(t).first(static_cast<std::size_t>(3 + j)),
+                 fn::PrefillLogits::None);
+    }
+  }
+  const std::vector<int64_t> slots = {0, 1, 2};
+  std::vector<int32_t> feed;
+  for (int j = 0; j < 3; ++j) feed.push_back(sequence(f, j)[static_cast<std::size_t>(3 + j)]);
+  const auto rows = m[0]->forward_batch(slots, feed);
+  std::vector<fn::DeviceSamplingParams> greedy(3);
+  for (auto& g : greedy) g.temperature = 0.0f;
+  const std::vector<int64_t> steps = {0, 4, 9};
+  const std::vector<int32_t> ids = m[1]->sample_batch(slots, feed, greedy, steps);
+  REQUIRE(ids.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(ids[i] == argmax(rows.data() + i * V, V));
+  // Sampled rows: in range, and the same draw for the same seed and step (m[2] is in m[1]'s
+  // state before its step).
+  std::vector<fn::DeviceSamplingParams> drawn(3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    drawn[i].temperature = 1.0f;
+    drawn[i].top_k = 20;
+    drawn[i].seed = 7 + i;
+  }
+  const std::vector<int32_t> a = m[2]->sample_batch(slots, feed, drawn, steps);
+  for (const int32_t id : a) CHECK((id >= 0 && id < V));
+  CHECK_THROWS_AS(m[2]->sample_batch(slots, feed, drawn, std::vector<int64_t>{0, 1}), fn::Error);
+}

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/backend.h"
@@ -88,7 +89,11 @@ auto with_tp_hint(const std::filesystem::path& dir, int size, F&& load) {
   try {
     return load();
   } catch (const Error& e) {
-    if (e.kind() != ErrorKind::Usage) throw;
+    // Only the shard plan's TP-split errors (they name tp_size) get the hint; a load's other
+    // usage errors (memory, context) pass unchanged.
+    if (e.kind() != ErrorKind::Usage ||
+        std::string_view(e.what()).find("tp_size") == std::string_view::npos)
+      throw;
     FN_THROW(Usage, "{}: the TP size is the number of MPI ranks (mpirun -np {}): {}", dir.string(),
              size, e.what());
   }

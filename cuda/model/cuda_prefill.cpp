@@ -449,7 +449,7 @@ void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
     qp.proj_stride = P.proj_ld;
     qp.tokens = r.rows;
     qp.first_position = r.position;
-    qp.out = P.mix + r.row0 * P.mix_ld;
+    qp.out = P.mix + r.row0 * rd.q_heads * c.head_dim;  // packed rows, as o_proj reads them
     qp.workspace = P.qsa_ws;
     qp.selected_log = P.sel_log ? P.sel_log + r.row0 * P.sel_max : nullptr;
     qp.counters_log = P.cnt_log ? P.cnt_log + r.row0 * 4 : nullptr;
@@ -478,7 +478,7 @@ void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
     gp.proj = P.proj + r.row0 * P.proj_ld;
     gp.proj_stride = P.proj_ld;
     gp.tokens = r.rows;
-    gp.out = P.mix + r.row0 * P.mix_ld;
+    gp.out = P.mix + r.row0 * rd.linear_v_heads * c.linear_value_head_dim;  // packed rows
     gp.workspace = P.gdn_ws;
     launch_gdn_prefill(gp, s);
   }

@@ -168,7 +168,7 @@ std::unique_ptr<CudaBackend> load_cuda(
   opt.prefill_chunk = flags.prefill_chunk;
   opt.ngram_table = parse_ngram_table(flags.ngram_table);
   opt.gpu_memory_utilization = flags.gpu_memory_utilization;
-  opt.slots = std::max<int64_t>(flags.max_batch, 1);
+  opt.slots = flags.max_batch < 0 ? 1 : flags.max_batch;  // 0: as many as fit
   // Building the model does not communicate; a failure on some ranks only (their shard's bytes,
   // their GPU's free memory) is agreed on, so rank 0 reports it.
   std::unique_ptr<CudaModel> model;
@@ -201,8 +201,8 @@ void add_batch_flags(CLI::App* sub, BatchFlags& flags) {
   flags.o_max_batch = add_whole_option(
       sub, "--max-batch", flags.max_batch,
       fmt::format("records decoded side by side, each in a sequence slot of its own (continuous "
-                  "batching: a record enters as soon as a slot frees; default 0: the backend's, "
-                  "{} on cpu, 1 on cuda)",
+                  "batching: a record enters as soon as a slot frees); default: {} on cpu, 1 on "
+                  "cuda; 0: as many as fit the GPU's free memory (cuda)",
                   kDefaultCpuSlots),
       WholeRange(0, kMaxBatchSlots));
   flags.o_prefill_budget = add_whole_option(

@@ -49,8 +49,9 @@ struct BackendFlags {
   /// the free device memory `--ngram-table auto` lets the model use with the table on the device.
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
   /// --max-batch (generate -i, eval score): sequences decoded side by side, each in a slot of
-  /// its own (Backend::slot_count; cuda: CudaModelOptions::slots); 0: the backend's default
-  /// (kDefaultCpuSlots on cpu, 1 on cuda). Commands that run one sequence keep 1.
+  /// its own (Backend::slot_count; cuda: CudaModelOptions::slots); -1: the backend's default
+  /// (kDefaultCpuSlots on cpu, 1 on cuda); 0: as many as fit (cuda; kDefaultCpuSlots on cpu).
+  /// Commands that run one sequence keep 1.
   int64_t max_batch = 1;
 };
 
@@ -63,7 +64,7 @@ inline constexpr int64_t kDefaultCpuSlots = 8;
 
 /// The batching flags of the commands that run many sequences (generate -i, eval score).
 struct BatchFlags {
-  int64_t max_batch = 0;  ///< --max-batch: BackendFlags::max_batch (0: the backend's default)
+  int64_t max_batch = -1;  ///< --max-batch: BackendFlags::max_batch (-1: not given)
   int64_t prefill_budget =
       kDefaultPrefillBudget;  ///< --prefill-budget: BatchEngineOptions::prefill_budget
   CLI::Option* o_max_batch = nullptr;

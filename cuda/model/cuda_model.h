@@ -62,9 +62,11 @@ struct CudaModelOptions {
   /// `--gpu-memory-utilization`: the fraction of the free device memory (at load) Auto lets the
   /// model use with the table on the device, in (0, 1].
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
-  /// Sequence slots (`--max-batch`), >= 1: slot 0 is the sequence of the decode graph; each
-  /// further slot holds its own caches and states (the per-sequence bytes of core/memory_plan.h
-  /// again) for forward_batch(). Capped by prefill_chunk (a batched step is one pass).
+  /// Sequence slots (`--max-batch`): slot 0 is the sequence of the decode graph; each further
+  /// slot holds its own caches and states (the per-sequence bytes of core/memory_plan.h again)
+  /// for forward_batch(). At most min(prefill_chunk, ctx_size) (a batched step is one pass);
+  /// 0: as many as fit the free memory after the weights and the prefill's pass buffers, with
+  /// 1 GiB left over, at most 64 (slot_count() tells).
   int64_t slots = 1;
 };
 

@@ -588,6 +588,11 @@ struct Builder {
 
 namespace {
 
+// --max-batch 0 on cuda: the slots that fit the free memory, at most this many, leaving
+// kSlotHeadroom for the run's other allocations (cuBLAS workspace, sampling buffers).
+constexpr int64_t kMaxAutoSlots = 64;
+constexpr uint64_t kSlotHeadroom = uint64_t{1} << 30;
+
 // A state buffer of `bytes` (DeviceLayout) that reset() zeroes.
 template <typename T>
 T* sequence_state(DeviceArena& arena, std::vector<std::pair<void*, std::size_t>>& blocks,
@@ -789,14 +794,31 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
   require_prefill_fits(c, o, layers, v_local);
   alloc_slots(c, o, lay);
   reset_state(c);
-  for (int64_t s = 1; s < o.slots; ++s) reset_slot(c, s);
+  for (int64_t s = 1; s < static_cast<int64_t>(slots.size()); ++s) reset_slot(c, s);
 }
 
 void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& o,
                                   const DeviceLayout& lay) {
-  const int64_t count = o.slots;
+  const int64_t max_rows = std::min(o.prefill_chunk, o.ctx_size);
+  // The bytes of one more slot, and the free memory less the prefill's pass buffers (allocated
+  // at the first prompt), known before any slot is allocated.
+  uint64_t per_slot = static_cast<uint64_t>(std::max<int64_t>(c.ngram_size - 1, 1)) * 8;
+  for (const DevLayer& L : layers) {
+    if (L.has_ple) per_slot += lay.ple_conv_state;
+    per_slot += L.qsa ? lay.k_cache + lay.v_cache + lay.raw_keys + lay.block_keys
+                      : lay.gdn_conv_state + lay.gdn_state;
+  }
+  std::size_t free_b = 0, total_b = 0;
+  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const uint64_t pass = prefill_buffer_bytes(c, o, layers, v_local);
+  int64_t count = o.slots;
+  if (count == 0) {  // as many as fit, with kSlotHeadroom left for the run's own allocations
+    const uint64_t room = free_b > pass + kSlotHeadroom ? free_b - pass - kSlotHeadroom : 0;
+    count = std::clamp<int64_t>(1 + static_cast<int64_t>(room / per_slot), 1,
+                                std::min(kMaxAutoSlots, max_rows));
+  }
   FN_CHECK(count >= 1, "{} sequence slots", count);
-  FN_REQUIRE(count <= std::min(o.prefill_chunk, o.ctx_size), Usage,
+  FN_REQUIRE(count <= max_rows, Usage,
              "--max-batch {} exceeds the rows of one prefill pass (min(--prefill-chunk {}, "
              "-c/--ctx-size {})): a batched step runs as one pass",
              count, o.prefill_chunk, o.ctx_size);
@@ -820,23 +842,13 @@ void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& 
     }
   }
   if (count == 1) return;
-  // The bytes of one more slot, checked against the free memory (less the prefill's pass
-  // buffers, allocated at the first prompt) before any is allocated.
-  uint64_t per_slot = static_cast<uint64_t>(std::max<int64_t>(c.ngram_size - 1, 1)) * 8;
-  for (const DevLayer& L : layers) {
-    if (L.has_ple) per_slot += lay.ple_conv_state;
-    per_slot += L.qsa ? lay.k_cache + lay.v_cache + lay.raw_keys + lay.block_keys
-                      : lay.gdn_conv_state + lay.gdn_state;
-  }
-  std::size_t free_b = 0, total_b = 0;
-  FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  const uint64_t pass = prefill_buffer_bytes(c, o, layers, v_local);
   const uint64_t need = per_slot * static_cast<uint64_t>(count - 1);
   FN_REQUIRE(
       need + pass <= free_b, Usage,
       "--max-batch {}: {} more sequence slots of -c/--ctx-size {} tokens need {:.2f} GiB "
       "({:.1f} MiB each) and the prefill's pass buffers {:.2f} GiB, but {:.2f} GiB of device "
-      "memory are free after the weights: give a smaller --max-batch or -c/--ctx-size",
+      "memory are free after the weights: give a smaller --max-batch, -c/--ctx-size or "
+      "--prefill-chunk",
       count, count - 1, o.ctx_size, static_cast<double>(need) / 1073741824.0,
       static_cast<double>(per_slot) / 1048576.0, static_cast<double>(pass) / 1073741824.0,
       static_cast<double>(free_b) / 1073741824.0);
@@ -863,8 +875,9 @@ void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& 
     }
   }
   if (o.tp_rank == 0)
-    FN_LOG_INFO("cuda: {} sequence slots of {} tokens ({:.1f} MiB of caches and states each)",
-                count, o.ctx_size, static_cast<double>(per_slot) / 1048576.0);
+    FN_LOG_INFO("cuda: {} sequence slots of {} tokens ({:.1f} MiB of caches and states each{})",
+                count, o.ctx_size, static_cast<double>(per_slot) / 1048576.0,
+                o.slots == 0 ? ", as many as fit: --max-batch 0" : "");
 }
 
 void CudaModel::Impl::reset_slot(const ModelConfig& c, int64_t slot) {

@@ -397,6 +397,11 @@ struct CudaModel::Impl::PrefillRun {
   // sample_batch(): per row of the pass its sampling settings; the logits rows are sampled on
   // the device into P.sample_ids instead of being copied out.
   const DeviceSamplingParams* sample = nullptr;
+  // The end of a pass: each run's n-gram context and position advanced (slot 0's also on the
+  // device, which the decode graph reads) and the error flag read back; synchronises the
+  // stream, then throws what the all-reduce reports or a kernel flagged (check_step_errors,
+  // naming `last_token`).
+  void finish(CudaModel& m, int32_t last_token);
 };
 
 void CudaModel::Impl::PrefillRun::ple(const model_detail::DevPle& pl) {
@@ -521,6 +526,37 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   launch_swiglu_rows(P.proj, Is, M, P.sh, s);
   gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
   launch_moe_combine_rows(P.y, P.ys, P.rl + E, E + 1, D, M, s);
+}
+
+void CudaModel::Impl::PrefillRun::finish(CudaModel& m, int32_t last_token) {
+  prof.mark(StepFamily::Other);
+  for (const Run& r : runs) {
+    if (c.has_ple()) {
+      NgramContextAdvanceRowsParams ca;
+      ca.context = context(r);
+      ca.ngram_size = static_cast<int>(c.ngram_size);
+      ca.tokens = P.tokens + r.row0;
+      ca.rows = r.rows;
+      launch_ngram_context_advance_rows(ca, s);
+    }
+    const int64_t end = r.position + r.rows;
+    if (r.slot == m.slot_) {
+      m.position_ = end;
+    } else {
+      I.slots[static_cast<std::size_t>(r.slot)].position = end;
+    }
+    if (r.slot == 0) {
+      P.host_position = end;
+      FN_CUDA_CHECK(cudaMemcpyAsync(I.position, &P.host_position, sizeof(int64_t),
+                                    cudaMemcpyHostToDevice, s));
+    }
+  }
+  FN_CUDA_CHECK(
+      cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  FN_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (o.all_reduce) o.all_reduce->check_health();
+  m.check_step_errors(last_token);
+  prof.collect();
 }
 
 void CudaModel::Impl::PrefillRun::layers() {
@@ -756,32 +792,7 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
     FN_CUDA_CHECK(cudaMemcpyAsync(P.batch_ids.data(), P.sample_ids, sizeof(int32_t) * B,
                                   cudaMemcpyDeviceToHost, s));
   }
-  for (const Impl::PrefillRun::Run& r : run.runs) {
-    if (c.has_ple()) {
-      NgramContextAdvanceRowsParams ca;
-      ca.context = run.context(r);
-      ca.ngram_size = static_cast<int>(c.ngram_size);
-      ca.tokens = P.tokens + r.row0;
-      ca.rows = 1;
-      launch_ngram_context_advance_rows(ca, s);
-    }
-    if (r.slot == slot_) {
-      ++position_;
-    } else {
-      ++I.slots[static_cast<std::size_t>(r.slot)].position;
-    }
-    if (r.slot == 0) {  // the decode graph reads slot 0's position on the device
-      P.host_position = r.position + 1;
-      FN_CUDA_CHECK(cudaMemcpyAsync(I.position, &P.host_position, sizeof(int64_t),
-                                    cudaMemcpyHostToDevice, s));
-    }
-  }
-  FN_CUDA_CHECK(
-      cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-  FN_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (o.all_reduce) o.all_reduce->check_health();
-  check_step_errors(tokens.back());
-  prof.collect();
+  run.finish(*this, tokens.back());
   if (sampled) return;  // the sampler flagged a non-finite row (check_step_errors)
   for (std::size_t i = 0; i < P.host_logits.size(); ++i) {
     FN_REQUIRE(std::isfinite(P.host_logits[i]), Format,
@@ -876,27 +887,7 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
                                   cudaMemcpyHostToDevice, s));
     run.layers();
     run.logits(want, n);
-    prof.mark(StepFamily::Other);
-    if (c.has_ple()) {
-      NgramContextAdvanceRowsParams ca;
-      ca.context = I.slots[static_cast<std::size_t>(slot_)].context;
-      ca.ngram_size = static_cast<int>(c.ngram_size);
-      ca.tokens = P.tokens;
-      ca.rows = M;
-      launch_ngram_context_advance_rows(ca, s);
-    }
-    position_ += M;
-    if (slot_ == 0) {  // the decode graph reads slot 0's position on the device
-      P.host_position = position_;
-      FN_CUDA_CHECK(cudaMemcpyAsync(I.position, &P.host_position, sizeof(int64_t),
-                                    cudaMemcpyHostToDevice, s));
-    }
-    FN_CUDA_CHECK(
-        cudaMemcpyAsync(I.host_flag, I.error_flag, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-    FN_CUDA_CHECK(cudaStreamSynchronize(s));
-    if (o.all_reduce) o.all_reduce->check_health();
-    check_step_errors(tokens[c0 + M - 1]);
-    prof.collect();
+    run.finish(*this, tokens[c0 + M - 1]);
   }
   if (prof.on()) {
     const int64_t logit_rows = want == PrefillLogits::None   ? 0

@@ -58,8 +58,8 @@ struct BackendFlags {
 /// The largest --max-batch.
 inline constexpr int64_t kMaxBatchSlots = 1024;
 
-/// The cpu backend's sequence slots under --max-batch 0: its caches grow in host memory with
-/// each sequence, so the count is a scheduling choice, not a memory bound.
+/// The cpu backend's sequence slots when --max-batch is 0 or not given: its caches grow in host
+/// memory with each sequence, so the count is a scheduling choice, not a memory bound.
 inline constexpr int64_t kDefaultCpuSlots = 8;
 
 /// The batching flags of the commands that run many sequences (generate -i, eval score).

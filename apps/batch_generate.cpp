@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <mpi.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -786,7 +787,11 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
                "another -o",
                o.output, std::strerror(err));
     }
-    if (!o.resume && ::ftruncate(fd, 0) != 0) {
+    // Truncated only when it is a regular file (a device such as /dev/null takes no truncation,
+    // as fopen's "w" ignores it there).
+    struct stat st {};
+    const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    if (!o.resume && regular && ::ftruncate(fd, 0) != 0) {
       const int err = errno;
       ::close(fd);
       FN_THROW(Io, "-o/--output {}: cannot truncate ({})", o.output, std::strerror(err));

@@ -227,7 +227,7 @@ class PrefillProfile {
   }
   // Each family's time with its share of `flops` (the whole model's, core/flops.h) and the
   // rate: "gdn 283.1 (35.78 TFLOP, 126.4 TFLOP/s)".
-  void log(int64_t tokens, int64_t passes, const PrefillFlops& flops) const {
+  void log(const char* what, int64_t tokens, int64_t passes, const PrefillFlops& flops) const {
     if (!on_) return;
     std::string line;
     double total = 0;
@@ -242,9 +242,9 @@ class PrefillProfile {
                      : fmt::format(" {} {:.1f}", name, ms);
     }
     FN_LOG_INFO(
-        "prefill profile ({} tokens, {} passes), ms:{}; sum {:.1f} ({:.2f} TFLOP, {:.1f} "
+        "{} profile ({} tokens, {} passes), ms:{}; sum {:.1f} ({:.2f} TFLOP, {:.1f} "
         "TFLOP/s)",
-        tokens, passes, line, total, flops.total() * 1e-12,
+        what, tokens, passes, line, total, flops.total() * 1e-12,
         total > 0 ? flops.total() / (total * 1e-3) * 1e-12 : 0.0);
   }
   bool on() const noexcept { return on_; }
@@ -793,6 +793,8 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
                                   cudaMemcpyDeviceToHost, s));
   }
   run.finish(*this, tokens.back());
+  // FLOPs as B rows from the first slot's position (each row attends its own context).
+  prof.log("batched step", B, 1, prefill_flops(c, pos.front(), B, B));
   if (sampled) return;  // the sampler flagged a non-finite row (check_step_errors)
   for (std::size_t i = 0; i < P.host_logits.size(); ++i) {
     FN_REQUIRE(std::isfinite(P.host_logits[i]), Format,
@@ -894,7 +896,7 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
                                : want == PrefillLogits::Last ? 1
                                : want == PrefillLogits::All  ? n
                                                              : n - rq->first;
-    prof.log(n, passes, prefill_flops(c, position_ - n, n, logit_rows));
+    prof.log("prefill", n, passes, prefill_flops(c, position_ - n, n, logit_rows));
   }
 
   if (want == PrefillLogits::None) return {};

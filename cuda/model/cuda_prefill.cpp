@@ -14,6 +14,7 @@
 // rows.
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -26,12 +27,14 @@
 #include "core/shard_plan.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/gdn.h"
 #include "cuda/kernels/gdn_prefill.h"
 #include "cuda/kernels/gemm.h"
 #include "cuda/kernels/logit_stats.h"
 #include "cuda/kernels/moe_prefill.h"
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/prefill_ops.h"
+#include "cuda/kernels/qsa.h"
 #include "cuda/kernels/qsa_prefill.h"
 #include "cuda/kernels/sample.h"
 #include "cuda/model/cuda_model.h"
@@ -86,6 +89,10 @@ struct CudaPrefillState {
   // at its first call).
   int64_t* sample_steps = nullptr;  // [rows]
   int32_t* sample_ids = nullptr;    // [rows]
+  // The batched step: each row's position (device, read by the QSA decode kernels) and its host
+  // source, alive until the pass's end synchronises the stream.
+  int64_t* row_pos = nullptr;  // [rows]
+  std::vector<int64_t> host_row_pos;
   void* sample_ws = nullptr;
   std::size_t sample_ws_bytes = 0;
   float* logits_local = nullptr;  // [kLogitRows, v_local] (TP > 1)
@@ -158,6 +165,7 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.ids = cv.take<int32_t>(rows * k);
   P.rw = cv.take<float>(rows * k);
   P.sh = cv.take<uint16_t>(rows * Is);
+  P.row_pos = cv.take<int64_t>(rows);
   if (c.has_ple()) {
     P.e_ng = cv.take<float>(rows * P_);
     P.e_hi = cv.take<uint16_t>(rows * P_);
@@ -335,6 +343,11 @@ struct CudaModel::Impl::PrefillRun {
     int64_t slot = 0, row0 = 0, rows = 0, position = 0;
   };
   std::vector<Run> runs{};
+  // A batched decode step (every run one row): the GDN and QSA rows go through the decode
+  // kernels (launch_gdn_decode, launch_qsa_decode after the pass's projection GEMM), one launch
+  // group per row, each reading its position from P.row_pos; a prompt pass runs the prefill
+  // kernels over each run.
+  bool decode_rows = false;
   int64_t cur_layer = 0;  // the layer being encoded
   const model_detail::DevSlotLayer& state(const Run& r) const {
     return I.slots[static_cast<std::size_t>(r.slot)].layers[static_cast<std::size_t>(cur_layer)];
@@ -442,8 +455,32 @@ void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
   const int64_t D = c.hidden_size;
   prof.mark(StepFamily::QsaMixer);
   gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
+  const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
   for (const Run& r : runs) {
     const model_detail::DevSlotLayer& st = state(r);
+    if (decode_rows) {
+      QsaDecodeParams q = model_detail::qsa_layer(c, o, a);
+      q.k_cache = st.k_cache;
+      q.v_cache = st.v_cache;
+      q.raw_keys = st.raw_keys;
+      q.block_keys = st.block_keys;
+      q.proj = P.proj + r.row0 * P.proj_ld;
+      q.position = P.row_pos + r.row0;
+      q.workspace = a.workspace;  // the layer's; the rows run one after another on the stream
+      q.out = P.mix + r.row0 * rd.q_heads * c.head_dim;
+      launch_qsa_decode(q, s);
+      if (P.sel_log) {  // the decode step's choice log: the selection, then the counters
+        const QsaWorkspaceLayout wl = qsa_workspace_layout(q);
+        const int64_t n_sel = std::min({topk, P.sel_max, o.ctx_size / c.indexer_compress_ratio});
+        const auto* ws = static_cast<const std::byte*>(a.workspace);
+        if (n_sel > 0)
+          FN_CUDA_CHECK(cudaMemcpyAsync(P.sel_log + r.row0 * P.sel_max, ws + wl.selected,
+                                        sizeof(int32_t) * n_sel, cudaMemcpyDeviceToDevice, s));
+        FN_CUDA_CHECK(cudaMemcpyAsync(P.cnt_log + r.row0 * 4, ws + wl.counters,
+                                      sizeof(int32_t) * 4, cudaMemcpyDeviceToDevice, s));
+      }
+      continue;
+    }
     QsaPrefillParams qp;
     qp.shape = model_detail::qsa_layer(c, o, a);
     qp.shape.k_cache = st.k_cache;
@@ -461,7 +498,6 @@ void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
     launch_qsa_prefill(qp, s);
   }
   if (o.record_choices) {
-    const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
     const int64_t at = c.num_hidden_layers * c.num_experts_per_tok + qsa_index * (topk + 4);
     log_rows(at, P.sel_log, std::min(P.sel_max, topk), P.sel_max);
     log_rows(at + topk, P.cnt_log, 4, 4);
@@ -476,6 +512,20 @@ void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
   prof.mark(StepFamily::GdnMixer);
   gemm(g.in_proj, g.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
   for (const Run& r : runs) {
+    if (decode_rows) {
+      GdnDecodeParams gp;
+      model_detail::set_gdn_layer(gp, c, rd, g);
+      gp.conv_state = state(r).gdn_conv;
+      gp.state = state(r).gdn_state;
+      gp.proj = P.proj + r.row0 * P.proj_ld;
+      gp.out = P.mix + r.row0 * rd.linear_v_heads * c.linear_value_head_dim;
+      gp.o_scratch = g.o_scratch;  // the layer's; the rows run one after another
+      gp.head_counters = g.counters;
+      gp.fixed_shape = I.plan.gdn_fixed;
+      gp.cluster = I.plan.gdn_cluster;
+      launch_gdn_decode(gp, s);
+      continue;
+    }
     GdnPrefillParams gp;
     model_detail::set_gdn_layer(gp, c, rd, g);
     gp.conv_state = state(r).gdn_conv;
@@ -762,6 +812,10 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   if (o.record_choices) P.choice_rows.assign(static_cast<std::size_t>(B * run.per_row), 0);
   run.c0 = 0;
   run.M = B;
+  run.decode_rows = true;
+  P.host_row_pos = pos;
+  FN_CUDA_CHECK(cudaMemcpyAsync(P.row_pos, P.host_row_pos.data(), sizeof(int64_t) * B,
+                                cudaMemcpyHostToDevice, s));
   for (int64_t i = 0; i < B; ++i)
     run.runs.push_back(
         {slots[static_cast<std::size_t>(i)], i, 1, pos[static_cast<std::size_t>(i)]});
@@ -785,16 +839,25 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   }
   FN_CUDA_CHECK(
       cudaMemcpyAsync(P.tokens, tokens.data(), sizeof(int32_t) * B, cudaMemcpyHostToDevice, s));
+  const auto enqueue_start = std::chrono::steady_clock::now();
   run.layers();
   run.logits(PrefillLogits::All, B);
+  const double enqueue_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - enqueue_start)
+          .count();
   if (sampled) {
     P.batch_ids.resize(static_cast<std::size_t>(B));
     FN_CUDA_CHECK(cudaMemcpyAsync(P.batch_ids.data(), P.sample_ids, sizeof(int32_t) * B,
                                   cudaMemcpyDeviceToHost, s));
   }
   run.finish(*this, tokens.back());
-  // FLOPs as B rows from the first slot's position (each row attends its own context).
-  prof.log("batched step", B, 1, prefill_flops(c, pos.front(), B, B));
+  // FLOPs as B rows from the first slot's position (each row attends its own context); the
+  // host's time to enqueue the step beside it (a step longer on the host than on the GPU leaves
+  // the GPU idle between launches).
+  if (prof.on()) {
+    prof.log("batched step", B, 1, prefill_flops(c, pos.front(), B, B));
+    FN_LOG_INFO("batched step: {:.2f} ms to enqueue on the host", enqueue_ms);
+  }
   if (sampled) return;  // the sampler flagged a non-finite row (check_step_errors)
   for (std::size_t i = 0; i < P.host_logits.size(); ++i) {
     FN_REQUIRE(std::isfinite(P.host_logits[i]), Format,

@@ -3,6 +3,8 @@
 
 #include <climits>
 
+#include <cuda_runtime_api.h>
+
 #include "core/error.h"
 
 namespace fn {
@@ -27,10 +29,24 @@ CublasHandle::CublasHandle(cudaStream_t stream) {
   FN_CUBLAS_CHECK(cublasSetStream(handle_, stream));
   // cuBLAS keeps its results reproducible unless atomics are allowed; say so explicitly.
   FN_CUBLAS_CHECK(cublasSetAtomicsMode(handle_, CUBLAS_ATOMICS_NOT_ALLOWED));
+  const cudaError_t rc = cudaMalloc(&workspace_, kCublasWorkspaceBytes);
+  if (rc != cudaSuccess) {
+    cublasDestroy(handle_);
+    FN_THROW(Cuda, "allocating the cuBLAS workspace ({} MiB): {}", kCublasWorkspaceBytes >> 20,
+             cudaGetErrorString(rc));
+  }
+  try {
+    FN_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, kCublasWorkspaceBytes));
+  } catch (...) {
+    cublasDestroy(handle_);
+    cudaFree(workspace_);
+    throw;
+  }
 }
 
 CublasHandle::~CublasHandle() {
   if (handle_) cublasDestroy(handle_);
+  if (workspace_) cudaFree(workspace_);
 }
 
 void gemm_rows(cublasHandle_t handle, const GemmRowsParams& p) {

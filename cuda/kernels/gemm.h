@@ -9,15 +9,18 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace fn {
 
-/// Owns one cuBLAS handle bound to a stream (cublasCreate / cublasSetStream). Not copyable.
+/// Owns one cuBLAS handle bound to a stream (cublasCreate / cublasSetStream) with its own
+/// workspace (kCublasWorkspaceBytes of device memory, cublasSetWorkspace), so that its GEMMs can
+/// be captured into a CUDA graph (no allocation during a capture). Not copyable.
 class CublasHandle {
  public:
   /// Throws fn::Error(Cuda) naming the cuBLAS status when cublasCreate fails (no device, or out
-  /// of memory).
+  /// of memory), or the failed cudaMalloc of the workspace.
   explicit CublasHandle(cudaStream_t stream);
   ~CublasHandle();
   CublasHandle(const CublasHandle&) = delete;
@@ -26,7 +29,11 @@ class CublasHandle {
 
  private:
   cublasHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
 };
+
+/// The workspace of a CublasHandle (cuBLAS' recommendation for Hopper).
+inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
 
 /// Y[m, n] (FP32, row stride ldy) = X[m, k] · W[n, k]ᵀ, X = x_hi (+ x_lo when not null), each a
 /// BF16-bits row-major matrix with row stride ldx. accumulate: Y += instead of Y =.

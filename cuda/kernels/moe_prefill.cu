@@ -80,6 +80,7 @@ void run_per_row(const MoePrefillParams& p, cudaStream_t stream) {
     gu.top_k = p.top_k;
     gu.x = p.x + t * hidden;
     gu.h = h;
+    gu.bulk = p.gate_up_bulk;
     launch_moe_gate_up_nvfp4(gu, stream);
     if (p.h_out != nullptr)
       FN_CUDA_CHECK(cudaMemcpyAsync(p.h_out + t * p.top_k * inter, h,
@@ -92,6 +93,7 @@ void run_per_row(const MoePrefillParams& p, cudaStream_t stream) {
     dn.top_k = p.top_k;
     dn.h = h;
     dn.y = p.y + t * hidden;
+    dn.fixed_shape = p.down_fixed;
     launch_moe_down_nvfp4(dn, stream);
   }
 }

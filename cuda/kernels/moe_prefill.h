@@ -64,6 +64,11 @@ struct MoePrefillParams {
   /// per-(token, slot) FP32 down outputs of one chunk, so it grows linearly with this; larger
   /// chunks give more rows per expert (fewer weight decodes per row).
   int64_t chunk_tokens = 0;
+  /// PerRow path: the decode step's kernel choices (KernelPlan::moe_gate_up_bulk,
+  /// moe_down_fixed; MoeGateUpParams::bulk, MoeDownParams::fixed_shape), so that each row's
+  /// result is the decode step's bits. Ignored by the Fused path.
+  bool gate_up_bulk = false;
+  bool down_fixed = true;
 };
 
 /// Default tokens per chunk of the Fused path.

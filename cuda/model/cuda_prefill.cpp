@@ -93,6 +93,23 @@ struct CudaPrefillState {
   // source, alive until the pass's end synchronises the stream.
   int64_t* row_pos = nullptr;  // [rows]
   std::vector<int64_t> host_row_pos;
+  // The batched step's layers as a CUDA graph per batch size B, captured for one list of slots
+  // (their state pointers are the graph's parameters) and updated in place when the list
+  // changes; the tokens and positions are read from P.tokens and P.row_pos.
+  struct BatchGraph {
+    std::vector<int64_t> slots;
+    cudaGraphExec_t exec = nullptr;
+  };
+  struct BatchGraphs {
+    std::vector<BatchGraph> by_size;  // [B]
+    BatchGraphs() = default;
+    BatchGraphs(const BatchGraphs&) = delete;
+    BatchGraphs& operator=(const BatchGraphs&) = delete;
+    ~BatchGraphs() {
+      for (BatchGraph& g : by_size)
+        if (g.exec) cudaGraphExecDestroy(g.exec);
+    }
+  } batch_graphs;
   void* sample_ws = nullptr;
   std::size_t sample_ws_bytes = 0;
   float* logits_local = nullptr;  // [kLogitRows, v_local] (TP > 1)
@@ -404,6 +421,9 @@ struct CudaModel::Impl::PrefillRun {
   void moe(const model_detail::DevMoe& mo);
   // The embedding rows and every layer of the pass.
   void layers();
+  // layers() of a batched step (every run one row of `slots`) through P.batch_graphs: captured
+  // for the batch size and slot list, replayed while they stay, updated when the slots change.
+  void layers_graph(std::span<const int64_t> slots);
   // Final mixer + lm_head for the pass's rows whose logits are wanted (every row for All, the
   // prompt's last for Last), copied into P.host_logits (row c0 + r at (c0 + r) * V for All).
   void logits(PrefillLogits want, int64_t n);
@@ -570,6 +590,11 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   mp.x = P.m_hi;  // W4A16: the experts take m rounded to BF16, as decode
   mp.y = P.y;
   mp.workspace = P.moe_ws;
+  if (decode_rows) {  // the decode step's kernels per row: no host synchronisation (graphs)
+    mp.path = MoePrefillPath::PerRow;
+    mp.gate_up_bulk = I.plan.moe_gate_up_bulk;
+    mp.down_fixed = I.plan.moe_down_fixed;
+  }
   launch_moe_prefill(mp, s);
   prof.mark(StepFamily::SharedExpert);
   gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, P.m_lo, D, M, P.proj, 2 * Is);
@@ -770,6 +795,42 @@ std::vector<int32_t> CudaModel::sample_batch(std::span<const int64_t> slots,
   return P.batch_ids;
 }
 
+void CudaModel::Impl::PrefillRun::layers_graph(std::span<const int64_t> slots) {
+  const auto B = static_cast<std::size_t>(slots.size());
+  if (P.batch_graphs.by_size.size() <= B) P.batch_graphs.by_size.resize(B + 1);
+  CudaPrefillState::BatchGraph& g = P.batch_graphs.by_size[B];
+  if (g.exec == nullptr || !std::equal(slots.begin(), slots.end(), g.slots.begin(), g.slots.end())) {
+    FN_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    try {
+      layers();
+    } catch (...) {
+      cudaGraph_t partial = nullptr;
+      cudaStreamEndCapture(s, &partial);
+      if (partial) cudaGraphDestroy(partial);
+      throw;
+    }
+    cudaGraph_t graph = nullptr;
+    FN_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    cudaError_t rc = cudaErrorUnknown;
+    if (g.exec) {  // the same launches with other slots' pointers: an update in place
+      cudaGraphExecUpdateResultInfo info{};
+      rc = cudaGraphExecUpdate(g.exec, graph, &info);
+      if (rc != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaGraphExecDestroy(g.exec);
+        g.exec = nullptr;
+      }
+    }
+    if (g.exec == nullptr) rc = cudaGraphInstantiate(&g.exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (rc != cudaSuccess) g.exec = nullptr;
+    FN_CUDA_CHECK(rc);
+    g.slots.assign(slots.begin(), slots.end());
+    ++I.captures;
+  }
+  FN_CUDA_CHECK(cudaGraphLaunch(g.exec, s));
+}
+
 void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,
                           std::span<const DeviceSamplingParams> sampling,
                           std::span<const int64_t> steps) {
@@ -840,7 +901,11 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   FN_CUDA_CHECK(
       cudaMemcpyAsync(P.tokens, tokens.data(), sizeof(int32_t) * B, cudaMemcpyHostToDevice, s));
   const auto enqueue_start = std::chrono::steady_clock::now();
-  run.layers();
+  if (prof.on() || o.record_choices) {  // events and host copies between the layers' launches
+    run.layers();
+  } else {
+    run.layers_graph(slots);
+  }
   run.logits(PrefillLogits::All, B);
   const double enqueue_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - enqueue_start)

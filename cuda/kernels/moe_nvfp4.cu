@@ -249,10 +249,18 @@ __global__ void __launch_bounds__(kBlockThreads, kGateUpMinBlocks)
   extern __shared__ float4 stage4[];
   float* lut = reinterpret_cast<float*>(stage4);  // [kScaleLut]: e4m3_scaled of every scale byte
   float* stage = lut + kScaleLut;
-  if (threadIdx.x == 0) dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
+  if (threadIdx.x == 0 && blockIdx.y == 0)
+    dev::l2_prefetch_part(a.l2_prefetch, blockIdx.x, gridDim.x);
   // Every weight address depends on the router's expert ids, and x is the previous kernel's
   // output: nothing is read before the programmatic-dependent wait (cuda/common/pdl.cuh).
   dev::pdl_begin();
+  {  // token blockIdx.y of a batched launch (GateUpArgs::tokens)
+    const int64_t b = blockIdx.y;
+    a.ids += b * a.top_k;
+    a.x += b * a.k;
+    a.h += b * a.top_k * a.inter;
+    if (a.gate_up_out != nullptr) a.gate_up_out += b * a.top_k * 2 * a.inter;
+  }
   using U = Unit<kNarrow>;
   const int team = 1 << a.team_log2;
   const int lane = threadIdx.x & (team - 1);
@@ -341,6 +349,13 @@ __global__ void __launch_bounds__(kBlockThreads, kDownMinBlocks) moe_down_nvfp4_
   const int top_k = kTopK > 0 ? kTopK : a.top_k;
   const int nvec = kNvec > 0 ? kNvec : a.nvec;
   const int inter = kNvec > 0 ? kNvec * Unit<kNarrow>::kCodes : a.inter;
+  {  // token blockIdx.y of a batched launch (MoeDownParams::tokens)
+    const int64_t b = blockIdx.y;
+    a.ids += b * top_k;
+    a.weights += b * top_k;
+    a.h += b * top_k * inter;
+    a.y += b * a.hidden;
+  }
   const int team_log2 = kTeamLog2 > 0 ? kTeamLog2 : a.team_log2;
   extern __shared__ float4 stage4[];
   float* stage = reinterpret_cast<float*>(stage4);
@@ -477,6 +492,7 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, kOp);
   FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, kOp);  // x staged in shared memory
+  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= 65535 && (!p.bulk || p.tokens == 1), kOp);
   if (p.bulk) {
     detail::launch_moe_gate_up_bulk(p, stream);
     return;
@@ -510,8 +526,9 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
                                                  : Stage<false>::bytes(p.experts.cols));
   auto* kernel = narrow ? moe_gate_up_nvfp4_kernel<true> : moe_gate_up_nvfp4_kernel<false>;
   allow_stage_smem(kernel, smem);
-  launch_pdl("moe_gate_up_nvfp4_kernel", kernel, static_cast<unsigned>(blocks), kBlockThreads, smem,
-             stream, a);
+  launch_pdl("moe_gate_up_nvfp4_kernel", kernel,
+             dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.tokens)), kBlockThreads,
+             smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_nvfp4_kernel");
 }
 
@@ -523,6 +540,7 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k <= INT32_MAX, kOp);
   FN_LAUNCH_REQUIRE(p.experts.rows <= INT32_MAX && aligned(p.h, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * p.top_k * 4 <= kStageBytes, kOp);  // h staged likewise
+  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= 65535, kOp);
   const int team = p.team_threads != 0 ? p.team_threads
                                        : plan_moe_down_team(p.top_k, p.experts.cols, p.experts.rows,
                                                             detail::current_sm_count());
@@ -554,8 +572,9 @@ void launch_moe_down_nvfp4(const MoeDownParams& p, cudaStream_t stream) {
                  : narrow ? moe_down_nvfp4_kernel<true>
                           : moe_down_nvfp4_kernel<false>;
   allow_stage_smem(kernel, smem);
-  launch_pdl("moe_down_nvfp4_kernel", kernel, static_cast<unsigned>(blocks), kBlockThreads, smem,
-             stream, a);
+  launch_pdl("moe_down_nvfp4_kernel", kernel,
+             dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(p.tokens)), kBlockThreads,
+             smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_down_nvfp4_kernel");
 }
 

@@ -63,6 +63,11 @@ struct MoeGateUpParams {
   /// launcher throws fn::Error(Internal) where the device or the shape does not allow it
   /// (moe_gate_up_bulk_supported); false: the FP32 kernel (older devices, other shapes).
   bool bulk = false;
+  /// Tokens side by side (a batched decode step), >= 1: token b takes x + b * cols, expert_ids
+  /// + b * top_k and writes h + b * top_k * I (and gate_up_out + b * top_k * 2 * I); one launch,
+  /// the grid's y dimension. Each token's values are the single-token launch's bits. The bulk
+  /// kernel takes one token only (the launcher throws fn::Error(Internal) otherwise).
+  int64_t tokens = 1;
   /// Weight ranges of later kernels of the step to prefetch into L2 while this kernel leaves HBM
   /// partly idle (cuda/common/l2_prefetch.h): each CTA issues its share, first thing in the FP32
   /// kernel, once its own loads have landed in the bulk kernel. Empty by default; changes no
@@ -88,6 +93,10 @@ struct MoeDownParams {
   const uint16_t* h = nullptr;             ///< [top_k, I] BF16 bits (MoeGateUpParams::h)
   float* y = nullptr;                      ///< [D] FP32
   bool accumulate = false;                 ///< true: y += sum (e.g. onto the shared expert's y)
+  /// Tokens side by side, >= 1: token b takes expert_ids and routing_weights + b * top_k, h + b
+  /// * top_k * I and writes y + b * D; one launch (the grid's y dimension), each token's values
+  /// the single-token launch's bits.
+  int64_t tokens = 1;
   /// Lanes per output row (8..256, power of 2); 0 = planned.
   int team_threads = 0;
   /// true: the kernel runs its compile-time-shape instance at the real TP=1 shape (top_k 10,

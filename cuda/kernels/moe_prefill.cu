@@ -3,7 +3,8 @@
 // Router rows: launch_router_topk_rows (decode_ops.h) runs decode's router kernel once per row;
 // tests/test_cuda_moe_prefill.cpp checks bitwise equality with launch_router_topk row by row.
 //
-// Per-row path (up to kMoePrefillPerRowMaxTokens tokens): the decode kernels once per token.
+// Per-row path (up to kMoePrefillPerRowMaxTokens tokens): the decode kernels (FP32 instances)
+// for all rows in one launch each, the token in the grid's y dimension.
 //
 // Fused path (above that; see the section comment further down): no BF16 weight copy in global
 // memory; NVFP4 is decoded into shared-memory tiles feeding wmma.
@@ -71,31 +72,29 @@ void check_shapes(const MoePrefillParams& p, const char* op) {
 using detail::aligned;
 
 void run_per_row(const MoePrefillParams& p, cudaStream_t stream) {
-  uint16_t* h = static_cast<uint16_t*>(p.workspace);
-  const int64_t hidden = p.gate_up.cols, inter = p.down.cols;
-  for (int64_t t = 0; t < p.tokens; ++t) {
-    MoeGateUpParams gu;
-    gu.experts = p.gate_up;
-    gu.expert_ids = p.ids + t * p.top_k;
-    gu.top_k = p.top_k;
-    gu.x = p.x + t * hidden;
-    gu.h = h;
-    gu.bulk = p.gate_up_bulk;
-    launch_moe_gate_up_nvfp4(gu, stream);
-    if (p.h_out != nullptr)
-      FN_CUDA_CHECK(cudaMemcpyAsync(p.h_out + t * p.top_k * inter, h,
-                                    static_cast<size_t>(p.top_k) * inter * 2,
-                                    cudaMemcpyDeviceToDevice, stream));
-    MoeDownParams dn;
-    dn.experts = p.down;
-    dn.expert_ids = p.ids + t * p.top_k;
-    dn.routing_weights = p.weights + t * p.top_k;
-    dn.top_k = p.top_k;
-    dn.h = h;
-    dn.y = p.y + t * hidden;
-    dn.fixed_shape = p.down_fixed;
-    launch_moe_down_nvfp4(dn, stream);
-  }
+  uint16_t* h = static_cast<uint16_t*>(p.workspace);  // [tokens, top_k, I]
+  const int64_t inter = p.down.cols;
+  MoeGateUpParams gu;
+  gu.experts = p.gate_up;
+  gu.expert_ids = p.ids;
+  gu.top_k = p.top_k;
+  gu.x = p.x;
+  gu.h = h;
+  gu.tokens = p.tokens;
+  launch_moe_gate_up_nvfp4(gu, stream);
+  if (p.h_out != nullptr)
+    FN_CUDA_CHECK(cudaMemcpyAsync(p.h_out, h, static_cast<size_t>(p.tokens * p.top_k * inter) * 2,
+                                  cudaMemcpyDeviceToDevice, stream));
+  MoeDownParams dn;
+  dn.experts = p.down;
+  dn.expert_ids = p.ids;
+  dn.routing_weights = p.weights;
+  dn.top_k = p.top_k;
+  dn.h = h;
+  dn.y = p.y;
+  dn.tokens = p.tokens;
+  dn.fixed_shape = p.down_fixed;
+  launch_moe_down_nvfp4(dn, stream);
 }
 
 unsigned grid_for(int64_t n) {
@@ -513,7 +512,9 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
 
 size_t moe_prefill_workspace_bytes(const MoePrefillParams& p) {
   check_shapes(p, "moe_prefill_workspace_bytes");
-  if (use_per_row(p)) return align_up(static_cast<size_t>(p.top_k) * p.down.cols * 2);
+  if (use_per_row(p))
+    return align_up(static_cast<size_t>(std::max<int64_t>(p.tokens, 1) * p.top_k) * p.down.cols *
+                    2);
   return fused_layout(p).total;
 }
 

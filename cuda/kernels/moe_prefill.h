@@ -25,7 +25,8 @@ namespace fn {
 enum class MoePrefillPath {
   Auto,    ///< PerRow when tokens <= kMoePrefillPerRowMaxTokens and the decode kernels accept
            ///< the shape, else Fused
-  PerRow,  ///< the decode kernels once per token (bitwise the decode result)
+  PerRow,  ///< the decode kernels' FP32 instances over all tokens in one launch each (bitwise
+           ///< those kernels' single-token results)
   Fused,   ///< pairs sorted by expert, W4A16 tensor-core GEMMs that decode NVFP4 into shared
            ///< memory tiles (no BF16 weight copy in global memory), SwiGLU in the epilogue
 };
@@ -64,10 +65,8 @@ struct MoePrefillParams {
   /// per-(token, slot) FP32 down outputs of one chunk, so it grows linearly with this; larger
   /// chunks give more rows per expert (fewer weight decodes per row).
   int64_t chunk_tokens = 0;
-  /// PerRow path: the decode step's kernel choices (KernelPlan::moe_gate_up_bulk,
-  /// moe_down_fixed; MoeGateUpParams::bulk, MoeDownParams::fixed_shape), so that each row's
-  /// result is the decode step's bits. Ignored by the Fused path.
-  bool gate_up_bulk = false;
+  /// PerRow path: MoeDownParams::fixed_shape (KernelPlan::moe_down_fixed). Ignored by the Fused
+  /// path.
   bool down_fixed = true;
 };
 

@@ -590,9 +590,8 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   mp.x = P.m_hi;  // W4A16: the experts take m rounded to BF16, as decode
   mp.y = P.y;
   mp.workspace = P.moe_ws;
-  if (decode_rows) {  // the decode step's kernels per row: no host synchronisation (graphs)
+  if (decode_rows) {  // the decode kernels over the rows: no host synchronisation (graphs)
     mp.path = MoePrefillPath::PerRow;
-    mp.gate_up_bulk = I.plan.moe_gate_up_bulk;
     mp.down_fixed = I.plan.moe_down_fixed;
   }
   launch_moe_prefill(mp, s);

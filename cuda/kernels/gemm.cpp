@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
+#include "cuda/kernels/prefill_ops.h"
 
 namespace fn {
 namespace {
@@ -59,6 +60,17 @@ void gemm_rows(cublasHandle_t handle, const GemmRowsParams& p) {
   // [k, n]; X row-major [m, ldx] is column-major [ldx, m]).
   const float one = 1.0f, zero = 0.0f;
   const int n = static_cast<int>(p.n), m = static_cast<int>(p.m), k = static_cast<int>(p.k);
+  if (p.x_lo != nullptr && p.stack != nullptr && p.x_lo == p.x_hi + p.m * p.ldx &&
+      p.m <= kGemmStackMaxRows && 2 * p.m * p.n <= p.stack_floats) {
+    FN_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, 2 * m, k, &one, p.w,
+                                 CUDA_R_16BF, k, p.x_hi, CUDA_R_16BF, static_cast<int>(p.ldx),
+                                 &zero, p.stack, CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT));
+    cudaStream_t stream = nullptr;
+    FN_CUBLAS_CHECK(cublasGetStream(handle, &stream));
+    launch_sum_stacked_halves(p.stack, p.m, p.n, p.y, p.ldy, p.accumulate, stream);
+    return;
+  }
   const uint16_t* parts[2] = {p.x_hi, p.x_lo};
   for (int i = 0; i < 2; ++i) {
     if (parts[i] == nullptr) continue;

@@ -48,11 +48,22 @@ struct GemmRowsParams {
   float* y = nullptr;              ///< [m, ldy] FP32
   int64_t ldy = 0;                 ///< >= n
   bool accumulate = false;
+  /// The stacked form, for skinny passes (a batched decode step) whose weight read dominates:
+  /// when x_lo == x_hi + m * ldx (the lo rows right below the hi rows), m <= kGemmStackMaxRows
+  /// and 2 * m * n <= stack_floats, one GEMM of 2m rows into stack ([2m, n] FP32 device
+  /// scratch) reads W once, and launch_sum_stacked_halves (prefill_ops.h) adds the halves into
+  /// y. Otherwise (or with stack nullptr) two GEMMs, each reading W.
+  float* stack = nullptr;
+  int64_t stack_floats = 0;
 };
 
-/// Enqueues one cublasGemmEx (two with x_lo) on the handle's stream: BF16 inputs, FP32 output
-/// and compute (CUBLAS_COMPUTE_32F). Throws fn::Error(Internal) on null pointers or bad sizes
-/// (every dimension must fit int32), fn::Error(Cuda) naming the cuBLAS status on failure.
+/// Rows up to which gemm_rows takes the stacked form.
+inline constexpr int64_t kGemmStackMaxRows = 64;
+
+/// Enqueues one cublasGemmEx (two with x_lo, or one and the halves' sum in the stacked form) on
+/// the handle's stream: BF16 inputs, FP32 output and compute (CUBLAS_COMPUTE_32F). Throws
+/// fn::Error(Internal) on null pointers or bad sizes (every dimension must fit int32),
+/// fn::Error(Cuda) naming the cuBLAS status or the failed launch.
 void gemm_rows(cublasHandle_t handle, const GemmRowsParams& params);
 
 }  // namespace fn

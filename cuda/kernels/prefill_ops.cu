@@ -141,6 +141,17 @@ __global__ void __launch_bounds__(kThreads)
   y[p * D + i] = fmaf(gamma, ys[p * D + i], y[p * D + i]);
 }
 
+// y[p, i] (+)= s[p, i] + s[m + p, i]: the hi and lo halves of a stacked GEMM (gemm_rows).
+__global__ void __launch_bounds__(kThreads)
+    sum_halves_kernel(const float* s, int64_t m, int64_t n, float* y, int64_t ldy, bool acc) {
+  const int64_t p = blockIdx.y;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= n) return;
+  const float hi = s[p * n + i], lo = s[(m + p) * n + i];
+  float* out = y + p * ldy + i;
+  *out = acc ? (*out + hi) + lo : hi + lo;
+}
+
 constexpr int64_t kMaxGridY = 65535;
 
 // Launches `body(first_row, rows)` over row groups that fit gridDim.y.
@@ -257,6 +268,17 @@ void launch_moe_combine_rows(float* y, const float* ys, const float* gate, int64
     combine_rows_kernel<<<grid_rows(hidden, n), kThreads, 0, stream>>>(
         y + r0 * hidden, ys + r0 * hidden, gate + r0 * ld_gate, ld_gate, hidden);
     FN_CUDA_LAUNCH_CHECK("combine_rows_kernel");
+  });
+}
+
+void launch_sum_stacked_halves(const float* stacked, int64_t m, int64_t n, float* y, int64_t ldy,
+                               bool accumulate, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_sum_stacked_halves";
+  FN_LAUNCH_REQUIRE(stacked != nullptr && y != nullptr && m >= 1 && n >= 1 && ldy >= n, kOp);
+  for_row_groups(m, [&](int64_t r0, int64_t rows) {
+    sum_halves_kernel<<<grid_rows(n, rows), kThreads, 0, stream>>>(stacked + r0 * n, m, n,
+                                                                   y + r0 * ldy, ldy, accumulate);
+    FN_CUDA_LAUNCH_CHECK("sum_halves_kernel");
   });
 }
 

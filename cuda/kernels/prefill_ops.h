@@ -66,4 +66,11 @@ void launch_swiglu_rows(const float* gate_up, int64_t inter, int64_t rows, uint1
 void launch_moe_combine_rows(float* y, const float* ys, const float* gate, int64_t ld_gate,
                              int64_t hidden, int64_t rows, cudaStream_t stream);
 
+/// The second half of gemm_rows' stacked form: y[p, :] = s[p, :] + s[m + p, :] for p < m, or
+/// with accumulate y[p, :] = (y[p, :] + s[p, :]) + s[m + p, :] (the order of the two-GEMM form's
+/// beta = 1 sums). stacked: [2m, n] FP32 densely packed (the hi rows' products, then the lo
+/// rows'); y: [m, ldy] FP32. Throws as launch_split_bf16 (also on ldy < n).
+void launch_sum_stacked_halves(const float* stacked, int64_t m, int64_t n, float* y, int64_t ldy,
+                               bool accumulate, cudaStream_t stream);
+
 }  // namespace fn

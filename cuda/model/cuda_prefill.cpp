@@ -61,14 +61,13 @@ struct CudaPrefillState {
   int32_t* tokens = nullptr;
   float* H = nullptr;        // [rows, W] FP32 residual rows
   float* scale = nullptr;    // [rows, S] HC norm scales
-  uint16_t* n_hi = nullptr;  // [rows, W] N as BF16 hi
-  uint16_t* n_lo = nullptr;  // [rows, W] N as BF16 lo
+  // The BF16 hi + lo pairs of the GEMM inputs (gemm.h): a call's m rows of hi, then its m rows of
+  // lo right below them (gemm_rows' stacked form), so each buffer holds 2 * rows rows.
+  uint16_t* n_hi = nullptr;  // [2 * rows, W] N as BF16 hi, then lo
   float* t = nullptr;        // [rows, R + S] HC down/inject GEMM
-  uint16_t* u_hi = nullptr;  // [rows, R]
-  uint16_t* u_lo = nullptr;  // [rows, R]
+  uint16_t* u_hi = nullptr;  // [2 * rows, R]
   float* g = nullptr;        // [rows, W] HC up GEMM (pre-sigmoid)
-  uint16_t* m_hi = nullptr;  // [rows, D] block input hi (= the experts' BF16 input)
-  uint16_t* m_lo = nullptr;  // [rows, D]
+  uint16_t* m_hi = nullptr;  // [2 * rows, D] block input hi (= the experts' BF16 input), lo
   float* iota = nullptr;     // [rows, S]
   float* proj = nullptr;     // [rows, proj_ld] mixer / shared-expert / PLE projections
   uint16_t* mix = nullptr;   // [rows, mix_ld] BF16 mixer outputs
@@ -79,8 +78,7 @@ struct CudaPrefillState {
   float* rw = nullptr;       // [rows, k]
   uint16_t* sh = nullptr;    // [rows, Is] shared expert hidden
   float* e_ng = nullptr;     // [rows, P] n-gram embeddings
-  uint16_t* e_hi = nullptr;  // [rows, P]
-  uint16_t* e_lo = nullptr;  // [rows, P]
+  uint16_t* e_hi = nullptr;  // [2 * rows, P]
   float* ple_scratch = nullptr;
   void* gdn_ws = nullptr;
   void* qsa_ws = nullptr;
@@ -114,6 +112,8 @@ struct CudaPrefillState {
   std::size_t sample_ws_bytes = 0;
   float* logits_local = nullptr;  // [kLogitRows, v_local] (TP > 1)
   float* logits = nullptr;        // [kLogitRows, V]
+  float* stack = nullptr;         // [stack_floats]: gemm_rows' stacked form (gemm.h)
+  int64_t stack_floats = 0;
   std::vector<float> host_logits;
   std::vector<int32_t> batch_ids;  // sample_batch()'s ids
   // prefill_rows(): the query's ids and the per-row results on the device, grown as needed.
@@ -165,14 +165,11 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.tokens = cv.take<int32_t>(rows);
   P.H = cv.take<float>(rows * W);
   P.scale = cv.take<float>(rows * S);
-  P.n_hi = cv.take<uint16_t>(rows * W);
-  P.n_lo = cv.take<uint16_t>(rows * W);
+  P.n_hi = cv.take<uint16_t>(2 * rows * W);
   P.t = cv.take<float>(rows * (R + S));
-  P.u_hi = cv.take<uint16_t>(rows * R);
-  P.u_lo = cv.take<uint16_t>(rows * R);
+  P.u_hi = cv.take<uint16_t>(2 * rows * R);
   P.g = cv.take<float>(rows * W);
-  P.m_hi = cv.take<uint16_t>(rows * D);
-  P.m_lo = cv.take<uint16_t>(rows * D);
+  P.m_hi = cv.take<uint16_t>(2 * rows * D);
   P.iota = cv.take<float>(rows * S);
   P.proj = cv.take<float>(rows * proj_ld);
   P.mix = cv.take<uint16_t>(rows * mix_ld);
@@ -185,8 +182,7 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.row_pos = cv.take<int64_t>(rows);
   if (c.has_ple()) {
     P.e_ng = cv.take<float>(rows * P_);
-    P.e_hi = cv.take<uint16_t>(rows * P_);
-    P.e_lo = cv.take<uint16_t>(rows * P_);
+    P.e_hi = cv.take<uint16_t>(2 * rows * P_);
     PleApplyRowsParams pr;
     pr.rows = rows;
     pr.base.hc_count = static_cast<int>(S);
@@ -220,6 +216,12 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   const int64_t lr = std::min(rows, kLogitRows);
   if (o.tp_size > 1) P.logits_local = cv.take<float>(lr * v_local);
   P.logits = cv.take<float>(lr * c.vocab_size);
+  // gemm_rows' stacked form for passes of up to kGemmStackMaxRows rows: the widest GEMM output
+  // of a layer, and lm_head's rows.
+  const int64_t sr = std::min(rows, kGemmStackMaxRows);
+  P.stack_floats = std::max({2 * sr * std::max({proj_ld, W, R + S, D}),
+                             2 * std::min(sr, kLogitRows) * (o.tp_size > 1 ? v_local : c.vocab_size)});
+  P.stack = cv.take<float>(P.stack_floats);
   return cv.used();
 }
 
@@ -398,18 +400,26 @@ struct CudaModel::Impl::PrefillRun {
     g.m = m;
     g.y = y;
     g.ldy = ldy;
+    g.stack = P.stack;
+    g.stack_floats = P.stack_floats;
     gemm_rows(blas, g);
   }
-  // HC read of `m` rows of H starting at Hrows: m_hi/m_lo rows 0..m-1 and iota (when given).
+  // The block input's lo rows (set by hc_read: its m rows below P.m_hi's).
+  const uint16_t* m_lo = nullptr;
+  // HC read of `m` rows of H starting at Hrows: m_hi rows 0..m-1, m_lo and iota (when given).
   void hc_read(const DevHc& hc, const float* Hrows, int64_t m, float* iota_out) {
     const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
     const float eps = static_cast<float>(c.rms_norm_eps);
     prof.mark(StepFamily::Hc);
-    launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, P.n_lo, s);
-    gemm(hc.down_inj, hc.down_rows, W, P.n_hi, P.n_lo, W, m, P.t, hc.down_rows);
-    launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, P.u_lo, iota_out, s);
-    gemm(hc.up, W, R, P.u_hi, P.u_lo, R, m, P.g, W);
-    launch_hc_mix_rows(P.g, Hrows, P.scale, hc.norm, static_cast<int>(S), D, m, P.m_hi, P.m_lo, s);
+    uint16_t* n_lo = P.n_hi + m * W;
+    uint16_t* u_lo = P.u_hi + m * R;
+    uint16_t* mlo = P.m_hi + m * D;
+    launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, n_lo, s);
+    gemm(hc.down_inj, hc.down_rows, W, P.n_hi, n_lo, W, m, P.t, hc.down_rows);
+    launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, u_lo, iota_out, s);
+    gemm(hc.up, W, R, P.u_hi, u_lo, R, m, P.g, W);
+    launch_hc_mix_rows(P.g, Hrows, P.scale, hc.norm, static_cast<int>(S), D, m, P.m_hi, mlo, s);
+    m_lo = mlo;
   }
   void inject() {
     prof.mark(StepFamily::Hc);
@@ -455,9 +465,10 @@ void CudaModel::Impl::PrefillRun::ple(const model_detail::DevPle& pl) {
   }
   all_reduce(P.e_ng, M * Pd);
   prof.mark(StepFamily::Ple);
-  launch_split_bf16(P.e_ng, M * Pd, P.e_hi, P.e_lo, s);
+  uint16_t* e_lo = P.e_hi + M * Pd;
+  launch_split_bf16(P.e_ng, M * Pd, P.e_hi, e_lo, s);
   const int64_t kv_rows = S * Pd + D;
-  gemm(pl.kv_proj, kv_rows, Pd, P.e_hi, P.e_lo, Pd, M, P.proj, kv_rows);
+  gemm(pl.kv_proj, kv_rows, Pd, P.e_hi, e_lo, Pd, M, P.proj, kv_rows);
   for (const Run& r : runs) {
     PleApplyRowsParams pa;
     pa.base = model_detail::ple_apply_params(c, pl);
@@ -474,7 +485,7 @@ void CudaModel::Impl::PrefillRun::ple(const model_detail::DevPle& pl) {
 void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
   const int64_t D = c.hidden_size;
   prof.mark(StepFamily::QsaMixer);
-  gemm(a.in_proj, a.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
+  gemm(a.in_proj, a.in_rows, D, P.m_hi, m_lo, D, M, P.proj, P.proj_ld);
   const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
   for (const Run& r : runs) {
     const model_detail::DevSlotLayer& st = state(r);
@@ -530,7 +541,7 @@ void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
 void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
   const int64_t D = c.hidden_size;
   prof.mark(StepFamily::GdnMixer);
-  gemm(g.in_proj, g.in_rows, D, P.m_hi, P.m_lo, D, M, P.proj, P.proj_ld);
+  gemm(g.in_proj, g.in_rows, D, P.m_hi, m_lo, D, M, P.proj, P.proj_ld);
   for (const Run& r : runs) {
     if (decode_rows) {
       GdnDecodeParams gp;
@@ -565,7 +576,7 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   const int64_t D = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
   const int64_t Is = rd.shared_inter;
   prof.mark(StepFamily::Router);
-  gemm(mo.router, E + 1, D, P.m_hi, P.m_lo, D, M, P.rl, E + 1);
+  gemm(mo.router, E + 1, D, P.m_hi, m_lo, D, M, P.rl, E + 1);
   RouterRowsParams rr;
   rr.logits = P.rl;
   rr.logits_stride = E + 1;
@@ -596,7 +607,7 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   }
   launch_moe_prefill(mp, s);
   prof.mark(StepFamily::SharedExpert);
-  gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, P.m_lo, D, M, P.proj, 2 * Is);
+  gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, m_lo, D, M, P.proj, 2 * Is);
   launch_swiglu_rows(P.proj, Is, M, P.sh, s);
   gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
   launch_moe_combine_rows(P.y, P.ys, P.rl + E, E + 1, D, M, s);
@@ -670,7 +681,7 @@ void CudaModel::Impl::PrefillRun::logits(PrefillLogits want, int64_t n) {
     hc_read(I.final_hc, P.H + r0 * W, m, nullptr);
     prof.mark(StepFamily::LmHead);
     if (o.tp_size > 1) {
-      gemm(I.lm_head, I.v_local, D, P.m_hi, P.m_lo, D, m, P.logits_local, I.v_local);
+      gemm(I.lm_head, I.v_local, D, P.m_hi, m_lo, D, m, P.logits_local, I.v_local);
       for (int64_t j = 0; j < m; ++j) {
         ScatterLogitsParams sc;
         sc.local = P.logits_local + j * I.v_local;
@@ -683,7 +694,7 @@ void CudaModel::Impl::PrefillRun::logits(PrefillLogits want, int64_t n) {
       all_reduce(P.logits, m * V);
       prof.mark(StepFamily::LmHead);
     } else {
-      gemm(I.lm_head, V, D, P.m_hi, P.m_lo, D, m, P.logits, V);
+      gemm(I.lm_head, V, D, P.m_hi, m_lo, D, m, P.logits, V);
     }
     if (want == PrefillLogits::Rows) {
       // Reported row of prompt row c0 + r0: g0 (the query's rows start at rq->first).

@@ -77,6 +77,60 @@ std::vector<int32_t> Backend::sample_batch(std::span<const int64_t>, std::span<c
   FN_THROW(Internal, "the {} backend does not sample batched steps on the device", info_.name);
 }
 
+RowResults Backend::prefill_slots(std::span<const SlotTokens> pieces, const RowQuery* q) {
+  const int64_t n_slots = slot_count();
+  FN_CHECK(!pieces.empty(), "prefill_slots: no pieces");
+  std::vector<bool> seen(static_cast<std::size_t>(n_slots), false);
+  int64_t total = 0;
+  for (const SlotTokens& p : pieces) {
+    FN_CHECK(p.slot >= 0 && p.slot < n_slots, "prefill_slots: slot {} outside [0, {})", p.slot,
+             n_slots);
+    FN_CHECK(!seen[static_cast<std::size_t>(p.slot)], "prefill_slots: slot {} given twice",
+             p.slot);
+    seen[static_cast<std::size_t>(p.slot)] = true;
+    FN_REQUIRE(!p.tokens.empty(), Usage, "prefill_slots: slot {} has no tokens", p.slot);
+    total += static_cast<int64_t>(p.tokens.size());
+  }
+  RowResults out;
+  if (q != nullptr) {
+    FN_REQUIRE(q->first == 0, Usage, "prefill_slots: the query's rows start at {}, not 0",
+               q->first);
+    check_row_query(*q, total, info_.vocab_size);
+    resize_row_results(out, total, q->gather_k, q->keep_logits, info_.vocab_size);
+  }
+  const int64_t was = selected_slot();
+  try {
+    int64_t row = 0;
+    for (const SlotTokens& p : pieces) {
+      select_slot(p.slot);
+      const auto n = static_cast<int64_t>(p.tokens.size());
+      if (q == nullptr) {
+        prefill(p.tokens, PrefillOutput::None);
+        continue;
+      }
+      RowQuery sub;
+      sub.keep_logits = q->keep_logits;
+      sub.gather_k = q->gather_k;
+      if (!q->targets.empty()) sub.targets = q->targets.subspan(static_cast<std::size_t>(row), n);
+      if (q->gather_k > 0)
+        sub.gather = q->gather.subspan(static_cast<std::size_t>(row * q->gather_k),
+                                       static_cast<std::size_t>(n * q->gather_k));
+      const RowResults r = prefill_rows(p.tokens, sub);
+      append_row_results(out, r, row, q->gather_k, info_.vocab_size);
+      row += n;
+    }
+  } catch (...) {
+    select_slot(was);
+    throw;
+  }
+  select_slot(was);
+  return out;
+}
+
+void Backend::copy_slot(int64_t, int64_t) {
+  FN_THROW(Internal, "the {} backend cannot copy a sequence slot", info_.name);
+}
+
 double Backend::device_used_mib() const {
   FN_THROW(Internal, "the {} backend has no device memory figure", info_.name);
 }

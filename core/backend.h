@@ -48,6 +48,14 @@ struct BackendCapabilities {
   bool profile = false;         ///< profile_steps()
   bool snapshot = false;        ///< snapshot() / restore()
   bool batch_sampling = false;  ///< sample_batch()
+  bool copy_slot = false;       ///< copy_slot()
+};
+
+/// One sequence's piece of a multi-sequence prefill (Backend::prefill_slots): `tokens` fed to
+/// slot `slot` from that slot's position on.
+struct SlotTokens {
+  int64_t slot = 0;
+  std::span<const int32_t> tokens;
 };
 
 /// One sequence's sampling in a batched device step (Backend::sample_batch): its settings, whose
@@ -182,6 +190,24 @@ class Backend {
   virtual std::vector<int32_t> sample_batch(std::span<const int64_t> slots,
                                             std::span<const int32_t> tokens,
                                             std::span<const SlotSampling> sampling);
+
+  /// Several sequences' tokens in one call, each piece on its own slot from that slot's position
+  /// (a batched backend runs them in shared passes; the default one prefill after another),
+  /// leaving every slot as prefill() on it alone would. With a query (q not null) it returns the
+  /// rows of all pieces, piece after piece (each piece's row p: the logits after its token p),
+  /// as prefill_rows() reduces them; q->first must be 0 and q's targets and gathered ids run
+  /// over those concatenated rows. Without one it returns no rows. The selected slot is
+  /// unchanged. Throws fn::Error(Internal) for an empty list, a slot outside [0, slot_count())
+  /// or one given twice; fn::Error(Usage) for an empty piece, a query that does not fit the
+  /// concatenated rows (check_row_query) or q->first != 0; and as prefill_rows().
+  virtual RowResults prefill_slots(std::span<const SlotTokens> pieces, const RowQuery* q);
+
+  /// capabilities().copy_slot only: slot `to` becomes a copy of slot `from`'s sequence (position,
+  /// caches up to it, recurrent and convolution states, n-gram context), so that both go on
+  /// alike (eval loglik runs each choice of a context on its own copy). Every rank calls it
+  /// alike; the selected slot stays selected. Throws fn::Error(Internal) without it, for slots
+  /// outside [0, slot_count()) or from == to.
+  virtual void copy_slot(int64_t from, int64_t to);
 
   /// capabilities().device_memory only: device memory in use on this rank's device now, MiB
   /// (total - free). A soak compares it across records. Throws fn::Error(Internal) without it.

@@ -43,7 +43,12 @@ void CpuBackend::select_slot(int64_t slot) {
 BackendCapabilities CpuBackend::capabilities() const noexcept {
   BackendCapabilities c;
   c.snapshot = true;
+  c.copy_slot = true;
   return c;
+}
+
+void CpuBackend::copy_slot(int64_t from, int64_t to) {
+  model_->copy_slot(from, to);
 }
 
 void CpuBackend::snapshot() {

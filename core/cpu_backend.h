@@ -22,7 +22,7 @@ class CpuBackend final : public Backend {
   /// The wrapped model (for --check-choices' last_choices()).
   const CpuModel& model() const noexcept { return *model_; }
 
-  /// snapshot only (CpuModel::snapshot / restore).
+  /// snapshot and copy_slot (CpuModel::snapshot / restore / copy_slot).
   BackendCapabilities capabilities() const noexcept override;
   void reset() override;
   int64_t position() const noexcept override;
@@ -40,6 +40,9 @@ class CpuBackend final : public Backend {
   int64_t slot_count() const noexcept override;
   int64_t selected_slot() const noexcept override;
   void select_slot(int64_t slot) override;
+  /// CpuModel::copy_slot (copies of the state vectors; prefill_slots is the default, one slot
+  /// after another).
+  void copy_slot(int64_t from, int64_t to) override;
 
  private:
   std::unique_ptr<CpuModel> model_;

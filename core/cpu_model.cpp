@@ -265,43 +265,63 @@ void CpuModel::select_slot(int64_t slot) {
   }
 }
 
-void CpuModel::snapshot() {
-  if (!saved_) saved_ = std::make_unique<Saved>();
-  saved_->position = position_;
-  saved_->layers.resize(layers_.size());
+void CpuModel::save_state(Saved& st) const {
+  st.position = position_;
+  st.layers.resize(layers_.size());
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     const Layer& L = *layers_[i];
-    Saved::LayerState& st = saved_->layers[i];
+    Saved::LayerState& x = st.layers[i];
     if (L.ple) {
-      st.ple_conv = L.ple->conv_state;
-      st.ple_context = L.ple->context;
+      x.ple_conv = L.ple->conv_state;
+      x.ple_context = L.ple->context;
     }
-    st.gdn_conv = L.gdn.conv_state;
-    st.gdn_S = L.gdn.S;
-    st.K = L.attn.K;
-    st.V = L.attn.V;
-    st.raw_keys = L.attn.raw_keys;
-    st.block_keys = L.attn.block_keys;
+    x.gdn_conv = L.gdn.conv_state;
+    x.gdn_S = L.gdn.S;
+    x.K = L.attn.K;
+    x.V = L.attn.V;
+    x.raw_keys = L.attn.raw_keys;
+    x.block_keys = L.attn.block_keys;
   }
+}
+
+void CpuModel::load_state(const Saved& st) {
+  position_ = st.position;
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    Layer& L = *layers_[i];
+    const Saved::LayerState& x = st.layers[i];
+    if (L.ple) {
+      L.ple->conv_state = x.ple_conv;
+      L.ple->context = x.ple_context;
+    }
+    L.gdn.conv_state = x.gdn_conv;
+    L.gdn.S = x.gdn_S;
+    L.attn.K = x.K;
+    L.attn.V = x.V;
+    L.attn.raw_keys = x.raw_keys;
+    L.attn.block_keys = x.block_keys;
+  }
+}
+
+void CpuModel::snapshot() {
+  if (!saved_) saved_ = std::make_unique<Saved>();
+  save_state(*saved_);
 }
 
 void CpuModel::restore() {
   FN_CHECK(saved_ != nullptr, "restore() before any snapshot()");
-  position_ = saved_->position;
-  for (std::size_t i = 0; i < layers_.size(); ++i) {
-    Layer& L = *layers_[i];
-    const Saved::LayerState& st = saved_->layers[i];
-    if (L.ple) {
-      L.ple->conv_state = st.ple_conv;
-      L.ple->context = st.ple_context;
-    }
-    L.gdn.conv_state = st.gdn_conv;
-    L.gdn.S = st.gdn_S;
-    L.attn.K = st.K;
-    L.attn.V = st.V;
-    L.attn.raw_keys = st.raw_keys;
-    L.attn.block_keys = st.block_keys;
-  }
+  load_state(*saved_);
+}
+
+void CpuModel::copy_slot(int64_t from, int64_t to) {
+  FN_CHECK(from >= 0 && from < slot_count() && to >= 0 && to < slot_count() && from != to,
+           "copy_slot({}, {}) with {} slots", from, to, slot_count());
+  const int64_t was = slot_;
+  Saved copy;
+  select_slot(from);
+  save_state(copy);
+  select_slot(to);
+  load_state(copy);
+  select_slot(was);
 }
 
 std::unique_ptr<CpuModel> CpuModel::load(const std::filesystem::path& dir, Collectives& coll) {

@@ -75,6 +75,10 @@ class CpuModel {
   /// must stay below `count`. Throws fn::Error(Internal) for count < 1 or one that would drop
   /// the selected slot.
   void set_slot_count(int64_t count);
+  /// Slot `to` becomes a copy of slot `from`'s sequence (position, caches, states, n-gram
+  /// context); the selected slot stays. Throws fn::Error(Internal) for slots outside
+  /// [0, slot_count()) or from == to.
+  void copy_slot(int64_t from, int64_t to);
   int64_t slot_count() const noexcept;
   int64_t selected_slot() const noexcept { return slot_; }
   /// Makes `slot` the sequence forward(), prefill(), reset(), snapshot() and restore() act on;
@@ -160,6 +164,8 @@ class CpuModel {
   std::vector<Slot> slots_;
   int64_t slot_ = 0;
   void swap_state(Saved& st);
+  void save_state(Saved& st) const;  // copies of the selected slot's state
+  void load_state(const Saved& st);  // the selected slot's state from copies
 };
 
 }  // namespace fn

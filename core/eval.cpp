@@ -1161,6 +1161,88 @@ std::vector<ChoiceScore> score_choices(Backend& backend, std::span<const int32_t
   return out;
 }
 
+std::vector<std::vector<ChoiceScore>> score_items(Backend& backend,
+                                                  const std::vector<ChoiceItem>& items) {
+  std::vector<std::vector<ChoiceScore>> out(items.size());
+  const int64_t slots = backend.slot_count();
+  const bool side_by_side = slots > 1 && backend.capabilities().copy_slot;
+  backend.select_slot(0);
+  std::size_t next = 0;
+  while (next < items.size()) {
+    // The group: items from `next` on while their choices fit the slots.
+    std::size_t end = next;
+    int64_t used = 0;
+    while (end < items.size() && side_by_side) {
+      const auto k = static_cast<int64_t>(items[end].choices.size());
+      if (used + k > slots) break;
+      used += k;
+      ++end;
+    }
+    if (end == next) {  // one slot, or an item with more choices than slots
+      out[next] = score_choices(backend, items[next].context, items[next].choices);
+      backend.select_slot(0);
+      ++next;
+      continue;
+    }
+    // Each item's first choice slot holds its context; the contexts run in one call.
+    std::vector<int64_t> first(end - next);
+    std::vector<SlotTokens> contexts;
+    int64_t slot = 0;
+    for (std::size_t i = next; i < end; ++i) {
+      const ChoiceItem& it = items[i];
+      FN_CHECK(!it.context.empty(), "score_items: item {} has an empty context", i);
+      first[i - next] = slot;
+      for (std::size_t c = 0; c < it.choices.size(); ++c) {
+        backend.select_slot(slot + static_cast<int64_t>(c));
+        backend.reset();
+      }
+      if (it.context.size() > 1)
+        contexts.push_back({slot, std::span<const int32_t>(it.context).first(it.context.size() - 1)});
+      slot += static_cast<int64_t>(it.choices.size());
+    }
+    backend.select_slot(0);
+    if (!contexts.empty()) backend.prefill_slots(contexts, nullptr);
+    // Every choice on its own copy of its context, all in one call.
+    std::vector<std::vector<int32_t>> fed;
+    std::vector<int32_t> targets;
+    std::vector<SlotTokens> pieces;
+    fed.reserve(static_cast<std::size_t>(used));
+    for (std::size_t i = next; i < end; ++i) {
+      const ChoiceItem& it = items[i];
+      for (std::size_t c = 0; c < it.choices.size(); ++c) {
+        const std::vector<int32_t>& choice = it.choices[c];
+        FN_CHECK(!choice.empty(), "score_items: choice {} of item {} has no tokens", c, i);
+        const int64_t s = first[i - next] + static_cast<int64_t>(c);
+        if (c > 0 && it.context.size() > 1) backend.copy_slot(first[i - next], s);
+        std::vector<int32_t>& f = fed.emplace_back(1, it.context.back());
+        f.insert(f.end(), choice.begin(), choice.end() - 1);
+        targets.insert(targets.end(), choice.begin(), choice.end());
+      }
+    }
+    std::size_t at = 0;
+    for (std::size_t i = next; i < end; ++i)
+      for (std::size_t c = 0; c < items[i].choices.size(); ++c, ++at)
+        pieces.push_back({first[i - next] + static_cast<int64_t>(c), fed[at]});
+    RowQuery q;
+    q.targets = targets;
+    const RowResults r = backend.prefill_slots(pieces, &q);
+    std::size_t row = 0;
+    for (std::size_t i = next; i < end; ++i) {
+      for (const std::vector<int32_t>& choice : items[i].choices) {
+        ChoiceScore sc;
+        sc.n_tokens = static_cast<int64_t>(choice.size());
+        for (std::size_t j = 0; j < choice.size(); ++j, ++row) {
+          sc.logprob += r.target_logprob[row];
+          if (r.argmax[row] != choice[j]) sc.greedy = false;
+        }
+        out[i].push_back(sc);
+      }
+    }
+    next = end;
+  }
+  return out;
+}
+
 int64_t best_choice(std::span<const double> values) {
   FN_CHECK(!values.empty(), "best_choice of no values");
   int64_t best = 0;

@@ -364,6 +364,26 @@ struct ChoiceScore {
 std::vector<ChoiceScore> score_choices(Backend& backend, std::span<const int32_t> context,
                                        const std::vector<std::vector<int32_t>>& choices);
 
+/// One multiple-choice item of score_items: its context (>= 1 token) and choices (each >= 1).
+struct ChoiceItem {
+  std::vector<int32_t> context;
+  std::vector<std::vector<int32_t>> choices;
+};
+
+/// score_choices for many items, side by side in the backend's sequence slots where it has
+/// more than one and capabilities().copy_slot (else item after item through score_choices).
+/// Items are taken in order, in groups whose choices together fit slot_count(): the contexts'
+/// first n-1 tokens run in one Backend::prefill_slots call, each on the slot of the item's first
+/// choice; that slot is copied (Backend::copy_slot) to the slots of its other choices; then every
+/// choice of the group ([last context token] ++ choice[0 .. m-2], the choice as targets) runs in
+/// one prefill_slots call with a row query. An item with more choices than slots runs alone
+/// through score_choices. Returns score_choices' list per item: the same values where
+/// prefill_slots runs its pieces one after another (the cpu backend: bitwise), a batched pass's
+/// within the numerics contract (docs/numerics.md). Leaves slot 0 selected. Every rank calls it
+/// alike. Throws as score_choices.
+std::vector<std::vector<ChoiceScore>> score_items(Backend& backend,
+                                                  const std::vector<ChoiceItem>& items);
+
 /// The index of the largest value, ties to the lowest index (lm-eval's argmax): acc picks it over
 /// the summed log-probs, acc_norm over log-prob / byte length of each choice's text. Throws
 /// fn::Error(Internal) for an empty list.

@@ -43,6 +43,20 @@ void resize_row_results(RowResults& out, int64_t rows, int64_t gather_k, bool ke
     out.logits.clear();
 }
 
+void append_row_results(RowResults& out, const RowResults& part, int64_t at, int64_t gather_k,
+                        int64_t vocab) {
+  FN_CHECK(at >= 0 && at + part.rows <= out.rows, "row results {}..{} past {} rows", at,
+           at + part.rows, out.rows);
+  const auto a = static_cast<std::ptrdiff_t>(at);
+  std::copy(part.lse.begin(), part.lse.end(), out.lse.begin() + a);
+  std::copy(part.target_logprob.begin(), part.target_logprob.end(), out.target_logprob.begin() + a);
+  std::copy(part.argmax.begin(), part.argmax.end(), out.argmax.begin() + a);
+  std::copy(part.gather_logprob.begin(), part.gather_logprob.end(),
+            out.gather_logprob.begin() + a * gather_k);
+  if (!out.logits.empty())
+    std::copy(part.logits.begin(), part.logits.end(), out.logits.begin() + a * vocab);
+}
+
 void host_row_stats(std::span<const float> logits, const RowQuery& q, int64_t r, RowResults& out) {
   FN_CHECK(!logits.empty(), "row statistics of an empty row");
   float mx = logits[0];

@@ -46,6 +46,12 @@ void check_row_query(const RowQuery& q, int64_t n, int64_t vocab);
 void resize_row_results(RowResults& out, int64_t rows, int64_t gather_k, bool keep_logits,
                         int64_t vocab);
 
+/// Copies `part`'s rows into `out` (sized by resize_row_results for the same gather_k, with V =
+/// `vocab` logits per row where out keeps them) from row `at` on. Throws fn::Error(Internal)
+/// when they do not fit.
+void append_row_results(RowResults& out, const RowResults& part, int64_t at, int64_t gather_k,
+                        int64_t vocab);
+
 /// The host reference of one row: writes reported row `r` of `out` from the FP32 `logits`
 /// (V values) and the query's ids of that row. Max and argmax over the FP32 values (ties to the
 /// lowest id); the sum of exp(l - max) in double, in column order. Throws fn::Error(Format) when

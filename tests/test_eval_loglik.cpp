@@ -186,3 +186,85 @@ TEST_CASE("best_choice: the largest value, ties to the lowest index") {
   CHECK(fn::best_choice(v) == 1);
   CHECK_THROWS_AS(fn::best_choice(std::span<const double>()), fn::Error);
 }
+
+TEST_CASE("score_items: the items side by side in slots give score_choices' values bit for bit") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  fn::LocalCollectives coll;
+  const std::vector<fn::test::LoglikItem> ref = fn::test::load_loglik_tp4();
+  REQUIRE(ref.size() >= 2);
+  std::vector<fn::ChoiceItem> items;
+  for (const fn::test::LoglikItem& it : ref) items.push_back({it.context, it.choices});
+  // A one-token context (nothing to prefill before the choices) and an item with more choices
+  // than the slots (it runs alone through score_choices).
+  items.push_back({{f.tokens[3]}, {{f.tokens[4], f.tokens[5]}, {f.tokens[6]}}});
+  std::vector<std::vector<int32_t>> many;
+  for (int j = 0; j < 6; ++j) many.push_back({f.tokens[static_cast<std::size_t>(j + 1)]});
+  items.push_back({std::vector<int32_t>(f.tokens.begin(), f.tokens.begin() + 5), many});
+  fn::CpuBackend one(fn::CpuModel::load(f.dir, coll), 0.0);
+  std::vector<std::vector<fn::ChoiceScore>> want;
+  for (const fn::ChoiceItem& it : items) want.push_back(fn::score_choices(one, it.context, it.choices));
+  for (const int64_t slots : {1, 3, 5}) {
+    CAPTURE(slots);
+    fn::CpuBackend b(fn::CpuModel::load(f.dir, coll), 0.0, slots);
+    // Another sequence in slot 2 before the call: score_items resets the slots it takes.
+    b.select_slot(std::min<int64_t>(2, slots - 1));
+    b.prefill(std::span<const int32_t>(f.tokens).first(4), fn::PrefillOutput::None);
+    const std::vector<std::vector<fn::ChoiceScore>> got = fn::score_items(b, items);
+    CHECK(b.selected_slot() == 0);
+    REQUIRE(got.size() == items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      REQUIRE(got[i].size() == want[i].size());
+      for (std::size_t c = 0; c < got[i].size(); ++c) {
+        INFO("item ", i, " choice ", c);
+        CHECK(got[i][c].logprob == want[i][c].logprob);
+        CHECK(got[i][c].n_tokens == want[i][c].n_tokens);
+        CHECK(got[i][c].greedy == want[i][c].greedy);
+      }
+    }
+  }
+}
+
+TEST_CASE("copy_slot and prefill_slots on cpu: a copy goes on as its source; rows per piece") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  fn::LocalCollectives coll;
+  fn::CpuBackend b(fn::CpuModel::load(f.dir, coll), 0.0, 3);
+  const std::span<const int32_t> seq(f.tokens);
+  b.select_slot(1);
+  b.prefill(seq.first(6), fn::PrefillOutput::None);
+  b.select_slot(0);
+  b.copy_slot(1, 2);
+  CHECK(b.selected_slot() == 0);
+  b.select_slot(2);
+  CHECK(b.position() == 6);
+  const std::vector<float> from_copy = copy(b.forward(seq[6]));
+  b.select_slot(1);
+  const std::vector<float> from_source = copy(b.forward(seq[6]));
+  CHECK(from_copy == from_source);
+  // Two pieces in one call: each piece's rows equal prefill_rows on its slot alone.
+  std::vector<int32_t> targets(seq.begin() + 8, seq.begin() + 12);
+  targets.insert(targets.end(), seq.begin() + 1, seq.begin() + 4);
+  const std::vector<fn::SlotTokens> pieces = {{2, seq.subspan(7, 4)}, {0, seq.first(3)}};
+  fn::RowQuery q;
+  q.targets = targets;
+  b.select_slot(1);
+  const fn::RowResults r = b.prefill_slots(pieces, &q);
+  CHECK(b.selected_slot() == 1);
+  REQUIRE(r.rows == 7);
+  fn::CpuBackend alone(fn::CpuModel::load(f.dir, coll), 0.0);
+  fn::RowQuery q0;
+  q0.targets = std::span<const int32_t>(targets).subspan(4, 3);
+  const fn::RowResults r0 = alone.prefill_rows(seq.first(3), q0);
+  for (int j = 0; j < 3; ++j) {
+    CHECK(r.target_logprob[static_cast<std::size_t>(4 + j)] == r0.target_logprob[static_cast<std::size_t>(j)]);
+    CHECK(r.argmax[static_cast<std::size_t>(4 + j)] == r0.argmax[static_cast<std::size_t>(j)]);
+  }
+  // Bad calls: a slot twice, an empty piece, a query not starting at row 0.
+  const std::vector<fn::SlotTokens> twice = {{0, seq.first(1)}, {0, seq.first(1)}};
+  CHECK_THROWS_AS(b.prefill_slots(twice, nullptr), fn::Error);
+  const std::vector<fn::SlotTokens> empty = {{0, seq.first(0)}};
+  CHECK_THROWS_AS(b.prefill_slots(empty, nullptr), fn::Error);
+  fn::RowQuery late;
+  late.first = 1;
+  CHECK_THROWS_AS(b.prefill_slots(pieces, &late), fn::Error);
+  CHECK_THROWS_AS(b.copy_slot(1, 1), fn::Error);
+}

@@ -89,6 +89,7 @@ struct EvalCli {
   // loglik
   std::string ll_input, ll_output;
   int64_t ll_ctx = 0;
+  int64_t ll_max_batch = 0;  // --max-batch: the choices scored side by side (0: as many as fit)
   // score
   std::string input, score_output, system_prompt;
   int64_t max_new_tokens = 256, score_ctx = 0;
@@ -1002,6 +1003,7 @@ McItem parse_mc(const json& rec, const Tokenizer* tok, int64_t vocab) {
 }
 
 int run_loglik(EvalCli& o, MpiContext& mpi) {
+  o.loglik_c.backend.max_batch = o.ll_max_batch;
   const CommonCli& c = o.loglik_c;
   const bool root = mpi.world_rank() == 0;
   const fs::path dir = c.config_source();
@@ -1045,93 +1047,127 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
   coll.broadcast(&n_lines, sizeof(n_lines), 0);
   const auto t0 = std::chrono::steady_clock::now();
   int64_t n_choices = 0;
-  for (int64_t li = 0; li < n_lines; ++li) {
+  // Lines run in windows: consecutive lines whose items' choices together fit the backend's
+  // slots (score_items runs them side by side; an item with more choices than slots is a window
+  // of its own), written in input order after each window.
+  const int64_t slots = l.backend->slot_count();
+  struct Line {
     int32_t status = 0;  // 0 blank, 1 run, 2 error
     McItem m;
     std::string error;
+  };
+  const auto parse_line = [&](int64_t li) {
+    Line x;
+    const std::string& line = lines[static_cast<std::size_t>(li)];
+    x.m.id = li + 1;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) return x;
+    x.status = 1;
+    try {
+      const json rec = parse_json_line(line);
+      if (rec.is_object() && rec.contains("id")) x.m.id = rec["id"];
+      if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
+        x.m.task = rec["task"].get<std::string>();
+      McItem parsed = parse_mc(rec, tok.get(), cfg.vocab_size);
+      parsed.id = x.m.id;
+      x.m = std::move(parsed);
+      for (std::size_t i = 0; i < x.m.choices.size(); ++i) {
+        const int64_t need = static_cast<int64_t>(x.m.context.size() + x.m.choices[i].size()) - 1;
+        FN_REQUIRE(need <= ctx, Format,
+                   "the context and choice {} need {} tokens, more than -c/--ctx-size {}", i, need,
+                   ctx);
+      }
+    } catch (const Error& e) {
+      x.status = 2;
+      x.error = fmt::format("{}: line {}: {}", o.ll_input, li + 1, e.what());
+    }
+    return x;
+  };
+  for (int64_t li = 0; li < n_lines;) {
+    std::vector<Line> window;
     if (root) {
-      const std::string& line = lines[static_cast<std::size_t>(li)];
-      m.id = li + 1;
-      if (line.find_first_not_of(" \t\r") != std::string::npos) {
-        status = 1;
-        try {
-          const json rec = parse_json_line(line);
-          if (rec.is_object() && rec.contains("id")) m.id = rec["id"];
-          if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
-            m.task = rec["task"].get<std::string>();
-          McItem parsed = parse_mc(rec, tok.get(), cfg.vocab_size);
-          parsed.id = m.id;
-          m = std::move(parsed);
-          for (std::size_t i = 0; i < m.choices.size(); ++i) {
-            const int64_t need = static_cast<int64_t>(m.context.size() + m.choices[i].size()) - 1;
-            FN_REQUIRE(need <= ctx, Format,
-                       "the context and choice {} need {} tokens, more than -c/--ctx-size {}", i,
-                       need, ctx);
-          }
-        } catch (const Error& e) {
-          status = 2;
-          error = fmt::format("{}: line {}: {}", o.ll_input, li + 1, e.what());
+      int64_t used = 0;
+      for (int64_t at = li; at < n_lines; ++at) {
+        Line x = parse_line(at);
+        if (x.status == 1) {
+          const auto k = static_cast<int64_t>(x.m.choices.size());
+          if (used > 0 && used + k > slots) break;
+          used += k;
         }
+        window.push_back(std::move(x));
       }
     }
-    coll.broadcast(&status, sizeof(status), 0);
-    if (status == 0) continue;
-    if (status == 2) {
+    int64_t count = static_cast<int64_t>(window.size());
+    coll.broadcast(&count, sizeof(count), 0);
+    window.resize(static_cast<std::size_t>(count));
+    std::vector<ChoiceItem> batch;
+    for (Line& x : window) {
+      coll.broadcast(&x.status, sizeof(x.status), 0);
+      if (x.status != 1) continue;
+      x.m.context = broadcast_ids(coll, x.m.context);
+      int64_t k = static_cast<int64_t>(x.m.choices.size());
+      coll.broadcast(&k, sizeof(k), 0);
+      x.m.choices.resize(static_cast<std::size_t>(k));
+      for (auto& ch : x.m.choices) ch = broadcast_ids(coll, ch);
+      n_choices += k;
+      batch.push_back({x.m.context, x.m.choices});
+    }
+    const std::vector<std::vector<ChoiceScore>> scores = score_items(*l.backend, batch);
+    std::size_t next_score = 0;
+    for (Line& x : window) {
+      McItem& m = x.m;
+      if (x.status == 0) continue;
+      if (x.status == 2) {
+        if (root) {
+          FN_LOG_WARN("{}", x.error);
+          ++tally[m.task].errors;
+          ++tally[m.task].n;
+          ++total.errors;
+          ++total.n;
+        }
+        write_jsonl_record_agreed(
+            coll, out,
+            [&] {
+              return json{{"id", m.id}, {"task", m.task}, {"error", x.error}};
+            },
+            o.ll_output);
+        continue;
+      }
+      const std::vector<ChoiceScore>& sc = scores[next_score++];
+      json j;
       if (root) {
-        FN_LOG_WARN("{}", error);
-        ++tally[m.task].errors;
-        ++tally[m.task].n;
-        ++total.errors;
+        std::vector<double> ll, ll_norm;
+        json per = json::array();
+        for (std::size_t i = 0; i < sc.size(); ++i) {
+          const double bytes = static_cast<double>(std::max<int64_t>(m.choice_bytes[i], 1));
+          ll.push_back(sc[i].logprob);
+          ll_norm.push_back(sc[i].logprob / bytes);
+          per.push_back({{"logprob", sc[i].logprob},
+                         {"n_tokens", sc[i].n_tokens},
+                         {"n_bytes", m.choice_bytes[i]},
+                         {"greedy", sc[i].greedy}});
+        }
+        const int64_t pred = best_choice(ll), pred_norm = best_choice(ll_norm);
+        Tally& tt = tally[m.task];
+        ++tt.n;
         ++total.n;
+        tt.correct += pred == m.answer;
+        total.correct += pred == m.answer;
+        tt.correct_norm += pred_norm == m.answer;
+        total.correct_norm += pred_norm == m.answer;
+        j = {{"id", m.id},
+             {"task", m.task},
+             {"answer", m.answer},
+             {"pred", pred},
+             {"pred_norm", pred_norm},
+             {"correct", pred == m.answer},
+             {"correct_norm", pred_norm == m.answer},
+             {"n_context_tokens", m.context.size()},
+             {"choices", per}};
       }
       write_jsonl_record_agreed(
-          coll, out,
-          [&] {
-            return json{{"id", m.id}, {"task", m.task}, {"error", error}};
-          },
-          o.ll_output);
-      continue;
+          coll, out, [&] { return j; }, o.ll_output);
     }
-    m.context = broadcast_ids(coll, m.context);
-    int64_t k = static_cast<int64_t>(m.choices.size());
-    coll.broadcast(&k, sizeof(k), 0);
-    m.choices.resize(static_cast<std::size_t>(k));
-    for (auto& ch : m.choices) ch = broadcast_ids(coll, ch);
-    n_choices += k;
-    const std::vector<ChoiceScore> sc = score_choices(*l.backend, m.context, m.choices);
-    json j;
-    if (root) {
-      std::vector<double> ll, ll_norm;
-      json per = json::array();
-      for (std::size_t i = 0; i < sc.size(); ++i) {
-        const double bytes = static_cast<double>(std::max<int64_t>(m.choice_bytes[i], 1));
-        ll.push_back(sc[i].logprob);
-        ll_norm.push_back(sc[i].logprob / bytes);
-        per.push_back({{"logprob", sc[i].logprob},
-                       {"n_tokens", sc[i].n_tokens},
-                       {"n_bytes", m.choice_bytes[i]},
-                       {"greedy", sc[i].greedy}});
-      }
-      const int64_t pred = best_choice(ll), pred_norm = best_choice(ll_norm);
-      Tally& tt = tally[m.task];
-      ++tt.n;
-      ++total.n;
-      tt.correct += pred == m.answer;
-      total.correct += pred == m.answer;
-      tt.correct_norm += pred_norm == m.answer;
-      total.correct_norm += pred_norm == m.answer;
-      j = {{"id", m.id},
-           {"task", m.task},
-           {"answer", m.answer},
-           {"pred", pred},
-           {"pred_norm", pred_norm},
-           {"correct", pred == m.answer},
-           {"correct_norm", pred_norm == m.answer},
-           {"n_context_tokens", m.context.size()},
-           {"choices", per}};
-    }
-    write_jsonl_record_agreed(
-        coll, out, [&] { return j; }, o.ll_output);
+    li += count;
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (root) {
@@ -1283,6 +1319,12 @@ void register_eval(CLI::App& app, CommandList& commands) {
   add_whole_option(o->loglik, "-c,--ctx-size", o->ll_ctx,
                    "context size (default, or 0: min(max_position_embeddings, 4096))",
                    WholeRange(0, kMaxTokenCount));
+  add_whole_option(o->loglik, "--max-batch", o->ll_max_batch,
+                   fmt::format("choices scored side by side, each on a sequence slot of its own "
+                               "(the items whose choices fit run in shared prefill passes); "
+                               "default 0: as many as fit the GPU's free memory (cuda), {} on cpu",
+                               kDefaultCpuSlots),
+                   WholeRange(0, kMaxBatchSlots));
 
   commands.push_back({ev, [o](MpiContext& mpi) {
                         if (o->ppl->parsed()) return run_ppl(*o, mpi);

@@ -38,6 +38,28 @@ check_json "$tmp/sum.json" "(lambda recs: all(
   and j['summary']['total']['n'] == 7)([json.loads(l) for l in open('$tmp/rec.jsonl')])" \
   "acc and acc_norm per task are the records' fractions"
 
+# ---- the items side by side in the slots: the records do not depend on --max-batch ----
+# (cpu: bitwise; blank and bad lines between the items keep their places)
+{
+  cat "$items"
+  echo
+  echo 'not json'
+  head -n 2 "$items"
+} >"$tmp/mix.jsonl"
+for mb in 1 3 64; do
+  if ! mpi_fngen 2 eval loglik --backend cpu -m "$fx" -i "$tmp/mix.jsonl" -o "$tmp/mb$mb.jsonl" \
+    --max-batch "$mb" >/dev/null 2>"$tmp/err"; then
+    fail "loglik --max-batch $mb at -np 2: $(head -n 5 "$tmp/err")"
+  fi
+done
+if cmp -s "$tmp/mb1.jsonl" "$tmp/mb3.jsonl" && cmp -s "$tmp/mb1.jsonl" "$tmp/mb64.jsonl"; then
+  pass "--max-batch 1, 3 and 64 write the same records at TP=2"
+else
+  fail "--max-batch changes the records: $(diff "$tmp/mb1.jsonl" "$tmp/mb3.jsonl" | head -n 4)"
+fi
+check_jsonl "$tmp/mb3.jsonl" "len(r) == 10 and 'error' in r[7] and r[8]['id'] == r[0]['id']
+  and r[8]['choices'] == r[0]['choices']" "the bad line keeps its place; a repeated item scores alike"
+
 # ---- bad records are error records; the run goes on ----
 {
   head -n 1 "$items"

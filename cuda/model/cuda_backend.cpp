@@ -50,6 +50,7 @@ BackendCapabilities CudaBackend::capabilities() const noexcept {
   c.batch_sampling = true;
   c.device_memory = true;
   c.graph_captures = true;
+  c.copy_slot = true;
   c.set_position = true;
   c.profile = true;
   c.snapshot = true;
@@ -75,6 +76,14 @@ std::span<const float> CudaBackend::prefill(std::span<const int32_t> tokens, Pre
 
 RowResults CudaBackend::prefill_rows(std::span<const int32_t> tokens, const RowQuery& q) {
   return model_->prefill_rows(tokens, q);
+}
+
+RowResults CudaBackend::prefill_slots(std::span<const SlotTokens> pieces, const RowQuery* q) {
+  return model_->prefill_slots(pieces, q);
+}
+
+void CudaBackend::copy_slot(int64_t from, int64_t to) {
+  model_->copy_slot(from, to);
 }
 
 void CudaBackend::snapshot() {

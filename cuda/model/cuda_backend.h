@@ -43,6 +43,10 @@ class CudaBackend final : public Backend {
   std::span<const float> prefill(std::span<const int32_t> tokens, PrefillOutput output) override;
   /// CudaModel::prefill_rows: the rows reduced on the device (cuda/kernels/logit_stats.h).
   RowResults prefill_rows(std::span<const int32_t> tokens, const RowQuery& q) override;
+  /// CudaModel::prefill_slots: the pieces in shared passes of the batched prefill.
+  RowResults prefill_slots(std::span<const SlotTokens> pieces, const RowQuery* q) override;
+  /// CudaModel::copy_slot (device-to-device copies).
+  void copy_slot(int64_t from, int64_t to) override;
   /// CudaModel::snapshot (device-to-device copies into the model's snapshot slot).
   void snapshot() override;
   /// CudaModel::restore.

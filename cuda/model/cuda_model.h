@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.h"
 #include "core/config.h"
 #include "core/memory_plan.h"
 #include "core/row_stats.h"
@@ -201,6 +202,20 @@ class CudaModel {
   /// non-finite logit.
   RowResults prefill_rows(std::span<const int32_t> tokens, const RowQuery& q);
 
+  /// Backend::prefill_slots: every piece's tokens in shared passes of the batched prefill (the
+  /// pieces' rows one after another, cut into passes of prefill_chunk rows; each row's GDN, QSA
+  /// and PLE on its own slot's state, so each piece's rows equal a prefill on its slot alone up
+  /// to cuBLAS's choice of GEMM algorithm for the pass's row count), with q's rows reduced on
+  /// the device as prefill_rows() does. Throws as Backend::prefill_slots and prefill_rows().
+  RowResults prefill_slots(std::span<const SlotTokens> pieces, const RowQuery* q);
+
+  /// Backend::copy_slot: device-to-device copies of slot `from`'s GDN, convolution and PLE
+  /// states, n-gram context and the KV and indexer cache rows before its position into slot
+  /// `to`'s; the position follows (on the device too for slot 0, which the decode graph reads).
+  /// Synchronises the stream. Throws fn::Error(Internal) for slots outside [0, slot_count()) or
+  /// from == to.
+  void copy_slot(int64_t from, int64_t to);
+
   /// Copies the sequence state (the GDN and PLE states, the n-gram context and the position)
   /// into the model's one snapshot slot on the device (allocated at the first call), replacing
   /// what it held. The KV and indexer caches are position-addressed and rewritten by every
@@ -316,8 +331,11 @@ class CudaModel {
   // Allocates the batched prefill's pass buffers and cuBLAS handle at the first use.
   void ensure_prefill_buffers();
   // prefill() and prefill_rows(): `rows` and `out` non-null for PrefillLogits::Rows.
+  // With `pieces` (prefill_slots) the tokens are the pieces' concatenated, each run on its slot;
+  // without, all of them on the selected slot.
   std::span<const float> run_prefill(std::span<const int32_t> tokens, PrefillLogits want,
-                                     const RowQuery* rows, RowResults* out);
+                                     const RowQuery* rows, RowResults* out,
+                                     std::span<const SlotTokens> pieces = {});
   // Throws the error a kernel flagged in the step whose flag was copied to host_flag[slot] (then
   // clears the device flag).
   void check_step_errors(int32_t token, int slot = 0);

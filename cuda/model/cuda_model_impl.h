@@ -288,6 +288,7 @@ struct CudaModel::Impl {
   float* logits = nullptr;      // [V] full
   int32_t* token = nullptr;     // device: the step's input id
   int64_t* position = nullptr;  // device: its position
+  int64_t host_slot0_position = 0;  // copy_slot's source of a position update of slot 0
   int64_t* context = nullptr;   // device [ngram_size - 1]
   int32_t* error_flag = nullptr;
   float* router_mailbox = nullptr;  // launch_router_shared_gate_up's mailbox (empty: reset_state)
@@ -417,6 +418,7 @@ struct CudaModel::Impl {
   // `context`; the others own theirs (alloc_slots, load.cpp).
   std::vector<model_detail::DevSlot> slots;
   void alloc_slots(const ModelConfig& c, const CudaModelOptions& o, const DeviceLayout& lay);
+  DeviceLayout slot_layout;  // the per-layer state sizes every slot has (copy_slot)
   // Zeroes slot `slot`'s states and fills its n-gram context with EOS (slot 0: reset_state).
   void reset_slot(const ModelConfig& c, int64_t slot);
   // snapshot()'s slot (decode.cpp): the state blocks and the n-gram context, back to back;

@@ -943,8 +943,35 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   }
 }
 
+RowResults CudaModel::prefill_slots(std::span<const SlotTokens> pieces, const RowQuery* q) {
+  FN_CHECK(!pieces.empty(), "prefill_slots: no pieces");
+  std::vector<bool> seen(impl_->slots.size(), false);
+  std::vector<int32_t> all;
+  for (const SlotTokens& p : pieces) {
+    FN_CHECK(p.slot >= 0 && p.slot < slot_count(), "prefill_slots: slot {} outside [0, {})",
+             p.slot, slot_count());
+    FN_CHECK(!seen[static_cast<std::size_t>(p.slot)], "prefill_slots: slot {} given twice",
+             p.slot);
+    seen[static_cast<std::size_t>(p.slot)] = true;
+    FN_REQUIRE(!p.tokens.empty(), Usage, "prefill_slots: slot {} has no tokens", p.slot);
+    all.insert(all.end(), p.tokens.begin(), p.tokens.end());
+  }
+  RowResults out;
+  if (q == nullptr) {
+    run_prefill(all, PrefillLogits::None, nullptr, nullptr, pieces);
+    return out;
+  }
+  FN_REQUIRE(q->first == 0, Usage, "prefill_slots: the query's rows start at {}, not 0", q->first);
+  const auto n = static_cast<int64_t>(all.size());
+  check_row_query(*q, n, cfg_.vocab_size);
+  resize_row_results(out, n, q->gather_k, q->keep_logits, cfg_.vocab_size);
+  run_prefill(all, PrefillLogits::Rows, q, &out, pieces);
+  return out;
+}
+
 std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, PrefillLogits want,
-                                              const RowQuery* rq, RowResults* rout) {
+                                              const RowQuery* rq, RowResults* rout,
+                                              std::span<const SlotTokens> pieces) {
   Impl& I = *impl_;
   const ModelConfig& c = cfg_;
   const CudaModelOptions& o = opt_;
@@ -954,10 +981,31 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
     FN_REQUIRE(tokens[i] >= 0 && tokens[i] < c.vocab_size, Usage,
                "prompt token {} (id {}) is outside the vocabulary [0, {})", i, tokens[i],
                c.vocab_size);
-  FN_REQUIRE(position_ + n <= o.ctx_size, Usage,
-             "prefilling {} tokens from position {} needs {} tokens of context, more than "
-             "-c/--ctx-size {}",
-             n, position_, position_ + n, o.ctx_size);
+  // The sequences of the call: rows g0 .. g0 + rows - 1 of `tokens` on `slot` from `position`.
+  struct Seq {
+    int64_t slot = 0, g0 = 0, rows = 0, position = 0;
+  };
+  std::vector<Seq> seqs;
+  if (pieces.empty()) {
+    seqs.push_back({slot_, 0, n, position_});
+  } else {
+    FN_CHECK(want == PrefillLogits::None || want == PrefillLogits::Rows,
+             "a prefill of several slots returns no logits rows");
+    int64_t g = 0;
+    for (const SlotTokens& p : pieces) {
+      const int64_t pos =
+          p.slot == slot_ ? position_ : I.slots[static_cast<std::size_t>(p.slot)].position;
+      seqs.push_back({p.slot, g, static_cast<int64_t>(p.tokens.size()), pos});
+      g += static_cast<int64_t>(p.tokens.size());
+    }
+    FN_CHECK(g == n, "prefill_slots: {} tokens for pieces of {}", n, g);
+  }
+  for (const Seq& q : seqs)
+    FN_REQUIRE(q.position + q.rows <= o.ctx_size, Usage,
+               "prefilling {} tokens from position {} needs {} tokens of context, more than "
+               "-c/--ctx-size {}",
+               q.rows, q.position, q.position + q.rows, o.ctx_size);
+  const int64_t first_position = seqs.front().position;
   FN_REQUIRE(I.forced_router == nullptr && I.residuals == nullptr, Usage,
              "the batched prefill neither replays choices nor keeps residuals (tests only): "
              "run those prompts through forward()");
@@ -1021,7 +1069,11 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
     ++passes;
     run.c0 = c0;
     run.M = std::min(P.rows, n - c0);
-    run.runs = {{slot_, 0, run.M, position_}};
+    run.runs.clear();
+    for (const Seq& q : seqs) {  // the sequences' rows in this pass
+      const int64_t a = std::max(c0, q.g0), b = std::min(c0 + run.M, q.g0 + q.rows);
+      if (a < b) run.runs.push_back({q.slot, a - c0, b - a, q.position + (a - q.g0)});
+    }
     const int64_t M = run.M;
     FN_CUDA_CHECK(cudaMemcpyAsync(P.tokens, tokens.data() + c0, sizeof(int32_t) * M,
                                   cudaMemcpyHostToDevice, s));
@@ -1034,7 +1086,7 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
                                : want == PrefillLogits::Last ? 1
                                : want == PrefillLogits::All  ? n
                                                              : n - rq->first;
-    prof.log("prefill", n, passes, prefill_flops(c, position_ - n, n, logit_rows));
+    prof.log("prefill", n, passes, prefill_flops(c, first_position, n, logit_rows));
   }
 
   if (want == PrefillLogits::None) return {};
@@ -1055,9 +1107,9 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
     // its lse.
     for (int64_t r = 0; r < rows; ++r) {
       FN_REQUIRE(std::isfinite(rout->lse[static_cast<std::size_t>(r)]), Format,
-                 "the model produced a non-finite logit in the row of position {} (prefill of "
-                 "positions {}..{}): the checkpoint's weights hold NaN/Inf or overflow",
-                 position_ - n + rq->first + r, position_ - n, position_ - 1);
+                 "the model produced a non-finite logit in row {} of a prefill of {} tokens "
+                 "from position {}: the checkpoint's weights hold NaN/Inf or overflow",
+                 rq->first + r, n, first_position);
     }
     return {};
   }

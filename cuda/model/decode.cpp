@@ -116,6 +116,52 @@ void CudaModel::restore() {
   FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
 }
 
+void CudaModel::copy_slot(int64_t from, int64_t to) {
+  Impl& I = *impl_;
+  FN_CHECK(from >= 0 && from < slot_count() && to >= 0 && to < slot_count() && from != to,
+           "copy_slot({}, {}) with {} slots", from, to, slot_count());
+  const int64_t pos = from == slot_ ? position_ : I.slots[static_cast<std::size_t>(from)].position;
+  const DeviceLayout& lay = I.slot_layout;
+  const auto ctx = static_cast<uint64_t>(std::max<int64_t>(lay.ctx_size, 1));
+  const auto upos = static_cast<uint64_t>(pos);
+  const uint64_t blocks = std::max<uint64_t>(ctx / static_cast<uint64_t>(cfg_.indexer_compress_ratio), 1);
+  const uint64_t full_blocks =
+      std::min(blocks, upos / static_cast<uint64_t>(cfg_.indexer_compress_ratio));
+  const auto copy = [&](void* dst, const void* src, uint64_t bytes) {
+    if (bytes > 0)
+      FN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, I.stream));
+  };
+  const DevSlot& a = I.slots[static_cast<std::size_t>(from)];
+  DevSlot& b = I.slots[static_cast<std::size_t>(to)];
+  for (std::size_t li = 0; li < I.layers.size(); ++li) {
+    const DevLayer& L = I.layers[li];
+    const DevSlotLayer& x = a.layers[li];
+    const DevSlotLayer& y = b.layers[li];
+    if (L.has_ple) copy(y.ple_conv, x.ple_conv, lay.ple_conv_state);
+    if (L.qsa) {  // the rows before the position (the later ones are rewritten before read)
+      copy(y.k_cache, x.k_cache, lay.k_cache / ctx * upos);
+      copy(y.v_cache, x.v_cache, lay.v_cache / ctx * upos);
+      copy(y.raw_keys, x.raw_keys, lay.raw_keys / ctx * upos);
+      copy(y.block_keys, x.block_keys, lay.block_keys / blocks * full_blocks);
+    } else {
+      copy(y.gdn_conv, x.gdn_conv, lay.gdn_conv_state);
+      copy(y.gdn_state, x.gdn_state, lay.gdn_state);
+    }
+  }
+  copy(b.context, a.context, context_bytes(cfg_));
+  if (to == slot_) {
+    position_ = pos;
+  } else {
+    b.position = pos;
+  }
+  if (to == 0) {  // the decode graph reads slot 0's position on the device
+    I.host_slot0_position = pos;
+    FN_CUDA_CHECK(cudaMemcpyAsync(I.position, &I.host_slot0_position, sizeof(int64_t),
+                                  cudaMemcpyHostToDevice, I.stream));
+  }
+  FN_CUDA_CHECK(cudaStreamSynchronize(I.stream));
+}
+
 void CudaModel::set_position_for_benchmark(int64_t position) {
   FN_REQUIRE(position >= 0 && position < opt_.ctx_size, Usage,
              "benchmark position {} is outside the context [0, {})", position, opt_.ctx_size);

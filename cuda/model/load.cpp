@@ -799,6 +799,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
 
 void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& o,
                                   const DeviceLayout& lay) {
+  slot_layout = lay;
   const int64_t max_rows = std::min(o.prefill_chunk, o.ctx_size);
   // The bytes of one more slot, and the free memory less the prefill's pass buffers (allocated
   // at the first prompt), known before any slot is allocated.

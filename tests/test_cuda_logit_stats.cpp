@@ -40,10 +40,13 @@ std::vector<float> copy(std::span<const float> s) {
   return {s.begin(), s.end()};
 }
 
-std::unique_ptr<fn::CudaBackend> load(const fn::test::RefFixture& f) {
+std::unique_ptr<fn::CudaBackend> load(const fn::test::RefFixture& f, int64_t slots = 1,
+                                      int64_t prefill_chunk = 8192) {
   fn::CudaModelOptions o;
   o.ctx_size = 256;
   o.use_graph = true;
+  o.slots = slots;
+  o.prefill_chunk = prefill_chunk;
   return std::make_unique<fn::CudaBackend>(nullptr, nullptr, fn::CudaModel::load(f.dir, o), 1, 0.0,
                                            false);
 }
@@ -341,6 +344,46 @@ TEST_CASE("cuda backend: score_choices against transformers' log-probs (loglik_t
       CHECK(std::abs(got[c].logprob - it.want.at("choices").at(c).at("logprob").get<double>()) <=
             0.1 * static_cast<double>(got[c].n_tokens));
     }
+  }
+}
+
+TEST_CASE("cuda backend: score_items side by side in slots gives score_choices' log-probs") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  const std::vector<fn::test::LoglikItem> ref = fn::test::load_loglik_tp4();
+  std::vector<fn::ChoiceItem> items;
+  for (const fn::test::LoglikItem& it : ref) items.push_back({it.context, it.choices});
+  items.push_back({{f.tokens[3]}, {{f.tokens[4], f.tokens[5]}, {f.tokens[6]}}});
+  auto one = load(f);
+  std::vector<std::vector<fn::ChoiceScore>> want;
+  for (const fn::ChoiceItem& it : items)
+    want.push_back(fn::score_choices(*one, it.context, it.choices));
+  // 5 slots: groups of items side by side; a 16-row pass cuts the choices' rows across passes.
+  for (const int64_t chunk : {8192, 16}) {
+    CAPTURE(chunk);
+    auto b = load(f, 5, chunk);
+    REQUIRE(b->slot_count() == 5);
+    const std::vector<std::vector<fn::ChoiceScore>> got = fn::score_items(*b, items);
+    REQUIRE(got.size() == items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      REQUIRE(got[i].size() == want[i].size());
+      for (std::size_t c = 0; c < got[i].size(); ++c) {
+        INFO("item ", i, " choice ", c);
+        CHECK(got[i][c].n_tokens == want[i][c].n_tokens);
+        // The same rows in other passes: cuBLAS's summation order for another row count.
+        CHECK(std::abs(got[i][c].logprob - want[i][c].logprob) <=
+              2e-2 * static_cast<double>(got[i][c].n_tokens));
+      }
+    }
+    // A copied slot goes on as its source.
+    b->select_slot(1);
+    b->reset();
+    const std::span<const int32_t> seq(f.tokens);
+    b->prefill(seq.first(9), fn::PrefillOutput::None);
+    b->copy_slot(1, 3);
+    const std::vector<float> a = copy(b->forward(seq[9]));
+    b->select_slot(3);
+    CHECK(b->position() == 9);
+    CHECK(copy(b->forward(seq[9])) == a);
   }
 }
 

@@ -232,9 +232,9 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
                 "debug: after every step, check that all TP ranks chose the same experts and "
                 "indexer blocks (a hash compared across ranks); samples on the host");
   add_whole_option(sub, "--prefill-chunk", flags.prefill_chunk,
-                   "cuda, generate and bench: tokens per batched prefill pass; a longer prompt "
-                   "runs in several passes, each continuing from the states the last one left "
-                   "(the cpu backend, eval and --check-choices run the prompt token by token)",
+                   "cuda: tokens per batched prefill pass (prompts, eval's sequences, batched "
+                   "steps); a longer prompt runs in several passes, each continuing from the "
+                   "states the last one left (the cpu backend runs the prompt token by token)",
                    WholeRange(1))
       ->capture_default_str();
   sub->add_option("--ngram-table", flags.ngram_table,

@@ -85,8 +85,7 @@ RowResults Backend::prefill_slots(std::span<const SlotTokens> pieces, const RowQ
   for (const SlotTokens& p : pieces) {
     FN_CHECK(p.slot >= 0 && p.slot < n_slots, "prefill_slots: slot {} outside [0, {})", p.slot,
              n_slots);
-    FN_CHECK(!seen[static_cast<std::size_t>(p.slot)], "prefill_slots: slot {} given twice",
-             p.slot);
+    FN_CHECK(!seen[static_cast<std::size_t>(p.slot)], "prefill_slots: slot {} given twice", p.slot);
     seen[static_cast<std::size_t>(p.slot)] = true;
     FN_REQUIRE(!p.tokens.empty(), Usage, "prefill_slots: slot {} has no tokens", p.slot);
     total += static_cast<int64_t>(p.tokens.size());

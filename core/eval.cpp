@@ -1197,7 +1197,8 @@ std::vector<std::vector<ChoiceScore>> score_items(Backend& backend,
         backend.reset();
       }
       if (it.context.size() > 1)
-        contexts.push_back({slot, std::span<const int32_t>(it.context).first(it.context.size() - 1)});
+        contexts.push_back(
+            {slot, std::span<const int32_t>(it.context).first(it.context.size() - 1)});
       slot += static_cast<int64_t>(it.choices.size());
     }
     backend.select_slot(0);

@@ -202,7 +202,8 @@ TEST_CASE("score_items: the items side by side in slots give score_choices' valu
   items.push_back({std::vector<int32_t>(f.tokens.begin(), f.tokens.begin() + 5), many});
   fn::CpuBackend one(fn::CpuModel::load(f.dir, coll), 0.0);
   std::vector<std::vector<fn::ChoiceScore>> want;
-  for (const fn::ChoiceItem& it : items) want.push_back(fn::score_choices(one, it.context, it.choices));
+  for (const fn::ChoiceItem& it : items)
+    want.push_back(fn::score_choices(one, it.context, it.choices));
   for (const int64_t slots : {1, 3, 5}) {
     CAPTURE(slots);
     fn::CpuBackend b(fn::CpuModel::load(f.dir, coll), 0.0, slots);
@@ -255,7 +256,8 @@ TEST_CASE("copy_slot and prefill_slots on cpu: a copy goes on as its source; row
   q0.targets = std::span<const int32_t>(targets).subspan(4, 3);
   const fn::RowResults r0 = alone.prefill_rows(seq.first(3), q0);
   for (int j = 0; j < 3; ++j) {
-    CHECK(r.target_logprob[static_cast<std::size_t>(4 + j)] == r0.target_logprob[static_cast<std::size_t>(j)]);
+    CHECK(r.target_logprob[static_cast<std::size_t>(4 + j)] ==
+          r0.target_logprob[static_cast<std::size_t>(j)]);
     CHECK(r.argmax[static_cast<std::size_t>(4 + j)] == r0.argmax[static_cast<std::size_t>(j)]);
   }
   // Bad calls: a slot twice, an empty piece, a query not starting at row 0.

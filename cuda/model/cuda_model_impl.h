@@ -285,11 +285,11 @@ struct CudaModel::Impl {
   float* e_ng = nullptr;        // [P] FP32
   float* kvp = nullptr;         // [S*P + D] FP32
   float* logits_local = nullptr;
-  float* logits = nullptr;      // [V] full
-  int32_t* token = nullptr;     // device: the step's input id
-  int64_t* position = nullptr;  // device: its position
+  float* logits = nullptr;          // [V] full
+  int32_t* token = nullptr;         // device: the step's input id
+  int64_t* position = nullptr;      // device: its position
   int64_t host_slot0_position = 0;  // copy_slot's source of a position update of slot 0
-  int64_t* context = nullptr;   // device [ngram_size - 1]
+  int64_t* context = nullptr;       // device [ngram_size - 1]
   int32_t* error_flag = nullptr;
   float* router_mailbox = nullptr;  // launch_router_shared_gate_up's mailbox (empty: reset_state)
   int64_t* sample_step = nullptr;

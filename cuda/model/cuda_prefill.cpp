@@ -59,8 +59,8 @@ struct CudaPrefillState {
   int64_t proj_ld = 0;  // floats per row of proj
   int64_t mix_ld = 0;   // BF16 values per row of mix
   int32_t* tokens = nullptr;
-  float* H = nullptr;        // [rows, W] FP32 residual rows
-  float* scale = nullptr;    // [rows, S] HC norm scales
+  float* H = nullptr;      // [rows, W] FP32 residual rows
+  float* scale = nullptr;  // [rows, S] HC norm scales
   // The BF16 hi + lo pairs of the GEMM inputs (gemm.h): a call's m rows of hi, then its m rows of
   // lo right below them (gemm_rows' stacked form), so each buffer holds 2 * rows rows.
   uint16_t* n_hi = nullptr;  // [2 * rows, W] N as BF16 hi, then lo
@@ -219,8 +219,9 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   // gemm_rows' stacked form for passes of up to kGemmStackMaxRows rows: the widest GEMM output
   // of a layer, and lm_head's rows.
   const int64_t sr = std::min(rows, kGemmStackMaxRows);
-  P.stack_floats = std::max({2 * sr * std::max({proj_ld, W, R + S, D}),
-                             2 * std::min(sr, kLogitRows) * (o.tp_size > 1 ? v_local : c.vocab_size)});
+  P.stack_floats =
+      std::max({2 * sr * std::max({proj_ld, W, R + S, D}),
+                2 * std::min(sr, kLogitRows) * (o.tp_size > 1 ? v_local : c.vocab_size)});
   P.stack = cv.take<float>(P.stack_floats);
   return cv.used();
 }
@@ -507,8 +508,8 @@ void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
         if (n_sel > 0)
           FN_CUDA_CHECK(cudaMemcpyAsync(P.sel_log + r.row0 * P.sel_max, ws + wl.selected,
                                         sizeof(int32_t) * n_sel, cudaMemcpyDeviceToDevice, s));
-        FN_CUDA_CHECK(cudaMemcpyAsync(P.cnt_log + r.row0 * 4, ws + wl.counters,
-                                      sizeof(int32_t) * 4, cudaMemcpyDeviceToDevice, s));
+        FN_CUDA_CHECK(cudaMemcpyAsync(P.cnt_log + r.row0 * 4, ws + wl.counters, sizeof(int32_t) * 4,
+                                      cudaMemcpyDeviceToDevice, s));
       }
       continue;
     }
@@ -809,7 +810,8 @@ void CudaModel::Impl::PrefillRun::layers_graph(std::span<const int64_t> slots) {
   const auto B = static_cast<std::size_t>(slots.size());
   if (P.batch_graphs.by_size.size() <= B) P.batch_graphs.by_size.resize(B + 1);
   CudaPrefillState::BatchGraph& g = P.batch_graphs.by_size[B];
-  if (g.exec == nullptr || !std::equal(slots.begin(), slots.end(), g.slots.begin(), g.slots.end())) {
+  if (g.exec == nullptr ||
+      !std::equal(slots.begin(), slots.end(), g.slots.begin(), g.slots.end())) {
     FN_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     try {
       layers();
@@ -948,10 +950,9 @@ RowResults CudaModel::prefill_slots(std::span<const SlotTokens> pieces, const Ro
   std::vector<bool> seen(impl_->slots.size(), false);
   std::vector<int32_t> all;
   for (const SlotTokens& p : pieces) {
-    FN_CHECK(p.slot >= 0 && p.slot < slot_count(), "prefill_slots: slot {} outside [0, {})",
-             p.slot, slot_count());
-    FN_CHECK(!seen[static_cast<std::size_t>(p.slot)], "prefill_slots: slot {} given twice",
-             p.slot);
+    FN_CHECK(p.slot >= 0 && p.slot < slot_count(), "prefill_slots: slot {} outside [0, {})", p.slot,
+             slot_count());
+    FN_CHECK(!seen[static_cast<std::size_t>(p.slot)], "prefill_slots: slot {} given twice", p.slot);
     seen[static_cast<std::size_t>(p.slot)] = true;
     FN_REQUIRE(!p.tokens.empty(), Usage, "prefill_slots: slot {} has no tokens", p.slot);
     all.insert(all.end(), p.tokens.begin(), p.tokens.end());

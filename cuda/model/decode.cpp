@@ -124,7 +124,8 @@ void CudaModel::copy_slot(int64_t from, int64_t to) {
   const DeviceLayout& lay = I.slot_layout;
   const auto ctx = static_cast<uint64_t>(std::max<int64_t>(lay.ctx_size, 1));
   const auto upos = static_cast<uint64_t>(pos);
-  const uint64_t blocks = std::max<uint64_t>(ctx / static_cast<uint64_t>(cfg_.indexer_compress_ratio), 1);
+  const uint64_t blocks =
+      std::max<uint64_t>(ctx / static_cast<uint64_t>(cfg_.indexer_compress_ratio), 1);
   const uint64_t full_blocks =
       std::min(blocks, upos / static_cast<uint64_t>(cfg_.indexer_compress_ratio));
   const auto copy = [&](void* dst, const void* src, uint64_t bytes) {

@@ -590,6 +590,28 @@ Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t
   return t;
 }
 
+// One line of a records file (eval score, eval loglik) on rank 0: 0 when blank; else 1 with
+// `parse(rec)` run on its JSON, or 2 when parsing or `parse` threw fn::Error (*error: "INPUT:
+// line N: why"). *id (default: the 1-based line number) and *task take the record's "id" and
+// string "task" first, so an error record names them too.
+template <class Parse>
+int32_t read_record_line(const std::string& line, int64_t li, const std::string& input, json* id,
+                         std::string* task, std::string* error, Parse&& parse) {
+  *id = li + 1;
+  if (line.find_first_not_of(" \t\r") == std::string::npos) return 0;
+  try {
+    const json rec = parse_json_line(line);
+    if (rec.is_object() && rec.contains("id")) *id = rec["id"];
+    if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
+      *task = rec["task"].get<std::string>();
+    parse(rec);
+  } catch (const Error& e) {
+    *error = fmt::format("{}: line {}: {}", input, li + 1, e.what());
+    return 2;
+  }
+  return 1;
+}
+
 int run_score(EvalCli& o, MpiContext& mpi) {
   o.score_c.backend.max_batch = o.batch.max_batch;
   const CommonCli& c = o.score_c;
@@ -752,47 +774,37 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       Task t;
       std::string error;
       if (root) {
-        const std::string& line = lines[static_cast<std::size_t>(li)];
-        t.id = li + 1;
-        if (line.find_first_not_of(" \t\r") != std::string::npos) {
-          status = 1;
-          try {
-            const json rec = parse_json_line(line);
-            if (rec.is_object() && rec.contains("id")) t.id = rec["id"];
-            if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
-              t.task = rec["task"].get<std::string>();
-            if (rec.is_object()) {
-              for (const auto& [key, value] : rec.items()) {
-                if (score_fields().count(key) || !warned.insert(key).second) continue;
-                FN_LOG_WARN(
-                    "{}: line {}: field \"{}\" is not one fngen eval score reads; ignored (said "
-                    "once per field name)",
-                    o.input, li + 1, key);
+        status = read_record_line(
+            lines[static_cast<std::size_t>(li)], li, o.input, &t.id, &t.task, &error,
+            [&](const json& rec) {
+              if (rec.is_object()) {
+                for (const auto& [key, value] : rec.items()) {
+                  if (score_fields().count(key) || !warned.insert(key).second) continue;
+                  FN_LOG_WARN(
+                      "{}: line {}: field \"{}\" is not one fngen eval score reads; ignored "
+                      "(said once per field name)",
+                      o.input, li + 1, key);
+                }
               }
-            }
-            Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
-            parsed.id = t.id;
-            t = std::move(parsed);
-            t.settings = record_settings(rec, defaults, &score_fields());
-            if (!t.settings.seed_given)
-              t.settings.sampling.seed = record_seed(base_seed, static_cast<uint64_t>(li + 1));
-            FN_REQUIRE(t.settings.stop.empty() || tok != nullptr, Format,
-                       "\"stop\" needs a tokenizer to match text, and {} has none", dir.string());
-            FN_REQUIRE(!t.ids.empty(), Format, "the prompt has no tokens");
-            const auto n_prompt = static_cast<int64_t>(t.ids.size());
-            if (t.settings.max_new_tokens == -1) {
-              FN_REQUIRE(n_prompt < ctx, Format,
-                         "the prompt ({} tokens) leaves no room in the context size -c/--ctx-size "
-                         "{} for \"max_tokens\": -1",
-                         n_prompt, ctx);
-              t.settings.max_new_tokens = ctx - n_prompt;
-            }
-            check_context(n_prompt, t.settings.max_new_tokens, ctx);
-          } catch (const Error& e) {
-            status = 2;
-            error = fmt::format("{}: line {}: {}", o.input, li + 1, e.what());
-          }
-        }
+              Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
+              parsed.id = t.id;
+              t = std::move(parsed);
+              t.settings = record_settings(rec, defaults, &score_fields());
+              if (!t.settings.seed_given)
+                t.settings.sampling.seed = record_seed(base_seed, static_cast<uint64_t>(li + 1));
+              FN_REQUIRE(t.settings.stop.empty() || tok != nullptr, Format,
+                         "\"stop\" needs a tokenizer to match text, and {} has none", dir.string());
+              FN_REQUIRE(!t.ids.empty(), Format, "the prompt has no tokens");
+              const auto n_prompt = static_cast<int64_t>(t.ids.size());
+              if (t.settings.max_new_tokens == -1) {
+                FN_REQUIRE(n_prompt < ctx, Format,
+                           "the prompt ({} tokens) leaves no room in the context size "
+                           "-c/--ctx-size {} for \"max_tokens\": -1",
+                           n_prompt, ctx);
+                t.settings.max_new_tokens = ctx - n_prompt;
+              }
+              check_context(n_prompt, t.settings.max_new_tokens, ctx);
+            });
       }
       coll.broadcast(&status, sizeof(status), 0);
       if (status == 0) {
@@ -1058,28 +1070,20 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
   };
   const auto parse_line = [&](int64_t li) {
     Line x;
-    const std::string& line = lines[static_cast<std::size_t>(li)];
-    x.m.id = li + 1;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) return x;
-    x.status = 1;
-    try {
-      const json rec = parse_json_line(line);
-      if (rec.is_object() && rec.contains("id")) x.m.id = rec["id"];
-      if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
-        x.m.task = rec["task"].get<std::string>();
-      McItem parsed = parse_mc(rec, tok.get(), cfg.vocab_size);
-      parsed.id = x.m.id;
-      x.m = std::move(parsed);
-      for (std::size_t i = 0; i < x.m.choices.size(); ++i) {
-        const int64_t need = static_cast<int64_t>(x.m.context.size() + x.m.choices[i].size()) - 1;
-        FN_REQUIRE(need <= ctx, Format,
-                   "the context and choice {} need {} tokens, more than -c/--ctx-size {}", i, need,
-                   ctx);
-      }
-    } catch (const Error& e) {
-      x.status = 2;
-      x.error = fmt::format("{}: line {}: {}", o.ll_input, li + 1, e.what());
-    }
+    x.status = read_record_line(
+        lines[static_cast<std::size_t>(li)], li, o.ll_input, &x.m.id, &x.m.task, &x.error,
+        [&](const json& rec) {
+          McItem parsed = parse_mc(rec, tok.get(), cfg.vocab_size);
+          parsed.id = x.m.id;
+          x.m = std::move(parsed);
+          for (std::size_t i = 0; i < x.m.choices.size(); ++i) {
+            const int64_t need =
+                static_cast<int64_t>(x.m.context.size() + x.m.choices[i].size()) - 1;
+            FN_REQUIRE(need <= ctx, Format,
+                       "the context and choice {} need {} tokens, more than -c/--ctx-size {}", i,
+                       need, ctx);
+          }
+        });
     return x;
   };
   for (int64_t li = 0; li < n_lines;) {

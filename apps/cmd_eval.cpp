@@ -89,7 +89,7 @@ struct EvalCli {
   // loglik
   std::string ll_input, ll_output;
   int64_t ll_ctx = 0;
-  int64_t ll_max_batch = 0;  // --max-batch: the choices scored side by side (0: as many as fit)
+  int64_t ll_max_batch = -1;  // --max-batch: the choices scored side by side (BackendFlags)
   // score
   std::string input, score_output, system_prompt;
   int64_t max_new_tokens = 256, score_ctx = 0;
@@ -1326,7 +1326,8 @@ void register_eval(CLI::App& app, CommandList& commands) {
   add_whole_option(o->loglik, "--max-batch", o->ll_max_batch,
                    fmt::format("choices scored side by side, each on a sequence slot of its own "
                                "(the items whose choices fit run in shared prefill passes); "
-                               "default 0: as many as fit the GPU's free memory (cuda), {} on cpu",
+                               "default: {} on cpu, 1 on cuda; 0: as many as fit the GPU's free "
+                               "memory (cuda)",
                                kDefaultCpuSlots),
                    WholeRange(0, kMaxBatchSlots));
 

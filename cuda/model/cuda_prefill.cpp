@@ -216,8 +216,8 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   const int64_t lr = std::min(rows, kLogitRows);
   if (o.tp_size > 1) P.logits_local = cv.take<float>(lr * v_local);
   P.logits = cv.take<float>(lr * c.vocab_size);
-  // gemm_rows' stacked form for passes of up to kGemmStackMaxRows rows: the widest GEMM output
-  // of a layer, and lm_head's rows.
+  // gemm_rows' stacked form for the batched step (up to kGemmStackMaxRows rows): the widest GEMM
+  // output of a layer, and lm_head's rows.
   const int64_t sr = std::min(rows, kGemmStackMaxRows);
   P.stack_floats =
       std::max({2 * sr * std::max({proj_ld, W, R + S, D}),
@@ -401,8 +401,10 @@ struct CudaModel::Impl::PrefillRun {
     g.m = m;
     g.y = y;
     g.ldy = ldy;
-    g.stack = P.stack;
-    g.stack_floats = P.stack_floats;
+    if (decode_rows) {  // a batched step: the weights' read is the step's cost
+      g.stack = P.stack;
+      g.stack_floats = P.stack_floats;
+    }
     gemm_rows(blas, g);
   }
   // The block input's lo rows (set by hc_read: its m rows below P.m_hi's).

@@ -666,6 +666,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   const uint64_t base_seed = batch_base_seed(given_seed, coll, "eval score");
   RecordSettings defaults;
   defaults.sampling.temperature = o.temp;
+  int64_t own_temperature = 0;  // rank 0: records whose "temperature" is not --temp's
   defaults.max_new_tokens = o.max_new_tokens;
   std::set<std::string> warned;
   GenerateOptions go;
@@ -790,6 +791,8 @@ int run_score(EvalCli& o, MpiContext& mpi) {
               parsed.id = t.id;
               t = std::move(parsed);
               t.settings = record_settings(rec, defaults, &score_fields());
+              if (t.settings.sampling.temperature != defaults.sampling.temperature)
+                ++own_temperature;
               if (!t.settings.seed_given)
                 t.settings.sampling.seed = record_seed(base_seed, static_cast<uint64_t>(li + 1));
               FN_REQUIRE(t.settings.stop.empty() || tok != nullptr, Format,
@@ -888,9 +891,12 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     const auto acc = [](const Tally& x) {
       return x.n > 0 ? static_cast<double>(x.correct) / static_cast<double>(x.n) : 0.0;
     };
-    std::string s =
-        fmt::format("\n--- fngen eval score: backend {}, TP {}, {}\n", l.backend->info().name,
-                    coll.size(), o.temp > 0 ? fmt::format("temp {}", o.temp) : "greedy");
+    std::string s = fmt::format(
+        "\n--- fngen eval score: backend {}, TP {}, {}{}\n", l.backend->info().name, coll.size(),
+        o.temp > 0 ? fmt::format("temp {}", o.temp) : "greedy",
+        own_temperature > 0
+            ? fmt::format(" ({} records with a temperature of their own)", own_temperature)
+            : std::string());
     s += fmt::format("{:<24} {:>6} {:>8} {:>7} {:>9}\n", "task", "n", "correct", "errors",
                      "accuracy");
     json per = json::object();

@@ -124,9 +124,17 @@ if mpi 2 score -m "$fx/tp4" -i "$tmp/tasks.jsonl" -o "$tmp/score.jsonl" -n 4 --j
   check score "$tmp/score.jsonl" "$tmp/summary.json"
   grep -q "^TOTAL  *4  *2  *1  *50.00%" "$tmp/err" && echo "ok: score prints the accuracy table" ||
     fail "score table: $(cat "$tmp/err")"
+  grep -q "TP 2, greedy\$" "$tmp/err" && echo "ok: score's header names greedy decoding" ||
+    fail "score header: $(grep -- '--- fngen eval score' "$tmp/err")"
 else
   fail "score exited non-zero: $(tail -n 3 "$tmp/err")"
 fi
+# A record with a temperature of its own: the header says the run was not all greedy.
+sed '1s/"task": "ids",/"task": "ids", "temperature": 0.8,/' "$tmp/tasks.jsonl" >"$tmp/tasks_t.jsonl"
+mpi 2 score -m "$fx/tp4" -i "$tmp/tasks_t.jsonl" -o "$tmp/score_t.jsonl" -n 4 2>"$tmp/err" >/dev/null
+grep -q "TP 2, greedy (1 records with a temperature of their own)" "$tmp/err" &&
+  echo "ok: score's header counts the records with their own temperature" ||
+  fail "score header with a record temperature: $(grep -- '--- fngen eval score' "$tmp/err")"
 
 # ---- a model directory with a tokenizer (tp4 + the Qwen3 tokenizer.json cut to tp4's 384 ids) ----
 mkdir -p "$tmp/tok_model"

@@ -231,8 +231,12 @@ int64_t choice_log_ints(const ModelConfig& c, int64_t qsa_layers);
 /// fn::Error(Internal) on a selected-block count outside [0, block_topk].
 StepChoices choices_from_log(const ModelConfig& c, int64_t qsa_layers, const int32_t* log);
 
-/// Captures what `encode` enqueues on `stream` into an instantiated graph (decode.cpp). Ends the
-/// capture when `encode` throws and rethrows; fn::Error(Cuda) when capture or instantiation fails.
+/// Captures what `encode` enqueues on `stream` into a graph (decode.cpp; the caller destroys
+/// it). Ends the capture when `encode` throws and rethrows; fn::Error(Cuda) when capture fails.
+cudaGraph_t capture_stream(cudaStream_t stream, const std::function<void()>& encode);
+
+/// capture_stream, instantiated (the graph itself destroyed). fn::Error(Cuda) when capture or
+/// instantiation fails.
 cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& encode);
 
 /// The token fed first must be in the vocabulary and `count` steps from `position` must fit the

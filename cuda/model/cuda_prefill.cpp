@@ -814,17 +814,7 @@ void CudaModel::Impl::PrefillRun::layers_graph(std::span<const int64_t> slots) {
   CudaPrefillState::BatchGraph& g = P.batch_graphs.by_size[B];
   if (g.exec == nullptr ||
       !std::equal(slots.begin(), slots.end(), g.slots.begin(), g.slots.end())) {
-    FN_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    try {
-      layers();
-    } catch (...) {
-      cudaGraph_t partial = nullptr;
-      cudaStreamEndCapture(s, &partial);
-      if (partial) cudaGraphDestroy(partial);
-      throw;
-    }
-    cudaGraph_t graph = nullptr;
-    FN_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    cudaGraph_t graph = model_detail::capture_stream(s, [this] { layers(); });
     cudaError_t rc = cudaErrorUnknown;
     if (g.exec) {  // the same launches with other slots' pointers: an update in place
       cudaGraphExecUpdateResultInfo info{};

@@ -21,8 +21,7 @@ using namespace model_detail;
 static_assert(kTopLogprobsCapacity == kMaxTopLogprobs,
               "the device reduction reports the alternatives generate --logprobs allows");
 
-cudaGraphExec_t model_detail::capture_graph(cudaStream_t stream,
-                                            const std::function<void()>& encode) {
+cudaGraph_t model_detail::capture_stream(cudaStream_t stream, const std::function<void()>& encode) {
   FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   try {
     encode();
@@ -34,6 +33,12 @@ cudaGraphExec_t model_detail::capture_graph(cudaStream_t stream,
   }
   cudaGraph_t graph = nullptr;
   FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  return graph;
+}
+
+cudaGraphExec_t model_detail::capture_graph(cudaStream_t stream,
+                                            const std::function<void()>& encode) {
+  cudaGraph_t graph = capture_stream(stream, encode);
   cudaGraphExec_t exec = nullptr;
   const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);

@@ -20,10 +20,7 @@
 //    rank leaves its loop, and the error is agreed on over the world (rank 0 prints it once).
 #include "apps/batch_generate.h"
 
-#include <fcntl.h>
 #include <mpi.h>
-#include <sys/file.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -773,35 +770,7 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
   std::FILE* out = stdout;
   agree_on_error(world, [&] {
     if (!root || o.output.empty()) return;
-    // Locked for the run (flock, released at exit): a second run on the same file (a rerun
-    // while ranks of a killed launcher still write) is refused before it truncates or appends.
-    const int fd = ::open(o.output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    FN_REQUIRE(fd >= 0, Io, "-o/--output {}: cannot open for writing ({})", o.output,
-               std::strerror(errno));
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      const int err = errno;
-      ::close(fd);
-      FN_THROW(Io,
-               "-o/--output {}: another process is writing it ({}): a run still going, e.g. the "
-               "ranks of a killed mpirun; let it end (or stop it) before rerunning, or give "
-               "another -o",
-               o.output, std::strerror(err));
-    }
-    // Truncated only when it is a regular file (a device such as /dev/null takes no truncation,
-    // as fopen's "w" ignores it there).
-    struct stat st {};
-    const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-    if (!o.resume && regular && ::ftruncate(fd, 0) != 0) {
-      const int err = errno;
-      ::close(fd);
-      FN_THROW(Io, "-o/--output {}: cannot truncate ({})", o.output, std::strerror(err));
-    }
-    out = ::fdopen(fd, "ab");
-    if (out == nullptr) {
-      const int err = errno;
-      ::close(fd);
-      FN_THROW(Io, "-o/--output {}: cannot open for writing ({})", o.output, std::strerror(err));
-    }
+    out = open_output_locked(o.output, !o.resume, "-o/--output");
   });
   const std::unique_ptr<std::FILE, int (*)(std::FILE*)> out_guard(out == stdout ? nullptr : out,
                                                                   &std::fclose);

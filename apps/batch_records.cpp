@@ -1,12 +1,16 @@
 // The record side of batch generation (see batch_records.h).
 #include "apps/batch_records.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -367,6 +371,37 @@ void BatchProgress::clear() {
   std::fprintf(out_, "\r\033[K");
   std::fflush(out_);
   drawn_ = false;
+}
+
+std::FILE* open_output_locked(const std::string& path, bool truncate, const char* flag) {
+  // Locked for the run (flock, released at exit): a second run on the same file (a rerun while
+  // ranks of a killed launcher still write) is refused before it truncates or appends.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  FN_REQUIRE(fd >= 0, Io, "{} {}: cannot open for writing ({})", flag, path, std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    FN_THROW(Io,
+             "{} {}: another process is writing it ({}): a run still going, e.g. the ranks of a "
+             "killed mpirun; let it end (or stop it) before rerunning, or give another {}",
+             flag, path, std::strerror(err), flag);
+  }
+  // Truncated only when it is a regular file (a device such as /dev/null takes no truncation, as
+  // fopen's "w" ignores it there).
+  struct stat st {};
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (truncate && regular && ::ftruncate(fd, 0) != 0) {
+    const int err = errno;
+    ::close(fd);
+    FN_THROW(Io, "{} {}: cannot truncate ({})", flag, path, std::strerror(err));
+  }
+  std::FILE* out = ::fdopen(fd, "ab");
+  if (out == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    FN_THROW(Io, "{} {}: cannot open for writing ({})", flag, path, std::strerror(err));
+  }
+  return out;
 }
 
 }  // namespace fn

@@ -152,6 +152,12 @@ class OrderedWriter {
 /// "<flag> <path>: cannot write (<reason>)".
 void write_line(std::FILE* out, const std::string& line, const std::string& path, const char* flag);
 
+/// Opens `path` for appending (created 0644; with `truncate` emptied first when it is a regular
+/// file) under an exclusive flock held until the file is closed, so that a second run writing the
+/// same file is refused before it truncates or appends. Throws fn::Error(Io) naming `flag` and
+/// the path when it cannot be opened, truncated, or is locked by another process.
+std::FILE* open_output_locked(const std::string& path, bool truncate, const char* flag);
+
 /// "records 12 / 100 (12 %), 3456 tokens, 345.6 tok/s, ETA 30 s": `done` of `total` output
 /// records after `seconds` with `tokens` generated; the rate and ETA are left out while nothing
 /// is done or no time has passed, and the ETA (seconds left at the current record rate) reads

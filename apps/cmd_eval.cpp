@@ -684,9 +684,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
   std::FILE* out = stdout;
   agree_on_error(coll, [&] {
     if (!root || o.score_output.empty()) return;
-    out = std::fopen(o.score_output.c_str(), "wb");
-    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing ({})", o.score_output,
-               std::strerror(errno));
+    out = open_output_locked(o.score_output, true, "-o/--output");
   });
   const auto emit = [&](const std::function<json()>& make) {
     write_jsonl_record_agreed(coll, out, make, o.score_output);
@@ -978,9 +976,11 @@ McItem parse_mc(const json& rec, const Tokenizer* tok, int64_t vocab) {
   const json& ch = rec["choices"];
   FN_REQUIRE(rec.contains("answer") && rec["answer"].is_number_integer(), Format,
              "\"answer\" must be the index of the right choice");
-  m.answer = rec["answer"].get<int64_t>();
-  FN_REQUIRE(m.answer >= 0 && m.answer < static_cast<int64_t>(ch.size()), Format,
-             "\"answer\" {} is not an index of the {} choices", m.answer, ch.size());
+  const json& answer = rec["answer"];
+  FN_REQUIRE(
+      answer.is_number_unsigned() && answer.get<uint64_t>() < static_cast<uint64_t>(ch.size()),
+      Format, "\"answer\" {} is not an index of the {} choices", answer.dump(), ch.size());
+  m.answer = static_cast<int64_t>(answer.get<uint64_t>());
   std::string context;
   if (rec.contains("context_ids")) {
     m.context = json_ids(rec["context_ids"], vocab, "\"context_ids\"");
@@ -1052,9 +1052,7 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
   std::FILE* out = stdout;
   agree_on_error(coll, [&] {
     if (!root || o.ll_output.empty()) return;
-    out = std::fopen(o.ll_output.c_str(), "wb");
-    FN_REQUIRE(out != nullptr, Io, "-o/--output {}: cannot open for writing ({})", o.ll_output,
-               std::strerror(errno));
+    out = open_output_locked(o.ll_output, true, "-o/--output");
   });
   struct Tally {
     int64_t n = 0, correct = 0, correct_norm = 0, errors = 0;
@@ -1069,6 +1067,7 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
   // slots (score_items runs them side by side; an item with more choices than slots is a window
   // of its own), written in input order after each window.
   const int64_t slots = l.backend->slot_count();
+  constexpr int64_t kWindowLines = 4096;
   struct Line {
     int32_t status = 0;  // 0 blank, 1 run, 2 error
     McItem m;
@@ -1096,7 +1095,8 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
     std::vector<Line> window;
     if (root) {
       int64_t used = 0;
-      for (int64_t at = li; at < n_lines; ++at) {
+      // At most kWindowLines lines (blank and bad lines hold no slot but memory).
+      for (int64_t at = li; at < n_lines && at - li < kWindowLines; ++at) {
         Line x = parse_line(at);
         if (x.status == 1) {
           const auto k = static_cast<int64_t>(x.m.choices.size());
@@ -1109,9 +1109,13 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
     int64_t count = static_cast<int64_t>(window.size());
     coll.broadcast(&count, sizeof(count), 0);
     window.resize(static_cast<std::size_t>(count));
+    std::vector<int32_t> status(window.size());
+    for (std::size_t i = 0; i < window.size(); ++i) status[i] = window[i].status;
+    coll.broadcast(status.data(), status.size() * sizeof(int32_t), 0);
     std::vector<ChoiceItem> batch;
-    for (Line& x : window) {
-      coll.broadcast(&x.status, sizeof(x.status), 0);
+    for (std::size_t i = 0; i < window.size(); ++i) {
+      Line& x = window[i];
+      x.status = status[i];
       if (x.status != 1) continue;
       x.m.context = broadcast_ids(coll, x.m.context);
       int64_t k = static_cast<int64_t>(x.m.choices.size());

@@ -60,11 +60,28 @@ fi
 check_jsonl "$tmp/mb3.jsonl" "len(r) == 10 and 'error' in r[7] and r[8]['id'] == r[0]['id']
   and r[8]['choices'] == r[0]['choices']" "the bad line keeps its place; a repeated item scores alike"
 
+# An -o another process is writing (its lock held) is refused before it is touched.
+printf '{"id": "keep"}\n' >"$tmp/locked.jsonl"
+if command -v flock >/dev/null 2>&1; then
+  flock "$tmp/locked.jsonl" sleep 20 &
+  locker=$!
+  sleep 1
+  expect 3 "another process is writing it" -- \
+    mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$items" -o "$tmp/locked.jsonl"
+  [ "$(cat "$tmp/locked.jsonl")" = '{"id": "keep"}' ] && pass "the locked -o is left as it was" ||
+    fail "the locked -o changed: $(head -c 200 "$tmp/locked.jsonl")"
+  kill "$locker" 2>/dev/null
+  wait "$locker" 2>/dev/null
+else
+  fail "no flock command (util-linux) to hold a lock"
+fi
+
 # ---- bad records are error records; the run goes on ----
 {
   head -n 1 "$items"
   echo '{"id": "noans", "context_ids": [7], "choices": [[1]]}'
   echo '{"id": "badidx", "context_ids": [7], "choices": [[1], [2]], "answer": 2}'
+  echo '{"id": "hugeidx", "context_ids": [7], "choices": [[1], [2]], "answer": 18446744073709551615}'
   echo '{"id": "badid", "context_ids": [7, 384], "choices": [[1]], "answer": 0}'
   echo '{"id": "empty", "context_ids": [], "choices": [[1]], "answer": 0}'
   echo '{"id": "emptych", "context_ids": [7], "choices": [[]], "answer": 0}'
@@ -72,9 +89,10 @@ check_jsonl "$tmp/mb3.jsonl" "len(r) == 10 and 'error' in r[7] and r[8]['id'] ==
   echo 'not json'
 } >"$tmp/bad.jsonl"
 expect 0 "line 2" -- mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$tmp/bad.jsonl"
-check_jsonl "$tmp/out" "len(r) == 8 and 'error' not in r[0] and all('error' in x for x in r[1:])
-  and 'answer' in r[1]['error'] and 'not an index' in r[2]['error'] and '384' in r[3]['error']
-  and 'no tokens' in r[4]['error'] and 'no tokens' in r[5]['error'] and 'tokenizer' in r[6]['error']" \
+check_jsonl "$tmp/out" "len(r) == 9 and 'error' not in r[0] and all('error' in x for x in r[1:])
+  and 'answer' in r[1]['error'] and 'not an index' in r[2]['error']
+  and '18446744073709551615 is not an index' in r[3]['error'] and '384' in r[4]['error']
+  and 'no tokens' in r[5]['error'] and 'no tokens' in r[6]['error'] and 'tokenizer' in r[7]['error']" \
   "each bad record is an error record naming its fault"
 tail -n +2 "$tmp/bad.jsonl" >"$tmp/allbad.jsonl"
 expect 3 "every record failed" -- mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$tmp/allbad.jsonl"

@@ -1192,7 +1192,10 @@ std::vector<std::vector<ChoiceScore>> score_items(Backend& backend,
       const ChoiceItem& it = items[i];
       FN_CHECK(!it.context.empty(), "score_items: item {} has an empty context", i);
       first[i - next] = slot;
-      for (std::size_t c = 0; c < it.choices.size(); ++c) {
+      // Fresh slots for the context, or for every choice of a one-token context; the other
+      // choices' slots are overwritten by copies of the context below.
+      const std::size_t fresh = it.context.size() > 1 ? 1 : it.choices.size();
+      for (std::size_t c = 0; c < fresh; ++c) {
         backend.select_slot(slot + static_cast<int64_t>(c));
         backend.reset();
       }

@@ -40,6 +40,26 @@ expect_to() {  # expect_to STDOUT-FILE CODE PATTERN -- command...
   fi
 }
 
+expect_locked_output() {  # expect_locked_output FILE -- command... (writing -o FILE)
+  # With FILE's lock held by another process, the command is refused (exit 3) before it
+  # touches FILE.
+  local file=$1
+  shift 2
+  printf '{"id": "keep"}\n' >"$file"
+  if ! command -v flock >/dev/null 2>&1; then
+    fail "no flock command (util-linux) to hold a lock"
+    return
+  fi
+  flock "$file" sleep 20 &
+  local locker=$!
+  sleep 1
+  expect 3 "another process is writing it" -- "$@"
+  [ "$(cat "$file")" = '{"id": "keep"}' ] && pass "the locked -o is left as it was" ||
+    fail "the locked -o changed: $(head -c 200 "$file")"
+  kill "$locker" 2>/dev/null
+  wait "$locker" 2>/dev/null
+}
+
 no_abort() {  # no_abort WHAT [KIND]: the last expect's stderr has one KIND (default "io error")
   # message and no MPI_Abort banner (an error every rank agreed on, not rank 0 aborting the job)
   if [ "$(grep -c "${2:-io error}" "$tmp/err")" = 1 ] && ! grep -qE "MPI_ABORT|ORTE_ERROR_LOG" "$tmp/err"; then

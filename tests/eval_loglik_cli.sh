@@ -61,20 +61,8 @@ check_jsonl "$tmp/mb3.jsonl" "len(r) == 10 and 'error' in r[7] and r[8]['id'] ==
   and r[8]['choices'] == r[0]['choices']" "the bad line keeps its place; a repeated item scores alike"
 
 # An -o another process is writing (its lock held) is refused before it is touched.
-printf '{"id": "keep"}\n' >"$tmp/locked.jsonl"
-if command -v flock >/dev/null 2>&1; then
-  flock "$tmp/locked.jsonl" sleep 20 &
-  locker=$!
-  sleep 1
-  expect 3 "another process is writing it" -- \
-    mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$items" -o "$tmp/locked.jsonl"
-  [ "$(cat "$tmp/locked.jsonl")" = '{"id": "keep"}' ] && pass "the locked -o is left as it was" ||
-    fail "the locked -o changed: $(head -c 200 "$tmp/locked.jsonl")"
-  kill "$locker" 2>/dev/null
-  wait "$locker" 2>/dev/null
-else
-  fail "no flock command (util-linux) to hold a lock"
-fi
+expect_locked_output "$tmp/locked.jsonl" -- \
+  mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$items" -o "$tmp/locked.jsonl"
 
 # ---- bad records are error records; the run goes on ----
 {

@@ -326,20 +326,8 @@ assert len({x.get("n_gen_tokens") for x in a}) > 2
 PY
   fail "eval score batched: $(head -c 300 "$tmp/score_mb4.jsonl")"
 # An -o another process is writing (its lock held) is refused before it is touched.
-printf '{"id": "keep"}\n' >"$tmp/locked.jsonl"
-if command -v flock >/dev/null 2>&1; then
-  flock "$tmp/locked.jsonl" sleep 20 &
-  locker=$!
-  sleep 1
-  expect 3 "another process is writing it" -- \
-    mpi 1 -m "$fx/tp4" -i "$tmp/mix.jsonl" -o "$tmp/locked.jsonl" --seed 5
-  [ "$(cat "$tmp/locked.jsonl")" = '{"id": "keep"}' ] && pass "the locked -o is left as it was" ||
-    fail "the locked -o changed: $(head -c 200 "$tmp/locked.jsonl")"
-  kill "$locker" 2>/dev/null
-  wait "$locker" 2>/dev/null
-else
-  fail "no flock command (util-linux) to hold a lock"
-fi
+expect_locked_output "$tmp/locked.jsonl" -- \
+  mpi 1 -m "$fx/tp4" -i "$tmp/mix.jsonl" -o "$tmp/locked.jsonl" --seed 5
 # The batching flags are checked.
 expect 2 "apply to -i/--input" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 --max-batch 4
 expect 2 "max-batch" -- mpi 1 -m "$fx/tp4" -i "$tmp/mix.jsonl" --max-batch -1

@@ -379,6 +379,25 @@ TEST_CASE("cuda gdn: the launcher rejects null pointers, bad head counts and dim
   rejects([](fn::GdnDecodeParams& p) { p.eps = -1.0f; });
   rejects([](fn::GdnDecodeParams& p) { p.slice_columns = 12; });
   rejects([](fn::GdnDecodeParams& p) { p.slice_columns = 32; });  // does not divide dv = 16
+  // Several rows: the slot tables and strides are required, the overlapped projection is not
+  // taken (the pointers only need to be non-null: the launcher throws before any launch).
+  float* dummy[1] = {nullptr};
+  const int32_t slot0[1] = {0};
+  auto rows = [&](fn::GdnDecodeParams& p) {
+    p.rows = 2;
+    p.row_slot = slot0;
+    p.slot_state = dummy;
+    p.slot_conv = dummy;
+    p.proj_stride = s.proj_len();
+    p.out_stride = int64_t{s.Hv} * s.dv;
+  };
+  rejects([](fn::GdnDecodeParams& p) { p.rows = 0; });
+  rejects([&](fn::GdnDecodeParams& p) { rows(p), p.row_slot = nullptr; });
+  rejects([&](fn::GdnDecodeParams& p) { rows(p), p.slot_state = nullptr; });
+  rejects([&](fn::GdnDecodeParams& p) { rows(p), p.slot_conv = nullptr; });
+  rejects([&](fn::GdnDecodeParams& p) { rows(p), p.proj_stride = s.proj_len() - 1; });
+  rejects([&](fn::GdnDecodeParams& p) { rows(p), p.out_stride = int64_t{s.Hv} * s.dv - 1; });
+  rejects([&](fn::GdnDecodeParams& p) { rows(p), p.in_proj = reinterpret_cast<uint16_t*>(dummy); });
 }
 
 TEST_CASE(
@@ -449,6 +468,90 @@ TEST_CASE(
   same(eager, run([&] { fn::launch_gdn_decode(p_runtime, stream); }));
   same(eager, run([&] { fn::launch_gdn_decode(p_arrival, stream); }));
   FN_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE(
+    "cuda gdn: several rows in one launch (rows > 1, each on its slot's states) give each row's "
+    "one-row launch bitwise, for the cluster, arrival and runtime-shape kernels") {
+  for (const Shape s : {Shape{8, 24, 128, 128}, Shape{2, 4, 16, 8}}) {
+    INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv);
+    std::mt19937_64 rng(21);
+    const Weights w(s, rng);
+    DeviceLayer d(s, w);  // the one-row launches
+    constexpr int kSlots = 4, kRows = 3;
+    const std::vector<int32_t> row_slot = {2, 0, 3};  // slot 1 is in no row: left untouched
+    const int64_t proj_ld = s.proj_len() + 5, out_ld = int64_t{s.Hv} * s.dv + 3;
+    std::vector<std::vector<float>> cs0, S0;
+    for (int k = 0; k < kSlots; ++k) {
+      cs0.push_back(normal(sz(s.conv_dim() * (s.K - 1)), 0.0f, 1.0f, rng));
+      S0.push_back(normal(sz(s.state_len()), 0.0f, 0.3f, rng));
+    }
+    const std::vector<float> proj = normal(sz(proj_ld * kRows), 0.0f, 1.0f, rng);
+    // The batched launch's buffers.
+    std::vector<std::unique_ptr<DeviceArray<float>>> st, cv;
+    std::vector<float*> st_ptr, cv_ptr;
+    for (int k = 0; k < kSlots; ++k) {
+      st.push_back(std::make_unique<DeviceArray<float>>(S0[sz(k)]));
+      cv.push_back(std::make_unique<DeviceArray<float>>(cs0[sz(k)]));
+      st_ptr.push_back(st.back()->ptr);
+      cv_ptr.push_back(cv.back()->ptr);
+    }
+    DeviceArray<float*> slot_state(st_ptr), slot_conv(cv_ptr);
+    DeviceArray<int32_t> rows_dev(row_slot);
+    DeviceArray<float> proj_dev(proj), o_rows(sz(kRows) * s.Hv * s.dv);
+    DeviceArray<uint16_t> out_rows(sz(out_ld * kRows));
+    DeviceArray<unsigned int> counters(sz(kRows) * (s.Hv + s.Hk));
+    FN_CUDA_CHECK(cudaMemset(counters.ptr, 0, counters.n * sizeof(unsigned int)));
+    FN_CUDA_CHECK(cudaMemset(out_rows.ptr, 0xff, out_rows.n * sizeof(uint16_t)));
+    fn::GdnDecodeParams base = d.params(s);
+    for (int variant = 0; variant < 3; ++variant) {
+      INFO("variant ", variant, " (0 default, 1 arrival counters, 2 runtime shape)");
+      fn::GdnDecodeParams one = base;
+      one.cluster = variant != 1;
+      one.fixed_shape = variant != 2;
+      for (int k = 0; k < kSlots; ++k) {
+        st[sz(k)]->upload(S0[sz(k)]);
+        cv[sz(k)]->upload(cs0[sz(k)]);
+      }
+      fn::GdnDecodeParams many = one;
+      many.rows = kRows;
+      many.row_slot = rows_dev.ptr;
+      many.slot_state = slot_state.ptr;
+      many.slot_conv = slot_conv.ptr;
+      many.proj = proj_dev.ptr;
+      many.proj_stride = proj_ld;
+      many.out = out_rows.ptr;
+      many.out_stride = out_ld;
+      many.o_scratch = o_rows.ptr;
+      many.head_counters = counters.ptr;
+      fn::launch_gdn_decode(many, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<uint16_t> got_out = out_rows.download();
+      for (int r = 0; r < kRows; ++r) {
+        INFO("row ", r, " slot ", row_slot[sz(r)]);
+        const auto k = sz(row_slot[sz(r)]);
+        d.state.upload(S0[k]);
+        d.conv_state.upload(cs0[k]);
+        d.proj.upload(std::vector<float>(proj.begin() + r * proj_ld,
+                                         proj.begin() + r * proj_ld + s.proj_len()));
+        fn::launch_gdn_decode(one, nullptr);
+        FN_CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<uint16_t> want_out = d.out.download();
+        CHECK(std::equal(want_out.begin(), want_out.end(), got_out.begin() + r * out_ld));
+        const std::vector<float> want_S = d.state.download(), got_S = st[k]->download();
+        CHECK(std::memcmp(want_S.data(), got_S.data(), want_S.size() * 4) == 0);
+        CHECK(d.conv_state.download() == cv[k]->download());
+        CHECK(std::memcmp(want_S.data(), S0[k].data(), want_S.size() * 4) != 0);  // it moved
+      }
+      CHECK(st[1]->download() == S0[1]);
+      CHECK(cv[1]->download() == cs0[1]);
+      // The padding between output rows is never written.
+      for (int r = 0; r < kRows; ++r)
+        for (int64_t j = int64_t{s.Hv} * s.dv; j < out_ld; ++j)
+          CHECK(got_out[sz(r * out_ld + j)] == 0xffff);
+      CHECK(counters.download() == std::vector<unsigned int>(counters.n, 0u));
+    }
+  }
 }
 
 TEST_CASE(

@@ -113,7 +113,26 @@ struct RecArgs {
   unsigned int* aword = nullptr;
   unsigned int* zword = nullptr;
   unsigned int a_signals = 0, z_signals = 0;
+  // Several rows (GdnDecodeParams::rows > 1; blockIdx.y is the row): each row's slot, the slots'
+  // states, and the rows' strides of proj and out.
+  const int32_t* row_slot = nullptr;
+  float* const* slot_state = nullptr;
+  float* const* slot_conv = nullptr;
+  int64_t proj_stride = 0, out_stride = 0;
 };
+
+// Row blockIdx.y of a launch over several rows: its slot's states, its projection and output
+// rows, and its own o_scratch and arrival counters.
+__device__ __forceinline__ void select_row(RecArgs& a) {
+  const int r = static_cast<int>(blockIdx.y);
+  const int slot = a.row_slot[r];
+  a.state = a.slot_state[slot];
+  a.conv_state = a.slot_conv[slot];
+  a.proj += r * a.proj_stride;
+  a.out += r * a.out_stride;
+  a.o_scratch += static_cast<int64_t>(r) * a.Hv * a.dv;
+  a.counters += static_cast<int64_t>(r) * (a.Hv + a.Hk);
+}
 
 // Sum of two values over the block in a fixed order (butterfly per warp, warps ascending); every
 // thread gets both totals.
@@ -208,6 +227,7 @@ __global__ void __launch_bounds__(kThreads, 4) gdn_recurrent_kernel(RecArgs a) {
   static_assert((kDk > 0) == (kDv > 0) && (kDk > 0) == (kVc > 0) && (kDk > 0) == (kK > 0));
   static_assert(!kCl || kDk > 0, "the cluster path is the fixed instance's");
   __builtin_assume(threadIdx.x < kThreads);  // the launcher's block size
+  if (a.row_slot != nullptr) select_row(a);
   const int dk = kDk > 0 ? kDk : a.dk, dv = kDv > 0 ? kDv : a.dv;
   const int vc = kVc > 0 ? kVc : a.vc, K = kK > 0 ? kK : a.K;
   __shared__ float qs[kMaxHeadDim], ks[kMaxHeadDim];
@@ -430,6 +450,16 @@ void check_params(const GdnDecodeParams& p) {
                     kOp);
   FN_LAUNCH_REQUIRE(p.conv_state != nullptr && p.state != nullptr && p.out != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.o_scratch != nullptr && p.head_counters != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= 65535, kOp);
+  if (p.rows > 1) {
+    FN_LAUNCH_REQUIRE(p.row_slot != nullptr && p.slot_state != nullptr && p.slot_conv != nullptr &&
+                          p.in_proj == nullptr,
+                      kOp);
+    const int64_t width = 2 * int64_t{p.num_k_heads} * p.k_head_dim +
+                          2 * int64_t{p.num_v_heads} * (p.v_head_dim + 1);
+    FN_LAUNCH_REQUIRE(p.proj_stride >= width && p.out_stride >= int64_t{p.num_v_heads} * p.v_head_dim,
+                      kOp);
+  }
   FN_LAUNCH_REQUIRE(
       p.num_k_heads >= 1 && p.num_v_heads >= p.num_k_heads && p.num_v_heads % p.num_k_heads == 0,
       kOp);
@@ -489,7 +519,14 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             conv_dim,
             p.conv_kernel,
             p.eps};
-  const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
+  if (p.rows > 1) {
+    a.row_slot = p.row_slot;
+    a.slot_state = p.slot_state;
+    a.slot_conv = p.slot_conv;
+    a.proj_stride = p.proj_stride;
+    a.out_stride = p.out_stride;
+  }
+  const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)), static_cast<unsigned>(p.rows));
   // The overlapped projection (with programmatic dependent launches; else the same four launches
   // run one after another and every join is met on arrival): the rows but z, the z rows beside
   // them and the recurrence, the recurrence waiting for the first through a join word and its

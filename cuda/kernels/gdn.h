@@ -74,9 +74,23 @@ struct GdnDecodeParams {
   float* y = nullptr;                    ///< FP32 [hidden]: out_proj's output (with in_proj)
   /// [2] join words (with in_proj): zeroed once after allocation; every launch leaves them 0.
   unsigned int* join = nullptr;
+  /// Several sequences in one launch (the batched decode step): `rows` tokens, row r of sequence
+  /// slot row_slot[r], each row exactly the one-row launch on its own operands (the same bits).
+  /// With rows > 1: proj row r at proj + r * proj_stride (floats, >= the width above), out row r
+  /// at out + r * out_stride (BF16 values, >= Hv*dv), the states of slot s at slot_state[s] and
+  /// slot_conv[s] (state and conv_state then unread), o_scratch [rows, Hv*dv] and
+  /// head_counters [rows, Hv + Hk] (zeroed once, as above), in_proj null. row_slot, slot_state
+  /// and slot_conv are device arrays ([rows], [slots], [slots]); no two rows name one slot.
+  int rows = 1;
+  const int32_t* row_slot = nullptr;
+  float* const* slot_state = nullptr;
+  float* const* slot_conv = nullptr;
+  int64_t proj_stride = 0;
+  int64_t out_stride = 0;
 };
 
-/// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns),
+/// Launches the recurrence kernel: one CTA of 256 threads per (value head, slice of dv columns)
+/// and row,
 /// each computing the causal conv of the channels it reads from the old conv state; the state
 /// slice stays in registers, loaded and stored once with coalesced 16-byte accesses (with
 /// in_proj, the projections around it, four launches). Throws fn::Error(Internal) on a null

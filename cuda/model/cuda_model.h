@@ -51,7 +51,7 @@ struct CudaModelOptions {
   bool record_choices = false;
   /// Tokens per batched prefill pass (`--prefill-chunk`): prefill() splits a longer
   /// prompt into passes of at most this many tokens, each continuing from the states the last
-  /// one left. Capped at ctx_size; the pass buffers (allocated on the first prefill()) scale with
+  /// one left. Capped at ctx_size with one slot (pass rows: model_detail::pass_rows); the pass buffers (allocated on the first prefill()) scale with
   /// it: about 0.3 MB per token at the real TP=1 geometry. >= 1.
   int64_t prefill_chunk = 8192;
   /// Where the PLE n-gram table lives (`--ngram-table`, core/memory_plan.h place_ngram_table):
@@ -65,7 +65,7 @@ struct CudaModelOptions {
   double gpu_memory_utilization = kDefaultGpuMemoryUtilization;
   /// Sequence slots (`--max-batch`): slot 0 is the sequence of the decode graph; each further
   /// slot holds its own caches and states (the per-sequence bytes of core/memory_plan.h again)
-  /// for forward_batch(). At most min(prefill_chunk, ctx_size) (a batched step is one pass);
+  /// for forward_batch(). At most prefill_chunk (a batched step is one pass);
   /// 0: as many as fit the free memory after the weights and the prefill's pass buffers, with
   /// 1 GiB left over, at most 64 (slot_count() tells).
   int64_t slots = 1;

@@ -245,8 +245,12 @@ cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& 
 void require_steps(const ModelConfig& c, int32_t token, bool count_ok, int64_t count,
                    const char* doing, const char* unit, int64_t position, int64_t ctx_size);
 
+/// Rows of one batched prefill pass: --prefill-chunk, capped at -c/--ctx-size with one sequence
+/// slot (a pass then holds one sequence's tokens); with several slots a pass holds several
+/// sequences' pieces (prefill_slots, the batched step), each within -c, so only the chunk caps it.
+int64_t pass_rows(const CudaModelOptions& o);
 /// Device bytes of the batched prefill's pass buffers (cuda_prefill.cpp, allocated at the first
-/// prefill()) for min(o.prefill_chunk, o.ctx_size) tokens per pass.
+/// prefill()) for pass_rows(o) tokens per pass.
 std::size_t prefill_buffer_bytes(const ModelConfig& c, const CudaModelOptions& o,
                                  const std::vector<DevLayer>& layers, int64_t v_local);
 /// Logs prefill_buffer_bytes on rank 0 and refuses (fn::Error(Usage), naming the bytes, the
@@ -422,6 +426,16 @@ struct CudaModel::Impl {
   // `context`; the others own theirs (alloc_slots, load.cpp).
   std::vector<model_detail::DevSlot> slots;
   void alloc_slots(const ModelConfig& c, const CudaModelOptions& o, const DeviceLayout& lay);
+  // The slots' state pointers on the device, for kernels that run several slots' rows in one
+  // launch (the batched step): [layer][SlotField][slot], made by alloc_slots.
+  enum SlotField { kSlotGdnState, kSlotGdnConv, kSlotFields };
+  void** slot_table = nullptr;
+  void build_slot_table();
+  template <typename T>
+  T* const* slot_pointers(int64_t layer, SlotField f) const {
+    return reinterpret_cast<T* const*>(slot_table +
+                                       (layer * kSlotFields + f) * static_cast<int64_t>(slots.size()));
+  }
   DeviceLayout slot_layout;  // the per-layer state sizes every slot has (copy_slot)
   // Zeroes slot `slot`'s states and fills its n-gram context with EOS (slot 0: reset_state).
   void reset_slot(const ModelConfig& c, int64_t slot);

@@ -91,6 +91,13 @@ struct CudaPrefillState {
   // source, alive until the pass's end synchronises the stream.
   int64_t* row_pos = nullptr;  // [rows]
   std::vector<int64_t> host_row_pos;
+  // The batched step's rows in one launch per layer (launch_gdn_decode over rows): each row's
+  // slot (device, beside row_pos), and the GDN kernel's per-row scratch and arrival counters
+  // (zeroed once), allocated at the first batched step for slot_count() rows.
+  int32_t* row_slot = nullptr;  // [rows]
+  std::vector<int32_t> host_row_slot;
+  float* gdn_o = nullptr;               // [slots, Hv*dv]
+  unsigned int* gdn_counters = nullptr;  // [slots, Hv + Hk]
   // The batched step's layers as a CUDA graph per batch size B, captured for one list of slots
   // (their state pointers are the graph's parameters) and updated in place when the list
   // changes; the tokens and positions are read from P.tokens and P.row_pos.
@@ -180,6 +187,7 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.rw = cv.take<float>(rows * k);
   P.sh = cv.take<uint16_t>(rows * Is);
   P.row_pos = cv.take<int64_t>(rows);
+  P.row_slot = cv.take<int32_t>(rows);
   if (c.has_ple()) {
     P.e_ng = cv.take<float>(rows * P_);
     P.e_hi = cv.take<uint16_t>(2 * rows * P_);
@@ -302,8 +310,12 @@ std::size_t model_detail::prefill_buffer_bytes(const ModelConfig& c, const CudaM
                                                const std::vector<DevLayer>& layers,
                                                int64_t v_local) {
   CudaPrefillState sizing;
-  return carve_prefill(sizing, nullptr, c, o, layers, v_local,
-                       std::min(std::max<int64_t>(o.prefill_chunk, 1), o.ctx_size));
+  return carve_prefill(sizing, nullptr, c, o, layers, v_local, pass_rows(o));
+}
+
+int64_t model_detail::pass_rows(const CudaModelOptions& o) {
+  const int64_t chunk = std::max<int64_t>(o.prefill_chunk, 1);
+  return o.slots == 1 ? std::min(chunk, o.ctx_size) : chunk;
 }
 
 void model_detail::require_prefill_fits(const ModelConfig& c, const CudaModelOptions& o,
@@ -313,7 +325,7 @@ void model_detail::require_prefill_fits(const ModelConfig& c, const CudaModelOpt
   const std::size_t need = prefill_buffer_bytes(c, o, layers, v_local);
   std::size_t free_b = 0, total_b = 0;
   FN_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  const int64_t rows = std::min(o.prefill_chunk, o.ctx_size);
+  const int64_t rows = pass_rows(o);
   if (o.tp_rank == 0)
     FN_LOG_INFO(
         "prefill: {:.2f} GiB of pass buffers for {} tokens per pass (--prefill-chunk), "
@@ -545,21 +557,25 @@ void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
   const int64_t D = c.hidden_size;
   prof.mark(StepFamily::GdnMixer);
   gemm(g.in_proj, g.in_rows, D, P.m_hi, m_lo, D, M, P.proj, P.proj_ld);
+  if (decode_rows) {  // every row in one launch, each on its slot's states (P.row_slot)
+    GdnDecodeParams gp;
+    model_detail::set_gdn_layer(gp, c, rd, g);
+    gp.rows = static_cast<int>(M);
+    gp.row_slot = P.row_slot;
+    gp.slot_state = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnState);
+    gp.slot_conv = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnConv);
+    gp.proj = P.proj;
+    gp.proj_stride = P.proj_ld;
+    gp.out = P.mix;
+    gp.out_stride = rd.linear_v_heads * c.linear_value_head_dim;
+    gp.o_scratch = P.gdn_o;
+    gp.head_counters = P.gdn_counters;
+    gp.fixed_shape = I.plan.gdn_fixed;
+    gp.cluster = I.plan.gdn_cluster;
+    launch_gdn_decode(gp, s);
+  }
   for (const Run& r : runs) {
-    if (decode_rows) {
-      GdnDecodeParams gp;
-      model_detail::set_gdn_layer(gp, c, rd, g);
-      gp.conv_state = state(r).gdn_conv;
-      gp.state = state(r).gdn_state;
-      gp.proj = P.proj + r.row0 * P.proj_ld;
-      gp.out = P.mix + r.row0 * rd.linear_v_heads * c.linear_value_head_dim;
-      gp.o_scratch = g.o_scratch;  // the layer's; the rows run one after another
-      gp.head_counters = g.counters;
-      gp.fixed_shape = I.plan.gdn_fixed;
-      gp.cluster = I.plan.gdn_cluster;
-      launch_gdn_decode(gp, s);
-      continue;
-    }
+    if (decode_rows) break;
     GdnPrefillParams gp;
     model_detail::set_gdn_layer(gp, c, rd, g);
     gp.conv_state = state(r).gdn_conv;
@@ -774,7 +790,7 @@ void CudaModel::ensure_prefill_buffers() {
   const ModelConfig& c = cfg_;
   const CudaModelOptions& o = opt_;
   auto st = std::make_shared<CudaPrefillState>();
-  const int64_t rows = std::min(o.prefill_chunk, o.ctx_size);
+  const int64_t rows = model_detail::pass_rows(o);
   const std::size_t bytes = carve_prefill(*st, nullptr, c, o, I.layers, I.v_local, rows);
   void* base = nullptr;
   try {
@@ -845,9 +861,8 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   FN_CHECK(B >= 1 && slots.size() == tokens.size(),
            "forward_batch: {} slots for {} tokens (need the same number, at least one)",
            slots.size(), tokens.size());
-  FN_CHECK(B <= std::min(o.prefill_chunk, o.ctx_size),
-           "forward_batch: {} slots in one pass of at most {} rows", B,
-           std::min(o.prefill_chunk, o.ctx_size));
+  FN_CHECK(B <= model_detail::pass_rows(o),
+           "forward_batch: {} slots in one pass of at most {} rows", B, model_detail::pass_rows(o));
   FN_REQUIRE(I.forced_router == nullptr && I.residuals == nullptr, Usage,
              "the batched step neither replays choices nor keeps residuals (tests only)");
   std::vector<bool> seen(I.slots.size(), false);
@@ -881,6 +896,20 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   P.host_row_pos = pos;
   FN_CUDA_CHECK(cudaMemcpyAsync(P.row_pos, P.host_row_pos.data(), sizeof(int64_t) * B,
                                 cudaMemcpyHostToDevice, s));
+  P.host_row_slot.resize(static_cast<std::size_t>(B));
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    P.host_row_slot[i] = static_cast<int32_t>(slots[i]);
+  FN_CUDA_CHECK(cudaMemcpyAsync(P.row_slot, P.host_row_slot.data(), sizeof(int32_t) * B,
+                                cudaMemcpyHostToDevice, s));
+  if (P.gdn_o == nullptr) {
+    const RankDims rd = rank_dims(c, o.tp_size, o.tp_rank);
+    const int64_t n = slot_count();
+    P.gdn_o = P.arena.alloc_n<float>(n * rd.linear_v_heads * c.linear_value_head_dim,
+                                     "batched GDN scratch");
+    const int64_t nc = n * (rd.linear_v_heads + rd.linear_k_heads);
+    P.gdn_counters = P.arena.alloc_n<unsigned int>(nc, "batched GDN arrival counters");
+    FN_CUDA_CHECK(cudaMemsetAsync(P.gdn_counters, 0, sizeof(unsigned int) * nc, s));
+  }
   for (int64_t i = 0; i < B; ++i)
     run.runs.push_back(
         {slots[static_cast<std::size_t>(i)], i, 1, pos[static_cast<std::size_t>(i)]});

@@ -800,7 +800,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
 void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& o,
                                   const DeviceLayout& lay) {
   slot_layout = lay;
-  const int64_t max_rows = std::min(o.prefill_chunk, o.ctx_size);
+  const int64_t max_rows = pass_rows(o);
   // The bytes of one more slot, and the free memory less the prefill's pass buffers (allocated
   // at the first prompt), known before any slot is allocated.
   uint64_t per_slot = static_cast<uint64_t>(std::max<int64_t>(c.ngram_size - 1, 1)) * 8;
@@ -820,9 +820,9 @@ void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& 
   }
   FN_CHECK(count >= 1, "{} sequence slots", count);
   FN_REQUIRE(count <= max_rows, Usage,
-             "--max-batch {} exceeds the rows of one prefill pass (min(--prefill-chunk {}, "
-             "-c/--ctx-size {})): a batched step runs as one pass",
-             count, o.prefill_chunk, o.ctx_size);
+             "--max-batch {} exceeds the rows of one prefill pass (--prefill-chunk {}): a "
+             "batched step runs as one pass",
+             count, o.prefill_chunk);
   const std::size_t n_layers = layers.size();
   slots.assign(static_cast<std::size_t>(count), DevSlot{});
   DevSlot& first = slots[0];
@@ -842,7 +842,10 @@ void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& 
       d.gdn_state = L.gdn.S;
     }
   }
-  if (count == 1) return;
+  if (count == 1) {
+    build_slot_table();
+    return;
+  }
   const uint64_t need = per_slot * static_cast<uint64_t>(count - 1);
   FN_REQUIRE(
       need + pass <= free_b, Usage,
@@ -875,10 +878,27 @@ void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& 
       }
     }
   }
+  build_slot_table();
   if (o.tp_rank == 0)
     FN_LOG_INFO("cuda: {} sequence slots of {} tokens ({:.1f} MiB of caches and states each{})",
                 count, o.ctx_size, static_cast<double>(per_slot) / 1048576.0,
                 o.slots == 0 ? ", as many as fit: --max-batch 0" : "");
+}
+
+void CudaModel::Impl::build_slot_table() {
+  const auto n = static_cast<int64_t>(slots.size());
+  const auto n_layers = static_cast<int64_t>(layers.size());
+  std::vector<void*> host(static_cast<std::size_t>(n_layers * kSlotFields * n), nullptr);
+  for (int64_t li = 0; li < n_layers; ++li)
+    for (int64_t si = 0; si < n; ++si) {
+      const DevSlotLayer& d =
+          slots[static_cast<std::size_t>(si)].layers[static_cast<std::size_t>(li)];
+      host[static_cast<std::size_t>((li * kSlotFields + kSlotGdnState) * n + si)] = d.gdn_state;
+      host[static_cast<std::size_t>((li * kSlotFields + kSlotGdnConv) * n + si)] = d.gdn_conv;
+    }
+  slot_table = static_cast<void**>(arena.alloc(host.size() * sizeof(void*), "slot state table"));
+  FN_CUDA_CHECK(cudaMemcpy(slot_table, host.data(), host.size() * sizeof(void*),
+                           cudaMemcpyHostToDevice));
 }
 
 void CudaModel::Impl::reset_slot(const ModelConfig& c, int64_t slot) {

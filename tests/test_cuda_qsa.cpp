@@ -545,6 +545,99 @@ TEST_CASE("cuda qsa: graph replay with the position advanced in device memory eq
   for (size_t i = 0; i < ts.size(); ++i) CHECK(eager.first[i] == again.first[i]);
 }
 
+TEST_CASE(
+    "cuda qsa: several rows in one launch (rows > 1, each on its slot's caches and position) give "
+    "each row's one-row launch bitwise") {
+  struct Case {
+    Shape s;
+    std::vector<int32_t> row_slot;
+    std::vector<int64_t> t;
+  };
+  // Real TP=1 at 4096: t = 3001 selects 512 of 750 blocks, t = 1000 attends every block, t = 2047
+  // completes a block; g3_tiny: positions around its budget.
+  for (const Case& c : {Case{real_tp1(4096), {2, 0, 3}, {3001, 1000, 2047}},
+                        Case{kG3Tp1, {1, 3, 0, 2}, {44, 7, 11, 30}}}) {
+    const Shape& s = c.s;
+    INFO(s.name);
+    constexpr int kSlots = 4;
+    const int rows = static_cast<int>(c.row_slot.size());
+    auto make = [&] {
+      std::vector<std::unique_ptr<Gpu>> slots;
+      for (int k = 0; k < kSlots; ++k) {
+        slots.push_back(std::make_unique<Gpu>(s, 31));  // the same weights
+        std::mt19937_64 prng(100 + static_cast<uint64_t>(k));
+        prefill(*slots.back(), prng, 300);  // each slot its own caches
+      }
+      return slots;
+    };
+    auto batched = make(), single = make();
+    std::mt19937_64 rng(17);
+    const int64_t proj_ld = proj_size(s) + 3, out_ld = int64_t{s.hq} * s.hd + 5;
+    std::vector<float> proj(size_t(proj_ld) * rows, 0.0f);
+    for (int r = 0; r < rows; ++r) {
+      const auto pr = random_proj(s, rng);
+      std::copy(pr.begin(), pr.end(), proj.begin() + r * proj_ld);
+    }
+    std::vector<uint16_t*> k_ptr, v_ptr;
+    std::vector<float*> raw_ptr, bk_ptr;
+    for (const auto& g : batched) {
+      k_ptr.push_back(g->kc->ptr);
+      v_ptr.push_back(g->vc->ptr);
+      raw_ptr.push_back(g->raw->ptr);
+      bk_ptr.push_back(g->bk->ptr);
+    }
+    DeviceArray<uint16_t*> dk(k_ptr), dv(v_ptr);
+    DeviceArray<float*> draw(raw_ptr), dbk(bk_ptr);
+    DeviceArray<int32_t> drows(c.row_slot);
+    DeviceArray<int64_t> dpos(c.t);
+    DeviceArray<float> dproj(proj);
+    DeviceArray<uint16_t> dout(size_t(out_ld) * rows);
+    DeviceArray<uint8_t> dws(batched[0]->layout.total * rows);
+    FN_CUDA_CHECK(cudaMemset(dout.ptr, 0xee, dout.n * 2));
+    FN_CUDA_CHECK(cudaMemset(dws.ptr, 0xff, dws.n));
+    fn::QsaDecodeParams p = batched[0]->p;
+    p.rows = rows;
+    p.row_slot = drows.ptr;
+    p.slot_k_cache = dk.ptr;
+    p.slot_v_cache = dv.ptr;
+    p.slot_raw_keys = draw.ptr;
+    p.slot_block_keys = dbk.ptr;
+    p.position = dpos.ptr;
+    p.proj = dproj.ptr;
+    p.proj_stride = proj_ld;
+    p.out = dout.ptr;
+    p.out_stride = out_ld;
+    p.workspace = dws.ptr;
+    fn::launch_qsa_decode(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = dout.download();
+    for (int r = 0; r < rows; ++r) {
+      const auto k = size_t(c.row_slot[size_t(r)]);
+      INFO("row ", r, " slot ", k, " t ", c.t[size_t(r)]);
+      Gpu& g = *single[k];
+      g.set_position(c.t[size_t(r)]);
+      g.proj->upload(
+          std::vector<float>(proj.begin() + r * proj_ld, proj.begin() + r * proj_ld + proj_size(s)));
+      fn::launch_qsa_decode(g.p, nullptr);
+      FN_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<uint16_t> want = g.out->download();
+      CHECK(std::equal(want.begin(), want.end(), got.begin() + r * out_ld));
+      CHECK(std::count(want.begin(), want.end(), uint16_t{0x7FC0}) == 0);  // no NaN row
+      for (int64_t j = int64_t{s.hq} * s.hd; j < out_ld; ++j)
+        CHECK(got[size_t(r * out_ld + j)] == 0xeeee);  // the padding is never written
+    }
+    for (int k = 0; k < kSlots; ++k) {  // every slot's caches as the one-row launches left them
+      INFO("slot ", k);
+      const Caches a = Caches::download(*batched[size_t(k)]),
+                   b = Caches::download(*single[size_t(k)]);
+      CHECK(a.k == b.k);
+      CHECK(a.v == b.v);
+      CHECK(same_bits(a.raw.data(), b.raw.data(), a.raw.size()));
+      CHECK(same_bits(a.bk.data(), b.bk.data(), a.bk.size()));
+    }
+  }
+}
+
 TEST_CASE("cuda qsa: the launcher rejects bad parameters; a position past the cache writes NaN") {
   Gpu g(kG3Tp1, 3);
   auto bad = [&](auto mutate) {

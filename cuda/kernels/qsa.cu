@@ -60,7 +60,44 @@ struct Args {
   int combine_stage;  // chunks staged per round by the sliced combine
   int role0;          // qsa_prep_early_kernel: the role of CTA 0 (a part of the roles)
   int* select_done;   // the select's done flag (overlapped projection), else nullptr
+  // Several rows (QsaDecodeParams::rows > 1; blockIdx.z is the row): each row's slot, the slots'
+  // caches, the rows' strides of proj and out, and the bytes of one row's workspace.
+  const int32_t* row_slot;
+  uint16_t* const* slot_k;
+  uint16_t* const* slot_v;
+  float* const* slot_raw;
+  float* const* slot_block;
+  int64_t proj_stride, out_stride, ws_stride;
 };
+
+template <typename T>
+__device__ __forceinline__ T* byte_offset(T* p, int64_t bytes) {
+  return reinterpret_cast<T*>(reinterpret_cast<char*>(p) + bytes);
+}
+
+// Row blockIdx.z of a launch over several rows: its position, its slot's caches, its projection
+// and output rows and its own workspace. Every kernel calls it first.
+__device__ __forceinline__ void select_row(Args& a) {
+  if (a.row_slot == nullptr) return;  // one row
+  const int r = static_cast<int>(blockIdx.z);
+  const int slot = a.row_slot[r];
+  a.k_cache = a.slot_k[slot];
+  a.v_cache = a.slot_v[slot];
+  a.raw_keys = a.slot_raw[slot];
+  a.block_keys = a.slot_block[slot];
+  a.position += r;
+  a.proj += r * a.proj_stride;
+  a.out += r * a.out_stride;
+  const int64_t w = r * a.ws_stride;
+  a.q = byte_offset(a.q, w);
+  a.qi = byte_offset(a.qi, w);
+  a.scores = byte_offset(a.scores, w);
+  a.selected = byte_offset(a.selected, w);
+  a.counters = byte_offset(a.counters, w);
+  a.part_out = byte_offset(a.part_out, w);
+  a.part_max = byte_offset(a.part_max, w);
+  a.part_sum = byte_offset(a.part_sum, w);
+}
 
 // The attention's wait for the select when the select runs beside the projection (the
 // programmatic wait covers the query heads' prep only): thread 0 reads the done flag, and the
@@ -162,6 +199,7 @@ __device__ __forceinline__ void chunk_softmax(const Args& a, float* s_s, int G, 
 // The chunk's K and V rows are staged in shared memory by all threads at once; one FP32
 // accumulator per query head (kMaxG, unrolled) so the heads' chains overlap.
 __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
+  select_row(a);
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
   wait_select(a);
   extern __shared__ __align__(16) float smem[];
@@ -262,6 +300,7 @@ using dev::cp_async_wait_all;
 // address arithmetic and predicates, against ~30 of math.)
 template <int kG, int kHD, int kChunk>
 __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
+  select_row(a);
   dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
   wait_select(a);
   extern __shared__ __align__(16) float smem[];
@@ -391,6 +430,7 @@ bool qsa_attn_fixed_shape(const QsaDecodeParams& p, int heads) {
 // FP64 sum of its raw keys of earlier steps. role0: the role of CTA 0 (the launch may hold a part
 // of the roles).
 __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
+  select_row(a);
   __shared__ float y[kMaxDim];
   __shared__ double red[kThreads / 32];
   const int64_t t = *a.position;  // not written by the last two launches
@@ -464,6 +504,7 @@ __global__ void __launch_bounds__(kThreads) qsa_prep_early_kernel(Args a) {
 // qsa_dev::select_top_blocks_cg), reading each score from its mailbox slot as it is posted (the
 // prep launch emptied the slots; no fence or atomic in any CTA).
 __global__ void __launch_bounds__(kSelectThreads, 1) qsa_scores_select_kernel(Args a) {
+  select_row(a);
   __shared__ __align__(16) uint32_t buf[kSelectCache];  // indexer queries, then select keys
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t t = *a.position;  // not written by the last two launches
@@ -512,6 +553,7 @@ constexpr int kCombineSlice = 32;  // head dims per sliced-combine CTA (one warp
 // threads (many loads in flight) before one warp runs the chains. The gate's sigmoid (the GEMV
 // output, several launches back) is computed before the programmatic wait.
 __global__ void __launch_bounds__(kThreads) qsa_combine_slice_kernel(Args a) {
+  select_row(a);
   extern __shared__ __align__(16) float csm[];
   __shared__ float red[kThreads / 32];
   const int i = blockIdx.x, hd = a.hd, tid = threadIdx.x;
@@ -712,6 +754,28 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   a.role0 = 0;
   a.select_done = nullptr;
   const bool overlap = p.in_proj != nullptr;
+  FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= 65535, kOp);
+  const auto rows = static_cast<unsigned>(p.rows);
+  if (p.rows > 1) {
+    FN_LAUNCH_REQUIRE(p.row_slot != nullptr && p.slot_k_cache != nullptr &&
+                          p.slot_v_cache != nullptr && p.slot_raw_keys != nullptr &&
+                          p.slot_block_keys != nullptr && !overlap && p.forced_blocks == nullptr,
+                      kOp);
+    const int64_t width = int64_t{p.num_q_heads} * 2 * p.head_dim +
+                          2 * int64_t{p.num_kv_heads} * p.head_dim +
+                          int64_t{p.indexer_heads + 1} * p.indexer_head_dim;
+    FN_LAUNCH_REQUIRE(p.proj_stride >= width &&
+                          p.out_stride >= int64_t{p.num_q_heads} * p.head_dim,
+                      kOp);
+    a.row_slot = p.row_slot;
+    a.slot_k = p.slot_k_cache;
+    a.slot_v = p.slot_v_cache;
+    a.slot_raw = p.slot_raw_keys;
+    a.slot_block = p.slot_block_keys;
+    a.proj_stride = p.proj_stride;
+    a.out_stride = p.out_stride;
+    a.ws_stride = static_cast<int64_t>(w.total);
+  }
   if (overlap) {
     FN_LAUNCH_REQUIRE(p.x != nullptr, kOp);
     FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden <= 8192 && p.hidden % 8 == 0, kOp);
@@ -753,7 +817,8 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     Args ai = a;
     if (overlap) ai.role0 = head_roles;
     launch_pdl("qsa_prep_early_kernel", qsa_prep_early_kernel,
-               overlap ? idx_roles : head_roles + idx_roles, kThreads, 0, stream, ai);
+               dim3(static_cast<unsigned>(overlap ? idx_roles : head_roles + idx_roles), 1, rows),
+               kThreads, 0, stream, ai);
     FN_CUDA_LAUNCH_CHECK("qsa_prep_early_kernel");
   }
   {
@@ -763,8 +828,8 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     const int64_t cap = std::max(1, detail::current_sm_count() / 2 + 1);
     const int ctas = static_cast<int>(std::clamp<int64_t>(
         (max_blocks + kSelectThreads / 32 - 1) / (kSelectThreads / 32), 1, cap));
-    launch_pdl("qsa_scores_select_kernel", qsa_scores_select_kernel, ctas, kSelectThreads, 0,
-               stream, a);
+    launch_pdl("qsa_scores_select_kernel", qsa_scores_select_kernel,
+               dim3(static_cast<unsigned>(ctas), 1, rows), kSelectThreads, 0, stream, a);
     FN_CUDA_LAUNCH_CHECK("qsa_scores_select_kernel");
   }
   if (overlap) {
@@ -776,7 +841,7 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   if (p.head_dim % 8 == 0 && aligned(p.k_cache, 16) && aligned(p.v_cache, 16)) {
     // All query heads of a KV head in one CTA per chunk: on H200 at t = 8191 splitting them over
     // CTAs measured slower (docs/perf-history.md).
-    const dim3 grid(w.max_chunks, p.num_kv_heads, 1);
+    const dim3 grid(w.max_chunks, p.num_kv_heads, rows);
     const bool fixed = qsa_attn_fixed_shape(p, a.gmax);
     if (fixed && w.chunk == 32)
       launch_pdl("qsa_attn_split_kernel", qsa_attn_split_kernel<kFixedG, kFixedHd, 32>, grid,
@@ -789,15 +854,15 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
                  stream, a);
     FN_CUDA_LAUNCH_CHECK("qsa_attn_split_kernel");
   } else {  // head dims not a multiple of 8 or caches not 16-byte aligned
-    launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads), kThreads,
-               smem, stream, a);
+    launch_pdl("qsa_attn_kernel", qsa_attn_kernel, dim3(w.max_chunks, p.num_kv_heads, rows),
+               kThreads, smem, stream, a);
     FN_CUDA_LAUNCH_CHECK("qsa_attn_kernel");
   }
   const size_t csmem =
       (2 * size_t(w.max_chunks) + size_t(a.combine_stage) * kCombineSlice) * sizeof(float);
   launch_pdl("qsa_combine_slice_kernel", qsa_combine_slice_kernel,
-             dim3(p.num_q_heads, (p.head_dim + kCombineSlice - 1) / kCombineSlice), kThreads, csmem,
-             stream, a);
+             dim3(p.num_q_heads, (p.head_dim + kCombineSlice - 1) / kCombineSlice, rows), kThreads,
+             csmem, stream, a);
   FN_CUDA_LAUNCH_CHECK("qsa_combine_slice_kernel");
 }
 

@@ -73,6 +73,23 @@ struct QsaDecodeParams {
   /// ascending that replace the indexer's own top-k whenever more than block_topk blocks are
   /// complete (the scores are still computed). nullptr in production.
   const int32_t* forced_blocks = nullptr;
+  /// Several sequences in one launch (the batched decode step): `rows` tokens, row r of sequence
+  /// slot row_slot[r], each row exactly the one-row launch on its own operands (the same bits).
+  /// With rows > 1: position is device [rows] (row r's t at position[r]), proj row r at
+  /// proj + r * proj_stride (floats, >= the width above), out row r at out + r * out_stride (BF16
+  /// values, >= Hq*hd), slot s's caches at slot_k_cache[s], slot_v_cache[s], slot_raw_keys[s] and
+  /// slot_block_keys[s] (k_cache .. block_keys then only set the alignment the attention kernel
+  /// is chosen by: every slot's caches must share it), the workspace rows *
+  /// qsa_decode_workspace_bytes bytes (row r's at r times that), in_proj and forced_blocks null.
+  /// row_slot and the slot arrays are device arrays ([rows], [slots]); no two rows name one slot.
+  int rows = 1;
+  const int32_t* row_slot = nullptr;
+  uint16_t* const* slot_k_cache = nullptr;
+  uint16_t* const* slot_v_cache = nullptr;
+  float* const* slot_raw_keys = nullptr;
+  float* const* slot_block_keys = nullptr;
+  int64_t proj_stride = 0;
+  int64_t out_stride = 0;
 };
 
 /// Where the launcher keeps its intermediates inside the workspace (byte offsets from the

@@ -428,7 +428,15 @@ struct CudaModel::Impl {
   void alloc_slots(const ModelConfig& c, const CudaModelOptions& o, const DeviceLayout& lay);
   // The slots' state pointers on the device, for kernels that run several slots' rows in one
   // launch (the batched step): [layer][SlotField][slot], made by alloc_slots.
-  enum SlotField { kSlotGdnState, kSlotGdnConv, kSlotFields };
+  enum SlotField {
+    kSlotGdnState,
+    kSlotGdnConv,
+    kSlotKCache,
+    kSlotVCache,
+    kSlotRawKeys,
+    kSlotBlockKeys,
+    kSlotFields
+  };
   void** slot_table = nullptr;
   void build_slot_table();
   template <typename T>

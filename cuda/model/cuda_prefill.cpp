@@ -98,6 +98,7 @@ struct CudaPrefillState {
   std::vector<int32_t> host_row_slot;
   float* gdn_o = nullptr;               // [slots, Hv*dv]
   unsigned int* gdn_counters = nullptr;  // [slots, Hv + Hk]
+  void* qsa_rows_ws = nullptr;           // [slots] QSA decode workspaces
   // The batched step's layers as a CUDA graph per batch size B, captured for one list of slots
   // (their state pointers are the graph's parameters) and updated in place when the list
   // changes; the tokens and positions are read from P.tokens and P.row_pos.
@@ -502,31 +503,37 @@ void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
   prof.mark(StepFamily::QsaMixer);
   gemm(a.in_proj, a.in_rows, D, P.m_hi, m_lo, D, M, P.proj, P.proj_ld);
   const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
-  for (const Run& r : runs) {
-    const model_detail::DevSlotLayer& st = state(r);
-    if (decode_rows) {
-      QsaDecodeParams q = model_detail::qsa_layer(c, o, a);
-      q.k_cache = st.k_cache;
-      q.v_cache = st.v_cache;
-      q.raw_keys = st.raw_keys;
-      q.block_keys = st.block_keys;
-      q.proj = P.proj + r.row0 * P.proj_ld;
-      q.position = P.row_pos + r.row0;
-      q.workspace = a.workspace;  // the layer's; the rows run one after another on the stream
-      q.out = P.mix + r.row0 * rd.q_heads * c.head_dim;
-      launch_qsa_decode(q, s);
-      if (P.sel_log) {  // the decode step's choice log: the selection, then the counters
-        const QsaWorkspaceLayout wl = qsa_workspace_layout(q);
-        const int64_t n_sel = std::min({topk, P.sel_max, o.ctx_size / c.indexer_compress_ratio});
-        const auto* ws = static_cast<const std::byte*>(a.workspace);
+  if (decode_rows) {  // every row in one launch, each on its slot's caches (P.row_slot)
+    QsaDecodeParams q = model_detail::qsa_layer(c, o, a);
+    q.rows = static_cast<int>(M);
+    q.row_slot = P.row_slot;
+    q.slot_k_cache = I.slot_pointers<uint16_t>(cur_layer, Impl::kSlotKCache);
+    q.slot_v_cache = I.slot_pointers<uint16_t>(cur_layer, Impl::kSlotVCache);
+    q.slot_raw_keys = I.slot_pointers<float>(cur_layer, Impl::kSlotRawKeys);
+    q.slot_block_keys = I.slot_pointers<float>(cur_layer, Impl::kSlotBlockKeys);
+    q.proj = P.proj;
+    q.proj_stride = P.proj_ld;
+    q.position = P.row_pos;
+    q.workspace = P.qsa_rows_ws;
+    q.out = P.mix;
+    q.out_stride = rd.q_heads * c.head_dim;
+    launch_qsa_decode(q, s);
+    if (P.sel_log) {  // the decode step's choice log: each row's selection, then its counters
+      const QsaWorkspaceLayout wl = qsa_workspace_layout(q);
+      const int64_t n_sel = std::min({topk, P.sel_max, o.ctx_size / c.indexer_compress_ratio});
+      for (int64_t r = 0; r < M; ++r) {
+        const auto* ws = static_cast<const std::byte*>(P.qsa_rows_ws) + r * wl.total;
         if (n_sel > 0)
-          FN_CUDA_CHECK(cudaMemcpyAsync(P.sel_log + r.row0 * P.sel_max, ws + wl.selected,
+          FN_CUDA_CHECK(cudaMemcpyAsync(P.sel_log + r * P.sel_max, ws + wl.selected,
                                         sizeof(int32_t) * n_sel, cudaMemcpyDeviceToDevice, s));
-        FN_CUDA_CHECK(cudaMemcpyAsync(P.cnt_log + r.row0 * 4, ws + wl.counters, sizeof(int32_t) * 4,
+        FN_CUDA_CHECK(cudaMemcpyAsync(P.cnt_log + r * 4, ws + wl.counters, sizeof(int32_t) * 4,
                                       cudaMemcpyDeviceToDevice, s));
       }
-      continue;
     }
+  }
+  for (const Run& r : runs) {
+    if (decode_rows) break;
+    const model_detail::DevSlotLayer& st = state(r);
     QsaPrefillParams qp;
     qp.shape = model_detail::qsa_layer(c, o, a);
     qp.shape.k_cache = st.k_cache;
@@ -909,6 +916,9 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
     const int64_t nc = n * (rd.linear_v_heads + rd.linear_k_heads);
     P.gdn_counters = P.arena.alloc_n<unsigned int>(nc, "batched GDN arrival counters");
     FN_CUDA_CHECK(cudaMemsetAsync(P.gdn_counters, 0, sizeof(unsigned int) * nc, s));
+    const QsaDecodeParams shape = model_detail::qsa_shape(c, o);
+    P.qsa_rows_ws = P.arena.alloc(static_cast<std::size_t>(n) * qsa_decode_workspace_bytes(shape),
+                                  "batched QSA workspaces");
   }
   for (int64_t i = 0; i < B; ++i)
     run.runs.push_back(

@@ -893,8 +893,15 @@ void CudaModel::Impl::build_slot_table() {
     for (int64_t si = 0; si < n; ++si) {
       const DevSlotLayer& d =
           slots[static_cast<std::size_t>(si)].layers[static_cast<std::size_t>(li)];
-      host[static_cast<std::size_t>((li * kSlotFields + kSlotGdnState) * n + si)] = d.gdn_state;
-      host[static_cast<std::size_t>((li * kSlotFields + kSlotGdnConv) * n + si)] = d.gdn_conv;
+      auto put = [&](SlotField f, void* p) {
+        host[static_cast<std::size_t>((li * kSlotFields + f) * n + si)] = p;
+      };
+      put(kSlotGdnState, d.gdn_state);
+      put(kSlotGdnConv, d.gdn_conv);
+      put(kSlotKCache, d.k_cache);
+      put(kSlotVCache, d.v_cache);
+      put(kSlotRawKeys, d.raw_keys);
+      put(kSlotBlockKeys, d.block_keys);
     }
   slot_table = static_cast<void**>(arena.alloc(host.size() * sizeof(void*), "slot state table"));
   FN_CUDA_CHECK(cudaMemcpy(slot_table, host.data(), host.size() * sizeof(void*),

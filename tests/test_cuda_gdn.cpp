@@ -471,15 +471,19 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "cuda gdn: several rows in one launch (rows > 1, each on its slot's states) give each row's "
-    "one-row launch bitwise, for the cluster, arrival and runtime-shape kernels") {
-  for (const Shape s : {Shape{8, 24, 128, 128}, Shape{2, 4, 16, 8}}) {
-    INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv);
+    "cuda gdn: rows by slot in one launch (row_slot, each row on its slot's states) give each "
+    "row's one-row launch bitwise, for the cluster, arrival and runtime-shape kernels") {
+  // One row on slot 3 (row_slot set: not the parameters' own state), and three rows.
+  for (const auto& [s, row_slot] :
+       {std::pair{Shape{8, 24, 128, 128}, std::vector<int32_t>{2, 0, 3}},
+        std::pair{Shape{2, 4, 16, 8}, std::vector<int32_t>{2, 0, 3}},
+        std::pair{Shape{8, 24, 128, 128}, std::vector<int32_t>{3}}}) {
+    INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " rows ", row_slot.size());
     std::mt19937_64 rng(21);
     const Weights w(s, rng);
     DeviceLayer d(s, w);  // the one-row launches
-    constexpr int kSlots = 4, kRows = 3;
-    const std::vector<int32_t> row_slot = {2, 0, 3};  // slot 1 is in no row: left untouched
+    constexpr int kSlots = 4;
+    const int kRows = static_cast<int>(row_slot.size());  // slot 1 is in no row: left untouched
     const int64_t proj_ld = s.proj_len() + 5, out_ld = int64_t{s.Hv} * s.dv + 3;
     std::vector<std::vector<float>> cs0, S0;
     for (int k = 0; k < kSlots; ++k) {

@@ -546,8 +546,8 @@ TEST_CASE("cuda qsa: graph replay with the position advanced in device memory eq
 }
 
 TEST_CASE(
-    "cuda qsa: several rows in one launch (rows > 1, each on its slot's caches and position) give "
-    "each row's one-row launch bitwise") {
+    "cuda qsa: rows by slot in one launch (row_slot, each row on its slot's caches and position) "
+    "give each row's one-row launch bitwise") {
   struct Case {
     Shape s;
     std::vector<int32_t> row_slot;
@@ -555,8 +555,9 @@ TEST_CASE(
   };
   // Real TP=1 at 4096: t = 3001 selects 512 of 750 blocks, t = 1000 attends every block, t = 2047
   // completes a block; g3_tiny: positions around its budget.
+  // One row on slot 2 (row_slot set: not the parameters' own caches) as well.
   for (const Case& c : {Case{real_tp1(4096), {2, 0, 3}, {3001, 1000, 2047}},
-                        Case{kG3Tp1, {1, 3, 0, 2}, {44, 7, 11, 30}}}) {
+                        Case{kG3Tp1, {1, 3, 0, 2}, {44, 7, 11, 30}}, Case{kG3Tp1, {2}, {25}}}) {
     const Shape& s = c.s;
     INFO(s.name);
     constexpr int kSlots = 4;

@@ -113,8 +113,8 @@ struct RecArgs {
   unsigned int* aword = nullptr;
   unsigned int* zword = nullptr;
   unsigned int a_signals = 0, z_signals = 0;
-  // Several rows (GdnDecodeParams::rows > 1; blockIdx.y is the row): each row's slot, the slots'
-  // states, and the rows' strides of proj and out.
+  // Rows by slot (GdnDecodeParams::row_slot set; blockIdx.y is the row): each row's slot, the
+  // slots' states, and the rows' strides of proj and out.
   const int32_t* row_slot = nullptr;
   float* const* slot_state = nullptr;
   float* const* slot_conv = nullptr;
@@ -451,9 +451,9 @@ void check_params(const GdnDecodeParams& p) {
   FN_LAUNCH_REQUIRE(p.conv_state != nullptr && p.state != nullptr && p.out != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.o_scratch != nullptr && p.head_counters != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= 65535, kOp);
-  if (p.rows > 1) {
-    FN_LAUNCH_REQUIRE(p.row_slot != nullptr && p.slot_state != nullptr && p.slot_conv != nullptr &&
-                          p.in_proj == nullptr,
+  FN_LAUNCH_REQUIRE(p.rows == 1 || p.row_slot != nullptr, kOp);
+  if (p.row_slot != nullptr) {
+    FN_LAUNCH_REQUIRE(p.slot_state != nullptr && p.slot_conv != nullptr && p.in_proj == nullptr,
                       kOp);
     const int64_t width = 2 * int64_t{p.num_k_heads} * p.k_head_dim +
                           2 * int64_t{p.num_v_heads} * (p.v_head_dim + 1);
@@ -519,7 +519,7 @@ void launch_gdn_decode(const GdnDecodeParams& p, cudaStream_t stream) {
             conv_dim,
             p.conv_kernel,
             p.eps};
-  if (p.rows > 1) {
+  if (p.row_slot != nullptr) {
     a.row_slot = p.row_slot;
     a.slot_state = p.slot_state;
     a.slot_conv = p.slot_conv;

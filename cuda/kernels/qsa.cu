@@ -60,8 +60,8 @@ struct Args {
   int combine_stage;  // chunks staged per round by the sliced combine
   int role0;          // qsa_prep_early_kernel: the role of CTA 0 (a part of the roles)
   int* select_done;   // the select's done flag (overlapped projection), else nullptr
-  // Several rows (QsaDecodeParams::rows > 1; blockIdx.z is the row): each row's slot, the slots'
-  // caches, the rows' strides of proj and out, and the bytes of one row's workspace.
+  // Rows by slot (QsaDecodeParams::row_slot set; blockIdx.z is the row): each row's slot, the
+  // slots' caches, the rows' strides of proj and out, and the bytes of one row's workspace.
   const int32_t* row_slot;
   uint16_t* const* slot_k;
   uint16_t* const* slot_v;
@@ -78,7 +78,7 @@ __device__ __forceinline__ T* byte_offset(T* p, int64_t bytes) {
 // Row blockIdx.z of a launch over several rows: its position, its slot's caches, its projection
 // and output rows and its own workspace. Every kernel calls it first.
 __device__ __forceinline__ void select_row(Args& a) {
-  if (a.row_slot == nullptr) return;  // one row
+  if (a.row_slot == nullptr) return;  // one row on the caches of the parameters
   const int r = static_cast<int>(blockIdx.z);
   const int slot = a.row_slot[r];
   a.k_cache = a.slot_k[slot];
@@ -756,10 +756,11 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   const bool overlap = p.in_proj != nullptr;
   FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= 65535, kOp);
   const auto rows = static_cast<unsigned>(p.rows);
-  if (p.rows > 1) {
-    FN_LAUNCH_REQUIRE(p.row_slot != nullptr && p.slot_k_cache != nullptr &&
-                          p.slot_v_cache != nullptr && p.slot_raw_keys != nullptr &&
-                          p.slot_block_keys != nullptr && !overlap && p.forced_blocks == nullptr,
+  FN_LAUNCH_REQUIRE(p.rows == 1 || p.row_slot != nullptr, kOp);
+  if (p.row_slot != nullptr) {
+    FN_LAUNCH_REQUIRE(p.slot_k_cache != nullptr && p.slot_v_cache != nullptr &&
+                          p.slot_raw_keys != nullptr && p.slot_block_keys != nullptr && !overlap &&
+                          p.forced_blocks == nullptr,
                       kOp);
     const int64_t width = int64_t{p.num_q_heads} * 2 * p.head_dim +
                           2 * int64_t{p.num_kv_heads} * p.head_dim +

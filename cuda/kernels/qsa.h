@@ -75,7 +75,7 @@ struct QsaDecodeParams {
   const int32_t* forced_blocks = nullptr;
   /// Several sequences in one launch (the batched decode step): `rows` tokens, row r of sequence
   /// slot row_slot[r], each row exactly the one-row launch on its own operands (the same bits).
-  /// With rows > 1: position is device [rows] (row r's t at position[r]), proj row r at
+  /// rows > 1 needs row_slot. With row_slot set (any rows): position is device [rows] (row r's t at position[r]), proj row r at
   /// proj + r * proj_stride (floats, >= the width above), out row r at out + r * out_stride (BF16
   /// values, >= Hq*hd), slot s's caches at slot_k_cache[s], slot_v_cache[s], slot_raw_keys[s] and
   /// slot_block_keys[s] (k_cache .. block_keys then only set the alignment the attention kernel

@@ -536,6 +536,119 @@ TEST_CASE(
   }
 }
 
+TEST_CASE(
+    "cuda hc: several tokens in one launch (tokens > 1, packed) give each token's one-token "
+    "launch bitwise: down with and without the inject, mix with and without iota") {
+  struct Case {
+    int64_t hidden, rank;
+    bool fixed;
+  };
+  for (Case c : {Case{2560, 320, true}, Case{2560, 320, false}, Case{64, 16, true}}) {
+    const int64_t D = c.hidden, r = c.rank, W = 4 * D, R = r + 4;
+    const int T = 3;
+    const int64_t S = fn::hc_down_splits(4, D);
+    INFO("D ", D, " r ", r, " fixed ", c.fixed);
+    std::mt19937_64 rng{uint64_t(D + r)};
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    auto floats = [&](int64_t n, float sigma) {
+      std::vector<float> v(static_cast<size_t>(n));
+      for (auto& x : v) x = d(rng) * sigma;
+      return v;
+    };
+    const std::vector<float> H = floats(T * W, 1.0f), y = floats(T * D, 0.5f),
+                             iota_in = floats(T * 4, 0.7f);
+    const auto nb = random_bf16_bits(W, 0.0f, 0.7f, 3);
+    const auto wdn = random_bf16_bits(R * W, 0.0f, 0.02f, 4);
+    const auto w_up = random_bf16_bits(W * r, 0.0f, 0.05f, 5);
+    DeviceArray<uint16_t> dnorm(nb), dwdn(wdn), dwup(w_up);
+    for (const bool inject : {false, true}) {
+      for (const bool with_iota : {true, false}) {
+        INFO("inject ", inject, " iota ", with_iota);
+        // All tokens in one launch pair.
+        DeviceArray<float> dH(H), dy(y), dio(iota_in), dHo(T * W), dt(T * S * R), dss(T * S),
+            dm(T * D), diota(T * 4);
+        DeviceArray<uint16_t> dmb(T * D);
+        fn::HcDownParams dp;
+        dp.H = dH.ptr;
+        dp.norm = dnorm.ptr;
+        dp.weight = dwdn.ptr;
+        dp.rows = R;
+        dp.hc_count = 4;
+        dp.hidden = D;
+        dp.t_partial = dt.ptr;
+        dp.sumsq = dss.ptr;
+        dp.fixed_shape = c.fixed;
+        if (inject) {
+          dp.inject_iota = dio.ptr;
+          dp.inject_y = dy.ptr;
+          dp.H_out = dHo.ptr;
+        }
+        fn::HcMixParams mp;
+        mp.w_up = dwup.ptr;
+        mp.t = dt.ptr;
+        mp.sumsq = dss.ptr;
+        mp.t_splits = S;
+        mp.t_stride = R;
+        mp.H = inject ? dHo.ptr : dH.ptr;
+        mp.norm = dnorm.ptr;
+        mp.m = dm.ptr;
+        mp.m_bf16 = dmb.ptr;
+        mp.iota = with_iota ? diota.ptr : nullptr;
+        mp.hidden = D;
+        mp.rank = r;
+        mp.fixed_shape = c.fixed;
+        dp.tokens = mp.tokens = T;
+        fn::launch_hc_down(dp, nullptr);
+        fn::launch_hc_mix(mp, nullptr);
+        FN_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto m_all = dm.download(), t_all = dt.download(), ss_all = dss.download(),
+                   Ho_all = dHo.download(), iota_all = diota.download();
+        const auto mb_all = dmb.download();
+        for (int z = 0; z < T; ++z) {
+          INFO("token ", z);
+          auto part = [&](const std::vector<float>& v, int64_t n) {
+            return std::vector<float>(v.begin() + z * n, v.begin() + (z + 1) * n);
+          };
+          DeviceArray<float> eH(part(H, W)), ey(part(y, D)), eio(part(iota_in, 4)), eHo(W),
+              et(S * R), ess(S), em(D), eiota(4);
+          DeviceArray<uint16_t> emb(D);
+          fn::HcDownParams d1 = dp;
+          d1.tokens = 1;
+          d1.H = eH.ptr;
+          d1.t_partial = et.ptr;
+          d1.sumsq = ess.ptr;
+          if (inject) {
+            d1.inject_iota = eio.ptr;
+            d1.inject_y = ey.ptr;
+            d1.H_out = eHo.ptr;
+          }
+          fn::HcMixParams m1 = mp;
+          m1.tokens = 1;
+          m1.t = et.ptr;
+          m1.sumsq = ess.ptr;
+          m1.H = inject ? eHo.ptr : eH.ptr;
+          m1.m = em.ptr;
+          m1.m_bf16 = emb.ptr;
+          m1.iota = with_iota ? eiota.ptr : nullptr;
+          fn::launch_hc_down(d1, nullptr);
+          fn::launch_hc_mix(m1, nullptr);
+          FN_CUDA_CHECK(cudaDeviceSynchronize());
+          auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+          };
+          CHECK(same(et.download(), part(t_all, S * R)));
+          CHECK(same(ess.download(), part(ss_all, S)));
+          CHECK(same(em.download(), part(m_all, D)));
+          const auto mb = emb.download();
+          CHECK(std::equal(mb.begin(), mb.end(), mb_all.begin() + z * D));
+          if (inject) CHECK(same(eHo.download(), part(Ho_all, W)));
+          if (with_iota) CHECK(same(eiota.download(), part(iota_all, 4)));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda hc: the launchers reject bad sizes, stream counts, splits, strides and alignment") {
   DeviceArray<float> x(256), t(256), n(256);
   DeviceArray<uint16_t> w(64 * 64), nw(256);

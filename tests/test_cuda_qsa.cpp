@@ -617,8 +617,8 @@ TEST_CASE(
       INFO("row ", r, " slot ", k, " t ", c.t[size_t(r)]);
       Gpu& g = *single[k];
       g.set_position(c.t[size_t(r)]);
-      g.proj->upload(
-          std::vector<float>(proj.begin() + r * proj_ld, proj.begin() + r * proj_ld + proj_size(s)));
+      g.proj->upload(std::vector<float>(proj.begin() + r * proj_ld,
+                                        proj.begin() + r * proj_ld + proj_size(s)));
       fn::launch_qsa_decode(g.p, nullptr);
       FN_CUDA_CHECK(cudaDeviceSynchronize());
       const std::vector<uint16_t> want = g.out->download();

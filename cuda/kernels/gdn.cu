@@ -455,10 +455,10 @@ void check_params(const GdnDecodeParams& p) {
   if (p.row_slot != nullptr) {
     FN_LAUNCH_REQUIRE(p.slot_state != nullptr && p.slot_conv != nullptr && p.in_proj == nullptr,
                       kOp);
-    const int64_t width = 2 * int64_t{p.num_k_heads} * p.k_head_dim +
-                          2 * int64_t{p.num_v_heads} * (p.v_head_dim + 1);
-    FN_LAUNCH_REQUIRE(p.proj_stride >= width && p.out_stride >= int64_t{p.num_v_heads} * p.v_head_dim,
-                      kOp);
+    const int64_t width =
+        2 * int64_t{p.num_k_heads} * p.k_head_dim + 2 * int64_t{p.num_v_heads} * (p.v_head_dim + 1);
+    FN_LAUNCH_REQUIRE(
+        p.proj_stride >= width && p.out_stride >= int64_t{p.num_v_heads} * p.v_head_dim, kOp);
   }
   FN_LAUNCH_REQUIRE(
       p.num_k_heads >= 1 && p.num_v_heads >= p.num_k_heads && p.num_v_heads % p.num_k_heads == 0,

@@ -76,11 +76,12 @@ struct GdnDecodeParams {
   unsigned int* join = nullptr;
   /// Several sequences in one launch (the batched decode step): `rows` tokens, row r of sequence
   /// slot row_slot[r], each row exactly the one-row launch on its own operands (the same bits).
-  /// rows > 1 needs row_slot. With row_slot set (any rows): proj row r at proj + r * proj_stride (floats, >= the width above), out row r
-  /// at out + r * out_stride (BF16 values, >= Hv*dv), the states of slot s at slot_state[s] and
-  /// slot_conv[s] (state and conv_state then unread), o_scratch [rows, Hv*dv] and
-  /// head_counters [rows, Hv + Hk] (zeroed once, as above), in_proj null. row_slot, slot_state
-  /// and slot_conv are device arrays ([rows], [slots], [slots]); no two rows name one slot.
+  /// rows > 1 needs row_slot. With row_slot set (any rows): proj row r at proj + r * proj_stride
+  /// (floats, >= the width above), out row r at out + r * out_stride (BF16 values, >= Hv*dv), the
+  /// states of slot s at slot_state[s] and slot_conv[s] (state and conv_state then unread),
+  /// o_scratch [rows, Hv*dv] and head_counters [rows, Hv + Hk] (zeroed once, as above), in_proj
+  /// null. row_slot, slot_state and slot_conv are device arrays ([rows], [slots], [slots]); no two
+  /// rows name one slot.
   int rows = 1;
   const int32_t* row_slot = nullptr;
   float* const* slot_state = nullptr;

@@ -765,8 +765,7 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
     const int64_t width = int64_t{p.num_q_heads} * 2 * p.head_dim +
                           2 * int64_t{p.num_kv_heads} * p.head_dim +
                           int64_t{p.indexer_heads + 1} * p.indexer_head_dim;
-    FN_LAUNCH_REQUIRE(p.proj_stride >= width &&
-                          p.out_stride >= int64_t{p.num_q_heads} * p.head_dim,
+    FN_LAUNCH_REQUIRE(p.proj_stride >= width && p.out_stride >= int64_t{p.num_q_heads} * p.head_dim,
                       kOp);
     a.row_slot = p.row_slot;
     a.slot_k = p.slot_k_cache;

@@ -75,13 +75,14 @@ struct QsaDecodeParams {
   const int32_t* forced_blocks = nullptr;
   /// Several sequences in one launch (the batched decode step): `rows` tokens, row r of sequence
   /// slot row_slot[r], each row exactly the one-row launch on its own operands (the same bits).
-  /// rows > 1 needs row_slot. With row_slot set (any rows): position is device [rows] (row r's t at position[r]), proj row r at
-  /// proj + r * proj_stride (floats, >= the width above), out row r at out + r * out_stride (BF16
-  /// values, >= Hq*hd), slot s's caches at slot_k_cache[s], slot_v_cache[s], slot_raw_keys[s] and
-  /// slot_block_keys[s] (k_cache .. block_keys then only set the alignment the attention kernel
-  /// is chosen by: every slot's caches must share it), the workspace rows *
-  /// qsa_decode_workspace_bytes bytes (row r's at r times that), in_proj and forced_blocks null.
-  /// row_slot and the slot arrays are device arrays ([rows], [slots]); no two rows name one slot.
+  /// rows > 1 needs row_slot. With row_slot set (any rows): position is device [rows] (row r's t at
+  /// position[r]), proj row r at proj + r * proj_stride (floats, >= the width above), out row r at
+  /// out + r * out_stride (BF16 values, >= Hq*hd), slot s's caches at slot_k_cache[s],
+  /// slot_v_cache[s], slot_raw_keys[s] and slot_block_keys[s] (k_cache .. block_keys then only set
+  /// the alignment the attention kernel is chosen by: every slot's caches must share it), the
+  /// workspace rows * qsa_decode_workspace_bytes bytes (row r's at r times that), in_proj and
+  /// forced_blocks null. row_slot and the slot arrays are device arrays ([rows], [slots]); no two
+  /// rows name one slot.
   int rows = 1;
   const int32_t* row_slot = nullptr;
   uint16_t* const* slot_k_cache = nullptr;

@@ -441,8 +441,8 @@ struct CudaModel::Impl {
   void build_slot_table();
   template <typename T>
   T* const* slot_pointers(int64_t layer, SlotField f) const {
-    return reinterpret_cast<T* const*>(slot_table +
-                                       (layer * kSlotFields + f) * static_cast<int64_t>(slots.size()));
+    return reinterpret_cast<T* const*>(slot_table + (layer * kSlotFields + f) *
+                                                        static_cast<int64_t>(slots.size()));
   }
   DeviceLayout slot_layout;  // the per-layer state sizes every slot has (copy_slot)
   // Zeroes slot `slot`'s states and fills its n-gram context with EOS (slot 0: reset_state).

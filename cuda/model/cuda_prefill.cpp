@@ -97,7 +97,7 @@ struct CudaPrefillState {
   // (zeroed once), allocated at the first batched step for slot_count() rows.
   int32_t* row_slot = nullptr;  // [rows]
   std::vector<int32_t> host_row_slot;
-  float* gdn_o = nullptr;               // [slots, Hv*dv]
+  float* gdn_o = nullptr;                // [slots, Hv*dv]
   unsigned int* gdn_counters = nullptr;  // [slots, Hv + Hk]
   void* qsa_rows_ws = nullptr;           // [slots] QSA decode workspaces
   float* hc_tp = nullptr;                // [slots, hc_down_splits, R + S] HC partial dots
@@ -955,7 +955,8 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
     P.gdn_counters = P.arena.alloc_n<unsigned int>(nc, "batched GDN arrival counters");
     FN_CUDA_CHECK(cudaMemsetAsync(P.gdn_counters, 0, sizeof(unsigned int) * nc, s));
     const int64_t splits = hc_down_splits(c.hc_count, c.hidden_size);
-    P.hc_tp = P.arena.alloc_n<float>(n * splits * (c.hc_lowrank + c.hc_count), "batched HC partials");
+    P.hc_tp =
+        P.arena.alloc_n<float>(n * splits * (c.hc_lowrank + c.hc_count), "batched HC partials");
     P.hc_sq = P.arena.alloc_n<float>(n * splits, "batched HC partial squares");
     P.hc_m = P.arena.alloc_n<float>(n * c.hidden_size, "batched HC block input");
     const QsaDecodeParams shape = model_detail::qsa_shape(c, o);

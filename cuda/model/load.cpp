@@ -904,8 +904,8 @@ void CudaModel::Impl::build_slot_table() {
       put(kSlotBlockKeys, d.block_keys);
     }
   slot_table = static_cast<void**>(arena.alloc(host.size() * sizeof(void*), "slot state table"));
-  FN_CUDA_CHECK(cudaMemcpy(slot_table, host.data(), host.size() * sizeof(void*),
-                           cudaMemcpyHostToDevice));
+  FN_CUDA_CHECK(
+      cudaMemcpy(slot_table, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
 }
 
 void CudaModel::Impl::reset_slot(const ModelConfig& c, int64_t slot) {

@@ -168,7 +168,7 @@ std::unique_ptr<CudaBackend> load_cuda(
   opt.prefill_chunk = flags.prefill_chunk;
   opt.ngram_table = parse_ngram_table(flags.ngram_table);
   opt.gpu_memory_utilization = flags.gpu_memory_utilization;
-  opt.slots = flags.max_batch < 0 ? 1 : flags.max_batch;  // 0: as many as fit
+  opt.slots = flags.max_batch < 0 ? flags.cuda_default_slots : flags.max_batch;  // 0: as many as fit
   // Building the model does not communicate; a failure on some ranks only (their shard's bytes,
   // their GPU's free memory) is agreed on, so rank 0 reports it.
   std::unique_ptr<CudaModel> model;
@@ -231,7 +231,7 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
   sub->add_flag("--check-choices", flags.check_choices,
                 "debug: after every step, check that all TP ranks chose the same experts and "
                 "indexer blocks (a hash compared across ranks); samples on the host");
-  add_whole_option(sub, "--prefill-chunk", flags.prefill_chunk,
+  flags.o_prefill_chunk = add_whole_option(sub, "--prefill-chunk", flags.prefill_chunk,
                    "cuda: tokens per batched prefill pass (prompts, eval's sequences, batched "
                    "steps); a longer prompt runs in several passes, each continuing from the "
                    "states the last one left (the cpu backend runs the prompt token by token)",

@@ -53,6 +53,11 @@ struct BackendFlags {
   /// (kDefaultCpuSlots on cpu, 1 on cuda); 0: as many as fit (cuda; kDefaultCpuSlots on cpu).
   /// Commands that run one sequence keep 1.
   int64_t max_batch = 1;
+  /// cuda's slots when max_batch is -1 (not given): 1, or 0 (as many as fit) for commands whose
+  /// sequences are short and many (eval loglik).
+  int64_t cuda_default_slots = 1;
+  /// The --prefill-chunk option (its count() tells whether the user gave it).
+  CLI::Option* o_prefill_chunk = nullptr;
 };
 
 /// The largest --max-batch.

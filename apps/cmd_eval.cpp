@@ -50,6 +50,11 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
+// eval loglik's --prefill-chunk on cuda when not given: a pass holds many items' contexts or
+// choices, and its buffers (~0.4 MB per row at the real TP=1 geometry) leave the free memory to
+// the slots (the default 8,192 rows would take ~3 GiB of an 80 GB GPU's last few).
+constexpr int64_t kLoglikPrefillChunk = 2048;
+
 // Options every eval subcommand has. The model is -m DIR, or --random-weights --config FILE
 // (the full geometry on random device weights, to time the goals without a checkpoint) with its
 // text read through --tokenizer DIR.
@@ -1022,6 +1027,12 @@ McItem parse_mc(const json& rec, const Tokenizer* tok, int64_t vocab) {
 
 int run_loglik(EvalCli& o, MpiContext& mpi) {
   o.loglik_c.backend.max_batch = o.ll_max_batch;
+  // Items are short and many: on cuda as many slots as fit, and passes of kLoglikPrefillChunk rows
+  // (many items' tokens each, with pass buffers small enough to leave the room to the slots).
+  o.loglik_c.backend.cuda_default_slots = 0;
+  if (o.loglik_c.backend.o_prefill_chunk != nullptr &&
+      o.loglik_c.backend.o_prefill_chunk->count() == 0)
+    o.loglik_c.backend.prefill_chunk = kLoglikPrefillChunk;
   const CommonCli& c = o.loglik_c;
   const bool root = mpi.world_rank() == 0;
   const fs::path dir = c.config_source();
@@ -1336,9 +1347,10 @@ void register_eval(CLI::App& app, CommandList& commands) {
   add_whole_option(o->loglik, "--max-batch", o->ll_max_batch,
                    fmt::format("choices scored side by side, each on a sequence slot of its own "
                                "(the items whose choices fit run in shared prefill passes); "
-                               "default: {} on cpu, 1 on cuda; 0: as many as fit the GPU's free "
-                               "memory (cuda)",
-                               kDefaultCpuSlots),
+                               "default: {} on cpu; on cuda (and with 0) as many as fit the GPU's "
+                               "free memory, at most 64; loglik's default --prefill-chunk on cuda "
+                               "is {}",
+                               kDefaultCpuSlots, kLoglikPrefillChunk),
                    WholeRange(0, kMaxBatchSlots));
 
   commands.push_back({ev, [o](MpiContext& mpi) {

@@ -167,25 +167,9 @@ constexpr std::size_t kDownStageBytes = (kDownStageVec + kDownChunkVec) * sizeof
 // the PDL wait, so the whole matrix is in flight while the previous kernel finishes
 // (cuda/common/pdl.cuh); ~64 registers, so up to 4 blocks fit an SM and the whole grid (and the
 // mix launched behind it) is resident while the previous kernel drains.
-// Token blockIdx.z of a launch over several tokens (HcDownParams::tokens): its H (and inject
-// operands), partial dots and partial squares, packed token after token.
-__device__ __forceinline__ void down_token(DownArgs& a) {
-  const int64_t z = blockIdx.z;
-  if (z == 0) return;
-  a.H += z * a.width;
-  a.tp += z * gridDim.x * a.rows;
-  a.sumsq += z * gridDim.x;
-  if (a.y != nullptr) {
-    a.y += z * a.hidden;
-    a.iota += z * kStreams;
-    a.H_out += z * a.width;
-  }
-}
-
 template <int kHidden = 0>
 __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
     hc_down_staged_kernel(DownArgs a) {
-  down_token(a);
   extern __shared__ uint4 stage4[];  // [kDownRowsPerBlock][kDownChunkVec] W, [kDownChunkVec] w
   uint4* nw_s = stage4 + kDownStageVec;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -251,19 +235,6 @@ struct MixArgs {
 };
 
 constexpr float kInvStreams = 1.0f / kStreams;  // 0.25: exact
-
-// Token blockIdx.z of a launch over several tokens (HcMixParams::tokens): its partials, partial
-// squares, H, m (and m_bf16) and iota, packed token after token.
-__device__ __forceinline__ void mix_token(MixArgs& a) {
-  const int64_t z = blockIdx.z;
-  if (z == 0) return;
-  a.t += z * a.splits * a.t_stride;
-  a.sumsq += z * a.splits;
-  a.H += z * kStreams * a.hidden;
-  a.m += z * a.hidden;
-  if (a.m_bf16 != nullptr) a.m_bf16 += z * a.hidden;
-  if (a.iota != nullptr) a.iota += z * kStreams;
-}
 
 // The mix's sizes. The launch's MixArgs in the runtime-shape instances (template arguments 0);
 // compile-time constants in the real read's instance (every argument > 0), so that its loops
@@ -423,7 +394,6 @@ __device__ __forceinline__ float mix_one_w(const MixArgs& a, const MixDims& d, i
 // first reduces from the partials into shared memory. The W_up vectors stay in registers: the
 // fallback for ranks whose staged rows do not fit 48 KB (hc_mix_uses_staging).
 __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
-  mix_token(a);
   extern __shared__ float4 u_s4[];  // [rank / 4]
   float* u_s = reinterpret_cast<float*>(u_s4);
   const MixDims d = mix_dims<0, 0, 0, 0>(a);
@@ -482,7 +452,6 @@ std::size_t mix_stage_bytes(int64_t rank, int team) {
 // shape, most of them address arithmetic, predicates and loop control on runtime sizes).
 template <int kRank = 0, int kHidden = 0, int kTeamLog2 = 0, int kSplits = 0>
 __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged_kernel(MixArgs a) {
-  mix_token(a);
   extern __shared__ uint4 stage4[];  // [kStreams][outs][nvec] W_up, then u [rank] FP32
   const MixDims d = mix_dims<kRank, kHidden, kTeamLog2, kSplits>(a);
   const int team = 1 << d.team_log2;
@@ -584,8 +553,6 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
   const int64_t splits = hc_down_splits(p.hc_count, p.hidden);
   const int64_t row_blocks = (p.rows + kDownRowsPerBlock - 1) / kDownRowsPerBlock;
   FN_LAUNCH_REQUIRE(splits <= INT32_MAX && row_blocks <= 65535, kOp);
-  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= 65535 && (p.tokens == 1 || p.hc_count == kStreams),
-                    kOp);
   DownArgs a{p.H,
              p.norm,
              p.weight,
@@ -599,8 +566,7 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              inject ? p.inject_iota : nullptr,
              inject ? p.inject_y : nullptr,
              inject ? p.H_out : nullptr};
-  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks),
-                  static_cast<unsigned>(p.tokens));
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
   const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
   void (*kernel)(DownArgs) = fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>;
   launch_pdl("hc_down_staged_kernel", kernel, grid, dim3(kBlockThreads), kDownStageBytes, stream,
@@ -622,7 +588,6 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(aligned(p.w_up, 16) && aligned(p.t, 4) && aligned(p.sumsq, 4) &&
                         aligned(p.H, 4) && aligned(p.norm, 2),
                     kOp);
-  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= 65535, kOp);
   const int64_t nvec = p.rank / 8;
   const int team = mix_team(p.hidden, p.rank);
   MixArgs a{p.w_up,
@@ -641,8 +606,7 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
             __builtin_ctz(static_cast<unsigned>(team)),
             static_cast<int>(p.t_splits),
             static_cast<int>(p.t_splits / kStreams)};
-  const dim3 grid(static_cast<unsigned>(mix_blocks(p.hidden, team)), 1,
-                  static_cast<unsigned>(p.tokens));
+  const auto grid = static_cast<unsigned>(mix_blocks(p.hidden, team));
   if (hc_mix_uses_staging(p)) {
     const bool fixed = p.fixed_shape && p.rank == kFixedRank && p.hidden == kFixedHidden &&
                        team == (1 << kFixedTeamLog2) && p.t_splits == kFixedSplits;

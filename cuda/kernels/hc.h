@@ -48,12 +48,6 @@ struct HcDownParams {
   /// true: the kernel runs its compile-time-shape instance when hc_count is 4 and D is 2560 (the
   /// real model); false: always the runtime-shape instance. Same bits.
   bool fixed_shape = true;
-  /// Tokens in one launch (the batched decode step; 1..65535, > 1 only with hc_count 4), each
-  /// exactly the one-token launch (the same bits): every buffer above holds the tokens packed one
-  /// after another (token z's H at H + z * hc_count * hidden, its partials at
-  /// t_partial + z * splits * rows, its squares at sumsq + z * splits, and with the inject its
-  /// inject_iota + z * hc_count, inject_y + z * hidden and H_out + z * hc_count * hidden).
-  int tokens = 1;
 };
 
 /// Column chunks per group of `hidden` columns: ceil(hidden / 1280) (2 at D = 2560).
@@ -102,11 +96,6 @@ struct HcMixParams {
   /// model's (rank 320, D 2560, 8 partials) and the launcher plans 32-lane teams (132 SMs);
   /// false: always the runtime-shape instance. Same bits.
   bool fixed_shape = true;
-  /// Tokens in one launch (the batched decode step; 1..65535), each exactly the one-token launch
-  /// (the same bits): every buffer above holds the tokens packed one after another (token z's
-  /// partials at t + z * t_splits * t_stride, its squares at sumsq + z * t_splits, its H at
-  /// H + z * hc_count * D, m and m_bf16 at + z * D, iota at + z * hc_count).
-  int tokens = 1;
 };
 
 /// Whether launch_hc_mix(p) runs the shared-memory staged kernel: the block's W_up rows plus u

@@ -30,7 +30,6 @@
 #include "cuda/kernels/gdn.h"
 #include "cuda/kernels/gdn_prefill.h"
 #include "cuda/kernels/gemm.h"
-#include "cuda/kernels/hc.h"
 #include "cuda/kernels/logit_stats.h"
 #include "cuda/kernels/moe_prefill.h"
 #include "cuda/kernels/ple.h"
@@ -100,9 +99,6 @@ struct CudaPrefillState {
   float* gdn_o = nullptr;                // [slots, Hv*dv]
   unsigned int* gdn_counters = nullptr;  // [slots, Hv + Hk]
   void* qsa_rows_ws = nullptr;           // [slots] QSA decode workspaces
-  float* hc_tp = nullptr;                // [slots, hc_down_splits, R + S] HC partial dots
-  float* hc_sq = nullptr;                // [slots, hc_down_splits] HC partial squares
-  float* hc_m = nullptr;                 // [slots, D] the HC read's FP32 block input
   // The batched step's layers as a CUDA graph per batch size B, captured for one list of slots
   // (their state pointers are the graph's parameters) and updated in place when the list
   // changes; the tokens and positions are read from P.tokens and P.row_pos.
@@ -431,40 +427,6 @@ struct CudaModel::Impl::PrefillRun {
     const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
     const float eps = static_cast<float>(c.rms_norm_eps);
     prof.mark(StepFamily::Hc);
-    if (decode_rows) {  // the decode step's two launches, the rows in the grid's z: its bits
-      HcDownParams down;
-      down.H = Hrows;
-      down.norm = hc.norm;
-      down.weight = hc.down_inj;
-      down.rows = hc.down_rows;
-      down.hc_count = static_cast<int>(S);
-      down.hidden = D;
-      down.t_partial = P.hc_tp;
-      down.sumsq = P.hc_sq;
-      down.fixed_shape = I.plan.hc_down_fixed;
-      down.tokens = static_cast<int>(m);
-      launch_hc_down(down, s);
-      HcMixParams mx;
-      mx.w_up = hc.up;
-      mx.t = P.hc_tp;
-      mx.sumsq = P.hc_sq;
-      mx.t_splits = hc_down_splits(S, D);
-      mx.t_stride = hc.down_rows;
-      mx.H = Hrows;
-      mx.norm = hc.norm;
-      mx.eps = eps;
-      mx.m = P.hc_m;
-      mx.iota = iota_out;
-      mx.hc_count = static_cast<int>(S);
-      mx.hidden = D;
-      mx.rank = R;
-      mx.fixed_shape = I.plan.hc_mix_fixed;
-      mx.tokens = static_cast<int>(m);
-      launch_hc_mix(mx, s);
-      m_lo = P.m_hi + m * D;
-      launch_split_bf16(P.hc_m, m * D, P.m_hi, P.m_hi + m * D, s);
-      return;
-    }
     uint16_t* n_lo = P.n_hi + m * W;
     uint16_t* u_lo = P.u_hi + m * R;
     uint16_t* mlo = P.m_hi + m * D;
@@ -954,11 +916,6 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
     const int64_t nc = n * (rd.linear_v_heads + rd.linear_k_heads);
     P.gdn_counters = P.arena.alloc_n<unsigned int>(nc, "batched GDN arrival counters");
     FN_CUDA_CHECK(cudaMemsetAsync(P.gdn_counters, 0, sizeof(unsigned int) * nc, s));
-    const int64_t splits = hc_down_splits(c.hc_count, c.hidden_size);
-    P.hc_tp =
-        P.arena.alloc_n<float>(n * splits * (c.hc_lowrank + c.hc_count), "batched HC partials");
-    P.hc_sq = P.arena.alloc_n<float>(n * splits, "batched HC partial squares");
-    P.hc_m = P.arena.alloc_n<float>(n * c.hidden_size, "batched HC block input");
     const QsaDecodeParams shape = model_detail::qsa_shape(c, o);
     P.qsa_rows_ws = P.arena.alloc(static_cast<std::size_t>(n) * qsa_decode_workspace_bytes(shape),
                                   "batched QSA workspaces");

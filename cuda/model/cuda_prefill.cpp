@@ -91,9 +91,10 @@ struct CudaPrefillState {
   // source, alive until the pass's end synchronises the stream.
   int64_t* row_pos = nullptr;  // [rows]
   std::vector<int64_t> host_row_pos;
-  // The batched step's rows in one launch per layer (launch_gdn_decode over rows): each row's
-  // slot (device, beside row_pos), and the GDN kernel's per-row scratch and arrival counters
-  // (zeroed once), allocated at the first batched step for slot_count() rows.
+  // The batched step's GDN and QSA rows in one launch (group) per layer (launch_gdn_decode and
+  // launch_qsa_decode over rows): each row's slot (device, beside row_pos), and the kernels'
+  // per-row scratch, GDN arrival counters (zeroed once) and QSA workspaces, allocated at the
+  // first batched step for slot_count() rows.
   int32_t* row_slot = nullptr;  // [rows]
   std::vector<int32_t> host_row_slot;
   float* gdn_o = nullptr;                // [slots, Hv*dv]

@@ -109,6 +109,12 @@ void write_jsonl_record_agreed(Collectives& coll, std::FILE* out,
                                const std::function<nlohmann::json()>& make,
                                const std::string& path);
 
+/// write_jsonl_record_agreed of a line made by `make` (one complete JSON text and its newline,
+/// e.g. batch_records.h record_line: a record whose "id" is echoed as written). Throws as
+/// write_jsonl_record, on every rank.
+void write_jsonl_line_agreed(Collectives& coll, std::FILE* out,
+                             const std::function<std::string()>& make, const std::string& path);
+
 /// Flushes stdout (C stdio and std::cout) and throws fn::Error(Io) "cannot write to standard
 /// output" when any earlier write to it failed. main() runs it after every command.
 void check_stdout();

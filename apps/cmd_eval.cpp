@@ -536,7 +536,7 @@ std::optional<std::string> extract_answer(const std::string& content,
 
 // One task record: prompt ids (rank 0), answers, pattern. Throws fn::Error naming the field.
 struct Task {
-  json id;
+  std::string id;  // the record's "id" as written (record_id_text)
   std::string task = "default";
   std::vector<int32_t> ids;
   std::vector<std::string> answers;
@@ -597,16 +597,17 @@ Task parse_task(const json& rec, const Tokenizer* tok, const EvalCli& o, int64_t
 
 // One line of a records file (eval score, eval loglik) on rank 0: 0 when blank; else 1 with
 // `parse(rec)` run on its JSON, or 2 when parsing or `parse` threw fn::Error (*error: "INPUT:
-// line N: why"). *id (default: the 1-based line number) and *task take the record's "id" and
-// string "task" first, so an error record names them too.
+// line N: why"). *id (default: the 1-based line number) and *task take the record's "id" (its
+// JSON text as written: batch_records.h record_id_text, echoed by record_line) and string "task"
+// first, so an error record names them too.
 template <class Parse>
-int32_t read_record_line(const std::string& line, int64_t li, const std::string& input, json* id,
-                         std::string* task, std::string* error, Parse&& parse) {
-  *id = li + 1;
+int32_t read_record_line(const std::string& line, int64_t li, const std::string& input,
+                         std::string* id, std::string* task, std::string* error, Parse&& parse) {
+  *id = std::to_string(li + 1);
   if (line.find_first_not_of(" \t\r") == std::string::npos) return 0;
   try {
     const json rec = parse_json_line(line);
-    if (rec.is_object() && rec.contains("id")) *id = rec["id"];
+    if (rec.is_object()) *id = record_id_text(line, li + 1);
     if (rec.is_object() && rec.contains("task") && rec["task"].is_string())
       *task = rec["task"].get<std::string>();
     parse(rec);
@@ -691,9 +692,6 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     if (!root || o.score_output.empty()) return;
     out = open_output_locked(o.score_output, true, "-o/--output");
   });
-  const auto emit = [&](const std::function<json()>& make) {
-    write_jsonl_record_agreed(coll, out, make, o.score_output);
-  };
   struct Tally {
     int64_t n = 0, correct = 0, errors = 0;
   };
@@ -710,13 +708,16 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     std::unique_ptr<StreamingDetokenizer> detok;  // rank 0, with a tokenizer
   };
   std::map<int64_t, Running> running;  // by line index
-  std::map<int64_t, json> ready;       // finished records by line index (rank 0: the record)
+  // Finished records by line index: the id as written and (rank 0) the rest of the record.
+  std::map<int64_t, std::pair<std::string, json>> ready;
   int64_t next_write = 0;
   const auto write_ready = [&] {
     for (auto it = ready.begin(); it != ready.end() && it->first == next_write;
          it = ready.erase(it), ++next_write) {
-      if (it->second.is_null()) continue;  // a blank line: no record (the same on every rank)
-      emit([&] { return it->second; });
+      const auto& [id, body] = it->second;
+      if (body.is_null()) continue;  // a blank line: no record (the same on every rank)
+      write_jsonl_line_agreed(
+          coll, out, [&] { return record_line(id, body); }, o.score_output);
     }
   };
   // Rank 0's record of a finished task.
@@ -748,8 +749,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     ++total.n;
     tt.correct += ok;
     total.correct += ok;
-    json j = {{"id", t.id},
-              {"task", t.task},
+    json j = {{"task", t.task},
               {"correct", ok},
               {"extracted", got ? json(*got) : json(nullptr)},
               {"answer", t.answers.size() == 1 ? json(t.answers[0]) : json(t.answers)},
@@ -814,7 +814,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       }
       coll.broadcast(&status, sizeof(status), 0);
       if (status == 0) {
-        ready.emplace(li, json());
+        ready.emplace(li, std::pair{std::string(), json()});
         continue;
       }
       if (status == 2) {
@@ -825,9 +825,9 @@ int run_score(EvalCli& o, MpiContext& mpi) {
           ++tally[t.task].n;
           ++total.errors;
           ++total.n;
-          j = {{"id", t.id}, {"task", t.task}, {"correct", false}, {"error", error}};
+          j = {{"task", t.task}, {"correct", false}, {"error", error}};
         }
-        ready.emplace(li, root ? j : json::object());
+        ready.emplace(li, std::pair{t.id, root ? j : json::object()});
         continue;
       }
       t.ids = broadcast_ids(coll, t.ids);
@@ -884,7 +884,9 @@ int run_score(EvalCli& o, MpiContext& mpi) {
       const auto it = running.find(done.key);
       FN_CHECK(it != running.end(), "the batch engine returned an unknown record {}", done.key);
       ready.emplace(done.key,
-                    root ? score_record(it->second.t, done.result, done.key) : json::object());
+                    std::pair{it->second.t.id, root ? score_record(it->second.t, done.result,
+                                                                     done.key)
+                                                    : json::object()});
       running.erase(it);
     }
     write_ready();
@@ -936,7 +938,7 @@ int run_score(EvalCli& o, MpiContext& mpi) {
 // One multiple-choice record (rank 0): the context and choice ids, each choice's byte length
 // (acc_norm's divisor) and the answer index. Throws fn::Error(Format) naming the field.
 struct McItem {
-  json id;
+  std::string id;  // the record's "id" as written (record_id_text)
   std::string task = "default";
   std::vector<int32_t> context;
   std::vector<std::vector<int32_t>> choices;
@@ -1149,11 +1151,9 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
           ++total.errors;
           ++total.n;
         }
-        write_jsonl_record_agreed(
+        write_jsonl_line_agreed(
             coll, out,
-            [&] {
-              return json{{"id", m.id}, {"task", m.task}, {"error", x.error}};
-            },
+            [&] { return record_line(m.id, json{{"task", m.task}, {"error", x.error}}); },
             o.ll_output);
         continue;
       }
@@ -1179,8 +1179,7 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
         total.correct += pred == m.answer;
         tt.correct_norm += pred_norm == m.answer;
         total.correct_norm += pred_norm == m.answer;
-        j = {{"id", m.id},
-             {"task", m.task},
+        j = {{"task", m.task},
              {"answer", m.answer},
              {"pred", pred},
              {"pred_norm", pred_norm},
@@ -1189,8 +1188,8 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
              {"n_context_tokens", m.context.size()},
              {"choices", per}};
       }
-      write_jsonl_record_agreed(
-          coll, out, [&] { return j; }, o.ll_output);
+      write_jsonl_line_agreed(
+          coll, out, [&] { return record_line(m.id, j); }, o.ll_output);
     }
     li += count;
   }

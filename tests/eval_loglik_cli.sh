@@ -60,6 +60,22 @@ fi
 check_jsonl "$tmp/mb3.jsonl" "len(r) == 10 and 'error' in r[7] and r[8]['id'] == r[0]['id']
   and r[8]['choices'] == r[0]['choices']" "the bad line keeps its place; a repeated item scores alike"
 
+# Each record's "id" is echoed as written: an integer past 64 bits keeps its digits, a string its
+# escapes (as generate -i does); an error record too.
+{
+  echo '{"id": 123456789012345678901234, "context_ids": [7], "choices": [[1], [2]], "answer": 0}'
+  echo '{"id": "\u0041b", "context_ids": [7], "choices": [[1]], "answer": 0}'
+  echo '{"id": -0.50, "context_ids": [7], "choices": [[1]], "answer": 5}'
+} >"$tmp/ids.jsonl"
+if mpi_fngen 2 eval loglik --backend cpu -m "$fx" -i "$tmp/ids.jsonl" -o "$tmp/ids.out" \
+  >/dev/null 2>"$tmp/err" &&
+  [ "$(wc -l <"$tmp/ids.out")" = 3 ] && grep -qF '{"id":123456789012345678901234,' "$tmp/ids.out" &&
+  grep -qF '{"id":"\u0041b",' "$tmp/ids.out" && grep -qF '{"id":-0.50,' "$tmp/ids.out"; then
+  pass "ids are echoed as written"
+else
+  fail "ids are not echoed as written: $(head -c 600 "$tmp/ids.out") $(head -n 3 "$tmp/err")"
+fi
+
 # An -o another process is writing (its lock held) is refused before it is touched.
 expect_locked_output "$tmp/locked.jsonl" -- \
   mpi_fngen 1 eval loglik --backend cpu -m "$fx" -i "$items" -o "$tmp/locked.jsonl"

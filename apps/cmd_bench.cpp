@@ -519,14 +519,21 @@ std::string format_md(const Report& r) {
         "prefill skipped: position set to depth; caches hold zeros (each step reads the bytes "
         "of that depth); TTFT not measured\n";
   }
-  out +=
-      "TTFT and TPOT: mean ± std over the repetitions; ITL percentiles over every gap of every "
-      "repetition; MB/token/rank: bytes read per decoded token by the busiest rank (shard plan, "
-      "at the mean decode depth n_prompt + n_gen/2); floor = MB / reference bandwidth\n\n";
-  out +=
-      "| n_prompt | n_gen | TTFT ms | TPOT ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | decode t/s "
-      "| prefill t/s | MB/token/rank | floor ms | GB/s | % of ref |\n";
-  out += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  // The one-sequence table only when some lane runs batch 1 (--batch without 1: the batched
+  // table alone, no empty table before it).
+  const bool single =
+      std::any_of(r.lanes.begin(), r.lanes.end(), [](const auto& l) { return l.batch <= 1; });
+  if (single) {
+    out +=
+        "TTFT and TPOT: mean ± std over the repetitions; ITL percentiles over every gap of every "
+        "repetition; MB/token/rank: bytes read per decoded token by the busiest rank (shard "
+        "plan, at the mean decode depth n_prompt + n_gen/2); floor = MB / reference "
+        "bandwidth\n\n";
+    out +=
+        "| n_prompt | n_gen | TTFT ms | TPOT ms | ITL p50 ms | ITL p90 ms | ITL p99 ms | decode "
+        "t/s | prefill t/s | MB/token/rank | floor ms | GB/s | % of ref |\n";
+    out += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  }
   for (const auto& l : r.lanes) {
     if (l.batch > 1) continue;  // the batched table below
     const json j = lane_json(l, r.bandwidth_gbs);
@@ -553,8 +560,9 @@ std::string format_md(const Report& r) {
     if (l.batch <= 1) continue;
     if (!batched) {
       batched = true;
+      out += single ? "\n" : "";
       out +=
-          "\nbatched lanes (--batch): B sequences decoded side by side, one token each per step; "
+          "batched lanes (--batch): B sequences decoded side by side, one token each per step; "
           "step ms = each sequence's TPOT; output t/s = B / step; TTFT = every prompt prefilled "
           "(one after another) + the first step; MB/step/rank: the busiest rank's bytes of one "
           "step (shard plan: the weights once, the expected distinct routed experts under uniform "

@@ -883,10 +883,9 @@ int run_score(EvalCli& o, MpiContext& mpi) {
     for (BatchOutput& done : engine.step()) {
       const auto it = running.find(done.key);
       FN_CHECK(it != running.end(), "the batch engine returned an unknown record {}", done.key);
-      ready.emplace(done.key,
-                    std::pair{it->second.t.id, root ? score_record(it->second.t, done.result,
-                                                                     done.key)
-                                                    : json::object()});
+      ready.emplace(done.key, std::pair{it->second.t.id,
+                                        root ? score_record(it->second.t, done.result, done.key)
+                                             : json::object()});
       running.erase(it);
     }
     write_ready();
@@ -1086,11 +1085,23 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
     McItem m;
     std::string error;
   };
+  std::set<std::string> warned;  // unknown field names already warned about
   const auto parse_line = [&](int64_t li) {
     Line x;
     x.status = read_record_line(
         lines[static_cast<std::size_t>(li)], li, o.ll_input, &x.m.id, &x.m.task, &x.error,
         [&](const json& rec) {
+          static const std::set<std::string> known = {"id",          "task",    "context",
+                                                      "context_ids", "choices", "answer"};
+          if (rec.is_object()) {
+            for (const auto& [key, value] : rec.items()) {
+              if (known.count(key) || !warned.insert(key).second) continue;
+              FN_LOG_WARN(
+                  "{}: line {}: field \"{}\" is not one fngen eval loglik reads; ignored (said "
+                  "once per field name)",
+                  o.ll_input, li + 1, key);
+            }
+          }
           McItem parsed = parse_mc(rec, tok.get(), cfg.vocab_size);
           parsed.id = x.m.id;
           x.m = std::move(parsed);
@@ -1153,7 +1164,9 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
         }
         write_jsonl_line_agreed(
             coll, out,
-            [&] { return record_line(m.id, json{{"task", m.task}, {"error", x.error}}); },
+            [&] {
+              return record_line(m.id, json{{"task", m.task}, {"error", x.error}});
+            },
             o.ll_output);
         continue;
       }
@@ -1338,6 +1351,12 @@ void register_eval(CLI::App& app, CommandList& commands) {
       "multiple-choice log-likelihood (JSONL: id, context|context_ids, choices, answer, task): "
       "acc and acc_norm per task, every choice's log-prob per record");
   add_common(o->loglik, o->loglik_c);
+  // loglik's own default pass size (run_loglik applies it when the flag is not given).
+  o->loglik_c.backend.o_prefill_chunk
+      ->description(fmt::format("cuda: tokens per batched prefill pass (a pass holds several "
+                                "items' contexts or choices; default {} for loglik)",
+                                kLoglikPrefillChunk))
+      ->default_str(std::to_string(kLoglikPrefillChunk));
   o->loglik->add_option("-i,--input", o->ll_input, "items JSONL")->required();
   add_stdout_option(o->loglik, "-o,--output", o->ll_output, "JSONL records");
   add_whole_option(o->loglik, "-c,--ctx-size", o->ll_ctx,
@@ -1346,10 +1365,9 @@ void register_eval(CLI::App& app, CommandList& commands) {
   add_whole_option(o->loglik, "--max-batch", o->ll_max_batch,
                    fmt::format("choices scored side by side, each on a sequence slot of its own "
                                "(the items whose choices fit run in shared prefill passes); "
-                               "default: {} on cpu; on cuda (and with 0) as many as fit the GPU's "
-                               "free memory, at most 64; loglik's default --prefill-chunk on cuda "
-                               "is {}",
-                               kDefaultCpuSlots, kLoglikPrefillChunk),
+                               "default (and 0): {} on cpu, as many as fit the GPU's free memory "
+                               "on cuda (at most 64)",
+                               kDefaultCpuSlots),
                    WholeRange(0, kMaxBatchSlots));
 
   commands.push_back({ev, [o](MpiContext& mpi) {

@@ -231,6 +231,21 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
     fail "plot_bench on a one-lane jsonl report: $(cat "$tmp/plot.err")"
   fi
 
+  # ---- --batch: the batched table (and the one-sequence table only with a batch-1 lane) ----
+  if bench -p 8 -n 3 -r 1 --warmup 0 --batch 2 >"$tmp/b2.md" 2>"$tmp/err" &&
+    grep -q '^| batch | n_prompt' "$tmp/b2.md" && grep -qE '^\| 2 \| 8 \| 3 \|' "$tmp/b2.md" &&
+    ! grep -q '^| n_prompt' "$tmp/b2.md"; then
+    pass "--batch 2: the batched table alone"
+  else
+    fail "--batch 2: $(cat "$tmp/b2.md" "$tmp/err" | head -n 20)"
+  fi
+  if bench -p 8 -n 3 -r 1 --warmup 0 --batch 1,2 >"$tmp/b12.md" 2>"$tmp/err" &&
+    grep -qE '^\| 8 \| 3 \|' "$tmp/b12.md" && grep -qE '^\| 2 \| 8 \| 3 \|' "$tmp/b12.md"; then
+    pass "--batch 1,2: both tables, one row each"
+  else
+    fail "--batch 1,2: $(cat "$tmp/b12.md" "$tmp/err" | head -n 20)"
+  fi
+
   # ---- bad input: usage errors (exit 2) naming the flag ----
   expect 2 "--format" -- bench --format xml
   # CLI11's parse errors read as the other usage errors; a flag without its value says so.

@@ -61,10 +61,10 @@ check_jsonl "$tmp/mb3.jsonl" "len(r) == 10 and 'error' in r[7] and r[8]['id'] ==
   and r[8]['choices'] == r[0]['choices']" "the bad line keeps its place; a repeated item scores alike"
 
 # Each record's "id" is echoed as written: an integer past 64 bits keeps its digits, a string its
-# escapes (as generate -i does); an error record too.
+# escapes (as generate -i does); an error record too. Unknown fields are warned about.
 {
-  echo '{"id": 123456789012345678901234, "context_ids": [7], "choices": [[1], [2]], "answer": 0}'
-  echo '{"id": "\u0041b", "context_ids": [7], "choices": [[1]], "answer": 0}'
+  echo '{"id": 123456789012345678901234, "context_ids": [7], "choices": [[1], [2]], "answer": 0, "taks": "x"}'
+  echo '{"id": "\u0041b", "context_ids": [7], "choices": [[1]], "answer": 0, "taks": "y"}'
   echo '{"id": -0.50, "context_ids": [7], "choices": [[1]], "answer": 5}'
 } >"$tmp/ids.jsonl"
 if mpi_fngen 2 eval loglik --backend cpu -m "$fx" -i "$tmp/ids.jsonl" -o "$tmp/ids.out" \
@@ -74,6 +74,12 @@ if mpi_fngen 2 eval loglik --backend cpu -m "$fx" -i "$tmp/ids.jsonl" -o "$tmp/i
   pass "ids are echoed as written"
 else
   fail "ids are not echoed as written: $(head -c 600 "$tmp/ids.out") $(head -n 3 "$tmp/err")"
+fi
+# An unknown field (a typo of "task") is warned about once per name, on rank 0 only.
+if [ "$(grep -c 'field "taks" is not one fngen eval loglik reads' "$tmp/err")" = 1 ]; then
+  pass "an unknown field is warned about once"
+else
+  fail "the unknown-field warning: $(grep -i taks "$tmp/err" | head -n 3)"
 fi
 
 # An -o another process is writing (its lock held) is refused before it is touched.

@@ -28,10 +28,19 @@ bool bitwise_equal(std::span<const float> a, std::span<const float> b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// "<id>", built by appends: `"<" + std::to_string(id) + ">"` trips GCC 12's false -Wrestrict
+// warning (GCC bug 105651) in a Release build.
+std::string bracketed(int64_t id) {
+  std::string s = "<";
+  s += std::to_string(id);
+  s += '>';
+  return s;
+}
+
 // Text of an id for the stop-string cases: "<id>".
 fn::TextHooks id_text_hooks() {
   fn::TextHooks h;
-  h.feed = [](int32_t id) { return "<" + std::to_string(id) + ">"; };
+  h.feed = [](int32_t id) { return bracketed(id); };
   h.finish = [] { return std::string(); };
   return h;
 }
@@ -93,7 +102,7 @@ std::vector<fn::BatchRequest> comparison_requests(const fn::test::RefFixture& f)
   }
   {  // a stop string on the text of the greedy run's third id
     fn::BatchRequest r = base(0, static_cast<int64_t>(f.prompt_ids.size()));
-    r.options.stop_strings = {"<" + std::to_string(f.generated_ids[2]) + ">"};
+    r.options.stop_strings = {bracketed(f.generated_ids[2])};
     r.hooks = id_text_hooks();
     reqs.push_back(std::move(r));
   }

@@ -51,7 +51,7 @@ struct CudaModelOptions {
   bool record_choices = false;
   /// Tokens per batched prefill pass (`--prefill-chunk`): prefill() splits a longer
   /// prompt into passes of at most this many tokens, each continuing from the states the last
-  /// one left. Capped at ctx_size with one slot (pass rows: model_detail::pass_rows); the pass
+  /// one left. Capped at ctx_size times the slots (model_detail::pass_rows); the pass
   /// buffers (allocated on the first prefill()) scale with it: about 0.3 MB per token at the real
   /// TP=1 geometry. >= 1.
   int64_t prefill_chunk = 8192;

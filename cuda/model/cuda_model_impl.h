@@ -245,9 +245,9 @@ cudaGraphExec_t capture_graph(cudaStream_t stream, const std::function<void()>& 
 void require_steps(const ModelConfig& c, int32_t token, bool count_ok, int64_t count,
                    const char* doing, const char* unit, int64_t position, int64_t ctx_size);
 
-/// Rows of one batched prefill pass: --prefill-chunk, capped at -c/--ctx-size with one sequence
-/// slot (a pass then holds one sequence's tokens); with several slots a pass holds several
-/// sequences' pieces (prefill_slots, the batched step), each within -c, so only the chunk caps it.
+/// Rows of one batched prefill pass: --prefill-chunk, capped at -c/--ctx-size times the slots
+/// (a pass holds pieces of at most every slot's sequence, each within -c: prefill_slots, the
+/// batched step); with as many slots as fit (o.slots 0) the chunk alone.
 int64_t pass_rows(const CudaModelOptions& o);
 /// Device bytes of the batched prefill's pass buffers (cuda_prefill.cpp, allocated at the first
 /// prefill()) for pass_rows(o) tokens per pass.

@@ -317,7 +317,9 @@ std::size_t model_detail::prefill_buffer_bytes(const ModelConfig& c, const CudaM
 
 int64_t model_detail::pass_rows(const CudaModelOptions& o) {
   const int64_t chunk = std::max<int64_t>(o.prefill_chunk, 1);
-  return o.slots == 1 ? std::min(chunk, o.ctx_size) : chunk;
+  if (o.slots == 0) return chunk;  // as many slots as fit: not known before the buffers are
+  // A pass never holds more than every slot's context.
+  return o.ctx_size > chunk / o.slots ? chunk : std::min(chunk, o.ctx_size * o.slots);
 }
 
 void model_detail::require_prefill_fits(const ModelConfig& c, const CudaModelOptions& o,

@@ -168,11 +168,25 @@ std::unique_ptr<CudaBackend> load_cuda(
   opt.prefill_chunk = flags.prefill_chunk;
   opt.ngram_table = parse_ngram_table(flags.ngram_table);
   opt.gpu_memory_utilization = flags.gpu_memory_utilization;
-  opt.slots = flags.max_batch < 0 ? flags.cuda_default_slots : flags.max_batch;  // 0: as many as fit
+  opt.slots =
+      flags.max_batch < 0 ? flags.cuda_default_slots : flags.max_batch;  // 0: as many as fit
   // Building the model does not communicate; a failure on some ranks only (their shard's bytes,
   // their GPU's free memory) is agreed on, so rank 0 reports it.
   std::unique_ptr<CudaModel> model;
   agree_on_error(coll, [&] { model = make(opt, opt.tp_size); });
+  if (opt.slots == 0 && coll.size() > 1) {
+    // As many slots as fit is each GPU's own count: the ranks run the same sequences, so the
+    // group uses the fewest any rank fit (whole numbers below 2^24 are exact in a float).
+    const auto mine = static_cast<float>(model->slot_count());
+    std::vector<float> all(static_cast<std::size_t>(coll.size()));
+    coll.all_gather(&mine, 1, all.data());
+    const auto fewest = static_cast<int64_t>(*std::min_element(all.begin(), all.end()));
+    if (fewest < model->slot_count()) {
+      if (coll.rank() == 0)
+        FN_LOG_INFO("cuda: {} sequence slots on every rank (the fewest a rank's GPU fits)", fewest);
+      model->limit_slots(fewest);
+    }
+  }
   const int tp = gpu->size();
   return std::make_unique<CudaBackend>(std::move(gpu), std::move(all_reduce), std::move(model), tp,
                                        ms_since(t0), random_weights);
@@ -231,12 +245,13 @@ void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
   sub->add_flag("--check-choices", flags.check_choices,
                 "debug: after every step, check that all TP ranks chose the same experts and "
                 "indexer blocks (a hash compared across ranks); samples on the host");
-  flags.o_prefill_chunk = add_whole_option(sub, "--prefill-chunk", flags.prefill_chunk,
-                   "cuda: tokens per batched prefill pass (prompts, eval's sequences, batched "
-                   "steps); a longer prompt runs in several passes, each continuing from the "
-                   "states the last one left (the cpu backend runs the prompt token by token)",
-                   WholeRange(1))
-      ->capture_default_str();
+  flags.o_prefill_chunk =
+      add_whole_option(sub, "--prefill-chunk", flags.prefill_chunk,
+                       "cuda: tokens per batched prefill pass (prompts, eval's sequences, batched "
+                       "steps); a longer prompt runs in several passes, each continuing from the "
+                       "states the last one left (the cpu backend runs the prompt token by token)",
+                       WholeRange(1))
+          ->capture_default_str();
   sub->add_option("--ngram-table", flags.ngram_table,
                   "cuda: where the PLE n-gram table lives: device | host (pinned host memory "
                   "that the GPU reads over PCIe / C2C inside the decode graph, freeing its bytes "

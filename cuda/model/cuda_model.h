@@ -276,6 +276,11 @@ class CudaModel {
   /// reset(), position(), snapshot() and restore() act on the selected slot (0 after the load);
   /// the decode graph and the device sampling loop run slot 0 only.
   int64_t slot_count() const noexcept;
+  /// Uses only the first `count` slots from now on (slot_count() returns it; the others stay
+  /// allocated, unused): the TP ranks of a group agree on the fewest any of them fit
+  /// (--max-batch 0 sizes the slots from each GPU's own free memory). Throws
+  /// fn::Error(Internal) unless 1 <= count <= slot_count() and slot 0 is selected.
+  void limit_slots(int64_t count);
   int64_t selected_slot() const noexcept { return slot_; }
   /// Makes `slot` the selected one (the others keep their sequences). Throws
   /// fn::Error(Internal) outside [0, slot_count()).

@@ -425,6 +425,7 @@ struct CudaModel::Impl {
   // Sequence slots (CudaModelOptions::slots): [0] points at the layers' own states and
   // `context`; the others own theirs (alloc_slots, load.cpp).
   std::vector<model_detail::DevSlot> slots;
+  int64_t usable_slots = 0;  // CudaModel::limit_slots (0: every slot)
   void alloc_slots(const ModelConfig& c, const CudaModelOptions& o, const DeviceLayout& lay);
   // The slots' state pointers on the device, for kernels that run several slots' rows in one
   // launch (the batched step): [layer][SlotField][slot], made by alloc_slots.

@@ -56,7 +56,13 @@ void CudaModel::reset() {
 }
 
 int64_t CudaModel::slot_count() const noexcept {
-  return static_cast<int64_t>(impl_->slots.size());
+  return impl_->usable_slots > 0 ? impl_->usable_slots : static_cast<int64_t>(impl_->slots.size());
+}
+
+void CudaModel::limit_slots(int64_t count) {
+  FN_CHECK(count >= 1 && count <= slot_count() && slot_ == 0,
+           "limit_slots: {} of {} slots (slot {} selected)", count, slot_count(), slot_);
+  impl_->usable_slots = count;
 }
 
 void CudaModel::select_slot(int64_t slot) {

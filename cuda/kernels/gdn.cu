@@ -450,16 +450,6 @@ void check_params(const GdnDecodeParams& p) {
                     kOp);
   FN_LAUNCH_REQUIRE(p.conv_state != nullptr && p.state != nullptr && p.out != nullptr, kOp);
   FN_LAUNCH_REQUIRE(p.o_scratch != nullptr && p.head_counters != nullptr, kOp);
-  FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= 65535, kOp);
-  FN_LAUNCH_REQUIRE(p.rows == 1 || p.row_slot != nullptr, kOp);
-  if (p.row_slot != nullptr) {
-    FN_LAUNCH_REQUIRE(p.slot_state != nullptr && p.slot_conv != nullptr && p.in_proj == nullptr,
-                      kOp);
-    const int64_t width =
-        2 * int64_t{p.num_k_heads} * p.k_head_dim + 2 * int64_t{p.num_v_heads} * (p.v_head_dim + 1);
-    FN_LAUNCH_REQUIRE(
-        p.proj_stride >= width && p.out_stride >= int64_t{p.num_v_heads} * p.v_head_dim, kOp);
-  }
   FN_LAUNCH_REQUIRE(
       p.num_k_heads >= 1 && p.num_v_heads >= p.num_k_heads && p.num_v_heads % p.num_k_heads == 0,
       kOp);
@@ -469,6 +459,15 @@ void check_params(const GdnDecodeParams& p) {
   const int64_t conv_dim =
       2 * int64_t{p.num_k_heads} * p.k_head_dim + int64_t{p.num_v_heads} * p.v_head_dim;
   FN_LAUNCH_REQUIRE(conv_dim + 2 * int64_t{p.num_v_heads} * (p.v_head_dim + 1) < INT_MAX, kOp);
+  FN_LAUNCH_REQUIRE(p.rows >= 1 && p.rows <= 65535, kOp);
+  FN_LAUNCH_REQUIRE(p.rows == 1 || p.row_slot != nullptr, kOp);
+  if (p.row_slot != nullptr) {  // proj rows of the stacked projection's width
+    FN_LAUNCH_REQUIRE(p.slot_state != nullptr && p.slot_conv != nullptr && p.in_proj == nullptr,
+                      kOp);
+    const int64_t width = conv_dim + int64_t{p.num_v_heads} * p.v_head_dim + 2 * p.num_v_heads;
+    FN_LAUNCH_REQUIRE(
+        p.proj_stride >= width && p.out_stride >= int64_t{p.num_v_heads} * p.v_head_dim, kOp);
+  }
   FN_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(p.state) & 15u) == 0, kOp);
   FN_LAUNCH_REQUIRE(p.eps >= 0.0f, kOp);
   const int f = p.slice_columns;

@@ -693,6 +693,11 @@ size_t qsa_decode_workspace_bytes(const QsaDecodeParams& p) {
   return qsa_workspace_layout(p).total;
 }
 
+int64_t qsa_proj_size(const QsaDecodeParams& p) {
+  return int64_t{p.num_q_heads} * 2 * p.head_dim + 2 * int64_t{p.num_kv_heads} * p.head_dim +
+         int64_t{p.indexer_heads + 1} * p.indexer_head_dim;
+}
+
 void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
   constexpr const char* kOp = "launch_qsa_decode";
   FN_LAUNCH_REQUIRE(p.proj != nullptr && p.q_norm != nullptr && p.k_norm != nullptr, kOp);
@@ -762,11 +767,9 @@ void launch_qsa_decode(const QsaDecodeParams& p, cudaStream_t stream) {
                           p.slot_raw_keys != nullptr && p.slot_block_keys != nullptr && !overlap &&
                           p.forced_blocks == nullptr,
                       kOp);
-    const int64_t width = int64_t{p.num_q_heads} * 2 * p.head_dim +
-                          2 * int64_t{p.num_kv_heads} * p.head_dim +
-                          int64_t{p.indexer_heads + 1} * p.indexer_head_dim;
-    FN_LAUNCH_REQUIRE(p.proj_stride >= width && p.out_stride >= int64_t{p.num_q_heads} * p.head_dim,
-                      kOp);
+    FN_LAUNCH_REQUIRE(
+        p.proj_stride >= qsa_proj_size(p) && p.out_stride >= int64_t{p.num_q_heads} * p.head_dim,
+        kOp);
     a.row_slot = p.row_slot;
     a.slot_k = p.slot_k_cache;
     a.slot_v = p.slot_v_cache;

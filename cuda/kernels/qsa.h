@@ -125,6 +125,10 @@ QsaWorkspaceLayout qsa_workspace_layout(const QsaDecodeParams& shape_only);
 /// Workspace bytes launch_qsa_decode needs for this shape (qsa_workspace_layout(...).total).
 size_t qsa_decode_workspace_bytes(const QsaDecodeParams& shape_only);
 
+/// FP32 values of one token's stacked projection row (QsaDecodeParams::proj's layout):
+/// Hq*2*hd + 2*Hkv*hd + (indexer_heads + 1)*ihd. No check of the shape.
+int64_t qsa_proj_size(const QsaDecodeParams& shape_only);
+
 /// One QSA decode step (docs/model.md §C.6 steps 2-7 minus o_proj) on `stream`, four kernels:
 /// prep (norms, RoPE, cache rows, block key; RoPE angles and earlier cache rows read before the
 /// programmatic wait), indexer scores (FP64 dot products as the CPU op; block keys of earlier

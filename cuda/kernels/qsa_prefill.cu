@@ -712,10 +712,7 @@ void launch_qsa_prefill(const QsaPrefillParams& p, cudaStream_t stream) {
                     kOp);
   const QsaPrefillLayout w = qsa_prefill_layout(p);
   FN_LAUNCH_REQUIRE(p.first_position >= 0 && p.first_position <= s.ctx_size - p.tokens, kOp);
-  const int64_t proj_size = int64_t{s.num_q_heads} * 2 * s.head_dim +
-                            2 * int64_t{s.num_kv_heads} * s.head_dim +
-                            int64_t{s.indexer_heads + 1} * s.indexer_head_dim;
-  FN_LAUNCH_REQUIRE(p.proj_stride >= proj_size, kOp);
+  FN_LAUNCH_REQUIRE(p.proj_stride >= qsa_proj_size(s), kOp);
   char* ws = static_cast<char*>(p.workspace);
   PArgs a{};
   a.proj = p.proj;

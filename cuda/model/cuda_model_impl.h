@@ -428,7 +428,7 @@ struct CudaModel::Impl {
   int64_t usable_slots = 0;  // CudaModel::limit_slots (0: every slot)
   void alloc_slots(const ModelConfig& c, const CudaModelOptions& o, const DeviceLayout& lay);
   // The slots' state pointers on the device, for kernels that run several slots' rows in one
-  // launch (the batched step): [layer][SlotField][slot], made by alloc_slots.
+  // launch (the batched step): [layer][SlotField][slot], made after alloc_slots.
   enum SlotField {
     kSlotGdnState,
     kSlotGdnConv,

@@ -101,8 +101,9 @@ struct CudaPrefillState {
   unsigned int* gdn_counters = nullptr;  // [slots, Hv + Hk]
   void* qsa_rows_ws = nullptr;           // [slots] QSA decode workspaces
   // The batched step's layers as a CUDA graph per batch size B, captured for one list of slots
-  // (their state pointers are the graph's parameters) and updated in place when the list
-  // changes; the tokens and positions are read from P.tokens and P.row_pos.
+  // (the PLE ops' state pointers are the graph's parameters) and updated in place when the list
+  // changes; the tokens, positions and row slots are read from P.tokens, P.row_pos and
+  // P.row_slot.
   struct BatchGraph {
     std::vector<int64_t> slots;
     cudaGraphExec_t exec = nullptr;
@@ -380,9 +381,9 @@ struct CudaModel::Impl::PrefillRun {
   };
   std::vector<Run> runs{};
   // A batched decode step (every run one row): the GDN and QSA rows go through the decode
-  // kernels (launch_gdn_decode, launch_qsa_decode after the pass's projection GEMM), one launch
-  // group per row, each reading its position from P.row_pos; a prompt pass runs the prefill
-  // kernels over each run.
+  // kernels (gdn_rows, qsa_rows after the pass's projection GEMM), all rows in one launch
+  // (group), each reading its slot from P.row_slot and its position from P.row_pos; a prompt
+  // pass runs the prefill kernels over each run.
   bool decode_rows = false;
   int64_t cur_layer = 0;  // the layer being encoded
   const model_detail::DevSlotLayer& state(const Run& r) const {
@@ -447,6 +448,10 @@ struct CudaModel::Impl::PrefillRun {
   void ple(const model_detail::DevPle& pl);
   void qsa(const model_detail::DevQsa& a);
   void gdn(const model_detail::DevGdn& g);
+  // A batched step's QSA / GDN mixers: every row in one decode launch (group), each on its slot's
+  // caches or states (P.row_slot and the slot table).
+  void qsa_rows(const model_detail::DevQsa& a, int64_t topk);
+  void gdn_rows(const model_detail::DevGdn& g);
   void moe(const model_detail::DevMoe& mo);
   // The embedding rows and every layer of the pass.
   void layers();
@@ -506,52 +511,27 @@ void CudaModel::Impl::PrefillRun::qsa(const model_detail::DevQsa& a) {
   prof.mark(StepFamily::QsaMixer);
   gemm(a.in_proj, a.in_rows, D, P.m_hi, m_lo, D, M, P.proj, P.proj_ld);
   const int64_t topk = c.indexer_budget / c.indexer_compress_ratio;
-  if (decode_rows) {  // every row in one launch, each on its slot's caches (P.row_slot)
-    QsaDecodeParams q = model_detail::qsa_layer(c, o, a);
-    q.rows = static_cast<int>(M);
-    q.row_slot = P.row_slot;
-    q.slot_k_cache = I.slot_pointers<uint16_t>(cur_layer, Impl::kSlotKCache);
-    q.slot_v_cache = I.slot_pointers<uint16_t>(cur_layer, Impl::kSlotVCache);
-    q.slot_raw_keys = I.slot_pointers<float>(cur_layer, Impl::kSlotRawKeys);
-    q.slot_block_keys = I.slot_pointers<float>(cur_layer, Impl::kSlotBlockKeys);
-    q.proj = P.proj;
-    q.proj_stride = P.proj_ld;
-    q.position = P.row_pos;
-    q.workspace = P.qsa_rows_ws;
-    q.out = P.mix;
-    q.out_stride = rd.q_heads * c.head_dim;
-    launch_qsa_decode(q, s);
-    if (P.sel_log) {  // the decode step's choice log: each row's selection, then its counters
-      const QsaWorkspaceLayout wl = qsa_workspace_layout(q);
-      const int64_t n_sel = std::min({topk, P.sel_max, o.ctx_size / c.indexer_compress_ratio});
-      for (int64_t r = 0; r < M; ++r) {
-        const auto* ws = static_cast<const std::byte*>(P.qsa_rows_ws) + r * wl.total;
-        if (n_sel > 0)
-          FN_CUDA_CHECK(cudaMemcpyAsync(P.sel_log + r * P.sel_max, ws + wl.selected,
-                                        sizeof(int32_t) * n_sel, cudaMemcpyDeviceToDevice, s));
-        FN_CUDA_CHECK(cudaMemcpyAsync(P.cnt_log + r * 4, ws + wl.counters, sizeof(int32_t) * 4,
-                                      cudaMemcpyDeviceToDevice, s));
-      }
+  if (decode_rows) {
+    qsa_rows(a, topk);
+  } else {
+    for (const Run& r : runs) {
+      const model_detail::DevSlotLayer& st = state(r);
+      QsaPrefillParams qp;
+      qp.shape = model_detail::qsa_layer(c, o, a);
+      qp.shape.k_cache = st.k_cache;
+      qp.shape.v_cache = st.v_cache;
+      qp.shape.raw_keys = st.raw_keys;
+      qp.shape.block_keys = st.block_keys;
+      qp.proj = P.proj + r.row0 * P.proj_ld;
+      qp.proj_stride = P.proj_ld;
+      qp.tokens = r.rows;
+      qp.first_position = r.position;
+      qp.out = P.mix + r.row0 * rd.q_heads * c.head_dim;  // packed rows, as o_proj reads them
+      qp.workspace = P.qsa_ws;
+      qp.selected_log = P.sel_log ? P.sel_log + r.row0 * P.sel_max : nullptr;
+      qp.counters_log = P.cnt_log ? P.cnt_log + r.row0 * 4 : nullptr;
+      launch_qsa_prefill(qp, s);
     }
-  }
-  for (const Run& r : runs) {
-    if (decode_rows) break;
-    const model_detail::DevSlotLayer& st = state(r);
-    QsaPrefillParams qp;
-    qp.shape = model_detail::qsa_layer(c, o, a);
-    qp.shape.k_cache = st.k_cache;
-    qp.shape.v_cache = st.v_cache;
-    qp.shape.raw_keys = st.raw_keys;
-    qp.shape.block_keys = st.block_keys;
-    qp.proj = P.proj + r.row0 * P.proj_ld;
-    qp.proj_stride = P.proj_ld;
-    qp.tokens = r.rows;
-    qp.first_position = r.position;
-    qp.out = P.mix + r.row0 * rd.q_heads * c.head_dim;  // packed rows, as o_proj reads them
-    qp.workspace = P.qsa_ws;
-    qp.selected_log = P.sel_log ? P.sel_log + r.row0 * P.sel_max : nullptr;
-    qp.counters_log = P.cnt_log ? P.cnt_log + r.row0 * 4 : nullptr;
-    launch_qsa_prefill(qp, s);
   }
   if (o.record_choices) {
     const int64_t at = c.num_hidden_layers * c.num_experts_per_tok + qsa_index * (topk + 4);
@@ -567,38 +547,71 @@ void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
   const int64_t D = c.hidden_size;
   prof.mark(StepFamily::GdnMixer);
   gemm(g.in_proj, g.in_rows, D, P.m_hi, m_lo, D, M, P.proj, P.proj_ld);
-  if (decode_rows) {  // every row in one launch, each on its slot's states (P.row_slot)
-    GdnDecodeParams gp;
-    model_detail::set_gdn_layer(gp, c, rd, g);
-    gp.rows = static_cast<int>(M);
-    gp.row_slot = P.row_slot;
-    gp.slot_state = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnState);
-    gp.slot_conv = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnConv);
-    gp.proj = P.proj;
-    gp.proj_stride = P.proj_ld;
-    gp.out = P.mix;
-    gp.out_stride = rd.linear_v_heads * c.linear_value_head_dim;
-    gp.o_scratch = P.gdn_o;
-    gp.head_counters = P.gdn_counters;
-    gp.fixed_shape = I.plan.gdn_fixed;
-    gp.cluster = I.plan.gdn_cluster;
-    launch_gdn_decode(gp, s);
-  }
-  for (const Run& r : runs) {
-    if (decode_rows) break;
-    GdnPrefillParams gp;
-    model_detail::set_gdn_layer(gp, c, rd, g);
-    gp.conv_state = state(r).gdn_conv;
-    gp.state = state(r).gdn_state;
-    gp.proj = P.proj + r.row0 * P.proj_ld;
-    gp.proj_stride = P.proj_ld;
-    gp.tokens = r.rows;
-    gp.out = P.mix + r.row0 * rd.linear_v_heads * c.linear_value_head_dim;  // packed rows
-    gp.workspace = P.gdn_ws;
-    launch_gdn_prefill(gp, s);
+  if (decode_rows) {
+    gdn_rows(g);
+  } else {
+    for (const Run& r : runs) {
+      GdnPrefillParams gp;
+      model_detail::set_gdn_layer(gp, c, rd, g);
+      gp.conv_state = state(r).gdn_conv;
+      gp.state = state(r).gdn_state;
+      gp.proj = P.proj + r.row0 * P.proj_ld;
+      gp.proj_stride = P.proj_ld;
+      gp.tokens = r.rows;
+      gp.out = P.mix + r.row0 * rd.linear_v_heads * c.linear_value_head_dim;  // packed rows
+      gp.workspace = P.gdn_ws;
+      launch_gdn_prefill(gp, s);
+    }
   }
   const int64_t width = rd.linear_v_heads * c.linear_value_head_dim;
   gemm(g.out, D, width, P.mix, nullptr, width, M, P.y, D);
+}
+
+void CudaModel::Impl::PrefillRun::qsa_rows(const model_detail::DevQsa& a, int64_t topk) {
+  QsaDecodeParams q = model_detail::qsa_layer(c, o, a);
+  q.rows = static_cast<int>(M);
+  q.row_slot = P.row_slot;
+  q.slot_k_cache = I.slot_pointers<uint16_t>(cur_layer, Impl::kSlotKCache);
+  q.slot_v_cache = I.slot_pointers<uint16_t>(cur_layer, Impl::kSlotVCache);
+  q.slot_raw_keys = I.slot_pointers<float>(cur_layer, Impl::kSlotRawKeys);
+  q.slot_block_keys = I.slot_pointers<float>(cur_layer, Impl::kSlotBlockKeys);
+  q.proj = P.proj;
+  q.proj_stride = P.proj_ld;
+  q.position = P.row_pos;
+  q.workspace = P.qsa_rows_ws;
+  q.out = P.mix;
+  q.out_stride = rd.q_heads * c.head_dim;
+  launch_qsa_decode(q, s);
+  if (P.sel_log == nullptr) return;
+  // The decode step's choice log: each row's selection, then its counters.
+  const QsaWorkspaceLayout wl = qsa_workspace_layout(q);
+  const int64_t n_sel = std::min({topk, P.sel_max, o.ctx_size / c.indexer_compress_ratio});
+  for (int64_t r = 0; r < M; ++r) {
+    const auto* ws = static_cast<const std::byte*>(P.qsa_rows_ws) + r * wl.total;
+    if (n_sel > 0)
+      FN_CUDA_CHECK(cudaMemcpyAsync(P.sel_log + r * P.sel_max, ws + wl.selected,
+                                    sizeof(int32_t) * n_sel, cudaMemcpyDeviceToDevice, s));
+    FN_CUDA_CHECK(cudaMemcpyAsync(P.cnt_log + r * 4, ws + wl.counters, sizeof(int32_t) * 4,
+                                  cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+void CudaModel::Impl::PrefillRun::gdn_rows(const model_detail::DevGdn& g) {
+  GdnDecodeParams gp;
+  model_detail::set_gdn_layer(gp, c, rd, g);
+  gp.rows = static_cast<int>(M);
+  gp.row_slot = P.row_slot;
+  gp.slot_state = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnState);
+  gp.slot_conv = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnConv);
+  gp.proj = P.proj;
+  gp.proj_stride = P.proj_ld;
+  gp.out = P.mix;
+  gp.out_stride = rd.linear_v_heads * c.linear_value_head_dim;
+  gp.o_scratch = P.gdn_o;
+  gp.head_counters = P.gdn_counters;
+  gp.fixed_shape = I.plan.gdn_fixed;
+  gp.cluster = I.plan.gdn_cluster;
+  launch_gdn_decode(gp, s);
 }
 
 void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {

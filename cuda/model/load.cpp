@@ -793,6 +793,7 @@ void CudaModel::Impl::build(const ModelConfig& c, const CudaModelOptions& o,
   FN_CUDA_CHECK(cudaDeviceSynchronize());
   require_prefill_fits(c, o, layers, v_local);
   alloc_slots(c, o, lay);
+  build_slot_table();
   reset_state(c);
   for (int64_t s = 1; s < static_cast<int64_t>(slots.size()); ++s) reset_slot(c, s);
 }
@@ -842,10 +843,7 @@ void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& 
       d.gdn_state = L.gdn.S;
     }
   }
-  if (count == 1) {
-    build_slot_table();
-    return;
-  }
+  if (count == 1) return;
   const uint64_t need = per_slot * static_cast<uint64_t>(count - 1);
   FN_REQUIRE(
       need + pass <= free_b, Usage,
@@ -878,7 +876,6 @@ void CudaModel::Impl::alloc_slots(const ModelConfig& c, const CudaModelOptions& 
       }
     }
   }
-  build_slot_table();
   if (o.tp_rank == 0)
     FN_LOG_INFO("cuda: {} sequence slots of {} tokens ({:.1f} MiB of caches and states each{})",
                 count, o.ctx_size, static_cast<double>(per_slot) / 1048576.0,

@@ -219,33 +219,14 @@ void write_stdout(std::string_view s) {
   FN_REQUIRE(ok, Io, "cannot write to standard output ({})", std::strerror(errno));
 }
 
-namespace {
-void write_line(std::FILE* out, const std::string& s, const std::string& path) {
-  if (out == stdout) return write_stdout(s);
-  const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
-  FN_REQUIRE(ok, Io, "-o/--output {}: cannot write ({})", path, std::strerror(errno));
-}
-}  // namespace
-
-void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path) {
-  // Invalid UTF-8 that reached a string (an error message quoting a bad input line) becomes
-  // U+FFFD instead of failing the dump.
-  write_line(out, record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n",
-             path);
-}
-
-void write_jsonl_record_agreed(Collectives& coll, std::FILE* out,
-                               const std::function<nlohmann::json()>& make,
-                               const std::string& path) {
-  agree_on_error(coll, [&] {
-    if (coll.rank() == 0) write_jsonl_record(out, make(), path);
-  });
-}
-
 void write_jsonl_line_agreed(Collectives& coll, std::FILE* out,
                              const std::function<std::string()>& make, const std::string& path) {
   agree_on_error(coll, [&] {
-    if (coll.rank() == 0) write_line(out, make(), path);
+    if (coll.rank() != 0) return;
+    const std::string s = make();
+    if (out == stdout) return write_stdout(s);
+    const bool ok = std::fwrite(s.data(), 1, s.size(), out) == s.size() && std::fflush(out) == 0;
+    FN_REQUIRE(ok, Io, "-o/--output {}: cannot write ({})", path, std::strerror(errno));
   });
 }
 

@@ -95,23 +95,13 @@ std::vector<std::string> read_jsonl_lines(const std::string& path, const char* f
 /// a closed pipe with SIGPIPE ignored).
 void write_stdout(std::string_view s);
 
-/// Writes one JSONL record (record.dump() with invalid UTF-8 in its strings replaced by U+FFFD,
-/// and a newline) to `out` and flushes it: a batch's
-/// output file, or stdout. Throws fn::Error(Io) "cannot write to standard output (<reason>)" or
-/// "-o/--output <path>: cannot write (<reason>)" when the write or the flush fails.
-void write_jsonl_record(std::FILE* out, const nlohmann::json& record, const std::string& path);
-
-/// write_jsonl_record of `make()` on rank 0 of `coll`, agreed on (agree_on_error,
+/// Writes the JSONL line `make()` (one complete JSON text and its newline, e.g. batch_records.h
+/// record_line: a record whose "id" is echoed as written) to `out` on rank 0 of `coll` and
+/// flushes it (a batch's output file, or stdout), agreed on (agree_on_error,
 /// core/collectives.h): every rank calls it for every record, and a write that fails on rank 0
 /// (-o /dev/full, a full disk) ends every rank with rank 0's error instead of MPI_Abort. `make`
-/// runs on rank 0 only. Throws as write_jsonl_record, on every rank.
-void write_jsonl_record_agreed(Collectives& coll, std::FILE* out,
-                               const std::function<nlohmann::json()>& make,
-                               const std::string& path);
-
-/// write_jsonl_record_agreed of a line made by `make` (one complete JSON text and its newline,
-/// e.g. batch_records.h record_line: a record whose "id" is echoed as written). Throws as
-/// write_jsonl_record, on every rank.
+/// runs on rank 0 only. Throws fn::Error(Io) "cannot write to standard output (<reason>)" or
+/// "-o/--output <path>: cannot write (<reason>)" on every rank when the write or the flush fails.
 void write_jsonl_line_agreed(Collectives& coll, std::FILE* out,
                              const std::function<std::string()>& make, const std::string& path);
 

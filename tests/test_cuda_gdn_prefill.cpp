@@ -3,8 +3,9 @@
 // CPU ops in test_cuda_gdn.cpp) on copies of the same inputs, from a non-zero initial state and
 // conv state. Compared: the conv state (bitwise: pure data movement), the FP32 state (within 1e-5
 // of its largest magnitude), the BF16 outputs (one BF16 ulp of the element plus 1e-5 of the largest
-// output). Also prefill(a) + prefill(M - a) == prefill(M) and every scan slice width bitwise,
-// launcher checks, and a bench (FN_BENCH=1) at the real shapes with M = 8192.
+// output). Also prefill(a) + prefill(M - a) == prefill(M), every scan slice width bitwise, runs
+// of several slots in one launch bitwise each run alone, launcher checks, and a bench
+// (FN_BENCH=1) at the real shapes with M = 8192.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -299,6 +301,92 @@ TEST_CASE("cuda gdn prefill: every scan slice width gives the same bits, the pla
   }
 }
 
+// Runs side by side (GdnPrefillParams::runs): `lengths` sequences of one launch on the slots
+// `run_slot` of `slots` slots, each from its own random states, against each run launched alone
+// on copies of its slot's states. Bitwise: a run's arithmetic is its lone launch's.
+void compare_runs(const Shape& s, const std::vector<int64_t>& lengths,
+                  const std::vector<int32_t>& run_slot, int slots, uint64_t seed) {
+  INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " K ", s.K, " runs ", lengths.size());
+  REQUIRE(lengths.size() == run_slot.size());
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> start{0};
+  for (const int64_t n : lengths) start.push_back(start.back() + static_cast<int32_t>(n));
+  const int64_t M = start.back();
+  const Layer L(s, M, rng);
+  std::vector<std::vector<float>> cs0, S0;
+  for (int i = 0; i < slots; ++i) {
+    cs0.push_back(normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng));
+    S0.push_back(normal(sz(s.state_len()), 0.0f, 0.3f, rng));
+  }
+  // The reference: each run alone.
+  std::vector<Result> alone;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    const int slot = run_slot[r];
+    DeviceArray<float> cs(cs0[sz(slot)]), S(S0[sz(slot)]);
+    DeviceArray<uint16_t> out(sz(lengths[r] * s.out_len()));
+    fn::GdnPrefillParams p = prefill_params(L, cs.ptr, S.ptr, out.ptr);
+    p.proj = L.proj.ptr + start[r] * L.stride;
+    p.tokens = lengths[r];
+    DeviceArray<unsigned char> ws(fn::gdn_prefill_workspace_bytes(p));
+    p.workspace = ws.ptr;
+    fn::launch_gdn_prefill(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    alone.push_back({cs.download(), S.download(), out.download()});
+  }
+  // All runs in one launch, the states through the slot tables.
+  std::vector<std::unique_ptr<DeviceArray<float>>> cs, S;
+  std::vector<float*> cs_ptr, S_ptr;
+  for (int i = 0; i < slots; ++i) {
+    cs.push_back(std::make_unique<DeviceArray<float>>(cs0[sz(i)]));
+    S.push_back(std::make_unique<DeviceArray<float>>(S0[sz(i)]));
+    cs_ptr.push_back(cs.back()->ptr);
+    S_ptr.push_back(S.back()->ptr);
+  }
+  DeviceArray<float*> cs_table(cs_ptr), S_table(S_ptr);
+  DeviceArray<int32_t> start_d(start), slot_d(run_slot);
+  DeviceArray<uint16_t> out(sz(M * s.out_len()));
+  FN_CUDA_CHECK(cudaMemset(out.ptr, 0xff, out.n * sizeof(uint16_t)));
+  fn::GdnPrefillParams p = prefill_params(L, nullptr, nullptr, out.ptr);
+  p.runs = static_cast<int>(lengths.size());
+  p.run_start = start_d.ptr;
+  p.run_slot = slot_d.ptr;
+  p.slot_state = S_table.ptr;
+  p.slot_conv = cs_table.ptr;
+  DeviceArray<unsigned char> ws(fn::gdn_prefill_workspace_bytes(p));
+  p.workspace = ws.ptr;
+  fn::launch_gdn_prefill(p, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> got_out = out.download();
+  std::vector<bool> used(sz(slots), false);
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    INFO("run ", r, " of ", lengths[r], " rows on slot ", run_slot[r]);
+    const int slot = run_slot[r];
+    used[sz(slot)] = true;
+    const std::vector<uint16_t> rows(got_out.begin() + start[r] * s.out_len(),
+                                     got_out.begin() + start[r + 1] * s.out_len());
+    CHECK(rows == alone[r].out);
+    CHECK(cs[sz(slot)]->download() == alone[r].cs);
+    const std::vector<float> st = S[sz(slot)]->download();
+    CHECK(std::memcmp(st.data(), alone[r].S.data(), st.size() * sizeof(float)) == 0);
+    CHECK(alone[r].cs != cs0[sz(slot)]);  // the run did move its states
+  }
+  for (int i = 0; i < slots; ++i) {
+    if (used[sz(i)]) continue;
+    INFO("untouched slot ", i);
+    CHECK(cs[sz(i)]->download() == cs0[sz(i)]);
+    CHECK(S[sz(i)]->download() == S0[sz(i)]);
+  }
+}
+
+TEST_CASE("cuda gdn prefill: runs side by side are bitwise each run launched alone") {
+  // Lengths below, at and above the conv kernel's history and the scan's tile; slots not in run
+  // order, some left out.
+  compare_runs(Shape{2, 6, 16, 16}, {1, 3, 17, 2, 64, 5}, {4, 0, 6, 2, 5, 7}, 9, 1200);
+  compare_runs(Shape{1, 2, 128, 128}, {8, 8, 8, 8, 199, 1}, {3, 1, 0, 2, 5, 4}, 7, 1300);
+  compare_runs(Shape{2, 6, 16, 16, 2}, {1, 1, 2}, {2, 0, 1}, 3, 1400);
+  compare_runs(Shape{1, 1, 12, 20}, {7}, {1}, 2, 1500);  // one run on a slot other than 0
+}
+
 TEST_CASE(
     "cuda gdn prefill: the launcher rejects null pointers, bad sizes and a misaligned "
     "workspace") {
@@ -348,6 +436,29 @@ TEST_CASE(
   rejects([](fn::GdnPrefillParams& p) { p.eps = -1.0f; });
   rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 12; });
   rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 32; });  // does not divide dv = 16
+  // Runs: the tables, not state / conv_state; at most one run per row.
+  DeviceArray<int32_t> run_start(std::vector<int32_t>{0, 2, 5}),
+      run_slot(std::vector<int32_t>{0, 1});
+  DeviceArray<float*> tables(std::vector<float*>{S.ptr, S.ptr});
+  fn::GdnPrefillParams runs = good;
+  runs.runs = 2;
+  runs.run_start = run_start.ptr;
+  runs.run_slot = run_slot.ptr;
+  runs.slot_state = tables.ptr;
+  runs.slot_conv = tables.ptr;
+  runs.state = nullptr;
+  runs.conv_state = nullptr;
+  auto rejects_runs = [&](auto mutate) {
+    fn::GdnPrefillParams p = runs;
+    mutate(p);
+    CHECK_THROWS_AS(fn::launch_gdn_prefill(p, nullptr), fn::Error);
+  };
+  rejects_runs([](fn::GdnPrefillParams& p) { p.run_start = nullptr; });
+  rejects_runs([](fn::GdnPrefillParams& p) { p.run_slot = nullptr; });
+  rejects_runs([](fn::GdnPrefillParams& p) { p.slot_state = nullptr; });
+  rejects_runs([](fn::GdnPrefillParams& p) { p.slot_conv = nullptr; });
+  rejects_runs([](fn::GdnPrefillParams& p) { p.runs = 6; });  // more runs than the 5 rows
+  rejects_runs([](fn::GdnPrefillParams& p) { p.runs = -1; });
   fn::GdnPrefillParams no_tokens = good;
   no_tokens.tokens = 0;
   CHECK_THROWS_AS(fn::gdn_prefill_workspace_bytes(no_tokens), fn::Error);

@@ -5,6 +5,10 @@
 //    workspace, v into the workspace, and the gates beta = sigmoid(b), exp(g) per (head, token).
 // 2. gdn_prefill_conv_state_kernel: the conv state <- the last K-1 pre-conv inputs (after 1 has
 //    read the old history).
+// With several runs (GdnPrefillParams::runs) each row belongs to one sequence with its own
+// states: 1 takes the history before a run's first row from that run's conv state, 2 and 3 run
+// per run (the grid's y), 4 is per row anyway. A run's arithmetic is that of a launch of its rows
+// alone, so its bits are too.
 // 3. gdn_prefill_scan_kernel: the recurrence as a sequential scan over the tokens. One CTA per
 //    (value head, slice of vc dv columns); a column's state [dk] is split over P consecutive lanes
 //    (R rows each, in registers), so S^T k and S^T q are per-thread FMA chains plus a butterfly
@@ -97,12 +101,50 @@ Layout layout_of(const GdnPrefillParams& p) {
   return l;
 }
 
+// The sequences of a launch (GdnPrefillParams::runs): run r's rows [begin, end) and its states.
+struct Runs {
+  int count;             // >= 1
+  const int32_t* start;  // [count + 1] (device), or nullptr: one run on one_state / one_conv
+  const int32_t* slot;   // [count] (device)
+  float* const* state;   // [slots] (device)
+  float* const* conv;    // [slots] (device)
+  float* one_state;
+  float* one_conv;
+  int64_t tokens;
+};
+
+struct RunRange {
+  int64_t begin, end;
+  float* state;
+  float* conv;
+};
+
+__device__ __forceinline__ RunRange run_range(const Runs& r, int i) {
+  if (r.start == nullptr) return {0, r.tokens, r.one_state, r.one_conv};
+  const int slot = __ldg(r.slot + i);
+  return {__ldg(r.start + i), __ldg(r.start + i + 1), r.state[slot], r.conv[slot]};
+}
+
+// The run holding row p: the last i with start[i] <= p (binary search over count + 1 entries).
+__device__ __forceinline__ RunRange run_of_row(const Runs& r, int64_t p) {
+  if (r.start == nullptr) return run_range(r, 0);
+  int lo = 0, hi = r.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(r.start + mid) <= p)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return run_range(r, lo);
+}
+
 struct ConvArgs {
+  Runs runs;
   const float* proj;
   int64_t stride;
   int64_t tokens;
   const float* conv_w;
-  const float* conv_state;
   const float* A_log;
   const float* dt_bias;
   float* qk;     // [tokens, 2*Hk*dk]: q^ then k^
@@ -115,8 +157,9 @@ struct ConvArgs {
 
 // Step 2 for token p, channel c: silu(w[K-1] * x_p + sum_{j<L} w[j] * x_{p-L+j}) with the taps
 // in the decode kernel's order (current first, then oldest first; FMA chain), inputs before
-// token 0 from the conv state (entry L + t holds token t < 0).
-__device__ __forceinline__ float conv_token(const ConvArgs& a, int64_t p, int64_t c) {
+// the run's first row `begin` from its conv state (entry L + t holds the run's token t < 0).
+__device__ __forceinline__ float conv_token(const ConvArgs& a, int64_t p, int64_t c, int64_t begin,
+                                            const float* conv_state) {
   const int K = a.K, L = K - 1;
   const float* wc = a.conv_w + c * K;
   // Read-only loads (nothing this kernel writes aliases them), so the calls' loads can overlap.
@@ -125,8 +168,8 @@ __device__ __forceinline__ float conv_token(const ConvArgs& a, int64_t p, int64_
   for (int j = 0; j < kMaxConvKernel - 1; ++j) {
     if (j < L) {
       const int64_t t = p - L + j;
-      const float x =
-          t >= 0 ? __ldg(a.proj + t * a.stride + c) : __ldg(a.conv_state + c * L + L + t);
+      const float x = t >= begin ? __ldg(a.proj + t * a.stride + c)
+                                 : __ldg(conv_state + c * L + L + (t - begin));
       acc = fmaf(__ldg(wc + j), x, acc);
     }
   }
@@ -143,6 +186,9 @@ template <int J>
 __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs a) {
   const int64_t p = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const RunRange run = run_of_row(a.runs, p);
+  const int64_t begin = run.begin;
+  const float* hist = run.conv;
   const int64_t qk_stride = 2 * int64_t{a.Hk} * a.dk;
   const float q_scale = 1.0f / sqrtf(static_cast<float>(a.dk));
   // q_i and k_i (dk channels each) of key head i: one warp per key head.
@@ -154,8 +200,8 @@ __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs
       const int d = lane + 32 * j;
       xq[j] = xk[j] = 0.0f;
       if (d < a.dk) {
-        xq[j] = conv_token(a, p, int64_t{i} * a.dk + d);
-        xk[j] = conv_token(a, p, int64_t{a.Hk + i} * a.dk + d);
+        xq[j] = conv_token(a, p, int64_t{i} * a.dk + d, begin, hist);
+        xk[j] = conv_token(a, p, int64_t{a.Hk + i} * a.dk + d, begin, hist);
         sq = fmaf(xq[j], xq[j], sq);
         sk = fmaf(xk[j], xk[j], sk);
       }
@@ -188,7 +234,7 @@ __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t c = c0 + u * kConvThreads;
-      y[u] = c < vd ? conv_token(a, p, v0 + c) : 0.0f;
+      y[u] = c < vd ? conv_token(a, p, v0 + c, begin, hist) : 0.0f;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -204,15 +250,18 @@ __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs
   }
 }
 
-// The conv state <- the last L pre-conv inputs, oldest first; entries older than token 0 come
-// from the old history. One thread per channel.
+// Each run's conv state <- its last L pre-conv inputs, oldest first; entries older than the run's
+// first row come from the old history. One thread per channel, blockIdx.y the run.
 __global__ void __launch_bounds__(256)
-    gdn_prefill_conv_state_kernel(const float* __restrict__ proj, int64_t stride, int64_t tokens,
-                                  float* __restrict__ conv_state, int conv_dim, int K) {
+    gdn_prefill_conv_state_kernel(Runs runs, const float* __restrict__ proj_all, int64_t stride,
+                                  int conv_dim, int K) {
   const int64_t c = int64_t{blockIdx.x} * 256 + threadIdx.x;
   if (c >= conv_dim) return;
+  const RunRange run = run_range(runs, static_cast<int>(blockIdx.y));
+  const int64_t tokens = run.end - run.begin;
+  const float* proj = proj_all + run.begin * stride;
   const int L = K - 1;
-  float* hist = conv_state + c * L;
+  float* hist = run.conv + c * L;
   float old[kMaxConvKernel - 1];
 #pragma unroll
   for (int j = 0; j < kMaxConvKernel - 1; ++j)
@@ -227,13 +276,13 @@ __global__ void __launch_bounds__(256)
 }
 
 struct ScanArgs {
+  Runs runs;
   const float* qk;
   float* vo;
   const float* beta;
   const float* decay;
   const float* kq;
-  float* state;
-  int64_t tokens;
+  int64_t tokens;  // rows of the launch (the stride of beta, decay, kq)
   int Hk, Hv, dk, dv;
   int ratio;  // Hv / Hk
   int P;      // lanes per column
@@ -248,7 +297,8 @@ __host__ __device__ inline int tile_floats(int T, int Dp, int vc) {
   return 2 * T * Dp + T * vc + 3 * T4;
 }
 
-// Step 6 for (value head h, columns sl*vc .. sl*vc+vc-1) over all tokens. Thread tid = cl*P + p
+// Step 6 for (value head h, columns sl*vc .. sl*vc+vc-1) over the rows of run blockIdx.y (its
+// state from the run's slot). Thread tid = cl*P + p
 // holds column cl's rows (m*P + p)*4 + jj (m < R/4, jj < 4): 16-byte chunks interleaved over
 // the P lanes, so the lanes' float4 reads of k and q hit distinct banks.
 template <int R>
@@ -272,7 +322,8 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
   for (int e = tid; e < 2 * B; e += nthr) sm[e] = 0.0f;
   __syncthreads();
 
-  float* S = a.state + int64_t{h} * a.dk * a.dv + sl * vc + my_cl;
+  const RunRange run = run_range(a.runs, static_cast<int>(blockIdx.y));
+  float* S = run.state + int64_t{h} * a.dk * a.dv + sl * vc + my_cl;
   float s[R];
 #pragma unroll
   for (int m = 0; m < R / 4; ++m) {
@@ -291,13 +342,13 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
   const float* dsrc = a.decay + int64_t{h} * a.tokens;
   const float* csrc = a.kq + int64_t{i} * a.tokens;
   const int dk4 = a.dk / 4, vc4 = vc / 4;
-  const int64_t ntiles = (a.tokens + T - 1) / T;
+  const int64_t ntiles = (run.end - run.begin + T - 1) / T;
   auto tile_len = [&](int64_t tile) {
-    const int64_t left = a.tokens - tile * T;
+    const int64_t left = run.end - run.begin - tile * T;
     return left < T ? static_cast<int>(left) : T;
   };
   auto issue = [&](int64_t tile, int buf) {
-    const int64_t t0 = tile * T;
+    const int64_t t0 = run.begin + tile * T;
     const int n = tile_len(tile);
     float* base = sm + buf * B;
     for (int e = tid; e < n * dk4; e += nthr) {
@@ -329,7 +380,7 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
     }
     __syncthreads();
     const float* base = sm + (tile & 1) * B;
-    const int64_t t0 = tile * T;
+    const int64_t t0 = run.begin + tile * T;
     const int n = tile_len(tile);
     for (int tt = 0; tt < n; ++tt) {
       const float* kk = base + kOff + tt * Dp;
@@ -449,7 +500,15 @@ void check_params(const GdnPrefillParams& p) {
   FN_LAUNCH_REQUIRE(p.proj != nullptr && p.conv_weight != nullptr && p.A_log != nullptr &&
                         p.dt_bias != nullptr && p.norm_weight != nullptr,
                     kOp);
-  FN_LAUNCH_REQUIRE(p.conv_state != nullptr && p.state != nullptr && p.out != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.out != nullptr, kOp);
+  FN_LAUNCH_REQUIRE(p.runs >= 0 && p.runs <= 65535 && p.runs <= p.tokens, kOp);
+  if (p.runs == 0) {
+    FN_LAUNCH_REQUIRE(p.conv_state != nullptr && p.state != nullptr, kOp);
+  } else {
+    FN_LAUNCH_REQUIRE(p.run_start != nullptr && p.run_slot != nullptr && p.slot_state != nullptr &&
+                          p.slot_conv != nullptr,
+                      kOp);
+  }
   FN_LAUNCH_REQUIRE(
       p.workspace != nullptr && (reinterpret_cast<uintptr_t>(p.workspace) & 255u) == 0, kOp);
   check_shape(p, kOp);
@@ -484,9 +543,11 @@ int plan_gdn_prefill_slice(const GdnPrefillParams& p) {
   // Narrower slices until about two CTAs per SM, but not below 16 columns. Measured on one H200
   // at dk = dv = 128, M = 8192 (test_cuda_gdn_prefill bench, whole launch): Hv = 48: 8 / 16 /
   // 32 columns 6.00 / 5.70 / 6.01 ms; Hv = 24: 4.19 / 4.06 / 3.91 ms.
+  // Each run scans its own rows: the runs multiply the CTAs.
   const int64_t target = 2 * static_cast<int64_t>(detail::current_sm_count());
+  const int64_t runs = p.runs > 0 ? p.runs : 1;
   const int floor = vc < 16 ? vc : 16;
-  while (vc > floor && int64_t{p.num_v_heads} * (p.v_head_dim / vc) < target) vc /= 2;
+  while (vc > floor && int64_t{p.num_v_heads} * (p.v_head_dim / vc) * runs < target) vc /= 2;
   return vc;
 }
 
@@ -501,14 +562,23 @@ void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
   float* beta = reinterpret_cast<float*>(ws + l.beta);
   float* decay = reinterpret_cast<float*>(ws + l.decay);
   float* kq = reinterpret_cast<float*>(ws + l.kq);
+  Runs runs;
+  runs.count = p.runs > 0 ? p.runs : 1;
+  runs.start = p.runs > 0 ? p.run_start : nullptr;
+  runs.slot = p.run_slot;
+  runs.state = p.slot_state;
+  runs.conv = p.slot_conv;
+  runs.one_state = p.state;
+  runs.one_conv = p.conv_state;
+  runs.tokens = p.tokens;
 
   {  // conv + gates + L2 norms
     ConvArgs ca;
+    ca.runs = runs;
     ca.proj = p.proj;
     ca.stride = p.proj_stride;
     ca.tokens = p.tokens;
     ca.conv_w = p.conv_weight;
-    ca.conv_state = p.conv_state;
     ca.A_log = p.A_log;
     ca.dt_bias = p.dt_bias;
     ca.qk = qk;
@@ -530,10 +600,11 @@ void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
     FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_kernel");
   }
 
-  {  // conv state update
-    gdn_prefill_conv_state_kernel<<<static_cast<unsigned>((conv_dim + 255) / 256), 256, 0,
-                                    stream>>>(p.proj, p.proj_stride, p.tokens, p.conv_state,
-                                              conv_dim, p.conv_kernel);
+  {  // conv state update, per run
+    const dim3 grid(static_cast<unsigned>((conv_dim + 255) / 256),
+                    static_cast<unsigned>(runs.count));
+    gdn_prefill_conv_state_kernel<<<grid, 256, 0, stream>>>(runs, p.proj, p.proj_stride, conv_dim,
+                                                            p.conv_kernel);
     FN_CUDA_LAUNCH_CHECK("gdn_prefill_conv_state_kernel");
   }
 
@@ -544,12 +615,12 @@ void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
     const size_t smem = size_t{2} * tile_floats(T, R * P, vc) * sizeof(float);
     FN_LAUNCH_REQUIRE(smem <= size_t{kScanMaxSmem}, "launch_gdn_prefill");
     ScanArgs sa;
+    sa.runs = runs;
     sa.qk = qk;
     sa.vo = vo;
     sa.beta = beta;
     sa.decay = decay;
     sa.kq = kq;
-    sa.state = p.state;
     sa.tokens = p.tokens;
     sa.Hk = Hk;
     sa.Hv = Hv;
@@ -560,7 +631,7 @@ void launch_gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
     sa.vc = vc;
     sa.T = T;
     const int threads = (vc * P + 31) / 32 * 32;
-    const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)));
+    const dim3 grid(static_cast<unsigned>(Hv * (dv / vc)), static_cast<unsigned>(runs.count));
     if (R == 8) {
       gdn_prefill_scan_kernel<8><<<grid, threads, smem, stream>>>(sa);
     } else if (R == 16) {

@@ -46,6 +46,21 @@ struct GdnPrefillParams {
   /// gdn_prefill_workspace_bytes(*this) bytes of device scratch, 256-byte aligned, owned by the
   /// caller; overwritten by every launch (no state lives in it between launches).
   void* workspace = nullptr;
+  /// Several sequences side by side in one launch (a pass over several slots' prompts or
+  /// choices): with runs >= 1 the rows are cut into `runs` sequences, run r being rows
+  /// run_start[r] .. run_start[r + 1] - 1, each on its own states slot_state[run_slot[r]] and
+  /// slot_conv[run_slot[r]] (the per-slot tables of GdnDecodeParams::slot_state / slot_conv);
+  /// `state` and `conv_state` are then ignored. Each run's outputs and states are bitwise those of
+  /// a launch of its rows alone. 0 (default): one sequence on `state` / `conv_state`.
+  int runs = 0;
+  /// [runs + 1] int32 (device): run_start[0] = 0, strictly increasing, run_start[runs] = tokens.
+  /// Not checked on the device: the caller builds it.
+  const int32_t* run_start = nullptr;
+  /// [runs] int32 (device): each run's slot, all distinct (two runs of one slot would race on its
+  /// states), indices into slot_state / slot_conv.
+  const int32_t* run_slot = nullptr;
+  float* const* slot_state = nullptr;  ///< [slots] device pointers to [Hv, dk, dv] FP32 states
+  float* const* slot_conv = nullptr;   ///< [slots] device pointers to [conv_dim, K - 1] FP32
   /// dv columns per CTA of the scan kernel: 0 lets the launcher choose (plan_gdn_prefill_slice);
   /// else a power of two from 4 to 128 dividing dv. For benchmarks/tests; results are bitwise the
   /// same for every width.
@@ -59,10 +74,12 @@ struct GdnPrefillParams {
 size_t gdn_prefill_workspace_bytes(const GdnPrefillParams& shape_only);
 
 /// Enqueues the prefill on `stream` (no host sync): a conv + gates + L2-norm kernel over
-/// (token, channel), the conv state update, the recurrence scan (one CTA per value head and slice
-/// of dv columns, the state slice in registers, tokens staged through shared memory), and the
-/// gated RMSNorm over (token, head). Throws fn::Error(Internal) on a null pointer, a misaligned
-/// workspace or bad sizes (see the field comments); fn::Error(Cuda) on a failed launch.
+/// (token, channel), the conv state update (per run), the recurrence scan (one CTA per value
+/// head, slice of dv columns and run, the state slice in registers, tokens staged through shared
+/// memory), and the gated RMSNorm over (token, head). Throws fn::Error(Internal) on a null
+/// pointer (with runs >= 1: the run and slot tables, not state / conv_state), a misaligned
+/// workspace, bad sizes (see the field comments), runs > tokens or runs > 65535; fn::Error(Cuda)
+/// on a failed launch.
 void launch_gdn_prefill(const GdnPrefillParams& params, cudaStream_t stream);
 
 /// dv columns per CTA of the scan kernel launch_gdn_prefill uses for these params on the current

@@ -97,6 +97,11 @@ struct CudaPrefillState {
   // first batched step for slot_count() rows.
   int32_t* row_slot = nullptr;  // [rows]
   std::vector<int32_t> host_row_slot;
+  // A prompt pass over several slots (prefill_slots): its runs' first rows (and the pass's end)
+  // and slots, read by the GDN prefill's one launch for all runs (GdnPrefillParams::runs).
+  int32_t* run_start = nullptr;  // [rows + 1]
+  int32_t* run_slot = nullptr;   // [rows]
+  std::vector<int32_t> host_run_start, host_run_slot;
   float* gdn_o = nullptr;                // [slots, Hv*dv]
   unsigned int* gdn_counters = nullptr;  // [slots, Hv + Hk]
   void* qsa_rows_ws = nullptr;           // [slots] QSA decode workspaces
@@ -191,6 +196,8 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.sh = cv.take<uint16_t>(rows * Is);
   P.row_pos = cv.take<int64_t>(rows);
   P.row_slot = cv.take<int32_t>(rows);
+  P.run_start = cv.take<int32_t>(rows + 1);
+  P.run_slot = cv.take<int32_t>(rows);
   if (c.has_ple()) {
     P.e_ng = cv.take<float>(rows * P_);
     P.e_hi = cv.take<uint16_t>(2 * rows * P_);
@@ -550,18 +557,24 @@ void CudaModel::Impl::PrefillRun::gdn(const model_detail::DevGdn& g) {
   if (decode_rows) {
     gdn_rows(g);
   } else {
-    for (const Run& r : runs) {
-      GdnPrefillParams gp;
-      model_detail::set_gdn_layer(gp, c, rd, g);
-      gp.conv_state = state(r).gdn_conv;
-      gp.state = state(r).gdn_state;
-      gp.proj = P.proj + r.row0 * P.proj_ld;
-      gp.proj_stride = P.proj_ld;
-      gp.tokens = r.rows;
-      gp.out = P.mix + r.row0 * rd.linear_v_heads * c.linear_value_head_dim;  // packed rows
-      gp.workspace = P.gdn_ws;
-      launch_gdn_prefill(gp, s);
+    GdnPrefillParams gp;
+    model_detail::set_gdn_layer(gp, c, rd, g);
+    gp.proj = P.proj;
+    gp.proj_stride = P.proj_ld;
+    gp.tokens = M;
+    gp.out = P.mix;  // packed rows
+    gp.workspace = P.gdn_ws;
+    if (runs.size() == 1) {
+      gp.conv_state = state(runs.front()).gdn_conv;
+      gp.state = state(runs.front()).gdn_state;
+    } else {  // every slot's run in one launch (P.run_start / P.run_slot, set by the pass)
+      gp.runs = static_cast<int>(runs.size());
+      gp.run_start = P.run_start;
+      gp.run_slot = P.run_slot;
+      gp.slot_state = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnState);
+      gp.slot_conv = I.slot_pointers<float>(cur_layer, Impl::kSlotGdnConv);
     }
+    launch_gdn_prefill(gp, s);
   }
   const int64_t width = rd.linear_v_heads * c.linear_value_head_dim;
   gemm(g.out, D, width, P.mix, nullptr, width, M, P.y, D);
@@ -1123,6 +1136,21 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
       if (a < b) run.runs.push_back({q.slot, a - c0, b - a, q.position + (a - q.g0)});
     }
     const int64_t M = run.M;
+    if (run.runs.size() > 1) {  // the runs' rows and slots for the kernels that take them all
+      P.host_run_start.clear();
+      P.host_run_slot.clear();
+      for (const Impl::PrefillRun::Run& r : run.runs) {
+        P.host_run_start.push_back(static_cast<int32_t>(r.row0));
+        P.host_run_slot.push_back(static_cast<int32_t>(r.slot));
+      }
+      P.host_run_start.push_back(static_cast<int32_t>(M));
+      FN_CUDA_CHECK(cudaMemcpyAsync(P.run_start, P.host_run_start.data(),
+                                    sizeof(int32_t) * P.host_run_start.size(),
+                                    cudaMemcpyHostToDevice, s));
+      FN_CUDA_CHECK(cudaMemcpyAsync(P.run_slot, P.host_run_slot.data(),
+                                    sizeof(int32_t) * P.host_run_slot.size(),
+                                    cudaMemcpyHostToDevice, s));
+    }
     FN_CUDA_CHECK(cudaMemcpyAsync(P.tokens, tokens.data() + c0, sizeof(int32_t) * M,
                                   cudaMemcpyHostToDevice, s));
     run.layers();

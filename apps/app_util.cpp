@@ -283,6 +283,11 @@ bool has_tokenizer(const std::filesystem::path& dir) {
          std::filesystem::exists(dir / "tokenizer.model");
 }
 
+std::string tokenizer_source(const std::filesystem::path& dir) {
+  return dir.empty() ? std::string("--random-weights without --tokenizer")
+                     : "the model directory " + dir.string();
+}
+
 namespace {
 constexpr int64_t kPrefixBytesPerToken = 32;
 constexpr int64_t kCutSlack = 16;

@@ -137,13 +137,17 @@ nlohmann::json parse_json_line(const std::string& line);
 /// otherwise. Whether CUDA is usable is decided by resolve_backend (apps/backend.h).
 void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size);
 
-/// The model's source of a command that also runs on random weights (bench, eval): exactly one of
-/// -m/--model (`model`) and --random-weights (`random_weights`), the latter with --config
-/// (`config`), which nothing else takes. Throws fn::Error(Usage) naming the flags.
+/// The model's source of a command that also runs on random weights (bench, eval, generate):
+/// exactly one of -m/--model (`model`) and --random-weights (`random_weights`), the latter with
+/// --config (`config`), which nothing else takes. Throws fn::Error(Usage) naming the flags.
 void check_model_source(const std::string& model, bool random_weights, const std::string& config);
 
 /// True when `dir` holds tokenizer.json or tokenizer.model.
 bool has_tokenizer(const std::filesystem::path& dir);
+
+/// Where a command's tokenizer comes from, for messages: "the model directory DIR", or
+/// "--random-weights without --tokenizer" when `dir` is empty (no tokenizer directory given).
+std::string tokenizer_source(const std::filesystem::path& dir);
 
 /// A prompt text many times a token limit is refused from a prefix before all of it is encoded (a
 /// 300 MB file took minutes and GBs to encode before the length check). The prefix is the first

@@ -317,9 +317,12 @@ std::string resolve_backend(const BackendFlags& flags, Collectives& coll) {
   return name;
 }
 
-std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
-                                      const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
-                                      const char* who, MPI_Comm tp_comm) {
+namespace {
+
+// The backend every rank of a load runs (resolve_backend): over `coll`, or with data-parallel
+// groups (tp_comm set) over the world, where cuda also needs a GPU of every rank's own.
+std::string resolve_load_backend(const BackendFlags& flags, const MpiContext& mpi,
+                                 Collectives& coll, MPI_Comm tp_comm) {
   std::string name;
   if (tp_comm == MPI_COMM_NULL) {
     name = resolve_backend(flags, coll);
@@ -345,6 +348,15 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
       });
     }
   }
+  return name;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::filesystem::path& dir,
+                                      const MpiContext& mpi, Collectives& coll, int64_t ctx_size,
+                                      const char* who, MPI_Comm tp_comm) {
+  const std::string name = resolve_load_backend(flags, mpi, coll, tp_comm);
   if (name == "cpu") {
     if (flags.ngram_table != "auto")
       FN_LOG_INFO("{}: --ngram-table applies to the cuda backend only; ignored on cpu", who);
@@ -419,10 +431,11 @@ QuantConfig load_quant_config_file(const std::filesystem::path& config_file) {
 std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
                                              const std::filesystem::path& config_file,
                                              uint64_t seed, const MpiContext& mpi,
-                                             Collectives& coll, int64_t ctx_size, const char* who) {
+                                             Collectives& coll, int64_t ctx_size, const char* who,
+                                             MPI_Comm tp_comm) {
   const ModelConfig cfg = load_model_config(config_file);
   const QuantConfig quant = load_quant_config_file(config_file);
-  const std::string name = resolve_backend(flags, coll);
+  const std::string name = resolve_load_backend(flags, mpi, coll, tp_comm);
   agree_on_error(coll, [&] {  // every rank resolved the same backend: one message, from rank 0
     FN_REQUIRE(name == "cuda", Usage,
                "--random-weights needs the cuda backend (the weights are generated on the GPU); "
@@ -430,11 +443,13 @@ std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
                flags.backend);
   });
 #ifdef FN_HAVE_CUDA
-  std::unique_ptr<CudaBackend> cuda =
-      load_cuda(flags, mpi, coll, ctx_size, true, [&](const CudaModelOptions& opt, int tp) {
+  std::unique_ptr<CudaBackend> cuda = load_cuda(
+      flags, mpi, coll, ctx_size, true,
+      [&](const CudaModelOptions& opt, int tp) {
         return with_tp_hint(config_file, tp,
                             [&] { return CudaModel::random(cfg, quant, seed, opt); });
-      });
+      },
+      tp_comm);
   const BackendInfo info = cuda->info();
   const CudaLoadStats st = cuda->model().load_stats();
   std::unique_ptr<Backend> b =
@@ -455,6 +470,7 @@ std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
   (void)mpi;
   (void)ctx_size;
   (void)who;
+  (void)tp_comm;
   FN_THROW(Internal, "backend {} resolved in a build without CUDA", name);
 #endif
 }

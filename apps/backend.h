@@ -138,15 +138,17 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
 
 /// The full geometry of `config_file` (a config.json such as configs/qwen3.8-flash-next.json,
 /// with its quantization_config) with random weights generated on each rank's GPU
-/// (CudaModel::random, deterministic in `seed`), TP = world size, set up as load_backend's cuda
-/// path (BackendInfo::random_weights set). For benchmarks without a checkpoint. Collective. Throws
-/// fn::Error: Usage when the backend resolves to cpu ("--random-weights needs the cuda backend"),
-/// for the flags (resolve_backend) or a TP size the model cannot split; Io/Format for the config
-/// file (naming it and the field); Cuda when the weights do not fit.
+/// (CudaModel::random, deterministic in `seed`), TP = the size of `coll`, set up as
+/// load_backend's cuda path (BackendInfo::random_weights set), `tp_comm` as there (data-parallel
+/// groups of generate -i). For timing without a checkpoint (bench, eval, generate). Collective.
+/// Throws fn::Error: Usage when the backend resolves to cpu ("--random-weights needs the cuda
+/// backend"), for the flags (resolve_backend) or a TP size the model cannot split; Io/Format for
+/// the config file (naming it and the field); Cuda when the weights do not fit.
 std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
                                              const std::filesystem::path& config_file,
                                              uint64_t seed, const MpiContext& mpi,
-                                             Collectives& coll, int64_t ctx_size, const char* who);
+                                             Collectives& coll, int64_t ctx_size, const char* who,
+                                             MPI_Comm tp_comm = MPI_COMM_NULL);
 
 /// The quantization description of a config.json file (its quantization_config; none = BF16).
 /// Throws fn::Error: Io when unreadable, Format when not JSON or invalid (naming the file).

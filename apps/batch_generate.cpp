@@ -130,10 +130,9 @@ RecordPrompt record_prompt(const json& rec, const RecordPromptOptions& o) {
   }
   const auto require_tokenizer = [&o](const char* what) {
     FN_REQUIRE(o.tokenizer != nullptr, Usage,
-               "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
-               "tokenizer.model); give token ids instead (--prompt-ids, or \"prompt_ids\" in "
-               "JSONL)",
-               what, o.model_dir.string());
+               "{} is text, but {} has no tokenizer (tokenizer.json or tokenizer.model); give "
+               "token ids instead (--prompt-ids, or \"prompt_ids\" in JSONL)",
+               what, tokenizer_source(o.model_dir));
   };
   if (rec.contains("prompt")) {
     FN_REQUIRE(rec["prompt"].is_string(), Format, "\"prompt\" must be a string, got {}",
@@ -623,7 +622,7 @@ class Dispatcher {
                                     : record_seed(base_seed_, static_cast<uint64_t>(li + 1));
       FN_REQUIRE(prep_.stop.empty() || tok_ != nullptr, Format,
                  "\"stop\" needs a tokenizer to match text, and {} has none",
-                 o_.model_dir.string());
+                 tokenizer_source(o_.model_dir));
       prep_ids_ = record_prompt(rec, {.tokenizer = tok_,
                                       .vocab_size = o_.vocab_size,
                                       .chat = o_.chat,
@@ -740,8 +739,11 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
     BackendFlags flags = o.backend;
     flags.tp = tp;
     try {
-      model = load_backend(flags, o.model_dir, mpi, *group, o.ctx, "generate",
-                           n_groups > 1 ? comms.group : MPI_COMM_NULL);
+      const MPI_Comm tp_comm = n_groups > 1 ? comms.group : MPI_COMM_NULL;
+      model = o.random_config.empty()
+                  ? load_backend(flags, o.model_dir, mpi, *group, o.ctx, "generate", tp_comm)
+                  : load_backend_random(flags, o.random_config, o.weights_seed, mpi, *group, o.ctx,
+                                        "generate", tp_comm);
     } catch (...) {
       load_error = std::current_exception();
     }
@@ -754,7 +756,7 @@ int run_batch_generate(const BatchOptions& o, const std::vector<std::string>& li
   // Leaders detokenize their own records.
   std::unique_ptr<Tokenizer> own_tokenizer;
   std::exception_ptr tok_error;
-  if (leader && !root && has_tokenizer(o.model_dir)) {
+  if (leader && !root && !o.model_dir.empty() && has_tokenizer(o.model_dir)) {
     try {
       own_tokenizer = load_tokenizer(o.model_dir);
     } catch (...) {

@@ -103,10 +103,14 @@ void check_batch_tp(int64_t tp, int world_size);
 
 /// Everything a batch run needs besides the records.
 struct BatchOptions {
-  std::string input;    ///< -i path (for messages)
-  std::string output;   ///< -o path; empty: standard output
-  bool resume = false;  ///< skip the records -o already holds, append the rest
-  std::filesystem::path model_dir;
+  std::string input;                ///< -i path (for messages)
+  std::string output;               ///< -o path; empty: standard output
+  bool resume = false;              ///< skip the records -o already holds, append the rest
+  std::filesystem::path model_dir;  ///< the checkpoint (and tokenizer) directory
+  /// --random-weights: the config.json whose geometry each group builds on random device weights
+  /// (seeded by weights_seed); model_dir then names only the tokenizer directory (may be empty).
+  std::filesystem::path random_config;
+  uint64_t weights_seed = 0;
   BackendFlags backend;  ///< --tp: the group size (0: the world size)
   int64_t ctx = 0;       ///< context size in tokens
   /// The defaults a record overrides: sampling (generation_config.json, then the flags; the seed

@@ -52,6 +52,11 @@ namespace fs = std::filesystem;
 
 struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
+  // --random-weights --config FILE [--tokenizer DIR] [--weights-seed S]: the full geometry on
+  // random device weights (cuda), to time generation without a checkpoint, as bench and eval.
+  bool random_weights = false;
+  std::string config, tokenizer;
+  int64_t weights_seed = 0;
   std::string chat_template;
   BackendFlags backend;
   BatchFlags batch;                          // -i only
@@ -79,10 +84,9 @@ struct TextSide {
 
   void require_tokenizer(const char* what) const {
     FN_REQUIRE(tokenizer != nullptr, Usage,
-               "{} is text, but the model directory {} has no tokenizer (tokenizer.json or "
-               "tokenizer.model); give token ids instead (--prompt-ids, or \"prompt_ids\" in "
-               "JSONL)",
-               what, dir.string());
+               "{} is text, but {} has no tokenizer (tokenizer.json or tokenizer.model); give "
+               "token ids instead (--prompt-ids, or \"prompt_ids\" in JSONL)",
+               what, tokenizer_source(dir));
   }
 
   // `what` names the text's origin ("-p/--prompt", "-f/--file PATH"); a Format error of the
@@ -205,18 +209,37 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
                       o.chat || !o.input.empty());
   require_utf8_system_prompt(o.system_prompt);
 
-  require_model_dir(o.model);
+  check_model_source(o.model, o.random_weights, o.config);
+  FN_REQUIRE(o.tokenizer.empty() || o.random_weights, Usage,
+             "--tokenizer applies to --random-weights only (-m/--model reads DIR's tokenizer)");
+  if (!o.random_weights) require_model_dir(o.model);
+  if (!o.tokenizer.empty()) {
+    std::error_code ec;
+    FN_REQUIRE(fs::is_directory(o.tokenizer, ec) && has_tokenizer(o.tokenizer), Usage,
+               "--tokenizer {}: not a directory holding tokenizer.json or tokenizer.model (e.g. "
+               "third_party/qwen3-tokenizer)",
+               o.tokenizer);
+  }
   if (root) {
-    // -o: never a checkpoint file nor the -i file, and writable before the model loads; the
-    // file is opened (truncated) after the load, when the first record is ready.
-    require_outside_model(o.output, o.model, "-o/--output");
+    // -o: never a checkpoint file nor the -i file (nor --config / --tokenizer's), and writable
+    // before the model loads; the file is opened (truncated) after the load, when the first
+    // record is ready.
+    if (o.random_weights) {
+      require_not_input(o.output, "-o/--output", o.config, "--config");
+      if (!o.tokenizer.empty())
+        require_outside_model(o.output, o.tokenizer, "-o/--output", "tokenizer directory");
+    } else {
+      require_outside_model(o.output, o.model, "-o/--output");
+    }
     require_not_input(o.output, "-o/--output", o.input, "-i/--input");
     check_output_path(o.output, "-o/--output");
   }
-  const fs::path dir = o.model;
+  // Random weights: the --config file's geometry and no generation_config.json (the flags and
+  // the built-in defaults alone).
+  const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
   st.cfg = load_model_config(dir);
   const ModelConfig& cfg = st.cfg;
-  st.gen = load_generation_config(dir, cfg.vocab_size);
+  st.gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir, cfg.vocab_size);
   const GenerationConfig& gen = st.gen;
   st.ctx = o.ctx_size > 0 ? o.ctx_size : std::min<int64_t>(cfg.max_position_embeddings, 4096);
   FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
@@ -273,7 +296,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   // Agreed on (collective): bad flags or files end every rank normally, with rank 0's message.
   GenerateSetup su;
   agree_on_error(coll, [&] { su = setup_generate(o, mpi.world_size(), root); });
-  const fs::path dir = o.model;
+  // Where config.json was read, and where the tokenizer is (none: --random-weights without
+  // --tokenizer; prompts must then be ids).
+  const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
+  const fs::path tok_dir = o.random_weights ? fs::path(o.tokenizer) : dir;
+  const std::string model_name = o.random_weights ? "random:" + o.config : o.model;
   const ModelConfig& cfg = su.cfg;
   const GenerationConfig& gen = su.gen;
   const int64_t ctx = su.ctx;
@@ -298,7 +325,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
 
   // Rank 0: tokenizer and prompts (before the model load, so that bad input fails fast).
   TextSide ts;
-  ts.dir = dir;
+  ts.dir = tok_dir;
   ts.system_prompt = o.system_prompt;
   ts.chat.mode = o.chat_template.empty() ? ChatMode::Qwen38 : parse_chat_mode(o.chat_template);
   if (o.think) ts.chat.enable_thinking = true;
@@ -310,9 +337,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     if (!root) return;
     // A tokenizer with ids past the model's rows is the checkpoint's fault, found here once
     // (not by whichever record first encodes to such an id).
-    if (has_tokenizer(dir)) ts.tokenizer = load_model_tokenizer(dir, cfg.vocab_size);
+    if (!tok_dir.empty() && has_tokenizer(tok_dir))
+      ts.tokenizer = load_model_tokenizer(tok_dir, cfg.vocab_size);
     FN_REQUIRE(o.stop.empty() || ts.tokenizer, Usage,
-               "--stop needs a tokenizer to match text, and {} has none", dir.string());
+               "--stop needs a tokenizer to match text, and {} has none",
+               tokenizer_source(tok_dir));
     if (batch) {
       // -n past the context fails every record whatever its prompt: a flag mistake, said once.
       FN_REQUIRE(o.max_new_tokens < ctx, Usage,
@@ -343,7 +372,11 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     bo.input = o.input;
     bo.output = o.output;
     bo.resume = o.resume;
-    bo.model_dir = dir;
+    bo.model_dir = tok_dir;
+    if (o.random_weights) {
+      bo.random_config = o.config;
+      bo.weights_seed = static_cast<uint64_t>(o.weights_seed);
+    }
     bo.backend = o.backend;
     bo.backend.max_batch = o.batch.max_batch;
     bo.prefill_budget = o.batch.prefill_budget;
@@ -363,9 +396,13 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     return run_batch_generate(bo, lines, ts.tokenizer.get(), mpi, coll);
   }
 
-  // cuda samples on the device inside the decode graph (the host only copies ids out) unless
-  // --host-sampling, a --stop string or a penalty needs the host sampler; cpu always uses it.
-  const std::unique_ptr<Backend> model = load_backend(o.backend, dir, mpi, coll, ctx, "generate");
+  // cuda samples on the device inside the decode graph (the host only copies ids out; penalties
+  // and stop strings included) unless --host-sampling asks for the host sampler; cpu always uses
+  // it.
+  const std::unique_ptr<Backend> model =
+      o.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.weights_seed),
+                                             mpi, coll, ctx, "generate")
+                       : load_backend(o.backend, dir, mpi, coll, ctx, "generate");
   const BackendInfo& info = model->info();
   const double load_ms = info.load_ms;
   if (model->capabilities().device_decode)
@@ -401,7 +438,7 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     if (o.json_out) {
       if (!ts.tokenizer) r.text.clear();
       json j = result_json(r, o.chat, ts.tokenizer.get());
-      j["model"] = dir.string();
+      j["model"] = model_name;
       j["backend"] = info.name;
       j["tp_size"] = coll.size();
       j["ctx_size"] = ctx;
@@ -425,7 +462,20 @@ void register_generate(CLI::App& app, CommandList& commands) {
       "generate",
       "generate text from a prompt (mpirun -np N: tensor-parallel over N ranks); sampling "
       "defaults come from generation_config.json, flags override them");
-  o->o_model = sub->add_option("-m,--model", o->model, "model directory")->required();
+  o->o_model = sub->add_option("-m,--model", o->model,
+                               "model directory (or --random-weights --config FILE)");
+  sub->add_flag("--random-weights", o->random_weights,
+                "cuda: the full geometry of --config with random weights generated on the GPU "
+                "(no checkpoint; for timing)");
+  sub->add_option("--config", o->config,
+                  "with --random-weights: a config.json with its quantization_config (e.g. "
+                  "configs/qwen3.8-flash-next.json)");
+  sub->add_option("--tokenizer", o->tokenizer,
+                  "with --random-weights: the directory of tokenizer.json for text prompts (e.g. "
+                  "third_party/qwen3-tokenizer); without it prompts must be token ids");
+  add_whole_option(sub, "--weights-seed", o->weights_seed,
+                   "with --random-weights: the seed of the random weights (default 0)",
+                   WholeRange(0));
   o->o_prompt = sub->add_option("-p,--prompt", o->prompt, "prompt text");
   sub->add_option("-f,--file", o->file, "file holding the prompt text (one final newline dropped)");
   o->o_prompt_ids = sub->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");
@@ -473,7 +523,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
                    WholeRange(0, kMaxTopLogprobs));
   sub->add_flag("--host-sampling", o->host_sampling,
                 "cuda: copy the logits to the host and sample there every step (default: sample "
-                "on the GPU inside the decode graph when no --stop string or penalty is set)");
+                "on the GPU inside the decode graph, penalties and --stop strings included)");
   sub->add_flag("--chat", o->chat, "render text prompts as a user turn of the chat template");
   sub->add_option("--system-prompt", o->system_prompt, "system turn for chat prompts");
   sub->add_flag("--think", o->think, "chat: thinking on (the template's default)");

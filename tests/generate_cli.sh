@@ -2,9 +2,10 @@
 # `mpirun -np N fngen generate` end to end (CTest generate_cli, label mpi): greedy ids of the tp4
 # reference fixture at -np 1, 2 and 4 (--ignore-eos, and the stop at the first EOS without it),
 # text prompts, chat and --stop on a synthesized Qwen3-vocab model, and the bad-input cases:
-# prompt over the context, empty prompt, unknown flag, bad JSONL records (the run goes
-# on), a text prompt without a tokenizer, a world size that does not divide the heads, --backend
-# cuda, and a rank killed with SIGKILL mid-generation (mpirun must end non-zero within 10 s).
+# prompt over the context, empty prompt, unknown flag, --random-weights misuse, bad JSONL
+# records (the run goes on), a text prompt without a tokenizer, a world size that does not divide
+# the heads, --backend cuda, and a rank killed with SIGKILL mid-generation (mpirun must end
+# non-zero within 10 s).
 # Usage: generate_cli.sh FNGEN MPIEXEC SOURCE_DIR
 set -u
 fngen=$1
@@ -104,6 +105,25 @@ expect 2 "--logprobs: '21' is out of range (allowed 0 to 20)" -- mpi 1 -m "$fx/t
 
 # ---- bad input: CLI ----
 expect 2 "bogus" -- mpi 2 -m "$fx/tp4" --prompt-ids 1,2 --bogus
+# --random-weights (cuda timing without a checkpoint): the source flags, then the backend.
+expect 2 "give either -m/--model DIR or --random-weights --config FILE (not both)" -- mpi 1 \
+  -m "$fx/tp4" --random-weights --config "$src/configs/tiny.json" --prompt-ids 1,2
+expect 2 "--random-weights needs --config FILE" -- mpi 1 --random-weights --prompt-ids 1,2
+expect 2 "--config applies to --random-weights only" -- mpi 1 -m "$fx/tp4" \
+  --config "$src/configs/tiny.json" --prompt-ids 1,2
+expect 2 "--tokenizer applies to --random-weights only" -- mpi 1 -m "$fx/tp4" --tokenizer "$tmp" \
+  --prompt-ids 1,2
+expect 2 "--tokenizer $tmp: not a directory holding tokenizer.json or tokenizer.model" -- mpi 1 \
+  --random-weights --config "$src/configs/tiny.json" --tokenizer "$tmp" --prompt-ids 1,2
+expect 2 "-p/--prompt is text, but --random-weights without --tokenizer has no tokenizer" -- \
+  mpi 1 --random-weights --config "$src/configs/tiny.json" -p hello
+expect 2 "--random-weights needs the cuda backend" -- mpi 1 --backend cpu --random-weights \
+  --config "$src/configs/tiny.json" --prompt-ids 1,2
+printf '{"prompt_ids": [1, 2]}\n' >"$tmp/rw.jsonl"
+expect 2 "--random-weights needs the cuda backend" -- mpi 2 --backend cpu --tp 1 --random-weights \
+  --config "$src/configs/tiny.json" -i "$tmp/rw.jsonl"
+expect 2 "and --config $src/configs/tiny.json name the same file" -- mpi 1 --random-weights \
+  --config "$src/configs/tiny.json" -i "$tmp/rw.jsonl" -o "$src/configs/tiny.json"
 expect 2 "--prefill-chunk: '0' is out of range (allowed 1 to" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \
   --prefill-chunk 0
 expect 2 "--prefill-chunk: 'x' is not a decimal whole number" -- mpi 1 -m "$fx/tp4" --prompt-ids 1,2 \

@@ -4,8 +4,8 @@
 // built from core/codecs.h (dequant_nvfp4_row) and core/cpu_ops.h (silu): exact sums with
 // power-of-two scales, random codes within the derived FP32 bound, real shapes at TP=1, 2 and 4,
 // the tiny fixtures' shapes (cols 16 and 48: the 16-code path), row counts that are not a multiple
-// of 8, invalid expert ids, +-0.5 codes with subnormal scales, and graph replay with expert ids
-// changed in device memory.
+// of 8, invalid expert ids, +-0.5 codes with subnormal scales, graph replay with expert ids
+// changed in device memory, and the bulk kernel over tokens side by side (bitwise each alone).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "cuda/common/nvfp4_bits.h"
 #include "cuda/kernels/moe_nvfp4.h"
+#include "cuda/kernels/moe_nvfp4_bulk.h"
 #include "tests/cuda_test_util.h"
 
 namespace {
@@ -398,6 +399,82 @@ TEST_CASE("cuda moe nvfp4: bulk gate+up on the real shapes (TP=1, 2 and 4) withi
     CHECK(pre.gu == got.gu);
     CHECK(pre.h == got.h);
   }
+}
+
+TEST_CASE("cuda moe nvfp4: bulk gate+up over tokens side by side is each token alone, bitwise") {
+  if (!fn::moe_gate_up_bulk_supported(10, 640, 2560)) {
+    MESSAGE("bulk kernel: not on this device (sm_90+ only)");
+    return;
+  }
+  const int64_t inter = 640, K = 2560;
+  const int top_k = 10;
+  const HostExperts w = make_experts(64, 2 * inter, K, 2, false, 140);
+  const DeviceExperts dw(w);
+  // 64 tokens take more than one launch (the routes' partials must fit a CTA's shared memory):
+  // the split is exercised, not only the one-grid case.
+  const int64_t per = fn::detail::bulk_tokens_per_launch(top_k, inter, K, sm_count(), 64);
+  MESSAGE("bulk gate+up: ", per, " tokens per launch");
+  CHECK(per < 64);
+  std::mt19937_64 rng(141);
+  for (const int64_t tokens : {int64_t{2}, int64_t{5}, int64_t{16}, int64_t{64}}) {
+    CAPTURE(tokens);
+    std::vector<int32_t> ids(size_t(tokens * top_k));
+    for (auto& e : ids) e = int32_t(rng() % 64);
+    ids[3] = -1;  // an invalid id: that route's h is 0, the others as alone
+    std::vector<float> x;
+    for (int64_t b = 0; b < tokens; ++b) {
+      const auto xb = random_bf16(size_t(K), 1.0f, 150 + uint64_t(b));
+      x.insert(x.end(), xb.begin(), xb.end());
+    }
+    DeviceArray<int32_t> d_ids(ids);
+    DeviceArray<uint16_t> d_x(to_bf16(x));
+    DeviceArray<uint16_t> d_h(ids.size() * inter);
+    DeviceArray<float> d_gu(ids.size() * 2 * inter);
+    FN_CUDA_CHECK(cudaMemset(d_h.ptr, 0xff, d_h.n * 2));
+    fn::MoeGateUpParams p;
+    p.experts = dw.view;
+    p.expert_ids = d_ids.ptr;
+    p.top_k = top_k;
+    p.x = d_x.ptr;
+    p.h = d_h.ptr;
+    p.gate_up_out = d_gu.ptr;
+    p.bulk = true;
+    p.tokens = tokens;
+    fn::launch_moe_gate_up_nvfp4(p, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> h = d_h.download();
+    const std::vector<float> gu = d_gu.download();
+    int64_t differ = 0;
+    for (int64_t b = 0; b < tokens; ++b) {
+      const std::vector<int32_t> tid(ids.begin() + b * top_k, ids.begin() + (b + 1) * top_k);
+      const std::vector<float> xb(x.begin() + b * K, x.begin() + (b + 1) * K);
+      const auto alone = run_gate_up(dw, tid, xb, 0, true);
+      for (int64_t e = 0; e < top_k * inter; ++e)
+        differ += fn::bf16_to_float(h[size_t(b * top_k * inter + e)]) != alone.h[size_t(e)];
+      for (int64_t e = 0; e < top_k * 2 * inter; ++e) {
+        const float a = gu[size_t(b * top_k * 2 * inter + e)], c = alone.gu[size_t(e)];
+        differ += std::memcmp(&a, &c, 4) != 0;
+      }
+    }
+    CHECK(differ == 0);
+    for (int64_t i = 0; i < inter; ++i) CHECK(h[size_t(3 * inter + i)] == 0);
+  }
+  // The down prefetch names one token's experts: refused with several tokens.
+  const HostExperts wd = make_experts(64, K, inter, 1, false, 142);
+  const DeviceExperts dwd(wd);
+  DeviceArray<int32_t> d_ids(std::vector<int32_t>(2 * top_k, 1));
+  DeviceArray<uint16_t> d_x(to_bf16(random_bf16(size_t(2 * K), 1.0f, 143)));
+  DeviceArray<uint16_t> d_h(size_t(2 * top_k * inter));
+  fn::MoeGateUpParams p;
+  p.experts = dw.view;
+  p.expert_ids = d_ids.ptr;
+  p.top_k = top_k;
+  p.x = d_x.ptr;
+  p.h = d_h.ptr;
+  p.bulk = true;
+  p.tokens = 2;
+  p.down_prefetch = dwd.view;
+  CHECK_THROWS_AS(fn::launch_moe_gate_up_nvfp4(p, nullptr), fn::Error);
 }
 
 TEST_CASE("cuda moe nvfp4: bulk gate+up: +-0.5 codes, subnormal scales, invalid ids, bad shapes") {

@@ -492,7 +492,7 @@ void launch_moe_gate_up_nvfp4(const MoeGateUpParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.experts.rows / 2 <= INT32_MAX / p.top_k, kOp);
   FN_LAUNCH_REQUIRE(aligned(p.x, 16), kOp);
   FN_LAUNCH_REQUIRE(p.experts.cols * 4 <= kStageBytes, kOp);  // x staged in shared memory
-  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= 65535 && (!p.bulk || p.tokens == 1), kOp);
+  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= 65535, kOp);
   if (p.bulk) {
     detail::launch_moe_gate_up_bulk(p, stream);
     return;

@@ -65,8 +65,9 @@ struct MoeGateUpParams {
   bool bulk = false;
   /// Tokens side by side (a batched decode step), >= 1: token b takes x + b * cols, expert_ids
   /// + b * top_k and writes h + b * top_k * I (and gate_up_out + b * top_k * 2 * I); one launch,
-  /// the grid's y dimension. Each token's values are the single-token launch's bits. The bulk
-  /// kernel takes one token only (the launcher throws fn::Error(Internal) otherwise).
+  /// the grid's y dimension (bulk: the tokens' routes back to back in one grid, a few launches for
+  /// many tokens). Each token's values are the single-token launch's bits (bulk: those of a bulk
+  /// single-token launch).
   int64_t tokens = 1;
   /// Weight ranges of later kernels of the step to prefetch into L2 while this kernel leaves HBM
   /// partly idle (cuda/common/l2_prefetch.h): each CTA issues its share, first thing in the FP32
@@ -76,7 +77,8 @@ struct MoeGateUpParams {
   /// Bulk kernel only, when down_prefetch.packed is set: the selected experts' down weights
   /// (codes and scales of the MoeDownParams::experts of the launch after this one; the ids are
   /// known here, so only the top_k experts' 9.2 MB at TP=1) prefetched into L2, each CTA its
-  /// share once its own loads have landed (before l2_prefetch). A hint: changes no result.
+  /// share once its own loads have landed (before l2_prefetch). A hint: changes no result. One
+  /// token only (tokens > 1 with it set: fn::Error(Internal)).
   /// Shape: rows = hidden, cols = I (a multiple of 32, rows * I / 16 a multiple of 16), the same
   /// num_experts as experts; 16-byte aligned. Otherwise the launcher throws fn::Error(Internal).
   Nvfp4Experts down_prefetch{};

@@ -69,14 +69,17 @@ struct BulkGateUpArgs {
   const float* global_scale;
   const int32_t* ids;
   int num_experts;
+  // Routes of the launch: tokens * the experts each token selects (route j = token j / tok_k's
+  // expert j % tok_k; ids and h are [routes] and [routes, I], the tokens' lists back to back).
   int top_k;
+  int tok_k;       // experts per token (MoeGateUpParams::top_k)
   int inter;       // I
   int k;           // K (cols)
   int64_t pairs;   // top_k * I
   int row_stride;  // shared-memory bytes per row slot: K / 2
   int stage_bytes;
-  int max_chunks;  // chunks of any CTA's share (sizes the partials)
-  const uint16_t* x;
+  int max_chunks;     // chunks of any CTA's share (sizes the partials)
+  const uint16_t* x;  // [tokens, k]: token b's activation at x + b * k
   uint16_t* h;
   float* gate_up_out;
   L2Prefetch l2_prefetch;
@@ -290,24 +293,32 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
   } else {  // a consumer warp
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = a.k / 128;
-    // x for this lane's units (B column g), permuted per 8 elements to (x0, x4) (x1, x5) (x2, x6)
-    // (x3, x7).
+    // x of token b for this lane's units (B column g), permuted per 8 elements to (x0, x4)
+    // (x1, x5) (x2, x6) (x3, x7): loaded before the first chunk, and again where the share
+    // passes to the next token's routes (a share spans one or two tokens).
     uint4 xr[kBulkGateUpGroups][4];
+    int xb = -1;  // the token xr holds
+    const auto load_x = [&](int b) {
+      const uint16_t* xt = a.x + static_cast<int64_t>(b) * a.k;
 #pragma unroll
-    for (int r = 0; r < kBulkGateUpGroups; ++r) {
-      const int ug = warp + r * kWarps;
+      for (int r = 0; r < kBulkGateUpGroups; ++r) {
+        const int ug = warp + r * kWarps;
 #pragma unroll
-      for (int wi = 0; wi < 4; ++wi) {
-        uint4 q = make_uint4(0, 0, 0, 0);
-        if (ug < ngroups)
-          q = __ldg(reinterpret_cast<const uint4*>(a.x + 32 * (4 * group_of(ug, g, ngroups) + t) +
-                                                   8 * wi));
-        xr[r][wi] = nvfp4_mma::permute_word(q);
+        for (int wi = 0; wi < 4; ++wi) {
+          uint4 q = make_uint4(0, 0, 0, 0);
+          if (ug < ngroups)
+            q = __ldg(reinterpret_cast<const uint4*>(xt + 32 * (4 * group_of(ug, g, ngroups) + t) +
+                                                     8 * wi));
+          xr[r][wi] = nvfp4_mma::permute_word(q);
+        }
       }
-    }
+      xb = b;
+    };
+    if (walk.p < walk.p1) load_x(walk.j / a.tok_k);
     for (; walk.more(a.inter); walk.next(a.inter, nst), ++c) {
       const int n = walk.n;
       const int s = walk.stage;
+      if (walk.j / a.tok_k != xb) load_x(walk.j / a.tok_k);  // warp-uniform
       mbar_wait(full + s, walk.parity);
       const uint8_t* st = ring + s * a.stage_bytes;
       const bool row_ok = g < n;
@@ -407,30 +418,41 @@ int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count, by_work)));
 }
 
-void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
+int64_t bulk_tokens_per_launch(int top_k, int64_t inter, int64_t cols, int sm_count,
+                               int64_t tokens) {
+  int64_t n = tokens;
+  while (n > 1 && (n * top_k > INT32_MAX ||
+                   !bulk_gate_up_shape_ok(static_cast<int>(n * top_k), inter, cols, sm_count)))
+    n = (n + 1) / 2;
+  return n;
+}
+
+namespace {
+
+// One launch of `tokens` tokens starting at token b0 of p (their routes back to back).
+void launch_bulk_tokens(const MoeGateUpParams& p, int64_t b0, int64_t tokens, int sms,
+                        cudaStream_t stream) {
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4 (bulk)";
-  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
   const int64_t inter = p.experts.rows / 2;
-  const int sms = current_sm_count();
-  FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
-  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
-  const GateUpPlan g = plan_gate_up(p.top_k, inter, p.experts.cols, sms);
+  const int routes = static_cast<int>(tokens * p.top_k);
+  const GateUpPlan g = plan_gate_up(routes, inter, p.experts.cols, sms);
   BulkGateUpArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
   a.global_scale = p.experts.global_scale;
-  a.ids = p.expert_ids;
+  a.ids = p.expert_ids + b0 * p.top_k;
   a.num_experts = p.experts.num_experts;
-  a.top_k = p.top_k;
+  a.top_k = routes;
+  a.tok_k = p.top_k;
   a.inter = static_cast<int>(inter);
   a.k = static_cast<int>(p.experts.cols);
-  a.pairs = static_cast<int64_t>(p.top_k) * inter;
+  a.pairs = static_cast<int64_t>(routes) * inter;
   a.row_stride = g.row_stride;
   a.stage_bytes = g.stage_bytes;  // 9 K: a multiple of 128 (K % 256 == 0)
-  a.x = p.x;
-  a.h = p.h;
-  a.gate_up_out = p.gate_up_out;
-  a.l2_prefetch = p.l2_prefetch;
+  a.x = p.x + b0 * p.experts.cols;
+  a.h = p.h + b0 * p.top_k * inter;
+  a.gate_up_out = p.gate_up_out != nullptr ? p.gate_up_out + b0 * p.top_k * 2 * inter : nullptr;
+  a.l2_prefetch = b0 == 0 ? p.l2_prefetch : L2Prefetch{};
   if (p.down_prefetch.packed != nullptr) {
     const Nvfp4Experts& d = p.down_prefetch;
     FN_LAUNCH_REQUIRE(d.packed != nullptr && d.scales != nullptr && d.rows >= 1 && d.cols >= 32 &&
@@ -451,6 +473,22 @@ void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
   launch_pdl("moe_gate_up_bulk_kernel", moe_gate_up_bulk_kernel, static_cast<unsigned>(g.ctas),
              kThreads, g.smem, stream, a);
   FN_CUDA_LAUNCH_CHECK("moe_gate_up_bulk_kernel");
+}
+
+}  // namespace
+
+void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream) {
+  constexpr const char* kOp = "launch_moe_gate_up_nvfp4 (bulk)";
+  FN_LAUNCH_REQUIRE(current_device_has_pdl(), kOp);  // sm_90+ device and device code
+  const int64_t inter = p.experts.rows / 2;
+  const int sms = current_sm_count();
+  FN_LAUNCH_REQUIRE(bulk_gate_up_shape_ok(p.top_k, inter, p.experts.cols, sms), kOp);
+  FN_LAUNCH_REQUIRE(aligned(p.experts.packed, 16) && aligned(p.experts.scales, 16), kOp);
+  // The down prefetch names one token's experts (all tokens' would not stay in L2).
+  FN_LAUNCH_REQUIRE(p.tokens == 1 || p.down_prefetch.packed == nullptr, kOp);
+  const int64_t per = bulk_tokens_per_launch(p.top_k, inter, p.experts.cols, sms, p.tokens);
+  for (int64_t b0 = 0; b0 < p.tokens; b0 += per)
+    launch_bulk_tokens(p, b0, std::min(per, p.tokens - b0), sms, stream);
 }
 
 }  // namespace fn::detail

@@ -34,13 +34,22 @@ constexpr bool bulk_gate_up_cols_ok(int64_t cols) {
 /// share) within the 227 KB a CTA may use. The device check (sm_90+) is the launcher's.
 bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count);
 
+/// Tokens one launch of the bulk gate+up kernel takes when `tokens` come side by side
+/// (MoeGateUpParams::tokens): `tokens` halved (rounded up) until tokens * top_k routes pass
+/// bulk_gate_up_shape_ok (each CTA keeps the chunk list and partials of its share of the routes in
+/// shared memory), at least 1. launch_moe_gate_up_bulk runs ceil(tokens / that) launches.
+int64_t bulk_tokens_per_launch(int top_k, int64_t inter, int64_t cols, int sm_count,
+                               int64_t tokens);
+
 /// CTAs of the bulk gate+up grid for top_k * inter row pairs on sm_count SMs: one per SM, fewer
 /// when there are fewer than 8 pairs per SM.
 int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count);
 
-/// Launches the bulk gate+up kernel (see moe_nvfp4_bulk.cu). Throws fn::Error(Internal) when
-/// the device is below sm_90, the shape fails bulk_gate_up_shape_ok, or the weights are not 16-byte
-/// aligned; fn::Error(Cuda) on a failed launch. Legal during stream capture.
+/// Launches the bulk gate+up kernel (see moe_nvfp4_bulk.cu) for p.tokens tokens (their routes
+/// back to back in each launch; bulk_tokens_per_launch tokens per launch). Throws
+/// fn::Error(Internal) when the device is below sm_90, the shape fails bulk_gate_up_shape_ok for
+/// one token, the weights are not 16-byte aligned or a down prefetch comes with tokens > 1;
+/// fn::Error(Cuda) on a failed launch. Legal during stream capture.
 void launch_moe_gate_up_bulk(const MoeGateUpParams& p, cudaStream_t stream);
 
 }  // namespace fn::detail

@@ -81,6 +81,7 @@ void run_per_row(const MoePrefillParams& p, cudaStream_t stream) {
   gu.x = p.x;
   gu.h = h;
   gu.tokens = p.tokens;
+  gu.bulk = p.gate_up_bulk;
   launch_moe_gate_up_nvfp4(gu, stream);
   if (p.h_out != nullptr)
     FN_CUDA_CHECK(cudaMemcpyAsync(p.h_out, h, static_cast<size_t>(p.tokens * p.top_k * inter) * 2,

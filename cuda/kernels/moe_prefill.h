@@ -68,6 +68,10 @@ struct MoePrefillParams {
   /// PerRow path: MoeDownParams::fixed_shape (KernelPlan::moe_down_fixed). Ignored by the Fused
   /// path.
   bool down_fixed = true;
+  /// PerRow path: the gate+up on the bulk-copy kernel (MoeGateUpParams::bulk, KernelPlan::
+  /// moe_gate_up_bulk: the decode step's kernel, so each row's h is bitwise decode's), every row's
+  /// routes streamed through one grid; false: the FP32 kernel. Ignored by the Fused path.
+  bool gate_up_bulk = false;
 };
 
 /// Default tokens per chunk of the Fused path.

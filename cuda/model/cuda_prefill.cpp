@@ -659,6 +659,7 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   if (decode_rows) {  // the decode kernels over the rows: no host synchronisation (graphs)
     mp.path = MoePrefillPath::PerRow;
     mp.down_fixed = I.plan.moe_down_fixed;
+    mp.gate_up_bulk = I.plan.moe_gate_up_bulk;
   }
   launch_moe_prefill(mp, s);
   prof.mark(StepFamily::SharedExpert);

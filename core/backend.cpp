@@ -35,7 +35,7 @@ void Backend::restore() {
 
 std::vector<int32_t> Backend::decode(int32_t, int64_t, const SamplingParams&, uint64_t,
                                      const std::function<bool(int32_t)>&, int64_t,
-                                     std::vector<TokenLogprobs>*) {
+                                     std::vector<TokenLogprobs>*, std::span<const int32_t>) {
   FN_THROW(Internal, "the {} backend does not sample on the device (decode)", info_.name);
 }
 

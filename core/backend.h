@@ -58,13 +58,18 @@ struct SlotTokens {
   std::span<const int32_t> tokens;
 };
 
-/// One sequence's sampling in a batched device step (Backend::sample_batch): its settings, whose
-/// penalties must be off (device_sampling_supported, core/generate.h) and whose seed seeds the
-/// draw, and the RNG position, the number of ids this sequence sampled before (as decode()
-/// counts its steps from 0).
+/// One sequence's sampling in a batched device step (Backend::sample_batch): its settings (the
+/// penalties included; the seed seeds the draw), the RNG position, the number of ids this
+/// sequence sampled before (as decode() counts its steps from 0), and at step 0 the ids it
+/// accepted before its first sampled one (its prompt), which start its penalty window.
 struct SlotSampling {
   SamplingParams sampling;
   int64_t step = 0;
+  /// Read at step 0 when the penalties are on: the sequence's accepted ids so far, oldest
+  /// first (the whole prompt; the host sampler's window before its first sample). The backend
+  /// keeps the window from there on, adding each id it samples for the slot. Must stay valid
+  /// for the call only.
+  std::span<const int32_t> history;
 };
 
 /// Which logits Backend::prefill returns.
@@ -146,18 +151,23 @@ class Backend {
   virtual void restore();
 
   /// capabilities().device_decode only: feeds `first` at position(), then samples up to `count`
-  /// ids on the device with `sampling` (temperature, top-k, top-p, min-p; its penalties are not
-  /// applied) and the RNG `seed`, feeding each back; calls on_token(id) as each id reaches the
-  /// host, and stops early when it returns false. Returns the ids sampled, the one that stopped
-  /// the loop included. With top_logprobs >= 0 (at most kMaxTopLogprobs, core/row_stats.h) the
-  /// device also reduces each step's logits row to the id's TokenLogprobs with top_logprobs
-  /// alternatives (as token_logprobs() up to the summation order of the normaliser), appended to
-  /// *logprobs before on_token(id) is called; with -1 (logprobs may be null) nothing is computed.
-  /// The same on every rank. Throws as forward(); fn::Error(Internal) on a backend without it or
-  /// for top_logprobs outside [-1, kMaxTopLogprobs] or a null logprobs with top_logprobs >= 0.
+  /// ids on the device with `sampling` (penalties, temperature, top-k, top-p, min-p, as
+  /// fn::Sampler) and the RNG `seed`, feeding each back; calls on_token(id) as each id reaches
+  /// the host, and stops early when it returns false: no id after that one is reported or
+  /// returned, whatever the device ran ahead. `history`: the ids accepted before the first
+  /// sampled one, oldest first (the prompt, `first` its last), which start the penalty window
+  /// (each sampled id joins it; read only when the penalties are on). Returns the ids sampled,
+  /// the one that stopped the loop included. With top_logprobs >= 0 (at most kMaxTopLogprobs,
+  /// core/row_stats.h) the device also reduces each step's logits row to the id's TokenLogprobs
+  /// with top_logprobs alternatives (as token_logprobs() up to the summation order of the
+  /// normaliser), appended to *logprobs before on_token(id) is called; with -1 (logprobs may be
+  /// null) nothing is computed. The same on every rank. Throws as forward(); fn::Error(Internal) on
+  /// a backend without it or for top_logprobs outside [-1, kMaxTopLogprobs] or a null logprobs with
+  /// top_logprobs >= 0.
   virtual std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
                                       uint64_t seed, const std::function<bool(int32_t)>& on_token,
-                                      int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs);
+                                      int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs,
+                                      std::span<const int32_t> history);
 
   /// The number of sequence slots this backend holds (>= 1; 1: only the one sequence).
   virtual int64_t slot_count() const noexcept { return 1; }
@@ -183,10 +193,10 @@ class Backend {
                                                std::span<const int32_t> tokens);
 
   /// capabilities().batch_sampling only: forward_batch() that samples each slot's next id on
-  /// the device with sampling[i] (decode()'s sampler: ids equal to decode()'s for the same
-  /// logits, seed and step) and returns the ids, row i for slots[i]; only the ids cross to the
-  /// host. Throws as forward_batch(), and fn::Error(Internal) without it or for lists of other
-  /// lengths.
+  /// the device with sampling[i] (decode()'s sampler, penalties included, over the slot's own
+  /// penalty window: ids equal to decode()'s for the same logits, window, seed and step) and
+  /// returns the ids, row i for slots[i]; only the ids cross to the host. Throws as
+  /// forward_batch(), and fn::Error(Internal) without it or for lists of other lengths.
   virtual std::vector<int32_t> sample_batch(std::span<const int64_t> slots,
                                             std::span<const int32_t> tokens,
                                             std::span<const SlotSampling> sampling);

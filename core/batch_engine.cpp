@@ -39,9 +39,10 @@ struct BatchEngine::Seq {
   int64_t slot = 0;
   int64_t order = 0;      // admission number: the prefill order
   int64_t prefilled = 0;  // prompt tokens run so far
-  // Sampled on the device (Backend::sample_batch): the prompt but its last token is prefilled,
-  // the last one is fed by the first decode step, as generate()'s device path does; `steps`
-  // counts the ids sampled (the RNG position).
+  // Sampled on the device (Backend::sample_batch, penalties and all; stop strings are matched in
+  // decide() as for the host rows): the prompt but its last token is prefilled, the last one is
+  // fed by the first decode step, as generate()'s device path does; `steps` counts the ids
+  // sampled (the RNG position).
   bool on_device = false;
   int64_t steps = 0;
   int64_t prefill_target() const {
@@ -163,7 +164,8 @@ std::vector<BatchOutput> BatchEngine::step() {
       decoding.push_back(s.get());
       slot_ids.push_back(s->slot);
       feed.push_back(*s->pending);
-      if (device) sampling.push_back({s->r.options.sampling, s->steps});
+      // The prompt starts the slot's penalty window at step 0 (the backend keeps it after).
+      if (device) sampling.push_back({s->r.options.sampling, s->steps, s->r.prompt});
     }
     if (decoding.empty()) continue;
     if (device) {

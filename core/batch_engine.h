@@ -3,7 +3,9 @@
 // free slots as they free (admit); every step() prefills up to a budget of prompt tokens of the
 // admitted sequences, in admission order and in chunks, then runs one decode step for every
 // sequence that has a token to feed (Backend::forward_batch) and samples each one's next token
-// with its own Sampler, so a sequence's output never depends on its neighbours: every id,
+// with its own Sampler (on a backend with batch_sampling: on the device, Backend::sample_batch,
+// with the same settings over the sequence's own penalty window; stop strings are matched here
+// on the host either way), so a sequence's output never depends on its neighbours: every id,
 // log-prob and stop decision is the one generate() (core/generate.h) gives the request alone on
 // the host path — bitwise, given a backend whose forward_batch rows equal forward()'s (the cpu
 // backend). With one slot the engine runs each request through generate() itself, so a

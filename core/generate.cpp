@@ -115,8 +115,6 @@ GenerationResult generate_on_host(Backend& backend, Collectives& coll,
                                   std::span<const int32_t> prompt, const GenerateOptions& options,
                                   const TextHooks& hooks) {
   const bool root = coll.rank() == 0;
-  FN_REQUIRE(options.stop_strings.empty() || !root || hooks.feed, Usage,
-             "--stop needs a tokenizer to match text; this model directory has none");
   GenerationResult r;
   r.n_prompt_tokens = static_cast<int64_t>(prompt.size());
   Sampler sampler(options.sampling);
@@ -177,11 +175,15 @@ GenerationResult generate_on_host(Backend& backend, Collectives& coll,
 }
 
 // generate() with sampling on the device: prompt[0 .. n-2] prefilled, then Backend::decode from
-// the last prompt token.
+// the last prompt token, the whole prompt starting the penalty window. Each id reaches on_token
+// before decode() reports the next one, so a stop (id or string) ends the ids exactly there,
+// however far the device ran ahead. Stop strings are matched on rank 0's text: its decision is
+// broadcast per token (4 bytes) so that every rank leaves decode() after the same id.
 GenerationResult generate_on_device(Backend& backend, Collectives& coll,
                                     std::span<const int32_t> prompt, const GenerateOptions& options,
                                     const TextHooks& hooks) {
   const bool root = coll.rank() == 0;
+  const bool match_text = !options.stop_strings.empty();
   GenerationResult r;
   r.n_prompt_tokens = static_cast<int64_t>(prompt.size());
   StopText stop_text(options.stop_strings, hooks);
@@ -201,20 +203,29 @@ GenerationResult generate_on_device(Backend& backend, Collectives& coll,
     }
     t_prev = t;
     r.token_ids.push_back(id);
+    // The ids are the same on every rank, so the stop-id decision needs no broadcast.
     if (!options.ignore_eos && is_stop_id(options, id)) {
       finish = FinishReason::Eos;
       return false;
     }
-    if (root && hooks.feed) stop_text.add(hooks.feed(id));
+    int32_t stop = 0;
+    if (root && hooks.feed && stop_text.add(hooks.feed(id))) stop = 1;
+    if (match_text) coll.broadcast(&stop, sizeof(stop), 0);
+    if (stop != 0) {
+      finish = FinishReason::Stop;
+      return false;
+    }
     return true;
   };
   backend.decode(prompt.back(), options.max_new_tokens, options.sampling, options.sampling.seed,
-                 on_token, options.top_logprobs, &r.logprobs);
+                 on_token, options.top_logprobs, &r.logprobs, prompt);
   r.finish = finish;
   r.e2e_ms = ms_between(t0, t_prev);
-  if (root) {
-    if (hooks.finish) stop_text.add(hooks.finish());
-    stop_text.flush();
+  if (root) {  // as the host path: a stop string's text is final
+    if (finish != FinishReason::Stop) {
+      if (hooks.finish && !stop_text.add(hooks.finish())) stop_text.flush();
+      if (!hooks.finish) stop_text.flush();
+    }
     r.text = stop_text.take_text();
   }
   finish_generation_stats(r);
@@ -224,9 +235,7 @@ GenerationResult generate_on_device(Backend& backend, Collectives& coll,
 }  // namespace
 
 bool device_sampling_supported(const GenerateOptions& options) {
-  const SamplingParams& s = options.sampling;
-  return !options.host_sampling && options.stop_strings.empty() && s.repetition_penalty == 1.0 &&
-         s.presence_penalty == 0.0 && s.frequency_penalty == 0.0;
+  return !options.host_sampling;
 }
 
 bool samples_on_device(const Backend& backend, const GenerateOptions& options) {
@@ -243,6 +252,8 @@ GenerationResult generate(Backend& backend, Collectives& coll, std::span<const i
                           const GenerateOptions& options, const TextHooks& hooks) {
   check_context(static_cast<int64_t>(prompt.size()), options.max_new_tokens, options.ctx_size);
   check_top_logprobs(options.top_logprobs);
+  FN_REQUIRE(options.stop_strings.empty() || coll.rank() != 0 || hooks.feed, Usage,
+             "--stop needs a tokenizer to match text; this model directory has none");
   return samples_on_device(backend, options)
              ? generate_on_device(backend, coll, prompt, options, hooks)
              : generate_on_host(backend, coll, prompt, options, hooks);

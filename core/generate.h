@@ -103,9 +103,10 @@ void finish_generation_stats(GenerationResult& r);
 /// leaves no room).
 void check_context(int64_t prompt_len, int64_t max_new_tokens, int64_t ctx_size);
 
-/// True when `options` can sample on the device (Backend::decode): no stop strings (matched on
-/// rank 0's text), no repetition / presence / frequency penalty (they need the host sampler's
-/// history) and no host_sampling.
+/// True when `options` can sample on the device (Backend::decode, Backend::sample_batch): every
+/// sampling setting can (the penalties run on the device over the sequence's own window, stop
+/// strings are matched on rank 0's text of the ids the host receives every step), so only an
+/// explicit host_sampling (--host-sampling, eval score) keeps the host sampler. No errors.
 bool device_sampling_supported(const GenerateOptions& options);
 
 /// True when generate() samples on the device for `backend` and `options`: the backend has
@@ -124,8 +125,11 @@ void check_top_logprobs(int64_t top_logprobs);
 ///    length and broadcasts {token, stop} (8 bytes), every rank accepts the broadcast token and
 ///    feeds it through forward();
 ///  - on the device: the prompt but its last token is prefilled, then Backend::decode runs from
-///    the last prompt token with options.sampling and its seed; every rank sees the same ids,
-///    so no per-token broadcast is needed; stop ids end the loop on every rank alike.
+///    the last prompt token with options.sampling and its seed, the prompt as the penalty
+///    window's start; every rank sees the same ids, so stop ids end the loop on every rank
+///    alike without a broadcast; with stop strings rank 0 matches each id's text before the
+///    next id is taken and broadcasts its decision (4 bytes per token), and no id after the
+///    one that completed a stop string is kept, however far the device ran ahead.
 /// Timing: prefill_ms is the prompt's prefill (on the device path without the last prompt
 /// token, which runs in the first decode step); TTFT and the gaps are taken when each id is
 /// known on the host. With options.top_logprobs >= 0 each token's TokenLogprobs is computed where

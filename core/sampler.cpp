@@ -56,6 +56,22 @@ void Sampler::accept(int32_t token) {
   }
 }
 
+void Sampler::apply_penalties(std::span<float> logits) const {
+  const bool penalties = params_.repetition_penalty != 1.0 || params_.presence_penalty != 0.0 ||
+                         params_.frequency_penalty != 0.0;
+  if (!penalties) return;
+  const auto n = static_cast<int64_t>(logits.size());
+  for (const auto& [id, count] : counts_) {
+    if (id < 0 || id >= n) continue;
+    // FP64, each operation rounded on its own (the device sampler, cuda/kernels/sample.h, repeats
+    // this arithmetic bit for bit).
+    double l = logits[static_cast<std::size_t>(id)];
+    l = l <= 0.0 ? l * params_.repetition_penalty : l / params_.repetition_penalty;
+    l -= static_cast<double>(count) * params_.frequency_penalty + params_.presence_penalty;
+    logits[static_cast<std::size_t>(id)] = static_cast<float>(l);
+  }
+}
+
 double Sampler::next_uniform() {
   // 53 random bits scaled by 2^-53: exactly representable, in [0, 1), identical everywhere
   // (std::uniform_real_distribution's algorithm is implementation-defined).
@@ -69,17 +85,7 @@ int32_t Sampler::sample(std::span<const float> logits) {
   last_.clear();
 
   // 1. Penalties (llama.cpp llama_sampler_penalties_apply).
-  const bool penalties = params_.repetition_penalty != 1.0 || params_.presence_penalty != 0.0 ||
-                         params_.frequency_penalty != 0.0;
-  if (penalties) {
-    for (const auto& [id, count] : counts_) {
-      if (id < 0 || id >= n) continue;
-      double l = work_[static_cast<std::size_t>(id)];
-      l = l <= 0.0 ? l * params_.repetition_penalty : l / params_.repetition_penalty;
-      l -= static_cast<double>(count) * params_.frequency_penalty + params_.presence_penalty;
-      work_[static_cast<std::size_t>(id)] = static_cast<float>(l);
-    }
-  }
+  apply_penalties(work_);
 
   // 2. Greedy.
   if (params_.temperature <= 0.0) {

@@ -60,6 +60,14 @@ class Sampler {
   /// it. Throws fn::Error(Internal) for empty logits.
   int32_t sample(std::span<const float> logits);
 
+  /// Step 1 of sample() alone, in place on `logits` (vocab_size FP32 values): each distinct id of
+  /// the penalty window in [0, logits.size()), seen c times, becomes, in FP64 with every
+  /// operation rounded on its own, l <= 0 ? l * repetition_penalty : l / repetition_penalty,
+  /// minus (c * frequency_penalty + presence_penalty), rounded to FP32. Nothing when every
+  /// penalty is off or the window is empty. The reference of the device sampler's penalties
+  /// (cuda/kernels/sample.h). No errors.
+  void apply_penalties(std::span<float> logits) const;
+
   const SamplingParams& params() const noexcept { return params_; }
 
   /// The candidates left after steps 1-5 of the last sample() with their final probabilities

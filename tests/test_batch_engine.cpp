@@ -20,6 +20,7 @@
 #include "core/cpu_model.h"
 #include "core/error.h"
 #include "core/generate.h"
+#include "core/sampler.h"
 #include "test_cpu_fixture.h"
 
 namespace {
@@ -152,7 +153,104 @@ void check_same(const fn::GenerationResult& got, const fn::GenerationResult& wan
   CHECK(got.ttft_ms >= got.prefill_ms);
 }
 
+// The cpu backend's slots with what CudaBackend::sample_batch does, emulated on the host: each
+// row of a batched step is sampled with its sequence's settings over its own penalty window,
+// started at step 0 from SlotSampling::history and fed with every id sampled for the slot
+// (fn::Sampler, so a greedy row's id is the host sampler's). Records every step-0 history.
+class EmulatedBatchDevice final : public fn::Backend {
+ public:
+  explicit EmulatedBatchDevice(fn::CpuBackend& cpu)
+      : fn::Backend(cpu.info()), cpu_(cpu), samplers_(static_cast<std::size_t>(cpu.slot_count())) {}
+  std::vector<std::vector<int32_t>> first_histories;  // each sequence's step-0 history
+  std::vector<fn::SamplingParams> first_settings;     // and its settings
+  int64_t device_rows = 0;                            // rows sampled here
+
+  fn::BackendCapabilities capabilities() const noexcept override {
+    fn::BackendCapabilities c;
+    c.batch_sampling = true;
+    return c;
+  }
+  void reset() override { cpu_.reset(); }
+  int64_t position() const noexcept override { return cpu_.position(); }
+  std::span<const float> forward(int32_t t) override { return cpu_.forward(t); }
+  std::span<const float> prefill(std::span<const int32_t> tokens,
+                                 fn::PrefillOutput output) override {
+    return cpu_.prefill(tokens, output);
+  }
+  int64_t slot_count() const noexcept override { return cpu_.slot_count(); }
+  int64_t selected_slot() const noexcept override { return cpu_.selected_slot(); }
+  void select_slot(int64_t slot) override { cpu_.select_slot(slot); }
+  std::span<const float> forward_batch(std::span<const int64_t> slots,
+                                       std::span<const int32_t> tokens) override {
+    return cpu_.forward_batch(slots, tokens);
+  }
+  std::vector<int32_t> sample_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,
+                                    std::span<const fn::SlotSampling> sampling) override {
+    REQUIRE(sampling.size() == slots.size());
+    const auto rows = cpu_.forward_batch(slots, tokens);
+    const auto V = static_cast<std::size_t>(info().vocab_size);
+    std::vector<int32_t> ids;
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      std::optional<fn::Sampler>& s = samplers_[static_cast<std::size_t>(slots[i])];
+      if (sampling[i].step == 0) {
+        s.emplace(sampling[i].sampling);
+        for (const int32_t t : sampling[i].history) s->accept(t);
+        first_histories.emplace_back(sampling[i].history.begin(), sampling[i].history.end());
+        first_settings.push_back(sampling[i].sampling);
+      }
+      REQUIRE(s.has_value());
+      const int32_t id = s->sample(rows.subspan(i * V, V));
+      s->accept(id);
+      ids.push_back(id);
+      ++device_rows;
+    }
+    return ids;
+  }
+
+ private:
+  fn::CpuBackend& cpu_;
+  std::vector<std::optional<fn::Sampler>> samplers_;  // per slot: the window on the "device"
+};
+
 }  // namespace
+
+TEST_CASE(
+    "batch engine: penalties and stop strings sample on a batch-sampling backend, each sequence "
+    "over its own window from its prompt, equal to generate() alone") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  fn::LocalCollectives coll;
+  fn::CpuBackend ref(fn::CpuModel::load(f.dir, coll), 0.0);
+  std::map<int64_t, fn::GenerationResult> alone;
+  std::vector<std::vector<int32_t>> device_prompts;
+  for (fn::BatchRequest& r : comparison_requests(f)) {
+    ref.reset();
+    alone.emplace(r.key, fn::generate(ref, coll, r.prompt, r.options, r.hooks));
+    // The device takes every request but those asking for log-probs (computed on the host).
+    if (r.options.top_logprobs < 0) device_prompts.push_back(r.prompt);
+  }
+  REQUIRE(alone.at(6).finish == fn::FinishReason::Stop);
+  for (const int64_t max_batch : {3, 8}) {
+    CAPTURE(max_batch);
+    fn::CpuBackend cpu(fn::CpuModel::load(f.dir, coll), 0.0, max_batch);
+    EmulatedBatchDevice dev(cpu);
+    const auto got = run_engine(dev, coll, comparison_requests(f), max_batch, 64);
+    REQUIRE(got.size() == alone.size());
+    for (const auto& [key, want] : alone) {
+      CAPTURE(key);
+      check_same(got.at(key), want);
+    }
+    CHECK(dev.device_rows > 0);
+    // One step 0 per device request, its history its whole prompt: the penalty request (1..9)
+    // and the stop-string request are among them.
+    auto seen = dev.first_histories;
+    auto want_prompts = device_prompts;
+    std::sort(seen.begin(), seen.end());
+    std::sort(want_prompts.begin(), want_prompts.end());
+    CHECK(seen == want_prompts);
+    CHECK(std::any_of(dev.first_settings.begin(), dev.first_settings.end(),
+                      [](const fn::SamplingParams& s) { return s.repetition_penalty != 1.0; }));
+  }
+}
 
 TEST_CASE("cpu slots: forward_batch rows equal forward() per slot; slots keep their sequences") {
   const auto f = fn::test::load_ref_fixture("tp4");

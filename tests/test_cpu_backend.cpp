@@ -115,8 +115,7 @@ TEST_CASE(
     return fn::ErrorKind::Usage;  // "did not throw" reads as a mismatch below
   };
   CHECK(kind([&] {
-          b.decode(
-              1, 2, fn::SamplingParams{}, 0, [](int32_t) { return true; }, -1, nullptr);
+          b.decode(1, 2, fn::SamplingParams{}, 0, [](int32_t) { return true; }, -1, nullptr, {});
         }) == fn::ErrorKind::Internal);
   CHECK(kind([&] { (void)b.device_used_mib(); }) == fn::ErrorKind::Internal);
   CHECK(kind([&] { (void)b.graph_captures(); }) == fn::ErrorKind::Internal);

@@ -122,3 +122,33 @@ TEST_CASE("cuda backend: generate() samples on the device with the host sampler'
   CHECK(dev.finish == fn::FinishReason::Length);
   CHECK(dev.itl_ms.size() == 7);
 }
+
+TEST_CASE(
+    "cuda backend: penalties run in the decode graph over the prompt and the generated ids: the "
+    "host sampler's greedy ids for windows shorter and longer than the sequence") {
+  const auto f = fn::test::load_ref_fixture("tp4");
+  auto b = load(f);
+  fn::LocalCollectives coll;
+  fn::GenerateOptions o;
+  o.sampling.temperature = 0.0;
+  o.sampling.repetition_penalty = 1.5;
+  o.sampling.presence_penalty = 0.5;
+  o.sampling.frequency_penalty = 0.25;
+  o.max_new_tokens = 12;
+  o.ctx_size = 256;
+  o.ignore_eos = true;
+  o.stepwise_prefill = true;  // both paths see forward()'s logits for the prompt
+  for (const int64_t n : {int64_t{3}, int64_t{64}, int64_t{-1}}) {
+    CAPTURE(n);
+    o.sampling.repeat_last_n = n;
+    o.host_sampling = false;
+    CHECK(fn::samples_on_device(*b, o));
+    b->reset();
+    const fn::GenerationResult dev = fn::generate(*b, coll, f.prompt_ids, o);
+    o.host_sampling = true;
+    b->reset();
+    const fn::GenerationResult host = fn::generate(*b, coll, f.prompt_ids, o);
+    CHECK(dev.token_ids.size() == 12);
+    CHECK(dev.token_ids == host.token_ids);
+  }
+}

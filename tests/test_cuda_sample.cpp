@@ -3,6 +3,10 @@
 // ties; the kept candidate set after top-k/top-p/min-p equal to fn::Sampler's; sampled frequencies
 // against the host sampler's filtered probabilities (chi-square at a fixed significance);
 // top_k = 1 equal to greedy; determinism in (seed, step); CUDA graph replay equal to eager.
+// Penalties: the host's penalised values bit for bit (greedy ties planted one ulp either side),
+// greedy ids equal to fn::Sampler's and draws equal to the device's draw on the host-penalised row
+// over many steps with the window kept on the device (shorter than, equal to, longer than
+// repeat_last_n, -1, 0), several rows with their own settings sharing one workspace, graph replay.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -10,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -470,4 +475,341 @@ TEST_CASE("cuda sample: the launcher rejects a short workspace and settings out 
   p.logits = nullptr;
   CHECK_THROWS_AS(fn::launch_sample(p, nullptr), fn::Error);
   CHECK_THROWS_AS(fn::sample_workspace_bytes(0, greedy), fn::Error);
+}
+
+// ---- penalties -----------------------------------------------------------------------------
+
+namespace {
+
+fn::SamplingParams host_params_with_penalties(const fn::DeviceSamplingParams& s) {
+  fn::SamplingParams h = host_params(s);
+  h.repetition_penalty = s.repetition_penalty;
+  h.presence_penalty = s.presence_penalty;
+  h.frequency_penalty = s.frequency_penalty;
+  h.repeat_last_n = s.repeat_last_n;
+  return h;
+}
+
+fn::DeviceSamplingParams with_penalties(fn::DeviceSamplingParams s, double rep, double pres,
+                                        double freq, int64_t last_n) {
+  s.repetition_penalty = rep;
+  s.presence_penalty = pres;
+  s.frequency_penalty = freq;
+  s.repeat_last_n = last_n;
+  return s;
+}
+
+// A penalty window on the device: a ring of `capacity` ids (accepted id k at k % capacity) and
+// its count, loaded with `ids`.
+struct DeviceWindow {
+  int64_t capacity;
+  DeviceArray<int32_t> tokens;
+  DeviceArray<int64_t> count{1};
+  DeviceWindow(const std::vector<int32_t>& ids, int64_t cap)
+      : capacity(cap), tokens(static_cast<size_t>(cap)) {
+    std::vector<int32_t> ring(static_cast<size_t>(cap), -1);
+    for (size_t k = 0; k < ids.size(); ++k) ring[k % static_cast<size_t>(cap)] = ids[k];
+    tokens.upload(ring);
+    count.upload({static_cast<int64_t>(ids.size())});
+  }
+  fn::DevicePenaltyWindow view() const {
+    fn::DevicePenaltyWindow w;
+    w.tokens = tokens.ptr;
+    w.count = count.ptr;
+    w.capacity = capacity;
+    return w;
+  }
+  int64_t accepted() const { return count.download()[0]; }
+  // The last min(count, capacity) accepted ids, oldest first.
+  std::vector<int32_t> last_ids() const {
+    const int64_t n = accepted();
+    const auto ring = tokens.download();
+    std::vector<int32_t> out;
+    for (int64_t k = n - std::min(n, capacity); k < n; ++k)
+      out.push_back(ring[static_cast<size_t>(k % capacity)]);
+    return out;
+  }
+};
+
+std::string describe_penalties(const fn::DeviceSamplingParams& s) {
+  return describe(s) + " rep " + std::to_string(s.repetition_penalty) + " pres " +
+         std::to_string(s.presence_penalty) + " freq " + std::to_string(s.frequency_penalty) +
+         " last_n " + std::to_string(s.repeat_last_n);
+}
+
+// One sequence of the penalised comparisons: its logits row (fixed across the steps, so only the
+// penalties move the choice), settings, prompt (the window's start) and ring capacity.
+struct PenaltyCase {
+  std::string what;
+  std::vector<float> logits;
+  fn::DeviceSamplingParams s;
+  std::vector<int32_t> prompt;
+  int64_t capacity;
+};
+
+// Runs the cases side by side for `steps` steps: each round launches every case's penalised
+// choice on the default stream with ONE shared workspace (as the batched step samples its rows)
+// and synchronises once; then checks each case's id against the host sampler: greedy ids equal
+// fn::Sampler's; a draw equals the device's unpenalised draw (same seed and step) on the row
+// fn::Sampler::apply_penalties gives, with the same kept count, inside the host's candidates.
+// The host sampler accepts the device's id; at the end the device window holds prompt + ids.
+void run_penalty_cases(const std::vector<PenaltyCase>& cases, int64_t steps) {
+  struct Live {
+    std::unique_ptr<DeviceSampler> dev, ref;
+    std::unique_ptr<DeviceWindow> win;
+    std::unique_ptr<fn::Sampler> host;
+    std::vector<int32_t> ids;
+  };
+  int64_t vocab_max = 0;
+  for (const auto& c : cases) vocab_max = std::max<int64_t>(vocab_max, c.logits.size());
+  const size_t ws_bytes = DeviceSampler::ws_for(vocab_max);
+  DeviceArray<unsigned char> shared(ws_bytes);
+  std::vector<Live> live(cases.size());
+  for (size_t r = 0; r < cases.size(); ++r) {
+    live[r].dev = std::make_unique<DeviceSampler>(cases[r].logits, steps);
+    live[r].ref = std::make_unique<DeviceSampler>(cases[r].logits, steps);
+    live[r].win = std::make_unique<DeviceWindow>(cases[r].prompt, cases[r].capacity);
+    live[r].host = std::make_unique<fn::Sampler>(host_params_with_penalties(cases[r].s));
+    for (int32_t t : cases[r].prompt) live[r].host->accept(t);
+  }
+  for (int64_t i = 0; i < steps; ++i) {
+    for (size_t r = 0; r < cases.size(); ++r) {
+      fn::DeviceSamplingParams s = cases[r].s;
+      s.window = live[r].win->view();
+      fn::SampleParams p = live[r].dev->params(s, i);
+      p.workspace = shared.ptr;
+      p.workspace_bytes = ws_bytes;
+      fn::launch_sample(p, nullptr);
+    }
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    for (size_t r = 0; r < cases.size(); ++r) {
+      const PenaltyCase& c = cases[r];
+      Live& L = live[r];
+      const std::string what =
+          c.what + " (" + describe_penalties(c.s) + ") step " + std::to_string(i);
+      const int32_t got = L.dev->token.download()[0];
+      CHECK_MESSAGE(L.dev->flag_value() == 0, what);
+      std::vector<float> penalised = c.logits;
+      L.host->apply_penalties(penalised);
+      if (c.s.temperature <= 0.0f) {
+        CHECK_MESSAGE(got == L.host->sample(c.logits), what);
+      } else {
+        fn::DeviceSamplingParams plain = c.s;
+        plain.repetition_penalty = 1.0;
+        plain.presence_penalty = 0.0;
+        plain.frequency_penalty = 0.0;
+        L.ref->logits.upload(penalised);
+        const int32_t want = L.ref->one(plain, i);
+        CHECK_MESSAGE(got == want, what);
+        CHECK_MESSAGE(L.dev->kept_value() == L.ref->kept_value(), what);
+        REQUIRE_MESSAGE(decision_margin(penalised, c.s) > cut_tolerance(penalised.size()), what);
+        L.host->sample(c.logits);
+        const auto& dist = L.host->last_distribution();
+        CHECK_MESSAGE(L.dev->kept_value() == static_cast<int32_t>(dist.size()), what);
+        CHECK_MESSAGE(std::any_of(dist.begin(), dist.end(),
+                                  [got](const fn::Sampler::Candidate& d) { return d.id == got; }),
+                      what);
+      }
+      L.host->accept(got);
+      L.ids.push_back(got);
+    }
+  }
+  for (size_t r = 0; r < cases.size(); ++r) {
+    const PenaltyCase& c = cases[r];
+    Live& L = live[r];
+    std::vector<int32_t> all = c.prompt;
+    all.insert(all.end(), L.ids.begin(), L.ids.end());
+    CHECK_MESSAGE(L.win->accepted() == static_cast<int64_t>(all.size()), c.what);
+    const auto tail = L.win->last_ids();
+    CHECK_MESSAGE(std::equal(tail.begin(), tail.end(), all.end() - static_cast<long>(tail.size())),
+                  c.what);
+    // The penalties did something: the ids differ from the unpenalised choice somewhere (the
+    // greedy one is fixed; a draw is compared with the device's own unpenalised draws).
+    if (fn::DeviceSamplingParams off = c.s; fn::penalties_active(c.s)) {
+      off.repetition_penalty = 1.0;
+      off.presence_penalty = 0.0;
+      off.frequency_penalty = 0.0;
+      L.ref->logits.upload(c.logits);
+      CHECK_MESSAGE(L.ref->draws(off, steps) != L.ids, c.what, ": the penalties changed nothing");
+    }
+  }
+}
+
+// Logits with a peaked head at `head` (the ids the prompts repeat) over a N(0, 1) tail.
+std::vector<float> head_logits(int64_t vocab, uint64_t seed, const std::vector<int32_t>& head) {
+  auto l = normal_floats(static_cast<size_t>(vocab), 1.0f, seed);
+  for (size_t i = 0; i < head.size(); ++i)
+    l[static_cast<size_t>(head[i])] = 6.0f - 0.125f * static_cast<float>(i);
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda sample: penalties are fn::Sampler's bit for bit: greedy ties planted at the host's "
+    "penalised values, one ulp either side") {
+  // Window ids with positive, negative, zero and huge logits, seen 1 to 4 times; an id past the
+  // vocabulary and a negative one (skipped, as the host skips them).
+  const std::vector<int32_t> window = {1000, 77, 1000, 5, 1000, 248000, 77, 1000, 300000, -3, 9};
+  const std::vector<std::pair<int32_t, float>> targets = {
+      {1000, 7.3f}, {77, -0.8125f}, {5, 0.0f}, {9, 3.0e38f}, {248000, -1.0e-38f}};
+  for (const auto& sp : {with_penalties(make(0.0f, 0, 1.0f, 0.0f), 1.3, 0.4, 0.15, -1),
+                         with_penalties(make(0.0f, 0, 1.0f, 0.0f), 0.7, -0.3, 0.1, 64),
+                         with_penalties(make(0.0f, 0, 1.0f, 0.0f), 1.0, 0.0, 0.37, 11),
+                         with_penalties(make(0.0f, 0, 1.0f, 0.0f), 1.1, 0.2, 0.0, 3)}) {
+    for (const auto& [x, raw] : targets) {
+      for (const int32_t y : {4, 200000}) {  // the planted rival below and above x
+        for (const int nudge : {-1, 0, 1}) {
+          auto l = normal_floats(kRealVocab, 0.01f, 5);
+          for (float& v : l) v -= 1.0e30f * (v < 0 ? 1.0f : 0.5f);  // every other id far below
+          l[static_cast<size_t>(x)] = raw;
+          fn::Sampler host(host_params_with_penalties(sp));
+          for (int32_t t : window) host.accept(t);
+          std::vector<float> pen = l;
+          host.apply_penalties(pen);
+          float rival = pen[static_cast<size_t>(x)];
+          if (nudge != 0) rival = std::nextafter(rival, nudge > 0 ? INFINITY : -INFINITY);
+          l[static_cast<size_t>(y)] = rival;
+          const int32_t want = host.sample(l);
+          DeviceSampler d(l, 1);
+          DeviceWindow w(window, 16);
+          auto s = sp;
+          s.window = w.view();
+          const int32_t got = d.one(s, 0);
+          const std::string what = describe_penalties(sp) + " x " + std::to_string(x) + " y " +
+                                   std::to_string(y) + " nudge " + std::to_string(nudge);
+          CHECK_MESSAGE(got == want, what);
+          // The window only penalises x when it is inside it: the tie is decided by x's value.
+          if (std::isfinite(pen[static_cast<size_t>(x)]))
+            CHECK_MESSAGE((want == x || want == y), what);
+          CHECK(w.accepted() == static_cast<int64_t>(window.size()) + 1);
+          CHECK(w.last_ids().back() == got);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "cuda sample: penalised greedy and seeded draws equal the host sampler's over many steps, "
+    "windows shorter than, equal to and longer than repeat_last_n, several rows per launch "
+    "round") {
+  const std::vector<int32_t> head = {11, 4242, 99999, 7, 150000, 31, 248319, 1024};
+  // Prompts with repeated head ids.
+  const std::vector<int32_t> short_prompt = {11, 11};
+  const std::vector<int32_t> six = {11, 4242, 11, 7, 4242, 11};
+  const std::vector<int32_t> long_prompt = {11, 4242, 99999, 11, 7, 4242, 11, 31, 11, 4242};
+  const auto greedy = make(0.0f, 0, 1.0f, 0.0f);
+  const auto filtered = make(0.9f, 40, 0.95f, 0.0f, 17);
+  const auto raw = make(1.0f, 0, 1.0f, 0.0f, 23);
+  const auto minp = make(0.8f, 0, 1.0f, 0.02f, 31);
+  std::vector<PenaltyCase> cases;
+  int64_t seed = 100;
+  for (const auto& base : {greedy, filtered, raw, minp}) {
+    // Shorter than repeat_last_n (grows past it as the ids are accepted).
+    cases.push_back({"window shorter than last_n", head_logits(kRealVocab, ++seed, head),
+                     with_penalties(base, 1.4, 0.3, 0.2, 6), short_prompt, 6});
+    // Equal to repeat_last_n from the start.
+    cases.push_back({"window equal to last_n", head_logits(kRealVocab, ++seed, head),
+                     with_penalties(base, 1.25, 0.0, 0.5, 6), six, 6});
+    // Longer than repeat_last_n: only the last 4 count; the ring holds 5 (it wraps).
+    cases.push_back({"window longer than last_n", head_logits(kRealVocab, ++seed, head),
+                     with_penalties(base, 1.6, 0.5, 0.0, 4), long_prompt, 5});
+    // Every accepted id (-1).
+    cases.push_back({"whole window (-1)", head_logits(kRealVocab, ++seed, head),
+                     with_penalties(base, 1.2, 0.25, 0.25, -1), long_prompt, 64});
+    // repeat_last_n 0: no penalty however strong (the ids are still appended).
+    cases.push_back({"repeat_last_n 0", head_logits(kRealVocab, ++seed, head),
+                     with_penalties(base, 3.0, 2.0, 2.0, 0), long_prompt, 64});
+  }
+  // A small vocabulary, every id in the window at some point.
+  cases.push_back({"V 64 filtered",
+                   head_logits(64, 7, {3, 9, 27, 60}),
+                   with_penalties(make(1.0f, 10, 0.9f, 0.0f, 5), 1.5, 0.2, 0.3, 16),
+                   {3, 9, 3, 27, 3},
+                   16});
+  cases.push_back({"V 64 greedy",
+                   head_logits(64, 8, {3, 9, 27, 60}),
+                   with_penalties(greedy, 1.5, 0.2, 0.3, 16),
+                   {3, 9, 3, 27, 3},
+                   20});
+  run_penalty_cases(cases, 24);
+}
+
+TEST_CASE(
+    "cuda sample: a captured graph with penalties replays the eager choices as the window "
+    "grows on the device") {
+  const std::vector<int32_t> head = {11, 4242, 99999, 7};
+  const auto l = head_logits(kRealVocab, 61, head);
+  const std::vector<int32_t> prompt = {11, 4242, 11};
+  for (const auto& base : {make(0.0f, 0, 1.0f, 0.0f), make(1.1f, 40, 0.9f, 0.02f, 3)}) {
+    DeviceSampler graph_side(l, 1), eager_side(l, 8);
+    DeviceWindow wg(prompt, 32), we(prompt, 32);
+    DeviceArray<int64_t> step(std::vector<int64_t>{0});
+    auto s = with_penalties(base, 1.5, 0.5, 0.25, 8);
+    s.window = wg.view();
+    fn::SampleParams p = graph_side.params(s, 0);
+    p.step = step.ptr;
+    p.history = nullptr;
+    cudaStream_t stream;
+    FN_CUDA_CHECK(cudaStreamCreate(&stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    fn::launch_sample(p, stream);
+    FN_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    FN_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<int32_t> replayed;
+    for (int64_t t = 0; t < 8; ++t) {
+      step.upload({t});
+      FN_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      FN_CUDA_CHECK(cudaStreamSynchronize(stream));
+      replayed.push_back(graph_side.token.download()[0]);
+    }
+    auto e = s;
+    e.window = we.view();
+    CHECK_MESSAGE(eager_side.draws(e, 8) == replayed, describe_penalties(s));
+    CHECK(wg.last_ids() == we.last_ids());
+    CHECK(wg.accepted() == static_cast<int64_t>(prompt.size()) + 8);
+    FN_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    FN_CUDA_CHECK(cudaGraphDestroy(graph));
+    FN_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
+TEST_CASE(
+    "cuda sample: penalties without a window, out-of-range penalties and an overlong "
+    "window are refused or flagged") {
+  const auto l = normal_floats(4096, 1.0f, 91);
+  DeviceSampler d(l, 1);
+  const auto g = make(0.0f, 0, 1.0f, 0.0f);
+  // The filtered settings' workspace allows penalties with any other setting.
+  CHECK(fn::sample_workspace_bytes(kRealVocab, with_penalties(g, 1.2, 0, 0, 64)) <=
+        DeviceSampler::ws_for(kRealVocab));
+  CHECK(fn::sample_workspace_bytes(kRealVocab,
+                                   with_penalties(make(1.0f, 0, 1.0f, 0.0f), 1.2, 0, 0, 64)) <=
+        DeviceSampler::ws_for(kRealVocab));
+  CHECK_FALSE(fn::penalties_active(with_penalties(g, 1.2, 0.5, 0.5, 0)));
+  CHECK_FALSE(fn::penalties_active(with_penalties(g, 1.0, 0.0, 0.0, -1)));
+  CHECK(fn::penalties_active(with_penalties(g, 1.0, 0.0, -0.5, 1)));
+  CHECK_THROWS_AS(fn::launch_sample(d.params(with_penalties(g, 1.2, 0, 0, 64), 0), nullptr),
+                  fn::Error);  // no window
+  DeviceWindow w({1, 2, 3}, 4);
+  for (const auto& bad : {with_penalties(g, 0.0, 0, 0, 64), with_penalties(g, NAN, 0, 0, 64),
+                          with_penalties(g, 1.2, INFINITY, 0, 64),
+                          with_penalties(g, 1.2, 0, NAN, 64), with_penalties(g, 1.2, 0, 0, -2)}) {
+    auto s = bad;
+    s.window = w.view();
+    CHECK_THROWS_AS(fn::launch_sample(d.params(s, 0), nullptr), fn::Error);
+  }
+  auto zero_cap = with_penalties(g, 1.2, 0, 0, 64);
+  zero_cap.window = w.view();
+  zero_cap.window.capacity = 0;
+  CHECK_THROWS_AS(fn::launch_sample(d.params(zero_cap, 0), nullptr), fn::Error);
+  // -1 with more accepted ids than the ring holds: the last `capacity` count, flag 3.
+  DeviceWindow over({1, 2, 3, 4, 5, 6}, 4);
+  auto all = with_penalties(g, 1.2, 0, 0, -1);
+  all.window = over.view();
+  d.one(all, 0);
+  CHECK(d.flag_value() == 3);
 }

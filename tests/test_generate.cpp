@@ -24,8 +24,9 @@ namespace {
 // script[n - 1] (0 elsewhere), so the prompt's last token decides the first generated one; an
 // empty script gives all-zero (flat) logits. Its
 // prefill feeds the tokens through forward() and records each batch it was given; with
-// `device` set it has a decode() that emulates the device loop (feed, argmax, report, feed back),
-// recording the id each call started from.
+// `device` set it has a decode() that emulates the device loop (feed, argmax, report, feed back)
+// one step ahead, as the decode graph runs (step i + 1 is fed before id i is reported), recording
+// the id each call started from and the history it was given.
 class ScriptedModel final : public fn::Backend {
  public:
   explicit ScriptedModel(std::vector<int32_t> s, bool device = false)
@@ -34,10 +35,11 @@ class ScriptedModel final : public fn::Backend {
   std::vector<int32_t> script;
   std::vector<float> logits;
   std::vector<int32_t> fed;
-  std::vector<std::vector<int32_t>> prefilled;     // each prefill() call's tokens
-  std::vector<fn::PrefillOutput> prefill_outputs;  // and what it was asked to return
-  std::vector<int32_t> decode_firsts;              // each decode() call's first id
-  std::vector<int64_t> decode_top_logprobs;        // and the top_logprobs it was given
+  std::vector<std::vector<int32_t>> prefilled;         // each prefill() call's tokens
+  std::vector<fn::PrefillOutput> prefill_outputs;      // and what it was asked to return
+  std::vector<int32_t> decode_firsts;                  // each decode() call's first id
+  std::vector<int64_t> decode_top_logprobs;            // and the top_logprobs it was given
+  std::vector<std::vector<int32_t>> decode_histories;  // and the penalty history
 
   fn::BackendCapabilities capabilities() const noexcept override {
     fn::BackendCapabilities c;
@@ -64,19 +66,27 @@ class ScriptedModel final : public fn::Backend {
   }
   std::vector<int32_t> decode(int32_t first, int64_t count, const fn::SamplingParams&, uint64_t,
                               const std::function<bool(int32_t)>& on_token, int64_t top_logprobs,
-                              std::vector<fn::TokenLogprobs>* logprobs) override {
+                              std::vector<fn::TokenLogprobs>* logprobs,
+                              std::span<const int32_t> history) override {
     REQUIRE(device_);
     decode_firsts.push_back(first);
     decode_top_logprobs.push_back(top_logprobs);
+    decode_histories.emplace_back(history.begin(), history.end());
     std::vector<int32_t> out;
     int32_t t = first;
-    for (int64_t i = 0; i < count; ++i) {
+    const auto step = [&] {
       const auto l = forward(t);
       t = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
-      out.push_back(t);
+      return t;
+    };
+    int32_t next = count > 0 ? step() : 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const int32_t id = next;
+      if (i + 1 < count) next = step();  // run ahead, as the decode graph: fed before reported
+      out.push_back(id);
       // The device's reduction, emulated with a marker the host path cannot produce.
-      if (top_logprobs >= 0) logprobs->push_back({-100.0 - static_cast<double>(i), {t}, {-1.0}});
-      if (!on_token(t)) break;
+      if (top_logprobs >= 0) logprobs->push_back({-100.0 - static_cast<double>(i), {id}, {-1.0}});
+      if (!on_token(id)) break;
     }
     return out;
   }
@@ -380,39 +390,77 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "generate: stop strings, penalties and host_sampling keep a device-capable backend on the "
-    "host sampler") {
+    "generate: penalties and stop strings sample on the device; only host_sampling keeps a "
+    "device-capable backend on the host sampler") {
   fn::LocalCollectives coll;
   const std::vector<int32_t> prompt = {1, 2};
-  auto o = greedy(3);
-  CHECK(fn::device_sampling_supported(o));
+  CHECK(fn::device_sampling_supported(greedy(3)));
   for (int which = 0; which < 4; ++which) {
     CAPTURE(which);
-    auto h = greedy(3);
-    if (which == 0) h.sampling.repetition_penalty = 1.1;
-    if (which == 1) h.sampling.presence_penalty = 0.5;
-    if (which == 2) h.sampling.frequency_penalty = 0.5;
-    if (which == 3) h.host_sampling = true;
-    CHECK_FALSE(fn::device_sampling_supported(h));
+    auto d = greedy(3);
+    if (which == 0) d.sampling.repetition_penalty = 1.1;
+    if (which == 1) d.sampling.presence_penalty = 0.5;
+    if (which == 2) d.sampling.frequency_penalty = 0.5;
+    if (which == 3) d.stop_strings = {"zz"};
+    CHECK(fn::device_sampling_supported(d));
     ScriptedModel m{{3, 4, 5, 6}, true};
-    CHECK_FALSE(fn::samples_on_device(m, h));
-    const auto r = fn::generate(m, coll, prompt, h);
-    CHECK(m.decode_firsts.empty());  // decode() never ran
-    REQUIRE(m.prefilled.size() == 1);
-    CHECK(m.prefilled[0] == prompt);  // the whole prompt, its last logits sampled on the host
-    CHECK(r.token_ids.size() == 3);
-    CHECK(r.token_ids.front() == 4);
+    CHECK(fn::samples_on_device(m, d));
+    FakeText t{{{4, "a"}, {5, "x"}, {6, "b"}}};
+    const auto r = fn::generate(m, coll, prompt, d, t.hooks());
+    CHECK(m.decode_firsts == std::vector<int32_t>{2});
+    REQUIRE(m.decode_histories.size() == 1);
+    CHECK(m.decode_histories[0] == prompt);  // the whole prompt starts the penalty window
+    CHECK(r.token_ids == std::vector<int32_t>{4, 5, 6});
+    CHECK(r.text == "axb");
   }
-  auto stop = greedy(3);
-  stop.stop_strings = {"x"};
-  CHECK_FALSE(fn::device_sampling_supported(stop));
+  auto h = greedy(3);
+  h.host_sampling = true;
+  h.sampling.repetition_penalty = 1.1;
+  h.stop_strings = {"zz"};
+  CHECK_FALSE(fn::device_sampling_supported(h));
   ScriptedModel m{{3, 4, 5, 6}, true};
+  CHECK_FALSE(fn::samples_on_device(m, h));
   FakeText t{{{4, "a"}, {5, "x"}, {6, "b"}}};
-  const auto r = fn::generate(m, coll, prompt, stop, t.hooks());
-  CHECK(m.decode_firsts.empty());
-  CHECK(r.finish == fn::FinishReason::Stop);
-  CHECK(r.token_ids == std::vector<int32_t>{4, 5});
-  CHECK(r.text == "a");
+  const auto r = fn::generate(m, coll, prompt, h, t.hooks());
+  CHECK(m.decode_firsts.empty());  // decode() never ran
+  REQUIRE(m.prefilled.size() == 1);
+  CHECK(m.prefilled[0] == prompt);  // the whole prompt, its last logits sampled on the host
+  CHECK(r.token_ids == std::vector<int32_t>{4, 5, 6});
+}
+
+TEST_CASE(
+    "generate: on the device path a stop string ends the ids at the token that completes it, "
+    "the text cut as on the host path") {
+  fn::LocalCollectives coll;
+  const std::vector<int32_t> prompt = {1, 2};
+  // "x" then "yz": the stop string "xy" spans two tokens and completes on id 6.
+  const std::map<int32_t, std::string> pieces = {{4, "a"}, {5, "x"}, {6, "yz"}, {7, "b"}};
+  for (const bool device : {false, true}) {
+    CAPTURE(device);
+    auto o = greedy(4);
+    o.stop_strings = {"xy"};
+    ScriptedModel m{{3, 4, 5, 6, 7, 8}, true};
+    o.host_sampling = !device;
+    FakeText t{pieces};
+    const auto r = fn::generate(m, coll, prompt, o, t.hooks());
+    CHECK(m.decode_firsts.size() == (device ? 1u : 0u));
+    CHECK(r.finish == fn::FinishReason::Stop);
+    CHECK(r.token_ids == std::vector<int32_t>{4, 5, 6});  // nothing after the stop's last id
+    // The device path ran a step ahead: it fed 6 (and computed 7), yet 7 was never reported.
+    CHECK(m.fed ==
+          (device ? std::vector<int32_t>{1, 2, 4, 5, 6} : std::vector<int32_t>{1, 2, 4, 5}));
+    CHECK(r.text == "a");
+    CHECK(t.joined() == "a");  // the stop string and what follows it never streamed
+  }
+  // Without hooks.feed on rank 0 a stop string cannot be matched, on either path.
+  for (const bool device : {false, true}) {
+    auto o = greedy(3);
+    o.stop_strings = {"x"};
+    o.host_sampling = !device;
+    ScriptedModel m{{3, 4, 5, 6}, true};
+    CHECK_THROWS_AS(fn::generate(m, coll, prompt, o), fn::Error);
+    CHECK(m.prefilled.empty());
+  }
 }
 
 TEST_CASE("token_logprobs: hand-computed log-softmax, the K largest with ties to the lower id") {

@@ -5,10 +5,16 @@
 // then chunk sums of exp(l - max) (FP64, fixed order) locate the top-p cut, a 256-ary search the
 // min-p cut, and a Gumbel-max draw over the kept prefix picks the token. Every reduction is in a
 // fixed order or over integers (argmax keys), so the result is bitwise reproducible.
+//
+// Penalties: the row is copied into the workspace (the counts cleared on the way), each window
+// position adds 1 to its id's count (integer atomics: order-independent), then each window
+// position claims its id's count with an atomic exchange to 0 (exactly one position per distinct
+// id gets the full count) and penalises that id once. The counts end all zero.
 #include "cuda/kernels/sample.h"
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cub/device/device_radix_sort.cuh>
 
@@ -31,8 +37,14 @@ struct SampleState {
 
 struct Layout {
   size_t keys_in = 0, keys_out = 0, vals_in = 0, vals_out = 0, chunk_sum = 0, part_key = 0,
-         part_idx = 0, state = 0, cub_temp = 0, cub_bytes = 0, total = 0;
+         part_idx = 0, state = 0, cub_temp = 0, cub_bytes = 0, pen_logits = 0, pen_counts = 0,
+         total = 0;
 };
+
+// Blocks of the window kernels: enough for a 64-id window per thread block of kThreads, at most
+// kMaxWindowBlocks (a window of the whole context is strided over them). The window length is
+// read on the device, so the grid is fixed when the launch is encoded (graph replay).
+constexpr int64_t kMaxWindowBlocks = 64;
 
 size_t align256(size_t x) {
   return (x + 255) & ~static_cast<size_t>(255);
@@ -48,6 +60,12 @@ bool is_greedy(const DeviceSamplingParams& s) {
 
 bool has_filter(const DeviceSamplingParams& s) {
   return s.top_k > 0 || s.top_p < 1.0f || s.min_p > 0.0f;
+}
+
+// Sizes the penalty buffers too whenever the sort buffers are sized, so that the filtered
+// settings' workspace allows every setting (sample.h).
+bool needs_penalty_buffers(const DeviceSamplingParams& s) {
+  return penalties_active(s) || (!is_greedy(s) && has_filter(s));
 }
 
 size_t cub_sort_bytes(int64_t vocab) {
@@ -79,6 +97,10 @@ Layout make_layout(int64_t vocab, const DeviceSamplingParams& s) {
     L.chunk_sum = take(nb * sizeof(double));
     L.cub_bytes = cub_sort_bytes(vocab);
     L.cub_temp = take(L.cub_bytes);
+  }
+  if (needs_penalty_buffers(s)) {
+    L.pen_logits = take(V * sizeof(float));
+    L.pen_counts = take(V * sizeof(int32_t));
   }
   L.total = off;
   return L;
@@ -126,6 +148,77 @@ __device__ __forceinline__ Best block_best(Best v) {
 }
 
 constexpr int32_t kNoIdx = 0x7fffffff;
+
+// ---- penalties
+// -----------------------------------------------------------------------------------
+
+// pen = logits, counts = 0 (the counts of the last launch are already 0; cleared anyway, so
+// that the workspace needs no set-up).
+__global__ void __launch_bounds__(kThreads)
+    penalty_copy_kernel(const float* logits, int64_t V, float* pen, int32_t* counts) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kChunk;
+  for (int r = 0; r < kPerThread; ++r) {
+    const int64_t i = base + r * kThreads + threadIdx.x;
+    if (i >= V) break;
+    pen[i] = logits[i];
+    counts[i] = 0;
+  }
+}
+
+// The window's accepted-id positions [first, end) (fn::Sampler keeps the last repeat_last_n
+// accepted ids; -1 keeps all of them).
+struct WindowRange {
+  int64_t first, end;
+  bool clipped;  // longer than the ring holds: the last `capacity` ids are read
+};
+
+__device__ __forceinline__ WindowRange window_range(const DevicePenaltyWindow& w,
+                                                    int64_t repeat_last_n) {
+  const int64_t count = *w.count;
+  int64_t n = repeat_last_n < 0 || repeat_last_n > count ? count : repeat_last_n;
+  const bool clipped = n > w.capacity;
+  if (clipped) n = w.capacity;
+  return WindowRange{count - n, count, clipped};
+}
+
+// counts[t] += 1 for every window position holding id t in [0, V) (other ids are skipped, as the
+// host sampler skips them).
+__global__ void __launch_bounds__(kThreads)
+    penalty_count_kernel(DevicePenaltyWindow w, int64_t repeat_last_n, int64_t V, int32_t* counts,
+                         int32_t* flag) {
+  const WindowRange r = window_range(w, repeat_last_n);
+  if (r.clipped && blockIdx.x == 0 && threadIdx.x == 0) *flag = 3;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t k = r.first + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < r.end;
+       k += stride) {
+    const int32_t t = w.tokens[k % w.capacity];
+    if (t >= 0 && t < V) atomicAdd(&counts[t], 1);
+  }
+}
+
+// Each distinct id of the window, once, with its count c (claimed by the first position that
+// exchanges it to 0): fn::Sampler::apply_penalties' arithmetic, each FP64 operation rounded on
+// its own (the _rn intrinsics are never contracted into an FMA, which the host's separate
+// multiply and add would not match).
+__global__ void __launch_bounds__(kThreads)
+    penalty_apply_kernel(DevicePenaltyWindow w, int64_t repeat_last_n, int64_t V,
+                         double repetition_penalty, double presence_penalty,
+                         double frequency_penalty, int32_t* counts, float* pen) {
+  const WindowRange r = window_range(w, repeat_last_n);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t k = r.first + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; k < r.end;
+       k += stride) {
+    const int32_t t = w.tokens[k % w.capacity];
+    if (t < 0 || t >= V) continue;
+    const int32_t c = atomicExch(&counts[t], 0);
+    if (c == 0) continue;  // another position of the same id has it
+    double l = static_cast<double>(pen[t]);
+    l = l <= 0.0 ? __dmul_rn(l, repetition_penalty) : __ddiv_rn(l, repetition_penalty);
+    l = __dsub_rn(
+        l, __dadd_rn(__dmul_rn(static_cast<double>(c), frequency_penalty), presence_penalty));
+    pen[t] = __double2float_rn(l);  // an overflow to Inf is flagged by the choice's kernels
+  }
+}
 
 // ---- greedy
 // --------------------------------------------------------------------------------------
@@ -406,7 +499,7 @@ __global__ void __launch_bounds__(kThreads)
     finish_kernel(const unsigned long long* part_key, const int32_t* part_idx, int64_t num_parts,
                   const int32_t* vals, int64_t V, const int64_t* step, int32_t* token_out,
                   int32_t* history, int64_t capacity, int32_t* flag, int32_t* kept_out,
-                  int32_t kept_value) {
+                  int32_t kept_value, DevicePenaltyWindow window) {
   dev::pdl_begin();  // the partials come from the previous kernel (cuda/common/pdl.cuh)
   Best b{0ull, kNoIdx};
   for (int64_t i = threadIdx.x; i < num_parts; i += kThreads)
@@ -426,10 +519,20 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (kept_out != nullptr && kept_value >= 0) *kept_out = kept_value;
+    if (window.tokens != nullptr) {  // the id is accepted into the sequence's window
+      const int64_t n = *window.count;
+      window.tokens[n % window.capacity] = id;
+      *window.count = n + 1;
+    }
   }
 }
 
 }  // namespace
+
+bool penalties_active(const DeviceSamplingParams& s) noexcept {
+  return s.repeat_last_n != 0 &&
+         (s.repetition_penalty != 1.0 || s.presence_penalty != 0.0 || s.frequency_penalty != 0.0);
+}
 
 size_t sample_workspace_bytes(int64_t vocab, const DeviceSamplingParams& sampling) {
   FN_LAUNCH_REQUIRE(vocab >= 1 && vocab <= INT32_MAX, "sample_workspace_bytes");
@@ -446,6 +549,14 @@ void launch_sample(const SampleParams& p, cudaStream_t stream) {
   FN_LAUNCH_REQUIRE(p.history == nullptr || p.history_capacity >= 1, kOp);
   FN_LAUNCH_REQUIRE(std::isfinite(s.temperature) && s.top_k >= 0, kOp);
   FN_LAUNCH_REQUIRE(s.top_p > 0.0f && s.top_p <= 1.0f && s.min_p >= 0.0f && s.min_p <= 1.0f, kOp);
+  FN_LAUNCH_REQUIRE(std::isfinite(s.repetition_penalty) && s.repetition_penalty > 0.0 &&
+                        std::isfinite(s.presence_penalty) && std::isfinite(s.frequency_penalty) &&
+                        s.repeat_last_n >= -1,
+                    kOp);
+  const DevicePenaltyWindow& w = s.window;
+  FN_LAUNCH_REQUIRE(w.tokens == nullptr || (w.count != nullptr && w.capacity >= 1), kOp);
+  const bool penalties = penalties_active(s);
+  FN_LAUNCH_REQUIRE(!penalties || w.tokens != nullptr, kOp);
   FN_LAUNCH_REQUIRE(reinterpret_cast<uintptr_t>(p.workspace) % 256 == 0, kOp);
   const Layout L = make_layout(p.vocab, s);
   FN_LAUNCH_REQUIRE(p.workspace_bytes >= L.total, kOp);
@@ -458,24 +569,44 @@ void launch_sample(const SampleParams& p, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(nb);
   const int32_t vocab32 = static_cast<int32_t>(p.vocab);
 
+  // The row the choice reads: the logits, or their penalised copy.
+  const float* logits = p.logits;
+  if (penalties) {
+    auto* pen = reinterpret_cast<float*>(ws + L.pen_logits);
+    auto* counts = reinterpret_cast<int32_t*>(ws + L.pen_counts);
+    const int64_t most = s.repeat_last_n > 0 ? std::min(s.repeat_last_n, w.capacity) : w.capacity;
+    const auto wgrid =
+        static_cast<unsigned>(std::min((most + kThreads - 1) / kThreads, kMaxWindowBlocks));
+    penalty_copy_kernel<<<grid, kThreads, 0, stream>>>(p.logits, p.vocab, pen, counts);
+    FN_CUDA_LAUNCH_CHECK("penalty_copy_kernel");
+    penalty_count_kernel<<<wgrid, kThreads, 0, stream>>>(w, s.repeat_last_n, p.vocab, counts,
+                                                         p.error_flag);
+    FN_CUDA_LAUNCH_CHECK("penalty_count_kernel");
+    penalty_apply_kernel<<<wgrid, kThreads, 0, stream>>>(w, s.repeat_last_n, p.vocab,
+                                                         s.repetition_penalty, s.presence_penalty,
+                                                         s.frequency_penalty, counts, pen);
+    FN_CUDA_LAUNCH_CHECK("penalty_apply_kernel");
+    logits = pen;
+  }
+
   if (is_greedy(s)) {
-    launch_pdl("argmax_partial_kernel", argmax_partial_kernel, grid, kThreads, 0, stream, p.logits,
+    launch_pdl("argmax_partial_kernel", argmax_partial_kernel, grid, kThreads, 0, stream, logits,
                p.vocab, part_key, part_idx, p.error_flag);
     FN_CUDA_LAUNCH_CHECK("argmax_partial_kernel");
     launch_pdl("finish_kernel", finish_kernel, 1, kThreads, 0, stream, part_key, part_idx, nb,
                static_cast<const int32_t*>(nullptr), p.vocab, p.step, p.token_out, p.history,
-               p.history_capacity, p.error_flag, p.kept_count_out, 1);
+               p.history_capacity, p.error_flag, p.kept_count_out, 1, w);
     FN_CUDA_LAUNCH_CHECK("finish_kernel");
     return;
   }
   const double inv_t = 1.0 / static_cast<double>(s.temperature);
   if (!has_filter(s)) {
-    launch_pdl("gumbel_raw_kernel", gumbel_raw_kernel, grid, kThreads, 0, stream, p.logits, p.vocab,
+    launch_pdl("gumbel_raw_kernel", gumbel_raw_kernel, grid, kThreads, 0, stream, logits, p.vocab,
                inv_t, s.seed, p.step, part_key, part_idx, p.error_flag);
     FN_CUDA_LAUNCH_CHECK("gumbel_raw_kernel");
     launch_pdl("finish_kernel", finish_kernel, 1, kThreads, 0, stream, part_key, part_idx, nb,
                static_cast<const int32_t*>(nullptr), p.vocab, p.step, p.token_out, p.history,
-               p.history_capacity, p.error_flag, p.kept_count_out, vocab32);
+               p.history_capacity, p.error_flag, p.kept_count_out, vocab32, w);
     FN_CUDA_LAUNCH_CHECK("finish_kernel");
     return;
   }
@@ -486,7 +617,7 @@ void launch_sample(const SampleParams& p, cudaStream_t stream) {
   auto* vals_out = reinterpret_cast<int32_t*>(ws + L.vals_out);
   auto* chunk_sum = reinterpret_cast<double*>(ws + L.chunk_sum);
   FN_CUDA_CHECK(cudaMemsetAsync(state, 0, sizeof(SampleState), stream));
-  prep_keys_kernel<<<grid, kThreads, 0, stream>>>(p.logits, p.vocab, keys_in, vals_in, state,
+  prep_keys_kernel<<<grid, kThreads, 0, stream>>>(logits, p.vocab, keys_in, vals_in, state,
                                                   p.error_flag);
   FN_CUDA_LAUNCH_CHECK("prep_keys_kernel");
   size_t cub_bytes = L.cub_bytes;
@@ -504,7 +635,7 @@ void launch_sample(const SampleParams& p, cudaStream_t stream) {
   FN_CUDA_LAUNCH_CHECK("gumbel_sorted_kernel");
   finish_kernel<<<1, kThreads, 0, stream>>>(part_key, part_idx, nb, vals_out, p.vocab, p.step,
                                             p.token_out, p.history, p.history_capacity,
-                                            p.error_flag, nullptr, -1);
+                                            p.error_flag, nullptr, -1, w);
   FN_CUDA_LAUNCH_CHECK("finish_kernel");
 }
 

@@ -118,7 +118,15 @@ std::vector<int32_t> CudaBackend::sample_batch(std::span<const int64_t> slots,
     dp[i].top_p = static_cast<float>(sp.top_p);
     dp[i].min_p = static_cast<float>(sp.min_p);
     dp[i].seed = sp.seed;
+    dp[i].repetition_penalty = sp.repetition_penalty;
+    dp[i].presence_penalty = sp.presence_penalty;
+    dp[i].frequency_penalty = sp.frequency_penalty;
+    dp[i].repeat_last_n = sp.repeat_last_n;
     steps[i] = sampling[i].step;
+    if (!penalties_active(dp[i])) continue;
+    // The slot's window: its prompt at the sequence's first step, then what the device added.
+    if (steps[i] == 0) model_->load_penalty_window(slots[i], sampling[i].history);
+    dp[i].window = model_->penalty_window(slots[i]);
   }
   return model_->sample_batch(slots, tokens, dp, steps);
 }
@@ -131,9 +139,9 @@ std::span<const float> CudaBackend::forward_batch(std::span<const int64_t> slots
 std::vector<int32_t> CudaBackend::decode(int32_t first, int64_t count,
                                          const SamplingParams& sampling, uint64_t seed,
                                          const std::function<bool(int32_t)>& on_token,
-                                         int64_t top_logprobs,
-                                         std::vector<TokenLogprobs>* logprobs) {
-  return model_->decode(first, count, sampling, seed, on_token, top_logprobs, logprobs);
+                                         int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs,
+                                         std::span<const int32_t> history) {
+  return model_->decode(first, count, sampling, seed, on_token, top_logprobs, logprobs, history);
 }
 
 double CudaBackend::device_used_mib() const {

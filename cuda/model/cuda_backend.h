@@ -58,13 +58,17 @@ class CudaBackend final : public Backend {
   void select_slot(int64_t slot) override;
   std::span<const float> forward_batch(std::span<const int64_t> slots,
                                        std::span<const int32_t> tokens) override;
-  /// CudaModel::sample_batch with each SlotSampling's settings and seed.
+  /// CudaModel::sample_batch with each SlotSampling's settings and seed; with penalties on, over
+  /// the slot's penalty window (CudaModel::penalty_window), loaded from SlotSampling::history at
+  /// step 0. Throws as CudaModel::sample_batch and CudaModel::load_penalty_window.
   std::vector<int32_t> sample_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,
                                     std::span<const SlotSampling> sampling) override;
-  /// CudaModel::decode (sampling in the decode graph; throws as it does).
+  /// CudaModel::decode (sampling in the decode graph, `history` starting the penalty window;
+  /// throws as it does).
   std::vector<int32_t> decode(int32_t first, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token,
-                              int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs) override;
+                              int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs,
+                              std::span<const int32_t> history) override;
   /// cudaMemGetInfo on the current device: (total - free) in MiB. Throws fn::Error(Cuda) when
   /// the query fails.
   double device_used_mib() const override;

@@ -246,12 +246,30 @@ class CudaModel {
   /// graph also reduces the logits row to the sampled id's TokenLogprobs (core/row_stats.h;
   /// cuda/kernels/logit_stats.h launch_top_logprobs), copied out beside the id and appended to
   /// *logprobs before on_token(id); the graph without it is the one captured for -1, so the
-  /// default costs nothing. Throws as forward(); fn::Error(Internal) for top_logprobs outside
+  /// default costs nothing. The penalties of `sampling` (fn::Sampler's) run in the graph over
+  /// slot 0's penalty window (penalty_window), loaded from `history` first: the ids accepted
+  /// before the first sampled one, oldest first (the prompt, `token` its last); each sampled id
+  /// joins it on the device. Throws as forward(); fn::Error(Internal) for top_logprobs outside
   /// [-1, kMaxTopLogprobs] or a null logprobs with top_logprobs >= 0.
   std::vector<int32_t> decode(int32_t token, int64_t count, const SamplingParams& sampling,
                               uint64_t seed, const std::function<bool(int32_t)>& on_token,
                               int64_t top_logprobs = -1,
-                              std::vector<TokenLogprobs>* logprobs = nullptr);
+                              std::vector<TokenLogprobs>* logprobs = nullptr,
+                              std::span<const int32_t> history = {});
+
+  /// Sequence slot `slot`'s penalty window for the device sampler (cuda/kernels/sample.h
+  /// DevicePenaltyWindow: an int32 ring of ctx_size + 1 ids and its int64 count, so a window of
+  /// the whole context fits), allocated (empty) at the first call for the slot. The sampler
+  /// reads it when the penalties are on and adds each id it samples with it. Throws
+  /// fn::Error(Internal) for a slot outside [0, slot_count()), fn::Error(Cuda) when the
+  /// allocation fails.
+  DevicePenaltyWindow penalty_window(int64_t slot);
+
+  /// Makes slot `slot`'s penalty window hold `tokens` (accepted ids, oldest first; the last
+  /// ctx_size + 1 of them are kept), enqueued on the model's stream before whatever comes next
+  /// (`tokens` may be reused on return). Throws as penalty_window(), and fn::Error(Cuda) on a
+  /// failed copy.
+  void load_penalty_window(int64_t slot, std::span<const int32_t> tokens);
 
   /// Benchmarks only: the per-family time of the real greedy decode step (sampling on the
   /// device, the id fed back as decode() does). Runs `count` steps from position(), feeding
@@ -300,8 +318,9 @@ class CudaModel {
                                        std::span<const int32_t> tokens);
 
   /// forward_batch() that samples each row on the device instead of returning it: row i with
-  /// sampling[i] (greedy or the filtered draw of cuda/kernels/sample.h) at RNG step steps[i], as
-  /// decode() samples its step `steps[i]` with that seed; returns the ids, row i for slots[i].
+  /// sampling[i] (penalties over sampling[i].window, then greedy or the filtered draw of
+  /// cuda/kernels/sample.h) at RNG step steps[i], as decode() samples its step `steps[i]` with
+  /// that seed; returns the ids, row i for slots[i].
   /// Only the ids cross to the host. Throws as forward_batch(), fn::Error(Internal) for lists
   /// of other lengths or a negative step, and fn::Error(Format) for a non-finite row.
   std::vector<int32_t> sample_batch(std::span<const int64_t> slots, std::span<const int32_t> tokens,

@@ -194,6 +194,10 @@ struct DevSlot {
   int64_t* context = nullptr;        // device [max(ngram_size - 1, 1)]
   int64_t position = 0;              // host: the slot's position while it is not selected
   std::vector<std::pair<void*, std::size_t>> blocks;  // zeroed by its reset (slots >= 1)
+  // The sampler's penalty window (ctx_size + 1 ids), allocated at the slot's first sample with
+  // penalties (CudaModel::penalty_window); loaded at each sequence's first sample, not part of
+  // the sequence state that reset, snapshot and copy_slot handle.
+  DevicePenaltyWindow penalty;
 };
 
 /// qsa_shape plus QSA layer `a`'s norms and caches (what launch_qsa_decode and

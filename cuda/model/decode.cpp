@@ -288,6 +288,11 @@ void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed,
   dp.top_p = static_cast<float>(sampling.top_p);
   dp.min_p = static_cast<float>(sampling.min_p);
   dp.seed = seed;
+  dp.repetition_penalty = sampling.repetition_penalty;
+  dp.presence_penalty = sampling.presence_penalty;
+  dp.frequency_penalty = sampling.frequency_penalty;
+  dp.repeat_last_n = sampling.repeat_last_n;
+  if (penalties_active(dp)) dp.window = penalty_window(0);  // the decode graph's slot
   const auto drop = [](cudaGraphExec_t& g) {
     if (g) {
       FN_CUDA_CHECK(cudaGraphExecDestroy(g));
@@ -297,7 +302,12 @@ void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed,
   const bool same =
       I.history != nullptr && dp.temperature == I.sample_graph_params.temperature &&
       dp.top_k == I.sample_graph_params.top_k && dp.top_p == I.sample_graph_params.top_p &&
-      dp.min_p == I.sample_graph_params.min_p && dp.seed == I.sample_graph_params.seed;
+      dp.min_p == I.sample_graph_params.min_p && dp.seed == I.sample_graph_params.seed &&
+      dp.repetition_penalty == I.sample_graph_params.repetition_penalty &&
+      dp.presence_penalty == I.sample_graph_params.presence_penalty &&
+      dp.frequency_penalty == I.sample_graph_params.frequency_penalty &&
+      dp.repeat_last_n == I.sample_graph_params.repeat_last_n &&
+      dp.window.tokens == I.sample_graph_params.window.tokens;
   if (!same) {
     drop(I.sample_graph);
     drop(I.profile_graph);
@@ -339,9 +349,42 @@ void model_detail::require_steps(const ModelConfig& c, int32_t token, bool count
              unit, position, ctx_size);
 }
 
+DevicePenaltyWindow CudaModel::penalty_window(int64_t slot) {
+  Impl& I = *impl_;
+  FN_CHECK(slot >= 0 && slot < slot_count(), "penalty window of slot {} outside [0, {})", slot,
+           slot_count());
+  DevicePenaltyWindow& w = I.slots[static_cast<std::size_t>(slot)].penalty;
+  if (w.tokens == nullptr) {  // one block, zeroed by the arena: the count (0), then the ring
+    w.capacity = opt_.ctx_size + 1;
+    auto* block = static_cast<std::byte*>(I.arena.alloc_state(
+        256 + static_cast<std::size_t>(w.capacity) * sizeof(int32_t), "sampling penalty window"));
+    w.count = reinterpret_cast<int64_t*>(block);
+    w.tokens = reinterpret_cast<int32_t*>(block + 256);
+  }
+  return w;
+}
+
+void CudaModel::load_penalty_window(int64_t slot, std::span<const int32_t> tokens) {
+  Impl& I = *impl_;
+  const DevicePenaltyWindow w = penalty_window(slot);
+  const auto n = static_cast<int64_t>(tokens.size());
+  // Accepted id k lives at k % capacity: the last `capacity` ids, in at most two runs. Pageable
+  // host sources: each copy has read its source when it returns (CUDA's staging rule).
+  for (int64_t k = n - std::min(n, w.capacity); k < n;) {
+    const int64_t at = k % w.capacity;
+    const int64_t run = std::min(n - k, w.capacity - at);
+    FN_CUDA_CHECK(cudaMemcpyAsync(w.tokens + at, tokens.data() + k,
+                                  static_cast<std::size_t>(run) * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, I.stream));
+    k += run;
+  }
+  FN_CUDA_CHECK(cudaMemcpyAsync(w.count, &n, sizeof(int64_t), cudaMemcpyHostToDevice, I.stream));
+}
+
 std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const SamplingParams& sampling,
                                        uint64_t seed, const std::function<bool(int32_t)>& on_token,
-                                       int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs) {
+                                       int64_t top_logprobs, std::vector<TokenLogprobs>* logprobs,
+                                       std::span<const int32_t> history) {
   Impl& I = *impl_;
   FN_CHECK(top_logprobs >= -1 && top_logprobs <= kMaxTopLogprobs,
            "top log-probs k {} outside [-1, {}]", top_logprobs, kMaxTopLogprobs);
@@ -350,6 +393,8 @@ std::vector<int32_t> CudaModel::decode(int32_t token, int64_t count, const Sampl
   require_slot0("decode()");
   require_steps(cfg_, token, count >= 0, count, "decoding", "tokens", position_, opt_.ctx_size);
   prepare_sampling(sampling, seed, top_logprobs);
+  // The penalty window starts from the caller's accepted ids; the graph adds each sampled id.
+  if (penalties_active(I.sample_graph_params)) load_penalty_window(0, history);
   // The sampler's step counter indexes the history: restart it for this call.
   FN_CUDA_CHECK(cudaMemsetAsync(I.sample_step, 0, sizeof(int64_t), I.stream));
   I.host_token[0] = token;

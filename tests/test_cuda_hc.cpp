@@ -4,7 +4,8 @@
 // evaluation of docs/model.md §C.2 and §C.3, with error bounds derived from the kernels' FP32
 // rounding steps (N and m are FP32: no BF16 rounding in the bounds); the compile-time-shape
 // instances give the same bits as the runtime-shape ones; the register mix (ranks whose rows do not
-// fit the 48 KB stage) against the same reference; launcher checks.
+// fit the 48 KB stage) against the same reference; launches over several tokens give every token
+// the bits of its own one-token launches; launcher checks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -592,5 +593,248 @@ TEST_CASE("cuda hc: the launchers reject bad sizes, stream counts, splits, strid
   // The valid call the rejections started from runs.
   m.t_stride = 12;
   fn::launch_hc_mix(m, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The operands of one several-token HC read: B residuals, block outputs and inject weights, the
+// down and up matrices, and every output buffer (filled with 0xff before each launch).
+struct TokenRead {
+  int64_t D, r, rows, W, splits;
+  int B;
+  std::vector<float> H, y, iota_in;
+  std::vector<uint16_t> norm, wdn, wup;
+};
+
+TokenRead make_token_read(int64_t D, int64_t r, int B, uint64_t seed) {
+  TokenRead t{D, r, r + 4, 4 * D, fn::hc_down_splits(4, D), B, {}, {}, {}, {}, {}, {}};
+  t.norm = random_bf16_bits(t.W, 0.0f, 0.7f, seed);
+  t.wdn = random_bf16_bits(t.rows * t.W, 0.0f, 0.05f, seed + 1);
+  t.wup = random_bf16_bits(t.W * r, 0.0f, 0.05f, seed + 2);
+  std::mt19937_64 rng{seed + 3};
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  t.H.resize(B * t.W);
+  t.y.resize(B * D);
+  t.iota_in.resize(B * 4);
+  for (auto& v : t.H) v = d(rng);
+  for (auto& v : t.y) v = d(rng);
+  for (auto& v : t.iota_in) v = 2.0f / (1.0f + std::exp(-d(rng)));
+  return t;
+}
+
+template <typename T>
+void poison(DeviceArray<T>& a) {
+  FN_CUDA_CHECK(cudaMemset(a.ptr, 0xff, a.n * sizeof(T)));
+}
+
+// Whether elements [b * n, (b + 1) * n) of `many` have the bits of `one` ([n]).
+template <typename T>
+bool same_token_bits(const std::vector<T>& many, const std::vector<T>& one, int b) {
+  const size_t n = one.size();
+  return std::memcmp(many.data() + b * n, one.data(), n * sizeof(T)) == 0;
+}
+
+TEST_CASE(
+    "cuda hc: a down and mix launch over several tokens gives every token the bits of its own "
+    "one-token launches, with and without the folded inject, the BF16 pair and iota") {
+  struct Shape {
+    int64_t hidden, rank;
+    bool fixed;
+  };
+  // The real read (hidden 2560, rank 320: the compile-time-shape instances), the same shape through
+  // the runtime-shape instances, and a small runtime shape whose groups end inside a chunk.
+  for (Shape sh : {Shape{2560, 320, true}, Shape{2560, 320, false}, Shape{264, 40, true}}) {
+    const int kMax = 64;
+    const TokenRead t = make_token_read(sh.hidden, sh.rank, kMax, uint64_t(sh.hidden + sh.rank));
+    const int64_t D = t.D, W = t.W, rows = t.rows, splits = t.splits;
+    DeviceArray<float> dH(t.H), dy(t.y), diota_in(t.iota_in);
+    DeviceArray<uint16_t> dnorm(t.norm), dwdn(t.wdn), dwup(t.wup);
+    // Several-token outputs, then one token's.
+    DeviceArray<float> tp(kMax * splits * rows), ss(kMax * splits), Hout(kMax * W), m(kMax * D),
+        iota(kMax * 4);
+    DeviceArray<uint16_t> mhi(kMax * D), mlo(kMax * D);
+    DeviceArray<float> tp1(splits * rows), ss1(splits), Hout1(W), m1(D), iota1(4);
+    DeviceArray<uint16_t> mhi1(D), mlo1(D);
+    for (int B : {2, 3, 8, 64}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        const bool inject = (variant & 1) != 0, outs = (variant & 2) != 0;
+        auto read = [&](int tokens, int b0, float* tp_o, float* ss_o, float* Hout_o, float* m_o,
+                        uint16_t* mhi_o, uint16_t* mlo_o, float* iota_o) {
+          fn::HcDownParams dp;
+          dp.H = dH.ptr + b0 * W;
+          dp.norm = dnorm.ptr;
+          dp.weight = dwdn.ptr;
+          dp.rows = rows;
+          dp.hc_count = 4;
+          dp.hidden = D;
+          dp.t_partial = tp_o;
+          dp.sumsq = ss_o;
+          if (inject) {
+            dp.inject_iota = diota_in.ptr + b0 * 4;
+            dp.inject_y = dy.ptr + b0 * D;
+            dp.H_out = Hout_o;
+          }
+          dp.fixed_shape = sh.fixed;
+          dp.tokens = tokens;
+          fn::launch_hc_down(dp, nullptr);
+          fn::HcMixParams mp;
+          mp.w_up = dwup.ptr;
+          mp.t = tp_o;
+          mp.sumsq = ss_o;
+          mp.t_splits = splits;
+          mp.t_stride = rows;
+          mp.H = inject ? Hout_o : dp.H;
+          mp.norm = dnorm.ptr;
+          mp.eps = 1e-6f;
+          mp.m = m_o;
+          mp.m_bf16 = outs ? mhi_o : nullptr;
+          mp.m_lo = outs ? mlo_o : nullptr;
+          mp.iota = outs ? iota_o : nullptr;
+          mp.hidden = D;
+          mp.rank = t.r;
+          mp.fixed_shape = sh.fixed;
+          mp.tokens = tokens;
+          fn::launch_hc_mix(mp, nullptr);
+        };
+        for (auto* a : {&tp, &ss, &Hout, &m, &iota}) poison(*a);
+        poison(mhi);
+        poison(mlo);
+        read(B, 0, tp.ptr, ss.ptr, Hout.ptr, m.ptr, mhi.ptr, mlo.ptr, iota.ptr);
+        FN_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto tp_b = tp.download(), ss_b = ss.download(), Hout_b = Hout.download(),
+                   m_b = m.download(), iota_b = iota.download();
+        const auto mhi_b = mhi.download(), mlo_b = mlo.download();
+        int wrong = 0;
+        for (int b = 0; b < B; ++b) {
+          for (auto* a : {&tp1, &ss1, &Hout1, &m1, &iota1}) poison(*a);
+          poison(mhi1);
+          poison(mlo1);
+          read(1, b, tp1.ptr, ss1.ptr, Hout1.ptr, m1.ptr, mhi1.ptr, mlo1.ptr, iota1.ptr);
+          FN_CUDA_CHECK(cudaDeviceSynchronize());
+          bool ok = same_token_bits(tp_b, tp1.download(), b) &&
+                    same_token_bits(ss_b, ss1.download(), b) &&
+                    same_token_bits(m_b, m1.download(), b);
+          if (inject) ok = ok && same_token_bits(Hout_b, Hout1.download(), b);
+          if (outs) {
+            const auto hi1 = mhi1.download(), lo1 = mlo1.download();
+            ok = ok && same_token_bits(mhi_b, hi1, b) && same_token_bits(mlo_b, lo1, b) &&
+                 same_token_bits(iota_b, iota1.download(), b);
+            // The pair is launch_split_bf16's: hi = bf16(m) (the experts' W4A16 input), lo =
+            // bf16(m - hi).
+            const auto m1h = m1.download();
+            for (int64_t i = 0; i < D; ++i) {
+              const uint16_t hi = fn::float_to_bf16(m1h[i]);
+              ok =
+                  ok && hi1[i] == hi && lo1[i] == fn::float_to_bf16(m1h[i] - fn::bf16_to_float(hi));
+            }
+          }
+          wrong += ok ? 0 : 1;
+        }
+        CHECK_MESSAGE(wrong == 0, "hidden ", D, " rank ", t.r, " fixed ", sh.fixed, " tokens ", B,
+                      " inject ", inject, " bf16 pair + iota ", outs, ": ", wrong,
+                      " tokens differ");
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "cuda hc: the register mix over several tokens gives every token the bits of its own "
+    "one-token launch") {
+  // Rank 2048 at D 2560 does not fit the 48 KB stage: the register kernel, which reads its W_up
+  // vectors past the first three per lane again for each token.
+  const int B = 3;
+  const TokenRead t = make_token_read(2560, 2048, B, 77);
+  const int64_t D = t.D, W = t.W, rows = t.rows, splits = t.splits;
+  DeviceArray<float> dH(t.H);
+  DeviceArray<uint16_t> dnorm(t.norm), dwdn(t.wdn), dwup(t.wup);
+  DeviceArray<float> tp(B * splits * rows), ss(B * splits), m(B * D), iota(B * 4), m1(D), iota1(4);
+  DeviceArray<uint16_t> mhi(B * D), mhi1(D);
+  fn::HcDownParams dp;
+  dp.H = dH.ptr;
+  dp.norm = dnorm.ptr;
+  dp.weight = dwdn.ptr;
+  dp.rows = rows;
+  dp.hidden = D;
+  dp.t_partial = tp.ptr;
+  dp.sumsq = ss.ptr;
+  dp.tokens = B;
+  fn::launch_hc_down(dp, nullptr);
+  fn::HcMixParams mp;
+  mp.w_up = dwup.ptr;
+  mp.t = tp.ptr;
+  mp.sumsq = ss.ptr;
+  mp.t_splits = splits;
+  mp.t_stride = rows;
+  mp.H = dH.ptr;
+  mp.norm = dnorm.ptr;
+  mp.m = m.ptr;
+  mp.m_bf16 = mhi.ptr;
+  mp.iota = iota.ptr;
+  mp.hidden = D;
+  mp.rank = t.r;
+  mp.tokens = B;
+  REQUIRE_FALSE(fn::hc_mix_uses_staging(mp));
+  fn::launch_hc_mix(mp, nullptr);
+  FN_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto m_b = m.download(), iota_b = iota.download();
+  const auto mhi_b = mhi.download();
+  for (int b = 0; b < B; ++b) {
+    fn::HcMixParams one = mp;
+    one.t = tp.ptr + b * splits * rows;
+    one.sumsq = ss.ptr + b * splits;
+    one.H = dH.ptr + b * W;
+    one.m = m1.ptr;
+    one.m_bf16 = mhi1.ptr;
+    one.iota = iota1.ptr;
+    one.tokens = 1;
+    fn::launch_hc_mix(one, nullptr);
+    FN_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_MESSAGE(same_token_bits(m_b, m1.download(), b), "m of token ", b);
+    CHECK_MESSAGE(same_token_bits(mhi_b, mhi1.download(), b), "m_bf16 of token ", b);
+    CHECK_MESSAGE(same_token_bits(iota_b, iota1.download(), b), "iota of token ", b);
+  }
+}
+
+TEST_CASE("cuda hc: the launchers reject token counts outside 1..4096 and a misaligned m_lo") {
+  DeviceArray<float> x(256), t(256), n(256);
+  DeviceArray<uint16_t> w(64 * 64), nw(256), lo(64);
+  fn::HcDownParams d;
+  d.H = x.ptr;
+  d.norm = nw.ptr;
+  d.weight = w.ptr;
+  d.rows = 4;
+  d.hc_count = 4;
+  d.hidden = 16;
+  d.t_partial = t.ptr;
+  d.sumsq = n.ptr;
+  d.tokens = 0;
+  CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
+  d.tokens = 4097;
+  CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
+  d.tokens = -1;
+  CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
+  fn::HcMixParams m;
+  m.w_up = w.ptr;
+  m.t = t.ptr;
+  m.sumsq = x.ptr;
+  m.t_splits = 4;
+  m.t_stride = 12;
+  m.H = x.ptr;
+  m.norm = nw.ptr;
+  m.m = n.ptr + 64;
+  m.hidden = 8;
+  m.rank = 8;
+  m.tokens = 0;
+  CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
+  m.tokens = 4097;
+  CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
+  m.tokens = 1;
+  m.m_lo = reinterpret_cast<uint16_t*>(reinterpret_cast<char*>(lo.ptr) + 1);
+  CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
+  // The valid calls the rejections started from run.
+  m.m_lo = lo.ptr;
+  fn::launch_hc_mix(m, nullptr);
+  d.tokens = 1;
+  fn::launch_hc_down(d, nullptr);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -21,12 +21,20 @@ constexpr int kMixPre = 3;      // W_up vectors per row and lane loaded before t
 constexpr int kMaxRank = 8192;  // u = silu(t / 4) lives in shared memory (32 KB at most)
 // Staged kernels (weights in shared memory): blocks per SM the register budget must allow.
 constexpr int kStagedMinBlocks = 4;
+// The several-token down pass: 2 blocks per SM (128 registers), room for the next token's H in
+// registers while the current token's dots run.
+constexpr int kDownMultiMinBlocks = 2;
 // Shared memory the staged mix may use without the opt-in attribute (W_up rows + u).
 constexpr std::size_t kMixStageMaxBytes = 48 * 1024;
 
 // Partial dots per t value the mix sums (4 groups x at most 2 chunks: hidden <= 2560); all of a
 // thread's loads are in flight at once, so this bounds its registers.
 constexpr int kMaxSplits = 8;
+
+// Tokens per launch (HcDownParams::tokens, HcMixParams::tokens). Neither registers nor shared
+// memory depend on the count (the blocks loop over the tokens); the bound only keeps one launch
+// from running for milliseconds by mistake (the batched step passes at most 64).
+constexpr int kMaxTokens = 4096;
 
 // The real read's shape (docs/model.md §A.2: hc_lowrank 320, hidden 2560; the down pass's 2 chunks
 // per group; 32-lane teams, as mix_team plans them on a 132-SM H200).
@@ -57,6 +65,10 @@ struct DownArgs {
   const float* iota;  // inject (nullptr: none): H' = H + iota[g] * y, written to H_out
   const float* y;
   float* H_out;
+  int hc;             // hc_count
+  int tokens;         // >= 1 (HcDownParams::tokens)
+  int64_t tp_stride;  // floats of t_partial per token: splits * rows
+  int64_t sq_stride;  // floats of sumsq per token: splits
 };
 
 // The down pass's sizes: the launch's DownArgs in the runtime-shape instance (kHidden = 0);
@@ -69,16 +81,35 @@ struct DownDims {
   int gvec;       // hidden / 8
   int cpg;        // chunks per group
   bool whole;     // the groups are whole chunks (known at compile time only; false: check)
+  int hc;         // hc_count
 };
 
 template <int kHidden>
 __device__ __forceinline__ DownDims down_dims(const DownArgs& a) {
   static_assert(kHidden % 8 == 0);
   if constexpr (kHidden > 0)
-    return {kHidden, int64_t{kStreams} * kHidden, kHidden / 8,
-            (kHidden / 8 + kDownChunkVec - 1) / kDownChunkVec, kHidden / 8 % kDownChunkVec == 0};
+    return {kHidden,
+            int64_t{kStreams} * kHidden,
+            kHidden / 8,
+            (kHidden / 8 + kDownChunkVec - 1) / kDownChunkVec,
+            kHidden / 8 % kDownChunkVec == 0,
+            kStreams};
   else
-    return {a.hidden, a.width, a.gvec, a.cpg, false};
+    return {a.hidden, a.width, a.gvec, a.cpg, false, a.hc};
+}
+
+// Token b's operands (the layout of HcDownParams::tokens): the same DownArgs at fixed strides.
+__device__ __forceinline__ DownArgs down_token(const DownArgs& a, const DownDims& d, int b) {
+  DownArgs t = a;
+  t.H = a.H + b * d.width;
+  t.tp = a.tp + b * a.tp_stride;
+  t.sumsq = a.sumsq + b * a.sq_stride;
+  if (a.y != nullptr) {
+    t.iota = a.iota + b * d.hc;
+    t.y = a.y + b * d.hidden;
+    t.H_out = a.H_out + b * d.width;
+  }
+  return t;
 }
 
 // Whether vector vl (< kDownChunkVec) of the chunk that starts at vector vbeg of its group lies
@@ -167,8 +198,13 @@ constexpr std::size_t kDownStageBytes = (kDownStageVec + kDownChunkVec) * sizeof
 // the PDL wait, so the whole matrix is in flight while the previous kernel finishes
 // (cuda/common/pdl.cuh); ~64 registers, so up to 4 blocks fit an SM and the whole grid (and the
 // mix launched behind it) is resident while the previous kernel drains.
-template <int kHidden = 0>
-__global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
+//
+// kMulti (a.tokens > 1): the staged tile serves every token in order, each token's H loaded while
+// the token before it computes. kMulti false is the one-token instance (the decode step's): the
+// loop runs once and no register holds a second token's H. The same operations per token either
+// way: the same bits.
+template <int kHidden = 0, bool kMulti = false>
+__global__ void __launch_bounds__(kBlockThreads, kMulti ? kDownMultiMinBlocks : kStagedMinBlocks)
     hc_down_staged_kernel(DownArgs a) {
   extern __shared__ uint4 stage4[];  // [kDownRowsPerBlock][kDownChunkVec] W, [kDownChunkVec] w
   uint4* nw_s = stage4 + kDownStageVec;
@@ -199,20 +235,35 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks)
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   float4 hx[kDownVecPerLane][2];
-  down_load_h(a, d, col0, vbeg, lane, hx);
+  down_load_h(down_token(a, d, 0), d, col0, vbeg, lane, hx);
   dev::cp_async_wait_all();
   __syncthreads();
-  float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
+  // The staged tile serves every token (shared memory is only read from here on): per token the
+  // same operations in the same order as a one-token launch, so each token's outputs have its
+  // bits.
+  float4 hn[kDownVecPerLane][2];  // token b + 1's H (kMulti), loaded before token b's dots
+  for (int b = 0; b < (kMulti ? a.tokens : 1); ++b) {
+    if (b > 0) {
 #pragma unroll
-  for (int u = 0; u < kDownVecPerLane; ++u) {
-    const int vl = lane + 32 * u;
-    if (!down_in_group(d, vbeg, vl)) continue;
-    uint4 w[kDownRows];
+      for (int u = 0; u < kDownVecPerLane; ++u) {
+        hx[u][0] = hn[u][0];
+        hx[u][1] = hn[u][1];
+      }
+    }
+    if (kMulti && b + 1 < a.tokens) down_load_h(down_token(a, d, b + 1), d, col0, vbeg, lane, hn);
+    float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int r = 0; r < kDownRows; ++r) w[r] = stage4[(warp * kDownRows + r) * kDownChunkVec + vl];
-    down_step(v, hx[u], nw_s[vl], w);
+    for (int u = 0; u < kDownVecPerLane; ++u) {
+      const int vl = lane + 32 * u;
+      if (!down_in_group(d, vbeg, vl)) continue;
+      uint4 w[kDownRows];
+#pragma unroll
+      for (int r = 0; r < kDownRows; ++r)
+        w[r] = stage4[(warp * kDownRows + r) * kDownChunkVec + vl];
+      down_step(v, hx[u], nw_s[vl], w);
+    }
+    down_finish(down_token(a, d, b), v, p, rowb + warp * kDownRows, warp, lane);
   }
-  down_finish(a, v, p, rowb + warp * kDownRows, warp, lane);
 }
 
 struct MixArgs {
@@ -232,6 +283,9 @@ struct MixArgs {
   int team_log2;
   int splits;
   int cpg;  // splits / 4: chunks per group
+  uint16_t* m_lo;
+  int tokens;        // >= 1 (HcMixParams::tokens)
+  int64_t t_tokens;  // floats of t per token: splits * t_stride
 };
 
 constexpr float kInvStreams = 1.0f / kStreams;  // 0.25: exact
@@ -258,6 +312,19 @@ __device__ __forceinline__ MixDims mix_dims(const MixArgs& a) {
           kSplits > 0 ? kSplits : a.splits,
           kSplits > 0 ? kSplits / kStreams : a.cpg,
           kHidden > 0 ? kHidden : a.hidden};
+}
+
+// Token b's operands (the layout of HcMixParams::tokens): the same MixArgs at fixed strides.
+__device__ __forceinline__ MixArgs mix_token(const MixArgs& a, const MixDims& d, int b) {
+  MixArgs t = a;
+  t.t = a.t + b * a.t_tokens;
+  t.sumsq = a.sumsq + b * d.splits;
+  t.H = a.H + b * (kStreams * d.hidden);
+  t.m = a.m + b * d.hidden;
+  if (a.m_bf16 != nullptr) t.m_bf16 = a.m_bf16 + b * d.hidden;
+  if (a.m_lo != nullptr) t.m_lo = a.m_lo + b * d.hidden;
+  if (a.iota != nullptr) t.iota = a.iota + b * kStreams;
+  return t;
 }
 
 // acc[s] += W_up[row i + s*D, vector v] . u[vector v] for the 4 streams (FP32 fmaf chain in
@@ -379,7 +446,12 @@ __device__ __forceinline__ void mix_finish(const MixArgs& a, const MixDims& d,
   for (int s = 0; s < kStreams; ++s) m = fmaf(g[s], n[s], m);
   m *= kInvStreams;
   a.m[i] = m;
-  if (a.m_bf16 != nullptr) a.m_bf16[i] = dev::float_to_bf16_bits(m);
+  if (a.m_bf16 == nullptr && a.m_lo == nullptr) return;
+  // hi = bf16(m), lo = bf16(m - hi): launch_split_bf16's pair (cuda/kernels/prefill_ops.h).
+  const uint16_t hi = dev::float_to_bf16_bits(m);
+  if (a.m_bf16 != nullptr) a.m_bf16[i] = hi;
+  if (a.m_lo != nullptr)
+    a.m_lo[i] = dev::float_to_bf16_bits(m - __uint_as_float(static_cast<uint32_t>(hi) << 16));
 }
 
 // 1 + w at output ic of the lane's stream (FP32, never rounded to BF16): a weight, read before
@@ -392,8 +464,11 @@ __device__ __forceinline__ float mix_one_w(const MixArgs& a, const MixDims& d, i
 
 // One team per output i: rows i + s*D (s < 4) of W_up against u = silu(t / 4), which every block
 // first reduces from the partials into shared memory. The W_up vectors stay in registers: the
-// fallback for ranks whose staged rows do not fit 48 KB (hc_mix_uses_staging).
-__global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
+// fallback for ranks whose staged rows do not fit 48 KB (hc_mix_uses_staging). kMulti
+// (a.tokens > 1): the steps after the wait once per token; false: the one-token instance.
+// The several-token instance runs one block per SM (its loop needs more than 128 registers).
+template <bool kMulti = false>
+__global__ void __launch_bounds__(kBlockThreads, kMulti ? 1 : 2) hc_mix_kernel(MixArgs a) {
   extern __shared__ float4 u_s4[];  // [rank / 4]
   float* u_s = reinterpret_cast<float*>(u_s4);
   const MixDims d = mix_dims<0, 0, 0, 0>(a);
@@ -419,21 +494,27 @@ __global__ void __launch_bounds__(kBlockThreads, 2) hc_mix_kernel(MixArgs a) {
   const float one_w = mix_one_w(a, d, ic, lane);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  float hv, scale[kStreams];
-  mix_after_wait(a, d, ic, lane, u_s, hv, scale);
-  __syncthreads();
-  float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Per token the same operations in the same order as a one-token launch. The vectors past
+  // kMixPre per lane are loaded again for each token (from L2 after the first).
+  for (int b = 0; b < (kMulti ? a.tokens : 1); ++b) {
+    const MixArgs at = mix_token(a, d, b);
+    if (b > 0) __syncthreads();  // every team is done with the last token's u
+    float hv, scale[kStreams];
+    mix_after_wait(at, d, ic, lane, u_s, hv, scale);
+    __syncthreads();
+    float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int jv = 0; jv < kMixPre; ++jv)
-    if (lane + jv * team < d.nvec) mix_accumulate(acc, pre[jv], u_s4, lane + jv * team);
-  for (int v = lane + kMixPre * team; v < d.nvec; v += team) {
-    uint4 w[kStreams];
+    for (int jv = 0; jv < kMixPre; ++jv)
+      if (lane + jv * team < d.nvec) mix_accumulate(acc, pre[jv], u_s4, lane + jv * team);
+    for (int v = lane + kMixPre * team; v < d.nvec; v += team) {
+      uint4 w[kStreams];
 #pragma unroll
-    for (int s = 0; s < kStreams; ++s)
-      w[s] = dev::ld_stream16(a.w_up + (ic + s * d.hidden) * d.rank + 8 * v);
-    mix_accumulate(acc, w, u_s4, v);
+      for (int s = 0; s < kStreams; ++s)
+        w[s] = dev::ld_stream16(a.w_up + (ic + s * d.hidden) * d.rank + 8 * v);
+      mix_accumulate(acc, w, u_s4, v);
+    }
+    mix_finish(at, d, acc, lane, i < d.hidden, hv, scale, one_w, i);
   }
-  mix_finish(a, d, acc, lane, i < d.hidden, hv, scale, one_w, i);
 }
 
 // Shared memory of the staged mix: the block's 4 x (256 / team) W_up rows, then u (FP32).
@@ -449,8 +530,9 @@ std::size_t mix_stage_bytes(int64_t rank, int team) {
 // runs; after the wait only t, the partial squares and H are read from memory. The instance
 // <kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits> is the real read at compile-time
 // shape (ncu: the runtime-shape instance ran ~1,170 instructions per warp at this
-// shape, most of them address arithmetic, predicates and loop control on runtime sizes).
-template <int kRank = 0, int kHidden = 0, int kTeamLog2 = 0, int kSplits = 0>
+// shape, most of them address arithmetic, predicates and loop control on runtime sizes). kMulti
+// (a.tokens > 1): the steps after the wait once per token; false: the one-token instance.
+template <int kRank = 0, int kHidden = 0, int kTeamLog2 = 0, int kSplits = 0, bool kMulti = false>
 __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged_kernel(MixArgs a) {
   extern __shared__ uint4 stage4[];  // [kStreams][outs][nvec] W_up, then u [rank] FP32
   const MixDims d = mix_dims<kRank, kHidden, kTeamLog2, kSplits>(a);
@@ -488,18 +570,25 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged
   const float one_w = mix_one_w(a, d, ic, lane);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  float hv, scale[kStreams];
-  mix_after_wait(a, d, ic, lane, reinterpret_cast<float*>(u_s4), hv, scale);
-  dev::cp_async_wait_all();
-  __syncthreads();
-  float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int v = lane; v < d.nvec; v += team) {
-    uint4 w[kStreams];
+  // The staged rows serve every token: per token the same operations in the same order as a
+  // one-token launch (u of the token into u_s, then the teams' dots), so each token's outputs
+  // have its bits.
+  for (int b = 0; b < (kMulti ? a.tokens : 1); ++b) {
+    const MixArgs at = mix_token(a, d, b);
+    if (b > 0) __syncthreads();  // every team is done with the last token's u
+    float hv, scale[kStreams];
+    mix_after_wait(at, d, ic, lane, reinterpret_cast<float*>(u_s4), hv, scale);
+    if (b == 0) dev::cp_async_wait_all();
+    __syncthreads();
+    float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int v = lane; v < d.nvec; v += team) {
+      uint4 w[kStreams];
 #pragma unroll
-    for (int s = 0; s < kStreams; ++s) w[s] = stage4[(s * outs + k) * d.nvec + v];
-    mix_accumulate(acc, w, u_s4, v);
+      for (int s = 0; s < kStreams; ++s) w[s] = stage4[(s * outs + k) * d.nvec + v];
+      mix_accumulate(acc, w, u_s4, v);
+    }
+    mix_finish(at, d, acc, lane, in_range, hv, scale, one_w, i);
   }
-  mix_finish(a, d, acc, lane, in_range, hv, scale, one_w, i);
 }
 
 using detail::aligned;
@@ -540,6 +629,7 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
                         p.t_partial != nullptr && p.sumsq != nullptr,
                     kOp);
   FN_LAUNCH_REQUIRE(p.rows >= 1 && p.hc_count >= 1 && p.hc_count <= 64, kOp);
+  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= kMaxTokens, kOp);
   FN_LAUNCH_REQUIRE(p.hidden >= 8 && p.hidden % 8 == 0 && p.hidden / 8 <= INT32_MAX / 2, kOp);
   const int64_t width = p.hc_count * p.hidden;
   FN_LAUNCH_REQUIRE(aligned(p.H, 16) && aligned(p.norm, 16) && aligned(p.weight, 16) &&
@@ -565,10 +655,17 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              p.sumsq,
              inject ? p.inject_iota : nullptr,
              inject ? p.inject_y : nullptr,
-             inject ? p.H_out : nullptr};
+             inject ? p.H_out : nullptr,
+             p.hc_count,
+             p.tokens,
+             splits * p.rows,
+             splits};
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
   const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
-  void (*kernel)(DownArgs) = fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>;
+  void (*kernel)(DownArgs) =
+      p.tokens > 1
+          ? (fixed ? hc_down_staged_kernel<kFixedHidden, true> : hc_down_staged_kernel<0, true>)
+          : (fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>);
   launch_pdl("hc_down_staged_kernel", kernel, grid, dim3(kBlockThreads), kDownStageBytes, stream,
              a);
   FN_CUDA_LAUNCH_CHECK("hc_down_staged_kernel");
@@ -580,13 +677,15 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
                         p.norm != nullptr && p.m != nullptr,
                     kOp);
   FN_LAUNCH_REQUIRE(p.hc_count == kStreams && p.hidden >= 1, kOp);
+  FN_LAUNCH_REQUIRE(p.tokens >= 1 && p.tokens <= kMaxTokens, kOp);
   FN_LAUNCH_REQUIRE(p.rank >= 8 && p.rank % 8 == 0 && p.rank <= kMaxRank, kOp);
   FN_LAUNCH_REQUIRE(p.t_splits >= kStreams && p.t_splits <= kMaxSplits &&
                         p.t_splits % kStreams == 0 &&
                         p.t_stride >= p.rank + (p.iota != nullptr ? kStreams : 0),
                     kOp);
   FN_LAUNCH_REQUIRE(aligned(p.w_up, 16) && aligned(p.t, 4) && aligned(p.sumsq, 4) &&
-                        aligned(p.H, 4) && aligned(p.norm, 2),
+                        aligned(p.H, 4) && aligned(p.norm, 2) && aligned(p.m, 4) &&
+                        aligned(p.m_bf16, 2) && aligned(p.m_lo, 2) && aligned(p.iota, 4),
                     kOp);
   const int64_t nvec = p.rank / 8;
   const int team = mix_team(p.hidden, p.rank);
@@ -605,19 +704,27 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
             static_cast<int>(nvec),
             __builtin_ctz(static_cast<unsigned>(team)),
             static_cast<int>(p.t_splits),
-            static_cast<int>(p.t_splits / kStreams)};
+            static_cast<int>(p.t_splits / kStreams),
+            p.m_lo,
+            p.tokens,
+            p.t_splits * p.t_stride};
   const auto grid = static_cast<unsigned>(mix_blocks(p.hidden, team));
   if (hc_mix_uses_staging(p)) {
     const bool fixed = p.fixed_shape && p.rank == kFixedRank && p.hidden == kFixedHidden &&
                        team == (1 << kFixedTeamLog2) && p.t_splits == kFixedSplits;
     void (*kernel)(MixArgs) =
-        fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits>
-              : hc_mix_staged_kernel<>;
+        p.tokens > 1
+            ? (fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits,
+                                            true>
+                     : hc_mix_staged_kernel<0, 0, 0, 0, true>)
+            : (fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits>
+                     : hc_mix_staged_kernel<>);
     launch_pdl("hc_mix_staged_kernel", kernel, grid, kBlockThreads, mix_stage_bytes(p.rank, team),
                stream, a);
     FN_CUDA_LAUNCH_CHECK("hc_mix_staged_kernel");
   } else {
-    launch_pdl("hc_mix_kernel", hc_mix_kernel, grid, kBlockThreads,
+    void (*kernel)(MixArgs) = p.tokens > 1 ? hc_mix_kernel<true> : hc_mix_kernel<>;
+    launch_pdl("hc_mix_kernel", kernel, grid, kBlockThreads,
                static_cast<std::size_t>(p.rank) * sizeof(float), stream, a);
     FN_CUDA_LAUNCH_CHECK("hc_mix_kernel");
   }

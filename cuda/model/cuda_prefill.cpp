@@ -9,9 +9,11 @@
 //   wanted -> n-gram context and position advance.
 //
 // Dense projections go through cuBLAS with the FP32 activations split into BF16 hi + lo
-// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. The pass
-// buffers live in their own arena, allocated on the first call for CudaModelOptions::prefill_chunk
-// rows.
+// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. A batched
+// decode step (decode_rows) runs its HC reads through the decode step's launch_hc_down +
+// launch_hc_mix (cuda/kernels/hc.h) with the rows as their tokens instead: bitwise the decode
+// step's read per row, each weight tile read once for all rows. The pass buffers live in their
+// own arena, allocated on the first call for CudaModelOptions::prefill_chunk rows.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -30,6 +32,7 @@
 #include "cuda/kernels/gdn.h"
 #include "cuda/kernels/gdn_prefill.h"
 #include "cuda/kernels/gemm.h"
+#include "cuda/kernels/hc.h"
 #include "cuda/kernels/logit_stats.h"
 #include "cuda/kernels/moe_prefill.h"
 #include "cuda/kernels/ple.h"
@@ -49,6 +52,10 @@ using model_detail::DevLayer;
 namespace {
 // Final-mixer + lm_head rows per launch group (bounds the [rows, vocab] logit buffers).
 constexpr int64_t kLogitRows = 32;
+// Rows per HC read launch pair of a batched step (launch_hc_down + launch_hc_mix with `tokens`
+// rows; bounds their partial-dot scratch): the most slots a step has unless --max-batch asks
+// for more, which then takes a pair per 64 rows.
+constexpr int64_t kHcReadRows = 64;
 }  // namespace
 
 // The pass buffers of the batched prefill (cuda_model_impl.h declares it).
@@ -66,9 +73,14 @@ struct CudaPrefillState {
   uint16_t* n_hi = nullptr;  // [2 * rows, W] N as BF16 hi, then lo
   float* t = nullptr;        // [rows, R + S] HC down/inject GEMM
   uint16_t* u_hi = nullptr;  // [2 * rows, R]
-  float* g = nullptr;        // [rows, W] HC up GEMM (pre-sigmoid)
+  float* g = nullptr;        // [rows, W] HC up GEMM (pre-sigmoid); a batched step: m [rows, D]
   uint16_t* m_hi = nullptr;  // [2 * rows, D] block input hi (= the experts' BF16 input), lo
   float* iota = nullptr;     // [rows, S]
+  // A batched step's HC read (hc.h) over hc_rows rows at a time: the down pass's partial dots
+  // and partial squares, [hc_rows, hc_down_splits(S, D), R + S] and [hc_rows, splits] FP32.
+  int64_t hc_rows = 0;
+  float* hc_tp = nullptr;
+  float* hc_sumsq = nullptr;
   float* proj = nullptr;     // [rows, proj_ld] mixer / shared-expert / PLE projections
   uint16_t* mix = nullptr;   // [rows, mix_ld] BF16 mixer outputs
   float* y = nullptr;        // [rows, D]
@@ -186,6 +198,10 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.g = cv.take<float>(rows * W);
   P.m_hi = cv.take<uint16_t>(2 * rows * D);
   P.iota = cv.take<float>(rows * S);
+  const int64_t splits = hc_down_splits(S, D);
+  P.hc_rows = std::min(rows, kHcReadRows);
+  P.hc_tp = cv.take<float>(P.hc_rows * splits * (R + S));
+  P.hc_sumsq = cv.take<float>(P.hc_rows * splits);
   P.proj = cv.take<float>(rows * proj_ld);
   P.mix = cv.take<uint16_t>(rows * mix_ld);
   P.y = cv.take<float>(rows * D);
@@ -434,19 +450,71 @@ struct CudaModel::Impl::PrefillRun {
   // The block input's lo rows (set by hc_read: its m rows below P.m_hi's).
   const uint16_t* m_lo = nullptr;
   // HC read of `m` rows of H starting at Hrows: m_hi rows 0..m-1, m_lo and iota (when given).
+  // A prompt pass: norm rows, the down/inject GEMM, act rows, the up GEMM, mix rows. A batched
+  // step: the decode step's two kernels (hc.h) over the rows (hc_read_rows), bitwise the decode
+  // step's read per row.
   void hc_read(const DevHc& hc, const float* Hrows, int64_t m, float* iota_out) {
     const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
     const float eps = static_cast<float>(c.rms_norm_eps);
     prof.mark(StepFamily::Hc);
+    uint16_t* mlo = P.m_hi + m * D;
+    m_lo = mlo;
+    if (decode_rows) {
+      hc_read_rows(hc, Hrows, m, iota_out, mlo);
+      return;
+    }
     uint16_t* n_lo = P.n_hi + m * W;
     uint16_t* u_lo = P.u_hi + m * R;
-    uint16_t* mlo = P.m_hi + m * D;
     launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, n_lo, s);
     gemm(hc.down_inj, hc.down_rows, W, P.n_hi, n_lo, W, m, P.t, hc.down_rows);
     launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, u_lo, iota_out, s);
     gemm(hc.up, W, R, P.u_hi, u_lo, R, m, P.g, W);
     launch_hc_mix_rows(P.g, Hrows, P.scale, hc.norm, static_cast<int>(S), D, m, P.m_hi, mlo, s);
-    m_lo = mlo;
+  }
+  // hc_read of a batched step: launch_hc_down + launch_hc_mix with the rows as their tokens (up
+  // to P.hc_rows per pair: each block stages its weight tile once for all of them), m FP32 into
+  // P.g (scratch: every reader takes the BF16 pair), its hi + lo pair (launch_split_bf16's) into
+  // P.m_hi and mlo (the m rows below), iota into iota_out. Per row the same kernels' operations
+  // on the same operands as the decode step's read (step.cpp step_hc_read; each token of a
+  // several-token launch has a one-token launch's bits, hc.h): the same bits per row. The inject
+  // after each block stays its own launch (inject()), bitwise launch_hc_inject's.
+  void hc_read_rows(const DevHc& hc, const float* Hrows, int64_t m, float* iota_out,
+                    uint16_t* mlo) {
+    const int64_t D = c.hidden_size, S = c.hc_count, W = c.hc_width();
+    for (int64_t r0 = 0; r0 < m; r0 += P.hc_rows) {
+      const int n = static_cast<int>(std::min(P.hc_rows, m - r0));
+      HcDownParams down;
+      down.H = Hrows + r0 * W;
+      down.norm = hc.norm;
+      down.weight = hc.down_inj;
+      down.rows = hc.down_rows;
+      down.hc_count = static_cast<int>(S);
+      down.hidden = D;
+      down.t_partial = P.hc_tp;
+      down.sumsq = P.hc_sumsq;
+      down.fixed_shape = I.plan.hc_down_fixed;
+      down.tokens = n;
+      launch_hc_down(down, s);
+      HcMixParams mx;
+      mx.w_up = hc.up;
+      mx.t = P.hc_tp;
+      mx.sumsq = P.hc_sumsq;
+      mx.t_splits = hc_down_splits(S, D);
+      mx.t_stride = hc.down_rows;
+      mx.H = Hrows + r0 * W;
+      mx.norm = hc.norm;
+      mx.eps = static_cast<float>(c.rms_norm_eps);
+      mx.m = P.g + r0 * D;
+      mx.m_bf16 = P.m_hi + r0 * D;
+      mx.m_lo = mlo + r0 * D;
+      mx.iota = iota_out != nullptr ? iota_out + r0 * S : nullptr;
+      mx.hc_count = static_cast<int>(S);
+      mx.hidden = D;
+      mx.rank = c.hc_lowrank;
+      mx.fixed_shape = I.plan.hc_mix_fixed;
+      mx.tokens = n;
+      launch_hc_mix(mx, s);
+    }
   }
   void inject() {
     prof.mark(StepFamily::Hc);

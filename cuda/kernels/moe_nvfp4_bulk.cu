@@ -73,9 +73,10 @@ struct BulkGateUpArgs {
   // expert j % tok_k; ids and h are [routes] and [routes, I], the tokens' lists back to back).
   int top_k;
   int tok_k;       // experts per token (MoeGateUpParams::top_k)
+  int tokens;      // top_k / tok_k
   int inter;       // I
   int k;           // K (cols)
-  int64_t pairs;   // top_k * I
+  int64_t pairs;   // tok_k * I: one token's row pairs (each CTA takes its share of every token's)
   int row_stride;  // shared-memory bytes per row slot: K / 2
   int stage_bytes;
   int max_chunks;     // chunks of any CTA's share (sizes the partials)
@@ -93,24 +94,41 @@ struct BulkGateUpArgs {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The chunks of the CTA's share [p0, p1) of the row pairs p = j * I + i (pairs <= INT32_MAX:
-// bulk_gate_up_shape_ok), walked in order: chunk c covers rows [i, i + n) of selected expert j and
-// sits in ring stage c % stages, filled for the (c / stages + 1)-th time (parity = (c / stages) &
-// 1). One division at the start; each step only adds (a 64-bit division per chunk, and two 32-bit
-// ones for the stage, were subroutines in every thread's loop).
+// The chunks of the CTA's share [p0, p1) of each token's row pairs p = j * I + i (pairs <=
+// INT32_MAX: bulk_gate_up_shape_ok), token after token (b; route j + b * tok_k), walked in order:
+// chunk c covers rows [i, i + n) of selected expert j and sits in ring stage c % stages, filled
+// for the (c / stages + 1)-th time (parity = (c / stages) & 1). A token's share and its cuts into
+// chunks are a one-token launch's (the same grid), so each row's place in its chunk, which sets
+// its summation order (group_of), is too: the same bits. One division per token; each step only
+// adds (a 64-bit division per chunk, and two 32-bit ones for the stage, were subroutines in every
+// thread's loop).
 struct ChunkWalk {
   int p, p1, j, i, n;
+  int b = 0;  // the token
   int stage = 0;
   uint32_t parity = 0;
+  int p0, p1_0, tokens, tok_k;  // the share of every token; the tokens
   __device__ __forceinline__ explicit ChunkWalk(const BulkGateUpArgs& a) {
-    p = static_cast<int>(a.pairs * blockIdx.x / gridDim.x);
-    p1 = static_cast<int>(a.pairs * (blockIdx.x + 1) / gridDim.x);
-    j = p / a.inter;
-    i = p - j * a.inter;
+    p0 = static_cast<int>(a.pairs * blockIdx.x / gridDim.x);
+    p1_0 = static_cast<int>(a.pairs * (blockIdx.x + 1) / gridDim.x);
+    tokens = a.tokens;
+    tok_k = a.tok_k;
+    start(a.inter);
+  }
+  __device__ __forceinline__ void start(int inter) {
+    p = p0;
+    p1 = p1_0;
+    j = p / inter;
+    i = p - j * inter;
+    j += b * tok_k;
     n = 0;
   }
-  // Whether a chunk is left; if so j, i and n describe it (call next() after it).
+  // Whether a chunk is left; if so b, j, i and n describe it (call next() after it).
   __device__ __forceinline__ bool more(int inter) {
+    if (p >= p1 && b + 1 < tokens) {  // the next token's share
+      ++b;
+      start(inter);
+    }
     n = min(min(kPairs, inter - i), p1 - p);
     return p < p1;
   }
@@ -294,8 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
     const int g = lane >> 2, t = lane & 3;
     const int ngroups = a.k / 128;
     // x of token b for this lane's units (B column g), permuted per 8 elements to (x0, x4)
-    // (x1, x5) (x2, x6) (x3, x7): loaded before the first chunk, and again where the share
-    // passes to the next token's routes (a share spans one or two tokens).
+    // (x1, x5) (x2, x6) (x3, x7): loaded at the first chunk of each token's share.
     uint4 xr[kBulkGateUpGroups][4];
     int xb = -1;  // the token xr holds
     const auto load_x = [&](int b) {
@@ -314,11 +331,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
       }
       xb = b;
     };
-    if (walk.p < walk.p1) load_x(walk.j / a.tok_k);
     for (; walk.more(a.inter); walk.next(a.inter, nst), ++c) {
       const int n = walk.n;
       const int s = walk.stage;
-      if (walk.j / a.tok_k != xb) load_x(walk.j / a.tok_k);  // warp-uniform
+      if (walk.b != xb) load_x(walk.b);  // warp-uniform
       mbar_wait(full + s, walk.parity);
       const uint8_t* st = ring + s * a.stage_bytes;
       const bool row_ok = g < n;
@@ -392,10 +408,12 @@ struct GateUpPlan {
   size_t smem;
 };
 
-GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count) {
+// `tokens` tokens of top_k routes each: the one-token grid, each CTA its share of every token.
+GateUpPlan plan_gate_up(int top_k, int64_t inter, int64_t cols, int sm_count, int64_t tokens = 1) {
   GateUpPlan g{};
   g.ctas = bulk_gate_up_ctas(top_k, inter, sm_count);
-  g.max_chunks = max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas);
+  g.max_chunks =
+      static_cast<int>(tokens * max_chunks_of(static_cast<int64_t>(top_k) * inter, inter, g.ctas));
   g.stages = std::min(kMaxStages, g.max_chunks);
   g.row_stride = static_cast<int>(cols / 2);
   g.stage_bytes = static_cast<int>(2 * kPairs * g.row_stride + 2 * kPairs * (cols / 16));
@@ -421,9 +439,7 @@ int bulk_gate_up_ctas(int top_k, int64_t inter, int sm_count) {
 int64_t bulk_tokens_per_launch(int top_k, int64_t inter, int64_t cols, int sm_count,
                                int64_t tokens) {
   int64_t n = tokens;
-  while (n > 1 && (n * top_k > INT32_MAX ||
-                   !bulk_gate_up_shape_ok(static_cast<int>(n * top_k), inter, cols, sm_count)))
-    n = (n + 1) / 2;
+  while (n > 1 && plan_gate_up(top_k, inter, cols, sm_count, n).smem > kMaxCtaSmem) n = (n + 1) / 2;
   return n;
 }
 
@@ -435,7 +451,7 @@ void launch_bulk_tokens(const MoeGateUpParams& p, int64_t b0, int64_t tokens, in
   constexpr const char* kOp = "launch_moe_gate_up_nvfp4 (bulk)";
   const int64_t inter = p.experts.rows / 2;
   const int routes = static_cast<int>(tokens * p.top_k);
-  const GateUpPlan g = plan_gate_up(routes, inter, p.experts.cols, sms);
+  const GateUpPlan g = plan_gate_up(p.top_k, inter, p.experts.cols, sms, tokens);
   BulkGateUpArgs a{};
   a.packed = p.experts.packed;
   a.scales = p.experts.scales;
@@ -444,9 +460,10 @@ void launch_bulk_tokens(const MoeGateUpParams& p, int64_t b0, int64_t tokens, in
   a.num_experts = p.experts.num_experts;
   a.top_k = routes;
   a.tok_k = p.top_k;
+  a.tokens = static_cast<int>(tokens);
   a.inter = static_cast<int>(inter);
   a.k = static_cast<int>(p.experts.cols);
-  a.pairs = static_cast<int64_t>(routes) * inter;
+  a.pairs = static_cast<int64_t>(p.top_k) * inter;
   a.row_stride = g.row_stride;
   a.stage_bytes = g.stage_bytes;  // 9 K: a multiple of 128 (K % 256 == 0)
   a.x = p.x + b0 * p.experts.cols;

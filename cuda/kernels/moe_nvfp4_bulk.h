@@ -35,9 +35,10 @@ constexpr bool bulk_gate_up_cols_ok(int64_t cols) {
 bool bulk_gate_up_shape_ok(int top_k, int64_t inter, int64_t cols, int sm_count);
 
 /// Tokens one launch of the bulk gate+up kernel takes when `tokens` come side by side
-/// (MoeGateUpParams::tokens): `tokens` halved (rounded up) until tokens * top_k routes pass
-/// bulk_gate_up_shape_ok (each CTA keeps the chunk list and partials of its share of the routes in
-/// shared memory), at least 1. launch_moe_gate_up_bulk runs ceil(tokens / that) launches.
+/// (MoeGateUpParams::tokens; the one-token grid, each CTA taking its one-token share of every
+/// token's routes, so each row is cut into chunks as alone): `tokens` halved (rounded up) until
+/// the chunk lists and partials of a CTA's shares fit its shared memory with the ring, at least 1.
+/// launch_moe_gate_up_bulk runs ceil(tokens / that) launches.
 int64_t bulk_tokens_per_launch(int top_k, int64_t inter, int64_t cols, int sm_count,
                                int64_t tokens);
 

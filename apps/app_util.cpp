@@ -268,14 +268,14 @@ void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size
 }
 
 void check_model_source(const std::string& model, bool random_weights, const std::string& config) {
+  FN_REQUIRE(config.empty() || random_weights, Usage,
+             "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
   FN_REQUIRE(model.empty() != !random_weights, Usage,
              "give either -m/--model DIR or --random-weights --config FILE{}",
              random_weights ? " (not both)" : "");
   FN_REQUIRE(!random_weights || !config.empty(), Usage,
              "--random-weights needs --config FILE (a config.json with its quantization_config, "
              "e.g. configs/qwen3.8-flash-next.json)");
-  FN_REQUIRE(config.empty() || random_weights, Usage,
-             "--config applies to --random-weights only (-m/--model reads DIR/config.json)");
 }
 
 bool has_tokenizer(const std::filesystem::path& dir) {
@@ -284,7 +284,7 @@ bool has_tokenizer(const std::filesystem::path& dir) {
 }
 
 std::string tokenizer_source(const std::filesystem::path& dir) {
-  return dir.empty() ? std::string("--random-weights without --tokenizer")
+  return dir.empty() ? std::string("--random-weights without --tokenizer DIR")
                      : "the model directory " + dir.string();
 }
 

@@ -146,7 +146,7 @@ void check_model_source(const std::string& model, bool random_weights, const std
 bool has_tokenizer(const std::filesystem::path& dir);
 
 /// Where a command's tokenizer comes from, for messages: "the model directory DIR", or
-/// "--random-weights without --tokenizer" when `dir` is empty (no tokenizer directory given).
+/// "--random-weights without --tokenizer DIR" when `dir` is empty (no tokenizer directory given).
 std::string tokenizer_source(const std::filesystem::path& dir);
 
 /// A prompt text many times a token limit is refused from a prefix before all of it is encoded (a

@@ -226,6 +226,41 @@ void add_batch_flags(CLI::App* sub, BatchFlags& flags) {
       WholeRange(1, kMaxTokenCount));
 }
 
+CLI::Option* add_model_source_options(CLI::App* sub, std::string& model, RandomWeightsCli& rw,
+                                      const char* text_inputs) {
+  CLI::Option* m =
+      sub->add_option("-m,--model", model, "model directory (or --random-weights --config FILE)");
+  sub->add_flag("--random-weights", rw.random_weights,
+                "cuda: the full geometry of --config with random weights generated on the GPU "
+                "(no checkpoint, for timing; routing close to uniform)");
+  sub->add_option("--config", rw.config,
+                  "with --random-weights: a config.json with its quantization_config (e.g. "
+                  "configs/qwen3.8-flash-next.json)");
+  if (text_inputs == nullptr) return m;
+  sub->add_option("--tokenizer", rw.tokenizer,
+                  fmt::format("with --random-weights: the directory of tokenizer.json for {} (e.g. "
+                              "third_party/qwen3-tokenizer); without it they must be token ids",
+                              text_inputs));
+  add_whole_option(sub, "--weights-seed", rw.seed,
+                   "with --random-weights: the seed of the random weights (default 0)",
+                   WholeRange(0));
+  return m;
+}
+
+void check_model_source_options(const std::string& model, const RandomWeightsCli& rw) {
+  check_model_source(model, rw.random_weights, rw.config);
+  FN_REQUIRE(rw.tokenizer.empty() || rw.random_weights, Usage,
+             "--tokenizer applies to --random-weights only (-m/--model reads DIR's tokenizer)");
+  FN_REQUIRE(rw.seed == 0 || rw.random_weights, Usage,
+             "--weights-seed applies to --random-weights only (-m/--model reads DIR's weights)");
+  if (rw.tokenizer.empty()) return;
+  std::error_code ec;
+  FN_REQUIRE(std::filesystem::is_directory(rw.tokenizer, ec) && has_tokenizer(rw.tokenizer), Usage,
+             "--tokenizer {}: no directory holding tokenizer.json or tokenizer.model (e.g. "
+             "third_party/qwen3-tokenizer)",
+             rw.tokenizer);
+}
+
 void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
   sub->add_option("--backend", flags.backend,
                   "cpu | cuda | auto (default auto: cuda when this build has CUDA and every rank "

@@ -84,6 +84,23 @@ void add_batch_flags(CLI::App* sub, BatchFlags& flags);
 /// (values checked by CLI11, so a bad value is a usage error naming the flag).
 void add_backend_flags(CLI::App* sub, BackendFlags& flags);
 
+/// The random-weights alternative to -m/--model (load_backend_random) of bench, eval and
+/// generate: -m/--model DIR into `model`, --random-weights, --config FILE and, where the command
+/// reads text (`text_inputs` names it, e.g. "text prompts"; null: not registered), --tokenizer
+/// DIR and --weights-seed S. check_model_source (apps/app_util.h) checks the combination.
+struct RandomWeightsCli {
+  bool random_weights = false;
+  std::string config, tokenizer;
+  int64_t seed = 0;  ///< --weights-seed
+};
+CLI::Option* add_model_source_options(CLI::App* sub, std::string& model, RandomWeightsCli& rw,
+                                      const char* text_inputs);
+
+/// The model source of a command with add_model_source_options' text flags: check_model_source,
+/// --tokenizer and a non-zero --weights-seed only with --random-weights, and --tokenizer a
+/// directory holding tokenizer.json or tokenizer.model. Throws fn::Error(Usage) naming the flag.
+void check_model_source_options(const std::string& model, const RandomWeightsCli& rw);
+
 /// True when this binary was built with the CUDA backend (FN_HAVE_CUDA).
 bool built_with_cuda() noexcept;
 

@@ -76,8 +76,8 @@ constexpr int64_t kBreakdownWarmup = 4;
 struct BenchCli {
   std::string model, n_prompt = "512", n_gen = "128", format = "md", output, per_token;
   std::string batch = "1";  // --batch: sequences per decode step, comma-separated
-  std::string config;
-  bool random_weights = false, skip_prefill = false, breakdown = false;
+  RandomWeightsCli rw;      // --random-weights --config FILE
+  bool skip_prefill = false, breakdown = false;
   int64_t breakdown_steps = 32;
   int64_t repetitions = 5, warmup = 1, ctx_size = 0, seed = 0;
   int64_t logprobs = -1;  // --logprobs K; -1: not given
@@ -716,7 +716,7 @@ BenchSetup setup_bench(const BenchCli& o, int world_size, bool root) {
   FN_REQUIRE(o.seed >= 0, Usage, "--seed must be >= 0, got {}", o.seed);
   FN_REQUIRE(o.bandwidth_gbs > 0 && std::isfinite(o.bandwidth_gbs), Usage,
              "--bandwidth-gbs must be a positive number of GB/s, got {}", o.bandwidth_gbs);
-  check_model_source(o.model, o.random_weights, o.config);
+  check_model_source(o.model, o.rw.random_weights, o.rw.config);
   FN_REQUIRE(o.breakdown_steps >= 1, Usage, "--breakdown-steps must be >= 1, got {}",
              o.breakdown_steps);
   FN_REQUIRE(!same_file(o.output, o.per_token), Usage,
@@ -725,24 +725,24 @@ BenchSetup setup_bench(const BenchCli& o, int world_size, bool root) {
              o.output, o.per_token);
   st.skip_prefill = o.skip_prefill;
 
-  if (!o.random_weights) require_model_dir(o.model);
+  if (!o.rw.random_weights) require_model_dir(o.model);
   // The output files: never a checkpoint file (or the --config file), and writable; opened
   // (truncated) only when the results are ready, so a run that fails leaves them as they were.
   if (root) {
     for (const auto& [path, flag] :
          {std::pair{o.output, "-o/--output"}, std::pair{o.per_token, "--per-token"}}) {
-      if (o.random_weights)
-        require_not_input(path, flag, o.config, "--config");
+      if (o.rw.random_weights)
+        require_not_input(path, flag, o.rw.config, "--config");
       else
         require_outside_model(path, o.model, flag);
       check_output_path(path, flag);
     }
   }
-  st.dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
+  st.dir = o.rw.random_weights ? fs::path(o.rw.config) : fs::path(o.model);
   const fs::path& dir = st.dir;
   st.cfg = load_model_config(dir);
   const ModelConfig& cfg = st.cfg;
-  st.gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir, cfg.vocab_size);
+  st.gen = o.rw.random_weights ? GenerationConfig{} : load_generation_config(dir, cfg.vocab_size);
   int64_t longest = 0, longest_p = 0, longest_n = 0;
   for (int64_t p : st.prompts) {
     for (int64_t n : st.gens) {
@@ -770,7 +770,8 @@ BenchSetup setup_bench(const BenchCli& o, int world_size, bool root) {
              "max_position_embeddings {} ({})",
              ctx, cfg.max_position_embeddings, dir.string());
   // The roofline side: the shard plan of this TP size (Usage when the model cannot split).
-  const QuantConfig quant = o.random_weights ? load_quant_config_file(dir) : load_quant_config(dir);
+  const QuantConfig quant =
+      o.rw.random_weights ? load_quant_config_file(dir) : load_quant_config(dir);
   st.plan = with_tp_hint(dir, world_size, [&] { return ShardPlan::build(cfg, quant, world_size); });
 
   return st;
@@ -784,7 +785,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   agree_on_error(coll, [&] { st = setup_bench(o, mpi.world_size(), root); });
   // --skip-prefill and --breakdown need the cuda backend: refused before the load, agreed on
   // like the checks above (with --random-weights the loader names the backend it needs).
-  if (!o.random_weights && (st.skip_prefill || o.breakdown)) {
+  if (!o.rw.random_weights && (st.skip_prefill || o.breakdown)) {
     const std::string backend = resolve_backend(o.backend, coll);
     agree_on_error(coll, [&] {
       FN_REQUIRE(backend == "cuda", Usage, "{} needs the cuda backend (this run uses {})",
@@ -804,7 +805,7 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   BackendFlags flags = o.backend;
   flags.max_batch = *std::max_element(st.batches.begin(), st.batches.end());
   const std::unique_ptr<Backend> backend =
-      o.random_weights
+      o.rw.random_weights
           ? load_backend_random(flags, dir, static_cast<uint64_t>(o.seed), mpi, coll, ctx, "bench")
           : load_backend(flags, dir, mpi, coll, ctx, "bench");
   Backend& model = *backend;
@@ -820,8 +821,8 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
   }
 
   Report rep;
-  rep.model = o.random_weights ? "random:" + dir.string() : dir.string();
-  rep.random_weights = o.random_weights;
+  rep.model = o.rw.random_weights ? "random:" + dir.string() : dir.string();
+  rep.random_weights = o.rw.random_weights;
   rep.prefill_skipped = skip_prefill;
   rep.backend = info.name;
   rep.all_reduce = info.all_reduce_name;
@@ -1049,13 +1050,7 @@ void register_bench(CLI::App& app, CommandList& commands) {
       "bench",
       "latency lanes in llama-bench style (mpirun -np N: tensor-parallel over N ranks): per lane "
       "(n_prompt, n_gen) TTFT, TPOT, ITL percentiles, tokens/s and the bandwidth roofline");
-  sub->add_option("-m,--model", o->model, "model directory (or --random-weights --config FILE)");
-  sub->add_flag("--random-weights", o->random_weights,
-                "cuda: the full geometry of --config with random weights generated on the GPU "
-                "(no checkpoint; routing close to uniform)");
-  sub->add_option("--config", o->config,
-                  "with --random-weights: a config.json with its quantization_config (e.g. "
-                  "configs/qwen3.8-flash-next.json)");
+  add_model_source_options(sub, o->model, o->rw, nullptr);
   sub->add_flag("--skip-prefill", o->skip_prefill,
                 "cuda: move the position to n_prompt - 1 instead of running the prompt (caches "
                 "hold zeros; TTFT is not measured)");

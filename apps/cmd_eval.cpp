@@ -58,13 +58,10 @@ constexpr int64_t kLoglikPrefillChunk = 2048;
 // Options every eval subcommand has. The model is -m DIR, or --random-weights --config FILE
 // (the full geometry on random device weights, to time the goals without a checkpoint) with its
 // text read through --tokenizer DIR.
-struct CommonCli {
+struct CommonCli : RandomWeightsCli {
   std::string model;
   BackendFlags backend;
   bool json_out = false;
-  bool random_weights = false;
-  std::string config, tokenizer;
-  int64_t seed = 0;
   // Where config.json (or the --config file) is read.
   fs::path config_source() const { return random_weights ? fs::path(config) : fs::path(model); }
   // Where tokenizer.json is read: the model directory, or --tokenizer (empty: none).
@@ -157,18 +154,8 @@ struct Loaded {
 // is decided at load).
 void check_common(const CommonCli& c, MpiContext& mpi) {
   check_backend_and_tp(c.backend.backend, c.backend.tp, mpi.world_size());
-  check_model_source(c.model, c.random_weights, c.config);
-  FN_REQUIRE(c.tokenizer.empty() || c.random_weights, Usage,
-             "--tokenizer applies to --random-weights only (-m/--model reads DIR's tokenizer)");
-  FN_REQUIRE(c.seed >= 0, Usage, "--seed must be >= 0, got {}", c.seed);
+  check_model_source_options(c.model, c);
   if (!c.random_weights) require_model_dir(c.model);
-  if (!c.tokenizer.empty()) {
-    std::error_code ec;
-    FN_REQUIRE(fs::is_directory(c.tokenizer, ec), Usage,
-               "--tokenizer {}: not a directory; give the directory holding tokenizer.json (e.g. "
-               "third_party/qwen3-tokenizer)",
-               c.tokenizer);
-  }
 }
 
 // Collective: loads the backend with room for `ctx_size` tokens per sequence (sizes the cuda
@@ -1241,19 +1228,7 @@ int run_loglik(EvalCli& o, MpiContext& mpi) {
 }
 
 void add_common(CLI::App* sub, CommonCli& c) {
-  sub->add_option("-m,--model", c.model, "model directory (or --random-weights --config FILE)");
-  sub->add_flag("--random-weights", c.random_weights,
-                "cuda: the full geometry of --config with random weights generated on the GPU "
-                "(no checkpoint; for timing)");
-  sub->add_option("--config", c.config,
-                  "with --random-weights: a config.json with its quantization_config (e.g. "
-                  "configs/qwen3.8-flash-next.json)");
-  sub->add_option("--tokenizer", c.tokenizer,
-                  "with --random-weights: the directory of tokenizer.json for text inputs (e.g. "
-                  "third_party/qwen3-tokenizer); without it inputs must be token ids");
-  add_whole_option(sub, "--weights-seed", c.seed,
-                   "with --random-weights: the seed of the random weights (default 0)",
-                   WholeRange(0));
+  add_model_source_options(sub, c.model, c, "text inputs");
   add_backend_flags(sub, c.backend);
   sub->add_flag("--json", c.json_out, "print the result as JSON on stdout");
 }

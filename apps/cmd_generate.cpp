@@ -54,9 +54,7 @@ struct GenerateCli {
   std::string model, prompt, file, prompt_ids, input, output, system_prompt;
   // --random-weights --config FILE [--tokenizer DIR] [--weights-seed S]: the full geometry on
   // random device weights (cuda), to time generation without a checkpoint, as bench and eval.
-  bool random_weights = false;
-  std::string config, tokenizer;
-  int64_t weights_seed = 0;
+  RandomWeightsCli rw;
   std::string chat_template;
   BackendFlags backend;
   BatchFlags batch;                          // -i only
@@ -209,25 +207,16 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
                       o.chat || !o.input.empty());
   require_utf8_system_prompt(o.system_prompt);
 
-  check_model_source(o.model, o.random_weights, o.config);
-  FN_REQUIRE(o.tokenizer.empty() || o.random_weights, Usage,
-             "--tokenizer applies to --random-weights only (-m/--model reads DIR's tokenizer)");
-  if (!o.random_weights) require_model_dir(o.model);
-  if (!o.tokenizer.empty()) {
-    std::error_code ec;
-    FN_REQUIRE(fs::is_directory(o.tokenizer, ec) && has_tokenizer(o.tokenizer), Usage,
-               "--tokenizer {}: not a directory holding tokenizer.json or tokenizer.model (e.g. "
-               "third_party/qwen3-tokenizer)",
-               o.tokenizer);
-  }
+  check_model_source_options(o.model, o.rw);
+  if (!o.rw.random_weights) require_model_dir(o.model);
   if (root) {
     // -o: never a checkpoint file nor the -i file (nor --config / --tokenizer's), and writable
     // before the model loads; the file is opened (truncated) after the load, when the first
     // record is ready.
-    if (o.random_weights) {
-      require_not_input(o.output, "-o/--output", o.config, "--config");
-      if (!o.tokenizer.empty())
-        require_outside_model(o.output, o.tokenizer, "-o/--output", "tokenizer directory");
+    if (o.rw.random_weights) {
+      require_not_input(o.output, "-o/--output", o.rw.config, "--config");
+      if (!o.rw.tokenizer.empty())
+        require_outside_model(o.output, o.rw.tokenizer, "-o/--output", "tokenizer directory");
     } else {
       require_outside_model(o.output, o.model, "-o/--output");
     }
@@ -236,10 +225,10 @@ GenerateSetup setup_generate(const GenerateCli& o, int world_size, bool root) {
   }
   // Random weights: the --config file's geometry and no generation_config.json (the flags and
   // the built-in defaults alone).
-  const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
+  const fs::path dir = o.rw.random_weights ? fs::path(o.rw.config) : fs::path(o.model);
   st.cfg = load_model_config(dir);
   const ModelConfig& cfg = st.cfg;
-  st.gen = o.random_weights ? GenerationConfig{} : load_generation_config(dir, cfg.vocab_size);
+  st.gen = o.rw.random_weights ? GenerationConfig{} : load_generation_config(dir, cfg.vocab_size);
   const GenerationConfig& gen = st.gen;
   st.ctx = o.ctx_size > 0 ? o.ctx_size : std::min<int64_t>(cfg.max_position_embeddings, 4096);
   FN_REQUIRE(o.ctx_size >= 0, Usage, "-c/--ctx-size must be >= 0 (0 = the default), got {}",
@@ -298,9 +287,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   agree_on_error(coll, [&] { su = setup_generate(o, mpi.world_size(), root); });
   // Where config.json was read, and where the tokenizer is (none: --random-weights without
   // --tokenizer; prompts must then be ids).
-  const fs::path dir = o.random_weights ? fs::path(o.config) : fs::path(o.model);
-  const fs::path tok_dir = o.random_weights ? fs::path(o.tokenizer) : dir;
-  const std::string model_name = o.random_weights ? "random:" + o.config : o.model;
+  const fs::path dir = o.rw.random_weights ? fs::path(o.rw.config) : fs::path(o.model);
+  const fs::path tok_dir = o.rw.random_weights ? fs::path(o.rw.tokenizer) : dir;
+  const std::string model_name = o.rw.random_weights ? "random:" + o.rw.config : o.model;
   const ModelConfig& cfg = su.cfg;
   const GenerationConfig& gen = su.gen;
   const int64_t ctx = su.ctx;
@@ -373,9 +362,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
     bo.output = o.output;
     bo.resume = o.resume;
     bo.model_dir = tok_dir;
-    if (o.random_weights) {
-      bo.random_config = o.config;
-      bo.weights_seed = static_cast<uint64_t>(o.weights_seed);
+    if (o.rw.random_weights) {
+      bo.random_config = o.rw.config;
+      bo.weights_seed = static_cast<uint64_t>(o.rw.seed);
     }
     bo.backend = o.backend;
     bo.backend.max_batch = o.batch.max_batch;
@@ -400,9 +389,9 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
   // and stop strings included) unless --host-sampling asks for the host sampler; cpu always uses
   // it.
   const std::unique_ptr<Backend> model =
-      o.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.weights_seed),
-                                             mpi, coll, ctx, "generate")
-                       : load_backend(o.backend, dir, mpi, coll, ctx, "generate");
+      o.rw.random_weights ? load_backend_random(o.backend, dir, static_cast<uint64_t>(o.rw.seed),
+                                                mpi, coll, ctx, "generate")
+                          : load_backend(o.backend, dir, mpi, coll, ctx, "generate");
   const BackendInfo& info = model->info();
   const double load_ms = info.load_ms;
   if (model->capabilities().device_decode)
@@ -462,20 +451,7 @@ void register_generate(CLI::App& app, CommandList& commands) {
       "generate",
       "generate text from a prompt (mpirun -np N: tensor-parallel over N ranks); sampling "
       "defaults come from generation_config.json, flags override them");
-  o->o_model = sub->add_option("-m,--model", o->model,
-                               "model directory (or --random-weights --config FILE)");
-  sub->add_flag("--random-weights", o->random_weights,
-                "cuda: the full geometry of --config with random weights generated on the GPU "
-                "(no checkpoint; for timing)");
-  sub->add_option("--config", o->config,
-                  "with --random-weights: a config.json with its quantization_config (e.g. "
-                  "configs/qwen3.8-flash-next.json)");
-  sub->add_option("--tokenizer", o->tokenizer,
-                  "with --random-weights: the directory of tokenizer.json for text prompts (e.g. "
-                  "third_party/qwen3-tokenizer); without it prompts must be token ids");
-  add_whole_option(sub, "--weights-seed", o->weights_seed,
-                   "with --random-weights: the seed of the random weights (default 0)",
-                   WholeRange(0));
+  o->o_model = add_model_source_options(sub, o->model, o->rw, "text prompts");
   o->o_prompt = sub->add_option("-p,--prompt", o->prompt, "prompt text");
   sub->add_option("-f,--file", o->file, "file holding the prompt text (one final newline dropped)");
   o->o_prompt_ids = sub->add_option("--prompt-ids", o->prompt_ids, "prompt as token ids: 1,2,3");

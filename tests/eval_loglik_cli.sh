@@ -117,6 +117,10 @@ expect 2 "needs --config" -- mpi_fngen 1 eval ppl --random-weights --ids-file "$
 expect 2 "not both" -- mpi_fngen 1 eval ppl --random-weights --config "$cfg" -m "$fx" --ids-file "$items"
 expect 2 "applies to --random-weights only" -- \
   mpi_fngen 1 eval loglik -m "$fx" --tokenizer "$src/third_party/qwen3-tokenizer" -i "$items"
+expect 2 "--tokenizer $src/configs: no directory holding tokenizer.json or tokenizer.model" -- \
+  mpi_fngen 1 eval loglik --random-weights --config "$cfg" --tokenizer "$src/configs" -i "$items"
+expect 2 "--weights-seed applies to --random-weights only" -- \
+  mpi_fngen 1 eval loglik -m "$fx" --weights-seed 2 -i "$items"
 expect 2 "give token ids instead, or --tokenizer DIR" -- \
   mpi_fngen 1 eval ppl --random-weights --config "$cfg" -f "$items" -c 8
 expect 2 "needs the cuda backend" -- \

@@ -111,11 +111,15 @@ expect 2 "give either -m/--model DIR or --random-weights --config FILE (not both
 expect 2 "--random-weights needs --config FILE" -- mpi 1 --random-weights --prompt-ids 1,2
 expect 2 "--config applies to --random-weights only" -- mpi 1 -m "$fx/tp4" \
   --config "$src/configs/tiny.json" --prompt-ids 1,2
+expect 2 "--config applies to --random-weights only" -- mpi 1 --config "$src/configs/tiny.json" \
+  --prompt-ids 1,2
+expect 2 "--weights-seed applies to --random-weights only" -- mpi 1 -m "$fx/tp4" --weights-seed 3 \
+  --prompt-ids 1,2
 expect 2 "--tokenizer applies to --random-weights only" -- mpi 1 -m "$fx/tp4" --tokenizer "$tmp" \
   --prompt-ids 1,2
-expect 2 "--tokenizer $tmp: not a directory holding tokenizer.json or tokenizer.model" -- mpi 1 \
+expect 2 "--tokenizer $tmp: no directory holding tokenizer.json or tokenizer.model" -- mpi 1 \
   --random-weights --config "$src/configs/tiny.json" --tokenizer "$tmp" --prompt-ids 1,2
-expect 2 "-p/--prompt is text, but --random-weights without --tokenizer has no tokenizer" -- \
+expect 2 "-p/--prompt is text, but --random-weights without --tokenizer DIR has no tokenizer" -- \
   mpi 1 --random-weights --config "$src/configs/tiny.json" -p hello
 expect 2 "--random-weights needs the cuda backend" -- mpi 1 --backend cpu --random-weights \
   --config "$src/configs/tiny.json" --prompt-ids 1,2

@@ -276,6 +276,11 @@ void check_model_source(const std::string& model, bool random_weights, const std
   FN_REQUIRE(!random_weights || !config.empty(), Usage,
              "--random-weights needs --config FILE (a config.json with its quantization_config, "
              "e.g. configs/qwen3.8-flash-next.json)");
+  std::error_code ec;
+  FN_REQUIRE(config.empty() || !std::filesystem::is_directory(config, ec), Usage,
+             "--config {} is a directory; give the config.json file itself (e.g. "
+             "configs/qwen3.8-flash-next.json)",
+             config);
 }
 
 bool has_tokenizer(const std::filesystem::path& dir) {

@@ -139,7 +139,8 @@ void check_backend_and_tp(const std::string& backend, int64_t tp, int world_size
 
 /// The model's source of a command that also runs on random weights (bench, eval, generate):
 /// exactly one of -m/--model (`model`) and --random-weights (`random_weights`), the latter with
-/// --config (`config`), which nothing else takes. Throws fn::Error(Usage) naming the flags.
+/// --config (`config`, a file, not a directory), which nothing else takes. Throws
+/// fn::Error(Usage) naming the flags.
 void check_model_source(const std::string& model, bool random_weights, const std::string& config);
 
 /// True when `dir` holds tokenizer.json or tokenizer.model.

@@ -470,6 +470,10 @@ std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
                                              MPI_Comm tp_comm) {
   const ModelConfig cfg = load_model_config(config_file);
   const QuantConfig quant = load_quant_config_file(config_file);
+  FN_REQUIRE(quant.quantized(), Usage,
+             "--config {} has no quantization_config: --random-weights builds the NVFP4 layout it "
+             "describes (e.g. configs/qwen3.8-flash-next.json)",
+             config_file.string());
   const std::string name = resolve_load_backend(flags, mpi, coll, tp_comm);
   agree_on_error(coll, [&] {  // every rank resolved the same backend: one message, from rank 0
     FN_REQUIRE(name == "cuda", Usage,

@@ -158,9 +158,10 @@ std::unique_ptr<Backend> load_backend(const BackendFlags& flags, const std::file
 /// (CudaModel::random, deterministic in `seed`), TP = the size of `coll`, set up as
 /// load_backend's cuda path (BackendInfo::random_weights set), `tp_comm` as there (data-parallel
 /// groups of generate -i). For timing without a checkpoint (bench, eval, generate). Collective.
-/// Throws fn::Error: Usage when the backend resolves to cpu ("--random-weights needs the cuda
-/// backend"), for the flags (resolve_backend) or a TP size the model cannot split; Io/Format for
-/// the config file (naming it and the field); Cuda when the weights do not fit.
+/// Throws fn::Error: Usage for a config without quantization_config, when the backend resolves
+/// to cpu ("--random-weights needs the cuda backend"), for the flags (resolve_backend) or a TP
+/// size the model cannot split; Io/Format for the config file (naming it and the field); Cuda
+/// when the weights do not fit.
 std::unique_ptr<Backend> load_backend_random(const BackendFlags& flags,
                                              const std::filesystem::path& config_file,
                                              uint64_t seed, const MpiContext& mpi,

@@ -123,6 +123,12 @@ expect 2 "-p/--prompt is text, but --random-weights without --tokenizer DIR has 
   mpi 1 --random-weights --config "$src/configs/tiny.json" -p hello
 expect 2 "--random-weights needs the cuda backend" -- mpi 1 --backend cpu --random-weights \
   --config "$src/configs/tiny.json" --prompt-ids 1,2
+expect 2 "--config $src/configs is a directory; give the config.json file itself" -- mpi 1 \
+  --random-weights --config "$src/configs" --prompt-ids 1,2
+$py -c "import json; c = json.load(open('$src/configs/tiny.json')); c.pop('quantization_config', None); \
+  json.dump(c, open('$tmp/noquant.json', 'w'))"
+expect 2 "has no quantization_config: --random-weights builds the NVFP4 layout" -- mpi 1 \
+  --backend cpu --random-weights --config "$tmp/noquant.json" --prompt-ids 1,2
 printf '{"prompt_ids": [1, 2]}\n' >"$tmp/rw.jsonl"
 expect 2 "--random-weights needs the cuda backend" -- mpi 2 --backend cpu --tp 1 --random-weights \
   --config "$src/configs/tiny.json" -i "$tmp/rw.jsonl"

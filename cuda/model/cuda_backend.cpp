@@ -112,16 +112,7 @@ std::vector<int32_t> CudaBackend::sample_batch(std::span<const int64_t> slots,
   std::vector<DeviceSamplingParams> dp(sampling.size());
   std::vector<int64_t> steps(sampling.size());
   for (std::size_t i = 0; i < sampling.size(); ++i) {
-    const SamplingParams& sp = sampling[i].sampling;
-    dp[i].temperature = static_cast<float>(sp.temperature);
-    dp[i].top_k = static_cast<int>(sp.top_k);
-    dp[i].top_p = static_cast<float>(sp.top_p);
-    dp[i].min_p = static_cast<float>(sp.min_p);
-    dp[i].seed = sp.seed;
-    dp[i].repetition_penalty = sp.repetition_penalty;
-    dp[i].presence_penalty = sp.presence_penalty;
-    dp[i].frequency_penalty = sp.frequency_penalty;
-    dp[i].repeat_last_n = sp.repeat_last_n;
+    dp[i] = device_sampling_params(sampling[i].sampling, sampling[i].sampling.seed);
     steps[i] = sampling[i].step;
     if (!penalties_active(dp[i])) continue;
     // The slot's window: its prompt at the sequence's first step, then what the device added.

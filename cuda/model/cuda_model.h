@@ -137,6 +137,11 @@ struct CudaLoadStats {
   std::string ngram_placement;
 };
 
+/// The device sampler's settings (cuda/kernels/sample.h) for `sampling` with RNG seed `seed`:
+/// temperature, top-k/p, min-p and the penalties as the host sampler holds them (FP32 for the
+/// filters, FP64 for the penalties); the penalty window is left unset.
+DeviceSamplingParams device_sampling_params(const SamplingParams& sampling, uint64_t seed);
+
 /// One TP rank's CUDA model and sequence state.
 class CudaModel {
  public:

@@ -279,9 +279,7 @@ std::span<const float> CudaModel::forward(int32_t token) {
   return {I.host_logits, static_cast<std::size_t>(V)};
 }
 
-void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed,
-                                 int64_t top_logprobs) {
-  Impl& I = *impl_;
+DeviceSamplingParams device_sampling_params(const SamplingParams& sampling, uint64_t seed) {
   DeviceSamplingParams dp;
   dp.temperature = static_cast<float>(sampling.temperature);
   dp.top_k = static_cast<int>(sampling.top_k);
@@ -292,6 +290,13 @@ void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed,
   dp.presence_penalty = sampling.presence_penalty;
   dp.frequency_penalty = sampling.frequency_penalty;
   dp.repeat_last_n = sampling.repeat_last_n;
+  return dp;
+}
+
+void CudaModel::prepare_sampling(const SamplingParams& sampling, uint64_t seed,
+                                 int64_t top_logprobs) {
+  Impl& I = *impl_;
+  DeviceSamplingParams dp = device_sampling_params(sampling, seed);
   if (penalties_active(dp)) dp.window = penalty_window(0);  // the decode graph's slot
   const auto drop = [](cudaGraphExec_t& g) {
     if (g) {

@@ -1,8 +1,10 @@
 // Device helpers shared by the NVFP4 expert kernels (cuda/kernels/moe_nvfp4.cu: the FP32 decode
-// kernels; cuda/kernels/moe_nvfp4_bulk.cu: the bulk-copy gate+up; cuda/kernels/moe_prefill.cu: the
-// prefill's dequantisation): the decode-layout word as FP32 values, the E4M3 block scale as a BF16
-// pair, the BF16x2 multiply and the m16n8k16 BF16 MMA (with exact emulations below sm_80), the
-// activation permutation of the MMA columns and the word picker. Included by .cu files only.
+// kernels; cuda/kernels/moe_nvfp4_bulk.cu: the bulk-copy gate+up; cuda/kernels/moe_grouped.cu: the
+// grouped routed experts; cuda/kernels/moe_prefill.cu: the prefill's dequantisation): the
+// decode-layout word as FP32 values, the E4M3 block scale as a BF16 pair, the BF16x2 multiply and
+// the m16n8k16 BF16 MMA (with exact emulations below sm_80), the 32-code MMA step of the
+// bulk-copy kernels, the activation permutation of the MMA columns and the word picker. Included
+// by .cu files only.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -116,6 +118,31 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
   }
 }
 #endif
+
+/// d += one unit (32 codes) of the A rows g (codes wa, scale bytes sa: the unit's two block
+/// scales, low byte first) and g + 8 (wb, sb) times the activation words x (permute_word order)
+/// with the m16n8k16 fragments of lane (g, t): per 8-code word two MMAs, codes (q, q + 4) of both
+/// rows as BF16x2 (nvfp4::decode_layout_pair: code * 2^-126) times their block scale (lut[256]:
+/// e4m3_bf16x2_scaled, E4M3 * 2^100 as BF16x2), q = 0, 1 then 2, 3: every product is the exact
+/// code * scale * x * 2^-26 (kMmaUnscale puts the 2^26 back). The bulk-copy kernels' inner step
+/// (cuda/kernels/moe_nvfp4_bulk.cu, cuda/kernels/moe_grouped.cu). All 32 lanes must call it.
+__device__ __forceinline__ void mma_unit(const uint4& wa, uint32_t sa, const uint4& wb, uint32_t sb,
+                                         const uint4 (&x)[4], const uint32_t* lut, float (&d)[4]) {
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    const uint32_t fa = lut[(sa >> (8 * (wi / 2))) & 0xffu];
+    const uint32_t fb = lut[(sb >> (8 * (wi / 2))) & 0xffu];
+    const uint32_t ca = word_of(wa, wi), cb = word_of(wb, wi);
+    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 0), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 0), fb),
+             bf16x2_mul(nvfp4::decode_layout_pair(ca, 1), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 1), fb), x[wi].x, x[wi].y);
+    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 2), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 2), fb),
+             bf16x2_mul(nvfp4::decode_layout_pair(ca, 3), fa),
+             bf16x2_mul(nvfp4::decode_layout_pair(cb, 3), fb), x[wi].z, x[wi].w);
+  }
+}
 
 /// The gate+up epilogue of the tensor-core kernels for selected expert j (id e, in range when
 /// ok), row i: g = sum_g * 2^26 * gs[2e], u = sum_u * 2^26 * gs[2e + 1] (both 0 when !ok), then

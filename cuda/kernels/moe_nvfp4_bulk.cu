@@ -39,6 +39,7 @@
 
 #include <algorithm>
 
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
@@ -49,10 +50,8 @@
 namespace fn::detail {
 namespace {
 
-using nvfp4_mma::bf16x2_mul;
 using nvfp4_mma::e4m3_bf16x2_scaled;
-using nvfp4_mma::mma_bf16;
-using nvfp4_mma::word_of;
+using nvfp4_mma::mma_unit;
 
 constexpr int kWarps = kBulkGateUpWarps;
 constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
@@ -94,6 +93,11 @@ struct BulkGateUpArgs {
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+using bulk::bulk_copy;
+using bulk::mbar_arrive;
+using bulk::mbar_arrive_expect_tx;
+using bulk::mbar_init;
+using bulk::mbar_wait;
 // The chunks of the CTA's share [p0, p1) of each token's row pairs p = j * I + i (pairs <=
 // INT32_MAX: bulk_gate_up_shape_ok), token after token (b; route j + b * tok_k), walked in order:
 // chunk c covers rows [i, i + n) of selected expert j and sits in ring stage c % stages, filled
@@ -154,48 +158,6 @@ __device__ __forceinline__ int group_of(int ug, int g, int ngroups) {
   return p < ngroups ? p : ug;
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (done == 0);
-}
-
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst,
-// completing as transaction bytes on bar.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
-                                          uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-
 // Part blockIdx.x of gridDim.x of the selected experts' down weights (ranges: expert j's codes,
 // then its scales, j ascending; cut into kL2PrefetchChunk-byte chunks numbered across the ranges,
 // chunk c to CTA c % gridDim.x) as bulk L2 prefetches. A hint: changes no value. Invalid ids are
@@ -221,26 +183,6 @@ __device__ __forceinline__ void prefetch_down_share(const BulkGateUpArgs& a) {
   }
 }
 
-// d += one unit (32 codes) of the A rows g (codes wa, scale bytes sa) and g + 8 (wb, sb) times the
-// activation words x (permute_word order): per 8-code word two MMAs, codes (q, q + 4) of both rows
-// as BF16x2 times their block scale (lut: E4M3 * 2^100 as BF16x2), q = 0, 1 then 2, 3.
-__device__ __forceinline__ void mma_unit(const uint4& wa, uint32_t sa, const uint4& wb, uint32_t sb,
-                                         const uint4 (&x)[4], const uint32_t* lut, float (&d)[4]) {
-#pragma unroll
-  for (int wi = 0; wi < 4; ++wi) {
-    const uint32_t fa = lut[(sa >> (8 * (wi / 2))) & 0xffu];
-    const uint32_t fb = lut[(sb >> (8 * (wi / 2))) & 0xffu];
-    const uint32_t ca = word_of(wa, wi), cb = word_of(wb, wi);
-    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 0), fa),
-             bf16x2_mul(nvfp4::decode_layout_pair(cb, 0), fb),
-             bf16x2_mul(nvfp4::decode_layout_pair(ca, 1), fa),
-             bf16x2_mul(nvfp4::decode_layout_pair(cb, 1), fb), x[wi].x, x[wi].y);
-    mma_bf16(d, bf16x2_mul(nvfp4::decode_layout_pair(ca, 2), fa),
-             bf16x2_mul(nvfp4::decode_layout_pair(cb, 2), fb),
-             bf16x2_mul(nvfp4::decode_layout_pair(ca, 3), fa),
-             bf16x2_mul(nvfp4::decode_layout_pair(cb, 3), fb), x[wi].z, x[wi].w);
-  }
-}
 #endif  // the device code of sm_90+; the kernels below are empty elsewhere
 
 __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateUpArgs a) {

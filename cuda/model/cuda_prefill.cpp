@@ -10,10 +10,13 @@
 //
 // Dense projections go through cuBLAS with the FP32 activations split into BF16 hi + lo
 // (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. A batched
-// decode step (decode_rows) runs its HC reads through the decode step's launch_hc_down +
-// launch_hc_mix (cuda/kernels/hc.h) with the rows as their tokens instead: bitwise the decode
-// step's read per row, each weight tile read once for all rows. The pass buffers live in their
-// own arena, allocated on the first call for CudaModelOptions::prefill_chunk rows.
+// decode step (decode_rows) of fewer than kHcGemmRows rows runs its HC reads through the decode
+// step's launch_hc_down + launch_hc_mix (cuda/kernels/hc.h) with the rows as their tokens
+// instead (bitwise the decode step's read per row), and its routed experts through the decode
+// kernels per row; from kMoeGroupedFromRows rows on, the routed experts go through
+// launch_moe_grouped (cuda/kernels/moe_grouped.h: each selected expert read once per step). The
+// pass buffers live in their own arena, allocated on the first call for
+// CudaModelOptions::prefill_chunk rows.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -34,6 +37,7 @@
 #include "cuda/kernels/gemm.h"
 #include "cuda/kernels/hc.h"
 #include "cuda/kernels/logit_stats.h"
+#include "cuda/kernels/moe_grouped.h"
 #include "cuda/kernels/moe_prefill.h"
 #include "cuda/kernels/ple.h"
 #include "cuda/kernels/prefill_ops.h"
@@ -56,6 +60,21 @@ constexpr int64_t kLogitRows = 32;
 // rows; bounds their partial-dot scratch): the most slots a step has unless --max-batch asks
 // for more, which then takes a pair per 64 rows.
 constexpr int64_t kHcReadRows = 64;
+// A batched step of at least this many rows reads HC through the prompt pass's GEMMs (weights
+// read once for all rows on the tensor cores); fewer rows through the decode step's two HC kernels
+// (each row's FP32 dots on the CUDA cores, cost growing with the rows). Measured on one H100
+// (docs/perf-history.md): the kernels faster at 2 and 4 rows, the GEMMs at 8 and 16; 6 lies
+// between the measured points (not measured itself).
+constexpr int64_t kHcGemmRows = 6;
+// A batched step of at least this many rows runs its routed experts grouped by expert
+// (launch_moe_grouped: each selected expert read once per step); fewer rows through the decode
+// kernels per row (their PDL launches cost less than the grouped path's four plain launches
+// where few routes share an expert). Measured on one H100: equal at 16 rows in the step, the
+// grouped launches alone 11 % and 38 % faster at 32 and 64 rows.
+constexpr int64_t kMoeGroupedFromRows = 16;
+// Rows per launch_moe_grouped of a batched step (bounds its workspace); more rows take more
+// launches, with the same bits per row (each row's results are independent of the others').
+constexpr int64_t kMoeGroupedRows = 64;
 }  // namespace
 
 // The pass buffers of the batched prefill (cuda_model_impl.h declares it).
@@ -240,7 +259,13 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
     mp.down = layers.front().moe.down;
     mp.tokens = rows;
     mp.top_k = static_cast<int>(k);
-    P.moe_ws = cv.take<std::byte>(static_cast<int64_t>(moe_prefill_workspace_bytes(mp)));
+    MoeGroupedParams mg;
+    mg.gate_up = mp.gate_up;
+    mg.down = mp.down;
+    mg.tokens = std::min(rows, kMoeGroupedRows);
+    mg.top_k = mp.top_k;
+    P.moe_ws = cv.take<std::byte>(static_cast<int64_t>(
+        std::max(moe_prefill_workspace_bytes(mp), moe_grouped_workspace_bytes(mg))));
   }
   if (o.record_choices) {
     P.sel_max = qsa_prefill_layout(qp).sel_max;
@@ -450,16 +475,16 @@ struct CudaModel::Impl::PrefillRun {
   // The block input's lo rows (set by hc_read: its m rows below P.m_hi's).
   const uint16_t* m_lo = nullptr;
   // HC read of `m` rows of H starting at Hrows: m_hi rows 0..m-1, m_lo and iota (when given).
-  // A prompt pass: norm rows, the down/inject GEMM, act rows, the up GEMM, mix rows. A batched
-  // step: the decode step's two kernels (hc.h) over the rows (hc_read_rows), bitwise the decode
-  // step's read per row.
+  // A prompt pass, or a batched step of kHcGemmRows rows or more: norm rows, the down/inject
+  // GEMM, act rows, the up GEMM, mix rows. A smaller batched step: the decode step's two kernels
+  // (hc.h) over the rows (hc_read_rows), bitwise the decode step's read per row.
   void hc_read(const DevHc& hc, const float* Hrows, int64_t m, float* iota_out) {
     const int64_t D = c.hidden_size, R = c.hc_lowrank, S = c.hc_count, W = c.hc_width();
     const float eps = static_cast<float>(c.rms_norm_eps);
     prof.mark(StepFamily::Hc);
     uint16_t* mlo = P.m_hi + m * D;
     m_lo = mlo;
-    if (decode_rows) {
+    if (decode_rows && m < kHcGemmRows) {
       hc_read_rows(hc, Hrows, m, iota_out, mlo);
       return;
     }
@@ -724,12 +749,28 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   mp.x = P.m_hi;  // W4A16: the experts take m rounded to BF16, as decode
   mp.y = P.y;
   mp.workspace = P.moe_ws;
-  if (decode_rows) {  // the decode kernels over the rows: no host synchronisation (graphs)
-    mp.path = MoePrefillPath::PerRow;
-    mp.down_fixed = I.plan.moe_down_fixed;
-    mp.gate_up_bulk = I.plan.moe_gate_up_bulk;
+  if (decode_rows && M >= kMoeGroupedFromRows && I.plan.moe_grouped) {
+    for (int64_t r0 = 0; r0 < M; r0 += kMoeGroupedRows) {
+      MoeGroupedParams gp;
+      gp.gate_up = mo.gate_up;
+      gp.down = mo.down;
+      gp.ids = P.ids + r0 * k;
+      gp.weights = P.rw + r0 * k;
+      gp.tokens = std::min(kMoeGroupedRows, M - r0);
+      gp.top_k = static_cast<int>(k);
+      gp.x = P.m_hi + r0 * D;
+      gp.y = P.y + r0 * D;
+      gp.workspace = P.moe_ws;
+      launch_moe_grouped(gp, s);
+    }
+  } else {
+    if (decode_rows) {  // the decode kernels over the rows: no host synchronisation (graphs)
+      mp.path = MoePrefillPath::PerRow;
+      mp.down_fixed = I.plan.moe_down_fixed;
+      mp.gate_up_bulk = I.plan.moe_gate_up_bulk;
+    }
+    launch_moe_prefill(mp, s);
   }
-  launch_moe_prefill(mp, s);
   prof.mark(StepFamily::SharedExpert);
   gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, m_lo, D, M, P.proj, 2 * Is);
   launch_swiglu_rows(P.proj, Is, M, P.sh, s);

@@ -9,6 +9,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/pdl.h"
 #include "cuda/common/real_shape.h"
+#include "cuda/kernels/moe_grouped.h"
 #include "cuda/kernels/moe_nvfp4.h"
 
 namespace fn {
@@ -26,6 +27,7 @@ KernelPlan plan_kernels(const ModelConfig& c, int tp_size) {
   const RankDims rd = rank_dims(c, tp_size, 0);  // the same shapes on every rank
   const int64_t D = c.hidden_size, k = c.num_experts_per_tok;
   p.moe_gate_up_bulk = moe_gate_up_bulk_supported(static_cast<int>(k), rd.moe_inter, D);
+  p.moe_grouped = moe_grouped_supported(D, rd.moe_inter, static_cast<int>(k));
   p.hc_down_fixed = c.hc_count == 4 && D == rs::kHidden;
   p.hc_mix_fixed = c.hc_lowrank == rs::kHcRank && D == rs::kHidden;
   p.gdn_fixed = c.linear_key_head_dim == rs::kGdnHeadDim &&
@@ -51,11 +53,12 @@ std::string describe_kernel_plan(const KernelPlan& p) {
     fixed += name;
   }
   return fmt::format(
-      "sm_{}, PDL {}, MoE gate+up {}, GDN {}, real-shape instances: {}, HC inject {}",
+      "sm_{}, PDL {}, MoE gate+up {}, batched MoE {}, GDN {}, real-shape instances: {}, HC "
+      "inject {}",
       p.compute_capability, p.pdl ? "on" : "off",
       p.moe_gate_up_bulk ? "bulk (+ down prefetch)" : "FP32",
-      p.gdn_cluster ? "clusters" : "counters", fixed.empty() ? "none" : fixed,
-      p.fold_hc_inject ? "folded into the HC read" : "separate");
+      p.moe_grouped ? "grouped from 16 rows" : "per row", p.gdn_cluster ? "clusters" : "counters",
+      fixed.empty() ? "none" : fixed, p.fold_hc_inject ? "folded into the HC read" : "separate");
 }
 
 }  // namespace fn

@@ -22,6 +22,10 @@ struct KernelPlan {
   /// selected experts' down weights into L2 (MoeGateUpParams::down_prefetch); false: the FP32
   /// kernel without that prefetch (another summation order, so other bits).
   bool moe_gate_up_bulk = false;
+  /// A batched step's routed experts grouped by expert (launch_moe_grouped, cuda/kernels/
+  /// moe_grouped.h: sm_90+ and its shapes, moe_grouped_supported) from 16 rows on; false: the
+  /// decode kernels per row at every batch size.
+  bool moe_grouped = false;
   /// The GDN recurrence in thread-block clusters of one key head's CTAs (GdnDecodeParams::cluster:
   /// sm_90+ and the real head shape; the launcher also checks the cluster fits); false: the
   /// arrival counters. The same bits.

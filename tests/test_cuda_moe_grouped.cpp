@@ -149,31 +149,50 @@ struct Result {
   std::vector<uint16_t> h;  // [tokens, top_k, inter]
 };
 
-// launch_moe_grouped on b (y and h poisoned first: both must be written), on `stream`.
-Result run_grouped(const Experts& m, const Batch& b, cudaStream_t stream = nullptr) {
-  const int64_t T = b.tokens();
-  DeviceArray<int32_t> ids(b.ids);
-  DeviceArray<float> w(b.weights);
-  DeviceArray<uint16_t> x(b.x);
-  DeviceArray<float> y(size_t(T * m.hidden));
-  DeviceArray<uint16_t> h(size_t(T * b.top_k * m.inter));
+// The launch shape of b on m (no pointers).
+fn::MoeGroupedParams shape_of(const Experts& m, const Batch& b) {
   fn::MoeGroupedParams p;
   p.gate_up = m.gate_up.view(m.num_experts);
   p.down = m.down.view(m.num_experts);
-  p.ids = ids.ptr;
-  p.weights = w.ptr;
-  p.tokens = T;
+  p.tokens = b.tokens();
   p.top_k = b.top_k;
-  p.x = x.ptr;
-  p.y = y.ptr;
-  p.h_out = h.ptr;
-  DeviceArray<uint8_t> ws(fn::moe_grouped_workspace_bytes(p));
-  p.workspace = ws.ptr;
-  FN_CUDA_CHECK(cudaMemset(y.ptr, 0x7f, y.n * 4));
-  FN_CUDA_CHECK(cudaMemset(h.ptr, 0x7f, h.n * 2));
-  fn::launch_moe_grouped(p, stream);
+  return p;
+}
+
+// b on the device with its outputs (y, h_out) and workspace; `params` launches on them.
+struct DeviceBatch {
+  DeviceArray<int32_t> ids;
+  DeviceArray<float> w;
+  DeviceArray<uint16_t> x;
+  DeviceArray<float> y;
+  DeviceArray<uint16_t> h;
+  DeviceArray<uint8_t> ws;
+  fn::MoeGroupedParams params;
+  DeviceBatch(const Experts& m, const Batch& b)
+      : ids(b.ids),
+        w(b.weights),
+        x(b.x),
+        y(size_t(b.tokens() * m.hidden)),
+        h(size_t(b.tokens() * b.top_k * m.inter)),
+        ws(fn::moe_grouped_workspace_bytes(shape_of(m, b))),
+        params(shape_of(m, b)) {
+    params.ids = ids.ptr;
+    params.weights = w.ptr;
+    params.x = x.ptr;
+    params.y = y.ptr;
+    params.h_out = h.ptr;
+    params.workspace = ws.ptr;
+  }
+};
+
+// launch_moe_grouped on b (y and h poisoned first: both must be written), on `stream`.
+Result run_grouped(const Experts& m, const Batch& b, cudaStream_t stream = nullptr) {
+  DeviceBatch d(m, b);
+  FN_CUDA_CHECK(cudaMemset(d.y.ptr, 0x7f, d.y.n * 4));
+  FN_CUDA_CHECK(cudaMemset(d.h.ptr, 0x7f, d.h.n * 2));
+  fn::launch_moe_grouped(d.params, stream);
   FN_CUDA_CHECK(cudaDeviceSynchronize());
-  return Result{y.download(), h.download()};
+  return Result{d.y.download(), d.h.download()};
 }
 
 // The bound model of the kernel's sums (as the bulk kernel's tests, test_cuda_moe_nvfp4.cpp): one
@@ -434,23 +453,13 @@ TEST_CASE("moe grouped: bitwise run to run and under CUDA graph replay, ids read
 
   cudaStream_t stream;
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  DeviceArray<int32_t> ids(b1.ids);
-  DeviceArray<float> w(b1.weights);
-  DeviceArray<uint16_t> x(b1.x);
-  DeviceArray<float> y(size_t(T * D));
-  DeviceArray<uint16_t> h(size_t(T * k * I));
-  fn::MoeGroupedParams p;
-  p.gate_up = m.gate_up.view(E);
-  p.down = m.down.view(E);
-  p.ids = ids.ptr;
-  p.weights = w.ptr;
-  p.tokens = T;
-  p.top_k = k;
-  p.x = x.ptr;
-  p.y = y.ptr;
-  p.h_out = h.ptr;
-  DeviceArray<uint8_t> ws(fn::moe_grouped_workspace_bytes(p));
-  p.workspace = ws.ptr;
+  DeviceBatch d(m, b1);
+  DeviceArray<int32_t>& ids = d.ids;
+  DeviceArray<float>& w = d.w;
+  DeviceArray<uint16_t>& x = d.x;
+  DeviceArray<float>& y = d.y;
+  DeviceArray<uint16_t>& h = d.h;
+  const fn::MoeGroupedParams& p = d.params;
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   FN_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -552,22 +561,14 @@ TEST_CASE("moe grouped: real-shape timings against the per-route kernels (FN_BEN
   FN_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const int64_t T : {1, 8, 32, 64}) {
     const Batch b = random_batch(E, D, k, T, -1, 81 + uint64_t(T));
-    DeviceArray<int32_t> ids(b.ids);
-    DeviceArray<float> w(b.weights);
-    DeviceArray<uint16_t> x(b.x);
-    DeviceArray<float> y(size_t(T * D));
-    DeviceArray<uint16_t> h(size_t(T * k * I));
-    fn::MoeGroupedParams p;
-    p.gate_up = m.gate_up.view(E);
-    p.down = m.down.view(E);
-    p.ids = ids.ptr;
-    p.weights = w.ptr;
-    p.tokens = T;
-    p.top_k = k;
-    p.x = x.ptr;
-    p.y = y.ptr;
-    DeviceArray<uint8_t> ws(fn::moe_grouped_workspace_bytes(p));
-    p.workspace = ws.ptr;
+    DeviceBatch d(m, b);
+    fn::MoeGroupedParams p = d.params;
+    p.h_out = nullptr;  // production's launch
+    const DeviceArray<int32_t>& ids = d.ids;
+    const DeviceArray<float>& w = d.w;
+    const DeviceArray<uint16_t>& x = d.x;
+    const DeviceArray<float>& y = d.y;
+    const DeviceArray<uint16_t>& h = d.h;
     const double grouped = fn::test::graph_us_per_call(
         stream, 1, 20, [&](cudaStream_t s) { fn::launch_moe_grouped(p, s); });
     // The per-route path: the bulk gate+up and the FP32 down, tokens side by side.

@@ -1,6 +1,7 @@
 // Shared-memory ring primitives of the sm_90+ bulk-copy kernels (cuda/kernels/moe_nvfp4_bulk.cu:
 // the routed gate+up; cuda/kernels/moe_grouped.cu: the grouped routed experts): mbarrier
-// initialisation, arrival, transaction-count arrival and parity wait, and cp.async.bulk from
+// initialisation (one ring's, init_ring), arrival, transaction-count arrival, parity wait and the
+// stage/parity step (next_stage), and cp.async.bulk from
 // global into shared memory completing on an mbarrier (the TMA engine, no tensor map). Device
 // code of sm_90+ only (empty elsewhere: callers guard their kernels the same way). Included by .cu
 // files only.
@@ -59,6 +60,27 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
           "r"(smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+}
+
+/// Thread 0 of the CTA initialises a ring of `stages` stages: full[s] completes on the producer's
+/// one arrival plus its copies' transaction bytes, empty[s] on `consumers` consumer arrivals; then
+/// the initialisation is made visible to the async proxy. The caller synchronises the CTA after.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages,
+                                          uint32_t consumers) {
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < stages; ++s) {
+    mbar_init(full + s, 1);
+    mbar_init(empty + s, consumers);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/// The next stage of a ring of `stages`: wraps to 0 and flips the phase parity.
+__device__ __forceinline__ void next_stage(int& stage, uint32_t& parity, int stages) {
+  if (++stage == stages) {
+    stage = 0;
+    parity ^= 1u;
+  }
 }
 #endif  // sm_90+
 

@@ -228,7 +228,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_grouped_mma_kernel(MmaArgs a)
   using bulk::bulk_copy;
   using bulk::mbar_arrive;
   using bulk::mbar_arrive_expect_tx;
-  using bulk::mbar_init;
   using bulk::mbar_wait;
   const int nst = a.stages;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -243,13 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_grouped_mma_kernel(MmaArgs a)
   const int units_row = a.k / 32;  // 32-code units per row
   const int rs = a.row_stride;
   const int scale_off = a.ut * 16 * rs;  // the stage's scales after its codes
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < nst; ++s) {
-      mbar_init(full + s, 1);
-      mbar_init(empty + s, 32 * kWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  bulk::init_ring(full, empty, nst, 32 * kWarps);
   if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
   __syncthreads();
   const int64_t units = static_cast<int64_t>(*a.n_distinct) * a.upe;
@@ -293,10 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_grouped_mma_kernel(MmaArgs a)
           bulk_copy(st + scale_off + srow * kb, a.scales + (e * a.rows + row0) * kb,
                     static_cast<uint32_t>(hrows * kb), full + stage);
       }
-      if (++stage == nst) {
-        stage = 0;
-        parity ^= 1u;
-      }
+      bulk::next_stage(stage, parity, nst);
       if (++cu == a.upe) {
         cu = 0;
         ++q;
@@ -437,10 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_grouped_mma_kernel(MmaArgs a)
         }
         buf ^= 1;
       }
-      if (++stage == nst) {
-        stage = 0;
-        parity ^= 1u;
-      }
+      bulk::next_stage(stage, parity, nst);
       if (++cu == a.upe) {
         cu = 0;
         ++q;

@@ -96,7 +96,6 @@ struct BulkGateUpArgs {
 using bulk::bulk_copy;
 using bulk::mbar_arrive;
 using bulk::mbar_arrive_expect_tx;
-using bulk::mbar_init;
 using bulk::mbar_wait;
 // The chunks of the CTA's share [p0, p1) of each token's row pairs p = j * I + i (pairs <=
 // INT32_MAX: bulk_gate_up_shape_ok), token after token (b; route j + b * tok_k), walked in order:
@@ -143,10 +142,7 @@ struct ChunkWalk {
       ++j;
       i = 0;
     }
-    if (++stage == stages) {
-      stage = 0;
-      parity ^= 1u;
-    }
+    bulk::next_stage(stage, parity, stages);
   }
 };
 
@@ -198,13 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gate_up_bulk_kernel(BulkGateU
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kb = a.k / 16;  // scale bytes per row
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < nst; ++s) {
-      mbar_init(full + s, 1);
-      mbar_init(empty + s, 32 * kWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  bulk::init_ring(full, empty, nst, 32 * kWarps);
   if (threadIdx.x < 256) lut[threadIdx.x] = e4m3_bf16x2_scaled(threadIdx.x);
   __syncthreads();
   // Every weight address depends on the router's expert ids, and x is the previous kernel's

@@ -2,6 +2,8 @@
 // added-token flags on a hand-made tokenizer.json, streaming detokenizer, long inputs, and the
 // errors for bad tokenizer files.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -267,7 +269,9 @@ TEST_CASE("tokenizer: added tokens honour lstrip, rstrip, single_word and normal
 
 TEST_CASE("tokenizer: a missing or corrupt tokenizer file is a clear error") {
   CHECK_THROWS_WITH_AS(fn::load_tokenizer_json("/nonexistent/tokenizer.json"),
-                       "cannot open tokenizer file /nonexistent/tokenizer.json", fn::Error);
+                       "tokenizer file /nonexistent/tokenizer.json: cannot open file (No such file "
+                       "or directory)",
+                       fn::Error);
   CHECK_THROWS_WITH_AS(fn::load_tokenizer("/nonexistent"), doctest::Contains("does not exist"),
                        fn::Error);
   CHECK_THROWS_WITH_AS(fn::load_tokenizer(FN_SOURCE_DIR "/tests"),
@@ -283,10 +287,25 @@ TEST_CASE("tokenizer: a missing or corrupt tokenizer file is a clear error") {
                        doctest::Contains("no \"model\""), fn::Error);
   // A device is never read (/dev/zero would fill memory), nor is a directory as a file.
   CHECK_THROWS_WITH_AS(fn::load_tokenizer_json("/dev/zero"),
-                       "tokenizer file /dev/zero is not a regular file (a directory or a device)",
-                       fn::Error);
+                       "tokenizer file /dev/zero: is not a regular file (a device)", fn::Error);
   CHECK_THROWS_WITH_AS(fn::load_sentencepiece("/dev/zero"),
-                       doctest::Contains("/dev/zero is not a regular file"), fn::Error);
+                       doctest::Contains("/dev/zero: is not a regular file (a device)"), fn::Error);
+  // A FIFO is named as one and never opened for a blocking read (no writer: it would hang), and
+  // a directory is named as one, for both kinds of tokenizer file.
+  const std::filesystem::path odd =
+      std::filesystem::temp_directory_path() / ("fngen-tok-odd-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(odd);
+  std::filesystem::create_directories(odd / "dir.json");
+  REQUIRE(::mkfifo((odd / "fifo.json").c_str(), 0600) == 0);
+  REQUIRE(::mkfifo((odd / "fifo.model").c_str(), 0600) == 0);
+  CHECK_THROWS_WITH_AS(fn::load_tokenizer_file(odd / "fifo.json"),
+                       doctest::Contains("fifo.json: is not a regular file (a FIFO)"), fn::Error);
+  CHECK_THROWS_WITH_AS(fn::load_tokenizer_file(odd / "fifo.model"),
+                       doctest::Contains("fifo.model: is not a regular file (a FIFO)"), fn::Error);
+  CHECK_THROWS_WITH_AS(fn::load_tokenizer_json(odd / "dir.json"),
+                       doctest::Contains("dir.json: is not a regular file (a directory)"),
+                       fn::Error);
+  std::filesystem::remove_all(odd);
   // An id far past any vocabulary is refused before its tables are sized (it was bad_alloc).
   json huge = tiny_tokenizer({});
   huge["model"]["vocab"]["zz"] = 1 << 24;

@@ -718,18 +718,6 @@ class BpeTokenizer final : public Tokenizer {
 
 }  // namespace
 
-void require_tokenizer_file_size(const std::filesystem::path& file) {
-  std::error_code ec;
-  const auto st = std::filesystem::status(file, ec);
-  FN_REQUIRE(std::filesystem::exists(st), Io, "cannot open tokenizer file {}", file.string());
-  FN_REQUIRE(std::filesystem::is_regular_file(st), Format,
-             "tokenizer file {} is not a regular file (a directory or a device)", file.string());
-  const auto size = std::filesystem::file_size(file, ec);
-  FN_REQUIRE(!ec && size <= kMaxTokenizerFileBytes, Format,
-             "tokenizer file {}: {} bytes, more than any tokenizer's {} MiB: not a tokenizer",
-             file.string(), size, kMaxTokenizerFileBytes >> 20);
-}
-
 std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view text,
                                                     const std::string& name) {
   json j;
@@ -748,7 +736,6 @@ std::unique_ptr<Tokenizer> load_tokenizer_json_text(std::string_view text,
 }
 
 std::unique_ptr<Tokenizer> load_tokenizer_json(const std::filesystem::path& file) {
-  require_tokenizer_file_size(file);
   return load_tokenizer_json_text(read_regular_file(file, kMaxTokenizerFileBytes, "tokenizer file"),
                                   file.string());
 }

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/paths.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
 
@@ -15,16 +16,17 @@ namespace {
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::filesystem::path& file) : name_(file.string()) {
-    require_tokenizer_file_size(file);
-    const auto status = sp_.Load(name_);
+    // One guarded read (a directory, device, FIFO or socket refused by name, the size bounded),
+    // then SentencePiece parses the bytes.
+    const std::string bytes = read_regular_file(file, kMaxTokenizerFileBytes, "tokenizer file");
+    const auto status = sp_.LoadFromSerializedProto(bytes);
     // A file that is no ModelProto at all fails in protobuf's parser, which SentencePiece reports
     // as an internal error with its own source line: say what the file is not, instead.
     // An empty file parses as an empty ModelProto, which then lacks its unk piece.
-    std::error_code ec;
     const bool unparsed =
         (status.code() == sentencepiece::util::StatusCode::kInternal &&
          std::string(status.message()).find("ParseFromArray") != std::string::npos) ||
-        std::filesystem::file_size(file, ec) == 0;
+        bytes.empty();
     FN_REQUIRE(
         status.ok(), Format,
         "{}: not a SentencePiece model{} (a tokenizer file is a Hugging Face tokenizer.json, "

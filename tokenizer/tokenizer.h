@@ -63,16 +63,14 @@ class Tokenizer {
 /// kMaxTokenizerFileBytes (core/paths.h).
 inline constexpr int32_t kMaxTokenId = int32_t{1} << 24;
 
-/// Checks a tokenizer file before it is read: it exists (else fn::Error(Io)), is a regular file
-/// (not a directory or a device such as /dev/zero) of at most kMaxTokenizerFileBytes (else
-/// fn::Error(Format)).
-void require_tokenizer_file_size(const std::filesystem::path& file);
-
 /// Loads <model_dir>/tokenizer.json (preferred) or <model_dir>/tokenizer.model. Throws
 /// fn::Error(Io) when neither exists, fn::Error(Format) for a malformed or unsupported file.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::filesystem::path& model_dir);
 
-/// Loads a tokenizer.json (byte-level BPE; other components are rejected by name).
+/// Loads a tokenizer.json (byte-level BPE; other components are rejected by name). The file is
+/// read by read_regular_file (core/paths.h): fn::Error(Io) "tokenizer file <path>: ..." when it
+/// is missing, a directory, a device, a FIFO or a socket, or over kMaxTokenizerFileBytes;
+/// fn::Error(Format) for malformed content.
 std::unique_ptr<Tokenizer> load_tokenizer_json(const std::filesystem::path& file);
 
 /// Loads a tokenizer.json from memory; `name` is used in error messages.
@@ -93,7 +91,9 @@ void require_tokenizer_fits_model(const Tokenizer& tokenizer, int64_t vocab_size
 std::unique_ptr<Tokenizer> load_model_tokenizer(const std::filesystem::path& model_dir,
                                                 int64_t vocab_size);
 
-/// Loads a SentencePiece tokenizer.model through libsentencepiece.
+/// Loads a SentencePiece tokenizer.model through libsentencepiece, the bytes read as
+/// load_tokenizer_json reads its file (the same fn::Error(Io) cases); fn::Error(Format) when they
+/// are not a SentencePiece model.
 std::unique_ptr<Tokenizer> load_sentencepiece(const std::filesystem::path& file);
 
 /// Loads a tokenizer file by kind: *.json -> BPE, anything else -> SentencePiece; a directory

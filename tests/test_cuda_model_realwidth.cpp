@@ -134,8 +134,6 @@ TEST_CASE("cuda model: 17 real-width sequences in batched steps match each alone
   FN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
   const fs::path dir = realwidth_dir(rank);
   if (rank != 0) return;  // TP = 1
-  int devices = 0;
-  FN_CUDA_CHECK(cudaGetDeviceCount(&devices));
   FN_CUDA_CHECK(cudaSetDevice(0));
   const fn::ModelConfig cfg = fn::load_model_config(dir);
   const int64_t V = cfg.vocab_size;

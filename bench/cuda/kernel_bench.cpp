@@ -4,7 +4,10 @@
 // bytes / copy bandwidth, with the device-to-device copy bandwidth measured in the same run.
 // The HC read rows time the kernels with PDL on and off. The MoE shared-expert rows time the fused
 // launches of cuda/kernels/moe_shared.h. Usage: cuda_kernel_bench
-// [--json FILE] [--sweep] [--reps N] [--hc-only] [--moe-shared-only] [--nvfp4-only]. The NVFP4
+// [--json FILE] [--sweep] [--reps N] [--hc-only] [--moe-shared-only] [--nvfp4-only]
+// [--rows-only]. The batched step's rows (--rows-only alone) time its dense GEMMs (gemm_rows in
+// the stacked hi + lo form, as cuda/model/cuda_prefill.cpp calls them) on the real shapes at 1 to
+// 64 rows, and the row kernels of its HC read and router. The NVFP4
 // routed-expert rows time the FP32 kernels (planned team; every team width with --sweep) and, on
 // sm_90+, the bulk-copy gate+up at the TP=1/2/4 shapes. Table on stdout; not a test.
 #include <cuda_runtime.h>
@@ -21,11 +24,14 @@
 
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/pdl.h"
+#include "cuda/kernels/decode_ops.h"
+#include "cuda/kernels/gemm.h"
 #include "cuda/kernels/gemv_bf16.h"
 #include "cuda/kernels/hc.h"
 #include "cuda/kernels/moe_nvfp4.h"
 #include "cuda/kernels/moe_nvfp4_bulk.h"
 #include "cuda/kernels/moe_shared.h"
+#include "cuda/kernels/prefill_ops.h"
 
 namespace {
 
@@ -147,6 +153,116 @@ struct GemvShape {
   int64_t rows, cols;
 };
 
+// The batched decode step's pieces at M = 1 .. 64 rows on the real shapes (TP=1): each dense GEMM
+// as gemm_rows' stacked form (one GEMM of 2M rows, then the halves' sum), the HC read's three row
+// kernels, and the router's top-k rows. Bytes: the weights once plus the activations.
+void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::json& rows) {
+  (void)prop;
+  const std::vector<GemvShape> shapes = {
+      {"gdn_in", 16480, 2560},  {"gdn_out", 2560, 6144},      {"qsa_in", 13952, 2560},
+      {"hc_down_inj", 324, 10240}, {"hc_up", 10240, 320},     {"router", 513, 2560},
+      {"shared_gate_up", 1280, 2560}, {"shared_down", 2560, 640}, {"lm_head", 248320, 2560}};
+  const int64_t max_m = 64;
+  fn::CublasHandle blas(t.stream);
+  void *xb, *yb, *st;
+  FN_CUDA_CHECK(cudaMalloc(&xb, size_t(2 * max_m) * 10240 * 2));
+  FN_CUDA_CHECK(cudaMalloc(&yb, size_t(max_m) * 248320 * 4));
+  const int64_t stack_floats = 2 * max_m * 248320;
+  FN_CUDA_CHECK(cudaMalloc(&st, size_t(stack_floats) * 4));
+  fill_random(xb, size_t(2 * max_m) * 10240 * 2, 41);
+  for (const GemvShape& s : shapes) {
+    const size_t wbytes = size_t(s.rows) * s.cols * 2;
+    const int copies = int(std::max<size_t>(1, (kRotateBytes + wbytes - 1) / wbytes));
+    uint16_t* w;
+    FN_CUDA_CHECK(cudaMalloc(&w, wbytes * copies));
+    fill_random(w, wbytes * copies, 43);
+    const int calls = std::max(copies, 20);
+    for (int64_t m : {1, 2, 4, 8, 16, 32, 64}) {
+      fn::GemmRowsParams g;
+      g.n = s.rows;
+      g.k = s.cols;
+      g.x_hi = static_cast<const uint16_t*>(xb);
+      g.x_lo = g.x_hi + m * s.cols;
+      g.ldx = s.cols;
+      g.m = m;
+      g.y = static_cast<float*>(yb);
+      g.ldy = s.rows;
+      g.stack = static_cast<float*>(st);
+      g.stack_floats = stack_floats;
+      const double us = t.time_per_call(calls, [&](int i) {
+        g.w = w + size_t(i % copies) * s.rows * s.cols;
+        fn::gemm_rows(blas.get(), g);
+      });
+      const double bytes = double(wbytes) + double(m) * s.cols * 4 + double(m) * s.rows * 4;
+      char shape[64], plan[16];
+      std::snprintf(shape, sizeof shape, "%s %lldx%lld", s.name, static_cast<long long>(s.rows),
+                    static_cast<long long>(s.cols));
+      std::snprintf(plan, sizeof plan, "m%lld", static_cast<long long>(m));
+      rows.push_back(report({"gemm_rows stacked", shape, plan, bytes, us, bw}));
+    }
+    FN_CUDA_CHECK(cudaFree(w));
+  }
+  // The HC read's row kernels and the router's top-k rows (no weights: activations only).
+  const int64_t D = 2560, W = 4 * D, R = 320;
+  float *H, *scale, *tv, *g, *iota, *rl, *rw;
+  uint16_t *nw, *nh, *uh, *mh;
+  int32_t *ids, *flag;
+  FN_CUDA_CHECK(cudaMalloc(&H, max_m * W * 4));
+  FN_CUDA_CHECK(cudaMalloc(&scale, max_m * 4 * 4));
+  FN_CUDA_CHECK(cudaMalloc(&tv, max_m * (R + 4) * 4));
+  FN_CUDA_CHECK(cudaMalloc(&g, max_m * W * 4));
+  FN_CUDA_CHECK(cudaMalloc(&iota, max_m * 4 * 4));
+  FN_CUDA_CHECK(cudaMalloc(&rl, max_m * 513 * 4));
+  FN_CUDA_CHECK(cudaMalloc(&rw, max_m * 10 * 4));
+  FN_CUDA_CHECK(cudaMalloc(&nw, W * 2));
+  FN_CUDA_CHECK(cudaMalloc(&nh, 2 * max_m * W * 2));
+  FN_CUDA_CHECK(cudaMalloc(&uh, 2 * max_m * R * 2));
+  FN_CUDA_CHECK(cudaMalloc(&mh, 2 * max_m * D * 2));
+  FN_CUDA_CHECK(cudaMalloc(&ids, max_m * 10 * 4));
+  FN_CUDA_CHECK(cudaMalloc(&flag, 4));
+  FN_CUDA_CHECK(cudaMemset(flag, 0, 4));
+  fill_random(H, max_m * W * 4, 51);
+  fill_random(nw, W * 2, 52);
+  fill_random(tv, max_m * (R + 4) * 4, 53);
+  fill_random(g, max_m * W * 4, 54);
+  fill_random(rl, max_m * 513 * 4, 55);
+  for (int64_t m : {1, 8, 16, 64}) {
+    char pm[16];
+    std::snprintf(pm, sizeof pm, "m%lld", static_cast<long long>(m));
+    const double norm_us = t.time_per_call(50, [&](int) {
+      fn::launch_hc_norm_rows(H, nw, 4, D, 1e-6f, m, scale, nh, nh + m * W, t.stream);
+    });
+    rows.push_back(report({"hc_norm_rows", "4x2560", pm, double(m) * W * 8, norm_us, bw}));
+    const double act_us = t.time_per_call(50, [&](int) {
+      fn::launch_hc_act_rows(tv, R + 4, R, 4, m, uh, uh + m * R, iota, t.stream);
+    });
+    rows.push_back(report({"hc_act_rows", "324", pm, double(m) * (R + 4) * 8, act_us, bw}));
+    const double mix_us = t.time_per_call(50, [&](int) {
+      fn::launch_hc_mix_rows(g, H, scale, nw, 4, D, m, mh, mh + m * D, t.stream);
+    });
+    rows.push_back(report({"hc_mix_rows", "4x2560", pm, double(m) * W * 8, mix_us, bw}));
+    const double inj_us = t.time_per_call(
+        50, [&](int) { fn::launch_hc_inject_rows(H, iota, g, 4, D, m, t.stream); });
+    rows.push_back(report({"hc_inject_rows", "4x2560", pm, double(m) * W * 8, inj_us, bw}));
+    fn::RouterRowsParams rr;
+    rr.logits = rl;
+    rr.logits_stride = 513;
+    rr.rows = m;
+    rr.num_experts = 512;
+    rr.top_k = 10;
+    rr.norm_topk_prob = true;
+    rr.ids = ids;
+    rr.weights = rw;
+    rr.error_flag = flag;
+    const double topk_us =
+        t.time_per_call(50, [&](int) { fn::launch_router_topk_rows(rr, t.stream); });
+    rows.push_back(report({"router_topk_rows", "512 top 10", pm, double(m) * 513 * 4, topk_us, bw}));
+  }
+  for (void* p : {(void*)H, (void*)scale, (void*)tv, (void*)g, (void*)iota, (void*)rl, (void*)rw,
+                  (void*)nw, (void*)nh, (void*)uh, (void*)mh, (void*)ids, (void*)flag, xb, yb, st})
+    FN_CUDA_CHECK(cudaFree(p));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -155,6 +271,7 @@ int main(int argc, char** argv) try {
   bool hc_only = false;          // --hc-only: the HC read rows only (a short GPU call)
   bool moe_shared_only = false;  // --moe-shared-only: the fused MoE shared-expert rows only
   bool nvfp4_only = false;       // --nvfp4-only: the NVFP4 routed-expert rows only
+  bool rows_only = false;        // --rows-only: the batched step's GEMMs and row kernels only
   int reps = 7;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
@@ -167,12 +284,14 @@ int main(int argc, char** argv) try {
       moe_shared_only = true;
     else if (!std::strcmp(argv[i], "--nvfp4-only"))
       nvfp4_only = true;
+    else if (!std::strcmp(argv[i], "--rows-only"))
+      rows_only = true;
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
       reps = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: cuda_kernel_bench [--json FILE] [--sweep] [--reps N] [--hc-only] "
-                   "[--moe-shared-only] [--nvfp4-only]\n");
+                   "[--moe-shared-only] [--nvfp4-only] [--rows-only]\n");
       return 2;
     }
   }
@@ -192,6 +311,14 @@ int main(int argc, char** argv) try {
       "nodes (read + write)\n",
       prop.name, prop.multiProcessorCount, bw / 1e9, graph_bw / 1e9);
   nlohmann::json rows = nlohmann::json::array();
+
+  // ---- The batched step at M rows: gemm_rows (stacked hi + lo) and the row kernels -------------
+  if (rows_only) {
+    rows_section(t, prop, bw, rows);
+    out["results"] = rows;
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+    return 0;
+  }
 
   // ---- MoE shared expert: the fused launches of the decode step (cuda/kernels/moe_shared.h) ----
   for (int64_t inter :

@@ -635,7 +635,8 @@ bool same_token_bits(const std::vector<T>& many, const std::vector<T>& one, int 
 
 TEST_CASE(
     "cuda hc: a down and mix launch over several tokens gives every token the bits of its own "
-    "one-token launches, with and without the folded inject, the BF16 pair and iota") {
+    "one-token launches, with and without the folded inject, the BF16 pair and iota, for any "
+    "tokens per block") {
   struct Shape {
     int64_t hidden, rank;
     bool fixed;
@@ -657,6 +658,7 @@ TEST_CASE(
     for (int B : {2, 3, 8, 64}) {
       for (int variant = 0; variant < 4; ++variant) {
         const bool inject = (variant & 1) != 0, outs = (variant & 2) != 0;
+        int tpb = 0;  // tokens per block of the several-token launch
         auto read = [&](int tokens, int b0, float* tp_o, float* ss_o, float* Hout_o, float* m_o,
                         uint16_t* mhi_o, uint16_t* mlo_o, float* iota_o) {
           fn::HcDownParams dp;
@@ -675,6 +677,7 @@ TEST_CASE(
           }
           dp.fixed_shape = sh.fixed;
           dp.tokens = tokens;
+          dp.tokens_per_block = tokens > 1 ? tpb : 0;
           fn::launch_hc_down(dp, nullptr);
           fn::HcMixParams mp;
           mp.w_up = dwup.ptr;
@@ -693,45 +696,50 @@ TEST_CASE(
           mp.rank = t.r;
           mp.fixed_shape = sh.fixed;
           mp.tokens = tokens;
+          mp.tokens_per_block = tokens > 1 ? tpb : 0;
           fn::launch_hc_mix(mp, nullptr);
         };
-        for (auto* a : {&tp, &ss, &Hout, &m, &iota}) poison(*a);
-        poison(mhi);
-        poison(mlo);
-        read(B, 0, tp.ptr, ss.ptr, Hout.ptr, m.ptr, mhi.ptr, mlo.ptr, iota.ptr);
-        FN_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto tp_b = tp.download(), ss_b = ss.download(), Hout_b = Hout.download(),
-                   m_b = m.download(), iota_b = iota.download();
-        const auto mhi_b = mhi.download(), mlo_b = mlo.download();
-        int wrong = 0;
-        for (int b = 0; b < B; ++b) {
-          for (auto* a : {&tp1, &ss1, &Hout1, &m1, &iota1}) poison(*a);
-          poison(mhi1);
-          poison(mlo1);
-          read(1, b, tp1.ptr, ss1.ptr, Hout1.ptr, m1.ptr, mhi1.ptr, mlo1.ptr, iota1.ptr);
+        // All tokens in one block (0), one token per block, and 3 (a last block with fewer).
+        for (int per_block : {0, 1, 3}) {
+          tpb = per_block;
+          for (auto* a : {&tp, &ss, &Hout, &m, &iota}) poison(*a);
+          poison(mhi);
+          poison(mlo);
+          read(B, 0, tp.ptr, ss.ptr, Hout.ptr, m.ptr, mhi.ptr, mlo.ptr, iota.ptr);
           FN_CUDA_CHECK(cudaDeviceSynchronize());
-          bool ok = same_token_bits(tp_b, tp1.download(), b) &&
-                    same_token_bits(ss_b, ss1.download(), b) &&
-                    same_token_bits(m_b, m1.download(), b);
-          if (inject) ok = ok && same_token_bits(Hout_b, Hout1.download(), b);
-          if (outs) {
-            const auto hi1 = mhi1.download(), lo1 = mlo1.download();
-            ok = ok && same_token_bits(mhi_b, hi1, b) && same_token_bits(mlo_b, lo1, b) &&
-                 same_token_bits(iota_b, iota1.download(), b);
-            // The pair is launch_split_bf16's: hi = bf16(m) (the experts' W4A16 input), lo =
-            // bf16(m - hi).
-            const auto m1h = m1.download();
-            for (int64_t i = 0; i < D; ++i) {
-              const uint16_t hi = fn::float_to_bf16(m1h[i]);
-              ok =
-                  ok && hi1[i] == hi && lo1[i] == fn::float_to_bf16(m1h[i] - fn::bf16_to_float(hi));
+          const auto tp_b = tp.download(), ss_b = ss.download(), Hout_b = Hout.download(),
+                     m_b = m.download(), iota_b = iota.download();
+          const auto mhi_b = mhi.download(), mlo_b = mlo.download();
+          int wrong = 0;
+          for (int b = 0; b < B; ++b) {
+            for (auto* a : {&tp1, &ss1, &Hout1, &m1, &iota1}) poison(*a);
+            poison(mhi1);
+            poison(mlo1);
+            read(1, b, tp1.ptr, ss1.ptr, Hout1.ptr, m1.ptr, mhi1.ptr, mlo1.ptr, iota1.ptr);
+            FN_CUDA_CHECK(cudaDeviceSynchronize());
+            bool ok = same_token_bits(tp_b, tp1.download(), b) &&
+                      same_token_bits(ss_b, ss1.download(), b) &&
+                      same_token_bits(m_b, m1.download(), b);
+            if (inject) ok = ok && same_token_bits(Hout_b, Hout1.download(), b);
+            if (outs) {
+              const auto hi1 = mhi1.download(), lo1 = mlo1.download();
+              ok = ok && same_token_bits(mhi_b, hi1, b) && same_token_bits(mlo_b, lo1, b) &&
+                   same_token_bits(iota_b, iota1.download(), b);
+              // The pair is launch_split_bf16's: hi = bf16(m) (the experts' W4A16 input), lo =
+              // bf16(m - hi).
+              const auto m1h = m1.download();
+              for (int64_t i = 0; i < D; ++i) {
+                const uint16_t hi = fn::float_to_bf16(m1h[i]);
+                ok = ok && hi1[i] == hi &&
+                     lo1[i] == fn::float_to_bf16(m1h[i] - fn::bf16_to_float(hi));
+              }
             }
+            wrong += ok ? 0 : 1;
           }
-          wrong += ok ? 0 : 1;
+          CHECK_MESSAGE(wrong == 0, "hidden ", D, " rank ", t.r, " fixed ", sh.fixed, " tokens ", B,
+                        " per block ", tpb, " inject ", inject, " bf16 pair + iota ", outs, ": ",
+                        wrong, " tokens differ");
         }
-        CHECK_MESSAGE(wrong == 0, "hidden ", D, " rank ", t.r, " fixed ", sh.fixed, " tokens ", B,
-                      " inject ", inject, " bf16 pair + iota ", outs, ": ", wrong,
-                      " tokens differ");
       }
     }
   }
@@ -795,7 +803,9 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("cuda hc: the launchers reject token counts outside 1..4096 and a misaligned m_lo") {
+TEST_CASE(
+    "cuda hc: the launchers reject token counts outside 1..4096, negative tokens per block and a "
+    "misaligned m_lo") {
   DeviceArray<float> x(256), t(256), n(256);
   DeviceArray<uint16_t> w(64 * 64), nw(256), lo(64);
   fn::HcDownParams d;
@@ -813,6 +823,10 @@ TEST_CASE("cuda hc: the launchers reject token counts outside 1..4096 and a misa
   CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
   d.tokens = -1;
   CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
+  d.tokens = 2;
+  d.tokens_per_block = -1;
+  CHECK_THROWS_AS(fn::launch_hc_down(d, nullptr), fn::Error);
+  d.tokens_per_block = 0;
   fn::HcMixParams m;
   m.w_up = w.ptr;
   m.t = t.ptr;
@@ -829,6 +843,9 @@ TEST_CASE("cuda hc: the launchers reject token counts outside 1..4096 and a misa
   m.tokens = 4097;
   CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
   m.tokens = 1;
+  m.tokens_per_block = -1;
+  CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
+  m.tokens_per_block = 0;
   m.m_lo = reinterpret_cast<uint16_t*>(reinterpret_cast<char*>(lo.ptr) + 1);
   CHECK_THROWS_AS(fn::launch_hc_mix(m, nullptr), fn::Error);
   // The valid calls the rejections started from run.

@@ -159,8 +159,8 @@ struct GemvShape {
 void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::json& rows) {
   (void)prop;
   const std::vector<GemvShape> shapes = {
-      {"gdn_in", 16480, 2560},  {"gdn_out", 2560, 6144},      {"qsa_in", 13952, 2560},
-      {"hc_down_inj", 324, 10240}, {"hc_up", 10240, 320},     {"router", 513, 2560},
+      {"gdn_in", 16480, 2560},        {"gdn_out", 2560, 6144},    {"qsa_in", 13952, 2560},
+      {"hc_down_inj", 324, 10240},    {"hc_up", 10240, 320},      {"router", 513, 2560},
       {"shared_gate_up", 1280, 2560}, {"shared_down", 2560, 640}, {"lm_head", 248320, 2560}};
   const int64_t max_m = 64;
   fn::CublasHandle blas(t.stream);
@@ -202,6 +202,109 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
     }
     FN_CUDA_CHECK(cudaFree(w));
   }
+  // The HC read at T rows both ways: the GEMM path (norm rows, down/inject GEMM, act rows, up
+  // GEMM, mix rows) and the decode step's two kernels with the rows as tokens, for several
+  // tokens per block (0: all in one block, the z copies of the grid otherwise).
+  {
+    const int64_t D = 2560, W = 4 * D, R = 320, NR = R + 4;
+    const int64_t splits = fn::hc_down_splits(4, D);
+    const size_t set = size_t(NR * W + W * R) * 2;
+    const int copies = int((kRotateBytes + set - 1) / set);
+    uint16_t *w, *nw, *nh, *uh, *mh;
+    float *H, *scale, *tv, *g, *iota, *tp, *ss;
+    FN_CUDA_CHECK(cudaMalloc(&w, set * copies));
+    FN_CUDA_CHECK(cudaMalloc(&nw, W * 2));
+    FN_CUDA_CHECK(cudaMalloc(&nh, 2 * max_m * W * 2));
+    FN_CUDA_CHECK(cudaMalloc(&uh, 2 * max_m * R * 2));
+    FN_CUDA_CHECK(cudaMalloc(&mh, 2 * max_m * D * 2));
+    FN_CUDA_CHECK(cudaMalloc(&H, max_m * W * 4));
+    FN_CUDA_CHECK(cudaMalloc(&scale, max_m * 16));
+    FN_CUDA_CHECK(cudaMalloc(&tv, max_m * NR * 4));
+    FN_CUDA_CHECK(cudaMalloc(&g, max_m * W * 4));
+    FN_CUDA_CHECK(cudaMalloc(&iota, max_m * 16));
+    FN_CUDA_CHECK(cudaMalloc(&tp, max_m * splits * NR * 4));
+    FN_CUDA_CHECK(cudaMalloc(&ss, max_m * splits * 4));
+    fill_random(w, set * copies, 61);
+    fill_random(nw, W * 2, 62);
+    fill_random(H, max_m * W * 4, 63);
+    const int calls = std::max(copies, 20);
+    auto dn_w = [&](int i) { return w + size_t(i % copies) * (set / 2); };
+    auto up_w = [&](int i) { return dn_w(i) + NR * W; };
+    for (int64_t m : {1, 2, 4, 8, 16, 32, 64}) {
+      char pm[16];
+      std::snprintf(pm, sizeof pm, "m%lld", static_cast<long long>(m));
+      const double bytes = double(set) + double(m) * W * 4 * 2;
+      const double gemm_us = t.time_per_call(calls, [&](int i) {
+        fn::launch_hc_norm_rows(H, nw, 4, D, 1e-6f, m, scale, nh, nh + m * W, t.stream);
+        fn::GemmRowsParams a;
+        a.w = dn_w(i);
+        a.n = NR;
+        a.k = W;
+        a.x_hi = nh;
+        a.x_lo = nh + m * W;
+        a.ldx = W;
+        a.m = m;
+        a.y = tv;
+        a.ldy = NR;
+        a.stack = static_cast<float*>(st);
+        a.stack_floats = stack_floats;
+        fn::gemm_rows(blas.get(), a);
+        fn::launch_hc_act_rows(tv, NR, R, 4, m, uh, uh + m * R, iota, t.stream);
+        fn::GemmRowsParams b = a;
+        b.w = up_w(i);
+        b.n = W;
+        b.k = R;
+        b.x_hi = uh;
+        b.x_lo = uh + m * R;
+        b.ldx = R;
+        b.y = g;
+        b.ldy = W;
+        fn::gemm_rows(blas.get(), b);
+        fn::launch_hc_mix_rows(g, H, scale, nw, 4, D, m, mh, mh + m * D, t.stream);
+      });
+      rows.push_back(report({"hc_read gemm path", "5 launches + 2 sums", pm, bytes, gemm_us, bw}));
+      for (int tpb : {0, 1, 2, 4, 8}) {
+        if (tpb > 0 && tpb >= m) continue;
+        fn::HcDownParams dp;
+        dp.H = H;
+        dp.norm = nw;
+        dp.rows = NR;
+        dp.hc_count = 4;
+        dp.hidden = D;
+        dp.t_partial = tp;
+        dp.sumsq = ss;
+        dp.tokens = static_cast<int>(m);
+        dp.tokens_per_block = tpb;
+        fn::HcMixParams mp;
+        mp.t = tp;
+        mp.t_splits = splits;
+        mp.t_stride = NR;
+        mp.sumsq = ss;
+        mp.H = H;
+        mp.norm = nw;
+        mp.m = g;
+        mp.m_bf16 = mh;
+        mp.m_lo = mh + m * D;
+        mp.iota = iota;
+        mp.hidden = D;
+        mp.rank = R;
+        mp.tokens = static_cast<int>(m);
+        mp.tokens_per_block = tpb;
+        const double us = t.time_per_call(calls, [&](int i) {
+          dp.weight = dn_w(i);
+          mp.w_up = up_w(i);
+          fn::launch_hc_down(dp, t.stream);
+          fn::launch_hc_mix(mp, t.stream);
+        });
+        char plan[24];
+        std::snprintf(plan, sizeof plan, "%s tpb%d", pm, tpb);
+        rows.push_back(report({"hc_read kernels", "down + mix", plan, bytes, us, bw}));
+      }
+    }
+    for (void* p : {(void*)w, (void*)nw, (void*)nh, (void*)uh, (void*)mh, (void*)H, (void*)scale,
+                    (void*)tv, (void*)g, (void*)iota, (void*)tp, (void*)ss})
+      FN_CUDA_CHECK(cudaFree(p));
+  }
   // The HC read's row kernels and the router's top-k rows (no weights: activations only).
   const int64_t D = 2560, W = 4 * D, R = 320;
   float *H, *scale, *tv, *g, *iota, *rl, *rw;
@@ -241,8 +344,8 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
       fn::launch_hc_mix_rows(g, H, scale, nw, 4, D, m, mh, mh + m * D, t.stream);
     });
     rows.push_back(report({"hc_mix_rows", "4x2560", pm, double(m) * W * 8, mix_us, bw}));
-    const double inj_us = t.time_per_call(
-        50, [&](int) { fn::launch_hc_inject_rows(H, iota, g, 4, D, m, t.stream); });
+    const double inj_us =
+        t.time_per_call(50, [&](int) { fn::launch_hc_inject_rows(H, iota, g, 4, D, m, t.stream); });
     rows.push_back(report({"hc_inject_rows", "4x2560", pm, double(m) * W * 8, inj_us, bw}));
     fn::RouterRowsParams rr;
     rr.logits = rl;
@@ -256,7 +359,8 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
     rr.error_flag = flag;
     const double topk_us =
         t.time_per_call(50, [&](int) { fn::launch_router_topk_rows(rr, t.stream); });
-    rows.push_back(report({"router_topk_rows", "512 top 10", pm, double(m) * 513 * 4, topk_us, bw}));
+    rows.push_back(
+        report({"router_topk_rows", "512 top 10", pm, double(m) * 513 * 4, topk_us, bw}));
   }
   for (void* p : {(void*)H, (void*)scale, (void*)tv, (void*)g, (void*)iota, (void*)rl, (void*)rw,
                   (void*)nw, (void*)nh, (void*)uh, (void*)mh, (void*)ids, (void*)flag, xb, yb, st})

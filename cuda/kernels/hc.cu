@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 
 #include "cuda/common/cuda_check.h"
@@ -69,6 +70,7 @@ struct DownArgs {
   int tokens;         // >= 1 (HcDownParams::tokens)
   int64_t tp_stride;  // floats of t_partial per token: splits * rows
   int64_t sq_stride;  // floats of sumsq per token: splits
+  int tpb;            // tokens per block: block z takes tokens [z * tpb, min(tokens, +tpb))
 };
 
 // The down pass's sizes: the launch's DownArgs in the runtime-shape instance (kHidden = 0);
@@ -234,23 +236,25 @@ __global__ void __launch_bounds__(kBlockThreads, kMulti ? kDownMultiMinBlocks : 
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
+  const int b0 = static_cast<int>(blockIdx.z) * a.tpb;
+  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : b0 + 1;
   float4 hx[kDownVecPerLane][2];
-  down_load_h(down_token(a, d, 0), d, col0, vbeg, lane, hx);
+  down_load_h(down_token(a, d, b0), d, col0, vbeg, lane, hx);
   dev::cp_async_wait_all();
   __syncthreads();
   // The staged tile serves every token (shared memory is only read from here on): per token the
   // same operations in the same order as a one-token launch, so each token's outputs have its
   // bits.
   float4 hn[kDownVecPerLane][2];  // token b + 1's H (kMulti), loaded before token b's dots
-  for (int b = 0; b < (kMulti ? a.tokens : 1); ++b) {
-    if (b > 0) {
+  for (int b = b0; b < b1; ++b) {
+    if (b > b0) {
 #pragma unroll
       for (int u = 0; u < kDownVecPerLane; ++u) {
         hx[u][0] = hn[u][0];
         hx[u][1] = hn[u][1];
       }
     }
-    if (kMulti && b + 1 < a.tokens) down_load_h(down_token(a, d, b + 1), d, col0, vbeg, lane, hn);
+    if (kMulti && b + 1 < b1) down_load_h(down_token(a, d, b + 1), d, col0, vbeg, lane, hn);
     float v[kDownRows + 1] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int u = 0; u < kDownVecPerLane; ++u) {
@@ -286,6 +290,7 @@ struct MixArgs {
   uint16_t* m_lo;
   int tokens;        // >= 1 (HcMixParams::tokens)
   int64_t t_tokens;  // floats of t per token: splits * t_stride
+  int tpb;           // tokens per block: block y takes tokens [y * tpb, min(tokens, +tpb))
 };
 
 constexpr float kInvStreams = 1.0f / kStreams;  // 0.25: exact
@@ -496,9 +501,11 @@ __global__ void __launch_bounds__(kBlockThreads, kMulti ? 1 : 2) hc_mix_kernel(M
   dev::pdl_launch_dependents();
   // Per token the same operations in the same order as a one-token launch. The vectors past
   // kMixPre per lane are loaded again for each token (from L2 after the first).
-  for (int b = 0; b < (kMulti ? a.tokens : 1); ++b) {
+  const int b0 = static_cast<int>(blockIdx.y) * a.tpb;
+  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : b0 + 1;
+  for (int b = b0; b < b1; ++b) {
     const MixArgs at = mix_token(a, d, b);
-    if (b > 0) __syncthreads();  // every team is done with the last token's u
+    if (b > b0) __syncthreads();  // every team is done with the last token's u
     float hv, scale[kStreams];
     mix_after_wait(at, d, ic, lane, u_s, hv, scale);
     __syncthreads();
@@ -573,12 +580,14 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged
   // The staged rows serve every token: per token the same operations in the same order as a
   // one-token launch (u of the token into u_s, then the teams' dots), so each token's outputs
   // have its bits.
-  for (int b = 0; b < (kMulti ? a.tokens : 1); ++b) {
+  const int b0 = static_cast<int>(blockIdx.y) * a.tpb;
+  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : b0 + 1;
+  for (int b = b0; b < b1; ++b) {
     const MixArgs at = mix_token(a, d, b);
-    if (b > 0) __syncthreads();  // every team is done with the last token's u
+    if (b > b0) __syncthreads();  // every team is done with the last token's u
     float hv, scale[kStreams];
     mix_after_wait(at, d, ic, lane, reinterpret_cast<float*>(u_s4), hv, scale);
-    if (b == 0) dev::cp_async_wait_all();
+    if (b == b0) dev::cp_async_wait_all();
     __syncthreads();
     float acc[kStreams] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int v = lane; v < d.nvec; v += team) {
@@ -640,6 +649,8 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
                                 p.H_out != nullptr && p.H_out != p.H && aligned(p.inject_y, 16) &&
                                 aligned(p.H_out, 16) && aligned(p.inject_iota, 4)),
                     kOp);
+  FN_LAUNCH_REQUIRE(p.tokens_per_block >= 0, kOp);
+  const int tpb = p.tokens_per_block == 0 ? p.tokens : std::min(p.tokens, p.tokens_per_block);
   const int64_t splits = hc_down_splits(p.hc_count, p.hidden);
   const int64_t row_blocks = (p.rows + kDownRowsPerBlock - 1) / kDownRowsPerBlock;
   FN_LAUNCH_REQUIRE(splits <= INT32_MAX && row_blocks <= 65535, kOp);
@@ -659,13 +670,14 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              p.hc_count,
              p.tokens,
              splits * p.rows,
-             splits};
-  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks));
+             splits,
+             tpb};
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks),
+                  static_cast<unsigned>((p.tokens + tpb - 1) / tpb));
   const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
   void (*kernel)(DownArgs) =
-      p.tokens > 1
-          ? (fixed ? hc_down_staged_kernel<kFixedHidden, true> : hc_down_staged_kernel<0, true>)
-          : (fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>);
+      tpb > 1 ? (fixed ? hc_down_staged_kernel<kFixedHidden, true> : hc_down_staged_kernel<0, true>)
+              : (fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>);
   launch_pdl("hc_down_staged_kernel", kernel, grid, dim3(kBlockThreads), kDownStageBytes, stream,
              a);
   FN_CUDA_LAUNCH_CHECK("hc_down_staged_kernel");
@@ -687,6 +699,8 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
                         aligned(p.H, 4) && aligned(p.norm, 2) && aligned(p.m, 4) &&
                         aligned(p.m_bf16, 2) && aligned(p.m_lo, 2) && aligned(p.iota, 4),
                     kOp);
+  FN_LAUNCH_REQUIRE(p.tokens_per_block >= 0, kOp);
+  const int tpb = p.tokens_per_block == 0 ? p.tokens : std::min(p.tokens, p.tokens_per_block);
   const int64_t nvec = p.rank / 8;
   const int team = mix_team(p.hidden, p.rank);
   MixArgs a{p.w_up,
@@ -707,24 +721,26 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
             static_cast<int>(p.t_splits / kStreams),
             p.m_lo,
             p.tokens,
-            p.t_splits * p.t_stride};
-  const auto grid = static_cast<unsigned>(mix_blocks(p.hidden, team));
+            p.t_splits * p.t_stride,
+            tpb};
+  const dim3 grid(static_cast<unsigned>(mix_blocks(p.hidden, team)),
+                  static_cast<unsigned>((p.tokens + tpb - 1) / tpb));
   if (hc_mix_uses_staging(p)) {
     const bool fixed = p.fixed_shape && p.rank == kFixedRank && p.hidden == kFixedHidden &&
                        team == (1 << kFixedTeamLog2) && p.t_splits == kFixedSplits;
     void (*kernel)(MixArgs) =
-        p.tokens > 1
+        tpb > 1
             ? (fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits,
                                             true>
                      : hc_mix_staged_kernel<0, 0, 0, 0, true>)
             : (fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits>
                      : hc_mix_staged_kernel<>);
-    launch_pdl("hc_mix_staged_kernel", kernel, grid, kBlockThreads, mix_stage_bytes(p.rank, team),
-               stream, a);
+    launch_pdl("hc_mix_staged_kernel", kernel, grid, dim3(kBlockThreads),
+               mix_stage_bytes(p.rank, team), stream, a);
     FN_CUDA_LAUNCH_CHECK("hc_mix_staged_kernel");
   } else {
-    void (*kernel)(MixArgs) = p.tokens > 1 ? hc_mix_kernel<true> : hc_mix_kernel<>;
-    launch_pdl("hc_mix_kernel", kernel, grid, kBlockThreads,
+    void (*kernel)(MixArgs) = tpb > 1 ? hc_mix_kernel<true> : hc_mix_kernel<>;
+    launch_pdl("hc_mix_kernel", kernel, grid, dim3(kBlockThreads),
                static_cast<std::size_t>(p.rank) * sizeof(float), stream, a);
     FN_CUDA_LAUNCH_CHECK("hc_mix_kernel");
   }

@@ -66,6 +66,10 @@ struct HcDownParams {
   /// Independent tokens of this launch, 1..4096 (the layout above; neither registers nor shared
   /// memory depend on it: the blocks loop over the tokens, so the launch's time grows with it).
   int tokens = 1;
+  /// Tokens per block, >= 0 (0: all of them): the grid repeats its blocks ceil(tokens / this)
+  /// times along z, each copy staging the same weight tile (from L2 after the first) for its
+  /// own run of tokens, so the tokens' serial loops run side by side. The same bits per token.
+  int tokens_per_block = 0;
 };
 
 /// Column chunks per group of `hidden` columns: ceil(hidden / 1280) (2 at D = 2560).
@@ -133,6 +137,9 @@ struct HcMixParams {
   /// registers and reads the rest again for each token (from L2 after the first), one block per
   /// SM when tokens > 1.
   int tokens = 1;
+  /// Tokens per block, >= 0 (0: all of them): the grid repeats its blocks ceil(tokens / this)
+  /// times along y (as HcDownParams::tokens_per_block). The same bits per token.
+  int tokens_per_block = 0;
 };
 
 /// Whether launch_hc_mix(p) runs the shared-memory staged kernel: the block's W_up rows plus u

@@ -21,7 +21,9 @@
 //    loops over batches with the stage held). The K columns are cut into 128-column groups
 //    (4 lanes x 32 codes); consumer warp w = team * gw + wg takes the tiles team + s * tw
 //    (s < sp) of the unit and the groups wg, wg + gw (gw warps per tile, tw = 10 / gw teams,
-//    sp = 2 where a unit of tw tiles would be under 16 KB, ut = tw * sp: plan_gemm), one
+//    sp doubled up to 4 while a unit of sp * tw tiles is under 48 KB, ut = tw * sp: plan_gemm;
+//    at the real shape 2 gate+up tiles or 8 down tiles, 46 KB, so the consumers' barrier and
+//    epilogue of a unit are spread over that many bytes), one
 //    independent MMA chain per (tile, group), and keeps its B fragments (x, or h for the down, of
 //    the batch's routes) in registers across consecutive units of the same expert.
 // 4. moe_grouped_combine_kernel: y[t, d] = the weighted per-route down outputs in slot order.
@@ -60,8 +62,8 @@ constexpr int kWarps = 10;                   // consumer warps
 constexpr int kThreads = 32 * (kWarps + 1);  // + the producer warp
 constexpr int kMaxGroups = 2;                // 128-column groups per consumer warp: K <= 2,560
 constexpr int kMaxStages = 8;                // ring depth (fewer where the stages are larger)
-constexpr int kMaxSub = 2;                   // tiles per team and unit (sp: plan_gemm)
-constexpr int kMinUnitBytes = 16384;         // plan_gemm doubles sp below this unit size
+constexpr int kMaxSub = 4;                   // tiles per team and unit (sp: plan_gemm)
+constexpr int kMinUnitBytes = 49152;         // plan_gemm doubles sp below this unit size
 constexpr int kBatch = 8;                    // routes per MMA (the n of m16n8k16)
 constexpr int kGroupThreads = 1024;          // the grouping kernel's CTA
 constexpr int kCombineThreads = 256;

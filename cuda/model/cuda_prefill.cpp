@@ -21,7 +21,6 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -66,12 +65,16 @@ constexpr int64_t kHcReadRows = 64;
 // (docs/perf-history.md): the kernels faster at 2 and 4 rows, the GEMMs at 8 and 16; 6 lies
 // between the measured points (not measured itself).
 constexpr int64_t kHcGemmRows = 6;
+// Rows per block of those two kernels below kHcGemmRows (HcDownParams::tokens_per_block): a read
+// of 4 rows runs two copies of the grid, each looping over 2 rows. Measured on one H100
+// (docs/perf-history.md): 2 rows per block 19.2 against 21.4 µs per read at 4 rows.
+constexpr int kHcTokensPerBlock = 2;
 // A batched step of at least this many rows runs its routed experts grouped by expert
 // (launch_moe_grouped: each selected expert read once per step); fewer rows through the decode
 // kernels per row (their PDL launches cost less than the grouped path's four plain launches
-// where few routes share an expert). Measured on one H100: equal at 16 rows in the step, the
-// grouped launches alone 11 % and 38 % faster at 32 and 64 rows.
-constexpr int64_t kMoeGroupedFromRows = 16;
+// where few routes share an expert). Measured on one H100 (docs/perf-history.md): equal at 8 rows
+// in the step, 10 % faster at 16.
+constexpr int64_t kMoeGroupedFromRows = 8;
 // Rows per launch_moe_grouped of a batched step (bounds its workspace); more rows take more
 // launches, with the same bits per row (each row's results are independent of the others').
 constexpr int64_t kMoeGroupedRows = 64;
@@ -519,6 +522,7 @@ struct CudaModel::Impl::PrefillRun {
       down.sumsq = P.hc_sumsq;
       down.fixed_shape = I.plan.hc_down_fixed;
       down.tokens = n;
+      down.tokens_per_block = kHcTokensPerBlock;
       launch_hc_down(down, s);
       HcMixParams mx;
       mx.w_up = hc.up;
@@ -538,6 +542,7 @@ struct CudaModel::Impl::PrefillRun {
       mx.rank = c.hc_lowrank;
       mx.fixed_shape = I.plan.hc_mix_fixed;
       mx.tokens = n;
+      mx.tokens_per_block = kHcTokensPerBlock;
       launch_hc_mix(mx, s);
     }
   }

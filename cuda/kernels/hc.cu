@@ -236,8 +236,9 @@ __global__ void __launch_bounds__(kBlockThreads, kMulti ? kDownMultiMinBlocks : 
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  const int b0 = static_cast<int>(blockIdx.z) * a.tpb;
-  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : b0 + 1;
+  // The one-token instance (the decode step's) runs token 0 of a one-block-deep grid only.
+  const int b0 = kMulti ? static_cast<int>(blockIdx.z) * a.tpb : 0;
+  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : 1;
   float4 hx[kDownVecPerLane][2];
   down_load_h(down_token(a, d, b0), d, col0, vbeg, lane, hx);
   dev::cp_async_wait_all();
@@ -501,8 +502,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMulti ? 1 : 2) hc_mix_kernel(M
   dev::pdl_launch_dependents();
   // Per token the same operations in the same order as a one-token launch. The vectors past
   // kMixPre per lane are loaded again for each token (from L2 after the first).
-  const int b0 = static_cast<int>(blockIdx.y) * a.tpb;
-  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : b0 + 1;
+  const int b0 = kMulti ? static_cast<int>(blockIdx.y) * a.tpb : 0;  // one-token: token 0 only
+  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : 1;
   for (int b = b0; b < b1; ++b) {
     const MixArgs at = mix_token(a, d, b);
     if (b > b0) __syncthreads();  // every team is done with the last token's u
@@ -580,8 +581,8 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged
   // The staged rows serve every token: per token the same operations in the same order as a
   // one-token launch (u of the token into u_s, then the teams' dots), so each token's outputs
   // have its bits.
-  const int b0 = static_cast<int>(blockIdx.y) * a.tpb;
-  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : b0 + 1;
+  const int b0 = kMulti ? static_cast<int>(blockIdx.y) * a.tpb : 0;  // one-token: token 0 only
+  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : 1;
   for (int b = b0; b < b1; ++b) {
     const MixArgs at = mix_token(a, d, b);
     if (b > b0) __syncthreads();  // every team is done with the last token's u
@@ -676,8 +677,9 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
                   static_cast<unsigned>((p.tokens + tpb - 1) / tpb));
   const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
   void (*kernel)(DownArgs) =
-      tpb > 1 ? (fixed ? hc_down_staged_kernel<kFixedHidden, true> : hc_down_staged_kernel<0, true>)
-              : (fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>);
+      p.tokens > 1
+          ? (fixed ? hc_down_staged_kernel<kFixedHidden, true> : hc_down_staged_kernel<0, true>)
+          : (fixed ? hc_down_staged_kernel<kFixedHidden> : hc_down_staged_kernel<>);
   launch_pdl("hc_down_staged_kernel", kernel, grid, dim3(kBlockThreads), kDownStageBytes, stream,
              a);
   FN_CUDA_LAUNCH_CHECK("hc_down_staged_kernel");
@@ -729,7 +731,7 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
     const bool fixed = p.fixed_shape && p.rank == kFixedRank && p.hidden == kFixedHidden &&
                        team == (1 << kFixedTeamLog2) && p.t_splits == kFixedSplits;
     void (*kernel)(MixArgs) =
-        tpb > 1
+        p.tokens > 1
             ? (fixed ? hc_mix_staged_kernel<kFixedRank, kFixedHidden, kFixedTeamLog2, kFixedSplits,
                                             true>
                      : hc_mix_staged_kernel<0, 0, 0, 0, true>)
@@ -739,7 +741,7 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
                mix_stage_bytes(p.rank, team), stream, a);
     FN_CUDA_LAUNCH_CHECK("hc_mix_staged_kernel");
   } else {
-    void (*kernel)(MixArgs) = tpb > 1 ? hc_mix_kernel<true> : hc_mix_kernel<>;
+    void (*kernel)(MixArgs) = p.tokens > 1 ? hc_mix_kernel<true> : hc_mix_kernel<>;
     launch_pdl("hc_mix_kernel", kernel, grid, dim3(kBlockThreads),
                static_cast<std::size_t>(p.rank) * sizeof(float), stream, a);
     FN_CUDA_LAUNCH_CHECK("hc_mix_kernel");

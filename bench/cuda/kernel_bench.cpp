@@ -153,6 +153,24 @@ struct GemvShape {
   int64_t rows, cols;
 };
 
+// gemm_rows' stacked form over m rows of x (hi rows, then lo rows right below) into y [m, n].
+fn::GemmRowsParams stacked_gemm(const uint16_t* w, int64_t n, int64_t k, const uint16_t* x,
+                                int64_t m, float* y, float* stack, int64_t stack_floats) {
+  fn::GemmRowsParams g;
+  g.w = w;
+  g.n = n;
+  g.k = k;
+  g.x_hi = x;
+  g.x_lo = x + m * k;
+  g.ldx = k;
+  g.m = m;
+  g.y = y;
+  g.ldy = n;
+  g.stack = stack;
+  g.stack_floats = stack_floats;
+  return g;
+}
+
 // The batched decode step's pieces at M = 1 .. 64 rows on the real shapes (TP=1): each dense GEMM
 // as gemm_rows' stacked form (one GEMM of 2M rows, then the halves' sum), the HC read's three row
 // kernels, and the router's top-k rows. Bytes: the weights once plus the activations.
@@ -178,17 +196,9 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
     fill_random(w, wbytes * copies, 43);
     const int calls = std::max(copies, 20);
     for (int64_t m : {1, 2, 4, 8, 16, 32, 64}) {
-      fn::GemmRowsParams g;
-      g.n = s.rows;
-      g.k = s.cols;
-      g.x_hi = static_cast<const uint16_t*>(xb);
-      g.x_lo = g.x_hi + m * s.cols;
-      g.ldx = s.cols;
-      g.m = m;
-      g.y = static_cast<float*>(yb);
-      g.ldy = s.rows;
-      g.stack = static_cast<float*>(st);
-      g.stack_floats = stack_floats;
+      fn::GemmRowsParams g =
+          stacked_gemm(nullptr, s.rows, s.cols, static_cast<const uint16_t*>(xb), m,
+                       static_cast<float*>(yb), static_cast<float*>(st), stack_floats);
       const double us = t.time_per_call(calls, [&](int i) {
         g.w = w + size_t(i % copies) * s.rows * s.cols;
         fn::gemm_rows(blas.get(), g);
@@ -236,30 +246,10 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
       const double bytes = double(set) + double(m) * W * 4 * 2;
       const double gemm_us = t.time_per_call(calls, [&](int i) {
         fn::launch_hc_norm_rows(H, nw, 4, D, 1e-6f, m, scale, nh, nh + m * W, t.stream);
-        fn::GemmRowsParams a;
-        a.w = dn_w(i);
-        a.n = NR;
-        a.k = W;
-        a.x_hi = nh;
-        a.x_lo = nh + m * W;
-        a.ldx = W;
-        a.m = m;
-        a.y = tv;
-        a.ldy = NR;
-        a.stack = static_cast<float*>(st);
-        a.stack_floats = stack_floats;
-        fn::gemm_rows(blas.get(), a);
+        float* stack = static_cast<float*>(st);
+        fn::gemm_rows(blas.get(), stacked_gemm(dn_w(i), NR, W, nh, m, tv, stack, stack_floats));
         fn::launch_hc_act_rows(tv, NR, R, 4, m, uh, uh + m * R, iota, t.stream);
-        fn::GemmRowsParams b = a;
-        b.w = up_w(i);
-        b.n = W;
-        b.k = R;
-        b.x_hi = uh;
-        b.x_lo = uh + m * R;
-        b.ldx = R;
-        b.y = g;
-        b.ldy = W;
-        fn::gemm_rows(blas.get(), b);
+        fn::gemm_rows(blas.get(), stacked_gemm(up_w(i), W, R, uh, m, g, stack, stack_floats));
         fn::launch_hc_mix_rows(g, H, scale, nw, 4, D, m, mh, mh + m * D, t.stream);
       });
       rows.push_back(report({"hc_read gemm path", "5 launches + 2 sums", pm, bytes, gemm_us, bw}));

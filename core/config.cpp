@@ -214,6 +214,8 @@ void check_size_bounds(const Fields& f, const ModelConfig& c) {
 
 void parse_layer_types(const Fields& f, ModelConfig& c) {
   c.layer_types.clear();
+  // Before the list is matched against it, so that a count of 0 or less is named as such.
+  FN_CONFIG_RULE(c.num_hidden_layers > 0, f, "num_hidden_layers", "> 0", c.num_hidden_layers);
   const json* v = f.get("layer_types");
   if (!v) {
     FN_CONFIG_RULE(c.full_attention_interval > 0, f, "full_attention_interval", "> 0",

@@ -277,6 +277,10 @@ TEST_CASE("config: every invalid config is rejected with a message naming the fi
     t.erase("layer_types");
     want = "config.json: text_config.num_hidden_layers must be at most 1024, got 1000000";
   }
+  SUBCASE("num_hidden_layers below 1 is named as such, not as a layer_types mismatch") {
+    t["num_hidden_layers"] = -1;
+    want = "config.json: text_config.num_hidden_layers must be > 0, got -1";
+  }
   SUBCASE("hidden_size past 2^20 (2^62 overflowed the byte counts)") {
     t["hidden_size"] = int64_t{1} << 62;
     want =

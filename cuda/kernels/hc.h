@@ -82,7 +82,8 @@ int64_t hc_down_splits(int64_t hc_count, int64_t hidden);
 
 /// Launches hc_down_splits x ceil(rows / 16) blocks of 256 threads (16 rows x 1280 columns each,
 /// staged in shared memory with cp.async, ~43 KB; at the real shape 8 x 21 blocks, the whole
-/// 6.6 MB matrix in flight before the PDL wait), whatever `tokens` is. With tokens > 1 an
+/// 6.6 MB matrix in flight before the PDL wait), whatever `tokens` is, times
+/// ceil(tokens / tokens_per_block) along z. With tokens > 1 an
 /// instance of 2 blocks per SM (128 registers) runs, loading each token's H while the token before
 /// it computes; tokens = 1 runs the one-token instance (the decode step's, 64 registers). Throws
 /// fn::Error(Internal) on null pointers, bad sizes (tokens outside 1..4096 included) or

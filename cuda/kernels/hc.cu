@@ -37,6 +37,24 @@ constexpr int kMaxSplits = 8;
 // from running for milliseconds by mistake (the batched step passes at most 64).
 constexpr int kMaxTokens = 4096;
 
+// The tokens [b0, b1) of a block of a several-token launch: copy `copy` of the grid (its z for the
+// down pass, its y for the mix) takes tpb of them. The one-token instance (the decode step's)
+// takes token 0 only, so its code does not change with the copies.
+template <bool kMulti>
+__device__ __forceinline__ void block_tokens(unsigned copy, int tokens, int tpb, int& b0, int& b1) {
+  b0 = kMulti ? static_cast<int>(copy) * tpb : 0;
+  b1 = kMulti ? min(tokens, b0 + tpb) : 1;
+}
+
+// Tokens per block of a launch (HcDownParams::tokens_per_block: 0 means all of them), and the grid
+// copies that cover the tokens with it.
+int launch_tokens_per_block(int tokens, int per_block) {
+  return per_block == 0 ? tokens : std::min(tokens, per_block);
+}
+unsigned grid_copies(int tokens, int tpb) {
+  return static_cast<unsigned>((tokens + tpb - 1) / tpb);
+}
+
 // The real read's shape (docs/model.md §A.2: hc_lowrank 320, hidden 2560; the down pass's 2 chunks
 // per group; 32-lane teams, as mix_team plans them on a 132-SM H200).
 constexpr int kFixedRank = real_shape::kHcRank;
@@ -236,9 +254,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMulti ? kDownMultiMinBlocks : 
   }
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  // The one-token instance (the decode step's) runs token 0 of a one-block-deep grid only.
-  const int b0 = kMulti ? static_cast<int>(blockIdx.z) * a.tpb : 0;
-  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : 1;
+  int b0, b1;
+  block_tokens<kMulti>(blockIdx.z, a.tokens, a.tpb, b0, b1);
   float4 hx[kDownVecPerLane][2];
   down_load_h(down_token(a, d, b0), d, col0, vbeg, lane, hx);
   dev::cp_async_wait_all();
@@ -502,8 +519,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMulti ? 1 : 2) hc_mix_kernel(M
   dev::pdl_launch_dependents();
   // Per token the same operations in the same order as a one-token launch. The vectors past
   // kMixPre per lane are loaded again for each token (from L2 after the first).
-  const int b0 = kMulti ? static_cast<int>(blockIdx.y) * a.tpb : 0;  // one-token: token 0 only
-  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : 1;
+  int b0, b1;
+  block_tokens<kMulti>(blockIdx.y, a.tokens, a.tpb, b0, b1);
   for (int b = b0; b < b1; ++b) {
     const MixArgs at = mix_token(a, d, b);
     if (b > b0) __syncthreads();  // every team is done with the last token's u
@@ -581,8 +598,8 @@ __global__ void __launch_bounds__(kBlockThreads, kStagedMinBlocks) hc_mix_staged
   // The staged rows serve every token: per token the same operations in the same order as a
   // one-token launch (u of the token into u_s, then the teams' dots), so each token's outputs
   // have its bits.
-  const int b0 = kMulti ? static_cast<int>(blockIdx.y) * a.tpb : 0;  // one-token: token 0 only
-  const int b1 = kMulti ? min(a.tokens, b0 + a.tpb) : 1;
+  int b0, b1;
+  block_tokens<kMulti>(blockIdx.y, a.tokens, a.tpb, b0, b1);
   for (int b = b0; b < b1; ++b) {
     const MixArgs at = mix_token(a, d, b);
     if (b > b0) __syncthreads();  // every team is done with the last token's u
@@ -651,7 +668,7 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
                                 aligned(p.H_out, 16) && aligned(p.inject_iota, 4)),
                     kOp);
   FN_LAUNCH_REQUIRE(p.tokens_per_block >= 0, kOp);
-  const int tpb = p.tokens_per_block == 0 ? p.tokens : std::min(p.tokens, p.tokens_per_block);
+  const int tpb = launch_tokens_per_block(p.tokens, p.tokens_per_block);
   const int64_t splits = hc_down_splits(p.hc_count, p.hidden);
   const int64_t row_blocks = (p.rows + kDownRowsPerBlock - 1) / kDownRowsPerBlock;
   FN_LAUNCH_REQUIRE(splits <= INT32_MAX && row_blocks <= 65535, kOp);
@@ -674,7 +691,7 @@ void launch_hc_down(const HcDownParams& p, cudaStream_t stream) {
              splits,
              tpb};
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(row_blocks),
-                  static_cast<unsigned>((p.tokens + tpb - 1) / tpb));
+                  grid_copies(p.tokens, tpb));
   const bool fixed = p.fixed_shape && p.hc_count == kStreams && p.hidden == kFixedHidden;
   void (*kernel)(DownArgs) =
       p.tokens > 1
@@ -702,7 +719,7 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
                         aligned(p.m_bf16, 2) && aligned(p.m_lo, 2) && aligned(p.iota, 4),
                     kOp);
   FN_LAUNCH_REQUIRE(p.tokens_per_block >= 0, kOp);
-  const int tpb = p.tokens_per_block == 0 ? p.tokens : std::min(p.tokens, p.tokens_per_block);
+  const int tpb = launch_tokens_per_block(p.tokens, p.tokens_per_block);
   const int64_t nvec = p.rank / 8;
   const int team = mix_team(p.hidden, p.rank);
   MixArgs a{p.w_up,
@@ -725,8 +742,7 @@ void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
             p.tokens,
             p.t_splits * p.t_stride,
             tpb};
-  const dim3 grid(static_cast<unsigned>(mix_blocks(p.hidden, team)),
-                  static_cast<unsigned>((p.tokens + tpb - 1) / tpb));
+  const dim3 grid(static_cast<unsigned>(mix_blocks(p.hidden, team)), grid_copies(p.tokens, tpb));
   if (hc_mix_uses_staging(p)) {
     const bool fixed = p.fixed_shape && p.rank == kFixedRank && p.hidden == kFixedHidden &&
                        team == (1 << kFixedTeamLog2) && p.t_splits == kFixedSplits;

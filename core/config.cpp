@@ -214,7 +214,8 @@ void check_size_bounds(const Fields& f, const ModelConfig& c) {
 
 void parse_layer_types(const Fields& f, ModelConfig& c) {
   c.layer_types.clear();
-  // Before the list is matched against it, so that a count of 0 or less is named as such.
+  // Before the list is built from or matched against it, so that a count of 0 or less is named
+  // as such (validate() runs after this; it does not check the count again).
   FN_CONFIG_RULE(c.num_hidden_layers > 0, f, "num_hidden_layers", "> 0", c.num_hidden_layers);
   const json* v = f.get("layer_types");
   if (!v) {
@@ -256,7 +257,6 @@ void validate(const Fields& f, ModelConfig& c) {
   FN_CONFIG_RULE(c.vocab_size > 0 && c.vocab_size <= std::numeric_limits<int32_t>::max(), f,
                  "vocab_size", "in [1, 2^31 - 1] (token ids are 32-bit)", c.vocab_size);
   positive("hidden_size", c.hidden_size);
-  positive("num_hidden_layers", c.num_hidden_layers);
   positive("num_attention_heads", c.num_attention_heads);
   positive("num_key_value_heads", c.num_key_value_heads);
   positive("head_dim", c.head_dim);

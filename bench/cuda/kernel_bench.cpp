@@ -153,6 +153,13 @@ struct GemvShape {
   int64_t rows, cols;
 };
 
+// The plan column of a row count: "m8".
+std::string rows_label(int64_t m) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "m%lld", static_cast<long long>(m));
+  return buf;
+}
+
 // gemm_rows' stacked form over m rows of x (hi rows, then lo rows right below) into y [m, n].
 fn::GemmRowsParams stacked_gemm(const uint16_t* w, int64_t n, int64_t k, const uint16_t* x,
                                 int64_t m, float* y, float* stack, int64_t stack_floats) {
@@ -174,8 +181,7 @@ fn::GemmRowsParams stacked_gemm(const uint16_t* w, int64_t n, int64_t k, const u
 // The batched decode step's pieces at M = 1 .. 64 rows on the real shapes (TP=1): each dense GEMM
 // as gemm_rows' stacked form (one GEMM of 2M rows, then the halves' sum), the HC read's three row
 // kernels, and the router's top-k rows. Bytes: the weights once plus the activations.
-void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::json& rows) {
-  (void)prop;
+void rows_section(Timer& t, double bw, nlohmann::json& rows) {
   const std::vector<GemvShape> shapes = {
       {"gdn_in", 16480, 2560},        {"gdn_out", 2560, 6144},    {"qsa_in", 13952, 2560},
       {"hc_down_inj", 324, 10240},    {"hc_up", 10240, 320},      {"router", 513, 2560},
@@ -204,11 +210,10 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
         fn::gemm_rows(blas.get(), g);
       });
       const double bytes = double(wbytes) + double(m) * s.cols * 4 + double(m) * s.rows * 4;
-      char shape[64], plan[16];
+      char shape[64];
       std::snprintf(shape, sizeof shape, "%s %lldx%lld", s.name, static_cast<long long>(s.rows),
                     static_cast<long long>(s.cols));
-      std::snprintf(plan, sizeof plan, "m%lld", static_cast<long long>(m));
-      rows.push_back(report({"gemm_rows stacked", shape, plan, bytes, us, bw}));
+      rows.push_back(report({"gemm_rows stacked", shape, rows_label(m), bytes, us, bw}));
     }
     FN_CUDA_CHECK(cudaFree(w));
   }
@@ -241,8 +246,7 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
     auto dn_w = [&](int i) { return w + size_t(i % copies) * (set / 2); };
     auto up_w = [&](int i) { return dn_w(i) + NR * W; };
     for (int64_t m : {1, 2, 4, 8, 16, 32, 64}) {
-      char pm[16];
-      std::snprintf(pm, sizeof pm, "m%lld", static_cast<long long>(m));
+      const std::string pm = rows_label(m);
       const double bytes = double(set) + double(m) * W * 4 * 2;
       const double gemm_us = t.time_per_call(calls, [&](int i) {
         fn::launch_hc_norm_rows(H, nw, 4, D, 1e-6f, m, scale, nh, nh + m * W, t.stream);
@@ -286,57 +290,46 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
           fn::launch_hc_down(dp, t.stream);
           fn::launch_hc_mix(mp, t.stream);
         });
-        char plan[24];
-        std::snprintf(plan, sizeof plan, "%s tpb%d", pm, tpb);
+        char plan[32];
+        std::snprintf(plan, sizeof plan, "%s tpb%d", pm.c_str(), tpb);
         rows.push_back(report({"hc_read kernels", "down + mix", plan, bytes, us, bw}));
       }
+    }
+    // The HC read's row kernels alone (no weights: activations only), on the same buffers.
+    fill_random(tv, max_m * NR * 4, 53);
+    fill_random(g, max_m * W * 4, 54);
+    for (int64_t m : {1, 8, 16, 64}) {
+      const std::string pm = rows_label(m);
+      const double norm_us = t.time_per_call(50, [&](int) {
+        fn::launch_hc_norm_rows(H, nw, 4, D, 1e-6f, m, scale, nh, nh + m * W, t.stream);
+      });
+      rows.push_back(report({"hc_norm_rows", "4x2560", pm, double(m) * W * 8, norm_us, bw}));
+      const double act_us = t.time_per_call(50, [&](int) {
+        fn::launch_hc_act_rows(tv, R + 4, R, 4, m, uh, uh + m * R, iota, t.stream);
+      });
+      rows.push_back(report({"hc_act_rows", "324", pm, double(m) * (R + 4) * 8, act_us, bw}));
+      const double mix_us = t.time_per_call(50, [&](int) {
+        fn::launch_hc_mix_rows(g, H, scale, nw, 4, D, m, mh, mh + m * D, t.stream);
+      });
+      rows.push_back(report({"hc_mix_rows", "4x2560", pm, double(m) * W * 8, mix_us, bw}));
+      const double inj_us = t.time_per_call(
+          50, [&](int) { fn::launch_hc_inject_rows(H, iota, g, 4, D, m, t.stream); });
+      rows.push_back(report({"hc_inject_rows", "4x2560", pm, double(m) * W * 8, inj_us, bw}));
     }
     for (void* p : {(void*)w, (void*)nw, (void*)nh, (void*)uh, (void*)mh, (void*)H, (void*)scale,
                     (void*)tv, (void*)g, (void*)iota, (void*)tp, (void*)ss})
       FN_CUDA_CHECK(cudaFree(p));
   }
-  // The HC read's row kernels and the router's top-k rows (no weights: activations only).
-  const int64_t D = 2560, W = 4 * D, R = 320;
-  float *H, *scale, *tv, *g, *iota, *rl, *rw;
-  uint16_t *nw, *nh, *uh, *mh;
+  // The router's top-k rows.
+  float *rl, *rw;
   int32_t *ids, *flag;
-  FN_CUDA_CHECK(cudaMalloc(&H, max_m * W * 4));
-  FN_CUDA_CHECK(cudaMalloc(&scale, max_m * 4 * 4));
-  FN_CUDA_CHECK(cudaMalloc(&tv, max_m * (R + 4) * 4));
-  FN_CUDA_CHECK(cudaMalloc(&g, max_m * W * 4));
-  FN_CUDA_CHECK(cudaMalloc(&iota, max_m * 4 * 4));
   FN_CUDA_CHECK(cudaMalloc(&rl, max_m * 513 * 4));
   FN_CUDA_CHECK(cudaMalloc(&rw, max_m * 10 * 4));
-  FN_CUDA_CHECK(cudaMalloc(&nw, W * 2));
-  FN_CUDA_CHECK(cudaMalloc(&nh, 2 * max_m * W * 2));
-  FN_CUDA_CHECK(cudaMalloc(&uh, 2 * max_m * R * 2));
-  FN_CUDA_CHECK(cudaMalloc(&mh, 2 * max_m * D * 2));
   FN_CUDA_CHECK(cudaMalloc(&ids, max_m * 10 * 4));
   FN_CUDA_CHECK(cudaMalloc(&flag, 4));
   FN_CUDA_CHECK(cudaMemset(flag, 0, 4));
-  fill_random(H, max_m * W * 4, 51);
-  fill_random(nw, W * 2, 52);
-  fill_random(tv, max_m * (R + 4) * 4, 53);
-  fill_random(g, max_m * W * 4, 54);
   fill_random(rl, max_m * 513 * 4, 55);
   for (int64_t m : {1, 8, 16, 64}) {
-    char pm[16];
-    std::snprintf(pm, sizeof pm, "m%lld", static_cast<long long>(m));
-    const double norm_us = t.time_per_call(50, [&](int) {
-      fn::launch_hc_norm_rows(H, nw, 4, D, 1e-6f, m, scale, nh, nh + m * W, t.stream);
-    });
-    rows.push_back(report({"hc_norm_rows", "4x2560", pm, double(m) * W * 8, norm_us, bw}));
-    const double act_us = t.time_per_call(50, [&](int) {
-      fn::launch_hc_act_rows(tv, R + 4, R, 4, m, uh, uh + m * R, iota, t.stream);
-    });
-    rows.push_back(report({"hc_act_rows", "324", pm, double(m) * (R + 4) * 8, act_us, bw}));
-    const double mix_us = t.time_per_call(50, [&](int) {
-      fn::launch_hc_mix_rows(g, H, scale, nw, 4, D, m, mh, mh + m * D, t.stream);
-    });
-    rows.push_back(report({"hc_mix_rows", "4x2560", pm, double(m) * W * 8, mix_us, bw}));
-    const double inj_us =
-        t.time_per_call(50, [&](int) { fn::launch_hc_inject_rows(H, iota, g, 4, D, m, t.stream); });
-    rows.push_back(report({"hc_inject_rows", "4x2560", pm, double(m) * W * 8, inj_us, bw}));
     fn::RouterRowsParams rr;
     rr.logits = rl;
     rr.logits_stride = 513;
@@ -349,11 +342,10 @@ void rows_section(Timer& t, const cudaDeviceProp& prop, double bw, nlohmann::jso
     rr.error_flag = flag;
     const double topk_us =
         t.time_per_call(50, [&](int) { fn::launch_router_topk_rows(rr, t.stream); });
-    rows.push_back(
-        report({"router_topk_rows", "512 top 10", pm, double(m) * 513 * 4, topk_us, bw}));
+    rows.push_back(report(
+        {"router_topk_rows", "512 top 10", rows_label(m), double(m) * 513 * 4, topk_us, bw}));
   }
-  for (void* p : {(void*)H, (void*)scale, (void*)tv, (void*)g, (void*)iota, (void*)rl, (void*)rw,
-                  (void*)nw, (void*)nh, (void*)uh, (void*)mh, (void*)ids, (void*)flag, xb, yb, st})
+  for (void* p : {(void*)rl, (void*)rw, (void*)ids, (void*)flag, xb, yb, st})
     FN_CUDA_CHECK(cudaFree(p));
 }
 
@@ -405,12 +397,16 @@ int main(int argc, char** argv) try {
       "nodes (read + write)\n",
       prop.name, prop.multiProcessorCount, bw / 1e9, graph_bw / 1e9);
   nlohmann::json rows = nlohmann::json::array();
+  // The rows so far as the report's results, into --json FILE when given (every exit path).
+  auto write_json = [&] {
+    out["results"] = rows;
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  };
 
   // ---- The batched step at M rows: gemm_rows (stacked hi + lo) and the row kernels -------------
   if (rows_only) {
-    rows_section(t, prop, bw, rows);
-    out["results"] = rows;
-    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+    rows_section(t, bw, rows);
+    write_json();
     return 0;
   }
 
@@ -486,8 +482,7 @@ int main(int argc, char** argv) try {
       FN_CUDA_CHECK(cudaFree(ptr));
   }
   if (moe_shared_only) {
-    out["results"] = rows;
-    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+    write_json();
     return 0;
   }
 
@@ -630,8 +625,7 @@ int main(int argc, char** argv) try {
       FN_CUDA_CHECK(cudaFree(p));
   }
   if (hc_only) {
-    out["results"] = rows;
-    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+    write_json();
     return 0;
   }
 
@@ -733,8 +727,7 @@ int main(int argc, char** argv) try {
          {(void*)gu_p, (void*)gu_s, (void*)dn_p, (void*)dn_s, (void*)gu_g, (void*)dn_g, (void*)h})
       FN_CUDA_CHECK(cudaFree(p));
   }
-  out["results"] = rows;
-  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  write_json();
   FN_CUDA_CHECK(cudaFree(x));
   FN_CUDA_CHECK(cudaFree(y));
   FN_CUDA_CHECK(cudaFree(d_ids));

@@ -8,8 +8,10 @@
 //   GEMMs ; combine ; all-reduce ; inject } -> final mixer + lm_head on the rows whose logits are
 //   wanted -> n-gram context and position advance.
 //
-// Dense projections go through cuBLAS with the FP32 activations split into BF16 hi + lo
-// (cuda/kernels/gemm.h), so the numerics are the decode GEMVs' up to summation order. A batched
+// Dense projections go through cuBLAS. The block input m and the n-gram embedding enter as BF16
+// hi + lo pairs (cuda/kernels/gemm.h), the decode GEMVs' FP32-activation numerics up to summation
+// order; a prompt pass's HC read gives N and u as BF16 (docs/numerics.md "The batched prefill": the
+// KL against the reference is unchanged without their lo halves, not without m's). A batched
 // decode step (decode_rows) of fewer than kHcGemmRows rows runs its HC reads through the decode
 // step's launch_hc_down + launch_hc_mix (cuda/kernels/hc.h) with the rows as their tokens
 // instead (bitwise the decode step's read per row), and its routed experts through the decode
@@ -91,11 +93,12 @@ struct CudaPrefillState {
   int32_t* tokens = nullptr;
   float* H = nullptr;      // [rows, W] FP32 residual rows
   float* scale = nullptr;  // [rows, S] HC norm scales
-  // The BF16 hi + lo pairs of the GEMM inputs (gemm.h): a call's m rows of hi, then its m rows of
-  // lo right below them (gemm_rows' stacked form), so each buffer holds 2 * rows rows.
-  uint16_t* n_hi = nullptr;  // [2 * rows, W] N as BF16 hi, then lo
+  // The BF16 GEMM inputs (gemm.h). m and e are hi + lo pairs: a call's m rows of hi, then its m
+  // rows of lo right below them (gemm_rows' stacked form), so their buffers hold 2 * rows rows; N
+  // and u have lo rows only for a batched step of up to kGemmStackMaxRows rows (hc_read).
+  uint16_t* n_hi = nullptr;  // [rows + min(rows, kGemmStackMaxRows), W] N as BF16 (hi, lo)
   float* t = nullptr;        // [rows, R + S] HC down/inject GEMM
-  uint16_t* u_hi = nullptr;  // [2 * rows, R]
+  uint16_t* u_hi = nullptr;  // [rows + min(rows, kGemmStackMaxRows), R] u as BF16 (hi, lo)
   float* g = nullptr;        // [rows, W] HC up GEMM (pre-sigmoid); a batched step: m [rows, D]
   uint16_t* m_hi = nullptr;  // [2 * rows, D] block input hi (= the experts' BF16 input), lo
   float* iota = nullptr;     // [rows, S]
@@ -215,9 +218,10 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.tokens = cv.take<int32_t>(rows);
   P.H = cv.take<float>(rows * W);
   P.scale = cv.take<float>(rows * S);
-  P.n_hi = cv.take<uint16_t>(2 * rows * W);
+  const int64_t split_rows = rows + std::min(rows, kGemmStackMaxRows);  // hc_read's lo rows
+  P.n_hi = cv.take<uint16_t>(split_rows * W);
   P.t = cv.take<float>(rows * (R + S));
-  P.u_hi = cv.take<uint16_t>(2 * rows * R);
+  P.u_hi = cv.take<uint16_t>(split_rows * R);
   P.g = cv.take<float>(rows * W);
   P.m_hi = cv.take<uint16_t>(2 * rows * D);
   P.iota = cv.take<float>(rows * S);
@@ -492,8 +496,12 @@ struct CudaModel::Impl::PrefillRun {
       hc_read_rows(hc, Hrows, m, iota_out, mlo);
       return;
     }
-    uint16_t* n_lo = P.n_hi + m * W;
-    uint16_t* u_lo = P.u_hi + m * R;
+    // A prompt pass gives N and u to their GEMMs as BF16 (docs/numerics.md "The batched
+    // prefill"); a batched step keeps their lo halves while the stacked GEMM reads each weight
+    // once for both (kGemmStackMaxRows), where they cost no weight bytes.
+    const bool split = decode_rows && m <= kGemmStackMaxRows;
+    uint16_t* n_lo = split ? P.n_hi + m * W : nullptr;
+    uint16_t* u_lo = split ? P.u_hi + m * R : nullptr;
     launch_hc_norm_rows(Hrows, hc.norm, static_cast<int>(S), D, eps, m, P.scale, P.n_hi, n_lo, s);
     gemm(hc.down_inj, hc.down_rows, W, P.n_hi, n_lo, W, m, P.t, hc.down_rows);
     launch_hc_act_rows(P.t, hc.down_rows, R, static_cast<int>(S), m, P.u_hi, u_lo, iota_out, s);

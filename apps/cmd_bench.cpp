@@ -10,12 +10,13 @@
 // --random-weights --config FILE runs the full geometry on random device weights (cuda);
 // --skip-prefill (implied there) moves the position to n_prompt - 1 instead of running the
 // prompt (the caches hold zeros; TTFT is not measured). --breakdown times each op family of the
-// decode step after each lane (CudaModel::profile_steps). Each lane runs --warmup discarded
-// repetitions, then -r/--repetitions measured ones, on every rank; rank 0 prints the report
-// (--format md|csv|json|jsonl, stdout or -o FILE) and the per-token record (--per-token FILE),
-// both files written only once every lane has run (a failed run leaves them as they were), never
-// into the model directory nor onto each other (apps/app_util.h). The
-// roofline columns come from the shard plan (core/shard_plan.h bytes_per_token at the lane's mean
+// decode step after each lane (CudaModel::profile_steps) and, unless the prefill is skipped, of
+// one more prefill of the lane's prompt (TFLOP/s per family, CudaModel::set_prefill_profile).
+// Each lane runs --warmup discarded repetitions, then -r/--repetitions measured ones, on every
+// rank; rank 0 prints the report (--format md|csv|json|jsonl, stdout or -o FILE) and the
+// per-token record (--per-token FILE), both files written only once every lane has run (a failed
+// run leaves them as they were), never into the model directory nor onto each other
+// (apps/app_util.h). The roofline columns come from the shard plan (core/shard_plan.h bytes_per_token at the lane's mean
 // decode depth, the largest over ranks) and the reference bandwidth --bandwidth-gbs. Logs go to
 // stderr.
 #include <algorithm>
@@ -267,6 +268,8 @@ struct LaneResult {
   uint64_t weight_bytes = 0, state_bytes = 0;        // of the rank with the most bytes
   double prompt_flops = 0;  // the model's FLOPs of the prompt and the first token's logits
   std::optional<Breakdown> breakdown;
+  // --breakdown with the prefill run: one more prefill of the lane's prompt, timed per family.
+  std::optional<PrefillBreakdown> prefill_breakdown;
 };
 
 // Everything rank 0 reports.
@@ -282,6 +285,21 @@ struct Report {
   Environment env;
   std::vector<LaneResult> lanes;
 };
+
+// A lane's prefill per family: ms, the family's FLOPs and its rate (families without time
+// left out).
+json prefill_breakdown_json(const PrefillBreakdown& b) {
+  json rows = json::array();
+  for (std::size_t i = 0; i < b.families.size(); ++i) {
+    if (b.ms[i] <= 0) continue;
+    rows.push_back({{"family", b.families[i]},
+                    {"ms", b.ms[i]},
+                    {"tflop", b.flops[i] * 1e-12},
+                    {"tflops_per_s", b.flops[i] > 0 ? json(b.flops[i] / (b.ms[i] * 1e-3) * 1e-12)
+                                                    : json(nullptr)}});
+  }
+  return {{"tokens", b.tokens}, {"passes", b.passes}, {"families", rows}};
+}
 
 // The per-lane fields shared by every format (names = csv columns = json keys).
 json breakdown_json(const Breakdown& b, double tpot_ms, double bandwidth_gbs) {
@@ -364,6 +382,7 @@ json lane_json(const LaneResult& l, double bandwidth_gbs) {
     j["breakdown"] = breakdown_json(*l.breakdown, tpot, bandwidth_gbs);
     j["breakdown_info"] = breakdown_info_json(*l.breakdown, tpot);
   }
+  if (l.prefill_breakdown) j["prefill_breakdown"] = prefill_breakdown_json(*l.prefill_breakdown);
   return j;
 }
 
@@ -629,6 +648,27 @@ std::string format_md(const Report& r) {
         tpot, b.events,
         graph ? fmt::format("{:.4f} ms", b.graph_step_ms) : "n/a (" + b.graph_error + ")",
         b.event_cost_ms(tpot) * 1e3, b.eager_step_ms, b.eager_step_ms - tpot);
+  }
+  for (const auto& l : r.lanes) {
+    if (!l.prefill_breakdown) continue;
+    const PrefillBreakdown& b = *l.prefill_breakdown;
+    out += fmt::format(
+        "\nprefill per family, lane -p {}: one more prefill of the lane's prompt ({} tokens, {} "
+        "passes), a CUDA event at every family boundary; rank 0's time, the model's FLOPs "
+        "(core/flops.h)\n\n| family | ms | TFLOP | TFLOP/s |\n|---|---:|---:|---:|\n",
+        l.n_prompt, b.tokens, b.passes);
+    double ms = 0, fl = 0;
+    for (std::size_t i = 0; i < b.families.size(); ++i) {
+      if (b.ms[i] <= 0) continue;
+      ms += b.ms[i];
+      fl += b.flops[i];
+      out +=
+          fmt::format("| {} | {:.1f} | {:.2f} | {} |\n", b.families[i], b.ms[i], b.flops[i] * 1e-12,
+                      b.flops[i] > 0 ? fmt::format("{:.1f}", b.flops[i] / (b.ms[i] * 1e-3) * 1e-12)
+                                     : std::string("-"));
+    }
+    out += fmt::format("| **sum** | {:.1f} | {:.2f} | {:.1f} |\n", ms, fl * 1e-12,
+                       ms > 0 ? fl / (ms * 1e-3) * 1e-12 : 0.0);
   }
   out += fmt::format("\nbuild: {}\n", r.env.commit);
   return out;
@@ -1003,6 +1043,13 @@ int run_bench(BenchCli& o, MpiContext& mpi) {
         if (o.breakdown)
           lane.breakdown =
               run_breakdown(model, cfg, plan, o.breakdown_steps, last_id, p - 1 + n, root);
+        if (o.breakdown && !skip_prefill) {  // one more prefill, timed per family
+          model.reset();
+          model.set_prefill_profile(true);
+          model.prefill(prompt, PrefillOutput::None);
+          model.set_prefill_profile(false);
+          lane.prefill_breakdown = model.last_prefill_profile();
+        }
         if (root) {
           const json j = lane_json(lane, rep.bandwidth_gbs);
           FN_LOG_INFO(
@@ -1056,7 +1103,8 @@ void register_bench(CLI::App& app, CommandList& commands) {
                 "hold zeros; TTFT is not measured)");
   sub->add_flag("--breakdown", o->breakdown,
                 "cuda: after each lane, time every op family of the decode step (eager and in a "
-                "graph, a CUDA event at each family boundary) next to its bytes per token");
+                "graph, a CUDA event at each family boundary) next to its bytes per token, and "
+                "(prefill not skipped) of one more prefill next to its FLOPs");
   add_whole_option(sub, "--breakdown-steps", o->breakdown_steps,
                    "steps averaged by --breakdown, each mode (default 32; 4 warm-up steps first)",
                    WholeRange(1, kMaxTokenCount));

@@ -146,4 +146,12 @@ StepBreakdown Backend::profile_steps(int32_t, int64_t, bool) {
   FN_THROW(Internal, "the {} backend has no per-family step profile", info_.name);
 }
 
+void Backend::set_prefill_profile(bool) {
+  FN_THROW(Internal, "the {} backend has no per-family prefill profile", info_.name);
+}
+
+std::optional<PrefillBreakdown> Backend::last_prefill_profile() const {
+  FN_THROW(Internal, "the {} backend has no per-family prefill profile", info_.name);
+}
+
 }  // namespace fn

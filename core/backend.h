@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -45,7 +46,7 @@ struct BackendCapabilities {
   bool device_memory = false;   ///< device_used_mib()
   bool graph_captures = false;  ///< graph_captures()
   bool set_position = false;    ///< set_position_for_benchmark()
-  bool profile = false;         ///< profile_steps()
+  bool profile = false;         ///< profile_steps(), set_prefill_profile(), last_prefill_profile()
   bool snapshot = false;        ///< snapshot() / restore()
   bool batch_sampling = false;  ///< sample_batch()
   bool copy_slot = false;       ///< copy_slot()
@@ -90,6 +91,16 @@ struct StepBreakdown {
   bool in_graph = false;
   std::vector<int64_t> segments;  ///< event-delimited segments per step, by family
   int64_t events = 0;             ///< events recorded per step
+};
+
+/// The per-family time of one prefill call (Backend::last_prefill_profile): `ms[i]` milliseconds
+/// of family `families[i]` (StepBreakdown's names) over the whole call and `flops[i]` its FLOPs
+/// (core/flops.h prefill_flops; 0 where the family has none counted), for `tokens` prompt tokens
+/// in `passes` passes.
+struct PrefillBreakdown {
+  std::vector<std::string> families;
+  std::vector<double> ms, flops;
+  int64_t tokens = 0, passes = 0;
 };
 
 /// One rank's model and its sequence state. Not copyable; owned by the caller that loaded it.
@@ -237,6 +248,13 @@ class Backend {
   /// advances the position by `steps`. Every rank calls it alike. Throws as decode(),
   /// fn::Error(Internal) without it.
   virtual StepBreakdown profile_steps(int32_t first, int64_t steps, bool in_graph);
+
+  /// capabilities().profile only, benchmarks: with `on`, later prefill calls time each op family
+  /// (an event at every family boundary). Throws fn::Error(Internal) without it.
+  virtual void set_prefill_profile(bool on);
+  /// capabilities().profile only: the last profiled prefill call's breakdown (nullopt when none
+  /// ran). Throws fn::Error(Internal) without it.
+  virtual std::optional<PrefillBreakdown> last_prefill_profile() const;
 
  protected:
   explicit Backend(BackendInfo info) : info_(std::move(info)) {}

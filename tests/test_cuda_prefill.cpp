@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "comm/mpi_check.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/flops.h"
 #include "cuda/common/cuda_check.h"
 #include "cuda/model/cuda_model.h"
 #include "cuda/model/cuda_model_testing.h"
@@ -349,4 +351,38 @@ TEST_CASE(
   CHECK(static_cast<int64_t>(l.size()) == f.vocab);
   CHECK(m->position() == 8);
   CHECK_THROWS_WITH_AS(m->forward(1), doctest::Contains("the context is full"), fn::Error);
+}
+
+TEST_CASE("cuda prefill: a profiled prefill reports every family's time and the model's FLOPs") {
+  fn::test::use_gpu_of_rank();
+  const fn::test::RefFixture f = fn::test::load_ref_fixture("g3_tiny");
+  auto m = fn::CudaModel::load(f.dir, options(0, 1, nullptr, 64, 16));
+  const std::vector<int32_t> prompt(f.tokens.begin(), f.tokens.begin() + 40);
+  m->prefill(prompt);
+  CHECK_FALSE(m->last_prefill_profile().has_value());  // not asked for
+  m->reset();
+  m->set_prefill_profile(true);
+  m->prefill(prompt);
+  m->set_prefill_profile(false);
+  const std::optional<fn::PrefillProfile> p = m->last_prefill_profile();
+  REQUIRE(p.has_value());
+  CHECK(p->tokens == 40);
+  CHECK(p->passes == 3);  // 16 + 16 + 8
+  const fn::PrefillFlops want = fn::prefill_flops(m->config(), 0, 40, 1);
+  double flops = 0;
+  for (int i = 0; i < fn::kStepFamilyCount; ++i) {
+    const auto fam = static_cast<fn::StepFamily>(i);
+    const char* name = fn::step_family_name(fam);
+    CAPTURE(name);
+    CHECK(p->flops[static_cast<std::size_t>(i)] == want.of(name));
+    flops += p->flops[static_cast<std::size_t>(i)];
+    // g3_tiny has every family but the all-reduce (TP=1) in its prefill.
+    if (fam != fn::StepFamily::AllReduce && fam != fn::StepFamily::Other)
+      CHECK(p->ms[static_cast<std::size_t>(i)] > 0.0);
+  }
+  CHECK(flops == doctest::Approx(want.total()).epsilon(1e-12));
+  m->reset();
+  m->prefill(prompt);  // profile off again: the last profiled call's figures stay
+  REQUIRE(m->last_prefill_profile().has_value());
+  CHECK(m->last_prefill_profile()->ms == p->ms);
 }

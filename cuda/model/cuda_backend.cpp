@@ -164,4 +164,22 @@ StepBreakdown CudaBackend::profile_steps(int32_t first, int64_t steps, bool in_g
   return out;
 }
 
+void CudaBackend::set_prefill_profile(bool on) {
+  model_->set_prefill_profile(on);
+}
+
+std::optional<PrefillBreakdown> CudaBackend::last_prefill_profile() const {
+  const std::optional<PrefillProfile> p = model_->last_prefill_profile();
+  if (!p) return std::nullopt;
+  PrefillBreakdown out;
+  for (int f = 0; f < kStepFamilyCount; ++f) {
+    out.families.emplace_back(step_family_name(static_cast<StepFamily>(f)));
+    out.ms.push_back(p->ms[static_cast<std::size_t>(f)]);
+    out.flops.push_back(p->flops[static_cast<std::size_t>(f)]);
+  }
+  out.tokens = p->tokens;
+  out.passes = p->passes;
+  return out;
+}
+
 }  // namespace fn

@@ -78,6 +78,10 @@ class CudaBackend final : public Backend {
   void set_position_for_benchmark(int64_t position) override;
   /// CudaModel::profile_steps, its StepProfile given per family name (step_family_name order).
   StepBreakdown profile_steps(int32_t first, int64_t steps, bool in_graph) override;
+  /// CudaModel::set_prefill_profile.
+  void set_prefill_profile(bool on) override;
+  /// CudaModel::last_prefill_profile, per family name (step_family_name order).
+  std::optional<PrefillBreakdown> last_prefill_profile() const override;
 
  private:
   // Declared in destruction order reversed: the model goes first, the communicator last.

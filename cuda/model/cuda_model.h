@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -122,6 +123,16 @@ struct StepProfile {
   /// boundaries form one segment; each costs one event record).
   std::array<int64_t, kStepFamilyCount> segments{};
   int64_t events = 0;  ///< events recorded per step (segments + 1)
+};
+
+/// What one profiled prefill call measured (CudaModel::set_prefill_profile): each family's
+/// milliseconds over the whole call (events at every family boundary, every pass summed) and its
+/// FLOPs (core/flops.h prefill_flops, rank 0's model-wide count; 0 where none is counted).
+struct PrefillProfile {
+  std::array<double, kStepFamilyCount> ms{};     ///< indexed by StepFamily
+  std::array<double, kStepFamilyCount> flops{};  ///< indexed by StepFamily
+  int64_t tokens = 0;                            ///< prompt tokens of the call
+  int64_t passes = 0;                            ///< passes it took (--prefill-chunk)
 };
 
 /// Loading statistics.
@@ -286,6 +297,13 @@ class CudaModel {
   /// position by `count`. Throws as decode(), and fn::Error(Cuda) when the device cannot time
   /// events in a graph.
   StepProfile profile_steps(int32_t token, int64_t count, bool in_graph);
+
+  /// Benchmarks: with `on`, every later prefill() records a CUDA event at each family boundary
+  /// (a few microseconds per boundary) and keeps its PrefillProfile for last_prefill_profile();
+  /// FN_PREFILL_PROFILE=1 also turns it on (and logs each call on rank 0). Every rank alike.
+  void set_prefill_profile(bool on);
+  /// The last profiled prefill call's times, or nullopt when none ran since the load.
+  std::optional<PrefillProfile> last_prefill_profile() const;
 
   /// The router and indexer choices of the last step (forward() or the last token of decode()),
   /// read from the log of CudaModelOptions::record_choices (waits for the stream). Throws

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "core/device_layout.h"
@@ -272,6 +273,8 @@ struct CudaModel::Impl {
   KernelPlan plan;  // decided at load (build)
   cudaStream_t stream = nullptr;
   bool own_stream = false;
+  bool prefill_profile = false;                        // set_prefill_profile
+  std::optional<PrefillProfile> last_prefill_profile;  // the last profiled prefill call's
   std::vector<model_detail::DevLayer> layers;
   model_detail::DevHc final_hc;
   const uint16_t* embed = nullptr;    // [V, D]

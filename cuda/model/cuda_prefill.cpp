@@ -107,11 +107,12 @@ struct CudaPrefillState {
   int64_t hc_rows = 0;
   float* hc_tp = nullptr;
   float* hc_sumsq = nullptr;
-  float* proj = nullptr;     // [rows, proj_ld] mixer / shared-expert / PLE projections
-  uint16_t* mix = nullptr;   // [rows, mix_ld] BF16 mixer outputs
-  float* y = nullptr;        // [rows, D]
-  float* ys = nullptr;       // [rows, D] shared expert
-  float* rl = nullptr;       // [rows, E + 1] router logits + shared gate logit
+  float* proj = nullptr;    // [rows, proj_ld] mixer / shared-expert / PLE projections
+  uint16_t* mix = nullptr;  // [rows, mix_ld] BF16 mixer outputs
+  float* y = nullptr;       // [rows, D]
+  float* ys = nullptr;      // [rows, D] shared expert
+  float* rl = nullptr;      // [rows, rl_ld] router logits + shared gate logit (E + 1 used)
+  int64_t rl_ld = 0;
   int32_t* ids = nullptr;    // [rows, k]
   float* rw = nullptr;       // [rows, k]
   uint16_t* sh = nullptr;    // [rows, Is] shared expert hidden
@@ -233,7 +234,8 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.mix = cv.take<uint16_t>(rows * mix_ld);
   P.y = cv.take<float>(rows * D);
   P.ys = cv.take<float>(rows * D);
-  P.rl = cv.take<float>(rows * (E + 1));
+  P.rl_ld = E + 1;
+  P.rl = cv.take<float>(rows * P.rl_ld);
   P.ids = cv.take<int32_t>(rows * k);
   P.rw = cv.take<float>(rows * k);
   P.sh = cv.take<uint16_t>(rows * Is);
@@ -293,19 +295,22 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   return cv.used();
 }
 
-// FN_PREFILL_PROFILE=1: a CUDA event at every op-family boundary of the prefill; the per-family
-// time of the whole call is logged on rank 0 (info). Off: no events, no cost.
-class PrefillProfile {
+// A CUDA event at every op-family boundary of a prefill call when CudaModel::set_prefill_profile
+// or FN_PREFILL_PROFILE=1 asks for it; the per-family times of the whole call are kept as the
+// model's last PrefillProfile (and logged on rank 0 with FN_PREFILL_PROFILE=1). Off: no events,
+// no cost.
+class PrefillProfiler {
  public:
-  explicit PrefillProfile(cudaStream_t s) : stream_(s) {
+  PrefillProfiler(cudaStream_t s, bool on) : stream_(s) {
     const char* env = std::getenv("FN_PREFILL_PROFILE");
-    on_ = env != nullptr && env[0] == '1';
+    log_ = env != nullptr && env[0] == '1';
+    on_ = on || log_;
   }
-  ~PrefillProfile() {
+  ~PrefillProfiler() {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
   }
-  PrefillProfile(const PrefillProfile&) = delete;
-  PrefillProfile& operator=(const PrefillProfile&) = delete;
+  PrefillProfiler(const PrefillProfiler&) = delete;
+  PrefillProfiler& operator=(const PrefillProfiler&) = delete;
   void mark(StepFamily f) { mark_index(static_cast<int>(f)); }
   // Adds the marked segments (the stream must be synchronised) and starts over.
   void collect() {
@@ -320,27 +325,36 @@ class PrefillProfile {
     used_ = 0;
     family_.clear();
   }
-  // Each family's time with its share of `flops` (the whole model's, core/flops.h) and the
-  // rate: "gdn 283.1 (35.78 TFLOP, 126.4 TFLOP/s)".
-  void log(const char* what, int64_t tokens, int64_t passes, const PrefillFlops& flops) const {
-    if (!on_) return;
+  // The call's profile: each family's time with its share of `flops` (the whole model's,
+  // core/flops.h). With FN_PREFILL_PROFILE=1 also logged with the rates: "gdn 283.1 (35.78
+  // TFLOP, 126.4 TFLOP/s)".
+  PrefillProfile result(const char* what, int64_t tokens, int64_t passes,
+                        const PrefillFlops& flops) const {
+    PrefillProfile r;
+    r.tokens = tokens;
+    r.passes = passes;
     std::string line;
     double total = 0;
     for (int f = 0; f < kStepFamilyCount; ++f) {
-      const double ms = ms_[static_cast<std::size_t>(f)];
-      total += ms;
-      if (ms <= 0) continue;
+      const auto i = static_cast<std::size_t>(f);
+      const double ms = ms_[i];
       const char* name = step_family_name(static_cast<StepFamily>(f));
       const double fl = flops.of(name);
+      r.ms[i] = ms;
+      r.flops[i] = fl;
+      total += ms;
+      if (ms <= 0) continue;
       line += fl > 0 ? fmt::format(" {} {:.1f} ({:.2f} TFLOP, {:.1f} TFLOP/s)", name, ms,
                                    fl * 1e-12, fl / (ms * 1e-3) * 1e-12)
                      : fmt::format(" {} {:.1f}", name, ms);
     }
-    FN_LOG_INFO(
-        "{} profile ({} tokens, {} passes), ms:{}; sum {:.1f} ({:.2f} TFLOP, {:.1f} "
-        "TFLOP/s)",
-        what, tokens, passes, line, total, flops.total() * 1e-12,
-        total > 0 ? flops.total() / (total * 1e-3) * 1e-12 : 0.0);
+    if (log_)
+      FN_LOG_INFO(
+          "{} profile ({} tokens, {} passes), ms:{}; sum {:.1f} ({:.2f} TFLOP, {:.1f} "
+          "TFLOP/s)",
+          what, tokens, passes, line, total, flops.total() * 1e-12,
+          total > 0 ? flops.total() / (total * 1e-3) * 1e-12 : 0.0);
+    return r;
   }
   bool on() const noexcept { return on_; }
 
@@ -356,7 +370,7 @@ class PrefillProfile {
     family_.push_back(f);
   }
   cudaStream_t stream_;
-  bool on_ = false;
+  bool on_ = false, log_ = false;
   std::vector<cudaEvent_t> events_;
   std::size_t used_ = 0;
   std::vector<int> family_;
@@ -424,7 +438,7 @@ struct CudaModel::Impl::PrefillRun {
   const RankDims rd;
   cudaStream_t s;
   cublasHandle_t blas;
-  PrefillProfile& prof;
+  PrefillProfiler& prof;
   int64_t per_row = 0;  // ints of the choice log per row (record_choices)
   // The pass in flight: rows c0 .. c0 + M - 1 of the prompt (a batched step: c0 0, M slots).
   int64_t c0 = 0, M = 0;
@@ -738,10 +752,10 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   const int64_t D = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
   const int64_t Is = rd.shared_inter;
   prof.mark(StepFamily::Router);
-  gemm(mo.router, E + 1, D, P.m_hi, m_lo, D, M, P.rl, E + 1);
+  gemm(mo.router, E + 1, D, P.m_hi, m_lo, D, M, P.rl, P.rl_ld);
   RouterRowsParams rr;
   rr.logits = P.rl;
-  rr.logits_stride = E + 1;
+  rr.logits_stride = P.rl_ld;
   rr.rows = M;
   rr.num_experts = static_cast<int>(E);
   rr.top_k = static_cast<int>(k);
@@ -789,7 +803,7 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, m_lo, D, M, P.proj, 2 * Is);
   launch_swiglu_rows(P.proj, Is, M, P.sh, s);
   gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
-  launch_moe_combine_rows(P.y, P.ys, P.rl + E, E + 1, D, M, s);
+  launch_moe_combine_rows(P.y, P.ys, P.rl + E, P.rl_ld, D, M, s);
 }
 
 void CudaModel::Impl::PrefillRun::finish(CudaModel& m, int32_t last_token) {
@@ -1044,7 +1058,7 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   CudaPrefillState& P = *I.prefill;
   const int64_t V = c.vocab_size;
   cudaStream_t s = I.stream;
-  PrefillProfile prof(s);
+  PrefillProfiler prof(s, false);
   Impl::PrefillRun run{I, P, c, o, rank_dims(c, o.tp_size, o.tp_rank), s, P.blas->get(), prof};
   int64_t n_qsa = 0;
   for (const DevLayer& L : I.layers) n_qsa += L.qsa ? 1 : 0;
@@ -1116,7 +1130,7 @@ void CudaModel::run_batch(std::span<const int64_t> slots, std::span<const int32_
   // host's time to enqueue the step beside it (a step longer on the host than on the GPU leaves
   // the GPU idle between launches).
   if (prof.on()) {
-    prof.log("batched step", B, 1, prefill_flops(c, pos.front(), B, B));
+    prof.result("batched step", B, 1, prefill_flops(c, pos.front(), B, B));
     FN_LOG_INFO("batched step: {:.2f} ms to enqueue on the host", enqueue_ms);
   }
   if (sampled) return;  // the sampler flagged a non-finite row (check_step_errors)
@@ -1199,7 +1213,7 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
   ensure_prefill_buffers();
   CudaPrefillState& P = *I.prefill;
   const int64_t V = c.vocab_size;
-  PrefillProfile prof(I.stream);
+  PrefillProfiler prof(I.stream, I.prefill_profile);
   Impl::PrefillRun run{I,   P, c, o, rank_dims(c, o.tp_size, o.tp_rank), I.stream, P.blas->get(),
                        prof};
   run.rq = rq;
@@ -1286,7 +1300,8 @@ std::span<const float> CudaModel::run_prefill(std::span<const int32_t> tokens, P
                                : want == PrefillLogits::Last ? 1
                                : want == PrefillLogits::All  ? n
                                                              : n - rq->first;
-    prof.log("prefill", n, passes, prefill_flops(c, first_position, n, logit_rows));
+    I.last_prefill_profile =
+        prof.result("prefill", n, passes, prefill_flops(c, first_position, n, logit_rows));
   }
 
   if (want == PrefillLogits::None) return {};

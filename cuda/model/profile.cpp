@@ -1,6 +1,7 @@
 // CudaModel::profile_steps (see cuda_model.h): the per-family time of the greedy decode step,
 // from CUDA events recorded at every family boundary of the step (Impl::mark), eagerly or inside
-// a graph of its own.
+// a graph of its own; the switch and the result of the prefill's profile (recorded by
+// cuda_prefill.cpp).
 #include "cuda/model/cuda_model.h"
 
 #include "comm/device_all_reduce.h"
@@ -109,6 +110,14 @@ StepProfile CudaModel::profile_steps(int32_t token, int64_t count, bool in_graph
   out.steps = count;
   if (opt_.all_reduce) opt_.all_reduce->check_health();
   return out;
+}
+
+void CudaModel::set_prefill_profile(bool on) {
+  impl_->prefill_profile = on;
+}
+
+std::optional<PrefillProfile> CudaModel::last_prefill_profile() const {
+  return impl_->last_prefill_profile;
 }
 
 }  // namespace fn

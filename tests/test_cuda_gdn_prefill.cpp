@@ -3,9 +3,11 @@
 // CPU ops in test_cuda_gdn.cpp) on copies of the same inputs, from a non-zero initial state and
 // conv state. Compared: the conv state (bitwise: pure data movement), the FP32 state (within 1e-5
 // of its largest magnitude), the BF16 outputs (one BF16 ulp of the element plus 1e-5 of the largest
-// output). Also prefill(a) + prefill(M - a) == prefill(M), every scan slice width bitwise, runs
-// of several slots in one launch bitwise each run alone, launcher checks, and a bench
-// (FN_BENCH=1) at the real shapes with M = 8192.
+// output); the derivation is above check_same. Lengths around the chunked scan's 64-token chunks,
+// gates at their extremes (no decay, decay to zero, beta 0 and 1). Also prefill(a) +
+// prefill(M - a) against prefill(M) (bitwise where a is a multiple of 64), every scan slice width
+// bitwise, runs of several slots in one launch bitwise each run alone, launcher checks, and a
+// bench (FN_BENCH=1) at the real shapes with M = 8192.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -183,13 +185,24 @@ double bf16_ulp(double x) {
 }
 
 // Prefill against decode. The tolerances: the conv state is moved, never computed, so it must be
-// bitwise equal. The FP32 state differs only by rounding (other summation orders in the L2 norms,
-// S^T k and S^T q; the same operations otherwise), a few ulps of its scale that the contracting
-// delta rule does not amplify: 1e-5 of max|S| (about 170 FP32 ulps of the largest entry) is far
-// above that and far below any real error (a wrong token, gate or head is O(max|S|)). The BF16
+// bitwise equal. The FP32 state differs by rounding only. The sequential scan (dk > 128, or no
+// tensor cores) does decode's operations in other summation orders: a few ulps of max|S|. The
+// chunked scan regroups the recurrence per 64-token chunk (D = U - W S, S' = e^G S + K'^T D) and
+// takes its products in 3xTF32: x = hi + lo with |x - hi - lo| <= 2^-24 |x| and the dropped
+// lo*lo <= 2^-24 |a b|, so each product is within about 3 * 2^-24 relative, and the tensor core's
+// FP32 sums (which may truncate) within 2^-23 per add. One element of D or S' sums at most
+// 128 + 64 terms; the inputs are O(1) (|k^| = 1, so |k^_d| <= 1 and typically 0.1; beta <= 1;
+// T = (I + A)^-1 diag(beta) is the chunk's sequence of non-expansive delta-rule steps, so its
+// entries are O(1)), so one chunk adds at most about 192 * 0.1 * 2^-23 = 2.3e-6 of max|S|, and
+// typically sqrt(192) * 0.1 * 2^-23 = 1.7e-7. Decay and the non-expansive updates keep the
+// errors of earlier chunks from growing: without decay they add up, at most 16 chunks here
+// (M <= 1000) or 128 in the bench, sqrt(16) * 1.7e-7 = 7e-7 and sqrt(128) * 1.7e-7 = 2e-6
+// typical. 1e-5 of max|S| (about 170 FP32 ulps of the largest entry) is above all of that and far
+// below any real error (a wrong token, gate, chunk boundary or head is O(max|S|)). The BF16
 // output of two FP32 values that differ by rounding is equal or one BF16 ulp apart (a rounding
-// boundary between them); near-zero outputs (cancellation in S^T q) may differ by their FP32
-// error in absolute terms, hence 1e-5 of max|out| added.
+// boundary between them; the relative error above is far below the 2^-8 of one ulp); near-zero
+// outputs (cancellation in S^T q) may differ by their FP32 error in absolute terms, hence 1e-5
+// of max|out| added.
 void check_same(const Shape& s, const Result& got, const Result& ref,
                 const std::vector<float>& S0) {
   CHECK(std::memcmp(got.cs.data(), ref.cs.data(), got.cs.size() * sizeof(float)) == 0);
@@ -228,11 +241,43 @@ void check_same(const Shape& s, const Result& got, const Result& ref,
   CHECK(omax > 0.1);
 }
 
-void compare_with_decode(const Shape& s, const std::vector<int64_t>& Ms, uint64_t seed) {
+// Gates at their extremes, per value head h (mode h % 6): 0 decay to zero (g about -200: exp(g)
+// underflows to 0, G falls by 200 per token), 1 no decay (g about -3e-10: exp(g) rounds to 1),
+// 2 beta = 0 (b = -200: sigmoid exactly 0), 3 beta = 1 (b = +200: exactly 1), 4 beta = 1 and no
+// decay (pure delta rule: the largest T = (I + A)^-1), 5 g = -softplus(x) with x drawn per token
+// from [-20, 50] (decays from e^-50 to 1 inside one chunk).
+void extreme_gates(Layer& L, std::mt19937_64& rng) {
+  const Shape& s = L.s;
+  std::vector<float> proj = L.proj.download(), A_log = L.A_log.download();
+  const int64_t a0 = s.conv_dim() + int64_t{s.Hv} * s.dv, b0 = a0 + s.Hv;
+  std::vector<float> dt = L.dt_bias.download();
+  std::uniform_real_distribution<float> wide(-20.0f, 50.0f);
+  for (int h = 0; h < s.Hv; ++h) {
+    const int mode = h % 6;
+    if (mode == 0) A_log[sz(h)] = std::log(20.0f);  // -g = 20 * softplus(a + dt) with a + dt = 10
+    if (mode == 1 || mode == 4) A_log[sz(h)] = -12.0f;  // 6e-6 * softplus(-10) = 3e-10
+    if (mode == 5) A_log[sz(h)] = 0.0f;                 // g = -softplus(a + dt_bias)
+    for (int64_t p = 0; p < L.M; ++p) {
+      float* row = proj.data() + p * L.stride;
+      if (mode == 0) row[a0 + h] = 10.0f - dt[sz(h)];
+      if (mode == 1 || mode == 4) row[a0 + h] = -10.0f - dt[sz(h)];
+      if (mode == 5) row[a0 + h] = wide(rng) - dt[sz(h)];
+      if (mode == 2) row[b0 + h] = -200.0f;
+      if (mode == 3 || mode == 4) row[b0 + h] = 200.0f;
+    }
+  }
+  L.proj.upload(proj);
+  L.A_log.upload(A_log);
+}
+
+void compare_with_decode(const Shape& s, const std::vector<int64_t>& Ms, uint64_t seed,
+                         bool extreme = false) {
   for (const int64_t M : Ms) {
-    INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " K ", s.K, " M ", M);
+    INFO("Hk ", s.Hk, " Hv ", s.Hv, " dk ", s.dk, " dv ", s.dv, " K ", s.K, " M ", M,
+         extreme ? " extreme gates" : "");
     std::mt19937_64 rng(seed + uint64_t(M));
-    const Layer L(s, M, rng);
+    Layer L(s, M, rng);
+    if (extreme) extreme_gates(L, rng);
     const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
     const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
     const Result ref = run_decode(L, cs0, S0);
@@ -246,7 +291,7 @@ bool bitwise_same(const Result& a, const Result& b) {
          std::memcmp(a.S.data(), b.S.data(), a.S.size() * sizeof(float)) == 0;
 }
 
-const std::vector<int64_t> kLengths = {1, 2, 3, 5, 17, 64, 65, 200};
+const std::vector<int64_t> kLengths = {1, 2, 3, 5, 17, 63, 64, 65, 127, 128, 129, 200};
 
 }  // namespace
 
@@ -257,7 +302,13 @@ TEST_CASE("cuda gdn prefill: small heads (dk = dv = 8, 16) leave the state of M 
 
 TEST_CASE("cuda gdn prefill: 128-dim heads leave the state and outputs of M decode steps") {
   compare_with_decode(Shape{1, 2, 128, 128}, kLengths, 300);
+  compare_with_decode(Shape{1, 2, 128, 128}, {1000}, 350);
   compare_with_decode(Shape{2, 4, 128, 128}, {3, 65, 200}, 400);
+}
+
+TEST_CASE("cuda gdn prefill: decay to zero, no decay, beta 0 and 1 leave the decode state") {
+  compare_with_decode(Shape{2, 6, 128, 128}, {1, 63, 64, 65, 129, 1000}, 450, true);
+  compare_with_decode(Shape{1, 6, 16, 16}, {1, 64, 200}, 460, true);
 }
 
 TEST_CASE("cuda gdn prefill: unequal head dims, conv kernel 2 and 3, dk not a power of two") {
@@ -268,36 +319,67 @@ TEST_CASE("cuda gdn prefill: unequal head dims, conv kernel 2 and 3, dk not a po
   compare_with_decode(Shape{1, 2, 256, 32}, {2, 33}, 800);
 }
 
-TEST_CASE("cuda gdn prefill: prefill(a) then prefill(M - a) is bitwise prefill(M)") {
-  for (const Shape s : {Shape{2, 6, 16, 16}, Shape{1, 2, 128, 128}}) {
+TEST_CASE("cuda gdn prefill: prefill(a) then prefill(M - a) is prefill(M), bitwise at chunks") {
+  for (const Shape s : {Shape{2, 6, 16, 16}, Shape{1, 2, 128, 128}, Shape{1, 2, 256, 32}}) {
     std::mt19937_64 rng(900);
     const int64_t M = 200;
     const Layer L(s, M, rng);
     const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
     const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
     const Result whole = run_prefill(L, cs0, S0, {M});
-    for (const int64_t a : {int64_t{1}, int64_t{2}, int64_t{17}, int64_t{64}, int64_t{199}}) {
+    // Splits at multiples of 64 keep the chunked scan's chunks (and the sequential scan is
+    // bitwise for every split): the same arithmetic, the state through memory in between.
+    for (const int64_t a : {int64_t{64}, int64_t{128}}) {
       INFO("dk ", s.dk, " split ", a, " + ", M - a);
       CHECK(bitwise_same(run_prefill(L, cs0, S0, {a, M - a}), whole));
     }
+    // Other splits move the chunk boundaries: the same function within check_same's rounding.
+    for (const int64_t a :
+         {int64_t{1}, int64_t{2}, int64_t{17}, int64_t{63}, int64_t{65}, int64_t{199}}) {
+      INFO("dk ", s.dk, " split ", a, " + ", M - a);
+      check_same(s, run_prefill(L, cs0, S0, {a, M - a}), whole, S0);
+    }
     std::vector<int64_t> seventeens(M / 17, 17);
     seventeens.push_back(M % 17);
-    CHECK(bitwise_same(run_prefill(L, cs0, S0, seventeens), whole));
+    check_same(s, run_prefill(L, cs0, S0, seventeens), whole, S0);
     std::vector<int64_t> ones(sz(M), 1);  // single-token prefills, history from the conv state
-    CHECK(bitwise_same(run_prefill(L, cs0, S0, ones), whole));
+    check_same(s, run_prefill(L, cs0, S0, ones), whole, S0);
   }
 }
 
-TEST_CASE("cuda gdn prefill: every scan slice width gives the same bits, the planned one too") {
-  const Shape s{1, 2, 128, 128};
-  std::mt19937_64 rng(1000);
-  const Layer L(s, 40, rng);
-  const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
-  const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
-  const Result planned = run_prefill(L, cs0, S0, {40});
+// The slice widths this device's scan takes (32 and 64 for the chunked scan, 4..64 dividing dv
+// for the sequential one): the others are rejected by the launcher.
+std::vector<int> accepted_slices(const Layer& L) {
+  std::vector<int> ok;
   for (const int slice : {4, 8, 16, 32, 64}) {
-    INFO("slice ", slice);
-    CHECK(bitwise_same(run_prefill(L, cs0, S0, {40}, slice), planned));
+    DeviceArray<float> cs(sz(L.s.conv_state_len())), S(sz(L.s.state_len()));
+    DeviceArray<uint16_t> out(sz(L.M * L.s.out_len()));
+    fn::GdnPrefillParams p = prefill_params(L, cs.ptr, S.ptr, out.ptr);
+    p.slice_columns = slice;
+    DeviceArray<unsigned char> ws(fn::gdn_prefill_workspace_bytes(p));
+    p.workspace = ws.ptr;
+    try {
+      if (fn::plan_gdn_prefill_slice(p) == slice) ok.push_back(slice);
+    } catch (const fn::Error&) {
+    }
+  }
+  return ok;
+}
+
+TEST_CASE("cuda gdn prefill: every scan slice width gives the same bits, the planned one too") {
+  for (const Shape s : {Shape{1, 2, 128, 128}, Shape{1, 2, 128, 96}, Shape{1, 1, 12, 24}}) {
+    INFO("dk ", s.dk, " dv ", s.dv);
+    std::mt19937_64 rng(1000);
+    const Layer L(s, 140, rng);
+    const auto cs0 = normal(sz(s.conv_state_len()), 0.0f, 1.0f, rng);
+    const auto S0 = normal(sz(s.state_len()), 0.0f, 0.3f, rng);
+    const Result planned = run_prefill(L, cs0, S0, {140});
+    const std::vector<int> slices = accepted_slices(L);
+    CHECK(slices.size() >= 2);
+    for (const int slice : slices) {
+      INFO("slice ", slice);
+      CHECK(bitwise_same(run_prefill(L, cs0, S0, {140}, slice), planned));
+    }
   }
 }
 
@@ -383,6 +465,10 @@ TEST_CASE("cuda gdn prefill: runs side by side are bitwise each run launched alo
   // order, some left out.
   compare_runs(Shape{2, 6, 16, 16}, {1, 3, 17, 2, 64, 5}, {4, 0, 6, 2, 5, 7}, 9, 1200);
   compare_runs(Shape{1, 2, 128, 128}, {8, 8, 8, 8, 199, 1}, {3, 1, 0, 2, 5, 4}, 7, 1300);
+  // Lengths around the chunked scan's chunks, in one launch: every run's chunks start at its own
+  // first row.
+  compare_runs(Shape{1, 3, 128, 128}, {1, 63, 64, 65, 127, 128, 129, 200, 1000},
+               {8, 0, 3, 1, 7, 2, 6, 4, 5}, 9, 1350);
   compare_runs(Shape{2, 6, 16, 16, 2}, {1, 1, 2}, {2, 0, 1}, 3, 1400);
   compare_runs(Shape{1, 1, 12, 20}, {7}, {1}, 2, 1500);  // one run on a slot other than 0
 }
@@ -434,8 +520,8 @@ TEST_CASE(
   rejects([](fn::GdnPrefillParams& p) { p.conv_kernel = 1; });
   rejects([](fn::GdnPrefillParams& p) { p.conv_kernel = 9; });
   rejects([](fn::GdnPrefillParams& p) { p.eps = -1.0f; });
-  rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 12; });
-  rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 32; });  // does not divide dv = 16
+  rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 12; });   // not a power of two
+  rejects([](fn::GdnPrefillParams& p) { p.slice_columns = 256; });  // over 128 (either scan)
   // Runs: the tables, not state / conv_state; at most one run per row.
   DeviceArray<int32_t> run_start(std::vector<int32_t>{0, 2, 5}),
       run_slot(std::vector<int32_t>{0, 1});
@@ -464,8 +550,9 @@ TEST_CASE(
   CHECK_THROWS_AS(fn::gdn_prefill_workspace_bytes(no_tokens), fn::Error);
 }
 
-// Bench (FN_BENCH=1; no assertion on time): ms per launch at the real shapes with M = 8192, the
-// state carried from launch to launch; first checked against 8192 decode steps.
+// Bench (FN_BENCH=1; no assertion on time): ms per launch (conv, conv state, scan, norm) at the
+// real shapes with M = 8192, the state carried from launch to launch, for every slice width the
+// device's scan takes; first checked against 8192 decode steps.
 TEST_CASE("cuda gdn prefill bench: ms per launch at the real TP=1 and TP=2 shapes, M = 8192") {
   const char* env = std::getenv("FN_BENCH");
   if (env == nullptr || std::string(env) != "1") return;
@@ -505,13 +592,26 @@ TEST_CASE("cuda gdn prefill bench: ms per launch at the real TP=1 and TP=2 shape
       FN_CUDA_CHECK(cudaEventDestroy(e1));
       return double(ms) / reps;
     };
-    for (const int slice : {0, 8, 16, 32}) {
+    // The chunked form's products, full 64 x 64 blocks, one pass (3xTF32 issues each 3 times):
+    // per (64-token chunk, value head) k k^T, q k^T, T (K o e^G) (64^2 dk each), T V, P D
+    // (64^2 dv each), W S, (Q o e^G) S, K'^T D (64 dk dv each), 2 FLOP per multiply-add.
+    const double chunks = double((M + 63) / 64) * s.Hv;
+    const double flop =
+        2.0 * chunks *
+        (3.0 * 64 * 64 * s.dk + 2.0 * 64 * 64 * s.dv + 3.0 * 64 * double(s.dk) * s.dv);
+    for (const int slice : {0, 8, 16, 32, 64}) {
       p.slice_columns = slice;
+      try {
+        fn::plan_gdn_prefill_slice(p);
+      } catch (const fn::Error&) {
+        continue;  // not a width of this device's scan
+      }
       const double per = time_ms();
       const std::string planned = slice == 0 ? " (planned)" : "";
       MESSAGE("gdn_prefill bench: Hk=", s.Hk, " Hv=", s.Hv, " dk=", s.dk, " dv=", s.dv, " M=", M,
               " slice ", fn::plan_gdn_prefill_slice(p), planned, ": ", per, " ms/launch, ",
-              1e3 * per / double(M), " us/token");
+              1e3 * per / double(M), " us/token, chunked-form ", flop / (per * 1e9),
+              " TFLOP/s over the whole launch");
     }
     FN_CUDA_CHECK(cudaStreamDestroy(stream));
   }

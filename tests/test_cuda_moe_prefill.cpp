@@ -72,9 +72,13 @@ struct CaseSpec {
   fn::MoePrefillPath path;
   uint64_t seed;
   int64_t chunk_tokens = 0;
+  /// When set ([tokens * top_k], any values, out-of-range ids included): the routes instead of the
+  /// router's (random positive weights summing to 1 per token).
+  std::vector<int32_t> forced_ids = {};
 };
 
-// Runs router rows + launch_moe_prefill and the decode kernels row by row; checks as the header.
+// Runs router rows (or takes c.forced_ids) + launch_moe_prefill and the decode kernels row by row;
+// checks as the header.
 void check_case(const CaseSpec& c) {
   CAPTURE(c.experts);
   CAPTURE(c.hidden);
@@ -113,10 +117,23 @@ void check_case(const CaseSpec& c) {
   rp.top_k = k;
   rp.ids = d_ids.ptr;
   rp.weights = d_w.ptr;
-  fn::launch_router_topk_rows(rp, nullptr);
+  const bool forced = !c.forced_ids.empty();
+  if (forced) {
+    REQUIRE(c.forced_ids.size() == size_t(M) * k);
+    d_ids.upload(c.forced_ids);
+    std::vector<float> w(size_t(M) * k);
+    for (int64_t p = 0; p < M; ++p) {
+      float sum = 0;
+      for (int j = 0; j < k; ++j) sum += (w[size_t(p * k + j)] = 0.1f + std::fabs(uni(rng)));
+      for (int j = 0; j < k; ++j) w[size_t(p * k + j)] /= sum;
+    }
+    d_w.upload(w);
+  } else {
+    fn::launch_router_topk_rows(rp, nullptr);
+  }
   const auto ids = d_ids.download();
   const auto wts = d_w.download();
-  for (int64_t p = 0; p < M; ++p) {  // the test data's premise
+  for (int64_t p = 0; p < M && !forced; ++p) {  // the test data's premise
     const auto* row = ids.data() + p * k;
     REQUIRE(std::find(row, row + k, 1) != row + k);
     REQUIRE(std::find(row, row + k, E - 1) == row + k);
@@ -158,7 +175,7 @@ void check_case(const CaseSpec& c) {
     r.top_k = k;
     r.ids = r_ids.ptr + p * k;
     r.weights = r_w.ptr + p * k;
-    fn::launch_router_topk(r, nullptr);
+    if (!forced) fn::launch_router_topk(r, nullptr);
     fn::MoeGateUpParams g;
     g.experts = gu.view;
     g.expert_ids = d_ids.ptr + p * k;
@@ -179,9 +196,11 @@ void check_case(const CaseSpec& c) {
     fn::launch_moe_down_nvfp4(d, nullptr);
   }
   FN_CUDA_CHECK(cudaDeviceSynchronize());
-  CHECK(r_ids.download() == ids);
-  const auto rw = r_w.download();
-  CHECK(std::memcmp(rw.data(), wts.data(), wts.size() * 4) == 0);
+  if (!forced) {
+    CHECK(r_ids.download() == ids);
+    const auto rw = r_w.download();
+    CHECK(std::memcmp(rw.data(), wts.data(), wts.size() * 4) == 0);
+  }
   const auto h_ref = r_h.download();
   const auto y_ref = r_y.download();
   const auto y_mix = m_y.download();
@@ -203,12 +222,13 @@ void check_case(const CaseSpec& c) {
   for (int64_t p = 0; p < M; ++p) {
     for (int j = 0; j < k; ++j) {
       const int e = ids[size_t(p * k + j)];
+      const bool valid = e >= 0 && e < E;
       for (int64_t i = 0; i < I; ++i) {
         const size_t hi = size_t((p * k + j) * I + i);
         if (h[hi] == h_ref[hi]) continue;
         ++differ;
         row_differs[size_t(p)] = 1;
-        if (per_row) {
+        if (per_row || !valid) {  // an invalid id's h is 0 on both paths
           ++wrong;
           continue;
         }
@@ -351,6 +371,67 @@ TEST_CASE(
   check_case({8, 272, 80, 3, 200, fn::MoePrefillPath::Fused, 602, 64});
   // 16-code down k (I = 16) with chunks of 1 token.
   check_case({8, 64, 16, 3, 23, fn::MoePrefillPath::Fused, 603, 1});
+}
+
+// Routes with the given rows per expert (expert e gets rows[e] of the M * k slots; the rest of the
+// slots get ids outside [0, E): -1, E, 1000 in turn), shuffled over tokens and slots.
+std::vector<int32_t> routes_with_counts(int E, int64_t M, int k, const std::vector<int>& rows,
+                                        uint64_t seed) {
+  std::vector<int32_t> ids;
+  for (int e = 0; e < E && e < int(rows.size()); ++e) ids.insert(ids.end(), size_t(rows[e]), e);
+  REQUIRE(ids.size() <= size_t(M) * k);
+  const int32_t bad[3] = {-1, E, 1000};
+  for (int i = 0; ids.size() < size_t(M) * k; ++i) ids.push_back(bad[i % 3]);
+  std::mt19937_64 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  return ids;
+}
+
+TEST_CASE(
+    "moe prefill: the fused row tiles of experts with 0, 1, 127, 128, 129 and 300 rows match "
+    "decode") {
+  // M = 437 tokens x 3 slots = 1311 slots: experts 0..5 take 0, 1, 127, 128, 129, 300 rows,
+  // experts 6 and 7 200 each, the other 226 slots invalid ids. 300 rows are two tiles of the
+  // 256-row capacity (160 + 140); 129 one tile rounded to 160 computed rows; the 64-row capacity
+  // cuts every expert but 0 and 1 in several tiles.
+  const std::vector<int> rows = {0, 1, 127, 128, 129, 300, 200, 200};
+  CaseSpec c{8, 64, 32, 3, 437, fn::MoePrefillPath::Fused, 700};
+  c.forced_ids = routes_with_counts(8, 437, 3, rows, 701);
+  check_case(c);
+  // The same counts through partial k stages (hidden 272, I = 80) and two feature tiles.
+  CaseSpec c2{8, 272, 80, 3, 437, fn::MoePrefillPath::Fused, 702};
+  c2.forced_ids = routes_with_counts(8, 437, 3, rows, 703);
+  check_case(c2);
+  // Chunks of 100 tokens split the counts unevenly.
+  CaseSpec c3{8, 64, 32, 3, 437, fn::MoePrefillPath::Fused, 704, 100};
+  c3.forced_ids = routes_with_counts(8, 437, 3, rows, 705);
+  check_case(c3);
+}
+
+TEST_CASE("moe prefill: every token routed to one expert matches decode") {
+  // 1037 rows on expert 5 (5 tiles of 208 at the 256-row capacity), the second slot invalid.
+  const int64_t M = 1037;
+  std::vector<int32_t> ids(size_t(M) * 2);
+  for (int64_t p = 0; p < M; ++p) {
+    ids[size_t(2 * p)] = 5;
+    ids[size_t(2 * p + 1)] = p % 2 == 0 ? -3 : 8;
+  }
+  CaseSpec c{8, 64, 32, 2, M, fn::MoePrefillPath::Fused, 710};
+  c.forced_ids = ids;
+  check_case(c);
+  // top_k 1, every token on expert 0, 16-code rows (I = 16), M prime.
+  CaseSpec c2{4, 96, 16, 1, 263, fn::MoePrefillPath::Fused, 711};
+  c2.forced_ids = std::vector<int32_t>(263, 0);
+  check_case(c2);
+}
+
+TEST_CASE("moe prefill: every id outside the expert range gives y = 0 on the fused path") {
+  const int64_t M = 77;
+  std::vector<int32_t> ids(size_t(M) * 3);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = i % 2 == 0 ? -1 : 8 + int32_t(i);
+  CaseSpec c{8, 64, 32, 3, M, fn::MoePrefillPath::Fused, 720};
+  c.forced_ids = ids;
+  check_case(c);  // h_ref and y_ref are 0 too: decode skips invalid ids
 }
 
 TEST_CASE("moe prefill: invalid expert ids contribute zero and zero tokens do nothing") {

@@ -2,19 +2,29 @@
 // (cuda/kernels/qsa.h, itself checked against the CPU ops in test_cuda_qsa.cpp) on an identical
 // copy of the caches: tiny shapes at TP=1/2/4 from position 0 and from a cache populated by 13
 // decode steps, M in {1, 2, 3, 4, 5, 17, 63, 64, 65}, with automatic and forced small row groups;
-// the real head sizes (hd 256, ihd 128) over 300 tokens with block_topk 8; launcher checks; a bench
-// at the real shapes (FN_BENCH=1). Every case also compares the prefill's choice log
-// (selected_log, counters_log) row by row with decode's workspace after the step at that position.
+// the real head sizes (hd 256, ihd 128) over 300 tokens with block_topk 8; the real head count
+// per KV head (12, tensor-core sub-groups of 10 rows) and 16 across the dense -> sparse boundary
+// with row groups of 1, 3, 7 rows and lengths that are no multiple of the sub-group; launcher
+// checks; a bench at the real shapes (FN_BENCH=1). Every case also compares the prefill's choice
+// log (selected_log, counters_log) row by row with decode's workspace after the step at that
+// position.
 //
-// Every case runs both attention variants. Caches and choice logs: bitwise equal to decode's in
-// both. Outputs: kDecodeChunks runs decode's device code (cuda/kernels/qsa_device.cuh) and decode's
-// attention operation sequence with decode's chunking, so every output row must be bitwise what
-// the decode steps wrote. kFused computes the same softmax(q.k) v in another FP32 summation order
-// (online softmax over 64-token tiles, the dot products summed in four quarters), so its FP32
-// result differs from decode's by a few FP32 roundings and the BF16 output may round the other way:
-// each element must lie within 2^-7 |want| (one BF16 rounding step) + 1e-5 max|want of the row|,
-// and at most 5% of the elements may differ at all. A wrong selection or token changes outputs
-// far beyond that (random data), and the choice logs are compared exactly.
+// Every case runs all three attention variants. Caches and choice logs: bitwise equal to decode's
+// in all. Outputs: kDecodeChunks runs decode's device code (cuda/kernels/qsa_device.cuh) and
+// decode's attention operation sequence with decode's chunking, so every output row must be
+// bitwise what the decode steps wrote. kFusedCudaCores computes the same softmax(q.k) v in another
+// FP32 summation order (online softmax over 64-token tiles, the dot products summed in four
+// quarters); kFused (tensor cores) too, in a third order (16-term MMA sums, tiles of the
+// sub-group's union), with p carried as p_hi + p_lo to 2^-16 relative (q exactly in three BF16
+// pieces). Their FP32 outputs differ from decode's by a few units of 2^-20 relative of the output's
+// scale (docs/numerics.md "The batched prefill" derives it), far below one BF16 step (2^-8), so a
+// BF16 output either equals decode's or is its neighbour: each element must lie within 2^-7 |want|
+// (one BF16 rounding step, the worst case at a binade edge) + 1e-5 max|want of the row| (elements
+// near zero, whose BF16 step is below the FP32 deviation; 1e-5 is about 4 standard deviations of
+// that deviation relative to the row's largest output), and at most 5% of the elements may differ
+// at all (a flip needs the FP32 deviation to straddle a rounding boundary: expected about 1%). A
+// wrong selection, token or mask changes outputs far beyond that (random data), and the choice
+// logs are compared exactly.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -66,6 +76,13 @@ const Shape kSixteenPerKv{
     "hd 32, 16 q / 1 kv head, topk 20", 32, 8, 16, 1, 0, 16, 0, 2, 16, 4, 20, 128};
 const Shape kRealHeadsWide{
     "hd 256 / ihd 128, 4 q / 2 kv heads, topk 40", 256, 64, 4, 2, 0, 2, 0, 2, 128, 4, 40, 256};
+// The real head mapping (12 q heads per KV head: tensor-core sub-groups of 128 / 12 = 10 rows) and
+// 16 per KV head (8 rows) at the real head sizes with block_topk 8: selection from t = 35 on, so
+// sub-groups cross the dense -> sparse boundary and neighbouring rows select different blocks.
+const Shape kRealMapping{
+    "hd 256 / ihd 128, 24 q / 2 kv heads, topk 8", 256, 64, 24, 2, 0, 12, 0, 2, 128, 4, 8, 320};
+const Shape kRealSixteen{
+    "hd 256 / ihd 128, 16 q / 1 kv head, topk 8", 256, 64, 16, 1, 0, 16, 0, 2, 128, 4, 8, 192};
 // Real (docs/model.md §A.2/§A.3): TP=1 24 q / 2 kv heads, TP=2 12 q / 1 kv head per rank.
 Shape real_tp1(int64_t ctx) {
   return Shape{"real TP=1", 256, 64, 24, 2, 0, 12, 0, 4, 128, 4, 512, ctx};
@@ -227,8 +244,19 @@ std::vector<uint16_t> prefill(Layer& L, const std::vector<float>& projs, int64_t
   p.attention = attention;
   const fn::QsaPrefillLayout layout = fn::qsa_prefill_layout(p);
   REQUIRE(fn::qsa_prefill_workspace_bytes(p) == layout.total);
-  // The fused kernel runs when asked for and hd % 32 == 0 (hd 16 shapes run decode's chunks).
-  CHECK(layout.fused == (attention == fn::QsaPrefillAttention::kFused && s.hd % 32 == 0));
+  // A fused kernel runs when asked for and hd % 32 == 0 (hd 16 shapes run decode's chunks); the
+  // test shapes' contexts are small enough for kFused's union bitmap.
+  CHECK(layout.fused == (attention != fn::QsaPrefillAttention::kDecodeChunks && s.hd % 32 == 0));
+  CHECK(layout.tensor_cores == (attention == fn::QsaPrefillAttention::kFused && s.hd % 32 == 0));
+  if (layout.tensor_cores) {
+    int gmax = 0;  // the most local q heads of one local KV head
+    for (int j = 0; j < s.hkv; ++j) {
+      int g = 0;
+      for (int i = 0; i < s.hq; ++i) g += (s.q_first + i) / s.q_per_kv - s.kv_first == j;
+      gmax = std::max(gmax, g);
+    }
+    CHECK(layout.tc_rows == 128 / gmax);
+  }
   if (group_rows != nullptr) *group_rows = layout.group_rows;
   DeviceArray<uint8_t> ws(layout.total);
   p.workspace = ws.ptr;
@@ -281,14 +309,33 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
+const char* variant_name(fn::QsaPrefillAttention v) {
+  switch (v) {
+    case fn::QsaPrefillAttention::kFused:
+      return "fused (tensor cores)";
+    case fn::QsaPrefillAttention::kFusedCudaCores:
+      return "fused (CUDA cores)";
+    case fn::QsaPrefillAttention::kDecodeChunks:
+      return "decode chunks";
+  }
+  return "?";
+}
+
+// What a case covered: rows whose selection dropped blocks, and rows whose selected blocks differ
+// from the previous row's (both dropping blocks).
+struct CaseStats {
+  int64_t selecting = 0;
+  int64_t changed = 0;
+};
+
 // History of p0 decode steps on `dec`, copied into `pre`; then M decode steps on `dec` and a
-// prefill of the same M rows on `pre`. Every output row and all four caches must be bitwise
-// equal. Returns the number of rows whose selection dropped blocks.
-int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows, uint64_t seed,
-                   fn::QsaPrefillAttention attention) {
-  const bool fused = attention == fn::QsaPrefillAttention::kFused;
-  INFO(s.name, " p0=", p0, " M=", M, " max_group_rows=", max_group_rows,
-       fused ? " fused" : " decode chunks");
+// prefill of the same M rows on `pre`. All four caches and the choice logs must be bitwise equal,
+// the outputs bitwise (kDecodeChunks) or within the fused bound (see the file comment).
+CaseStats check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows, uint64_t seed,
+                     fn::QsaPrefillAttention attention) {
+  const bool fused = attention != fn::QsaPrefillAttention::kDecodeChunks;
+  INFO(s.name, " p0=", p0, " M=", M, " max_group_rows=", max_group_rows, " ",
+       variant_name(attention));
   std::mt19937_64 rng(seed);
   const auto projs = random_projs(s, p0 + M, rng);
   Layer dec(s, seed + 1), pre(s, seed + 1);
@@ -321,7 +368,13 @@ int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows
   CHECK(bad_choice == 0);
   if (fused) {
     const OutCheck c = compare_outputs(got, want, M, od);
-    INFO("fused: ", c.differ, " of ", M * od, " elements differ, worst ", c.worst, " of the bound");
+    INFO(variant_name(attention), ": ", c.differ, " of ", M * od, " elements differ, worst ",
+         c.worst, " of the bound");
+    if (M * od >= 100000) {  // the larger cases report how close they come
+      MESSAGE(s.name, " p0=", p0, " M=", M, " max_group_rows=", max_group_rows, " ",
+              variant_name(attention), ": ", c.differ, " of ", M * od, " elements differ, worst ",
+              c.worst, " of the bound");
+    }
     CHECK(c.bad == 0);
     CHECK(c.differ * 20 <= M * od);
   }
@@ -330,13 +383,21 @@ int64_t check_case(const Shape& s, int64_t p0, int64_t M, int64_t max_group_rows
   CHECK(same_bits(pre.raw->download(), dec.raw->download()));
   CHECK(same_bits(pre.bk->download(), dec.bk->download()));
   if (max_group_rows > 0) CHECK(group_rows == std::min(M, max_group_rows));
-  int64_t selecting = 0;
-  for (int64_t t = p0; t < p0 + M; ++t) selecting += (t + 1) / s.ratio > s.topk;
-  return selecting;
+  CaseStats st;
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t t = p0 + r;
+    if ((t + 1) / s.ratio <= s.topk) continue;
+    ++st.selecting;
+    if (r == 0 || t / s.ratio <= s.topk) continue;  // the previous row dense or not in the case
+    const int32_t* a = want_ch.selected.data() + r * want_ch.sel;
+    if (!std::equal(a, a + s.topk, a - want_ch.sel)) ++st.changed;
+  }
+  return st;
 }
 
 const std::vector<int64_t> kMs = {1, 2, 3, 4, 5, 17, 63, 64, 65};
 constexpr fn::QsaPrefillAttention kVariants[] = {fn::QsaPrefillAttention::kFused,
+                                                 fn::QsaPrefillAttention::kFusedCudaCores,
                                                  fn::QsaPrefillAttention::kDecodeChunks};
 
 }  // namespace
@@ -345,7 +406,7 @@ TEST_CASE("qsa prefill: tiny shapes from position 0 equal M decode steps") {
   for (const auto v : kVariants) {
     for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
       int64_t selecting = 0;
-      for (int64_t M : kMs) selecting += check_case(s, 0, M, 0, 100 + M, v);
+      for (int64_t M : kMs) selecting += check_case(s, 0, M, 0, 100 + M, v).selecting;
       CHECK(selecting > 0);  // block_topk 2-3: rows from t = 11 (15) on drop blocks
     }
   }
@@ -355,7 +416,7 @@ TEST_CASE("qsa prefill: tiny shapes continuing a cache of 13 decode steps equal 
   for (const auto v : kVariants) {
     for (const Shape& s : {kG3Tp1, kG3Tp2r1, kTp4Tp2r0, kTp4Tp4r3}) {
       int64_t selecting = 0;
-      for (int64_t M : kMs) selecting += check_case(s, 13, M, 0, 200 + M, v);
+      for (int64_t M : kMs) selecting += check_case(s, 13, M, 0, 200 + M, v).selecting;
       CHECK(selecting > 0);
     }
   }
@@ -364,26 +425,49 @@ TEST_CASE("qsa prefill: tiny shapes continuing a cache of 13 decode steps equal 
 TEST_CASE("qsa prefill: rows split into small groups (1, 3, 7 rows) still equal decode") {
   for (const auto v : kVariants) {
     for (int64_t g : {1, 3, 7}) {
-      CHECK(check_case(kG3Tp1, 0, 65, g, 300 + g, v) > 0);
-      CHECK(check_case(kTp4Tp2r0, 13, 17, g, 400 + g, v) > 0);
+      CHECK(check_case(kG3Tp1, 0, 65, g, 300 + g, v).selecting > 0);
+      CHECK(check_case(kTp4Tp2r0, 13, 17, g, 400 + g, v).selecting > 0);
     }
   }
 }
 
 TEST_CASE("qsa prefill: real head sizes over 300 tokens with block_topk 8 equal decode") {
   for (const auto v : kVariants) {
-    CHECK(check_case(kRealHeads, 0, 300, 0, 500, v) == 300 - 35);
+    CHECK(check_case(kRealHeads, 0, 300, 0, 500, v).selecting == 300 - 35);
     // From a populated cache, in groups of 50 rows (block hand-off between groups).
-    CHECK(check_case(kRealHeads, 37, 263, 50, 600, v) == 263);
+    CHECK(check_case(kRealHeads, 37, 263, 50, 600, v).selecting == 263);
   }
 }
 
 TEST_CASE("qsa prefill: many attended tokens and 6, 12, 16 q heads per KV head equal decode") {
   for (const auto v : kVariants) {
-    CHECK(check_case(kWide, 0, 180, 0, 700, v) == 180 - 99);  // dense rows up to t = 98
-    CHECK(check_case(kSixPerKv, 0, 150, 40, 710, v) == 150 - 83);
-    CHECK(check_case(kSixteenPerKv, 5, 115, 0, 720, v) == 120 - 83);
-    CHECK(check_case(kRealHeadsWide, 9, 240, 0, 730, v) == 249 - 163);
+    CHECK(check_case(kWide, 0, 180, 0, 700, v).selecting == 180 - 99);  // dense rows up to t = 98
+    CHECK(check_case(kSixPerKv, 0, 150, 40, 710, v).selecting == 150 - 83);
+    CHECK(check_case(kSixteenPerKv, 5, 115, 0, 720, v).selecting == 120 - 83);
+    CHECK(check_case(kRealHeadsWide, 9, 240, 0, 730, v).selecting == 249 - 163);
+  }
+}
+
+TEST_CASE(
+    "qsa prefill: 12 and 16 q heads per KV head at hd 256 across the dense -> sparse boundary "
+    "equal decode") {
+  for (const auto v : kVariants) {
+    // From position 0 (rows 0..34 dense, 35.. selecting), automatic groups: 203 rows = 20
+    // sub-groups of 10 and one of 3; sub-group 3 (rows 30..39) crosses the boundary.
+    const CaseStats a = check_case(kRealMapping, 0, 203, 0, 800, v);
+    CHECK(a.selecting == 203 - 35);
+    CHECK(a.changed > 0);
+    // From a populated cache at p0 = 29 in groups of 1, 3 and 7 rows (sub-groups of at most that
+    // many rows, the boundary inside a group) and 47 rows (4 sub-groups of 10 and one of 7).
+    for (int64_t g : {1, 3, 7, 47}) {
+      const CaseStats b = check_case(kRealMapping, 29, 96, g, 810 + g, v);
+      CHECK(b.selecting == 96 - 6);
+      CHECK(b.changed > 0);
+    }
+    // 16 q heads per KV head: sub-groups of 8 rows; 141 rows from p0 = 30 (not a multiple of 8).
+    const CaseStats c = check_case(kRealSixteen, 30, 141, 0, 820, v);
+    CHECK(c.selecting == 141 - 5);
+    CHECK(c.changed > 0);
   }
 }
 
@@ -449,7 +533,7 @@ TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
     FN_CUDA_CHECK(cudaEventCreate(&e1));
     // One configuration: warm-up, kReps timed launches, then one launch with per-kernel timing.
     // Every launch rewrites the same cache rows with the same values.
-    auto bench = [&](QsaPrefillAttention variant, int64_t groups) {
+    auto bench = [&](QsaPrefillAttention variant, int64_t groups) -> std::vector<uint16_t> {
       fn::QsaPrefillParams p;
       p.shape = L.p;
       p.proj = proj.ptr;
@@ -475,18 +559,17 @@ TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
       fn::QsaPrefillTiming t;
       p.timing = &t;
       fn::launch_qsa_prefill(p, stream);
-      const bool fused = layout.fused;
       std::printf(
           "qsa prefill bench: %s M=%lld %s groups of %lld rows (max_group_rows=%lld, %lld "
           "groups, workspace %.1f MiB): %.3f ms per layer | per kernel (event-bracketed run): "
           "prep %.3f, block keys %.3f, scores %.3f, select %.3f, attention %.3f, combine %.3f "
           "ms\n",
-          s.name, static_cast<long long>(r.M), fused ? "fused" : "decode-chunks",
+          s.name, static_cast<long long>(r.M), variant_name(variant),
           static_cast<long long>(layout.group_rows), static_cast<long long>(groups),
           static_cast<long long>(t.groups), layout.total / 1048576.0, ms, t.prep_ms,
           t.block_keys_ms, t.scores_ms, t.select_ms, t.attention_ms, t.combine_ms);
-      MESSAGE(std::string(s.name), " M=", r.M, fused ? " fused" : " decode-chunks", " group rows ",
-              layout.group_rows, ": ", ms, " ms per layer");
+      MESSAGE(std::string(s.name), " M=", r.M, " ", variant_name(variant), " group rows ",
+              layout.group_rows, ": ", ms, " ms per layer, attention ", t.attention_ms, " ms");
       const auto o = out.download();
       // A NaN output would mean an unwritten cache row was read.
       int64_t nan = 0;
@@ -495,22 +578,33 @@ TEST_CASE("qsa prefill bench: ms per layer at the real shapes (FN_BENCH=1)") {
       return o;
     };
     const auto ref = bench(QsaPrefillAttention::kDecodeChunks, 0);  // bitwise decode (tests)
-    std::vector<uint16_t> first_fused;
-    // Automatic groups, then forced group sizes: the outputs must not depend on the grouping.
-    for (int64_t groups : {0, 64, 256, 1024}) {
-      const auto o = bench(QsaPrefillAttention::kFused, groups);
-      if (first_fused.empty()) {
-        first_fused = o;
-        const OutCheck c = compare_outputs(o, ref, r.M, int64_t{s.hq} * s.hd);
-        std::printf(
-            "qsa prefill bench: %s M=%lld fused vs decode-chunks: %lld of %lld elements "
-            "differ, %lld outside the bound, worst %.3f of the bound\n",
-            s.name, static_cast<long long>(r.M), static_cast<long long>(c.differ),
-            static_cast<long long>(o.size()), static_cast<long long>(c.bad), c.worst);
-        CHECK(c.bad == 0);
-        CHECK(c.differ * 20 <= static_cast<int64_t>(o.size()));
-      } else {
-        CHECK(same_bits(o, first_fused));
+    auto check_against_ref = [&](const std::vector<uint16_t>& o, QsaPrefillAttention variant,
+                                 int64_t groups) {
+      const OutCheck c = compare_outputs(o, ref, r.M, int64_t{s.hq} * s.hd);
+      std::printf(
+          "qsa prefill bench: %s M=%lld %s (max_group_rows=%lld) vs decode-chunks: %lld of %lld "
+          "elements differ, %lld outside the bound, worst %.3f of the bound\n",
+          s.name, static_cast<long long>(r.M), variant_name(variant),
+          static_cast<long long>(groups), static_cast<long long>(c.differ),
+          static_cast<long long>(o.size()), static_cast<long long>(c.bad), c.worst);
+      CHECK(c.bad == 0);
+      CHECK(c.differ * 20 <= static_cast<int64_t>(o.size()));
+    };
+    // Automatic groups, then forced group sizes. kFusedCudaCores: a row's output depends on its
+    // own tokens only, so it must not depend on the grouping. kFused: a row's tiles are those of
+    // its sub-group's union (the FP32 order changes with the grouping), each grouping is checked
+    // against decode.
+    for (const QsaPrefillAttention variant :
+         {QsaPrefillAttention::kFused, QsaPrefillAttention::kFusedCudaCores}) {
+      std::vector<uint16_t> first;
+      for (int64_t groups : {0, 64, 256, 1024}) {
+        const auto o = bench(variant, groups);
+        if (variant == QsaPrefillAttention::kFused || first.empty()) {
+          check_against_ref(o, variant, groups);
+          if (first.empty()) first = o;
+        } else {
+          CHECK(same_bits(o, first));
+        }
       }
     }
     FN_CUDA_CHECK(cudaEventDestroy(e0));

@@ -6,14 +6,14 @@
 // Per-row path (up to kMoePrefillPerRowMaxTokens tokens): the decode kernels (FP32 instances)
 // for all rows in one launch each, the token in the grid's y dimension.
 //
-// Fused path (above that; see the section comment further down): no BF16 weight copy in global
-// memory; NVFP4 is decoded into shared-memory tiles feeding wmma.
+// Fused path (above that; see the section comment further down): a grouped GEMM per expert on
+// mma.sync BF16, NVFP4 decoded once per tile into shared memory (no BF16 weight copy in global
+// memory), fed by a multi-stage cp.async pipeline.
 #include "cuda/kernels/moe_prefill.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <vector>
@@ -33,22 +33,6 @@ constexpr size_t kAlign = 256;
 
 size_t align_up(size_t v) {
   return (v + kAlign - 1) / kAlign * kAlign;
-}
-
-// E4M3 byte -> float (exact; NaN codes give NaN), through the FP16 pattern of nvfp4_bits.h.
-__device__ __forceinline__ float e4m3_value(uint32_t s) {
-  if (nvfp4::e4m3_is_nan(s)) return __int_as_float(0x7fc00000);
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(nvfp4::e4m3_fp16_bits(s)))) *
-         256.0f;
-}
-
-// The 8 codes of a word in the decode layout (Nvfp4Experts::packed) as their exact FP32 values,
-// in element order: nvfp4_mma::decode_layout_f32 (code * 2^-126), then * 2^126 (exact). Cheaper
-// than going back to the checkpoint's layout and decoding byte by byte, and the same values.
-__device__ __forceinline__ void decode_word(uint32_t d, float (&v)[8]) {
-  nvfp4_mma::decode_layout_f32(d, v);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] *= 0x1p126f;
 }
 
 bool use_per_row(const MoePrefillParams& p) {
@@ -106,24 +90,57 @@ unsigned grid_for(int64_t n) {
 // ---- fused W4A16 path ------------------------------------------------------------------------
 //
 // Pairs of one chunk of tokens are bucketed by expert (ascending pair inside an expert) into
-// sorted rows; each expert's rows are cut into tiles of at most kFBm rows. One CTA computes a
-// tile of kFBm rows x kFBn weight rows with wmma BF16 tensor cores (FP32 accumulation), the
-// weights decoded from NVFP4 (E2M1 x E4M3, exact in BF16, global scale applied after the GEMM)
-// straight into shared memory, so no BF16 weight copy is written to global memory:
-//   gate_up  A = x rows gathered by token, B = 64 gate rows + the same 64 up rows of the expert;
-//            epilogue h = bf16(silu(g * gs_gate) * (u * gs_up)) into h[sorted row]
-//   down     A = h[sorted rows], B = 128 rows of W_down; epilogue yd[pair, :] (FP32)
-//   reduce   y[t, d] = sum over slots j in order of fmaf(weights[t, j] * gs_down[e], yd, acc)
+// sorted rows. An expert's rows form one row tile when they fit the tile's row capacity (kBm:
+// 256 where the device gives a CTA 199 KB of shared memory, else 64), else ceil(rows / kBm)
+// tiles of equal size (a multiple of 16 rows, the last one shorter): at M = 8192, top_k 10 and
+// uniform routing (~160 rows per expert) every expert is one tile, so each weight tile is decoded
+// once for all of its rows. One CTA computes a row tile x kGBn = 128 weight rows (gate+up: 64
+// gate rows and the same 64 up rows) as a grouped GEMM on mma.sync m16n8k16 BF16 (FP32
+// accumulation):
+//   - a kStages-deep cp.async pipeline brings per k step of 64 the tile's activation rows
+//     (gate+up: x rows gathered by token; down: h rows) and the raw NVFP4 codes of the 128
+//     weight rows into shared memory; the E4M3 block scales come through registers two steps
+//     ahead (rows of K / 16 bytes need not be 4-byte aligned);
+//   - while the warps multiply step kt (ldmatrix from 144-byte rows: the 8 row addresses of every
+//     8x8 matrix fall in 8 distinct 16-byte bank groups), each thread decodes its 32 codes of step
+//     kt + 1 into the other of two BF16 weight buffers: E2M1 * 2^-126 times E4M3 * 2^100, one
+//     exact BF16 product per weight (nvfp4_mma, the bulk-copy decode kernel's arithmetic); the
+//     2^26 and the global scale are applied in the epilogue, so every product the tensor cores
+//     see is exact and only the FP32 summation order differs from decode;
+//   - one __syncthreads per k step; 8 warps as 2 (row fragments of 16, interleaved so both halves
+//     get the same count) x 4 (32 weight rows); the tile's rows are rounded up to 32 and the main
+//     loop is instantiated per count of 16-row fragments, so no MMA runs on a fragment wholly past
+//     the tile's rows;
+//   - epilogue from the registers: gate+up h = bf16(silu(g * 2^26 * gs_gate) * (u * 2^26 *
+//     gs_up)) into h[sorted row] (each warp holds 16 gate and the same 16 up outputs); down
+//     yd[pair, :] = sum * 2^26 (FP32).
+//   reduce  y[t, d] = sum over slots j in order of fmaf(weights[t, j] * gs_down[e], yd, acc)
+// The grid is one CTA per (row tile, feature tile), feature tiles of a row tile adjacent (they
+// share the tile's activation rows in L2), row tiles in decreasing size (the long ones first).
 // Deterministic: every output element is written by one thread, the k loop runs in order.
 
-constexpr int kFBm = 64;         // token rows per tile
-constexpr int kFBn = 128;        // weight rows (output features) per tile
-constexpr int kFBk = 64;         // k per pipeline stage
-constexpr int kFLd = kFBk + 8;   // BF16 row stride of the staged tiles (conflict-free ldmatrix)
-constexpr int kFLdc = kFBn + 4;  // FP32 row stride of the epilogue tile
-constexpr int kFThreads = 256;   // 8 warps: 2 (rows) x 4 (features), 32 x 32 each
-constexpr int kFStage = (kFBm + kFBn) * kFLd;  // BF16 elements per stage
-constexpr size_t kFSmemBytes = std::max<size_t>(2 * kFStage * 2, size_t(kFBm) * kFLdc * 4);
+constexpr int kGBn = 128;                    // weight rows (output features) per CTA tile
+constexpr int kGBk = 64;                     // k per pipeline stage
+constexpr int kGLd = kGBk + 8;               // BF16 row stride of the staged tiles (144 bytes)
+constexpr int kGThreads = 256;               // 8 warps: 2 (row fragments) x 4 (32 features)
+constexpr int kGRawBytes = kGBn * kGBk / 2;  // NVFP4 codes of one stage (4 KB)
+constexpr int kGDecBytes = kGBn * kGLd * 2;  // one decoded BF16 weight stage (18 KB)
+
+// Shared memory of a variant: kStages x (activation rows + raw codes), two decoded weight
+// buffers, then the tile's activation row offsets (int64) and pairs (int32).
+template <int kBm, int kStages>
+struct GemmShape {
+  static_assert(kBm % 32 == 0 && kBm <= 256 && kStages >= 2, "moe prefill tile shape");
+  static constexpr int kABytes = kBm * kGLd * 2;
+  static constexpr size_t kRawOff = size_t(kStages) * kABytes;
+  static constexpr size_t kDecOff = kRawOff + size_t(kStages) * kGRawBytes;
+  static constexpr size_t kTabOff = kDecOff + 2 * size_t(kGDecBytes);
+  static constexpr size_t kSmem = kTabOff + size_t(kBm) * 12;
+};
+// 203,776 bytes (H100/H200: 227 KB per CTA) and 64,256 bytes (every sm_75+ device).
+constexpr int kBigTileRows = 256, kSmallTileRows = 64;
+using BigTile = GemmShape<kBigTileRows, 4>;
+using SmallTile = GemmShape<kSmallTileRows, 2>;
 
 struct FusedArgs {
   const uint16_t* a = nullptr;  // gate_up: x [tokens, K]; down: h [sorted rows, K]
@@ -142,211 +159,312 @@ struct FusedArgs {
   float* yd = nullptr;        // [chunk pairs, hidden] FP32
 };
 
-// 16 NVFP4 codes (8 bytes) with their E4M3 block scale -> 16 BF16 (exact products, so the
-// truncating conversion is exact; a NaN scale gives NaN).
-__device__ __forceinline__ void decode16_bf16(uint2 q, uint32_t scale_code, uint4& o0, uint4& o1) {
-  const float sc = e4m3_value(scale_code);
-  uint32_t out[8];
-  const uint32_t words[2] = {q.x, q.y};
-#pragma unroll
-  for (int wi = 0; wi < 2; ++wi) {
-    float v[8];
-    decode_word(words[wi], v);
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-      out[wi * 4 + c] = (__float_as_uint(v[2 * c] * sc) >> 16) |
-                        (__float_as_uint(v[2 * c + 1] * sc) & 0xffff0000u);
-  }
-  o0 = make_uint4(out[0], out[1], out[2], out[3]);
-  o1 = make_uint4(out[4], out[5], out[6], out[7]);
+// ---- cp.async with zero fill, ldmatrix (sm_80+; below, plain copies that land at once) -------
+
+// 16 bytes global -> shared, or 16 zero bytes when !full (src must still be a valid address).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool full) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = full ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
+#else
+  *static_cast<uint4*>(smem) = full ? *static_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+#endif
 }
 
-template <bool kGateUp>
-__global__ void __launch_bounds__(kFThreads, 2) fused_expert_kernel(const FusedArgs args) {
-  using namespace nvcuda;
+// 8 bytes global -> shared (both 8-byte aligned), or 8 zero bytes when !full.
+__device__ __forceinline__ void cp_async8_zfill(void* smem, const void* gmem, bool full) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = full ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
+#else
+  *static_cast<uint2*>(smem) = full ? *static_cast<const uint2*>(gmem) : make_uint2(0, 0);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Four 8x8 BF16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i,
+// whose row l / 4, elements 2 (l % 4), +1 land in register i of lane l (PTX ISA, ldmatrix).
+__device__ __forceinline__ void ldmatrix_x4(const uint16_t* p, uint32_t& r0, uint32_t& r1,
+                                            uint32_t& r2, uint32_t& r3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(s));
+}
+
+// One word of 8 codes (decode layout) times its block scale (e4m3_bf16x2_scaled) as 8 BF16 in
+// element order: code * scale * 2^-26, exact. decode_layout_pair gives the pairs (q, q + 4).
+__device__ __forceinline__ uint4 decode_word_bf16(uint32_t d, uint32_t sp) {
+  const uint32_t p0 = nvfp4_mma::bf16x2_mul(nvfp4::decode_layout_pair(d, 0), sp);
+  const uint32_t p1 = nvfp4_mma::bf16x2_mul(nvfp4::decode_layout_pair(d, 1), sp);
+  const uint32_t p2 = nvfp4_mma::bf16x2_mul(nvfp4::decode_layout_pair(d, 2), sp);
+  const uint32_t p3 = nvfp4_mma::bf16x2_mul(nvfp4::decode_layout_pair(d, 3), sp);
+  return make_uint4(__byte_perm(p0, p1, 0x5410), __byte_perm(p2, p3, 0x5410),
+                    __byte_perm(p0, p1, 0x7632), __byte_perm(p2, p3, 0x7632));
+}
+
+// The main loop and epilogue of one tile whose rows fill kNm fragments of 16 per warp row half
+// (rows <= 32 kNm). Every thread of the CTA calls it with the same kNm.
+template <bool kGateUp, int kBm, int kStages, int kNm>
+__device__ __forceinline__ void fused_tile(const FusedArgs& args, unsigned char* smem, int64_t e,
+                                           int row0, int nrows, int ftile) {
+  using Shape = GemmShape<kBm, kStages>;
+  uint16_t* s_a = reinterpret_cast<uint16_t*>(smem);  // [kStages][kBm][kGLd]
+  unsigned char* s_raw = smem + Shape::kRawOff;       // [kStages][kGBn][32 bytes]
+  uint16_t* s_dec = reinterpret_cast<uint16_t*>(smem + Shape::kDecOff);  // [2][kGBn][kGLd]
+  const int64_t* s_aoff = reinterpret_cast<const int64_t*>(smem + Shape::kTabOff);
+  const int32_t* s_pair = reinterpret_cast<const int32_t*>(s_aoff + kBm);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+  const int64_t K = args.K, feats = args.feats;
+  const int nk = static_cast<int>((K + kGBk - 1) / kGBk);
+
+  // This thread's weight row (B row bn) and half stage (codes 32 bh .. 32 bh + 31 of a step).
+  // gate+up: B rows 32 w .. 32 w + 31 (warp column w) are 16 gate rows then the same 16 up rows
+  // (fragments j = 0, 1 gate, 2, 3 up), so each warp's epilogue holds g and u of its outputs.
+  const int bn = tid >> 1, bh = tid & 1;
+  int64_t f;
+  bool ok;
+  if (kGateUp) {
+    const int w = bn >> 5, j = (bn >> 3) & 3;
+    const int64_t c = static_cast<int64_t>(ftile) * (kGBn / 2) + w * 16 + (j & 1) * 8 + (bn & 7);
+    ok = c < feats;
+    f = (j >= 2 ? feats : 0) + c;
+  } else {
+    f = static_cast<int64_t>(ftile) * kGBn + bn;
+    ok = f < feats;
+  }
+  const int64_t wrow = e * args.wrows + f;
+  const uint8_t* bpk = ok ? args.packed + wrow * (K / 2) : nullptr;
+  const uint8_t* bsc = ok ? args.scales + wrow * (K / 16) : nullptr;
+  const int64_t nblk = K / 16;
+
+  // Stage kt's activation rows and raw codes into slot kt % kStages (k past K zero-filled).
+  auto load_stage = [&](int kt) {
+    const int slot = kt % kStages;
+    const int64_t k0 = static_cast<int64_t>(kt) * kGBk;
+    uint16_t* a = s_a + slot * kBm * kGLd;
+    for (int u = tid; u < nrows * 8; u += kGThreads) {
+      const int r = u >> 3, c = u & 7;
+      const int64_t kc = k0 + c * 8;
+      const bool in = kc < K;
+      cp_async16_zfill(a + r * kGLd + c * 8, in ? args.a + s_aoff[r] + kc : args.a, in);
+    }
+    unsigned char* raw = s_raw + slot * kGRawBytes + tid * 16;
+    const int64_t kb = k0 + bh * 32;
+    if (K % 32 == 0) {  // every real shape: one 16-byte copy (rows of K / 2 bytes, 16-aligned)
+      const bool in = bpk != nullptr && kb < K;
+      cp_async16_zfill(raw, in ? bpk + kb / 2 : args.packed, in);
+    } else {  // rows only 8-byte aligned: two 8-byte copies of 16 codes
+      const bool in0 = bpk != nullptr && kb < K, in1 = bpk != nullptr && kb + 16 < K;
+      cp_async8_zfill(raw, in0 ? bpk + kb / 2 : args.packed, in0);
+      cp_async8_zfill(raw + 8, in1 ? bpk + kb / 2 + 8 : args.packed, in1);
+    }
+  };
+  // The two block-scale bytes of this thread's codes of step kt (0 past K or for a missing row).
+  auto load_scales = [&](int kt) -> uint32_t {
+    if (bsc == nullptr || kt >= nk) return 0u;
+    const int64_t b0 = (static_cast<int64_t>(kt) * kGBk + bh * 32) / 16;
+    uint32_t s = 0;
+    if (b0 < nblk) s = __ldg(bsc + b0);
+    if (b0 + 1 < nblk) s |= static_cast<uint32_t>(__ldg(bsc + b0 + 1)) << 8;
+    return s;
+  };
+  uint16_t* dec_mine = s_dec + bn * kGLd + bh * 32;  // + buffer * kGBn * kGLd + 8 * word
+
+  float acc[kNm][4][4];
+#pragma unroll
+  for (int mi = 0; mi < kNm; ++mi) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mi][j][q] = 0.0f;
+    }
+  }
+
+  // Prologue: stages 0 .. kStages - 2 in flight, step 0 decoded.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nk) load_stage(s);
+    cp_async_commit();
+  }
+  {
+    const uint32_t sc = load_scales(0);
+    cp_async_wait<kStages - 2>();
+    const uint4 raw = *reinterpret_cast<const uint4*>(s_raw + tid * 16);
+    const uint32_t sp0 = nvfp4_mma::e4m3_bf16x2_scaled(sc & 0xffu);
+    const uint32_t sp1 = nvfp4_mma::e4m3_bf16x2_scaled((sc >> 8) & 0xffu);
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi)
+      *reinterpret_cast<uint4*>(dec_mine + 8 * wi) =
+          decode_word_bf16(nvfp4_mma::word_of(raw, wi), wi < 2 ? sp0 : sp1);
+  }
+  uint32_t sc1 = load_scales(1), sc2 = load_scales(2);  // steps kt + 1 and kt + 2
+  __syncthreads();
+
+  for (int kt = 0; kt < nk; ++kt) {
+    // Slot (kt - 1) % kStages was last read by step kt - 1 (behind the barrier below).
+    if (kt + kStages - 1 < nk) load_stage(kt + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 2>();  // step kt + 1's copies of this thread have landed
+    const bool next = kt + 1 < nk;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    uint32_t sp0 = 0, sp1 = 0;
+    if (next) {
+      raw = *reinterpret_cast<const uint4*>(s_raw + ((kt + 1) % kStages) * kGRawBytes + tid * 16);
+      sp0 = nvfp4_mma::e4m3_bf16x2_scaled(sc1 & 0xffu);
+      sp1 = nvfp4_mma::e4m3_bf16x2_scaled((sc1 >> 8) & 0xffu);
+    }
+    const uint16_t* a = s_a + (kt % kStages) * kBm * kGLd;
+    const uint16_t* b = s_dec + (kt & 1) * kGBn * kGLd;
+    uint16_t* dnext = dec_mine + ((kt + 1) & 1) * kGBn * kGLd;
+#pragma unroll
+    for (int kk = 0; kk < kGBk / 16; ++kk) {
+      // B fragments of the warp's 4 n-tiles of 8: matrices (n 0-7, k 0-7), (n 0-7, k 8-15),
+      // (n 8-15, k 0-7), (n 8-15, k 8-15) of each pair of n-tiles -> b0, b1 of n-tile 2 jp and
+      // of n-tile 2 jp + 1 (lane (g, t) gets B[k = 2t, 2t + 1][n = g]).
+      uint32_t bf[4][2];
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        const int n = wn * 32 + jp * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int k = kk * 16 + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(b + n * kGLd + k, bf[2 * jp][0], bf[2 * jp][1], bf[2 * jp + 1][0],
+                    bf[2 * jp + 1][1]);
+      }
+#pragma unroll
+      for (int mi = 0; mi < kNm; ++mi) {
+        // A fragment rows 16 (wm + 2 mi) ..: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7),
+        // (rows 0-7, k 8-15), (rows 8-15, k 8-15) = a0 .. a3 of m16n8k16.
+        const int m = (wm + 2 * mi) * 16 + (lane & 15);
+        const int k = kk * 16 + (lane >> 4) * 8;
+        uint32_t a0, a1, a2, a3;
+        ldmatrix_x4(a + m * kGLd + k, a0, a1, a2, a3);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          nvfp4_mma::mma_bf16(acc[mi][j], a0, a1, a2, a3, bf[j][0], bf[j][1]);
+      }
+      // A quarter of step kt + 1's decode between the MMAs (word kk: block kk / 2).
+      if (next)
+        *reinterpret_cast<uint4*>(dnext + 8 * kk) =
+            decode_word_bf16(nvfp4_mma::word_of(raw, kk), kk < 2 ? sp0 : sp1);
+    }
+    sc1 = sc2;
+    sc2 = load_scales(kt + 3);
+    __syncthreads();  // step kt + 1's activations and decoded weights visible; slots reusable
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: lane (g, t) holds D[g][2t, 2t + 1] (q = 0, 1) and D[g + 8][2t, 2t + 1] (q = 2, 3)
+  // of every fragment.
+  const int g = lane >> 2, t = lane & 3;
+  if (kGateUp) {
+    const float gsg = __ldg(args.gscale + 2 * e), gsu = __ldg(args.gscale + 2 * e + 1);
+#pragma unroll
+    for (int mi = 0; mi < kNm; ++mi)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = (wm + 2 * mi) * 16 + g + 8 * hr;
+        if (r >= nrows) continue;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int64_t c = static_cast<int64_t>(ftile) * (kGBn / 2) + wn * 16 + j * 8 + 2 * t;
+          if (c >= feats) continue;  // feats % 16 == 0: c, c + 1 wholly in or out
+          uint32_t hv[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            // As moe_gate_up_nvfp4_kernel: global scale, silu, one rounding.
+            const float gv = acc[mi][j][2 * hr + q] * nvfp4_mma::kMmaUnscale * gsg;
+            const float uv = acc[mi][j + 2][2 * hr + q] * nvfp4_mma::kMmaUnscale * gsu;
+            hv[q] = dev::float_to_bf16_bits(dev::silu(gv) * uv);
+          }
+          const uint32_t packed = hv[0] | (hv[1] << 16);
+          *reinterpret_cast<uint32_t*>(args.h + static_cast<int64_t>(row0 + r) * feats + c) =
+              packed;
+          if (args.h_out != nullptr)
+            *reinterpret_cast<uint32_t*>(args.h_out + static_cast<int64_t>(s_pair[r]) * feats + c) =
+                packed;
+        }
+      }
+  } else {
+#pragma unroll
+    for (int mi = 0; mi < kNm; ++mi)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = (wm + 2 * mi) * 16 + g + 8 * hr;
+        if (r >= nrows) continue;
+        float* dst = args.yd + static_cast<int64_t>(s_pair[r]) * feats;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t d = static_cast<int64_t>(ftile) * kGBn + wn * 32 + j * 8 + 2 * t;
+          if (d >= feats) continue;  // hidden % 16 == 0
+          *reinterpret_cast<float2*>(dst + d) =
+              make_float2(acc[mi][j][2 * hr] * nvfp4_mma::kMmaUnscale,
+                          acc[mi][j][2 * hr + 1] * nvfp4_mma::kMmaUnscale);
+        }
+      }
+  }
+}
+
+// Picks the instance of fused_tile for the tile's fragment count nm (1 .. kNm).
+template <bool kGateUp, int kBm, int kStages, int kNm>
+__device__ __forceinline__ void fused_tile_dispatch(int nm, const FusedArgs& args,
+                                                    unsigned char* smem, int64_t e, int row0,
+                                                    int nrows, int ftile) {
+  if (nm == kNm) {
+    fused_tile<kGateUp, kBm, kStages, kNm>(args, smem, e, row0, nrows, ftile);
+  } else if constexpr (kNm > 1) {
+    fused_tile_dispatch<kGateUp, kBm, kStages, kNm - 1>(nm, args, smem, e, row0, nrows, ftile);
+  }
+}
+
+template <bool kGateUp, int kBm, int kStages>
+__global__ void __launch_bounds__(kGThreads, 1) fused_gemm_kernel(const FusedArgs args) {
+  using Shape = GemmShape<kBm, kStages>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  uint16_t* sbuf = reinterpret_cast<uint16_t*>(smem_raw);
   const int ftile = static_cast<int>(blockIdx.x % static_cast<unsigned>(args.ftiles));
   const int64_t tile = blockIdx.x / static_cast<unsigned>(args.ftiles);
   const int32_t* tp = args.tiles + 3 * tile;
   const int64_t e = tp[0];
-  const int row0 = tp[1], nrows = tp[2];
-  const int tid = threadIdx.x, warp = tid >> 5;
-  const int wm = warp >> 2, wn = warp & 3;
-  const int64_t K = args.K;
-  const int nk = static_cast<int>((K + kFBk - 1) / kFBk);
-
-  // This thread's two A units (row, 8-element vector) and two B units (weight row, 16 codes).
-  const uint16_t* asrc[2];
-  int ar[2], av[2];
-  const uint8_t* bpk[2];
-  const uint8_t* bsc[2];
-  int bn[2], bb[2];
-#pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int u = tid + kFThreads * q;
-    ar[q] = u >> 3;
-    av[q] = u & 7;
-    asrc[q] = nullptr;
-    if (ar[q] < nrows) {
-      if (kGateUp) {
-        const int64_t token = args.row_pair[row0 + ar[q]] / args.top_k;
-        asrc[q] = args.a + token * K;
-      } else {
-        asrc[q] = args.a + static_cast<int64_t>(row0 + ar[q]) * K;
-      }
-    }
-    bn[q] = u >> 2;
-    bb[q] = u & 3;
-    int64_t f;
-    bool ok;
-    if (kGateUp) {
-      const int64_t c = static_cast<int64_t>(ftile) * (kFBn / 2) + (bn[q] & (kFBn / 2 - 1));
-      ok = c < args.feats;
-      f = (bn[q] < kFBn / 2 ? 0 : args.feats) + c;
-    } else {
-      f = static_cast<int64_t>(ftile) * kFBn + bn[q];
-      ok = f < args.feats;
-    }
-    const int64_t wrow = e * args.wrows + f;
-    bpk[q] = ok ? args.packed + wrow * (K / 2) : nullptr;
-    bsc[q] = ok ? args.scales + wrow * (K / 16) : nullptr;
+  const int row0 = tp[1], nrows = tp[2];  // 1 <= nrows <= kBm
+  int64_t* s_aoff = reinterpret_cast<int64_t*>(smem_raw + Shape::kTabOff);
+  int32_t* s_pair = reinterpret_cast<int32_t*>(s_aoff + kBm);
+  for (int r = threadIdx.x; r < nrows; r += kGThreads) {
+    const int32_t pair = args.row_pair[row0 + r];
+    s_pair[r] = pair;
+    s_aoff[r] = kGateUp ? static_cast<int64_t>(pair / args.top_k) * args.K
+                        : static_cast<int64_t>(row0 + r) * args.K;
   }
-
-  uint4 ra[2];
-  uint2 rb[2];
-  uint32_t rs[2];
-  auto load = [&](int kt) {
-    const int64_t k0 = static_cast<int64_t>(kt) * kFBk;
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int64_t kc = k0 + av[q] * 8;
-      ra[q] = make_uint4(0, 0, 0, 0);
-      if (asrc[q] != nullptr && kc < K) ra[q] = __ldg(reinterpret_cast<const uint4*>(asrc[q] + kc));
-      const int64_t kb = k0 + bb[q] * 16;
-      rb[q] = make_uint2(0, 0);
-      rs[q] = 0;
-      if (bpk[q] != nullptr && kb < K) {
-        rb[q] = __ldg(reinterpret_cast<const uint2*>(bpk[q] + kb / 2));
-        rs[q] = __ldg(bsc[q] + kb / 16);
-      }
-    }
-  };
-  auto store = [&](int buf) {
-    uint16_t* as = sbuf + buf * kFStage;
-    uint16_t* bs = as + kFBm * kFLd;
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      *reinterpret_cast<uint4*>(as + ar[q] * kFLd + av[q] * 8) = ra[q];
-      uint4 o0, o1;
-      decode16_bf16(rb[q], rs[q], o0, o1);
-      uint4* dst = reinterpret_cast<uint4*>(bs + bn[q] * kFLd + bb[q] * 16);
-      dst[0] = o0;
-      dst[1] = o1;
-    }
-  };
-
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
-#else
-  // Below sm_80 (no BF16 wmma): the warp's 32 x 32 block by FP32 FMA, k ascending; lane l holds
-  // column wn * 32 + l of rows wm * 32 + r (the products are exact, as on the tensor cores).
-  float accf[32];
-#pragma unroll
-  for (int r = 0; r < 32; ++r) accf[r] = 0.0f;
-  const int lane = tid & 31;
-#endif
-  // Row fragments wholly past the tile's rows are skipped (warp-uniform).
-  const bool mrow[2] = {wm * 32 < nrows, wm * 32 + 16 < nrows};
-
-  load(0);
-  store(0);
   __syncthreads();
-  for (int kt = 0; kt < nk; ++kt) {
-    const int buf = kt & 1;
-    if (kt + 1 < nk) load(kt + 1);
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    const __nv_bfloat16* as = reinterpret_cast<const __nv_bfloat16*>(sbuf + buf * kFStage);
-    const __nv_bfloat16* bs = as + kFBm * kFLd;
-    if (mrow[0]) {
-#pragma unroll
-      for (int kk = 0; kk < kFBk / 16; ++kk) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-          wmma::load_matrix_sync(fb[j], bs + (wn * 32 + j * 16) * kFLd + kk * 16, kFLd);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          if (!mrow[i]) continue;
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
-          wmma::load_matrix_sync(fa, as + (wm * 32 + i * 16) * kFLd + kk * 16, kFLd);
-#pragma unroll
-          for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa, fb[j], acc[i][j]);
-        }
-      }
-    }
+  // Fragments of 16 rows per warp row half: rows rounded up to 32 (CTA-uniform).
+  const int nm = (nrows + 31) / 32;
+  // Below sm_80 no device has the 256-row instance's shared memory (the host picks 64 rows
+  // there), so only the 64-row instance is compiled (the MMA emulation is large).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  constexpr bool kCompiled = kBm <= kSmallTileRows;
 #else
-    if (mrow[0]) {
-      const uint16_t* as = sbuf + buf * kFStage + (wm * 32) * kFLd;
-      const uint16_t* bs = sbuf + buf * kFStage + kFBm * kFLd + (wn * 32 + lane) * kFLd;
-#pragma unroll 4
-      for (int k = 0; k < kFBk; ++k) {
-        const float b = __uint_as_float(static_cast<uint32_t>(bs[k]) << 16);
-#pragma unroll
-        for (int r = 0; r < 32; ++r)
-          accf[r] =
-              fmaf(__uint_as_float(static_cast<uint32_t>(as[r * kFLd + k]) << 16), b, accf[r]);
-      }
-    }
+  constexpr bool kCompiled = true;
 #endif
-    if (kt + 1 < nk) store(buf ^ 1);
-    __syncthreads();
-  }
-
-  float* cs = reinterpret_cast<float*>(smem_raw);
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(cs + (wm * 32 + i * 16) * kFLdc + wn * 32 + j * 16, acc[i][j], kFLdc,
-                              wmma::mem_row_major);
-#else
-#pragma unroll
-  for (int r = 0; r < 32; ++r) cs[(wm * 32 + r) * kFLdc + wn * 32 + lane] = accf[r];
-#endif
-  __syncthreads();
-  if (kGateUp) {
-    const int64_t inter = args.feats;
-    const float gsg = __ldg(args.gscale + 2 * e), gsu = __ldg(args.gscale + 2 * e + 1);
-    for (int idx = tid; idx < kFBm * (kFBn / 2); idx += kFThreads) {
-      const int r = idx / (kFBn / 2), c = idx % (kFBn / 2);
-      if (r >= nrows) break;
-      const int64_t f = static_cast<int64_t>(ftile) * (kFBn / 2) + c;
-      if (f >= inter) continue;
-      // As moe_gate_up_nvfp4_kernel: global scale, silu, one rounding.
-      const float g = cs[r * kFLdc + c] * gsg;
-      const float u = cs[r * kFLdc + kFBn / 2 + c] * gsu;
-      const uint16_t hv = dev::float_to_bf16_bits(dev::silu(g) * u);
-      args.h[static_cast<int64_t>(row0 + r) * inter + f] = hv;
-      if (args.h_out != nullptr)
-        args.h_out[static_cast<int64_t>(args.row_pair[row0 + r]) * inter + f] = hv;
-    }
+  if constexpr (kCompiled) {
+    fused_tile_dispatch<kGateUp, kBm, kStages, kBm / 32>(nm, args, smem_raw, e, row0, nrows, ftile);
   } else {
-    const int64_t hidden = args.feats;
-    for (int idx = tid; idx < kFBm * (kFBn / 4); idx += kFThreads) {
-      const int r = idx / (kFBn / 4), c4 = (idx % (kFBn / 4)) * 4;
-      if (r >= nrows) break;
-      const int64_t d = static_cast<int64_t>(ftile) * kFBn + c4;
-      if (d >= hidden) continue;  // hidden % 16 == 0: a vector is wholly in or out
-      const float4 v = *reinterpret_cast<const float4*>(cs + r * kFLdc + c4);
-      *reinterpret_cast<float4*>(args.yd + static_cast<int64_t>(args.row_pair[row0 + r]) * hidden +
-                                 d) = v;
-    }
+    __trap();
   }
 }
 
@@ -386,11 +504,12 @@ FusedLayout fused_layout(const MoePrefillParams& p) {
   const int64_t pairs = p.tokens * p.top_k, chunk_pairs = chunk * p.top_k;
   const int64_t hidden = p.gate_up.cols, inter = p.down.cols;
   FusedLayout l{};
-  // Sorted rows' pairs (<= pairs) and tiles (<= pairs / kFBm + min(E, chunk pairs) per chunk).
-  l.meta_ints =
-      pairs +
-      3 * (pairs / kFBm + chunks * (std::min<int64_t>(p.gate_up.num_experts, chunk_pairs) + 1)) +
-      64;
+  // Sorted rows' pairs (<= pairs) and tiles (an expert of n rows: ceil(n / capacity) <= n /
+  // kSmallTileRows + 1, so <= pairs / kSmallTileRows + min(E, chunk pairs) per chunk).
+  l.meta_ints = pairs +
+                3 * (pairs / kSmallTileRows +
+                     chunks * (std::min<int64_t>(p.gate_up.num_experts, chunk_pairs) + 1)) +
+                64;
   l.meta = 0;
   l.h = align_up(static_cast<size_t>(l.meta_ints) * 4);
   l.yd = l.h + align_up(static_cast<size_t>(chunk_pairs) * inter * 2);
@@ -419,6 +538,25 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
   std::vector<int32_t> meta;
   meta.reserve(static_cast<size_t>(lay.meta_ints));
   std::vector<int32_t> count(static_cast<size_t>(E) + 1);
+  struct TileRec {
+    int32_t expert, row0, rows;
+  };
+  std::vector<TileRec> tiles;
+  // The row capacity: the 256-row instance where the device gives a CTA its shared memory and
+  // the device code was compiled for sm_80+ (below, only the 64-row instance has a body: a
+  // compute_75 PTX build run on a newer device must not take the other).
+  int dev = 0, smem_optin = 0;
+  FN_CUDA_CHECK(cudaGetDevice(&dev));
+  FN_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes big_attr{};
+  FN_CUDA_CHECK(cudaFuncGetAttributes(&big_attr, fused_gemm_kernel<true, kBigTileRows, 4>));
+  const bool big = static_cast<size_t>(smem_optin) >= BigTile::kSmem &&
+                   (big_attr.ptxVersion == 0 || big_attr.ptxVersion >= 80);
+  FN_CHECK(big || static_cast<size_t>(smem_optin) >= SmallTile::kSmem,
+           "moe prefill: the fused path needs {} bytes of shared memory per block, the device "
+           "gives {}",
+           SmallTile::kSmem, smem_optin);
+  const int32_t cap = big ? kBigTileRows : kSmallTileRows;
   for (int64_t t0 = 0; t0 < p.tokens; t0 += chunk) {
     ChunkPlan cp{};
     cp.t0 = t0;
@@ -437,13 +575,25 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
         if (cid[q] >= 0 && cid[q] < E) meta[cp.row_pair + static_cast<size_t>(fill[cid[q]]++)] = q;
     }
     cp.tiles = meta.size();
-    for (int e = 0; e < E; ++e)
-      for (int32_t r = count[e]; r < count[e + 1]; r += kFBm) {
-        meta.push_back(e);
-        meta.push_back(r);
-        meta.push_back(std::min<int32_t>(kFBm, count[e + 1] - r));
-      }
-    cp.num_tiles = static_cast<int64_t>(meta.size() - cp.tiles) / 3;
+    // An expert's n rows: one tile up to the capacity, else ceil(n / capacity) tiles of
+    // round_up(ceil(n / tiles), 16) rows (the last shorter); tiles in decreasing size.
+    tiles.clear();
+    for (int e = 0; e < E; ++e) {
+      const int32_t n = count[e + 1] - count[e];
+      if (n == 0) continue;
+      const int32_t nt = (n + cap - 1) / cap;
+      const int32_t per = std::min<int32_t>(cap, ((n + nt - 1) / nt + 15) / 16 * 16);
+      for (int32_t r = 0; r < n; r += per)
+        tiles.push_back({e, count[e] + r, std::min<int32_t>(per, n - r)});
+    }
+    std::stable_sort(tiles.begin(), tiles.end(),
+                     [](const TileRec& x, const TileRec& y) { return x.rows > y.rows; });
+    for (const TileRec& t : tiles) {
+      meta.push_back(t.expert);
+      meta.push_back(t.row0);
+      meta.push_back(t.rows);
+    }
+    cp.num_tiles = static_cast<int64_t>(tiles.size());
     plans.push_back(cp);
   }
   FN_CHECK(static_cast<int64_t>(meta.size()) <= lay.meta_ints,
@@ -456,12 +606,16 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
     FN_CUDA_CHECK(cudaMemsetAsync(p.h_out, 0, static_cast<size_t>(pairs) * inter * 2, stream));
   uint16_t* h = reinterpret_cast<uint16_t*>(ws + lay.h);
   float* yd = reinterpret_cast<float*>(ws + lay.yd);
-  FN_CUDA_CHECK(cudaFuncSetAttribute(fused_expert_kernel<true>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kFSmemBytes)));
-  FN_CUDA_CHECK(cudaFuncSetAttribute(fused_expert_kernel<false>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kFSmemBytes)));
+  using KernelFn = void (*)(FusedArgs);
+  const KernelFn gate_up_kernel =
+      big ? fused_gemm_kernel<true, kBigTileRows, 4> : fused_gemm_kernel<true, kSmallTileRows, 2>;
+  const KernelFn down_kernel =
+      big ? fused_gemm_kernel<false, kBigTileRows, 4> : fused_gemm_kernel<false, kSmallTileRows, 2>;
+  const size_t smem = big ? BigTile::kSmem : SmallTile::kSmem;
+  FN_CUDA_CHECK(cudaFuncSetAttribute(gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  FN_CUDA_CHECK(cudaFuncSetAttribute(down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
   for (const ChunkPlan& cp : plans) {
     if (cp.num_tiles > 0) {
       FusedArgs a;
@@ -472,7 +626,7 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
       a.wrows = p.gate_up.rows;
       a.K = hidden;
       a.feats = inter;
-      a.ftiles = static_cast<int>((inter + kFBn / 2 - 1) / (kFBn / 2));
+      a.ftiles = static_cast<int>((inter + kGBn / 2 - 1) / (kGBn / 2));
       a.row_pair = meta_d + cp.row_pair;
       a.tiles = meta_d + cp.tiles;
       a.top_k = p.top_k;
@@ -480,9 +634,8 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
       a.h_out = p.h_out != nullptr ? p.h_out + cp.t0 * k * inter : nullptr;
       const int64_t blocks_gu = cp.num_tiles * a.ftiles;
       FN_CHECK(blocks_gu <= INT32_MAX, "moe prefill: too many tiles");
-      fused_expert_kernel<true>
-          <<<static_cast<unsigned>(blocks_gu), kFThreads, kFSmemBytes, stream>>>(a);
-      FN_CUDA_LAUNCH_CHECK("fused_expert_kernel<gate_up>");
+      gate_up_kernel<<<static_cast<unsigned>(blocks_gu), kGThreads, smem, stream>>>(a);
+      FN_CUDA_LAUNCH_CHECK("fused_gemm_kernel<gate_up>");
       FusedArgs d;
       d.a = h;
       d.packed = p.down.packed;
@@ -491,16 +644,15 @@ void run_fused(const MoePrefillParams& p, cudaStream_t stream) {
       d.wrows = p.down.rows;
       d.K = inter;
       d.feats = hidden;
-      d.ftiles = static_cast<int>((hidden + kFBn - 1) / kFBn);
+      d.ftiles = static_cast<int>((hidden + kGBn - 1) / kGBn);
       d.row_pair = a.row_pair;
       d.tiles = a.tiles;
       d.top_k = p.top_k;
       d.yd = yd;
       const int64_t blocks_dn = cp.num_tiles * d.ftiles;
       FN_CHECK(blocks_dn <= INT32_MAX, "moe prefill: too many tiles");
-      fused_expert_kernel<false>
-          <<<static_cast<unsigned>(blocks_dn), kFThreads, kFSmemBytes, stream>>>(d);
-      FN_CUDA_LAUNCH_CHECK("fused_expert_kernel<down>");
+      down_kernel<<<static_cast<unsigned>(blocks_dn), kGThreads, smem, stream>>>(d);
+      FN_CUDA_LAUNCH_CHECK("fused_gemm_kernel<down>");
     }
     fused_reduce_kernel<<<grid_for(cp.tokens * hidden), kThreads, 0, stream>>>(
         yd, hidden, p.ids + cp.t0 * k, p.weights + cp.t0 * k, p.down.global_scale, E, p.top_k,

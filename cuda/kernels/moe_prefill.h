@@ -27,8 +27,9 @@ enum class MoePrefillPath {
            ///< the shape, else Fused
   PerRow,  ///< the decode kernels' FP32 instances over all tokens in one launch each (bitwise
            ///< those kernels' single-token results)
-  Fused,   ///< pairs sorted by expert, W4A16 tensor-core GEMMs that decode NVFP4 into shared
-           ///< memory tiles (no BF16 weight copy in global memory), SwiGLU in the epilogue
+  Fused,   ///< pairs sorted by expert, a grouped W4A16 GEMM per expert (mma.sync BF16) that
+           ///< decodes NVFP4 into shared memory once per row tile (no BF16 weight copy in
+           ///< global memory), SwiGLU in the epilogue
 };
 
 /// Auto takes the per-row path up to this many tokens (each row then costs one gate+up and one
@@ -41,11 +42,11 @@ inline constexpr int64_t kMoePrefillPerRowMaxTokens = 16;
 ///   h = bf16(silu(g) * u)   (FP32 math, one BF16 rounding, as launch_moe_gate_up_nvfp4),
 ///   y[p] = sum_j (weights[p, j] * gs_down[e]) * (W_down[e] h)   (FP32).
 /// Ids outside [0, num_experts) contribute 0 (as decode). The Fused path decodes the NVFP4
-/// weights to BF16 (E2M1 x E4M3 is exact in BF16, the global scale left out) into shared memory
-/// tiles (no global BF16 copy) and multiplies with wmma BF16 tensor cores (FP32 accumulation),
-/// then applies the global scales and SwiGLU in the epilogue: only the FP32 summation order
-/// differs from decode. y[p] sums its contributions in slot order j = 0..top_k-1, as decode, so
-/// results are bitwise reproducible for the same ids.
+/// weights to BF16 (E2M1 x E4M3 times a power of two is exact in BF16, the global scale left
+/// out) into shared memory tiles (no global BF16 copy) and multiplies with mma.sync BF16 tensor
+/// cores (FP32 accumulation), then applies the power of two, the global scales and SwiGLU in the
+/// epilogue: only the FP32 summation order differs from decode. y[p] sums its contributions in slot
+/// order j = 0..top_k-1, as decode, so results are bitwise reproducible for the same ids.
 struct MoePrefillParams {
   Nvfp4Experts gate_up;            ///< rows = 2 * I (gate rows, then up rows), cols = hidden_size
   Nvfp4Experts down;               ///< rows = hidden_size, cols = I; same num_experts as gate_up
@@ -86,21 +87,28 @@ inline constexpr int64_t kMoePrefillChunkTokens = 8192;
 ///   (850 MiB at TP=2; 450 / 425 MiB with chunk_tokens 4096).
 ///   PerRow: one token's h (top_k * I BF16).
 ///
-/// Measured (H200, tests/test_cuda_moe_prefill.cpp FN_BENCH=1, 512 experts, top_k 10, uniformly
-/// random routing, one run, ms per layer including the host planning):
-///   M = 8192, TP=1 (I 640): Fused 7.99 (chunk 4096: 9.18)
-///   M = 8192, TP=2 (I 320): Fused 4.53 (chunk 4096: 5.23)
-///   M = 512,  TP=1: Fused 1.73;  TP=2: Fused 0.96
-/// The Fused kernel is bound by decoding the weights once per 64-row tile with a one-stage
-/// register prefetch (M = 512, one tile per expert, already costs 1.7 ms at TP=1), not by the
-/// tensor cores (~100 TFLOP/s): a deeper cp.async pipeline and larger row tiles are the next step.
+/// The Fused path's GEMMs (cuda/kernels/moe_prefill.cu, "fused W4A16 path"): an expert's rows are
+/// one row tile of up to 256 rows (64 where a CTA cannot have 199 KB of shared memory: below
+/// sm_90), more rows ceil(rows / 256) equal tiles; one CTA per (row tile, 128 weight rows),
+/// 4-stage (64 rows: 2-stage) cp.async pipeline of activation rows and raw NVFP4 codes, the codes
+/// decoded to BF16 once per tile, one step ahead of the mma.sync m16n8k16 MMAs. At M = 8192, top_k
+/// 10 and uniform routing (~160 rows per expert) every weight tile is decoded once per chunk.
+/// Measured with the previous kernel (wmma, 64-row tiles, weights decoded once per 64 rows with a
+/// one-stage register prefetch; H200, tests/test_cuda_moe_prefill.cpp FN_BENCH=1, 512 experts,
+/// top_k 10, uniformly random routing, ms per layer including the host planning):
+///   M = 8192, TP=1 (I 640): 7.99 (chunk 4096: 9.18);  TP=2 (I 320): 4.53 (chunk 4096: 5.23)
+///   M = 512,  TP=1: 1.73;  TP=2: 0.96
+/// The grouped-GEMM kernel (one H100, the same benchmark): M = 8192, TP=1: 4.75 ms, 169 TFLOP/s
+/// (chunk 4096: 6.48); TP=2: 3.08 ms, 131 TFLOP/s (chunk 4096: 4.05); M = 512: 2.00 / 1.14 ms. In
+/// an 8,192-token prefill the routed experts went from 358.8 to 243.9 ms (48 layers, one H100).
 size_t moe_prefill_workspace_bytes(const MoePrefillParams& shape_only);
 
 /// Runs on `stream`. Copies ids to the host and synchronises the stream (Fused plans its tiles
 /// from the per-expert counts; once per call); the PerRow path does not synchronise.
 /// Throws fn::Error(Internal) on null pointers, inconsistent shapes (gate_up.rows != 2 * down.cols,
-/// gate_up.cols != down.rows, different num_experts), misalignment, or a PerRow request the
-/// decode kernels reject; fn::Error(Cuda) on a CUDA failure.
+/// gate_up.cols != down.rows, different num_experts), misalignment, a PerRow request the
+/// decode kernels reject, or a Fused request on a device without 64,256 bytes of opt-in shared
+/// memory per block (every sm_75+ device has them); fn::Error(Cuda) on a CUDA failure.
 void launch_moe_prefill(const MoePrefillParams& params, cudaStream_t stream);
 
 }  // namespace fn

@@ -1,13 +1,17 @@
 // QSA prefill kernels (see qsa_prefill.h). Rows are processed in groups; per group: prep (norms,
 // RoPE, K/V/raw-key rows), block keys completed in the group, indexer scores, top-k select, then
-// either the fused attention (one CTA per row and KV head, online softmax over 64-token tiles,
-// gate, BF16 out) or decode's chunked attention + combine. Row y of a group is position t0 + y.
+// the attention: the tensor-core one (kFused: per sub-group of rows the union of their blocks,
+// then one CTA per sub-group and KV head over the union's 64-token tiles with per-row masks, MMAs
+// on BF16 pieces of the FP32 operands, online softmax, gate, BF16 out), the CUDA-core one
+// (kFusedCudaCores: one CTA per row and KV head, online softmax over 64-token tiles, gate, BF16
+// out) or decode's chunked attention + combine. Row y of a group is position t0 + y.
 // The arithmetic of every step up to the selection is decode's (cuda/kernels/qsa_device.cuh); the
 // chunked attention performs decode's exact operation sequence per token with more work per
-// shared-memory load, the fused one the same math in another FP32 summation order.
+// shared-memory load, the fused ones the same math in other FP32 summation orders.
 //
-// Measured (H200, real shapes: hd 256, 4 x 128 indexer, ratio 4, block_topk 512, ctx 8192,
-// p0 = 0; ms per layer, per-kernel times from an event-bracketed run, summed over groups):
+// Measured before the tensor-core kernel ("fused" is kFusedCudaCores; H200, real shapes: hd 256,
+// 4 x 128 indexer, ratio 4, block_topk 512, ctx 8192, p0 = 0; ms per layer, per-kernel times from
+// an event-bracketed run, summed over groups):
 //   TP=1 M=8192  decode chunks (81-row groups): 73.6 = prep 1.3, block keys 0.8, scores 4.5,
 //                select 0.9, attention 63.4, combine 5.0
 //                fused (2048-row groups):       21.4 = prep 0.6, block keys 0.04, scores 3.6,
@@ -16,6 +20,10 @@
 //                scores 3.6)
 //   M=2048       decode chunks 10.3 (TP=1) / 8.2 (TP=2); fused 2.6 / 1.3
 // Fused groups of 256 / 1024 rows: 22.3 / 21.6 ms (TP=1, M=8192); 64 rows: 41.9 ms.
+// The tensor-core kernel (kFused; one H100, TP=1, M=8192, 2048-row groups): 20.2 ms per layer,
+// attention 15.7 (kFusedCudaCores in the same run: 21.25); 1024 / 256 / 64-row groups: 21.3 /
+// 39.4 / 137.3 ms (fewer CTAs per launch as the groups shrink).
+// 232,742 of 50,331,648 outputs differ from decode's, none outside the bound (worst 0.992 of it).
 #include "cuda/kernels/qsa_prefill.h"
 
 #include <cuda_runtime.h>
@@ -44,6 +52,14 @@ constexpr int kMaxGroupRows = 2048;
 constexpr int kDefaultSmem = 48 * 1024;
 constexpr int kFusedTile = 64;  // fused attention: attended tokens per K/V tile (2 per lane)
 constexpr size_t kMaxFusedSmem = 200 * 1024;  // fused attention: dynamic shared memory limit
+// Tensor-core attention (prefill_tc_attn_kernel): 8 warps, one m16 MMA tile of query vectors
+// (row, q head) each; K/V tiles of 64 union tokens; O of up to 256 dims in registers.
+constexpr int kTcWarps = 8;
+constexpr int kTcThreads = 32 * kTcWarps;
+constexpr int kTcVectors = 16 * kTcWarps;
+constexpr int kTcTile = 64;
+constexpr int kTcMaxHd = 256;
+constexpr size_t kMaxUnionSmem = 48 * 1024;  // union kernel: block bitmap + prefix (static limit)
 
 struct PArgs {
   const float* proj;
@@ -65,6 +81,12 @@ struct PArgs {
   float* part_out;
   float* part_max;
   float* part_sum;
+  int* u_count;        // [subs] union blocks per sub-group (tensor-core attention)
+  int* u_blocks;       // [subs, u_cap] union blocks ascending
+  uint32_t* u_mask;    // [subs, tc_rows, u_words] row r's bit per union block
+  int tc_rows;         // rows per sub-group
+  int u_cap, u_words;  // union capacity (blocks) and mask words per row
+  int bm_words;        // union kernel's bitmap words (max_blocks / 32 + 1)
   int64_t t0;          // position of group row 0
   int64_t r0;          // chunk row of group row 0 (proj and out row index)
   int64_t b_first;     // first block completed inside the group
@@ -619,6 +641,404 @@ __global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArg
   }
 }
 
+// ---- tensor-core attention over groups of rows ----
+//
+// One CTA per (sub-group of tc_rows consecutive rows, local KV head): its G query heads times the
+// rows are kTcVectors query vectors v = r * G + g (one m16 tile per warp; the rest padding), run
+// against the union of the rows' attended tokens in tiles of 64. prefill_union_kernel builds, per
+// sub-group, the union as an ascending block list (every row's selected blocks and its tail block)
+// and per row a bitmask over that list; the attention masks token u of the list for row r unless
+// its block is in r's mask and the token is <= r's position (the tail block's later tokens).
+// Products on the tensor cores (mma.sync m16n8k16, BF16 in, FP32 accumulate; every product of two
+// BF16 values is exact) with the FP32 operands split into BF16 pieces: K and V are BF16 already,
+// q = q_hi + q_mid + q_lo (three round-to-nearest steps: q to about 2^-24 relative, i.e. q as FP32
+// holds it) and p = p_hi + p_lo (|p - p_hi - p_lo| <= 2^-16 p, about 2^-19 p rms), so S = q.k up
+// to the FP32 sums and O += p v up to the FP32 sums and the 2^-16 of each p (docs/numerics.md).
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+// Four 8x8 BF16 matrices from shared memory (lane l gives the address of row l % 8 of matrix
+// l / 8); thread t receives row t / 4, columns 2 (t % 4), +1 of each (PTX ISA "ldmatrix").
+// Volatile with a memory clobber: the tiles change between the barriers of the tile loop.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+// The same, transposed: thread t receives rows 2 (t % 4), +1 of column t / 4 of each matrix.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+// d += A (16x16 BF16, row) * B (16x8 BF16, col), FP32 accumulate. Lane (g, t) = (lane / 4,
+// lane % 4): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2], a[3] the same at k + 8;
+// b0 = B[2t, 2t+1][g], b1 the same at k + 8; d = D[g][2t, 2t+1], D[g+8][2t, 2t+1].
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// BF16 pair of (e0, e1), round to nearest even, e0 in the low half (the lower k index).
+__device__ __forceinline__ uint32_t pack_bf16x2(float e0, float e1) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(e1), "f"(e0));
+  return d;
+}
+// (e0, e1) = hi + lo + r with hi, lo BF16 pairs and |r| <= 2^-16 |e| (each rounding to 8
+// significant bits errs by at most 2^-8 relative; e - hi is exact in FP32).
+__device__ __forceinline__ void split_bf16x2(float e0, float e1, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16x2(e0, e1);
+  lo = pack_bf16x2(e0 - __uint_as_float(hi << 16), e1 - __uint_as_float(hi & 0xffff0000u));
+}
+// (e0, e1) = hi + mid + lo + r with |r| <= 2^-24 |e|: the 24 significant bits of an FP32 value in
+// three 8-bit pieces (both remainders exact in FP32).
+__device__ __forceinline__ void split3_bf16x2(float2 e, uint32_t& hi, uint32_t& mid, uint32_t& lo) {
+  hi = pack_bf16x2(e.x, e.y);
+  const float r0 = e.x - __uint_as_float(hi << 16), r1 = e.y - __uint_as_float(hi & 0xffff0000u);
+  mid = pack_bf16x2(r0, r1);
+  lo = pack_bf16x2(r0 - __uint_as_float(mid << 16), r1 - __uint_as_float(mid & 0xffff0000u));
+}
+#endif
+
+// Union of the attended blocks of sub-group blockIdx.x of the group's `rows` rows (rows
+// tc_rows * blockIdx.x ..): a bitmap over blocks 0..B of the sub-group's last row, its exclusive
+// word prefix (the rank of a block in the union), then u_count[s], u_blocks[s] (ascending) and per
+// row u_mask[s][r]: bit i set when union block i is selected by row r or is its tail block.
+// Dynamic shared memory: 2 * bm_words words.
+__global__ void __launch_bounds__(kQsaThreads) prefill_union_kernel(PArgs a, int rows) {
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
+  extern __shared__ uint32_t bm[];  // [bm_words] bitmap, then [bm_words] exclusive prefix
+  __shared__ int wsum[kQsaThreads / 32];
+  constexpr int kWarps = kQsaThreads / 32;
+  int* pre = reinterpret_cast<int*>(bm + a.bm_words);
+  const int s = blockIdx.x, y0 = s * a.tc_rows, rs = min(a.tc_rows, rows - y0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t t_last = a.t0 + y0 + rs - 1;
+  const int nw = static_cast<int>((t_last + 1) / a.ratio / 32 + 1);  // words of blocks 0..B_last
+  for (int w = tid; w < nw; w += kQsaThreads) bm[w] = 0u;
+  __syncthreads();
+  // Each row's selected blocks and its tail block (B, when tokens past the complete blocks exist).
+  for (int r = warp; r < rs; r += kWarps) {
+    const int y = y0 + r;
+    const int nsel = a.counters[4 * y], B = a.counters[4 * y + 1];
+    const int* sel = a.selected + int64_t{y} * a.sel_max;
+    for (int i = lane; i < nsel; i += 32) atomicOr(&bm[sel[i] >> 5], 1u << (sel[i] & 31));
+    if (lane == 0 && a.t0 + y + 1 > int64_t{B} * a.ratio) atomicOr(&bm[B >> 5], 1u << (B & 31));
+  }
+  __syncthreads();
+  // Exclusive prefix of the words' popcounts: thread tid owns words [tid * per, +per).
+  const int per = (nw + kQsaThreads - 1) / kQsaThreads;
+  const int w0 = min(nw, tid * per), w1 = min(nw, w0 + per);
+  int cnt = 0;
+  for (int w = w0; w < w1; ++w) cnt += __popc(bm[w]);
+  int incl = cnt;
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
+  }
+  if (lane == 31) wsum[warp] = incl;
+  __syncthreads();
+  int run = incl - cnt, total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warp) run += wsum[w];
+    total += wsum[w];
+  }
+  int* ublocks = a.u_blocks + int64_t{s} * a.u_cap;
+  for (int w = w0; w < w1; ++w) {
+    pre[w] = run;
+    for (uint32_t bits = bm[w]; bits != 0u; bits &= bits - 1u)
+      ublocks[run++] = 32 * w + __ffs(bits) - 1;
+  }
+  if (tid == 0) a.u_count[s] = total;
+  uint32_t* mask = a.u_mask + int64_t{s} * a.tc_rows * a.u_words;
+  const int mw = (total + 31) / 32;
+  for (int i = tid; i < rs * mw; i += kQsaThreads) {
+    const int r = i / mw;
+    mask[int64_t{r} * a.u_words + (i - r * mw)] = 0u;
+  }
+  __syncthreads();  // prefix in shared memory, zeroed masks in global memory
+  auto rank = [&](int b) { return pre[b >> 5] + __popc(bm[b >> 5] & ((1u << (b & 31)) - 1u)); };
+  for (int r = warp; r < rs; r += kWarps) {
+    const int y = y0 + r;
+    const int nsel = a.counters[4 * y], B = a.counters[4 * y + 1];
+    const int* sel = a.selected + int64_t{y} * a.sel_max;
+    uint32_t* mr = mask + int64_t{r} * a.u_words;
+    for (int i = lane; i < nsel; i += 32) {
+      const int k = rank(sel[i]);
+      atomicOr(&mr[k >> 5], 1u << (k & 31));
+    }
+    if (lane == 0 && a.t0 + y + 1 > int64_t{B} * a.ratio) {
+      const int k = rank(B);
+      atomicOr(&mr[k >> 5], 1u << (k & 31));
+    }
+  }
+}
+
+// Dynamic shared memory of the tensor-core attention (bytes): q [kTcVectors, hd+8] FP32, K and V
+// [kTcTile, hd+8] BF16, row masks [kTcVectors, 2] uint32. The K/V row stride of hd + 8 BF16 (an
+// odd number of 16-byte units for hd % 16 == 0) keeps every ldmatrix conflict-free (its 8 row
+// addresses fall into 8 distinct 16-byte bank groups); the q stride of hd + 8 floats (8 mod 32
+// banks) keeps the A-fragment float2 loads conflict-free (each half-warp: rows g..g+3 x 8 banks).
+// 203,776 bytes at hd 256.
+inline size_t tc_smem_bytes(int hd) {
+  const size_t st = size_t(hd) + 8;
+  return 4 * size_t(kTcVectors) * st + 2 * 2 * size_t(kTcTile) * st + 8 * size_t(kTcVectors);
+}
+
+// Attention of sub-group (gridDim.x - 1 - blockIdx.x) (longest rows first) of the group's `rows`
+// rows and local KV head blockIdx.y over the union of its rows' tokens (prefill_union_kernel),
+// then the gate and BF16 out. Warp w owns query vectors 16w..16w+15 (v = r * G + g).
+// Per tile of 64 union tokens: K(t) and V(t) land by cp.async; the row masks of the tile are
+// built by ballots; S = Q K^T (hd/16 k-steps x 8 n-tiles x 3 q pieces of MMAs), masked
+// entries -inf, online softmax in FP32 (s = dot * 1/sqrt(hd) as decode, running max and exp sum
+// per vector, alpha = exp(m_old - m_new)); K(t+1) is fetched during O = alpha O + P V (P from the
+// S accumulators in the A-fragment layout, split hi + lo; V by ldmatrix.trans), V(t+1) after it.
+// Expects hd % 16 == 0, hd <= 256, G <= kTcVectors / tc_rows, 16-byte aligned caches (the
+// launcher checks) and sm_80+ (below, the launcher runs prefill_fused_attn_kernel instead).
+__global__ void __launch_bounds__(kTcThreads, 1) prefill_tc_attn_kernel(PArgs a, int rows) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  dev::pdl_begin();  // everything here depends on the previous kernel (cuda/common/pdl.cuh)
+  constexpr int T = kTcTile;
+  constexpr int kMaxNt = kTcMaxHd / 8;  // n-tiles of 8 dims in O
+  static_assert(T == 64 && kTcVectors == 16 * kTcWarps);
+  extern __shared__ float4 smem4[];
+  const int s = static_cast<int>(gridDim.x - 1 - blockIdx.x), j = blockIdx.y;
+  const int R = a.tc_rows, y0 = s * R, rs = min(R, rows - y0);
+  int i0 = -1, G = 0;
+  for (int i = 0; i < a.hq; ++i) {
+    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
+      if (i0 < 0) i0 = i;
+      ++G;
+    }
+  }
+  if (G == 0) return;
+  const int nv = rs * G;  // live query vectors
+  const int hd = a.hd, st = hd + 8, nks = hd / 16;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* q_s = reinterpret_cast<float*>(smem4);                        // [kTcVectors, hd+8]
+  uint16_t* k_s = reinterpret_cast<uint16_t*>(q_s + kTcVectors * st);  // [T, hd+8]
+  uint16_t* v_s = k_s + T * st;                                        // [T, hd+8]
+  uint32_t* mask_s = reinterpret_cast<uint32_t*>(v_s + T * st);        // [kTcVectors, 2]
+  const int pairs = hd / 2;
+  for (int idx = tid; idx < kTcVectors * pairs; idx += kTcThreads) {
+    const int v = idx / pairs, d = 2 * (idx - v * pairs);
+    float2 qv = make_float2(0.0f, 0.0f);  // padding vectors: q = 0 (and fully masked)
+    if (v < nv) {
+      const int r = v / G, g = v - r * G;
+      const float* q = a.q + (int64_t{y0 + r} * a.hq + i0 + g) * hd + d;
+      qv = make_float2(q[0], q[1]);
+    }
+    *reinterpret_cast<float2*>(q_s + v * st + d) = qv;
+  }
+  const int nu = a.u_count[s];
+  const int* ub = a.u_blocks + int64_t{s} * a.u_cap;
+  const uint32_t* um = a.u_mask + int64_t{s} * R * a.u_words;
+  const int ratio = a.ratio;
+  const int64_t t_first = a.t0 + y0, t_last = t_first + rs - 1;
+  // Union tokens: every block complete except the last one (the last row's tail block, whose
+  // tokens past t_last are not written yet): n_tok tokens, none past t_last.
+  const int64_t b_max = ub[nu - 1];
+  const int n_tok =
+      (nu - 1) * ratio + static_cast<int>(std::min<int64_t>(ratio, t_last - b_max * ratio + 1));
+  const int n_tiles = (n_tok + T - 1) / T;
+  const int vecs = hd / 8;
+  const int64_t row = int64_t{a.hkv} * hd, head_off = int64_t{j} * hd;
+  // Tile rows past n_tok are zeros (p = 0 there, and 0 * 0 adds nothing).
+  auto load_tile = [&](const uint16_t* cache, uint16_t* dst, int start) {
+    for (int idx = tid; idx < T * vecs; idx += kTcThreads) {
+      const int n = idx / vecs, p = idx - n * vecs;
+      const int u = start + n;
+      uint16_t* d = dst + n * st + 8 * p;
+      if (u < n_tok) {
+        const int ui = u / ratio;
+        const int64_t tok = int64_t{ub[ui]} * ratio + (u - ui * ratio);
+        cp_async16(d, cache + tok * row + head_off + 8 * p);
+      } else {
+        *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    cp_async_commit();
+  };
+  // mask_s[2r + h] bit i: union token start + 32h + i is visible to row r.
+  auto build_mask = [&](int start) {
+    for (int task = warp; task < 2 * R; task += kTcWarps) {
+      const int r = task >> 1, h = task & 1, u = start + 32 * h + lane;
+      bool vis = false;
+      if (r < rs && u < n_tok) {
+        const int ui = u / ratio;
+        const int64_t tok = int64_t{ub[ui]} * ratio + (u - ui * ratio);
+        vis = ((um[int64_t{r} * a.u_words + (ui >> 5)] >> (ui & 31)) & 1u) != 0u &&
+              tok <= t_first + r;
+      }
+      const uint32_t bits = __ballot_sync(0xffffffffu, vis);
+      if (lane == 0) mask_s[task] = bits;
+    }
+  };
+  const bool live = 16 * warp < nv;  // warp-uniform: a warp of padding vectors only syncs
+  const int gq = lane >> 2, tq = lane & 3;
+  const int vr[2] = {16 * warp + gq, 16 * warp + gq + 8};  // this thread's two vectors
+  const int rr[2] = {vr[0] < nv ? vr[0] / G : -1, vr[1] < nv ? vr[1] / G : -1};
+  // Q's A fragment: rows gq and gq + 8 of the warp's tile, dims 2 tq, +1 and 2 tq + 8, +9 of the
+  // k-step. ldmatrix row addresses: K (B, x4): tokens 8 * (lane / 16) + lane % 8, dims
+  // 8 * ((lane / 8) % 2) -> {b0, b1} of tokens 0-7, {b0, b1} of tokens 8-15. V (B, x4 trans):
+  // tokens 8 * ((lane / 8) % 2) + lane % 8, dims 8 * (lane / 16) -> {b0, b1} of dims 0-7, {b0, b1}
+  // of dims 8-15.
+  const float* qa = q_s + (16 * warp + gq) * st + 2 * tq;
+  const uint16_t* kb = k_s + (8 * (lane >> 4) + (lane & 7)) * st + 8 * ((lane >> 3) & 1);
+  const uint16_t* vb = v_s + (8 * ((lane >> 3) & 1) + (lane & 7)) * st + 8 * (lane >> 4);
+  float o[kMaxNt][4];
+#pragma unroll
+  for (int nt = 0; nt < kMaxNt; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // l: this thread's columns
+  const float scale = 1.0f / sqrtf(static_cast<float>(hd));
+  load_tile(a.k_cache, k_s, 0);
+  load_tile(a.v_cache, v_s, 0);
+  for (int it = 0; it < n_tiles; ++it) {
+    const int start = it * T;
+    build_mask(start);    // mask_s's last readers (tile it-1's softmax) are past two barriers
+    cp_async_wait_one();  // K(it) has landed (V(it) may be in flight)
+    __syncthreads();
+    float sc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+    float alpha[2] = {1.0f, 1.0f};
+    if (live) {
+#pragma unroll
+      for (int ks = 0; ks < kTcMaxHd / 16; ++ks) {
+        if (ks < nks) {
+          uint32_t ah[4], am[4], al[4];
+#pragma unroll
+          for (int f = 0; f < 4; ++f) {  // a[f]: row gq + 8 (f % 2), dims + 8 (f / 2)
+            const float2 x =
+                *reinterpret_cast<const float2*>(qa + 8 * (f & 1) * st + 16 * ks + 8 * (f >> 1));
+            split3_bf16x2(x, ah[f], am[f], al[f]);
+          }
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            uint32_t b[4];
+            ldsm_x4(b, kb + np * 16 * st + 16 * ks);
+            mma_bf16(sc[2 * np], ah, b[0], b[1]);
+            mma_bf16(sc[2 * np], am, b[0], b[1]);
+            mma_bf16(sc[2 * np], al, b[0], b[1]);
+            mma_bf16(sc[2 * np + 1], ah, b[2], b[3]);
+            mma_bf16(sc[2 * np + 1], am, b[2], b[3]);
+            mma_bf16(sc[2 * np + 1], al, b[2], b[3]);
+          }
+        }
+      }
+      // Mask, scale, online softmax: sc[nt][2h + e] is vector vr[h], union token
+      // start + 8 nt + 2 tq + e; the vector's 64 columns live in the 4 lanes of its quad.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t mlo = 0u, mhi = 0u;
+        if (rr[h] >= 0) {
+          mlo = mask_s[2 * rr[h]];
+          mhi = mask_s[2 * rr[h] + 1];
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * nt + 2 * tq + e;
+            const uint32_t bit = ((col < 32 ? mlo : mhi) >> (col & 31)) & 1u;
+            const float sv = bit != 0u ? sc[nt][2 * h + e] * scale : -INFINITY;
+            sc[nt][2 * h + e] = sv;
+            mx = fmaxf(mx, sv);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[h], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // no visible token yet
+        alpha[h] = expf(m_run[h] - m_use);                      // 0 while m_run is -inf
+        float ls = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = expf(sc[nt][2 * h + e] - m_use);  // exp(-inf) = 0 when masked
+            sc[nt][2 * h + e] = p;
+            ls += p;
+          }
+        }
+        l_run[h] = fmaf(l_run[h], alpha[h], ls);
+        m_run[h] = m_new;
+      }
+    }
+    dev::cp_async_wait_all();  // V(it) has landed
+    __syncthreads();           // V(it) visible; every warp is done with K(it)
+    if (it + 1 < n_tiles) load_tile(a.k_cache, k_s, start + T);
+    if (live) {
+#pragma unroll
+      for (int nt = 0; nt < kMaxNt; ++nt) {
+        o[nt][0] *= alpha[0];
+        o[nt][1] *= alpha[0];
+        o[nt][2] *= alpha[1];
+        o[nt][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {  // union tokens 16 kk .. 16 kk + 15 of the tile
+        uint32_t ph[4], pl[4];
+        split_bf16x2(sc[2 * kk][0], sc[2 * kk][1], ph[0], pl[0]);
+        split_bf16x2(sc[2 * kk][2], sc[2 * kk][3], ph[1], pl[1]);
+        split_bf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1], ph[2], pl[2]);
+        split_bf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3], ph[3], pl[3]);
+#pragma unroll
+        for (int dp = 0; dp < kTcMaxHd / 16; ++dp) {
+          if (dp < nks) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, vb + kk * 16 * st + 16 * dp);
+            mma_bf16(o[2 * dp], ph, b[0], b[1]);
+            mma_bf16(o[2 * dp], pl, b[0], b[1]);
+            mma_bf16(o[2 * dp + 1], ph, b[2], b[3]);
+            mma_bf16(o[2 * dp + 1], pl, b[2], b[3]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with V(it) and mask_s
+    if (it + 1 < n_tiles) load_tile(a.v_cache, v_s, start + T);
+  }
+  if (!live) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (rr[h] < 0) continue;
+    const int r = rr[h], g = vr[h] - r * G;
+    const int64_t y = y0 + r;
+    const float L = l_run[h];
+    const float* gate = proj_row(a, y) + int64_t{i0 + g} * 2 * hd + hd;
+    uint16_t* out = a.out + ((a.r0 + y) * a.hq + i0 + g) * int64_t{hd};
+#pragma unroll
+    for (int nt = 0; nt < kMaxNt; ++nt) {
+      if (nt < hd / 8) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = 8 * nt + 2 * tq + e;
+          out[d] = dev::float_to_bf16_bits(o[nt][2 * h + e] / L * gate_sigmoid(gate[d]));
+        }
+      }
+    }
+  }
+#endif
+}
+
 using detail::aligned;
 
 size_t align256(size_t x) {
@@ -643,9 +1063,9 @@ size_t attn_smem_bytes(int gmax, int gpad, int hd, int chunk) {
 
 // Per-row bytes of the layout's arrays (each array padded to 256 bytes per group, added below).
 struct RowBytes {
-  size_t q, qi, scores, selected, counters, part_out, part_max, part_sum;
+  size_t q, qi, scores, selected, counters, part_out, part_max, part_sum, unions;
   size_t sum() const {
-    return q + qi + scores + selected + counters + part_out + part_max + part_sum;
+    return q + qi + scores + selected + counters + part_out + part_max + part_sum + unions;
   }
 };
 
@@ -668,8 +1088,20 @@ QsaPrefillLayout qsa_prefill_layout(const QsaPrefillParams& p) {
   r.selected = size_t(w.sel_max) * 4;
   r.counters = 16;
   const int gmax = local_gmax(s);
-  w.fused = p.attention == QsaPrefillAttention::kFused && s.head_dim % 32 == 0 && gmax <= kMaxG &&
+  w.fused = p.attention != QsaPrefillAttention::kDecodeChunks && s.head_dim % 32 == 0 &&
+            gmax <= kMaxG &&
             fused_smem_bytes((gmax + 3) / 4 * 4, s.head_dim, w.decode.max_tokens) <= kMaxFusedSmem;
+  w.tensor_cores = w.fused && p.attention == QsaPrefillAttention::kFused &&
+                   s.head_dim <= kTcMaxHd && 8 * size_t(w.max_blocks / 32 + 1) <= kMaxUnionSmem;
+  if (w.tensor_cores) {
+    w.tc_rows = kTcVectors / gmax;
+    w.union_cap = std::min<int64_t>(w.tc_rows * (w.sel_max + 1), w.max_blocks + 1);
+    w.union_words = (w.union_cap + 31) / 32;
+    // Per row, the sub-group's arrays shared out (for the group size only).
+    r.unions =
+        (4 + 4 * size_t(w.union_cap) + 4 * size_t(w.tc_rows * w.union_words)) / size_t(w.tc_rows) +
+        1;
+  }
   if (!w.fused) {
     r.part_out = hq * mc * hd * 4;
     r.part_max = hq * mc * 4;
@@ -693,6 +1125,17 @@ QsaPrefillLayout qsa_prefill_layout(const QsaPrefillParams& p) {
   w.part_out = take(r.part_out);
   w.part_max = take(r.part_max);
   w.part_sum = take(r.part_sum);
+  if (w.tensor_cores) {
+    const size_t subs = (n + w.tc_rows - 1) / w.tc_rows;
+    auto take_subs = [&](size_t bytes) {
+      const size_t at = off;
+      off = align256(off + subs * bytes);
+      return at;
+    };
+    w.union_count = take_subs(4);
+    w.union_blocks = take_subs(4 * size_t(w.union_cap));
+    w.union_mask = take_subs(4 * size_t(w.tc_rows * w.union_words));
+  }
   w.total = off;
   return w;
 }
@@ -754,9 +1197,34 @@ void launch_qsa_prefill(const QsaPrefillParams& p, cudaStream_t stream) {
   a.gmax = local_gmax(s);
   a.gpad = (a.gmax + 3) / 4 * 4;
   a.vec16 = s.head_dim % 8 == 0 && aligned(s.k_cache, 16) && aligned(s.v_cache, 16);
+  a.u_count = reinterpret_cast<int*>(ws + w.union_count);
+  a.u_blocks = reinterpret_cast<int*>(ws + w.union_blocks);
+  a.u_mask = reinterpret_cast<uint32_t*>(ws + w.union_mask);
+  a.tc_rows = static_cast<int>(w.tc_rows);
+  a.u_cap = static_cast<int>(w.union_cap);
+  a.u_words = static_cast<int>(w.union_words);
+  a.bm_words = static_cast<int>(w.max_blocks / 32 + 1);
   size_t smem = 0;
   void (*fused_kernel)(PArgs) = nullptr;
-  if (w.fused) {
+  // kFused: the tensor-core kernel where the device has BF16 MMAs and the shared memory.
+  bool tc = false;
+  const size_t tc_smem = tc_smem_bytes(s.head_dim);
+  const size_t union_smem = 8 * size_t(a.bm_words);
+  if (w.tensor_cores) {
+    int dev = 0, major = 0, optin = 0;
+    FN_CUDA_CHECK(cudaGetDevice(&dev));
+    FN_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    FN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    tc = major >= 8 && tc_smem <= static_cast<size_t>(optin);
+  }
+  if (tc) {
+    FN_LAUNCH_REQUIRE(a.vec16, kOp);  // cp.async moves 16-byte pieces of the cache rows
+    if (tc_smem > kDefaultSmem) {
+      FN_CUDA_CHECK(cudaFuncSetAttribute(prefill_tc_attn_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(tc_smem)));
+    }
+  } else if (w.fused) {
     FN_LAUNCH_REQUIRE(a.vec16, kOp);  // cp.async moves 16-byte pieces of the cache rows
     const int gp = a.gpad;
     fused_kernel = gp == 4    ? prefill_fused_attn_kernel<4>
@@ -839,7 +1307,17 @@ void launch_qsa_prefill(const QsaPrefillParams& p, cudaStream_t stream) {
                                     size_t(rows) * 4 * sizeof(int32_t), cudaMemcpyDeviceToDevice,
                                     stream));
     }
-    if (w.fused) {
+    if (tc) {
+      const int subs = static_cast<int>((rows + w.tc_rows - 1) / w.tc_rows);
+      run(kAttention, [&] {
+        launch_pdl("prefill_union_kernel", prefill_union_kernel, subs, kQsaThreads, union_smem,
+                   stream, a, rows);
+      });
+      run(kAttention, [&] {
+        launch_pdl("prefill_tc_attn_kernel", prefill_tc_attn_kernel, dim3(subs, s.num_kv_heads),
+                   kTcThreads, tc_smem, stream, a, rows);
+      });
+    } else if (w.fused) {
       run(kAttention, [&] {
         launch_pdl("prefill_fused_attn_kernel", fused_kernel, dim3(rows, s.num_kv_heads),
                    kQsaThreads, smem, stream, a);

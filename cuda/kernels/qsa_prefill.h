@@ -2,8 +2,8 @@
 // one TP rank at positions p0..p0+M-1 on top of p0 populated cache rows. Called by the CUDA prefill
 // between the stacked QSA GEMM and o_proj. Each row gets its own indexer selection, identical to
 // decode's (same FP64 scores, same select); the caches end bitwise as M launch_qsa_decode steps
-// leave them. Output rows: the default fused attention differs from decode's only in the FP32
-// summation order (online softmax over 64-token tiles instead of decode's chunks + combine); the
+// leave them. Output rows: the fused attentions differ from decode's only in the FP32 summation
+// order and (tensor cores) operands carried to 2^-18 relative (docs/numerics.md); the
 // kDecodeChunks variant is bitwise decode's. No host sync (except when timing); rows in groups.
 #pragma once
 
@@ -18,11 +18,23 @@ namespace fn {
 
 /// How launch_qsa_prefill runs the attention of its rows.
 enum class QsaPrefillAttention {
-  /// One CTA per (row, local KV head) over all its attended tokens: K/V tiles of 64 tokens shared
-  /// by the KV head's query heads, online softmax, gate, BF16 out (no per-chunk partials). Needs
-  /// head_dim % 32 == 0, at most 16 local q heads per KV head and 16-byte aligned caches; other
-  /// shapes run kDecodeChunks. Outputs equal decode's up to the FP32 summation order.
+  /// Tensor cores over groups of rows: one CTA per (up to 128 / G consecutive rows, local KV head),
+  /// G = local q heads per KV head, over the union of the rows' attended tokens in 64-token K/V
+  /// tiles with a per-(row, token) mask; S = Q K^T and O += P V by BF16 MMAs (FP32 sums) with the
+  /// FP32 q split into three BF16 pieces (exact) and p into two (2^-16 relative), K and V exact,
+  /// online softmax in FP32, gate, BF16 out. Needs what kFusedCudaCores needs plus ctx_size /
+  /// ratio < 32 * 6144 (the union's block bitmap); other shapes run kDecodeChunks. On a device
+  /// below sm_80 or with less opt-in shared memory per block than the kernel's (199 KB at
+  /// head_dim 256) it runs kFusedCudaCores. Outputs equal decode's up to the FP32 summation order
+  /// and the split of p (docs/numerics.md "The batched prefill"); a row's bits depend on the
+  /// rows that share its sub-group.
   kFused,
+  /// One CTA per (row, local KV head) over all its attended tokens on the FP32 CUDA cores: K/V
+  /// tiles of 64 tokens shared by the KV head's query heads, online softmax, gate, BF16 out (no
+  /// per-chunk partials). Needs head_dim % 32 == 0, at most 16 local q heads per KV head and
+  /// 16-byte aligned caches; other shapes run kDecodeChunks. Outputs equal decode's up to the FP32
+  /// summation order.
+  kFusedCudaCores,
   /// Decode's chunked attention + combine, operation for operation: outputs bitwise decode's.
   /// Slower (per-chunk partials through memory); for tests and debugging.
   kDecodeChunks,
@@ -34,7 +46,7 @@ struct QsaPrefillTiming {
   double block_keys_ms = 0;  ///< block keys completed in each group
   double scores_ms = 0;      ///< indexer scores (rows with B > block_topk)
   double select_ms = 0;      ///< counters + top-k select
-  double attention_ms = 0;   ///< attention (fused: including combine and gate)
+  double attention_ms = 0;   ///< attention (fused: including the gate; kFused: and the union)
   double combine_ms = 0;     ///< kDecodeChunks' combine + gate (0 for kFused)
   int64_t groups = 0;        ///< row groups launched
 };
@@ -87,8 +99,18 @@ struct QsaPrefillLayout {
   size_t part_out = 0;  ///< [rows, Hq, max_chunks, hd] FP32 per-chunk outputs (0 bytes: fused)
   size_t part_max = 0;  ///< [rows, Hq, max_chunks] FP32 (0 bytes when fused)
   size_t part_sum = 0;  ///< [rows, Hq, max_chunks] FP32 (0 bytes when fused)
-  bool fused = false;   ///< the fused attention runs (kFused and the shape allows it)
-  size_t total = 0;     ///< bytes in all
+  /// kFused's row groups: tc_rows = 128 / (most local q heads of a KV head) rows per sub-group,
+  /// ceil(group_rows / tc_rows) sub-groups; union_cap = min(tc_rows * (sel_max + 1),
+  /// max_blocks + 1) blocks, union_words = ceil(union_cap / 32). Zero bytes unless tensor_cores.
+  int64_t tc_rows = 0;
+  int64_t union_cap = 0;
+  int64_t union_words = 0;
+  size_t union_count = 0;     ///< [subs] int32 union blocks of each sub-group
+  size_t union_blocks = 0;    ///< [subs, union_cap] int32 union blocks ascending
+  size_t union_mask = 0;      ///< [subs, tc_rows, union_words] uint32: bit i = row uses block i
+  bool fused = false;         ///< a fused attention runs (kFused/kFusedCudaCores, shape allows)
+  bool tensor_cores = false;  ///< kFused's tensor-core kernel may run (device permitting)
+  size_t total = 0;           ///< bytes in all
 };
 
 /// The layout for the shape fields, tokens and max_group_rows of `shape_only` (pointers ignored).
@@ -102,16 +124,18 @@ size_t qsa_prefill_workspace_bytes(const QsaPrefillParams& shape_only);
 /// QSA prefill of params.tokens rows on `stream`: per group of rows the kernels prep (norms,
 /// RoPE, K/V/raw-key rows), block keys of the blocks completed in the group, indexer scores and
 /// top-k select for rows with more than block_topk complete blocks (identity selection
-/// otherwise), then attention: fused (attention + gate) or decode's chunked attention + combine.
-/// Caches and selections are bitwise those of tokens successive launch_qsa_decode calls at
-/// positions p0, p0+1, ... on the same caches; outputs too with kDecodeChunks, up to the FP32
-/// summation order with kFused. With selected_log /
+/// otherwise), then attention: fused (kFused: the union of each sub-group's blocks, then the
+/// tensor-core attention + gate; kFusedCudaCores: attention + gate) or decode's chunked attention +
+/// combine. Caches and selections are bitwise those of tokens successive launch_qsa_decode calls
+/// at positions p0, p0+1, ... on the same caches; outputs too with kDecodeChunks, up to the FP32
+/// summation order with kFusedCudaCores, and within docs/numerics.md's bound with kFused (one
+/// device query per call picks its kernel). With selected_log /
 /// counters_log set, each group's choices are copied out after its select (two extra copies per
 /// group). No host sync.
 /// Throws fn::Error(Internal) on null pointers, a bad shape (as launch_qsa_decode), tokens < 1,
 /// p0 < 0, p0 + tokens > ctx_size, a short proj_stride, a misaligned workspace or (fused)
 /// caches not 16-byte aligned;
-/// fn::Error(Cuda) when a launch fails.
+/// fn::Error(Cuda) when a launch or the device query fails.
 void launch_qsa_prefill(const QsaPrefillParams& params, cudaStream_t stream);
 
 }  // namespace fn

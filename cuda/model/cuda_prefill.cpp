@@ -107,12 +107,11 @@ struct CudaPrefillState {
   int64_t hc_rows = 0;
   float* hc_tp = nullptr;
   float* hc_sumsq = nullptr;
-  float* proj = nullptr;    // [rows, proj_ld] mixer / shared-expert / PLE projections
-  uint16_t* mix = nullptr;  // [rows, mix_ld] BF16 mixer outputs
-  float* y = nullptr;       // [rows, D]
-  float* ys = nullptr;      // [rows, D] shared expert
-  float* rl = nullptr;      // [rows, rl_ld] router logits + shared gate logit (E + 1 used)
-  int64_t rl_ld = 0;
+  float* proj = nullptr;     // [rows, proj_ld] mixer / shared-expert / PLE projections
+  uint16_t* mix = nullptr;   // [rows, mix_ld] BF16 mixer outputs
+  float* y = nullptr;        // [rows, D]
+  float* ys = nullptr;       // [rows, D] shared expert
+  float* rl = nullptr;       // [rows, E + 1] router logits + shared gate logit
   int32_t* ids = nullptr;    // [rows, k]
   float* rw = nullptr;       // [rows, k]
   uint16_t* sh = nullptr;    // [rows, Is] shared expert hidden
@@ -234,8 +233,7 @@ std::size_t carve_prefill(CudaPrefillState& P, std::byte* base, const ModelConfi
   P.mix = cv.take<uint16_t>(rows * mix_ld);
   P.y = cv.take<float>(rows * D);
   P.ys = cv.take<float>(rows * D);
-  P.rl_ld = E + 1;
-  P.rl = cv.take<float>(rows * P.rl_ld);
+  P.rl = cv.take<float>(rows * (E + 1));
   P.ids = cv.take<int32_t>(rows * k);
   P.rw = cv.take<float>(rows * k);
   P.sh = cv.take<uint16_t>(rows * Is);
@@ -752,10 +750,10 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   const int64_t D = c.hidden_size, E = c.num_experts, k = c.num_experts_per_tok;
   const int64_t Is = rd.shared_inter;
   prof.mark(StepFamily::Router);
-  gemm(mo.router, E + 1, D, P.m_hi, m_lo, D, M, P.rl, P.rl_ld);
+  gemm(mo.router, E + 1, D, P.m_hi, m_lo, D, M, P.rl, E + 1);
   RouterRowsParams rr;
   rr.logits = P.rl;
-  rr.logits_stride = P.rl_ld;
+  rr.logits_stride = E + 1;
   rr.rows = M;
   rr.num_experts = static_cast<int>(E);
   rr.top_k = static_cast<int>(k);
@@ -803,7 +801,7 @@ void CudaModel::Impl::PrefillRun::moe(const model_detail::DevMoe& mo) {
   gemm(mo.s_gate_up, 2 * Is, D, P.m_hi, m_lo, D, M, P.proj, 2 * Is);
   launch_swiglu_rows(P.proj, Is, M, P.sh, s);
   gemm(mo.s_down, D, Is, P.sh, nullptr, Is, M, P.ys, D);
-  launch_moe_combine_rows(P.y, P.ys, P.rl + E, P.rl_ld, D, M, s);
+  launch_moe_combine_rows(P.y, P.ys, P.rl + E, E + 1, D, M, s);
 }
 
 void CudaModel::Impl::PrefillRun::finish(CudaModel& m, int32_t last_token) {

@@ -199,6 +199,55 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Step 5 for key head i of token p from the conv outputs of its q and k channels (J per lane,
+// channel lane + 32 j; 0 past dk): the L2 norms with eps inside the rsqrt of the sum (§C.5 step
+// 5), q^ = (q * rq) * q_scale and k^ = k * rk into the workspace, and k^.q^, as the decode kernel.
+template <int J>
+__device__ __forceinline__ void store_qk_head(const ConvArgs& a, int64_t p, int i, int lane,
+                                              const float (&xq)[J], const float (&xk)[J]) {
+  float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    if (lane + 32 * j < a.dk) {
+      sq = fmaf(xq[j], xq[j], sq);
+      sk = fmaf(xk[j], xk[j], sk);
+    }
+  }
+  sq = warp_sum(sq);
+  sk = warp_sum(sk);
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(a.dk));
+  const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+  const int64_t qk_stride = 2 * int64_t{a.Hk} * a.dk;
+  float* dq = a.qk + p * qk_stride + int64_t{i} * a.dk;
+  float* dkp = a.qk + p * qk_stride + int64_t{a.Hk + i} * a.dk;
+  float kq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int d = lane + 32 * j;
+    if (d < a.dk) {
+      const float qh = xq[j] * rq * q_scale, kh = xk[j] * rk;
+      dq[d] = qh;
+      dkp[d] = kh;
+      kq = fmaf(kh, qh, kq);
+    }
+  }
+  kq = warp_sum(kq);
+  if (lane == 0) a.kq[int64_t{i} * a.tokens + p] = kq;
+}
+
+// Step 4 for token p, value heads first, first + step, ...: beta = sigmoid(b) and g itself
+// (dev::gdn_decay's exponent, the same operations: the sequential scan takes its expf, bitwise
+// gdn_decay; the chunked scan sums it over a chunk first), head-major so the scans stage a tile
+// of them with one contiguous copy.
+__device__ __forceinline__ void store_gates(const ConvArgs& a, int64_t p, int first, int step) {
+  const int64_t vd = int64_t{a.Hv} * a.dv;
+  const float* ab = a.proj + p * a.stride + 2 * int64_t{a.Hk} * a.dk + 2 * vd;
+  for (int h = first; h < a.Hv; h += step) {
+    a.beta[int64_t{h} * a.tokens + p] = sigmoid2(ab[a.Hv + h]);
+    a.decay[int64_t{h} * a.tokens + p] = -expf(a.A_log[h]) * dev::softplus(ab[h] + a.dt_bias[h]);
+  }
+}
+
 // Steps 2, 4 and 5 for token blockIdx.x. J: per-lane entries of a head, >= dk / 32.
 template <int J>
 __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs a) {
@@ -208,11 +257,9 @@ __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs
   const int64_t begin = run.begin;
   const float* hist = run.conv;
   const int64_t qk_stride = 2 * int64_t{a.Hk} * a.dk;
-  const float q_scale = 1.0f / sqrtf(static_cast<float>(a.dk));
   // q_i and k_i (dk channels each) of key head i: one warp per key head.
   for (int i = warp; i < a.Hk; i += kConvThreads / 32) {
     float xq[J], xk[J];
-    float sq = 0.0f, sk = 0.0f;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int d = lane + 32 * j;
@@ -220,29 +267,9 @@ __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs
       if (d < a.dk) {
         xq[j] = conv_token(a, p, int64_t{i} * a.dk + d, begin, hist);
         xk[j] = conv_token(a, p, int64_t{a.Hk + i} * a.dk + d, begin, hist);
-        sq = fmaf(xq[j], xq[j], sq);
-        sk = fmaf(xk[j], xk[j], sk);
       }
     }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    // eps inside the rsqrt of the sum (§C.5 step 5); q^ = (q * rq) * q_scale as the decode kernel.
-    const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-    float* dq = a.qk + p * qk_stride + int64_t{i} * a.dk;
-    float* dkp = a.qk + p * qk_stride + int64_t{a.Hk + i} * a.dk;
-    float kq = 0.0f;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const int d = lane + 32 * j;
-      if (d < a.dk) {
-        const float qh = xq[j] * rq * q_scale, kh = xk[j] * rk;
-        dq[d] = qh;
-        dkp[d] = kh;
-        kq = fmaf(kh, qh, kq);
-      }
-    }
-    kq = warp_sum(kq);
-    if (lane == 0) a.kq[int64_t{i} * a.tokens + p] = kq;
+    store_qk_head(a, p, i, lane, xq, xk);
   }
   // v channels.
   const int64_t vd = int64_t{a.Hv} * a.dv, v0 = qk_stride;
@@ -260,14 +287,7 @@ __global__ void __launch_bounds__(kConvThreads) gdn_prefill_conv_kernel(ConvArgs
       if (c < vd) a.vo[p * vd + c] = y[u];
     }
   }
-  // Gates (step 4), head-major so the scan stages a tile of them with one contiguous copy.
-  const float* ab = a.proj + p * a.stride + qk_stride + 2 * vd;
-  for (int h = tid; h < a.Hv; h += kConvThreads) {
-    a.beta[int64_t{h} * a.tokens + p] = sigmoid2(ab[a.Hv + h]);
-    // g itself (dev::gdn_decay's exponent, the same operations): the sequential scan takes its
-    // expf (bitwise gdn_decay), the chunked scan sums it over a chunk first.
-    a.decay[int64_t{h} * a.tokens + p] = -expf(a.A_log[h]) * dev::softplus(ab[h] + a.dt_bias[h]);
-  }
+  store_gates(a, p, tid, kConvThreads);
 }
 
 // The same steps 2, 4 and 5 over a tile of kConvTileTokens tokens per warp, for dk <= 32 J and a
@@ -343,7 +363,6 @@ __global__ void __launch_bounds__(kConvThreads)
   const int64_t qk_stride = 2 * int64_t{a.Hk} * a.dk, vd = int64_t{a.Hv} * a.dv;
   if (w < a.Hk) {  // key head i = w: q channels then k channels
     const int i = w;
-    const float q_scale = 1.0f / sqrtf(static_cast<float>(a.dk));
     ConvLanes<2 * J, K> cl;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -355,34 +374,14 @@ __global__ void __launch_bounds__(kConvThreads)
     for (int64_t p = p0; p < p1; ++p) {
       const RunRange run = run_of_row(a.runs, p);
       if (p == p0 || p == run.begin) conv_lanes_fill(cl, a, p, run.begin, run.conv);
-      float y[2 * J];
+      float y[2 * J], xq[J], xk[J];
       conv_lanes_step(cl, a, p, y);
-      float sq = 0.0f, sk = 0.0f;
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        if (lane + 32 * j < a.dk) {
-          sq = fmaf(y[j], y[j], sq);
-          sk = fmaf(y[J + j], y[J + j], sk);
-        }
+        xq[j] = y[j];
+        xk[j] = y[J + j];
       }
-      sq = warp_sum(sq);
-      sk = warp_sum(sk);
-      const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-      float* dq = a.qk + p * qk_stride + int64_t{i} * a.dk;
-      float* dkp = a.qk + p * qk_stride + int64_t{a.Hk + i} * a.dk;
-      float kq = 0.0f;
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int d = lane + 32 * j;
-        if (d < a.dk) {
-          const float qh = y[j] * rq * q_scale, kh = y[J + j] * rk;
-          dq[d] = qh;
-          dkp[d] = kh;
-          kq = fmaf(kh, qh, kq);
-        }
-      }
-      kq = warp_sum(kq);
-      if (lane == 0) a.kq[int64_t{i} * a.tokens + p] = kq;
+      store_qk_head(a, p, i, lane, xq, xk);
     }
   } else if (w < a.Hk + v_groups) {  // v channels g*32J .. g*32J + 32J - 1
     const int64_t first = int64_t{w - a.Hk} * 32 * J;
@@ -402,15 +401,8 @@ __global__ void __launch_bounds__(kConvThreads)
       for (int j = 0; j < J; ++j)
         if (cl.c[j] >= 0) a.vo[p * vd + cl.c[j] - qk_stride] = y[j];
     }
-  } else if (w == a.Hk + v_groups) {  // the gates (step 4), head-major
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* ab = a.proj + p * a.stride + qk_stride + 2 * vd;
-      for (int h = lane; h < a.Hv; h += 32) {
-        a.beta[int64_t{h} * a.tokens + p] = sigmoid2(ab[a.Hv + h]);
-        a.decay[int64_t{h} * a.tokens + p] =
-            -expf(a.A_log[h]) * dev::softplus(ab[h] + a.dt_bias[h]);
-      }
-    }
+  } else if (w == a.Hk + v_groups) {  // the gates (step 4)
+    for (int64_t p = p0; p < p1; ++p) store_gates(a, p, lane, 32);
   }
 }
 

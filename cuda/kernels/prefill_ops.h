@@ -27,15 +27,16 @@ void launch_embed_rows(const uint16_t* table, int64_t vocab, int64_t hidden, int
 
 /// HC read, part 1 (docs/model.md §C.2 GroupRMSNorm1p, §C.3 step 1) for M rows of H [M, S*D] FP32:
 /// scale[p, s] = rsqrt(mean_i H[p, s*D+i]^2 + eps) (FP32), N = H * scale * (1 + w) written as
-/// the BF16 pair (n_hi, n_lo) [M, S*D] for the down/inject GEMM. norm: [S*D] BF16 weight w.
+/// the BF16 pair (n_hi, n_lo) [M, S*D] for the down/inject GEMM (n_lo may be nullptr: hi alone,
+/// a prompt pass's form). norm: [S*D] BF16 weight w.
 /// One CTA per (row, stream), fixed reduction order. Throws as launch_split_bf16.
 void launch_hc_norm_rows(const float* H, const uint16_t* norm, int hc_count, int64_t hidden,
                          float eps, int64_t rows, float* scale, uint16_t* n_hi, uint16_t* n_lo,
                          cudaStream_t stream);
 
 /// HC read, part 2 (docs/model.md §C.3 steps 2 and 5) from t = N · [W_dn; W_inj]ᵀ [M, ld_t] FP32:
-/// u = silu(t[:, 0:R] / S) as the BF16 pair (u_hi, u_lo) [M, R] for the W_up GEMM and, when
-/// iota != nullptr, iota[p, s] = 2 * sigmoid(t[p, R + s] / S) [M, S] FP32.
+/// u = silu(t[:, 0:R] / S) as the BF16 pair (u_hi, u_lo) [M, R] (u_lo may be nullptr) for the
+/// W_up GEMM and, when iota != nullptr, iota[p, s] = 2 * sigmoid(t[p, R + s] / S) [M, S] FP32.
 /// Throws as launch_split_bf16.
 void launch_hc_act_rows(const float* t, int64_t ld_t, int64_t rank, int hc_count, int64_t rows,
                         uint16_t* u_hi, uint16_t* u_lo, float* iota, cudaStream_t stream);

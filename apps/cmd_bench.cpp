@@ -16,9 +16,9 @@
 // rank; rank 0 prints the report (--format md|csv|json|jsonl, stdout or -o FILE) and the
 // per-token record (--per-token FILE), both files written only once every lane has run (a failed
 // run leaves them as they were), never into the model directory nor onto each other
-// (apps/app_util.h). The roofline columns come from the shard plan (core/shard_plan.h bytes_per_token at the lane's mean
-// decode depth, the largest over ranks) and the reference bandwidth --bandwidth-gbs. Logs go to
-// stderr.
+// (apps/app_util.h). The roofline columns come from the shard plan (core/shard_plan.h
+// bytes_per_token at the lane's mean decode depth, the largest over ranks) and the reference
+// bandwidth --bandwidth-gbs. Logs go to stderr.
 #include <algorithm>
 #include <chrono>
 #include <cmath>

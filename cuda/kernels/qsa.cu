@@ -210,14 +210,8 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_kernel(Args a) {
   const int start = c * a.chunk;
   if (start >= n_tokens) return;
   const int cnt = min(a.chunk, n_tokens - start);
-  // Local q heads of KV head j: contiguous because (q_head_first + i) / q_per_kv is monotone.
-  int i0 = -1, G = 0;
-  for (int i = 0; i < a.hq; ++i) {
-    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
-      if (i0 < 0) i0 = i;
-      ++G;
-    }
-  }
+  int i0 = -1;
+  const int G = qsa_dev::q_heads_of_kv(a, j, &i0);  // the local q heads of KV head j
   if (G == 0) return;
   const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pairs = hd / 2;
@@ -318,13 +312,7 @@ __global__ void __launch_bounds__(kThreads) qsa_attn_split_kernel(Args a) {
     i0 = j * kG;
     G = kG;
   } else {
-    int g_all = 0;
-    for (int i = 0; i < a.hq; ++i) {
-      if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
-        if (i0 < 0) i0 = i;
-        ++g_all;
-      }
-    }
+    const int g_all = qsa_dev::q_heads_of_kv(a, j, &i0);
     if (g_all == 0) return;
     G = g_all;
   }

@@ -19,6 +19,22 @@ constexpr int kQsaMaxDim = 256;          // hd and ihd limit (one element per pr
 constexpr int kQsaMaxChunks = 4096;      // combine keeps one weight per chunk in shared memory
 constexpr int kQsaSelectCache = 8192;    // select keys kept in shared memory
 
+// The local q heads that read local KV head j of the launch `a` (any QSA args struct with hq,
+// q_head_first, q_per_kv, kv_head_first): returns how many, with the first in *i0 (-1 when none).
+// Contiguous because (q_head_first + i) / q_per_kv is monotone in i.
+template <class Args>
+__device__ __forceinline__ int q_heads_of_kv(const Args& a, int j, int* i0) {
+  int first = -1, count = 0;
+  for (int i = 0; i < a.hq; ++i) {
+    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
+      if (first < 0) first = i;
+      ++count;
+    }
+  }
+  *i0 = first;
+  return count;
+}
+
 // Block-wide FP64 sum in a fixed order (butterfly per warp, then warps ascending); every thread
 // gets the total. `red` holds kQsaThreads / 32 doubles.
 __device__ inline double block_sum_f64(double v, double* red) {

@@ -221,13 +221,8 @@ __global__ void __launch_bounds__(kQsaThreads) prefill_attn_kernel(PArgs a) {
   const int start = c * a.chunk;
   if (start >= n_tokens) return;
   const int cnt = min(a.chunk, n_tokens - start);
-  int i0 = -1, G = 0;
-  for (int i = 0; i < a.hq; ++i) {
-    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
-      if (i0 < 0) i0 = i;
-      ++G;
-    }
-  }
+  int i0 = -1;
+  const int G = qsa_dev::q_heads_of_kv(a, j, &i0);
   if (G == 0) return;
   const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pairs = hd / 2, gpad = a.gpad;
@@ -442,13 +437,8 @@ __global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArg
   const int j = blockIdx.y;
   const int* counters = a.counters + 4 * y;
   const int nsel = counters[0], B = counters[1], n_tokens = counters[2];
-  int i0 = -1, G = 0;
-  for (int i = 0; i < a.hq; ++i) {
-    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
-      if (i0 < 0) i0 = i;
-      ++G;
-    }
-  }
+  int i0 = -1;
+  const int G = qsa_dev::q_heads_of_kv(a, j, &i0);
   if (G == 0 || n_tokens <= 0) return;
   const int hd = a.hd, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int qs_stride = hd + 4, ks_stride = hd + 8;
@@ -811,13 +801,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) prefill_tc_attn_kernel(PArgs a,
   extern __shared__ float4 smem4[];
   const int s = static_cast<int>(gridDim.x - 1 - blockIdx.x), j = blockIdx.y;
   const int R = a.tc_rows, y0 = s * R, rs = min(R, rows - y0);
-  int i0 = -1, G = 0;
-  for (int i = 0; i < a.hq; ++i) {
-    if ((a.q_head_first + i) / a.q_per_kv - a.kv_head_first == j) {
-      if (i0 < 0) i0 = i;
-      ++G;
-    }
-  }
+  int i0 = -1;
+  const int G = qsa_dev::q_heads_of_kv(a, j, &i0);
   if (G == 0) return;
   const int nv = rs * G;  // live query vectors
   const int hd = a.hd, st = hd + 8, nks = hd / 16;

@@ -657,18 +657,19 @@ std::string format_md(const Report& r) {
         "passes), a CUDA event at every family boundary; rank 0's time, the model's FLOPs "
         "(core/flops.h)\n\n| family | ms | TFLOP | TFLOP/s |\n|---|---:|---:|---:|\n",
         l.n_prompt, b.tokens, b.passes);
-    double ms = 0, fl = 0;
-    for (std::size_t i = 0; i < b.families.size(); ++i) {
-      if (b.ms[i] <= 0) continue;
-      ms += b.ms[i];
-      fl += b.flops[i];
-      out +=
-          fmt::format("| {} | {:.1f} | {:.2f} | {} |\n", b.families[i], b.ms[i], b.flops[i] * 1e-12,
-                      b.flops[i] > 0 ? fmt::format("{:.1f}", b.flops[i] / (b.ms[i] * 1e-3) * 1e-12)
-                                     : std::string("-"));
+    const json rows = prefill_breakdown_json(b);  // the json's rows and rates, as printed
+    double ms = 0, tflop = 0;
+    for (const json& f : rows.at("families")) {
+      ms += f.at("ms").get<double>();
+      tflop += f.at("tflop").get<double>();
+      const json& rate = f.at("tflops_per_s");
+      out += fmt::format(
+          "| {} | {:.1f} | {:.2f} | {} |\n", f.at("family").get<std::string>(),
+          f.at("ms").get<double>(), f.at("tflop").get<double>(),
+          rate.is_null() ? std::string("-") : fmt::format("{:.1f}", rate.get<double>()));
     }
-    out += fmt::format("| **sum** | {:.1f} | {:.2f} | {:.1f} |\n", ms, fl * 1e-12,
-                       ms > 0 ? fl / (ms * 1e-3) * 1e-12 : 0.0);
+    out += fmt::format("| **sum** | {:.1f} | {:.2f} | {:.1f} |\n", ms, tflop,
+                       ms > 0 ? tflop / (ms * 1e-3) : 0.0);
   }
   out += fmt::format("\nbuild: {}\n", r.env.commit);
   return out;

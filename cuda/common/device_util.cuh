@@ -1,7 +1,7 @@
 // Small device helpers shared by the decode kernels in cuda/*.cu: streaming 16-byte loads, async
-// global -> shared copies (cp.async), exact BF16/FP16-bit unpacking, SiLU, mailbox slots. Device
-// code only; included by .cu files, never by host headers. Every helper is exact bit manipulation
-// except silu (expf).
+// global -> shared copies (cp.async, their commit groups and waits), exact BF16/FP16-bit unpacking,
+// SiLU, mailbox slots. Device code only; included by .cu files, never by host headers. Every helper
+// is exact bit manipulation except silu (expf).
 #pragma once
 
 #include <cstdint>
@@ -47,6 +47,24 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+/// Closes the calling thread's cp.async copies issued since its last commit into one group
+/// (cp.async.commit_group, sm_80+). No-op below sm_80, where the copies land at once.
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+/// Waits until at most N of the calling thread's committed groups are still in flight
+/// (cp.async.wait_group N); the block still needs a __syncthreads() before other threads read
+/// the copies. No-op below sm_80.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 

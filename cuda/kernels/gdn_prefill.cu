@@ -60,6 +60,7 @@ constexpr int kScanMaxSmem = 48 * 1024;  // dynamic shared memory without an opt
 constexpr int kChunk = 64;
 constexpr int kChunkDk = 128;
 
+using dev::cp_async_commit;
 using dev::sigmoid2;
 
 // ---- cp.async (sm_80+; below, plain loads and shared stores: a copy that lands at once) ----
@@ -72,13 +73,6 @@ __device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 #else
 // Through L2 (as .cg): v is overwritten by o in this kernel, so no non-coherent load.
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
@@ -87,9 +81,6 @@ __device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
 __device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
   *smem = *gmem;
 }
-__device__ __forceinline__ void cp_async_commit() {}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
 #endif
 
 // The workspace sections (byte offsets, each 256-byte aligned).
@@ -530,9 +521,9 @@ __global__ void __launch_bounds__(kScanMaxThreads) gdn_prefill_scan_kernel(ScanA
     // The next tile's buffer was last read in the previous iteration (barrier at its end).
     if (tile + 1 < ntiles) {
       issue(tile + 1, static_cast<int>((tile + 1) & 1));
-      cp_async_wait<1>();
+      dev::cp_async_wait_group<1>();
     } else {
-      cp_async_wait<0>();
+      dev::cp_async_wait_group<0>();
     }
     __syncthreads();
     const float* base = sm + (tile & 1) * B;
@@ -776,7 +767,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) gdn_prefill_chunk_kernel(Chu
       sG[i] = acc;
     }
   }
-  cp_async_wait<0>();
+  dev::cp_async_wait_group<0>();
   __syncthreads();
   if (tid < n) Grow[tid] = sG[tid];  // every read of g was before the barrier
 
@@ -899,7 +890,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) gdn_prefill_chunk_kernel(Chu
       __syncthreads();  // every read of the previous block is done
       load_v(cb);
     }
-    cp_async_wait<0>();
+    dev::cp_async_wait_group<0>();
     __syncthreads();
     float acc[kVBlock / 8][4];
 #pragma unroll
@@ -1045,7 +1036,7 @@ __global__ void __launch_bounds__(NV * 4, 1) gdn_prefill_chunk_scan_kernel(Chunk
     const int64_t t0 = run.begin + c * kChunk;
     const int n = chunk_len(c);
     const float* sGc = sG + (c & 1) * kChunk;
-    cp_async_wait<0>();
+    dev::cp_async_wait_group<0>();
     __syncthreads();  // W, q^, U, G of c and S in place; phase B of c - 1 done everywhere
     issue_b(c);
 
@@ -1086,7 +1077,7 @@ __global__ void __launch_bounds__(NV * 4, 1) gdn_prefill_chunk_scan_kernel(Chunk
       for (int hr = 0; hr < 2; ++hr)
         *reinterpret_cast<float2*>(sD + (r0 + 8 * hr) * kRowN + cw + 8 * nt + 2 * t) =
             make_float2(d[nt][2 * hr], d[nt][2 * hr + 1]);
-    cp_async_wait<0>();
+    dev::cp_async_wait_group<0>();
     __syncthreads();  // D, k^, P in place; every read of W, q^, U, S done
     if (c + 1 < nchunks) issue_a(c + 1);
 

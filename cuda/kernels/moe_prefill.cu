@@ -185,19 +185,7 @@ __device__ __forceinline__ void cp_async8_zfill(void* smem, const void* gmem, bo
 #endif
 }
 
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Waits until at most kPending of this thread's committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-#endif
-}
+using dev::cp_async_commit;
 
 // Four 8x8 BF16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i,
 // whose row l / 4, elements 2 (l % 4), +1 land in register i of lane l (PTX ISA, ldmatrix).
@@ -307,7 +295,7 @@ __device__ __forceinline__ void fused_tile(const FusedArgs& args, unsigned char*
   }
   {
     const uint32_t sc = load_scales(0);
-    cp_async_wait<kStages - 2>();
+    dev::cp_async_wait_group<kStages - 2>();
     const uint4 raw = *reinterpret_cast<const uint4*>(s_raw + tid * 16);
     const uint32_t sp0 = nvfp4_mma::e4m3_bf16x2_scaled(sc & 0xffu);
     const uint32_t sp1 = nvfp4_mma::e4m3_bf16x2_scaled((sc >> 8) & 0xffu);
@@ -323,7 +311,7 @@ __device__ __forceinline__ void fused_tile(const FusedArgs& args, unsigned char*
     // Slot (kt - 1) % kStages was last read by step kt - 1 (behind the barrier below).
     if (kt + kStages - 1 < nk) load_stage(kt + kStages - 1);
     cp_async_commit();
-    cp_async_wait<kStages - 2>();  // step kt + 1's copies of this thread have landed
+    dev::cp_async_wait_group<kStages - 2>();  // step kt + 1's copies of this thread have landed
     const bool next = kt + 1 < nk;
     uint4 raw = make_uint4(0, 0, 0, 0);
     uint32_t sp0 = 0, sp1 = 0;
@@ -369,7 +357,7 @@ __device__ __forceinline__ void fused_tile(const FusedArgs& args, unsigned char*
     sc2 = load_scales(kt + 3);
     __syncthreads();  // step kt + 1's activations and decoded weights visible; slots reusable
   }
-  cp_async_wait<0>();
+  dev::cp_async_wait_group<0>();
 
   // Epilogue: lane (g, t) holds D[g][2t, 2t + 1] (q = 0, 1) and D[g + 8][2t, 2t + 1] (q = 2, 3)
   // of every fragment.

@@ -381,21 +381,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most one committed group is still in flight.
-__device__ __forceinline__ void cp_async_wait_one() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
 #else
 // Below sm_80: a plain 16-byte load through L2 (as .cg) and shared store, landed at once, so
 // there is nothing to commit or wait for (the callers' __syncthreads publish the tiles).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   *static_cast<uint4*>(smem) = __ldcg(static_cast<const uint4*>(gmem));
 }
-__device__ __forceinline__ void cp_async_commit() {}
-__device__ __forceinline__ void cp_async_wait_one() {}
 #endif
 
 // sigmoid of the gate, the two-branch form of cpu::sigmoid (as qsa_dev::combine_head).
@@ -468,7 +459,7 @@ __global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArg
       const int n = idx / vecs, p = idx - n * vecs;
       cp_async16(dst + n * stride + 8 * p, cache + tok_s[start + n] * row + head_off + 8 * p);
     }
-    cp_async_commit();
+    dev::cp_async_commit();
   };
   const int n_tiles = (n_tokens + T - 1) / T;
   const int tb = warp & 1, dq = warp >> 1, t8 = lane & 7, hg = lane >> 3;
@@ -486,7 +477,7 @@ __global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArg
   load_rows(a.v_cache, v_s, hd, 0);
   for (int it = 0; it < n_tiles; ++it) {
     const int start = it * T, cnt = min(T, n_tokens - start);
-    cp_async_wait_one();  // K(it) has landed (V(it) may be in flight)
+    dev::cp_async_wait_group<1>();  // K(it) has landed (V(it) may be in flight)
     __syncthreads();
     {
       float s[4][HPT];
@@ -564,9 +555,9 @@ __global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArg
     if (it + 1 < n_tiles) {
       load_rows(a.k_cache, k_s, ks_stride, start + T);
     } else {
-      cp_async_commit();  // an empty group keeps the wait count uniform
+      dev::cp_async_commit();  // an empty group keeps the wait count uniform
     }
-    cp_async_wait_one();  // V(it) has landed
+    dev::cp_async_wait_group<1>();  // V(it) has landed
     __syncthreads();
     if (pv_active) {
 #pragma unroll
@@ -595,7 +586,7 @@ __global__ void __launch_bounds__(kQsaThreads, 2) prefill_fused_attn_kernel(PArg
     if (it + 1 < n_tiles) {
       load_rows(a.v_cache, v_s, hd, start + T);
     } else {
-      cp_async_commit();
+      dev::cp_async_commit();
     }
   }
   // Odd-token partial sums through shared memory (the K tile area: every copy has landed).
@@ -849,7 +840,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) prefill_tc_attn_kernel(PArgs a,
         *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
       }
     }
-    cp_async_commit();
+    dev::cp_async_commit();
   };
   // mask_s[2r + h] bit i: union token start + 32h + i is visible to row r.
   auto build_mask = [&](int start) {
@@ -889,8 +880,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) prefill_tc_attn_kernel(PArgs a,
   load_tile(a.v_cache, v_s, 0);
   for (int it = 0; it < n_tiles; ++it) {
     const int start = it * T;
-    build_mask(start);    // mask_s's last readers (tile it-1's softmax) are past two barriers
-    cp_async_wait_one();  // K(it) has landed (V(it) may be in flight)
+    build_mask(start);  // mask_s's last readers (tile it-1's softmax) are past two barriers
+    dev::cp_async_wait_group<1>();  // K(it) has landed (V(it) may be in flight)
     __syncthreads();
     float sc[8][4];
 #pragma unroll

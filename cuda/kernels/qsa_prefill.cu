@@ -34,6 +34,7 @@
 #include "cuda/common/cuda_check.h"
 #include "cuda/common/device_util.cuh"
 #include "cuda/common/launch_check.h"
+#include "cuda/common/nvfp4_mma.cuh"
 #include "cuda/common/pdl.cuh"
 #include "cuda/kernels/qsa_device.cuh"
 
@@ -655,17 +656,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* 
                : "r"(s)
                : "memory");
 }
-// d += A (16x16 BF16, row) * B (16x8 BF16, col), FP32 accumulate. Lane (g, t) = (lane / 4,
-// lane % 4): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2], a[3] the same at k + 8;
-// b0 = B[2t, 2t+1][g], b1 the same at k + 8; d = D[g][2t, 2t+1], D[g+8][2t, 2t+1].
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // BF16 pair of (e0, e1), round to nearest even, e0 in the low half (the lower k index).
 __device__ __forceinline__ uint32_t pack_bf16x2(float e0, float e1) {
   uint32_t d;
@@ -904,12 +894,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) prefill_tc_attn_kernel(PArgs a,
           for (int np = 0; np < 4; ++np) {
             uint32_t b[4];
             ldsm_x4(b, kb + np * 16 * st + 16 * ks);
-            mma_bf16(sc[2 * np], ah, b[0], b[1]);
-            mma_bf16(sc[2 * np], am, b[0], b[1]);
-            mma_bf16(sc[2 * np], al, b[0], b[1]);
-            mma_bf16(sc[2 * np + 1], ah, b[2], b[3]);
-            mma_bf16(sc[2 * np + 1], am, b[2], b[3]);
-            mma_bf16(sc[2 * np + 1], al, b[2], b[3]);
+            nvfp4_mma::mma_bf16(sc[2 * np], ah[0], ah[1], ah[2], ah[3], b[0], b[1]);
+            nvfp4_mma::mma_bf16(sc[2 * np], am[0], am[1], am[2], am[3], b[0], b[1]);
+            nvfp4_mma::mma_bf16(sc[2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
+            nvfp4_mma::mma_bf16(sc[2 * np + 1], ah[0], ah[1], ah[2], ah[3], b[2], b[3]);
+            nvfp4_mma::mma_bf16(sc[2 * np + 1], am[0], am[1], am[2], am[3], b[2], b[3]);
+            nvfp4_mma::mma_bf16(sc[2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
           }
         }
       }
@@ -976,10 +966,10 @@ __global__ void __launch_bounds__(kTcThreads, 1) prefill_tc_attn_kernel(PArgs a,
           if (dp < nks) {
             uint32_t b[4];
             ldsm_x4_trans(b, vb + kk * 16 * st + 16 * dp);
-            mma_bf16(o[2 * dp], ph, b[0], b[1]);
-            mma_bf16(o[2 * dp], pl, b[0], b[1]);
-            mma_bf16(o[2 * dp + 1], ph, b[2], b[3]);
-            mma_bf16(o[2 * dp + 1], pl, b[2], b[3]);
+            nvfp4_mma::mma_bf16(o[2 * dp], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+            nvfp4_mma::mma_bf16(o[2 * dp], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+            nvfp4_mma::mma_bf16(o[2 * dp + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+            nvfp4_mma::mma_bf16(o[2 * dp + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
           }
         }
       }

@@ -349,11 +349,10 @@ int run_dump(EvalCli& o, MpiContext& mpi) {
                             "--ids-file " + o.ids_file, ErrorKind::Format);
     } else {
       std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
-      // An empty -p is a flag mistake (exit 2, as generate's); an empty file is bad input (3).
-      FN_REQUIRE(!text.empty() || !o.o_prompt->count(), Usage, "-p/--prompt: the prompt is empty");
-      FN_REQUIRE(!text.empty(), Format, "-f/--file {}: the prompt is empty", o.file);
-      const auto tok = require_tokenizer(c, "the prompt", cfg.vocab_size);
+      // An empty prompt is bad input (exit 3) from -p as from -f, as generate's.
       const std::string what = o.o_prompt->count() ? "-p/--prompt" : "-f/--file " + o.file;
+      FN_REQUIRE(!text.empty(), Format, "{}: the prompt is empty", what);
+      const auto tok = require_tokenizer(c, "the prompt", cfg.vocab_size);
       refuse_long_text(
           *tok, text, cfg.max_position_embeddings, what,
           fmt::format("the model's max_position_embeddings {}", cfg.max_position_embeddings));

@@ -339,18 +339,19 @@ int run_generate(GenerateCli& o, MpiContext& mpi) {
                  o.max_new_tokens, ctx);
       lines = read_jsonl_lines(o.input, "-i/--input");
     } else {
+      // An empty prompt is bad input (3) from any source, as an empty one is a bad record in a
+      // batch. A chat prompt is never empty (the template's tokens), so --chat takes an empty
+      // text.
       if (o.o_prompt_ids->count() > 0) {
         single_ids = parse_token_ids(o.prompt_ids, cfg.vocab_size, "--prompt-ids");
+        FN_REQUIRE(!single_ids.empty(), Format, "--prompt-ids: the prompt is empty");
       } else {
         std::string text = o.o_prompt->count() ? o.prompt : read_file(o.file, "-f/--file");
         if (!o.file.empty() && !text.empty() && text.back() == '\n') text.pop_back();
-        // An empty file is bad input (3), as in eval; an empty -p stays a flag mistake (2). A
-        // chat prompt is never empty (the template's tokens), so --chat takes either, as before.
-        FN_REQUIRE(!text.empty() || o.o_prompt->count() > 0 || o.chat, Format,
-                   "-f/--file {}: the prompt is empty", o.file);
-        single_ids = ts.encode_text(
-            text, o.chat, o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file,
-            ctx);
+        const std::string what =
+            o.o_prompt->count() ? std::string("-p/--prompt") : "-f/--file " + o.file;
+        FN_REQUIRE(!text.empty() || o.chat, Format, "{}: the prompt is empty", what);
+        single_ids = ts.encode_text(text, o.chat, what, ctx);
       }
       check_room(static_cast<int64_t>(single_ids.size()), o.max_new_tokens, ctx);
     }

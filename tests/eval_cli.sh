@@ -200,7 +200,7 @@ expect 2 "has no tokenizer" -- mpi 1 ppl -m "$fx/tp4" -f "$src/README.md"
 expect 2 "The following argument was not expected: --bogus" -- mpi 1 kld -m "$fx/tp4" --base x --bogus
 expect 2 "base is required" -- mpi 1 kld -m "$fx/tp4"
 expect 2 "the reference-logits file is binary" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids 1,2 -o -
-expect 2 "-p/--prompt: the prompt is empty" -- mpi 1 dump-logits -m "$tmp/tok_model" -p '' -o "$tmp/e.fnl"
+expect 3 "-p/--prompt: the prompt is empty" -- mpi 1 dump-logits -m "$tmp/tok_model" -p '' -o "$tmp/e.fnl"
 : >"$tmp/empty_prompt.txt"
 expect 3 "-f/--file $tmp/empty_prompt.txt: the prompt is empty" -- \
   mpi 1 dump-logits -m "$tmp/tok_model" -f "$tmp/empty_prompt.txt" -o "$tmp/e.fnl"

@@ -94,17 +94,22 @@ const WholeRange kGenRange = WholeRange(2, kMaxTokenCount)
                                      "a lane needs >= 2 generated tokens: the first one's latency "
                                      "is the TTFT, TPOT and ITL time the gaps after it");
 
-// "512,8192" -> {512, 8192}. Every entry is read by parse_whole_number against `range`;
-// fn::Error(Usage) naming `flag`, the entry and (for a list of several) the whole list otherwise.
+// "512,8192" (or "512, 8192": whitespace around an entry is dropped, as --prompt-ids does) ->
+// {512, 8192}. Every entry is read by parse_whole_number against `range`, so an empty one
+// ("8,,16", "8, ,16") is refused; fn::Error(Usage) naming `flag`, the entry and (for a list of
+// several) the whole list otherwise.
 std::vector<int64_t> parse_lengths(const std::string& text, const char* flag,
                                    const WholeRange& range) {
   std::vector<int64_t> out;
   const bool list = text.find(',') != std::string::npos;
+  constexpr const char* kSpace = " \t\n\r";
   std::size_t pos = 0;
   for (;;) {
     const std::size_t comma = text.find(',', pos);
-    const std::string item =
+    std::string item =
         text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    item.erase(0, std::min(item.size(), item.find_first_not_of(kSpace)));
+    item.erase(item.find_last_not_of(kSpace) + 1);
     try {
       out.push_back(parse_whole_number(item, flag, range));
     } catch (const Error& e) {

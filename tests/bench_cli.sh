@@ -264,6 +264,15 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
   expect 2 "-p/--n-prompt: '-4' $range_p" -- bench -p -4
   expect 2 "-p/--n-prompt: 'abc' is not a decimal whole number (digits 0-9 only, no hex" -- bench -p abc
   expect 2 "-p/--n-prompt: '' is not a decimal whole number .*(entry 2 of the list '8,,16')" -- bench -p 8,,16
+  # Whitespace around an entry is dropped (as --prompt-ids does); an entry of whitespace alone is
+  # still empty.
+  expect 2 "-p/--n-prompt: '' is not a decimal whole number .*(entry 2 of the list '8, ,16')" -- bench -p "8, ,16"
+  expect 2 "-n/--n-gen: '' is not a decimal whole number .*(entry 2 of the list '4, ')" -- bench -p 8 -n "4, "
+  expect 2 "-p/--n-prompt: '8 16' is not a decimal whole number" -- bench -p "8 16"
+  bench -p " 8, 16" -n "3 ,4 " -r 1 --warmup 0 --format json >"$tmp/spaces.json" 2>"$tmp/err" ||
+    fail "bench -p ' 8, 16' -n '3 ,4 ': $(tail -n 2 "$tmp/err")"
+  check_json "$tmp/spaces.json" "[(l['n_prompt'], l['n_gen']) for l in j['lanes']] == [(8, 3), (8, 4), (16, 3), (16, 4)]" \
+    "-p ' 8, 16' -n '3 ,4 ': whitespace around the entries dropped, four lanes"
   expect 2 "-p/--n-prompt: '0x10' is not a decimal whole number" -- bench -p 8,0x10
   expect 2 "-p/--n-prompt: '+8' is not a decimal whole number" -- bench -p +8
   expect 2 "-p/--n-prompt: '99999999999999999999999' $range_p" -- bench -p 99999999999999999999999

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <sstream>
 #include <system_error>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -240,16 +241,29 @@ void check_stdout() {
 }
 
 nlohmann::json parse_json_line(const std::string& line) {
+  using Event = nlohmann::json::parse_event_t;
   // Refused while parsing (the parser keeps its own stack): writing a record's value back (an
-  // "id" is echoed) recurses once per level, and 100,000 levels overflowed the stack.
-  const nlohmann::json::parser_callback_t depth_guard = [](int depth, nlohmann::json::parse_event_t,
-                                                           nlohmann::json&) {
+  // "id" is echoed) recurses once per level, and 100,000 levels overflowed the stack. A key
+  // given twice in one object is refused too (the parser would keep its last value silently):
+  // `keys` holds the keys seen so far in each object open at this point, the innermost last.
+  std::vector<std::unordered_set<std::string>> keys;
+  const nlohmann::json::parser_callback_t guard = [&keys](int depth, Event event,
+                                                          nlohmann::json& parsed) {
     FN_REQUIRE(depth <= kMaxJsonDepth, Format, "a value nested deeper than {} levels",
                kMaxJsonDepth);
+    if (event == Event::object_start) {
+      keys.emplace_back();
+    } else if (event == Event::object_end) {
+      keys.pop_back();
+    } else if (event == Event::key) {
+      FN_REQUIRE(keys.back().insert(parsed.get<std::string>()).second, Format,
+                 "duplicate key {} (each key may appear once in an object)",
+                 parsed.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    }
     return true;
   };
   try {
-    return nlohmann::json::parse(line, depth_guard);
+    return nlohmann::json::parse(line, guard);
   } catch (const nlohmann::json::parse_error& e) {
     // The parser quotes the bytes it read last, which may be invalid UTF-8 (then U+FFFD here).
     FN_THROW(Format, "not valid JSON ({})", unicode::utf8_lossy(e.what()));

@@ -127,9 +127,10 @@ inline constexpr int kMaxJsonDepth = 128;
 
 /// One JSONL record. Throws fn::Error(Format) "not valid JSON (<parser message>)", with invalid
 /// UTF-8 in the message replaced by U+FFFD, "a value nested deeper than 128 levels"
-/// (kMaxJsonDepth; such a value could not be written back), or "a JSON value fngen cannot read
-/// (...)" for valid JSON past the parser's types (a number beyond a double, 1e400); callers put
-/// it into that record's "error" field.
+/// (kMaxJsonDepth; such a value could not be written back), "duplicate key \"<key>\" (...)" for
+/// a key given twice in one object, at any depth (the parser alone keeps the last value), or "a
+/// JSON value fngen cannot read (...)" for valid JSON past the parser's types (a number beyond a
+/// double, 1e400); callers put it into that record's "error" field, after its line number.
 nlohmann::json parse_json_line(const std::string& line);
 
 /// The backend/TP flags every model-running subcommand shares: --backend must be cpu, cuda or

@@ -322,6 +322,14 @@ fi
 printf '{"id": 1}\nnot json\n' >"$tmp/allbad_tasks.jsonl"
 expect 3 "allbad_tasks.jsonl: every record failed (2 of 2" -- \
   mpi 2 score -m "$fx/tp4" -i "$tmp/allbad_tasks.jsonl" -o "$tmp/allbad_tasks.out"
+# A key given twice is the record's error, naming its line and the key (the parser alone kept the
+# last value).
+printf '{"prompt_ids": [1, 2], "answer": "x", "answer": "y"}\n' >"$tmp/dup_tasks.jsonl"
+expect 3 "dup_tasks.jsonl: every record failed (1 of 1" -- \
+  mpi 2 score -m "$fx/tp4" -i "$tmp/dup_tasks.jsonl" -o "$tmp/dup_tasks.out"
+check_jsonl "$tmp/dup_tasks.out" "r[0]['error'].endswith( \
+  '/dup_tasks.jsonl: line 1: duplicate key \"answer\" (each key may appear once in an object)')" \
+  "score: a duplicate key is the record's error"
 expect 2 "--backend cuda" -- mpi 1 ppl -m "$fx/tp4" --ids-file "$tmp/tp4.ids" -c 18 --backend cuda
 expect 2 "item 2 \"x\" is not an integer" -- mpi 1 dump-logits -m "$fx/tp4" --prompt-ids "1,x" -o "$tmp/x.fnl"
 

@@ -252,16 +252,21 @@ this is not json
 
 {"prompt_ids": []}
 {"id": 10, "prompt_ids": [5, 6]}
+{"id": "dup", "prompt_ids": [1, 2], "prompt_ids": [3]}
+{"messages": [{"role": "user", "content": "a", "content": "b"}]}
 EOF
 if mpi 2 -m "$fx/g3_tiny" -i "$tmp/in.jsonl" -o "$tmp/out.jsonl" --temp 0 -n 4 \
   >/dev/null 2>"$tmp/err"; then
   $py - "$tmp/out.jsonl" <<'EOF' && echo "ok: JSONL errors per record, valid records ran" || fail "JSONL batch: $(cat "$tmp/out.jsonl")"
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]
-assert len(recs) == 9, len(recs)
+assert len(recs) == 11, len(recs)
+# A key given twice is refused, naming the line and the key (the parser kept the last value).
+dup = 'duplicate key "{}" (each key may appear once in an object)'
 want = {1: "not valid JSON", 2: '"messages" must be a list', 3: 'role "robot"',
         4: '"prompt_ids"[1] is not an integer', 5: '"prompt_ids"[1] = 512 is outside',
-        6: "no tokenizer", 7: "empty"}
+        6: "no tokenizer", 7: "empty", 9: "line 11: " + dup.format("prompt_ids"),
+        10: "line 12: " + dup.format("content")}
 for i, r in enumerate(recs):
     if i in want:
         assert r["finish_reason"] == "error" and want[i] in r["error"], (i, r)
@@ -270,8 +275,10 @@ for i, r in enumerate(recs):
         assert "error" not in r and len(r["token_ids"]) == 4 and r["finish_reason"] == "length", r
         assert len(r["per_token_ms"]) == 3 and set(r["tpot_ms"]) >= {"mean", "p50", "p90", "p99"}
 assert recs[0]["id"] == "a" and recs[8]["id"] == 10 and recs[1]["id"] == 2
+# A line that does not parse is keyed by its line number, as one that is not JSON.
+assert recs[9]["id"] == 11 and recs[10]["id"] == 12, (recs[9]["id"], recs[10]["id"])
 EOF
-  grep -q "errors 7" "$tmp/err" || fail "batch summary does not count 7 errors: $(tail -n 5 "$tmp/err")"
+  grep -q "errors 9" "$tmp/err" || fail "batch summary does not count 9 errors: $(tail -n 5 "$tmp/err")"
   # The batch record equals the single-prompt run (the model is reset between records).
   mpi 2 -m "$fx/g3_tiny" --prompt-ids 1,2,3 --temp 0 -n 4 --json >"$tmp/single.json" 2>/dev/null
   $py -c "import json,sys; a=json.loads(open(sys.argv[1]).readline()); \

@@ -101,7 +101,13 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
       // An "id" nested 128 levels deep is echoed; 100,000 levels (writing it back overflowed the
       // stack: exit 139) is refused as the record's error.
       << R"({"text": "a", "id": )" << std::string(127, '[') << std::string(127, ']') << "}\n"
-      << R"({"text": "a", "id": )" << std::string(100000, '[') << std::string(100000, ']') << "}\n";
+      << R"({"text": "a", "id": )" << std::string(100000, '[') << std::string(100000, ']')
+      << "}\n"
+      // A key given twice (the parser alone keeps the last value), also inside "messages".
+      << R"({"text": "a", "id": 1, "text": "b"})"
+      << "\n"
+      << R"({"messages": [{"role": "user", "content": "x", "content": "y"}]})"
+      << "\n";
   }
   // --system-prompt goes before the messages of a record (as in generate -i), not into "text".
   const auto r = fngen(kModel + " --chat-mode qwen3 --system-prompt S -i " + in + " -o " + out);
@@ -109,7 +115,7 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   std::ifstream f(out);
   std::vector<nlohmann::json> recs;
   for (std::string l; std::getline(f, l);) recs.push_back(nlohmann::json::parse(l));
-  REQUIRE(recs.size() == 10);
+  REQUIRE(recs.size() == 12);
   CHECK(recs[0]["ids"] == std::vector<int32_t>{9707, 1879});
   CHECK(recs[0]["id"] == 1);  // the line number, without an "id" of the record's own
   CHECK(recs[1]["error"].get<std::string>().find("line 2: not valid JSON") == 0);
@@ -130,6 +136,11 @@ TEST_CASE("tokenize cli: a JSONL batch keeps order and marks bad records with an
   CHECK(recs[8]["id"].dump() == std::string(127, '[') + std::string(127, ']'));
   CHECK(recs[9]["error"] == "line 11: a value nested deeper than 128 levels");
   CHECK(recs[9]["id"] == 11);
+  CHECK(recs[10]["error"] ==
+        "line 12: duplicate key \"text\" (each key may appear once in an object)");
+  CHECK(recs[10]["id"] == 12);
+  CHECK(recs[11]["error"] ==
+        "line 13: duplicate key \"content\" (each key may appear once in an object)");
 
   // -o - is standard output (not a file named "-"): the same records.
   std::filesystem::remove("-");

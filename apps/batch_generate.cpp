@@ -616,6 +616,15 @@ class Dispatcher {
               "field name)",
               o_.input, li + 1, key);
         }
+        if (rec.contains("messages")) {  // the fields of its entries, as the record's own
+          for (const auto& [key, i] : unknown_chat_message_fields(rec["messages"])) {
+            if (!warned_.insert("messages[]." + key).second) continue;
+            FN_LOG_WARN(
+                "{}: line {}: field \"{}\" of \"messages\"[{}] is not one fngen generate reads; "
+                "ignored (said once per field name)",
+                o_.input, li + 1, key, i);
+          }
+        }
       }
       prep_ = record_settings(rec, o_.defaults);
       prep_seed_ = prep_.seed_given ? prep_.sampling.seed

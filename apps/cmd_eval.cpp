@@ -775,6 +775,15 @@ int run_score(EvalCli& o, MpiContext& mpi) {
                       "(said once per field name)",
                       o.input, li + 1, key);
                 }
+                if (rec.contains("messages")) {  // its entries' fields, as generate -i
+                  for (const auto& [key, i] : unknown_chat_message_fields(rec["messages"])) {
+                    if (!warned.insert("messages[]." + key).second) continue;
+                    FN_LOG_WARN(
+                        "{}: line {}: field \"{}\" of \"messages\"[{}] is not one fngen eval "
+                        "score reads; ignored (said once per field name)",
+                        o.input, li + 1, key, i);
+                  }
+                }
               }
               Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
               parsed.id = t.id;

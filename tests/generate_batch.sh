@@ -267,6 +267,23 @@ else
   fail "eval score exited non-zero: $(tail -n 3 "$tmp/err")"
 fi
 
+# ---- unknown fields of a "messages" entry: warned once per name, as the record's own ----
+# (tp4 has no tokenizer, so the messages records are errors; the warnings come first.)
+cat >"$tmp/msg.jsonl" <<EOF
+{"prompt_ids": $p, "answer": "x"}
+{"messages": [{"role": "user", "content": "x", "foo": 1}], "answer": "x"}
+{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "x", "foo": 2, "name": "n"}], "answer": "x"}
+EOF
+for cmd in generate "eval score"; do
+  mpi_fngen 1 $cmd -m "$fx/tp4" -i "$tmp/msg.jsonl" -o "$tmp/msg.out" -n 2 2>"$tmp/err" >/dev/null ||
+    fail "$cmd with unknown messages fields exited non-zero: $(tail -n 3 "$tmp/err")"
+  foo="msg.jsonl: line 2: field \"foo\" of \"messages\"\[0\] is not one fngen $cmd reads; ignored (said once per field name)"
+  name="msg.jsonl: line 3: field \"name\" of \"messages\"\[1\] is not one fngen $cmd reads"
+  [ "$(grep -c "field \"foo\"" "$tmp/err")" = 1 ] && grep -q "$foo" "$tmp/err" && grep -q "$name" "$tmp/err" &&
+    pass "$cmd: an unknown field of a messages entry warns once per name" ||
+    fail "$cmd: messages field warnings: $(grep field "$tmp/err")"
+done
+
 # ---- continuous batching: a record's output does not depend on its neighbours ----
 # Mixed records (prompt lengths 1-24, greedy and sampled, penalties, lengths that end at
 # different steps, log-probs, an error record between them) give the same records one at a time

@@ -164,6 +164,20 @@ TEST_CASE("chat: chat_messages_from_json reads OpenAI-style messages and names a
   }
 }
 
+TEST_CASE("chat: unknown_chat_message_fields names each field it does not read once") {
+  using nlohmann::json;
+  using Fields = std::vector<std::pair<std::string, std::size_t>>;
+  CHECK(fn::unknown_chat_message_fields(json::parse(
+            R"([{"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b", "reasoning_content": "c"}])")) == Fields{});
+  // Each name once, with the first entry holding it; entries that are not objects are skipped.
+  CHECK(fn::unknown_chat_message_fields(json::parse(
+            R"([3, {"role": "user", "content": "a", "foo": 1},
+                {"role": "user", "content": "b", "foo": 2, "name": "x"}])")) ==
+        Fields{{"foo", 1}, {"name", 2}});
+  CHECK(fn::unknown_chat_message_fields(json::parse(R"({"role": "user", "foo": 1})")) == Fields{});
+}
+
 TEST_CASE("chat: split_reasoning cuts generated text at the first </think>") {
   auto r = fn::split_reasoning("<think>\nstep 1\nstep 2\n</think>\n\nThe answer is 4.");
   CHECK(r.has_reasoning);

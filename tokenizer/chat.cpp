@@ -3,6 +3,7 @@
 #include "tokenizer/chat.h"
 
 #include <nlohmann/json.hpp>
+#include <unordered_set>
 
 #include "core/error.h"
 
@@ -220,6 +221,21 @@ std::vector<ChatMessage> chat_messages_from_json(const nlohmann::json& m) {
   }
   FN_REQUIRE(!msgs.empty(), Format, "\"messages\" is empty");
   return msgs;
+}
+
+std::vector<std::pair<std::string, std::size_t>> unknown_chat_message_fields(
+    const nlohmann::json& m) {
+  std::vector<std::pair<std::string, std::size_t>> out;
+  if (!m.is_array()) return out;
+  std::unordered_set<std::string> seen;
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    if (!m[i].is_object()) continue;
+    for (const auto& [key, value] : m[i].items()) {
+      if (key == "role" || key == "content" || key == "reasoning_content") continue;
+      if (seen.insert(key).second) out.emplace_back(key, i);
+    }
+  }
+  return out;
 }
 
 ChatMode parse_chat_mode(std::string_view name) {

@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "tokenizer/tokenizer.h"
@@ -28,6 +29,13 @@ struct ChatMessage {
 /// string fields and role system|user|assistant|tool. Throws fn::Error(Format) naming the first
 /// bad element, e.g. "\"messages\"[2].role must be a string".
 std::vector<ChatMessage> chat_messages_from_json(const nlohmann::json& messages);
+
+/// The fields of the entries of `messages` that chat_messages_from_json does not read (any but
+/// role, content and reasoning_content), for callers to warn about as they warn about a record's
+/// unknown fields: each name once, with the index of the first entry holding it, in entry order
+/// (and by name within an entry). Entries that are not objects are skipped; not a list: none.
+std::vector<std::pair<std::string, std::size_t>> unknown_chat_message_fields(
+    const nlohmann::json& messages);
 
 enum class ChatMode {
   Qwen3,   ///< the Qwen3 tokenizer_config.json template, exactly

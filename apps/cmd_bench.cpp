@@ -94,6 +94,14 @@ const WholeRange kGenRange = WholeRange(2, kMaxTokenCount)
                                      "a lane needs >= 2 generated tokens: the first one's latency "
                                      "is the TTFT, TPOT and ITL time the gaps after it");
 
+// The most -r/--repetitions and --warmup take: each one reruns the whole lane (its prefill,
+// unless skipped, and every decode step), so a larger count is a slip, not a measurement.
+constexpr int64_t kMaxRepetitions = 1000;
+const WholeRange kRepetitionsRange =
+    WholeRange(1, kMaxRepetitions).because("each repetition runs the whole lane again");
+const WholeRange kWarmupRange =
+    WholeRange(0, kMaxRepetitions).because("each warm-up repetition runs the whole lane again");
+
 // "512,8192" (or "512, 8192": whitespace around an entry is dropped, as --prompt-ids does) ->
 // {512, 8192}. Every entry is read by parse_whole_number against `range`, so an empty one
 // ("8,,16", "8, ,16") is refused; fn::Error(Usage) naming `flag`, the entry and (for a list of
@@ -1119,9 +1127,10 @@ void register_bench(CLI::App& app, CommandList& commands) {
   sub->add_option("-n,--n-gen", o->n_gen,
                   "generated token counts, comma-separated, each >= 2 (default 128)");
   add_whole_option(sub, "-r,--repetitions", o->repetitions,
-                   "measured repetitions per lane (default 5)", WholeRange(1));
+                   "measured repetitions per lane, 1 to 1000 (default 5)", kRepetitionsRange);
   add_whole_option(sub, "--warmup", o->warmup,
-                   "discarded repetitions per lane before the measured ones (default 1)", {});
+                   "discarded repetitions per lane before the measured ones, 0 to 1000 (default 1)",
+                   kWarmupRange);
   sub->add_option("--format", o->format, "report format: md | csv | json | jsonl (default md)")
       ->check(CLI::IsMember({"md", "csv", "json", "jsonl"}));
   add_stdout_option(sub, "-o,--output", o->output, "write the report to FILE");

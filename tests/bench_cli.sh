@@ -280,9 +280,17 @@ json.dump(j, open(sys.argv[3], 'w'))" "$tmp/o.json" "$tmp/bd.json" "$tmp/bad_bd.
   expect 2 "-n/--n-gen: '0' is out of range (allowed 2 to 2147483647; a lane needs >= 2 generated tokens" -- bench -p 8 -n 0
   expect 2 "-n/--n-gen: '1' is out of range (allowed 2 to 2147483647; a lane needs >= 2 generated tokens" -- bench -p 8 -n 1
   expect 2 "-n/--n-gen: '1e3' is not a decimal whole number" -- bench -p 8 -n 1e3
-  expect 2 "-r/--repetitions: '0' is out of range (allowed 1 to 9223372036854775807)" -- bench -p 8 -n 4 -r 0
+  # Repetitions rerun the whole lane: bounded, so that a slip (-r 99999999999) is not a run that
+  # never ends.
+  reps="each repetition runs the whole lane again"
+  expect 2 "-r/--repetitions: '0' is out of range (allowed 1 to 1000; $reps)" -- bench -p 8 -n 4 -r 0
+  expect 2 "-r/--repetitions: '99999999999' is out of range (allowed 1 to 1000; $reps)" -- \
+    bench -p 8 -n 4 -r 99999999999
+  expect 2 "-r/--repetitions: '1001' is out of range (allowed 1 to 1000" -- bench -p 8 -n 4 -r 1001
   expect 2 "-r/--repetitions: '0x2' is not a decimal whole number" -- bench -p 8 -n 4 -r 0x2
-  expect 2 "--warmup: '-1' is out of range (allowed 0 to 9223372036854775807)" -- bench -p 8 -n 4 --warmup -1
+  expect 2 "--warmup: '-1' is out of range (allowed 0 to 1000; each warm-up repetition runs the whole lane again)" -- \
+    bench -p 8 -n 4 --warmup -1
+  expect 2 "--warmup: '1001' is out of range (allowed 0 to 1000" -- bench -p 8 -n 4 --warmup 1001
   expect 2 "-c/--ctx-size: '99999999999999999999' is out of range (allowed 0 to 2147483647)" -- \
     bench -p 8 -n 4 -c 99999999999999999999
   expect 2 "-s/--seed: '-1' is out of range (allowed 0 to 9223372036854775807)" -- bench -p 8 -n 4 -s -1

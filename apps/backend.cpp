@@ -261,16 +261,16 @@ void check_model_source_options(const std::string& model, const RandomWeightsCli
              rw.tokenizer);
 }
 
-void add_backend_flags(CLI::App* sub, BackendFlags& flags) {
+void add_backend_flags(CLI::App* sub, BackendFlags& flags, std::string_view tp_use) {
   sub->add_option("--backend", flags.backend,
                   "cpu | cuda | auto (default auto: cuda when this build has CUDA and every rank "
                   "sees a GPU, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
-  add_whole_option(
-      sub, "--tp", flags.tp,
-      "tensor-parallel size; must equal the number of MPI ranks (default: that number); "
-      "generate -i: a divisor of it, the ranks forming (ranks / --tp) data-parallel groups",
-      WholeRange(1, std::numeric_limits<int>::max()));
+  add_whole_option(sub, "--tp", flags.tp,
+                   fmt::format("tensor-parallel size; must equal the number of MPI ranks "
+                               "(default: that number){}{}",
+                               tp_use.empty() ? "" : "; ", tp_use),
+                   WholeRange(1, std::numeric_limits<int>::max()));
   sub->add_option("--allreduce", flags.allreduce,
                   "cuda, TP > 1: auto | custom | nccl (default auto: the IPC custom all-reduce "
                   "where peer access allows, else NCCL)")

@@ -81,8 +81,10 @@ void add_batch_flags(CLI::App* sub, BatchFlags& flags);
 
 /// Registers --backend, --tp, --allreduce, --no-graph, --check-choices, --prefill-chunk,
 /// --ngram-table and --gpu-memory-utilization on `sub`
-/// (values checked by CLI11, so a bad value is a usage error naming the flag).
-void add_backend_flags(CLI::App* sub, BackendFlags& flags);
+/// (values checked by CLI11, so a bad value is a usage error naming the flag). `tp_use`, when not
+/// empty, ends --tp's help text (after "tensor-parallel size; must equal the number of MPI ranks
+/// (default: that number); ") with what the size means for this command.
+void add_backend_flags(CLI::App* sub, BackendFlags& flags, std::string_view tp_use = {});
 
 /// The random-weights alternative to -m/--model (load_backend_random) of bench, eval and
 /// generate: -m/--model DIR into `model`, --random-weights, --config FILE and, where the command

@@ -1155,7 +1155,9 @@ void register_bench(CLI::App& app, CommandList& commands) {
       sub, "--bandwidth-gbs", o->bandwidth_gbs,
       "reference memory bandwidth in GB/s for the roofline (default 4300: the measured H200 "
       "device copy bandwidth)");
-  add_backend_flags(sub, o->backend);
+  add_backend_flags(sub, o->backend,
+                    "every lane runs over all of them, and its bytes per token and floor are the "
+                    "largest rank's share at that size");
   commands.push_back({sub, [o](MpiContext& mpi) { return run_bench(*o, mpi); }});
 }
 

@@ -507,7 +507,8 @@ void register_generate(CLI::App& app, CommandList& commands) {
   sub->add_flag("--no-think", o->no_think, "chat: thinking off (empty think block)");
   sub->add_option("--chat-template", o->chat_template, "qwen3 | qwen3.8 (default qwen3.8)")
       ->check(CLI::IsMember({"qwen3", "qwen3.8"}));
-  add_backend_flags(sub, o->backend);
+  add_backend_flags(sub, o->backend,
+                    "-i: a divisor of it, the ranks forming (ranks / --tp) data-parallel groups");
   add_batch_flags(sub, o->batch);
   sub->add_flag("--json", o->json_out, "print the result as one JSON object on stdout");
   commands.push_back({sub, [o](MpiContext& mpi) { return run_generate(*o, mpi); }});

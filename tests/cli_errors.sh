@@ -26,6 +26,18 @@ grep -E "^ +(dir|-m,--model) " "$tmp/help" | grep -q REQUIRED &&
   fail "inspect --help marks dir or -m/--model REQUIRED: $(grep -E "^ +(dir|-m,--model) " "$tmp/help")" ||
   pass "inspect --help: neither dir nor -m/--model is marked REQUIRED"
 expect 2 "usage error: --model is required" -- "$fngen" inspect --tp 2
+# --tp's help says what the TP size means for each command (bench and eval showed generate's -i
+# data-parallel groups).
+tp_rule="tensor-parallel size; must equal the number of MPI ranks (default: that number)"
+for case in "bench:; every lane runs over all of them, and its bytes per token and floor are the largest rank's share at that size" \
+  "generate:; -i: a divisor of it, the ranks forming (ranks / --tp) data-parallel groups" \
+  "eval score:" "eval ppl:"; do
+  cmd=${case%%:*}
+  want="$tp_rule${case#*:}"
+  got=$("$fngen" $cmd --help 2>&1 | sed -nE 's/^ +--tp INT +//p')
+  [ "$got" = "$want" ] && pass "$cmd --help: --tp in its own words" ||
+    fail "$cmd --help: --tp reads '$got' (want '$want')"
+done
 expect 2 "usage error: --model: given 2 times; give it once" -- \
   "$fngen" inspect "$src/configs/tiny.json" -m "$src/configs/tiny.json"
 # -m takes the model directory: a config file or a missing path is named as such.

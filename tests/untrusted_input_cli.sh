@@ -166,7 +166,7 @@ mark=fn_stall_$$_$RANDOM
 exe=$(readlink -f "$fngen")
 FN_TEST_MARK=$mark timeout -s KILL 120 "$mpiexec" -x FN_TEST_MARK -np 4 --oversubscribe \
   --allow-run-as-root --bind-to none "$fngen" --stall-timeout 3 bench -m "$fx/tp4" --backend cpu \
-  -p 8 -n 512 -r 100000 >/dev/null 2>"$tmp/stall.err" &
+  -p 8 -n 512 -r 1000 >/dev/null 2>"$tmp/stall.err" &
 job=$!
 for _ in $(seq 1200); do
   grep -q "model loaded" "$tmp/stall.err" && break

@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "core/paths.h"
+#include "tokenizer/chat.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/unicode.h"
 
@@ -238,6 +240,26 @@ void check_stdout() {
   FN_REQUIRE(flushed && std::ferror(stdout) == 0 && !std::cout.fail(), Io,
              "cannot write to standard output{}",
              flushed ? std::string() : fmt::format(" ({})", std::strerror(err)));
+}
+
+void warn_unknown_record_fields(const nlohmann::json& rec,
+                                const std::function<bool(const std::string&)>& reads,
+                                std::set<std::string>& warned, const std::string& input,
+                                std::size_t line, std::string_view command) {
+  for (const auto& [key, value] : rec.items()) {
+    if (reads(key) || !warned.insert(key).second) continue;
+    FN_LOG_WARN(
+        "{}: line {}: field \"{}\" is not one fngen {} reads; ignored (said once per field name)",
+        input, line, key, command);
+  }
+  if (!rec.contains("messages")) return;
+  for (const auto& [key, i] : unknown_chat_message_fields(rec["messages"])) {
+    if (!warned.insert("messages[]." + key).second) continue;
+    FN_LOG_WARN(
+        "{}: line {}: field \"{}\" of \"messages\"[{}] is not one fngen {} reads; ignored "
+        "(said once per field name)",
+        input, line, key, i, command);
+  }
 }
 
 nlohmann::json parse_json_line(const std::string& line) {

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -132,6 +133,17 @@ inline constexpr int kMaxJsonDepth = 128;
 /// JSON value fngen cannot read (...)" for valid JSON past the parser's types (a number beyond a
 /// double, 1e400); callers put it into that record's "error" field, after its line number.
 nlohmann::json parse_json_line(const std::string& line);
+
+/// Warns (rank-local FN_LOG_WARN, once per field name: `warned` keeps the names said) about the
+/// fields of JSONL record `rec` (an object) that `command` ignores: its own keys for which
+/// `reads(key)` is false, "<input>: line <line>: field \"<key>\" is not one fngen <command>
+/// reads; ...", and the fields of its "messages" entries that chat_messages_from_json does not
+/// read (unknown_chat_message_fields, tokenizer/chat.h), "... field \"<key>\" of
+/// \"messages\"[<i>] is not one ...". `line` is 1-based. Throws nothing of its own.
+void warn_unknown_record_fields(const nlohmann::json& rec,
+                                const std::function<bool(const std::string&)>& reads,
+                                std::set<std::string>& warned, const std::string& input,
+                                std::size_t line, std::string_view command);
 
 /// The backend/TP flags every model-running subcommand shares: --backend must be cpu, cuda or
 /// auto, and --tp (0 = unset) must equal the MPI world size; fn::Error(Usage) naming the flag

@@ -609,22 +609,8 @@ class Dispatcher {
       if (rec.is_object()) {
         prep_id_ = record_id_text(line, li + 1);
         if (rec.contains("messages")) prep_chat_ = true;
-        for (const auto& [key, value] : rec.items()) {
-          if (is_generate_record_field(key) || !warned_.insert(key).second) continue;
-          FN_LOG_WARN(
-              "{}: line {}: field \"{}\" is not one fngen generate reads; ignored (said once per "
-              "field name)",
-              o_.input, li + 1, key);
-        }
-        if (rec.contains("messages")) {  // the fields of its entries, as the record's own
-          for (const auto& [key, i] : unknown_chat_message_fields(rec["messages"])) {
-            if (!warned_.insert("messages[]." + key).second) continue;
-            FN_LOG_WARN(
-                "{}: line {}: field \"{}\" of \"messages\"[{}] is not one fngen generate reads; "
-                "ignored (said once per field name)",
-                o_.input, li + 1, key, i);
-          }
-        }
+        warn_unknown_record_fields(rec, is_generate_record_field, warned_, o_.input, li + 1,
+                                   "generate");
       }
       prep_ = record_settings(rec, o_.defaults);
       prep_seed_ = prep_.seed_given ? prep_.sampling.seed

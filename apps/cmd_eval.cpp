@@ -768,22 +768,9 @@ int run_score(EvalCli& o, MpiContext& mpi) {
             lines[static_cast<std::size_t>(li)], li, o.input, &t.id, &t.task, &error,
             [&](const json& rec) {
               if (rec.is_object()) {
-                for (const auto& [key, value] : rec.items()) {
-                  if (score_fields().count(key) || !warned.insert(key).second) continue;
-                  FN_LOG_WARN(
-                      "{}: line {}: field \"{}\" is not one fngen eval score reads; ignored "
-                      "(said once per field name)",
-                      o.input, li + 1, key);
-                }
-                if (rec.contains("messages")) {  // its entries' fields, as generate -i
-                  for (const auto& [key, i] : unknown_chat_message_fields(rec["messages"])) {
-                    if (!warned.insert("messages[]." + key).second) continue;
-                    FN_LOG_WARN(
-                        "{}: line {}: field \"{}\" of \"messages\"[{}] is not one fngen eval "
-                        "score reads; ignored (said once per field name)",
-                        o.input, li + 1, key, i);
-                  }
-                }
+                warn_unknown_record_fields(
+                    rec, [](const std::string& key) { return score_fields().count(key) > 0; },
+                    warned, o.input, li + 1, "eval score");
               }
               Task parsed = parse_task(rec, tok.get(), o, cfg.vocab_size);
               parsed.id = t.id;
